@@ -1,0 +1,89 @@
+# kvrc — every target bootstraps its own .venv from pyproject.toml.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PROTO_SRC := proto/kvrc/v1/kvrc.proto
+PYTEST_ARGS ?=
+
+.PHONY: help venv sysdeps proto proto-check serve demo test lint typecheck check \
+        bench-index bench-transfer bench-zmq bench-trace bench-load clean
+
+help:
+	@echo "make demo   - run the demo cluster (kvrc + engines on loopback)"
+	@echo "make serve  - run the kvrc coordinator with embedded defaults"
+	@echo "make test   - run the test suite"
+	@echo "make check  - lint + typecheck + stale-proto check + tests (what CI runs)"
+
+# Debian libraries the Mooncake wheel links against (DESIGN.md §5).
+sysdeps:
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'libnuma.so.1'; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing libibverbs1 libnuma1 libcurl4 (for Mooncake)"; \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 libnuma1 libcurl4 >/dev/null; \
+	  else \
+	    echo "Mooncake needs Debian's libibverbs1 libnuma1 libcurl4: sudo apt-get install --no-install-recommends libibverbs1 libnuma1 libcurl4"; exit 1; \
+	  fi; \
+	fi
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory sysdeps
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first, so the `engine` extra's range is already met.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[engine,dev]'
+	touch $@
+
+venv: $(STAMP)
+
+proto: $(STAMP)
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iproto \
+	  --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTO_SRC)
+
+# Fails when the committed generated code differs from what `make proto` makes.
+proto-check: $(STAMP)
+	@tmp=$$(mktemp -d); \
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iproto \
+	  --python_out=$$tmp --grpc_python_out=$$tmp --mypy_out=$$tmp --mypy_grpc_out=$$tmp $(PROTO_SRC) >/dev/null && \
+	for f in kvrc_pb2.py kvrc_pb2.pyi kvrc_pb2_grpc.py kvrc_pb2_grpc.pyi; do \
+	  diff -q $$tmp/kvrc/v1/$$f kvrc/v1/$$f >/dev/null || { echo "kvrc/v1/$$f is stale: run 'make proto' and commit"; rm -rf $$tmp; exit 1; }; \
+	done; rm -rf $$tmp; echo "generated protocol code is up to date"
+
+serve: $(STAMP)
+	$(BIN)/kvrc serve $(ARGS)
+
+demo: $(STAMP)
+	$(BIN)/kvrc demo $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+check: lint typecheck proto-check test
+
+bench-index: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_index
+
+bench-transfer: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_transfer
+
+bench-zmq: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_zmq
+
+bench-trace: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_trace $(if $(TRACE),--trace $(TRACE)) $(if $(ENGINES),--engines $(ENGINES)) \
+	  $(if $(CAPACITY_TOKENS),--capacity-tokens $(CAPACITY_TOKENS)) $(if $(SPEEDUP),--speedup $(SPEEDUP))
+
+bench-load: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_load
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""Engine-side client library of kvrc: sessions, lookups, leases and the Mooncake data plane."""

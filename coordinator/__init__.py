@@ -1,0 +1,1 @@
+"""kvrc coordinator service: domain core (pure) and its gRPC/ZMQ/metrics edges."""

@@ -1,0 +1,61 @@
+"""Domain types of inventory events, shared by both ingest edges.
+
+The gRPC session stream and the vLLM ZMQ subscriber both decode into these
+values and feed the same inventory core. Pure values: no protobuf, no msgpack.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Tier(enum.IntEnum):
+    """Where a block lives; lower is faster. Values match `kvrc.v1.Tier`."""
+
+    GPU = 1
+    CPU = 2
+    DISK = 3
+    EXTERNAL = 4
+
+
+# A rank part inside its child engine's grid: (tp_rank, pp_rank, pcp_rank).
+RankKey = tuple[int, int, int]
+
+BlockHash = bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[BlockHash, ...]  # a chain segment, parent first
+    parent_block_hash: BlockHash | None
+    num_tokens: int
+    tier: Tier = Tier.GPU
+    group_idx: int = 0
+    expiry_ms: int = 0  # unix ms; 0 = no expiry
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+    tier: Tier = Tier.GPU
+    group_idx: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+InventoryEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """One ordered batch of one publishing stream."""
+
+    incarnation: int
+    sequence: int
+    events: tuple[InventoryEvent, ...]
+    dump_begin: bool = False
+    dump_end: bool = False

@@ -1,0 +1,212 @@
+"""Every Prometheus metric kvrc exports, in one place.
+
+Names follow Prometheus conventions: `kvrc_` prefix, base units, `_total`
+counters, `_seconds` histograms. Labels are low-cardinality enums only: never a
+request id, lease id, block hash or engine id. `docs/metrics.md` documents each
+one and a test keeps the two in step.
+
+Each `Metrics` owns its own `CollectorRegistry`, so tests can run several
+coordinators in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from kvrc import __version__
+
+# Lookups and RPCs are sub-millisecond on the hot path.
+_FAST_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+    5.0,
+)
+_SLOW_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+
+        self.build_info = Info("kvrc_build", "Build information of this kvrc process.", registry=r)
+        self.build_info.info({"version": __version__})
+
+        # --- RPCs -----------------------------------------------------------
+        self.rpc_requests = Counter(
+            "kvrc_rpc_requests_total",
+            "RPCs answered, by method and gRPC status code.",
+            ["method", "code"],
+            registry=r,
+        )
+        self.rpc_duration = Histogram(
+            "kvrc_rpc_duration_seconds",
+            "Time to answer a unary RPC, by method.",
+            ["method"],
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+
+        # --- Registration and readiness -------------------------------------
+        self.rank_parts = Gauge(
+            "kvrc_rank_parts", "Rank parts with an open, registered session.", registry=r
+        )
+        self.child_engines = Gauge(
+            "kvrc_child_engines",
+            "Child engines by state (ready, not_ready, stale, draining).",
+            ["state"],
+            registry=r,
+        )
+        self.registrations = Counter(
+            "kvrc_registrations_total",
+            "Rank-part registrations, by result (ok or the gRPC status code).",
+            ["result"],
+            registry=r,
+        )
+        self.sessions_closed = Counter(
+            "kvrc_sessions_closed_total",
+            "Rank-part sessions removed, by reason (closed, heartbeat_timeout, shutdown, error).",
+            ["reason"],
+            registry=r,
+        )
+        self.warming = Gauge(
+            "kvrc_warming",
+            "1 while the coordinator rebuilds its view after a restart, else 0.",
+            registry=r,
+        )
+
+        # --- Inventory ---------------------------------------------------------
+        self.inventory_entries = Gauge(
+            "kvrc_inventory_entries",
+            "(block, holder) memberships in the inventory, by tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.block_events = Counter(
+            "kvrc_block_events_total",
+            "Block events ingested, by source (grpc, zmq) and type (stored, removed, cleared).",
+            ["source", "type"],
+            registry=r,
+        )
+        self.event_batches = Counter(
+            "kvrc_event_batches_total",
+            "Event batches received, by source and result "
+            "(applied, duplicate, fenced, gap, refused, malformed).",
+            ["source", "result"],
+            registry=r,
+        )
+        self.resync_requests = Counter(
+            "kvrc_resync_requests_total",
+            "Full-dump (resync) requests sent to engines, by source.",
+            ["source"],
+            registry=r,
+        )
+        self.inventory_bound_hits = Counter(
+            "kvrc_inventory_bound_hits_total",
+            "Times an inventory bound was hit, by bound (total, per_engine).",
+            ["bound"],
+            registry=r,
+        )
+        self.lookups = Counter(
+            "kvrc_lookups_total",
+            "Lookup queries, by outcome (hit, miss, below_min_blocks, reuse_unavailable).",
+            ["outcome"],
+            registry=r,
+        )
+        self.lookup_matched_blocks = Histogram(
+            "kvrc_lookup_matched_blocks",
+            "Blocks matched by the best candidate of a lookup query.",
+            buckets=_BLOCK_BUCKETS,
+            registry=r,
+        )
+        self.lookup_duration = Histogram(
+            "kvrc_lookup_duration_seconds",
+            "Core time to answer one lookup query.",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+
+        # --- Leases -----------------------------------------------------------
+        self.leases = Gauge(
+            "kvrc_leases",
+            "Leases not yet terminal, by flow (prefix_load, handoff) and state.",
+            ["flow", "state"],
+            registry=r,
+        )
+        self.leases_ended = Counter(
+            "kvrc_leases_ended_total",
+            "Leases that reached a terminal state, by flow and state.",
+            ["flow", "state"],
+            registry=r,
+        )
+        self.lease_grant_duration = Histogram(
+            "kvrc_lease_grant_duration_seconds",
+            "Time from request to grant, by flow.",
+            ["flow"],
+            buckets=_SLOW_BUCKETS,
+            registry=r,
+        )
+        self.lease_quiescence_duration = Histogram(
+            "kvrc_lease_quiescence_duration_seconds",
+            "Time from grant to quiescence (every part terminal), by flow.",
+            ["flow"],
+            buckets=_SLOW_BUCKETS,
+            registry=r,
+        )
+        self.lease_aborts = Counter(
+            "kvrc_lease_aborts_total", "Abort requests sent, by flow.", ["flow"], registry=r
+        )
+        self.lease_quarantines = Counter(
+            "kvrc_lease_quarantines_total",
+            "Leases put in quarantine (outcome unproven), by flow.",
+            ["flow"],
+            registry=r,
+        )
+        self.prefix_load_misses = Counter(
+            "kvrc_prefix_load_misses_total",
+            "Prefix-load requests answered with a miss, by reason "
+            "(no_candidate, short_pin, pin_timeout, holder_gone, below_min_blocks).",
+            ["reason"],
+            registry=r,
+        )
+        self.handoff_wait = Histogram(
+            "kvrc_handoff_wait_seconds",
+            "Time a decode engine waited in BeginHandoff for the handoff to be ready.",
+            buckets=_SLOW_BUCKETS,
+            registry=r,
+        )
+
+        # --- Transfers reported by clients --------------------------------------
+        self.transfer_bytes = Counter(
+            "kvrc_transfer_bytes_total",
+            "KV bytes moved by engines, as reported in transfer outcomes, by flow.",
+            ["flow"],
+            registry=r,
+        )
+        self.transfer_reports = Counter(
+            "kvrc_transfer_reports_total",
+            "Transfer outcome reports from rank parts, by flow and outcome.",
+            ["flow", "outcome"],
+            registry=r,
+        )
+
+        # --- Security ---------------------------------------------------------
+        self.auth_denied = Counter(
+            "kvrc_auth_denied_total",
+            "Requests refused for identity reasons, by reason "
+            "(unauthenticated, foreign_engine, foreign_lease, not_admin).",
+            ["reason"],
+            registry=r,
+        )
