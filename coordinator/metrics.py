@@ -113,6 +113,23 @@ class Metrics:
             ["source"],
             registry=r,
         )
+        self.zmq_streams = Gauge(
+            "kvrc_zmq_streams",
+            "vLLM ZMQ event streams by state (live, degraded, stale).",
+            ["state"],
+            registry=r,
+        )
+        self.zmq_replays = Counter(
+            "kvrc_zmq_replays_total",
+            "Replay requests to vLLM publishers, by result (complete, overrun, timeout).",
+            ["result"],
+            registry=r,
+        )
+        self.zmq_publisher_restarts = Counter(
+            "kvrc_zmq_publisher_restarts_total",
+            "vLLM publisher restarts seen (sequence went backwards: new incarnation).",
+            registry=r,
+        )
         self.inventory_bound_hits = Counter(
             "kvrc_inventory_bound_hits_total",
             "Times an inventory bound was hit, by bound (total, per_engine).",
