@@ -1,0 +1,376 @@
+"""The async facade of the coordinator: owns the core and the engine sessions.
+
+The servicer translates protobuf and calls this; this calls the pure core
+(`registry.py`, later the inventory and leases) and executes what follows:
+queueing messages to sessions, removing parts whose heartbeats stopped,
+publishing readiness changes, and telling listeners that a part left.
+
+Each session has one bounded outbound queue. A session whose engine stops
+reading fills it and is closed with RESOURCE_EXHAUSTED instead of buffering
+without bound (invariant 8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from coordinator.config import CoordinatorConfig
+from coordinator.errors import ErrorCode, KvrcError
+from coordinator.events import RankKey
+from coordinator.metrics import Metrics
+from coordinator.profiles import ReuseStatus, reuse_status
+from coordinator.registry import (
+    ChildEngineView,
+    PartRef,
+    RankPartRegistration,
+    Registry,
+    format_rank,
+)
+from kvrc import __version__
+
+log = logging.getLogger("kvrc.coordinator")
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+# --- outbound session messages (encoded by wire.py) ----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterReply:
+    session_id: str
+    incarnation: int
+    view: ChildEngineView
+    reuse: ReuseStatus
+    heartbeat_interval_ms: int
+    heartbeat_timeout_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    server_time_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateUpdate:
+    view: ChildEngineView
+    reuse: ReuseStatus
+
+
+# Later issues add their messages (pin, release, abort, resync, ...) here.
+Outbound = RegisterReply | HeartbeatReply | StateUpdate
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnd:
+    """Why the coordinator ends a session; `code` None ends it with OK."""
+
+    code: ErrorCode | None
+    message: str
+
+
+# Removal reasons, also the `reason` label of kvrc_sessions_closed_total.
+REASON_CLOSED = "closed"
+REASON_HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+REASON_SHUTDOWN = "shutdown"
+REASON_ERROR = "error"
+
+
+class Session:
+    """One registered rank part's stream: its identity and its outbound queue."""
+
+    __slots__ = ("_ended", "_limit", "_queue", "incarnation", "ref", "registration")
+
+    def __init__(
+        self, registration: RankPartRegistration, ref: PartRef, incarnation: int, limit: int
+    ) -> None:
+        self.registration = registration
+        self.ref = ref
+        self.incarnation = incarnation
+        self._limit = limit
+        self._queue: asyncio.Queue[Outbound | SessionEnd] = asyncio.Queue()
+        self._ended = False
+
+    @property
+    def session_id(self) -> str:
+        return self.ref.session_id
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def offer(self, message: Outbound) -> bool:
+        """Queues a message; False when the queue is full (the caller closes the session)."""
+        if self._ended:
+            return True  # dropped: nobody reads an ended session
+        if self._queue.qsize() >= self._limit:
+            return False
+        self._queue.put_nowait(message)
+        return True
+
+    def end(self, end: SessionEnd) -> None:
+        """Discards what is still queued and leaves only the end marker."""
+        if self._ended:
+            return
+        self._ended = True
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(end)
+
+    async def next_outbound(self) -> Outbound | SessionEnd:
+        return await self._queue.get()
+
+
+class PartListener(Protocol):
+    """Told when a rank part leaves; later issues (leases, inventory) listen."""
+
+    def on_part_removed(self, child_engine_id: str, rank: RankKey, reason: str) -> None:
+        """The part is no longer registered (its child engine is not READY)."""
+
+    def on_part_gone(self, child_engine_id: str, rank: RankKey, session_id: str) -> None:
+        """`session_grace_ms` after removal, the part has not come back: treat it as gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildEngineStatus:
+    view: ChildEngineView
+    reuse: ReuseStatus
+
+
+@dataclass(frozen=True, slots=True)
+class StatusSnapshot:
+    version: str
+    reuse_enabled: bool
+    warming: bool
+    child_engines: tuple[ChildEngineStatus, ...]
+
+
+class Coordinator:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        metrics: Metrics | None = None,
+        clock_ms: Callable[[], int] = wall_clock_ms,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._clock_ms = clock_ms
+        self.registry = Registry(config.max_rank_parts, config.bounds.max_grid_parts)
+        self._sessions: dict[str, Session] = {}
+        self._listeners: list[PartListener] = []
+        self._gone_timers: dict[str, asyncio.TimerHandle] = {}
+        # Incarnations grow across restarts too: seeded from the wall clock.
+        self._incarnations = itertools.count(clock_ms() * 1000)
+        self._watchdog: asyncio.Task[None] | None = None
+        self._shutting_down = False
+        self.metrics.warming.set(0)
+        self._update_gauges()
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._watchdog = asyncio.create_task(self._watch_heartbeats(), name="kvrc-watchdog")
+
+    async def shutdown(self) -> None:
+        """Ends every session (UNAVAILABLE: engines reconnect to the next coordinator)."""
+        self._shutting_down = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
+        for session in list(self._sessions.values()):
+            self.close_session(
+                session,
+                REASON_SHUTDOWN,
+                SessionEnd(ErrorCode.UNAVAILABLE, "the coordinator is shutting down"),
+            )
+        for timer in self._gone_timers.values():
+            timer.cancel()
+        self._gone_timers.clear()
+
+    def add_part_listener(self, listener: PartListener) -> None:
+        self._listeners.append(listener)
+
+    # --- sessions --------------------------------------------------------------
+
+    def open_session(self, registration: RankPartRegistration) -> Session:
+        """Registers a rank part (KvrcError when refused; nothing changes then)."""
+        if self._shutting_down:
+            raise KvrcError(ErrorCode.UNAVAILABLE, "the coordinator is shutting down")
+        now = self._clock_ms()
+        session_id = f"s-{secrets.token_hex(8)}"
+        incarnation = next(self._incarnations)
+        try:
+            result = self.registry.register(registration, session_id, incarnation, now)
+        except KvrcError as e:
+            self.metrics.registrations.labels(result=e.code.value).inc()
+            log.info(
+                "registration refused: %s rank %s: %s: %s",
+                registration.child_engine_id,
+                format_rank(registration.rank),
+                e.code.value,
+                e.message,
+            )
+            raise
+        ref = PartRef(registration.child_engine_id, registration.rank, session_id)
+        session = Session(registration, ref, incarnation, self.config.session_queue_size)
+        self._sessions[session_id] = session
+        timer = self._gone_timers.pop(self._part_key(ref), None)
+        if timer is not None:
+            timer.cancel()  # came back within the grace period
+        self.metrics.registrations.labels(result="ok").inc()
+        self._update_gauges()
+        view = result.view
+        reuse = self.reuse_for(view)
+        session.offer(
+            RegisterReply(
+                session_id=session_id,
+                incarnation=incarnation,
+                view=view,
+                reuse=reuse,
+                heartbeat_interval_ms=self.config.heartbeat_interval_ms,
+                heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
+            )
+        )
+        log.info(
+            "rank part registered: %s rank %s session %s (%d/%d parts)",
+            view.child_engine_id,
+            format_rank(registration.rank),
+            session_id,
+            view.parts_present,
+            view.parts_expected,
+        )
+        if result.readiness_changed:
+            self._readiness_changed(view, reuse, skip_session=session_id)
+        return session
+
+    def heartbeat(self, session: Session) -> None:
+        if self.registry.heartbeat(session.ref, self._clock_ms()):
+            self._send(session, HeartbeatReply(server_time_ms=self._clock_ms()))
+
+    def touch(self, session: Session) -> None:
+        """Any message from the engine proves it alive."""
+        self.registry.heartbeat(session.ref, self._clock_ms())
+
+    def close_session(self, session: Session, reason: str, end: SessionEnd | None = None) -> None:
+        """Removes the session's rank part (idempotent) and ends its stream."""
+        session.end(end if end is not None else SessionEnd(None, ""))
+        if self._sessions.pop(session.session_id, None) is None:
+            return
+        self.metrics.sessions_closed.labels(reason=reason).inc()
+        removed = self.registry.remove(session.ref)
+        if removed is None:
+            return
+        self._update_gauges()
+        view = removed.view
+        log.info(
+            "rank part removed (%s): %s rank %s session %s (%d/%d parts)",
+            reason,
+            view.child_engine_id,
+            format_rank(session.ref.rank),
+            session.session_id,
+            view.parts_present,
+            view.parts_expected,
+        )
+        if removed.readiness_changed:
+            self._readiness_changed(view, self.reuse_for(view))
+        for listener in self._listeners:
+            listener.on_part_removed(session.ref.child_engine_id, session.ref.rank, reason)
+        if self._listeners and not self._shutting_down:
+            key = self._part_key(session.ref)
+            old = self._gone_timers.pop(key, None)
+            if old is not None:
+                old.cancel()
+            self._gone_timers[key] = asyncio.get_running_loop().call_later(
+                self.config.session_grace_ms / 1000, self._part_gone, session.ref
+            )
+
+    # --- reads -----------------------------------------------------------------
+
+    def reuse_for(self, view: ChildEngineView) -> ReuseStatus:
+        return reuse_status(self.config.reuse, view.profile, self.config.declared_profiles)
+
+    def status(self) -> StatusSnapshot:
+        return StatusSnapshot(
+            version=__version__,
+            reuse_enabled=self.config.reuse,
+            warming=False,
+            child_engines=tuple(
+                ChildEngineStatus(view, self.reuse_for(view)) for view in self.registry.views()
+            ),
+        )
+
+    # --- internals -------------------------------------------------------------
+
+    @staticmethod
+    def _part_key(ref: PartRef) -> str:
+        return f"{ref.child_engine_id}/{ref.rank}"
+
+    def _part_gone(self, ref: PartRef) -> None:
+        self._gone_timers.pop(self._part_key(ref), None)
+        for listener in self._listeners:
+            listener.on_part_gone(ref.child_engine_id, ref.rank, ref.session_id)
+
+    def _send(self, session: Session, message: Outbound) -> None:
+        if not session.offer(message):
+            self.close_session(
+                session,
+                REASON_ERROR,
+                SessionEnd(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"outbound queue of session {session.session_id} is full "
+                    f"({self.config.session_queue_size} messages): the engine is not reading "
+                    "its session stream",
+                ),
+            )
+
+    def _readiness_changed(
+        self, view: ChildEngineView, reuse: ReuseStatus, skip_session: str = ""
+    ) -> None:
+        if view.ready:
+            log.info("child engine %s READY (%d parts)", view.child_engine_id, view.parts_expected)
+        else:
+            log.info("child engine %s not READY: %s", view.child_engine_id, view.not_ready_reason)
+        update = StateUpdate(view, reuse)
+        for ref in self.registry.parts_of(view.child_engine_id):
+            session = self._sessions.get(ref.session_id)
+            if session is not None and ref.session_id != skip_session:
+                self._send(session, update)
+
+    def _update_gauges(self) -> None:
+        ready, not_ready = self.registry.readiness_counts()
+        self.metrics.child_engines.labels(state="ready").set(ready)
+        self.metrics.child_engines.labels(state="not_ready").set(not_ready)
+        self.metrics.rank_parts.set(self.registry.num_parts)
+
+    async def _watch_heartbeats(self) -> None:
+        timeout = self.config.heartbeat_timeout_ms
+        # Check often enough that removal lags the timeout by at most ~20 %.
+        tick_s = min(max(timeout / 5, 20), 1000) / 1000
+        while True:
+            await asyncio.sleep(tick_s)
+            now = self._clock_ms()
+            for ref in self.registry.expired(now, timeout):
+                session = self._sessions.get(ref.session_id)
+                if session is None:
+                    continue
+                self.close_session(
+                    session,
+                    REASON_HEARTBEAT_TIMEOUT,
+                    SessionEnd(
+                        ErrorCode.UNAVAILABLE,
+                        f"no heartbeat from rank part {format_rank(ref.rank)} of "
+                        f"{ref.child_engine_id!r} for more than {timeout} ms",
+                    ),
+                )

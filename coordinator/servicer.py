@@ -1,0 +1,284 @@
+"""gRPC servicers: translate protobuf <-> the `Coordinator` facade, nothing more.
+
+`KvrcError.code` maps onto a gRPC status in one place (`status_code`); every
+RPC is counted in `kvrc_rpc_requests_total{method,code}` and unary RPCs are
+timed in `kvrc_rpc_duration_seconds`, also in one place (`_observe`). RPCs
+that later issues implement answer UNIMPLEMENTED with a clear message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from coordinator import wire
+from coordinator.errors import ErrorCode, KvrcError, invalid
+from coordinator.service import (
+    REASON_CLOSED,
+    REASON_ERROR,
+    Coordinator,
+    SessionEnd,
+)
+from coordinator.service import Session as CoordinatorSession
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvrc.servicer")
+
+Context = grpc.aio.ServicerContext[Any, Any]
+R = TypeVar("R")
+SessionMessageHandler = Callable[[CoordinatorSession, pb.EngineMessage], None]
+
+
+def status_code(code: ErrorCode) -> grpc.StatusCode:
+    """ErrorCode names are gRPC status names."""
+    return grpc.StatusCode[code.value]
+
+
+class Unimplemented(Exception):
+    """An RPC or session message a later issue implements."""
+
+
+class _Failure:
+    """The status a session ends with when its reader fails (set once)."""
+
+    __slots__ = ("code", "message")
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+        self.message = ""
+
+    def set(self, code: grpc.StatusCode, message: str) -> None:
+        if self.code is None:
+            self.code, self.message = code, message
+
+
+class _Observed:
+    """Counts and times RPCs; converts exceptions into statuses."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._metrics = coordinator.metrics
+
+    def count(self, method: str, code: grpc.StatusCode) -> None:
+        self._metrics.rpc_requests.labels(method=method, code=code.name).inc()
+
+    async def unary(self, method: str, context: Context, call: Callable[[], Awaitable[R]]) -> R:
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return await call()
+        except KvrcError as e:
+            code = status_code(e.code)
+            await context.abort(code, e.message)
+        except Unimplemented as e:
+            code = grpc.StatusCode.UNIMPLEMENTED
+            await context.abort(code, str(e))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", method)
+            await context.abort(code, f"{method}: internal error (see the coordinator log)")
+        finally:
+            self._metrics.rpc_duration.labels(method=method).observe(time.perf_counter() - started)
+            self.count(method, code)
+
+
+def _later(method: str, issue: str) -> Unimplemented:
+    return Unimplemented(f"{method} is not implemented by this coordinator yet ({issue})")
+
+
+class EngineService(pb_grpc.EngineServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+        self._observed = _Observed(coordinator)
+        self._bounds = coordinator.config.bounds
+        # Session message kinds later issues handle (events, pin_result, ...).
+        self.session_handlers: dict[
+            str, Callable[[CoordinatorSession, pb.EngineMessage], None]
+        ] = {}
+
+    # --- the session stream --------------------------------------------------------
+
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.EngineMessage], context: Context
+    ) -> AsyncIterator[pb.CoordinatorMessage]:
+        code = grpc.StatusCode.OK
+        session: CoordinatorSession | None = None
+        reader: asyncio.Task[None] | None = None
+        failure = _Failure()
+        try:
+            session = await self._register(request_iterator)
+            reader = asyncio.create_task(self._read(request_iterator, session, failure))
+            while True:
+                out = await session.next_outbound()
+                if isinstance(out, SessionEnd):
+                    if failure.code is not None:
+                        code = failure.code
+                        await context.abort(code, failure.message)
+                    if out.code is not None:
+                        code = status_code(out.code)
+                        await context.abort(code, out.message)
+                    return
+                yield wire.coordinator_message(out)
+        except KvrcError as e:
+            code = status_code(e.code)
+            await context.abort(code, e.message)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("session stream failed")
+            await context.abort(code, "internal error (see the coordinator log)")
+        finally:
+            if reader is not None:
+                reader.cancel()
+            if session is not None:
+                self._coordinator.close_session(session, REASON_CLOSED)
+            self._observed.count("Session", code)
+
+    async def _register(self, requests: AsyncIterator[pb.EngineMessage]) -> CoordinatorSession:
+        # A stream that never registers would hold resources: bound the wait.
+        timeout_s = self._coordinator.config.heartbeat_timeout_ms / 1000
+        try:
+            first = await asyncio.wait_for(anext(requests), timeout_s)
+        except StopAsyncIteration:
+            raise invalid("the session stream ended before its Register message") from None
+        except TimeoutError:
+            raise invalid(f"no Register message within {timeout_s:g} s of opening") from None
+        kind = first.WhichOneof("message")
+        if kind != "register":
+            raise invalid(f"the first session message must be register, got {kind or 'nothing'}")
+        try:
+            registration = wire.registration_from_proto(first.register, self._bounds)
+        except KvrcError as e:
+            self._coordinator.metrics.registrations.labels(result=e.code.value).inc()
+            raise
+        return self._coordinator.open_session(registration)
+
+    async def _read(
+        self,
+        requests: AsyncIterator[pb.EngineMessage],
+        session: CoordinatorSession,
+        failure: _Failure,
+    ) -> None:
+        reason = REASON_CLOSED
+        try:
+            async for message in requests:
+                if session.ended:
+                    return
+                self._dispatch(session, message)
+        except KvrcError as e:
+            failure.set(status_code(e.code), e.message)
+            reason = REASON_ERROR
+        except Unimplemented as e:
+            failure.set(grpc.StatusCode.UNIMPLEMENTED, str(e))
+            reason = REASON_ERROR
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.RpcError):
+            pass  # the peer went away; the stream is over
+        except Exception:
+            log.exception("session %s: reading failed", session.session_id)
+            failure.set(grpc.StatusCode.INTERNAL, "internal error (see the coordinator log)")
+            reason = REASON_ERROR
+        # The engine ended its side (or failed): the rank part leaves now.
+        self._coordinator.close_session(session, reason, SessionEnd(None, ""))
+
+    def _dispatch(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        kind = message.WhichOneof("message")
+        if kind == "heartbeat":
+            self._coordinator.heartbeat(session)
+            return
+        if kind == "register":
+            raise invalid("register may only be the first message of a session")
+        if kind is None:
+            raise invalid("empty or unknown EngineMessage (no known oneof field set)")
+        self._coordinator.touch(session)
+        handler = self.session_handlers.get(kind)
+        if handler is None:
+            raise _later(f"session message {kind}", "a later issue")
+        handler(session, message)
+
+    # --- unary RPCs implemented by later issues ------------------------------------
+
+    async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
+        return await self._observed.unary("Lookup", context, _raise(_later("Lookup", "inventory")))
+
+    async def RequestPrefixLoad(
+        self, request: pb.PrefixLoadRequest, context: Context
+    ) -> pb.PrefixLoadGrant:
+        return await self._observed.unary(
+            "RequestPrefixLoad", context, _raise(_later("RequestPrefixLoad", "prefix load"))
+        )
+
+    async def CompletePrefixLoad(
+        self, request: pb.TransferReport, context: Context
+    ) -> pb.CompleteResponse:
+        return await self._observed.unary(
+            "CompletePrefixLoad", context, _raise(_later("CompletePrefixLoad", "prefix load"))
+        )
+
+    async def PublishHandoff(
+        self, request: pb.PublishHandoffRequest, context: Context
+    ) -> pb.PublishHandoffResponse:
+        return await self._observed.unary(
+            "PublishHandoff", context, _raise(_later("PublishHandoff", "decode handoff"))
+        )
+
+    async def BeginHandoff(
+        self, request: pb.BeginHandoffRequest, context: Context
+    ) -> pb.HandoffGrant:
+        return await self._observed.unary(
+            "BeginHandoff", context, _raise(_later("BeginHandoff", "decode handoff"))
+        )
+
+    async def ExtendHandoff(
+        self, request: pb.ExtendHandoffRequest, context: Context
+    ) -> pb.ExtendHandoffResponse:
+        return await self._observed.unary(
+            "ExtendHandoff", context, _raise(_later("ExtendHandoff", "decode handoff"))
+        )
+
+    async def CompleteHandoff(
+        self, request: pb.TransferReport, context: Context
+    ) -> pb.CompleteResponse:
+        return await self._observed.unary(
+            "CompleteHandoff", context, _raise(_later("CompleteHandoff", "decode handoff"))
+        )
+
+
+class AdminService(pb_grpc.AdminServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+        self._observed = _Observed(coordinator)
+
+    async def GetStatus(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
+        async def call() -> pb.StatusResponse:
+            return wire.status_to_proto(self._coordinator.status())
+
+        return await self._observed.unary("GetStatus", context, call)
+
+    async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
+        return await self._observed.unary("Drain", context, _raise(_later("Drain", "drain")))
+
+    async def ResolveQuarantine(
+        self, request: pb.ResolveQuarantineRequest, context: Context
+    ) -> pb.ResolveQuarantineResponse:
+        return await self._observed.unary(
+            "ResolveQuarantine", context, _raise(_later("ResolveQuarantine", "leases"))
+        )
+
+
+def _raise(error: Exception) -> Callable[[], Awaitable[Any]]:
+    async def call() -> Any:
+        raise error
+
+    return call

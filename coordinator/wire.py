@@ -1,0 +1,312 @@
+"""Protobuf <-> domain conversion and input validation for the gRPC edge.
+
+Every `*_from_proto` function validates what a client sent and raises
+`KvrcError(INVALID_ARGUMENT)` naming the field: empty or oversized ids, zero
+sizes, unknown enum values (proto3 keeps unknown ints, so they are checked
+here), oversized opaque fields. Semantic checks that need no protobuf (ranks
+inside sizes, child-engine naming, consistency between parts) live in the core
+(`registry.py`). Opaque bytes are copied verbatim in both directions.
+"""
+
+from __future__ import annotations
+
+from coordinator.config import FieldBounds
+from coordinator.errors import invalid
+from coordinator.profiles import DeploymentProfile, ReuseReason, ReuseStatus
+from coordinator.registry import (
+    ChildEngineView,
+    KvRegion,
+    PublishMode,
+    RankPartRegistration,
+    TransferEndpoint,
+)
+from coordinator.service import (
+    ChildEngineStatus,
+    HeartbeatReply,
+    Outbound,
+    RegisterReply,
+    StateUpdate,
+    StatusSnapshot,
+)
+from kvrc import __version__
+from kvrc.v1 import kvrc_pb2 as pb
+
+# --- validation helpers ------------------------------------------------------
+
+
+def check_id(field: str, value: str, bounds: FieldBounds) -> str:
+    if not value:
+        raise invalid(f"{field} is empty")
+    if len(value) > bounds.max_id_chars:
+        raise invalid(
+            f"{field} is {len(value)} characters long; the limit is {bounds.max_id_chars}"
+        )
+    if not (value.isascii() and value.isprintable()):
+        raise invalid(f"{field} must be printable ASCII, got {value!r:.80}")
+    return value
+
+
+def check_text(field: str, value: str, bounds: FieldBounds) -> str:
+    if len(value) > bounds.max_string_chars:
+        raise invalid(
+            f"{field} is {len(value)} characters long; the limit is {bounds.max_string_chars}"
+        )
+    return value
+
+
+def check_size(field: str, value: int, bounds: FieldBounds) -> int:
+    if not 1 <= value <= bounds.max_parallel_size:
+        raise invalid(f"{field} must be in [1, {bounds.max_parallel_size}], got {value}")
+    return value
+
+
+def check_count(field: str, count: int, limit: int) -> None:
+    if count > limit:
+        raise invalid(f"{field} has {count} entries; the limit is {limit}")
+
+
+# --- registration --------------------------------------------------------------
+
+
+def publish_mode_from_proto(value: int) -> PublishMode:
+    if value == pb.PUBLISH_MODE_UNSPECIFIED:
+        return PublishMode.PER_CHILD_ENGINE  # the vLLM default
+    try:
+        return PublishMode(value)
+    except ValueError:
+        raise invalid(f"publish_mode: unknown enum value {value}") from None
+
+
+def profile_from_proto(msg: pb.DeploymentProfile, bounds: FieldBounds) -> DeploymentProfile:
+    model = check_text("profile.model", msg.model, bounds)
+    if not model:
+        raise invalid("profile.model is empty")
+    if msg.block_size < 1:
+        raise invalid("profile.block_size must be >= 1, got 0")
+    check_count("profile.transfer_backends", len(msg.transfer_backends), bounds.max_extra_entries)
+    check_count("profile.extra", len(msg.extra), bounds.max_extra_entries)
+    for name, value in (
+        ("profile.model_revision", msg.model_revision),
+        ("profile.kv_dtype", msg.kv_dtype),
+        ("profile.attention_backend", msg.attention_backend),
+        ("profile.kv_layout", msg.kv_layout),
+        ("profile.gpu_kind", msg.gpu_kind),
+        ("profile.lora_name", msg.lora_name),
+    ):
+        check_text(name, value, bounds)
+    for backend in msg.transfer_backends:
+        check_id("profile.transfer_backends[]", backend, bounds)
+    for key, value in msg.extra.items():
+        check_id("profile.extra key", key, bounds)
+        check_text(f"profile.extra[{key!r}]", value, bounds)
+    if len(msg.native_compatibility_hash) > bounds.max_id_chars:
+        raise invalid(
+            f"profile.native_compatibility_hash is {len(msg.native_compatibility_hash)} bytes; "
+            f"the limit is {bounds.max_id_chars}"
+        )
+    par = msg.parallel
+    return DeploymentProfile(
+        model=model,
+        block_size=msg.block_size,
+        model_revision=msg.model_revision,
+        kv_dtype=msg.kv_dtype,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_size=msg.head_size,
+        attention_backend=msg.attention_backend,
+        kv_layout=msg.kv_layout,
+        tp_size=check_size("profile.parallel.tp_size", par.tp_size, bounds),
+        pp_size=check_size("profile.parallel.pp_size", par.pp_size, bounds),
+        pcp_size=check_size("profile.parallel.pcp_size", par.pcp_size, bounds),
+        dp_size=check_size("profile.parallel.dp_size", par.dp_size, bounds),
+        dcp_size=check_size("profile.parallel.dcp_size", par.dcp_size, bounds),
+        transfer_backends=tuple(msg.transfer_backends),
+        gpu_kind=msg.gpu_kind,
+        reuse_opt_in=msg.reuse_opt_in,
+        lora_name=msg.lora_name,
+        native_compatibility_hash=bytes(msg.native_compatibility_hash),
+        extra=tuple(sorted(msg.extra.items())),
+    )
+
+
+def profile_to_proto(profile: DeploymentProfile) -> pb.DeploymentProfile:
+    return pb.DeploymentProfile(
+        model=profile.model,
+        model_revision=profile.model_revision,
+        kv_dtype=profile.kv_dtype,
+        block_size=profile.block_size,
+        num_layers=profile.num_layers,
+        num_kv_heads=profile.num_kv_heads,
+        head_size=profile.head_size,
+        attention_backend=profile.attention_backend,
+        kv_layout=profile.kv_layout,
+        parallel=pb.ParallelSizes(
+            tp_size=profile.tp_size,
+            pp_size=profile.pp_size,
+            pcp_size=profile.pcp_size,
+            dp_size=profile.dp_size,
+            dcp_size=profile.dcp_size,
+        ),
+        transfer_backends=list(profile.transfer_backends),
+        gpu_kind=profile.gpu_kind,
+        reuse_opt_in=profile.reuse_opt_in,
+        lora_name=profile.lora_name,
+        native_compatibility_hash=profile.native_compatibility_hash,
+        extra=dict(profile.extra),
+    )
+
+
+def endpoint_from_proto(msg: pb.TransferEndpoint, bounds: FieldBounds) -> TransferEndpoint:
+    check_text("endpoint.backend", msg.backend, bounds)
+    check_text("endpoint.session_name", msg.session_name, bounds)
+    check_count("endpoint.regions", len(msg.regions), bounds.max_regions)
+    check_count("endpoint.extra", len(msg.extra), bounds.max_extra_entries)
+    opaque_bytes = len(msg.agent_metadata) + sum(len(k) + len(v) for k, v in msg.extra.items())
+    if opaque_bytes > bounds.max_metadata_bytes:
+        raise invalid(
+            f"endpoint metadata (agent_metadata + extra) is {opaque_bytes} bytes; "
+            f"the limit is {bounds.max_metadata_bytes}"
+        )
+    for key in msg.extra:
+        check_id("endpoint.extra key", key, bounds)
+    return TransferEndpoint(
+        backend=msg.backend,
+        session_name=msg.session_name,
+        agent_metadata=bytes(msg.agent_metadata),
+        regions=tuple(
+            KvRegion(r.base_addr, r.block_len, r.num_blocks, r.layer, r.kv_index)
+            for r in msg.regions
+        ),
+        extra=tuple((k, bytes(v)) for k, v in msg.extra.items()),
+    )
+
+
+def endpoint_to_proto(endpoint: TransferEndpoint) -> pb.TransferEndpoint:
+    return pb.TransferEndpoint(
+        backend=endpoint.backend,
+        session_name=endpoint.session_name,
+        agent_metadata=endpoint.agent_metadata,
+        regions=[
+            pb.KvRegion(
+                base_addr=r.base_addr,
+                block_len=r.block_len,
+                num_blocks=r.num_blocks,
+                layer=r.layer,
+                kv_index=r.kv_index,
+            )
+            for r in endpoint.regions
+        ],
+        extra=dict(endpoint.extra),
+    )
+
+
+def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRegistration:
+    engine_id = check_id("engine_id", msg.engine_id, bounds)
+    child_engine_id = check_id("child_engine_id", msg.child_engine_id, bounds)
+    if not msg.HasField("profile"):
+        raise invalid("profile is missing")
+    profile = profile_from_proto(msg.profile, bounds)
+    check_text("kv_events_endpoint", msg.kv_events_endpoint, bounds)
+    check_text("kv_events_replay_endpoint", msg.kv_events_replay_endpoint, bounds)
+    check_count("held_lease_ids", len(msg.held_lease_ids), bounds.max_held_leases)
+    for lease_id in msg.held_lease_ids:
+        check_id("held_lease_ids[]", lease_id, bounds)
+    return RankPartRegistration(
+        engine_id=engine_id,
+        dp_rank=msg.dp_rank,
+        child_engine_id=child_engine_id,
+        rank=(msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.pcp_rank),
+        profile=profile,
+        endpoint=endpoint_from_proto(msg.endpoint, bounds),
+        publish_mode=publish_mode_from_proto(msg.publish_mode),
+        kv_events_endpoint=msg.kv_events_endpoint,
+        kv_events_replay_endpoint=msg.kv_events_replay_endpoint,
+        held_lease_ids=tuple(msg.held_lease_ids),
+    )
+
+
+# --- coordinator -> engine -----------------------------------------------------
+
+
+def reuse_status_to_proto(status: ReuseStatus) -> pb.ReuseStatus:
+    return pb.ReuseStatus(
+        enabled=status.enabled, reason=_REUSE_REASONS[status.reason], detail=status.detail
+    )
+
+
+_REUSE_REASONS: dict[ReuseReason, pb.ReuseReason.ValueType] = {
+    ReuseReason.ENABLED: pb.REUSE_REASON_ENABLED,
+    ReuseReason.DISABLED_BY_COORDINATOR: pb.REUSE_REASON_DISABLED_BY_COORDINATOR,
+    ReuseReason.PROFILE_NOT_OPTED_IN: pb.REUSE_REASON_PROFILE_NOT_OPTED_IN,
+    ReuseReason.PROFILE_NOT_DECLARED: pb.REUSE_REASON_PROFILE_NOT_DECLARED,
+    ReuseReason.REQUESTER_UNKNOWN: pb.REUSE_REASON_REQUESTER_UNKNOWN,
+    ReuseReason.REQUESTER_NOT_READY: pb.REUSE_REASON_REQUESTER_NOT_READY,
+    ReuseReason.WARMING: pb.REUSE_REASON_WARMING,
+}
+
+
+def child_engine_state_to_proto(view: ChildEngineView, reuse: ReuseStatus) -> pb.ChildEngineState:
+    return pb.ChildEngineState(
+        child_engine_id=view.child_engine_id,
+        engine_id=view.engine_id,
+        ready=view.ready,
+        parts_present=view.parts_present,
+        parts_expected=view.parts_expected,
+        not_ready_reason=view.not_ready_reason,
+        compatibility_hash=view.compatibility_hash,
+        reuse=reuse_status_to_proto(reuse),
+    )
+
+
+def coordinator_message(out: Outbound) -> pb.CoordinatorMessage:
+    """Encodes one outbound session message."""
+    if isinstance(out, RegisterReply):
+        return pb.CoordinatorMessage(
+            register_ack=pb.RegisterAck(
+                session_id=out.session_id,
+                incarnation=out.incarnation,
+                compatibility_hash=out.view.compatibility_hash,
+                heartbeat_interval_ms=out.heartbeat_interval_ms,
+                heartbeat_timeout_ms=out.heartbeat_timeout_ms,
+                reuse=reuse_status_to_proto(out.reuse),
+                state=child_engine_state_to_proto(out.view, out.reuse),
+            )
+        )
+    if isinstance(out, HeartbeatReply):
+        return pb.CoordinatorMessage(
+            heartbeat_ack=pb.HeartbeatAck(server_time_unix_ms=out.server_time_ms)
+        )
+    if isinstance(out, StateUpdate):
+        return pb.CoordinatorMessage(state=child_engine_state_to_proto(out.view, out.reuse))
+    raise TypeError(f"no encoding for outbound message {type(out).__name__}")
+
+
+def status_to_proto(snapshot: StatusSnapshot) -> pb.StatusResponse:
+    return pb.StatusResponse(
+        version=__version__,
+        reuse_enabled=snapshot.reuse_enabled,
+        warming=snapshot.warming,
+        child_engines=[_child_engine_status(c) for c in snapshot.child_engines],
+    )
+
+
+def _child_engine_status(status: ChildEngineStatus) -> pb.ChildEngineStatus:
+    view = status.view
+    return pb.ChildEngineStatus(
+        state=child_engine_state_to_proto(view, status.reuse),
+        profile=profile_to_proto(view.profile),
+        parts=[
+            pb.RankPartStatus(
+                rank=pb.RankCoordinates(
+                    tp_rank=part.registration.rank[0],
+                    pp_rank=part.registration.rank[1],
+                    pcp_rank=part.registration.rank[2],
+                ),
+                session_id=part.session_id,
+                incarnation=part.incarnation,
+                last_heartbeat_unix_ms=part.last_heartbeat_ms,
+                endpoint=endpoint_to_proto(part.registration.endpoint),
+            )
+            for part in view.parts
+        ],
+    )
