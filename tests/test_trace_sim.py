@@ -1,0 +1,385 @@
+"""The pure trace simulator: trace parsing, LRU caches with pins, cost model, modes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.trace_sim import (
+    BlockId,
+    Candidate,
+    CostModel,
+    EngineCache,
+    EngineIndex,
+    HolderSide,
+    LoadGrant,
+    LocalReferenceProvider,
+    Mode,
+    TraceRequest,
+    TraceSimulation,
+    best_possible_hit_ratio,
+    load_trace,
+    parse_trace,
+    simulate,
+)
+
+SHIPPED_TRACE = (
+    Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "synthetic_trace.jsonl"
+)
+needs_trace = pytest.mark.skipif(not SHIPPED_TRACE.exists(), reason="shared trace not present")
+
+
+def _req(
+    index: int, arrival_ms: int, blocks: Sequence[int], tokens: int | None = None
+) -> TraceRequest:
+    return TraceRequest(
+        request_index=index,
+        arrival_ms=arrival_ms,
+        input_tokens=tokens if tokens is not None else 512 * len(blocks),
+        output_tokens=1,
+        block_ids=tuple(blocks),
+    )
+
+
+@pytest.fixture(scope="module")
+def shipped() -> list[TraceRequest]:
+    return load_trace(SHIPPED_TRACE)
+
+
+# --- trace -----------------------------------------------------------------
+
+
+@needs_trace
+def test_upper_bound_hit_ratio_is_the_traces_best_possible(shipped: list[TraceRequest]) -> None:
+    # Independent of trace_sim: read the JSON lines and count contiguous known blocks.
+    seen: set[int] = set()
+    hit = total = 0
+    with SHIPPED_TRACE.open() as fh:
+        for line in fh:
+            ids = json.loads(line)["hash_ids"]
+            n = 0
+            while n < len(ids) and ids[n] in seen:
+                n += 1
+            hit += n
+            total += len(ids)
+            seen.update(ids)
+    assert round(hit / total, 3) == 0.640
+    result = simulate(shipped, Mode.UPPER_BOUND)
+    assert result.blocks_local_hit + result.blocks_loaded == hit
+    assert result.blocks_total == total
+    assert round(result.hit_ratio, 3) == 0.640
+    assert best_possible_hit_ratio(shipped) == hit / total
+
+
+def test_parse_trace_sorts_by_timestamp_keeping_file_order_on_ties() -> None:
+    lines = [
+        '{"timestamp": 5, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}',
+        "",
+        '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [7]}',
+        '{"timestamp": 5, "input_length": 20, "output_length": 3, "hash_ids": [9]}',
+    ]
+    reqs = parse_trace(lines)
+    assert [(r.arrival_ms, r.block_ids) for r in reqs] == [(0, (7,)), (5, (1, 2)), (5, (9,))]
+    assert [r.request_index for r in reqs] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"timestamp": -1, "input_length": 5, "hash_ids": [1]}', "timestamp"),
+        ('{"timestamp": 0, "input_length": 0, "hash_ids": [1]}', "input_length"),
+        ('{"timestamp": 0, "input_length": 5, "hash_ids": []}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 5, "hash_ids": ["a"]}', "hash_ids"),
+        ('{"timestamp": true, "input_length": 5, "hash_ids": [1]}', "timestamp"),
+    ],
+)
+def test_parse_trace_names_the_bad_line(line: str, needle: str) -> None:
+    good = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}'
+    with pytest.raises(ValueError, match=rf"t\.jsonl:2: .*{needle}"):
+        parse_trace([good, line], source="t.jsonl")
+
+
+def test_empty_trace_is_refused() -> None:
+    with pytest.raises(ValueError, match="no requests"):
+        parse_trace(["", "  "])
+
+
+# --- LRU cache ---------------------------------------------------------------
+
+_chains = st.lists(st.integers(0, 15), min_size=1, max_size=5, unique=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    capacity=st.integers(1, 6),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("admit"), _chains),
+            st.tuples(st.just("pin"), _chains),
+            st.tuples(st.just("unpin"), st.integers(0, 5)),
+        ),
+        max_size=40,
+    ),
+)
+def test_lru_cache_respects_capacity_pins_and_recency(
+    capacity: int, ops: list[tuple[str, object]]
+) -> None:
+    cache = EngineCache(capacity)
+    leases: dict[int, set[int]] = {}  # lease -> the resident blocks it pinned
+    next_lease = 0
+    for op, arg in ops:
+        if op == "pin":
+            assert isinstance(arg, list)
+            resident = {b for b in arg if b in cache}
+            cache.pin(next_lease, arg)
+            leases[next_lease] = resident
+            next_lease += 1
+        elif op == "unpin":
+            assert isinstance(arg, int)
+            cache.unpin(arg)
+            leases.pop(arg, None)
+        else:
+            assert isinstance(arg, list)
+            chain = arg
+            before = cache.lru_order()
+            pinned = set().union(*leases.values()) if leases else set()
+            retained, evicted = cache.admit(chain)
+            after = cache.lru_order()
+            assert len(after) <= capacity
+            assert not pinned & set(evicted), "a pinned block was evicted"
+            assert not set(chain) & set(evicted)
+            assert set(after) == (set(before) - set(evicted)) | set(retained)
+            # LRU: every evicted block was older than every evictable survivor.
+            survivors = [b for b in before if b in after and b not in pinned and b not in chain]
+            if evicted and survivors:
+                assert max(before.index(b) for b in evicted) < min(
+                    before.index(b) for b in survivors
+                )
+            # What did not fit was dropped only because nothing else could go.
+            missing = [b for b in chain if b not in before]
+            if len(retained) < len(missing):
+                assert all(b in pinned or b in chain for b in after)
+                assert retained == missing[: len(retained)]  # head blocks kept first
+            # The chain's resident blocks are the most recent, its head last of all.
+            resident_chain = [b for b in reversed(chain) if b in after]
+            assert after[len(after) - len(resident_chain) :] == resident_chain
+    for key in list(leases):
+        cache.unpin(key)
+    assert not any(cache.is_pinned(b) for b in cache.lru_order())
+
+
+# --- cost model --------------------------------------------------------------
+
+
+def _ttfts(sim: TraceSimulation) -> list[float]:
+    return [round(o.ttft_ms, 6) for o in sim.outcomes]
+
+
+TINY = [
+    _req(0, 0, [1, 2]),  # rr -> e0: 1024 tokens = 102.4 ms
+    _req(1, 0, [3]),  # rr -> e1: 51.2 ms
+    _req(2, 50, [1, 2, 4]),  # rr -> e0: waits 52.4, local hit 2, prefills 512 -> 103.6
+    _req(3, 200, [1, 2, 4, 5], tokens=1800),  # rr -> e1: e0 published [1, 2, 4] at 153.6
+]
+
+
+def test_cost_model_arithmetic_round_robin_local() -> None:
+    sim = TraceSimulation(TINY, Mode.LOCAL_RR, engines=2, capacity_tokens=512 * 100)
+    result = sim.run()
+    assert [o.engine for o in sim.outcomes] == [0, 1, 0, 1]
+    assert _ttfts(sim) == [102.4, 51.2, 103.6, 180.0]  # r3 recomputes all 1800 tokens
+    assert (result.blocks_local_hit, result.blocks_loaded, result.blocks_recomputed) == (2, 0, 8)
+
+
+def test_cost_model_arithmetic_round_robin_with_loading() -> None:
+    sim = TraceSimulation(
+        TINY, Mode.KVRC_RR, engines=2, capacity_tokens=512 * 100, provider=LocalReferenceProvider()
+    )
+    result = sim.run()
+    # r3 loads 3 blocks from e0 (24 ms) and prefills 1800 - 3 * 512 = 264 tokens (26.4 ms).
+    assert _ttfts(sim) == [102.4, 51.2, 103.6, 50.4]
+    assert [(ld.requester, ld.source_engine, ld.blocks) for ld in sim.loads] == [(1, 0, (1, 2, 4))]
+    assert (result.blocks_local_hit, result.blocks_loaded, result.blocks_recomputed) == (2, 3, 5)
+    assert result.hit_ratio == 5 / 10
+
+
+def test_cost_model_is_configurable() -> None:
+    cost = CostModel(prefill_tokens_per_s=1000.0, load_ms_per_block=100.0)
+    sim = TraceSimulation(
+        TINY,
+        Mode.KVRC_RR,
+        engines=2,
+        capacity_tokens=512 * 100,
+        cost=cost,
+        provider=LocalReferenceProvider(),
+    )
+    sim.run()
+    # r0 1024 ms; r1 512 ms; r2 waits 974 and prefills 512 ms; r3: e0 has computed nothing yet,
+    # so e1 recomputes 1800 tokens after waiting 312 ms for r1.
+    assert _ttfts(sim) == [1024.0, 512.0, 1486.0, 2112.0]
+    assert sim.loads == []
+
+
+def test_cost_aware_routing_weighs_queueing_against_work() -> None:
+    reqs = [
+        _req(0, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),  # e0 (ties: lowest index), busy until 512 ms
+        _req(1, 10, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]),  # e0: wait 502 + 51.2 < 563.2 on e1
+        _req(2, 20, [20]),  # e1 is idle: 51.2
+        _req(3, 30, [1, 2, 30]),  # e1 (idle): 153.6 < e0's queue of 533.2 + 51.2
+    ]
+    sim = TraceSimulation(reqs, Mode.LOCAL_KV, engines=2, capacity_tokens=512 * 100)
+    sim.run()
+    assert [o.engine for o in sim.outcomes] == [0, 0, 1, 1]
+    assert _ttfts(sim) == [512.0, 553.2, 51.2, 194.8]  # r3 waits 41.2 for r2
+
+
+# --- kvrc modes ----------------------------------------------------------------
+
+
+class StaleCheckingProvider:
+    """The reference provider that forgets removals for a while (stale hints), and checks
+    every load against the holders' real caches at grant and at load end."""
+
+    def __init__(self, sim_ref: list[TraceSimulation], removal_lag: int) -> None:
+        self.inner = LocalReferenceProvider()
+        self.sim_ref = sim_ref
+        self.removal_lag = removal_lag
+        self.pending_removals: list[tuple[EngineIndex, Sequence[BlockId]]] = []
+        self.short_pins = 0
+        self.checked_loads = 0
+        self.granted_chain: dict[object, tuple[BlockId, ...]] = {}
+
+    def bind(self, holders: HolderSide, num_engines: int) -> None:
+        self.inner.bind(holders, num_engines)
+
+    def lookup(
+        self, requester: EngineIndex, chain: Sequence[BlockId], include_self: bool, now_ms: float
+    ) -> list[Candidate]:
+        return self.inner.lookup(requester, chain, include_self, now_ms)
+
+    def acquire(
+        self, requester: EngineIndex, chain: Sequence[BlockId], min_blocks: int, now_ms: float
+    ) -> LoadGrant | None:
+        hinted = self.inner.lookup(requester, chain, False, now_ms)
+        grant = self.inner.acquire(requester, chain, min_blocks, now_ms)
+        if grant is not None:
+            if hinted and grant.matched_blocks < hinted[0].matched_blocks:
+                self.short_pins += 1
+            self._check_held(grant, chain[: grant.matched_blocks])
+            self.granted_chain[grant.lease_key] = tuple(chain[: grant.matched_blocks])
+        return grant
+
+    def _check_held(self, grant: LoadGrant, blocks: Sequence[BlockId]) -> None:
+        source = self.sim_ref[0].engines[grant.source_engine].cache
+        for b in blocks:
+            assert b in source, f"granted block {b} the source does not hold"
+            assert b in source.published, f"granted block {b} the source has not computed"
+
+    def complete(self, grant: LoadGrant, loaded_blocks: int, now_ms: float) -> None:
+        # At load end the source must still hold every block it pinned.
+        self._check_held(grant, self.granted_chain.pop(grant.lease_key))
+        if loaded_blocks:
+            self.checked_loads += 1
+
+    def blocks_stored(
+        self, engine: EngineIndex, blocks: Sequence[BlockId], parent: BlockId | None, now_ms: float
+    ) -> None:
+        self.inner.blocks_stored(engine, blocks, parent, now_ms)
+
+    def blocks_removed(self, engine: EngineIndex, blocks: Sequence[BlockId], now_ms: float) -> None:
+        self.pending_removals.append((engine, blocks))
+        if len(self.pending_removals) > self.removal_lag:
+            old_engine, old_blocks = self.pending_removals.pop(0)
+            self.inner.blocks_removed(old_engine, old_blocks, now_ms)
+
+
+def _churn_trace(n: int = 400) -> list[TraceRequest]:
+    """Shared prefixes of 5 documents with unique tails, every 50 ms: heavy eviction."""
+    reqs = []
+    for i in range(n):
+        doc = (i * 7) % 5
+        shared = [doc * 1000 + k for k in range(2 + i % 4)]
+        tail = [100_000 + i * 10 + k for k in range(1 + i % 3)]
+        reqs.append(_req(i, i * 50, shared + tail))
+    return reqs
+
+
+@pytest.mark.parametrize("mode", [Mode.KVRC_RR, Mode.KVRC_KV])
+def test_kvrc_modes_never_load_a_block_the_source_no_longer_holds(mode: Mode) -> None:
+    sim_ref: list[TraceSimulation] = []
+    provider = StaleCheckingProvider(sim_ref, removal_lag=30)
+    sim = TraceSimulation(
+        _churn_trace(), mode, engines=4, capacity_tokens=512 * 6, provider=provider
+    )
+    sim_ref.append(sim)
+    result = sim.run()
+    assert provider.checked_loads == result.load_grants and result.load_grants > 20
+    assert provider.short_pins > 0, "the stale view should have produced shorter pins"
+    assert result.load_misses > 0
+    for load in sim.loads:
+        assert load.source_engine != load.requester
+    assert sim.max_cache_blocks_seen <= 6
+
+
+_trace_strategy = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(1, 5), st.integers(0, 2), st.integers(0, 40)),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=_trace_strategy, capacity=st.integers(1, 8), engines=st.integers(1, 4))
+def test_every_mode_stays_within_its_bounds(
+    spec: list[tuple[int, int, int, int]], capacity: int, engines: int
+) -> None:
+    reqs = []
+    t = 0
+    for i, (doc, shared, tail, gap) in enumerate(spec):
+        t += gap
+        blocks = [doc * 100 + k for k in range(shared)] + [10_000 + i * 10 + k for k in range(tail)]
+        reqs.append(_req(i, t, blocks))
+    best = best_possible_hit_ratio(reqs)
+    for mode in Mode:
+        sim = TraceSimulation(
+            reqs,
+            mode,
+            engines=engines,
+            capacity_tokens=512 * capacity,
+            provider=LocalReferenceProvider() if mode.uses_kvrc else None,
+        )
+        r = sim.run()
+        assert r.requests == len(reqs)
+        assert r.blocks_local_hit + r.blocks_loaded + r.blocks_recomputed == r.blocks_total
+        assert 0.0 <= r.hit_ratio <= best + 1e-12
+        assert sim.max_cache_blocks_seen <= capacity
+        assert all(o.ttft_ms >= 0 for o in sim.outcomes)
+        if mode is Mode.UPPER_BOUND:
+            assert r.hit_ratio == best
+        # Every pin is released by the end of the replay.
+        for eng in sim.engines:
+            assert not any(eng.cache.is_pinned(b) for b in eng.cache.lru_order())
+
+
+@needs_trace
+def test_shipped_trace_targets_with_the_reference_provider(shipped: list[TraceRequest]) -> None:
+    results = {mode: simulate(shipped, mode) for mode in Mode}
+    assert results[Mode.KVRC_RR].hit_ratio >= results[Mode.LOCAL_RR].hit_ratio
+    assert results[Mode.KVRC_KV].hit_ratio >= results[Mode.LOCAL_KV].hit_ratio
+    assert results[Mode.KVRC_KV].ttft_mean_s < results[Mode.LOCAL_KV].ttft_mean_s
+    assert results[Mode.KVRC_KV].hit_ratio >= 0.9 * results[Mode.UPPER_BOUND].hit_ratio
+    assert results[Mode.LOCAL_RR].blocks_loaded == results[Mode.LOCAL_KV].blocks_loaded == 0
+    # Deterministic: the same replay gives the same numbers.
+    assert simulate(shipped, Mode.KVRC_RR) == results[Mode.KVRC_RR]
+
+
+def test_kvrc_mode_needs_a_provider() -> None:
+    with pytest.raises(ValueError, match="provider"):
+        TraceSimulation(TINY, Mode.KVRC_KV)
