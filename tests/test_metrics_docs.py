@@ -24,6 +24,7 @@ from prometheus_env import (
     registry_family_names,
 )
 
+from coordinator.errors import ErrorCode
 from coordinator.metrics import Metrics
 from kvrc.v1 import kvrc_pb2
 
@@ -151,6 +152,9 @@ def test_rpc_labels_list_every_method_and_status_code(
     requests = documented["kvrc_rpc_requests_total"]
     assert requests.labels["method"] == methods
     assert requests.labels["code"] == {code.name for code in grpc.StatusCode}
+    # A refused registration is counted under the core's ErrorCode name.
+    registrations = documented["kvrc_registrations_total"].labels["result"]
+    assert registrations == {"ok"} | {c.value for c in ErrorCode}
     # Unary timings: every method but the long-lived Session stream.
     assert documented["kvrc_rpc_duration_seconds"].labels["method"] == methods - {"Session"}
 
