@@ -1,0 +1,72 @@
+"""Typed exceptions of the client library, each carrying the gRPC status."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KvrcClientError(Exception):
+    """The coordinator answered with a non-OK status (or could not be reached)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class InvalidArgumentError(KvrcClientError):
+    pass
+
+
+class NotFoundError(KvrcClientError):
+    pass
+
+
+class AlreadyExistsError(KvrcClientError):
+    pass
+
+
+class FailedPreconditionError(KvrcClientError):
+    pass
+
+
+class PermissionDeniedError(KvrcClientError):
+    pass
+
+
+class ResourceExhaustedError(KvrcClientError):
+    pass
+
+
+class DeadlineExceededError(KvrcClientError):
+    pass
+
+
+class UnavailableError(KvrcClientError):
+    pass
+
+
+class UnimplementedError(KvrcClientError):
+    pass
+
+
+_BY_CODE: dict[grpc.StatusCode, type[KvrcClientError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
+}
+
+
+def error_from_status(code: grpc.StatusCode, message: str) -> KvrcClientError:
+    return _BY_CODE.get(code, KvrcClientError)(code, message)
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError) -> KvrcClientError:
+    """The typed exception for a failed call."""
+    return error_from_status(error.code(), error.details() or "")

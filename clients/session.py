@@ -1,0 +1,522 @@
+"""`EngineSession`: one engine rank part's session with the coordinator.
+
+    registration = RankPartRegistration(
+        engine_id="prefill-0", tp_rank=rank, tp_size=2,
+        profile=EngineProfile(model="meta-llama/Llama-3.1-8B", block_size=16),
+        endpoint=TransferEndpoint(backend="mooncake", session_name="10.0.0.5:15002"),
+    )
+    session = EngineSession("127.0.0.1:50051", registration, handler=MyHandler())
+    ack = await session.start()          # raises AlreadyExistsError, ... when refused
+    await session.wait_ready(timeout_s=30)
+    ...
+    await session.close()
+
+`start()` registers and returns the `RegisterAck`; the session then sends
+heartbeats at the interval the coordinator asked for. When the stream breaks
+(coordinator restart, heartbeat timeout) it reconnects with exponential
+backoff and jitter and registers again. Coordinator requests (pin, release,
+abort, resync, quarantine, drain) and readiness changes go to the handler.
+Engines never touch protobuf for registration; later flows pass protobuf
+messages through for now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import grpc
+from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
+
+from clients.errors import KvrcClientError, UnavailableError, error_from_status, from_rpc_error
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvrc.client")
+
+
+# --- what an engine declares ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    """The deployment profile (parallel sizes live on `RankPartRegistration`)."""
+
+    model: str
+    block_size: int
+    model_revision: str = ""
+    kv_dtype: str = ""
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_size: int = 0
+    attention_backend: str = ""
+    kv_layout: str = ""
+    transfer_backends: tuple[str, ...] = ("mooncake",)
+    gpu_kind: str = ""
+    reuse_opt_in: bool = False
+    lora_name: str = ""
+    native_compatibility_hash: bytes = b""
+    extra: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KvRegion:
+    base_addr: int
+    block_len: int
+    num_blocks: int
+    layer: int = 0
+    kv_index: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferEndpoint:
+    """Opaque to the coordinator: returned to peers byte for byte."""
+
+    backend: str = "mooncake"
+    session_name: str = ""
+    agent_metadata: bytes = b""
+    regions: tuple[KvRegion, ...] = ()
+    extra: tuple[tuple[str, bytes], ...] = ()
+
+
+PublishModeName = Literal["per_child_engine", "per_rank_part"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankPartRegistration:
+    engine_id: str
+    profile: EngineProfile
+    endpoint: TransferEndpoint = field(default_factory=TransferEndpoint)
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    pcp_rank: int = 0
+    pcp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    dcp_size: int = 1
+    publish_mode: PublishModeName = "per_child_engine"
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    # Empty: derived the vLLM way (`<engine_id>_dp<dp_rank>`, or engine_id).
+    child_engine_id: str = ""
+
+    @property
+    def resolved_child_engine_id(self) -> str:
+        if self.child_engine_id:
+            return self.child_engine_id
+        if self.dp_size > 1:
+            return f"{self.engine_id}_dp{self.dp_rank}"
+        return self.engine_id
+
+    def to_proto(self, held_lease_ids: Sequence[str] = ()) -> pb.Register:
+        p, e = self.profile, self.endpoint
+        return pb.Register(
+            engine_id=self.engine_id,
+            dp_rank=self.dp_rank,
+            child_engine_id=self.resolved_child_engine_id,
+            rank=pb.RankCoordinates(
+                tp_rank=self.tp_rank, pp_rank=self.pp_rank, pcp_rank=self.pcp_rank
+            ),
+            profile=pb.DeploymentProfile(
+                model=p.model,
+                model_revision=p.model_revision,
+                kv_dtype=p.kv_dtype,
+                block_size=p.block_size,
+                num_layers=p.num_layers,
+                num_kv_heads=p.num_kv_heads,
+                head_size=p.head_size,
+                attention_backend=p.attention_backend,
+                kv_layout=p.kv_layout,
+                parallel=pb.ParallelSizes(
+                    tp_size=self.tp_size,
+                    pp_size=self.pp_size,
+                    pcp_size=self.pcp_size,
+                    dp_size=self.dp_size,
+                    dcp_size=self.dcp_size,
+                ),
+                transfer_backends=list(p.transfer_backends),
+                gpu_kind=p.gpu_kind,
+                reuse_opt_in=p.reuse_opt_in,
+                lora_name=p.lora_name,
+                native_compatibility_hash=p.native_compatibility_hash,
+                extra=dict(p.extra),
+            ),
+            endpoint=pb.TransferEndpoint(
+                backend=e.backend,
+                session_name=e.session_name,
+                agent_metadata=e.agent_metadata,
+                regions=[
+                    pb.KvRegion(
+                        base_addr=r.base_addr,
+                        block_len=r.block_len,
+                        num_blocks=r.num_blocks,
+                        layer=r.layer,
+                        kv_index=r.kv_index,
+                    )
+                    for r in e.regions
+                ],
+                extra=dict(e.extra),
+            ),
+            publish_mode=(
+                pb.PUBLISH_MODE_PER_RANK_PART
+                if self.publish_mode == "per_rank_part"
+                else pb.PUBLISH_MODE_PER_CHILD_ENGINE
+            ),
+            kv_events_endpoint=self.kv_events_endpoint,
+            kv_events_replay_endpoint=self.kv_events_replay_endpoint,
+            held_lease_ids=list(held_lease_ids),
+        )
+
+
+# --- what the coordinator answers -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseInfo:
+    enabled: bool
+    reason: str  # e.g. "DISABLED_BY_COORDINATOR"
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChildEngineState:
+    child_engine_id: str
+    engine_id: str
+    ready: bool
+    parts_present: int
+    parts_expected: int
+    not_ready_reason: str
+    stale: bool
+    draining: bool
+    compatibility_hash: str
+    reuse: ReuseInfo
+
+    @classmethod
+    def from_proto(cls, msg: pb.ChildEngineState) -> ChildEngineState:
+        return cls(
+            child_engine_id=msg.child_engine_id,
+            engine_id=msg.engine_id,
+            ready=msg.ready,
+            parts_present=msg.parts_present,
+            parts_expected=msg.parts_expected,
+            not_ready_reason=msg.not_ready_reason,
+            stale=msg.stale,
+            draining=msg.draining,
+            compatibility_hash=msg.compatibility_hash,
+            reuse=_reuse(msg.reuse),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterAck:
+    session_id: str
+    incarnation: int
+    compatibility_hash: str
+    heartbeat_interval_ms: int
+    heartbeat_timeout_ms: int
+    reuse: ReuseInfo
+    state: ChildEngineState
+
+    @classmethod
+    def from_proto(cls, msg: pb.RegisterAck) -> RegisterAck:
+        return cls(
+            session_id=msg.session_id,
+            incarnation=msg.incarnation,
+            compatibility_hash=msg.compatibility_hash,
+            heartbeat_interval_ms=msg.heartbeat_interval_ms,
+            heartbeat_timeout_ms=msg.heartbeat_timeout_ms,
+            reuse=_reuse(msg.reuse),
+            state=ChildEngineState.from_proto(msg.state),
+        )
+
+
+def _reuse(msg: pb.ReuseStatus) -> ReuseInfo:
+    name = pb.ReuseReason.Name(msg.reason) if msg.reason in pb.ReuseReason.values() else "UNKNOWN"
+    return ReuseInfo(msg.enabled, name.removeprefix("REUSE_REASON_"), msg.detail)
+
+
+class SessionHandler(Protocol):
+    """Receives what the coordinator sends. Subclass it: every method defaults to a no-op.
+
+    Methods run one at a time on the session's reader; keep them short (hand
+    long work to a task).
+    """
+
+    async def on_registered(self, ack: RegisterAck) -> None:
+        """After every (re-)registration."""
+        return None
+
+    async def on_state(self, state: ChildEngineState) -> None:
+        """The child engine's readiness changed."""
+        return None
+
+    async def on_pin_request(self, request: pb.PinRequest) -> None:
+        return None
+
+    async def on_release_request(self, request: pb.ReleaseRequest) -> None:
+        return None
+
+    async def on_abort_request(self, request: pb.AbortRequest) -> None:
+        return None
+
+    async def on_resync_request(self, request: pb.ResyncRequest) -> None:
+        return None
+
+    async def on_quarantine_notice(self, notice: pb.QuarantineNotice) -> None:
+        return None
+
+    async def on_drain_notice(self, notice: pb.DrainNotice) -> None:
+        return None
+
+
+class NullHandler(SessionHandler):
+    pass
+
+
+_Call = grpc.aio.StreamStreamCall[pb.EngineMessage, pb.CoordinatorMessage]
+
+
+class EngineSession:
+    def __init__(
+        self,
+        target: str,
+        registration: RankPartRegistration,
+        handler: SessionHandler | None = None,
+        *,
+        reconnect: bool = True,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        register_timeout_s: float = 10.0,
+    ) -> None:
+        self.target = target
+        self.registration = registration
+        self.handler: SessionHandler = handler if handler is not None else NullHandler()
+        self._reconnect = reconnect
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._register_timeout_s = register_timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._call: _Call | None = None
+        self._write_lock = asyncio.Lock()
+        self._runner: asyncio.Task[None] | None = None
+        self._closing = False
+        self._ready = asyncio.Event()
+        self.ack: RegisterAck | None = None
+        self.state: ChildEngineState | None = None
+        self.last_error: KvrcClientError | None = None
+        self.registrations = 0  # 1 after start(), +1 per successful reconnect
+        self.last_heartbeat_ack_ms = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None and not self._call.done()
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> RegisterAck:
+        """Registers; raises the typed KvrcClientError when the coordinator refuses."""
+        if self._runner is not None:
+            raise RuntimeError("EngineSession.start() called twice")
+        self._channel = grpc.aio.insecure_channel(self.target)
+        try:
+            ack = await self._connect()
+        except BaseException:
+            await self._channel.close(None)
+            self._channel = None
+            raise
+        self._runner = asyncio.create_task(self._run(), name="kvrc-session")
+        return ack
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Ends the session cleanly: the coordinator removes this rank part at once."""
+        self._closing = True
+        call = self._call
+        if call is not None and not call.done():
+            with contextlib.suppress(Exception):
+                async with self._write_lock:
+                    await call.done_writing()
+        if self._runner is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._runner), timeout_s)
+            except TimeoutError:
+                self._runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._runner
+        if self._call is not None:
+            self._call.cancel()
+        if self._channel is not None:
+            await self._channel.close(None)
+
+    async def wait_ready(self, timeout_s: float | None = None) -> ChildEngineState:
+        """Waits until the child engine is READY (all rank parts registered)."""
+        await asyncio.wait_for(self._ready.wait(), timeout_s)
+        assert self.state is not None
+        return self.state
+
+    # --- outbound (later flows) ------------------------------------------------------
+
+    async def send_event_batch(self, batch: pb.EventBatch) -> None:
+        await self._send(pb.EngineMessage(events=batch))
+
+    async def send_pin_result(self, result: pb.PinResult) -> None:
+        await self._send(pb.EngineMessage(pin_result=result))
+
+    async def send_abort_ack(self, lease_id: str) -> None:
+        await self._send(pb.EngineMessage(abort_ack=pb.AbortAck(lease_id=lease_id)))
+
+    async def send_release_ack(self, lease_id: str) -> None:
+        await self._send(pb.EngineMessage(release_ack=pb.ReleaseAck(lease_id=lease_id)))
+
+    async def _send(self, message: pb.EngineMessage) -> None:
+        call = self._call
+        if call is None or call.done():
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the session is not connected")
+        try:
+            async with self._write_lock:
+                await call.write(message)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+        except asyncio.InvalidStateError:
+            raise UnavailableError(
+                grpc.StatusCode.UNAVAILABLE, "the session stream ended"
+            ) from None
+
+    # --- internals ---------------------------------------------------------------------
+
+    async def _connect(self) -> RegisterAck:
+        assert self._channel is not None
+        stub = pb_grpc.EngineServiceStub(self._channel)
+        call: _Call = stub.Session()  # type: ignore[call-arg]  # grpc-stubs predate the optional iterator
+        try:
+            await call.write(pb.EngineMessage(register=self.registration.to_proto()))
+            first = await asyncio.wait_for(call.read(), self._register_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+        except TimeoutError:
+            call.cancel()
+            raise error_from_status(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no RegisterAck within {self._register_timeout_s} s",
+            ) from None
+        if first is EOF or not isinstance(first, pb.CoordinatorMessage):
+            code = await call.code()
+            raise error_from_status(code, await call.details() or "stream ended")
+        if first.WhichOneof("message") != "register_ack":
+            call.cancel()
+            raise error_from_status(
+                grpc.StatusCode.INTERNAL, "the coordinator's first message was not RegisterAck"
+            )
+        ack = RegisterAck.from_proto(first.register_ack)
+        self._call = call
+        self.ack = ack
+        self.registrations += 1
+        self._set_state(ack.state)
+        log.info(
+            "registered %s rank (tp=%d, pp=%d, pcp=%d): session %s, %d/%d parts",
+            ack.state.child_engine_id,
+            self.registration.tp_rank,
+            self.registration.pp_rank,
+            self.registration.pcp_rank,
+            ack.session_id,
+            ack.state.parts_present,
+            ack.state.parts_expected,
+        )
+        await self.handler.on_registered(ack)
+        return ack
+
+    def _set_state(self, state: ChildEngineState) -> None:
+        self.state = state
+        if state.ready:
+            self._ready.set()
+        else:
+            self._ready.clear()
+
+    async def _run(self) -> None:
+        while True:
+            call = self._call
+            assert call is not None and self.ack is not None
+            beats = asyncio.create_task(self._heartbeats(call, self.ack.heartbeat_interval_ms))
+            try:
+                await self._read(call)
+            finally:
+                beats.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beats
+            self._ready.clear()
+            if self._closing or not self._reconnect:
+                return
+            if not await self._reconnect_with_backoff():
+                return
+
+    async def _reconnect_with_backoff(self) -> bool:
+        delay = self._backoff_initial_s
+        while not self._closing:
+            await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+            if self._closing:
+                break
+            try:
+                await self._connect()
+                return True
+            except KvrcClientError as e:
+                self.last_error = e
+                log.info("reconnect to %s failed (%s); retrying", self.target, e.code.name)
+            delay = min(delay * 2, self._backoff_max_s)
+        return False
+
+    async def _read(self, call: _Call) -> None:
+        try:
+            while True:
+                message = await call.read()
+                if message is EOF or not isinstance(message, pb.CoordinatorMessage):
+                    code = await call.code()
+                    if code != grpc.StatusCode.OK:
+                        self.last_error = error_from_status(code, await call.details() or "")
+                    return
+                await self._dispatch(message)
+        except grpc.aio.AioRpcError as e:
+            self.last_error = from_rpc_error(e)
+            if not self._closing:
+                log.info("session with %s broke: %s", self.target, self.last_error)
+
+    async def _dispatch(self, message: pb.CoordinatorMessage) -> None:
+        kind = message.WhichOneof("message")
+        h = self.handler
+        if kind == "heartbeat_ack":
+            self.last_heartbeat_ack_ms = message.heartbeat_ack.server_time_unix_ms
+        elif kind == "state":
+            state = ChildEngineState.from_proto(message.state)
+            self._set_state(state)
+            await h.on_state(state)
+        elif kind == "pin_request":
+            await h.on_pin_request(message.pin_request)
+        elif kind == "release_request":
+            await h.on_release_request(message.release_request)
+        elif kind == "abort_request":
+            await h.on_abort_request(message.abort_request)
+        elif kind == "resync_request":
+            await h.on_resync_request(message.resync_request)
+        elif kind == "quarantine_notice":
+            await h.on_quarantine_notice(message.quarantine_notice)
+        elif kind == "drain_notice":
+            await h.on_drain_notice(message.drain_notice)
+        else:
+            log.debug("ignoring coordinator message %s", kind)
+
+    async def _heartbeats(self, call: _Call, interval_ms: int) -> None:
+        interval_s = max(interval_ms, 10) / 1000
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            while not call.done():
+                await asyncio.sleep(interval_s)
+                if self._closing:
+                    return
+                beat = pb.Heartbeat(client_time_unix_ms=time.time_ns() // 1_000_000)
+                async with self._write_lock:
+                    await call.write(pb.EngineMessage(heartbeat=beat))

@@ -1,0 +1,231 @@
+"""Real processes for tests: a kvrc coordinator and engine rank parts.
+
+    from harness import start_coordinator, start_engine_part
+
+    with start_coordinator("--heartbeat-timeout-ms", "800") as kvrc:   # a sync context manager
+        part = start_engine_part(kvrc.grpc_target, engine_id="e1", tp_rank=0, tp_size=2)
+        ...
+
+`start_coordinator` launches `python -m coordinator serve` on 127.0.0.1 with an
+ephemeral gRPC port and metrics port (unless `listen=` names one), waits for
+its port file, and on exit stops it with SIGTERM and asserts that it exited 0
+without a traceback on stderr. It is synchronous on purpose (it is usable from
+async tests too: it blocks only for process start and stop). Engine parts are
+stopped (SIGKILL) when their coordinator context exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+ENGINE_PART_SCRIPT = REPO / "tests" / "engine_part.py"
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for tests that restart on one port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclass
+class CoordinatorProcess:
+    process: subprocess.Popen[bytes]
+    grpc_port: int
+    metrics_port: int
+    stderr_path: Path
+    parts: list[EnginePartProcess] = field(default_factory=list)
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def stderr_text(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        """Sends `sig` (once) and waits; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout_s)
+
+
+def _wait_for_port_file(
+    path: Path, process: subprocess.Popen[bytes], stderr_path: Path, timeout_s: float
+) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            ports: dict[str, int] = json.loads(path.read_text())
+            return ports
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"coordinator exited with {process.returncode} before serving:\n"
+                + stderr_path.read_text(errors="replace")
+            )
+        time.sleep(0.02)
+    process.kill()
+    raise TimeoutError(f"coordinator did not serve within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def start_coordinator(
+    *extra_args: str,
+    listen: str = "127.0.0.1:0",
+    start_timeout_s: float = 30.0,
+    check_exit: bool = True,
+) -> Iterator[CoordinatorProcess]:
+    """A real `kvrc serve` subprocess; see the module docstring."""
+    with tempfile.TemporaryDirectory(prefix="kvrc-test-") as tmp:
+        port_file = Path(tmp) / "ports.json"
+        stderr_path = Path(tmp) / "stderr.log"
+        with open(stderr_path, "wb") as stderr:
+            process = subprocess.Popen(
+                [
+                    PYTHON,
+                    "-m",
+                    "coordinator",
+                    "serve",
+                    "--listen",
+                    listen,
+                    "--metrics-port",
+                    "0",
+                    "--port-file",
+                    str(port_file),
+                    *extra_args,
+                ],
+                cwd=REPO,
+                env=_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
+        kvrc: CoordinatorProcess | None = None
+        try:
+            ports = _wait_for_port_file(port_file, process, stderr_path, start_timeout_s)
+            kvrc = CoordinatorProcess(
+                process, ports["grpc_port"], ports["metrics_port"], stderr_path
+            )
+            yield kvrc
+        finally:
+            if kvrc is not None:
+                for part in kvrc.parts:
+                    part.kill()
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            text = stderr_path.read_text(errors="replace")
+        if check_exit:
+            assert "Traceback" not in text, f"coordinator stderr has a traceback:\n{text}"
+            assert process.returncode == 0, f"coordinator exited {process.returncode}:\n{text}"
+
+
+@dataclass
+class EnginePartProcess:
+    """A real rank-part process (tests/engine_part.py)."""
+
+    process: subprocess.Popen[str]
+    first_line: dict[str, Any]
+    _stdout: IO[str]
+
+    @property
+    def registered(self) -> bool:
+        return bool(self.first_line.get("registered"))
+
+    def next_line(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        return _read_json_line(self.process, self._stdout, timeout_s)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                self.process.wait(timeout=10)
+
+    def terminate(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM: the part closes its session cleanly; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout_s)
+
+
+def _read_json_line(
+    process: subprocess.Popen[str], stdout: IO[str], timeout_s: float
+) -> dict[str, Any]:
+    # The part prints whole lines and flushes: a blocking readline with a watchdog.
+    import threading
+
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not result or not result[0]:
+        process.kill()
+        raise TimeoutError(f"engine part printed no line within {timeout_s} s")
+    line: dict[str, Any] = json.loads(result[0])
+    return line
+
+
+def start_engine_part(
+    target: str,
+    *args: str,
+    coordinator: CoordinatorProcess | None = None,
+    timeout_s: float = 20.0,
+    **options: str | int,
+) -> EnginePartProcess:
+    """Starts tests/engine_part.py; options become flags (tp_rank=1 -> --tp-rank 1).
+
+    Returns once the part printed its first JSON line (registered or refused).
+    Pass `coordinator=` to have the part killed when that coordinator stops.
+    """
+    argv = [PYTHON, str(ENGINE_PART_SCRIPT), "--target", target, *args]
+    for key, value in options.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    process = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=None,  # pytest captures it and shows it when a test fails
+        text=True,
+    )
+    assert process.stdout is not None
+    part = EnginePartProcess(process, {}, process.stdout)
+    if coordinator is not None:
+        coordinator.parts.append(part)
+    try:
+        part.first_line = part.next_line(timeout_s)
+    except BaseException:
+        part.kill()
+        raise
+    return part
