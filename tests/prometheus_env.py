@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import free_port
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
@@ -157,14 +158,51 @@ def exercise_all_metrics(metrics: Metrics) -> None:
             target.observe(7)
 
 
+# --- docs/metrics.md ------------------------------------------------------------
+
+DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+_HEADER = re.compile(r"^\|\s*metric\s*\|\s*type\s*\|\s*labels\s*\|\s*meaning\s*\|\s*$")
+_BACKTICKED = re.compile(r"`([^`]+)`")
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentedMetric:
+    name: str
+    metric_type: str
+    # label name -> its allowed values (empty: not an enumerated label)
+    labels: dict[str, frozenset[str]]
+
+
+def parse_metrics_doc(text: str) -> dict[str, DocumentedMetric]:
+    """The `| metric | type | labels | meaning |` table of docs/metrics.md."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if _HEADER.match(line)), None)
+    if start is None:
+        raise AssertionError("docs/metrics.md has no '| metric | type | labels | meaning |' table")
+    documented: dict[str, DocumentedMetric] = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4:
+            raise AssertionError(f"metrics table row has {len(cells)} cells, not 4: {line}")
+        names = _BACKTICKED.findall(cells[0])
+        if len(names) != 1:
+            raise AssertionError(f"metrics table row must name one metric: {line}")
+        name = names[0]
+        if name in documented:
+            raise AssertionError(f"{name} is documented twice")
+        labels: dict[str, frozenset[str]] = {}
+        for part in filter(None, (p.strip() for p in cells[2].split("<br>"))):
+            tokens = _BACKTICKED.findall(part)
+            if not tokens:
+                raise AssertionError(f"{name}: label cell part without a `label`: {part!r}")
+            labels[tokens[0]] = frozenset(tokens[1:])
+        documented[name] = DocumentedMetric(name, cells[1], labels)
+    return documented
+
+
 # --- a real Prometheus server ----------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,17 +9,18 @@ accept kvrc's exposition with every metric populated.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from prometheus_client import generate_latest
 from prometheus_env import (
+    DOC_PATH,
+    DocumentedMetric,
     MetricFamily,
     exercise_all_metrics,
     metric_catalog,
+    parse_metrics_doc,
     promtool_check_metrics,
     registry_family_names,
 )
@@ -27,10 +28,6 @@ from prometheus_env import (
 from coordinator.errors import ErrorCode
 from coordinator.metrics import Metrics
 from kvrc.v1 import kvrc_pb2
-
-DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
-_HEADER = re.compile(r"^\|\s*metric\s*\|\s*type\s*\|\s*labels\s*\|\s*meaning\s*\|\s*$")
-_BACKTICKED = re.compile(r"`([^`]+)`")
 
 # Labels that would carry one value per request, lease, block or engine.
 FORBIDDEN_LABELS = frozenset(
@@ -51,43 +48,6 @@ NON_BASE_UNITS = (
     "_megabytes",
     "_percent",
 )
-
-
-@dataclass(frozen=True, slots=True)
-class DocumentedMetric:
-    name: str
-    metric_type: str
-    # label name -> its allowed values (empty: not an enumerated label)
-    labels: dict[str, frozenset[str]]
-
-
-def parse_metrics_doc(text: str) -> dict[str, DocumentedMetric]:
-    """The `| metric | type | labels | meaning |` table of docs/metrics.md."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if _HEADER.match(line)), None)
-    if start is None:
-        raise AssertionError("docs/metrics.md has no '| metric | type | labels | meaning |' table")
-    documented: dict[str, DocumentedMetric] = {}
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4:
-            raise AssertionError(f"metrics table row has {len(cells)} cells, not 4: {line}")
-        names = _BACKTICKED.findall(cells[0])
-        if len(names) != 1:
-            raise AssertionError(f"metrics table row must name one metric: {line}")
-        name = names[0]
-        if name in documented:
-            raise AssertionError(f"{name} is documented twice")
-        labels: dict[str, frozenset[str]] = {}
-        for part in filter(None, (p.strip() for p in cells[2].split("<br>"))):
-            tokens = _BACKTICKED.findall(part)
-            if not tokens:
-                raise AssertionError(f"{name}: label cell part without a `label`: {part!r}")
-            labels[tokens[0]] = frozenset(tokens[1:])
-        documented[name] = DocumentedMetric(name, cells[1], labels)
-    return documented
 
 
 @pytest.fixture(scope="module")

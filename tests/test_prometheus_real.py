@@ -1,0 +1,189 @@
+"""A real Prometheus scrapes a real kvrc and sees what known traffic should produce.
+
+kvrc runs as a subprocess started with the manifests' own flags (`--reuse off`,
+the ConfigMap's profiles file, `--log-json`); rank parts are real processes of
+the client library (tests/engine_part.py); Prometheus is Debian's binary on
+127.0.0.1 with a 1 s scrape interval. The test then asks Prometheus's HTTP API,
+not kvrc, for the values, runs every Grafana dashboard query against it, lints
+kvrc's live exposition with `promtool check metrics`, checks that every label
+value kvrc exports is one docs/metrics.md lists, and calls the gRPC health
+service the way the manifests' probes do.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness import CoordinatorProcess, EnginePartProcess, start_coordinator, start_engine_part
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_env import (
+    DOC_PATH,
+    PrometheusServer,
+    parse_metrics_doc,
+    promtool_check_metrics,
+    running_prometheus,
+)
+
+from kvrc import __version__
+from kvrc.v1 import kvrc_pb2, kvrc_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+STANDALONE = REPO / "deploy" / "kubernetes" / "standalone"
+DASHBOARD = REPO / "deploy" / "grafana" / "kvrc-dashboard.json"
+GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "1m", "$instance": ".*"}
+STATUS_CALLS = 5
+
+Result = list[dict[str, Any]]
+
+
+def value_is(expected: float) -> Callable[[Result], bool]:
+    return lambda result: len(result) == 1 and float(result[0]["value"][1]) == expected
+
+
+def manifest_kvrc_container() -> dict[str, Any]:
+    deployment = yaml.safe_load((STANDALONE / "deployment.yaml").read_text())
+    container: dict[str, Any] = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "kvrc"
+    return container
+
+
+def serve_args_from_manifest(profiles_file: Path) -> list[str]:
+    """The Deployment's flags minus the listen/metrics addresses the harness chooses."""
+    args: list[str] = list(manifest_kvrc_container()["args"])
+    for flag in ("--listen", "--metrics-port"):
+        at = args.index(flag)
+        del args[at : at + 2]
+    at = args.index("--profiles")
+    args[at + 1] = str(profiles_file)
+    return args
+
+
+@pytest.fixture
+def kvrc(tmp_path: Path) -> Iterator[CoordinatorProcess]:
+    configmap = yaml.safe_load((STANDALONE / "configmap.yaml").read_text())
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text(configmap["data"]["profiles.toml"])
+    with start_coordinator(*serve_args_from_manifest(profiles)) as coordinator:
+        yield coordinator
+
+
+def part(kvrc: CoordinatorProcess, engine_id: str, tp_rank: int) -> EnginePartProcess:
+    return start_engine_part(
+        kvrc.grpc_target,
+        "--no-reconnect",
+        coordinator=kvrc,
+        engine_id=engine_id,
+        tp_rank=tp_rank,
+        tp_size=2,
+    )
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for variable, value in GRAFANA_VARS.items():
+                expr = expr.replace(variable, value)
+            exprs.append(expr)
+    return exprs
+
+
+def test_prometheus_scrapes_kvrc_and_sees_known_traffic(kvrc: CoordinatorProcess) -> None:
+    # Traffic: 5 status calls; engine "ready-engine" complete (2 of 2 parts),
+    # "half-engine" incomplete (1 of 2), one duplicate rank part refused.
+    with grpc.insecure_channel(kvrc.grpc_target) as channel:
+        admin = kvrc_pb2_grpc.AdminServiceStub(channel)
+        for _ in range(STATUS_CALLS):
+            admin.GetStatus(kvrc_pb2.StatusRequest(), timeout=10)
+        # What the manifests' probes ask (kubelet: grpc.health.v1.Health/Check).
+        health = health_pb2_grpc.HealthStub(channel)
+        container = manifest_kvrc_container()
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            service = container[probe]["grpc"].get("service", "")
+            answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING, (probe, service)
+
+    ready_0 = part(kvrc, "ready-engine", 0)
+    ready_1 = part(kvrc, "ready-engine", 1)
+    half = part(kvrc, "half-engine", 0)
+    duplicate = part(kvrc, "half-engine", 0)
+    assert ready_0.registered and ready_1.registered and half.registered
+    assert not duplicate.registered and duplicate.first_line["code"] == "ALREADY_EXISTS"
+
+    with running_prometheus([f"127.0.0.1:{kvrc.metrics_port}"]) as prom:
+        prom.wait_for('up{job="kvrc"}', value_is(1))
+        prom.wait_for(
+            'kvrc_rpc_requests_total{method="GetStatus",code="OK"}', value_is(STATUS_CALLS)
+        )
+        prom.wait_for(f'kvrc_build_info{{version="{__version__}"}}', value_is(1))
+        prom.wait_for("kvrc_rank_parts", value_is(3))
+        prom.wait_for('kvrc_child_engines{state="ready"}', value_is(1))
+        prom.wait_for('kvrc_child_engines{state="not_ready"}', value_is(1))
+        prom.wait_for('kvrc_registrations_total{result="ok"}', value_is(3))
+        prom.wait_for('kvrc_registrations_total{result="ALREADY_EXISTS"}', value_is(1))
+        prom.wait_for(
+            'kvrc_rpc_requests_total{method="Session",code="ALREADY_EXISTS"}', value_is(1)
+        )
+        prom.wait_for("kvrc_warming", value_is(0))
+
+        # A state change shows up too: one part of the ready engine leaves cleanly.
+        assert ready_1.terminate() == 0
+        prom.wait_for("kvrc_rank_parts", value_is(2))
+        prom.wait_for('kvrc_child_engines{state="ready"}', value_is(0))
+        prom.wait_for('kvrc_child_engines{state="not_ready"}', value_is(2))
+        prom.wait_for('kvrc_sessions_closed_total{reason="closed"}', value_is(1))
+
+        check_dashboard_queries(prom)
+
+
+def check_dashboard_queries(prom: PrometheusServer) -> None:
+    # Every panel's query is valid PromQL Prometheus evaluates without error...
+    results = {expr: prom.query(expr) for expr in dashboard_exprs()}
+    # ...and the ones fed by the traffic above have data (rates need 2 scrapes).
+    prom.wait_for(
+        'sum by (method) (rate(kvrc_rpc_requests_total{instance=~".*"}[1m]))',
+        lambda r: "GetStatus" in {s["metric"].get("method") for s in r},
+    )
+    states = results['sum by (state) (kvrc_child_engines{instance=~".*"})']
+    assert {s["metric"]["state"] for s in states} >= {"ready", "not_ready"}
+    assert results['sum(kvrc_rank_parts{instance=~".*"})']
+
+
+def test_live_exposition_passes_promtool_and_uses_documented_label_values(
+    kvrc: CoordinatorProcess,
+) -> None:
+    part(kvrc, "lint-engine", 0)
+    with grpc.insecure_channel(kvrc.grpc_target) as channel:
+        kvrc_pb2_grpc.AdminServiceStub(channel).GetStatus(kvrc_pb2.StatusRequest(), timeout=10)
+    with urllib.request.urlopen(kvrc.metrics_url, timeout=10) as response:
+        exposition = response.read()
+    result = promtool_check_metrics(exposition)
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
+
+    documented = parse_metrics_doc(DOC_PATH.read_text())
+    seen = 0
+    for family in text_string_to_metric_families(exposition.decode()):
+        if not family.name.startswith("kvrc_") or family.name.endswith("_created"):
+            continue  # `_created` companions are documented as a convention, not listed
+        name = {"counter": family.name + "_total", "info": family.name + "_info"}.get(
+            family.type, family.name
+        )
+        assert name in documented, f"kvrc exports {name}, docs/metrics.md does not list it"
+        for sample in family.samples:
+            for label, value in sample.labels.items():
+                allowed = documented[name].labels.get(label)
+                if label == "le" or not allowed:
+                    continue
+                seen += 1
+                assert value in allowed, f"{sample.name}{{{label}={value!r}}} not in docs"
+    assert seen, "no enumerated label value was checked"
