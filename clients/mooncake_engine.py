@@ -1,0 +1,187 @@
+"""A thin, safe wrapper around `mooncake.engine.TransferEngine`.
+
+Why a wrapper: the raw binding segfaults the process when any method is called
+before `initialize()`, reports failure as negative return codes rather than
+exceptions, reads its port range from the environment, and fails to import with
+an unhelpful loader error when its system libraries are missing. This class
+fixes all four in one place; everything else in `clients/` goes through it.
+
+Configuration, not code edits, picks the transport: `protocol="tcp"` with CPU
+tensors here, `protocol="rdma"` (and the CUDA wheel) on RDMA/NVLink GPU hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+INSTALL_HINT = (
+    "CPU hosts: `pip install mooncake-transfer-engine-non-cuda` and "
+    "`apt-get install --no-install-recommends libibverbs1 libnuma1 libcurl4`; "
+    "CUDA hosts: `pip install mooncake-transfer-engine` (needs the CUDA 12 runtime). "
+    "See DESIGN.md §5."
+)
+
+_PORT_MIN_ENV = "MC_MIN_RPC_PORT"
+_PORT_MAX_ENV = "MC_MAX_RPC_PORT"
+# Mooncake's own bound: a range reaching the kernel's ephemeral ports (32768+) is
+# ignored with a log line and it falls back to 15000-17000 (measured, 0.3.13).
+MOONCAKE_MAX_PORT = 32767
+_DEFAULT_PORT_RANGE = (15000, 17000)
+# Mooncake reads the port range from the environment once, when its library is
+# first imported; later changes have no effect. The lock serialises that import.
+_IMPORT_LOCK = threading.Lock()
+_imported_port_range: tuple[int, int] | None = None
+
+
+class TransferEngineUnavailable(RuntimeError):
+    """The Mooncake package or one of its system libraries is missing."""
+
+
+class TransferEngineError(RuntimeError):
+    """Mooncake refused an operation (a negative return code)."""
+
+    def __init__(self, operation: str, return_code: int, detail: str = "") -> None:
+        message = f"mooncake {operation} failed with return code {return_code}"
+        super().__init__(f"{message}: {detail}" if detail else message)
+        self.operation = operation
+        self.return_code = return_code
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeConfig:
+    """How this rank part's transfer engine starts.
+
+    `rpc_port_min`/`rpc_port_max` bound every port the engine listens on (its
+    handshake RPC and the TCP transport); without them Mooncake uses 15000-17000
+    on all interfaces.
+    """
+
+    local_hostname: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device_name: str = ""
+    rpc_port_min: int | None = None
+    rpc_port_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.local_hostname:
+            raise ValueError("local_hostname must not be empty")
+        if self.protocol not in ("tcp", "rdma", "nvlink", "efa", "cxl"):
+            raise ValueError(f"unknown mooncake protocol {self.protocol!r}")
+        if (self.rpc_port_min is None) != (self.rpc_port_max is None):
+            raise ValueError("set both rpc_port_min and rpc_port_max, or neither")
+        if (
+            self.rpc_port_min is not None
+            and self.rpc_port_max is not None
+            and not 1024 <= self.rpc_port_min <= self.rpc_port_max <= MOONCAKE_MAX_PORT
+        ):
+            raise ValueError(
+                f"port range {self.rpc_port_min}-{self.rpc_port_max} must lie in "
+                f"1024-{MOONCAKE_MAX_PORT} (Mooncake ignores ranges above)"
+            )
+
+    @property
+    def port_range(self) -> tuple[int, int] | None:
+        if self.rpc_port_min is None or self.rpc_port_max is None:
+            return None
+        return (self.rpc_port_min, self.rpc_port_max)
+
+
+def _env_port_range() -> tuple[int, int]:
+    try:
+        return (int(os.environ[_PORT_MIN_ENV]), int(os.environ[_PORT_MAX_ENV]))
+    except (KeyError, ValueError):
+        return _DEFAULT_PORT_RANGE
+
+
+def _load_transfer_engine_class(port_range: tuple[int, int] | None) -> tuple[Any, tuple[int, int]]:
+    """Import Mooncake with `port_range` in force; return the class and the range in use."""
+    global _imported_port_range
+    with _IMPORT_LOCK:
+        first = _imported_port_range is None
+        if first and port_range is not None and "mooncake.engine" not in sys.modules:
+            os.environ[_PORT_MIN_ENV] = str(port_range[0])
+            os.environ[_PORT_MAX_ENV] = str(port_range[1])
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:  # missing shared libraries surface as ImportError too
+            raise TransferEngineUnavailable(
+                f"cannot import mooncake.engine ({exc}). {INSTALL_HINT}"
+            ) from exc
+        if _imported_port_range is None:
+            _imported_port_range = _env_port_range()
+        if port_range is not None and port_range != _imported_port_range:
+            raise ValueError(
+                f"this process's Mooncake already listens in ports {_imported_port_range}; "
+                f"it reads {_PORT_MIN_ENV}/{_PORT_MAX_ENV} once, at first import, so "
+                f"{port_range} cannot apply: use one range per process"
+            )
+        return TransferEngine, _imported_port_range
+
+
+class MooncakeTransferEngine:
+    """One initialized Mooncake transfer engine of one rank part.
+
+    Construction initializes the native engine, so no method can ever reach the
+    binding uninitialized. `read_batch` blocks (it releases the GIL): call it
+    from an executor thread, never on an event loop.
+    """
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        engine_class, self.port_range = _load_transfer_engine_class(config.port_range)
+        self.config = config
+        self._engine = engine_class()
+        return_code = self._engine.initialize(
+            config.local_hostname, config.metadata_server, config.protocol, config.device_name
+        )
+        if return_code != 0:
+            raise TransferEngineError(
+                "initialize",
+                return_code,
+                f"hostname={config.local_hostname!r} metadata={config.metadata_server!r} "
+                f"protocol={config.protocol!r} device={config.device_name!r}",
+            )
+        self.rpc_port: int = int(self._engine.get_rpc_port())
+        low, high = self.port_range
+        if not low <= self.rpc_port <= high:
+            # Mooncake fell back to its default range (it only logs when it does).
+            raise TransferEngineError(
+                "initialize", -1, f"listening on port {self.rpc_port}, outside {low}-{high}"
+            )
+        self.session_name = f"{config.local_hostname}:{self.rpc_port}"
+
+    def register(self, address: int, length: int, *, location: str = "*") -> None:
+        """Make `length` bytes at `address` readable by peers (and usable locally)."""
+        if address <= 0 or length <= 0:
+            raise ValueError(f"cannot register address={address} length={length}")
+        return_code = self._engine.register_memory(address, length, location)
+        if return_code != 0:
+            raise TransferEngineError("register_memory", return_code, f"{length} bytes")
+
+    def unregister(self, address: int) -> None:
+        return_code = self._engine.unregister_memory(address)
+        if return_code != 0:
+            raise TransferEngineError("unregister_memory", return_code)
+
+    def read_batch(
+        self,
+        session_name: str,
+        local_addresses: Sequence[int],
+        remote_addresses: Sequence[int],
+        lengths: Sequence[int],
+    ) -> int:
+        """Blocking batch read from a peer; 0 on success, negative on failure.
+
+        A negative code does not mean quiet: other entries of the batch may still
+        be landing (DESIGN.md §5). `clients.transfer.pull` handles that.
+        """
+        return int(
+            self._engine.batch_transfer_sync_read(
+                session_name, list(local_addresses), list(remote_addresses), list(lengths)
+            )
+        )

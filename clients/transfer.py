@@ -1,0 +1,373 @@
+"""Transfer execution: plan a rank part's batch of reads, run it safely, taint on doubt.
+
+A pull reads blocks of a peer rank part's KV cache into local blocks with one
+Mooncake batch read. Mooncake's failure behaviour shapes everything here
+(DESIGN.md §5):
+
+* the call blocks and releases the GIL, so it runs in an executor thread;
+* a frozen peer blocks it for 30-60 s whatever Mooncake's own timeout says, so
+  `pull` enforces its own deadline and then answers UNKNOWN: the thread is still
+  inside Mooncake and bytes may still land when the peer wakes up;
+* a batch that returns a negative code keeps landing its other entries for up
+  to about a second, so a failed batch is quiet only `settle_s` after the call
+  returned.
+
+Destination blocks of anything but a success are *tainted*: they must not be
+read, reused or freed until the native call is quiet. `TransferResult` names
+them and can wait for quiet; `InFlightReads` tracks every call a rank part
+started, so a cancelled caller cannot lose track of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from clients.kv_cache import (
+    KvCacheLayout,
+    KvEndpointDescription,
+    KvRegionDescription,
+    check_compatible,
+)
+from kvrc.v1 import kvrc_pb2
+
+# Mooncake lands entries of a failed batch for up to ~1 s after the call returned.
+DEFAULT_SETTLE_S = 1.0
+LAYOUT_EXTRA_KEY = "kvrc.kv_layout"
+
+
+class TransferOutcome(enum.Enum):
+    SUCCEEDED = "SUCCEEDED"  # every byte landed, nothing running
+    FAILED = "FAILED"  # failed; quiet once the result says so
+    UNKNOWN = "UNKNOWN"  # deadline passed with the native call still running
+
+
+class BatchReader(Protocol):
+    def read_batch(
+        self,
+        session_name: str,
+        local_addresses: Sequence[int],
+        remote_addresses: Sequence[int],
+        lengths: Sequence[int],
+    ) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """One rank part's batch: parallel (local, remote, length) entries."""
+
+    session_name: str
+    local_addresses: tuple[int, ...]
+    remote_addresses: tuple[int, ...]
+    lengths: tuple[int, ...]
+    local_block_ids: tuple[int, ...]  # the destination blocks this plan writes
+    total_bytes: int
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def build(
+        cls,
+        local: KvEndpointDescription,
+        remote: KvEndpointDescription,
+        block_pairs: Sequence[tuple[int, int]],
+        *,
+        coalesce: bool = True,
+    ) -> TransferPlan:
+        """Plan reading remote blocks into local blocks, every layer.
+
+        `block_pairs` holds (local block id, remote block id). Heterogeneous
+        layouts and out-of-range or duplicate destination ids are refused here,
+        before any byte moves. With `coalesce`, runs of blocks contiguous on both
+        sides become one entry per layer.
+        """
+        check_compatible(local.layout, remote.layout)
+        for side in (local, remote):
+            if side.backend != "mooncake":
+                raise ValueError(f"backend {side.backend!r} is not mooncake")
+        local_blocks = local.layout.num_blocks
+        remote_blocks = remote.layout.num_blocks
+        seen: set[int] = set()
+        for local_id, remote_id in block_pairs:
+            if not 0 <= local_id < local_blocks:
+                raise ValueError(f"local block id {local_id} is not in 0..{local_blocks - 1}")
+            if not 0 <= remote_id < remote_blocks:
+                raise ValueError(f"remote block id {remote_id} is not in 0..{remote_blocks - 1}")
+            if local_id in seen:
+                raise ValueError(f"local block id {local_id} is written twice")
+            seen.add(local_id)
+
+        runs = _runs(sorted(block_pairs), coalesce)
+        block_len = local.layout.block_bytes
+        local_addresses: list[int] = []
+        remote_addresses: list[int] = []
+        lengths: list[int] = []
+        for local_region, remote_region in zip(local.regions, remote.regions, strict=True):
+            for local_start, remote_start, count in runs:
+                local_addresses.append(local_region.block_address(local_start))
+                remote_addresses.append(remote_region.block_address(remote_start))
+                lengths.append(count * block_len)
+        return cls(
+            session_name=remote.session_name,
+            local_addresses=tuple(local_addresses),
+            remote_addresses=tuple(remote_addresses),
+            lengths=tuple(lengths),
+            local_block_ids=tuple(sorted(seen)),
+            total_bytes=sum(lengths),
+        )
+
+
+def _runs(sorted_pairs: Sequence[tuple[int, int]], coalesce: bool) -> list[tuple[int, int, int]]:
+    """(local start, remote start, block count) runs of consecutive pairs."""
+    runs: list[tuple[int, int, int]] = []
+    for local_id, remote_id in sorted_pairs:
+        if coalesce and runs:
+            local_start, remote_start, count = runs[-1]
+            if local_id == local_start + count and remote_id == remote_start + count:
+                runs[-1] = (local_start, remote_start, count + 1)
+                continue
+        runs.append((local_id, remote_id, 1))
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class _NativeReturn:
+    return_code: int
+    returned_at: float  # time.monotonic()
+    error: str
+
+
+class NativeRead:
+    """One batch read submitted to an executor; knows when it is quiet.
+
+    Quiet means the native call returned and, when it failed, `settle_s` has
+    passed since, so no entry of the batch can still be landing.
+    """
+
+    def __init__(
+        self,
+        future: concurrent.futures.Future[_NativeReturn],
+        local_block_ids: tuple[int, ...],
+        settle_s: float,
+    ) -> None:
+        self._future = future
+        self.local_block_ids = local_block_ids
+        self.settle_s = settle_s
+
+    @property
+    def returned(self) -> bool:
+        return self._future.done()
+
+    def quiet_at(self) -> float | None:
+        """Monotonic time from which the call is quiet; None while it runs."""
+        if not self._future.done():
+            return None
+        native = self._future.result()
+        if native.return_code == 0:
+            return native.returned_at
+        return native.returned_at + self.settle_s
+
+    def is_quiet(self) -> bool:
+        quiet_at = self.quiet_at()
+        return quiet_at is not None and time.monotonic() >= quiet_at
+
+    async def wait_quiet(self, timeout_s: float | None = None) -> bool:
+        """Wait until quiet; False if `timeout_s` passed first."""
+        give_up = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._future.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout_s)
+            except TimeoutError:
+                return False
+        quiet_at = self.quiet_at()
+        assert quiet_at is not None
+        wait = quiet_at - time.monotonic()
+        if give_up is not None and quiet_at > give_up:
+            await asyncio.sleep(max(0.0, give_up - time.monotonic()))
+            return False
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return True
+
+
+class InFlightReads:
+    """Every native read of one rank part that is not yet quiet.
+
+    Destination blocks listed by `tainted_block_ids()` must stay out of use
+    (not read, reallocated or freed); `wait_all_quiet` is what a shutdown awaits.
+    """
+
+    def __init__(self) -> None:
+        self._reads: list[NativeRead] = []
+
+    def add(self, read: NativeRead) -> None:
+        self._prune()
+        self._reads.append(read)
+
+    def tainted_block_ids(self) -> frozenset[int]:
+        self._prune()
+        return frozenset(block for read in self._reads for block in read.local_block_ids)
+
+    def __len__(self) -> int:
+        self._prune()
+        return len(self._reads)
+
+    async def wait_all_quiet(self, timeout_s: float | None = None) -> bool:
+        give_up = None if timeout_s is None else time.monotonic() + timeout_s
+        for read in list(self._reads):
+            left = None if give_up is None else max(0.0, give_up - time.monotonic())
+            if not await read.wait_quiet(left):
+                return False
+        self._prune()
+        return True
+
+    def _prune(self) -> None:
+        self._reads = [read for read in self._reads if not read.is_quiet()]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    outcome: TransferOutcome
+    bytes_moved: int
+    duration_s: float
+    error: str
+    # Destination blocks that must stay out of use until `wait_quiet()` returns True.
+    tainted_block_ids: tuple[int, ...]
+    native_read: NativeRead | None = field(default=None, repr=False)
+
+    def is_quiet(self) -> bool:
+        return self.native_read is None or self.native_read.is_quiet()
+
+    async def wait_quiet(self, timeout_s: float | None = None) -> bool:
+        if self.native_read is None:
+            return True
+        return await self.native_read.wait_quiet(timeout_s)
+
+
+def _read(engine: BatchReader, plan: TransferPlan) -> _NativeReturn:
+    try:
+        return_code = engine.read_batch(
+            plan.session_name, plan.local_addresses, plan.remote_addresses, plan.lengths
+        )
+        error = "" if return_code == 0 else f"mooncake batch read returned {return_code}"
+    except Exception as exc:  # a binding error is a failure like any other, never a crash
+        return_code, error = -1, f"mooncake batch read raised {exc!r}"
+    return _NativeReturn(return_code, time.monotonic(), error)
+
+
+async def pull(
+    engine: BatchReader,
+    plan: TransferPlan,
+    *,
+    deadline_s: float,
+    executor: concurrent.futures.Executor,
+    settle_s: float = DEFAULT_SETTLE_S,
+    wait_settle: bool = True,
+    in_flight: InFlightReads | None = None,
+) -> TransferResult:
+    """Run `plan` as one batch read in `executor`, bounded by `deadline_s`.
+
+    * return code 0 -> SUCCEEDED, nothing tainted;
+    * negative code -> FAILED. With `wait_settle` (the default) `pull` waits
+      `settle_s` so that the result is already quiet and FAILED may be reported
+      at once; without it, `pull` returns as soon as the call does (to start a
+      recompute into other blocks sooner) and the destination blocks stay
+      tainted until `result.wait_quiet()`: report FAILED only after that;
+    * deadline passed -> UNKNOWN: the thread is still inside Mooncake, the
+      destination blocks stay tainted until it returns (plus `settle_s`).
+
+    Never raises for a transfer failure. The executor must have a thread per
+    concurrent pull: a frozen peer holds a thread for up to a minute.
+    """
+    if deadline_s <= 0:
+        raise ValueError(f"deadline_s must be positive, got {deadline_s}")
+    if settle_s < 0:
+        raise ValueError(f"settle_s must not be negative, got {settle_s}")
+    started = time.monotonic()
+    if plan.num_entries == 0:
+        return TransferResult(TransferOutcome.SUCCEEDED, 0, 0.0, "", ())
+
+    future = executor.submit(_read, engine, plan)
+    native_read = NativeRead(future, plan.local_block_ids, settle_s)
+    if in_flight is not None:
+        in_flight.add(native_read)
+    try:
+        # shield: a timeout or a cancelled caller must not lose the native call's result.
+        native = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline_s)
+    except TimeoutError:
+        return TransferResult(
+            TransferOutcome.UNKNOWN,
+            0,
+            time.monotonic() - started,
+            f"no answer from {plan.session_name} within {deadline_s:.3f} s; "
+            "the native read may still land",
+            plan.local_block_ids,
+            native_read,
+        )
+    duration_s = native.returned_at - started
+    if native.return_code == 0:
+        return TransferResult(
+            TransferOutcome.SUCCEEDED, plan.total_bytes, duration_s, "", (), native_read
+        )
+    if wait_settle:
+        await native_read.wait_quiet()
+    return TransferResult(
+        TransferOutcome.FAILED,
+        0,
+        duration_s,
+        f"{native.error} reading {plan.num_entries} entries from {plan.session_name}",
+        () if wait_settle else plan.local_block_ids,
+        native_read,
+    )
+
+
+def endpoint_to_proto(endpoint: KvEndpointDescription) -> kvrc_pb2.TransferEndpoint:
+    """The protocol form: regions field for field, the layout as JSON in `extra`."""
+    return kvrc_pb2.TransferEndpoint(
+        backend=endpoint.backend,
+        session_name=endpoint.session_name,
+        regions=[
+            kvrc_pb2.KvRegion(
+                base_addr=region.base_addr,
+                block_len=region.block_len,
+                num_blocks=region.num_blocks,
+                layer=region.layer,
+                kv_index=region.kv_index,
+            )
+            for region in endpoint.regions
+        ],
+        extra={LAYOUT_EXTRA_KEY: json.dumps(endpoint.layout.to_dict(), sort_keys=True).encode()},
+    )
+
+
+def endpoint_from_proto(message: kvrc_pb2.TransferEndpoint) -> KvEndpointDescription:
+    """Inverse of `endpoint_to_proto`; ValueError for a description it cannot trust."""
+    if LAYOUT_EXTRA_KEY not in message.extra:
+        raise ValueError(f"transfer endpoint carries no {LAYOUT_EXTRA_KEY!r}")
+    try:
+        layout = KvCacheLayout.from_dict(json.loads(message.extra[LAYOUT_EXTRA_KEY]))
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"malformed {LAYOUT_EXTRA_KEY}: {exc}") from exc
+    return KvEndpointDescription.from_parts(
+        backend=message.backend,
+        session_name=message.session_name,
+        layout=layout,
+        regions=[
+            KvRegionDescription(
+                layer=region.layer,
+                base_addr=region.base_addr,
+                block_len=region.block_len,
+                num_blocks=region.num_blocks,
+                kv_index=region.kv_index,
+            )
+            for region in message.regions
+        ],
+    )
