@@ -222,6 +222,9 @@ class HolderSide(Protocol):
         self, engine: EngineIndex, lease_key: LeaseKey, chain: Sequence[BlockId]
     ) -> int: ...
 
+    def unpin(self, engine: EngineIndex, lease_key: LeaseKey) -> None:
+        """For pins of a lease that was not granted (the holder was told to release)."""
+
 
 class ReuseProvider(Protocol):
     def bind(self, holders: HolderSide, num_engines: int) -> None:
@@ -553,6 +556,9 @@ class TraceSimulation:
         n = cache.published_prefix(chain)
         cache.pin(lease_key, chain[:n])
         return n
+
+    def unpin(self, engine: EngineIndex, lease_key: LeaseKey) -> None:
+        self.engines[engine].cache.unpin(lease_key)
 
     # --- replay -----------------------------------------------------------
     def run(self) -> ModeResult:

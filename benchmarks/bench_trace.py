@@ -1,0 +1,1000 @@
+"""Cluster-scale trace replay through the real kvrc service (issue 8).
+
+    python -m benchmarks.bench_trace --trace PATH --engines 10 \\
+        --capacity-tokens 3000000 --speedup 50 --out benchmarks/results
+
+What runs:
+- `local_rr`, `local_kv`, `upper_bound`: the pure simulator (`trace_sim`); they
+  need no coordinator.
+- `kvrc_rr`, `kvrc_kv`: a real `python -m coordinator serve --reuse on` process
+  and N simulated prefill engines in metadata-only mode, each a real session
+  stream registering one rank part. Engines publish BlockStored/BlockRemoved
+  for their LRU caches over their sessions, routers and engines call the real
+  Lookup, and loads take real prefix-load leases: RequestPrefixLoad -> the
+  coordinator sends a PinRequest to the holder's session -> the holder pins
+  what its simulated cache still holds -> grant -> CompletePrefixLoad
+  (SUCCEEDED, no KV bytes) -> the coordinator's ReleaseRequest -> unpin. The
+  replay is paced: virtual time t runs at wall time t / speedup. TTFT comes
+  from the virtual-time cost model; lookup latency is wall clock through gRPC.
+  The same two modes also run with the in-process reference provider, and the
+  report says whether the service reproduced them.
+- `max_sustained_speedup`: kvrc_kv is replayed at the default speedup, then at
+  twice that, and so on, until a step fails: lookup p99 >= 10 ms, an event
+  lost (the coordinator's per-engine inventory count differs from the engine's
+  published cache, a stream went stale, or a resync was requested), or the
+  replay could not keep pace (p99 lag of arrivals behind the schedule over
+  100 ms of wall time). The driver shares the machine's cores with the
+  coordinator, so this is a lower bound on what the coordinator alone sustains.
+
+Writes `<out>/trace-<trace stem>.json` and `<out>/trace-<trace stem>.png`
+(cumulative hit ratio over the trace, one line per mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from benchmarks.trace_sim import (
+    DEFAULT_CAPACITY_TOKENS,
+    DEFAULT_ENGINES,
+    BlockId,
+    Candidate,
+    CostModel,
+    EngineIndex,
+    HolderSide,
+    LoadGrant,
+    Mode,
+    ModeResult,
+    TraceRequest,
+    TraceSimulation,
+    best_possible_hit_ratio,
+    load_trace,
+    percentile,
+    simulate,
+)
+from clients.errors import KvrcClientError
+from clients.session import (
+    EngineProfile,
+    EngineSession,
+    RankPartRegistration,
+    SessionHandler,
+    TransferEndpoint,
+)
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+DEFAULT_OUT = REPO / "benchmarks" / "results"
+DEFAULT_SPEEDUP = 50.0
+LOOKUP_P99_LIMIT_MS = 10.0
+PACE_LAG_LIMIT_S = 0.1
+MODEL = "mooncake-trace-sim"
+RPC_TIMEOUT_S = 10.0
+RELEASE_WAIT_S = 5.0
+
+
+def block_hash(block: BlockId) -> bytes:
+    """Trace ids are already prefix hashes: 8 bytes big-endian on the wire."""
+    return block.to_bytes(8, "big")
+
+
+def block_from_hash(raw: bytes) -> BlockId:
+    return int.from_bytes(raw, "big")
+
+
+# ---------------------------------------------------------------------------
+# The coordinator process
+# ---------------------------------------------------------------------------
+
+
+PROFILES_TOML = f"""# Declared profile of the simulated engines (metadata only).
+[[profile]]
+name = "trace-sim"
+model = "{MODEL}"
+block_size = 512
+"""
+
+
+class CoordinatorProcess:
+    """`python -m coordinator serve` on an ephemeral loopback port."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.target = ""
+        self._log = workdir / "coordinator.log"
+
+    def start(self) -> None:
+        profiles = self._workdir / "profiles.toml"
+        profiles.write_text(PROFILES_TOML, encoding="utf-8")
+        port_file = self._workdir / "ports.json"
+        port_file.unlink(missing_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "coordinator",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "-1",
+            "--reuse",
+            "on",
+            "--profiles",
+            str(profiles),
+            "--port-file",
+            str(port_file),
+            "--log-level",
+            "WARNING",
+        ]
+        with self._log.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited at start: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("coordinator did not write its port file within 60 s")
+            time.sleep(0.05)
+        ports = json.loads(port_file.read_text())
+        self.target = f"127.0.0.1:{ports['grpc_port']}"
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the coordinator process so far."""
+        assert self.proc is not None
+        stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self._log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ---------------------------------------------------------------------------
+# One simulated engine's session (metadata only), through the client library
+# ---------------------------------------------------------------------------
+
+
+def engine_registration(child_engine_id: str) -> RankPartRegistration:
+    return RankPartRegistration(
+        engine_id=child_engine_id,
+        profile=EngineProfile(
+            model=MODEL,
+            block_size=512,
+            kv_dtype="bfloat16",
+            gpu_kind="simulated",
+            reuse_opt_in=True,
+        ),
+        endpoint=TransferEndpoint(backend="mooncake", session_name=f"simulated/{child_engine_id}"),
+    )
+
+
+@dataclass
+class LinkCounters:
+    resyncs: int = 0
+    aborts: int = 0
+    quarantines: int = 0
+    late_pins: int = 0
+    send_errors: list[str] = field(default_factory=list)
+
+
+class HolderBridge:
+    """Where session handlers (loop thread) meet the simulation (replay thread).
+
+    A PinRequest is answered from the holder's simulated cache only while the
+    replay thread is blocked inside RequestPrefixLoad (the pin window), so the
+    cache is never read and changed at once. Releases are recorded and waited
+    for by the replay thread, which then unpins.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._holders: HolderSide | None = None
+        self._window_open = False
+        self._window_pins: dict[str, EngineIndex] = {}
+        self._released: set[str] = set()
+        self.counters = LinkCounters()
+
+    def bind(self, holders: HolderSide) -> None:
+        self._holders = holders
+
+    def open_window(self) -> None:
+        with self._cond:
+            self._window_open = True
+            self._window_pins = {}
+
+    def close_window(self) -> dict[str, EngineIndex]:
+        with self._cond:
+            self._window_open = False
+            pins, self._window_pins = self._window_pins, {}
+            return pins
+
+    def pin(self, engine: EngineIndex, lease_id: str, hashes: Sequence[bytes]) -> int:
+        with self._cond:
+            if not self._window_open or self._holders is None:
+                self.counters.late_pins += 1
+                return 0
+            chain = [block_from_hash(h) for h in hashes]
+            pinned = self._holders.pin_prefix(engine, lease_id, chain)
+            if pinned:
+                self._window_pins[lease_id] = engine
+            else:
+                self._holders.unpin(engine, lease_id)  # holds nothing: no release follows
+            return pinned
+
+    def unpin(self, engine: EngineIndex, lease_id: str) -> None:
+        assert self._holders is not None
+        self._holders.unpin(engine, lease_id)
+
+    def released(self, lease_id: str) -> None:
+        with self._cond:
+            self._released.add(lease_id)
+            self._cond.notify_all()
+
+    def wait_released(self, lease_id: str, timeout_s: float) -> bool:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: lease_id in self._released, timeout_s)
+            self._released.discard(lease_id)
+            return ok
+
+
+class SimEngineLink(SessionHandler):
+    """One simulated engine: an `EngineSession` plus an ordered event writer.
+
+    Metadata only: it publishes its cache's events, answers pins from the
+    simulated cache, and acknowledges releases and aborts (no native transfer
+    runs, so there is nothing to stop).
+    """
+
+    def __init__(
+        self, target: str, index: EngineIndex, child_engine_id: str, bridge: HolderBridge
+    ) -> None:
+        self.index = index
+        self.child_engine_id = child_engine_id
+        self._bridge = bridge
+        self.session = EngineSession(
+            target, engine_registration(child_engine_id), handler=self, reconnect=False
+        )
+        self._events: asyncio.Queue[list[pb.InventoryEvent] | None] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+        self._incarnation = 0
+        self._sequence = 0
+        self.batches_sent = 0
+
+    async def start(self) -> None:
+        ack = await self.session.start()
+        if not ack.reuse.enabled:
+            raise RuntimeError(f"{self.child_engine_id}: reuse is not enabled: {ack.reuse.detail}")
+        self._incarnation = ack.incarnation
+        await self.session.wait_ready(timeout_s=RPC_TIMEOUT_S)
+        self._writer = asyncio.create_task(self._write_events())
+
+    def publish(self, events: list[pb.InventoryEvent]) -> None:
+        """Loop thread only (the replay thread goes through call_soon_threadsafe)."""
+        self._events.put_nowait(events)
+
+    async def flush(self) -> None:
+        """Until every batch published so far has been written to the stream."""
+        await self._events.join()
+
+    async def _write_events(self) -> None:
+        while True:
+            events = await self._events.get()
+            try:
+                if events is None:
+                    return
+                batch = pb.EventBatch(
+                    incarnation=self._incarnation, sequence=self._sequence, events=events
+                )
+                self._sequence += 1
+                try:
+                    await self.session.send_event_batch(batch)
+                    self.batches_sent += 1
+                except KvrcClientError as e:
+                    self._bridge.counters.send_errors.append(f"{self.child_engine_id}: {e}")
+            finally:
+                self._events.task_done()
+
+    async def close(self) -> None:
+        self._events.put_nowait(None)
+        if self._writer is not None:
+            await self._writer
+        await self.session.close()
+
+    # --- SessionHandler ---------------------------------------------------------
+    async def on_pin_request(self, request: pb.PinRequest) -> None:
+        pinned = self._bridge.pin(self.index, request.lease_id, list(request.block_hashes))
+        await self.session.send_pin_result(
+            pb.PinResult(
+                lease_id=request.lease_id,
+                pinned_blocks=pinned,
+                descriptor=pb.RankPartDescriptor(
+                    rank=pb.RankCoordinates(), block_ids=list(range(pinned))
+                ),
+            )
+        )
+
+    async def on_release_request(self, request: pb.ReleaseRequest) -> None:
+        self._bridge.released(request.lease_id)
+        await self.session.send_release_ack(request.lease_id)
+
+    async def on_abort_request(self, request: pb.AbortRequest) -> None:
+        self._bridge.counters.aborts += 1
+        await self.session.send_abort_ack(request.lease_id)
+
+    async def on_resync_request(self, request: pb.ResyncRequest) -> None:
+        self._bridge.counters.resyncs += 1  # an event was lost: the step fails
+
+    async def on_quarantine_notice(self, notice: pb.QuarantineNotice) -> None:
+        self._bridge.counters.quarantines += 1
+
+
+# ---------------------------------------------------------------------------
+# The kvrc-backed reuse provider
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class RealRunStats:
+    lookup_ms: list[float] = field(default_factory=list)
+    reuse_unavailable: int = 0
+    grants: int = 0
+    misses: int = 0
+    missing_releases: int = 0
+    lag_s: list[float] = field(default_factory=list)
+
+
+class KvrcProvider:
+    """ReuseProvider over the real service: sync unary RPCs from the replay thread,
+    events over each engine's session stream (loop thread)."""
+
+    def __init__(
+        self,
+        target: str,
+        links: Sequence[SimEngineLink],
+        loop: asyncio.AbstractEventLoop,
+        bridge: HolderBridge,
+    ) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
+        self._links = list(links)
+        self._ids = [link.child_engine_id for link in links]
+        self._index = {cid: i for i, cid in enumerate(self._ids)}
+        self._loop = loop
+        self._bridge = bridge
+        self._next_request = 0
+        self._requester_of: dict[str, EngineIndex] = {}
+        self.stats = RealRunStats()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # --- ReuseProvider ------------------------------------------------------
+    def bind(self, holders: HolderSide, num_engines: int) -> None:
+        if num_engines != len(self._links):
+            raise ValueError("one session per simulated engine")
+        self._bridge.bind(holders)
+
+    def lookup(
+        self, requester: EngineIndex, chain: Sequence[BlockId], include_self: bool, now_ms: float
+    ) -> list[Candidate]:
+        request = pb.LookupRequest(
+            requester_child_engine_id=self._ids[requester],
+            queries=[
+                pb.LookupQuery(
+                    block_hashes=[block_hash(b) for b in chain],
+                    min_blocks=1,
+                    include_self=include_self,
+                    max_candidates=2,
+                )
+            ],
+        )
+        started = time.perf_counter()
+        response: pb.LookupResponse = self._stub.Lookup(request, timeout=RPC_TIMEOUT_S)
+        self.stats.lookup_ms.append((time.perf_counter() - started) * 1000.0)
+        result = response.results[0]
+        if result.outcome == pb.LOOKUP_OUTCOME_REUSE_UNAVAILABLE:
+            self.stats.reuse_unavailable += 1
+            return []
+        return [
+            Candidate(self._index[c.child_engine_id], c.matched_blocks)
+            for c in result.candidates
+            if c.child_engine_id in self._index
+        ]
+
+    def acquire(
+        self, requester: EngineIndex, chain: Sequence[BlockId], min_blocks: int, now_ms: float
+    ) -> LoadGrant | None:
+        self._next_request += 1
+        request = pb.PrefixLoadRequest(
+            request_id=f"load-{self._next_request}",
+            requester_child_engine_id=self._ids[requester],
+            block_hashes=[block_hash(b) for b in chain],
+            min_blocks=min_blocks,
+            pin_timeout_ms=5000,
+            transfer_timeout_ms=60_000,
+        )
+        self._bridge.open_window()
+        try:
+            grant: pb.PrefixLoadGrant = self._stub.RequestPrefixLoad(request, timeout=RPC_TIMEOUT_S)
+        finally:
+            pins = self._bridge.close_window()
+        granted = grant.outcome == pb.GRANT_OUTCOME_GRANTED
+        for lease_id, engine in pins.items():
+            if granted and lease_id == grant.lease_id:
+                continue
+            # A holder pinned for a lease that missed: the coordinator releases it.
+            self._await_release(lease_id)
+            self._bridge.unpin(engine, lease_id)
+        if not granted:
+            self.stats.misses += 1
+            return None
+        self.stats.grants += 1
+        source = self._index[grant.source_child_engine_id]
+        self._requester_of[grant.lease_id] = requester
+        return LoadGrant(grant.lease_id, source, grant.matched_blocks)
+
+    def complete(self, grant: LoadGrant, loaded_blocks: int, now_ms: float) -> None:
+        lease_id = str(grant.lease_key)
+        requester = self._requester_of.pop(lease_id)
+        report = pb.TransferReport(
+            lease_id=lease_id,
+            reporter_child_engine_id=self._ids[requester],
+            rank=pb.RankCoordinates(),
+            outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+            bytes_moved=0,  # metadata only: no KV bytes move in this benchmark
+        )
+        self._stub.CompletePrefixLoad(report, timeout=RPC_TIMEOUT_S)
+        # Quiescent: the holder unpins when the coordinator says so.
+        self._await_release(lease_id)
+
+    def blocks_stored(
+        self,
+        engine: EngineIndex,
+        blocks: Sequence[BlockId],
+        parent: BlockId | None,
+        now_ms: float,
+    ) -> None:
+        event = pb.InventoryEvent(
+            stored=pb.BlockStored(
+                block_hashes=[block_hash(b) for b in blocks],
+                parent_block_hash=block_hash(parent) if parent is not None else b"",
+                num_tokens=512 * len(blocks),
+                tier=pb.TIER_GPU,
+            )
+        )
+        self._loop.call_soon_threadsafe(self._links[engine].publish, [event])
+
+    def blocks_removed(self, engine: EngineIndex, blocks: Sequence[BlockId], now_ms: float) -> None:
+        event = pb.InventoryEvent(
+            removed=pb.BlockRemoved(block_hashes=[block_hash(b) for b in blocks], tier=pb.TIER_GPU)
+        )
+        self._loop.call_soon_threadsafe(self._links[engine].publish, [event])
+
+    # --- internals ------------------------------------------------------------
+    def _await_release(self, lease_id: str) -> None:
+        if not self._bridge.wait_released(lease_id, RELEASE_WAIT_S):
+            self.stats.missing_releases += 1
+
+
+# ---------------------------------------------------------------------------
+# One replay through the real service
+# ---------------------------------------------------------------------------
+
+
+class LoopThread:
+    """An asyncio loop in a helper thread, for the sessions; stopped on exit."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="bench-sessions")
+
+    def __enter__(self) -> LoopThread:
+        self._thread.start()
+        return self
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+@dataclass
+class RealRun:
+    mode: Mode
+    speedup: float
+    result: ModeResult
+    requests: int
+    wall_s: float
+    lookup_ms_p50: float
+    lookup_ms_p99: float
+    lookups: int
+    lag_p99_s: float
+    lag_max_s: float
+    coordinator_cpu_s: float
+    events_lost: bool
+    lost_detail: str
+    stats: RealRunStats
+    counters: LinkCounters
+
+    @property
+    def cpu_s_per_1k_requests(self) -> float:
+        return self.coordinator_cpu_s * 1000.0 / max(1, self.requests)
+
+    @property
+    def sustained(self) -> bool:
+        return (
+            self.lookup_ms_p99 < LOOKUP_P99_LIMIT_MS
+            and not self.events_lost
+            and self.lag_p99_s <= PACE_LAG_LIMIT_S
+        )
+
+    def failed_because(self) -> str:
+        why = []
+        if self.lookup_ms_p99 >= LOOKUP_P99_LIMIT_MS:
+            why.append(f"lookup p99 {self.lookup_ms_p99:.2f} ms >= {LOOKUP_P99_LIMIT_MS} ms")
+        if self.events_lost:
+            why.append(f"events lost ({self.lost_detail})")
+        if self.lag_p99_s > PACE_LAG_LIMIT_S:
+            why.append(f"replay lag p99 {self.lag_p99_s:.3f} s > {PACE_LAG_LIMIT_S} s")
+        return "; ".join(why)
+
+    def step(self) -> dict[str, Any]:
+        return {
+            "speedup": self.speedup,
+            "sustained": self.sustained,
+            "failed_because": self.failed_because(),
+            "wall_s": round(self.wall_s, 2),
+            "lookup_ms_p50": round(self.lookup_ms_p50, 3),
+            "lookup_ms_p99": round(self.lookup_ms_p99, 3),
+            "lag_p99_s": round(self.lag_p99_s, 4),
+            "events_lost": self.events_lost,
+            "coordinator_cpu_s_per_1k_requests": round(self.cpu_s_per_1k_requests, 3),
+            "hit_ratio": self.result.hit_ratio,
+        }
+
+
+async def _start_links(
+    target: str, names: Sequence[str], bridge: HolderBridge
+) -> list[SimEngineLink]:
+    links = [SimEngineLink(target, i, name, bridge) for i, name in enumerate(names)]
+    await asyncio.gather(*(link.start() for link in links))
+    return links
+
+
+async def _close_links(links: Sequence[SimEngineLink]) -> None:
+    await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+
+
+async def _flush_links(links: Sequence[SimEngineLink]) -> None:
+    await asyncio.gather(*(link.flush() for link in links))
+
+
+def _inventory_mismatch(target: str, sim: TraceSimulation, names: Sequence[str]) -> str:
+    """'' when the coordinator's per-engine view matches every engine's published cache."""
+    with grpc.insecure_channel(target) as channel:
+        status: pb.StatusResponse = pb_grpc.AdminServiceStub(channel).GetStatus(
+            pb.StatusRequest(), timeout=RPC_TIMEOUT_S
+        )
+    by_id = {c.state.child_engine_id: c for c in status.child_engines}
+    problems = []
+    for i, name in enumerate(names):
+        child = by_id.get(name)
+        expected = len(sim.engines[i].cache.published)
+        if child is None:
+            problems.append(f"{name} is not registered")
+        elif child.state.stale:
+            problems.append(f"{name} is stale")
+        elif child.inventory_entries != expected:
+            problems.append(f"{name}: coordinator {child.inventory_entries} != engine {expected}")
+    return "; ".join(problems)
+
+
+def run_real(
+    mode: Mode,
+    requests: Sequence[TraceRequest],
+    *,
+    engines: int,
+    capacity_tokens: int,
+    cost: CostModel,
+    speedup: float,
+    workdir: Path,
+) -> RealRun:
+    """One replay of a kvrc mode through a fresh coordinator process."""
+    server = CoordinatorProcess(workdir)
+    server.start()
+    names = [f"prefill-{i}" for i in range(engines)]
+    bridge = HolderBridge()
+    try:
+        with LoopThread() as lt:
+            links = lt.run(_start_links(server.target, names, bridge))
+            provider = KvrcProvider(server.target, links, lt.loop, bridge)
+            lags: list[float] = []
+            try:
+                cpu_before = server.cpu_seconds()
+                t0 = time.perf_counter()
+
+                def pace(virtual_ms: float) -> None:
+                    target = t0 + virtual_ms / 1000.0 / speedup
+                    ahead = target - time.perf_counter()
+                    if ahead > 0:
+                        time.sleep(ahead)
+                    else:
+                        lags.append(-ahead)
+
+                sim = TraceSimulation(
+                    requests,
+                    mode,
+                    engines=engines,
+                    capacity_tokens=capacity_tokens,
+                    cost=cost,
+                    provider=provider,
+                    pace=pace,
+                )
+                result = sim.run()
+                wall_s = time.perf_counter() - t0
+                lt.run(_flush_links(links))
+                # Events still in flight settle within moments; a lost one never does.
+                mismatch = _inventory_mismatch(server.target, sim, names)
+                deadline = time.monotonic() + 5
+                while mismatch and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    mismatch = _inventory_mismatch(server.target, sim, names)
+                cpu_s = server.cpu_seconds() - cpu_before
+            finally:
+                provider.close()
+                lt.run(_close_links(links))
+    finally:
+        server.stop()
+    c = bridge.counters
+    lost = [
+        p
+        for p in (
+            mismatch,
+            f"{c.resyncs} resync requests" if c.resyncs else "",
+            f"send errors: {c.send_errors[:3]}" if c.send_errors else "",
+            f"{provider.stats.missing_releases} releases never came"
+            if provider.stats.missing_releases
+            else "",
+        )
+        if p
+    ]
+    lookups = provider.stats.lookup_ms
+    # Lag counts the whole schedule: events that ran on time lag 0.
+    all_lags = lags + [0.0] * max(0, len(requests) - len(lags))
+    return RealRun(
+        mode=mode,
+        speedup=speedup,
+        result=result,
+        requests=len(requests),
+        wall_s=wall_s,
+        lookup_ms_p50=percentile(lookups, 50),
+        lookup_ms_p99=percentile(lookups, 99),
+        lookups=len(lookups),
+        lag_p99_s=percentile(all_lags, 99),
+        lag_max_s=max(all_lags, default=0.0),
+        coordinator_cpu_s=cpu_s,
+        events_lost=bool(lost),
+        lost_detail="; ".join(lost),
+        stats=provider.stats,
+        counters=c,
+    )
+
+
+def search_max_speedup(
+    first: RealRun,
+    run_at: Callable[[float], RealRun],
+    budget_s: float,
+    log: Callable[[str], None],
+) -> tuple[float, list[dict[str, Any]]]:
+    """Double the speedup while steps sustain (halve from the first when it fails)."""
+    started = time.monotonic()
+    steps = [first.step()]
+    if first.sustained:
+        best = first.speedup
+        speed = first.speedup * 2
+        while time.monotonic() - started < budget_s and speed <= 1e6:
+            step = run_at(speed)
+            steps.append(step.step())
+            log(f"  speedup {speed:g}: {'sustained' if step.sustained else step.failed_because()}")
+            if not step.sustained:
+                break
+            best = speed
+            speed *= 2
+        return best, steps
+    speed = first.speedup / 2
+    while time.monotonic() - started < budget_s and speed >= 1:
+        step = run_at(speed)
+        steps.append(step.step())
+        log(f"  speedup {speed:g}: {'sustained' if step.sustained else step.failed_because()}")
+        if step.sustained:
+            return speed, steps
+        speed /= 2
+    return 0.0, steps
+
+
+# ---------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def build_report(
+    trace_path: Path,
+    requests: Sequence[TraceRequest],
+    results: dict[Mode, ModeResult],
+    reference: dict[Mode, ModeResult],
+    real: dict[Mode, RealRun],
+    max_sustained: float | None,
+    steps: list[dict[str, Any]],
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "trace": str(trace_path),
+        "trace_name": trace_path.stem,
+        "requests": len(requests),
+        "blocks": sum(len(r.block_ids) for r in requests),
+        "best_possible_hit_ratio": best_possible_hit_ratio(requests),
+        "config": config,
+    }
+    for mode in Mode:
+        report[mode.value] = results[mode].summary()
+    report["kvrc_kv_ttft_vs_local_kv"] = _ratio(
+        results[Mode.KVRC_KV].ttft_mean_s, results[Mode.LOCAL_KV].ttft_mean_s
+    )
+    report["kvrc_rr_vs_local_rr"] = _ratio(
+        results[Mode.KVRC_RR].hit_ratio, results[Mode.LOCAL_RR].hit_ratio
+    )
+    report["kvrc_kv_vs_upper_bound"] = _ratio(
+        results[Mode.KVRC_KV].hit_ratio, results[Mode.UPPER_BOUND].hit_ratio
+    )
+    if real:
+        lookups = [ms for run in real.values() for ms in run.stats.lookup_ms]
+        cpu = sum(run.coordinator_cpu_s for run in real.values())
+        served = sum(run.requests for run in real.values())
+        report["lookup_ms_p50"] = percentile(lookups, 50)
+        report["lookup_ms_p99"] = percentile(lookups, 99)
+        report["coordinator_cpu_s_per_1k_requests"] = cpu * 1000.0 / served
+        report["kvrc_modes_source"] = "service"
+    else:
+        report["lookup_ms_p50"] = report["lookup_ms_p99"] = None
+        report["coordinator_cpu_s_per_1k_requests"] = None
+        report["kvrc_modes_source"] = "reference provider (no service run)"
+    report["max_sustained_speedup"] = max_sustained
+    report["speedup_steps"] = steps
+    report["reference_provider"] = {
+        mode.value: {
+            **res.summary(),
+            "service_matches": (
+                real[mode].result.summary() == res.summary() if mode in real else None
+            ),
+        }
+        for mode, res in reference.items()
+    }
+    report["service_runs"] = {
+        mode.value: {
+            **run.step(),
+            "lookups": run.lookups,
+            "load_grants": run.stats.grants,
+            "load_misses": run.stats.misses,
+            "reuse_unavailable": run.stats.reuse_unavailable,
+            "late_pins": run.counters.late_pins,
+            "aborts": run.counters.aborts,
+            "quarantines": run.counters.quarantines,
+            "lost_detail": run.lost_detail,
+        }
+        for mode, run in real.items()
+    }
+    return report
+
+
+def write_plot(
+    path: Path, requests: Sequence[TraceRequest], results: dict[Mode, ModeResult]
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r.arrival_ms / 60_000 for r in requests]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for mode in Mode:
+        ax.plot(x, results[mode].cumulative_hit_ratio, label=mode.value, linewidth=1.4)
+    ax.axhline(best_possible_hit_ratio(requests), color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("trace time (minutes)")
+    ax.set_ylabel("cumulative prefix hit ratio")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{path.stem}: cumulative hit ratio by mode")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_trace", description="Trace replay through kvrc."
+    )
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--engines", type=int, default=DEFAULT_ENGINES)
+    p.add_argument("--capacity-tokens", type=int, default=DEFAULT_CAPACITY_TOKENS)
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=DEFAULT_SPEEDUP,
+        help="replay this many times faster than the trace clock (%(default)s)",
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--prefill-tokens-per-s", type=float, default=CostModel().prefill_tokens_per_s)
+    p.add_argument("--load-ms-per-block", type=float, default=CostModel().load_ms_per_block)
+    p.add_argument("--requests", type=int, default=0, help="replay only the first N (0 = all)")
+    p.add_argument(
+        "--search-budget-s",
+        type=float,
+        default=240.0,
+        help="wall time for the max-speedup search; 0 skips it (%(default)s)",
+    )
+    p.add_argument(
+        "--no-service",
+        action="store_true",
+        help="kvrc modes through the in-process reference provider only (no coordinator)",
+    )
+    args = p.parse_args(argv)
+    if args.engines < 1 or args.capacity_tokens < 512 or args.speedup <= 0 or args.requests < 0:
+        p.error("--engines >= 1, --capacity-tokens >= 512, --speedup > 0, --requests >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {msg}", flush=True)
+
+    try:
+        requests = load_trace(args.trace)
+    except (OSError, ValueError) as e:
+        print(f"bench_trace: {e}", file=sys.stderr)
+        return 2
+    if args.requests:
+        requests = requests[: args.requests]
+    cost = CostModel(args.prefill_tokens_per_s, args.load_ms_per_block)
+    shape = {"engines": args.engines, "capacity_tokens": args.capacity_tokens, "cost": cost}
+    log(f"{len(requests)} requests from {args.trace}")
+
+    results: dict[Mode, ModeResult] = {}
+    reference: dict[Mode, ModeResult] = {}
+    for mode in Mode:
+        res = simulate(requests, mode, **shape)  # type: ignore[arg-type]
+        (reference if mode.uses_kvrc else results)[mode] = res
+        log(
+            f"{mode.value:12s} (simulated) hit ratio {res.hit_ratio:.4f}, "
+            f"TTFT {res.ttft_mean_s:.3f} s"
+        )
+
+    real: dict[Mode, RealRun] = {}
+    steps: list[dict[str, Any]] = []
+    max_sustained: float | None = None
+    if args.no_service:
+        results.update(reference)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-trace-") as tmp:
+            workdir = Path(tmp)
+
+            def run_at(mode: Mode, speedup: float) -> RealRun:
+                return run_real(
+                    mode,
+                    requests,
+                    engines=args.engines,
+                    capacity_tokens=args.capacity_tokens,
+                    cost=cost,
+                    speedup=speedup,
+                    workdir=workdir,
+                )
+
+            for mode in (Mode.KVRC_RR, Mode.KVRC_KV):
+                run = run_at(mode, args.speedup)
+                real[mode] = run
+                results[mode] = run.result
+                same = run.result.summary() == reference[mode].summary()
+                log(
+                    f"{mode.value:12s} (service, {args.speedup:g}x) hit ratio "
+                    f"{run.result.hit_ratio:.4f}, TTFT {run.result.ttft_mean_s:.3f} s, lookup p99 "
+                    f"{run.lookup_ms_p99:.2f} ms, {run.wall_s:.1f} s"
+                    f"{'' if same else ', differs from the reference provider'}"
+                    f"{'' if run.sustained else ' [' + run.failed_because() + ']'}"
+                )
+            if args.search_budget_s > 0:
+                log("searching the max sustained speedup (kvrc_kv)")
+                max_sustained, steps = search_max_speedup(
+                    real[Mode.KVRC_KV],
+                    lambda s: run_at(Mode.KVRC_KV, s),
+                    args.search_budget_s,
+                    log,
+                )
+            else:
+                steps = [real[Mode.KVRC_KV].step()]
+
+    config = {
+        "engines": args.engines,
+        "capacity_tokens": args.capacity_tokens,
+        "capacity_blocks": args.capacity_tokens // cost.block_tokens,
+        "speedup": args.speedup,
+        "prefill_tokens_per_s": cost.prefill_tokens_per_s,
+        "load_ms_per_block": cost.load_ms_per_block,
+        "block_tokens": cost.block_tokens,
+        "lookup_p99_limit_ms": LOOKUP_P99_LIMIT_MS,
+        "pace_lag_limit_s": PACE_LAG_LIMIT_S,
+        "command": "python -m benchmarks.bench_trace "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    report = build_report(
+        args.trace, requests, results, reference, real, max_sustained, steps, config
+    )
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"trace-{args.trace.stem}.json"
+    json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    png_path = args.out / f"trace-{args.trace.stem}.png"
+    write_plot(png_path, requests, results)
+    log(f"wrote {json_path} and {png_path}")
+    for key in (
+        "kvrc_kv_ttft_vs_local_kv",
+        "kvrc_rr_vs_local_rr",
+        "kvrc_kv_vs_upper_bound",
+        "lookup_ms_p50",
+        "lookup_ms_p99",
+        "coordinator_cpu_s_per_1k_requests",
+        "max_sustained_speedup",
+    ):
+        log(f"  {key} = {report[key]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
