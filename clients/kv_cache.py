@@ -259,6 +259,7 @@ class PagedKvCache:
         self.device = layers[0].device
         self._backing = backing  # keeps the single allocation alive
         self._endpoint: KvEndpointDescription | None = None
+        self._engine: MooncakeTransferEngine | None = None
         self._registered_spans: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -286,6 +287,7 @@ class PagedKvCache:
                 engine.unregister(address)
             raise
         self._registered_spans = tuple(spans)
+        self._engine = engine
         self._endpoint = KvEndpointDescription.from_parts(
             backend="mooncake",
             session_name=engine.session_name,
@@ -301,6 +303,19 @@ class PagedKvCache:
             ],
         )
         return self._endpoint
+
+    def unregister(self) -> None:
+        """Withdraw the memory from the transfer engine (before freeing the tensors).
+
+        Mooncake refuses to register memory overlapping a stale registration, so a
+        cache must be unregistered before its memory is reused. The caller makes
+        sure no read into it is in flight (`clients.transfer.InFlightReads`).
+        """
+        if self._engine is None:
+            return
+        for address, _ in self._registered_spans:
+            self._engine.unregister(address)
+        self._engine, self._endpoint, self._registered_spans = None, None, ()
 
     def describe(self) -> KvEndpointDescription:
         if self._endpoint is None:

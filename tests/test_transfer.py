@@ -126,10 +126,11 @@ def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
 
 
 @pytest.fixture(scope="module")
-def local_cache(engine: MooncakeTransferEngine) -> PagedKvCache:
+def local_cache(engine: MooncakeTransferEngine) -> Iterator[PagedKvCache]:
     cache = PagedKvCache(LOCAL_LAYOUT, device="cpu")
     cache.register(engine)
-    return cache
+    yield cache
+    cache.unregister()
 
 
 @pytest.fixture
