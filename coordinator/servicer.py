@@ -183,7 +183,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         except Unimplemented as e:
             failure.set(grpc.StatusCode.UNIMPLEMENTED, str(e))
             reason = REASON_ERROR
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.RpcError):
+        except (grpc.aio.BaseError, grpc.RpcError, asyncio.InvalidStateError):
             pass  # the peer went away; the stream is over
         except Exception:
             log.exception("session %s: reading failed", session.session_id)

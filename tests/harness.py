@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -57,6 +57,7 @@ class CoordinatorProcess:
     metrics_port: int
     stderr_path: Path
     parts: list[EnginePartProcess] = field(default_factory=list)
+    final_stderr: str | None = None  # set once the process has exited and been checked
 
     @property
     def grpc_target(self) -> str:
@@ -67,6 +68,8 @@ class CoordinatorProcess:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def stderr_text(self) -> str:
+        if self.final_stderr is not None:
+            return self.final_stderr
         return self.stderr_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
@@ -145,6 +148,8 @@ def start_coordinator(
                     process.kill()
                     process.wait()
             text = stderr_path.read_text(errors="replace")
+            if kvrc is not None:
+                kvrc.final_stderr = text
         if check_exit:
             assert "Traceback" not in text, f"coordinator stderr has a traceback:\n{text}"
             assert process.returncode == 0, f"coordinator exited {process.returncode}:\n{text}"
@@ -229,3 +234,41 @@ def start_engine_part(
         part.kill()
         raise
     return part
+
+
+# --- async helpers for tests that talk gRPC in-process --------------------------------
+
+
+async def get_status(target: str, timeout_s: float = 5.0) -> Any:
+    """AdminService.GetStatus over a fresh channel (a kvrc.v1 StatusResponse)."""
+    import grpc
+
+    from kvrc.v1 import kvrc_pb2, kvrc_pb2_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = kvrc_pb2_grpc.AdminServiceStub(channel)
+        return await stub.GetStatus(kvrc_pb2.StatusRequest(), timeout=timeout_s)
+
+
+async def child_engine_status(target: str, child_engine_id: str) -> Any | None:
+    """The ChildEngineStatus of one child engine, or None when it is not registered."""
+    status = await get_status(target)
+    for child in status.child_engines:
+        if child.state.child_engine_id == child_engine_id:
+            return child
+    return None
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.05
+) -> float:
+    """Polls until `predicate()` is true; returns the seconds it took (TimeoutError if never)."""
+    import asyncio
+
+    started = time.monotonic()
+    while True:
+        if await predicate():
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(interval_s)
