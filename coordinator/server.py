@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import tempfile
 from pathlib import Path
 
@@ -46,6 +47,23 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port_text)
 
 
+def check_bindable(host: str, port: int) -> None:
+    """Fails early, with one line, where grpc would log a multi-line C-core error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"--listen {host}:{port}: cannot resolve {host!r} ({e.strerror})"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"--listen {host}:{port}: cannot bind ({e.strerror})") from None
+
+
 def write_port_file(path: Path, grpc_port: int, metrics_port: int) -> None:
     """Atomically: readers never see a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -68,7 +86,8 @@ def _server_options(config: CoordinatorConfig) -> list[tuple[str, int]]:
 
 async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status."""
-    host, _ = split_host_port(config.listen)
+    host, port = split_host_port(config.listen)
+    check_bindable(host, port)
     coordinator = Coordinator(config)
     server = grpc.aio.server(options=_server_options(config))
     pb_grpc.add_EngineServiceServicer_to_server(EngineService(coordinator), server)
