@@ -9,10 +9,13 @@ accept kvrc's exposition with every metric populated.
 from __future__ import annotations
 
 import re
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import yaml
 from prometheus_client import generate_latest
 from prometheus_env import (
     DOC_PATH,
@@ -21,6 +24,7 @@ from prometheus_env import (
     exercise_all_metrics,
     metric_catalog,
     parse_metrics_doc,
+    promtool,
     promtool_check_metrics,
     registry_family_names,
 )
@@ -200,3 +204,45 @@ def test_promtool_flags_a_badly_named_counter() -> None:
     )
     result = promtool_check_metrics(bad)
     assert result.returncode != 0
+
+
+def doc_queries(text: str) -> list[str]:
+    """The PromQL column of the doc's `| question | PromQL |` table."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"^\|\s*question\s*\|", line))
+    queries = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        # `\|` is a literal | inside a cell (a PromQL regex alternation).
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        queries.append(re.findall(r"`([^`]+)`", cells[1])[0].replace("\\|", "|"))
+    return queries
+
+
+def test_documented_queries_parse_and_use_exported_metrics(tmp_path: Path) -> None:
+    queries = doc_queries(DOC_PATH.read_text())
+    assert queries
+    exported = {n for f in metric_catalog(Metrics()).values() for n in f.sample_names()}
+    for query in queries:
+        used = set(re.findall(r"\bkvrc_[a-z0-9_]+", query))
+        assert used and used <= exported, f"{query}: unknown {sorted(used - exported)}"
+    rules = tmp_path / "rules.yml"
+    rules.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "docs",
+                        "rules": [
+                            {"record": f"kvrc_docs:q{i}", "expr": q} for i, q in enumerate(queries)
+                        ],
+                    }
+                ]
+            }
+        )
+    )
+    result = subprocess.run(
+        [str(promtool()), "check", "rules", str(rules)], capture_output=True, timeout=60
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
