@@ -383,3 +383,86 @@ def test_shipped_trace_targets_with_the_reference_provider(shipped: list[TraceRe
 def test_kvrc_mode_needs_a_provider() -> None:
     with pytest.raises(ValueError, match="provider"):
         TraceSimulation(TINY, Mode.KVRC_KV)
+
+
+# --- the report and the real path (benchmarks/bench_trace.py) ------------------
+
+
+def test_bench_trace_writes_every_field_without_the_service(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (bench extra)")
+    from benchmarks import bench_trace
+
+    trace = tmp_path / "tiny.jsonl"
+    trace.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "timestamp": r.arrival_ms,
+                    "input_length": r.input_tokens,
+                    "output_length": 1,
+                    "hash_ids": list(r.block_ids),
+                }
+            )
+            for r in _churn_trace(60)
+        )
+    )
+    argv = ["--trace", str(trace), "--engines", "3", "--capacity-tokens", "3072"]
+    assert bench_trace.main([*argv, "--no-service", "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "trace-tiny.json").read_text())
+    for mode in Mode:
+        for key in ("hit_ratio", "blocks_loaded", "blocks_recomputed", "ttft_mean_s", "ttft_p90_s"):
+            assert key in report[mode.value]
+    assert report["upper_bound"]["hit_ratio"] == report["best_possible_hit_ratio"]
+    assert report["kvrc_kv_vs_upper_bound"] == pytest.approx(
+        report["kvrc_kv"]["hit_ratio"] / report["upper_bound"]["hit_ratio"]
+    )
+    for key in ("lookup_ms_p50", "lookup_ms_p99", "max_sustained_speedup"):
+        assert key in report
+    png = (tmp_path / "out" / "trace-tiny.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_bench_trace_refuses_a_bad_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import bench_trace
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    assert bench_trace.main(["--trace", str(bad), "--no-service", "--out", str(tmp_path)]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert not list(tmp_path.glob("trace-*"))
+
+
+@pytest.mark.parametrize("mode", [Mode.KVRC_RR, Mode.KVRC_KV])
+def test_real_service_replay_keeps_the_coordinator_view_and_leases_exact(
+    mode: Mode, tmp_path: Path
+) -> None:
+    import grpc
+
+    from benchmarks import bench_trace
+
+    reqs = _churn_trace(160)
+    try:
+        run = bench_trace.run_real(
+            mode,
+            reqs,
+            engines=4,
+            capacity_tokens=512 * 6,
+            cost=CostModel(),
+            speedup=20.0,
+            workdir=tmp_path,
+        )
+    except grpc.RpcError as e:
+        if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            pytest.skip(f"the service does not serve this yet: {e.details()}")
+        raise
+    assert not run.events_lost, run.lost_detail
+    assert run.lookups == len(reqs)  # one real Lookup per request
+    assert run.stats.grants > 5 and run.result.blocks_loaded > 0
+    assert run.counters.late_pins == 0
+    assert run.counters.aborts == run.counters.quarantines == 0
+    assert run.stats.missing_releases == 0  # every lease was released by the coordinator
+    local = simulate(reqs, Mode.LOCAL_RR, engines=4, capacity_tokens=512 * 6)
+    assert run.result.hit_ratio > local.hit_ratio
+    assert run.lookup_ms_p99 > 0
