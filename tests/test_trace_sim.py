@@ -6,10 +6,12 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks import bench_trace
 from benchmarks.trace_sim import (
     BlockId,
     Candidate,
@@ -390,7 +392,6 @@ def test_kvrc_mode_needs_a_provider() -> None:
 
 def test_bench_trace_writes_every_field_without_the_service(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (bench extra)")
-    from benchmarks import bench_trace
 
     trace = tmp_path / "tiny.jsonl"
     trace.write_text(
@@ -425,8 +426,6 @@ def test_bench_trace_writes_every_field_without_the_service(tmp_path: Path) -> N
 def test_bench_trace_refuses_a_bad_trace(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from benchmarks import bench_trace
-
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 5, "hash_ids": [1]}\n{"timestamp": 1}\n')
     assert bench_trace.main(["--trace", str(bad), "--no-service", "--out", str(tmp_path)]) == 2
@@ -438,10 +437,6 @@ def test_bench_trace_refuses_a_bad_trace(
 def test_real_service_replay_keeps_the_coordinator_view_and_leases_exact(
     mode: Mode, tmp_path: Path
 ) -> None:
-    import grpc
-
-    from benchmarks import bench_trace
-
     reqs = _churn_trace(160)
     try:
         run = bench_trace.run_real(
@@ -466,3 +461,47 @@ def test_real_service_replay_keeps_the_coordinator_view_and_leases_exact(
     local = simulate(reqs, Mode.LOCAL_RR, engines=4, capacity_tokens=512 * 6)
     assert run.result.hit_ratio > local.hit_ratio
     assert run.lookup_ms_p99 > 0
+
+
+def _fake_step(speedup: float, ok_up_to: float) -> bench_trace.RealRun:
+    """A RealRun whose numbers pass up to `ok_up_to` (the search policy alone)."""
+    result = simulate(TINY, Mode.LOCAL_RR, engines=2)
+    fast = speedup <= ok_up_to
+    return bench_trace.RealRun(
+        mode=Mode.KVRC_KV,
+        speedup=speedup,
+        result=result,
+        requests=4,
+        wall_s=1.0,
+        lookup_ms_p50=0.5,
+        lookup_ms_p99=2.0 if fast else 12.0,
+        lookups=4,
+        lag_p99_s=0.0,
+        lag_max_s=0.0,
+        coordinator_cpu_s=0.01,
+        events_lost=False,
+        lost_detail="",
+        stats=bench_trace.RealRunStats(),
+        counters=bench_trace.LinkCounters(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "ok_up_to", "expected", "tried"),
+    [
+        (50.0, 400.0, 400.0, [50.0, 100.0, 200.0, 400.0, 800.0]),
+        (50.0, 10.0, 6.25, [50.0, 25.0, 12.5, 6.25]),
+        (2.0, 0.5, 0.0, [2.0, 1.0]),
+    ],
+)
+def test_max_speedup_search_doubles_until_a_step_fails(
+    first: float, ok_up_to: float, expected: float, tried: list[float]
+) -> None:
+    def run_at(speedup: float) -> bench_trace.RealRun:
+        return _fake_step(speedup, ok_up_to)
+
+    best, steps = bench_trace.search_max_speedup(run_at(first), run_at, 60.0, lambda _: None)
+    assert best == expected
+    assert [s["speedup"] for s in steps] == tried
+    failed = [s for s in steps if not s["sustained"]]
+    assert all("lookup p99" in s["failed_because"] for s in failed)
