@@ -1,0 +1,226 @@
+"""Malformed input is refused with INVALID_ARGUMENT and changes nothing (invariant 8).
+
+Raw protobuf over a real session stream, so each case sends exactly what a
+buggy or hostile client could send. After every case GetStatus must be
+identical to the baseline, and the service must still accept good input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
+from harness import CoordinatorProcess, get_status, start_coordinator
+
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+
+MiB = 1 << 20
+
+
+def good_register(engine_id: str = "bad-input", tp_rank: int = 0) -> pb.Register:
+    return pb.Register(
+        engine_id=engine_id,
+        dp_rank=0,
+        child_engine_id=engine_id,
+        rank=pb.RankCoordinates(tp_rank=tp_rank),
+        profile=pb.DeploymentProfile(
+            model="m",
+            block_size=16,
+            kv_dtype="bfloat16",
+            parallel=pb.ParallelSizes(tp_size=2, pp_size=1, pcp_size=1, dp_size=1, dcp_size=1),
+        ),
+        endpoint=pb.TransferEndpoint(backend="mooncake", session_name="127.0.0.1:15000"),
+    )
+
+
+def mutate(change: Callable[[pb.Register], None]) -> pb.Register:
+    reg = good_register()
+    change(reg)
+    return reg
+
+
+@pytest.fixture(scope="module")
+def kvrc() -> Iterator[CoordinatorProcess]:
+    with start_coordinator() as coordinator:
+        yield coordinator
+
+
+async def run_session(target: str, messages: list[pb.EngineMessage]) -> tuple[grpc.StatusCode, str]:
+    """Sends `messages`, then reads until the coordinator ends the stream."""
+    async with grpc.aio.insecure_channel(
+        target,
+        options=[("grpc.max_send_message_length", 64 * MiB)],
+    ) as channel:
+        call = _open(channel)
+        try:
+            for message in messages:
+                await call.write(message)
+            await call.done_writing()
+            while True:
+                reply: Any = await call.read()
+                if reply is EOF:
+                    break
+                if reply.WhichOneof("message") == "register_ack":
+                    continue  # accepted: the next message is the one under test
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+        return await call.code(), await call.details()
+
+
+def _open(channel: grpc.aio.Channel) -> Any:
+    return pb_grpc.EngineServiceStub(channel).Session()  # type: ignore[call-arg]
+
+
+def _set(path: str, value: object) -> Callable[[pb.Register], None]:
+    def change(reg: pb.Register) -> None:
+        *parents, leaf = path.split(".")
+        target: object = reg
+        for name in parents:
+            target = getattr(target, name)
+        if isinstance(value, pb.ParallelSizes):
+            getattr(target, leaf).CopyFrom(value)  # message fields are not assignable
+        else:
+            setattr(target, leaf, value)
+
+    return change
+
+
+REGISTER_CASES: list[tuple[str, Callable[[pb.Register], None], str]] = [
+    ("empty engine_id", _set("engine_id", ""), "engine_id is empty"),
+    ("empty child_engine_id", _set("child_engine_id", ""), "child_engine_id is empty"),
+    ("id too long", _set("engine_id", "e" * 300), "engine_id is 300 characters"),
+    ("id not printable", _set("engine_id", "e\n1"), "engine_id must be printable ASCII"),
+    ("id not ascii", _set("engine_id", "é"), "engine_id must be printable ASCII"),
+    ("tp_rank >= tp_size", _set("rank.tp_rank", 2), "rank.tp_rank must be in [0, 2), got 2"),
+    ("pp_rank >= pp_size", _set("rank.pp_rank", 1), "rank.pp_rank must be in [0, 1), got 1"),
+    ("dp_rank >= dp_size", _set("dp_rank", 3), "dp_rank must be in [0, 1), got 3"),
+    ("huge rank", _set("rank.pcp_rank", 2**32 - 1), "rank.pcp_rank must be in [0, 1)"),
+    ("tp_size 0", _set("profile.parallel.tp_size", 0), "profile.parallel.tp_size must be in"),
+    ("dp_size 0", _set("profile.parallel.dp_size", 0), "profile.parallel.dp_size must be in"),
+    ("size too large", _set("profile.parallel.pp_size", 5000), "profile.parallel.pp_size"),
+    (
+        "grid too large",
+        _set("profile.parallel", pb.ParallelSizes(tp_size=2, pp_size=1024, pcp_size=8, dp_size=1)),
+        "tp_size x pp_size x pcp_size = 16384 rank parts exceeds the limit of 4096",
+    ),
+    ("empty model", _set("profile.model", ""), "profile.model is empty"),
+    ("block_size 0", _set("profile.block_size", 0), "profile.block_size must be >= 1"),
+    ("unknown publish_mode", _set("publish_mode", 99), "publish_mode: unknown enum value 99"),
+    ("missing profile", lambda r: r.ClearField("profile"), "profile is missing"),
+    (
+        "oversized metadata",
+        _set("endpoint.agent_metadata", b"\x00" * (2 * MiB)),
+        "endpoint metadata (agent_metadata + extra) is 2097152 bytes; the limit is 1048576",
+    ),
+    (
+        "too many regions",
+        lambda r: r.endpoint.regions.extend(pb.KvRegion() for _ in range(5000)),
+        "endpoint.regions has 5000 entries; the limit is 4096",
+    ),
+    (
+        "oversized model name",
+        _set("profile.model", "m" * 5000),
+        "profile.model is 5000 characters",
+    ),
+    (
+        "too many extra entries",
+        lambda r: r.profile.extra.update({f"k{i}": "v" for i in range(100)}),
+        "profile.extra has 100 entries",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [(c, n) for _, c, n in REGISTER_CASES],
+    ids=[name for name, _, _ in REGISTER_CASES],
+)
+async def test_bad_registration_is_invalid_argument_and_changes_nothing(
+    kvrc: CoordinatorProcess, change: Callable[[pb.Register], None], needle: str
+) -> None:
+    before = await get_status(kvrc.grpc_target)
+    code, details = await run_session(kvrc.grpc_target, [pb.EngineMessage(register=mutate(change))])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert needle in details
+    assert await get_status(kvrc.grpc_target) == before
+
+
+@pytest.mark.parametrize(
+    ("messages", "needle"),
+    [
+        ([], "the session stream ended before its Register message"),
+        (
+            [pb.EngineMessage(heartbeat=pb.Heartbeat())],
+            "the first session message must be register, got heartbeat",
+        ),
+        ([pb.EngineMessage()], "the first session message must be register, got nothing"),
+    ],
+    ids=["no message", "heartbeat first", "empty message"],
+)
+async def test_session_must_start_with_register(
+    kvrc: CoordinatorProcess, messages: list[pb.EngineMessage], needle: str
+) -> None:
+    before = await get_status(kvrc.grpc_target)
+    code, details = await run_session(kvrc.grpc_target, messages)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in details
+    assert await get_status(kvrc.grpc_target) == before
+
+
+@pytest.mark.parametrize(
+    ("second", "needle"),
+    [
+        (
+            pb.EngineMessage(register=good_register("later", tp_rank=1)),
+            "register may only be the first message",
+        ),
+        (pb.EngineMessage(), "empty or unknown EngineMessage"),
+    ],
+    ids=["second register", "empty message"],
+)
+async def test_protocol_error_after_register_ends_only_that_session(
+    kvrc: CoordinatorProcess, second: pb.EngineMessage, needle: str
+) -> None:
+    before = await get_status(kvrc.grpc_target)
+    code, details = await run_session(
+        kvrc.grpc_target,
+        [pb.EngineMessage(register=good_register("proto-err")), second],
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in details
+    # Its own part went with the session; nothing else changed.
+    assert await get_status(kvrc.grpc_target) == before
+
+
+async def test_message_above_grpc_limit_is_resource_exhausted(kvrc: CoordinatorProcess) -> None:
+    """Above the documented 16 MiB hard limit grpc refuses before our validation runs."""
+    before = await get_status(kvrc.grpc_target)
+    huge = _set("endpoint.agent_metadata", b"\x01" * (17 * MiB))
+    code, _ = await run_session(kvrc.grpc_target, [pb.EngineMessage(register=mutate(huge))])
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await get_status(kvrc.grpc_target) == before
+
+
+async def test_service_still_accepts_good_input_and_state_holds(kvrc: CoordinatorProcess) -> None:
+    # Bad input never touches another engine: register one part, send garbage, check.
+    async with grpc.aio.insecure_channel(kvrc.grpc_target) as channel:
+        call = _open(channel)
+        await call.write(pb.EngineMessage(register=good_register("survivor")))
+        ack: Any = await call.read()
+        assert ack.register_ack.state.parts_present == 1
+        before = await get_status(kvrc.grpc_target)
+        for _, change, _ in REGISTER_CASES[:6]:
+            await run_session(kvrc.grpc_target, [pb.EngineMessage(register=mutate(change))])
+        after = await get_status(kvrc.grpc_target)
+        await call.done_writing()
+    # Heartbeat times may move; everything else is identical.
+    for status in (before, after):
+        for child in status.child_engines:
+            for part in child.parts:
+                part.last_heartbeat_unix_ms = 0
+    assert after == before
+    assert [c.state.child_engine_id for c in after.child_engines] == ["survivor"]
