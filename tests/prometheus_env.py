@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from harness import free_port
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
@@ -247,29 +248,28 @@ class PrometheusServer:
         return self.log_path.read_text(errors="replace")[-3000:]
 
 
-def _scrape_config(targets: Sequence[str]) -> str:
-    listed = ", ".join(f'"{t}"' for t in targets)
-    return (
-        "global:\n"
-        "  scrape_interval: 1s\n"
-        "  scrape_timeout: 1s\n"
-        "  evaluation_interval: 1s\n"
-        "scrape_configs:\n"
-        "  - job_name: kvrc\n"
-        f"    static_configs:\n      - targets: [{listed}]\n"
-    )
+def _config(targets: Sequence[str], rule_groups: Sequence[Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "kvrc", "static_configs": [{"targets": list(targets)}]}],
+    }
+    if rule_groups:
+        config["rule_files"] = ["rules.yml"]
+    return config
 
 
 @contextlib.contextmanager
 def running_prometheus(
-    targets: Sequence[str], ready_timeout_s: float = 30.0
+    targets: Sequence[str], rule_groups: Sequence[Any] = (), ready_timeout_s: float = 30.0
 ) -> Iterator[PrometheusServer]:
-    """A real Prometheus on 127.0.0.1 scraping `targets` ("host:port") every second."""
+    """A real Prometheus on 127.0.0.1 scraping `targets` ("host:port") every second
+    as job "kvrc", evaluating `rule_groups` (Prometheus rule groups) every second."""
     binary = prometheus()
     with tempfile.TemporaryDirectory(prefix="kvrc-prom-") as tmp:
         workdir = Path(tmp)
         config = workdir / "prometheus.yml"
-        config.write_text(_scrape_config(targets))
+        config.write_text(yaml.safe_dump(_config(targets, rule_groups)))
+        (workdir / "rules.yml").write_text(yaml.safe_dump({"groups": list(rule_groups)}))
         log_path = workdir / "prometheus.log"
         port = free_port()
         with log_path.open("wb") as log:

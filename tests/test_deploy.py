@@ -37,7 +37,13 @@ DEPLOY = REPO / "deploy"
 MANIFEST_DIR = DEPLOY / "kubernetes"
 SHAPES = ("standalone", "sidecar")
 DASHBOARD = DEPLOY / "grafana" / "kvrc-dashboard.json"
-SERVICEMONITOR_SCHEMA = DEPLOY / "schemas" / "servicemonitor-monitoring.coreos.com-v1.json"
+# Custom resources of the Prometheus operator: validated against subset schemas.
+CRD_SCHEMAS = {
+    "ServiceMonitor": DEPLOY / "schemas" / "servicemonitor-monitoring.coreos.com-v1.json",
+    "PrometheusRule": DEPLOY / "schemas" / "prometheusrule-monitoring.coreos.com-v1.json",
+}
+ALERTS = MANIFEST_DIR / "monitoring" / "prometheusrule.yaml"
+ALERT_TESTS = DEPLOY / "prometheus" / "kvrc-alerts.test.yaml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 # 1.29: native sidecars (restartPolicy: Always on an init container) are on by default.
 KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
@@ -90,8 +96,8 @@ def flag_value(args: list[str], flag: str) -> str:
 
 def validate_resource(doc: Doc, version: str) -> None:
     """Raises when `doc` does not validate; CRDs against our vendored schemas."""
-    if doc["kind"] == "ServiceMonitor":
-        schema = json.loads(SERVICEMONITOR_SCHEMA.read_text())
+    if doc["kind"] in CRD_SCHEMAS:
+        schema = json.loads(CRD_SCHEMAS[doc["kind"]].read_text())
         jsonschema.Draft202012Validator(schema).validate(doc)
         return
     kubernetes_validate.validate(doc, version, strict=True)
@@ -131,11 +137,14 @@ def test_every_shape_has_the_objects_the_issue_asks_for() -> None:
         # CRD subset: an unknown scheme and an unknown field.
         ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].__setitem__("scheme", "grpc")),
         ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].__setitem__("intervall", "5s")),
+        ("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].__setitem__("for", "2x")),
+        ("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].pop("expr")),
     ],
 )
 def test_validation_rejects_broken_manifests(kind: str, mutate: Any) -> None:
     # The schema checks above mean something only if they can fail.
-    doc = copy.deepcopy(one(shape_docs("standalone"), kind))
+    docs = [*shape_docs("standalone"), *load_docs(ALERTS)]
+    doc = copy.deepcopy(one(docs, kind))
     validate_resource(doc, KUBERNETES_VERSIONS[-1])
     mutate(doc)
     with pytest.raises(jsonschema.ValidationError):
@@ -375,6 +384,58 @@ def test_image_drops_created_series() -> None:
         )
         assert out.returncode == 0, out.stderr
         assert ("_created" in out.stdout) is created, value
+
+
+# --- alerts ---------------------------------------------------------------------
+
+
+def alert_rules() -> list[Doc]:
+    return [
+        r for g in one(load_docs(ALERTS), "PrometheusRule")["spec"]["groups"] for r in g["rules"]
+    ]
+
+
+def test_alerts_pass_their_promtool_unit_tests(tmp_path: Path) -> None:
+    # promtool reads plain rule files: the PrometheusRule's groups, written out.
+    groups = one(load_docs(ALERTS), "PrometheusRule")["spec"]["groups"]
+    (tmp_path / "kvrc-alerts.rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    (tmp_path / ALERT_TESTS.name).write_text(ALERT_TESTS.read_text())
+    for command in (
+        ["check", "rules", "kvrc-alerts.rules.yaml"],
+        ["test", "rules", ALERT_TESTS.name],
+    ):
+        result = subprocess.run(
+            [str(promtool()), *command], capture_output=True, timeout=60, cwd=tmp_path
+        )
+        assert result.returncode == 0, (result.stdout + result.stderr).decode()
+
+
+def test_every_alert_is_unit_tested_and_annotated() -> None:
+    tests = yaml.safe_load(ALERT_TESTS.read_text())
+    tested = {c["alertname"] for t in tests["tests"] for c in t.get("alert_rule_test", [])}
+    firing = {
+        c["alertname"]
+        for t in tests["tests"]
+        for c in t.get("alert_rule_test", [])
+        if c.get("exp_alerts")
+    }
+    for rule in alert_rules():
+        name = rule["alert"]
+        assert name in firing, f"{name}: no promtool test where it fires"
+        assert name in tested
+        assert rule["labels"]["severity"] in ("critical", "warning", "info"), name
+        assert {"summary", "description"} <= set(rule["annotations"]), name
+
+
+def test_alerts_query_only_metrics_kvrc_exports() -> None:
+    exprs = [r["expr"] for r in alert_rules()]
+    assert not unknown_metrics(exprs, Metrics())
+    # Every ServiceMonitor puts kvrc's series under job="kvrc", which the alerts select.
+    for shape in SHAPES:
+        for endpoint in one(shape_docs(shape), "ServiceMonitor")["spec"]["endpoints"]:
+            assert {"targetLabel": "job", "replacement": "kvrc"} in endpoint["relabelings"]
+    for expr in exprs:
+        assert 'job="kvrc"' in expr, expr
 
 
 # --- Grafana dashboard ------------------------------------------------------------

@@ -13,6 +13,7 @@ service the way the manifests' probes do.
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +39,7 @@ from kvrc.v1 import kvrc_pb2, kvrc_pb2_grpc
 REPO = Path(__file__).resolve().parent.parent
 STANDALONE = REPO / "deploy" / "kubernetes" / "standalone"
 DASHBOARD = REPO / "deploy" / "grafana" / "kvrc-dashboard.json"
+ALERTS = REPO / "deploy" / "kubernetes" / "monitoring" / "prometheusrule.yaml"
 GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "1m", "$instance": ".*"}
 STATUS_CALLS = 5
 
@@ -120,7 +122,8 @@ def test_prometheus_scrapes_kvrc_and_sees_known_traffic(kvrc: CoordinatorProcess
     assert ready_0.registered and ready_1.registered and half.registered
     assert not duplicate.registered and duplicate.first_line["code"] == "ALREADY_EXISTS"
 
-    with running_prometheus([f"127.0.0.1:{kvrc.metrics_port}"]) as prom:
+    alert_groups = yaml.safe_load(ALERTS.read_text())["spec"]["groups"]
+    with running_prometheus([f"127.0.0.1:{kvrc.metrics_port}"], alert_groups) as prom:
         prom.wait_for('up{job="kvrc"}', value_is(1))
         prom.wait_for(
             'kvrc_rpc_requests_total{method="GetStatus",code="OK"}', value_is(STATUS_CALLS)
@@ -144,6 +147,7 @@ def test_prometheus_scrapes_kvrc_and_sees_known_traffic(kvrc: CoordinatorProcess
         prom.wait_for('kvrc_sessions_closed_total{reason="closed"}', value_is(1))
 
         check_dashboard_queries(prom)
+        check_alert_rules_evaluate(prom, len([r for g in alert_groups for r in g["rules"]]))
 
 
 def check_dashboard_queries(prom: PrometheusServer) -> None:
@@ -157,6 +161,29 @@ def check_dashboard_queries(prom: PrometheusServer) -> None:
     states = results['sum by (state) (kvrc_child_engines{instance=~".*"})']
     assert {s["metric"]["state"] for s in states} >= {"ready", "not_ready"}
     assert results['sum(kvrc_rank_parts{instance=~".*"})']
+
+
+def check_alert_rules_evaluate(prom: PrometheusServer, expected_rules: int) -> None:
+    # The deploy/ alerts load and evaluate without error on real kvrc series;
+    # KvrcEnginesNotReady has seen the two not-ready engines (pending: for 10m).
+    def evaluated() -> list[dict[str, Any]]:
+        groups = prom.api("rules")["groups"]
+        return [r for g in groups for r in g["rules"]]
+
+    rules: list[dict[str, Any]] = []
+    for _ in range(120):
+        rules = evaluated()
+        if len(rules) == expected_rules and all(
+            r.get("lastEvaluation", "").startswith("20") and r["health"] != "unknown" for r in rules
+        ):
+            break
+        time.sleep(0.25)
+    assert len(rules) == expected_rules
+    for rule in rules:
+        assert rule["health"] == "ok", rule
+    pending = prom.wait_for('ALERTS{alertname="KvrcEnginesNotReady"}', lambda r: len(r) == 1)
+    assert pending[0]["metric"]["alertstate"] == "pending"
+    assert pending[0]["metric"]["state"] == "not_ready"
 
 
 def test_live_exposition_passes_promtool_and_uses_documented_label_values(
