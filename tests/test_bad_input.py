@@ -104,7 +104,10 @@ REGISTER_CASES: list[tuple[str, Callable[[pb.Register], None], str]] = [
     ("size too large", _set("profile.parallel.pp_size", 5000), "profile.parallel.pp_size"),
     (
         "grid too large",
-        _set("profile.parallel", pb.ParallelSizes(tp_size=2, pp_size=1024, pcp_size=8, dp_size=1)),
+        _set(
+            "profile.parallel",
+            pb.ParallelSizes(tp_size=2, pp_size=1024, pcp_size=8, dp_size=1, dcp_size=1),
+        ),
         "tp_size x pp_size x pcp_size = 16384 rank parts exceeds the limit of 4096",
     ),
     ("empty model", _set("profile.model", ""), "profile.model is empty"),
