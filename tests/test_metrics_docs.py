@@ -29,6 +29,7 @@ from prometheus_env import (
     registry_family_names,
 )
 
+from coordinator import service, zmq_ingest
 from coordinator.errors import ErrorCode
 from coordinator.metrics import Metrics
 from kvrc.v1 import kvrc_pb2
@@ -246,3 +247,15 @@ def test_documented_queries_parse_and_use_exported_metrics(tmp_path: Path) -> No
         [str(promtool()), "check", "rules", str(rules)], capture_output=True, timeout=60
     )
     assert result.returncode == 0, (result.stdout + result.stderr).decode()
+
+
+def test_label_values_defined_in_code_match_the_doc(
+    documented: dict[str, DocumentedMetric],
+) -> None:
+    # Where the code names its label values in one place, the doc must list exactly those.
+    streams = documented["kvrc_zmq_streams"].labels["state"]
+    assert streams == {s.value for s in zmq_ingest.StreamState}
+    replays = documented["kvrc_zmq_replays_total"].labels["result"]
+    assert replays == {r.value for r in zmq_ingest._ReplayResult}
+    reasons = {v for k, v in vars(service).items() if k.startswith("REASON_")}
+    assert documented["kvrc_sessions_closed_total"].labels["reason"] == reasons
