@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from clients.kv_cache import (
+    IncompatibleLayoutError,
     KvCacheLayout,
     KvEndpointDescription,
     KvRegionDescription,
@@ -251,6 +252,53 @@ class TransferResult:
             return True
         return await self.native_read.wait_quiet(timeout_s)
 
+    def to_report(
+        self,
+        *,
+        lease_id: str,
+        reporter_child_engine_id: str,
+        tp_rank: int,
+        pp_rank: int = 0,
+        pcp_rank: int = 0,
+    ) -> kvrc_pb2.TransferReport:
+        """This rank part's terminal report (CompletePrefixLoad / CompleteHandoff).
+
+        FAILED promises "proven quiet" on the wire, so it is refused before quiet.
+        """
+        if self.outcome is TransferOutcome.FAILED and not self.is_quiet():
+            raise RuntimeError("report FAILED only after `await result.wait_quiet()`")
+        return kvrc_pb2.TransferReport(
+            lease_id=lease_id,
+            reporter_child_engine_id=reporter_child_engine_id,
+            rank=kvrc_pb2.RankCoordinates(tp_rank=tp_rank, pp_rank=pp_rank, pcp_rank=pcp_rank),
+            outcome=_OUTCOME_TO_PROTO[self.outcome],
+            bytes_moved=self.bytes_moved,
+            duration_us=min(int(self.duration_s * 1e6), 2**32 - 1),
+            error_message=self.error[:1024],
+        )
+
+
+_OUTCOME_TO_PROTO = {
+    TransferOutcome.SUCCEEDED: kvrc_pb2.TRANSFER_OUTCOME_SUCCEEDED,
+    TransferOutcome.FAILED: kvrc_pb2.TRANSFER_OUTCOME_FAILED,
+    TransferOutcome.UNKNOWN: kvrc_pb2.TRANSFER_OUTCOME_UNKNOWN,
+}
+
+
+def combine_outcomes(outcomes: Sequence[TransferOutcome]) -> TransferOutcome:
+    """The outcome of a whole load from its rank parts' outcomes.
+
+    One failed slice fails the request (no partially loaded request); one
+    unknown slice makes it unknown (its blocks may still change).
+    """
+    if not outcomes:
+        raise ValueError("a load has at least one rank part")
+    if TransferOutcome.UNKNOWN in outcomes:
+        return TransferOutcome.UNKNOWN
+    if TransferOutcome.FAILED in outcomes:
+        return TransferOutcome.FAILED
+    return TransferOutcome.SUCCEEDED
+
 
 def _read(engine: BatchReader, plan: TransferPlan) -> _NativeReturn:
     try:
@@ -327,6 +375,55 @@ async def pull(
         () if wait_settle else plan.local_block_ids,
         native_read,
     )
+
+
+def plan_rank_part_pull(
+    local: KvEndpointDescription,
+    local_block_ids: Sequence[int],
+    source_parts: Sequence[kvrc_pb2.RankPartDescriptor],
+    *,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    pcp_rank: int = 0,
+    pcp_size: int = 1,
+) -> TransferPlan:
+    """This rank part's slice of a grant or handoff: read from the matching source part.
+
+    The source's rank grid must equal ours (a tp/pp/pcp mismatch is refused
+    before any byte moves, as are heterogeneous layouts). `local_block_ids[i]`
+    receives the source part's `block_ids[i]`; the source may list more blocks
+    than we load (its pin is the longest match), never fewer.
+    """
+    expected_parts = tp_size * pp_size * pcp_size
+    if len(source_parts) != expected_parts:
+        raise IncompatibleLayoutError(
+            f"source has {len(source_parts)} rank parts, this engine {expected_parts} "
+            f"(tp {tp_size} x pp {pp_size} x pcp {pcp_size}): parallel layouts differ"
+        )
+    by_rank: dict[tuple[int, int, int], kvrc_pb2.RankPartDescriptor] = {}
+    for part in source_parts:
+        coordinates = (part.rank.tp_rank, part.rank.pp_rank, part.rank.pcp_rank)
+        if (
+            coordinates in by_rank
+            or part.rank.tp_rank >= tp_size
+            or part.rank.pp_rank >= pp_size
+            or part.rank.pcp_rank >= pcp_size
+        ):
+            raise IncompatibleLayoutError(
+                f"source rank parts do not form a tp {tp_size} x pp {pp_size} x pcp {pcp_size} "
+                f"grid (duplicate or out-of-range rank {coordinates})"
+            )
+        by_rank[coordinates] = part
+    mine = by_rank[(tp_rank, pp_rank, pcp_rank)]
+    remote = endpoint_from_proto(mine.endpoint)
+    if len(mine.block_ids) < len(local_block_ids):
+        raise ValueError(
+            f"source part lists {len(mine.block_ids)} blocks, {len(local_block_ids)} requested"
+        )
+    pairs = list(zip(local_block_ids, mine.block_ids, strict=False))
+    return TransferPlan.build(local, remote, pairs)
 
 
 def endpoint_to_proto(endpoint: KvEndpointDescription) -> kvrc_pb2.TransferEndpoint:

@@ -6,6 +6,7 @@ real `MooncakeTransferEngine` in this process. Nothing is faked.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -40,10 +41,14 @@ from clients.transfer import (
     InFlightReads,
     TransferOutcome,
     TransferPlan,
+    TransferResult,
+    combine_outcomes,
     endpoint_from_proto,
     endpoint_to_proto,
+    plan_rank_part_pull,
     pull,
 )
+from kvrc.v1 import kvrc_pb2
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "transfer_peer.py"
 # Peers listen here (Mooncake accepts ranges below 32768 only).
@@ -297,8 +302,13 @@ async def test_dead_peer_fails_fast_and_taints_until_quiet(
     assert result.tainted_block_ids == (0, 1, 2, 3)
     assert not result.is_quiet()
     assert in_flight.tainted_block_ids() == frozenset({0, 1, 2, 3})
+    # FAILED means "proven quiet" on the wire: no report before that.
+    with pytest.raises(RuntimeError, match="wait_quiet"):
+        result.to_report(lease_id="l", reporter_child_engine_id="d", tp_rank=0)
     assert await result.wait_quiet(timeout_s=NEVER_HANG_S)
     assert result.is_quiet() and len(in_flight) == 0
+    report = result.to_report(lease_id="l", reporter_child_engine_id="d", tp_rank=0)
+    assert report.outcome == kvrc_pb2.TRANSFER_OUTCOME_FAILED
 
     # The default waits the settle delay itself: a FAILED result is already quiet.
     settled = await pull(engine, plan, deadline_s=NEVER_HANG_S, executor=executor, settle_s=0.2)
@@ -395,6 +405,93 @@ async def test_bad_pull_arguments_are_refused(
         await pull(engine, plan, deadline_s=0, executor=executor)
     with pytest.raises(ValueError, match="settle_s"):
         await pull(engine, plan, deadline_s=1, executor=executor, settle_s=-1)
+
+
+# --- rank parts of one load ---------------------------------------------------------
+
+
+def descriptor(
+    tp_rank: int, endpoint: KvEndpointDescription, block_ids: list[int]
+) -> kvrc_pb2.RankPartDescriptor:
+    return kvrc_pb2.RankPartDescriptor(
+        rank=kvrc_pb2.RankCoordinates(tp_rank=tp_rank),
+        endpoint=endpoint_to_proto(endpoint),
+        block_ids=block_ids,
+    )
+
+
+async def test_a_rank_part_failing_its_slice_fails_the_whole_load(
+    engine: MooncakeTransferEngine,
+    executor: concurrent.futures.Executor,
+    local: PagedKvCache,
+    peer: Peer,
+    fresh_peer: Peer,
+) -> None:
+    # A tp=2 source: rank 0 is alive, rank 1 dies before the pull.
+    source_ids = [3, 4, 5, 9]
+    parts = [
+        descriptor(0, peer.endpoint, source_ids),
+        descriptor(1, fresh_peer.endpoint, source_ids),
+    ]
+    fresh_peer.signal(signal.SIGKILL)
+    fresh_peer.process.wait(timeout=10)
+    # Both local rank parts live in this process here; in an engine each is its own.
+    rank1_cache = PagedKvCache(LOCAL_LAYOUT)
+    rank1_cache.register(engine)
+    try:
+        local_ids = [0, 1, 2, 3]
+        plans = [
+            plan_rank_part_pull(cache.describe(), local_ids, parts, tp_rank=rank, tp_size=2)
+            for rank, cache in ((0, local), (1, rank1_cache))
+        ]
+        assert plans[0].session_name == peer.endpoint.session_name
+        assert plans[1].session_name == fresh_peer.endpoint.session_name
+        results = await asyncio.gather(
+            *(
+                pull(engine, plan, deadline_s=NEVER_HANG_S, executor=executor, settle_s=0.2)
+                for plan in plans
+            )
+        )
+        assert [r.outcome for r in results] == [TransferOutcome.SUCCEEDED, TransferOutcome.FAILED]
+        assert combine_outcomes([r.outcome for r in results]) is TransferOutcome.FAILED
+        # Rank 0's slice landed, but the request is not loaded: it recomputes.
+        assert_blocks_hold_pattern(local, list(zip(local_ids, source_ids, strict=True)))
+        report = results[1].to_report(
+            lease_id="lease-1", reporter_child_engine_id="prefill-1", tp_rank=1
+        )
+        assert report.outcome == kvrc_pb2.TRANSFER_OUTCOME_FAILED
+        assert report.rank.tp_rank == 1 and report.bytes_moved == 0 and report.error_message
+    finally:
+        rank1_cache.unregister()
+
+
+async def test_tp_mismatch_is_refused_before_any_byte_moves(
+    local: PagedKvCache, peer: Peer
+) -> None:
+    parts = [descriptor(0, peer.endpoint, [1, 2]), descriptor(1, peer.endpoint, [1, 2])]
+    with pytest.raises(IncompatibleLayoutError, match="2 rank parts, this engine 1"):
+        plan_rank_part_pull(local.describe(), [0, 1], parts, tp_rank=0, tp_size=1)
+    with pytest.raises(IncompatibleLayoutError, match="1 rank parts, this engine 4"):
+        plan_rank_part_pull(local.describe(), [0, 1], parts[:1], tp_rank=0, tp_size=4)
+    duplicate = [descriptor(0, peer.endpoint, [1, 2])] * 2
+    with pytest.raises(IncompatibleLayoutError, match="duplicate or out-of-range"):
+        plan_rank_part_pull(local.describe(), [0, 1], duplicate, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="lists 2 blocks, 3 requested"):
+        plan_rank_part_pull(local.describe(), [0, 1, 2], parts, tp_rank=0, tp_size=2)
+    assert_blocks_zero(local, list(range(LOCAL_LAYOUT.num_blocks)))
+
+
+def test_combine_outcomes_and_reports() -> None:
+    ok, failed, unknown = TransferOutcome.SUCCEEDED, TransferOutcome.FAILED, TransferOutcome.UNKNOWN
+    assert combine_outcomes([ok, ok]) is ok
+    assert combine_outcomes([ok, failed]) is failed
+    assert combine_outcomes([failed, unknown, ok]) is unknown
+    with pytest.raises(ValueError):
+        combine_outcomes([])
+    done = TransferResult(ok, 4096, 0.0025, "", ())
+    report = done.to_report(lease_id="l", reporter_child_engine_id="d", tp_rank=1)
+    assert report.outcome == kvrc_pb2.TRANSFER_OUTCOME_SUCCEEDED
+    assert (report.bytes_moved, report.duration_us) == (4096, 2500)
 
 
 # --- plans (pure) ---------------------------------------------------------------
