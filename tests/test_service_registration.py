@@ -6,6 +6,7 @@ A real `kvrc serve` subprocess on loopback; rank parts are real processes
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import signal
@@ -361,3 +362,75 @@ def _async(predicate: Any) -> Any:
         return bool(predicate())
 
     return check
+
+
+# --- the async facade directly (no gRPC): bounded queues and part listeners ----------
+
+
+def _domain_registration(tp_rank: int = 0, tp_size: int = 2) -> Any:
+    from coordinator.profiles import DeploymentProfile
+    from coordinator.registry import RankPartRegistration as DomainRegistration
+
+    return DomainRegistration(
+        engine_id="facade",
+        dp_rank=0,
+        child_engine_id="facade",
+        rank=(tp_rank, 0, 0),
+        profile=DeploymentProfile(model="m", block_size=16, tp_size=tp_size),
+    )
+
+
+async def test_session_that_does_not_read_is_closed_resource_exhausted() -> None:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.errors import ErrorCode
+    from coordinator.service import Coordinator, RegisterReply, SessionEnd
+
+    coordinator = Coordinator(CoordinatorConfig(session_queue_size=4))
+    session = coordinator.open_session(_domain_registration())
+    for _ in range(10):  # heartbeat acks pile up: nobody reads them
+        coordinator.heartbeat(session)
+    assert session.ended
+    end = await session.next_outbound()
+    assert isinstance(end, SessionEnd) and end.code == ErrorCode.RESOURCE_EXHAUSTED
+    assert "not reading" in end.message
+    assert coordinator.registry.num_parts == 0
+    assert (
+        coordinator.metrics.registry.get_sample_value(
+            "kvrc_sessions_closed_total", {"reason": "error"}
+        )
+        == 1.0
+    )
+    # A well-behaved session gets its RegisterReply first.
+    other = coordinator.open_session(_domain_registration())
+    assert isinstance(await other.next_outbound(), RegisterReply)
+    await coordinator.shutdown()
+
+
+async def test_part_listeners_hear_removal_at_once_and_gone_after_grace() -> None:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.events import RankKey
+    from coordinator.service import Coordinator
+
+    heard: list[tuple[str, str, RankKey, str]] = []
+
+    class Listener:
+        def on_part_removed(self, child_engine_id: str, rank: RankKey, reason: str) -> None:
+            heard.append(("removed", child_engine_id, rank, reason))
+
+        def on_part_gone(self, child_engine_id: str, rank: RankKey, session_id: str) -> None:
+            heard.append(("gone", child_engine_id, rank, session_id))
+
+    coordinator = Coordinator(CoordinatorConfig(session_grace_ms=100))
+    coordinator.add_part_listener(Listener())
+    first = coordinator.open_session(_domain_registration(0))
+    back = coordinator.open_session(_domain_registration(1))
+    coordinator.close_session(first, "closed")
+    coordinator.close_session(back, "closed")
+    assert heard == [
+        ("removed", "facade", (0, 0, 0), "closed"),
+        ("removed", "facade", (1, 0, 0), "closed"),
+    ]
+    coordinator.open_session(_domain_registration(1))  # rank 1 returns within the grace
+    await asyncio.sleep(0.3)
+    assert heard[2:] == [("gone", "facade", (0, 0, 0), first.session_id)]
+    await coordinator.shutdown()
