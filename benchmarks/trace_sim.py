@@ -392,8 +392,14 @@ class EngineCache:
             else:
                 del self._pins[b]
 
-    def admit(self, chain: Sequence[BlockId]) -> tuple[list[BlockId], list[BlockId]]:
-        """Make `chain` resident and most recent; return (newly retained, evicted)."""
+    def admit(
+        self, chain: Sequence[BlockId], cold: Sequence[BlockId] = ()
+    ) -> tuple[list[BlockId], list[BlockId]]:
+        """Make `chain` resident; return (newly retained, evicted).
+
+        The chain becomes most recent, except newly retained `cold` blocks
+        (copies loaded from another engine), which go least recent.
+        """
         in_use = set(chain)
         missing = [b for b in chain if b not in self._entries]
         room = self.capacity_blocks - len(self._entries)
@@ -415,6 +421,10 @@ class EngineCache:
         for b in reversed(chain):  # tail first, so the head ends most recent
             if b in self._entries:
                 self._entries.move_to_end(b)
+        new = set(retained)
+        for b in cold:  # head first to the front, so a copy's tail is evicted first
+            if b in new:
+                self._entries.move_to_end(b, last=False)
         return retained, evicted
 
 
@@ -661,7 +671,9 @@ class TraceSimulation:
                 loaded = grant.matched_blocks - local
                 self._check_source_holds(grant, chain)
 
-        retained, evicted = eng.cache.admit(chain)
+        # Loaded copies go least recent: they are cheap to load again while the
+        # source keeps its original, so the cluster keeps more distinct blocks.
+        retained, evicted = eng.cache.admit(chain, cold=chain[local : local + loaded])
         self._publish_removed(engine_idx, evicted, now)
         run_key = ("run", req.request_index)
         eng.cache.pin(run_key, chain)

@@ -123,7 +123,7 @@ _chains = st.lists(st.integers(0, 15), min_size=1, max_size=5, unique=True)
     capacity=st.integers(1, 6),
     ops=st.lists(
         st.one_of(
-            st.tuples(st.just("admit"), _chains),
+            st.tuples(st.just("admit"), st.tuples(_chains, st.integers(0, 3))),
             st.tuples(st.just("pin"), _chains),
             st.tuples(st.just("unpin"), st.integers(0, 5)),
         ),
@@ -148,11 +148,13 @@ def test_lru_cache_respects_capacity_pins_and_recency(
             cache.unpin(arg)
             leases.pop(arg, None)
         else:
-            assert isinstance(arg, list)
-            chain = arg
+            assert isinstance(arg, tuple)
+            chain, cold_count = arg
             before = cache.lru_order()
+            # A loaded prefix: what the cache lacks among the chain's first blocks.
+            cold = [b for b in chain[:cold_count] if b not in before]
             pinned = set().union(*leases.values()) if leases else set()
-            retained, evicted = cache.admit(chain)
+            retained, evicted = cache.admit(chain, cold=cold)
             after = cache.lru_order()
             assert len(after) <= capacity
             assert not pinned & set(evicted), "a pinned block was evicted"
@@ -169,8 +171,11 @@ def test_lru_cache_respects_capacity_pins_and_recency(
             if len(retained) < len(missing):
                 assert all(b in pinned or b in chain for b in after)
                 assert retained == missing[: len(retained)]  # head blocks kept first
-            # The chain's resident blocks are the most recent, its head last of all.
-            resident_chain = [b for b in reversed(chain) if b in after]
+            # The chain's resident blocks are the most recent, its head last of all;
+            # newly loaded copies are the least recent, their tail first.
+            cold_new = [b for b in reversed(cold) if b in retained]
+            assert after[: len(cold_new)] == cold_new
+            resident_chain = [b for b in reversed(chain) if b in after and b not in cold_new]
             assert after[len(after) - len(resident_chain) :] == resident_chain
     for key in list(leases):
         cache.unpin(key)
