@@ -74,7 +74,7 @@ class KvCacheLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:

@@ -332,13 +332,22 @@ async def pull(
     * deadline passed -> UNKNOWN: the thread is still inside Mooncake, the
       destination blocks stay tainted until it returns (plus `settle_s`).
 
-    Never raises for a transfer failure. The executor must have a thread per
-    concurrent pull: a frozen peer holds a thread for up to a minute.
+    Never raises for a transfer failure; raises ValueError, before anything
+    runs, for a plan writing into blocks `in_flight` still lists as tainted.
+    Pass the rank part's `InFlightReads` so that a cancelled caller cannot lose
+    track of a native read. The executor must have a thread per concurrent
+    pull: a frozen peer holds a thread for up to a minute.
     """
     if deadline_s <= 0:
         raise ValueError(f"deadline_s must be positive, got {deadline_s}")
     if settle_s < 0:
         raise ValueError(f"settle_s must not be negative, got {settle_s}")
+    if in_flight is not None:
+        still_tainted = in_flight.tainted_block_ids().intersection(plan.local_block_ids)
+        if still_tainted:
+            raise ValueError(
+                f"blocks {sorted(still_tainted)} are tainted by a read that is not quiet yet"
+            )
     started = time.monotonic()
     if plan.num_entries == 0:
         return TransferResult(TransferOutcome.SUCCEEDED, 0, 0.0, "", ())

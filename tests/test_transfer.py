@@ -338,6 +338,10 @@ async def test_frozen_peer_gives_unknown_within_the_deadline_and_bytes_land_late
         assert result.tainted_block_ids == tuple(range(6))
         assert in_flight.tainted_block_ids() == frozenset(range(6))
         assert not await result.wait_quiet(timeout_s=0.3)  # still blocked inside Mooncake
+        # Nothing may be pulled into blocks that a running read may still write.
+        overlapping = TransferPlan.build(local.describe(), fresh_peer.endpoint, [(5, 0)])
+        with pytest.raises(ValueError, match=r"blocks \[5\] are tainted"):
+            await pull(engine, overlapping, deadline_s=1.0, executor=executor, in_flight=in_flight)
     finally:
         fresh_peer.signal(signal.SIGCONT)
     # The peer wakes up and the "timed out" read lands anyway: why UNKNOWN taints.
