@@ -20,8 +20,9 @@ What runs:
   report says whether the service reproduced them.
 - `max_sustained_speedup`: kvrc_kv is replayed at the default speedup, then at
   twice that, and so on, until a step fails: lookup p99 >= 10 ms, an event
-  lost (the coordinator's per-engine inventory count differs from the engine's
-  published cache, a stream went stale, or a resync was requested), or the
+  lost (after the replay, a Lookup of every block any engine ever published
+  disagrees with the engines' caches about who holds it, a stream went stale,
+  or a resync was requested), or the
   replay could not keep pace (p99 lag of arrivals behind the schedule over
   100 ms of wall time). The driver shares the machine's cores with the
   coordinator, so this is a lower bound on what the coordinator alone sustains.
@@ -93,6 +94,7 @@ RELEASE_WAIT_S = 5.0
 # is far past any useful prefix); events go in chunks well under the batch limit.
 MAX_CHAIN_BLOCKS = 4096
 EVENT_CHUNK_BLOCKS = 1024
+LOOKUP_QUERIES_PER_CHECK = 64  # the coordinator's queries-per-Lookup limit
 
 
 def block_hash(block: BlockId) -> bytes:
@@ -401,6 +403,7 @@ class KvrcProvider:
         self._next_request = 0
         self._requester_of: dict[str, EngineIndex] = {}
         self.stats = RealRunStats()
+        self.stored_ever: set[BlockId] = set()  # for the end-of-run view check
 
     def close(self) -> None:
         self._channel.close()
@@ -491,6 +494,7 @@ class KvrcProvider:
         parent: BlockId | None,
         now_ms: float,
     ) -> None:
+        self.stored_ever.update(blocks)
         events = []
         for i in range(0, len(blocks), EVENT_CHUNK_BLOCKS):
             chunk = blocks[i : i + EVENT_CHUNK_BLOCKS]
@@ -623,23 +627,59 @@ async def _flush_links(links: Sequence[SimEngineLink]) -> None:
     await asyncio.gather(*(link.flush() for link in links))
 
 
-def _inventory_mismatch(target: str, sim: TraceSimulation, names: Sequence[str]) -> str:
-    """'' when the coordinator's per-engine view matches every engine's published cache."""
+def _inventory_mismatch(
+    target: str, sim: TraceSimulation, names: Sequence[str], blocks: set[BlockId]
+) -> str:
+    """'' when the coordinator's view equals every engine's published cache.
+
+    Checked block by block through Lookup (each block as a one-block chain,
+    every holder asked for), over every block any engine ever published, so
+    a lost store and a lost removal both show; plus the stale flags.
+    """
+    problems: list[str] = []
     with grpc.insecure_channel(target) as channel:
         status: pb.StatusResponse = pb_grpc.AdminServiceStub(channel).GetStatus(
             pb.StatusRequest(), timeout=RPC_TIMEOUT_S
         )
-    by_id = {c.state.child_engine_id: c for c in status.child_engines}
-    problems = []
-    for i, name in enumerate(names):
-        child = by_id.get(name)
-        expected = len(sim.engines[i].cache.published)
-        if child is None:
-            problems.append(f"{name} is not registered")
-        elif child.state.stale:
-            problems.append(f"{name} is stale")
-        elif child.inventory_entries != expected:
-            problems.append(f"{name}: coordinator {child.inventory_entries} != engine {expected}")
+        by_id = {c.state.child_engine_id: c for c in status.child_engines}
+        for name in names:
+            child = by_id.get(name)
+            if child is None:
+                problems.append(f"{name} is not registered")
+            elif child.state.stale:
+                problems.append(f"{name} is stale")
+        stub = pb_grpc.EngineServiceStub(channel)
+        index = {name: i for i, name in enumerate(names)}
+        ordered = sorted(blocks)
+        wrong = 0
+        for start in range(0, len(ordered), LOOKUP_QUERIES_PER_CHECK):
+            chunk = ordered[start : start + LOOKUP_QUERIES_PER_CHECK]
+            response: pb.LookupResponse = stub.Lookup(
+                pb.LookupRequest(
+                    requester_child_engine_id=names[0],
+                    queries=[
+                        pb.LookupQuery(
+                            block_hashes=[block_hash(b)],
+                            min_blocks=1,
+                            include_self=True,
+                            max_candidates=min(len(names), 64),
+                        )
+                        for b in chunk
+                    ],
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+            for b, result in zip(chunk, response.results, strict=True):
+                seen = {index.get(c.child_engine_id, -1) for c in result.candidates}
+                truth = {i for i, eng in enumerate(sim.engines) if b in eng.cache.published}
+                if seen != truth:
+                    wrong += 1
+                    if wrong <= 3:
+                        problems.append(
+                            f"block {b}: coordinator {sorted(seen)} != engines {sorted(truth)}"
+                        )
+        if wrong > 3:
+            problems.append(f"{wrong} blocks differ in all")
     return "; ".join(problems)
 
 
@@ -687,11 +727,12 @@ def run_real(
                 wall_s = time.perf_counter() - t0
                 lt.run(_flush_links(links))
                 # Events still in flight settle within moments; a lost one never does.
-                mismatch = _inventory_mismatch(server.target, sim, names)
+                check = (server.target, sim, names, provider.stored_ever)
+                mismatch = _inventory_mismatch(*check)
                 deadline = time.monotonic() + 5
                 while mismatch and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                    mismatch = _inventory_mismatch(server.target, sim, names)
+                    time.sleep(0.2)
+                    mismatch = _inventory_mismatch(*check)
                 cpu_s = server.cpu_seconds() - cpu_before
             finally:
                 provider.close()
