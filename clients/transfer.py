@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from clients import session
 from clients.kv_cache import (
     IncompatibleLayoutError,
     KvCacheLayout,
@@ -452,6 +453,29 @@ def endpoint_to_proto(endpoint: KvEndpointDescription) -> kvrc_pb2.TransferEndpo
         ],
         extra={LAYOUT_EXTRA_KEY: json.dumps(endpoint.layout.to_dict(), sort_keys=True).encode()},
     )
+
+
+def endpoint_to_session(endpoint: KvEndpointDescription) -> session.TransferEndpoint:
+    """The registration form (`RankPartRegistration.endpoint`), layout included."""
+    return session.TransferEndpoint(
+        backend=endpoint.backend,
+        session_name=endpoint.session_name,
+        regions=tuple(
+            session.KvRegion(
+                base_addr=region.base_addr,
+                block_len=region.block_len,
+                num_blocks=region.num_blocks,
+                layer=region.layer,
+                kv_index=region.kv_index,
+            )
+            for region in endpoint.regions
+        ),
+        extra=((LAYOUT_EXTRA_KEY, _layout_json(endpoint.layout)),),
+    )
+
+
+def _layout_json(layout: KvCacheLayout) -> bytes:
+    return json.dumps(layout.to_dict(), sort_keys=True).encode()
 
 
 def endpoint_from_proto(message: kvrc_pb2.TransferEndpoint) -> KvEndpointDescription:

@@ -37,6 +37,7 @@ from clients.mooncake_engine import (
     MooncakeTransferEngine,
     TransferEngineUnavailable,
 )
+from clients.session import EngineProfile, RankPartRegistration
 from clients.transfer import (
     InFlightReads,
     TransferOutcome,
@@ -45,6 +46,7 @@ from clients.transfer import (
     combine_outcomes,
     endpoint_from_proto,
     endpoint_to_proto,
+    endpoint_to_session,
     plan_rank_part_pull,
     pull,
 )
@@ -590,6 +592,13 @@ def test_endpoint_round_trips_through_the_protocol() -> None:
     del message.extra["kvrc.kv_layout"]
     with pytest.raises(ValueError, match=r"kvrc\.kv_layout"):
         endpoint_from_proto(message)
+    # The registration path (EngineSession) carries the same description.
+    registration = RankPartRegistration(
+        engine_id="prefill-0",
+        profile=EngineProfile(model="m", block_size=SMALL.block_size),
+        endpoint=endpoint_to_session(endpoint),
+    )
+    assert endpoint_from_proto(registration.to_proto().endpoint) == endpoint
     broken = endpoint_to_proto(endpoint)
     broken.regions[1].block_len += 1
     with pytest.raises(ValueError, match="block_len"):
