@@ -286,7 +286,10 @@ class Coordinator:
         if removed.readiness_changed:
             self._readiness_changed(view, self.reuse_for(view))
         for listener in self._listeners:
-            listener.on_part_removed(session.ref.child_engine_id, session.ref.rank, reason)
+            try:
+                listener.on_part_removed(session.ref.child_engine_id, session.ref.rank, reason)
+            except Exception:  # one listener's bug must not keep the part registered
+                log.exception("part listener %r failed on removal", listener)
         if self._listeners and not self._shutting_down:
             key = self._part_key(session.ref)
             old = self._gone_timers.pop(key, None)
@@ -320,7 +323,10 @@ class Coordinator:
     def _part_gone(self, ref: PartRef) -> None:
         self._gone_timers.pop(self._part_key(ref), None)
         for listener in self._listeners:
-            listener.on_part_gone(ref.child_engine_id, ref.rank, ref.session_id)
+            try:
+                listener.on_part_gone(ref.child_engine_id, ref.rank, ref.session_id)
+            except Exception:
+                log.exception("part listener %r failed on gone", listener)
 
     def _send(self, session: Session, message: Outbound) -> None:
         if not session.offer(message):
@@ -360,17 +366,22 @@ class Coordinator:
         tick_s = min(max(timeout / 5, 20), 1000) / 1000
         while True:
             await asyncio.sleep(tick_s)
-            now = self._clock_ms()
-            for ref in self.registry.expired(now, timeout):
-                session = self._sessions.get(ref.session_id)
-                if session is None:
-                    continue
-                self.close_session(
-                    session,
-                    REASON_HEARTBEAT_TIMEOUT,
-                    SessionEnd(
-                        ErrorCode.UNAVAILABLE,
-                        f"no heartbeat from rank part {format_rank(ref.rank)} of "
-                        f"{ref.child_engine_id!r} for more than {timeout} ms",
-                    ),
-                )
+            try:
+                self._expire(self._clock_ms(), timeout)
+            except Exception:  # the watchdog must outlive any one bad removal
+                log.exception("heartbeat watchdog pass failed")
+
+    def _expire(self, now: int, timeout: int) -> None:
+        for ref in self.registry.expired(now, timeout):
+            session = self._sessions.get(ref.session_id)
+            if session is None:
+                continue
+            self.close_session(
+                session,
+                REASON_HEARTBEAT_TIMEOUT,
+                SessionEnd(
+                    ErrorCode.UNAVAILABLE,
+                    f"no heartbeat from rank part {format_rank(ref.rank)} of "
+                    f"{ref.child_engine_id!r} for more than {timeout} ms",
+                ),
+            )
