@@ -134,10 +134,10 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     if port_file is not None:
         write_port_file(port_file, grpc_port, metrics_port)
     log.info(
-        "kvrc serving on %s (port %d), metrics on %s, reuse %s, %d declared profile(s)",
+        "kvrc serving on %s (port %d), metrics %s, reuse %s, %d declared profile(s)",
         config.listen,
         grpc_port,
-        f"http://{host}:{metrics_port}/metrics" if metrics_port >= 0 else "off",
+        f"on http://{host}:{metrics_port}/metrics" if metrics_port >= 0 else "off",
         "on" if config.reuse else "off",
         len(config.declared_profiles),
     )
