@@ -387,6 +387,25 @@ async def pull(
     )
 
 
+def rank_part_descriptor(
+    endpoint: KvEndpointDescription,
+    block_ids: Sequence[int],
+    *,
+    tp_rank: int,
+    pp_rank: int = 0,
+    pcp_rank: int = 0,
+) -> kvrc_pb2.RankPartDescriptor:
+    """What a source rank part answers (PinResult, PublishHandoff): its blocks, in chain order."""
+    for block_id in block_ids:
+        if not 0 <= block_id < endpoint.layout.num_blocks:
+            raise ValueError(f"block id {block_id} is not in 0..{endpoint.layout.num_blocks - 1}")
+    return kvrc_pb2.RankPartDescriptor(
+        rank=kvrc_pb2.RankCoordinates(tp_rank=tp_rank, pp_rank=pp_rank, pcp_rank=pcp_rank),
+        endpoint=endpoint_to_proto(endpoint),
+        block_ids=list(block_ids),
+    )
+
+
 def plan_rank_part_pull(
     local: KvEndpointDescription,
     local_block_ids: Sequence[int],

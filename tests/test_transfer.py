@@ -49,6 +49,7 @@ from clients.transfer import (
     endpoint_to_session,
     plan_rank_part_pull,
     pull,
+    rank_part_descriptor,
 )
 from kvrc.v1 import kvrc_pb2
 
@@ -419,11 +420,7 @@ async def test_bad_pull_arguments_are_refused(
 def descriptor(
     tp_rank: int, endpoint: KvEndpointDescription, block_ids: list[int]
 ) -> kvrc_pb2.RankPartDescriptor:
-    return kvrc_pb2.RankPartDescriptor(
-        rank=kvrc_pb2.RankCoordinates(tp_rank=tp_rank),
-        endpoint=endpoint_to_proto(endpoint),
-        block_ids=block_ids,
-    )
+    return rank_part_descriptor(endpoint, block_ids, tp_rank=tp_rank)
 
 
 async def test_a_rank_part_failing_its_slice_fails_the_whole_load(
@@ -482,6 +479,8 @@ async def test_tp_mismatch_is_refused_before_any_byte_moves(
     duplicate = [descriptor(0, peer.endpoint, [1, 2])] * 2
     with pytest.raises(IncompatibleLayoutError, match="duplicate or out-of-range"):
         plan_rank_part_pull(local.describe(), [0, 1], duplicate, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="block id 64"):
+        rank_part_descriptor(peer.endpoint, [63, 64], tp_rank=0)
     with pytest.raises(ValueError, match="lists 2 blocks, 3 requested"):
         plan_rank_part_pull(local.describe(), [0, 1, 2], parts, tp_rank=0, tp_size=2)
     assert_blocks_zero(local, list(range(LOCAL_LAYOUT.num_blocks)))
