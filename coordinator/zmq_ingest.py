@@ -301,23 +301,27 @@ class ZmqEventStream:
         expected = 0 if applied is None else applied + 1
         if seq != expected and self._state is not StreamState.STALE:
             self._m_gap.inc()
+            had_state = self._has_state  # before the replay applies anything
+            lost = ""
             if self._dealer is None:
-                self._events_lost(f"sequences {expected}..{seq - 1} missed, no replay endpoint")
+                lost = f"sequences {expected}..{seq - 1} missed, no replay endpoint"
             else:
                 result = await self._replay(expected)
-                if self._applied is not None and seq <= self._applied:
-                    return  # the replay delivered it
                 if result is _ReplayResult.OVERRUN:
-                    self._events_lost(f"replay from {expected} overran vLLM's buffer")
+                    lost = f"replay from {expected} overran vLLM's buffer"
                 elif result is _ReplayResult.TIMEOUT:
                     timeout = self.config.replay_timeout_s
-                    self._events_lost(f"replay from {expected} unanswered in {timeout}s")
-                elif self._applied != seq - 1:
-                    self._events_lost(f"replay from {expected} ended before {seq}")
+                    lost = f"replay from {expected} unanswered in {timeout}s"
+                elif self._applied is None or self._applied < seq - 1:
+                    lost = f"replay from {expected} ended before {seq}"
+            if lost:
+                self._events_lost(lost, had_state)
+            if self._applied is not None and seq <= self._applied:
+                return  # the replay delivered it
         self._consume(frames[0], seq, frames[2])
 
-    def _events_lost(self, why: str) -> None:
-        if self._has_state:
+    def _events_lost(self, why: str, had_state: bool) -> None:
+        if had_state:
             self._degrade(why)
         else:
             # Nothing applied yet: no entry can be a phantom, only hits are missing.
@@ -378,7 +382,9 @@ class ZmqEventStream:
             decoded = decode_payload(topic, seq, payload)
         except MalformedFrame as exc:
             self._count_malformed(f"sequence {seq}: {exc}")
-            self._events_lost(f"malformed frame at sequence {seq}: its events are lost")
+            self._events_lost(
+                f"malformed frame at sequence {seq}: its events are lost", self._has_state
+            )
             return
         if self._state is StreamState.STALE:
             self._m_refused.inc()

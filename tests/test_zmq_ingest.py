@@ -1,0 +1,533 @@
+"""The ZMQ ingest edge over real sockets on 127.0.0.1.
+
+`WirePublisher` speaks vLLM 0.33.0's wire format (PUB frames, ROUTER replay with a
+bounded buffer and the end marker); it can lose frames on purpose, stop
+answering replays, restart its numbering and send garbage. vLLM's own publisher
+is exercised in test_vllm_real.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from coordinator.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from coordinator.metrics import Metrics
+from coordinator.vllm_events import END_SEQ
+from coordinator.zmq_ingest import (
+    StreamState,
+    ZmqEventStream,
+    ZmqStreamConfig,
+    subscriber_endpoint,
+)
+
+ENGINE = "engine-a"
+
+
+# --- a recording sink: the inventory that the handed-over batches describe -------------
+
+
+@dataclass
+class RecordingSink:
+    blocks: dict[str, set[tuple[int, bytes]]] = field(default_factory=dict)
+    batches: list[tuple[str, int, int]] = field(default_factory=list)  # child, incarnation, seq
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (what, child)
+    reasons: list[str] = field(default_factory=list)
+
+    def apply(self, child_engine_id: str, batch: EventBatch) -> None:
+        held = self.blocks.setdefault(child_engine_id, set())
+        self.batches.append((child_engine_id, batch.incarnation, batch.sequence))
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                held.update((ev.group_idx, h) for h in ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                held.difference_update((ev.group_idx, h) for h in ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                held.clear()
+
+    def drop_engine_inventory(self, child_engine_id: str) -> None:
+        self.calls.append(("drop", child_engine_id))
+        self.blocks.pop(child_engine_id, None)
+
+    def mark_stale(self, child_engine_id: str, reason: str) -> None:
+        self.calls.append(("stale", child_engine_id))
+        self.reasons.append(reason)
+
+    def mark_degraded(self, child_engine_id: str, reason: str) -> None:
+        self.calls.append(("degraded", child_engine_id))
+        self.reasons.append(reason)
+
+    def mark_live(self, child_engine_id: str) -> None:
+        self.calls.append(("live", child_engine_id))
+
+    def held(self, child: str = ENGINE) -> set[int]:
+        return {int.from_bytes(h, "big") for _, h in self.blocks.get(child, set())}
+
+    def seqs(self) -> list[int]:
+        return [seq for _, _, seq in self.batches]
+
+
+# --- a publisher speaking vLLM's wire format -----------------------------------------
+
+
+def stored(*hashes: int, block_size: int = 16, lora_name: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": None,
+        "token_ids": [0] * (block_size * len(hashes)),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": lora_name,
+        "extra_keys": None,
+        "group_idx": 0,
+    }
+
+
+def removed(*hashes: int) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "GPU", "group_idx": 0}
+
+
+CLEARED = {"type": "AllBlocksCleared"}
+
+
+class WirePublisher:
+    """vLLM 0.33.0's ZmqEventPublisher, as seen on the wire, with failure knobs."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        *,
+        buffer_steps: int = 1000,
+        answer_replays: bool = True,
+        dp_rank: int = 0,
+        connect_to: str | None = None,
+    ) -> None:
+        self.pub = ctx.socket(zmq.XPUB)  # a PUB that also reports subscriptions
+        self.pub.setsockopt(zmq.LINGER, 0)
+        if connect_to is None:
+            self.pub.bind("tcp://127.0.0.1:0")
+            self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self.pub.connect(connect_to)
+            self.endpoint = connect_to
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind("tcp://127.0.0.1:0")
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.buffer_steps = buffer_steps
+        self.answer_replays = answer_replays
+        self.replay_requests: list[int] = []
+        self.dp_rank = dp_rank
+        self.next_seq = 0
+        self._task = asyncio.create_task(self._serve_replays())
+
+    async def wait_subscribed(self) -> None:
+        message = await asyncio.wait_for(self.pub.recv(), 5)
+        assert message[:1] == b"\x01"
+
+    async def publish(
+        self, *events: dict[str, Any], send: bool = True, dp_rank: int | None = None
+    ) -> int:
+        """Publish one batch; `send=False` buffers it for replay but loses it on PUB."""
+        seq = self.next_seq
+        self.next_seq += 1
+        rank = self.dp_rank if dp_rank is None else dp_rank
+        payload = msgpack.packb([time.time(), list(events), rank])
+        self.buffer = [*self.buffer, (seq, payload)][-self.buffer_steps :]
+        if send:
+            await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        return seq
+
+    async def send_raw(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    def restart_numbering(self) -> None:
+        """What a restarted vLLM looks like: sequence 0 again, an empty buffer."""
+        self.next_seq = 0
+        self.buffer = []
+
+    async def _serve_replays(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            start_seq = int.from_bytes(start, "big")
+            self.replay_requests.append(start_seq)
+            if not self.answer_replays:
+                continue
+            for seq, payload in self.buffer:
+                if seq >= start_seq:
+                    await self.router.send_multipart(
+                        [client, b"", b"", seq.to_bytes(8, "big"), payload]
+                    )
+            await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.pub.close(0)
+        self.router.close(0)
+
+
+# --- fixtures and helpers ----------------------------------------------------------
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)  # never hang a test run on a socket a failed test left
+
+
+async def eventually(cond: Callable[[], bool], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+def value(metrics: Metrics, name: str, **labels: str) -> float:
+    got = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if got is None else got
+
+
+@dataclass
+class Rig:
+    pub: WirePublisher
+    stream: ZmqEventStream
+    sink: RecordingSink
+    metrics: Metrics
+
+
+async def start_rig(
+    ctx: zmq.asyncio.Context,
+    *,
+    replay: bool = True,
+    publisher: dict[str, Any] | None = None,
+    **config: Any,
+) -> Rig:
+    pub = WirePublisher(ctx, **(publisher or {}))
+    sink, metrics = RecordingSink(), Metrics()
+    cfg = ZmqStreamConfig(
+        engine_id=ENGINE,
+        endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint if replay else None,
+        **config,
+    )
+    stream = ZmqEventStream(cfg, sink, metrics, context=ctx)
+    await stream.start()
+    await pub.wait_subscribed()
+    return Rig(pub, stream, sink, metrics)
+
+
+@pytest.fixture
+async def rigs(ctx: zmq.asyncio.Context) -> AsyncIterator[list[Rig]]:
+    made: list[Rig] = []
+    yield made
+    for rig in made:
+        await rig.stream.close()
+        await rig.pub.close()
+
+
+# --- in order ---------------------------------------------------------------------
+
+
+async def test_in_order_batches_reach_the_sink_and_the_metrics(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx, block_size=16))
+    await rig.pub.publish(stored(1, 2, 3))
+    await rig.pub.publish(removed(2), stored(4))
+    await eventually(lambda: rig.sink.seqs() == [0, 1])
+    assert rig.sink.held() == {1, 3, 4}
+    await rig.pub.publish(CLEARED, stored(9))
+    await eventually(lambda: rig.sink.seqs() == [0, 1, 2])
+    assert rig.sink.held() == {9}
+    assert rig.sink.calls == []
+    m = rig.metrics
+    assert value(m, "kvrc_block_events_total", source="zmq", type="stored") == 5
+    assert value(m, "kvrc_block_events_total", source="zmq", type="removed") == 1
+    assert value(m, "kvrc_block_events_total", source="zmq", type="cleared") == 1
+    assert value(m, "kvrc_event_batches_total", source="zmq", result="applied") == 3
+    assert value(m, "kvrc_zmq_streams", state="live") == 1
+    status = rig.stream.status()
+    assert (status.state, status.last_sequence, status.incarnation) == (StreamState.LIVE, 2, 0)
+    assert rig.pub.replay_requests == []
+
+
+# --- gaps, replay, overrun, timeout ----------------------------------------------------
+
+
+async def test_gap_is_filled_by_a_replay_from_the_first_missing_sequence(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx))
+    await rig.pub.publish(stored(1))
+    await rig.pub.publish(stored(2), send=False)  # lost on the wire
+    await rig.pub.publish(removed(1), send=False)
+    await rig.pub.publish(stored(3))
+    await eventually(lambda: rig.sink.seqs() == [0, 1, 2, 3])
+    assert rig.pub.replay_requests == [1]
+    assert rig.sink.held() == {2, 3}
+    await rig.pub.publish(stored(4))
+    await eventually(lambda: rig.sink.seqs() == [0, 1, 2, 3, 4])
+    assert rig.stream.status().state is StreamState.LIVE
+    assert value(rig.metrics, "kvrc_zmq_replays_total", result="complete") == 1
+    assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="gap") == 1
+
+
+async def test_late_subscription_replays_from_zero(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx))
+    for h in range(5):  # published before kvrc subscribed
+        await rig.pub.publish(stored(h), send=False)
+    await rig.pub.publish(removed(0))
+    await eventually(lambda: rig.sink.seqs() == [0, 1, 2, 3, 4, 5])
+    assert rig.pub.replay_requests == [0]
+    assert rig.sink.held() == {1, 2, 3, 4}
+    assert rig.stream.status().state is StreamState.LIVE
+
+
+async def test_overrun_degrades_keeps_hints_for_the_grace_then_drops_them(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx, publisher={"buffer_steps": 2}, degraded_grace_s=0.5))
+    await rig.pub.publish(stored(1, 2))
+    await eventually(lambda: rig.sink.seqs() == [0])
+    await rig.pub.publish(removed(1), send=False)  # lost, and out of the buffer
+    await rig.pub.publish(stored(5), send=False)  # lost, and out of the buffer
+    await rig.pub.publish(stored(6), send=False)  # lost, still in the buffer
+    await rig.pub.publish(stored(7))
+    await eventually(lambda: rig.stream.status().state is StreamState.DEGRADED)
+    # What survived in the buffer (3, 4) is applied; the pre-gap entry 1 may be a
+    # phantom (it was removed in the lost batches) but stays as a hint for now.
+    await eventually(lambda: rig.sink.seqs() == [0, 3, 4])
+    assert rig.sink.held() == {1, 2, 6, 7}
+    assert ("degraded", ENGINE) in rig.sink.calls
+    assert "overran" in rig.sink.reasons[-1]
+    m = rig.metrics
+    assert value(m, "kvrc_zmq_replays_total", result="overrun") == 1
+    assert value(m, "kvrc_zmq_streams", state="degraded") == 1
+    assert value(m, "kvrc_zmq_streams", state="live") == 0
+    # The grace ends: every hint from before is dropped, a new incarnation begins.
+    await eventually(lambda: rig.stream.status().state is StreamState.LIVE)
+    assert rig.sink.calls[-2:] == [("drop", ENGINE), ("live", ENGINE)]
+    assert rig.sink.held() == set()
+    assert rig.stream.status().incarnation == 1
+    await rig.pub.publish(stored(8))
+    await eventually(lambda: rig.sink.held() == {8})
+    assert rig.sink.batches[-1] == (ENGINE, 1, 5)
+    assert value(m, "kvrc_zmq_streams", state="live") == 1
+
+
+async def test_overrun_on_a_fresh_stream_is_a_partial_view_not_degraded(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx, publisher={"buffer_steps": 2}))
+    for h in range(4):
+        await rig.pub.publish(stored(h), send=False)
+    await rig.pub.publish(stored(10))
+    await eventually(lambda: rig.sink.seqs() == [3, 4])
+    assert rig.sink.held() == {3, 10}
+    assert rig.stream.status().state is StreamState.LIVE
+    assert ("degraded", ENGINE) not in rig.sink.calls
+    assert value(rig.metrics, "kvrc_zmq_replays_total", result="overrun") == 1
+
+
+async def test_unanswered_replay_degrades_and_a_clear_makes_the_view_exact_again(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(
+        rig := await start_rig(
+            ctx, publisher={"answer_replays": False}, replay_timeout_s=0.3, degraded_grace_s=60
+        )
+    )
+    await rig.pub.publish(stored(1))
+    await eventually(lambda: rig.sink.seqs() == [0])
+    await rig.pub.publish(removed(1), send=False)
+    await rig.pub.publish(stored(2))
+    await eventually(lambda: rig.sink.seqs() == [0, 2])
+    status = rig.stream.status()
+    assert status.state is StreamState.DEGRADED
+    assert "unanswered" in status.reason
+    assert status.degraded_until_s is not None
+    assert rig.sink.held() == {1, 2}  # 1 is a possible phantom, kept as a hint
+    assert value(rig.metrics, "kvrc_zmq_replays_total", result="timeout") == 1
+    await rig.pub.publish(CLEARED, stored(3))
+    await eventually(lambda: rig.stream.status().state is StreamState.LIVE)
+    assert rig.sink.held() == {3}
+    assert ("drop", ENGINE) not in rig.sink.calls
+    assert rig.sink.calls[-1] == ("live", ENGINE)
+
+
+async def test_gap_without_a_replay_endpoint_degrades(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx, replay=False, degraded_grace_s=60))
+    await rig.pub.publish(stored(1))
+    await eventually(lambda: rig.sink.seqs() == [0])
+    await rig.pub.publish(stored(2), send=False)
+    await rig.pub.publish(stored(3))
+    await eventually(lambda: rig.sink.seqs() == [0, 2])
+    assert rig.stream.status().state is StreamState.DEGRADED
+    assert "no replay endpoint" in rig.sink.reasons[-1]
+    # A second loss while degraded does not extend the bound on a hint's age.
+    until = rig.stream.status().degraded_until_s
+    await rig.pub.publish(stored(4), send=False)
+    await rig.pub.publish(stored(5))
+    await eventually(lambda: rig.sink.seqs() == [0, 2, 4])
+    assert rig.stream.status().degraded_until_s == until
+
+
+# --- restarts --------------------------------------------------------------------------
+
+
+async def test_publisher_restart_is_a_new_incarnation(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx))
+    for h in (1, 2, 3):
+        await rig.pub.publish(stored(h))
+    await eventually(lambda: rig.sink.seqs() == [0, 1, 2])
+    rig.pub.restart_numbering()
+    await rig.pub.publish(stored(20))
+    await eventually(lambda: rig.sink.batches[-1] == (ENGINE, 1, 0))
+    assert rig.sink.held() == {20}  # the old incarnation's blocks are gone
+    assert ("drop", ENGINE) in rig.sink.calls
+    assert value(rig.metrics, "kvrc_zmq_publisher_restarts_total") == 1
+    assert rig.stream.status().incarnation == 1
+
+
+async def test_restart_seen_late_drops_the_old_and_replays_the_new_from_zero(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx))
+    for h in (1, 2, 3, 4):
+        await rig.pub.publish(stored(h))
+    await eventually(lambda: rig.sink.seqs() == [0, 1, 2, 3])
+    rig.pub.restart_numbering()
+    await rig.pub.publish(stored(30), send=False)  # lost while reconnecting
+    await rig.pub.publish(stored(31))
+    await eventually(lambda: rig.sink.batches[-2:] == [(ENGINE, 1, 0), (ENGINE, 1, 1)])
+    assert rig.sink.held() == {30, 31}
+    assert rig.pub.replay_requests == [0]
+
+
+# --- bad input -------------------------------------------------------------------------
+
+
+async def test_malformed_frames_are_counted_skipped_and_the_stream_continues(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx, degraded_grace_s=60))
+    await rig.pub.publish(stored(1))
+    await rig.pub.send_raw([b"", b"\x00" * 8])  # two frames
+    await rig.pub.send_raw([b"", b"\x01", b"x"])  # a 1-byte sequence
+    await rig.pub.send_raw([b"", (1).to_bytes(8, "big"), b"\xc1garbage"])  # seq 1, bad payload
+    rig.pub.next_seq = 2
+    await rig.pub.publish(stored(2))
+    await eventually(lambda: rig.sink.seqs() == [0, 2])
+    assert rig.sink.held() == {1, 2}
+    assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="malformed") == 3
+    status = rig.stream.status()
+    assert status.malformed_frames == 3
+    # The bad batch's events are lost, so its earlier entries are hints now.
+    assert status.state is StreamState.DEGRADED
+    assert "malformed" in status.reason
+
+
+@pytest.mark.parametrize(
+    ("config", "event", "dp_rank", "says"),
+    [
+        ({"block_size": 16}, stored(5, block_size=32), 0, "block_size [32]"),
+        ({"block_size": 16}, stored(5, lora_name="adapter-x"), 0, "lora_name ['adapter-x']"),
+        ({"dp_rank": 1, "dp_size": 2}, stored(5), 0, "data_parallel_rank 0"),
+    ],
+)
+async def test_profile_mismatch_marks_the_stream_stale_and_pollutes_nothing(
+    ctx: zmq.asyncio.Context,
+    rigs: list[Rig],
+    config: dict[str, Any],
+    event: dict[str, Any],
+    dp_rank: int,
+    says: str,
+) -> None:
+    rank = config.get("dp_rank", 0)
+    rigs.append(rig := await start_rig(ctx, publisher={"dp_rank": rank}, **config))
+    child = rig.stream.child_engine_id
+    await rig.pub.publish(stored(1))
+    await rig.pub.publish(event, dp_rank=dp_rank)
+    await rig.pub.publish(stored(2))  # refused too: the stream is stale
+    await eventually(lambda: rig.stream.status().state is StreamState.STALE)
+    await eventually(
+        lambda: value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="refused") == 2
+    )
+    assert rig.sink.held(child) == {1}
+    assert rig.sink.calls == [("stale", child)]
+    assert says in rig.sink.reasons[0]
+    assert value(rig.metrics, "kvrc_zmq_streams", state="stale") == 1
+    # A restarted publisher with the right profile is a new, live incarnation.
+    rig.pub.restart_numbering()
+    await rig.pub.publish(stored(3))
+    await eventually(lambda: rig.sink.held(child) == {3})
+    assert rig.stream.status().state is StreamState.LIVE
+
+
+async def test_child_engine_id_carries_the_dp_rank(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx, publisher={"dp_rank": 3}, dp_rank=3, dp_size=4))
+    await rig.pub.publish(stored(1))
+    await eventually(lambda: rig.sink.held("engine-a_dp3") == {1})
+
+
+# --- endpoints and lifecycle ----------------------------------------------------------
+
+
+async def test_kvrc_binds_for_a_publisher_that_connects(ctx: zmq.asyncio.Context) -> None:
+    sink, metrics = RecordingSink(), Metrics()
+    cfg = ZmqStreamConfig(engine_id=ENGINE, endpoint="tcp://127.0.0.1:0", bind=True)
+    stream = ZmqEventStream(cfg, sink, metrics, context=ctx)
+    await stream.start()
+    assert stream.bound_endpoint is not None
+    pub = WirePublisher(ctx, connect_to=stream.bound_endpoint)
+    try:
+        await pub.wait_subscribed()
+        await pub.publish(stored(1))
+        await eventually(lambda: sink.held() == {1})
+    finally:
+        await stream.close()
+        await pub.close()
+    assert value(metrics, "kvrc_zmq_streams", state="live") == 0
+    # close() released the port (ZMQ's I/O thread lets go of it shortly after).
+    again = ctx.socket(zmq.SUB)
+    try:
+        for _ in range(200):
+            try:
+                again.bind(stream.bound_endpoint)
+                break
+            except zmq.ZMQError:
+                await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"{stream.bound_endpoint} still bound after close()")
+    finally:
+        again.close(0)
+
+
+def test_subscriber_endpoint_follows_vllm_bind_or_connect_rule() -> None:
+    assert subscriber_endpoint("tcp://*:5557", "10.0.0.7") == ("tcp://10.0.0.7:5557", False)
+    assert subscriber_endpoint("tcp://*:5557", "10.0.0.7", 2) == ("tcp://10.0.0.7:5559", False)
+    assert subscriber_endpoint("tcp://kvrc.local:6000", "x", 1) == ("tcp://kvrc.local:6001", True)
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        subscriber_endpoint("ipc:///tmp/x", "h")
