@@ -499,6 +499,50 @@ def test_combine_outcomes_and_reports() -> None:
     assert (report.bytes_moved, report.duration_us) == (4096, 2500)
 
 
+# --- tainting, driven step by step ---------------------------------------------------
+
+
+class ScriptedReader:
+    """Stands in for the native call only to control *when* it returns (threads are real)."""
+
+    def __init__(self, return_code: int) -> None:
+        self.return_code = return_code
+        self.release = threading.Event()
+
+    def read_batch(self, *args: object) -> int:
+        self.release.wait(timeout=30)
+        return self.return_code
+
+
+async def test_taint_lasts_until_the_call_returns_and_then_settles(
+    executor: concurrent.futures.Executor, local: PagedKvCache, peer: Peer
+) -> None:
+    in_flight = InFlightReads()
+    first_plan = TransferPlan.build(local.describe(), peer.endpoint, [(0, 0), (1, 1)])
+    second_plan = TransferPlan.build(local.describe(), peer.endpoint, [(7, 7)])
+    failing, succeeding = ScriptedReader(-1), ScriptedReader(0)
+    first = await pull(
+        failing, first_plan, deadline_s=0.1, executor=executor, in_flight=in_flight, settle_s=0.4
+    )
+    second = await pull(
+        succeeding, second_plan, deadline_s=0.1, executor=executor, in_flight=in_flight
+    )
+    assert first.outcome is second.outcome is TransferOutcome.UNKNOWN
+    assert in_flight.tainted_block_ids() == frozenset({0, 1, 7}) and len(in_flight) == 2
+
+    succeeding.release.set()  # returns 0: its blocks are quiet as soon as it returns
+    assert await second.wait_quiet(timeout_s=NEVER_HANG_S)
+    assert in_flight.tainted_block_ids() == frozenset({0, 1})
+
+    failing.release.set()  # returns -1: other entries may land for settle_s more
+    assert await first.wait_quiet(timeout_s=0.0) is False
+    await asyncio.sleep(0.05)
+    assert first.native_read is not None and first.native_read.returned
+    assert not first.is_quiet() and in_flight.tainted_block_ids() == frozenset({0, 1})
+    assert await in_flight.wait_all_quiet(timeout_s=NEVER_HANG_S)
+    assert first.is_quiet() and len(in_flight) == 0 and in_flight.tainted_block_ids() == set()
+
+
 # --- plans (pure) ---------------------------------------------------------------
 
 
