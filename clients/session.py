@@ -480,7 +480,10 @@ class EngineSession:
                     if code != grpc.StatusCode.OK:
                         self.last_error = error_from_status(code, await call.details() or "")
                     return
-                await self._dispatch(message)
+                try:
+                    await self._dispatch(message)
+                except Exception:  # the engine's handler bug must not end the session
+                    log.exception("session handler failed on %s", message.WhichOneof("message"))
         except grpc.aio.AioRpcError as e:
             self.last_error = from_rpc_error(e)
             if not self._closing:

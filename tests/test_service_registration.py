@@ -434,3 +434,27 @@ async def test_part_listeners_hear_removal_at_once_and_gone_after_grace() -> Non
     await asyncio.sleep(0.3)
     assert heard[2:] == [("gone", "facade", (0, 0, 0), first.session_id)]
     await coordinator.shutdown()
+
+
+async def test_handler_gets_state_changes_and_its_errors_do_not_end_the_session(
+    shared: CoordinatorProcess, sessions: list[EngineSession]
+) -> None:
+    from clients.session import ChildEngineState, SessionHandler
+
+    seen: list[tuple[bool, int]] = []
+
+    class Flaky(SessionHandler):
+        async def on_state(self, state: ChildEngineState) -> None:
+            seen.append((state.ready, state.parts_present))
+            raise RuntimeError("engine bug")
+
+    target = shared.grpc_target
+    first = EngineSession(target, part("hdl", tp_size=2, tp_rank=0), Flaky(), reconnect=False)
+    await first.start()
+    sessions.append(first)
+    second = await open_session(sessions, target, part("hdl", tp_size=2, tp_rank=1))
+    await first.wait_ready(timeout_s=10)
+    await second.close()
+    await wait_until(_async(lambda: len(seen) == 2), timeout_s=10)
+    assert seen == [(True, 2), (False, 1)]
+    assert first.connected and first.state is not None and not first.state.ready
