@@ -1,0 +1,1 @@
+"""kvrc benchmarks: each writes machine-readable results to benchmarks/results/."""
