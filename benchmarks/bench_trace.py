@@ -1037,7 +1037,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path = args.out / f"trace-{args.trace.stem}.json"
     json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     png_path = args.out / f"trace-{args.trace.stem}.png"
-    write_plot(png_path, requests, results)
+    try:
+        write_plot(png_path, requests, results)
+    except ImportError:
+        print(
+            f"bench_trace: wrote {json_path} but no plot: matplotlib is not installed "
+            "(.venv/bin/pip install matplotlib)",
+            file=sys.stderr,
+        )
+        return 1
     log(f"wrote {json_path} and {png_path}")
     for key in (
         "kvrc_kv_ttft_vs_local_kv",
