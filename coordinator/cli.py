@@ -95,6 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.shutdown_grace_s,
         help="time in-flight RPCs get to finish on SIGTERM (%(default)s)",
     )
+    serve.add_argument(
+        "--inventory-max-entries",
+        type=int,
+        default=defaults.inventory_max_entries_total,
+        help="cap on (block, holder) inventory entries; stores past it are dropped (%(default)s)",
+    )
+    serve.add_argument(
+        "--inventory-max-entries-per-engine",
+        type=int,
+        default=defaults.inventory_max_entries_per_engine,
+        help="cap on one child engine's inventory entries (%(default)s)",
+    )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-json", action="store_true", help="one JSON document per log line")
@@ -119,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         session_grace_ms=args.session_grace_ms,
         shutdown_grace_s=args.shutdown_grace_s,
+        inventory_max_entries_total=args.inventory_max_entries,
+        inventory_max_entries_per_engine=args.inventory_max_entries_per_engine,
     )
 
 
@@ -153,6 +167,7 @@ def status_document(response: pb.StatusResponse) -> dict[str, Any]:
                 "not_ready_reason": state.not_ready_reason,
                 "compatibility_hash": state.compatibility_hash,
                 "stale": state.stale,
+                "inventory_entries": child.inventory_entries,
                 "draining": state.draining,
                 "reuse": {
                     "enabled": state.reuse.enabled,
@@ -201,8 +216,9 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
     lines = [
         f"kvrc {response.version} at {target}: reuse {'on' if response.reuse_enabled else 'off'}"
         f"{', warming' if response.warming else ''}, {len(response.child_engines)} child engine(s)"
+        f", {response.inventory_entries} inventory entries"
     ]
-    header = ("CHILD ENGINE", "ENGINE", "READY", "PARTS", "REUSE", "WHY NOT READY")
+    header = ("CHILD ENGINE", "ENGINE", "READY", "PARTS", "REUSE", "ENTRIES", "WHY NOT READY")
     rows = [header]
     for child in response.child_engines:
         s = child.state
@@ -213,6 +229,7 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
                 "yes" if s.ready else "no",
                 f"{s.parts_present}/{s.parts_expected}",
                 "on" if s.reuse.enabled else pb.ReuseReason.Name(s.reuse.reason)[13:].lower(),
+                f"{child.inventory_entries}{' (stale)' if s.stale else ''}",
                 s.not_ready_reason or "-",
             )
         )

@@ -64,6 +64,9 @@ class CoordinatorConfig:
     # One session's outbound queue; a session that does not read is closed.
     session_queue_size: int = 1024
     max_rank_parts: int = 65536
+    # Inventory caps: stores past them are dropped and counted (inventory.py "Bounds").
+    inventory_max_entries_total: int = 50_000_000
+    inventory_max_entries_per_engine: int = 5_000_000
     bounds: FieldBounds = FieldBounds()
 
     def __post_init__(self) -> None:
@@ -78,6 +81,8 @@ class CoordinatorConfig:
             )
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown grace must be >= 0 s, got {self.shutdown_grace_s}")
+        if self.inventory_max_entries_total < 0 or self.inventory_max_entries_per_engine < 0:
+            raise ConfigError("inventory entry caps must be >= 0")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port must be in 0..65535 (or -1), got {self.metrics_port}")
 

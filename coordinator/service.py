@@ -25,6 +25,7 @@ from typing import Protocol
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import ErrorCode, KvrcError
 from coordinator.events import RankKey
+from coordinator.inventory_service import InventoryFacade, ResyncOrder
 from coordinator.metrics import Metrics
 from coordinator.profiles import ReuseStatus, reuse_status
 from coordinator.registry import (
@@ -68,7 +69,7 @@ class StateUpdate:
 
 
 # Later issues add their messages (pin, release, abort, resync, ...) here.
-Outbound = RegisterReply | HeartbeatReply | StateUpdate
+Outbound = RegisterReply | HeartbeatReply | StateUpdate | ResyncOrder
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +146,8 @@ class PartListener(Protocol):
 class ChildEngineStatus:
     view: ChildEngineView
     reuse: ReuseStatus
+    inventory_entries: int = 0
+    stale: bool = False  # its inventory stream lost events; awaiting a full dump
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +156,7 @@ class StatusSnapshot:
     reuse_enabled: bool
     warming: bool
     child_engines: tuple[ChildEngineStatus, ...]
+    inventory_entries: int = 0
 
 
 class Coordinator:
@@ -173,6 +177,11 @@ class Coordinator:
         self._incarnations = itertools.count(clock_ms() * 1000)
         self._watchdog: asyncio.Task[None] | None = None
         self._shutting_down = False
+        # Inventory ingest, lookup and status (coordinator/inventory_service.py).
+        self.inventory = InventoryFacade(
+            config, self.metrics, self.registry, self.reuse_for, clock_ms, self._send_to
+        )
+        self.add_part_listener(self.inventory)
         self.metrics.warming.set(0)
         self._update_gauges()
 
@@ -180,6 +189,7 @@ class Coordinator:
 
     async def start(self) -> None:
         self._watchdog = asyncio.create_task(self._watch_heartbeats(), name="kvrc-watchdog")
+        self.inventory.start()
 
     async def shutdown(self) -> None:
         """Ends every session (UNAVAILABLE: engines reconnect to the next coordinator)."""
@@ -198,6 +208,7 @@ class Coordinator:
         for timer in self._gone_timers.values():
             timer.cancel()
         self._gone_timers.clear()
+        await self.inventory.close()
 
     def add_part_listener(self, listener: PartListener) -> None:
         self._listeners.append(listener)
@@ -233,6 +244,7 @@ class Coordinator:
         self._update_gauges()
         view = result.view
         reuse = self.reuse_for(view)
+        self.inventory.part_registered(registration, incarnation, view, reuse)
         session.offer(
             RegisterReply(
                 session_id=session_id,
@@ -305,13 +317,16 @@ class Coordinator:
         return reuse_status(self.config.reuse, view.profile, self.config.declared_profiles)
 
     def status(self) -> StatusSnapshot:
+        children = []
+        for view in self.registry.views():
+            inv = self.inventory.engine_status(view.child_engine_id)
+            children.append(ChildEngineStatus(view, self.reuse_for(view), inv.entries, inv.stale))
         return StatusSnapshot(
             version=__version__,
             reuse_enabled=self.config.reuse,
             warming=False,
-            child_engines=tuple(
-                ChildEngineStatus(view, self.reuse_for(view)) for view in self.registry.views()
-            ),
+            child_engines=tuple(children),
+            inventory_entries=self.inventory.entries_total(),
         )
 
     # --- internals -------------------------------------------------------------
@@ -327,6 +342,11 @@ class Coordinator:
                 listener.on_part_gone(ref.child_engine_id, ref.rank, ref.session_id)
             except Exception:
                 log.exception("part listener %r failed on gone", listener)
+
+    def _send_to(self, session_id: str, message: Outbound) -> None:
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._send(session, message)
 
     def _send(self, session: Session, message: Outbound) -> None:
         if not session.offer(message):

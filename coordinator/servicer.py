@@ -103,6 +103,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self.session_handlers: dict[
             str, Callable[[CoordinatorSession, pb.EngineMessage], None]
         ] = {}
+        self.session_handlers["events"] = self._on_events
 
     # --- the session stream --------------------------------------------------------
 
@@ -207,10 +208,26 @@ class EngineService(pb_grpc.EngineServiceServicer):
             raise _later(f"session message {kind}", "a later issue")
         handler(session, message)
 
-    # --- unary RPCs implemented by later issues ------------------------------------
+    def _on_events(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        # A malformed batch raises INVALID_ARGUMENT: the session ends, nothing is applied.
+        inventory = self._coordinator.inventory
+        try:
+            batch = wire.event_batch_from_proto(message.events)
+        except KvrcError:
+            inventory.count_malformed()
+            raise
+        ref = session.ref
+        inventory.ingest(ref.child_engine_id, ref.rank, ref.session_id, session.incarnation, batch)
 
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
-        return await self._observed.unary("Lookup", context, _raise(_later("Lookup", "inventory")))
+        async def call() -> pb.LookupResponse:
+            requester, queries = wire.lookup_request_from_proto(request, self._bounds)
+            results = self._coordinator.inventory.lookup_many(requester, queries)
+            return wire.lookup_response_to_proto(results)
+
+        return await self._observed.unary("Lookup", context, call)
+
+    # --- unary RPCs implemented by later issues ------------------------------------
 
     async def RequestPrefixLoad(
         self, request: pb.PrefixLoadRequest, context: Context

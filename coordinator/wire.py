@@ -10,8 +10,13 @@ inside sizes, child-engine naming, consistency between parts) live in the core
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from coordinator import events as ev
+from coordinator import inventory as inv
 from coordinator.config import FieldBounds
 from coordinator.errors import invalid
+from coordinator.inventory_service import LookupQuery, LookupResult, LookupVerdict, ResyncOrder
 from coordinator.profiles import DeploymentProfile, ReuseReason, ReuseStatus
 from coordinator.registry import (
     ChildEngineView,
@@ -278,6 +283,12 @@ def coordinator_message(out: Outbound) -> pb.CoordinatorMessage:
         )
     if isinstance(out, StateUpdate):
         return pb.CoordinatorMessage(state=child_engine_state_to_proto(out.view, out.reuse))
+    if isinstance(out, ResyncOrder):
+        return pb.CoordinatorMessage(
+            resync_request=pb.ResyncRequest(
+                reason=out.reason, expected_sequence=out.expected_sequence
+            )
+        )
     raise TypeError(f"no encoding for outbound message {type(out).__name__}")
 
 
@@ -287,13 +298,17 @@ def status_to_proto(snapshot: StatusSnapshot) -> pb.StatusResponse:
         reuse_enabled=snapshot.reuse_enabled,
         warming=snapshot.warming,
         child_engines=[_child_engine_status(c) for c in snapshot.child_engines],
+        inventory_entries=snapshot.inventory_entries,
     )
 
 
 def _child_engine_status(status: ChildEngineStatus) -> pb.ChildEngineStatus:
     view = status.view
+    state = child_engine_state_to_proto(view, status.reuse)
+    state.stale = status.stale
     return pb.ChildEngineStatus(
-        state=child_engine_state_to_proto(view, status.reuse),
+        state=state,
+        inventory_entries=status.inventory_entries,
         profile=profile_to_proto(view.profile),
         parts=[
             pb.RankPartStatus(
@@ -309,4 +324,168 @@ def _child_engine_status(status: ChildEngineStatus) -> pb.ChildEngineStatus:
             )
             for part in view.parts
         ],
+    )
+
+
+# --- inventory: event batches and lookups ------------------------------------------
+
+_TIERS = {t.value: t for t in ev.Tier}
+
+
+def _tier(field: str, value: int) -> ev.Tier:
+    tier = _TIERS.get(value)
+    if tier is None:
+        raise invalid(f"{field}: tier must be one of GPU, CPU, DISK, EXTERNAL (1..4), got {value}")
+    return tier
+
+
+def _group(field: str, value: int) -> int:
+    if value > inv.MAX_GROUP_IDX:
+        raise invalid(f"{field}: group_idx {value} exceeds {inv.MAX_GROUP_IDX}")
+    return value
+
+
+def check_block_hashes(field: str, hashes: Sequence[bytes], limit: int) -> tuple[bytes, ...]:
+    """1..limit hashes of 1..64 bytes each (C-level min/max: the lookup path is hot)."""
+    n = len(hashes)
+    if n > limit:
+        raise invalid(f"{field} has {n} block hashes; the limit is {limit}")
+    if n:
+        lengths = list(map(len, hashes))
+        if min(lengths) < 1:
+            raise invalid(f"{field}[{lengths.index(0)}] is empty (block hashes are 1..64 bytes)")
+        if max(lengths) > inv.MAX_BLOCK_HASH_BYTES:
+            i = next(i for i, n in enumerate(lengths) if n > inv.MAX_BLOCK_HASH_BYTES)
+            raise invalid(
+                f"{field}[{i}] is {lengths[i]} bytes; block hashes are 1.."
+                f"{inv.MAX_BLOCK_HASH_BYTES} bytes"
+            )
+    return tuple(hashes)
+
+
+def event_batch_from_proto(msg: pb.EventBatch) -> ev.EventBatch:
+    """Validates a whole batch before anything of it is applied (INVALID_ARGUMENT)."""
+    check_count("events.events", len(msg.events), inv.MAX_EVENTS_PER_BATCH)
+    events: list[ev.InventoryEvent] = []
+    blocks = 0
+    for i, event in enumerate(msg.events):
+        kind = event.WhichOneof("event")
+        where = f"events.events[{i}]"
+        if kind == "stored":
+            st = event.stored
+            hashes = check_block_hashes(
+                f"{where}.stored.block_hashes", st.block_hashes, inv.MAX_CHAIN_BLOCKS
+            )
+            if not hashes:
+                raise invalid(f"{where}.stored.block_hashes is empty")
+            parent = bytes(st.parent_block_hash)
+            if len(parent) > inv.MAX_BLOCK_HASH_BYTES:
+                raise invalid(
+                    f"{where}.stored.parent_block_hash is {len(parent)} bytes; the limit is "
+                    f"{inv.MAX_BLOCK_HASH_BYTES}"
+                )
+            blocks += len(hashes)
+            events.append(
+                ev.BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent or None,
+                    num_tokens=st.num_tokens,
+                    tier=_tier(f"{where}.stored.tier", st.tier),
+                    group_idx=_group(f"{where}.stored", st.group_idx),
+                    expiry_ms=st.expiry_unix_ms,
+                )
+            )
+        elif kind == "removed":
+            rm = event.removed
+            hashes = check_block_hashes(
+                f"{where}.removed.block_hashes", rm.block_hashes, inv.MAX_CHAIN_BLOCKS
+            )
+            blocks += len(hashes)
+            events.append(
+                ev.BlockRemoved(
+                    block_hashes=hashes,
+                    tier=_tier(f"{where}.removed.tier", rm.tier),
+                    group_idx=_group(f"{where}.removed", rm.group_idx),
+                )
+            )
+        elif kind == "cleared":
+            events.append(ev.AllBlocksCleared())
+        else:
+            raise invalid(f"{where} has no event set (stored, removed or cleared)")
+        if blocks > inv.MAX_BLOCKS_PER_BATCH:
+            raise invalid(
+                f"events carry more than {inv.MAX_BLOCKS_PER_BATCH} block hashes in one batch; "
+                "split it"
+            )
+    return ev.EventBatch(
+        incarnation=msg.incarnation,
+        sequence=msg.sequence,
+        events=tuple(events),
+        dump_begin=msg.dump_begin,
+        dump_end=msg.dump_end,
+    )
+
+
+def lookup_request_from_proto(
+    msg: pb.LookupRequest, bounds: FieldBounds
+) -> tuple[str, tuple[LookupQuery, ...]]:
+    requester = check_id("requester_child_engine_id", msg.requester_child_engine_id, bounds)
+    n = len(msg.queries)
+    if n == 0:
+        raise invalid("queries is empty: send at least one LookupQuery")
+    check_count("queries", n, inv.MAX_QUERIES_PER_LOOKUP)
+    queries = []
+    for i, q in enumerate(msg.queries):
+        hashes = check_block_hashes(
+            f"queries[{i}].block_hashes", q.block_hashes, inv.MAX_CHAIN_BLOCKS
+        )
+        if q.max_candidates > inv.MAX_CANDIDATES:
+            raise invalid(
+                f"queries[{i}].max_candidates {q.max_candidates} exceeds {inv.MAX_CANDIDATES}"
+            )
+        if q.min_blocks > inv.MAX_CHAIN_BLOCKS:
+            raise invalid(f"queries[{i}].min_blocks {q.min_blocks} exceeds {inv.MAX_CHAIN_BLOCKS}")
+        queries.append(
+            LookupQuery(
+                block_hashes=hashes,
+                compatibility_hash=check_text(
+                    f"queries[{i}].compatibility_hash", q.compatibility_hash, bounds
+                ),
+                min_blocks=q.min_blocks,
+                include_self=q.include_self,
+                max_candidates=q.max_candidates or inv.DEFAULT_MAX_CANDIDATES,
+                group_idx=_group(f"queries[{i}]", q.group_idx),
+            )
+        )
+    return requester, tuple(queries)
+
+
+_OUTCOMES: dict[LookupVerdict, pb.LookupOutcome.ValueType] = {
+    LookupVerdict.HIT: pb.LOOKUP_OUTCOME_HIT,
+    LookupVerdict.MISS: pb.LOOKUP_OUTCOME_MISS,
+    LookupVerdict.BELOW_MIN_BLOCKS: pb.LOOKUP_OUTCOME_BELOW_MIN_BLOCKS,
+    LookupVerdict.REUSE_UNAVAILABLE: pb.LOOKUP_OUTCOME_REUSE_UNAVAILABLE,
+}
+
+
+def lookup_response_to_proto(results: Sequence[LookupResult]) -> pb.LookupResponse:
+    Candidate = pb.Candidate
+    return pb.LookupResponse(
+        results=[
+            pb.LookupResult(
+                outcome=_OUTCOMES[r.outcome],
+                candidates=[
+                    Candidate(
+                        child_engine_id=c.child_engine_id,
+                        matched_blocks=c.matched_blocks,
+                        tier=pb.Tier.ValueType(c.tier),
+                        expiry_unix_ms=c.expiry_ms,
+                        leases_in_flight=c.leases_in_flight,
+                    )
+                    for c in r.candidates
+                ],
+                reuse=reuse_status_to_proto(r.reuse),
+            )
+            for r in results
+        ]
     )

@@ -126,11 +126,11 @@ async def test_unimplemented_rpcs_say_so() -> None:
 
     with start_coordinator() as kvrc:
         async with grpc.aio.insecure_channel(kvrc.grpc_target) as channel:
-            stub = kvrc_pb2_grpc.EngineServiceStub(channel)
+            stub = kvrc_pb2_grpc.AdminServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.Lookup(kvrc_pb2.LookupRequest())
+                await stub.Drain(kvrc_pb2.DrainRequest())
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "Lookup is not implemented" in (e.value.details() or "")
+    assert "Drain is not implemented" in (e.value.details() or "")
 
 
 async def test_reuse_flag_and_declared_profiles_reach_the_register_ack(tmp_path: Path) -> None:
