@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from coordinator.errors import KvrcError
+from coordinator.leases import LeaseConfig
 from coordinator.profiles import DeclaredProfile, declared_profile
 
 
@@ -68,6 +69,8 @@ class CoordinatorConfig:
     inventory_max_entries_total: int = 50_000_000
     inventory_max_entries_per_engine: int = 5_000_000
     bounds: FieldBounds = FieldBounds()
+    # Lease timers and bounds (coordinator/leases.py).
+    leases: LeaseConfig = field(default_factory=LeaseConfig)
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_ms <= 0:

@@ -18,14 +18,17 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import ErrorCode, KvrcError
 from coordinator.events import RankKey
-from coordinator.inventory_service import InventoryFacade, ResyncOrder
+from coordinator.inventory import MAX_CANDIDATES
+from coordinator.inventory_service import InventoryFacade, LookupQuery, ResyncOrder
+from coordinator.lease_service import DrainNotice, HolderCandidate, LeaseFacade
+from coordinator.leases import LeaseView, SendAbort, SendPin, SendQuarantine, SendRelease
 from coordinator.metrics import Metrics
 from coordinator.profiles import ReuseStatus, reuse_status
 from coordinator.registry import (
@@ -69,7 +72,17 @@ class StateUpdate:
 
 
 # Later issues add their messages (pin, release, abort, resync, ...) here.
-Outbound = RegisterReply | HeartbeatReply | StateUpdate | ResyncOrder
+Outbound = (
+    RegisterReply
+    | HeartbeatReply
+    | StateUpdate
+    | ResyncOrder
+    | SendPin
+    | SendRelease
+    | SendAbort
+    | SendQuarantine
+    | DrainNotice
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +161,7 @@ class ChildEngineStatus:
     reuse: ReuseStatus
     inventory_entries: int = 0
     stale: bool = False  # its inventory stream lost events; awaiting a full dump
+    draining: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +171,7 @@ class StatusSnapshot:
     warming: bool
     child_engines: tuple[ChildEngineStatus, ...]
     inventory_entries: int = 0
+    leases: tuple[LeaseView, ...] = ()  # in flight and quarantined
 
 
 class Coordinator:
@@ -172,7 +187,7 @@ class Coordinator:
         self.registry = Registry(config.max_rank_parts, config.bounds.max_grid_parts)
         self._sessions: dict[str, Session] = {}
         self._listeners: list[PartListener] = []
-        self._gone_timers: dict[str, asyncio.TimerHandle] = {}
+        self._gone_timers: dict[tuple[str, RankKey], asyncio.TimerHandle] = {}
         # Incarnations grow across restarts too: seeded from the wall clock.
         self._incarnations = itertools.count(clock_ms() * 1000)
         self._watchdog: asyncio.Task[None] | None = None
@@ -182,6 +197,19 @@ class Coordinator:
             config, self.metrics, self.registry, self.reuse_for, clock_ms, self._send_to
         )
         self.add_part_listener(self.inventory)
+        # Both lease flows (coordinator/lease_service.py).
+        self.leases = LeaseFacade(
+            registry=self.registry,
+            metrics=self.metrics,
+            send_to_part=self.send_to_part,
+            reuse_for=self.reuse_for,
+            gone_pending=self.gone_pending,
+            clock_ms=clock_ms,
+            config=config.leases,
+        )
+        self.leases.holder_finder = self._find_holders
+        self.inventory.set_leases_in_flight(self.leases.leases_in_flight)
+        self.add_part_listener(self.leases)
         self.metrics.warming.set(0)
         self._update_gauges()
 
@@ -190,6 +218,7 @@ class Coordinator:
     async def start(self) -> None:
         self._watchdog = asyncio.create_task(self._watch_heartbeats(), name="kvrc-watchdog")
         self.inventory.start()
+        await self.leases.start()
 
     async def shutdown(self) -> None:
         """Ends every session (UNAVAILABLE: engines reconnect to the next coordinator)."""
@@ -209,6 +238,7 @@ class Coordinator:
             timer.cancel()
         self._gone_timers.clear()
         await self.inventory.close()
+        await self.leases.shutdown()
 
     def add_part_listener(self, listener: PartListener) -> None:
         self._listeners.append(listener)
@@ -320,20 +350,68 @@ class Coordinator:
         children = []
         for view in self.registry.views():
             inv = self.inventory.engine_status(view.child_engine_id)
-            children.append(ChildEngineStatus(view, self.reuse_for(view), inv.entries, inv.stale))
+            children.append(
+                ChildEngineStatus(
+                    view,
+                    self.reuse_for(view),
+                    inv.entries,
+                    inv.stale,
+                    self.leases.is_draining(view.child_engine_id),
+                )
+            )
         return StatusSnapshot(
             version=__version__,
             reuse_enabled=self.config.reuse,
             warming=False,
             child_engines=tuple(children),
             inventory_entries=self.inventory.entries_total(),
+            leases=tuple(self.leases.open_leases()),
         )
+
+    def send_to_part(self, child_engine_id: str, rank: RankKey, message: Outbound) -> bool:
+        """Queues a message on the session of one rank part; False when it has none."""
+        for ref in self.registry.parts_of(child_engine_id):
+            if ref.rank == rank:
+                session = self._sessions.get(ref.session_id)
+                if session is not None:
+                    self._send(session, message)
+                    return True
+        return False
+
+    def gone_pending(self, child_engine_id: str) -> bool:
+        """Some removed part of this child engine is still inside its grace period."""
+        return any(key[0] == child_engine_id for key in self._gone_timers)
+
+    def _find_holders(
+        self,
+        *,
+        requester_child_engine_id: str,
+        compatibility_hash: str,
+        group_idx: int,
+        chain: Sequence[bytes],
+        min_blocks: int,
+        now_ms: int,
+        leases_in_flight: Mapping[str, int],
+    ) -> list[HolderCandidate]:
+        # min_blocks 1: the lease side tells "below min_blocks" from "no candidate".
+        result = self.inventory.lookup(
+            requester_child_engine_id,
+            LookupQuery(
+                tuple(chain),
+                compatibility_hash=compatibility_hash,
+                min_blocks=1,
+                group_idx=group_idx,
+                max_candidates=MAX_CANDIDATES,
+            ),
+            leases_in_flight=leases_in_flight,
+        )
+        return [HolderCandidate(c.child_engine_id, c.matched_blocks) for c in result.candidates]
 
     # --- internals -------------------------------------------------------------
 
     @staticmethod
-    def _part_key(ref: PartRef) -> str:
-        return f"{ref.child_engine_id}/{ref.rank}"
+    def _part_key(ref: PartRef) -> tuple[str, RankKey]:
+        return (ref.child_engine_id, ref.rank)
 
     def _part_gone(self, ref: PartRef) -> None:
         self._gone_timers.pop(self._part_key(ref), None)

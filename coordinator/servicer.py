@@ -104,6 +104,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
             str, Callable[[CoordinatorSession, pb.EngineMessage], None]
         ] = {}
         self.session_handlers["events"] = self._on_events
+        self.session_handlers["pin_result"] = self._on_pin_result
+        self.session_handlers["abort_ack"] = self._on_abort_ack
+        self.session_handlers["release_ack"] = self._on_release_ack
 
     # --- the session stream --------------------------------------------------------
 
@@ -227,49 +230,95 @@ class EngineService(pb_grpc.EngineServiceServicer):
 
         return await self._observed.unary("Lookup", context, call)
 
-    # --- unary RPCs implemented by later issues ------------------------------------
+    # --- leases: session messages ---------------------------------------------------
+
+    def _on_pin_result(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        ref = session.ref
+        lease_id, pinned, descriptor, error = wire.pin_result_from_proto(
+            message.pin_result, ref.rank, self._bounds
+        )
+        self._coordinator.leases.on_pin_result(
+            ref.child_engine_id, ref.rank, lease_id, pinned, descriptor, error
+        )
+
+    def _on_abort_ack(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        lease_id = wire.check_id("abort_ack.lease_id", message.abort_ack.lease_id, self._bounds)
+        ref = session.ref
+        self._coordinator.leases.on_abort_ack(ref.child_engine_id, ref.rank, lease_id)
+
+    def _on_release_ack(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        lease_id = wire.check_id("release_ack.lease_id", message.release_ack.lease_id, self._bounds)
+        ref = session.ref
+        self._coordinator.leases.on_release_ack(ref.child_engine_id, ref.rank, lease_id)
+
+    # --- leases: unary RPCs -----------------------------------------------------------
 
     async def RequestPrefixLoad(
         self, request: pb.PrefixLoadRequest, context: Context
     ) -> pb.PrefixLoadGrant:
-        return await self._observed.unary(
-            "RequestPrefixLoad", context, _raise(_later("RequestPrefixLoad", "prefix load"))
-        )
+        async def call() -> pb.PrefixLoadGrant:
+            req = wire.prefix_load_request_from_proto(request, self._bounds)
+            answer = await self._coordinator.leases.request_prefix_load(req)
+            return wire.prefix_load_answer_to_proto(answer)
+
+        return await self._observed.unary("RequestPrefixLoad", context, call)
 
     async def CompletePrefixLoad(
         self, request: pb.TransferReport, context: Context
     ) -> pb.CompleteResponse:
-        return await self._observed.unary(
-            "CompletePrefixLoad", context, _raise(_later("CompletePrefixLoad", "prefix load"))
-        )
+        async def call() -> pb.CompleteResponse:
+            report = wire.transfer_report_from_proto(request, self._bounds)
+            return wire.complete_response_to_proto(
+                self._coordinator.leases.complete_prefix_load(report)
+            )
+
+        return await self._observed.unary("CompletePrefixLoad", context, call)
 
     async def PublishHandoff(
         self, request: pb.PublishHandoffRequest, context: Context
     ) -> pb.PublishHandoffResponse:
-        return await self._observed.unary(
-            "PublishHandoff", context, _raise(_later("PublishHandoff", "decode handoff"))
-        )
+        async def call() -> pb.PublishHandoffResponse:
+            req = wire.publish_handoff_from_proto(request, self._bounds)
+            view, reported, expected = self._coordinator.leases.publish_handoff(req)
+            return wire.publish_response_to_proto(view, reported, expected)
+
+        return await self._observed.unary("PublishHandoff", context, call)
 
     async def BeginHandoff(
         self, request: pb.BeginHandoffRequest, context: Context
     ) -> pb.HandoffGrant:
-        return await self._observed.unary(
-            "BeginHandoff", context, _raise(_later("BeginHandoff", "decode handoff"))
-        )
+        async def call() -> pb.HandoffGrant:
+            req = wire.begin_handoff_from_proto(request, self._bounds)
+            grant = await self._coordinator.leases.begin_handoff(req)
+            return wire.handoff_grant_to_proto(
+                grant, self._coordinator.leases.heartbeat_interval_ms
+            )
+
+        return await self._observed.unary("BeginHandoff", context, call)
 
     async def ExtendHandoff(
         self, request: pb.ExtendHandoffRequest, context: Context
     ) -> pb.ExtendHandoffResponse:
-        return await self._observed.unary(
-            "ExtendHandoff", context, _raise(_later("ExtendHandoff", "decode handoff"))
-        )
+        async def call() -> pb.ExtendHandoffResponse:
+            lease_id = wire.check_id("lease_id", request.lease_id, self._bounds)
+            decode = wire.check_id(
+                "decode_child_engine_id", request.decode_child_engine_id, self._bounds
+            )
+            deadline = self._coordinator.leases.extend_handoff(lease_id, decode)
+            return pb.ExtendHandoffResponse(deadline_unix_ms=deadline)
+
+        return await self._observed.unary("ExtendHandoff", context, call)
 
     async def CompleteHandoff(
         self, request: pb.TransferReport, context: Context
     ) -> pb.CompleteResponse:
-        return await self._observed.unary(
-            "CompleteHandoff", context, _raise(_later("CompleteHandoff", "decode handoff"))
-        )
+        async def call() -> pb.CompleteResponse:
+            report = wire.transfer_report_from_proto(request, self._bounds)
+            return wire.complete_response_to_proto(
+                self._coordinator.leases.complete_handoff(report)
+            )
+
+        return await self._observed.unary("CompleteHandoff", context, call)
 
 
 class AdminService(pb_grpc.AdminServiceServicer):
@@ -284,14 +333,24 @@ class AdminService(pb_grpc.AdminServiceServicer):
         return await self._observed.unary("GetStatus", context, call)
 
     async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
-        return await self._observed.unary("Drain", context, _raise(_later("Drain", "drain")))
+        async def call() -> pb.DrainResponse:
+            bounds = self._coordinator.config.bounds
+            target, timeout_ms, wait = wire.drain_request_from_proto(request, bounds)
+            result = await self._coordinator.leases.drain(target, timeout_ms, wait)
+            return wire.drain_response_to_proto(result)
+
+        return await self._observed.unary("Drain", context, call)
 
     async def ResolveQuarantine(
         self, request: pb.ResolveQuarantineRequest, context: Context
     ) -> pb.ResolveQuarantineResponse:
-        return await self._observed.unary(
-            "ResolveQuarantine", context, _raise(_later("ResolveQuarantine", "leases"))
-        )
+        async def call() -> pb.ResolveQuarantineResponse:
+            bounds = self._coordinator.config.bounds
+            lease_id, note = wire.resolve_quarantine_from_proto(request, bounds)
+            view = self._coordinator.leases.resolve_quarantine(lease_id, note)
+            return pb.ResolveQuarantineResponse(state=pb.LeaseState.ValueType(view.state.value))
+
+        return await self._observed.unary("ResolveQuarantine", context, call)
 
 
 def _raise(error: Exception) -> Callable[[], Awaitable[Any]]:

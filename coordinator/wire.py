@@ -17,6 +17,26 @@ from coordinator import inventory as inv
 from coordinator.config import FieldBounds
 from coordinator.errors import invalid
 from coordinator.inventory_service import LookupQuery, LookupResult, LookupVerdict, ResyncOrder
+from coordinator.lease_service import (
+    BeginHandoffRequest,
+    DrainNotice,
+    DrainResult,
+    PrefixLoadAnswer,
+    PrefixLoadRequest,
+    PublishHandoffRequest,
+    TransferReport,
+)
+from coordinator.leases import (
+    HandoffGrant,
+    LeaseState,
+    LeaseView,
+    Outcome,
+    SendAbort,
+    SendPin,
+    SendQuarantine,
+    SendRelease,
+    SourcePart,
+)
 from coordinator.profiles import DeploymentProfile, ReuseReason, ReuseStatus
 from coordinator.registry import (
     ChildEngineView,
@@ -289,6 +309,9 @@ def coordinator_message(out: Outbound) -> pb.CoordinatorMessage:
                 reason=out.reason, expected_sequence=out.expected_sequence
             )
         )
+    lease_message = _lease_message(out)
+    if lease_message is not None:
+        return lease_message
     raise TypeError(f"no encoding for outbound message {type(out).__name__}")
 
 
@@ -299,6 +322,7 @@ def status_to_proto(snapshot: StatusSnapshot) -> pb.StatusResponse:
         warming=snapshot.warming,
         child_engines=[_child_engine_status(c) for c in snapshot.child_engines],
         inventory_entries=snapshot.inventory_entries,
+        leases=[lease_status_to_proto(v) for v in snapshot.leases],
     )
 
 
@@ -306,6 +330,7 @@ def _child_engine_status(status: ChildEngineStatus) -> pb.ChildEngineStatus:
     view = status.view
     state = child_engine_state_to_proto(view, status.reuse)
     state.stale = status.stale
+    state.draining = status.draining
     return pb.ChildEngineStatus(
         state=state,
         inventory_entries=status.inventory_entries,
@@ -489,3 +514,276 @@ def lookup_response_to_proto(results: Sequence[LookupResult]) -> pb.LookupRespon
             for r in results
         ]
     )
+
+
+# --- leases: prefix load, decode handoff, drain, quarantine ---------------------------
+
+# Far above any real connector's params; the core checks its own (larger) bound too.
+MAX_KV_TRANSFER_PARAMS_BYTES = 1 << 20
+MAX_BLOCK_IDS = 1 << 16
+MAX_DURATION_MS = 600_000  # pin / transfer / wait / drain timeouts on the wire
+
+
+def _rank_key(msg: pb.RankCoordinates) -> tuple[int, int, int]:
+    return (msg.tp_rank, msg.pp_rank, msg.pcp_rank)
+
+
+def _duration(field: str, value: int, limit: int = MAX_DURATION_MS) -> int:
+    if value > limit:
+        raise invalid(f"{field} is {value} ms; the limit is {limit} ms")
+    return value
+
+
+def descriptor_from_proto(
+    field: str, msg: pb.RankPartDescriptor, rank: tuple[int, int, int], bounds: FieldBounds
+) -> bytes:
+    """Validates a source part's descriptor; returns it serialized, to hand back byte for byte."""
+    if _rank_key(msg.rank) != rank:
+        raise invalid(f"{field}.rank {_rank_key(msg.rank)} is not the sending rank part {rank}")
+    endpoint_from_proto(msg.endpoint, bounds)  # sizes of the opaque endpoint
+    check_count(f"{field}.block_ids", len(msg.block_ids), MAX_BLOCK_IDS)
+    if len(msg.opaque) > bounds.max_metadata_bytes:
+        raise invalid(
+            f"{field}.opaque is {len(msg.opaque)} bytes; the limit is {bounds.max_metadata_bytes}"
+        )
+    return msg.SerializeToString(deterministic=True)
+
+
+def _descriptor_to_proto(part: SourcePart) -> pb.RankPartDescriptor:
+    assert isinstance(part.descriptor, bytes)
+    return pb.RankPartDescriptor.FromString(part.descriptor)
+
+
+def prefix_load_request_from_proto(
+    msg: pb.PrefixLoadRequest, bounds: FieldBounds
+) -> PrefixLoadRequest:
+    chain = check_block_hashes("block_hashes", msg.block_hashes, inv.MAX_CHAIN_BLOCKS)
+    if not chain:
+        raise invalid("block_hashes is empty: a prefix load needs at least one block")
+    if msg.min_blocks > len(chain):
+        raise invalid(f"min_blocks {msg.min_blocks} exceeds the chain's {len(chain)} blocks")
+    if msg.compatibility_hash:
+        check_id("compatibility_hash", msg.compatibility_hash, bounds)
+    return PrefixLoadRequest(
+        request_id=check_id("request_id", msg.request_id, bounds),
+        requester_child_engine_id=check_id(
+            "requester_child_engine_id", msg.requester_child_engine_id, bounds
+        ),
+        block_hashes=chain,
+        compatibility_hash=msg.compatibility_hash,
+        min_blocks=msg.min_blocks,
+        group_idx=_group("group_idx", msg.group_idx),
+        pin_timeout_ms=_duration("pin_timeout_ms", msg.pin_timeout_ms, 60_000),
+        transfer_timeout_ms=_duration("transfer_timeout_ms", msg.transfer_timeout_ms),
+    )
+
+
+_REPORT_OUTCOMES = {o.value: o for o in Outcome}
+
+
+def transfer_report_from_proto(msg: pb.TransferReport, bounds: FieldBounds) -> TransferReport:
+    outcome = _REPORT_OUTCOMES.get(msg.outcome)
+    if outcome is None:
+        raise invalid(f"outcome must be SUCCEEDED, FAILED or UNKNOWN (1..3), got {msg.outcome}")
+    return TransferReport(
+        lease_id=check_id("lease_id", msg.lease_id, bounds),
+        reporter_child_engine_id=check_id(
+            "reporter_child_engine_id", msg.reporter_child_engine_id, bounds
+        ),
+        rank_key=_rank_key(msg.rank),
+        outcome=outcome,
+        bytes_moved=msg.bytes_moved,
+        duration_us=msg.duration_us,
+        error_message=check_text("error_message", msg.error_message, bounds),
+    )
+
+
+def publish_handoff_from_proto(
+    msg: pb.PublishHandoffRequest, bounds: FieldBounds
+) -> PublishHandoffRequest:
+    rank = _rank_key(msg.rank)
+    if not msg.HasField("descriptor"):
+        raise invalid("descriptor is missing: each prefill part publishes its own blocks")
+    if len(msg.kv_transfer_params) > MAX_KV_TRANSFER_PARAMS_BYTES:
+        raise invalid(
+            f"kv_transfer_params are {len(msg.kv_transfer_params)} bytes; the limit is "
+            f"{MAX_KV_TRANSFER_PARAMS_BYTES}"
+        )
+    if msg.num_blocks > inv.MAX_CHAIN_BLOCKS * 16:
+        raise invalid(f"num_blocks {msg.num_blocks} exceeds {inv.MAX_CHAIN_BLOCKS * 16}")
+    decode = msg.decode_child_engine_id
+    return PublishHandoffRequest(
+        request_id=check_id("request_id", msg.request_id, bounds),
+        prefill_child_engine_id=check_id(
+            "prefill_child_engine_id", msg.prefill_child_engine_id, bounds
+        ),
+        rank_key=rank,
+        descriptor=descriptor_from_proto("descriptor", msg.descriptor, rank, bounds),
+        kv_transfer_params=bytes(msg.kv_transfer_params),
+        decode_child_engine_id=(
+            check_id("decode_child_engine_id", decode, bounds) if decode else None
+        ),
+        num_blocks=msg.num_blocks,
+    )
+
+
+def begin_handoff_from_proto(
+    msg: pb.BeginHandoffRequest, bounds: FieldBounds
+) -> BeginHandoffRequest:
+    return BeginHandoffRequest(
+        request_id=check_id("request_id", msg.request_id, bounds),
+        prefill_child_engine_id=check_id(
+            "prefill_child_engine_id", msg.prefill_child_engine_id, bounds
+        ),
+        decode_child_engine_id=check_id(
+            "decode_child_engine_id", msg.decode_child_engine_id, bounds
+        ),
+        wait_timeout_ms=_duration("wait_timeout_ms", msg.wait_timeout_ms),
+    )
+
+
+def pin_result_from_proto(
+    msg: pb.PinResult, rank: tuple[int, int, int], bounds: FieldBounds
+) -> tuple[str, int, bytes | None, str]:
+    """(lease id, pinned blocks, descriptor or None for a miss, error message)."""
+    lease_id = check_id("pin_result.lease_id", msg.lease_id, bounds)
+    descriptor = None
+    if msg.pinned_blocks > 0:
+        if not msg.HasField("descriptor"):
+            raise invalid("pin_result.descriptor is missing for a non-zero pin")
+        descriptor = descriptor_from_proto("pin_result.descriptor", msg.descriptor, rank, bounds)
+        if 0 < len(msg.descriptor.block_ids) < msg.pinned_blocks:
+            raise invalid(
+                f"pin_result.descriptor lists {len(msg.descriptor.block_ids)} block ids for "
+                f"{msg.pinned_blocks} pinned blocks"
+            )
+    return (
+        lease_id,
+        msg.pinned_blocks,
+        descriptor,
+        check_text("pin_result.error_message", msg.error_message, bounds),
+    )
+
+
+def drain_request_from_proto(msg: pb.DrainRequest, bounds: FieldBounds) -> tuple[str, int, bool]:
+    return (
+        check_id("child_engine_id", msg.child_engine_id, bounds),
+        _duration("timeout_ms", msg.timeout_ms, 3_600_000),
+        msg.wait,
+    )
+
+
+def resolve_quarantine_from_proto(
+    msg: pb.ResolveQuarantineRequest, bounds: FieldBounds
+) -> tuple[str, str]:
+    if msg.resolution != pb.QUARANTINE_RESOLUTION_RELEASE:
+        raise invalid(
+            f"resolution must be RELEASE (1), got {msg.resolution}: the only way out of "
+            "quarantine is an operator's proof that the blocks are quiet"
+        )
+    return (
+        check_id("lease_id", msg.lease_id, bounds),
+        check_text("operator_note", msg.operator_note, bounds),
+    )
+
+
+def _lease_state(state: LeaseState) -> pb.LeaseState.ValueType:
+    return pb.LeaseState.ValueType(state.value)
+
+
+def prefix_load_answer_to_proto(answer: PrefixLoadAnswer) -> pb.PrefixLoadGrant:
+    reuse = reuse_status_to_proto(answer.reuse)
+    view = answer.view
+    grant = view.prefix_load_grant if view is not None else None
+    if grant is None:
+        return pb.PrefixLoadGrant(
+            outcome=pb.GRANT_OUTCOME_MISS,
+            miss_reason=f"{answer.miss_reason}: {answer.miss_detail}",
+            lease_id=view.lease_id if view is not None else "",
+            reuse=reuse,
+        )
+    return pb.PrefixLoadGrant(
+        outcome=pb.GRANT_OUTCOME_GRANTED,
+        lease_id=grant.lease_id,
+        source_child_engine_id=grant.source_child_engine_id,
+        matched_blocks=grant.matched_blocks,
+        source_parts=[_descriptor_to_proto(p) for p in grant.source_parts],
+        deadline_unix_ms=grant.deadline_ms,
+        reuse=reuse,
+    )
+
+
+def handoff_grant_to_proto(grant: HandoffGrant, heartbeat_interval_ms: int) -> pb.HandoffGrant:
+    return pb.HandoffGrant(
+        lease_id=grant.lease_id,
+        prefill_child_engine_id=grant.prefill_child_engine_id,
+        source_parts=[_descriptor_to_proto(p) for p in grant.source_parts],
+        kv_transfer_params=grant.kv_transfer_params,
+        deadline_unix_ms=grant.deadline_ms,
+        heartbeat_interval_ms=heartbeat_interval_ms,
+        num_blocks=grant.num_blocks,
+    )
+
+
+def complete_response_to_proto(view: LeaseView) -> pb.CompleteResponse:
+    return pb.CompleteResponse(state=_lease_state(view.state), quiescent=view.quiescent)
+
+
+def publish_response_to_proto(
+    view: LeaseView, reported: int, expected: int
+) -> pb.PublishHandoffResponse:
+    return pb.PublishHandoffResponse(
+        state=_lease_state(view.state), parts_reported=reported, parts_expected=expected
+    )
+
+
+def drain_response_to_proto(result: DrainResult) -> pb.DrainResponse:
+    return pb.DrainResponse(
+        child_engine_ids=list(result.child_engine_ids),
+        leases_remaining=result.leases_remaining,
+        safe_to_stop=result.safe_to_stop,
+    )
+
+
+def lease_status_to_proto(view: LeaseView) -> pb.LeaseStatus:
+    return pb.LeaseStatus(
+        lease_id=view.lease_id,
+        flow=view.flow.value,
+        state=_lease_state(view.state),
+        source_child_engine_id=view.source_child_engine_id,
+        target_child_engine_id=view.target_child_engine_id or "",
+        deadline_unix_ms=view.deadline_ms or 0,
+        reason=view.reason,
+    )
+
+
+def _lease_message(out: object) -> pb.CoordinatorMessage | None:
+    if isinstance(out, SendPin):
+        return pb.CoordinatorMessage(
+            pin_request=pb.PinRequest(
+                lease_id=out.lease_id,
+                block_hashes=list(out.block_hashes),
+                requester_child_engine_id=out.requester_child_engine_id,
+                deadline_unix_ms=out.deadline_ms,
+                group_idx=out.group_idx,
+            )
+        )
+    if isinstance(out, SendRelease):
+        return pb.CoordinatorMessage(
+            release_request=pb.ReleaseRequest(lease_id=out.lease_id, reason=out.reason)
+        )
+    if isinstance(out, SendAbort):
+        return pb.CoordinatorMessage(
+            abort_request=pb.AbortRequest(lease_id=out.lease_id, reason=out.reason)
+        )
+    if isinstance(out, SendQuarantine):
+        return pb.CoordinatorMessage(
+            quarantine_notice=pb.QuarantineNotice(lease_id=out.lease_id, reason=out.reason)
+        )
+    if isinstance(out, DrainNotice):
+        return pb.CoordinatorMessage(
+            drain_notice=pb.DrainNotice(
+                child_engine_id=out.child_engine_id, deadline_unix_ms=out.deadline_ms
+            )
+        )
+    return None
