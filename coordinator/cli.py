@@ -1,4 +1,4 @@
-"""`kvrc` command line: `kvrc serve` and `kvrc status` (later: drain, demo, ...).
+"""`kvrc` command line: `kvrc serve`, `kvrc status`, `kvrc drain`, `kvrc quarantine resolve`.
 
 Errors a person can fix (bad flags, bad profiles file, unreachable target)
 print one line on stderr and exit non-zero, never a traceback.
@@ -19,12 +19,14 @@ from typing import Any
 import grpc
 
 from coordinator.config import ConfigError, CoordinatorConfig, load_profiles
+from coordinator.leases import LeaseConfig
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 EXIT_CONFIG = 2
-EXIT_UNREACHABLE = 1
+EXIT_UNREACHABLE = 1  # also: the coordinator refused the request (the message says why)
+EXIT_NOT_SAFE = 3  # `kvrc drain --wait`: leases remain at the timeout
 
 
 class _JsonLogFormatter(logging.Formatter):
@@ -107,6 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.inventory_max_entries_per_engine,
         help="cap on one child engine's inventory entries (%(default)s)",
     )
+    lease_defaults = defaults.leases
+    serve.add_argument(
+        "--handoff-heartbeat-timeout-ms",
+        type=int,
+        default=lease_defaults.handoff_heartbeat_timeout_ms,
+        help="a handoff lease not extended this long is aborted (%(default)s)",
+    )
+    serve.add_argument(
+        "--abort-timeout-ms",
+        type=int,
+        default=lease_defaults.abort_timeout_ms,
+        help="an abort not acknowledged this long sends the lease to quarantine (%(default)s)",
+    )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-json", action="store_true", help="one JSON document per log line")
@@ -117,11 +132,44 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print one JSON document")
     status.add_argument("--timeout-s", type=float, default=5.0)
     status.set_defaults(func=_cmd_status)
+
+    drain = commands.add_parser(
+        "drain", help="stop new grants from/to an engine; report when it is safe to stop"
+    )
+    drain.add_argument("engine", metavar="ENGINE", help="a child engine id or an engine id")
+    drain.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    drain.add_argument(
+        "--timeout-ms",
+        type=int,
+        default=0,
+        help="then running leases are aborted (0 = the coordinator's default, 60000)",
+    )
+    drain.add_argument("--wait", action="store_true", help="block until safe to stop or timeout")
+    drain.add_argument("--json", action="store_true", help="print one JSON document")
+    drain.set_defaults(func=_cmd_drain)
+
+    quarantine = commands.add_parser("quarantine", help="leases whose outcome is unknown")
+    q_commands = quarantine.add_subparsers(dest="quarantine_command", required=True)
+    resolve = q_commands.add_parser(
+        "resolve", help="an operator proved the blocks quiet: release the quarantined lease"
+    )
+    resolve.add_argument("lease_id", metavar="LEASE_ID")
+    resolve.add_argument("--note", default="", help="why it is safe (logged by the coordinator)")
+    resolve.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    resolve.add_argument("--json", action="store_true", help="print one JSON document")
+    resolve.set_defaults(func=_cmd_quarantine_resolve)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     profiles = load_profiles(args.profiles) if args.profiles is not None else ()
+    try:
+        leases = LeaseConfig(
+            handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,
+            abort_timeout_ms=args.abort_timeout_ms,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return CoordinatorConfig(
         listen=args.listen,
         metrics_port=args.metrics_port,
@@ -133,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         shutdown_grace_s=args.shutdown_grace_s,
         inventory_max_entries_total=args.inventory_max_entries,
         inventory_max_entries_per_engine=args.inventory_max_entries_per_engine,
+        leases=leases,
     )
 
 
@@ -209,6 +258,19 @@ def status_document(response: pb.StatusResponse) -> dict[str, Any]:
         "warming": response.warming,
         "inventory_entries": response.inventory_entries,
         "child_engines": children,
+        "leases": [lease_document(lease) for lease in response.leases],
+    }
+
+
+def lease_document(lease: pb.LeaseStatus) -> dict[str, Any]:
+    return {
+        "lease_id": lease.lease_id,
+        "flow": lease.flow,
+        "state": pb.LeaseState.Name(lease.state).removeprefix("LEASE_STATE_"),
+        "source_child_engine_id": lease.source_child_engine_id,
+        "target_child_engine_id": lease.target_child_engine_id,
+        "deadline_unix_ms": lease.deadline_unix_ms,
+        "reason": lease.reason,
     }
 
 
@@ -237,6 +299,17 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)]
         lines.append("  ".join([*cells, row[-1]]))
+    quarantined = sum(1 for x in response.leases if x.state == pb.LEASE_STATE_QUARANTINED)
+    lines.append(
+        f"{len(response.leases)} lease(s) in flight or quarantined ({quarantined} quarantined)"
+    )
+    for lease in response.leases:
+        doc = lease_document(lease)
+        lines.append(
+            f"  {doc['lease_id']}  {doc['flow']}  {doc['state']}  "
+            f"{doc['source_child_engine_id']} -> {doc['target_child_engine_id'] or '?'}  "
+            f"{doc['reason']}"
+        )
     return "\n".join(lines)
 
 
@@ -265,6 +338,62 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status_document(response), indent=2, sort_keys=True))
     else:
         print(_status_text(args.target, response))
+    return 0
+
+
+def _rpc_failed(command: str, target: str, e: grpc.RpcError) -> int:
+    code = e.code() if isinstance(e, grpc.Call) else None
+    details = e.details() if isinstance(e, grpc.Call) else str(e)
+    print(
+        f"kvrc {command}: {code.name if code is not None else 'ERROR'} from {target}: {details}",
+        file=sys.stderr,
+    )
+    return EXIT_UNREACHABLE
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    request = pb.DrainRequest(
+        child_engine_id=args.engine, timeout_ms=max(args.timeout_ms, 0), wait=args.wait
+    )
+    # A waiting drain lasts up to its timeout plus the abort acknowledgements.
+    timeout_s = (args.timeout_ms or 60_000) / 1000 + 30 if args.wait else 10.0
+    try:
+        with grpc.insecure_channel(args.target) as channel:
+            stub = pb_grpc.AdminServiceStub(channel)
+            response: pb.DrainResponse = stub.Drain(request, timeout=timeout_s)
+    except grpc.RpcError as e:
+        return _rpc_failed("drain", args.target, e)
+    doc = {
+        "child_engine_ids": list(response.child_engine_ids),
+        "leases_remaining": response.leases_remaining,
+        "safe_to_stop": response.safe_to_stop,
+    }
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        engines = ", ".join(response.child_engine_ids)
+        verdict = "safe to stop" if response.safe_to_stop else "NOT safe to stop yet"
+        print(f"draining {engines}: {response.leases_remaining} lease(s) remaining, {verdict}")
+    return 0 if response.safe_to_stop or not args.wait else EXIT_NOT_SAFE
+
+
+def _cmd_quarantine_resolve(args: argparse.Namespace) -> int:
+    request = pb.ResolveQuarantineRequest(
+        lease_id=args.lease_id,
+        resolution=pb.QUARANTINE_RESOLUTION_RELEASE,
+        operator_note=args.note,
+    )
+    try:
+        with grpc.insecure_channel(args.target) as channel:
+            stub = pb_grpc.AdminServiceStub(channel)
+            response: pb.ResolveQuarantineResponse = stub.ResolveQuarantine(request, timeout=10.0)
+    except grpc.RpcError as e:
+        return _rpc_failed("quarantine resolve", args.target, e)
+    state = pb.LeaseState.Name(response.state).removeprefix("LEASE_STATE_")
+    if args.json:
+        print(json.dumps({"lease_id": args.lease_id, "state": state}, sort_keys=True))
+    else:
+        print(f"lease {args.lease_id}: {state} (its pins are released)")
     return 0
 
 
