@@ -29,7 +29,15 @@ from prometheus_env import (
     registry_family_names,
 )
 
-from coordinator import service, zmq_ingest
+from coordinator import (
+    event_streams,
+    events,
+    inventory_service,
+    lease_service,
+    leases,
+    service,
+    zmq_ingest,
+)
 from coordinator.errors import ErrorCode
 from coordinator.metrics import Metrics
 from kvrc.v1 import kvrc_pb2
@@ -259,3 +267,27 @@ def test_label_values_defined_in_code_match_the_doc(
     assert replays == {r.value for r in zmq_ingest._ReplayResult}
     reasons = {v for k, v in vars(service).items() if k.startswith("REASON_")}
     assert documented["kvrc_sessions_closed_total"].labels["reason"] == reasons
+
+
+def test_flow_values_defined_in_code_match_the_doc(
+    documented: dict[str, DocumentedMetric],
+) -> None:
+    # The enums the inventory and lease edges take their label values from.
+    lookups = documented["kvrc_lookups_total"].labels["outcome"]
+    assert lookups == {v.value for v in inventory_service.LookupVerdict}
+    batches = documented["kvrc_event_batches_total"].labels["result"]
+    assert batches == {a.value for a in event_streams.StreamAction} | {"malformed"}
+    tiers = documented["kvrc_inventory_entries"].labels["tier"]
+    assert tiers == {t.name.lower() for t in events.Tier}
+    flows = {f.value for f in leases.Flow}
+    for name, family in documented.items():
+        if "flow" in family.labels:
+            assert family.labels["flow"] == flows, name
+    live = documented["kvrc_leases"].labels["state"]
+    assert live == {s.name.lower() for s in lease_service._NON_TERMINAL}
+    ended = documented["kvrc_leases_ended_total"].labels["state"]
+    assert ended == {s.name.lower() for s in leases.TERMINAL_STATES}
+    misses = documented["kvrc_prefix_load_misses_total"].labels["reason"]
+    # Misses come from the core (MissReason) and from choosing a holder.
+    no_holder = set(lease_service._NO_HOLDER_DETAIL)
+    assert misses == {r.value for r in leases.MissReason} | no_holder
