@@ -459,6 +459,10 @@ class LeaseTable:
     def retained_lease_count(self) -> int:
         return len(self._leases)
 
+    def pending_timer_count(self) -> int:
+        """Timer entries held, live or superseded (bounded; for tests and debugging)."""
+        return len(self._timers)
+
     def next_deadline_ms(self) -> int | None:
         """When `tick` next has work (may be early: stale timers are skipped)."""
         while self._timers and not self._timer_live(self._timers[0]):
@@ -1113,6 +1117,11 @@ class LeaseTable:
         if due is not None:
             self._timer_seq += 1
             heapq.heappush(self._timers, (due, self._timer_seq, lease.lease_id))
+        # Superseded timers stay until due; a client extending in a tight loop must not
+        # grow the heap without bound, so rebuild it from live entries when stale ones pile up.
+        if len(self._timers) > 2 * len(self._leases) + 64:
+            self._timers = [entry for entry in self._timers if self._timer_live(entry)]
+            heapq.heapify(self._timers)
 
     def _timer_live(self, entry: tuple[int, int, str]) -> bool:
         lease = self._leases.get(entry[2])

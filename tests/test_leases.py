@@ -709,6 +709,17 @@ def test_heartbeats_keep_a_handoff_alive_and_silence_aborts_it() -> None:
     ]
 
 
+def test_extending_in_a_tight_loop_keeps_timer_memory_bounded() -> None:
+    t = table()
+    lease_id = begun(t)
+    for now in range(T0 + 6, T0 + 6 + 20_000):
+        t.extend_handoff(lease_id, DEC, now)
+    assert t.pending_timer_count() <= 2 * t.retained_lease_count() + 65
+    # The live timer survived the compaction: silence still aborts the lease.
+    t.tick(T0 + 5 + 20_000 + 10_000)
+    assert t.get(lease_id).state is LeaseState.ABORTING
+
+
 def test_extend_after_the_deadline_or_before_begin_is_refused() -> None:
     t = table()
     lease_id = publish_all(t)
