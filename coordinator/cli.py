@@ -158,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     resolve.add_argument("--json", action="store_true", help="print one JSON document")
     resolve.set_defaults(func=_cmd_quarantine_resolve)
+
+    from clients.refengine.options import add_engine_arguments  # torch-free
+    from coordinator.demo import add_demo_arguments
+
+    engine = commands.add_parser("engine", help="run one rank part of the reference engine")
+    add_engine_arguments(engine)
+    engine.set_defaults(func=_cmd_engine)
+    demo = commands.add_parser("demo", help="kvrc + 2 prefill + 1 decode engines on loopback")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_cmd_demo)
     return parser
 
 
@@ -192,6 +202,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     split_host_port(config.listen)
     return serve(config, args.port_file)
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from clients.refengine.engine import run_from_args  # needs the engine extra (torch)
+
+    return run_from_args(args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from coordinator.demo import run_demo
+
+    return run_demo(args)
 
 
 # --- status --------------------------------------------------------------------

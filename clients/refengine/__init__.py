@@ -1,0 +1,6 @@
+"""The reference engine: a real, model-free serving engine for kvrc's flows.
+
+One process per rank part (`kvrc engine --role prefill|decode ...`). See
+`clients/refengine/engine.py` for how rank parts of one engine cooperate.
+Only `channel.py` and `driver.py` are importable without torch.
+"""

@@ -1,0 +1,149 @@
+"""Options of one reference-engine rank part (`kvrc engine ...`). Torch-free."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Literal
+
+Role = Literal["prefill", "decode"]
+
+# Test-only fault injection, named as such: real failures, provoked on purpose.
+# "bad-remote-address": this rank part's pulls read outside the source's
+#   registered memory (Mooncake's peer refuses them: a real FAILED slice).
+# "delay-before-pull=S": wait S seconds between the grant and the pull (a test
+#   kills or freezes the source meanwhile).
+FAULTS = ("bad-remote-address", "delay-before-pull")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    role: Role
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    target: str  # the kvrc coordinator, HOST:PORT
+    leader: str = ""  # HOST:PORT of tp rank 0's control channel (followers only)
+    control_host: str = "127.0.0.1"
+    model: str = "kvrc/reference"
+    num_layers: int = 4
+    num_blocks: int = 512
+    block_size: int = 16
+    num_kv_heads: int = 4  # total, before tensor-parallel sharding
+    head_size: int = 64
+    kv_dtype: str = "bfloat16"
+    kv_layout: str = "NHD"
+    device: str = "cpu"
+    reuse_opt_in: bool = True
+    hash_seed: int = 0
+    retention_ms: int = 120_000  # decode: how long blocks stay after a request
+    transfer_timeout_ms: int = 10_000
+    pin_timeout_ms: int = 2_000
+    mooncake_hostname: str = "127.0.0.1"
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_port_min: int | None = None
+    mooncake_port_max: int | None = None
+    fault: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp rank {self.tp_rank} outside tp size {self.tp_size}")
+        if self.num_kv_heads % self.tp_size:
+            raise ValueError(
+                f"{self.num_kv_heads} KV heads do not split over tp size {self.tp_size}"
+            )
+        if self.tp_rank > 0 and not self.leader:
+            raise ValueError("a rank part other than tp rank 0 needs --leader HOST:PORT")
+        if self.fault and self.fault.split("=")[0] not in FAULTS:
+            raise ValueError(f"unknown fault {self.fault!r}; known: {FAULTS}")
+
+    @property
+    def child_engine_id(self) -> str:
+        return self.engine_id  # dense engines (dp_size 1) keep the bare engine id
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.tp_size
+
+    def fault_value(self, name: str) -> str | None:
+        """The value of fault `name` ("" when it takes none), None when not set."""
+        key, _, value = self.fault.partition("=")
+        return value if key == name else None
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition("-")
+    try:
+        if not sep:
+            raise ValueError
+        return int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH, got {text!r}") from None
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    d = EngineOptions(role="prefill", engine_id="x", tp_rank=0, tp_size=1, target="")
+    parser.add_argument("--role", required=True, choices=["prefill", "decode"])
+    parser.add_argument("--engine-id", required=True)
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--target", default="127.0.0.1:50051", help="kvrc HOST:PORT")
+    parser.add_argument("--leader", default="", help="tp rank 0's control HOST:PORT")
+    parser.add_argument("--model", default=d.model)
+    parser.add_argument("--layers", type=int, default=d.num_layers)
+    parser.add_argument("--blocks", type=int, default=d.num_blocks, help="KV blocks per rank part")
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--kv-heads", type=int, default=d.num_kv_heads, help="total KV heads")
+    parser.add_argument("--head-size", type=int, default=d.head_size)
+    parser.add_argument("--kv-dtype", default=d.kv_dtype)
+    parser.add_argument("--kv-layout", default=d.kv_layout, choices=["NHD", "HND"])
+    parser.add_argument("--device", default=d.device, help='"cpu" or "cuda:N"')
+    parser.add_argument("--no-reuse-opt-in", action="store_true")
+    parser.add_argument("--hash-seed", type=int, default=d.hash_seed)
+    parser.add_argument("--retention-ms", type=int, default=d.retention_ms)
+    parser.add_argument("--transfer-timeout-ms", type=int, default=d.transfer_timeout_ms)
+    parser.add_argument("--pin-timeout-ms", type=int, default=d.pin_timeout_ms)
+    parser.add_argument("--mooncake-hostname", default=d.mooncake_hostname)
+    parser.add_argument("--mooncake-metadata", default=d.mooncake_metadata)
+    parser.add_argument("--mooncake-protocol", default=d.mooncake_protocol)
+    parser.add_argument("--mooncake-device", default=d.mooncake_device)
+    parser.add_argument("--mooncake-ports", type=_port_range, help="LOW-HIGH (below 32768)")
+    parser.add_argument("--fault", default="", help=f"test-only fault injection: {FAULTS}")
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def options_from_args(args: argparse.Namespace) -> EngineOptions:
+    ports = args.mooncake_ports
+    return EngineOptions(
+        role=args.role,
+        engine_id=args.engine_id,
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+        target=args.target,
+        leader=args.leader,
+        model=args.model,
+        num_layers=args.layers,
+        num_blocks=args.blocks,
+        block_size=args.block_size,
+        num_kv_heads=args.kv_heads,
+        head_size=args.head_size,
+        kv_dtype=args.kv_dtype,
+        kv_layout=args.kv_layout,
+        device=args.device,
+        reuse_opt_in=not args.no_reuse_opt_in,
+        hash_seed=args.hash_seed,
+        retention_ms=args.retention_ms,
+        transfer_timeout_ms=args.transfer_timeout_ms,
+        pin_timeout_ms=args.pin_timeout_ms,
+        mooncake_hostname=args.mooncake_hostname,
+        mooncake_metadata=args.mooncake_metadata,
+        mooncake_protocol=args.mooncake_protocol,
+        mooncake_device=args.mooncake_device,
+        mooncake_port_min=ports[0] if ports else None,
+        mooncake_port_max=ports[1] if ports else None,
+        fault=args.fault,
+    )
