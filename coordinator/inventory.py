@@ -68,7 +68,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -97,7 +97,23 @@ DEFAULT_MAX_ENTRIES_TOTAL = 50_000_000
 DEFAULT_MAX_ENTRIES_PER_ENGINE = 5_000_000
 
 _TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.EXTERNAL)
+_SLOWER_TIERS: tuple[Tier, ...] = (Tier.CPU, Tier.DISK, Tier.EXTERNAL)
+_ANY_SLOWER = 0  # by_tier[0]: block key -> bits holding it in some tier slower than GPU
+
+# Index key of a block hash: Python's keyed SipHash of the bytes, cut to 60 bits so
+# the int takes 32 bytes instead of the 72 of a 32-byte `bytes`. Two distinct
+# hashes share a key with probability ~2**-60; the inventory is advisory
+# (invariant 4), so such a false match costs at worst a shorter pin, never wrong
+# data. Always inlined as `hash(h) >> 4` in hot loops.
+_Key = int
+
+
+def _key(block_hash: BlockHash) -> _Key:
+    return hash(block_hash) >> 4
+
+
 _NO_LEASES: Mapping[str, int] = MappingProxyType({})
+_TIER_OF: dict[int, Tier] = {int(t): t for t in Tier}
 
 
 class PublishMode(enum.Enum):
@@ -169,16 +185,17 @@ class _ScopeIndex:
     def __init__(self, compat: _CompatSlots, group_idx: int) -> None:
         self.compat = compat
         self.group_idx = group_idx
-        self.by_tier: list[dict[BlockHash, int]] = [{} for _ in range(5)]
+        self.by_tier: list[dict[_Key, int]] = [{} for _ in range(5)]
         # block -> bits of the slots that have an expiry on it
-        self.expiring: dict[BlockHash, int] = {}
+        self.expiring: dict[_Key, int] = {}
 
 
 class _CompatSlots:
-    __slots__ = ("engines", "free_slots", "scopes", "visible")
+    __slots__ = ("by_id", "engines", "free_slots", "scopes", "visible")
 
     def __init__(self) -> None:
         self.engines: list[_Engine | None] = []
+        self.by_id: list[_Engine] = []  # sorted by child_engine_id: ranks ties cheaply
         self.free_slots: list[int] = []
         self.visible = 0  # bits of READY, fresh engines
         self.scopes: dict[int, _ScopeIndex] = {}
@@ -190,9 +207,9 @@ class _EngineScope:
     __slots__ = ("expiry", "keys", "live")
 
     def __init__(self) -> None:
-        self.keys: list[BlockHash] = []  # may hold dead keys and repeats
+        self.keys: list[_Key] = []  # may hold dead keys and repeats
         self.live = 0  # entries of this engine in this scope
-        self.expiry: dict[BlockHash, int] = {}
+        self.expiry: dict[_Key, int] = {}
 
 
 class _Part:
@@ -202,8 +219,8 @@ class _Part:
 
     def __init__(self) -> None:
         # (group_idx, block) -> bitmask of tiers (1 << tier)
-        self.tiers: dict[tuple[int, BlockHash], int] = {}
-        self.expiry: dict[tuple[int, BlockHash], int] = {}
+        self.tiers: dict[tuple[int, _Key], int] = {}
+        self.expiry: dict[tuple[int, _Key], int] = {}
         self.entries = 0
 
 
@@ -252,13 +269,6 @@ class _Engine:
         self.state = _EngineState.NOT_READY
 
 
-def _iter_bits(mask: int) -> Iterable[int]:
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
 class Inventory:
     """The advisory inventory of one coordinator. Not thread-safe (one event loop)."""
 
@@ -278,7 +288,7 @@ class Inventory:
         self._index_by_tier = [0, 0, 0, 0, 0]
         self._state_counts = dict.fromkeys(_EngineState, 0)
         # (expiry_ms, tie-breaker, engine, group_idx, block hashes) of stored segments
-        self._expiry_heap: list[tuple[int, int, _Engine, int, tuple[BlockHash, ...]]] = []
+        self._expiry_heap: list[tuple[int, int, _Engine, int, tuple[_Key, ...]]] = []
         self._expiring_entries = 0  # (block, engine) pairs with an expiry, all engines
         self._heap_seq = itertools.count()
 
@@ -314,6 +324,8 @@ class Inventory:
             compat.engines.append(None)
         engine = _Engine(child_engine_id, compatibility_hash, compat, slot, publish_mode, rank_keys)
         compat.engines[slot] = engine
+        compat.by_id.append(engine)
+        compat.by_id.sort(key=lambda e: e.child_engine_id)
         self._engines[child_engine_id] = engine
         self._state_counts[_EngineState.NOT_READY] += 1
 
@@ -334,6 +346,7 @@ class Inventory:
         compat = engine.compat
         compat.visible &= ~engine.bit
         compat.engines[engine.slot] = None
+        compat.by_id.remove(engine)
         heapq.heappush(compat.free_slots, engine.slot)
         self._state_counts[engine.state] -= 1
         del self._engines[child_engine_id]
@@ -500,17 +513,17 @@ class Inventory:
             return _MISS
         by_tier = index.by_tier
         gpu_get = by_tier[Tier.GPU].get
-        slower = [(t, by_tier[t]) for t in _TIERS[1:] if by_tier[t]]
+        any_slower = by_tier[_ANY_SLOWER]
         expiring = index.expiring
         dropped: list[tuple[int, int]] = []  # (matched blocks, bits that stopped there)
-        worst: dict[int, int] = {}  # tier -> bits whose slowest matched tier is that tier
-        min_expiry: dict[int, int] = {}  # slot -> earliest expiry among its matched blocks
-        purge: list[tuple[int, BlockHash]] = []
+        worst: dict[int, int] = {}  # tier -> bits with a matched block at best in that tier
+        exp_hits: list[tuple[_Key, int]] = []  # (block, matched bits with an expiry on it)
+        purge: list[tuple[int, _Key]] = []
         i = 0
-        if not slower and not expiring:
-            # Hot path: one dict.get and one & per block.
+        if not any_slower and not expiring:
+            # Hot path: one hash, one dict.get and one & per block.
             for h in chain:
-                nxt = cur & gpu_get(h, 0)
+                nxt = cur & gpu_get(hash(h) >> 4, 0)
                 if nxt != cur:
                     if i:
                         dropped.append((i, cur ^ nxt))
@@ -521,34 +534,42 @@ class Inventory:
         else:
             engines = compat.engines
             group_idx = index.group_idx
+            slower_get = any_slower.get
+            expiring_get = expiring.get
+            heap = self._expiry_heap
+            # The heap's top bounds every live expiry from below: before it, nothing
+            # has expired and no entry needs its own check during the walk.
+            may_have_expired = bool(heap) and heap[0][0] <= now_ms
             for h in chain:
-                g = gpu_get(h, 0)
-                held = g
-                masks: list[tuple[int, int]] = []
-                for t, d in slower:
-                    m = d.get(h, 0)
-                    if m:
-                        masks.append((t, m))
-                        held |= m
-                nxt = cur & held
+                k = hash(h) >> 4
+                g = gpu_get(k, 0)
+                nxt = cur & (g | slower_get(k, 0))
                 if expiring and nxt:
-                    em = expiring.get(h, 0) & nxt
-                    for slot in _iter_bits(em):
-                        eng = engines[slot]
-                        assert eng is not None
-                        exp = eng.scopes[group_idx].expiry[h]
-                        if exp <= now_ms:
-                            nxt &= ~(1 << slot)
-                            purge.append((slot, h))
-                        elif exp < min_expiry.get(slot, exp + 1):
-                            min_expiry[slot] = exp
-                if masks and nxt:
-                    faster = g
-                    for tier_no, m in masks:
-                        only_here = m & ~faster & nxt
-                        if only_here:
-                            worst[tier_no] = worst.get(tier_no, 0) | only_here
-                        faster |= m
+                    em = expiring_get(k, 0) & nxt
+                    if em:
+                        if may_have_expired:
+                            bits = em
+                            while bits:
+                                low = bits & -bits
+                                bits ^= low
+                                slot = low.bit_length() - 1
+                                eng = engines[slot]
+                                assert eng is not None
+                                if eng.scopes[group_idx].expiry[k] <= now_ms:
+                                    nxt ^= low
+                                    em ^= low
+                                    purge.append((slot, k))
+                        exp_hits.append((k, em))
+                only_slower = nxt & ~g
+                if only_slower:
+                    # Engines holding this block only below GPU: find their fastest tier.
+                    for t in _SLOWER_TIERS:
+                        m = by_tier[t].get(k, 0) & only_slower
+                        if m:
+                            worst[t] = worst.get(t, 0) | m
+                            only_slower ^= m
+                            if not only_slower:
+                                break
                 if nxt != cur:
                     if i:
                         dropped.append((i, cur ^ nxt))
@@ -566,31 +587,56 @@ class Inventory:
         if best < min_blocks:
             return LookupAnswer(LookupOutcome.BELOW_MIN_BLOCKS, (), best)
         floor = max(min_blocks, 1)
+        engines = compat.engines
         rows: list[tuple[int, int, int, str, int]] = []
-        for matched, bits in dropped:
-            if matched < floor:
-                continue
-            for slot in _iter_bits(bits):
-                eng = compat.engines[slot]
+        # Longest matches first; a shorter group can only matter while rows are missing.
+        for matched, bits in reversed(dropped):
+            need = max_candidates - len(rows)
+            if matched < floor or need <= 0:
+                break
+            members: list[_Engine | None]
+            if bits.bit_count() <= need:
+                members = []
+                while bits:
+                    low = bits & -bits
+                    bits ^= low
+                    members.append(engines[low.bit_length() - 1])
+            else:
+                # A big tie: walk engines in id order; when neither tier nor leases
+                # can reorder them, the first `need` of them are the answer.
+                members = [e for e in compat.by_id if e.bit & bits]
+                if not worst and not leases_in_flight:
+                    members = members[:need]
+            for eng in members:
                 assert eng is not None
-                tier = Tier.GPU
-                for t in (Tier.EXTERNAL, Tier.DISK, Tier.CPU):
-                    if worst.get(t, 0) >> slot & 1:
-                        tier = t
-                        break
+                low = eng.bit
+                slot = eng.slot
+                tier_no = 1
+                if worst:
+                    for slow_no in (4, 3, 2):
+                        if worst.get(slow_no, 0) & low:
+                            tier_no = slow_no
+                            break
                 eid = eng.child_engine_id
-                rows.append(
-                    (-matched, tier, leases_in_flight.get(eid, 0), eid, min_expiry.get(slot, 0))
-                )
+                rows.append((-matched, tier_no, leases_in_flight.get(eid, 0), eid, slot))
         rows.sort()
-        return LookupAnswer(
-            LookupOutcome.HIT,
-            tuple(
-                Candidate(eid, -neg, Tier(tier), exp, leases)
-                for neg, tier, leases, eid, exp in rows[:max_candidates]
-            ),
-            best,
-        )
+        del rows[max_candidates:]
+        candidates = []
+        for neg, tier_no, leases, eid, slot in rows:
+            expiry = 0
+            if exp_hits:
+                # Expiry does not rank, so it is computed for the winners only.
+                bit = 1 << slot
+                eng = engines[slot]
+                assert eng is not None
+                own = eng.scopes[index.group_idx].expiry
+                for k, em in exp_hits:
+                    if em & bit:
+                        exp = own[k]
+                        if not expiry or exp < expiry:
+                            expiry = exp
+            candidates.append(Candidate(eid, -neg, _TIER_OF[tier_no], expiry, leases))
+        return LookupAnswer(LookupOutcome.HIT, tuple(candidates), best)
 
     # ------------------------------------------------------------------ expiry
 
@@ -681,20 +727,22 @@ class Inventory:
         d = index.by_tier[tier]
         bit = engine.bit
         if (
-            not ev.expiry_ms
+            tier == Tier.GPU
+            and not ev.expiry_ms
             and not es.expiry
             and engine.entries + n <= self.max_entries_per_engine
             and self._entries_total + n <= self.max_entries_total
         ):
-            # Hot path: no expiries involved and no cap within reach.
+            # Hot path: GPU tier, no expiries involved and no cap within reach.
             get = d.get
             append = es.keys.append
             added = 0
             for h in hashes:
-                m = get(h, 0)
+                k = hash(h) >> 4
+                m = get(k, 0)
                 if not m & bit:
-                    d[h] = m | bit if m else bit
-                    append(h)
+                    d[k] = m | bit if m else bit
+                    append(k)
                     added += 1
             es.live += added
             engine.entries += added
@@ -704,7 +752,7 @@ class Inventory:
         else:
             added = 0
             for h in hashes:
-                if self._add_entry(engine, index, es, h, tier, ev.expiry_ms, now_ms, acc):
+                if self._add_entry(engine, index, es, _key(h), tier, ev.expiry_ms, now_ms, acc):
                     added += 1
         acc.added += added
 
@@ -713,7 +761,7 @@ class Inventory:
         engine: _Engine,
         index: _ScopeIndex,
         es: _EngineScope,
-        h: BlockHash,
+        h: _Key,
         tier: int,
         expiry_ms: int,
         now_ms: int,
@@ -724,24 +772,35 @@ class Inventory:
         if old is not None and old <= now_ms:
             # An expired entry is absent: start from nothing.
             acc.removed += self._purge_block(engine, index, es, h, now_ms)
-        d = index.by_tier[tier]
-        m = d.get(h, 0)
-        new = not m & engine.bit
+        new = not index.by_tier[tier].get(h, 0) & engine.bit
         if new:
             if not self._room(engine, acc):
                 return False
-            d[h] = m | engine.bit if m else engine.bit
-            es.keys.append(h)
-            es.live += 1
+            self._add_index_entry(engine, index, es, h, tier)
             engine.entries += 1
-            engine.index_entries += 1
             self._entries_total += 1
-            self._index_by_tier[tier] += 1
         self._set_expiry(engine, index, es, h, expiry_ms)
         return new
 
+    def _add_index_entry(
+        self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: _Key, tier: int
+    ) -> None:
+        """Add an entry known to be absent; the caller counts it against the caps."""
+        bit = engine.bit
+        d = index.by_tier[tier]
+        m = d.get(h, 0)
+        d[h] = m | bit if m else bit
+        if tier != Tier.GPU:
+            slower = index.by_tier[_ANY_SLOWER]
+            m = slower.get(h, 0)
+            slower[h] = m | bit if m else bit
+        es.keys.append(h)
+        es.live += 1
+        engine.index_entries += 1
+        self._index_by_tier[tier] += 1
+
     def _set_expiry(
-        self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: BlockHash, expiry_ms: int
+        self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: _Key, expiry_ms: int
     ) -> None:
         old = es.expiry.get(h)
         if expiry_ms:
@@ -755,7 +814,7 @@ class Inventory:
             self._drop_expiry(engine, index, es, h)
 
     def _push_expiry(
-        self, expiry_ms: int, engine: _Engine, group_idx: int, hashes: tuple[BlockHash, ...]
+        self, expiry_ms: int, engine: _Engine, group_idx: int, hashes: tuple[_Key, ...]
     ) -> None:
         heap = self._expiry_heap
         heapq.heappush(heap, (expiry_ms, next(self._heap_seq), engine, group_idx, hashes))
@@ -764,7 +823,7 @@ class Inventory:
 
     def _rebuild_expiry_heap(self) -> None:
         """Drop heap items that no longer match a live expiry (amortized O(1) a push)."""
-        items: list[tuple[int, int, _Engine, int, tuple[BlockHash, ...]]] = []
+        items: list[tuple[int, int, _Engine, int, tuple[_Key, ...]]] = []
         for engine in self._engines.values():
             for group_idx, es in engine.scopes.items():
                 for h, exp in es.expiry.items():
@@ -772,9 +831,7 @@ class Inventory:
         heapq.heapify(items)
         self._expiry_heap = items
 
-    def _drop_expiry(
-        self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: BlockHash
-    ) -> None:
+    def _drop_expiry(self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: _Key) -> None:
         del es.expiry[h]
         self._expiring_entries -= 1
         m = index.expiring.get(h, 0) & ~engine.bit
@@ -784,7 +841,7 @@ class Inventory:
             index.expiring.pop(h, None)
 
     def _del_entry(
-        self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: BlockHash, tier: int
+        self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: _Key, tier: int
     ) -> bool:
         """Remove one index entry; keeps counters. Drops the expiry with the last tier."""
         d = index.by_tier[tier]
@@ -800,6 +857,15 @@ class Inventory:
         es.live -= 1
         engine.index_entries -= 1
         self._index_by_tier[tier] -= 1
+        if tier != Tier.GPU and not any(
+            index.by_tier[t].get(h, 0) & bit for t in _SLOWER_TIERS if index.by_tier[t]
+        ):
+            slower = index.by_tier[_ANY_SLOWER]
+            m = slower.get(h, 0) & ~bit
+            if m:
+                slower[h] = m
+            else:
+                slower.pop(h, None)
         if engine.mode is PublishMode.PER_CHILD_ENGINE:
             engine.entries -= 1
             self._entries_total -= 1
@@ -817,16 +883,16 @@ class Inventory:
             return
         tier = int(ev.tier)
         removed = 0
-        for h in ev.block_hashes:
-            exp = es.expiry.get(h) if es.expiry else None
+        for k in map(_key, ev.block_hashes):
+            exp = es.expiry.get(k) if es.expiry else None
             if exp is not None and exp <= now_ms:
-                removed += self._purge_block(engine, index, es, h, now_ms)
-            elif self._del_entry(engine, index, es, h, tier):
+                removed += self._purge_block(engine, index, es, k, now_ms)
+            elif self._del_entry(engine, index, es, k, tier):
                 removed += 1
         acc.removed += removed
 
     def _purge_block(
-        self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: BlockHash, now_ms: int
+        self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: _Key, now_ms: int
     ) -> int:
         """Drop every tier of an expired (block, engine); for parts, their expired facts too."""
         n = 0
@@ -847,7 +913,7 @@ class Inventory:
         self,
         compat: _CompatSlots,
         index: _ScopeIndex,
-        purge: list[tuple[int, BlockHash]],
+        purge: list[tuple[int, _Key]],
         now_ms: int,
     ) -> None:
         for slot, h in purge:
@@ -870,7 +936,7 @@ class Inventory:
         keep = ~bit
         for group_idx, es in engine.scopes.items():
             index = engine.compat.scopes[group_idx]
-            for t in _TIERS:
+            for t in (_ANY_SLOWER, *_TIERS):
                 d = index.by_tier[t]
                 if not d:
                     continue
@@ -884,8 +950,9 @@ class Inventory:
                         else:
                             del d[h]
                         n += 1
-                self._index_by_tier[t] -= n
-                removed += n
+                if t != _ANY_SLOWER:
+                    self._index_by_tier[t] -= n
+                    removed += n
             for h in es.expiry:
                 m = index.expiring.get(h, 0) & keep
                 if m:
@@ -925,11 +992,11 @@ class Inventory:
             return
         group_idx = ev.group_idx
         tier_bit = 1 << int(ev.tier)
-        touched: list[tuple[int, BlockHash]] = []
+        touched: list[tuple[int, _Key]] = []
         if isinstance(ev, BlockStored):
             acc.stored += len(ev.block_hashes)
             for h in ev.block_hashes:
-                key = (group_idx, h)
+                key = (group_idx, _key(h))
                 exp = part.expiry.get(key)
                 if exp is not None and exp <= now_ms:
                     self._drop_part_fact(engine, part, key)
@@ -949,7 +1016,7 @@ class Inventory:
         else:
             acc.removed_hashes += len(ev.block_hashes)
             for h in ev.block_hashes:
-                key = (group_idx, h)
+                key = (group_idx, _key(h))
                 exp = part.expiry.get(key)
                 if exp is not None and exp <= now_ms:
                     self._drop_part_fact(engine, part, key)
@@ -970,14 +1037,14 @@ class Inventory:
             acc.added += a
             acc.removed += r
 
-    def _drop_part_fact(self, engine: _Engine, part: _Part, key: tuple[int, BlockHash]) -> None:
+    def _drop_part_fact(self, engine: _Engine, part: _Part, key: tuple[int, _Key]) -> None:
         n = part.tiers.pop(key, 0).bit_count()
         part.expiry.pop(key, None)
         part.entries -= n
         engine.entries -= n
         self._entries_total -= n
 
-    def _derive(self, engine: _Engine, key: tuple[int, BlockHash], now_ms: int) -> tuple[int, int]:
+    def _derive(self, engine: _Engine, key: tuple[int, _Key], now_ms: int) -> tuple[int, int]:
         """Set the index entry of (group, block) to what every part holds."""
         group_idx, h = key
         tiers = -1
@@ -997,11 +1064,7 @@ class Inventory:
             m = d.get(h, 0)
             if tiers >> t & 1:
                 if not m & bit:
-                    d[h] = m | bit if m else bit
-                    es.keys.append(h)
-                    es.live += 1
-                    engine.index_entries += 1
-                    self._index_by_tier[t] += 1
+                    self._add_index_entry(engine, index, es, h, t)
                     added += 1
             elif m & bit and self._del_entry(engine, index, es, h, t):
                 removed += 1

@@ -1,0 +1,303 @@
+"""Benchmark of the inventory core: ingest rate, lookup latency, memory per membership.
+
+    python -m benchmarks.bench_index        (or: make bench-index)
+
+Writes `benchmarks/results/index.json`. Every number comes from this one run.
+
+Workload: 32 child engines of one compatibility scope retain chains of 64
+blocks with 32-byte hashes (sha256-sized, as vLLM's). A chain starts with a
+16-block prefix shared by its prompt family (128 families, like system prompts)
+and goes on with 48 blocks of its own; engines take chains round-robin until
+they hold 1,000,000 (block, holder) memberships together. Each chain is
+published as one batch of 64 block events (4 BlockStored of 16 hashes, the
+shape of a chunked prefill); churn batches remove 64 blocks.
+
+- `events_per_s`: block events (hashes in BlockStored/BlockRemoved) applied per
+  second by `Inventory.apply`, over the fill to 1,000,000 memberships plus a
+  remove/re-store churn of 10% of the chains.
+- `lookup_us_p50/p99`: one `Inventory.lookup` of a 64-block chain against the
+  full index; half the chains are held (full match), a quarter share only the
+  family prefix, a quarter are unknown. The `_mixed` variants repeat it with 10%
+  of the chains on the CPU tier and 10% with an expiry (the slower lookup path).
+- `bytes_per_membership`: tracemalloc's traced bytes for the inventory at
+  1,000,000 memberships, block-hash objects included (they are allocated inside
+  the traced window, as decoding a request would), divided by memberships.
+  `bytes_per_membership_unshared` repeats it with no block held by two engines.
+- `grpc_*`: through the real server; measured by the integration step (null
+  until `measure_grpc` is implemented).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import random
+import sys
+import time
+import tracemalloc
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.common import percentile, write_result
+from coordinator.events import BlockRemoved, BlockStored, InventoryEvent, Tier
+from coordinator.inventory import Inventory, Scope
+
+COMPAT = "bench-compat"
+SCOPE = Scope(COMPAT, 0)
+N_ENGINES = 32
+CHAIN_BLOCKS = 64
+PREFIX_BLOCKS = 16
+N_FAMILIES = 128
+SEGMENT = 16  # hashes per BlockStored: 4 events = 64 block events per batch
+TARGET_MEMBERSHIPS = 1_000_000
+HASH_BYTES = 32
+
+
+def block_hash(*parts: int) -> bytes:
+    return hashlib.blake2b(
+        b"".join(p.to_bytes(8, "little") for p in parts), digest_size=HASH_BYTES
+    ).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class ChainSpec:
+    engine_idx: int
+    chain_idx: int
+    family: int  # -1: no shared prefix (unshared workload)
+
+
+def engine_id(i: int) -> str:
+    return f"bench-engine_dp{i}"
+
+
+def chain_hashes(spec: ChainSpec) -> tuple[bytes, ...]:
+    if spec.family < 0:
+        return tuple(block_hash(1, spec.engine_idx, spec.chain_idx, j) for j in range(CHAIN_BLOCKS))
+    prefix = tuple(block_hash(0, spec.family, j) for j in range(PREFIX_BLOCKS))
+    own = tuple(
+        block_hash(1, spec.engine_idx, spec.chain_idx, j)
+        for j in range(PREFIX_BLOCKS, CHAIN_BLOCKS)
+    )
+    return prefix + own
+
+
+def plan_chains(rng: random.Random, shared: bool) -> Iterator[ChainSpec]:
+    """Chains round-robin over the engines, forever; the caller stops at the target."""
+    chain_idx = 0
+    while True:
+        for e in range(N_ENGINES):
+            yield ChainSpec(e, chain_idx, rng.randrange(N_FAMILIES) if shared else -1)
+        chain_idx += 1
+
+
+def stored_batch(
+    hashes: tuple[bytes, ...], tier: Tier = Tier.GPU, expiry_ms: int = 0
+) -> list[InventoryEvent]:
+    return [
+        BlockStored(
+            hashes[i : i + SEGMENT],
+            hashes[i - 1] if i else None,
+            16 * SEGMENT,
+            tier,
+            0,
+            expiry_ms,
+        )
+        for i in range(0, len(hashes), SEGMENT)
+    ]
+
+
+def new_inventory() -> Inventory:
+    inv = Inventory(
+        max_entries_total=10 * TARGET_MEMBERSHIPS, max_entries_per_engine=TARGET_MEMBERSHIPS
+    )
+    for e in range(N_ENGINES):
+        inv.add_engine(engine_id(e), COMPAT)
+        inv.set_ready(engine_id(e), True)
+    return inv
+
+
+@dataclass
+class Built:
+    inv: Inventory
+    chains: list[tuple[ChainSpec, tuple[bytes, ...]]]
+    block_events: int
+    apply_seconds: float
+
+
+def build(*, shared: bool, mixed: bool, seed: int = 1) -> Built:
+    """Fill an inventory to TARGET_MEMBERSHIPS; times only the apply calls."""
+    rng = random.Random(seed)
+    inv = new_inventory()
+    chains: list[tuple[ChainSpec, tuple[bytes, ...]]] = []
+    block_events = 0
+    apply_seconds = 0.0
+    now_ms = 1_000
+    for spec in plan_chains(rng, shared):
+        if inv.stats().entries_total >= TARGET_MEMBERSHIPS:
+            break
+        hashes = chain_hashes(spec)
+        tier, expiry = Tier.GPU, 0
+        if mixed:
+            roll = rng.random()
+            if roll < 0.1:
+                tier = Tier.CPU
+            elif roll < 0.2:
+                expiry = now_ms + 3_600_000
+        batch = stored_batch(hashes, tier, expiry)
+        t0 = time.perf_counter()
+        inv.apply(engine_id(spec.engine_idx), batch, now_ms=now_ms)
+        apply_seconds += time.perf_counter() - t0
+        block_events += len(hashes)
+        chains.append((spec, hashes))
+    return Built(inv, chains, block_events, apply_seconds)
+
+
+def churn(built: Built, rng: random.Random) -> tuple[int, float]:
+    """Remove then re-store 10% of the chains, in batches of 64 block events."""
+    picked = rng.sample(built.chains, len(built.chains) // 10)
+    removes: list[tuple[str, list[InventoryEvent]]] = [
+        (
+            engine_id(spec.engine_idx),
+            [BlockRemoved(h[i : i + SEGMENT]) for i in range(0, 64, SEGMENT)],
+        )
+        for spec, h in picked
+    ]
+    stores = [(engine_id(spec.engine_idx), stored_batch(h)) for spec, h in picked]
+    inv = built.inv
+    gc.collect()
+    t0 = time.perf_counter()
+    for eid, batch in removes:
+        inv.apply(eid, batch, now_ms=1_000)
+    for eid, batch in stores:
+        inv.apply(eid, batch, now_ms=1_000)
+    return 2 * CHAIN_BLOCKS * len(picked), time.perf_counter() - t0
+
+
+def lookup_latencies(built: Built, rng: random.Random, n: int) -> list[float]:
+    queries: list[tuple[bytes, ...]] = []
+    for k in range(n):
+        kind = k % 4
+        _spec, hashes = rng.choice(built.chains)
+        if kind in (0, 1):
+            queries.append(hashes)  # held: full match
+        elif kind == 2:
+            fresh = tuple(block_hash(2, k, j) for j in range(PREFIX_BLOCKS, CHAIN_BLOCKS))
+            queries.append(hashes[:PREFIX_BLOCKS] + fresh)  # family prefix only
+        else:
+            queries.append(tuple(block_hash(3, k, j) for j in range(CHAIN_BLOCKS)))  # unknown
+    rng.shuffle(queries)
+    inv = built.inv
+    clock = time.perf_counter_ns
+    out: list[float] = []
+    gc.collect()
+    for stored in queries:
+        # Fresh bytes objects, as the wire decoder hands them over.
+        chain = [bytes(bytearray(h)) for h in stored]
+        t0 = clock()
+        inv.lookup(SCOPE, chain, now_ms=2_000, min_blocks=1)
+        out.append((clock() - t0) / 1000.0)
+    return out
+
+
+def memory_per_membership(*, shared: bool) -> dict[str, float]:
+    """tracemalloc bytes of an inventory filled to the target, hash objects included."""
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    rng = random.Random(7)
+    inv = new_inventory()
+    for spec in plan_chains(rng, shared):
+        if inv.stats().entries_total >= TARGET_MEMBERSHIPS:
+            break
+        # Fresh bytes objects, as decoding a request allocates them.
+        inv.apply(engine_id(spec.engine_idx), stored_batch(chain_hashes(spec)), now_ms=1_000)
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    memberships = inv.stats().entries_total
+    return {"bytes": used / memberships, "memberships": float(memberships)}
+
+
+def measure_grpc() -> dict[str, float] | None:
+    """TODO(integration): lookup RPCs/s through the real server and a bare grpc.aio
+    unary echo, same machine, same run, same client concurrency. Must return
+    {"grpc_lookup_rps": ..., "grpc_echo_rps": ..., "grpc_lookup_vs_echo": ...}."""
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--lookups", type=int, default=20_000)
+    parser.add_argument("--name", default="index")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    rng = random.Random(42)
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    built = build(shared=True, mixed=False)
+    churn_events, churn_seconds = churn(built, rng)
+    total_events = built.block_events + churn_events
+    total_seconds = built.apply_seconds + churn_seconds
+    events_per_s = total_events / total_seconds
+    stats = built.inv.stats()
+    fill_rate = built.block_events / built.apply_seconds
+    log(
+        f"fill: {built.block_events} block events in {built.apply_seconds:.2f}s; "
+        f"churn: {churn_events} in {churn_seconds:.2f}s; {stats.entries_total} memberships"
+    )
+    lat = lookup_latencies(built, rng, args.lookups)
+    log(f"lookups: p50 {percentile(lat, 50):.1f} us, p99 {percentile(lat, 99):.1f} us")
+    del built
+    gc.collect()
+
+    mixed = build(shared=True, mixed=True)
+    lat_mixed = lookup_latencies(mixed, rng, args.lookups)
+    log(f"lookups (10% CPU tier, 10% expiry): p99 {percentile(lat_mixed, 99):.1f} us")
+    del mixed
+    gc.collect()
+
+    mem_shared = memory_per_membership(shared=True)
+    log(f"memory: {mem_shared['bytes']:.1f} bytes/membership (family prefixes shared)")
+    mem_unshared = memory_per_membership(shared=False)
+    log(f"memory: {mem_unshared['bytes']:.1f} bytes/membership (nothing shared)")
+
+    grpc = measure_grpc()
+    result: dict[str, Any] = {
+        "events_per_s": round(events_per_s),
+        "events_batch_block_events": CHAIN_BLOCKS,
+        "events_per_s_fill": round(fill_rate),
+        "events_per_s_churn": round(churn_events / churn_seconds),
+        "lookup_us_p50": round(percentile(lat, 50), 2),
+        "lookup_us_p99": round(percentile(lat, 99), 2),
+        "lookup_us_p50_mixed": round(percentile(lat_mixed, 50), 2),
+        "lookup_us_p99_mixed": round(percentile(lat_mixed, 99), 2),
+        "lookup_chain_blocks": CHAIN_BLOCKS,
+        "lookups": len(lat),
+        "engines": N_ENGINES,
+        "memberships": int(mem_shared["memberships"]),
+        "bytes_per_membership": round(mem_shared["bytes"], 1),
+        "bytes_per_membership_unshared": round(mem_unshared["bytes"], 1),
+        "bytes_per_membership_method": "tracemalloc (block-hash objects included)",
+        "block_hash_bytes": HASH_BYTES,
+        "grpc_lookup_rps": None if grpc is None else grpc["grpc_lookup_rps"],
+        "grpc_echo_rps": None if grpc is None else grpc["grpc_echo_rps"],
+        "grpc_lookup_vs_echo": None if grpc is None else grpc["grpc_lookup_vs_echo"],
+        "targets": {
+            "events_per_s": ">= 1000000",
+            "lookup_us_p99": "<= 50",
+            "bytes_per_membership": "<= 100",
+            "grpc_lookup_vs_echo": ">= 0.7",
+        },
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+    path = write_result(args.name, result)
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
