@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import logging
@@ -37,11 +36,22 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import grpc
+import torch
 
-from clients.errors import KvrcClientError, from_rpc_error
+from clients.errors import KvrcClientError
 from clients.hashing import hash_block_chain
+from clients.inventory import (
+    InventoryEvent,
+    InventoryPublisher,
+    LookupClient,
+    LookupOutcome,
+    RemovedBlocks,
+    StoredBlocks,
+    Tier,
+)
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
 from clients.kv_params import encode_kv_transfer_params
+from clients.leases import LeaseClient, LeaseSessionHandler, Miss, PinAnswer, PinRequestInfo
 from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from clients.refengine.blocks import BlockPool, PoolExhaustedError, StoredBlock
 from clients.refengine.channel import Channel
@@ -51,9 +61,9 @@ from clients.session import (
     ChildEngineState,
     EngineProfile,
     EngineSession,
+    NullHandler,
     RankPartRegistration,
     RegisterAck,
-    SessionHandler,
 )
 from clients.transfer import (
     InFlightReads,
@@ -67,7 +77,6 @@ from clients.transfer import (
     rank_part_descriptor,
 )
 from kvrc.v1 import kvrc_pb2 as pb
-from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvrc.refengine")
 
@@ -77,7 +86,6 @@ SWEEP_INTERVAL_S = 0.5
 # so a lost release cannot leak blocks forever (the coordinator releases first).
 PIN_SAFETY_GRACE_MS = 60_000
 HANDOFF_SAFETY_MS = 300_000
-EVENTS_PER_BATCH = 512
 QUIET_POLL_S = 0.05
 
 
@@ -89,16 +97,12 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-def _outcome(name: str) -> TransferOutcome:
-    return TransferOutcome[name]
-
-
 # ---------------------------------------------------------------------------
 # Rank part: cache, transfer engine, session, execution of the leader's commands
 # ---------------------------------------------------------------------------
 
 
-class RankPart(SessionHandler):
+class RankPart:
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
         self.layout = KvCacheLayout(
@@ -125,9 +129,16 @@ class RankPart(SessionHandler):
         # A frozen peer holds a thread for up to a minute: room for several.
         self.executor = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="pull")
         self.in_flight = InFlightReads()
-        self._reads_by_lease: dict[str, NativeRead] = {}
+        self._reads_by_lease: dict[str, list[NativeRead]] = {}
         self.leader: Leader | None = None  # set in tp rank 0
         self.leader_channel: Channel | None = None  # set in followers
+        self.handler = LeaseSessionHandler(
+            pin=self._pin,
+            abort=self._abort,
+            on_release=self._on_release,
+            on_quarantine=self._on_quarantine,
+            inner=_PartState(self),
+        )
         self.session = EngineSession(
             options.target,
             RankPartRegistration(
@@ -149,17 +160,20 @@ class RankPart(SessionHandler):
                 ),
                 endpoint=endpoint_to_session(self.endpoint),
             ),
-            handler=self,
+            handler=self.handler,
         )
+        self.handler.attach(self.session)
         self._channel = grpc.aio.insecure_channel(options.target)
-        self.stub = pb_grpc.EngineServiceStub(self._channel)
+        self.leases = LeaseClient(self._channel, options.child_engine_id, timeout_s=RPC_TIMEOUT_S)
+        self.lookups = LookupClient(options.target, channel=self._channel)
 
     @property
-    def tier(self) -> int:
-        return pb.TIER_CPU if self.cache.device.type == "cpu" else pb.TIER_GPU
+    def tier(self) -> Tier:
+        return Tier.CPU if self.cache.device.type == "cpu" else Tier.GPU
 
     async def close(self) -> None:
         await self.session.close()
+        await self.handler.aclose()
         # Shutdown waits for native reads: never free memory a read may still write.
         await self.in_flight.wait_all_quiet(timeout_s=5.0)
         await self._channel.close(None)
@@ -182,7 +196,7 @@ class RankPart(SessionHandler):
             return await self.pull(**args)
         if op == "report":
             await self.report(
-                args["flow"], args["lease_id"], _outcome(args["outcome"]), args["error"]
+                args["flow"], args["lease_id"], TransferOutcome[args["outcome"]], args["error"]
             )
             return None
         if op == "publish_handoff":
@@ -190,8 +204,6 @@ class RankPart(SessionHandler):
         if op == "wait_quiet":
             await self.wait_quiet(args["block_ids"])
             return None
-        if op == "verify":
-            return self.mismatches(args["tokens"], args["block_ids"], args["first_index"])
         raise ValueError(f"unknown command {op!r}")
 
     async def pull(
@@ -205,7 +217,11 @@ class RankPart(SessionHandler):
         first_index: int,
         deadline_s: float,
     ) -> dict[str, Any]:
-        """Pull this part's slice, report it to kvrc, verify it; never raises for a transfer."""
+        """Pull this part's slice, report it to kvrc, verify it; never raises for a transfer.
+
+        `skip` source blocks are left out (the requester already holds them);
+        `first_index` is the request block index of `local_block_ids[0]`.
+        """
         parts = []
         for raw in source_parts:
             descriptor = pb.RankPartDescriptor.FromString(raw)
@@ -222,14 +238,7 @@ class RankPart(SessionHandler):
         except (IncompatibleLayoutError, ValueError) as exc:
             # Refused before any byte moves: FAILED and already quiet.
             await self.report(flow, lease_id, TransferOutcome.FAILED, f"refused: {exc}")
-            return {
-                "outcome": "FAILED",
-                "refused": True,
-                "bytes": 0,
-                "seconds": 0.0,
-                "error": str(exc),
-                "mismatches": 0,
-            }
+            return _pull_reply("FAILED", error=f"refused: {exc}", refused=True)
         if self.options.fault_value("bad-remote-address") is not None:
             # Test fault: addresses past the peer's registered memory; the peer refuses.
             far = 1 << 46
@@ -238,6 +247,7 @@ class RankPart(SessionHandler):
             )
         delay = self.options.fault_value("delay-before-pull")
         if delay:
+            emit("pull_delayed", lease_id=lease_id, seconds=float(delay))
             await asyncio.sleep(float(delay))
         result = await pull(
             self.transfer_engine,
@@ -247,19 +257,26 @@ class RankPart(SessionHandler):
             in_flight=self.in_flight,
         )
         if result.native_read is not None:
-            self._reads_by_lease[lease_id] = result.native_read
-        await self._report_result(flow, lease_id, result)
+            self._reads_by_lease.setdefault(lease_id, []).append(result.native_read)
+        report = result.to_report(
+            lease_id=lease_id,
+            reporter_child_engine_id=self.options.child_engine_id,
+            tp_rank=self.options.tp_rank,
+        )
+        await self._send_report(flow, report)
+        self._forget_quiet_reads()
         mismatches = 0
         if result.outcome is TransferOutcome.SUCCEEDED:
-            mismatches = self.mismatches(tokens, local_block_ids, first_index)
-        return {
-            "outcome": result.outcome.value,
-            "refused": False,
-            "bytes": result.bytes_moved,
-            "seconds": result.duration_s,
-            "error": result.error,
-            "mismatches": mismatches,
-        }
+            mismatches = await asyncio.to_thread(
+                self.mismatches, tokens, local_block_ids, first_index
+            )
+        return _pull_reply(
+            result.outcome.value,
+            nbytes=result.bytes_moved,
+            seconds=result.duration_s,
+            error=result.error,
+            mismatches=mismatches,
+        )
 
     def mismatches(self, tokens: Sequence[int], block_ids: Sequence[int], first_index: int) -> int:
         """Blocks whose bytes differ from a recomputation (request blocks from `first_index`)."""
@@ -269,25 +286,17 @@ class RankPart(SessionHandler):
         expected = expected_blocks(self.layout, tokens, indexes, tp_rank=self.options.tp_rank)
         bad = 0
         for row, block_id in enumerate(block_ids):
-            for layer in range(self.layout.num_layers):
-                if not bool(
-                    (self.cache.block_bytes_view(layer, block_id) == expected[row, layer]).all()
-                ):
-                    bad += 1
-                    break
+            if any(
+                not torch.equal(self.cache.block_bytes_view(layer, block_id), expected[row, layer])
+                for layer in range(self.layout.num_layers)
+            ):
+                bad += 1
         return bad
-
-    async def _report_result(self, flow: str, lease_id: str, result: TransferResult) -> None:
-        report = result.to_report(
-            lease_id=lease_id,
-            reporter_child_engine_id=self.options.child_engine_id,
-            tp_rank=self.options.tp_rank,
-        )
-        await self._send_report(flow, report)
 
     async def report(
         self, flow: str, lease_id: str, outcome: TransferOutcome, error: str = ""
     ) -> None:
+        """A report for a transfer that never started (refused, nothing to load)."""
         report = TransferResult(outcome, 0, 0.0, error, ()).to_report(
             lease_id=lease_id,
             reporter_child_engine_id=self.options.child_engine_id,
@@ -296,12 +305,22 @@ class RankPart(SessionHandler):
         await self._send_report(flow, report)
 
     async def _send_report(self, flow: str, report: pb.TransferReport) -> None:
-        call = self.stub.CompletePrefixLoad if flow == "prefix_load" else self.stub.CompleteHandoff
         try:
-            await call(report, timeout=RPC_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
+            if flow == "prefix_load":
+                await self.leases.complete_prefix_load(report)
+            else:
+                await self.leases.complete_handoff(report)
+        except KvrcClientError as e:
             # The coordinator decides from the reports it has (or the lease deadline).
-            log.warning("reporting %s %s failed: %s", flow, report.lease_id, from_rpc_error(e))
+            log.warning("reporting %s %s failed: %s", flow, report.lease_id, e)
+
+    def _forget_quiet_reads(self) -> None:
+        for lease_id, reads in list(self._reads_by_lease.items()):
+            left = [read for read in reads if not read.is_quiet()]
+            if left:
+                self._reads_by_lease[lease_id] = left
+            else:
+                del self._reads_by_lease[lease_id]
 
     async def publish_handoff(
         self,
@@ -310,21 +329,14 @@ class RankPart(SessionHandler):
         decode_child_engine_id: str,
         kv_transfer_params: bytes,
     ) -> dict[str, Any]:
-        request = pb.PublishHandoffRequest(
-            request_id=request_id,
-            prefill_child_engine_id=self.options.child_engine_id,
-            rank=pb.RankCoordinates(tp_rank=self.options.tp_rank),
+        published = await self.leases.publish_handoff(
+            request_id,
             descriptor=rank_part_descriptor(self.endpoint, block_ids, tp_rank=self.options.tp_rank),
             kv_transfer_params=kv_transfer_params,
-            decode_child_engine_id=decode_child_engine_id,
             num_blocks=len(block_ids),
+            decode_child_engine_id=decode_child_engine_id,
         )
-        response = await self.stub.PublishHandoff(request, timeout=RPC_TIMEOUT_S)
-        return {
-            "state": int(response.state),
-            # Present once the protocol returns the handoff's lease id (see report).
-            "lease_id": str(getattr(response, "lease_id", "")),
-        }
+        return {"state": published.state}
 
     async def wait_quiet(self, block_ids: Sequence[int]) -> None:
         wanted = set(block_ids)
@@ -332,7 +344,7 @@ class RankPart(SessionHandler):
         while wanted & self.in_flight.tainted_block_ids():  # noqa: ASYNC110
             await asyncio.sleep(QUIET_POLL_S)
 
-    # --- the session (SessionHandler) ----------------------------------------------
+    # --- lease callbacks (LeaseSessionHandler) ------------------------------------
 
     async def _leader_call(self, op: str, **args: Any) -> Any:
         if self.leader is not None:
@@ -340,72 +352,97 @@ class RankPart(SessionHandler):
         assert self.leader_channel is not None
         return await self.leader_channel.call(op, timeout_s=RPC_TIMEOUT_S, **args)
 
+    async def _pin(self, info: PinRequestInfo) -> PinAnswer:
+        block_ids: list[int] = await self._leader_call(
+            "pin",
+            lease_id=info.lease_id,
+            hashes=list(info.block_hashes),
+            deadline_ms=info.deadline_unix_ms,
+        )
+        if not block_ids:
+            return PinAnswer(0)
+        descriptor = rank_part_descriptor(self.endpoint, block_ids, tp_rank=self.options.tp_rank)
+        return PinAnswer(len(block_ids), descriptor)
+
+    async def _abort(self, lease_id: str, reason: str) -> None:
+        # Mooncake cannot cancel a read: the abort is done when our reads are quiet.
+        for read in self._reads_by_lease.get(lease_id, []):
+            await read.wait_quiet()
+
+    async def _on_release(self, lease_id: str, reason: str) -> None:
+        try:
+            await self._leader_call("release", lease_id=lease_id)
+        except Exception:
+            log.exception("release of %s failed", lease_id)
+
+    def _on_quarantine(self, lease_id: str, reason: str) -> None:
+        # Pins and tainted blocks already stay out of use until a release / quiet.
+        log.warning("lease %s quarantined: %s", lease_id, reason)
+        emit("quarantined", lease_id=lease_id, reason=reason)
+
+
+def _pull_reply(
+    outcome: str,
+    *,
+    nbytes: int = 0,
+    seconds: float = 0.0,
+    error: str = "",
+    mismatches: int = 0,
+    refused: bool = False,
+) -> dict[str, Any]:
+    return {
+        "outcome": outcome,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "error": error,
+        "mismatches": mismatches,
+        "refused": refused,
+    }
+
+
+class _PartState(NullHandler):
+    """Registration and readiness of a rank part; the leader's publisher follows them."""
+
+    def __init__(self, part: RankPart) -> None:
+        self.part = part
+
     async def on_registered(self, ack: RegisterAck) -> None:
         emit(
             "registered",
-            tp_rank=self.options.tp_rank,
+            tp_rank=self.part.options.tp_rank,
             session_id=ack.session_id,
             reuse=ack.reuse.reason,
             ready=ack.state.ready,
         )
-        if self.leader is not None:
-            self.leader.on_registered(ack)
+        leader = self.part.leader
+        if leader is not None:
+            leader.reuse_enabled = ack.reuse.enabled
+            await leader.publisher.on_registered(ack)
 
     async def on_state(self, state: ChildEngineState) -> None:
-        if self.leader is not None:
-            self.leader.reuse_enabled = state.reuse.enabled
-
-    async def on_pin_request(self, request: pb.PinRequest) -> None:
-        try:
-            block_ids: list[int] = await self._leader_call(
-                "pin",
-                lease_id=request.lease_id,
-                hashes=list(request.block_hashes),
-                deadline_ms=request.deadline_unix_ms,
-            )
-            result = pb.PinResult(
-                lease_id=request.lease_id,
-                pinned_blocks=len(block_ids),
-                descriptor=rank_part_descriptor(
-                    self.endpoint, block_ids, tp_rank=self.options.tp_rank
-                ),
-            )
-        except Exception as exc:  # a miss, never a crash
-            log.warning("pin %s failed: %s", request.lease_id, exc)
-            result = pb.PinResult(
-                lease_id=request.lease_id, pinned_blocks=0, error_message=str(exc)[:512]
-            )
-        await self.session.send_pin_result(result)
-
-    async def on_release_request(self, request: pb.ReleaseRequest) -> None:
-        with contextlib.suppress(Exception):
-            await self._leader_call("release", lease_id=request.lease_id)
-        await self.session.send_release_ack(request.lease_id)
-
-    async def on_abort_request(self, request: pb.AbortRequest) -> None:
-        read = self._reads_by_lease.get(request.lease_id)
-
-        async def ack_when_quiet() -> None:
-            if read is not None:
-                await read.wait_quiet()  # Mooncake cannot cancel: wait for its return
-            with contextlib.suppress(KvrcClientError):
-                await self.session.send_abort_ack(request.lease_id)
-
-        task = asyncio.create_task(ack_when_quiet())
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        if self.part.leader is not None:
+            self.part.leader.reuse_enabled = state.reuse.enabled
 
     async def on_resync_request(self, request: pb.ResyncRequest) -> None:
-        if self.leader is not None:
-            self.leader.schedule_dump()
-
-    async def on_quarantine_notice(self, notice: pb.QuarantineNotice) -> None:
-        # Pins and tainted blocks already stay out of use until a release / quiet.
-        log.warning("lease %s quarantined: %s", notice.lease_id, notice.reason)
-        emit("quarantined", lease_id=notice.lease_id, reason=notice.reason)
+        if self.part.leader is not None:
+            await self.part.leader.publisher.on_resync_request(
+                request.expected_sequence, request.reason
+            )
 
 
 _background: set[asyncio.Task[Any]] = set()
+
+
+def _spawn(work: Awaitable[Any]) -> None:
+    async def run() -> None:
+        try:
+            await work
+        except Exception:
+            log.exception("background task failed")
+
+    task = asyncio.create_task(run())
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 # ---------------------------------------------------------------------------
@@ -425,31 +462,32 @@ class Leader:
         self.part = part
         self.options = part.options
         self.pool = BlockPool(part.layout.num_blocks)
+        self.publisher = InventoryPublisher(part.session, dump=self._dump_events)
         self.followers: dict[int, Channel] = {}
         self.all_connected = asyncio.Event()
         if self.options.tp_size == 1:
             self.all_connected.set()
         self.reuse_enabled = False
-        self._incarnation = 0
-        self._sequence = 0
-        self._events_lock = asyncio.Lock()
         self._pin_deadlines: dict[str, int] = {}
         self._holds: dict[str, _HandoffHold] = {}  # lease id -> blocks held for a handoff
         self._hold_by_request: dict[str, _HandoffHold] = {}
-        self._released_unbound: set[str] = set()
+        self._released_unbound: dict[str, None] = {}  # releases of handoffs not yet named
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.control_port = 0
-        self.counters: dict[str, int] = {
-            "requests": 0,
-            "blocks_local": 0,
-            "blocks_loaded": 0,
-            "blocks_recomputed": 0,
-            "load_failures": 0,
-            "handoffs": 0,
-            "handoff_failures": 0,
-            "pins": 0,
-        }
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "requests",
+                "blocks_local",
+                "blocks_loaded",
+                "blocks_recomputed",
+                "load_failures",
+                "handoffs",
+                "handoff_failures",
+                "pins",
+            ),
+            0,
+        )
 
     # --- lifecycle ---------------------------------------------------------------
 
@@ -467,94 +505,51 @@ class Leader:
             await channel.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        channel = Channel(reader, writer, name="control")
+        follower_rank: list[int] = []
 
-        async def first_handler(op: str, args: dict[str, Any]) -> Any:
+        async def serve(op: str, args: dict[str, Any]) -> Any:
             if op == "hello_follower":
                 rank = int(args["tp_rank"])
                 if rank in self.followers or not 0 < rank < self.options.tp_size:
                     raise ValueError(f"tp rank {rank} is already connected or out of range")
                 self.followers[rank] = channel
-                channel.name = f"follower-{rank}"
+                follower_rank.append(rank)
                 if len(self.followers) == self.options.tp_size - 1:
                     self.all_connected.set()
                 return {"engine_id": self.options.engine_id}
-            if channel.name.startswith("follower-"):
+            if follower_rank:
                 return await self.handle_part_request(op, args)
             return await self.handle_driver_request(op, args)
 
-        channel._handler = first_handler
+        channel = Channel(reader, writer, serve, name="control")
         channel.start()
 
     # --- inventory events (one stream per child engine) --------------------------
 
-    def on_registered(self, ack: RegisterAck) -> None:
-        self._incarnation, self._sequence = ack.incarnation, 0
-        self.reuse_enabled = ack.reuse.enabled
-        if self.pool.table():
-            self.schedule_dump()  # a new incarnation: the coordinator's view starts empty
-
-    def schedule_dump(self) -> None:
-        task = asyncio.create_task(self._dump())
-        _background.add(task)
-        task.add_done_callback(_background.discard)
-
-    async def _dump(self) -> None:
-        events = [self._stored_event(entry) for entry in self.pool.table()]
-        async with self._events_lock:
-            chunks = [
-                events[i : i + EVENTS_PER_BATCH] for i in range(0, len(events), EVENTS_PER_BATCH)
-            ]
-            chunks = chunks or [[]]
-            for index, chunk in enumerate(chunks):
-                await self._send_batch(
-                    chunk, dump_begin=index == 0, dump_end=index == len(chunks) - 1
-                )
-
-    def _stored_event(self, entry: StoredBlock) -> pb.InventoryEvent:
-        return pb.InventoryEvent(
-            stored=pb.BlockStored(
-                block_hashes=[entry.block_hash],
-                parent_block_hash=entry.parent_hash,
-                num_tokens=self.options.block_size,
-                tier=self.part.tier,  # type: ignore[arg-type]
-                expiry_unix_ms=entry.expiry_ms,
-            )
+    def _stored(self, entry: StoredBlock) -> StoredBlocks:
+        return StoredBlocks(
+            block_hashes=(entry.block_hash,),
+            parent_block_hash=entry.parent_hash,
+            num_tokens=self.options.block_size,
+            tier=self.part.tier,
+            expiry_unix_ms=entry.expiry_ms,
         )
+
+    def _dump_events(self) -> list[StoredBlocks]:
+        return [self._stored(entry) for entry in self.pool.table()]
 
     async def publish(self, stored: Sequence[StoredBlock], removed: Sequence[bytes]) -> None:
-        events = (
-            [
-                pb.InventoryEvent(
-                    removed=pb.BlockRemoved(block_hashes=list(removed), tier=self.part.tier)  # type: ignore[arg-type]
-                )
-            ]
-            if removed
-            else []
-        )
-        events += [self._stored_event(entry) for entry in stored]
+        events: list[InventoryEvent] = []
+        if removed:
+            events.append(RemovedBlocks(tuple(removed), self.part.tier))
+        events += [self._stored(entry) for entry in stored]
         if not events:
             return
-        async with self._events_lock:
-            for i in range(0, len(events), EVENTS_PER_BATCH):
-                await self._send_batch(events[i : i + EVENTS_PER_BATCH])
-
-    async def _send_batch(
-        self, events: list[pb.InventoryEvent], dump_begin: bool = False, dump_end: bool = False
-    ) -> None:
-        batch = pb.EventBatch(
-            incarnation=self._incarnation,
-            sequence=self._sequence,
-            events=events,
-            dump_begin=dump_begin,
-            dump_end=dump_end,
-        )
-        self._sequence += 1
         try:
-            await self.part.session.send_event_batch(batch)
-        except KvrcClientError as e:
-            # A lost batch shows as a gap: the coordinator asks for a resync.
-            log.warning("event batch %d not sent: %s", batch.sequence, e)
+            await self.publisher.publish(events)
+        except (KvrcClientError, RuntimeError) as e:
+            # A lost batch shows as a gap: the coordinator asks for a full dump.
+            log.warning("inventory events not sent: %s", e)
 
     # --- requests from rank parts (pins, releases) --------------------------------
 
@@ -573,16 +568,19 @@ class Leader:
 
     async def _release(self, lease_id: str) -> None:
         """A ReleaseRequest reached one of our parts: unpin, or free a handoff's blocks."""
-        self._pin_deadlines.pop(lease_id, None)
-        removed = self.pool.unpin(lease_id, now_ms())
+        removed: list[bytes] = []
+        if lease_id in self._pin_deadlines:
+            del self._pin_deadlines[lease_id]
+            removed += self.pool.unpin(lease_id, now_ms())
         hold = self._holds.pop(lease_id, None)
         if hold is not None:
-            self._hold_by_request.pop(hold.request_id, None)
-            removed += self.pool.release(hold.block_ids, now_ms())
-        elif lease_id not in self.pool.pinned_leases:
-            self._released_unbound.add(lease_id)  # maybe a handoff we cannot name yet
-            if len(self._released_unbound) > 4096:
-                self._released_unbound.pop()
+            if self._hold_by_request.pop(hold.request_id, None) is not None:
+                removed += self.pool.release(hold.block_ids, now_ms())
+        elif not removed and lease_id not in self.pool.pinned_leases:
+            # Maybe a handoff we cannot name yet (bind_handoff names it); bounded.
+            self._released_unbound[lease_id] = None
+            while len(self._released_unbound) > 4096:
+                del self._released_unbound[next(iter(self._released_unbound))]
         await self.publish((), removed)
 
     # --- the driver's requests ----------------------------------------------------
@@ -626,7 +624,7 @@ class Leader:
             "cached_blocks": self.pool.num_cached,
             "tainted_blocks": len(self.pool.tainted),
             "pinned_leases": len(self.pool.pinned_leases),
-            "handoffs_held": len(self._holds) + len(self._hold_by_request),
+            "handoffs_held": len(self._hold_by_request),
         }
 
     async def _on_all(self, op: str, **args: Any) -> list[Any]:
@@ -668,8 +666,7 @@ class Leader:
                 "compute", tokens=tokens, block_ids=held, first_position=computed_from * bs
             )
             result["blocks_recomputed"] = len(held) - computed_from
-            stored = self.pool.commit(held[: len(hashes)], hashes, b"")
-            await self.publish(stored, ())
+            await self.publish(self.pool.commit(held[: len(hashes)], hashes, b""), ())
             self.counters["blocks_local"] += len(local)
             self.counters["blocks_recomputed"] += len(held) - computed_from
             if decode:
@@ -695,91 +692,80 @@ class Leader:
         if not self.reuse_enabled or len(hashes) <= local_n:
             return [], info
         me = self.options.child_engine_id
-        stub = self.part.stub
-        lookup = await stub.Lookup(
-            pb.LookupRequest(
-                requester_child_engine_id=me,
-                queries=[pb.LookupQuery(block_hashes=hashes, min_blocks=local_n + 1)],
-            ),
-            timeout=RPC_TIMEOUT_S,
-        )
-        if not lookup.results or lookup.results[0].outcome != pb.LOOKUP_OUTCOME_HIT:
-            info["load"] = "miss"
+        hint = await self.part.lookups.lookup(me, hashes, min_blocks=local_n + 1)
+        if hint.outcome is not LookupOutcome.HIT:
+            info["load"] = f"miss ({hint.outcome.value})"
             return [], info
-        grant = await stub.RequestPrefixLoad(
-            pb.PrefixLoadRequest(
-                request_id=f"{request_id}/load",
-                requester_child_engine_id=me,
-                block_hashes=hashes,
-                min_blocks=local_n + 1,
-                pin_timeout_ms=self.options.pin_timeout_ms,
-                transfer_timeout_ms=self.options.transfer_timeout_ms,
-            ),
-            timeout=RPC_TIMEOUT_S,
+        answer = await self.part.leases.request_prefix_load(
+            f"{request_id}/load",
+            hashes,
+            min_blocks=local_n + 1,
+            pin_timeout_ms=self.options.pin_timeout_ms,
+            transfer_timeout_ms=self.options.transfer_timeout_ms,
         )
-        if grant.outcome != pb.GRANT_OUTCOME_GRANTED:
-            info["load"] = f"miss: {grant.miss_reason}"
+        if isinstance(answer, Miss):
+            info["load"] = f"miss ({answer.reason})"
             return [], info
-        matched = min(grant.matched_blocks, len(hashes))
+        matched = min(answer.matched_blocks, len(hashes))
         emit(
             "granted",
-            lease_id=grant.lease_id,
-            source=grant.source_child_engine_id,
+            lease_id=answer.lease_id,
+            source=answer.source_child_engine_id,
             matched_blocks=matched,
             request_id=request_id,
         )
-        info["lease_id"] = grant.lease_id
-        info["source"] = grant.source_child_engine_id
+        info["lease_id"] = answer.lease_id
+        info["source"] = answer.source_child_engine_id
         if matched <= local_n:
-            await self._on_all(
-                "report",
-                flow="prefix_load",
-                lease_id=grant.lease_id,
-                outcome="SUCCEEDED",
-                error="nothing beyond the local prefix",
-            )
+            await self._report_all("prefix_load", answer.lease_id, "SUCCEEDED", "nothing new")
             return [], info
         try:
             block_ids = await self._allocate(matched - local_n)
         except PoolExhaustedError as exc:
-            await self._on_all(
-                "report",
-                flow="prefix_load",
-                lease_id=grant.lease_id,
-                outcome="FAILED",
-                error=f"no room: {exc}",
-            )
-            info["load"] = "no room"
+            await self._report_all("prefix_load", answer.lease_id, "FAILED", f"no room: {exc}")
+            info["load"] = "failed: no room"
             return [], info
-        deadline_s = max(0.05, (grant.deadline_unix_ms - now_ms()) / 1000)
+        deadline_s = (answer.deadline_unix_ms - now_ms()) / 1000
         results = await self._on_all(
             "pull",
             flow="prefix_load",
-            lease_id=grant.lease_id,
-            source_parts=[part.SerializeToString() for part in grant.source_parts],
+            lease_id=answer.lease_id,
+            source_parts=[part.SerializeToString() for part in answer.source_parts],
             skip=local_n,
             local_block_ids=block_ids,
             tokens=tokens[: matched * self.options.block_size],
             first_index=local_n,
-            deadline_s=min(deadline_s, self.options.transfer_timeout_ms / 1000),
+            deadline_s=max(0.05, min(deadline_s, self.options.transfer_timeout_ms / 1000)),
         )
-        outcome = combine_outcomes([_outcome(r["outcome"]) for r in results])
-        info["bytes"] = sum(int(r["bytes"]) for r in results)
-        info["transfer_s"] = max(float(r["seconds"]) for r in results)
-        info["mismatches"] = sum(int(r["mismatches"]) for r in results)
-        info["refused"] = any(r["refused"] for r in results)
-        if outcome is TransferOutcome.SUCCEEDED and info["mismatches"] == 0:
+        if self._combine(results, info):
             info["load"] = "loaded"
             info["blocks_loaded"] = len(block_ids)
             self.counters["blocks_loaded"] += len(block_ids)
             return block_ids, info
         # One failed slice fails the whole load: recompute into other blocks.
-        info["load"] = f"failed ({outcome.value}): " + "; ".join(
-            r["error"] for r in results if r["error"]
-        )
         self.counters["load_failures"] += 1
         self._quarantine_until_quiet(block_ids)
         return [], info
+
+    @staticmethod
+    def _combine(results: Sequence[dict[str, Any]], info: dict[str, Any]) -> bool:
+        """Fold the rank parts' pull replies into `info`; True when the whole transfer is good."""
+        outcome = combine_outcomes([TransferOutcome[r["outcome"]] for r in results])
+        info["bytes"] = sum(int(r["bytes"]) for r in results)
+        info["transfer_s"] = max(float(r["seconds"]) for r in results)
+        info["mismatches"] = sum(int(r["mismatches"]) for r in results)
+        info["refused"] = any(r["refused"] for r in results)
+        info["outcome"] = outcome.value
+        good = outcome is TransferOutcome.SUCCEEDED and info["mismatches"] == 0
+        if not good:
+            errors = "; ".join(
+                f"tp{rank}: {r['error']}" for rank, r in enumerate(results) if r["error"]
+            )
+            info["load"] = f"failed ({outcome.value}): {errors}"
+        return good
+
+    async def _report_all(self, flow: str, lease_id: str, outcome: str, error: str) -> None:
+        await self._on_all("report", flow=flow, lease_id=lease_id, outcome=outcome, error=error)
 
     def _quarantine_until_quiet(self, block_ids: list[int]) -> None:
         """Keep a failed transfer's destination blocks out of use until every part is quiet."""
@@ -789,9 +775,7 @@ class Leader:
             await self._on_all("wait_quiet", block_ids=block_ids)
             self.pool.untaint(block_ids)
 
-        task = asyncio.create_task(untaint())
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        _spawn(untaint())
 
     async def _publish_handoff(
         self, request_id: str, held: list[int], decode: str
@@ -807,30 +791,35 @@ class Leader:
         )
         hold = _HandoffHold(request_id, held, now_ms() + HANDOFF_SAFETY_MS)
         self._hold_by_request[request_id] = hold
-        results = await self._on_all(
-            "publish_handoff",
-            request_id=request_id,
-            block_ids=held,
-            decode_child_engine_id=decode,
-            kv_transfer_params=params,
-        )
-        lease_id = next((r["lease_id"] for r in results if r["lease_id"]), "")
-        if lease_id:
-            await self.bind_handoff(request_id, lease_id)
-        terminal = {pb.LEASE_STATE_COMPLETED, pb.LEASE_STATE_FAILED, pb.LEASE_STATE_RESOLVED}
-        if any(r["state"] in terminal for r in results):
+        try:
+            results = await self._on_all(
+                "publish_handoff",
+                request_id=request_id,
+                block_ids=held,
+                decode_child_engine_id=decode,
+                kv_transfer_params=params,
+            )
+        except Exception:
+            self._drop_hold(request_id)
+            raise
+        states = {r["state"] for r in results}
+        if states & {"COMPLETED", "FAILED", "RESOLVED", "MISSED"}:
             # Ended before we published: no release will come; free now.
             self._drop_hold(request_id)
-        return {"lease_id": lease_id, "state": max(r["state"] for r in results)}
+        return {"states": sorted(states)}
 
     async def bind_handoff(self, request_id: str, lease_id: str) -> None:
-        """Name the lease of a published handoff (the decode learned it from its grant)."""
+        """Name the lease of a published handoff (the decode learned it from its grant).
+
+        PublishHandoffResponse does not carry the lease id, and ReleaseRequest
+        carries only the lease id: the driver passes it on from the decode.
+        """
         hold = self._hold_by_request.get(request_id)
         if hold is None or lease_id in self._holds:
             return
         self._holds[lease_id] = hold
         if lease_id in self._released_unbound:  # the release came first
-            self._released_unbound.discard(lease_id)
+            del self._released_unbound[lease_id]
             await self._release(lease_id)
 
     def _drop_hold(self, request_id: str) -> None:
@@ -846,47 +835,17 @@ class Leader:
     ) -> dict[str, Any]:
         """Take the prefill's handoff, pull, verify; fall back to recompute; retain."""
         self.counters["requests"] += 1
-        me = self.options.child_engine_id
-        stub = self.part.stub
-        grant = await stub.BeginHandoff(
-            pb.BeginHandoffRequest(
-                request_id=request_id,
-                prefill_child_engine_id=prefill,
-                decode_child_engine_id=me,
-                wait_timeout_ms=self.options.transfer_timeout_ms,
-            ),
-            timeout=RPC_TIMEOUT_S + self.options.transfer_timeout_ms / 1000,
+        grant = await self.part.leases.begin_handoff(
+            request_id, prefill, wait_timeout_ms=self.options.transfer_timeout_ms
         )
-        result: dict[str, Any] = {
-            "request_id": request_id,
-            "lease_id": grant.lease_id,
-            "bytes": 0,
-            "transfer_s": 0.0,
-            "mismatches": 0,
-        }
+        result: dict[str, Any] = {"request_id": request_id, "lease_id": grant.lease_id}
         n_prompt = self._num_blocks(len(prompt))
         block_ids = await self._allocate(n_prompt)
-        keepalive = asyncio.create_task(self._keep_alive(grant))
-        results: list[dict[str, Any]]
-        try:
+        async with self.part.leases.keep_alive(grant):
             if grant.num_blocks != n_prompt:
-                await self._on_all(
-                    "report",
-                    flow="handoff",
-                    lease_id=grant.lease_id,
-                    outcome="FAILED",
-                    error=f"handoff has {grant.num_blocks} blocks, prompt {n_prompt}",
-                )
-                results = [
-                    {
-                        "outcome": "FAILED",
-                        "bytes": 0,
-                        "seconds": 0.0,
-                        "mismatches": 0,
-                        "refused": True,
-                        "error": "block count differs",
-                    }
-                ]
+                error = f"handoff has {grant.num_blocks} blocks, the prompt {n_prompt}"
+                await self._report_all("handoff", grant.lease_id, "FAILED", error)
+                results = [_pull_reply("FAILED", error=error, refused=True)]
             else:
                 results = await self._on_all(
                     "pull",
@@ -899,57 +858,36 @@ class Leader:
                     first_index=0,
                     deadline_s=self.options.transfer_timeout_ms / 1000,
                 )
-        finally:
-            keepalive.cancel()
-        outcome = combine_outcomes([_outcome(r["outcome"]) for r in results])
-        result["bytes"] = sum(int(r["bytes"]) for r in results)
-        result["transfer_s"] = max(float(r["seconds"]) for r in results)
-        result["mismatches"] = sum(int(r["mismatches"]) for r in results)
-        result["refused"] = any(r["refused"] for r in results)
-        if outcome is TransferOutcome.SUCCEEDED and result["mismatches"] == 0:
+        if self._combine(results, result):
             result["handoff"] = "pulled"
+            result["blocks_recomputed"] = 0
             self.counters["handoffs"] += 1
         else:
-            result["handoff"] = f"failed ({outcome.value}): " + "; ".join(
-                r["error"] for r in results if r["error"]
-            )
+            result["handoff"] = result.pop("load")
+            result["blocks_recomputed"] = n_prompt
             self.counters["handoff_failures"] += 1
+            self.counters["blocks_recomputed"] += n_prompt
             self._quarantine_until_quiet(block_ids)
             block_ids = await self._allocate(n_prompt)
             await self._on_all("compute", tokens=prompt, block_ids=block_ids, first_position=0)
-            self.counters["blocks_recomputed"] += n_prompt
-        result["blocks_recomputed"] = 0 if result["handoff"] == "pulled" else n_prompt
-        # "Generate": the driver chose the output tokens; compute their KV.
+        # "Generate": the driver chose the output tokens; compute their KV, then retain.
         full = prompt + output
         try:
             block_ids += await self._allocate(self._num_blocks(len(full)) - n_prompt)
-        except PoolExhaustedError:
-            await self.publish((), self.pool.release(block_ids, now_ms()))
-            raise
-        await self._on_all("compute", tokens=full, block_ids=block_ids, first_position=len(prompt))
-        hashes = self._hashes(full)
-        expiry = now_ms() + self.options.retention_ms
-        stored = self.pool.commit(block_ids[: len(hashes)], hashes, b"", expiry_ms=expiry)
-        removed = self.pool.release(block_ids, now_ms())
+            await self._on_all(
+                "compute", tokens=full, block_ids=block_ids, first_position=len(prompt)
+            )
+            hashes = self._hashes(full)
+            expiry = now_ms() + self.options.retention_ms
+            stored = self.pool.commit(block_ids[: len(hashes)], hashes, b"", expiry_ms=expiry)
+        finally:
+            removed = self.pool.release(block_ids, now_ms())
         await self.publish(stored, removed)
         result["retained_blocks"] = len(hashes)
         return result
 
-    async def _keep_alive(self, grant: pb.HandoffGrant) -> None:
-        interval_s = max(grant.heartbeat_interval_ms, 100) / 1000
-        request = pb.ExtendHandoffRequest(
-            lease_id=grant.lease_id, decode_child_engine_id=self.options.child_engine_id
-        )
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.part.stub.ExtendHandoff(request, timeout=RPC_TIMEOUT_S)
-            except grpc.aio.AioRpcError as e:
-                log.info("extending handoff %s failed: %s", grant.lease_id, from_rpc_error(e))
-                return
-
     async def _sweep(self) -> None:
-        """Retention expiry and pins the coordinator never released (safety net)."""
+        """Retention expiry, and pins / handoffs never released (safety net)."""
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             try:
