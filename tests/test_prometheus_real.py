@@ -12,8 +12,11 @@ service the way the manifests' probes do.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
+import tomllib
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +36,8 @@ from prometheus_env import (
     running_prometheus,
 )
 
+from clients.inventory import InventoryPublisher, LookupClient, PublishingHandler, Tier
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2, kvrc_pb2_grpc
 
@@ -214,3 +219,173 @@ def test_live_exposition_passes_promtool_and_uses_documented_label_values(
                 seen += 1
                 assert value in allowed, f"{sample.name}{{{label}={value!r}}} not in docs"
     assert seen, "no enumerated label value was checked"
+
+
+# --- inventory, lookups and a decode handoff ---------------------------------------
+
+HOLDER_GPU_BLOCKS = 8
+HOLDER_CPU_BLOCKS = 4
+HANDOFF_BLOCKS = 3
+HANDOFF_BYTES = HANDOFF_BLOCKS * 65536
+
+
+def manifest_profile() -> EngineProfile:
+    """An engine profile the ConfigMap's declared profile matches (reuse may activate)."""
+    configmap = yaml.safe_load((STANDALONE / "configmap.yaml").read_text())
+    declared = tomllib.loads(configmap["data"]["profiles.toml"])["profile"][0]
+    return EngineProfile(
+        model=declared["model"],
+        block_size=declared["block_size"],
+        kv_dtype=declared["kv_dtype"],
+        reuse_opt_in=True,
+    )
+
+
+async def open_engine(target: str, engine_id: str) -> tuple[EngineSession, InventoryPublisher]:
+    session = EngineSession(
+        target, RankPartRegistration(engine_id, manifest_profile()), reconnect=False
+    )
+    publisher = InventoryPublisher(session)
+    session.handler = PublishingHandler(publisher)
+    await session.start()
+    await session.wait_ready(10)
+    return session, publisher
+
+
+def chain(prefix: bytes, n: int) -> list[bytes]:
+    return [prefix + i.to_bytes(4, "big") for i in range(n)]
+
+
+async def test_inventory_lookups_and_a_handoff_reach_prometheus(tmp_path: Path) -> None:
+    configmap = yaml.safe_load((STANDALONE / "configmap.yaml").read_text())
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text(configmap["data"]["profiles.toml"])
+    # The README's way to turn reuse on: `--reuse on` with the ConfigMap's profiles.
+    args = [a if a != "off" else "on" for a in serve_args_from_manifest(profiles)]
+    with start_coordinator(*args) as kvrc, contextlib.ExitStack() as stack:
+        target = kvrc.grpc_target
+        holder, holder_events = await open_engine(target, "holder")
+        requester, _ = await open_engine(target, "requester")
+        prefill, _ = await open_engine(target, "prefill")
+        decode, _ = await open_engine(target, "decode")
+        sessions = (holder, requester, prefill, decode)
+        try:
+            assert requester.ack is not None and requester.ack.reuse.enabled, requester.ack
+            # Prometheus is blocking I/O: keep it off the loop the sessions heartbeat on.
+            prom = await asyncio.to_thread(
+                stack.enter_context, running_prometheus([f"127.0.0.1:{kvrc.metrics_port}"])
+            )
+
+            async def expect(expr: str, value: float) -> None:
+                await asyncio.to_thread(prom.wait_for, expr, value_is(value))
+
+            gpu_chain = chain(b"gpu", HOLDER_GPU_BLOCKS)
+            await holder_events.stored(gpu_chain, num_tokens=16 * HOLDER_GPU_BLOCKS)
+            await holder_events.stored(
+                chain(b"cpu", HOLDER_CPU_BLOCKS), num_tokens=16 * HOLDER_CPU_BLOCKS, tier=Tier.CPU
+            )
+            await expect('kvrc_inventory_entries{tier="gpu"}', HOLDER_GPU_BLOCKS)
+            await expect('kvrc_inventory_entries{tier="cpu"}', HOLDER_CPU_BLOCKS)
+            # Counted per block, not per event.
+            await expect(
+                'kvrc_block_events_total{source="grpc",type="stored"}',
+                HOLDER_GPU_BLOCKS + HOLDER_CPU_BLOCKS,
+            )
+            await expect('kvrc_event_batches_total{source="grpc",result="applied"}', 2)
+
+            # Three lookups: a 5-block hit, a miss, and the same 5 blocks below min_blocks=6.
+            prompt = [*gpu_chain[:5], b"not-retained"]
+            async with LookupClient(target) as client:
+                hit = await client.lookup("requester", prompt)
+                miss = await client.lookup("requester", chain(b"nobody", 4))
+                short = await client.lookup("requester", prompt, min_blocks=6)
+            assert hit.candidates[0].matched_blocks == 5
+            assert (hit.outcome.value, miss.outcome.value, short.outcome.value) == (
+                "hit",
+                "miss",
+                "below_min_blocks",
+            )
+            for outcome in ("hit", "miss", "below_min_blocks"):
+                await expect(f'kvrc_lookups_total{{outcome="{outcome}"}}', 1)
+            await expect("kvrc_lookup_matched_blocks_count", 3)
+            await expect('kvrc_lookup_matched_blocks_bucket{le="4.0"}', 1)  # the miss
+            await expect('kvrc_lookup_matched_blocks_bucket{le="8.0"}', 3)
+
+            # One decode handoff: published, begun, reported, quiescent.
+            lease_id = await run_handoff(target)
+            assert lease_id
+            await expect('kvrc_leases_ended_total{flow="handoff",state="completed"}', 1)
+            await expect('kvrc_transfer_bytes_total{flow="handoff"}', HANDOFF_BYTES)
+            await expect('kvrc_transfer_reports_total{flow="handoff",outcome="succeeded"}', 1)
+            await expect('kvrc_lease_grant_duration_seconds_count{flow="handoff"}', 1)
+            await expect('kvrc_lease_quiescence_duration_seconds_count{flow="handoff"}', 1)
+            await expect('sum(kvrc_leases{flow="handoff"})', 0)
+            await expect('kvrc_rpc_requests_total{method="CompleteHandoff",code="OK"}', 1)
+            await asyncio.to_thread(check_flow_panels, prom)
+        finally:
+            for session in sessions:
+                await session.close()
+
+
+def check_flow_panels(prom: PrometheusServer) -> None:
+    # The dashboard's inventory, lookup, lease and transfer panels show this traffic.
+    exprs = dashboard_exprs()
+
+    def panel(fragment: str) -> str:
+        found = [e for e in exprs if fragment in e]
+        assert len(found) == 1, (fragment, found)
+        return found[0]
+
+    def labels(name: str) -> Callable[[Result], set[str]]:
+        return lambda result: {s["metric"].get(name, "") for s in result}
+
+    expectations = [
+        (panel("sum by (tier) (kvrc_inventory_entries"), "tier", {"gpu", "cpu"}),
+        (panel("sum by (outcome) (rate(kvrc_lookups_total"), "outcome", {"hit", "miss"}),
+        (panel("sum by (flow, state) (rate(kvrc_leases_ended_total"), "flow", {"handoff"}),
+        (panel("sum by (flow) (rate(kvrc_transfer_bytes_total"), "flow", {"handoff"}),
+    ]
+    for expr, label, wanted in expectations:
+        prom.wait_for(expr, lambda r, label=label, wanted=wanted: wanted <= labels(label)(r))
+
+
+async def run_handoff(target: str) -> str:
+    rank = kvrc_pb2.RankCoordinates()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = kvrc_pb2_grpc.EngineServiceStub(channel)
+        published = await stub.PublishHandoff(
+            kvrc_pb2.PublishHandoffRequest(
+                request_id="req-1",
+                prefill_child_engine_id="prefill",
+                rank=rank,
+                descriptor=kvrc_pb2.RankPartDescriptor(
+                    rank=rank, block_ids=list(range(HANDOFF_BLOCKS))
+                ),
+                kv_transfer_params=b'{"do_remote_decode": true}',
+                num_blocks=HANDOFF_BLOCKS,
+            ),
+            timeout=10,
+        )
+        assert published.state == kvrc_pb2.LEASE_STATE_READY, published
+        grant = await stub.BeginHandoff(
+            kvrc_pb2.BeginHandoffRequest(
+                request_id="req-1",
+                prefill_child_engine_id="prefill",
+                decode_child_engine_id="decode",
+                wait_timeout_ms=5000,
+            ),
+            timeout=10,
+        )
+        done = await stub.CompleteHandoff(
+            kvrc_pb2.TransferReport(
+                lease_id=grant.lease_id,
+                reporter_child_engine_id="decode",
+                rank=rank,
+                outcome=kvrc_pb2.TRANSFER_OUTCOME_SUCCEEDED,
+                bytes_moved=HANDOFF_BYTES,
+                duration_us=250,
+            ),
+            timeout=10,
+        )
+        assert done.quiescent and done.state == kvrc_pb2.LEASE_STATE_COMPLETED, done
+        return grant.lease_id
