@@ -1,0 +1,469 @@
+"""Engine-facing lease API: prefix loads, decode handoffs, and the holder side.
+
+Requester / decode side (unary RPCs, no protobuf in the engine's code except the
+transfer descriptors, which go straight into `clients.transfer.plan_rank_part_pull`):
+
+    leases = LeaseClient("127.0.0.1:50051", child_engine_id="prefill-b")
+    answer = await leases.request_prefix_load("req-1", block_hashes, min_blocks=4)
+    if isinstance(answer, PrefixLoadGrant):
+        ...pull answer.source_parts...
+        await leases.complete_prefix_load(result.to_report(lease_id=answer.lease_id, ...))
+
+    # decode:
+    grant = await leases.begin_handoff("req-7", "prefill-a", wait_timeout_ms=5000)
+    async with leases.keep_alive(grant):
+        ...pull grant.source_parts, use grant.kv_transfer_params (the prefill's dict)...
+    await leases.complete_handoff(report)
+
+Holder / prefill side: `LeaseSessionHandler` is a `SessionHandler` for
+`EngineSession`. It answers PinRequests from the engine's `pin` callback,
+acknowledges an AbortRequest once the engine's `abort` callback says every
+native operation of the lease stopped, and calls back on release, quarantine
+and drain. Every coordinator error arrives as the typed `KvrcClientError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from clients.errors import KvrcClientError, from_rpc_error
+from clients.kv_params import decode_kv_transfer_params, encode_kv_transfer_params
+from clients.session import EngineSession, ReuseInfo, SessionHandler
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvrc.client.leases")
+
+__all__ = [
+    "CompleteResult",
+    "HandoffGrant",
+    "HandoffKeepAlive",
+    "LeaseClient",
+    "LeaseSessionHandler",
+    "Miss",
+    "PinAnswer",
+    "PinRequestInfo",
+    "PrefixLoadGrant",
+    "PublishResult",
+]
+
+
+# --- values ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLoadGrant:
+    lease_id: str
+    source_child_engine_id: str
+    matched_blocks: int  # may be fewer than the lookup hinted
+    source_parts: tuple[pb.RankPartDescriptor, ...]  # byte for byte as the holder sent them
+    deadline_unix_ms: int
+    reuse: ReuseInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """Recompute: nothing (worth) loading. Never an error."""
+
+    reason: str  # no_candidate, short_pin, pin_timeout, holder_gone, below_min_blocks, draining
+    detail: str
+    lease_id: str  # "" when no holder was asked
+    reuse: ReuseInfo
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffGrant:
+    lease_id: str
+    prefill_child_engine_id: str
+    source_parts: tuple[pb.RankPartDescriptor, ...]
+    kv_transfer_params: dict[Any, Any]  # the prefill's dict, field for field
+    kv_transfer_params_bytes: bytes  # as published, byte for byte
+    deadline_unix_ms: int
+    heartbeat_interval_ms: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    state: str  # "WAITING_READY", "READY", ...
+    parts_reported: int
+    parts_expected: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteResult:
+    state: str  # "ACTIVE" (other parts still running), "COMPLETED", "FAILED", "QUARANTINED"
+    quiescent: bool
+
+
+def _state_name(value: int) -> str:
+    if value in pb.LeaseState.values():
+        return pb.LeaseState.Name(value).removeprefix("LEASE_STATE_")  # type: ignore[arg-type]
+    return f"UNKNOWN({value})"
+
+
+def _reuse(msg: pb.ReuseStatus) -> ReuseInfo:
+    name = pb.ReuseReason.Name(msg.reason) if msg.reason in pb.ReuseReason.values() else "UNKNOWN"
+    return ReuseInfo(msg.enabled, name.removeprefix("REUSE_REASON_"), msg.detail)
+
+
+# --- requester / decode side --------------------------------------------------------------
+
+
+class LeaseClient:
+    """Lease RPCs of one child engine (any of its rank parts may use it)."""
+
+    def __init__(
+        self,
+        target: str | grpc.aio.Channel,
+        child_engine_id: str,
+        *,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.child_engine_id = child_engine_id
+        self._own_channel = isinstance(target, str)
+        self._channel = grpc.aio.insecure_channel(target) if isinstance(target, str) else target
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
+        self._timeout_s = timeout_s
+
+    async def close(self) -> None:
+        if self._own_channel:
+            await self._channel.close(None)
+
+    async def __aenter__(self) -> LeaseClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: Callable[..., Any], request: Any, timeout_s: float) -> Any:
+        try:
+            return await method(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+
+    # prefix load
+
+    async def request_prefix_load(
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        *,
+        min_blocks: int = 1,
+        group_idx: int = 0,
+        pin_timeout_ms: int = 0,
+        transfer_timeout_ms: int = 0,
+        compatibility_hash: str = "",
+    ) -> PrefixLoadGrant | Miss:
+        """A grant, or a Miss (recompute). Raises FailedPreconditionError when reuse is off."""
+        request = pb.PrefixLoadRequest(
+            request_id=request_id,
+            requester_child_engine_id=self.child_engine_id,
+            block_hashes=list(block_hashes),
+            compatibility_hash=compatibility_hash,
+            min_blocks=min_blocks,
+            group_idx=group_idx,
+            pin_timeout_ms=pin_timeout_ms,
+            transfer_timeout_ms=transfer_timeout_ms,
+        )
+        # The coordinator waits up to the pin timeout for the holder.
+        timeout = self._timeout_s + (pin_timeout_ms or 2_000) / 1000
+        reply: pb.PrefixLoadGrant = await self._call(self._stub.RequestPrefixLoad, request, timeout)
+        if reply.outcome == pb.GRANT_OUTCOME_GRANTED:
+            return PrefixLoadGrant(
+                lease_id=reply.lease_id,
+                source_child_engine_id=reply.source_child_engine_id,
+                matched_blocks=reply.matched_blocks,
+                source_parts=tuple(reply.source_parts),
+                deadline_unix_ms=reply.deadline_unix_ms,
+                reuse=_reuse(reply.reuse),
+            )
+        reason, _, detail = reply.miss_reason.partition(": ")
+        return Miss(reason, detail, reply.lease_id, _reuse(reply.reuse))
+
+    async def complete_prefix_load(self, report: pb.TransferReport) -> CompleteResult:
+        """One requester rank part's terminal outcome (`TransferResult.to_report(...)`)."""
+        reply = await self._call(self._stub.CompletePrefixLoad, report, self._timeout_s)
+        return CompleteResult(_state_name(reply.state), reply.quiescent)
+
+    # decode handoff
+
+    async def publish_handoff(
+        self,
+        request_id: str,
+        *,
+        descriptor: pb.RankPartDescriptor,
+        kv_transfer_params: dict[Any, Any] | bytes,
+        num_blocks: int,
+        decode_child_engine_id: str = "",
+    ) -> PublishResult:
+        """One prefill rank part's part of a finished request (the descriptor names the rank)."""
+        params = (
+            kv_transfer_params
+            if isinstance(kv_transfer_params, bytes)
+            else encode_kv_transfer_params(kv_transfer_params)
+        )
+        request = pb.PublishHandoffRequest(
+            request_id=request_id,
+            prefill_child_engine_id=self.child_engine_id,
+            rank=descriptor.rank,
+            descriptor=descriptor,
+            kv_transfer_params=params,
+            decode_child_engine_id=decode_child_engine_id,
+            num_blocks=num_blocks,
+        )
+        reply = await self._call(self._stub.PublishHandoff, request, self._timeout_s)
+        return PublishResult(_state_name(reply.state), reply.parts_reported, reply.parts_expected)
+
+    async def begin_handoff(
+        self, request_id: str, prefill_child_engine_id: str, *, wait_timeout_ms: int = 0
+    ) -> HandoffGrant:
+        """Takes the handoff; waits up to `wait_timeout_ms` for READY (DeadlineExceededError)."""
+        request = pb.BeginHandoffRequest(
+            request_id=request_id,
+            prefill_child_engine_id=prefill_child_engine_id,
+            decode_child_engine_id=self.child_engine_id,
+            wait_timeout_ms=wait_timeout_ms,
+        )
+        timeout = self._timeout_s + wait_timeout_ms / 1000
+        reply: pb.HandoffGrant = await self._call(self._stub.BeginHandoff, request, timeout)
+        try:
+            params = decode_kv_transfer_params(reply.kv_transfer_params)
+        except ValueError:
+            params = {}  # not made by clients.kv_params: the bytes are still there
+        return HandoffGrant(
+            lease_id=reply.lease_id,
+            prefill_child_engine_id=reply.prefill_child_engine_id,
+            source_parts=tuple(reply.source_parts),
+            kv_transfer_params=params,
+            kv_transfer_params_bytes=bytes(reply.kv_transfer_params),
+            deadline_unix_ms=reply.deadline_unix_ms,
+            heartbeat_interval_ms=reply.heartbeat_interval_ms,
+            num_blocks=reply.num_blocks,
+        )
+
+    async def extend_handoff(self, lease_id: str) -> int:
+        """One heartbeat; returns the new deadline (unix ms)."""
+        request = pb.ExtendHandoffRequest(
+            lease_id=lease_id, decode_child_engine_id=self.child_engine_id
+        )
+        reply = await self._call(self._stub.ExtendHandoff, request, self._timeout_s)
+        deadline: int = reply.deadline_unix_ms
+        return deadline
+
+    def keep_alive(self, grant: HandoffGrant) -> HandoffKeepAlive:
+        """`async with client.keep_alive(grant):` extends the lease while the body runs."""
+        return HandoffKeepAlive(self, grant.lease_id, grant.heartbeat_interval_ms)
+
+    async def complete_handoff(self, report: pb.TransferReport) -> CompleteResult:
+        reply = await self._call(self._stub.CompleteHandoff, report, self._timeout_s)
+        return CompleteResult(_state_name(reply.state), reply.quiescent)
+
+
+class HandoffKeepAlive:
+    """Calls ExtendHandoff every heartbeat interval until stopped.
+
+    A refused extension (the lease expired, was aborted or ended) stops the task
+    and is kept in `error`: the engine must stop its transfer and report.
+    """
+
+    def __init__(self, client: LeaseClient, lease_id: str, interval_ms: int) -> None:
+        self._client = client
+        self.lease_id = lease_id
+        self._interval_s = max(interval_ms, 10) / 1000
+        self._task: asyncio.Task[None] | None = None
+        self.error: KvrcClientError | None = None
+        self.extensions = 0
+        self.deadline_unix_ms = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kvrc-keepalive-{self.lease_id}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def __aenter__(self) -> HandoffKeepAlive:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                self.deadline_unix_ms = await self._client.extend_handoff(self.lease_id)
+                self.extensions += 1
+            except KvrcClientError as e:
+                self.error = e
+                log.warning("handoff lease %s not extended: %s", self.lease_id, e)
+                return
+
+
+# --- holder / prefill side (session stream) ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PinRequestInfo:
+    lease_id: str
+    block_hashes: tuple[bytes, ...]
+    requester_child_engine_id: str
+    deadline_unix_ms: int
+    group_idx: int
+
+
+@dataclass(frozen=True, slots=True)
+class PinAnswer:
+    """How many chain blocks (from the start) this rank part pinned; 0 = a miss."""
+
+    pinned_blocks: int
+    descriptor: pb.RankPartDescriptor | None = None  # required when pinned_blocks > 0
+    error_message: str = ""
+
+
+PinCallback = Callable[[PinRequestInfo], Awaitable[PinAnswer] | PinAnswer]
+# (lease id, reason) -> resolves once every native operation of the lease stopped.
+AbortCallback = Callable[[str, str], Awaitable[None]]
+LeaseCallback = Callable[[str, str], Awaitable[None] | None]
+
+
+async def _maybe_await(value: Any) -> Any:
+    if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
+        return await value
+    return value
+
+
+class LeaseSessionHandler(SessionHandler):
+    """Answers the coordinator's lease requests on an `EngineSession`.
+
+        handler = LeaseSessionHandler(pin=my_pin, abort=my_abort, on_release=my_unpin)
+        session = EngineSession(target, registration, handler)
+        handler.attach(session)
+
+    - PinRequest: `pin(info)` -> `PinAnswer`, sent back as PinResult (a failing
+      callback answers 0 blocks with its error: a miss, never a pin left behind).
+    - AbortRequest: `abort(lease_id, reason)` runs in a task; AbortAck is sent
+      only after it returns (the engine's native operations stopped). Blocks
+      stay pinned until the ReleaseRequest.
+    - ReleaseRequest: `on_release(lease_id, reason)`, then ReleaseAck.
+    - QuarantineNotice: `on_quarantine(lease_id, reason)`: keep the blocks out of
+      use until a ReleaseRequest follows the operator's resolution.
+    """
+
+    def __init__(
+        self,
+        *,
+        pin: PinCallback | None = None,
+        abort: AbortCallback | None = None,
+        on_release: LeaseCallback | None = None,
+        on_quarantine: LeaseCallback | None = None,
+        on_drain: Callable[[str, int], Awaitable[None] | None] | None = None,
+        inner: SessionHandler | None = None,
+    ) -> None:
+        self._pin = pin
+        self._abort = abort
+        self._on_release = on_release
+        self._on_quarantine = on_quarantine
+        self._on_drain = on_drain
+        self._inner = inner  # readiness and registration callbacks go here too
+        self._session: EngineSession | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def attach(self, session: EngineSession) -> None:
+        self._session = session
+
+    def _require_session(self) -> EngineSession:
+        if self._session is None:
+            raise RuntimeError("LeaseSessionHandler.attach(session) was not called")
+        return self._session
+
+    async def on_registered(self, ack: Any) -> None:
+        if self._inner is not None:
+            await self._inner.on_registered(ack)
+
+    async def on_state(self, state: Any) -> None:
+        if self._inner is not None:
+            await self._inner.on_state(state)
+
+    async def on_resync_request(self, request: pb.ResyncRequest) -> None:
+        if self._inner is not None:
+            await self._inner.on_resync_request(request)
+
+    async def on_pin_request(self, request: pb.PinRequest) -> None:
+        session = self._require_session()
+        info = PinRequestInfo(
+            lease_id=request.lease_id,
+            block_hashes=tuple(request.block_hashes),
+            requester_child_engine_id=request.requester_child_engine_id,
+            deadline_unix_ms=request.deadline_unix_ms,
+            group_idx=request.group_idx,
+        )
+        if self._pin is None:
+            answer = PinAnswer(0, error_message="this engine does not serve prefix loads")
+        else:
+            try:
+                answer = await _maybe_await(self._pin(info))
+            except Exception as e:  # the engine's bug: answer a miss, pin nothing
+                log.exception("pin callback failed for lease %s", request.lease_id)
+                answer = PinAnswer(0, error_message=f"pin failed: {e}"[:1024])
+        result = pb.PinResult(
+            lease_id=request.lease_id,
+            pinned_blocks=answer.pinned_blocks,
+            error_message=answer.error_message,
+        )
+        if answer.descriptor is not None:
+            result.descriptor.CopyFrom(answer.descriptor)
+        await session.send_pin_result(result)
+
+    async def on_abort_request(self, request: pb.AbortRequest) -> None:
+        self._spawn(self._abort_then_ack(request.lease_id, request.reason))
+
+    async def _abort_then_ack(self, lease_id: str, reason: str) -> None:
+        if self._abort is not None:
+            await self._abort(lease_id, reason)  # no ack unless the engine proves it stopped
+        await self._require_session().send_abort_ack(lease_id)
+
+    async def on_release_request(self, request: pb.ReleaseRequest) -> None:
+        if self._on_release is not None:
+            await _maybe_await(self._on_release(request.lease_id, request.reason))
+        await self._require_session().send_release_ack(request.lease_id)
+
+    async def on_quarantine_notice(self, notice: pb.QuarantineNotice) -> None:
+        if self._on_quarantine is not None:
+            await _maybe_await(self._on_quarantine(notice.lease_id, notice.reason))
+
+    async def on_drain_notice(self, notice: pb.DrainNotice) -> None:
+        if self._on_drain is not None:
+            await _maybe_await(self._on_drain(notice.child_engine_id, notice.deadline_unix_ms))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        async def run() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("lease task failed")
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def aclose(self) -> None:
+        """Cancels abort tasks still waiting (their acks are then never sent)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
