@@ -96,7 +96,8 @@ class Metrics:
         )
         self.block_events = Counter(
             "kvrc_block_events_total",
-            "Block events ingested, by source (grpc, zmq) and type (stored, removed, cleared).",
+            "Blocks named by ingested events, by source (grpc, zmq) and event type "
+            "(stored, removed, cleared).",
             ["source", "type"],
             registry=r,
         )
@@ -132,7 +133,7 @@ class Metrics:
         )
         self.inventory_bound_hits = Counter(
             "kvrc_inventory_bound_hits_total",
-            "Times an inventory bound was hit, by bound (total, per_engine).",
+            "Inventory entries dropped because a bound was hit, by bound (total, per_engine).",
             ["bound"],
             registry=r,
         )
@@ -194,7 +195,7 @@ class Metrics:
         self.prefix_load_misses = Counter(
             "kvrc_prefix_load_misses_total",
             "Prefix-load requests answered with a miss, by reason "
-            "(no_candidate, short_pin, pin_timeout, holder_gone, below_min_blocks).",
+            "(no_candidate, short_pin, pin_timeout, holder_gone, below_min_blocks, draining).",
             ["reason"],
             registry=r,
         )
