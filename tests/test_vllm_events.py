@@ -24,6 +24,7 @@ from coordinator.vllm_events import (
 
 DATA = Path(__file__).parent / "data" / "vllm_frames"
 SEQ0 = (0).to_bytes(8, "big")
+CLEARED_MAP = {"type": "AllBlocksCleared"}
 
 
 def frame(payload: Any, seq: int = 0, topic: bytes = b"") -> list[bytes]:
@@ -183,6 +184,31 @@ def test_map_and_array_encodings_decode_to_the_same_values(
     assert stored.tier is tier_for_medium(medium)
     for raw, decoded in zip(hashes, stored.block_hashes, strict=True):
         assert decoded == (raw.to_bytes(8, "big") if isinstance(raw, int) else raw)
+
+
+def test_runs_of_removals_become_one_event_per_medium_and_group_in_order() -> None:
+    """vLLM sends one BlockRemoved per evicted block; a run shares one event."""
+
+    def rm(h: int, medium: str = "GPU", group: int = 0) -> dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium, "group_idx": group}
+
+    events: list[Any] = [rm(1), rm(2), rm(3, "CPU"), rm(4, "CPU", 1), stored_map([5]), rm(6)]
+    events += [["BlockRemoved", [7], "GPU", 0], CLEARED_MAP, rm(8)]
+    batch = decode_frame(frame([1.0, events, 0]))
+    h = [n.to_bytes(8, "big") for n in range(9)]
+    assert batch.events == (
+        BlockRemoved((h[1], h[2]), Tier.GPU, 0),
+        BlockRemoved((h[3],), Tier.CPU, 0),
+        BlockRemoved((h[4],), Tier.CPU, 1),
+        BlockStored((h[5],), None, 4, Tier.GPU, 0),
+        BlockRemoved((h[6], h[7]), Tier.GPU, 0),
+        AllBlocksCleared(),
+        BlockRemoved((h[8],), Tier.GPU, 0),
+    )
+    assert batch.removed_blocks == 7 and batch.block_events == 9
+    bad = [rm(1), rm(2), rm(-5)]
+    with pytest.raises(MalformedFrame, match="BlockRemoved from event 0 on"):
+        decode_frame(frame([1.0, bad, 0]))
 
 
 # --- unknown fields, mapping rules ----------------------------------------------------
