@@ -175,7 +175,9 @@ async def measure_zmq(n_batches: int, total: int, sink_kind: str) -> float:
     endpoint = await asyncio.to_thread(parent.recv)
     sink = InventorySink(n_batches) if sink_kind == "inventory" else CountingSink(n_batches)
     ctx = zmq.asyncio.Context()
-    config = ZmqStreamConfig(engine_id=ENGINE, endpoint=endpoint, block_size=BLOCK_SIZE, rcv_hwm=0)
+    config = ZmqStreamConfig(
+        engine_id=ENGINE, endpoint=endpoint, block_size=BLOCK_SIZE, rcv_hwm=n_batches + 16
+    )
     stream = ZmqEventStream(config, sink, Metrics(), context=ctx)
     await stream.start()
     try:

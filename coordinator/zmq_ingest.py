@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+from coordinator.errors import ErrorCode, KvrcError, invalid
 from coordinator.events import EventBatch
 from coordinator.metrics import Metrics
 from coordinator.vllm_events import (
@@ -69,6 +71,7 @@ from coordinator.vllm_events import (
 log = logging.getLogger(__name__)
 
 SOURCE = "zmq"
+_TCP_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}")
 # Frames drained per wake-up before yielding to the event loop.
 _BURST = 256
 
@@ -114,10 +117,30 @@ class ZmqStreamConfig:
     lora_name: str = ""
     replay_timeout_s: float = 2.0
     degraded_grace_s: float = 30.0
-    # Bounds what a publisher can make kvrc hold in memory.
-    max_frame_bytes: int = 64 << 20
+    # Bounds what a publisher can make kvrc hold: at most rcv_hwm frames queued per
+    # connected publisher, each at most max_frame_bytes (a vLLM step is ~10-100 KiB;
+    # a larger frame drops that connection). A replay reads at most max_replay_frames.
+    max_frame_bytes: int = 8 << 20
     max_replay_frames: int = 100_000
-    rcv_hwm: int = 10_000
+    rcv_hwm: int = 1000
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise invalid("engine_id must not be empty")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise invalid(
+                f"dp_rank {self.dp_rank} is outside 0..dp_size-1 (dp_size {self.dp_size})"
+            )
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not _TCP_ENDPOINT.fullmatch(value):
+                raise invalid(f"{name} must be tcp://host:port, got {value!r}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise invalid(f"block_size must be positive, got {self.block_size}")
+        if not self.replay_timeout_s > 0 or not self.degraded_grace_s >= 0:
+            raise invalid("replay_timeout_s must be > 0 and degraded_grace_s >= 0")
+        if min(self.max_frame_bytes, self.max_replay_frames, self.rcv_hwm) <= 0:
+            raise invalid("max_frame_bytes, max_replay_frames and rcv_hwm must be positive")
 
     @property
     def child_engine_id(self) -> str:
@@ -188,6 +211,7 @@ class ZmqEventStream:
         self._dealer: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.bound_endpoint: str | None = None  # the real address when kvrc binds
+        self._closed = False
 
         self._state = StreamState.LIVE
         self._reason = ""
@@ -221,17 +245,27 @@ class ZmqEventStream:
         sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
         sub.setsockopt(zmq.RCVHWM, cfg.rcv_hwm)
         sub.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
-        if cfg.bind:
-            sub.bind(cfg.endpoint)
-            self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
-        else:
-            sub.connect(cfg.endpoint)
         self._sub = sub
-        if cfg.replay_endpoint is not None:
-            self._dealer = self._new_dealer()
+        try:
+            if cfg.bind:
+                sub.bind(cfg.endpoint)
+                self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                sub.connect(cfg.endpoint)
+            if cfg.replay_endpoint is not None:
+                self._dealer = self._new_dealer()
+        except zmq.ZMQError as exc:
+            await self.close()
+            verb = "bind" if cfg.bind else "connect to"
+            raise KvrcError(
+                ErrorCode.FAILED_PRECONDITION, f"cannot {verb} {cfg.endpoint}: {exc}"
+            ) from None
         self._task = asyncio.create_task(self._run(), name=f"zmq-ingest-{self.child_engine_id}")
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -275,7 +309,10 @@ class ZmqEventStream:
                         frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    await self._on_live(frames)
+                    try:
+                        await self._on_live(frames)
+                    except Exception:  # never let one frame stop the stream
+                        log.exception("zmq stream %s: frame handling failed", self.child_engine_id)
             if self._degraded_deadline is not None and self._clock() >= self._degraded_deadline:
                 self._end_degraded_grace()
 
@@ -397,7 +434,16 @@ class ZmqEventStream:
             self._sink.mark_stale(self.child_engine_id, mismatch)
             return
         batch = EventBatch(incarnation=self._incarnation, sequence=seq, events=decoded.events)
-        self._sink.apply(self.child_engine_id, batch)
+        try:
+            self._sink.apply(self.child_engine_id, batch)
+        except KvrcError as exc:
+            # The core refused the batch and changed nothing: its events are lost.
+            self._m_refused.inc()
+            log.warning(
+                "zmq stream %s: batch %d refused: %s", self.child_engine_id, seq, exc.message
+            )
+            self._events_lost(f"batch {seq} refused: {exc.message}", self._has_state)
+            return
         self._has_state = True
         self._applied_batches += 1
         self._m_applied.inc()

@@ -19,6 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from coordinator.errors import ErrorCode, KvrcError, invalid
 from coordinator.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from coordinator.metrics import Metrics
 from coordinator.vllm_events import END_SEQ
@@ -490,6 +491,73 @@ async def test_child_engine_id_carries_the_dp_rank(
     rigs.append(rig := await start_rig(ctx, publisher={"dp_rank": 3}, dp_rank=3, dp_size=4))
     await rig.pub.publish(stored(1))
     await eventually(lambda: rig.sink.held("engine-a_dp3") == {1})
+
+
+class RefusingSink(RecordingSink):
+    """Refuses what the inventory core refuses (a group index past its bound)."""
+
+    def apply(self, child_engine_id: str, batch: EventBatch) -> None:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored) and ev.group_idx > 1023:
+                raise invalid(f"group_idx {ev.group_idx} is outside 0..1023")
+        super().apply(child_engine_id, batch)
+
+
+async def test_a_batch_the_core_refuses_is_counted_and_the_stream_continues(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx, degraded_grace_s=60))
+    sink = RefusingSink()
+    rig.stream._sink = sink  # the same stream, a sink that refuses like the core
+    await rig.pub.publish(stored(1))
+    await eventually(lambda: sink.seqs() == [0])
+    await rig.pub.publish({**stored(2), "group_idx": 5000})
+    await rig.pub.publish(stored(3))
+    await eventually(lambda: sink.seqs() == [0, 2])
+    assert sink.held() == {1, 3}
+    assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="refused") == 1
+    assert rig.stream.status().state is StreamState.DEGRADED
+    assert "refused" in sink.reasons[-1]
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({"engine_id": ""}, "engine_id"),
+        ({"dp_rank": 2, "dp_size": 2}, "dp_rank 2"),
+        ({"endpoint": "ipc:///tmp/kv"}, "endpoint must be tcp://host:port"),
+        ({"replay_endpoint": "tcp://host"}, "replay_endpoint must be"),
+        ({"block_size": 0}, "block_size"),
+        ({"replay_timeout_s": 0}, "replay_timeout_s"),
+        ({"rcv_hwm": 0}, "rcv_hwm"),
+    ],
+)
+def test_bad_stream_config_is_refused_with_the_field_named(
+    config: dict[str, Any], says: str
+) -> None:
+    fields: dict[str, Any] = {"engine_id": ENGINE, "endpoint": "tcp://127.0.0.1:5557", **config}
+    with pytest.raises(KvrcError, match=says) as err:
+        ZmqStreamConfig(**fields)
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+async def test_an_endpoint_that_cannot_be_bound_is_a_clear_error(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    taken = ctx.socket(zmq.SUB)
+    taken.bind("tcp://127.0.0.1:0")
+    try:
+        endpoint = taken.getsockopt_string(zmq.LAST_ENDPOINT)
+        metrics = Metrics()
+        cfg = ZmqStreamConfig(engine_id=ENGINE, endpoint=endpoint, bind=True)
+        stream = ZmqEventStream(cfg, RecordingSink(), metrics, context=ctx)
+        with pytest.raises(KvrcError, match="cannot bind") as err:
+            await stream.start()
+        assert err.value.code is ErrorCode.FAILED_PRECONDITION
+        await stream.close()  # a second close is harmless
+        assert value(metrics, "kvrc_zmq_streams", state="live") == 0
+    finally:
+        taken.close(0)
 
 
 # --- endpoints and lifecycle ----------------------------------------------------------
