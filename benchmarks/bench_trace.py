@@ -69,13 +69,32 @@ from benchmarks.trace_sim import (
     simulate,
 )
 from clients.errors import KvrcClientError
+from clients.inventory import (
+    InventoryEvent,
+    InventoryPublisher,
+    LookupClient,
+    LookupOutcome,
+    LookupResult,
+    PublishingHandler,
+    RemovedBlocks,
+    StoredBlocks,
+    Tier,
+)
+from clients.leases import (
+    LeaseClient,
+    LeaseSessionHandler,
+    PinAnswer,
+    PinRequestInfo,
+    PrefixLoadGrant,
+)
 from clients.session import (
     EngineProfile,
     EngineSession,
+    NullHandler,
     RankPartRegistration,
-    SessionHandler,
     TransferEndpoint,
 )
+from clients.transfer import TransferOutcome, TransferResult
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -91,9 +110,8 @@ MODEL = "mooncake-trace-sim"
 RPC_TIMEOUT_S = 10.0
 RELEASE_WAIT_S = 5.0
 # Chains beyond the coordinator's limit are looked up by their head (2M tokens
-# is far past any useful prefix); events go in chunks well under the batch limit.
+# is far past any useful prefix). Event batches are cut by InventoryPublisher.
 MAX_CHAIN_BLOCKS = 4096
-EVENT_CHUNK_BLOCKS = 1024
 LOOKUP_QUERIES_PER_CHECK = 64  # the coordinator's queries-per-Lookup limit
 
 
@@ -189,7 +207,7 @@ class CoordinatorProcess:
 
 
 # ---------------------------------------------------------------------------
-# One simulated engine's session (metadata only), through the client library
+# One simulated engine (metadata only), on the client library
 # ---------------------------------------------------------------------------
 
 
@@ -276,43 +294,64 @@ class HolderBridge:
             return ok
 
 
-class SimEngineLink(SessionHandler):
-    """One simulated engine: an `EngineSession` plus an ordered event writer.
+class _Counting(NullHandler):
+    """Innermost handler: counts what means the replay lost something."""
 
-    Metadata only: it publishes its cache's events, answers pins from the
-    simulated cache, and acknowledges releases and aborts (no native transfer
-    runs, so there is nothing to stop).
+    def __init__(self, counters: LinkCounters) -> None:
+        self._counters = counters
+
+    async def on_resync_request(self, request: pb.ResyncRequest) -> None:
+        self._counters.resyncs += 1  # the coordinator saw a gap: an event was lost
+
+
+class SimEngineLink:
+    """One simulated engine on the client library: `EngineSession` +
+    `InventoryPublisher` (events) + `LeaseSessionHandler` (pins) + `LeaseClient`.
+
+    Metadata only: pins are answered from the simulated cache, releases
+    acknowledged, aborts acknowledged at once (no native transfer runs).
     """
 
     def __init__(
-        self, target: str, index: EngineIndex, child_engine_id: str, bridge: HolderBridge
+        self,
+        target: str,
+        channel: grpc.aio.Channel,
+        index: EngineIndex,
+        name: str,
+        bridge: HolderBridge,
     ) -> None:
         self.index = index
-        self.child_engine_id = child_engine_id
+        self.child_engine_id = name
         self._bridge = bridge
-        self.session = EngineSession(
-            target, engine_registration(child_engine_id), handler=self, reconnect=False
+        self.leases = LeaseClient(channel, name, timeout_s=RPC_TIMEOUT_S)
+        self._lease_handler = LeaseSessionHandler(
+            pin=self._pin,
+            abort=self._abort,
+            on_release=self._on_release,
+            on_quarantine=self._on_quarantine,
+            inner=_Counting(bridge.counters),
         )
-        self._events: asyncio.Queue[list[pb.InventoryEvent] | None] = asyncio.Queue()
+        self.session = EngineSession(target, engine_registration(name), reconnect=False)
+        # A lost event shows as a stale stream at the end (no dump callback on purpose).
+        self.publisher = InventoryPublisher(self.session)
+        self.session.handler = PublishingHandler(self.publisher, self._lease_handler)
+        self._lease_handler.attach(self.session)
+        self._events: asyncio.Queue[list[InventoryEvent] | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
-        self._incarnation = 0
-        self._sequence = 0
-        self.batches_sent = 0
 
     async def start(self) -> None:
         ack = await self.session.start()
         if not ack.reuse.enabled:
             raise RuntimeError(f"{self.child_engine_id}: reuse is not enabled: {ack.reuse.detail}")
-        self._incarnation = ack.incarnation
         await self.session.wait_ready(timeout_s=RPC_TIMEOUT_S)
         self._writer = asyncio.create_task(self._write_events())
 
-    def publish(self, events: list[pb.InventoryEvent]) -> None:
+    def publish(self, events: list[InventoryEvent]) -> None:
         """Loop thread only (the replay thread goes through call_soon_threadsafe)."""
         self._events.put_nowait(events)
 
     async def flush(self) -> None:
-        """Until every batch published so far has been written to the stream."""
+        """Until every event published so far has been written to the stream."""
         await self._events.join()
 
     async def _write_events(self) -> None:
@@ -321,15 +360,9 @@ class SimEngineLink(SessionHandler):
             try:
                 if events is None:
                     return
-                batch = pb.EventBatch(
-                    incarnation=self._incarnation, sequence=self._sequence, events=events
-                )
-                self._sequence += 1
-                try:
-                    await self.session.send_event_batch(batch)
-                    self.batches_sent += 1
-                except KvrcClientError as e:
-                    self._bridge.counters.send_errors.append(f"{self.child_engine_id}: {e}")
+                await self.publisher.publish(events)
+            except KvrcClientError as e:
+                self._bridge.counters.send_errors.append(f"{self.child_engine_id}: {e}")
             finally:
                 self._events.task_done()
 
@@ -337,33 +370,25 @@ class SimEngineLink(SessionHandler):
         self._events.put_nowait(None)
         if self._writer is not None:
             await self._writer
+        await self._lease_handler.aclose()
         await self.session.close()
 
-    # --- SessionHandler ---------------------------------------------------------
-    async def on_pin_request(self, request: pb.PinRequest) -> None:
-        pinned = self._bridge.pin(self.index, request.lease_id, list(request.block_hashes))
-        await self.session.send_pin_result(
-            pb.PinResult(
-                lease_id=request.lease_id,
-                pinned_blocks=pinned,
-                descriptor=pb.RankPartDescriptor(
-                    rank=pb.RankCoordinates(), block_ids=list(range(pinned))
-                ),
-            )
-        )
+    # --- holder callbacks (LeaseSessionHandler) -----------------------------------
+    def _pin(self, info: PinRequestInfo) -> PinAnswer:
+        pinned = self._bridge.pin(self.index, info.lease_id, info.block_hashes)
+        if not pinned:
+            return PinAnswer(0)
+        # Metadata only: engine-local block ids stand in for real KV addresses.
+        descriptor = pb.RankPartDescriptor(rank=pb.RankCoordinates(), block_ids=range(pinned))
+        return PinAnswer(pinned, descriptor)
 
-    async def on_release_request(self, request: pb.ReleaseRequest) -> None:
-        self._bridge.released(request.lease_id)
-        await self.session.send_release_ack(request.lease_id)
+    async def _abort(self, lease_id: str, reason: str) -> None:
+        self._bridge.counters.aborts += 1  # no native operation to stop
 
-    async def on_abort_request(self, request: pb.AbortRequest) -> None:
-        self._bridge.counters.aborts += 1
-        await self.session.send_abort_ack(request.lease_id)
+    def _on_release(self, lease_id: str, reason: str) -> None:
+        self._bridge.released(lease_id)
 
-    async def on_resync_request(self, request: pb.ResyncRequest) -> None:
-        self._bridge.counters.resyncs += 1  # an event was lost: the step fails
-
-    async def on_quarantine_notice(self, notice: pb.QuarantineNotice) -> None:
+    def _on_quarantine(self, lease_id: str, reason: str) -> None:
         self._bridge.counters.quarantines += 1
 
 
@@ -379,12 +404,15 @@ class RealRunStats:
     grants: int = 0
     misses: int = 0
     missing_releases: int = 0
-    lag_s: list[float] = field(default_factory=list)
 
 
 class KvrcProvider:
-    """ReuseProvider over the real service: sync unary RPCs from the replay thread,
-    events over each engine's session stream (loop thread)."""
+    """ReuseProvider over the real service and the client library.
+
+    The replay thread runs the clients' coroutines on the sessions' loop and
+    waits for them; lookup latency is timed inside the coroutine, around the
+    client call (wall clock through gRPC, without the thread hand-off).
+    """
 
     def __init__(
         self,
@@ -392,21 +420,21 @@ class KvrcProvider:
         links: Sequence[SimEngineLink],
         loop: asyncio.AbstractEventLoop,
         bridge: HolderBridge,
+        lookups: LookupClient,
     ) -> None:
-        self._channel = grpc.insecure_channel(target)
-        self._stub = pb_grpc.EngineServiceStub(self._channel)
         self._links = list(links)
         self._ids = [link.child_engine_id for link in links]
         self._index = {cid: i for i, cid in enumerate(self._ids)}
         self._loop = loop
         self._bridge = bridge
+        self._lookups = lookups
         self._next_request = 0
         self._requester_of: dict[str, EngineIndex] = {}
         self.stats = RealRunStats()
         self.stored_ever: set[BlockId] = set()  # for the end-of-run view check
 
-    def close(self) -> None:
-        self._channel.close()
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(RPC_TIMEOUT_S * 3)
 
     # --- ReuseProvider ------------------------------------------------------
     def bind(self, holders: HolderSide, num_engines: int) -> None:
@@ -417,22 +445,23 @@ class KvrcProvider:
     def lookup(
         self, requester: EngineIndex, chain: Sequence[BlockId], include_self: bool, now_ms: float
     ) -> list[Candidate]:
-        request = pb.LookupRequest(
-            requester_child_engine_id=self._ids[requester],
-            queries=[
-                pb.LookupQuery(
-                    block_hashes=[block_hash(b) for b in chain[:MAX_CHAIN_BLOCKS]],
-                    min_blocks=1,
-                    include_self=include_self,
-                    max_candidates=2,
-                )
-            ],
-        )
-        started = time.perf_counter()
-        response: pb.LookupResponse = self._stub.Lookup(request, timeout=RPC_TIMEOUT_S)
-        self.stats.lookup_ms.append((time.perf_counter() - started) * 1000.0)
-        result = response.results[0]
-        if result.outcome == pb.LOOKUP_OUTCOME_REUSE_UNAVAILABLE:
+        hashes = [block_hash(b) for b in chain[:MAX_CHAIN_BLOCKS]]
+
+        async def timed() -> tuple[LookupResult, float]:
+            started = time.perf_counter()
+            result = await self._lookups.lookup(
+                self._ids[requester],
+                hashes,
+                min_blocks=1,
+                include_self=include_self,
+                max_candidates=2,
+                timeout_s=RPC_TIMEOUT_S,
+            )
+            return result, (time.perf_counter() - started) * 1000.0
+
+        result, ms = self._run(timed())
+        self.stats.lookup_ms.append(ms)
+        if result.outcome is LookupOutcome.REUSE_UNAVAILABLE:
             self.stats.reuse_unavailable += 1
             return []
         return [
@@ -445,45 +474,51 @@ class KvrcProvider:
         self, requester: EngineIndex, chain: Sequence[BlockId], min_blocks: int, now_ms: float
     ) -> LoadGrant | None:
         self._next_request += 1
-        request = pb.PrefixLoadRequest(
-            request_id=f"load-{self._next_request}",
-            requester_child_engine_id=self._ids[requester],
-            block_hashes=[block_hash(b) for b in chain[:MAX_CHAIN_BLOCKS]],
-            min_blocks=min_blocks,
-            pin_timeout_ms=5000,
-            transfer_timeout_ms=60_000,
-        )
+        leases = self._links[requester].leases
+        hashes = [block_hash(b) for b in chain[:MAX_CHAIN_BLOCKS]]
         self._bridge.open_window()
         try:
-            grant: pb.PrefixLoadGrant = self._stub.RequestPrefixLoad(request, timeout=RPC_TIMEOUT_S)
+            answer = self._run(
+                leases.request_prefix_load(
+                    f"load-{self._next_request}",
+                    hashes,
+                    min_blocks=min_blocks,
+                    pin_timeout_ms=5_000,
+                    transfer_timeout_ms=60_000,
+                )
+            )
         finally:
             pins = self._bridge.close_window()
-        granted = grant.outcome == pb.GRANT_OUTCOME_GRANTED
+        granted = isinstance(answer, PrefixLoadGrant)
         for lease_id, engine in pins.items():
-            if granted and lease_id == grant.lease_id:
+            if granted and lease_id == answer.lease_id:
                 continue
             # A holder pinned for a lease that missed: the coordinator releases it.
             self._await_release(lease_id)
             self._bridge.unpin(engine, lease_id)
-        if not granted:
+        if not isinstance(answer, PrefixLoadGrant):
             self.stats.misses += 1
             return None
         self.stats.grants += 1
-        source = self._index[grant.source_child_engine_id]
-        self._requester_of[grant.lease_id] = requester
-        return LoadGrant(grant.lease_id, source, grant.matched_blocks)
+        self._requester_of[answer.lease_id] = requester
+        source = self._index[answer.source_child_engine_id]
+        return LoadGrant(answer.lease_id, source, answer.matched_blocks)
 
     def complete(self, grant: LoadGrant, loaded_blocks: int, now_ms: float) -> None:
         lease_id = str(grant.lease_key)
         requester = self._requester_of.pop(lease_id)
-        report = pb.TransferReport(
-            lease_id=lease_id,
-            reporter_child_engine_id=self._ids[requester],
-            rank=pb.RankCoordinates(),
-            outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
-            bytes_moved=0,  # metadata only: no KV bytes move in this benchmark
+        # Metadata only: the modelled load moved no bytes and ran no native call.
+        outcome = TransferResult(
+            outcome=TransferOutcome.SUCCEEDED,
+            bytes_moved=0,
+            duration_s=0.0,
+            error="",
+            tainted_block_ids=(),
         )
-        self._stub.CompletePrefixLoad(report, timeout=RPC_TIMEOUT_S)
+        report = outcome.to_report(
+            lease_id=lease_id, reporter_child_engine_id=self._ids[requester], tp_rank=0
+        )
+        self._run(self._links[requester].leases.complete_prefix_load(report))
         # Quiescent: the holder unpins when the coordinator says so.
         self._await_release(lease_id)
 
@@ -495,35 +530,17 @@ class KvrcProvider:
         now_ms: float,
     ) -> None:
         self.stored_ever.update(blocks)
-        events = []
-        for i in range(0, len(blocks), EVENT_CHUNK_BLOCKS):
-            chunk = blocks[i : i + EVENT_CHUNK_BLOCKS]
-            chunk_parent = parent if i == 0 else blocks[i - 1]
-            events.append(
-                pb.InventoryEvent(
-                    stored=pb.BlockStored(
-                        block_hashes=[block_hash(b) for b in chunk],
-                        parent_block_hash=block_hash(chunk_parent)
-                        if chunk_parent is not None
-                        else b"",
-                        num_tokens=512 * len(chunk),
-                        tier=pb.TIER_GPU,
-                    )
-                )
-            )
-        self._loop.call_soon_threadsafe(self._links[engine].publish, events)
+        event: InventoryEvent = StoredBlocks(
+            block_hashes=tuple(block_hash(b) for b in blocks),
+            parent_block_hash=block_hash(parent) if parent is not None else b"",
+            num_tokens=512 * len(blocks),
+            tier=Tier.GPU,
+        )
+        self._loop.call_soon_threadsafe(self._links[engine].publish, [event])
 
     def blocks_removed(self, engine: EngineIndex, blocks: Sequence[BlockId], now_ms: float) -> None:
-        events = [
-            pb.InventoryEvent(
-                removed=pb.BlockRemoved(
-                    block_hashes=[block_hash(b) for b in blocks[i : i + EVENT_CHUNK_BLOCKS]],
-                    tier=pb.TIER_GPU,
-                )
-            )
-            for i in range(0, len(blocks), EVENT_CHUNK_BLOCKS)
-        ]
-        self._loop.call_soon_threadsafe(self._links[engine].publish, events)
+        event: InventoryEvent = RemovedBlocks(tuple(block_hash(b) for b in blocks), Tier.GPU)
+        self._loop.call_soon_threadsafe(self._links[engine].publish, [event])
 
     # --- internals ------------------------------------------------------------
     def _await_release(self, lease_id: str) -> None:
@@ -611,16 +628,26 @@ class RealRun:
         }
 
 
-async def _start_links(
-    target: str, names: Sequence[str], bridge: HolderBridge
-) -> list[SimEngineLink]:
-    links = [SimEngineLink(target, i, name, bridge) for i, name in enumerate(names)]
+@dataclass
+class _Cluster:
+    """The simulated engines' client side, living on the session loop."""
+
+    channel: grpc.aio.Channel
+    lookups: LookupClient
+    links: list[SimEngineLink]
+
+
+async def _start_cluster(target: str, names: Sequence[str], bridge: HolderBridge) -> _Cluster:
+    channel = grpc.aio.insecure_channel(target)
+    links = [SimEngineLink(target, channel, i, name, bridge) for i, name in enumerate(names)]
     await asyncio.gather(*(link.start() for link in links))
-    return links
+    return _Cluster(channel, LookupClient(target, channel=channel), links)
 
 
-async def _close_links(links: Sequence[SimEngineLink]) -> None:
-    await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+async def _close_cluster(cluster: _Cluster) -> None:
+    await asyncio.gather(*(link.close() for link in cluster.links), return_exceptions=True)
+    await cluster.lookups.close()
+    await cluster.channel.close(None)
 
 
 async def _flush_links(links: Sequence[SimEngineLink]) -> None:
@@ -700,8 +727,9 @@ def run_real(
     bridge = HolderBridge()
     try:
         with LoopThread() as lt:
-            links = lt.run(_start_links(server.target, names, bridge))
-            provider = KvrcProvider(server.target, links, lt.loop, bridge)
+            cluster = lt.run(_start_cluster(server.target, names, bridge))
+            links = cluster.links
+            provider = KvrcProvider(server.target, links, lt.loop, bridge, cluster.lookups)
             lags: list[float] = []
             try:
                 cpu_before = server.cpu_seconds()
@@ -735,8 +763,7 @@ def run_real(
                     mismatch = _inventory_mismatch(*check)
                 cpu_s = server.cpu_seconds() - cpu_before
             finally:
-                provider.close()
-                lt.run(_close_links(links))
+                lt.run(_close_cluster(cluster))
     finally:
         server.stop()
     c = bridge.counters
