@@ -298,17 +298,15 @@ class LeaseFacade:
             if isinstance(holder, str):
                 self._metrics.prefix_load_misses.labels(reason=holder).inc()
                 return PrefixLoadAnswer(None, holder, _NO_HOLDER_DETAIL[holder], reuse)
-            holder_view, matched = holder
-            # Pin only what the hint promised: the holder may still pin fewer (advisory).
-            chain = req.block_hashes[:matched]
+            holder_view = holder
             step = self.table.open_prefix_load(
                 request_id=req.request_id,
                 requester_child_engine_id=req.requester_child_engine_id,
                 requester_rank_keys=grid_keys(requester),
                 holder_child_engine_id=holder_view.child_engine_id,
                 holder_rank_keys=grid_keys(holder_view),
-                block_hashes=chain,
-                min_blocks=min(req.min_blocks, len(chain)),
+                block_hashes=req.block_hashes,  # the holder pins what it still has
+                min_blocks=req.min_blocks,
                 pin_timeout_ms=pin_timeout,
                 transfer_ttl_ms=ttl,
                 now_ms=now,
@@ -317,7 +315,21 @@ class LeaseFacade:
             self._execute(step.actions)
             lease_id = step.view.lease_id
         else:
-            lease_id = existing.lease_id
+            # The core checks that the repeat names the same chain (holder arguments unused).
+            step = self.table.open_prefix_load(
+                request_id=req.request_id,
+                requester_child_engine_id=req.requester_child_engine_id,
+                requester_rank_keys=(),
+                holder_child_engine_id=existing.source_child_engine_id,
+                holder_rank_keys=(),
+                block_hashes=req.block_hashes,
+                min_blocks=req.min_blocks,
+                pin_timeout_ms=1,
+                transfer_ttl_ms=1,
+                now_ms=now,
+                group_idx=req.group_idx,
+            )
+            lease_id = step.view.lease_id
             reuse = (
                 self._reuse_for(requester)
                 if requester is not None
@@ -335,7 +347,7 @@ class LeaseFacade:
 
     def _choose_holder(
         self, req: PrefixLoadRequest, requester: ChildEngineView, now: int
-    ) -> tuple[ChildEngineView, int] | str:
+    ) -> ChildEngineView | str:
         min_blocks = max(req.min_blocks, 1)
         candidates = self.holder_finder(
             requester_child_engine_id=req.requester_child_engine_id,
@@ -358,7 +370,7 @@ class LeaseFacade:
                 continue
             if view.compatibility_hash != requester.compatibility_hash:
                 continue  # never hand KV across layouts, whatever the finder said
-            return view, min(candidate.matched_blocks, len(req.block_hashes))
+            return view
         return "below_min_blocks" if 0 < best < min_blocks else "no_candidate"
 
     def complete_prefix_load(self, report: TransferReport) -> LeaseView:

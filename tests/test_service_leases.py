@@ -1,0 +1,355 @@
+"""Prefix loads through the real service, with real engine processes (tests/lease_engine.py).
+
+The holder is chosen from the inventory its engine published over its session;
+it answers pins from its own process (possibly fewer blocks than advertised),
+and its pins are released only at quiescence, after an acknowledged abort, by
+an operator's resolution, or once the requester is proven gone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from harness import CoordinatorProcess, start_coordinator
+from lease_engine import LeaseEngine
+from test_service_handoff import lease_state, metric, ready, status
+
+from clients.hashing import hash_block_chain
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+
+GRACE_MS = 1000
+PROFILES = '[[profile]]\nname = "test"\nmodel = "test-model"\n'
+
+
+@pytest.fixture(scope="module")
+def kvrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
+    profiles = Path(tmp_path_factory.mktemp("profiles")) / "profiles.toml"
+    profiles.write_text(PROFILES)
+    with start_coordinator(
+        "--reuse",
+        "on",
+        "--profiles",
+        str(profiles),
+        "--session-grace-ms",
+        str(GRACE_MS),
+        "--abort-timeout-ms",
+        "1500",
+    ) as coordinator:
+        yield coordinator
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LeaseEngine]]:
+    started: list[LeaseEngine] = []
+    yield started
+    for engine in started:
+        engine.kill()
+
+
+def start(
+    kvrc: CoordinatorProcess, engines: list[LeaseEngine], engine_id: str, **options: Any
+) -> LeaseEngine:
+    options.setdefault("reuse_opt_in", True)
+    if options["reuse_opt_in"] is False:
+        del options["reuse_opt_in"]
+    engine = LeaseEngine(kvrc.grpc_target, engine_id=engine_id, **options)
+    engines.append(engine)
+    return engine
+
+
+def chain(name: str, n: int) -> list[str]:
+    """`n` chained block hashes of a prompt named `name` (the one reference hasher)."""
+    tokens = [ord(c) for c in name] * 16 * n
+    return [h.hex() for h in hash_block_chain(tokens[: 16 * n], 16, seed=len(name))]
+
+
+def store(kvrc: CoordinatorProcess, holder: LeaseEngine, hashes: list[str], requester: str) -> None:
+    """Publishes the holder's inventory and waits until a lookup of `requester` sees it."""
+    assert holder.command("events", hashes=hashes)["ok"]
+    query = pb.LookupQuery(block_hashes=[bytes.fromhex(h) for h in hashes])
+    with grpc.insecure_channel(kvrc.grpc_target) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            answer = stub.Lookup(
+                pb.LookupRequest(requester_child_engine_id=requester, queries=[query]), timeout=5
+            )
+            if any(
+                c.child_engine_id == holder.child_engine_id for c in answer.results[0].candidates
+            ):
+                return
+            time.sleep(0.05)
+    raise TimeoutError("the holder's blocks never became visible")
+
+
+def load(
+    requester: LeaseEngine, request_id: str, hashes: list[str], **fields: Any
+) -> dict[str, Any]:
+    reply = requester.command("request_load", request_id=request_id, hashes=hashes, **fields)
+    assert reply["ok"], reply
+    return reply
+
+
+# --- end to end ------------------------------------------------------------------------------
+
+
+def test_prefix_load_grants_the_shortest_pin_and_releases_at_quiescence(
+    kvrc: CoordinatorProcess, engines: list[LeaseEngine]
+) -> None:
+    h0 = start(kvrc, engines, "hold-a", tp_rank=0, tp_size=2)
+    h1 = start(kvrc, engines, "hold-a", tp_rank=1, tp_size=2, pin="3")  # fewer than advertised
+    r0 = start(kvrc, engines, "req-a", tp_rank=0, tp_size=2)
+    r1 = start(kvrc, engines, "req-a", tp_rank=1, tp_size=2)
+    ready(kvrc, "hold-a")
+    ready(kvrc, "req-a")
+    hashes = chain("a", 6)
+    store(kvrc, h0, hashes, "req-a")
+    grants_before = metric(kvrc, "kvrc_lease_grant_duration_seconds_count", flow="prefix_load")
+
+    grant = load(r0, "q1", hashes, min_blocks=2, pin_timeout_ms=3000)
+    assert grant["granted"] and grant["source"] == "hold-a"
+    assert grant["matched_blocks"] == 3  # the short part caps the match
+    pinned = [h0.event("pinned", grant["lease_id"]), h1.event("pinned", grant["lease_id"])]
+    assert [p["pinned"] for p in pinned] == [6, 3]
+    assert grant["source_parts"] == [p["descriptor"] for p in pinned]  # byte for byte
+    assert lease_state(kvrc, grant["lease_id"]) == "ACTIVE"
+    assert (
+        metric(kvrc, "kvrc_lease_grant_duration_seconds_count", flow="prefix_load")
+        == grants_before + 1
+    )
+    # The same request id gives the same lease (any rank part of the requester may ask).
+    assert load(r1, "q1", hashes, min_blocks=2)["lease_id"] == grant["lease_id"]
+
+    first = r0.command("complete_load", lease_id=grant["lease_id"], outcome="SUCCEEDED", bytes=10)
+    assert (first["state"], first["quiescent"]) == ("ACTIVE", False)
+    assert not h0.has_event("release", grant["lease_id"], within_s=0.3)
+    again = r0.command("complete_load", lease_id=grant["lease_id"], outcome="SUCCEEDED", bytes=10)
+    assert again["state"] == "ACTIVE"  # a double report is idempotent
+    last = r1.command("complete_load", lease_id=grant["lease_id"], outcome="SUCCEEDED", bytes=10)
+    assert (last["state"], last["quiescent"]) == ("COMPLETED", True)
+    for holder in (h0, h1):
+        assert holder.event("release", grant["lease_id"])["reason"].startswith("quiescent")
+    assert load(r0, "q1", hashes, min_blocks=2)["lease_id"] == grant["lease_id"]  # not re-opened
+    assert lease_state(kvrc, grant["lease_id"]) is None
+
+
+def test_short_and_empty_pins_are_misses_not_errors(
+    kvrc: CoordinatorProcess, engines: list[LeaseEngine]
+) -> None:
+    empty = start(kvrc, engines, "hold-empty", pin="0")
+    short = start(kvrc, engines, "hold-short", pin="2")
+    req = start(kvrc, engines, "req-miss")
+    for e in (empty, short, req):
+        ready(kvrc, e.child_engine_id)
+    first, second = chain("empty", 5), chain("short", 5)
+    store(kvrc, empty, first, "req-miss")
+    store(kvrc, short, second, "req-miss")
+    misses = metric(kvrc, "kvrc_prefix_load_misses_total", reason="short_pin")
+
+    miss = load(req, "m1", first)
+    assert (miss["granted"], miss["reason"]) == (False, "short_pin")
+    assert metric(kvrc, "kvrc_prefix_load_misses_total", reason="short_pin") == misses + 1
+    assert not empty.has_event("release", miss["lease_id"], within_s=0.3)  # it pinned nothing
+
+    below = load(req, "m2", second, min_blocks=4)
+    assert (below["granted"], below["reason"]) == (False, "below_min_blocks")
+    assert short.event("release", below["lease_id"])  # it pinned 2: they are given back
+
+    nothing = load(req, "m3", chain("nobody", 3))
+    assert (nothing["granted"], nothing["reason"], nothing["lease_id"]) == (
+        False,
+        "no_candidate",
+        "",
+    )
+
+
+def test_holder_that_dies_before_answering_is_a_miss_within_the_deadline(
+    kvrc: CoordinatorProcess, engines: list[LeaseEngine]
+) -> None:
+    holder = start(kvrc, engines, "hold-die", pin="never")
+    req = start(kvrc, engines, "req-die")
+    ready(kvrc, "hold-die")
+    ready(kvrc, "req-die")
+    hashes = chain("die", 4)
+    store(kvrc, holder, hashes, "req-die")
+    started = time.monotonic()
+    tag = req.start_command("request_load", request_id="d1", hashes=hashes, pin_timeout_ms=1500)
+    holder.event("pin_request")
+    holder.kill()
+    miss = req.result(tag)
+    assert miss["ok"] and not miss["granted"]
+    assert miss["reason"] in ("pin_timeout", "holder_gone")
+    assert time.monotonic() - started < 1.5 + 1.0
+
+
+def test_requester_that_dies_mid_transfer_is_released_only_after_proof(
+    kvrc: CoordinatorProcess, engines: list[LeaseEngine]
+) -> None:
+    holder = start(kvrc, engines, "hold-rq")
+    req = start(kvrc, engines, "req-rq")
+    ready(kvrc, "hold-rq")
+    ready(kvrc, "req-rq")
+    hashes = chain("rq", 4)
+    store(kvrc, holder, hashes, "req-rq")
+    grant = load(req, "g1", hashes)
+    req.kill()
+    killed = time.monotonic()
+    assert not holder.has_event("release", grant["lease_id"], within_s=GRACE_MS / 1000 * 0.6)
+    release = holder.event("release", grant["lease_id"], timeout_s=5)
+    assert time.monotonic() - killed >= GRACE_MS / 1000 * 0.9
+    assert "requester engine gone" in release["reason"]
+
+
+def test_lease_timeout_with_a_live_requester_aborts_then_releases_after_the_ack(
+    kvrc: CoordinatorProcess, engines: list[LeaseEngine]
+) -> None:
+    holder = start(kvrc, engines, "hold-to")
+    req = start(kvrc, engines, "req-to", abort="delay:800")
+    ready(kvrc, "hold-to")
+    ready(kvrc, "req-to")
+    hashes = chain("to", 4)
+    store(kvrc, holder, hashes, "req-to")
+    aborts = metric(kvrc, "kvrc_lease_aborts_total", flow="prefix_load")
+    grant = load(req, "t1", hashes, transfer_timeout_ms=600)
+    req.event("abort", grant["lease_id"], timeout_s=5)
+    assert lease_state(kvrc, grant["lease_id"]) == "ABORTING"
+    assert not holder.has_event("release", grant["lease_id"], within_s=0.5)
+    req.event("abort_acked", grant["lease_id"], timeout_s=5)
+    assert holder.event("release", grant["lease_id"], timeout_s=5)
+    assert metric(kvrc, "kvrc_lease_aborts_total", flow="prefix_load") == aborts + 1
+    assert metric(kvrc, "kvrc_leases_ended_total", flow="prefix_load", state="failed") >= 1
+
+
+def test_unknown_outcome_quarantines_until_resolved_by_rpc(
+    kvrc: CoordinatorProcess, engines: list[LeaseEngine]
+) -> None:
+    holder = start(kvrc, engines, "hold-uq")
+    req = start(kvrc, engines, "req-uq")
+    ready(kvrc, "hold-uq")
+    ready(kvrc, "req-uq")
+    hashes = chain("uq", 3)
+    store(kvrc, holder, hashes, "req-uq")
+    grant = load(req, "u1", hashes)
+    done = req.command("complete_load", lease_id=grant["lease_id"], outcome="UNKNOWN")
+    assert (done["state"], done["quiescent"]) == ("QUARANTINED", False)
+    holder.event("quarantine", grant["lease_id"])
+    assert lease_state(kvrc, grant["lease_id"]) == "QUARANTINED"
+    with grpc.insecure_channel(kvrc.grpc_target) as channel:
+        admin = pb_grpc.AdminServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            admin.ResolveQuarantine(pb.ResolveQuarantineRequest(lease_id=grant["lease_id"]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # no resolution named
+        assert lease_state(kvrc, grant["lease_id"]) == "QUARANTINED"
+        resolved = admin.ResolveQuarantine(
+            pb.ResolveQuarantineRequest(
+                lease_id=grant["lease_id"],
+                resolution=pb.QUARANTINE_RESOLUTION_RELEASE,
+                operator_note="checked the buffers",
+            )
+        )
+    assert resolved.state == pb.LEASE_STATE_RESOLVED
+    assert "operator" in holder.event("release", grant["lease_id"])["reason"]
+
+
+# --- gate, authority, bad input ------------------------------------------------------------
+
+
+def test_reuse_gate_and_bad_input_get_statuses_and_change_nothing(
+    kvrc: CoordinatorProcess, engines: list[LeaseEngine]
+) -> None:
+    holder = start(kvrc, engines, "hold-bad")
+    req = start(kvrc, engines, "req-bad")
+    other = start(kvrc, engines, "req-other")
+    closed = start(kvrc, engines, "req-closed", reuse_opt_in=False)
+    for e in (holder, req, other, closed):
+        ready(kvrc, e.child_engine_id)
+    hashes = chain("bad", 4)
+    store(kvrc, holder, hashes, "req-bad")
+    grant = load(req, "b1", hashes)
+    lease_id = grant["lease_id"]
+    before = [
+        (x.lease_id, x.state)
+        for x in status(kvrc).leases
+        if "bad" in x.lease_id + x.source_child_engine_id
+    ]
+
+    gated = closed.command("request_load", request_id="c1", hashes=hashes)
+    assert gated["code"] == "FAILED_PRECONDITION" and "reuse" in gated["message"]
+    assert other.command("complete_load", lease_id=lease_id, outcome="SUCCEEDED")["code"] == (
+        "PERMISSION_DENIED"
+    )
+    assert req.command("complete_load", lease_id="nope", outcome="SUCCEEDED")["code"] == "NOT_FOUND"
+    assert req.command("complete_handoff", lease_id=lease_id, outcome="SUCCEEDED")["code"] == (
+        "NOT_FOUND"
+    )
+    # The same request id with another chain is refused, not silently re-used.
+    assert req.command("request_load", request_id="b1", hashes=chain("x", 4))["code"] == (
+        "ALREADY_EXISTS"
+    )
+
+    bad: list[pb.PrefixLoadRequest] = [
+        pb.PrefixLoadRequest(request_id="o", requester_child_engine_id="req-bad",
+                             block_hashes=[b"\x01" * 8] * 4097),
+        pb.PrefixLoadRequest(request_id="h", requester_child_engine_id="req-bad",
+                             block_hashes=[b"\x01" * 65]),
+        pb.PrefixLoadRequest(request_id="", requester_child_engine_id="req-bad",
+                             block_hashes=[b"\x01"]),
+        pb.PrefixLoadRequest(request_id="e", requester_child_engine_id="req-bad"),
+        pb.PrefixLoadRequest(request_id="m", requester_child_engine_id="req-bad",
+                             block_hashes=[b"\x01"], min_blocks=2),
+        pb.PrefixLoadRequest(request_id="t", requester_child_engine_id="req-bad",
+                             block_hashes=[b"\x01"], pin_timeout_ms=10_000_000),
+    ]  # fmt: skip
+    with grpc.insecure_channel(kvrc.grpc_target) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        for request in bad:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.RequestPrefixLoad(request, timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request.request_id
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RequestPrefixLoad(
+                pb.PrefixLoadRequest(
+                    request_id="u", requester_child_engine_id="ghost", block_hashes=[b"\x01"]
+                ),
+                timeout=5,
+            )
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    after = [
+        (x.lease_id, x.state)
+        for x in status(kvrc).leases
+        if "bad" in x.lease_id + x.source_child_engine_id
+    ]
+    assert after == before
+    assert lease_state(kvrc, lease_id) == "ACTIVE"
+    assert req.command("complete_load", lease_id=lease_id, outcome="FAILED")["state"] == "FAILED"
+    assert holder.event("release", lease_id)
+
+
+def test_reuse_off_refuses_prefix_loads_but_not_handoffs() -> None:
+    with start_coordinator() as kvrc:
+        engines: list[LeaseEngine] = []
+        try:
+            req = LeaseEngine(kvrc.grpc_target, engine_id="req-off", reuse_opt_in=True)
+            pre = LeaseEngine(kvrc.grpc_target, engine_id="pre-off")
+            dec = LeaseEngine(kvrc.grpc_target, engine_id="dec-off")
+            engines += [req, pre, dec]
+            for e in engines:
+                ready(kvrc, e.child_engine_id)
+            refused = req.command("request_load", request_id="x", hashes=chain("off", 2))
+            assert refused["code"] == "FAILED_PRECONDITION"
+            assert "--reuse on" in refused["message"]
+            published = pre.command(
+                "publish", request_id="h", params="{'k': 1}", num_blocks=1, block_ids=[1]
+            )
+            assert published["state"] == "READY"
+            grant = dec.command("begin", request_id="h", prefill="pre-off")
+            assert grant["ok"] and grant["params_repr"] == "{'k': 1}"
+        finally:
+            for e in engines:
+                e.kill()
