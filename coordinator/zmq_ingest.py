@@ -36,9 +36,12 @@ profile, or whose `data_parallel_rank` is not this stream's, is refused with
 one log line; the stream is marked stale (`sink.mark_stale`) and applies
 nothing more until the publisher restarts. It never pollutes the scope.
 
-Known limit: a publisher that restarts and publishes past the last sequence
-seen before any of its frames arrive is indistinguishable from a gap; the
-replay (of the new publisher) then fills it from the new numbering.
+A restarted publisher can number past the last sequence kvrc saw before any of
+its frames arrive (its first batches lost while kvrc reconnects). So after a
+publisher connection drops (a socket monitor reports it), the next frame first
+replays from the last applied sequence and compares that batch's bytes: other
+bytes, or no such batch, is a restart. Without a replay endpoint this check is
+not possible and only the sequence rule applies.
 """
 
 from __future__ import annotations
@@ -212,6 +215,9 @@ class ZmqEventStream:
         self._task: asyncio.Task[None] | None = None
         self.bound_endpoint: str | None = None  # the real address when kvrc binds
         self._closed = False
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._reconnected = False  # a publisher connection dropped since the last frame
+        self._last_digest: int | None = None  # hash of the last applied batch's bytes
 
         self._state = StreamState.LIVE
         self._reason = ""
@@ -246,6 +252,7 @@ class ZmqEventStream:
         sub.setsockopt(zmq.RCVHWM, cfg.rcv_hwm)
         sub.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
         self._sub = sub
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             if cfg.bind:
                 sub.bind(cfg.endpoint)
@@ -271,10 +278,12 @@ class ZmqEventStream:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for sock in (self._sub, self._dealer):
+        if self._sub is not None and self._monitor is not None:
+            self._sub.disable_monitor()
+        for sock in (self._monitor, self._sub, self._dealer):
             if sock is not None:
                 sock.close(linger=0)
-        self._sub = self._dealer = None
+        self._sub = self._dealer = self._monitor = None
         self._metrics.zmq_streams.labels(state=self._state.value).dec()
         if self._own_context:
             self._ctx.term()
@@ -296,13 +305,26 @@ class ZmqEventStream:
     # --- receive loop ------------------------------------------------------------
 
     async def _run(self) -> None:
-        sub = self._sub
-        assert sub is not None
+        sub, monitor = self._sub, self._monitor
+        assert sub is not None and monitor is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
         while True:
             timeout_ms: int | None = None
             if self._degraded_deadline is not None:
                 timeout_ms = max(0, int((self._degraded_deadline - self._clock()) * 1000) + 1)
-            if await sub.poll(timeout_ms):
+            ready = dict(await poller.poll(timeout_ms))
+            if monitor in ready:
+                while True:
+                    try:
+                        await monitor.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                # A publisher connection dropped: the next frames may come from a
+                # restarted publisher whose numbering has already passed ours.
+                self._reconnected = self._applied is not None
+            if sub in ready:
                 # Drain a burst without going back to the loop for each frame.
                 for _ in range(_BURST):
                     try:
@@ -329,6 +351,9 @@ class ZmqEventStream:
             self._new_incarnation(
                 f"publisher restarted (sequence {seq} after {self._live_high})", restart=True
             )
+        elif self._reconnected:
+            await self._check_same_publisher()
+        self._reconnected = False
         self._live_high = seq
         applied = self._applied
         if applied is not None and seq <= applied:
@@ -357,6 +382,20 @@ class ZmqEventStream:
                 return  # the replay delivered it
         self._consume(frames[0], seq, frames[2])
 
+    async def _check_same_publisher(self) -> None:
+        """After a reconnection: is the publisher the one whose batches we applied?
+
+        Replays from the last applied sequence and compares that batch's bytes:
+        another publisher (a restart that already numbered past us) answers with
+        other bytes, or nothing. Any later batches the replay brings are applied.
+        """
+        if self._dealer is None or self._applied is None or self._last_digest is None:
+            return  # cannot tell; the sequence rule still catches most restarts
+        if await self._replay(self._applied, verify_digest=self._last_digest) is None:
+            self._new_incarnation(
+                f"publisher reconnected without batch {self._applied} it had sent", restart=True
+            )
+
     def _events_lost(self, why: str, had_state: bool) -> None:
         if had_state:
             self._degrade(why)
@@ -364,7 +403,10 @@ class ZmqEventStream:
             # Nothing applied yet: no entry can be a phantom, only hits are missing.
             log.info("zmq stream %s: %s; starting with a partial view", self.child_engine_id, why)
 
-    async def _replay(self, start_seq: int) -> _ReplayResult:
+    async def _replay(
+        self, start_seq: int, verify_digest: int | None = None
+    ) -> _ReplayResult | None:
+        """Replay from `start_seq`; None when `verify_digest` shows another publisher."""
         dealer = self._dealer
         assert dealer is not None
         self._replays += 1
@@ -374,9 +416,7 @@ class ZmqEventStream:
         result = _ReplayResult.COMPLETE
         for _ in range(self.config.max_replay_frames + 1):
             if not await dealer.poll(timeout_ms):
-                # Late answers must not leak into the next replay: start a new socket.
-                dealer.close(linger=0)
-                self._dealer = self._new_dealer()
+                self._reset_dealer()  # late answers must not leak into the next replay
                 self._metrics.zmq_replays.labels(result=_ReplayResult.TIMEOUT.value).inc()
                 return _ReplayResult.TIMEOUT
             frames = await dealer.recv_multipart()
@@ -400,12 +440,17 @@ class ZmqEventStream:
                 first = False
                 if seq != start_seq:
                     result = _ReplayResult.OVERRUN
+                elif verify_digest is not None and hash(payload) != verify_digest:
+                    self._reset_dealer()  # the rest of this answer is not wanted
+                    return None
             if self._applied is not None and seq <= self._applied:
                 continue
             self._consume(topic, seq, payload)
         else:
             result = _ReplayResult.OVERRUN  # more than any vLLM buffer holds
         if first:
+            if verify_digest is not None:
+                return None  # this publisher never got as far as we did
             result = _ReplayResult.OVERRUN  # nothing from start_seq on is buffered
         self._metrics.zmq_replays.labels(result=result.value).inc()
         return result
@@ -415,6 +460,7 @@ class ZmqEventStream:
     def _consume(self, topic: bytes, seq: int, payload: bytes) -> None:
         """Decode and hand over the batch with sequence `seq`; it is consumed either way."""
         self._applied = seq
+        self._last_digest = hash(payload)
         try:
             decoded = decode_payload(topic, seq, payload)
         except MalformedFrame as exc:
@@ -546,6 +592,11 @@ class ZmqEventStream:
                 self._malformed,
                 why,
             )
+
+    def _reset_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+        self._dealer = self._new_dealer()
 
     def _new_dealer(self) -> zmq.asyncio.Socket:
         assert self.config.replay_endpoint is not None

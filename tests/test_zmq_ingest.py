@@ -113,6 +113,7 @@ class WirePublisher:
         dp_rank: int = 0,
         connect_to: str | None = None,
     ) -> None:
+        self.ctx = ctx
         self.pub = ctx.socket(zmq.XPUB)  # a PUB that also reports subscriptions
         self.pub.setsockopt(zmq.LINGER, 0)
         if connect_to is None:
@@ -153,6 +154,17 @@ class WirePublisher:
     async def send_raw(self, frames: list[bytes]) -> None:
         await self.pub.send_multipart(frames)
 
+    async def restart_process(self) -> None:
+        """A restarted vLLM: new sockets on the same ports, numbering from 0."""
+        self.pub.close(0)
+        self.router.close(0)
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.pub = await _bind_again(self.ctx.socket(zmq.XPUB), self.endpoint)
+        self.router = await _bind_again(self.ctx.socket(zmq.ROUTER), self.replay_endpoint)
+        self.restart_numbering()
+        self._task = asyncio.create_task(self._serve_replays())
+
     def restart_numbering(self) -> None:
         """What a restarted vLLM looks like: sequence 0 again, an empty buffer."""
         self.next_seq = 0
@@ -177,6 +189,19 @@ class WirePublisher:
         await asyncio.gather(self._task, return_exceptions=True)
         self.pub.close(0)
         self.router.close(0)
+
+
+async def _bind_again(sock: zmq.asyncio.Socket, endpoint: str) -> zmq.asyncio.Socket:
+    """Bind a port just released (ZMQ's I/O thread lets go of it shortly after close)."""
+    sock.setsockopt(zmq.LINGER, 0)
+    for _ in range(300):
+        try:
+            sock.bind(endpoint)
+            return sock
+        except zmq.ZMQError:
+            await asyncio.sleep(0.01)
+    sock.close(0)
+    raise AssertionError(f"{endpoint} still bound")
 
 
 # --- fixtures and helpers ----------------------------------------------------------
@@ -423,6 +448,47 @@ async def test_restart_seen_late_drops_the_old_and_replays_the_new_from_zero(
     await eventually(lambda: rig.sink.batches[-2:] == [(ENGINE, 1, 0), (ENGINE, 1, 1)])
     assert rig.sink.held() == {30, 31}
     assert rig.pub.replay_requests == [0]
+
+
+async def test_restarted_publisher_that_numbered_past_us_is_caught_on_reconnect(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """The sequence alone cannot tell: the reconnection makes kvrc check the history."""
+    rigs.append(rig := await start_rig(ctx))
+    await rig.pub.publish(stored(1))
+    await rig.pub.publish(stored(2))
+    await eventually(lambda: rig.sink.seqs() == [0, 1])
+    await rig.pub.restart_process()
+    for h in (40, 41, 42):  # published before kvrc reconnected: lost
+        await rig.pub.publish(stored(h), send=False)
+    await rig.pub.wait_subscribed()
+    await rig.pub.publish(stored(43))
+    await eventually(lambda: rig.sink.held() == {40, 41, 42, 43})
+    assert rig.pub.replay_requests == [1, 0]  # the check, then the new history
+    assert [seq for _, inc, seq in rig.sink.batches if inc == 1] == [0, 1, 2, 3]
+    assert ("drop", ENGINE) in rig.sink.calls
+    assert value(rig.metrics, "kvrc_zmq_publisher_restarts_total") == 1
+
+
+async def test_reconnection_to_the_same_publisher_keeps_the_incarnation(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx))
+    await rig.pub.publish(stored(1))
+    await rig.pub.publish(stored(2))
+    await eventually(lambda: rig.sink.seqs() == [0, 1])
+    # Same publisher and buffer, new connection (a network blip).
+    buffer, next_seq = rig.pub.buffer, rig.pub.next_seq
+    await rig.pub.restart_process()
+    rig.pub.buffer, rig.pub.next_seq = buffer, next_seq
+    await rig.pub.publish(stored(3), send=False)  # lost during the blip
+    await rig.pub.wait_subscribed()
+    await rig.pub.publish(stored(4))
+    await eventually(lambda: rig.sink.seqs() == [0, 1, 2, 3])
+    assert rig.sink.held() == {1, 2, 3, 4}
+    assert rig.pub.replay_requests == [1]  # the check also brought 2 and 3
+    assert rig.stream.status().incarnation == 0
+    assert ("drop", ENGINE) not in rig.sink.calls
 
 
 # --- bad input -------------------------------------------------------------------------
