@@ -415,6 +415,7 @@ class LeaseTable:
         self._leases: dict[str, _Lease] = {}
         self._by_request: dict[tuple[Flow, str, str], str] = {}
         self._by_engine: dict[str, set[str]] = {}  # open leases, as source or target
+        self._open_ids: dict[str, None] = {}  # open leases, oldest first
         self._open_counts: Counter[tuple[Flow, LeaseState]] = Counter()
         self._terminal: OrderedDict[str, int] = OrderedDict()  # lease id -> ended_ms
         self._timers: list[tuple[int, int, str]] = []  # (due_ms, seq, lease id), lazy
@@ -443,11 +444,14 @@ class LeaseTable:
         return [self._view(self._leases[i]) for i in ids]
 
     def list_leases(self, *, include_terminal: bool = False) -> list[LeaseView]:
-        return [
-            self._view(lease)
-            for lease in self._leases.values()
-            if include_terminal or lease.state not in TERMINAL_STATES
-        ]
+        """Open leases (in flight and quarantined), oldest first; or every retained one."""
+        if include_terminal:
+            return [self._view(lease) for lease in self._leases.values()]
+        return [self._view(self._leases[lease_id]) for lease_id in self._open_ids]
+
+    def open_counts_by_engine(self) -> dict[str, int]:
+        """Open leases per child engine, as source or target (for lookup ranking)."""
+        return {engine: len(ids) for engine, ids in self._by_engine.items()}
 
     def counts(self) -> dict[tuple[Flow, LeaseState], int]:
         """Open leases by flow and state (for the `kvrc_leases` gauge)."""
@@ -881,12 +885,19 @@ class LeaseTable:
         actions.append(LeaseGranted(lease.lease_id, Flow.PREFIX_LOAD, now_ms - lease.created_ms))
 
     def _miss(
-        self, lease: _PrefixLoad, reason: MissReason, now_ms: int, actions: list[Action]
+        self,
+        lease: _PrefixLoad,
+        reason: MissReason,
+        now_ms: int,
+        actions: list[Action],
+        *,
+        release: bool = True,
     ) -> None:
         lease.miss_reason = reason
         text = f"miss: {reason.value}"
-        # Parts that answered 0 hold nothing; all others may hold a pin.
-        self._release(lease, text, actions)
+        if release:
+            # Parts that answered 0 hold nothing; all others may hold a pin.
+            self._release(lease, text, actions)
         assert lease.target_child_engine_id is not None
         actions.append(
             LeaseMissed(lease.lease_id, lease.target_child_engine_id, lease.request_id, reason)
@@ -998,8 +1009,7 @@ class LeaseTable:
         text = f"{_SOURCE_WORD[lease.flow]} engine gone"
         if lease.state is LeaseState.PINNING:
             assert isinstance(lease, _PrefixLoad)
-            lease.released.update(lease.source_rank_keys)
-            self._miss(lease, MissReason.HOLDER_GONE, now_ms, actions)
+            self._miss(lease, MissReason.HOLDER_GONE, now_ms, actions, release=False)
             return
         if lease.state is LeaseState.ACTIVE:
             # Tell the target to stop reading from a dead peer (ABORTING: already told).
@@ -1059,6 +1069,7 @@ class LeaseTable:
                 ids.discard(lease.lease_id)
                 if not ids:
                     del self._by_engine[engine]
+        del self._open_ids[lease.lease_id]
         self._terminal[lease.lease_id] = now_ms
         quiescence = None if lease.granted_ms is None else now_ms - lease.granted_ms
         actions.append(
@@ -1077,6 +1088,7 @@ class LeaseTable:
 
     def _admit(self, lease: _Lease, key: tuple[Flow, str, str]) -> None:
         self._leases[lease.lease_id] = lease
+        self._open_ids[lease.lease_id] = None
         self._by_request[key] = lease.lease_id
         self._open_counts[(lease.flow, lease.state)] += 1
         for engine in (lease.source_child_engine_id, *self._target_engines(lease)):

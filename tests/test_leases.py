@@ -857,6 +857,11 @@ def test_counts_and_listing_follow_states() -> None:
         (Flow.HANDOFF, LeaseState.READY): 1,
     }
     assert len(t.list_leases()) == 3 and t.open_lease_count() == 3
+    assert t.open_counts_by_engine() == {REQ: 2, HOLD: 2, PRE: 1}
+    t.on_engine_gone(HOLD, T0 + 1)
+    assert [v.state for v in t.list_leases()] == [LeaseState.READY]
+    assert len(t.list_leases(include_terminal=True)) == 3
+    assert t.open_counts_by_engine() == {PRE: 1}
 
 
 def test_lease_config_rejects_non_positive_values() -> None:

@@ -661,8 +661,16 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @invariant()
     def counts_match_the_listing(self) -> None:
-        listed = Counter((v.flow, v.state) for v in self.table.list_leases())
+        views = self.table.list_leases()
+        listed = Counter((v.flow, v.state) for v in views)
         assert dict(listed) == self.table.counts()
+        per_engine: Counter[str] = Counter()
+        for v in views:
+            per_engine[v.source_child_engine_id] += 1
+            if v.target_child_engine_id is not None:
+                per_engine[v.target_child_engine_id] += 1
+        assert dict(per_engine) == self.table.open_counts_by_engine()
+        assert all(n <= CONFIG.max_open_leases_per_engine for n in per_engine.values())
         assert sum(listed.values()) <= CONFIG.max_open_leases
 
 
