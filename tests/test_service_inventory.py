@@ -187,6 +187,18 @@ async def eventually_holds(
     return box[0]
 
 
+async def entries(target: str, child_engine_id: str) -> int:
+    status = await child_engine_status(target, child_engine_id)
+    assert status is not None, f"{child_engine_id} is not registered"
+    return int(status.inventory_entries)
+
+
+async def is_stale(target: str, child_engine_id: str) -> bool:
+    status = await child_engine_status(target, child_engine_id)
+    assert status is not None, f"{child_engine_id} is not registered"
+    return bool(status.state.stale)
+
+
 def holders(result: LookupResult) -> dict[str, int]:
     return {c.child_engine_id: c.matched_blocks for c in result.candidates}
 
@@ -210,7 +222,9 @@ def raw_batch(
     return pb.EventBatch(incarnation=incarnation, sequence=sequence, events=list(events), **flags)
 
 
-def stored(*hashes: bytes, tier: int = pb.TIER_GPU, expiry: int = 0) -> pb.InventoryEvent:
+def stored(
+    *hashes: bytes, tier: pb.Tier.ValueType = pb.TIER_GPU, expiry: int = 0
+) -> pb.InventoryEvent:
     return pb.InventoryEvent(
         stored=pb.BlockStored(block_hashes=list(hashes), tier=tier, expiry_unix_ms=expiry)
     )
@@ -307,7 +321,7 @@ async def test_reuse_off_returns_no_candidates_with_the_reason(
             await holder.publisher.stored(CHAIN[:4])
 
             async def stored_4() -> bool:
-                return (await child_engine_status(t, "off-holder")).inventory_entries == 4
+                return await entries(t, "off-holder") == 4
 
             await wait_until(stored_4, 10)
             result = await lookup(t, "off-req")
@@ -337,7 +351,7 @@ async def test_requester_gate_reasons_and_holders_that_do_not_opt_in(
     await eventually_holds(t, "gate-req", "gate-holder", 2)
 
     async def shy_stored() -> bool:
-        return (await child_engine_status(t, "gate-shy-holder")).inventory_entries == 10
+        return await entries(t, "gate-shy-holder") == 10
 
     await wait_until(shy_stored, 10)
     # A holder whose own gate is closed is never a source.
@@ -439,8 +453,7 @@ async def test_gap_makes_the_engine_stale_until_a_full_dump(
 
     await wait_until(resync_asked, 10)
     assert holder.recorder.resyncs[0].expected_sequence == 1
-    status = await child_engine_status(t, "gap-holder")
-    assert status.state.stale
+    assert await is_stale(t, "gap-holder")
     assert (await lookup(t, "gap-req")).outcome is LookupOutcome.MISS
     # Later live batches of a stale stream are refused; no second resync request.
     await holder.session.send_event_batch(raw_batch(holder.incarnation, 3, stored(*CHAIN)))
@@ -451,9 +464,9 @@ async def test_gap_makes_the_engine_stale_until_a_full_dump(
     await holder.session.send_event_batch(raw_batch(inc, 4, stored(*CHAIN[:3]), dump_begin=True))
     await holder.session.send_event_batch(raw_batch(inc, 5, stored(h(0xC0, 0)), dump_end=True))
     result = await eventually_holds(t, "gap-req", "gap-holder", 3)
-    assert not (await child_engine_status(t, "gap-holder")).state.stale
+    assert not await is_stale(t, "gap-holder")
     assert result.outcome is LookupOutcome.HIT
-    assert (await child_engine_status(t, "gap-holder")).inventory_entries == 4
+    assert await entries(t, "gap-holder") == 4
     assert len(holder.recorder.resyncs) == 1
 
 
@@ -522,7 +535,7 @@ async def test_departure_removes_the_engine_inventory(
     assert back.publisher.next_sequence == 0
     await back.publisher.stored(CHAIN[:1])
     await eventually_holds(t, "dep-req", "dep-holder", 1)
-    assert (await child_engine_status(t, "dep-holder")).inventory_entries == 1
+    assert await entries(t, "dep-holder") == 1
 
 
 # --- bounds and bad input (invariant 8) ---------------------------------------------------------
@@ -582,7 +595,7 @@ async def test_entry_caps_drop_stores_and_count_them(
         (raw_batch(0, 1, stored(b"x" * 65)), "65 bytes"),
         (raw_batch(0, 1, stored(b"")), "is empty"),
         (raw_batch(0, 1, stored(h(3, 0), tier=pb.TIER_UNSPECIFIED)), "tier must be one of"),
-        (raw_batch(0, 1, stored(h(3, 0), tier=9)), "got 9"),
+        (raw_batch(0, 1, stored(h(3, 0), tier=pb.Tier.ValueType(9))), "got 9"),
         (raw_batch(0, 1, pb.InventoryEvent()), "has no event set"),
         (
             raw_batch(
