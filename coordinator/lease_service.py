@@ -221,6 +221,7 @@ class LeaseFacade:
         self._changed = asyncio.Event()  # replaced on every change: waiters re-check
         self._kick = asyncio.Event()  # a timer may now be due earlier
         self._ticker: asyncio.Task[None] | None = None
+        self._closing = False
         self._reported: dict[str, set[RankKey]] = {}  # for byte counting without duplicates
         self._update_gauge()
 
@@ -230,7 +231,10 @@ class LeaseFacade:
         self._ticker = asyncio.create_task(self._tick_loop(), name="kvrc-lease-ticker")
 
     async def shutdown(self) -> None:
+        self._closing = True
         if self._ticker is not None:
+            self._kick.set()
+            # Python 3.11's wait_for may swallow a cancel that races a set event: the flag ends it.
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
@@ -572,7 +576,7 @@ class LeaseFacade:
 
     @property
     def _stopping(self) -> bool:
-        return self._ticker is None
+        return self._closing
 
     def _ready_engine(self, child_engine_id: str, role: str) -> ChildEngineView:
         view = self._registry.get(child_engine_id)
@@ -716,7 +720,7 @@ class LeaseFacade:
         return due
 
     async def _tick_loop(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 self._tick()
             except Exception:  # the ticker must outlive any one bad step

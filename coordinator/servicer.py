@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import grpc
 
 from coordinator import wire
+from coordinator.auth import AuthDenied, AuthPolicy, DenyReason, Principal
 from coordinator.errors import ErrorCode, KvrcError, invalid
 from coordinator.service import (
     REASON_CLOSED,
@@ -25,6 +26,7 @@ from coordinator.service import (
     SessionEnd,
 )
 from coordinator.service import Session as CoordinatorSession
+from coordinator.tls import caller_credentials
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -58,6 +60,41 @@ class _Failure:
             self.code, self.message = code, message
 
 
+class _Gate:
+    """Who calls and what they may act for (coordinator/auth.py); open without --auth-tokens."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._policy: AuthPolicy | None = coordinator.config.auth
+        self._registry = coordinator.registry
+
+    def authenticate(self, context: Context) -> Principal | None:
+        """Before anything of the request is read: anonymous callers learn nothing."""
+        if self._policy is None:
+            return None
+        token, cert = caller_credentials(context)
+        return self._policy.authenticate(token, cert)
+
+    def engine(self, principal: Principal | None, engine_id: str) -> None:
+        if principal is not None:
+            AuthPolicy.check_engine(principal, engine_id)
+
+    def child_engine(self, principal: Principal | None, child_engine_id: str, field: str) -> None:
+        if principal is not None:
+            AuthPolicy.check_child_engine(principal, child_engine_id, self._engine_of, field)
+
+    def admin(self, principal: Principal | None, method: str) -> None:
+        if principal is not None:
+            AuthPolicy.check_admin(principal, method)
+
+    def read(self, principal: Principal | None, method: str) -> None:
+        if principal is not None:
+            AuthPolicy.check_read(principal, method)
+
+    def _engine_of(self, child_engine_id: str) -> str | None:
+        view = self._registry.get(child_engine_id)
+        return view.engine_id if view is not None else None
+
+
 class _Observed:
     """Counts and times RPCs; converts exceptions into statuses."""
 
@@ -67,6 +104,16 @@ class _Observed:
     def count(self, method: str, code: grpc.StatusCode) -> None:
         self._metrics.rpc_requests.labels(method=method, code=code.name).inc()
 
+    def count_denied(self, error: KvrcError) -> None:
+        """Identity refusals; the core's PERMISSION_DENIED is acting on another's lease."""
+        if isinstance(error, AuthDenied):
+            reason = error.reason
+        elif error.code is ErrorCode.PERMISSION_DENIED:
+            reason = DenyReason.FOREIGN_LEASE
+        else:
+            return
+        self._metrics.auth_denied.labels(reason=reason.value).inc()
+
     async def unary(self, method: str, context: Context, call: Callable[[], Awaitable[R]]) -> R:
         started = time.perf_counter()
         code = grpc.StatusCode.OK
@@ -74,6 +121,7 @@ class _Observed:
             return await call()
         except KvrcError as e:
             code = status_code(e.code)
+            self.count_denied(e)
             await context.abort(code, e.message)
         except Unimplemented as e:
             code = grpc.StatusCode.UNIMPLEMENTED
@@ -98,6 +146,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self._coordinator = coordinator
         self._observed = _Observed(coordinator)
+        self._gate = _Gate(coordinator)
         self._bounds = coordinator.config.bounds
         # Session message kinds later issues handle (events, pin_result, ...).
         self.session_handlers: dict[
@@ -118,7 +167,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         reader: asyncio.Task[None] | None = None
         failure = _Failure()
         try:
-            session = await self._register(request_iterator)
+            principal = self._gate.authenticate(context)
+            session = await self._register(request_iterator, principal)
             reader = asyncio.create_task(self._read(request_iterator, session, failure))
             while True:
                 out = await session.next_outbound()
@@ -133,6 +183,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 yield wire.coordinator_message(out)
         except KvrcError as e:
             code = status_code(e.code)
+            self._observed.count_denied(e)
             await context.abort(code, e.message)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -150,7 +201,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 self._coordinator.close_session(session, REASON_CLOSED)
             self._observed.count("Session", code)
 
-    async def _register(self, requests: AsyncIterator[pb.EngineMessage]) -> CoordinatorSession:
+    async def _register(
+        self, requests: AsyncIterator[pb.EngineMessage], principal: Principal | None
+    ) -> CoordinatorSession:
         # A stream that never registers would hold resources: bound the wait.
         timeout_s = self._coordinator.config.heartbeat_timeout_ms / 1000
         try:
@@ -164,6 +217,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
             raise invalid(f"the first session message must be register, got {kind or 'nothing'}")
         try:
             registration = wire.registration_from_proto(first.register, self._bounds)
+            # A rank part joins only an engine its credential is bound to.
+            self._gate.engine(principal, registration.engine_id)
+            self._gate.child_engine(principal, registration.child_engine_id, "child_engine_id")
         except KvrcError as e:
             self._coordinator.metrics.registrations.labels(result=e.code.value).inc()
             raise
@@ -224,7 +280,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
         async def call() -> pb.LookupResponse:
+            principal = self._gate.authenticate(context)
             requester, queries = wire.lookup_request_from_proto(request, self._bounds)
+            self._gate.child_engine(principal, requester, "requester_child_engine_id")
             results = self._coordinator.inventory.lookup_many(requester, queries)
             return wire.lookup_response_to_proto(results)
 
@@ -257,7 +315,11 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self, request: pb.PrefixLoadRequest, context: Context
     ) -> pb.PrefixLoadGrant:
         async def call() -> pb.PrefixLoadGrant:
+            principal = self._gate.authenticate(context)
             req = wire.prefix_load_request_from_proto(request, self._bounds)
+            self._gate.child_engine(
+                principal, req.requester_child_engine_id, "requester_child_engine_id"
+            )
             answer = await self._coordinator.leases.request_prefix_load(req)
             return wire.prefix_load_answer_to_proto(answer)
 
@@ -267,7 +329,11 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self, request: pb.TransferReport, context: Context
     ) -> pb.CompleteResponse:
         async def call() -> pb.CompleteResponse:
+            principal = self._gate.authenticate(context)
             report = wire.transfer_report_from_proto(request, self._bounds)
+            self._gate.child_engine(
+                principal, report.reporter_child_engine_id, "reporter_child_engine_id"
+            )
             return wire.complete_response_to_proto(
                 self._coordinator.leases.complete_prefix_load(report)
             )
@@ -278,7 +344,11 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self, request: pb.PublishHandoffRequest, context: Context
     ) -> pb.PublishHandoffResponse:
         async def call() -> pb.PublishHandoffResponse:
+            principal = self._gate.authenticate(context)
             req = wire.publish_handoff_from_proto(request, self._bounds)
+            self._gate.child_engine(
+                principal, req.prefill_child_engine_id, "prefill_child_engine_id"
+            )
             view, reported, expected = self._coordinator.leases.publish_handoff(req)
             return wire.publish_response_to_proto(view, reported, expected)
 
@@ -288,7 +358,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self, request: pb.BeginHandoffRequest, context: Context
     ) -> pb.HandoffGrant:
         async def call() -> pb.HandoffGrant:
+            principal = self._gate.authenticate(context)
             req = wire.begin_handoff_from_proto(request, self._bounds)
+            self._gate.child_engine(principal, req.decode_child_engine_id, "decode_child_engine_id")
             grant = await self._coordinator.leases.begin_handoff(req)
             return wire.handoff_grant_to_proto(
                 grant, self._coordinator.leases.heartbeat_interval_ms
@@ -300,10 +372,12 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self, request: pb.ExtendHandoffRequest, context: Context
     ) -> pb.ExtendHandoffResponse:
         async def call() -> pb.ExtendHandoffResponse:
+            principal = self._gate.authenticate(context)
             lease_id = wire.check_id("lease_id", request.lease_id, self._bounds)
             decode = wire.check_id(
                 "decode_child_engine_id", request.decode_child_engine_id, self._bounds
             )
+            self._gate.child_engine(principal, decode, "decode_child_engine_id")
             deadline = self._coordinator.leases.extend_handoff(lease_id, decode)
             return pb.ExtendHandoffResponse(deadline_unix_ms=deadline)
 
@@ -313,7 +387,11 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self, request: pb.TransferReport, context: Context
     ) -> pb.CompleteResponse:
         async def call() -> pb.CompleteResponse:
+            principal = self._gate.authenticate(context)
             report = wire.transfer_report_from_proto(request, self._bounds)
+            self._gate.child_engine(
+                principal, report.reporter_child_engine_id, "reporter_child_engine_id"
+            )
             return wire.complete_response_to_proto(
                 self._coordinator.leases.complete_handoff(report)
             )
@@ -325,15 +403,19 @@ class AdminService(pb_grpc.AdminServiceServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self._coordinator = coordinator
         self._observed = _Observed(coordinator)
+        self._gate = _Gate(coordinator)
 
     async def GetStatus(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
         async def call() -> pb.StatusResponse:
+            # Status shows endpoints and memory layout of every engine: read role.
+            self._gate.read(self._gate.authenticate(context), "GetStatus")
             return wire.status_to_proto(self._coordinator.status())
 
         return await self._observed.unary("GetStatus", context, call)
 
     async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
         async def call() -> pb.DrainResponse:
+            self._gate.admin(self._gate.authenticate(context), "Drain")
             bounds = self._coordinator.config.bounds
             target, timeout_ms, wait = wire.drain_request_from_proto(request, bounds)
             result = await self._coordinator.leases.drain(target, timeout_ms, wait)
@@ -345,16 +427,10 @@ class AdminService(pb_grpc.AdminServiceServicer):
         self, request: pb.ResolveQuarantineRequest, context: Context
     ) -> pb.ResolveQuarantineResponse:
         async def call() -> pb.ResolveQuarantineResponse:
+            self._gate.admin(self._gate.authenticate(context), "ResolveQuarantine")
             bounds = self._coordinator.config.bounds
             lease_id, note = wire.resolve_quarantine_from_proto(request, bounds)
             view = self._coordinator.leases.resolve_quarantine(lease_id, note)
             return pb.ResolveQuarantineResponse(state=pb.LeaseState.ValueType(view.state.value))
 
         return await self._observed.unary("ResolveQuarantine", context, call)
-
-
-def _raise(error: Exception) -> Callable[[], Awaitable[Any]]:
-    async def call() -> Any:
-        raise error
-
-    return call
