@@ -206,6 +206,7 @@ def measure_decode(n_batches: int) -> float:
 
 def run(n_batches: int, repeats: int) -> dict[str, Any]:
     _, total = encode_batches(n_batches)
+    load_before = os.getloadavg()[0]
     # Interleaved repeats, median reported: the host is shared and noisy.
     runs: dict[str, list[float]] = {"decode": [], "count": [], "inventory": []}
     for _ in range(repeats):
@@ -233,6 +234,9 @@ def run(n_batches: int, repeats: int) -> dict[str, Any]:
         },
         "host": {
             "cpus": os.cpu_count(),
+            # Other work on the host skews every figure: the 1-minute load around the run.
+            "loadavg_1m_before": round(load_before, 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
             "python": platform.python_version(),
             "zmq": zmq.zmq_version(),
             "pyzmq": zmq.pyzmq_version(),
