@@ -1,0 +1,208 @@
+"""clients/leases.py against a real coordinator process: typed errors, keep-alive, holder side."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from harness import CoordinatorProcess, get_status, start_coordinator, wait_until
+
+from clients.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from clients.hashing import hash_block_chain
+from clients.leases import (
+    HandoffGrant,
+    LeaseClient,
+    LeaseSessionHandler,
+    Miss,
+    PinAnswer,
+    PinRequestInfo,
+    PrefixLoadGrant,
+)
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from kvrc.v1 import kvrc_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def kvrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
+    profiles = Path(tmp_path_factory.mktemp("p")) / "profiles.toml"
+    profiles.write_text('[[profile]]\nname = "t"\nmodel = "m"\n')
+    with start_coordinator(
+        "--reuse", "on", "--profiles", str(profiles), "--handoff-heartbeat-timeout-ms", "900"
+    ) as coordinator:
+        yield coordinator
+
+
+class Parts:
+    """In-process rank parts (one per child engine), closed at the end of a test."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.sessions: list[EngineSession] = []
+        self.clients: list[LeaseClient] = []
+
+    async def part(
+        self, engine_id: str, handler: LeaseSessionHandler | None = None
+    ) -> tuple[EngineSession, LeaseClient]:
+        registration = RankPartRegistration(
+            engine_id=engine_id, profile=EngineProfile(model="m", block_size=16, reuse_opt_in=True)
+        )
+        handler = handler if handler is not None else LeaseSessionHandler()
+        session = EngineSession(self.target, registration, handler, reconnect=False)
+        handler.attach(session)
+        await session.start()
+        await session.wait_ready(5)
+        client = LeaseClient(self.target, engine_id, timeout_s=10)
+        self.sessions.append(session)
+        self.clients.append(client)
+        return session, client
+
+
+@pytest.fixture
+async def parts(kvrc: CoordinatorProcess) -> AsyncIterator[Parts]:
+    p = Parts(kvrc.grpc_target)
+    yield p
+    for client in p.clients:
+        await client.close()
+    for session in p.sessions:
+        await session.close()
+
+
+def descriptor(block_ids: list[int]) -> pb.RankPartDescriptor:
+    return pb.RankPartDescriptor(
+        rank=pb.RankCoordinates(),
+        endpoint=pb.TransferEndpoint(backend="mooncake", session_name="127.0.0.1:15000"),
+        block_ids=block_ids,
+    )
+
+
+async def stored(session: EngineSession, hashes: list[bytes]) -> None:
+    assert session.ack is not None
+    await session.send_event_batch(
+        pb.EventBatch(
+            incarnation=session.ack.incarnation,
+            sequence=0,
+            events=[pb.InventoryEvent(stored=pb.BlockStored(block_hashes=hashes, tier=1))],
+        )
+    )
+    await asyncio.sleep(0.2)
+
+
+def hashes_of(name: str, n: int) -> list[bytes]:
+    return hash_block_chain([ord(name[0])] * 16 * n, 16, seed=len(name))
+
+
+async def lease_state(kvrc: CoordinatorProcess, lease_id: str) -> str | None:
+    for lease in (await get_status(kvrc.grpc_target)).leases:
+        if lease.lease_id == lease_id:
+            return str(pb.LeaseState.Name(lease.state))
+    return None
+
+
+async def test_failing_pin_callback_is_a_miss_and_the_session_lives_on(
+    kvrc: CoordinatorProcess, parts: Parts
+) -> None:
+    calls: list[PinRequestInfo] = []
+
+    def pin(info: PinRequestInfo) -> PinAnswer:
+        calls.append(info)
+        raise RuntimeError("cache is being rebuilt")
+
+    holder, _ = await parts.part("c-hold", LeaseSessionHandler(pin=pin))
+    _, requester = await parts.part("c-req")
+    chain = hashes_of("pin", 3)
+    await stored(holder, chain)
+    answer = await requester.request_prefix_load("p1", chain, pin_timeout_ms=2000)
+    assert isinstance(answer, Miss) and answer.reason == "short_pin"
+    assert [c.block_hashes for c in calls] == [tuple(chain)]
+    assert calls[0].requester_child_engine_id == "c-req"
+    assert holder.connected  # the engine's bug did not end its session
+
+
+async def test_abort_is_acknowledged_only_after_the_engine_stopped(
+    kvrc: CoordinatorProcess, parts: Parts
+) -> None:
+    released: list[str] = []
+    stopped = asyncio.Event()
+    aborts: list[str] = []
+
+    async def abort(lease_id: str, reason: str) -> None:
+        aborts.append(lease_id)
+        await stopped.wait()
+
+    def on_release(lease_id: str, reason: str) -> None:
+        released.append(lease_id)
+
+    _, pre_client = await parts.part("c-pre", LeaseSessionHandler(on_release=on_release))
+    _, decode = await parts.part("c-dec", LeaseSessionHandler(abort=abort))
+    await pre_client.publish_handoff(
+        "h1", descriptor=descriptor([1]), kv_transfer_params={"a": (1, [2])}, num_blocks=1
+    )
+    grant = await decode.begin_handoff("h1", "c-pre")
+    assert isinstance(grant, HandoffGrant) and grant.kv_transfer_params == {"a": (1, [2])}
+    # No keep-alive: the lease expires, the decode is asked to abort.
+    await wait_until(lambda: _true(aborts), timeout_s=5)
+    await asyncio.sleep(0.3)
+    assert await lease_state(kvrc, grant.lease_id) == "LEASE_STATE_ABORTING"
+    assert released == []
+    stopped.set()
+    await wait_until(lambda: _true(released), timeout_s=5)
+    assert released == [grant.lease_id]
+
+
+async def test_keep_alive_extends_and_reports_a_refused_extension(
+    kvrc: CoordinatorProcess, parts: Parts
+) -> None:
+    _, pre = await parts.part("k-pre")
+    _, dec = await parts.part("k-dec")
+    await pre.publish_handoff(
+        "h", descriptor=descriptor([3]), kv_transfer_params=b"raw", num_blocks=1
+    )
+    grant = await dec.begin_handoff("h", "k-pre")
+    assert grant.kv_transfer_params_bytes == b"raw" and grant.kv_transfer_params == {}
+    assert grant.heartbeat_interval_ms == 300
+    async with dec.keep_alive(grant) as keep:
+        await asyncio.sleep(1.5)  # past the 900 ms heartbeat timeout
+        assert keep.extensions >= 3 and keep.error is None
+        assert await lease_state(kvrc, grant.lease_id) == "LEASE_STATE_ACTIVE"
+        report = pb.TransferReport(
+            lease_id=grant.lease_id,
+            reporter_child_engine_id="k-dec",
+            outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+        )
+        done = await dec.complete_handoff(report)
+        assert (done.state, done.quiescent) == ("COMPLETED", True)
+        await wait_until(lambda: _true([keep.error]), timeout_s=3)
+    assert isinstance(keep.error, FailedPreconditionError)
+
+
+async def test_typed_errors(kvrc: CoordinatorProcess, parts: Parts) -> None:
+    _, pre = await parts.part("e-pre")
+    _, dec = await parts.part("e-dec")
+    with pytest.raises(DeadlineExceededError):
+        await dec.begin_handoff("never", "e-pre", wait_timeout_ms=200)
+    with pytest.raises(NotFoundError):
+        await dec.extend_handoff("no-such-lease")
+    await pre.publish_handoff("t", descriptor=descriptor([1]), kv_transfer_params={}, num_blocks=1)
+    grant = await dec.begin_handoff("t", "e-pre")
+    with pytest.raises(PermissionDeniedError):
+        await pre.extend_handoff(grant.lease_id)  # only the decode engine holds it
+    ghost = LeaseClient(kvrc.grpc_target, "ghost")
+    try:
+        with pytest.raises(FailedPreconditionError):
+            await ghost.request_prefix_load("r", [b"\x01" * 8])
+    finally:
+        await ghost.close()
+    answer = await dec.request_prefix_load("r", hashes_of("none", 2))
+    assert isinstance(answer, Miss) and not isinstance(answer, PrefixLoadGrant)
+    assert answer.reason == "no_candidate" and answer.reuse.enabled
+
+
+async def _true(values: Sequence[object]) -> bool:
+    return any(v is not None for v in values)
