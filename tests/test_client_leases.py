@@ -88,7 +88,9 @@ async def stored(session: EngineSession, hashes: list[bytes]) -> None:
         pb.EventBatch(
             incarnation=session.ack.incarnation,
             sequence=0,
-            events=[pb.InventoryEvent(stored=pb.BlockStored(block_hashes=hashes, tier=1))],
+            events=[
+                pb.InventoryEvent(stored=pb.BlockStored(block_hashes=hashes, tier=pb.TIER_GPU))
+            ],
         )
     )
     await asyncio.sleep(0.2)
