@@ -250,12 +250,7 @@ class LeaseFacade:
 
     def leases_in_flight(self) -> dict[str, int]:
         """Open leases per child engine, as source or target (for lookup ranking)."""
-        counts: dict[str, int] = {}
-        for view in self.table.list_leases():
-            for engine in (view.source_child_engine_id, view.target_child_engine_id):
-                if engine is not None:
-                    counts[engine] = counts.get(engine, 0) + 1
-        return counts
+        return self.table.open_counts_by_engine()
 
     def open_leases(self) -> list[LeaseView]:
         """In flight and quarantined, oldest first (for `kvrc status`)."""
