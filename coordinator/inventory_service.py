@@ -48,7 +48,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from coordinator.config import CoordinatorConfig
-from coordinator.errors import invalid
+from coordinator.errors import KvrcError, invalid
 from coordinator.event_streams import EventStreams, StreamAction, StreamKey
 from coordinator.events import EventBatch, RankKey, Tier
 from coordinator.inventory import (
@@ -474,23 +474,30 @@ class InventoryFacade:
             endpoint, bind = subscriber_endpoint(
                 registration.kv_events_endpoint, host, registration.dp_rank
             )
-        except ValueError as e:
-            log.warning("child engine %s: %s; not subscribing", cid, e)
+            replay = None
+            if registration.kv_events_replay_endpoint:
+                # vLLM binds its replay ROUTER too; kvrc always connects to it.
+                replay, _ = subscriber_endpoint(
+                    registration.kv_events_replay_endpoint, host, registration.dp_rank
+                )
+            stream = ZmqEventStream(
+                ZmqStreamConfig(
+                    engine_id=registration.engine_id,
+                    endpoint=endpoint,
+                    bind=bind,
+                    replay_endpoint=replay,
+                    dp_rank=registration.dp_rank,
+                    dp_size=p.dp_size,
+                    block_size=p.block_size,
+                    lora_name=p.lora_name,
+                ),
+                _ZmqSink(self),
+                self._metrics,
+            )
+        except (ValueError, KvrcError) as e:
+            # The registration stands (handoffs need no inventory); only the edge is off.
+            log.warning("child engine %s: KV-event endpoint refused, not subscribing: %s", cid, e)
             return
-        stream = ZmqEventStream(
-            ZmqStreamConfig(
-                engine_id=registration.engine_id,
-                endpoint=endpoint,
-                bind=bind,
-                replay_endpoint=registration.kv_events_replay_endpoint or None,
-                dp_rank=registration.dp_rank,
-                dp_size=p.dp_size,
-                block_size=p.block_size,
-                lora_name=p.lora_name,
-            ),
-            _ZmqSink(self),
-            self._metrics,
-        )
         meta.zmq = stream
         task = asyncio.get_running_loop().create_task(stream.start())
         task.add_done_callback(_log_failure)
@@ -538,16 +545,20 @@ class InventoryFacade:
         self._update_gauges()
 
     def _count_applied(self, source: str, result: ApplyResult) -> None:
+        if source == SOURCE_GRPC:  # the ZMQ edge counts its own block events
+            self._count_events(source, result)
+        if result.dropped_total_cap:
+            self._m_cap_total.inc(result.dropped_total_cap)
+        if result.dropped_engine_cap:
+            self._m_cap_engine.inc(result.dropped_engine_cap)
+
+    def _count_events(self, source: str, result: ApplyResult) -> None:
         if result.blocks_stored:
             self._m_events[source, "stored"].inc(result.blocks_stored)
         if result.blocks_removed:
             self._m_events[source, "removed"].inc(result.blocks_removed)
         if result.clears:
             self._m_events[source, "cleared"].inc(result.clears)
-        if result.dropped_total_cap:
-            self._m_cap_total.inc(result.dropped_total_cap)
-        if result.dropped_engine_cap:
-            self._m_cap_engine.inc(result.dropped_engine_cap)
 
     def _update_gauges(self) -> None:
         stats = self.inventory.stats()
