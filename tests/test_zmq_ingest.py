@@ -18,6 +18,8 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from coordinator.errors import ErrorCode, KvrcError, invalid
 from coordinator.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -489,6 +491,67 @@ async def test_reconnection_to_the_same_publisher_keeps_the_incarnation(
     assert rig.pub.replay_requests == [1]  # the check also brought 2 and 3
     assert rig.stream.status().incarnation == 0
     assert ("drop", ENGINE) not in rig.sink.calls
+
+
+# Scenario steps: ("sent", hashes to store, hashes to remove), ("lost", ...), ("restart",).
+step = st.one_of(
+    st.tuples(
+        st.sampled_from(["sent", "lost"]),
+        st.lists(st.integers(0, 30), max_size=3),
+        st.lists(st.integers(0, 30), max_size=3),
+    ),
+    st.just(("restart",)),
+)
+
+
+def _scenario(steps: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Make it observable: a restart's first batch and the last batch are sent."""
+    fixed: list[tuple[Any, ...]] = []
+    for item in steps:
+        if fixed and fixed[-1][0] == "restart" and item[0] == "lost":
+            item = ("sent", *item[1:])
+        fixed.append(item)
+    fixed.append(("sent", [99], []))
+    return fixed
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(step, max_size=12))
+def test_any_loss_and_restart_pattern_ends_in_the_publishers_exact_inventory(
+    steps: list[tuple[Any, ...]],
+) -> None:
+    """With a replay buffer that holds everything, what kvrc applied is exactly what
+    the current publisher incarnation published, in order, whatever was lost."""
+
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        rig = await start_rig(ctx)
+        model: set[int] = set()
+        try:
+            for item in _scenario(steps):
+                if item[0] == "restart":
+                    rig.pub.restart_numbering()
+                    model.clear()
+                    continue
+                kind, store, remove = item
+                events = [stored(*store)] if store else []
+                events += [removed(h) for h in remove]
+                await rig.pub.publish(*events, send=kind == "sent")
+                model.update(store)
+                model.difference_update(remove)
+            last = rig.pub.next_seq - 1
+            await eventually(lambda: bool(rig.sink.batches) and rig.sink.batches[-1][2] == last)
+            assert rig.sink.held() == model
+            incarnation = rig.stream.status().incarnation
+            current = [seq for _, inc, seq in rig.sink.batches if inc == incarnation]
+            assert current == list(range(last + 1))
+            assert rig.stream.status().state is StreamState.LIVE
+        finally:
+            await rig.stream.close()
+            await rig.pub.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(run())
 
 
 # --- bad input -------------------------------------------------------------------------
