@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from clients.credentials import ChannelOptions, connect
 from clients.errors import InvalidArgumentError, from_rpc_error
 from clients.session import (
     ChildEngineState,
@@ -379,9 +380,11 @@ class LookupResult:
 class LookupClient:
     """`EngineService.Lookup` without protobuf. Owns its channel unless given one."""
 
-    def __init__(self, target: str, *, channel: grpc.aio.Channel | None = None) -> None:
+    def __init__(
+        self, target: str | ChannelOptions, *, channel: grpc.aio.Channel | None = None
+    ) -> None:
         self._own = channel is None
-        self._channel = channel if channel is not None else grpc.aio.insecure_channel(target)
+        self._channel = channel if channel is not None else connect(target)
         self._stub = pb_grpc.EngineServiceStub(self._channel)
 
     async def close(self) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 
+from clients.credentials import ChannelOptions, connect
 from clients.errors import KvrcClientError, from_rpc_error
 from clients.kv_params import decode_kv_transfer_params, encode_kv_transfer_params
 from clients.session import EngineSession, ReuseInfo, SessionHandler
@@ -122,14 +123,14 @@ class LeaseClient:
 
     def __init__(
         self,
-        target: str | grpc.aio.Channel,
+        target: str | ChannelOptions | grpc.aio.Channel,
         child_engine_id: str,
         *,
         timeout_s: float = 30.0,
     ) -> None:
         self.child_engine_id = child_engine_id
-        self._own_channel = isinstance(target, str)
-        self._channel = grpc.aio.insecure_channel(target) if isinstance(target, str) else target
+        self._own_channel = isinstance(target, (str, ChannelOptions))
+        self._channel = connect(target) if isinstance(target, (str, ChannelOptions)) else target
         self._stub = pb_grpc.EngineServiceStub(self._channel)
         self._timeout_s = timeout_s
 

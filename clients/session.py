@@ -34,6 +34,7 @@ from typing import Literal, Protocol
 import grpc
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
+from clients.credentials import ChannelOptions, connect
 from clients.errors import KvrcClientError, UnavailableError, error_from_status, from_rpc_error
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
@@ -287,7 +288,7 @@ _Call = grpc.aio.StreamStreamCall[pb.EngineMessage, pb.CoordinatorMessage]
 class EngineSession:
     def __init__(
         self,
-        target: str,
+        target: str | ChannelOptions,
         registration: RankPartRegistration,
         handler: SessionHandler | None = None,
         *,
@@ -296,7 +297,9 @@ class EngineSession:
         backoff_max_s: float = 2.0,
         register_timeout_s: float = 10.0,
     ) -> None:
-        self.target = target
+        # A bare "host:port" is plaintext; ChannelOptions add TLS and a token.
+        self.channel_options = target if isinstance(target, ChannelOptions) else None
+        self.target = target.target if isinstance(target, ChannelOptions) else target
         self.registration = registration
         self.handler: SessionHandler = handler if handler is not None else NullHandler()
         self._reconnect = reconnect
@@ -325,7 +328,7 @@ class EngineSession:
         """Registers; raises the typed KvrcClientError when the coordinator refuses."""
         if self._runner is not None:
             raise RuntimeError("EngineSession.start() called twice")
-        self._channel = grpc.aio.insecure_channel(self.target)
+        self._channel = connect(self.channel_options or self.target)
         try:
             ack = await self._connect()
         except BaseException:

@@ -18,6 +18,8 @@ from typing import Any
 
 import grpc
 
+from clients.credentials import ChannelOptions, CredentialsError, connect_blocking
+from coordinator.auth import AuthConfigError, load_auth_policy
 from coordinator.config import ConfigError, CoordinatorConfig, load_profiles
 from coordinator.leases import LeaseConfig
 from kvrc import __version__
@@ -122,6 +124,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=lease_defaults.abort_timeout_ms,
         help="an abort not acknowledged this long sends the lease to quarantine (%(default)s)",
     )
+    serve.add_argument(
+        "--tls-cert", type=Path, help="PEM server certificate (chain): TLS on the gRPC port"
+    )
+    serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="PEM CA bundle: clients must present a certificate it signed (mutual TLS)",
+    )
+    serve.add_argument(
+        "--auth-tokens",
+        type=Path,
+        metavar="FILE",
+        help="credentials file (TOML): bearer tokens and certificate identities, each bound to "
+        "engine ids and roles; every RPC then needs one (docs/security.md)",
+    )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-json", action="store_true", help="one JSON document per log line")
@@ -131,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     status.add_argument("--json", action="store_true", help="print one JSON document")
     status.add_argument("--timeout-s", type=float, default=5.0)
+    _add_client_security(status)
     status.set_defaults(func=_cmd_status)
 
     drain = commands.add_parser(
@@ -146,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     drain.add_argument("--wait", action="store_true", help="block until safe to stop or timeout")
     drain.add_argument("--json", action="store_true", help="print one JSON document")
+    _add_client_security(drain)
     drain.set_defaults(func=_cmd_drain)
 
     quarantine = commands.add_parser("quarantine", help="leases whose outcome is unknown")
@@ -157,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument("--note", default="", help="why it is safe (logged by the coordinator)")
     resolve.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     resolve.add_argument("--json", action="store_true", help="print one JSON document")
+    _add_client_security(resolve)
     resolve.set_defaults(func=_cmd_quarantine_resolve)
 
     from clients.refengine.options import add_engine_arguments  # torch-free
@@ -171,8 +192,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_client_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA that signed kvrc's certificate: TLS")
+    parser.add_argument("--tls-cert", type=Path, help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-server-name", help="check kvrc's certificate against this name, not the host"
+    )
+    parser.add_argument(
+        "--token-file", type=Path, help="file holding a bearer token (admin or read role)"
+    )
+
+
+def channel_options_from_args(args: argparse.Namespace) -> ChannelOptions:
+    try:
+        return ChannelOptions(
+            args.target,
+            ca_cert=args.tls_ca,
+            client_cert=args.tls_cert,
+            client_key=args.tls_key,
+            server_name=args.tls_server_name,
+            token_file=args.token_file,
+        )
+    except CredentialsError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _client_channel(args: argparse.Namespace) -> grpc.Channel:
+    try:
+        return connect_blocking(channel_options_from_args(args))
+    except CredentialsError as e:
+        raise ConfigError(str(e)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    from coordinator.tls import tls_files_from_flags  # keeps the pure imports light
+
     profiles = load_profiles(args.profiles) if args.profiles is not None else ()
+    tls = tls_files_from_flags(args.tls_cert, args.tls_key, args.tls_client_ca)
+    try:
+        auth = load_auth_policy(args.auth_tokens) if args.auth_tokens is not None else None
+    except AuthConfigError as e:
+        raise ConfigError(str(e)) from None
     try:
         leases = LeaseConfig(
             handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,
@@ -192,6 +253,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         inventory_max_entries_total=args.inventory_max_entries,
         inventory_max_entries_per_engine=args.inventory_max_entries_per_engine,
         leases=leases,
+        tls=tls,
+        auth=auth,
     )
 
 
@@ -335,8 +398,8 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
     return "\n".join(lines)
 
 
-def fetch_status(target: str, timeout_s: float) -> pb.StatusResponse:
-    with grpc.insecure_channel(target) as channel:
+def fetch_status(target: str | ChannelOptions, timeout_s: float) -> pb.StatusResponse:
+    with connect_blocking(target) as channel:
         stub = pb_grpc.AdminServiceStub(channel)
         response: pb.StatusResponse = stub.GetStatus(pb.StatusRequest(), timeout=timeout_s)
         return response
@@ -345,7 +408,7 @@ def fetch_status(target: str, timeout_s: float) -> pb.StatusResponse:
 def _cmd_status(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
-        response = fetch_status(args.target, args.timeout_s)
+        response = fetch_status(channel_options_from_args(args), args.timeout_s)
     except grpc.RpcError as e:
         code = e.code() if isinstance(e, grpc.Call) else None
         details = e.details() if isinstance(e, grpc.Call) else str(e)
@@ -380,7 +443,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     # A waiting drain lasts up to its timeout plus the abort acknowledgements.
     timeout_s = (args.timeout_ms or 60_000) / 1000 + 30 if args.wait else 10.0
     try:
-        with grpc.insecure_channel(args.target) as channel:
+        with _client_channel(args) as channel:
             stub = pb_grpc.AdminServiceStub(channel)
             response: pb.DrainResponse = stub.Drain(request, timeout=timeout_s)
     except grpc.RpcError as e:
@@ -406,7 +469,7 @@ def _cmd_quarantine_resolve(args: argparse.Namespace) -> int:
         operator_note=args.note,
     )
     try:
-        with grpc.insecure_channel(args.target) as channel:
+        with _client_channel(args) as channel:
             stub = pb_grpc.AdminServiceStub(channel)
             response: pb.ResolveQuarantineResponse = stub.ResolveQuarantine(request, timeout=10.0)
     except grpc.RpcError as e:
@@ -424,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result: int = args.func(args)
-    except ConfigError as e:
+    except (ConfigError, CredentialsError) as e:
         print(f"kvrc: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except KeyboardInterrupt:

@@ -16,6 +16,7 @@ YAML: `profile: [{name: ..., model: ..., ...}]`. A bad file raises
 
 from __future__ import annotations
 
+import ipaddress
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from coordinator.auth import AuthPolicy
 from coordinator.errors import KvrcError
 from coordinator.leases import LeaseConfig
 from coordinator.profiles import DeclaredProfile, declared_profile
@@ -44,6 +46,24 @@ class FieldBounds:
     max_regions: int = 4096
     max_extra_entries: int = 64
     max_held_leases: int = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files of the gRPC port's TLS (coordinator/tls.py reads and checks them)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None  # set: mutual TLS, clients must present a certificate
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +91,10 @@ class CoordinatorConfig:
     bounds: FieldBounds = FieldBounds()
     # Lease timers and bounds (coordinator/leases.py).
     leases: LeaseConfig = field(default_factory=LeaseConfig)
+    # None: plaintext (the loopback default); see docs/security.md.
+    tls: TlsFiles | None = None
+    # None: no credentials needed (today's behaviour); see coordinator/auth.py.
+    auth: AuthPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_ms <= 0:
@@ -88,6 +112,14 @@ class CoordinatorConfig:
             raise ConfigError("inventory entry caps must be >= 0")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port must be in 0..65535 (or -1), got {self.metrics_port}")
+        if self.auth is not None and self.tls is None:
+            host = self.listen.rpartition(":")[0].strip("[]")
+            if not is_loopback_host(host):
+                # Bearer tokens in plaintext on a network can be read and replayed.
+                raise ConfigError(
+                    f"--auth-tokens on {self.listen} needs TLS (--tls-cert, --tls-key): "
+                    "bearer tokens travel in plaintext otherwise; plaintext is for loopback only"
+                )
 
 
 def load_profiles(path: Path) -> tuple[DeclaredProfile, ...]:

@@ -25,9 +25,11 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from coordinator.auth import describe as describe_auth
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.service import Coordinator
 from coordinator.servicer import AdminService, EngineService
+from coordinator.tls import server_credentials
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -88,6 +90,8 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status."""
     host, port = split_host_port(config.listen)
     check_bindable(host, port)
+    # Read and check the PEM files before anything starts (ConfigError: one line).
+    credentials = server_credentials(config.tls) if config.tls is not None else None
     coordinator = Coordinator(config)
     server = grpc.aio.server(options=_server_options(config))
     pb_grpc.add_EngineServiceServicer_to_server(EngineService(coordinator), server)
@@ -105,7 +109,10 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
         server,
     )
     try:
-        grpc_port = server.add_insecure_port(config.listen)
+        if credentials is not None:
+            grpc_port = server.add_secure_port(config.listen, credentials)
+        else:
+            grpc_port = server.add_insecure_port(config.listen)
     except RuntimeError as e:
         raise ConfigError(f"--listen {config.listen}: cannot bind ({e})") from None
     if grpc_port == 0:
@@ -134,12 +141,15 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     if port_file is not None:
         write_port_file(port_file, grpc_port, metrics_port)
     log.info(
-        "kvrc serving on %s (port %d), metrics %s, reuse %s, %d declared profile(s)",
+        "kvrc serving on %s (port %d), metrics %s, reuse %s, %d declared profile(s), "
+        "tls %s, auth %s",
         config.listen,
         grpc_port,
         f"on http://{host}:{metrics_port}/metrics" if metrics_port >= 0 else "off",
         "on" if config.reuse else "off",
         len(config.declared_profiles),
+        _tls_mode(config),
+        describe_auth(config.auth),
     )
 
     await stop.wait()
@@ -154,6 +164,12 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
         httpd.server_close()
     log.info("stopped")
     return 0
+
+
+def _tls_mode(config: CoordinatorConfig) -> str:
+    if config.tls is None:
+        return "off"
+    return "mutual" if config.tls.client_ca is not None else "on"
 
 
 def serve(config: CoordinatorConfig, port_file: Path | None = None) -> int:
