@@ -23,6 +23,9 @@ shape of a chunked prefill); churn batches remove 64 blocks.
   1,000,000 memberships, block-hash objects included (they are allocated inside
   the traced window, as decoding a request would), divided by memberships.
   `bytes_per_membership_unshared` repeats it with no block held by two engines.
+- `*_cpu_*`: the same measured in this thread's CPU time (`time.thread_time`):
+  on a shared host the wall-clock numbers include time spent descheduled;
+  `load_average_1m` (before, after) says how busy the host was.
 - `grpc_*`: through the real server; measured by the integration step (null
   until `measure_grpc` is implemented).
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import os
 import random
 import sys
 import time
@@ -124,6 +128,7 @@ class Built:
     chains: list[tuple[ChainSpec, tuple[bytes, ...]]]
     block_events: int
     apply_seconds: float
+    apply_cpu_seconds: float
 
 
 def build(*, shared: bool, mixed: bool, seed: int = 1) -> Built:
@@ -133,6 +138,7 @@ def build(*, shared: bool, mixed: bool, seed: int = 1) -> Built:
     chains: list[tuple[ChainSpec, tuple[bytes, ...]]] = []
     block_events = 0
     apply_seconds = 0.0
+    apply_cpu_seconds = 0.0
     now_ms = 1_000
     for spec in plan_chains(rng, shared):
         if inv.stats().entries_total >= TARGET_MEMBERSHIPS:
@@ -146,15 +152,17 @@ def build(*, shared: bool, mixed: bool, seed: int = 1) -> Built:
             elif roll < 0.2:
                 expiry = now_ms + 3_600_000
         batch = stored_batch(hashes, tier, expiry)
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         inv.apply(engine_id(spec.engine_idx), batch, now_ms=now_ms)
         apply_seconds += time.perf_counter() - t0
+        apply_cpu_seconds += time.thread_time() - c0
         block_events += len(hashes)
         chains.append((spec, hashes))
-    return Built(inv, chains, block_events, apply_seconds)
+    return Built(inv, chains, block_events, apply_seconds, apply_cpu_seconds)
 
 
-def churn(built: Built, rng: random.Random) -> tuple[int, float]:
+def churn(built: Built, rng: random.Random) -> tuple[int, float, float]:
     """Remove then re-store 10% of the chains, in batches of 64 block events."""
     picked = rng.sample(built.chains, len(built.chains) // 10)
     removes: list[tuple[str, list[InventoryEvent]]] = [
@@ -167,15 +175,18 @@ def churn(built: Built, rng: random.Random) -> tuple[int, float]:
     stores = [(engine_id(spec.engine_idx), stored_batch(h)) for spec, h in picked]
     inv = built.inv
     gc.collect()
+    c0 = time.thread_time()
     t0 = time.perf_counter()
     for eid, batch in removes:
         inv.apply(eid, batch, now_ms=1_000)
     for eid, batch in stores:
         inv.apply(eid, batch, now_ms=1_000)
-    return 2 * CHAIN_BLOCKS * len(picked), time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    return 2 * CHAIN_BLOCKS * len(picked), wall, time.thread_time() - c0
 
 
-def lookup_latencies(built: Built, rng: random.Random, n: int) -> list[float]:
+def lookup_latencies(built: Built, rng: random.Random, n: int) -> tuple[list[float], list[float]]:
+    """Per lookup: wall-clock µs and this thread's CPU µs (the host is shared)."""
     queries: list[tuple[bytes, ...]] = []
     for k in range(n):
         kind = k % 4
@@ -190,15 +201,19 @@ def lookup_latencies(built: Built, rng: random.Random, n: int) -> list[float]:
     rng.shuffle(queries)
     inv = built.inv
     clock = time.perf_counter_ns
+    cpu_clock = time.thread_time_ns
     out: list[float] = []
+    cpu: list[float] = []
     gc.collect()
     for stored in queries:
         # Fresh bytes objects, as the wire decoder hands them over.
         chain = [bytes(bytearray(h)) for h in stored]
+        c0 = cpu_clock()
         t0 = clock()
         inv.lookup(SCOPE, chain, now_ms=2_000, min_blocks=1)
         out.append((clock() - t0) / 1000.0)
-    return out
+        cpu.append((cpu_clock() - c0) / 1000.0)
+    return out, cpu
 
 
 def memory_per_membership(*, shared: bool) -> dict[str, float]:
@@ -239,23 +254,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     built = build(shared=True, mixed=False)
-    churn_events, churn_seconds = churn(built, rng)
+    load_before = os.getloadavg()
+    churn_events, churn_seconds, churn_cpu = churn(built, rng)
     total_events = built.block_events + churn_events
     total_seconds = built.apply_seconds + churn_seconds
     events_per_s = total_events / total_seconds
+    events_per_s_cpu = total_events / (built.apply_cpu_seconds + churn_cpu)
     stats = built.inv.stats()
     fill_rate = built.block_events / built.apply_seconds
     log(
         f"fill: {built.block_events} block events in {built.apply_seconds:.2f}s; "
         f"churn: {churn_events} in {churn_seconds:.2f}s; {stats.entries_total} memberships"
     )
-    lat = lookup_latencies(built, rng, args.lookups)
+    lat, lat_cpu = lookup_latencies(built, rng, args.lookups)
     log(f"lookups: p50 {percentile(lat, 50):.1f} us, p99 {percentile(lat, 99):.1f} us")
     del built
     gc.collect()
 
     mixed = build(shared=True, mixed=True)
-    lat_mixed = lookup_latencies(mixed, rng, args.lookups)
+    lat_mixed, lat_mixed_cpu = lookup_latencies(mixed, rng, args.lookups)
     log(f"lookups (10% CPU tier, 10% expiry): p99 {percentile(lat_mixed, 99):.1f} us")
     del mixed
     gc.collect()
@@ -273,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         "events_per_s_churn": round(churn_events / churn_seconds),
         "lookup_us_p50": round(percentile(lat, 50), 2),
         "lookup_us_p99": round(percentile(lat, 99), 2),
+        "events_per_s_cpu_time": round(events_per_s_cpu),
+        "lookup_cpu_us_p50": round(percentile(lat_cpu, 50), 2),
+        "lookup_cpu_us_p99": round(percentile(lat_cpu, 99), 2),
+        "lookup_cpu_us_p99_mixed": round(percentile(lat_mixed_cpu, 99), 2),
+        "load_average_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "lookup_us_p50_mixed": round(percentile(lat_mixed, 50), 2),
         "lookup_us_p99_mixed": round(percentile(lat_mixed, 99), 2),
         "lookup_chain_blocks": CHAIN_BLOCKS,

@@ -15,10 +15,15 @@ Vocabulary
 Layout (why it is compact)
 --------------------------
 Each compatibility hash gives its child engines small integer *slots*; an engine
-is the bit `1 << slot`. Per scope and tier one `dict[bytes, int]` maps a block
-hash to the bitmask of slots that hold it, so a lookup walks the chain with one
-`dict.get` and one `&` per block. A block held by one engine stores that
-engine's shared bit object (no new int). The reverse index of a child engine is
+is the bit `1 << slot`. Per scope and tier one `dict[int, int]` maps a block key
+to the bitmask of slots that hold it, so a lookup walks the chain with one
+`dict.get` and one `&` per block; one more dict marks blocks held below GPU by
+someone, so tiers cost nothing to scopes that only use GPU. A block held by one
+engine stores that engine's shared bit object (no new int). The block key is
+`hash(block_hash) >> 4`: Python's per-process keyed SipHash cut to 60 bits, a
+32-byte int instead of a 72-byte `bytes`; two different hashes share a key with
+probability ~2**-60, and since the inventory is advisory (invariant 4) such a
+false match costs a shorter pin at worst, never wrong data. The reverse index of a child engine is
 a plain list of the keys it added per scope (8 bytes an entry); removals leave
 the key in place and the list is compacted when more than half of it is dead,
 so `remove_engine` is O(that engine's entries), never O(all blocks). Expiries
@@ -31,7 +36,9 @@ Publish modes
 - `PER_RANK_PART`: one stream per rank part. Each part keeps its own facts; a
   `(block, tier)` is in the engine's index only while *every* part holds it, with
   the earliest of the parts' expiries. Part facts cost more memory than the fast
-  per-child path; they count against the same caps.
+  per-child path (a tuple-keyed dict entry each); they count against the same
+  caps. A part's expired fact is purged with the engine's entry, or when that
+  part touches the block again; until then it counts against the cap.
 
 Readiness and staleness
 -----------------------
@@ -59,8 +66,14 @@ Expiry purging
 --------------
 Expired entries are purged when a lookup or an event touches them, and by
 `sweep_expired(now_ms, budget)`, which the facade calls periodically: a heap of
-(expiry, stored segment) visits at most about `budget` entries per call, so
-expired entries cannot pile up.
+(expiry, block) visits at most `budget` items per call, so expired entries
+cannot pile up; the heap is rebuilt when stale items outnumber live expiries
+4 to 1. Its top also tells a lookup when nothing can have expired yet, which
+spares the per-engine expiry checks.
+
+Cost: `apply` O(block hashes in the batch); `lookup` O(chain length + holders
+of the best matches); `remove_engine`/`clear_stream` O(that engine's entries);
+`stats` O(1).
 """
 
 from __future__ import annotations
@@ -287,7 +300,7 @@ class Inventory:
         self._entries_total = 0
         self._index_by_tier = [0, 0, 0, 0, 0]
         self._state_counts = dict.fromkeys(_EngineState, 0)
-        # (expiry_ms, tie-breaker, engine, group_idx, block hashes) of stored segments
+        # (expiry_ms, tie-breaker, engine, group_idx, (block key,)): one item per expiry set
         self._expiry_heap: list[tuple[int, int, _Engine, int, tuple[_Key, ...]]] = []
         self._expiring_entries = 0  # (block, engine) pairs with an expiry, all engines
         self._heap_seq = itertools.count()
