@@ -786,3 +786,49 @@ async def test_facade_ranks_fewer_leases_first_and_best_holder() -> None:
         assert best is None and result.best_matched_blocks == 4
     finally:
         await coordinator.shutdown()
+
+
+# --- the ZMQ edge: one core, two edges ----------------------------------------------------
+
+
+async def test_a_registered_vllm_publisher_feeds_the_same_inventory(
+    reuse_on: CoordinatorProcess, engines: list[Engine]
+) -> None:
+    import zmq
+    import zmq.asyncio
+    from test_zmq_ingest import WirePublisher, removed
+    from test_zmq_ingest import stored as vllm_stored
+
+    t = reuse_on.grpc_target
+    await open_engine(engines, t, "zmq-req")
+    ctx = zmq.asyncio.Context()
+    publisher = WirePublisher(ctx)
+    try:
+        port = publisher.endpoint.rpartition(":")[2]
+        replay_port = publisher.replay_endpoint.rpartition(":")[2]
+        # As vLLM's kv_events_config names them: it binds on all interfaces.
+        holder = await open_engine(
+            engines,
+            t,
+            "zmq-holder",
+            kv_events_endpoint=f"tcp://*:{port}",
+            kv_events_replay_endpoint=f"tcp://*:{replay_port}",
+        )
+        await publisher.wait_subscribed()
+        chain = tuple(i.to_bytes(8, "big") for i in (11, 12, 13, 14))
+        await publisher.publish(vllm_stored(11, 12, 13, 14))
+        await eventually_holds(t, "zmq-req", "zmq-holder", 4, chain)
+        await publisher.publish(removed(13))
+        await eventually_holds(t, "zmq-req", "zmq-holder", 2, chain)
+        # The gRPC stream of the same child engine feeds the same core.
+        await holder.publisher.stored([chain[2]])
+        await eventually_holds(t, "zmq-req", "zmq-holder", 4, chain)
+        # The engine leaves: its subscriber goes with it (the PUB side sees the unsubscribe).
+        await holder.session.close()
+        engines.remove(holder)
+        message = await asyncio.wait_for(publisher.pub.recv(), 10)
+        assert message[:1] == b"\x00"
+        assert (await lookup(t, "zmq-req", chain)).outcome is LookupOutcome.MISS
+    finally:
+        await publisher.close()
+        ctx.term()
