@@ -74,6 +74,7 @@ from coordinator.vllm_events import (
 log = logging.getLogger(__name__)
 
 SOURCE = "zmq"
+_VLLM_TCP_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
 _TCP_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}")
 # Frames drained per wake-up before yielding to the event loop.
 _BURST = 256
@@ -159,16 +160,53 @@ def subscriber_endpoint(
     connects to one without (kvrc binds it); DP rank N adds N to the port.
     """
     binds = "*" in vllm_endpoint or "::" in vllm_endpoint
-    scheme, sep, rest = vllm_endpoint.partition("://")
-    if scheme != "tcp" or not sep or ":" not in rest:
-        raise ValueError(f"KV-event endpoint must be tcp://host:port, got {vllm_endpoint!r}")
-    host, _, port_text = rest.rpartition(":")
-    port = int(port_text)
-    if port and dp_rank:
-        port += dp_rank
+    match = _VLLM_TCP_ENDPOINT.fullmatch(vllm_endpoint)
+    if match is None:
+        raise invalid(f"KV-event endpoint must be tcp://host:port, got {vllm_endpoint!r}")
+    host, port = match.group(1), int(match.group(2))
+    if not 0 < port + dp_rank < 65536:
+        raise invalid(
+            f"KV-event endpoint {vllm_endpoint!r} needs a fixed port (1..65535) for dp_rank "
+            f"{dp_rank}: kvrc cannot learn a port the publisher picked itself"
+        )
     if binds:
-        return f"tcp://{publisher_host}:{port}", False
-    return f"tcp://{host}:{port}", True
+        return f"tcp://{publisher_host}:{port + dp_rank}", False
+    return f"tcp://{host}:{port + dp_rank}", True
+
+
+def stream_config_from_vllm(
+    *,
+    engine_id: str,
+    dp_rank: int,
+    dp_size: int,
+    kv_events_endpoint: str,
+    kv_events_replay_endpoint: str,
+    publisher_host: str,
+    block_size: int | None,
+    lora_name: str = "",
+    topic: str = "",
+) -> ZmqStreamConfig:
+    """The stream of one DP rank whose engine registered vLLM's `kv_events_config`
+    values unchanged (`endpoint`, `replay_endpoint`, as configured for rank 0).
+
+    `publisher_host` is the engine's address, used where vLLM binds `*`. vLLM
+    always binds its replay ROUTER, so kvrc connects to it ("" = no replay).
+    """
+    endpoint, bind = subscriber_endpoint(kv_events_endpoint, publisher_host, dp_rank)
+    replay = None
+    if kv_events_replay_endpoint:
+        replay, _ = subscriber_endpoint(kv_events_replay_endpoint, publisher_host, dp_rank)
+    return ZmqStreamConfig(
+        engine_id=engine_id,
+        endpoint=endpoint,
+        bind=bind,
+        replay_endpoint=replay,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        topic=topic,
+        block_size=block_size,
+        lora_name=lora_name,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from coordinator.zmq_ingest import (
     StreamState,
     ZmqEventStream,
     ZmqStreamConfig,
+    stream_config_from_vllm,
     subscriber_endpoint,
 )
 
@@ -726,5 +727,40 @@ def test_subscriber_endpoint_follows_vllm_bind_or_connect_rule() -> None:
     assert subscriber_endpoint("tcp://*:5557", "10.0.0.7") == ("tcp://10.0.0.7:5557", False)
     assert subscriber_endpoint("tcp://*:5557", "10.0.0.7", 2) == ("tcp://10.0.0.7:5559", False)
     assert subscriber_endpoint("tcp://kvrc.local:6000", "x", 1) == ("tcp://kvrc.local:6001", True)
-    with pytest.raises(ValueError, match="tcp://host:port"):
+    with pytest.raises(KvrcError, match="tcp://host:port"):
         subscriber_endpoint("ipc:///tmp/x", "h")
+    with pytest.raises(KvrcError, match="fixed port"):
+        subscriber_endpoint("tcp://*:0", "h")
+
+
+def test_stream_config_from_vllm_registration_values() -> None:
+    cfg = stream_config_from_vllm(
+        engine_id="engine-a",
+        dp_rank=2,
+        dp_size=4,
+        kv_events_endpoint="tcp://*:5557",
+        kv_events_replay_endpoint="tcp://*:5600",
+        publisher_host="10.0.0.7",
+        block_size=16,
+    )
+    assert (cfg.endpoint, cfg.bind, cfg.replay_endpoint) == (
+        "tcp://10.0.0.7:5559",
+        False,
+        "tcp://10.0.0.7:5602",
+    )
+    assert cfg.child_engine_id == "engine-a_dp2" and cfg.block_size == 16
+    connecting = stream_config_from_vllm(
+        engine_id="engine-b",
+        dp_rank=0,
+        dp_size=1,
+        kv_events_endpoint="tcp://kvrc.svc:7000",
+        kv_events_replay_endpoint="",
+        publisher_host="10.0.0.8",
+        block_size=None,
+    )
+    assert (connecting.endpoint, connecting.bind, connecting.replay_endpoint) == (
+        "tcp://kvrc.svc:7000",
+        True,
+        None,
+    )
+    assert connecting.child_engine_id == "engine-b"
