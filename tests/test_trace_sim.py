@@ -488,6 +488,7 @@ def _fake_step(speedup: float, ok_up_to: float) -> bench_trace.RealRun:
         lookups=4,
         lag_p99_s=0.0,
         lag_max_s=0.0,
+        scheduled_s=1.0,
         coordinator_cpu_s=0.01,
         events_lost=False,
         lost_detail="",
