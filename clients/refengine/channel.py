@@ -107,7 +107,11 @@ class Channel:
                 (length,) = _LENGTH.unpack(header)
                 if length > MAX_FRAME_BYTES:
                     raise ChannelError(f"{self.name}: frame of {length} bytes")
-                message = msgpack.unpackb(await self._reader.readexactly(length), raw=False)
+                message = msgpack.unpackb(
+                    await self._reader.readexactly(length), raw=False, strict_map_key=False
+                )
+                if not isinstance(message, dict):
+                    raise ChannelError(f"{self.name}: a frame that is not a map")
                 if "op" in message:
                     task = asyncio.create_task(self._serve(message))
                     self._tasks.add(task)
@@ -121,11 +125,12 @@ class Channel:
                             future.set_exception(ChannelError(str(message.get("error"))))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
-        except ChannelError:
+        except Exception:  # a malformed frame: close, so the other side sees EOF at once
             log.exception("%s: bad frame; closing", self.name)
         finally:
             self.closed.set()
             self._fail_pending()
+            self._writer.close()
 
     async def _serve(self, message: dict[str, Any]) -> None:
         request_id = message.get("id")

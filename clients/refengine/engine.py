@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import logging
 import signal
@@ -87,6 +88,13 @@ SWEEP_INTERVAL_S = 0.5
 PIN_SAFETY_GRACE_MS = 60_000
 HANDOFF_SAFETY_MS = 300_000
 QUIET_POLL_S = 0.05
+# Test-only fault injection, per request and rank part (`prefill`/`decode`
+# `test_faults={tp_rank: fault}`): real failures, provoked on purpose.
+# "bad-remote-address": the part's pull reads outside the source's registered
+#   memory; Mooncake's peer refuses it (a real FAILED slice).
+# "delay-before-pull=S": the part waits S seconds between grant and pull (a
+#   test kills the source meanwhile).
+TEST_FAULTS = ("bad-remote-address", "delay-before-pull=S")
 
 
 def now_ms() -> int:
@@ -204,7 +212,16 @@ class RankPart:
         if op == "wait_quiet":
             await self.wait_quiet(args["block_ids"])
             return None
+        if op == "digest":
+            return [self.block_digest(block_id) for block_id in args["block_ids"]]
         raise ValueError(f"unknown command {op!r}")
+
+    def block_digest(self, block_id: int) -> str:
+        """sha256 of one block's bytes, layer after layer (for checks from outside)."""
+        digest = hashlib.sha256()
+        for layer in range(self.layout.num_layers):
+            digest.update(bytes(self.cache.block_bytes_view(layer, block_id).tolist()))
+        return digest.hexdigest()
 
     async def pull(
         self,
@@ -216,11 +233,13 @@ class RankPart:
         tokens: Sequence[int],
         first_index: int,
         deadline_s: float,
+        test_fault: str = "",
     ) -> dict[str, Any]:
         """Pull this part's slice, report it to kvrc, verify it; never raises for a transfer.
 
         `skip` source blocks are left out (the requester already holds them);
         `first_index` is the request block index of `local_block_ids[0]`.
+        `test_fault` (tests only, see TEST_FAULTS) provokes a real failure.
         """
         parts = []
         for raw in source_parts:
@@ -239,16 +258,16 @@ class RankPart:
             # Refused before any byte moves: FAILED and already quiet.
             await self.report(flow, lease_id, TransferOutcome.FAILED, f"refused: {exc}")
             return _pull_reply("FAILED", error=f"refused: {exc}", refused=True)
-        if self.options.fault_value("bad-remote-address") is not None:
-            # Test fault: addresses past the peer's registered memory; the peer refuses.
+        fault, _, value = test_fault.partition("=")
+        if fault == "bad-remote-address":
+            # Addresses past the peer's registered memory: the peer refuses the read.
             far = 1 << 46
             plan = dataclasses.replace(
                 plan, remote_addresses=tuple(a + far for a in plan.remote_addresses)
             )
-        delay = self.options.fault_value("delay-before-pull")
-        if delay:
-            emit("pull_delayed", lease_id=lease_id, seconds=float(delay))
-            await asyncio.sleep(float(delay))
+        elif fault == "delay-before-pull":
+            emit("pull_delayed", lease_id=lease_id, seconds=float(value))
+            await asyncio.sleep(float(value))
         result = await pull(
             self.transfer_engine,
             plan,
@@ -379,6 +398,22 @@ class RankPart:
         # Pins and tainted blocks already stay out of use until a release / quiet.
         log.warning("lease %s quarantined: %s", lease_id, reason)
         emit("quarantined", lease_id=lease_id, reason=reason)
+
+
+def _parse_test_faults(raw: dict[Any, Any], tp_size: int) -> dict[int, dict[str, Any]]:
+    """Validate `{tp_rank: fault}` before anything runs (ValueError names what is wrong)."""
+    faults: dict[int, dict[str, Any]] = {}
+    for rank, fault in raw.items():
+        kind, _, value = str(fault).partition("=")
+        if not 0 <= int(rank) < tp_size:
+            raise ValueError(f"test fault for tp rank {rank} of a tp {tp_size} engine")
+        if kind == "delay-before-pull":
+            if not 0 <= float(value) <= 60:
+                raise ValueError(f"delay-before-pull must be 0..60 s, got {value!r}")
+        elif kind != "bad-remote-address":
+            raise ValueError(f"unknown test fault {fault!r}; known: {TEST_FAULTS}")
+        faults[int(rank)] = {"test_fault": str(fault)}
+    return faults
 
 
 def _pull_reply(
@@ -588,9 +623,13 @@ class Leader:
     async def handle_driver_request(self, op: str, args: dict[str, Any]) -> Any:
         if op == "ready":
             return await self.wait_ready(float(args.get("wait_s", 60.0)))
+        faults = _parse_test_faults(args.get("test_faults") or {}, self.options.tp_size)
         if op == "prefill":
             return await self.prefill(
-                str(args["request_id"]), list(args["tokens"]), str(args.get("decode") or "")
+                str(args["request_id"]),
+                list(args["tokens"]),
+                str(args.get("decode") or ""),
+                faults,
             )
         if op == "decode":
             return await self.decode(
@@ -598,13 +637,25 @@ class Leader:
                 str(args["prefill"]),
                 list(args["prompt"]),
                 list(args.get("output") or []),
+                faults,
             )
         if op == "bind_handoff":
             await self.bind_handoff(str(args["request_id"]), str(args["lease_id"]))
             return None
         if op == "stats":
             return self.stats()
+        if op == "digests":
+            return await self.digests(list(args["tokens"]))
         raise ValueError(f"unknown driver request {op!r}")
+
+    async def digests(self, tokens: list[int]) -> list[list[str]]:
+        """Per rank part, the digests of the cached blocks of `tokens`' chain (longest prefix)."""
+        block_ids = self.pool.match_prefix(self._hashes(tokens), now_ms())
+        self.pool.acquire(block_ids)  # not evicted while read
+        try:
+            return await self._on_all("digest", block_ids=block_ids)
+        finally:
+            await self.publish((), self.pool.release(block_ids, now_ms()))
 
     async def wait_ready(self, timeout_s: float) -> dict[str, Any]:
         await asyncio.wait_for(self.all_connected.wait(), timeout_s)
@@ -627,11 +678,18 @@ class Leader:
             "handoffs_held": len(self._hold_by_request),
         }
 
-    async def _on_all(self, op: str, **args: Any) -> list[Any]:
-        """Run one command on every rank part (tp rank order); the first error raises."""
-        calls: list[Awaitable[Any]] = [self.part.handle(op, args)]
+    async def _on_all(
+        self, op: str, per_rank: dict[int, dict[str, Any]] | None = None, **args: Any
+    ) -> list[Any]:
+        """Run one command on every rank part (tp rank order); the first error raises.
+
+        `per_rank[r]` adds arguments for rank part r only.
+        """
+        per_rank = per_rank or {}
+        calls: list[Awaitable[Any]] = [self.part.handle(op, {**args, **per_rank.get(0, {})})]
         for rank in range(1, self.options.tp_size):
-            calls.append(self.followers[rank].call(op, timeout_s=120.0, **args))
+            more = per_rank.get(rank, {})
+            calls.append(self.followers[rank].call(op, timeout_s=120.0, **args, **more))
         return list(await asyncio.gather(*calls))
 
     def _hashes(self, tokens: Sequence[int]) -> list[bytes]:
@@ -645,7 +703,13 @@ class Leader:
         await self.publish((), removed)
         return block_ids
 
-    async def prefill(self, request_id: str, tokens: list[int], decode: str) -> dict[str, Any]:
+    async def prefill(
+        self,
+        request_id: str,
+        tokens: list[int],
+        decode: str,
+        faults: dict[int, dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         """Prefix load (when kvrc grants one), compute the rest, hand off to `decode`."""
         if not tokens:
             raise ValueError("a request has at least one token")
@@ -657,7 +721,7 @@ class Leader:
         held = list(local)
         result: dict[str, Any] = {"request_id": request_id, "blocks_local": len(local)}
         try:
-            loaded, load = await self._prefix_load(request_id, tokens, hashes, len(local))
+            loaded, load = await self._prefix_load(request_id, tokens, hashes, len(local), faults)
             held += loaded
             result.update(load)
             computed_from = len(held)
@@ -680,7 +744,12 @@ class Leader:
         return result
 
     async def _prefix_load(
-        self, request_id: str, tokens: list[int], hashes: list[bytes], local_n: int
+        self,
+        request_id: str,
+        tokens: list[int],
+        hashes: list[bytes],
+        local_n: int,
+        faults: dict[int, dict[str, Any]] | None,
     ) -> tuple[list[int], dict[str, Any]]:
         info: dict[str, Any] = {
             "blocks_loaded": 0,
@@ -728,6 +797,7 @@ class Leader:
         deadline_s = (answer.deadline_unix_ms - now_ms()) / 1000
         results = await self._on_all(
             "pull",
+            faults,
             flow="prefix_load",
             lease_id=answer.lease_id,
             source_parts=[part.SerializeToString() for part in answer.source_parts],
@@ -831,7 +901,12 @@ class Leader:
         self.pool.release(hold.block_ids, now_ms())
 
     async def decode(
-        self, request_id: str, prefill: str, prompt: list[int], output: list[int]
+        self,
+        request_id: str,
+        prefill: str,
+        prompt: list[int],
+        output: list[int],
+        faults: dict[int, dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """Take the prefill's handoff, pull, verify; fall back to recompute; retain."""
         self.counters["requests"] += 1
@@ -849,6 +924,7 @@ class Leader:
             else:
                 results = await self._on_all(
                     "pull",
+                    faults,
                     flow="handoff",
                     lease_id=grant.lease_id,
                     source_parts=[part.SerializeToString() for part in grant.source_parts],

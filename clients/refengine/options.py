@@ -8,13 +8,6 @@ from typing import Literal
 
 Role = Literal["prefill", "decode"]
 
-# Test-only fault injection, named as such: real failures, provoked on purpose.
-# "bad-remote-address": this rank part's pulls read outside the source's
-#   registered memory (Mooncake's peer refuses them: a real FAILED slice).
-# "delay-before-pull=S": wait S seconds between the grant and the pull (a test
-#   kills or freezes the source meanwhile).
-FAULTS = ("bad-remote-address", "delay-before-pull")
-
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
@@ -45,7 +38,6 @@ class EngineOptions:
     mooncake_device: str = ""
     mooncake_port_min: int | None = None
     mooncake_port_max: int | None = None
-    fault: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -58,8 +50,6 @@ class EngineOptions:
             )
         if self.tp_rank > 0 and not self.leader:
             raise ValueError("a rank part other than tp rank 0 needs --leader HOST:PORT")
-        if self.fault and self.fault.split("=")[0] not in FAULTS:
-            raise ValueError(f"unknown fault {self.fault!r}; known: {FAULTS}")
 
     @property
     def child_engine_id(self) -> str:
@@ -68,11 +58,6 @@ class EngineOptions:
     @property
     def heads_per_rank(self) -> int:
         return self.num_kv_heads // self.tp_size
-
-    def fault_value(self, name: str) -> str | None:
-        """The value of fault `name` ("" when it takes none), None when not set."""
-        key, _, value = self.fault.partition("=")
-        return value if key == name else None
 
 
 def _port_range(text: str) -> tuple[int, int]:
@@ -112,7 +97,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mooncake-protocol", default=d.mooncake_protocol)
     parser.add_argument("--mooncake-device", default=d.mooncake_device)
     parser.add_argument("--mooncake-ports", type=_port_range, help="LOW-HIGH (below 32768)")
-    parser.add_argument("--fault", default="", help=f"test-only fault injection: {FAULTS}")
     parser.add_argument("--log-level", default="WARNING")
 
 
@@ -145,5 +129,4 @@ def options_from_args(args: argparse.Namespace) -> EngineOptions:
         mooncake_device=args.mooncake_device,
         mooncake_port_min=ports[0] if ports else None,
         mooncake_port_max=ports[1] if ports else None,
-        fault=args.fault,
     )

@@ -1,0 +1,274 @@
+"""End to end with real processes: kvrc, reference engines (tp=2 and tp=1), Mooncake.
+
+One cluster for the module (process start dominates on 2 cores): kvrc with
+reuse on; prefill engines p0, p1 and decode engine d0 with tp=2; decode engine
+d1 with tp=1. Every byte moves through Mooncake (tcp, loopback). Failures are
+real: a read outside the peer's registered memory (the peer refuses it), a
+source killed with SIGKILL. Block contents are checked from outside: the test
+recomputes the expected bytes itself and compares sha256 digests that the
+engines compute over their cache blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import get_status, wait_until
+
+from clients.kv_cache import KvCacheLayout
+from clients.refengine.channel import Channel
+from clients.refengine.compute import expected_blocks
+from clients.refengine.options import EngineOptions
+from coordinator.demo import BLOCK_SIZE, Cluster, EngineGroup
+
+pytestmark = pytest.mark.timeout(180)
+
+MOONCAKE_PORTS = "27000-27999"
+DEFAULTS = EngineOptions(role="prefill", engine_id="x", tp_rank=0, tp_size=1, target="")
+
+
+def layout_for(tp_size: int) -> KvCacheLayout:
+    return KvCacheLayout(
+        num_layers=DEFAULTS.num_layers,
+        num_blocks=DEFAULTS.num_blocks,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=DEFAULTS.num_kv_heads // tp_size,
+        head_size=DEFAULTS.head_size,
+        dtype=DEFAULTS.kv_dtype,
+    )
+
+
+BLOCK_BYTES_TP2 = layout_for(2).block_bytes * layout_for(2).num_layers  # one part, all layers
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 32000) for _ in range(count)]
+
+
+def blocks_of(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Cluster, dict[str, EngineGroup]]]:
+    workdir = Path(tmp_path_factory.mktemp("e2e"))
+    c = Cluster(workdir)
+    try:
+        c.start_coordinator()
+        extra = ["--mooncake-ports", MOONCAKE_PORTS]
+        groups = c.start_engines(
+            [
+                ("p0", "prefill", 2, extra),
+                ("p1", "prefill", 2, extra),
+                ("d0", "decode", 2, extra),
+                ("d1", "decode", 1, extra),
+            ]
+        )
+        yield c, {g.engine_id: g for g in groups}
+    finally:
+        c.stop()
+    assert c.coordinator is not None
+    assert "Traceback" not in c.coordinator.stderr_path.read_text(errors="replace")
+
+
+@pytest.fixture
+async def engines(
+    cluster: tuple[Cluster, dict[str, EngineGroup]],
+) -> AsyncIterator[dict[str, Channel]]:
+    _, groups = cluster
+    channels = {
+        name: await Channel.connect("127.0.0.1", g.control_port, name=name)
+        for name, g in groups.items()
+    }
+    for channel in channels.values():
+        await channel.call("ready", timeout_s=120.0, wait_s=100.0)
+    yield channels
+    for channel in channels.values():
+        await channel.close()
+
+
+async def call(channel: Channel, op: str, **args: Any) -> Any:
+    return await channel.call(op, timeout_s=90.0, **args)
+
+
+async def handoff(
+    engines: dict[str, Channel],
+    request_id: str,
+    prompt: list[int],
+    output: list[int],
+    prefill: str = "p0",
+    decode: str = "d0",
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    pre = await call(
+        engines[prefill], "prefill", request_id=request_id, tokens=prompt, decode=decode
+    )
+    dec = await call(
+        engines[decode],
+        "decode",
+        request_id=request_id,
+        prefill=prefill,
+        prompt=prompt,
+        output=output,
+    )
+    await call(engines[prefill], "bind_handoff", request_id=request_id, lease_id=dec["lease_id"])
+    return pre, dec
+
+
+def expected_digests(chain: list[int], num_blocks: int, tp_size: int) -> list[list[str]]:
+    layout = layout_for(tp_size)
+    out = []
+    for rank in range(tp_size):
+        rows = expected_blocks(layout, chain, list(range(num_blocks)), tp_rank=rank)
+        out.append([hashlib.sha256(bytes(row.reshape(-1).tolist())).hexdigest() for row in rows])
+    return out
+
+
+async def assert_blocks_exact(engine: Channel, chain: list[int], tp_size: int = 2) -> int:
+    """The engine's cached blocks of `chain` equal the test's own recomputation."""
+    digests = await call(engine, "digests", tokens=chain)
+    num_blocks = len(digests[0])
+    assert num_blocks > 0
+    assert digests == expected_digests(chain, num_blocks, tp_size)
+    return num_blocks
+
+
+async def no_open_leases(target: str) -> bool:
+    status = await get_status(target)
+    return len(status.leases) == 0
+
+
+async def test_prefix_load_and_handoff_are_bit_exact(
+    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    kvrc, _ = cluster
+    prompt, output = tokens(1, 70), tokens(2, 30)
+    pre, dec = await handoff(engines, "exact-1", prompt, output)
+    assert pre["blocks_recomputed"] == blocks_of(70)
+    # The handoff: every prompt block (the partial last one too) pulled by both parts.
+    assert dec["handoff"] == "pulled", dec
+    assert dec["bytes"] == blocks_of(70) * BLOCK_BYTES_TP2 * 2
+    assert dec["mismatches"] == 0
+    # d0 retained prompt + output: its blocks equal a recomputation, part by part.
+    assert await assert_blocks_exact(engines["d0"], prompt + output) == 100 // BLOCK_SIZE
+
+    # Next turn on the other prefill engine: the prefix is loaded from d0.
+    turn2 = prompt + output + tokens(3, 40)
+    loaded = await call(engines["p1"], "prefill", request_id="exact-2", tokens=turn2, decode="")
+    assert loaded["load"] == "loaded", loaded
+    assert loaded["source"] == "d0"
+    assert loaded["blocks_loaded"] == 100 // BLOCK_SIZE
+    assert loaded["bytes"] == loaded["blocks_loaded"] * BLOCK_BYTES_TP2 * 2
+    assert loaded["blocks_recomputed"] == blocks_of(len(turn2)) - loaded["blocks_loaded"]
+    assert loaded["mismatches"] == 0
+    assert await assert_blocks_exact(engines["p1"], turn2) == len(turn2) // BLOCK_SIZE
+    # Quiescence: the lease ended, the holder unpinned, the prefill freed its handoff.
+    await wait_until(lambda: no_open_leases(kvrc.target), timeout_s=15)
+    assert (await call(engines["d0"], "stats"))["pinned_leases"] == 0
+    await wait_until(lambda: _stat_is(engines["p0"], "handoffs_held", 0), timeout_s=15)
+
+
+async def _stat_is(engine: Channel, key: str, value: int) -> bool:
+    return bool((await call(engine, "stats"))[key] == value)
+
+
+async def test_a_rank_part_failing_its_slice_fails_the_whole_load(
+    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    kvrc, _ = cluster
+    prompt, output = tokens(11, 64), tokens(12, 32)
+    await handoff(engines, "slice-1", prompt, output)
+    turn2 = prompt + output + tokens(13, 20)
+    # tp rank 1 reads outside d0's registered memory: its peer refuses, rank 0 succeeds.
+    failed = await call(
+        engines["p1"],
+        "prefill",
+        request_id="slice-2",
+        tokens=turn2,
+        decode="",
+        test_faults={1: "bad-remote-address"},
+    )
+    assert failed["load"].startswith("failed (FAILED)"), failed
+    assert "tp1" in failed["load"] and "tp0" not in failed["load"]
+    assert failed["blocks_loaded"] == 0  # no partially loaded request
+    assert failed["blocks_recomputed"] == blocks_of(len(turn2)) - failed["blocks_local"]
+    assert failed["mismatches"] == 0
+    assert await assert_blocks_exact(engines["p1"], turn2) == len(turn2) // BLOCK_SIZE
+    await wait_until(lambda: no_open_leases(kvrc.target), timeout_s=15)
+    # The failed destination blocks come back only once quiet.
+    await wait_until(lambda: _stat_is(engines["p1"], "tainted_blocks", 0), timeout_s=15)
+    assert (await call(engines["d0"], "stats"))["pinned_leases"] == 0
+    # d0 still serves the prefix: the same load without the fault succeeds.
+    again = prompt + output + tokens(14, 25)
+    ok = await call(engines["p0"], "prefill", request_id="slice-3", tokens=again, decode="")
+    assert ok["load"] == "loaded" and ok["source"] == "d0", ok
+    assert ok["mismatches"] == 0
+
+
+async def test_tp_mismatch_is_refused_before_any_byte_moves(
+    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    kvrc, _ = cluster
+    prompt, output = tokens(21, 50), tokens(22, 20)
+    pre = await call(engines["p0"], "prefill", request_id="tp-1", tokens=prompt, decode="d1")
+    assert pre["blocks_recomputed"] == blocks_of(50)
+    dec = await call(
+        engines["d1"], "decode", request_id="tp-1", prefill="p0", prompt=prompt, output=output
+    )
+    await call(engines["p0"], "bind_handoff", request_id="tp-1", lease_id=dec["lease_id"])
+    assert dec["refused"] is True, dec
+    assert "parallel layouts differ" in dec["handoff"]
+    assert dec["bytes"] == 0
+    assert dec["blocks_recomputed"] == blocks_of(50)  # recomputed into other blocks
+    # The tp=1 engine's own KV (all heads in one part) is exact after the recompute.
+    assert await assert_blocks_exact(engines["d1"], prompt + output, tp_size=1) == 70 // BLOCK_SIZE
+    await wait_until(lambda: no_open_leases(kvrc.target), timeout_s=15)
+    # Prefix loads never pair them: d1's retained chain is not offered to tp=2 engines.
+    turn2 = prompt + output + tokens(23, 30)
+    other = await call(engines["p1"], "prefill", request_id="tp-2", tokens=turn2, decode="")
+    assert other.get("source") != "d1", other
+    assert other["mismatches"] == 0
+
+
+async def test_source_killed_mid_transfer_recomputes_and_leaves_no_lease_open(
+    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    """Runs last in this module: it kills p0."""
+    kvrc, groups = cluster
+    prompt = tokens(31, 96)
+    await call(engines["p0"], "prefill", request_id="kill-1", tokens=prompt, decode="")
+    turn2 = prompt + tokens(32, 30)
+    request = asyncio.create_task(
+        call(
+            engines["p1"],
+            "prefill",
+            request_id="kill-2",
+            tokens=turn2,
+            decode="",
+            test_faults={0: "delay-before-pull=2", 1: "delay-before-pull=2"},
+        )
+    )
+    granted = await asyncio.to_thread(groups["p1"].leader.wait_event, "pull_delayed", 60.0)
+    for part in groups["p0"].parts:  # the source dies between its pin and the pull
+        os.killpg(part.process.pid, signal.SIGKILL)
+    result = await asyncio.wait_for(request, 60.0)  # never a hang
+    assert result["lease_id"] == granted["lease_id"]
+    assert result["source"] == "p0"
+    assert result["load"].startswith("failed (FAILED)"), result
+    assert result["blocks_loaded"] == 0
+    assert result["blocks_recomputed"] == blocks_of(len(turn2)) - result["blocks_local"]
+    assert result["mismatches"] == 0
+    assert await assert_blocks_exact(engines["p1"], turn2) == len(turn2) // BLOCK_SIZE
+    # Every requester part reported; the source is gone: the lease ends, none stays open.
+    await wait_until(lambda: no_open_leases(kvrc.target), timeout_s=30)
+    await wait_until(lambda: _stat_is(engines["p1"], "tainted_blocks", 0), timeout_s=15)
