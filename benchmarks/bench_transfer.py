@@ -11,9 +11,10 @@ coalescing) it measures, interleaved repetition by repetition:
 * `raw`: `batch_transfer_sync_read` called directly, one entry per block;
 * `pull`: the client data path without the coordinator: `TransferPlan.build`
   plus `clients.transfer.pull` (executor thread, deadline, outcome);
-* `kvrc`: grant -> pull -> report through a live kvrc. Not measured yet: it
-  needs the service's lease path; `kvrc_gbps` and `kvrc_vs_raw` stay null
-  until `measure_kvrc` is filled in.
+* `kvrc`: RequestPrefixLoad (the coordinator picks the peer from the inventory
+  it published, the peer pins over its session and answers its descriptor) ->
+  plan from the grant -> `pull` -> CompletePrefixLoad (-> release to the peer),
+  through a live `kvrc serve` subprocess, timed end to end per batch.
 
 Throughput is bytes / median seconds per batch, in GB/s (1e9 bytes). Every
 batch is checked: a block whose first bytes do not name its source block fails
@@ -32,6 +33,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,8 +43,19 @@ from typing import Any
 import torch
 
 from clients.kv_cache import KvCacheLayout, KvEndpointDescription, PagedKvCache
+from clients.leases import LeaseClient, LeaseSessionHandler, PinAnswer, PinRequestInfo
+from clients.leases import PrefixLoadGrant as LeaseGrant
 from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
-from clients.transfer import TransferOutcome, TransferPlan, pull
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from clients.transfer import (
+    TransferOutcome,
+    TransferPlan,
+    endpoint_to_session,
+    plan_rank_part_pull,
+    pull,
+    rank_part_descriptor,
+)
+from kvrc.v1 import kvrc_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "transfer.json"
@@ -81,16 +94,67 @@ class Batch:
 # --- the peer process -------------------------------------------------------------
 
 
-def serve_peer() -> int:
-    """Allocate, tag and register the source cache; print its description; wait."""
+def serve_peer(kvrc_target: str | None = None) -> int:
+    """Allocate, tag and register the source cache; print its description; wait.
+
+    With `kvrc_target` the peer is also the holder of a kvrc prefix load: it
+    registers as a rank part, publishes every block in the inventory, and
+    answers pins with the requested blocks' ids.
+    """
     engine = MooncakeTransferEngine(MooncakeConfig())
     cache = PagedKvCache(SOURCE_LAYOUT, device="cpu")
     for block_id in range(SOURCE_LAYOUT.num_blocks):
         _tag(cache, block_id, block_id)
-    print(cache.register(engine).to_json(), flush=True)
+    endpoint = cache.register(engine)
+    if kvrc_target is not None:
+        return asyncio.run(_serve_holder(kvrc_target, endpoint))
+    print(endpoint.to_json(), flush=True)
     for line in sys.stdin:  # end of stdin (our parent died) also ends the peer
         if line.strip() == "exit":
             break
+    return 0
+
+
+def block_hash(block_id: int) -> bytes:
+    """The bench's (unchained) key of source block `block_id`."""
+    return b"bench-block" + block_id.to_bytes(4, "big")
+
+
+def _bench_registration(engine_id: str, endpoint: KvEndpointDescription) -> RankPartRegistration:
+    return RankPartRegistration(
+        engine_id=engine_id,
+        profile=EngineProfile(model="bench", block_size=16, kv_dtype="float16", reuse_opt_in=True),
+        endpoint=endpoint_to_session(endpoint),
+    )
+
+
+async def _serve_holder(target: str, endpoint: KvEndpointDescription) -> int:
+    ids = {block_hash(b): b for b in range(SOURCE_LAYOUT.num_blocks)}
+
+    def pin(info: PinRequestInfo) -> PinAnswer:
+        block_ids = [ids[h] for h in info.block_hashes if h in ids]
+        if len(block_ids) != len(info.block_hashes):
+            return PinAnswer(0, error_message="unknown block")
+        return PinAnswer(len(block_ids), rank_part_descriptor(endpoint, block_ids, tp_rank=0))
+
+    handler = LeaseSessionHandler(pin=pin)
+    session = EngineSession(target, _bench_registration("bench-holder", endpoint), handler)
+    handler.attach(session)
+    ack = await session.start()
+    await session.send_event_batch(
+        kvrc_pb2.EventBatch(
+            incarnation=ack.incarnation,
+            sequence=0,
+            events=[
+                kvrc_pb2.InventoryEvent(
+                    stored=kvrc_pb2.BlockStored(block_hashes=list(ids), tier=kvrc_pb2.TIER_CPU)
+                )
+            ],
+        )
+    )
+    print(endpoint.to_json(), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    await session.close()
     return 0
 
 
@@ -105,9 +169,10 @@ def _tag_of(cache: PagedKvCache, block_id: int) -> int:
 
 
 class PeerProcess:
-    def __init__(self) -> None:
+    def __init__(self, kvrc_target: str | None = None) -> None:
+        holder = ["--kvrc-target", kvrc_target] if kvrc_target is not None else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_transfer", "--serve-peer"],
+            [sys.executable, "-m", "benchmarks.bench_transfer", "--serve-peer", *holder],
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -178,14 +243,89 @@ def measure_pull(
     return loop.run_until_complete(once())
 
 
-def measure_kvrc(batch: Batch) -> float | None:
-    """Seconds for RequestPrefixLoad grant -> pull -> CompletePrefixLoad through kvrc.
+class KvrcPath:
+    """A live `kvrc serve`, the holder peer, and this process as the requester."""
 
-    Not available yet: it needs the coordinator's lease path (issue 5, second
-    half). It will register the peer and this process as rank parts of two
-    engines, publish the source blocks, and time the three steps per batch.
-    """
-    return None
+    def __init__(self, local: PagedKvCache, loop: asyncio.AbstractEventLoop) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvrc-bench-")
+        tmp = Path(self._tmp.name)
+        (tmp / "profiles.toml").write_text('[[profile]]\nname = "bench"\nmodel = "bench"\n')
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "serve", "--listen", "127.0.0.1:0",
+             "--metrics-port", "-1", "--reuse", "on", "--profiles", str(tmp / "profiles.toml"),
+             "--port-file", str(tmp / "ports.json"), "--log-level", "WARNING"],
+            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not (tmp / "ports.json").exists():
+            if time.monotonic() > deadline or self.server.poll() is not None:
+                self.close()
+                raise RuntimeError("kvrc did not start")
+            time.sleep(0.05)
+        self.target = f"127.0.0.1:{json.loads((tmp / 'ports.json').read_text())['grpc_port']}"
+        self.peer = PeerProcess(self.target)
+        self.local = local
+        self.loop = loop
+        self.session = EngineSession(
+            self.target, _bench_registration("bench-requester", local.describe())
+        )
+        self.requests = 0
+        loop.run_until_complete(self.session.start())
+        self.client = loop.run_until_complete(self._client())  # its channel binds to `loop`
+
+    async def _client(self) -> LeaseClient:
+        return LeaseClient(self.target, "bench-requester")
+
+    def measure(
+        self, engine: MooncakeTransferEngine, batch: Batch, executor: concurrent.futures.Executor
+    ) -> float:
+        """Seconds for RequestPrefixLoad -> pull -> CompletePrefixLoad of one batch."""
+
+        async def once() -> float:
+            self.requests += 1
+            started = time.perf_counter()
+            grant = await self.client.request_prefix_load(
+                f"bench-{self.requests}",
+                [block_hash(b) for b in batch.remote_ids],
+                min_blocks=len(batch.remote_ids),
+                pin_timeout_ms=5_000,
+                transfer_timeout_ms=int(DEADLINE_S * 1000),
+            )
+            if not isinstance(grant, LeaseGrant):
+                raise RuntimeError(f"kvrc answered a miss: {grant}")
+            plan = plan_rank_part_pull(
+                self.local.describe(),
+                list(range(len(batch.remote_ids))),
+                grant.source_parts,
+                tp_rank=0,
+                tp_size=1,
+            )
+            result = await pull(engine, plan, deadline_s=DEADLINE_S, executor=executor)
+            report = result.to_report(
+                lease_id=grant.lease_id, reporter_child_engine_id="bench-requester", tp_rank=0
+            )
+            done = await self.client.complete_prefix_load(report)
+            elapsed = time.perf_counter() - started
+            if result.outcome is not TransferOutcome.SUCCEEDED or done.state != "COMPLETED":
+                raise RuntimeError(f"kvrc path failed: {result.error} ({done.state})")
+            return elapsed
+
+        return self.loop.run_until_complete(once())
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.loop.run_until_complete(self.client.close())
+            self.loop.run_until_complete(self.session.close())
+        if hasattr(self, "peer"):
+            self.peer.close()
+        if self.server.poll() is None:
+            self.server.terminate()
+            try:
+                self.server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+        self._tmp.cleanup()
 
 
 # --- the run ------------------------------------------------------------------------
@@ -208,13 +348,14 @@ def _clear_and_check(local: PagedKvCache, batch: Batch) -> Callable[[], None]:
     return check
 
 
-def run(repeats: int, warmup: int) -> dict[str, Any]:
+def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
     engine = MooncakeTransferEngine(MooncakeConfig())
     local = PagedKvCache(LOCAL_LAYOUT, device="cpu")
     local.register(engine)
     peer = PeerProcess()
     loop = asyncio.new_event_loop()
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    kvrc_path = KvrcPath(local, loop) if with_kvrc else None
     rng = random.Random(20260)
     raw: dict[str, float] = {}
     pulled: dict[str, float] = {}
@@ -226,8 +367,11 @@ def run(repeats: int, warmup: int) -> dict[str, Any]:
             for _ in range(warmup):
                 measure_raw(engine, local, peer.endpoint, batch)
                 measure_pull(engine, local, peer.endpoint, batch, loop, executor)
+                if kvrc_path is not None:
+                    kvrc_path.measure(engine, batch, executor)
             raw_runs: list[float] = []
             pull_runs: list[float] = []
+            kvrc_runs: list[float] = []
             for _ in range(repeats):  # interleaved, so drift hits both paths alike
                 check = _clear_and_check(local, batch)
                 raw_runs.append(measure_raw(engine, local, peer.endpoint, batch))
@@ -235,20 +379,24 @@ def run(repeats: int, warmup: int) -> dict[str, Any]:
                 check = _clear_and_check(local, batch)
                 pull_runs.append(measure_pull(engine, local, peer.endpoint, batch, loop, executor))
                 check()
-            kvrc_seconds = measure_kvrc(batch)
+                if kvrc_path is not None:
+                    check = _clear_and_check(local, batch)
+                    kvrc_runs.append(kvrc_path.measure(engine, batch, executor))
+                    check()
             key = str(size)
             raw[key] = round(_median_gbps(batch.total_bytes, raw_runs), 4)
             pulled[key] = round(_median_gbps(batch.total_bytes, pull_runs), 4)
-            kvrc[key] = (
-                None if kvrc_seconds is None else round(batch.total_bytes / kvrc_seconds / 1e9, 4)
-            )
+            kvrc[key] = round(_median_gbps(batch.total_bytes, kvrc_runs), 4) if kvrc_runs else None
             raw_seconds[key] = [round(s, 6) for s in raw_runs]
             print(
                 f"{size:>5} blocks x 64 KiB: raw {raw[key]:.3f} GB/s, "
-                f"pull {pulled[key]:.3f} GB/s ({pulled[key] / raw[key]:.2f} of raw)",
+                f"pull {pulled[key]:.3f} GB/s ({pulled[key] / raw[key]:.2f} of raw), "
+                f"kvrc {kvrc[key]} GB/s",
                 flush=True,
             )
     finally:
+        if kvrc_path is not None:
+            kvrc_path.close()
         peer.close()
         executor.shutdown(wait=True)
         loop.close()
@@ -292,15 +440,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--no-kvrc", action="store_true", help="skip the kvrc lease path")
     parser.add_argument("--serve-peer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kvrc-target", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_peer:
-        return serve_peer()
+        return serve_peer(args.kvrc_target)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     # Quiet Mooncake's per-connection INFO logs in this process too.
     os.environ.setdefault("GLOG_minloglevel", "1")
-    report = run(args.repeats, args.warmup)
+    report = run(args.repeats, args.warmup, with_kvrc=not args.no_kvrc)
     write_report(report, args.out)
     print(f"wrote {args.out}")
     return 0
