@@ -31,7 +31,7 @@ from coordinator.zmq_ingest import StreamState, ZmqEventStream, ZmqStreamConfig
 PUBLISHER = Path(__file__).parent / "vllm_publisher.py"
 ENGINE = "vllm-engine"
 BLOCK_SIZE = 4
-pytestmark = pytest.mark.timeout(600)  # the first run builds the venv
+pytestmark = pytest.mark.timeout(1500)  # a cold first run downloads and builds the venv
 
 
 @pytest.fixture(scope="module")
