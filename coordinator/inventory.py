@@ -764,9 +764,14 @@ class Inventory:
             self._index_by_tier[tier] += added
         else:
             added = 0
+            pending: list[_Key] = []  # keys whose expiry changed: one heap item for all
             for h in hashes:
-                if self._add_entry(engine, index, es, _key(h), tier, ev.expiry_ms, now_ms, acc):
+                if self._add_entry(
+                    engine, index, es, _key(h), tier, ev.expiry_ms, now_ms, acc, pending
+                ):
                     added += 1
+            if pending:
+                self._push_expiry(ev.expiry_ms, engine, ev.group_idx, tuple(pending))
         acc.added += added
 
     def _add_entry(
@@ -779,6 +784,7 @@ class Inventory:
         expiry_ms: int,
         now_ms: int,
         acc: _Acc,
+        pending: list[_Key],
     ) -> bool:
         """Slow path of one store. True when it added an entry."""
         old = es.expiry.get(h)
@@ -792,7 +798,7 @@ class Inventory:
             self._add_index_entry(engine, index, es, h, tier)
             engine.entries += 1
             self._entries_total += 1
-        self._set_expiry(engine, index, es, h, expiry_ms)
+        self._set_expiry(engine, index, es, h, expiry_ms, pending)
         return new
 
     def _add_index_entry(
@@ -813,8 +819,15 @@ class Inventory:
         self._index_by_tier[tier] += 1
 
     def _set_expiry(
-        self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: _Key, expiry_ms: int
+        self,
+        engine: _Engine,
+        index: _ScopeIndex,
+        es: _EngineScope,
+        h: _Key,
+        expiry_ms: int,
+        pending: list[_Key] | None = None,
     ) -> None:
+        """Set or clear an expiry; a new value gets a heap item now, or via `pending`."""
         old = es.expiry.get(h)
         if expiry_ms:
             if old is None:
@@ -822,7 +835,10 @@ class Inventory:
                 index.expiring[h] = index.expiring.get(h, 0) | engine.bit
             if old != expiry_ms:
                 es.expiry[h] = expiry_ms
-                self._push_expiry(expiry_ms, engine, index.group_idx, (h,))
+                if pending is None:
+                    self._push_expiry(expiry_ms, engine, index.group_idx, (h,))
+                else:
+                    pending.append(h)
         elif old is not None:
             self._drop_expiry(engine, index, es, h)
 
