@@ -375,8 +375,10 @@ def check_block_hashes(field: str, hashes: Sequence[bytes], limit: int) -> tuple
     n = len(hashes)
     if n > limit:
         raise invalid(f"{field} has {n} block hashes; the limit is {limit}")
+    # One copy out of the protobuf container: each element access allocates.
+    copied = tuple(hashes)
     if n:
-        lengths = list(map(len, hashes))
+        lengths = list(map(len, copied))
         if min(lengths) < 1:
             raise invalid(f"{field}[{lengths.index(0)}] is empty (block hashes are 1..64 bytes)")
         if max(lengths) > inv.MAX_BLOCK_HASH_BYTES:
@@ -385,7 +387,7 @@ def check_block_hashes(field: str, hashes: Sequence[bytes], limit: int) -> tuple
                 f"{field}[{i}] is {lengths[i]} bytes; block hashes are 1.."
                 f"{inv.MAX_BLOCK_HASH_BYTES} bytes"
             )
-    return tuple(hashes)
+    return copied
 
 
 def event_batch_from_proto(msg: pb.EventBatch) -> ev.EventBatch:
