@@ -79,6 +79,7 @@ __all__ = [
     "SendQuarantine",
     "SendRelease",
     "SourcePart",
+    "flow_of_lease_id",
 ]
 
 
@@ -355,6 +356,8 @@ class _Lease:
     abort_pending: set[RankKey] = field(default_factory=set)  # aborted, not yet acked
     abort_acked: set[RankKey] = field(default_factory=set)
     released: set[RankKey] = field(default_factory=set)
+    # Rebuilt from a holder's re-announcement after a coordinator restart (recover_held).
+    recovered: bool = False
 
     @property
     def flow(self) -> Flow:
@@ -401,6 +404,24 @@ def _default_ids() -> str:
     return uuid.uuid4().hex
 
 
+# Default lease ids carry their flow, so a lease a holder re-announces after a
+# coordinator restart (`Register.held_lease_ids`) is rebuilt in the right flow.
+_FLOW_ID_PREFIX = {Flow.PREFIX_LOAD: "pl-", Flow.HANDOFF: "ho-"}
+
+RECOVERED_REASON = (
+    "re-announced by its holder after a coordinator restart: outcome unknown, kept pinned "
+    "until every target part reports or an operator resolves it"
+)
+
+
+def flow_of_lease_id(lease_id: str) -> Flow | None:
+    """The flow a default lease id names (None: not an id this table issued by default)."""
+    for flow, prefix in _FLOW_ID_PREFIX.items():
+        if lease_id.startswith(prefix) and len(lease_id) > len(prefix):
+            return flow
+    return None
+
+
 class LeaseTable:
     """The in-memory lease store and both state machines.
 
@@ -412,6 +433,7 @@ class LeaseTable:
     ) -> None:
         self._config = config if config is not None else LeaseConfig()
         self._new_id = id_factory if id_factory is not None else _default_ids
+        self._flow_ids = id_factory is None  # prefix ids with their flow (see flow_of_lease_id)
         self._leases: dict[str, _Lease] = {}
         self._by_request: dict[tuple[Flow, str, str], str] = {}
         self._by_engine: dict[str, set[str]] = {}  # open leases, as source or target
@@ -535,7 +557,7 @@ class LeaseTable:
         if type(group_idx) is not int or group_idx < 0:
             raise invalid(f"group_idx must be an int >= 0, got {group_idx!r}")
         self._check_capacity((requester_child_engine_id, holder_child_engine_id))
-        lease_id = self._fresh_id()
+        lease_id = self._fresh_id(Flow.PREFIX_LOAD)
 
         lease = _PrefixLoad(
             lease_id=lease_id,
@@ -613,10 +635,13 @@ class LeaseTable:
         rank_key: RankKey,
         outcome: Outcome,
         now_ms: int,
+        reporter_rank_keys: Sequence[RankKey] = (),
     ) -> LeaseStep:
-        """A requester part's terminal outcome."""
+        """A requester part's terminal outcome (`reporter_rank_keys`: see `recover_held`)."""
         lease = self._lookup_flow(lease_id, _PrefixLoad)
-        return self._report(lease, reporter_child_engine_id, rank_key, outcome, now_ms)
+        return self._report(
+            lease, reporter_child_engine_id, rank_key, outcome, now_ms, reporter_rank_keys
+        )
 
     # ---------------------------------------------------------------- handoff
 
@@ -669,7 +694,7 @@ class LeaseTable:
                 engines.append(decode_child_engine_id)
             self._check_capacity(engines)
             lease = _Handoff(
-                lease_id=self._fresh_id(),
+                lease_id=self._fresh_id(Flow.HANDOFF),
                 request_id=request_id,
                 state=LeaseState.WAITING_READY,
                 created_ms=now_ms,
@@ -805,10 +830,13 @@ class LeaseTable:
         rank_key: RankKey,
         outcome: Outcome,
         now_ms: int,
+        reporter_rank_keys: Sequence[RankKey] = (),
     ) -> LeaseStep:
-        """A decode part's terminal outcome."""
+        """A decode part's terminal outcome (`reporter_rank_keys`: see `recover_held`)."""
         lease = self._lookup_flow(lease_id, _Handoff)
-        return self._report(lease, reporter_child_engine_id, rank_key, outcome, now_ms)
+        return self._report(
+            lease, reporter_child_engine_id, rank_key, outcome, now_ms, reporter_rank_keys
+        )
 
     # ------------------------------------------------------------ both flows
 
@@ -836,6 +864,88 @@ class LeaseTable:
         self._release(lease, "quarantine resolved by an operator", actions)
         self._end(lease, LeaseState.RESOLVED, "quarantine resolved by an operator", now_ms, actions)
         return LeaseStep(self._view(lease), tuple(actions))
+
+    def recover_held(
+        self,
+        *,
+        lease_id: str,
+        holder_child_engine_id: str,
+        holder_rank_keys: Sequence[RankKey],
+        rank_key: RankKey,
+        now_ms: int,
+    ) -> LeaseStep:
+        """A source part (re-)registers saying it still holds pins for `lease_id`.
+
+        After a coordinator restart the lease's record is gone and its outcome is
+        unknown: it is rebuilt QUARANTINED (fail closed) with this engine as its
+        source, and the part is told so. It is released only when every part of
+        the target engine reports SUCCEEDED or FAILED for it (the target proves
+        quiescence; the first report names the target), or when an operator
+        resolves it. Never released on a timer.
+
+        A lease this table still knows (the session broke, kvrc did not restart)
+        changes nothing, except that a part whose release was already decided
+        gets it again (the first may have been lost with the old stream).
+        """
+        _check_id("held lease id", lease_id)
+        _check_id("holder_child_engine_id", holder_child_engine_id)
+        grid = self._check_grid("holder_rank_keys", holder_rank_keys)
+        if rank_key not in grid:
+            raise permission_denied(
+                f"rank part {rank_key} is not part of {holder_child_engine_id!r}'s grid"
+            )
+        existing = self._leases.get(lease_id)
+        if existing is not None:
+            if existing.source_child_engine_id != holder_child_engine_id:
+                raise permission_denied(
+                    f"lease {lease_id} is not held by {holder_child_engine_id!r}: it cannot "
+                    "re-announce another engine's lease"
+                )
+            actions: list[Action] = []
+            if existing.state in TERMINAL_STATES:
+                if rank_key in existing.released:
+                    actions.append(
+                        SendRelease(
+                            holder_child_engine_id,
+                            rank_key,
+                            lease_id,
+                            existing.flow,
+                            f"already settled: {existing.reason}",
+                        )
+                    )
+            elif existing.state is LeaseState.QUARANTINED:
+                actions.append(
+                    SendQuarantine(
+                        holder_child_engine_id, rank_key, lease_id, existing.flow, existing.reason
+                    )
+                )
+            return LeaseStep(self._view(existing), tuple(actions))
+        flow = flow_of_lease_id(lease_id)
+        if flow is None:
+            raise invalid(
+                f"held lease id {lease_id!r} is not one kvrc issues (no 'pl-' or 'ho-' prefix)"
+            )
+        self._check_capacity((holder_child_engine_id,))
+        kind: type[_Lease] = _PrefixLoad if flow is Flow.PREFIX_LOAD else _Handoff
+        lease = kind(
+            lease_id=lease_id,
+            request_id="",
+            state=LeaseState.QUARANTINED,
+            created_ms=now_ms,
+            source_child_engine_id=holder_child_engine_id,
+            source_rank_keys=grid,
+            target_child_engine_id=None,
+            target_rank_keys=(),
+            reason=RECOVERED_REASON,
+            recovered=True,
+        )
+        self._leases[lease_id] = lease
+        self._open_ids[lease_id] = None
+        self._open_counts[(flow, LeaseState.QUARANTINED)] += 1
+        self._index_engine(holder_child_engine_id, lease_id)
+        quarantined = LeaseQuarantined(lease_id, flow, RECOVERED_REASON)
+        notice = SendQuarantine(holder_child_engine_id, rank_key, lease_id, flow, RECOVERED_REASON)
+        return LeaseStep(self._view(lease), (quarantined, notice))
 
     def tick(self, now_ms: int) -> list[Action]:
         """Fire every timer due at `now_ms` and purge expired ended leases."""
@@ -911,10 +1021,17 @@ class LeaseTable:
         rank_key: RankKey,
         outcome: Outcome,
         now_ms: int,
+        reporter_rank_keys: Sequence[RankKey] = (),
     ) -> LeaseStep:
-        self._check_target_part(lease, reporter_child_engine_id, rank_key)
         if not isinstance(outcome, Outcome):
             raise invalid(f"outcome must be SUCCEEDED, FAILED or UNKNOWN, got {outcome!r}")
+        if lease.recovered and lease.target_child_engine_id is None:
+            self._bind_recovered_target(
+                lease, reporter_child_engine_id, reporter_rank_keys, rank_key
+            )
+        self._check_target_part(lease, reporter_child_engine_id, rank_key)
+        if lease.recovered and lease.state is LeaseState.QUARANTINED:
+            return self._report_recovered(lease, rank_key, outcome, now_ms)
         if rank_key in lease.abort_acked:
             return LeaseStep(self._view(lease), ())  # its abort ack already settled it
         previous = lease.outcomes.get(rank_key)
@@ -935,6 +1052,46 @@ class LeaseTable:
             lease.abort_pending.discard(rank_key)
             self._settle_if_quiescent(lease, now_ms, actions)
         # QUARANTINED or ended: a late report changes nothing (fail closed).
+        return LeaseStep(self._view(lease), tuple(actions))
+
+    def _bind_recovered_target(
+        self, lease: _Lease, reporter: str, reporter_rank_keys: Sequence[RankKey], rank_key: RankKey
+    ) -> None:
+        # The first report on a recovered lease names its target; checks first, then binds.
+        _check_id("reporter_child_engine_id", reporter)
+        if reporter == lease.source_child_engine_id:
+            raise permission_denied(
+                f"{reporter!r} holds lease {lease.lease_id}; only its target may report on it"
+            )
+        if not reporter_rank_keys:
+            raise failed_precondition(
+                f"{reporter!r} is not registered: register before reporting on "
+                f"recovered lease {lease.lease_id}"
+            )
+        grid = self._check_grid("reporter_rank_keys", reporter_rank_keys)
+        if rank_key not in grid:
+            raise permission_denied(f"rank part {rank_key} is not part of {reporter!r}'s grid")
+        lease.target_child_engine_id = reporter
+        lease.target_rank_keys = grid
+        self._index_engine(reporter, lease.lease_id)
+
+    def _report_recovered(
+        self, lease: _Lease, rank_key: RankKey, outcome: Outcome, now_ms: int
+    ) -> LeaseStep:
+        previous = lease.outcomes.get(rank_key)
+        if previous is not None and previous is not outcome:
+            raise failed_precondition(
+                f"rank part {rank_key} already reported {previous.name} for lease "
+                f"{lease.lease_id}; a terminal report cannot change to {outcome.name}"
+            )
+        lease.outcomes[rank_key] = outcome
+        actions: list[Action] = []
+        outcomes = lease.outcomes.values()
+        if len(lease.outcomes) == len(lease.target_rank_keys) and Outcome.UNKNOWN not in outcomes:
+            # The target proved quiescence for every part: the holder may unpin.
+            self._settle_if_quiescent(lease, now_ms, actions)
+        elif Outcome.UNKNOWN in outcomes:
+            lease.reason = "recovered after a restart; a target part reported UNKNOWN"
         return LeaseStep(self._view(lease), tuple(actions))
 
     def _settle_if_quiescent(
@@ -1037,6 +1194,8 @@ class LeaseTable:
 
     def _pinned_parts(self, lease: _Lease) -> list[RankKey]:
         """Source parts that may hold something for this lease."""
+        if lease.recovered:
+            return list(lease.source_rank_keys)  # any part may hold; each re-announces its own
         if isinstance(lease, _PrefixLoad):
             return [
                 k
@@ -1150,6 +1309,8 @@ class LeaseTable:
                 break
             del self._terminal[lease_id]
             lease = self._leases.pop(lease_id)
+            if lease.recovered:
+                continue  # never indexed by request id
             owner = (
                 lease.target_child_engine_id
                 if isinstance(lease, _PrefixLoad)
@@ -1191,8 +1352,10 @@ class LeaseTable:
             raise invalid(f"{name} lists a rank part twice")
         return tuple(sorted(grid))
 
-    def _fresh_id(self) -> str:
+    def _fresh_id(self, flow: Flow) -> str:
         lease_id = self._new_id()
+        if self._flow_ids:
+            lease_id = _FLOW_ID_PREFIX[flow] + lease_id
         if not lease_id or lease_id in self._leases:
             raise RuntimeError(f"lease id factory returned an empty or reused id {lease_id!r}")
         return lease_id
