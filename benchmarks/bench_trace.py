@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from benchmarks.common import percentile, write_result
 from benchmarks.trace_sim import (
     DEFAULT_CAPACITY_TOKENS,
     DEFAULT_ENGINES,
@@ -65,7 +66,6 @@ from benchmarks.trace_sim import (
     TraceSimulation,
     best_possible_hit_ratio,
     load_trace,
-    percentile,
     simulate,
 )
 from clients.errors import KvrcClientError
@@ -803,10 +803,10 @@ def run_real(
         result=result,
         requests=len(requests),
         wall_s=wall_s,
-        lookup_ms_p50=percentile(lookups, 50),
-        lookup_ms_p99=percentile(lookups, 99),
+        lookup_ms_p50=percentile(lookups, 50) if lookups else 0.0,
+        lookup_ms_p99=percentile(lookups, 99) if lookups else 0.0,
         lookups=len(lookups),
-        lag_p99_s=percentile(lags, 99),
+        lag_p99_s=percentile(lags, 99) if lags else 0.0,
         lag_max_s=max(lags, default=0.0),
         scheduled_s=last_virtual_ms[0] / 1000.0 / speedup,
         coordinator_cpu_s=cpu_s,
@@ -891,8 +891,8 @@ def build_report(
         lookups = [ms for run in real.values() for ms in run.stats.lookup_ms]
         cpu = sum(run.coordinator_cpu_s for run in real.values())
         served = sum(run.requests for run in real.values())
-        report["lookup_ms_p50"] = percentile(lookups, 50)
-        report["lookup_ms_p99"] = percentile(lookups, 99)
+        report["lookup_ms_p50"] = percentile(lookups, 50) if lookups else None
+        report["lookup_ms_p99"] = percentile(lookups, 99) if lookups else None
         report["coordinator_cpu_s_per_1k_requests"] = cpu * 1000.0 / served
         report["kvrc_modes_source"] = "service"
     else:
@@ -1078,9 +1078,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.trace, requests, results, reference, real, max_sustained, steps, config
     )
     report["wall_s"] = round(time.monotonic() - started, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"trace-{args.trace.stem}.json"
-    json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    json_path = write_result(f"trace-{args.trace.stem}", report, results_dir=args.out)
     png_path = args.out / f"trace-{args.trace.stem}.png"
     try:
         write_plot(png_path, requests, results)

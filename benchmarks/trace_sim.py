@@ -56,12 +56,13 @@ from __future__ import annotations
 import enum
 import heapq
 import json
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+from benchmarks.common import percentile
 
 BLOCK_TOKENS = 512
 DEFAULT_CAPACITY_TOKENS = 3_000_000
@@ -485,17 +486,6 @@ class ModeResult:
         }
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 # Event kinds, in the order they run at equal virtual times: what finished by
 # time t is visible to what arrives at t.
 _LOAD_END = 0
@@ -781,7 +771,7 @@ class TraceSimulation:
             blocks_recomputed=c.total - c.local_hit - c.loaded,
             hit_ratio=(c.local_hit + c.loaded) / c.total if c.total else 0.0,
             ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
-            ttft_p90_s=percentile(ttfts, 90),
+            ttft_p90_s=percentile(ttfts, 90) if ttfts else 0.0,
             load_grants=c.grants,
             load_misses=c.misses,
             cumulative_hit_ratio=tuple(cumulative),
