@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -479,7 +479,8 @@ class LeaseFacade:
                 self._metrics.handoff_wait.observe((self._clock_ms() - started) / 1000)
 
     def extend_handoff(self, lease_id: str, decode_child_engine_id: str) -> int:
-        deadline = self.table.extend_handoff(lease_id, decode_child_engine_id, self._clock_ms())
+        with self._count_denied():
+            deadline = self.table.extend_handoff(lease_id, decode_child_engine_id, self._clock_ms())
         self._kick.set()
         return deadline
 
@@ -600,9 +601,14 @@ class LeaseFacade:
             if flow is Flow.PREFIX_LOAD
             else self.table.complete_handoff
         )
-        step = call(
-            report.lease_id, report.reporter_child_engine_id, report.rank_key, report.outcome, now
-        )
+        with self._count_denied():
+            step = call(
+                report.lease_id,
+                report.reporter_child_engine_id,
+                report.rank_key,
+                report.outcome,
+                now,
+            )
         if not before.terminal:
             seen = self._reported.setdefault(report.lease_id, set())
             if report.rank_key not in seen:
@@ -613,6 +619,16 @@ class LeaseFacade:
                 self._metrics.transfer_bytes.labels(flow=flow.value).inc(report.bytes_moved)
         self._execute(step.actions)
         return self.table.get(report.lease_id)
+
+    @contextlib.contextmanager
+    def _count_denied(self) -> Iterator[None]:
+        """A rank part acting on a lease it is not part of is counted (foreign_lease)."""
+        try:
+            yield
+        except KvrcError as e:
+            if e.code is ErrorCode.PERMISSION_DENIED:
+                self._metrics.auth_denied.labels(reason="foreign_lease").inc()
+            raise
 
     def _session_step(self, what: str, call: Callable[[int], Sequence[Action]]) -> None:
         """A session message about a lease: stale ones (ended, purged, foreign) are logged."""

@@ -417,8 +417,10 @@ def test_bad_handoff_requests_get_statuses_and_change_nothing(
     assert other.command("begin", request_id="r-bad", prefill="pre-bad")["code"] == (
         "PERMISSION_DENIED"
     )
+    denied = metric(kvrc, "kvrc_auth_denied_total", reason="foreign_lease")
     foreign = other.command("complete_handoff", lease_id=lease_id, outcome="SUCCEEDED")
     assert foreign["code"] == "PERMISSION_DENIED"
+    assert metric(kvrc, "kvrc_auth_denied_total", reason="foreign_lease") == denied + 1
     unknown = dec.command("complete_handoff", lease_id="no-such-lease", outcome="SUCCEEDED")
     assert unknown["code"] == "NOT_FOUND"
     wrong_flow = dec.command("complete_load", lease_id=lease_id, outcome="SUCCEEDED")
