@@ -177,6 +177,8 @@ class InventoryFacade:
         self._meta: dict[str, _Meta] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._leases_in_flight: Callable[[], Mapping[str, int]] = lambda: _NO_LEASES
+        # Restart recovery (coordinator/recovery.py): a status while warming, else None.
+        self.warming: Callable[[], ReuseStatus | None] = lambda: None
         self._disabled = ReuseStatus(
             False,
             ReuseReason.DISABLED_BY_COORDINATOR,
@@ -360,6 +362,9 @@ class InventoryFacade:
         """Invariant 1, then the requester's readiness: why reuse is (not) open to it."""
         if not self._config.reuse:
             return self._disabled
+        warming = self.warming()
+        if warming is not None:
+            return warming
         meta = self._meta.get(requester_child_engine_id)
         if meta is None:
             return _UNKNOWN
