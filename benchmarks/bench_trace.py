@@ -43,12 +43,14 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import percentile, write_result
 from benchmarks.trace_sim import (
@@ -147,6 +149,7 @@ class CoordinatorProcess:
         self._workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
         self.target = ""
+        self.metrics_url = ""
         self._log = workdir / "coordinator.log"
 
     def start(self) -> None:
@@ -162,7 +165,7 @@ class CoordinatorProcess:
             "--listen",
             "127.0.0.1:0",
             "--metrics-port",
-            "-1",
+            "0",
             "--reuse",
             "on",
             "--profiles",
@@ -184,6 +187,7 @@ class CoordinatorProcess:
             time.sleep(0.05)
         ports = json.loads(port_file.read_text())
         self.target = f"127.0.0.1:{ports['grpc_port']}"
+        self.metrics_url = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
 
     def cpu_seconds(self) -> float:
         """User + system CPU of the coordinator process so far."""
@@ -191,6 +195,24 @@ class CoordinatorProcess:
         stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
         fields = stat.rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rpc_ms_upper_bound(self, method: str, q: float) -> float | None:
+        """The coordinator's own time for `method`, from its histogram: the upper
+        edge (ms) of the bucket holding the q-th percentile (None without data)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=RPC_TIMEOUT_S) as response:
+            text = response.read().decode()
+        buckets: list[tuple[float, float]] = []
+        for family in text_string_to_metric_families(text):
+            if family.name != "kvrc_rpc_duration_seconds":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket") and sample.labels.get("method") == method:
+                    buckets.append((float(sample.labels["le"]), sample.value))
+        buckets.sort()
+        if not buckets or buckets[-1][1] == 0:
+            return None
+        wanted = buckets[-1][1] * q / 100.0
+        return next(le * 1000.0 for le, count in buckets if count >= wanted)
 
     def log_tail(self, chars: int = 2000) -> str:
         try:
@@ -599,6 +621,7 @@ class RealRun:
     lag_p99_s: float
     lag_max_s: float
     scheduled_s: float  # wall time the schedule asked for (last event / speedup)
+    server_lookup_ms_p99_le: float | None  # coordinator-side, bucket upper edge
     coordinator_cpu_s: float
     events_lost: bool
     lost_detail: str
@@ -635,6 +658,7 @@ class RealRun:
             "wall_s": round(self.wall_s, 2),
             "lookup_ms_p50": round(self.lookup_ms_p50, 3),
             "lookup_ms_p99": round(self.lookup_ms_p99, 3),
+            "server_lookup_ms_p99_le": self.server_lookup_ms_p99_le,
             "lag_p99_s": round(self.lag_p99_s, 4),
             "scheduled_s": round(self.scheduled_s, 2),
             "events_lost": self.events_lost,
@@ -770,6 +794,8 @@ def run_real(
                 )
                 result = sim.run()
                 wall_s = time.perf_counter() - t0
+                # Before the end-of-run check adds its own lookups.
+                server_p99 = server.rpc_ms_upper_bound("Lookup", 99)
                 lt.run(_flush_links(links))
                 # Events still in flight settle within moments; a lost one never does.
                 check = (server.target, sim, names, provider.stored_ever)
@@ -809,6 +835,7 @@ def run_real(
         lag_p99_s=percentile(lags, 99) if lags else 0.0,
         lag_max_s=max(lags, default=0.0),
         scheduled_s=last_virtual_ms[0] / 1000.0 / speedup,
+        server_lookup_ms_p99_le=server_p99,
         coordinator_cpu_s=cpu_s,
         events_lost=bool(lost),
         lost_detail="; ".join(lost),
@@ -894,10 +921,17 @@ def build_report(
         report["lookup_ms_p50"] = percentile(lookups, 50) if lookups else None
         report["lookup_ms_p99"] = percentile(lookups, 99) if lookups else None
         report["coordinator_cpu_s_per_1k_requests"] = cpu * 1000.0 / served
+        # The coordinator's own Lookup time (histogram bucket edge), without the
+        # client stack and the thread hand-off that lookup_ms_* include.
+        server = [r.server_lookup_ms_p99_le for r in real.values()]
+        report["coordinator_lookup_ms_p99_le"] = (
+            max(v for v in server if v is not None) if any(v is not None for v in server) else None
+        )
         report["kvrc_modes_source"] = "service"
     else:
         report["lookup_ms_p50"] = report["lookup_ms_p99"] = None
         report["coordinator_cpu_s_per_1k_requests"] = None
+        report["coordinator_lookup_ms_p99_le"] = None
         report["kvrc_modes_source"] = "reference provider (no service run)"
     report["max_sustained_speedup"] = max_sustained
     report["speedup_steps"] = steps
@@ -1097,6 +1131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lookup_ms_p50",
         "lookup_ms_p99",
         "coordinator_cpu_s_per_1k_requests",
+        "coordinator_lookup_ms_p99_le",
         "max_sustained_speedup",
     ):
         log(f"  {key} = {report[key]}")

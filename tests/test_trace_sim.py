@@ -471,6 +471,7 @@ def test_real_service_replay_keeps_the_coordinator_view_and_leases_exact(
     local = simulate(reqs, Mode.LOCAL_RR, engines=4, capacity_tokens=512 * 6)
     assert run.result.hit_ratio > local.hit_ratio
     assert run.lookup_ms_p99 > 0
+    assert run.server_lookup_ms_p99_le is not None  # the coordinator timed them too
 
 
 def _fake_step(speedup: float, ok_up_to: float) -> bench_trace.RealRun:
@@ -489,6 +490,7 @@ def _fake_step(speedup: float, ok_up_to: float) -> bench_trace.RealRun:
         lag_p99_s=0.0,
         lag_max_s=0.0,
         scheduled_s=1.0,
+        server_lookup_ms_p99_le=None,
         coordinator_cpu_s=0.01,
         events_lost=False,
         lost_detail="",
