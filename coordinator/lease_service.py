@@ -223,6 +223,8 @@ class LeaseFacade:
         self._ticker: asyncio.Task[None] | None = None
         self._closing = False
         self._reported: dict[str, set[RankKey]] = {}  # for byte counting without duplicates
+        # Restart recovery (coordinator/recovery.py): a status while warming, else None.
+        self.warming: Callable[[], ReuseStatus | None] = lambda: None
         self._update_gauge()
 
     # --- lifecycle -----------------------------------------------------------------
@@ -279,6 +281,9 @@ class LeaseFacade:
                 raise failed_precondition(
                     f"reuse is not enabled for {req.requester_child_engine_id!r}: {reuse.detail}"
                 )
+            warming = self.warming()
+            if warming is not None:
+                raise failed_precondition(f"prefix loads wait for warm-up: {warming.detail}")
             if not requester.ready:
                 raise failed_precondition(
                     f"requester {req.requester_child_engine_id!r} is not READY: "
@@ -494,6 +499,45 @@ class LeaseFacade:
             lambda now: self.table.on_abort_ack(lease_id, child_engine_id, rank_key, now).actions,
         )
 
+    def recover_held(
+        self, child_engine_id: str, rank_key: RankKey, lease_ids: Iterable[str]
+    ) -> None:
+        """A registering part's `held_lease_ids`: leases it still holds pins for (restart recovery).
+
+        Unknown ones are rebuilt QUARANTINED (coordinator/leases.py `recover_held`); a bad
+        or foreign id is logged, counted when foreign, and skipped: the session goes on.
+        """
+        keys = self._grid_of(child_engine_id)
+        if not keys:
+            return
+        for lease_id in lease_ids:
+            try:
+                step = self.table.recover_held(
+                    lease_id=lease_id,
+                    holder_child_engine_id=child_engine_id,
+                    holder_rank_keys=keys,
+                    rank_key=rank_key,
+                    now_ms=self._clock_ms(),
+                )
+            except KvrcError as e:
+                if e.code is ErrorCode.PERMISSION_DENIED:
+                    self._metrics.auth_denied.labels(reason="foreign_lease").inc()
+                log.warning("held lease %r of %s not recovered: %s", lease_id, child_engine_id, e)
+                continue
+            if step.actions:
+                log.warning(
+                    "lease %s re-announced by %s rank %s: %s",
+                    lease_id,
+                    child_engine_id,
+                    rank_key,
+                    step.view.state.name,
+                )
+            self._execute(step.actions)
+
+    def _grid_of(self, child_engine_id: str) -> tuple[RankKey, ...]:
+        view = self._registry.get(child_engine_id)
+        return grid_keys(view) if view is not None else ()
+
     def on_release_ack(self, child_engine_id: str, rank_key: RankKey, lease_id: str) -> None:
         # The release already ended the lease (fail closed is on the holder's side now).
         log.debug(
@@ -591,7 +635,16 @@ class LeaseFacade:
 
     def _complete(self, report: TransferReport, flow: Flow) -> LeaseView:
         now = self._clock_ms()
-        before = self.table.get(report.lease_id)
+        try:
+            before = self.table.get(report.lease_id)
+        except KvrcError as e:
+            if e.code is ErrorCode.NOT_FOUND and self.warming() is not None:
+                # After a restart the holder may not have re-announced it yet.
+                raise KvrcError(
+                    ErrorCode.UNAVAILABLE,
+                    f"{e.message}; the coordinator restarted and is warming: retry the report",
+                ) from None
+            raise
         if before.flow is not flow:
             word = "prefix-load" if flow is Flow.PREFIX_LOAD else "handoff"
             raise not_found(f"lease {report.lease_id!r} is not a {word} lease")
@@ -601,7 +654,12 @@ class LeaseFacade:
             else self.table.complete_handoff
         )
         step = call(
-            report.lease_id, report.reporter_child_engine_id, report.rank_key, report.outcome, now
+            report.lease_id,
+            report.reporter_child_engine_id,
+            report.rank_key,
+            report.outcome,
+            now,
+            reporter_rank_keys=self._grid_of(report.reporter_child_engine_id),
         )
         if not before.terminal:
             seen = self._reported.setdefault(report.lease_id, set())
