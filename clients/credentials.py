@@ -134,14 +134,14 @@ else:
     _SyncUnaryUnary = grpc.UnaryUnaryClientInterceptor
 
 
-class _AioBearer(_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream):
-    """Adds `authorization: Bearer <token>` to every call of the channel."""
+class _AioBearer:
+    """Adds `authorization: Bearer <token>` to a call's metadata."""
 
     def __init__(self, token: str) -> None:
         self._header = f"Bearer {token}"
 
     def __repr__(self) -> str:
-        return "_AioBearer(<token>)"
+        return f"{type(self).__name__}(<token>)"
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
@@ -150,25 +150,46 @@ class _AioBearer(_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStr
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+# grpc.aio files an interceptor under the first call kind it implements: one class per kind.
+class _AioBearerUnaryUnary(_AioBearer, _AioUnaryUnary):
     async def intercept_unary_unary(
         self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioBearerUnaryStream(_AioBearer, _AioUnaryStream):
     async def intercept_unary_stream(
         self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioBearerStreamUnary(_AioBearer, _AioStreamUnary):
     async def intercept_stream_unary(
         self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, requests: Any
     ) -> Any:
         return await continuation(self._details(details), requests)
 
+
+class _AioBearerStreamStream(_AioBearer, _AioStreamStream):
     async def intercept_stream_stream(
         self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, requests: Any
     ) -> Any:
         return await continuation(self._details(details), requests)
+
+
+def _bearer_interceptors(token: str) -> list[_AioBearer]:
+    return [
+        kind(token)
+        for kind in (
+            _AioBearerUnaryUnary,
+            _AioBearerUnaryStream,
+            _AioBearerStreamUnary,
+            _AioBearerStreamStream,
+        )
+    ]
 
 
 def connect(
@@ -177,7 +198,7 @@ def connect(
     """An asyncio channel to kvrc: plaintext for a bare target, else as `ChannelOptions` say."""
     opts = _as_options(target)
     token = opts.bearer_token()
-    interceptors: Any = [_AioBearer(token)] if token is not None else None
+    interceptors: Any = _bearer_interceptors(token) if token is not None else None
     options = [*opts.all_grpc_options(), *grpc_options]
     if opts.secure:
         return grpc.aio.secure_channel(
