@@ -140,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="credentials file (TOML): bearer tokens and certificate identities, each bound to "
         "engine ids and roles; every RPC then needs one (docs/security.md)",
     )
+    serve.add_argument(
+        "--state-file",
+        type=Path,
+        metavar="FILE",
+        help="keep the known child engines here; after a restart kvrc warms up until they "
+        "are back or --warmup-ms passes (docs/operations.md)",
+    )
+    serve.add_argument(
+        "--warmup-ms",
+        type=int,
+        help="warm-up deadline after a restart (default 10000 with --state-file; without "
+        "one, warm up exactly this long)",
+    )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-json", action="store_true", help="one JSON document per log line")
@@ -255,6 +268,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         leases=leases,
         tls=tls,
         auth=auth,
+        state_file=args.state_file,
+        warmup_ms=args.warmup_ms,
     )
 
 

@@ -95,6 +95,11 @@ class CoordinatorConfig:
     tls: TlsFiles | None = None
     # None: no credentials needed (today's behaviour); see coordinator/auth.py.
     auth: AuthPolicy | None = None
+    # Restart recovery (coordinator/recovery.py, docs/operations.md): the known child
+    # engines are kept here; after a restart kvrc warms until they are back.
+    state_file: Path | None = None
+    # Warm-up deadline; None: DEFAULT_WARMUP_MS with a state file, no warm-up without.
+    warmup_ms: int | None = None
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_ms <= 0:
@@ -106,6 +111,8 @@ class CoordinatorConfig:
                 f"heartbeat timeout ({self.heartbeat_timeout_ms} ms) must exceed the heartbeat "
                 f"interval ({self.heartbeat_interval_ms} ms)"
             )
+        if self.warmup_ms is not None and not 0 <= self.warmup_ms <= 3_600_000:
+            raise ConfigError(f"warm-up must be 0..3600000 ms, got {self.warmup_ms}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown grace must be >= 0 s, got {self.shutdown_grace_s}")
         if self.inventory_max_entries_total < 0 or self.inventory_max_entries_per_engine < 0:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +31,15 @@ from coordinator.inventory_service import InventoryFacade, LookupQuery, ResyncOr
 from coordinator.lease_service import DrainNotice, HolderCandidate, LeaseFacade
 from coordinator.leases import LeaseView, SendAbort, SendPin, SendQuarantine, SendRelease
 from coordinator.metrics import Metrics
-from coordinator.profiles import ReuseStatus, reuse_status
+from coordinator.profiles import ReuseReason, ReuseStatus, reuse_status
+from coordinator.recovery import (
+    MAX_STATE_FILE_BYTES,
+    KnownEngine,
+    StateFileError,
+    Warmup,
+    decode_state,
+    encode_state,
+)
 from coordinator.registry import (
     ChildEngineView,
     PartRef,
@@ -41,6 +50,11 @@ from coordinator.registry import (
 from kvrc import __version__
 
 log = logging.getLogger("kvrc.coordinator")
+
+# Warm-up deadline after a restart when a state file is used and --warmup-ms is not given.
+DEFAULT_WARMUP_MS = 10_000
+# State file writes are coalesced: registrations come in bursts after a restart.
+_STATE_WRITE_DELAY_S = 0.2
 
 
 def wall_clock_ms() -> int:
@@ -210,19 +224,37 @@ class Coordinator:
         self.leases.holder_finder = self._find_holders
         self.inventory.set_leases_in_flight(self.leases.leases_in_flight)
         self.add_part_listener(self.leases)
-        self.metrics.warming.set(0)
+        # Restart recovery (coordinator/recovery.py): warm-up and the known engines.
+        self._known: dict[str, KnownEngine] = {}
+        self._known_written: tuple[KnownEngine, ...] | None = None
+        self._state_timer: asyncio.TimerHandle | None = None
+        self._warmup_timer: asyncio.TimerHandle | None = None
+        self.warmup = self._load_warmup(clock_ms())
+        self.inventory.warming = self.warming_status
+        self.leases.warming = self.warming_status
+        self.metrics.warming.set(1 if self.warmup.warming else 0)
         self._update_gauges()
 
     # --- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
         self._watchdog = asyncio.create_task(self._watch_heartbeats(), name="kvrc-watchdog")
+        status = self.warmup.status()
+        if status.warming and status.deadline_ms is not None:
+            delay_s = max(status.deadline_ms - self._clock_ms(), 0) / 1000
+            self._warmup_timer = asyncio.get_running_loop().call_later(
+                delay_s + 0.01, self._warmup_deadline
+            )
         self.inventory.start()
         await self.leases.start()
 
     async def shutdown(self) -> None:
         """Ends every session (UNAVAILABLE: engines reconnect to the next coordinator)."""
         self._shutting_down = True
+        self._flush_state()  # the sessions closing below are not departures
+        for handle in (self._state_timer, self._warmup_timer):
+            if handle is not None:
+                handle.cancel()
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -275,6 +307,7 @@ class Coordinator:
         view = result.view
         reuse = self.reuse_for(view)
         self.inventory.part_registered(registration, incarnation, view, reuse)
+        self._remember(view.child_engine_id, view.engine_id, view.parts_expected)
         session.offer(
             RegisterReply(
                 session_id=session_id,
@@ -295,6 +328,11 @@ class Coordinator:
         )
         if result.readiness_changed:
             self._readiness_changed(view, reuse, skip_session=session_id)
+        if registration.held_lease_ids:
+            # Restart recovery: pins this part still holds (after the RegisterAck).
+            self.leases.recover_held(
+                view.child_engine_id, registration.rank, registration.held_lease_ids
+            )
         return session
 
     def heartbeat(self, session: Session) -> None:
@@ -362,7 +400,7 @@ class Coordinator:
         return StatusSnapshot(
             version=__version__,
             reuse_enabled=self.config.reuse,
-            warming=False,
+            warming=self.warming_status() is not None,
             child_engines=tuple(children),
             inventory_entries=self.inventory.entries_total(),
             leases=tuple(self.leases.open_leases()),
@@ -415,6 +453,9 @@ class Coordinator:
 
     def _part_gone(self, ref: PartRef) -> None:
         self._gone_timers.pop(self._part_key(ref), None)
+        child = ref.child_engine_id
+        if self.registry.get(child) is None and not self.gone_pending(child):
+            self._forget(child)
         for listener in self._listeners:
             try:
                 listener.on_part_gone(ref.child_engine_id, ref.rank, ref.session_id)
@@ -444,6 +485,8 @@ class Coordinator:
     ) -> None:
         if view.ready:
             log.info("child engine %s READY (%d parts)", view.child_engine_id, view.parts_expected)
+            if self.warmup.engine_ready(view.child_engine_id):
+                self._warm("every known child engine is back")
         else:
             log.info("child engine %s not READY: %s", view.child_engine_id, view.not_ready_reason)
         update = StateUpdate(view, reuse)
@@ -451,6 +494,113 @@ class Coordinator:
             session = self._sessions.get(ref.session_id)
             if session is not None and ref.session_id != skip_session:
                 self._send(session, update)
+
+    # --- restart recovery (coordinator/recovery.py) -------------------------------
+
+    def warming_status(self) -> ReuseStatus | None:
+        """While warming, the reuse status lookups and prefix loads answer; else None."""
+        if not self.warmup.warming:
+            return None
+        if self.warmup.tick(self._clock_ms()):
+            self._warm("the warm-up deadline passed")
+            return None
+        return ReuseStatus(False, ReuseReason.WARMING, self.warmup.status().detail)
+
+    def _warmup_deadline(self) -> None:
+        self._warmup_timer = None
+        if self.warmup.tick(self._clock_ms()):
+            self._warm("the warm-up deadline passed")
+
+    def _warm(self, why: str) -> None:
+        status = self.warmup.status()
+        missing = [c for c in status.expected if self.registry.get(c) is None]
+        if missing:
+            log.warning(
+                "warm: %s; %d known child engine(s) did not come back: %s",
+                why,
+                len(missing),
+                ", ".join(missing[:10]),
+            )
+        else:
+            log.info("warm: %s", why)
+        self.metrics.warming.set(0)
+        if self._warmup_timer is not None:
+            self._warmup_timer.cancel()
+            self._warmup_timer = None
+        for child in missing:  # not back in time: no longer known
+            self._forget(child)
+
+    def _load_warmup(self, now: int) -> Warmup:
+        cfg = self.config
+        expected: tuple[KnownEngine, ...] = ()
+        unreadable = False
+        if cfg.state_file is not None:
+            try:
+                with open(cfg.state_file, "rb") as f:
+                    data = f.read(MAX_STATE_FILE_BYTES + 1)
+                expected = decode_state(data)
+            except FileNotFoundError:
+                pass  # a first start
+            except (OSError, StateFileError) as e:
+                # Fail safe: some engines may have been known; warm up for the deadline.
+                log.warning(
+                    "state file %s unusable (%s): warming until the deadline", cfg.state_file, e
+                )
+                unreadable = True
+        warmup_ms = cfg.warmup_ms if cfg.warmup_ms is not None else DEFAULT_WARMUP_MS
+        timed = unreadable or (cfg.state_file is None and cfg.warmup_ms is not None)
+        warmup = Warmup(
+            expected=[e.child_engine_id for e in expected],
+            started_ms=now,
+            warmup_ms=warmup_ms,
+            timed=timed,
+        )
+        # Until they are back or the warm-up ends, the file keeps listing them.
+        self._known = {e.child_engine_id: e for e in expected}
+        self._known_written = expected
+        if warmup.warming:
+            log.warning("warming: %s", warmup.status().detail)
+        return warmup
+
+    def _remember(self, child_engine_id: str, engine_id: str, parts_expected: int) -> None:
+        known = KnownEngine(child_engine_id, engine_id, parts_expected)
+        if self._known.get(child_engine_id) != known:
+            self._known[child_engine_id] = known
+            self._schedule_state_write()
+
+    def _forget(self, child_engine_id: str) -> None:
+        if self._known.pop(child_engine_id, None) is not None:
+            self._schedule_state_write()
+
+    def _schedule_state_write(self) -> None:
+        if self.config.state_file is None or self._state_timer is not None:
+            return
+        if self._shutting_down:
+            return
+        self._state_timer = asyncio.get_running_loop().call_later(
+            _STATE_WRITE_DELAY_S, self._flush_state
+        )
+
+    def _flush_state(self) -> None:
+        self._state_timer = None
+        path = self.config.state_file
+        if path is None:
+            return
+        known = tuple(sorted(self._known.values(), key=lambda e: e.child_engine_id))
+        if known == self._known_written:
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            # Atomic replace: a crash mid-write leaves the previous file, never half of one.
+            with open(tmp, "wb") as f:
+                f.write(encode_state(known, self._clock_ms()))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            log.error("cannot write state file %s: %s", path, e)
+            return
+        self._known_written = known
 
     def _update_gauges(self) -> None:
         ready, not_ready = self.registry.readiness_counts()
