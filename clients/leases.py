@@ -34,13 +34,19 @@ from typing import Any
 import grpc
 
 from clients.credentials import ChannelOptions, connect
-from clients.errors import KvrcClientError, from_rpc_error
+from clients.errors import KvrcClientError, UnavailableError, from_rpc_error
 from clients.kv_params import decode_kv_transfer_params, encode_kv_transfer_params
 from clients.session import EngineSession, ReuseInfo, SessionHandler
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvrc.client.leases")
+
+# The coordinator accepts this many held lease ids in one Register (FieldBounds).
+MAX_HELD_ANNOUNCED = 4096
+# Reports are retried while the coordinator is unreachable or warming after a restart.
+_REPORT_RETRY_INITIAL_S = 0.05
+_REPORT_RETRY_MAX_S = 1.0
 
 __all__ = [
     "CompleteResult",
@@ -190,9 +196,26 @@ class LeaseClient:
         return Miss(reason, detail, reply.lease_id, _reuse(reply.reuse))
 
     async def complete_prefix_load(self, report: pb.TransferReport) -> CompleteResult:
-        """One requester rank part's terminal outcome (`TransferResult.to_report(...)`)."""
-        reply = await self._call(self._stub.CompletePrefixLoad, report, self._timeout_s)
+        """One requester rank part's terminal outcome (`TransferResult.to_report(...)`).
+
+        Retried on UNAVAILABLE (coordinator restarting or warming) for up to the client's
+        timeout: a lost report would leave the holder's pins quarantined."""
+        reply = await self._report(self._stub.CompletePrefixLoad, report)
         return CompleteResult(_state_name(reply.state), reply.quiescent)
+
+    async def _report(self, method: Callable[..., Any], report: pb.TransferReport) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        delay = _REPORT_RETRY_INITIAL_S
+        while True:
+            left = deadline - loop.time()
+            try:
+                return await self._call(method, report, max(left, 0.1))
+            except UnavailableError:
+                if loop.time() + delay >= deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _REPORT_RETRY_MAX_S)
 
     # decode handoff
 
@@ -264,7 +287,8 @@ class LeaseClient:
         return HandoffKeepAlive(self, grant.lease_id, grant.heartbeat_interval_ms)
 
     async def complete_handoff(self, report: pb.TransferReport) -> CompleteResult:
-        reply = await self._call(self._stub.CompleteHandoff, report, self._timeout_s)
+        """One decode rank part's terminal outcome (retried like complete_prefix_load)."""
+        reply = await self._report(self._stub.CompleteHandoff, report)
         return CompleteResult(_state_name(reply.state), reply.quiescent)
 
 
@@ -382,6 +406,24 @@ class LeaseSessionHandler(SessionHandler):
         self._inner = inner  # readiness and registration callbacks go here too
         self._session: EngineSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Leases this part holds pins for until their ReleaseRequest (insertion order).
+        self._held: dict[str, None] = {}
+
+    def held_lease_ids(self) -> Sequence[str]:
+        """Re-announced at every (re-)registration: a restarted coordinator rebuilds these
+        leases as quarantined instead of forgetting pins (at most MAX_HELD_ANNOUNCED)."""
+        ids = list(self._held)
+        if len(ids) > MAX_HELD_ANNOUNCED:
+            log.warning("%d held leases; announcing the newest %d", len(ids), MAX_HELD_ANNOUNCED)
+            ids = ids[-MAX_HELD_ANNOUNCED:]
+        return ids
+
+    def track_held(self, lease_id: str) -> None:
+        """An engine that holds blocks for a lease it learned elsewhere (e.g. a handoff)."""
+        self._held[lease_id] = None
+
+    def untrack_held(self, lease_id: str) -> None:
+        self._held.pop(lease_id, None)
 
     def attach(self, session: EngineSession) -> None:
         self._session = session
@@ -427,6 +469,8 @@ class LeaseSessionHandler(SessionHandler):
         )
         if answer.descriptor is not None:
             result.descriptor.CopyFrom(answer.descriptor)
+        if answer.pinned_blocks > 0:
+            self._held[request.lease_id] = None  # until its ReleaseRequest
         await session.send_pin_result(result)
 
     async def on_abort_request(self, request: pb.AbortRequest) -> None:
@@ -440,6 +484,7 @@ class LeaseSessionHandler(SessionHandler):
     async def on_release_request(self, request: pb.ReleaseRequest) -> None:
         if self._on_release is not None:
             await _maybe_await(self._on_release(request.lease_id, request.reason))
+        self._held.pop(request.lease_id, None)
         await self._require_session().send_release_ack(request.lease_id)
 
     async def on_quarantine_notice(self, notice: pb.QuarantineNotice) -> None:

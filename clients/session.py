@@ -277,6 +277,11 @@ class SessionHandler(Protocol):
     async def on_drain_notice(self, notice: pb.DrainNotice) -> None:
         return None
 
+    def held_lease_ids(self) -> Sequence[str]:
+        """Leases this rank part still holds pins for, re-announced on every registration
+        so that a restarted coordinator rebuilds them (restart recovery)."""
+        return ()
+
 
 class NullHandler(SessionHandler):
     pass
@@ -399,7 +404,10 @@ class EngineSession:
         stub = pb_grpc.EngineServiceStub(self._channel)
         call: _Call = stub.Session()  # type: ignore[call-arg]  # grpc-stubs predate the optional iterator
         try:
-            await call.write(pb.EngineMessage(register=self.registration.to_proto()))
+            held = getattr(self.handler, "held_lease_ids", None)
+            held_ids: Sequence[str] = held() if callable(held) else ()
+            register = self.registration.to_proto(held_ids)
+            await call.write(pb.EngineMessage(register=register))
             first = await asyncio.wait_for(call.read(), self._register_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e) from None
