@@ -7,6 +7,7 @@ prefill's blocks) must be released only at quiescence or after proven death.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -290,6 +291,13 @@ def test_unacknowledged_abort_quarantines_until_resolved_by_the_cli(
     # Visible in `kvrc status`, kept out of use: no release.
     shown = _kvrc("status", "--target", kvrc.grpc_target)
     assert lease_id in shown.stdout and "QUARANTINED" in shown.stdout
+    doc = json.loads(_kvrc("status", "--target", kvrc.grpc_target, "--json").stdout)
+    listed = {x["lease_id"]: x for x in doc["leases"]}
+    assert listed[lease_id]["state"] == "QUARANTINED"
+    assert (listed[lease_id]["flow"], listed[lease_id]["source_child_engine_id"]) == (
+        "handoff",
+        "pre-q",
+    )
     assert not pre.has_event("release", lease_id, within_s=0.3)
 
     resolved = _kvrc("quarantine", "resolve", lease_id, "--target", kvrc.grpc_target, "--json")
@@ -499,3 +507,24 @@ def publish_raw(kvrc: CoordinatorProcess, *, prefill: str, request_id: str) -> g
     with channel, pytest.raises(grpc.RpcError) as info:
         stub.PublishHandoff(_publish_request(prefill, request_id), timeout=5)
     return info.value
+
+
+def test_drain_by_engine_id_covers_every_child_engine(
+    kvrc: CoordinatorProcess, engines: list[LeaseEngine]
+) -> None:
+    start(kvrc, engines, "dpe", dp_rank=0, dp_size=2)
+    start(kvrc, engines, "dpe", dp_rank=1, dp_size=2)
+    ready(kvrc, "dpe_dp0")
+    ready(kvrc, "dpe_dp1")
+    out = _kvrc("drain", "dpe", "--target", kvrc.grpc_target, "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc == {
+        "child_engine_ids": ["dpe_dp0", "dpe_dp1"],
+        "leases_remaining": 0,
+        "safe_to_stop": True,
+    }
+    for engine in engines:
+        engine.event("drain")
+    draining = {c.state.child_engine_id: c.state.draining for c in status(kvrc).child_engines}
+    assert draining["dpe_dp0"] and draining["dpe_dp1"]
