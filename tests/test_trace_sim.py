@@ -502,9 +502,11 @@ def _fake_step(speedup: float, ok_up_to: float) -> bench_trace.RealRun:
 @pytest.mark.parametrize(
     ("first", "ok_up_to", "expected", "tried"),
     [
-        (50.0, 400.0, 400.0, [50.0, 100.0, 200.0, 400.0, 800.0]),
-        (50.0, 10.0, 6.25, [50.0, 25.0, 12.5, 6.25]),
-        (2.0, 0.5, 0.0, [2.0, 1.0]),
+        # Two p99 failures in a row end the climb.
+        (50.0, 400.0, 400.0, [50.0, 100.0, 200.0, 400.0, 800.0, 1600.0]),
+        # Nothing above sustains: halve from the first step.
+        (50.0, 10.0, 6.25, [50.0, 100.0, 25.0, 12.5, 6.25]),
+        (2.0, 0.5, 0.0, [2.0, 4.0, 1.0]),
     ],
 )
 def test_max_speedup_search_doubles_until_a_step_fails(
