@@ -208,3 +208,39 @@ async def test_typed_errors(kvrc: CoordinatorProcess, parts: Parts) -> None:
 
 async def _true(values: Sequence[object]) -> bool:
     return any(v is not None for v in values)
+
+
+async def test_foreign_and_malformed_pin_results_change_nothing(
+    kvrc: CoordinatorProcess, parts: Parts
+) -> None:
+    asked: asyncio.Queue[PinRequestInfo] = asyncio.Queue()
+    answer = asyncio.Event()
+
+    async def pin(info: PinRequestInfo) -> PinAnswer:
+        await asked.put(info)
+        await answer.wait()
+        return PinAnswer(2, descriptor([4, 5]))
+
+    holder, _ = await parts.part("f-hold", LeaseSessionHandler(pin=pin))
+    _, requester = await parts.part("f-req")
+    intruder, _ = await parts.part("f-intruder")
+    chain = hashes_of("foreign", 2)
+    await stored(holder, chain)
+    load = asyncio.ensure_future(requester.request_prefix_load("f1", chain, pin_timeout_ms=5000))
+    lease_id = (await asyncio.wait_for(asked.get(), 5)).lease_id
+    # Another engine answering for the holder is ignored; its session goes on.
+    await intruder.send_pin_result(
+        pb.PinResult(lease_id=lease_id, pinned_blocks=2, descriptor=descriptor([9, 9]))
+    )
+    await asyncio.sleep(0.3)
+    assert intruder.connected
+    assert await lease_state(kvrc, lease_id) == "LEASE_STATE_PINNING"
+    # A malformed answer (blocks but no descriptor) ends that session with INVALID_ARGUMENT.
+    await intruder.send_pin_result(pb.PinResult(lease_id=lease_id, pinned_blocks=2))
+    await wait_until(lambda: _true([None if intruder.connected else True]), timeout_s=5)
+    assert intruder.last_error is not None and intruder.last_error.code.name == "INVALID_ARGUMENT"
+    assert await lease_state(kvrc, lease_id) == "LEASE_STATE_PINNING"
+    answer.set()
+    grant = await load
+    assert isinstance(grant, PrefixLoadGrant) and grant.matched_blocks == 2
+    assert [list(p.block_ids) for p in grant.source_parts] == [[4, 5]]
