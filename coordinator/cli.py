@@ -247,13 +247,16 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         auth = load_auth_policy(args.auth_tokens) if args.auth_tokens is not None else None
     except AuthConfigError as e:
         raise ConfigError(str(e)) from None
-    try:
-        leases = LeaseConfig(
-            handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,
-            abort_timeout_ms=args.abort_timeout_ms,
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    for flag, value in (
+        ("--handoff-heartbeat-timeout-ms", args.handoff_heartbeat_timeout_ms),
+        ("--abort-timeout-ms", args.abort_timeout_ms),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1 ms, got {value}")
+    leases = LeaseConfig(
+        handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,
+        abort_timeout_ms=args.abort_timeout_ms,
+    )
     return CoordinatorConfig(
         listen=args.listen,
         metrics_port=args.metrics_port,
