@@ -332,6 +332,9 @@ class PublishingHandler(NullHandler):
     async def on_drain_notice(self, notice: pb.DrainNotice) -> None:
         await self.inner.on_drain_notice(notice)
 
+    def held_lease_ids(self) -> Sequence[str]:
+        return self.inner.held_lease_ids()  # restart recovery: the inner lease handler's
+
 
 # --- lookup -------------------------------------------------------------------------------
 

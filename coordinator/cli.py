@@ -153,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="warm-up deadline after a restart (default 10000 with --state-file; without "
         "one, warm up exactly this long)",
     )
+    serve.add_argument(
+        "--session-queue-size",
+        type=int,
+        default=defaults.session_queue_size,
+        help="messages queued to one session before an engine that does not read its stream "
+        "is disconnected (%(default)s)",
+    )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-json", action="store_true", help="one JSON document per log line")
@@ -271,6 +278,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         leases=leases,
         tls=tls,
         auth=auth,
+        session_queue_size=args.session_queue_size,
         state_file=args.state_file,
         warmup_ms=args.warmup_ms,
     )
