@@ -26,22 +26,32 @@ shape of a chunked prefill); churn batches remove 64 blocks.
 - `*_cpu_*`: the same measured in this thread's CPU time (`time.thread_time`):
   on a shared host the wall-clock numbers include time spent descheduled;
   `load_average_1m` (before, after) says how busy the host was.
-- `grpc_*`: through the real server; measured by the integration step (null
-  until `measure_grpc` is implemented).
+- `grpc_lookup_rps`, `grpc_echo_rps`, `grpc_lookup_vs_echo`: a real `kvrc serve`
+  process (8 engines holding 256 chains, one requester) and a bare grpc.aio
+  unary echo process, driven in alternating windows by one client (one
+  channel, 32 calls in flight, the same pre-serialized 64-block LookupRequest
+  bytes to both); the best window of each. On 2 shared cores the client is
+  often the bottleneck, so `grpc_*_server_cpu_us_per_call` also give each
+  server's CPU time per call, which that does not hide.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import hashlib
+import json
 import os
 import random
+import signal
+import subprocess
 import sys
 import time
 import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import percentile, write_result
@@ -235,11 +245,234 @@ def memory_per_membership(*, shared: bool) -> dict[str, float]:
     return {"bytes": used / memberships, "memberships": float(memberships)}
 
 
-def measure_grpc() -> dict[str, float] | None:
-    """TODO(integration): lookup RPCs/s through the real server and a bare grpc.aio
-    unary echo, same machine, same run, same client concurrency. Must return
-    {"grpc_lookup_rps": ..., "grpc_echo_rps": ..., "grpc_lookup_vs_echo": ...}."""
-    return None
+# --- gRPC: lookups through the real server vs a bare grpc.aio echo -------------------------
+
+GRPC_CONCURRENCY = 32  # in-flight unary calls, the same for both servers
+GRPC_SECONDS = 4.0  # per measurement window
+GRPC_ROUNDS = 3  # alternating lookup / echo windows; the best of each is kept
+GRPC_HOLDERS = 8
+GRPC_CHAINS_PER_HOLDER = 32
+
+# A bare grpc.aio unary echo (bytes in, the same bytes out) on uvloop, in its own
+# process like kvrc: the ceiling of a unary RPC on this machine.
+_ECHO_SERVER = """
+import asyncio, signal, sys
+import grpc, uvloop
+
+async def echo(request, context):
+    return request
+
+async def main():
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.stop(0)
+
+uvloop.run(main())
+"""
+
+
+def _start_process(argv: list[str]) -> subprocess.Popen[str]:
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH", "")]))
+    return subprocess.Popen(
+        argv,
+        cwd=repo,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def _stop_process(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _start_kvrc(tmp: Path) -> tuple[subprocess.Popen[str], int]:
+    profiles = tmp / "profiles.toml"
+    profiles.write_text('[[profile]]\nname = "bench"\nmodel = "bench-model"\n')
+    port_file = tmp / "ports.json"
+    process = _start_process(
+        [
+            sys.executable,
+            "-m",
+            "coordinator",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "-1",
+            "--reuse",
+            "on",
+            "--profiles",
+            str(profiles),
+            "--log-level",
+            "WARNING",
+            "--port-file",
+            str(port_file),
+        ]
+    )
+    deadline = time.monotonic() + 30
+    while not port_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            _stop_process(process)
+            raise RuntimeError("kvrc serve did not start")
+        time.sleep(0.02)
+    return process, int(json.loads(port_file.read_text())["grpc_port"])
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _drive(
+    channel: Any, method: str, requests: list[bytes], seconds: float, server_pid: int
+) -> tuple[float, float]:
+    """(calls per second, server CPU µs per call) with GRPC_CONCURRENCY calls in flight."""
+    call = channel.unary_unary(method)  # bytes in, bytes out: no client-side (de)serializing
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker(offset: int) -> None:
+        nonlocal done
+        i = offset
+        n = len(requests)
+        while time.perf_counter() < deadline:
+            await call(requests[i % n])
+            i += 1
+            done += 1
+
+    cpu_before = _cpu_seconds(server_pid)
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(GRPC_CONCURRENCY)))
+    elapsed = time.perf_counter() - started
+    return done / elapsed, (_cpu_seconds(server_pid) - cpu_before) / done * 1e6
+
+
+async def _measure_grpc_async(
+    kvrc_port: int, kvrc_pid: int, echo_port: int, echo_pid: int
+) -> dict[str, Any]:
+    import grpc
+
+    from clients.inventory import InventoryPublisher
+    from clients.session import EngineProfile, EngineSession, RankPartRegistration
+    from kvrc.v1 import kvrc_pb2 as pb
+
+    target = f"127.0.0.1:{kvrc_port}"
+    profile = EngineProfile(model="bench-model", block_size=16, reuse_opt_in=True)
+    sessions = [
+        EngineSession(target, RankPartRegistration(f"bench-{i}", profile), reconnect=False)
+        for i in range(GRPC_HOLDERS + 1)
+    ]
+    rng = random.Random(7)
+    chains: list[tuple[bytes, ...]] = []
+    try:
+        for s in sessions:
+            await s.start()
+        for holder_idx, holder in enumerate(sessions[1:]):
+            publisher = InventoryPublisher(holder)
+            for _ in range(GRPC_CHAINS_PER_HOLDER):
+                spec = ChainSpec(holder_idx, len(chains), rng.randrange(N_FAMILIES))
+                chain = chain_hashes(spec)
+                chains.append(chain)
+                await publisher.stored(chain)
+        requester = sessions[0].registration.resolved_child_engine_id
+        # Half the queries hit a held chain, half share only a family prefix.
+        requests = []
+        for i in range(256):
+            chain = chains[rng.randrange(len(chains))]
+            if i % 2:
+                chain = chain[:PREFIX_BLOCKS] + tuple(block_hash(9, i, j) for j in range(48))
+            requests.append(
+                pb.LookupRequest(
+                    requester_child_engine_id=requester,
+                    queries=[pb.LookupQuery(block_hashes=list(chain))],
+                ).SerializeToString()
+            )
+        lookup_method = "/kvrc.v1.EngineService/Lookup"
+        async with (
+            grpc.aio.insecure_channel(target) as kvrc_channel,
+            grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as echo_channel,
+        ):
+            # Every holder's events are in before timing starts (and a lookup hits).
+            for _ in range(200):
+                answer = pb.LookupResponse.FromString(
+                    await kvrc_channel.unary_unary(lookup_method, None, None)(requests[0])
+                )
+                if answer.results[0].candidates:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise RuntimeError("the benchmark's lookups never hit")
+            echo_method = "/bench.Echo/Echo"
+            await _drive(kvrc_channel, lookup_method, requests, 0.5, kvrc_pid)  # warm-up
+            await _drive(echo_channel, echo_method, requests, 0.5, echo_pid)
+            lookup, echo = [], []
+            for _ in range(GRPC_ROUNDS):
+                lookup.append(
+                    await _drive(kvrc_channel, lookup_method, requests, GRPC_SECONDS, kvrc_pid)
+                )
+                echo.append(
+                    await _drive(echo_channel, echo_method, requests, GRPC_SECONDS, echo_pid)
+                )
+    finally:
+        for s in sessions:
+            await s.close()
+    best_lookup = max(rps for rps, _ in lookup)
+    best_echo = max(rps for rps, _ in echo)
+    lookup_cpu = min(cpu for _, cpu in lookup)
+    echo_cpu = min(cpu for _, cpu in echo)
+    return {
+        "grpc_lookup_rps": round(best_lookup),
+        "grpc_echo_rps": round(best_echo),
+        "grpc_lookup_vs_echo": round(best_lookup / best_echo, 3),
+        "grpc_concurrency": GRPC_CONCURRENCY,
+        "grpc_lookup_rps_rounds": [round(rps) for rps, _ in lookup],
+        "grpc_echo_rps_rounds": [round(rps) for rps, _ in echo],
+        # Server-side cost, independent of how fast this one client process can go:
+        # CPU time of the server process per call (best round).
+        "grpc_lookup_server_cpu_us_per_call": round(lookup_cpu, 1),
+        "grpc_echo_server_cpu_us_per_call": round(echo_cpu, 1),
+        "grpc_server_cpu_echo_vs_lookup": round(echo_cpu / lookup_cpu, 3),
+    }
+
+
+def measure_grpc() -> dict[str, Any] | None:
+    """Lookup RPCs/s through a real `kvrc serve` and a bare grpc.aio unary echo server,
+    each in its own process, driven by the same client (one channel, GRPC_CONCURRENCY
+    calls in flight, pre-serialized requests: the same 64-block LookupRequest bytes go
+    to both) in alternating windows of this one run."""
+    import tempfile
+
+    import uvloop
+
+    with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
+        kvrc, kvrc_port = _start_kvrc(Path(tmp))
+        echo = _start_process([sys.executable, "-c", _ECHO_SERVER])
+        try:
+            assert echo.stdout is not None
+            echo_port = int(echo.stdout.readline())
+            return uvloop.run(_measure_grpc_async(kvrc_port, kvrc.pid, echo_port, echo.pid))
+        finally:
+            _stop_process(echo)
+            _stop_process(kvrc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,6 +516,13 @@ def main(argv: list[str] | None = None) -> int:
     log(f"memory: {mem_unshared['bytes']:.1f} bytes/membership (nothing shared)")
 
     grpc = measure_grpc()
+    if grpc is not None:
+        log(
+            f"grpc: lookup {grpc['grpc_lookup_rps']} rps, echo {grpc['grpc_echo_rps']} rps "
+            f"(ratio {grpc['grpc_lookup_vs_echo']}); server CPU/call: lookup "
+            f"{grpc['grpc_lookup_server_cpu_us_per_call']} us, echo "
+            f"{grpc['grpc_echo_server_cpu_us_per_call']} us"
+        )
     result: dict[str, Any] = {
         "events_per_s": round(events_per_s),
         "events_batch_block_events": CHAIN_BLOCKS,
@@ -316,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
+    if grpc is not None:
+        result.update(grpc)
     path = write_result(args.name, result)
     log(f"wrote {path}")
     return 0
