@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 from harness import get_status, wait_until
 
+from clients.hashing import hash_block_chain
+from clients.inventory import LookupClient
 from clients.kv_cache import KvCacheLayout
 from clients.refengine.channel import Channel
 from clients.refengine.compute import expected_blocks
@@ -73,6 +75,8 @@ def cluster(
                 ("p1", "prefill", 2, extra),
                 ("d0", "decode", 2, extra),
                 ("d1", "decode", 1, extra),
+                # Small pool, short retention: eviction and expiry within a test.
+                ("d2", "decode", 1, [*extra, "--blocks", "16", "--retention-ms", "3000"]),
             ]
         )
         yield c, {g.engine_id: g for g in groups}
@@ -238,6 +242,40 @@ async def test_tp_mismatch_is_refused_before_any_byte_moves(
     other = await call(engines["p1"], "prefill", request_id="tp-2", tokens=turn2, decode="")
     assert other.get("source") != "d1", other
     assert other["mismatches"] == 0
+
+
+async def holders(target: str, chain: list[int]) -> dict[str, int]:
+    """Lookup (as d1, a tp=1 engine like d2) of `chain`: holder -> matched blocks."""
+    hashes = hash_block_chain(chain, BLOCK_SIZE, seed=DEFAULTS.hash_seed)
+    async with LookupClient(target) as lookups:
+        result = await lookups.lookup("d1", hashes, max_candidates=8)
+    return {c.child_engine_id: c.matched_blocks for c in result.candidates}
+
+
+async def test_retention_expiry_and_lru_eviction_leave_the_inventory(
+    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    kvrc, _ = cluster
+    chains = []
+    for i in range(3):  # 6 blocks each into d2's 16-block pool: the third evicts the first
+        prompt, output = tokens(41 + i, 60), tokens(51 + i, 36)
+        _, dec = await handoff(engines, f"evict-{i}", prompt, output, decode="d2")
+        assert dec["handoff"].startswith("failed") and dec["refused"]  # tp 2 -> tp 1
+        chains.append(prompt + output)
+        if i == 0:
+            # Retained with an expiry, published: kvrc offers d2 for the chain.
+            assert (await holders(kvrc.target, chains[0])).get("d2") == 6
+    assert await assert_blocks_exact(engines["d2"], chains[2], tp_size=1) == 6
+    # LRU eviction published BlockRemoved: the first chain is gone from d2.
+    assert "d2" not in await holders(kvrc.target, chains[0])
+    assert (await holders(kvrc.target, chains[2])).get("d2") == 6
+    # Retention expiry (3 s) removes the rest, with events.
+    await wait_until(lambda: _no_holder(kvrc.target, chains[2], "d2"), timeout_s=15, interval_s=0.2)
+    assert (await call(engines["d2"], "stats"))["cached_blocks"] == 0
+
+
+async def _no_holder(target: str, chain: list[int], engine: str) -> bool:
+    return engine not in await holders(target, chain)
 
 
 async def test_source_killed_mid_transfer_recomputes_and_leaves_no_lease_open(
