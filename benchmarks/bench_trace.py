@@ -973,8 +973,17 @@ def build_report(
     return report
 
 
+_LINE_STYLES = {
+    Mode.LOCAL_RR: "-",
+    Mode.KVRC_RR: "-",
+    Mode.LOCAL_KV: "-",
+    Mode.KVRC_KV: "--",  # dashed and dotted: visible where they overlap upper_bound
+    Mode.UPPER_BOUND: ":",
+}
+
+
 def write_plot(
-    path: Path, requests: Sequence[TraceRequest], results: dict[Mode, ModeResult]
+    path: Path, trace_name: str, requests: Sequence[TraceRequest], results: dict[Mode, ModeResult]
 ) -> None:
     import matplotlib
 
@@ -984,14 +993,19 @@ def write_plot(
     x = [r.arrival_ms / 60_000 for r in requests]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for mode in Mode:
-        ax.plot(x, results[mode].cumulative_hit_ratio, label=mode.value, linewidth=1.4)
-    ax.axhline(best_possible_hit_ratio(requests), color="grey", linestyle=":", linewidth=1)
+        ax.plot(
+            x,
+            results[mode].cumulative_hit_ratio,
+            label=f"{mode.value} ({results[mode].hit_ratio:.3f})",
+            linestyle=_LINE_STYLES[mode],
+            linewidth=2.0 if mode is Mode.UPPER_BOUND else 1.4,
+        )
     ax.set_xlabel("trace time (minutes)")
     ax.set_ylabel("cumulative prefix hit ratio")
     ax.set_ylim(0, 1)
-    ax.set_title(f"{path.stem}: cumulative hit ratio by mode")
+    ax.set_title(f"{trace_name}: cumulative hit ratio by mode")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -1127,7 +1141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path = write_result(f"trace-{args.trace.stem}", report, results_dir=args.out)
     png_path = args.out / f"trace-{args.trace.stem}.png"
     try:
-        write_plot(png_path, requests, results)
+        write_plot(png_path, args.trace.stem, requests, results)
     except ImportError:
         print(
             f"bench_trace: wrote {json_path} but no plot: matplotlib is not installed "
