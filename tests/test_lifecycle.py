@@ -121,18 +121,6 @@ def _fetch(url: str) -> str:
         return text
 
 
-async def test_unimplemented_rpcs_say_so() -> None:
-    from kvrc.v1 import kvrc_pb2, kvrc_pb2_grpc
-
-    with start_coordinator() as kvrc:
-        async with grpc.aio.insecure_channel(kvrc.grpc_target) as channel:
-            stub = kvrc_pb2_grpc.AdminServiceStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.Drain(kvrc_pb2.DrainRequest())
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "Drain is not implemented" in (e.value.details() or "")
-
-
 async def test_reuse_flag_and_declared_profiles_reach_the_register_ack(tmp_path: Path) -> None:
     profiles = tmp_path / "profiles.toml"
     profiles.write_text('[[profile]]\nname = "m-bf16"\nmodel = "m"\nkv_dtype = "bfloat16"\n')
