@@ -1053,6 +1053,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
 
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - started:6.1f} s] {msg}", flush=True)
@@ -1138,6 +1139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.trace, requests, results, reference, real, max_sustained, steps, config
     )
     report["wall_s"] = round(time.monotonic() - started, 1)
+    # Others' work on a shared machine moves the wall-clock numbers: say how busy it was.
+    report["load_average_1m"] = {"start": load_before, "end": os.getloadavg()[0]}
     json_path = write_result(f"trace-{args.trace.stem}", report, results_dir=args.out)
     png_path = args.out / f"trace-{args.trace.stem}.png"
     try:
