@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from coordinator.auth import describe as describe_auth
-from coordinator.config import ConfigError, CoordinatorConfig
+from coordinator.config import ConfigError, CoordinatorConfig, is_loopback_host
 from coordinator.service import Coordinator
 from coordinator.servicer import AdminService, EngineService
 from coordinator.tls import server_credentials
@@ -92,6 +92,12 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     check_bindable(host, port)
     # Read and check the PEM files before anything starts (ConfigError: one line).
     credentials = server_credentials(config.tls) if config.tls is not None else None
+    if credentials is None and not is_loopback_host(host):
+        log.warning(
+            "plaintext gRPC on %s: anyone on the network can act for any engine; "
+            "use --tls-cert/--tls-key and --auth-tokens (docs/security.md)",
+            config.listen,
+        )
     coordinator = Coordinator(config)
     server = grpc.aio.server(options=_server_options(config))
     pb_grpc.add_EngineServiceServicer_to_server(EngineService(coordinator), server)
