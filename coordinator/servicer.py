@@ -100,9 +100,16 @@ class _Observed:
 
     def __init__(self, coordinator: Coordinator) -> None:
         self._metrics = coordinator.metrics
+        # Label children cached (methods x codes is finite): labels() costs µs per call.
+        self._counters: dict[tuple[str, grpc.StatusCode], Any] = {}
+        self._timers: dict[str, Any] = {}
 
     def count(self, method: str, code: grpc.StatusCode) -> None:
-        self._metrics.rpc_requests.labels(method=method, code=code.name).inc()
+        counter = self._counters.get((method, code))
+        if counter is None:
+            counter = self._metrics.rpc_requests.labels(method=method, code=code.name)
+            self._counters[method, code] = counter
+        counter.inc()
 
     def count_denied(self, error: KvrcError) -> None:
         """Identity refusals; the core's PERMISSION_DENIED is acting on another's lease."""
@@ -134,7 +141,10 @@ class _Observed:
             log.exception("%s failed", method)
             await context.abort(code, f"{method}: internal error (see the coordinator log)")
         finally:
-            self._metrics.rpc_duration.labels(method=method).observe(time.perf_counter() - started)
+            timer = self._timers.get(method)
+            if timer is None:
+                timer = self._timers[method] = self._metrics.rpc_duration.labels(method=method)
+            timer.observe(time.perf_counter() - started)
             self.count(method, code)
 
 
