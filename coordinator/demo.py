@@ -151,15 +151,16 @@ class Cluster:
         self.children.append(child)
         return child
 
-    def start_coordinator(self, *extra: str, timeout_s: float = 60.0) -> None:
+    def start_coordinator(self, *extra: str, port: int = 0, timeout_s: float = 60.0) -> None:
         profiles = self.workdir / "profiles.toml"
         profiles.write_text(PROFILES_TOML)
         port_file = self.workdir / "ports.json"
+        port_file.unlink(missing_ok=True)
         self.coordinator = self.spawn(
-            "kvrc",
+            f"kvrc-{len(self.children)}",
             [
                 self.python, "-m", "coordinator", "serve",
-                "--listen", "127.0.0.1:0",
+                "--listen", f"127.0.0.1:{port}",
                 "--metrics-port", "0",
                 "--reuse", "on",
                 "--profiles", str(profiles),
@@ -177,6 +178,15 @@ class Cluster:
             time.sleep(0.05)
         time.sleep(0.05)  # the file is written at once; let the writer finish
         self.grpc_port = int(json.loads(port_file.read_text())["grpc_port"])
+
+    def restart_coordinator(self, timeout_s: float = 20.0) -> int:
+        """Stop kvrc (SIGTERM) and start a new one on the same port; the old exit status."""
+        assert self.coordinator is not None
+        old = self.coordinator
+        old.process.send_signal(signal.SIGTERM)
+        status = old.process.wait(timeout_s)
+        self.start_coordinator(port=self.grpc_port)
+        return status
 
     def engine_argv(self, group: EngineGroup, tp_rank: int, extra: Sequence[str]) -> list[str]:
         argv = [

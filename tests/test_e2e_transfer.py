@@ -2,9 +2,10 @@
 
 One cluster for the module (process start dominates on 2 cores): kvrc with
 reuse on; prefill engines p0, p1 and decode engine d0 with tp=2; decode engine
-d1 with tp=1. Every byte moves through Mooncake (tcp, loopback). Failures are
-real: a read outside the peer's registered memory (the peer refuses it), a
-source killed with SIGKILL. Block contents are checked from outside: the test
+d1 with tp=1 (a 16-block pool, 3 s retention). Every byte moves through
+Mooncake (tcp, loopback). Failures are real: a read outside the peer's
+registered memory (the peer refuses it), a source killed with SIGKILL, a
+coordinator restart. Block contents are checked from outside: the test
 recomputes the expected bytes itself and compares sha256 digests that the
 engines compute over their cache blocks.
 """
@@ -74,9 +75,8 @@ def cluster(
                 ("p0", "prefill", 2, extra),
                 ("p1", "prefill", 2, extra),
                 ("d0", "decode", 2, extra),
-                ("d1", "decode", 1, extra),
                 # Small pool, short retention: eviction and expiry within a test.
-                ("d2", "decode", 1, [*extra, "--blocks", "16", "--retention-ms", "3000"]),
+                ("d1", "decode", 1, [*extra, "--blocks", "16", "--retention-ms", "3000"]),
             ]
         )
         yield c, {g.engine_id: g for g in groups}
@@ -244,11 +244,11 @@ async def test_tp_mismatch_is_refused_before_any_byte_moves(
     assert other["mismatches"] == 0
 
 
-async def holders(target: str, chain: list[int]) -> dict[str, int]:
-    """Lookup (as d1, a tp=1 engine like d2) of `chain`: holder -> matched blocks."""
+async def holders(target: str, chain: list[int], requester: str = "d1") -> dict[str, int]:
+    """Lookup of `chain` in `requester`'s scope, itself included: holder -> matched blocks."""
     hashes = hash_block_chain(chain, BLOCK_SIZE, seed=DEFAULTS.hash_seed)
     async with LookupClient(target) as lookups:
-        result = await lookups.lookup("d1", hashes, max_candidates=8)
+        result = await lookups.lookup(requester, hashes, max_candidates=8, include_self=True)
     return {c.child_engine_id: c.matched_blocks for c in result.candidates}
 
 
@@ -257,25 +257,50 @@ async def test_retention_expiry_and_lru_eviction_leave_the_inventory(
 ) -> None:
     kvrc, _ = cluster
     chains = []
-    for i in range(3):  # 6 blocks each into d2's 16-block pool: the third evicts the first
+    for i in range(3):  # 6 blocks each into d1's 16-block pool: the third evicts the first
         prompt, output = tokens(41 + i, 60), tokens(51 + i, 36)
-        _, dec = await handoff(engines, f"evict-{i}", prompt, output, decode="d2")
+        _, dec = await handoff(engines, f"evict-{i}", prompt, output, decode="d1")
         assert dec["handoff"].startswith("failed") and dec["refused"]  # tp 2 -> tp 1
         chains.append(prompt + output)
         if i == 0:
-            # Retained with an expiry, published: kvrc offers d2 for the chain.
-            assert (await holders(kvrc.target, chains[0])).get("d2") == 6
-    assert await assert_blocks_exact(engines["d2"], chains[2], tp_size=1) == 6
-    # LRU eviction published BlockRemoved: the first chain is gone from d2.
-    assert "d2" not in await holders(kvrc.target, chains[0])
-    assert (await holders(kvrc.target, chains[2])).get("d2") == 6
+            # Retained with an expiry, published: kvrc offers d1 for the chain.
+            assert (await holders(kvrc.target, chains[0])).get("d1") == 6
+    assert await assert_blocks_exact(engines["d1"], chains[2], tp_size=1) == 6
+    # LRU eviction published BlockRemoved: the first chain is gone from d1.
+    assert "d1" not in await holders(kvrc.target, chains[0])
+    assert (await holders(kvrc.target, chains[2])).get("d1") == 6
     # Retention expiry (3 s) removes the rest, with events.
-    await wait_until(lambda: _no_holder(kvrc.target, chains[2], "d2"), timeout_s=15, interval_s=0.2)
-    assert (await call(engines["d2"], "stats"))["cached_blocks"] == 0
+    await wait_until(lambda: _no_holder(kvrc.target, chains[2], "d1"), timeout_s=15, interval_s=0.2)
+    # kvrc treats an expired entry as a miss at once; the engine drops it within its sweep.
+    await wait_until(lambda: _stat_is(engines["d1"], "cached_blocks", 0), timeout_s=5)
 
 
 async def _no_holder(target: str, chain: list[int], engine: str) -> bool:
     return engine not in await holders(target, chain)
+
+
+async def test_engines_reregister_and_resend_inventory_after_a_coordinator_restart(
+    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    kvrc, _ = cluster
+    prompt, output = tokens(61, 64), tokens(62, 32)
+    await handoff(engines, "restart-1", prompt, output)
+    assert (await holders(kvrc.target, prompt + output, requester="p1")).get("d0") == 6
+    assert kvrc.restart_coordinator() == 0
+    # Every rank part reconnects and registers again; the leaders resend a full dump.
+    for engine in engines.values():
+        await engine.call("ready", timeout_s=60.0, wait_s=50.0)
+    await wait_until(
+        lambda: _holder_has(kvrc.target, prompt + output, "d0", 6), timeout_s=30, interval_s=0.2
+    )
+    turn2 = prompt + output + tokens(63, 30)
+    loaded = await call(engines["p1"], "prefill", request_id="restart-2", tokens=turn2, decode="")
+    assert loaded["load"] == "loaded" and loaded["source"] == "d0", loaded
+    assert loaded["mismatches"] == 0
+
+
+async def _holder_has(target: str, chain: list[int], engine: str, blocks: int) -> bool:
+    return (await holders(target, chain, requester="p1")).get(engine) == blocks
 
 
 async def test_source_killed_mid_transfer_recomputes_and_leaves_no_lease_open(
