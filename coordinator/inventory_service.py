@@ -176,6 +176,7 @@ class InventoryFacade:
         self.streams = EventStreams()
         self._meta: dict[str, _Meta] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._stopping: set[asyncio.Task[None]] = set()  # ZMQ subscribers being closed
         self._leases_in_flight: Callable[[], Mapping[str, int]] = lambda: _NO_LEASES
         # Restart recovery (coordinator/recovery.py): a status while warming, else None.
         self.warming: Callable[[], ReuseStatus | None] = lambda: None
@@ -218,6 +219,8 @@ class InventoryFacade:
             self._sweeper = None
         for meta in self._meta.values():
             await self._stop_zmq(meta)
+        if self._stopping:
+            await asyncio.gather(*self._stopping, return_exceptions=True)
 
     def set_leases_in_flight(self, provider: Callable[[], Mapping[str, int]]) -> None:
         """The lease side tells lookups how many leases each holder has in flight."""
@@ -546,6 +549,8 @@ class InventoryFacade:
         if meta.zmq is not None:
             task = asyncio.get_running_loop().create_task(self._stop_zmq(meta))
             task.add_done_callback(_log_failure)
+            task.add_done_callback(self._stopping.discard)
+            self._stopping.add(task)
         log.info("child engine %s left: %d inventory entries dropped", child_engine_id, dropped)
         self._update_gauges()
 
