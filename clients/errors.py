@@ -46,6 +46,10 @@ class UnavailableError(KvrcClientError):
     pass
 
 
+class UnauthenticatedError(KvrcClientError):
+    pass
+
+
 class UnimplementedError(KvrcClientError):
     pass
 
@@ -60,6 +64,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KvrcClientError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
 }
 
 
