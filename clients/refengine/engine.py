@@ -604,14 +604,14 @@ class Leader:
     async def _release(self, lease_id: str) -> None:
         """A ReleaseRequest reached one of our parts: unpin, or free a handoff's blocks."""
         removed: list[bytes] = []
+        hold = self._holds.pop(lease_id, None)
         if lease_id in self._pin_deadlines:
             del self._pin_deadlines[lease_id]
             removed += self.pool.unpin(lease_id, now_ms())
-        hold = self._holds.pop(lease_id, None)
-        if hold is not None:
+        elif hold is not None:
             if self._hold_by_request.pop(hold.request_id, None) is not None:
                 removed += self.pool.release(hold.block_ids, now_ms())
-        elif not removed and lease_id not in self.pool.pinned_leases:
+        else:
             # Maybe a handoff we cannot name yet (bind_handoff names it); bounded.
             self._released_unbound[lease_id] = None
             while len(self._released_unbound) > 4096:
@@ -713,6 +713,8 @@ class Leader:
         """Prefix load (when kvrc grants one), compute the rest, hand off to `decode`."""
         if not tokens:
             raise ValueError("a request has at least one token")
+        if decode and request_id in self._hold_by_request:
+            raise ValueError(f"request {request_id!r} already holds a handoff")
         self.counters["requests"] += 1
         bs = self.options.block_size
         hashes = self._hashes(tokens)
@@ -795,18 +797,23 @@ class Leader:
             info["load"] = "failed: no room"
             return [], info
         deadline_s = (answer.deadline_unix_ms - now_ms()) / 1000
-        results = await self._on_all(
-            "pull",
-            faults,
-            flow="prefix_load",
-            lease_id=answer.lease_id,
-            source_parts=[part.SerializeToString() for part in answer.source_parts],
-            skip=local_n,
-            local_block_ids=block_ids,
-            tokens=tokens[: matched * self.options.block_size],
-            first_index=local_n,
-            deadline_s=max(0.05, min(deadline_s, self.options.transfer_timeout_ms / 1000)),
-        )
+        try:
+            results = await self._on_all(
+                "pull",
+                faults,
+                flow="prefix_load",
+                lease_id=answer.lease_id,
+                source_parts=[part.SerializeToString() for part in answer.source_parts],
+                skip=local_n,
+                local_block_ids=block_ids,
+                tokens=tokens[: matched * self.options.block_size],
+                first_index=local_n,
+                deadline_s=max(0.05, min(deadline_s, self.options.transfer_timeout_ms / 1000)),
+            )
+        except BaseException:
+            # A rank part did not answer: what its read did is unknown; fail closed.
+            self._quarantine_until_quiet(block_ids)
+            raise
         if self._combine(results, info):
             info["load"] = "loaded"
             info["blocks_loaded"] = len(block_ids)
@@ -915,25 +922,33 @@ class Leader:
         )
         result: dict[str, Any] = {"request_id": request_id, "lease_id": grant.lease_id}
         n_prompt = self._num_blocks(len(prompt))
-        block_ids = await self._allocate(n_prompt)
-        async with self.part.leases.keep_alive(grant):
-            if grant.num_blocks != n_prompt:
-                error = f"handoff has {grant.num_blocks} blocks, the prompt {n_prompt}"
-                await self._report_all("handoff", grant.lease_id, "FAILED", error)
-                results = [_pull_reply("FAILED", error=error, refused=True)]
-            else:
-                results = await self._on_all(
-                    "pull",
-                    faults,
-                    flow="handoff",
-                    lease_id=grant.lease_id,
-                    source_parts=[part.SerializeToString() for part in grant.source_parts],
-                    skip=0,
-                    local_block_ids=block_ids,
-                    tokens=prompt,
-                    first_index=0,
-                    deadline_s=self.options.transfer_timeout_ms / 1000,
-                )
+        try:
+            block_ids = await self._allocate(n_prompt)
+        except PoolExhaustedError as exc:
+            await self._report_all("handoff", grant.lease_id, "FAILED", f"no room: {exc}")
+            raise
+        try:
+            async with self.part.leases.keep_alive(grant):
+                if grant.num_blocks != n_prompt:
+                    error = f"handoff has {grant.num_blocks} blocks, the prompt {n_prompt}"
+                    await self._report_all("handoff", grant.lease_id, "FAILED", error)
+                    results = [_pull_reply("FAILED", error=error, refused=True)]
+                else:
+                    results = await self._on_all(
+                        "pull",
+                        faults,
+                        flow="handoff",
+                        lease_id=grant.lease_id,
+                        source_parts=[part.SerializeToString() for part in grant.source_parts],
+                        skip=0,
+                        local_block_ids=block_ids,
+                        tokens=prompt,
+                        first_index=0,
+                        deadline_s=self.options.transfer_timeout_ms / 1000,
+                    )
+        except BaseException:
+            self._quarantine_until_quiet(block_ids)  # a part did not answer: fail closed
+            raise
         if self._combine(results, result):
             result["handoff"] = "pulled"
             result["blocks_recomputed"] = 0
