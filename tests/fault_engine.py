@@ -21,6 +21,7 @@ JSON object a line, and each gets one `{"op": ..., "tag": ..., "ok": ...}` line:
     {"op": "publish", "request_id", "num_blocks", "decode"}
     {"op": "begin", "request_id", "prefill", "wait_ms"}
     {"op": "lookup", "n"}
+    {"op": "flood_loads", "count", "n", "pin_timeout_ms"}   # concurrent loads (slow consumer)
     {"op": "track_held", "lease_id"}      # a prefill holding a handoff's blocks
     {"op": "held"}
 
@@ -207,6 +208,24 @@ class Engine:
                 "reuse_reason": result.reuse.reason,
                 "candidates": [[c.child_engine_id, c.matched_blocks] for c in result.candidates],
             }
+        if op == "flood_loads":
+            # Many concurrent prefix loads with long chains: PinRequests pile up at a holder.
+            async def one(i: int) -> str:
+                answer = await leases.request_prefix_load(
+                    f"flood-{time.monotonic_ns()}-{i}",
+                    chain(cmd["n"]),
+                    pin_timeout_ms=cmd.get("pin_timeout_ms", 200),
+                )
+                return "granted" if isinstance(answer, PrefixLoadGrant) else answer.reason
+
+            outcomes = await asyncio.gather(
+                *(one(i) for i in range(cmd["count"])), return_exceptions=True
+            )
+            counts: dict[str, int] = {}
+            for outcome in outcomes:
+                key = outcome if isinstance(outcome, str) else type(outcome).__name__
+                counts[key] = counts.get(key, 0) + 1
+            return {"outcomes": counts}
         if op == "track_held":
             handler.track_held(cmd["lease_id"])
             return {}
@@ -253,7 +272,8 @@ async def main() -> int:
     session = EngineSession(
         args.target, registration, handler, reconnect=True, backoff_max_s=args.backoff_max_s
     )
-    inner.publisher = InventoryPublisher(session, dump=engine.dump)
+    # One stream per child engine: rank 0 publishes (and dumps) for the whole engine.
+    inner.publisher = InventoryPublisher(session, dump=engine.dump if args.tp_rank == 0 else None)
     inner.leases = handler
     publisher = inner.publisher
     handler.attach(session)
