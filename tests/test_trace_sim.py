@@ -474,8 +474,9 @@ def test_real_service_replay_keeps_the_coordinator_view_and_leases_exact(
     assert run.server_lookup_ms_p99_le is not None  # the coordinator timed them too
 
 
-def _fake_step(speedup: float, ok_up_to: float) -> bench_trace.RealRun:
-    """A RealRun whose numbers pass up to `ok_up_to` (the search policy alone)."""
+def _fake_step(speedup: float, ok_up_to: float, server_ok_up_to: float) -> bench_trace.RealRun:
+    """A RealRun whose client p99 passes up to `ok_up_to` and whose coordinator
+    p99 passes up to `server_ok_up_to` (for the search policy alone)."""
     result = simulate(TINY, Mode.LOCAL_RR, engines=2)
     fast = speedup <= ok_up_to
     return bench_trace.RealRun(
@@ -483,14 +484,14 @@ def _fake_step(speedup: float, ok_up_to: float) -> bench_trace.RealRun:
         speedup=speedup,
         result=result,
         requests=4,
-        wall_s=1.0,
+        wall_s=10.0 / speedup,
         lookup_ms_p50=0.5,
         lookup_ms_p99=2.0 if fast else 12.0,
         lookups=4,
         lag_p99_s=0.0,
         lag_max_s=0.0,
-        scheduled_s=1.0,
-        server_lookup_ms_p99_le=None,
+        scheduled_s=10.0 / speedup,
+        server_lookup_ms_p99_le=0.5 if speedup <= server_ok_up_to else 25.0,
         coordinator_cpu_s=0.01,
         events_lost=False,
         lost_detail="",
@@ -500,23 +501,44 @@ def _fake_step(speedup: float, ok_up_to: float) -> bench_trace.RealRun:
 
 
 @pytest.mark.parametrize(
-    ("first", "ok_up_to", "expected", "tried"),
+    ("first", "ok_up_to", "server_ok_up_to", "expected", "tried"),
     [
         # Two p99 failures in a row end the climb.
-        (50.0, 400.0, 400.0, [50.0, 100.0, 200.0, 400.0, 800.0, 1600.0]),
+        (50.0, 400.0, 0.0, (400.0, 0.0), [50.0, 100.0, 200.0, 400.0, 800.0, 1600.0]),
         # Nothing above sustains: halve from the first step.
-        (50.0, 10.0, 6.25, [50.0, 100.0, 25.0, 12.5, 6.25]),
-        (2.0, 0.5, 0.0, [2.0, 4.0, 1.0]),
+        (50.0, 10.0, 0.0, (6.25, 0.0), [50.0, 100.0, 25.0, 12.5, 6.25]),
+        (2.0, 0.5, 0.0, (0.0, 0.0), [2.0, 4.0, 1.0]),
+        # The coordinator's own p99 keeps the climb going past the client's.
+        (
+            50.0,
+            10.0,
+            1600.0,
+            (6.25, 1600.0),
+            [50.0, 100.0, 200.0, 400.0, 800.0, 1600.0, 3200.0, 6400.0, 25.0, 12.5, 6.25],
+        ),
     ],
 )
 def test_max_speedup_search_doubles_until_a_step_fails(
-    first: float, ok_up_to: float, expected: float, tried: list[float]
+    first: float,
+    ok_up_to: float,
+    server_ok_up_to: float,
+    expected: tuple[float, float],
+    tried: list[float],
 ) -> None:
     def run_at(speedup: float) -> bench_trace.RealRun:
-        return _fake_step(speedup, ok_up_to)
+        return _fake_step(speedup, ok_up_to, server_ok_up_to)
 
-    best, steps = bench_trace.search_max_speedup(run_at(first), run_at, 60.0, lambda _: None)
-    assert best == expected
+    *best, steps = bench_trace.search_max_speedup(run_at(first), run_at, 60.0, lambda _: None)
+    assert tuple(best) == expected
     assert [s["speedup"] for s in steps] == tried
     failed = [s for s in steps if not s["sustained"]]
     assert all("lookup p99" in s["failed_because"] for s in failed)
+
+
+def test_max_speedup_search_starts_no_step_beyond_its_budget() -> None:
+    def run_at(speedup: float) -> bench_trace.RealRun:
+        return _fake_step(speedup, 0.0, 0.0)
+
+    # Halving from 2x: a 1x step would need a 10 s schedule; only 6 s are left.
+    _, _, steps = bench_trace.search_max_speedup(run_at(2.0), run_at, 6.0, lambda _: None)
+    assert [s["speedup"] for s in steps] == [2.0, 4.0]
