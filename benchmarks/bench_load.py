@@ -28,7 +28,10 @@ machine may be shared). A 2 s warm-up at the first rate is not measured.
 highest step that held (p99 < 10 ms, no errors, target reached, RSS growth of
 the step under `RSS_STEP_LIMIT_MB`). The load average before and after is kept
 in the result: on a shared machine it explains low numbers.
-kvrc's RSS is read from /proc before the first step and after each one.
+kvrc's RSS is read from /proc before the first step and after each one, and
+kvrc's own Lookup p99 per step (`server_lookup_p99_ms_bucket`, from its
+`kvrc_rpc_duration_seconds` histogram) tells the coordinator's time apart from
+the clients' and the machine's.
 
 On a 2-core machine the Python client processes share the cores with kvrc, so
 the number is a floor for the coordinator: the clients saturate first.
@@ -48,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,7 +61,7 @@ from benchmarks.common import RESULTS_DIR, percentile, write_result
 REPO = Path(__file__).resolve().parent.parent
 P99_LIMIT_MS = 10.0
 RSS_STEP_LIMIT_MB = 16.0  # a step that grows kvrc's RSS more than this is not flat
-DEFAULT_RATES = (100, 200, 400, 600, 800, 1000, 1250, 1500, 2000, 2500, 3000, 4000, 5000)
+DEFAULT_RATES = (25, 50, 100, 200, 300, 400, 600, 800, 1000, 1500, 2000, 3000, 4000)
 MAX_IN_FLIGHT = 512  # per worker; past it the step is overloaded
 SYSTEM_CHAIN = 32
 CHURN_RING = 1024
@@ -214,6 +218,7 @@ async def _worker_main(conn: multiprocessing.connection.Connection, target: str,
         if stats.in_flight:
             await asyncio.wait(set(stats.in_flight), timeout=15)
         conn.send(stats.report(time.perf_counter() - t0))
+    await asyncio.sleep(0.5)  # let the last releases and acks cross before closing
     await lookups.close()
     await a_client.close()
     await b_client.close()
@@ -274,7 +279,35 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _start_kvrc(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _rpc_histogram(metrics_url: str) -> dict[float, float]:
+    """kvrc's own `kvrc_rpc_duration_seconds` buckets of Lookup: le -> count.
+
+    Lookup only: RequestPrefixLoad and BeginHandoff include waits (the holder's pin
+    round trip, READY) that are not the coordinator's work."""
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvrc_rpc_duration_seconds_bucket{") and 'method="Lookup"' in line:
+            labels, value = line.rsplit(" ", 1)
+            le = labels.split('le="')[1].split('"')[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + float(value)
+    return buckets
+
+
+def _server_p99_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The bucket bound under which 99 % of the step's RPCs finished inside kvrc."""
+    delta = {b: after.get(b, 0.0) - before.get(b, 0.0) for b in after}
+    total = delta.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    for bound in sorted(delta):
+        if delta[bound] >= 0.99 * total:
+            return bound * 1000
+    return None
+
+
+def _start_kvrc(tmp: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     profiles = tmp / "profiles.toml"
     profiles.write_text(PROFILES)
     port_file = tmp / "ports.json"
@@ -288,7 +321,7 @@ def _start_kvrc(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
             "--listen",
             "127.0.0.1:0",
             "--metrics-port",
-            "-1",
+            "0",
             "--reuse",
             "on",
             "--profiles",
@@ -310,7 +343,8 @@ def _start_kvrc(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
             raise RuntimeError("kvrc did not start:\n" + (tmp / "kvrc.log").read_text())
         time.sleep(0.05)
     ports = json.loads(port_file.read_text())
-    return process, f"127.0.0.1:{ports['grpc_port']}"
+    metrics = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
+    return process, f"127.0.0.1:{ports['grpc_port']}", metrics
 
 
 # --- the driver ------------------------------------------------------------------------------
@@ -321,7 +355,7 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
     load_start = round(os.getloadavg()[0], 2)
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvrc-load-") as tmp:
-        kvrc, target = _start_kvrc(Path(tmp))
+        kvrc, target, metrics_url = _start_kvrc(Path(tmp))
         conns: list[multiprocessing.connection.Connection] = []
         procs = []
         try:
@@ -350,9 +384,11 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
                 rate = queue.pop(0)
                 if time.monotonic() - started + step_s + 10 > budget_s:
                     break
+                histogram_before = _rpc_histogram(metrics_url)
                 for conn in conns:
                     conn.send(("step", rate / workers, step_s))
                 results = [conn.recv() for conn in conns]
+                server_p99 = _server_p99_ms(histogram_before, _rpc_histogram(metrics_url))
                 by_kind = {
                     k: [x for r in results for x in r["latencies_ms"][k]]
                     for k in ("lookup", "prefix_load", "handoff")
@@ -371,6 +407,8 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
                     "p50_ms": round(percentile(latencies, 50), 3) if latencies else None,
                     "p99_ms": round(percentile(latencies, 99), 3) if latencies else None,
                     "max_ms": round(max(latencies), 3) if latencies else None,
+                    # kvrc's own time (histogram bucket bound): separates kvrc from clients.
+                    "server_lookup_p99_ms_bucket": server_p99,
                     "rpcs_timed": len(latencies),
                     "p99_ms_by_op": {
                         k: round(percentile(xs, 99), 3) for k, xs in by_kind.items() if xs
