@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first, so the `engine` extra's range is already met.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[engine,dev]'
+	$(BIN)/pip install -q -e '.[engine,dev,bench]'
 	touch $@
 
 venv: $(STAMP)

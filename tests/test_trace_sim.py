@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,10 +10,6 @@ import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-# `benchmarks` is not installed: plain `pytest` puts only tests/ on sys.path.
-# (Drop this once pyproject's pytest options say pythonpath = ["."].)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_trace
 from benchmarks.trace_sim import (
