@@ -86,11 +86,12 @@ class Child:
                     out.append(doc)
         return out
 
-    def wait_event(self, event: str, timeout_s: float) -> dict[str, Any]:
+    def wait_event(self, event: str, timeout_s: float, **where: Any) -> dict[str, Any]:
+        """The first `event` line whose fields include `where`."""
         deadline = time.monotonic() + timeout_s
         while True:
             for doc in self.events():
-                if doc.get("event") == event:
+                if doc.get("event") == event and all(doc.get(k) == v for k, v in where.items()):
                     return doc
             if self.process.poll() is not None:
                 raise RuntimeError(
@@ -127,6 +128,7 @@ class Cluster:
         self.python = python
         self.children: list[Child] = []
         self.coordinator: Child | None = None
+        self.coordinator_args: tuple[str, ...] = ()
         self.grpc_port = 0
 
     @property
@@ -156,6 +158,7 @@ class Cluster:
         profiles.write_text(PROFILES_TOML)
         port_file = self.workdir / "ports.json"
         port_file.unlink(missing_ok=True)
+        self.coordinator_args = extra
         self.coordinator = self.spawn(
             f"kvrc-{len(self.children)}",
             [
@@ -185,7 +188,7 @@ class Cluster:
         old = self.coordinator
         old.process.send_signal(signal.SIGTERM)
         status = old.process.wait(timeout_s)
-        self.start_coordinator(port=self.grpc_port)
+        self.start_coordinator(*self.coordinator_args, port=self.grpc_port)
         return status
 
     def engine_argv(self, group: EngineGroup, tp_rank: int, extra: Sequence[str]) -> list[str]:

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from harness import get_status, wait_until
 
@@ -31,6 +32,8 @@ from clients.refengine.channel import Channel
 from clients.refengine.compute import expected_blocks
 from clients.refengine.options import EngineOptions
 from coordinator.demo import BLOCK_SIZE, Cluster, EngineGroup
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -68,7 +71,8 @@ def cluster(
     workdir = Path(tmp_path_factory.mktemp("e2e"))
     c = Cluster(workdir)
     try:
-        c.start_coordinator()
+        # A frozen source must outlive its freeze in kvrc's view (see the freeze test).
+        c.start_coordinator("--heartbeat-timeout-ms", "15000")
         extra = ["--mooncake-ports", MOONCAKE_PORTS]
         groups = c.start_engines(
             [
@@ -303,6 +307,67 @@ async def _holder_has(target: str, chain: list[int], engine: str, blocks: int) -
     return (await holders(target, chain, requester="p1")).get(engine) == blocks
 
 
+async def test_frozen_source_gives_unknown_blocks_stay_out_until_quiet_and_quarantine(
+    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    kvrc, groups = cluster
+    prompt = tokens(71, 80)
+    await call(engines["p0"], "prefill", request_id="freeze-1", tokens=prompt, decode="")
+    turn2 = prompt + tokens(72, 20)
+    request = asyncio.create_task(
+        call(
+            engines["p1"],
+            "prefill",
+            request_id="freeze-2",
+            tokens=turn2,
+            decode="",
+            transfer_timeout_ms=1500,
+            test_faults={0: "delay-before-pull=0.3", 1: "delay-before-pull=0.3"},
+        )
+    )
+    leader = groups["p1"].leader
+    granted = await asyncio.to_thread(leader.wait_event, "granted", 60.0, request_id="freeze-2")
+    lease_id = granted["lease_id"]
+    await asyncio.to_thread(leader.wait_event, "pull_delayed", 60.0, lease_id=lease_id)
+    for part in groups["p0"].parts:  # the source freezes: Mooncake would block 30-60 s
+        os.killpg(part.process.pid, signal.SIGSTOP)
+    try:
+        result = await asyncio.wait_for(request, 30.0)  # our own deadline answers first
+        assert result["lease_id"] == lease_id
+        assert result["load"].startswith("failed (UNKNOWN)"), result
+        assert result["blocks_loaded"] == 0 and result["mismatches"] == 0
+        # kvrc was told UNKNOWN (or its abort is not acknowledged): quarantined, not released.
+        await wait_until(
+            lambda: _lease_state(kvrc.target, lease_id, pb.LEASE_STATE_QUARANTINED), timeout_s=10
+        )
+        # The destination blocks stay out of use while the native reads may still land.
+        assert (await call(engines["p1"], "stats"))["tainted_blocks"] == 5
+    finally:
+        for part in groups["p0"].parts:
+            os.killpg(part.process.pid, signal.SIGCONT)
+    # Recomputed into other blocks.
+    assert await assert_blocks_exact(engines["p1"], turn2) == len(turn2) // BLOCK_SIZE
+    # The native reads return once the peer runs again; then (plus settle) they are quiet.
+    await wait_until(lambda: _stat_is(engines["p1"], "tainted_blocks", 0), timeout_s=90)
+    assert (await call(engines["p0"], "stats"))["pinned_leases"] == 1  # the holder still pins
+    async with grpc.aio.insecure_channel(kvrc.target) as channel:
+        await pb_grpc.AdminServiceStub(channel).ResolveQuarantine(
+            pb.ResolveQuarantineRequest(
+                lease_id=lease_id,
+                resolution=pb.QUARANTINE_RESOLUTION_RELEASE,
+                operator_note="test: the requester's reads returned and settled",
+            ),
+            timeout=10,
+        )
+    await wait_until(lambda: _stat_is(engines["p0"], "pinned_leases", 0), timeout_s=15)
+    await wait_until(lambda: no_open_leases(kvrc.target), timeout_s=15)
+
+
+async def _lease_state(target: str, lease_id: str, state: int) -> bool:
+    status = await get_status(target)
+    return any(lease.lease_id == lease_id and lease.state == state for lease in status.leases)
+
+
 async def test_source_killed_mid_transfer_recomputes_and_leaves_no_lease_open(
     cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
 ) -> None:
@@ -321,7 +386,9 @@ async def test_source_killed_mid_transfer_recomputes_and_leaves_no_lease_open(
             test_faults={0: "delay-before-pull=2", 1: "delay-before-pull=2"},
         )
     )
-    granted = await asyncio.to_thread(groups["p1"].leader.wait_event, "pull_delayed", 60.0)
+    leader = groups["p1"].leader
+    granted = await asyncio.to_thread(leader.wait_event, "granted", 60.0, request_id="kill-2")
+    await asyncio.to_thread(leader.wait_event, "pull_delayed", 60.0, lease_id=granted["lease_id"])
     for part in groups["p0"].parts:  # the source dies between its pin and the pull
         os.killpg(part.process.pid, signal.SIGKILL)
     result = await asyncio.wait_for(request, 60.0)  # never a hang

@@ -138,6 +138,10 @@ class RankPart:
         self.executor = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="pull")
         self.in_flight = InFlightReads()
         self._reads_by_lease: dict[str, list[NativeRead]] = {}
+        # Pull calls still running per lease (an abort waits for them), and leases
+        # aborted here (a pull not started yet must not start); bounded.
+        self._pulls_running: dict[str, list[asyncio.Future[None]]] = {}
+        self._aborted: dict[str, None] = {}
         self.leader: Leader | None = None  # set in tp rank 0
         self.leader_channel: Channel | None = None  # set in followers
         self.handler = LeaseSessionHandler(
@@ -223,7 +227,21 @@ class RankPart:
             digest.update(bytes(self.cache.block_bytes_view(layer, block_id).tolist()))
         return digest.hexdigest()
 
-    async def pull(
+    async def pull(self, **args: Any) -> dict[str, Any]:
+        """`_pull`, tracked so that an AbortRequest waits for it (never acks mid-read)."""
+        lease_id = str(args["lease_id"])
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pulls_running.setdefault(lease_id, []).append(done)
+        try:
+            return await self._pull(**args)
+        finally:
+            done.set_result(None)
+            running = self._pulls_running[lease_id]
+            running.remove(done)
+            if not running:
+                del self._pulls_running[lease_id]
+
+    async def _pull(
         self,
         flow: str,
         lease_id: str,
@@ -268,6 +286,10 @@ class RankPart:
         elif fault == "delay-before-pull":
             emit("pull_delayed", lease_id=lease_id, seconds=float(value))
             await asyncio.sleep(float(value))
+        if lease_id in self._aborted:
+            # kvrc aborted the lease before our read started: it never starts.
+            await self.report(flow, lease_id, TransferOutcome.FAILED, "aborted before the read")
+            return _pull_reply("FAILED", error="aborted before the read started")
         result = await pull(
             self.transfer_engine,
             plan,
@@ -384,8 +406,15 @@ class RankPart:
         return PinAnswer(len(block_ids), descriptor)
 
     async def _abort(self, lease_id: str, reason: str) -> None:
-        # Mooncake cannot cancel a read: the abort is done when our reads are quiet.
-        for read in self._reads_by_lease.get(lease_id, []):
+        """Resolves (and the ack goes out) only once no read of the lease can still land."""
+        self._aborted[lease_id] = None
+        while len(self._aborted) > 4096:
+            del self._aborted[next(iter(self._aborted))]
+        # A pull in progress: its read may be submitted any moment; wait for the call.
+        for running in list(self._pulls_running.get(lease_id, [])):
+            await asyncio.shield(running)
+        # Mooncake cannot cancel a read: wait until it returned and settled.
+        for read in list(self._reads_by_lease.get(lease_id, [])):
             await read.wait_quiet()
 
     async def _on_release(self, lease_id: str, reason: str) -> None:
@@ -625,11 +654,15 @@ class Leader:
             return await self.wait_ready(float(args.get("wait_s", 60.0)))
         faults = _parse_test_faults(args.get("test_faults") or {}, self.options.tp_size)
         if op == "prefill":
+            timeout_ms = int(args.get("transfer_timeout_ms") or self.options.transfer_timeout_ms)
+            if not 100 <= timeout_ms <= 600_000:
+                raise ValueError(f"transfer_timeout_ms must be 100..600000, got {timeout_ms}")
             return await self.prefill(
                 str(args["request_id"]),
                 list(args["tokens"]),
                 str(args.get("decode") or ""),
                 faults,
+                transfer_timeout_ms=timeout_ms,
             )
         if op == "decode":
             return await self.decode(
@@ -709,6 +742,8 @@ class Leader:
         tokens: list[int],
         decode: str,
         faults: dict[int, dict[str, Any]] | None = None,
+        *,
+        transfer_timeout_ms: int = 0,
     ) -> dict[str, Any]:
         """Prefix load (when kvrc grants one), compute the rest, hand off to `decode`."""
         if not tokens:
@@ -723,7 +758,14 @@ class Leader:
         held = list(local)
         result: dict[str, Any] = {"request_id": request_id, "blocks_local": len(local)}
         try:
-            loaded, load = await self._prefix_load(request_id, tokens, hashes, len(local), faults)
+            loaded, load = await self._prefix_load(
+                request_id,
+                tokens,
+                hashes,
+                len(local),
+                faults,
+                transfer_timeout_ms or self.options.transfer_timeout_ms,
+            )
             held += loaded
             result.update(load)
             computed_from = len(held)
@@ -752,6 +794,7 @@ class Leader:
         hashes: list[bytes],
         local_n: int,
         faults: dict[int, dict[str, Any]] | None,
+        transfer_timeout_ms: int,
     ) -> tuple[list[int], dict[str, Any]]:
         info: dict[str, Any] = {
             "blocks_loaded": 0,
@@ -772,7 +815,7 @@ class Leader:
             hashes,
             min_blocks=local_n + 1,
             pin_timeout_ms=self.options.pin_timeout_ms,
-            transfer_timeout_ms=self.options.transfer_timeout_ms,
+            transfer_timeout_ms=transfer_timeout_ms,
         )
         if isinstance(answer, Miss):
             info["load"] = f"miss ({answer.reason})"
@@ -808,7 +851,7 @@ class Leader:
                 local_block_ids=block_ids,
                 tokens=tokens[: matched * self.options.block_size],
                 first_index=local_n,
-                deadline_s=max(0.05, min(deadline_s, self.options.transfer_timeout_ms / 1000)),
+                deadline_s=max(0.05, min(deadline_s, transfer_timeout_ms / 1000)),
             )
         except BaseException:
             # A rank part did not answer: what its read did is unknown; fail closed.
