@@ -24,6 +24,7 @@ from harness import CoordinatorProcess, free_port, get_status, start_coordinator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.config import CoordinatorConfig
 from coordinator.errors import ErrorCode, KvrcError
 from coordinator.leases import (
     RECOVERED_REASON,
@@ -37,7 +38,9 @@ from coordinator.leases import (
     SendRelease,
     flow_of_lease_id,
 )
+from coordinator.profiles import ReuseReason
 from coordinator.recovery import KnownEngine, StateFileError, Warmup, decode_state, encode_state
+from coordinator.service import Coordinator
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -486,8 +489,14 @@ async def test_warm_up_ends_early_when_every_known_engine_is_back(tmp_path: Path
         for engine in engines:
             stack.callback(engine.stop)
         await asyncio.sleep(0.5)
-        first.stop(signal.SIGKILL)
+        # A graceful stop (a rollout): the sessions it closes are not departures.
+        assert first.stop(signal.SIGTERM) == 0
+        known = {e.child_engine_id for e in decode_state(state.read_bytes())}
+        assert known == {"e0", "e1"}
         second = stack.enter_context(_kvrc(port, state, "--warmup-ms", "60000"))
+        assert (await get_status(second.grpc_target)).warming or all(
+            e.registrations() >= 2 for e in engines
+        )
         started = time.monotonic()
 
         async def warm() -> bool:
@@ -545,3 +554,27 @@ async def test_an_unusable_state_file_warms_up_for_the_whole_deadline(tmp_path: 
         await _wait(warm, 10, "warm after the deadline")
         assert time.monotonic() - started > 0.5
         assert "unusable" in kvrc.stderr_text()
+
+
+async def test_warm_up_without_a_state_file_lasts_exactly_the_given_time() -> None:
+    clock = [1_000_000]
+    coordinator = Coordinator(
+        CoordinatorConfig(metrics_port=-1, reuse=True, warmup_ms=500), clock_ms=lambda: clock[0]
+    )
+    assert coordinator.status().warming
+    assert coordinator.metrics.registry.get_sample_value("kvrc_warming") == 1
+    gate = coordinator.inventory.reuse_gate("anyone")
+    assert not gate.enabled and gate.reason is ReuseReason.WARMING
+    clock[0] += 499
+    assert coordinator.status().warming
+    clock[0] += 1
+    assert not coordinator.status().warming
+    assert coordinator.metrics.registry.get_sample_value("kvrc_warming") == 0
+    assert coordinator.inventory.reuse_gate("anyone").reason is not ReuseReason.WARMING
+
+
+def test_reuse_off_says_so_even_while_warming() -> None:
+    coordinator = Coordinator(CoordinatorConfig(metrics_port=-1, reuse=False, warmup_ms=5_000))
+    assert coordinator.status().warming
+    gate = coordinator.inventory.reuse_gate("anyone")
+    assert gate.reason is ReuseReason.DISABLED_BY_COORDINATOR  # invariant 1 first
