@@ -363,6 +363,34 @@ async def test_frozen_source_gives_unknown_blocks_stay_out_until_quiet_and_quara
     await wait_until(lambda: no_open_leases(kvrc.target), timeout_s=15)
 
 
+async def test_lease_aborted_before_the_read_starts_never_reads_and_releases(
+    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    """The lease deadline passes while the requester is still about to read (source alive):
+    kvrc aborts; the parts answer only after their pull calls return, and never start one."""
+    kvrc, _ = cluster
+    prompt = tokens(81, 64)
+    await call(engines["p0"], "prefill", request_id="abort-1", tokens=prompt, decode="")
+    turn2 = prompt + tokens(82, 20)
+    result = await call(
+        engines["p1"],
+        "prefill",
+        request_id="abort-2",
+        tokens=turn2,
+        decode="",
+        transfer_timeout_ms=300,
+        test_faults={0: "delay-before-pull=1.5", 1: "delay-before-pull=1.5"},
+    )
+    assert result["source"] == "p0"
+    assert result["load"].startswith("failed (FAILED)"), result
+    assert "aborted before the read" in result["load"]
+    assert result["bytes"] == 0 and result["blocks_loaded"] == 0
+    assert await assert_blocks_exact(engines["p1"], turn2) == len(turn2) // BLOCK_SIZE
+    # Acknowledged abort, proven quiet: the lease fails and the holder is released.
+    await wait_until(lambda: no_open_leases(kvrc.target), timeout_s=15)
+    await wait_until(lambda: _stat_is(engines["p0"], "pinned_leases", 0), timeout_s=15)
+
+
 async def _lease_state(target: str, lease_id: str, state: int) -> bool:
     status = await get_status(target)
     return any(lease.lease_id == lease_id and lease.state == state for lease in status.leases)
