@@ -10,7 +10,10 @@ worker process registers two engines through the client library (`clients/`):
 publishes handoffs; `b` looks up, loads prefixes from `a` and takes `a`'s
 handoffs. The load is open-loop: at rate R operations/s (split over the
 workers) operation i starts at t0 + i/R, whatever happened to the ones before,
-and its latency is measured from that scheduled time (no coordinated omission).
+and is never held back by slow answers. Each RPC's latency is measured from
+when the worker issued it; the generator's own lag behind the schedule (timer
+granularity, a CPU-starved worker) is reported beside it
+(`generator_lag_p99_ms`): when it grows, the clients are the bottleneck.
 The mix, per operation:
 
 * 40 % an event batch (4 BlockStored + 4 BlockRemoved) on `a`'s session stream;
@@ -138,14 +141,18 @@ async def _worker_main(conn: multiprocessing.connection.Connection, target: str,
         await publisher.publish(events)
         return 1
 
-    async def lookup(lat: list[float], scheduled: float) -> int:
+    async def lookup(lat: list[float], lag: list[float], scheduled: float) -> int:
+        issued = time.perf_counter()
+        lag.append((issued - scheduled) * 1000)
         await lookups.lookup(b_id, chain, min_blocks=1)
-        lat.append((time.perf_counter() - scheduled) * 1000)
+        lat.append((time.perf_counter() - issued) * 1000)
         return 1
 
-    async def prefix_load(lat: list[float], scheduled: float, i: int) -> int:
+    async def prefix_load(lat: list[float], lag: list[float], scheduled: float, i: int) -> int:
+        issued = time.perf_counter()
+        lag.append((issued - scheduled) * 1000)
         answer = await b_client.request_prefix_load(f"pl-{i}", chain[:16], transfer_timeout_ms=5000)
-        lat.append((time.perf_counter() - scheduled) * 1000)
+        lat.append((time.perf_counter() - issued) * 1000)
         if not isinstance(answer, Grant):
             raise RuntimeError(f"prefix load missed: {answer.reason}")
         t = time.perf_counter()
@@ -161,7 +168,9 @@ async def _worker_main(conn: multiprocessing.connection.Connection, target: str,
         lat.append((time.perf_counter() - t) * 1000)
         return 2
 
-    async def handoff(lat: list[float], scheduled: float, i: int) -> int:
+    async def handoff(lat: list[float], lag: list[float], scheduled: float, i: int) -> int:
+        issued = time.perf_counter()
+        lag.append((issued - scheduled) * 1000)
         request_id = f"h-{i}"
         await a_client.publish_handoff(
             request_id,
@@ -170,7 +179,7 @@ async def _worker_main(conn: multiprocessing.connection.Connection, target: str,
             num_blocks=8,
             decode_child_engine_id=b_id,
         )
-        lat.append((time.perf_counter() - scheduled) * 1000)
+        lat.append((time.perf_counter() - issued) * 1000)
         t = time.perf_counter()
         grant = await b_client.begin_handoff(request_id, a_id, wait_timeout_ms=1000)
         lat.append((time.perf_counter() - t) * 1000)
@@ -209,11 +218,11 @@ async def _worker_main(conn: multiprocessing.connection.Connection, target: str,
             if kind < 4:
                 coro = event_batch()
             elif kind < 8:
-                coro = lookup(stats.lat["lookup"], scheduled)
+                coro = lookup(stats.lat["lookup"], stats.lag, scheduled)
             elif kind == 8:
-                coro = prefix_load(stats.lat["prefix_load"], scheduled, op_seq)
+                coro = prefix_load(stats.lat["prefix_load"], stats.lag, scheduled, op_seq)
             else:
-                coro = handoff(stats.lat["handoff"], scheduled, op_seq)
+                coro = handoff(stats.lat["handoff"], stats.lag, scheduled, op_seq)
             stats.start(coro)
         if stats.in_flight:
             await asyncio.wait(set(stats.in_flight), timeout=15)
@@ -231,6 +240,7 @@ class _StepStats:
 
     def __init__(self) -> None:
         self.lat: dict[str, list[float]] = {"lookup": [], "prefix_load": [], "handoff": []}
+        self.lag: list[float] = []  # issued - scheduled, per operation with RPCs
         self.errors: list[str] = []
         self.requests = 0
         self.dropped = 0
@@ -254,6 +264,7 @@ class _StepStats:
     def report(self, elapsed_s: float) -> dict[str, Any]:
         return {
             "latencies_ms": self.lat,
+            "lag_ms": self.lag,
             "requests": self.requests,
             "errors": len(self.errors),
             "error_samples": self.errors[:3],
@@ -394,6 +405,7 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
                     for k in ("lookup", "prefix_load", "handoff")
                 }
                 latencies = [x for xs in by_kind.values() for x in xs]
+                lags = [x for r in results for x in r["lag_ms"]]
                 requests = sum(r["requests"] for r in results)
                 elapsed = max(r["elapsed_s"] for r in results)
                 errors = sum(r["errors"] for r in results)
@@ -407,6 +419,7 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
                     "p50_ms": round(percentile(latencies, 50), 3) if latencies else None,
                     "p99_ms": round(percentile(latencies, 99), 3) if latencies else None,
                     "max_ms": round(max(latencies), 3) if latencies else None,
+                    "generator_lag_p99_ms": round(percentile(lags, 99), 3) if lags else None,
                     # kvrc's own time (histogram bucket bound): separates kvrc from clients.
                     "server_lookup_p99_ms_bucket": server_p99,
                     "rpcs_timed": len(latencies),
