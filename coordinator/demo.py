@@ -9,6 +9,14 @@ engine that served the previous turn, or the other prefill engine) and kvrc
 grants a prefix load. Every loaded or handed-off block is compared with a
 recomputation: `mismatches` must be 0.
 
+Counts (table and `demo-result.json`): `requests` = chat turns (each a prefill
+plus a decode handoff); `blocks_loaded` = prompt blocks pulled from another
+engine under a kvrc lease; `blocks_local` = prompt blocks the prefill engine
+still had; `blocks_recomputed` = blocks computed (prefill remainder, plus any
+handoff that fell back to recompute); `hit_ratio` = (loaded + local) / prompt
+blocks; `bytes_moved` and `transfer_gbps` = bytes every rank part pulled
+(loads and handoffs) over the summed wall time of those pulls.
+
 Processes: each child runs in its own process group with a parent-death
 signal; they are stopped on exit, on Ctrl-C / SIGTERM and at interpreter exit.
 The cluster helpers (`Cluster`, `EngineGroup`) are reused by the tests.

@@ -17,6 +17,10 @@ How the rank parts of one engine cooperate (vLLM's scheduler/worker split):
   blocks without sharing state. A PinRequest reaching a follower's session is
   answered with block ids the leader pins once per lease.
 
+Handoff leases: a ReleaseRequest names only the lease id, which the prefill
+does not learn from PublishHandoff; the driver passes it on from the decode's
+grant (`bind_handoff`), and a release that arrives first is remembered.
+
 Every process prints JSON lines on stdout (`listening`, `registered`, `ready`,
 `granted`, ...) for the orchestrator and tests; logs go to stderr.
 """
@@ -377,7 +381,9 @@ class RankPart:
             num_blocks=len(block_ids),
             decode_child_engine_id=decode_child_engine_id,
         )
-        return {"state": published.state}
+        # The protocol does not return the handoff's lease id yet; once it does
+        # (PublishHandoffResponse.lease_id), the leader names the lease at once.
+        return {"state": published.state, "lease_id": str(getattr(published, "lease_id", ""))}
 
     async def wait_quiet(self, block_ids: Sequence[int]) -> None:
         wanted = set(block_ids)
@@ -926,6 +932,8 @@ class Leader:
         if states & {"COMPLETED", "FAILED", "RESOLVED", "MISSED"}:
             # Ended before we published: no release will come; free now.
             self._drop_hold(request_id)
+        elif lease_id := next((r["lease_id"] for r in results if r["lease_id"]), ""):
+            await self.bind_handoff(request_id, lease_id)
         return {"states": sorted(states)}
 
     async def bind_handoff(self, request_id: str, lease_id: str) -> None:
