@@ -102,6 +102,7 @@ class PublishResult:
     state: str  # "WAITING_READY", "READY", ...
     parts_reported: int
     parts_expected: int
+    lease_id: str  # names this handoff in the prefill's ReleaseRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +245,9 @@ class LeaseClient:
             num_blocks=num_blocks,
         )
         reply = await self._call(self._stub.PublishHandoff, request, self._timeout_s)
-        return PublishResult(_state_name(reply.state), reply.parts_reported, reply.parts_expected)
+        return PublishResult(
+            _state_name(reply.state), reply.parts_reported, reply.parts_expected, reply.lease_id
+        )
 
     async def begin_handoff(
         self, request_id: str, prefill_child_engine_id: str, *, wait_timeout_ms: int = 0

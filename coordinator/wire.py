@@ -735,7 +735,10 @@ def publish_response_to_proto(
     view: LeaseView, reported: int, expected: int
 ) -> pb.PublishHandoffResponse:
     return pb.PublishHandoffResponse(
-        state=_lease_state(view.state), parts_reported=reported, parts_expected=expected
+        state=_lease_state(view.state),
+        parts_reported=reported,
+        parts_expected=expected,
+        lease_id=view.lease_id,
     )
 
 

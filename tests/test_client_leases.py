@@ -143,11 +143,13 @@ async def test_abort_is_acknowledged_only_after_the_engine_stopped(
 
     _, pre_client = await parts.part("c-pre", LeaseSessionHandler(on_release=on_release))
     _, decode = await parts.part("c-dec", LeaseSessionHandler(abort=abort))
-    await pre_client.publish_handoff(
+    published = await pre_client.publish_handoff(
         "h1", descriptor=descriptor([1]), kv_transfer_params={"a": (1, [2])}, num_blocks=1
     )
     grant = await decode.begin_handoff("h1", "c-pre")
     assert isinstance(grant, HandoffGrant) and grant.kv_transfer_params == {"a": (1, [2])}
+    # The prefill learns the lease id at publish time: its ReleaseRequest names it.
+    assert published.lease_id == grant.lease_id
     # No keep-alive: the lease expires, the decode is asked to abort.
     await wait_until(lambda: _true(aborts), timeout_s=5)
     await asyncio.sleep(0.3)

@@ -381,9 +381,8 @@ class RankPart:
             num_blocks=len(block_ids),
             decode_child_engine_id=decode_child_engine_id,
         )
-        # The protocol does not return the handoff's lease id yet; once it does
-        # (PublishHandoffResponse.lease_id), the leader names the lease at once.
-        return {"state": published.state, "lease_id": str(getattr(published, "lease_id", ""))}
+        # The lease id lets the leader match the prefill's ReleaseRequest to this request.
+        return {"state": published.state, "lease_id": published.lease_id}
 
     async def wait_quiet(self, block_ids: Sequence[int]) -> None:
         wanted = set(block_ids)

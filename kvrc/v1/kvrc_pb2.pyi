@@ -1674,19 +1674,23 @@ class PublishHandoffResponse(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     PARTS_REPORTED_FIELD_NUMBER: _builtins.int
     PARTS_EXPECTED_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     state: Global___LeaseState.ValueType
     parts_reported: _builtins.int
     parts_expected: _builtins.int
+    lease_id: _builtins.str
+    """The handoff lease: the prefill's ReleaseRequest for this request names it."""
     def __init__(
         self,
         *,
         state: Global___LeaseState.ValueType = ...,
         parts_reported: _builtins.int = ...,
         parts_expected: _builtins.int = ...,
+        lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["parts_expected", b"parts_expected", "parts_reported", b"parts_reported", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "parts_expected", b"parts_expected", "parts_reported", b"parts_reported", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
