@@ -225,6 +225,14 @@ class LeaseFacade:
         self._reported: dict[str, set[RankKey]] = {}  # for byte counting without duplicates
         # Restart recovery (coordinator/recovery.py): a status while warming, else None.
         self.warming: Callable[[], ReuseStatus | None] = lambda: None
+        # The gauge's children, labelled once (labels() costs µs; _execute runs per step),
+        # and the value last set on each, so only changed counts are written.
+        self._gauge_children = {
+            (flow, state): metrics.leases.labels(flow=flow.value, state=state.name.lower())
+            for flow in Flow
+            for state in _NON_TERMINAL
+        }
+        self._gauge_values: dict[tuple[Flow, LeaseState], int] = {}
         self._update_gauge()
 
     # --- lifecycle -----------------------------------------------------------------
@@ -748,11 +756,12 @@ class LeaseFacade:
 
     def _update_gauge(self) -> None:
         counts = self.table.counts()
-        for flow in Flow:
-            for state in _NON_TERMINAL:
-                self._metrics.leases.labels(flow=flow.value, state=state.name.lower()).set(
-                    counts.get((flow, state), 0)
-                )
+        last = self._gauge_values
+        for key, child in self._gauge_children.items():
+            value = counts.get(key, 0)
+            if last.get(key) != value:
+                child.set(value)
+                last[key] = value
 
     def _tick(self) -> None:
         now = self._clock_ms()
