@@ -28,11 +28,14 @@ shape of a chunked prefill); churn batches remove 64 blocks.
   `load_average_1m` (before, after) says how busy the host was.
 - `grpc_lookup_rps`, `grpc_echo_rps`, `grpc_lookup_vs_echo`: a real `kvrc serve`
   process (8 engines holding 256 chains, one requester) and a bare grpc.aio
-  unary echo process, driven in alternating windows by one client (one
-  channel, 32 calls in flight, the same pre-serialized 64-block LookupRequest
-  bytes to both); the best window of each. On 2 shared cores the client is
-  often the bottleneck, so `grpc_*_server_cpu_us_per_call` also give each
-  server's CPU time per call, which that does not hide.
+  unary echo process, driven by one client (one channel, 32 calls in flight,
+  the same pre-serialized 64-block LookupRequest bytes to both; the echo
+  answers with as many bytes as kvrc's average LookupResponse) in 6 pairs of
+  interleaved windows (the order swaps every pair, so drift hits both alike);
+  the median window of each, and `grpc_lookup_vs_echo_pairs` the ratio per pair.
+  On 2 shared cores the client is often the bottleneck, so
+  `grpc_*_server_cpu_us_per_call` (median) also give each server's CPU time per
+  call, which that does not hide.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -248,19 +252,22 @@ def memory_per_membership(*, shared: bool) -> dict[str, float]:
 # --- gRPC: lookups through the real server vs a bare grpc.aio echo -------------------------
 
 GRPC_CONCURRENCY = 32  # in-flight unary calls, the same for both servers
-GRPC_SECONDS = 4.0  # per measurement window
-GRPC_ROUNDS = 3  # alternating lookup / echo windows; the best of each is kept
+GRPC_SECONDS = 2.5  # per measurement window
+GRPC_ROUNDS = 6  # pairs of lookup / echo windows (order swapped each pair); medians kept
 GRPC_HOLDERS = 8
 GRPC_CHAINS_PER_HOLDER = 32
 
-# A bare grpc.aio unary echo (bytes in, the same bytes out) on uvloop, in its own
-# process like kvrc: the ceiling of a unary RPC on this machine.
+# A bare grpc.aio unary echo on uvloop, in its own process like kvrc: the ceiling of a
+# unary RPC on this machine. It reads the same request bytes and answers as many bytes
+# as kvrc's LookupResponse (argv[1]), so both servers move the same payload.
 _ECHO_SERVER = """
 import asyncio, signal, sys
 import grpc, uvloop
 
+RESPONSE = bytes(int(sys.argv[1]))
+
 async def echo(request, context):
-    return request
+    return RESPONSE
 
 async def main():
     server = grpc.aio.server()
@@ -366,9 +373,7 @@ async def _drive(
     return done / elapsed, (_cpu_seconds(server_pid) - cpu_before) / done * 1e6
 
 
-async def _measure_grpc_async(
-    kvrc_port: int, kvrc_pid: int, echo_port: int, echo_pid: int
-) -> dict[str, Any]:
+async def _measure_grpc_async(kvrc_port: int, kvrc_pid: int) -> dict[str, Any]:
     import grpc
 
     from clients.inventory import InventoryPublisher
@@ -407,10 +412,7 @@ async def _measure_grpc_async(
                 ).SerializeToString()
             )
         lookup_method = "/kvrc.v1.EngineService/Lookup"
-        async with (
-            grpc.aio.insecure_channel(target) as kvrc_channel,
-            grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as echo_channel,
-        ):
+        async with grpc.aio.insecure_channel(target) as kvrc_channel:
             # Every holder's events are in before timing starts (and a lookup hits).
             for _ in range(200):
                 answer = pb.LookupResponse.FromString(
@@ -421,57 +423,86 @@ async def _measure_grpc_async(
                 await asyncio.sleep(0.05)
             else:
                 raise RuntimeError("the benchmark's lookups never hit")
-            echo_method = "/bench.Echo/Echo"
-            await _drive(kvrc_channel, lookup_method, requests, 0.5, kvrc_pid)  # warm-up
-            await _drive(echo_channel, echo_method, requests, 0.5, echo_pid)
-            lookup, echo = [], []
-            for _ in range(GRPC_ROUNDS):
-                lookup.append(
-                    await _drive(kvrc_channel, lookup_method, requests, GRPC_SECONDS, kvrc_pid)
-                )
-                echo.append(
-                    await _drive(echo_channel, echo_method, requests, GRPC_SECONDS, echo_pid)
-                )
+            response_sizes = [
+                len(await kvrc_channel.unary_unary(lookup_method, None, None)(r)) for r in requests
+            ]
+            response_bytes = round(statistics.mean(response_sizes))
+            echo_process = _start_process([sys.executable, "-c", _ECHO_SERVER, str(response_bytes)])
+            try:
+                assert echo_process.stdout is not None
+                echo_port = int(echo_process.stdout.readline())
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as echo_channel:
+                    lookup, echo = await _interleaved(
+                        kvrc_channel, kvrc_pid, echo_channel, echo_process.pid, requests
+                    )
+            finally:
+                _stop_process(echo_process)
     finally:
         for s in sessions:
             await s.close()
-    best_lookup = max(rps for rps, _ in lookup)
-    best_echo = max(rps for rps, _ in echo)
-    lookup_cpu = min(cpu for _, cpu in lookup)
-    echo_cpu = min(cpu for _, cpu in echo)
+    lookup_rps = statistics.median(rps for rps, _ in lookup)
+    echo_rps = statistics.median(rps for rps, _ in echo)
+    lookup_cpu = statistics.median(cpu for _, cpu in lookup)
+    echo_cpu = statistics.median(cpu for _, cpu in echo)
     return {
-        "grpc_lookup_rps": round(best_lookup),
-        "grpc_echo_rps": round(best_echo),
-        "grpc_lookup_vs_echo": round(best_lookup / best_echo, 3),
+        "grpc_lookup_rps": round(lookup_rps),
+        "grpc_echo_rps": round(echo_rps),
+        "grpc_lookup_vs_echo": round(lookup_rps / echo_rps, 3),
+        "grpc_lookup_vs_echo_pairs": [
+            round(a[0] / b[0], 3) for a, b in zip(lookup, echo, strict=True)
+        ],
         "grpc_concurrency": GRPC_CONCURRENCY,
+        "grpc_window_s": GRPC_SECONDS,
+        "grpc_request_bytes": len(requests[0]),
+        "grpc_response_bytes": response_bytes,
         "grpc_lookup_rps_rounds": [round(rps) for rps, _ in lookup],
         "grpc_echo_rps_rounds": [round(rps) for rps, _ in echo],
         # Server-side cost, independent of how fast this one client process can go:
-        # CPU time of the server process per call (best round).
+        # CPU time of the server process per call (median window).
         "grpc_lookup_server_cpu_us_per_call": round(lookup_cpu, 1),
         "grpc_echo_server_cpu_us_per_call": round(echo_cpu, 1),
         "grpc_server_cpu_echo_vs_lookup": round(echo_cpu / lookup_cpu, 3),
     }
 
 
+async def _interleaved(
+    kvrc_channel: Any, kvrc_pid: int, echo_channel: Any, echo_pid: int, requests: list[bytes]
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """GRPC_ROUNDS pairs of windows, lookup first in even pairs and echo first in odd."""
+    lookup_method = "/kvrc.v1.EngineService/Lookup"
+    echo_method = "/bench.Echo/Echo"
+    await _drive(kvrc_channel, lookup_method, requests, 0.5, kvrc_pid)  # warm-up
+    await _drive(echo_channel, echo_method, requests, 0.5, echo_pid)
+    lookup: list[tuple[float, float]] = []
+    echo: list[tuple[float, float]] = []
+    for i in range(GRPC_ROUNDS):
+        for which in ("lookup", "echo") if i % 2 == 0 else ("echo", "lookup"):
+            if which == "lookup":
+                lookup.append(
+                    await _drive(kvrc_channel, lookup_method, requests, GRPC_SECONDS, kvrc_pid)
+                )
+            else:
+                echo.append(
+                    await _drive(echo_channel, echo_method, requests, GRPC_SECONDS, echo_pid)
+                )
+    return lookup, echo
+
+
 def measure_grpc() -> dict[str, Any] | None:
     """Lookup RPCs/s through a real `kvrc serve` and a bare grpc.aio unary echo server,
     each in its own process, driven by the same client (one channel, GRPC_CONCURRENCY
     calls in flight, pre-serialized requests: the same 64-block LookupRequest bytes go
-    to both) in alternating windows of this one run."""
+    to both, the echo answers a LookupResponse's size) in interleaved windows of this
+    one run."""
     import tempfile
 
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
         kvrc, kvrc_port = _start_kvrc(Path(tmp))
-        echo = _start_process([sys.executable, "-c", _ECHO_SERVER])
         try:
-            assert echo.stdout is not None
-            echo_port = int(echo.stdout.readline())
-            return uvloop.run(_measure_grpc_async(kvrc_port, kvrc.pid, echo_port, echo.pid))
+            return uvloop.run(_measure_grpc_async(kvrc_port, kvrc.pid))
         finally:
-            _stop_process(echo)
             _stop_process(kvrc)
 
 
@@ -479,7 +510,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--lookups", type=int, default=20_000)
     parser.add_argument("--name", default="index")
+    parser.add_argument(
+        "--grpc-only", action="store_true", help="only the gRPC half; print it, write nothing"
+    )
     args = parser.parse_args(argv)
+    if args.grpc_only:
+        print(json.dumps(measure_grpc(), indent=2))
+        return 0
     started = time.perf_counter()
     rng = random.Random(42)
 
