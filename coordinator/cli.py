@@ -94,6 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--session-grace-ms", type=int, default=defaults.session_grace_ms)
     serve.add_argument(
+        "--resync-retry-ms",
+        type=int,
+        default=defaults.resync_retry_initial_ms,
+        help="resend a ResyncRequest after this long without a dump, doubling (%(default)s)",
+    )
+    serve.add_argument(
+        "--resync-retry-max-ms",
+        type=int,
+        default=defaults.resync_retry_max_ms,
+        help="longest wait between ResyncRequests to one stale stream (%(default)s)",
+    )
+    serve.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=defaults.shutdown_grace_s,
@@ -281,6 +293,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         session_queue_size=args.session_queue_size,
         state_file=args.state_file,
         warmup_ms=args.warmup_ms,
+        resync_retry_initial_ms=args.resync_retry_ms,
+        resync_retry_max_ms=args.resync_retry_max_ms,
     )
 
 

@@ -100,6 +100,10 @@ class CoordinatorConfig:
     state_file: Path | None = None
     # Warm-up deadline; None: DEFAULT_WARMUP_MS with a state file, no warm-up without.
     warmup_ms: int | None = None
+    # A stale stream whose dump does not begin gets its ResyncRequest again: after
+    # this delay, doubling up to the max (the engine may have lost the first one).
+    resync_retry_initial_ms: int = 1000
+    resync_retry_max_ms: int = 30_000
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_ms <= 0:
@@ -113,6 +117,11 @@ class CoordinatorConfig:
             )
         if self.warmup_ms is not None and not 0 <= self.warmup_ms <= 3_600_000:
             raise ConfigError(f"warm-up must be 0..3600000 ms, got {self.warmup_ms}")
+        if not 1 <= self.resync_retry_initial_ms <= self.resync_retry_max_ms <= 3_600_000:
+            raise ConfigError(
+                f"resync retry must satisfy 1 <= initial ({self.resync_retry_initial_ms} ms) "
+                f"<= max ({self.resync_retry_max_ms} ms) <= 3600000"
+            )
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown grace must be >= 0 s, got {self.shutdown_grace_s}")
         if self.inventory_max_entries_total < 0 or self.inventory_max_entries_per_engine < 0:

@@ -16,8 +16,12 @@ Decisions (each has a test in tests/test_service_inventory.py):
 - Streams: per rank part, each part's own stream, opened at registration with
   the session's incarnation. Per child engine, any part may publish; the stream
   follows the newest incarnation that published (an older one is fenced).
-- A gap marks the engine stale (hidden from lookups) and sends one
+- A gap marks the engine stale (hidden from lookups) and sends a
   ResyncRequest on the session that published; a full dump makes it fresh.
+  Until a dump begins the request is sent again (the engine may have lost it),
+  after `resync_retry_initial_ms` doubling to `resync_retry_max_ms`, each one
+  counted in `kvrc_resync_requests_total`. Every stale <-> fresh change of a
+  child engine goes to `on_stale_changed` (the service pushes its state).
 - Events of a child engine that is not READY are held: applied to the core and
   bounded, never returned by a lookup until the engine is READY.
 - A holder is visible only while READY, fresh, and its own reuse gate is open
@@ -49,7 +53,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import KvrcError, invalid
-from coordinator.event_streams import EventStreams, StreamAction, StreamKey
+from coordinator.event_streams import EventStreams, StreamAction, StreamKey, StreamPhase
 from coordinator.events import EventBatch, RankKey, Tier
 from coordinator.inventory import (
     DEFAULT_MAX_CANDIDATES,
@@ -128,12 +132,13 @@ class EngineInventoryStatus:
 class _Meta:
     """What the facade keeps per child engine for the lookup gate (no view building)."""
 
-    __slots__ = ("compatibility_hash", "mode", "publisher_rank", "ready", "reuse", "zmq")
+    __slots__ = ("compatibility_hash", "mode", "publisher_rank", "ready", "reuse", "stale", "zmq")
 
     def __init__(self, compatibility_hash: str, mode: PublishMode) -> None:
         self.compatibility_hash = compatibility_hash
         self.mode = mode
         self.ready = False
+        self.stale = False  # as last told to on_stale_changed
         self.reuse = ReuseStatus(False, ReuseReason.REQUESTER_NOT_READY, "not READY")
         self.publisher_rank: RankKey | None = None  # per child engine: the part that publishes
         self.zmq: ZmqEventStream | None = None
@@ -149,6 +154,21 @@ _NOT_READY = ReuseStatus(
 )
 
 SendFn = Callable[[str, ResyncOrder], None]  # (session_id, message)
+
+
+class _ResyncRetry:
+    """A stale stream's pending ResyncRequest: resent until a dump begins."""
+
+    __slots__ = ("delay_ms", "expected_sequence", "handle", "incarnation", "session_id")
+
+    def __init__(
+        self, session_id: str, incarnation: int, expected_sequence: int, delay_ms: int
+    ) -> None:
+        self.session_id = session_id
+        self.incarnation = incarnation
+        self.expected_sequence = expected_sequence
+        self.delay_ms = delay_ms
+        self.handle: asyncio.TimerHandle | None = None
 
 
 class InventoryFacade:
@@ -180,6 +200,10 @@ class InventoryFacade:
         self._leases_in_flight: Callable[[], Mapping[str, int]] = lambda: _NO_LEASES
         # Restart recovery (coordinator/recovery.py): a status while warming, else None.
         self.warming: Callable[[], ReuseStatus | None] = lambda: None
+        # The service pushes a child engine's state when its staleness changes.
+        self.on_stale_changed: Callable[[str], None] = lambda child_engine_id: None
+        # One pending retry per stale gRPC stream (bounded by the streams).
+        self._resyncs: dict[StreamKey, _ResyncRetry] = {}
         self._disabled = ReuseStatus(
             False,
             ReuseReason.DISABLED_BY_COORDINATOR,
@@ -217,6 +241,8 @@ class InventoryFacade:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
+        for key in list(self._resyncs):
+            self._cancel_resync(key)
         for meta in self._meta.values():
             await self._stop_zmq(meta)
         if self._stopping:
@@ -259,7 +285,10 @@ class InventoryFacade:
             key = StreamKey(cid, registration.rank)
             if self.streams.open_stream(key, incarnation):
                 self.inventory.clear_stream(cid, registration.rank)
+                self._cancel_resync(key)
         self._refresh(cid, meta, view, reuse)
+        # No push here: the RegisterAck is not sent yet; readiness pushes carry it.
+        self._note_stale(cid, meta, push=False)
         if registration.kv_events_endpoint and meta.zmq is None:
             self._start_zmq(registration, meta)
 
@@ -275,11 +304,14 @@ class InventoryFacade:
         if meta.mode is PublishMode.PER_RANK_PART:
             self.inventory.clear_stream(child_engine_id, rank)
             self.streams.close_stream(StreamKey(child_engine_id, rank))
+            self._cancel_resync(StreamKey(child_engine_id, rank))
         elif meta.publisher_rank == rank:
             self.inventory.clear_stream(child_engine_id, None)
             self.streams.close_stream(StreamKey(child_engine_id, None))
+            self._cancel_resync(StreamKey(child_engine_id, None))
             meta.publisher_rank = None
         self._refresh(child_engine_id, meta, view, self._reuse_for(view))
+        self._note_stale(child_engine_id, meta)
         self._update_gauges()
 
     def on_part_gone(self, child_engine_id: str, rank: RankKey, session_id: str) -> None:
@@ -328,19 +360,22 @@ class InventoryFacade:
         if action is StreamAction.APPLY:
             if d.dump_begins:
                 self.inventory.begin_dump(child_engine_id, rank_key)
+                self._cancel_resync(key)
             elif d.reset_stream:
                 self.inventory.clear_stream(child_engine_id, rank_key)
+                self._cancel_resync(key)
             result = self.inventory.apply(
                 child_engine_id, batch.events, rank_key=rank_key, now_ms=self._clock_ms()
             )
             if d.dump_ends:
                 self.inventory.end_dump(child_engine_id, rank_key)
             self._count_applied(SOURCE_GRPC, result)
+            if d.dump_begins or d.dump_ends or d.reset_stream:
+                self._note_stale(child_engine_id, meta)
         elif action is StreamAction.GAP:
             if d.reset_stream:
                 self.inventory.clear_stream(child_engine_id, rank_key)
             self.inventory.mark_stale(child_engine_id, rank_key)
-            self._m_resync.inc()
             log.info(
                 "inventory stream of %s%s lost events (expected sequence %d, got %d): "
                 "stale until a full dump",
@@ -349,15 +384,80 @@ class InventoryFacade:
                 d.expected_sequence,
                 batch.sequence,
             )
-            self._send(
-                session_id,
-                ResyncOrder(
-                    reason=f"expected sequence {d.expected_sequence}, got {batch.sequence}",
-                    expected_sequence=d.expected_sequence,
+            self._ask_resync(
+                key,
+                _ResyncRetry(
+                    session_id,
+                    batch.incarnation,
+                    d.expected_sequence,
+                    self._config.resync_retry_initial_ms,
                 ),
+                f"expected sequence {d.expected_sequence}, got {batch.sequence}",
             )
+            self._note_stale(child_engine_id, meta)
         self._update_gauges()
         return action
+
+    # --- resync retries ------------------------------------------------------------
+
+    def _ask_resync(self, key: StreamKey, retry: _ResyncRetry, reason: str) -> None:
+        """Sends a ResyncRequest now and schedules its resend (replaces a pending one)."""
+        self._cancel_resync(key)
+        self._m_resync.inc()
+        self._send(
+            retry.session_id,
+            ResyncOrder(reason=reason, expected_sequence=retry.expected_sequence),
+        )
+        self._resyncs[key] = retry
+        retry.handle = asyncio.get_running_loop().call_later(
+            retry.delay_ms / 1000, self._resend_resync, key, retry
+        )
+
+    def _resend_resync(self, key: StreamKey, retry: _ResyncRetry) -> None:
+        if self._resyncs.get(key) is not retry:
+            return
+        del self._resyncs[key]
+        # Only the same incarnation, still stale (a dump that began cancels the retry).
+        if (
+            self.streams.phase(key) is not StreamPhase.STALE
+            or self.streams.incarnation(key) != retry.incarnation
+        ):
+            return
+        waited = retry.delay_ms
+        log.info(
+            "inventory stream of %s%s still stale %d ms after its ResyncRequest: asking again",
+            key.child_engine_id,
+            f" rank {key.rank_key}" if key.rank_key is not None else "",
+            waited,
+        )
+        self._ask_resync(
+            key,
+            _ResyncRetry(
+                retry.session_id,
+                retry.incarnation,
+                retry.expected_sequence,
+                min(waited * 2, self._config.resync_retry_max_ms),
+            ),
+            f"no full dump began within {waited} ms of the previous ResyncRequest "
+            f"(expected sequence {retry.expected_sequence})",
+        )
+
+    def _cancel_resync(self, key: StreamKey) -> None:
+        retry = self._resyncs.pop(key, None)
+        if retry is not None and retry.handle is not None:
+            retry.handle.cancel()
+
+    def _note_stale(self, child_engine_id: str, meta: _Meta, *, push: bool = True) -> None:
+        """Tells the service when the child engine turned stale or fresh."""
+        stale = self.is_stale(child_engine_id)
+        if stale != meta.stale:
+            meta.stale = stale
+            if not push:
+                return
+            try:
+                self.on_stale_changed(child_engine_id)
+            except Exception:  # a push failure must not undo the ingest
+                log.exception("stale change of %s not pushed", child_engine_id)
 
     # --- lookup ----------------------------------------------------------------
 
@@ -451,6 +551,12 @@ class InventoryFacade:
 
     # --- status ------------------------------------------------------------------
 
+    def is_stale(self, child_engine_id: str) -> bool:
+        """Its inventory lost events and awaits a full dump (pushed in state updates)."""
+        return self.inventory.has_engine(child_engine_id) and self.inventory.is_stale(
+            child_engine_id
+        )
+
     def engine_status(self, child_engine_id: str) -> EngineInventoryStatus:
         if not self.inventory.has_engine(child_engine_id):
             return EngineInventoryStatus(0, False)
@@ -525,12 +631,19 @@ class InventoryFacade:
     def zmq_drop(self, child_engine_id: str) -> None:
         if self.inventory.has_engine(child_engine_id):
             self.inventory.clear_stream(child_engine_id, None)
+            self._zmq_note_stale(child_engine_id)
             self._update_gauges()
 
     def zmq_stale(self, child_engine_id: str) -> None:
         if self.inventory.has_engine(child_engine_id):
             self.inventory.mark_stale(child_engine_id, None)
+            self._zmq_note_stale(child_engine_id)
             self._update_gauges()
+
+    def _zmq_note_stale(self, child_engine_id: str) -> None:
+        meta = self._meta.get(child_engine_id)
+        if meta is not None:
+            self._note_stale(child_engine_id, meta)
 
     # --- internals -------------------------------------------------------------------
 
@@ -544,6 +657,8 @@ class InventoryFacade:
 
     def _remove_engine(self, child_engine_id: str, meta: _Meta) -> None:
         dropped = self.inventory.remove_engine(child_engine_id)
+        for key in [k for k in self._resyncs if k.child_engine_id == child_engine_id]:
+            self._cancel_resync(key)
         self.streams.remove_engine(child_engine_id)
         del self._meta[child_engine_id]
         if meta.zmq is not None:

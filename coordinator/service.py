@@ -83,6 +83,8 @@ class HeartbeatReply:
 class StateUpdate:
     view: ChildEngineView
     reuse: ReuseStatus
+    stale: bool = False  # its inventory lost events; awaiting a full dump
+    draining: bool = False
 
 
 # Later issues add their messages (pin, release, abort, resync, ...) here.
@@ -231,6 +233,7 @@ class Coordinator:
         self._warmup_timer: asyncio.TimerHandle | None = None
         self.warmup = self._load_warmup(clock_ms())
         self.inventory.warming = self.warming_status
+        self.inventory.on_stale_changed = self._stale_changed
         self.leases.warming = self.warming_status
         self.metrics.warming.set(1 if self.warmup.warming else 0)
         self._update_gauges()
@@ -489,8 +492,22 @@ class Coordinator:
                 self._warm("every known child engine is back")
         else:
             log.info("child engine %s not READY: %s", view.child_engine_id, view.not_ready_reason)
-        update = StateUpdate(view, reuse)
-        for ref in self.registry.parts_of(view.child_engine_id):
+        self._push_state(view, reuse, skip_session)
+
+    def _stale_changed(self, child_engine_id: str) -> None:
+        view = self.registry.get(child_engine_id)
+        if view is not None:
+            self._push_state(view, self.reuse_for(view))
+
+    def _push_state(
+        self, view: ChildEngineView, reuse: ReuseStatus, skip_session: str = ""
+    ) -> None:
+        """The one path that tells a child engine's parts its state (readiness, stale)."""
+        child = view.child_engine_id
+        update = StateUpdate(
+            view, reuse, self.inventory.is_stale(child), self.leases.is_draining(child)
+        )
+        for ref in self.registry.parts_of(child):
             session = self._sessions.get(ref.session_id)
             if session is not None and ref.session_id != skip_session:
                 self._send(session, update)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from coordinator import events as ev
 from coordinator import inventory as inv
 from coordinator.config import FieldBounds
-from coordinator.errors import invalid
+from coordinator.errors import KvrcError, invalid
 from coordinator.inventory_service import LookupQuery, LookupResult, LookupVerdict, ResyncOrder
 from coordinator.lease_service import (
     BeginHandoffRequest,
@@ -53,6 +53,7 @@ from coordinator.service import (
     StateUpdate,
     StatusSnapshot,
 )
+from coordinator.zmq_ingest import ZmqStreamConfig, subscriber_endpoint
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2 as pb
 
@@ -236,18 +237,40 @@ def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRe
     check_count("held_lease_ids", len(msg.held_lease_ids), bounds.max_held_leases)
     for lease_id in msg.held_lease_ids:
         check_id("held_lease_ids[]", lease_id, bounds)
+    endpoint = endpoint_from_proto(msg.endpoint, bounds)
+    _check_kv_events_endpoint(
+        "kv_events_endpoint", msg.kv_events_endpoint, engine_id, msg, endpoint
+    )
+    _check_kv_events_endpoint(
+        "kv_events_replay_endpoint", msg.kv_events_replay_endpoint, engine_id, msg, endpoint
+    )
     return RankPartRegistration(
         engine_id=engine_id,
         dp_rank=msg.dp_rank,
         child_engine_id=child_engine_id,
         rank=(msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.pcp_rank),
         profile=profile,
-        endpoint=endpoint_from_proto(msg.endpoint, bounds),
+        endpoint=endpoint,
         publish_mode=publish_mode_from_proto(msg.publish_mode),
         kv_events_endpoint=msg.kv_events_endpoint,
         kv_events_replay_endpoint=msg.kv_events_replay_endpoint,
         held_lease_ids=tuple(msg.held_lease_ids),
     )
+
+
+def _check_kv_events_endpoint(
+    field: str, value: str, engine_id: str, msg: pb.Register, endpoint: TransferEndpoint
+) -> None:
+    """Refuses what the ZMQ edge would refuse later (its own validators, same inputs)."""
+    if not value:
+        return
+    # As the ZMQ edge does: vLLM binds `*` on the host of its transfer endpoint.
+    host = endpoint.session_name.rpartition(":")[0] or "127.0.0.1"
+    try:
+        subscribed, _ = subscriber_endpoint(value, host, msg.dp_rank)
+        ZmqStreamConfig(engine_id=engine_id, endpoint=subscribed)
+    except KvrcError as e:
+        raise invalid(f"{field}: {e.message}") from None
 
 
 # --- coordinator -> engine -----------------------------------------------------
@@ -302,7 +325,10 @@ def coordinator_message(out: Outbound) -> pb.CoordinatorMessage:
             heartbeat_ack=pb.HeartbeatAck(server_time_unix_ms=out.server_time_ms)
         )
     if isinstance(out, StateUpdate):
-        return pb.CoordinatorMessage(state=child_engine_state_to_proto(out.view, out.reuse))
+        state = child_engine_state_to_proto(out.view, out.reuse)
+        state.stale = out.stale
+        state.draining = out.draining
+        return pb.CoordinatorMessage(state=state)
     if isinstance(out, ResyncOrder):
         return pb.CoordinatorMessage(
             resync_request=pb.ResyncRequest(
