@@ -34,16 +34,16 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import CommandProcess, option_flags, serve_commands
 
 from clients.errors import KvrcClientError
 from clients.inventory import (
@@ -69,8 +69,6 @@ from clients.session import (
     TransferEndpoint,
 )
 from kvrc.v1 import kvrc_pb2 as pb
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def chain(n: int) -> list[bytes]:
@@ -289,48 +287,7 @@ async def main() -> int:
     leases = LeaseClient(args.target, child, timeout_s=15.0)
     lookups = LookupClient(args.target)
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    lines: asyncio.Queue[str] = asyncio.Queue()
-
-    def read_stdin() -> None:
-        for line in sys.stdin:
-            loop.call_soon_threadsafe(lines.put_nowait, line)
-        loop.call_soon_threadsafe(stop.set)
-
-    threading.Thread(target=read_stdin, daemon=True).start()
-
-    async def serve(cmd: dict[str, Any]) -> None:
-        try:
-            result = await engine.run_command(cmd, leases, lookups, handler, child)
-            emit({"op": cmd["op"], "tag": cmd.get("tag"), "ok": True, **result})
-        except KvrcClientError as e:
-            emit(
-                {
-                    "op": cmd["op"],
-                    "tag": cmd.get("tag"),
-                    "ok": False,
-                    "code": e.code.name,
-                    "message": e.message,
-                }
-            )
-
-    tasks: set[asyncio.Task[None]] = set()
-    getter = asyncio.ensure_future(lines.get())
-    stopper = asyncio.ensure_future(stop.wait())
-    while True:
-        done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if stopper in done:
-            break
-        cmd = json.loads(getter.result())
-        getter = asyncio.ensure_future(lines.get())
-        task = asyncio.create_task(serve(cmd))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    getter.cancel()
-    for task in list(tasks):
-        task.cancel()
+    await serve_commands(lambda cmd: engine.run_command(cmd, leases, lookups, handler, child), emit)
     await handler.aclose()
     await leases.close()
     await lookups.close()
@@ -341,55 +298,31 @@ async def main() -> int:
 # --- the test side ---------------------------------------------------------------------
 
 
-class FaultEngine:
-    """Starts `tests/fault_engine.py` and talks to it (synchronous, thread-safe reads)."""
+class FaultEngine(CommandProcess):
+    """Starts `tests/fault_engine.py` and talks to it; every line is kept (thread-safe reads)."""
+
+    command_timeout_s = 20.0
+    event_timeout_s = 15.0
 
     def __init__(self, target: str, engine_id: str, *, timeout_s: float = 30.0, **options: Any):
-        argv = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--target",
-            target,
-            "--engine-id",
-            engine_id,
-        ]
-        for key, value in options.items():
-            if value is True:
-                argv.append(f"--{key.replace('_', '-')}")
-            elif value is not False and value is not None:
-                argv += [f"--{key.replace('_', '-')}", str(value)]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
         self.lines: list[dict[str, Any]] = []  # every line, in order (never consumed)
         self._cond = threading.Condition()
-        self._tags = 0
-        threading.Thread(target=self._pump, daemon=True).start()
+        argv = ["--target", target, "--engine-id", engine_id, *option_flags(options)]
+        self._spawn(Path(__file__).resolve(), argv, quiet=True)
         first = self.wait_for(lambda d: d.get("event") in ("started", "refused"), timeout_s)
         if first["event"] != "started":
             self.kill()
             raise RuntimeError(f"fault engine refused: {first}")
         self.child_engine_id: str = first["child_engine_id"]
 
-    def _pump(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            try:
-                doc = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            with self._cond:
-                self.lines.append(doc)
-                self._cond.notify_all()
+    def _keep(self, doc: dict[str, Any]) -> None:
+        with self._cond:
+            self.lines.append(doc)
+            self._cond.notify_all()
 
-    def wait_for(self, predicate: Any, timeout_s: float = 15.0) -> dict[str, Any]:
+    def wait_for(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 15.0
+    ) -> dict[str, Any]:
         """The first line ever printed that matches (waits for it); TimeoutError otherwise."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -410,53 +343,12 @@ class FaultEngine:
                 if d.get("event") == kind and (lease_id is None or d.get("lease_id") == lease_id)
             ]
 
-    def event(
-        self, kind: str, lease_id: str | None = None, timeout_s: float = 15.0
-    ) -> dict[str, Any]:
-        return self.wait_for(
-            lambda d: (
-                d.get("event") == kind and (lease_id is None or d.get("lease_id") == lease_id)
-            ),
-            timeout_s,
-        )
-
     def registrations(self) -> int:
         return len(self.events("registered"))
-
-    def start_command(self, op: str, **fields: Any) -> str:
-        self._tags += 1
-        tag = f"t{self._tags}"
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"op": op, "tag": tag, **fields}) + "\n")
-        self.process.stdin.flush()
-        return tag
-
-    def result(self, tag: str, timeout_s: float = 20.0) -> dict[str, Any]:
-        return self.wait_for(lambda d: d.get("tag") == tag and "ok" in d, timeout_s)
-
-    def command(self, op: str, timeout_s: float = 20.0, **fields: Any) -> dict[str, Any]:
-        return self.result(self.start_command(op, **fields), timeout_s)
 
     def signal(self, sig: int) -> None:
         if self.process.poll() is None:
             self.process.send_signal(sig)
-
-    def kill(self) -> float:
-        """SIGKILL; returns the unix time just before the signal."""
-        t = time.time()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
-        return t
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -77,6 +78,18 @@ class CoordinatorProcess:
         if self.process.poll() is None:
             self.process.send_signal(sig)
         return self.process.wait(timeout=timeout_s)
+
+
+def option_flags(options: Mapping[str, object]) -> list[str]:
+    """Keyword options as flags: tp_rank=1 -> --tp-rank 1, True -> --flag, False/None -> none."""
+    argv: list[str] = []
+    for key, value in options.items():
+        flag = f"--{key.replace('_', '-')}"
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def _wait_for_port_file(
@@ -187,8 +200,6 @@ def _read_json_line(
     process: subprocess.Popen[str], stdout: IO[str], timeout_s: float
 ) -> dict[str, Any]:
     # The part prints whole lines and flushes: a blocking readline with a watchdog.
-    import threading
-
     result: list[str] = []
     reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
     reader.start()
@@ -212,9 +223,7 @@ def start_engine_part(
     Returns once the part printed its first JSON line (registered or refused).
     Pass `coordinator=` to have the part killed when that coordinator stops.
     """
-    argv = [PYTHON, str(ENGINE_PART_SCRIPT), "--target", target, *args]
-    for key, value in options.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+    argv = [PYTHON, str(ENGINE_PART_SCRIPT), "--target", target, *args, *option_flags(options)]
     process = subprocess.Popen(
         argv,
         cwd=REPO,
@@ -272,3 +281,151 @@ async def wait_until(
         if time.monotonic() - started > timeout_s:
             raise TimeoutError(f"condition not met within {timeout_s} s")
         await asyncio.sleep(interval_s)
+
+
+# --- command processes: tests/lease_engine.py and tests/fault_engine.py -------------------
+
+
+async def serve_commands(
+    run: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
+    emit: Callable[[dict[str, Any]], None],
+) -> None:
+    """The process side: runs one JSON command per stdin line until SIGTERM or end of stdin.
+
+    Commands run concurrently (some wait, e.g. BeginHandoff) and each gets one line
+    `{"op", "tag", "ok": true, **result}`, or `"ok": false` with the client error's code.
+    Commands still running at the end are cancelled.
+    """
+    import asyncio
+
+    from clients.errors import KvrcClientError
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    lines: asyncio.Queue[str] = asyncio.Queue()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(lines.put_nowait, line)
+        loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+
+    async def serve(cmd: dict[str, Any]) -> None:
+        try:
+            result = await run(cmd)
+            emit({"op": cmd["op"], "tag": cmd.get("tag"), "ok": True, **result})
+        except KvrcClientError as e:
+            emit(
+                {
+                    "op": cmd["op"],
+                    "tag": cmd.get("tag"),
+                    "ok": False,
+                    "code": e.code.name,
+                    "message": e.message,
+                }
+            )
+
+    tasks: set[asyncio.Task[None]] = set()
+    getter = asyncio.ensure_future(lines.get())
+    stopper = asyncio.ensure_future(stop.wait())
+    while True:
+        done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stopper in done:
+            break
+        cmd = json.loads(getter.result())
+        getter = asyncio.ensure_future(lines.get())
+        task = asyncio.create_task(serve(cmd))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    getter.cancel()
+    for task in list(tasks):
+        task.cancel()
+
+
+class CommandProcess:
+    """The test side: starts a command-process script, sends tagged commands, reads its lines.
+
+    Synchronous (usable via to_thread). Subclasses keep the printed lines their own way
+    (`_keep` is called from the reader thread) and find them with `wait_for`.
+    """
+
+    command_timeout_s = 15.0
+    event_timeout_s = 10.0
+    process: subprocess.Popen[str]
+
+    def _spawn(self, script: Path, argv: list[str], *, quiet: bool = False) -> None:
+        self._tags = 0
+        self.process = subprocess.Popen(
+            [PYTHON, str(script), *argv],
+            cwd=REPO,
+            env=_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL if quiet else None,
+            text=True,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self._keep(doc)
+
+    def _keep(self, doc: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def wait_for(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def event(
+        self, kind: str, lease_id: str | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        return self.wait_for(
+            lambda d: (
+                d.get("event") == kind and (lease_id is None or d.get("lease_id") == lease_id)
+            ),
+            self.event_timeout_s if timeout_s is None else timeout_s,
+        )
+
+    def start_command(self, op: str, **fields: Any) -> str:
+        self._tags += 1
+        tag = f"t{self._tags}"
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, "tag": tag, **fields}) + "\n")
+        self.process.stdin.flush()
+        return tag
+
+    def result(self, tag: str, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.wait_for(
+            lambda d: d.get("tag") == tag and "ok" in d,
+            self.command_timeout_s if timeout_s is None else timeout_s,
+        )
+
+    def command(self, op: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        return self.result(self.start_command(op, **fields), timeout_s)
+
+    def kill(self) -> float:
+        """SIGKILL; returns the unix time just before the signal."""
+        t = time.time()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+        return t
+
+    def stop(self) -> None:
+        """SIGTERM (after SIGCONT, in case a test stopped it); SIGKILL if it does not exit."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()

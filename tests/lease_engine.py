@@ -30,15 +30,15 @@ import ast
 import asyncio
 import json
 import queue
-import signal
-import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import CommandProcess, option_flags, serve_commands
 
 from clients.errors import KvrcClientError
 from clients.kv_params import encode_kv_transfer_params
@@ -292,48 +292,7 @@ async def main() -> int:
     emit({"registered": True, "child_engine_id": child, "ready": ack.state.ready})
     leases = LeaseClient(args.target, child)
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    lines: asyncio.Queue[str] = asyncio.Queue()
-
-    def read_stdin() -> None:
-        for line in sys.stdin:
-            loop.call_soon_threadsafe(lines.put_nowait, line)
-        loop.call_soon_threadsafe(stop.set)
-
-    threading.Thread(target=read_stdin, daemon=True).start()
-
-    async def serve(cmd: dict[str, Any]) -> None:
-        try:
-            result = await engine.run_command(cmd, leases, session)
-            emit({"op": cmd["op"], "tag": cmd.get("tag"), "ok": True, **result})
-        except KvrcClientError as e:
-            emit(
-                {
-                    "op": cmd["op"],
-                    "tag": cmd.get("tag"),
-                    "ok": False,
-                    "code": e.code.name,
-                    "message": e.message,
-                }
-            )
-
-    tasks: set[asyncio.Task[None]] = set()
-    getter = asyncio.ensure_future(lines.get())
-    stopper = asyncio.ensure_future(stop.wait())
-    while True:
-        done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if stopper in done:
-            break
-        cmd = json.loads(getter.result())
-        getter = asyncio.ensure_future(lines.get())
-        task = asyncio.create_task(serve(cmd))  # commands may wait (begin, request_load)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    getter.cancel()
-    for task in list(tasks):
-        task.cancel()
+    await serve_commands(lambda cmd: engine.run_command(cmd, leases, session), emit)
     await handler.aclose()
     await leases.close()
     await session.close()
@@ -342,48 +301,25 @@ async def main() -> int:
 
 # --- the test side ---------------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parent.parent
 
-
-class LeaseEngine:
-    """Starts `tests/lease_engine.py` and talks to it (synchronous; usable via to_thread)."""
+class LeaseEngine(CommandProcess):
+    """Starts `tests/lease_engine.py` and talks to it; `wait_for` consumes the line it finds."""
 
     def __init__(self, target: str, *args: str, timeout_s: float = 20.0, **options: Any) -> None:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--target", target, *args]
-        for key, value in options.items():
-            if value is True:
-                argv.append(f"--{key.replace('_', '-')}")
-            else:
-                argv += [f"--{key.replace('_', '-')}", str(value)]
-        env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        import os
-
-        self.process = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env={**os.environ, **env},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
         self._lines: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        self._tags = 0
+        self._spawn(Path(__file__).resolve(), ["--target", target, *args, *option_flags(options)])
         first = self.wait_for(lambda d: "registered" in d, timeout_s)
         if not first["registered"]:
             raise RuntimeError(f"lease engine refused: {first}")
         self.child_engine_id: str = first["child_engine_id"]
 
-    def _pump(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            try:
-                self._lines.put(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    def _keep(self, doc: dict[str, Any]) -> None:
+        self._lines.put(doc)
 
-    def wait_for(self, predicate: Any, timeout_s: float = 10.0) -> dict[str, Any]:
+    def wait_for(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 10.0
+    ) -> dict[str, Any]:
         """The first line (seen before or arriving) that matches; TimeoutError otherwise."""
         for doc in self.seen:
             if predicate(doc):
@@ -402,16 +338,6 @@ class LeaseEngine:
                 return doc
             self.seen.append(doc)
 
-    def event(
-        self, kind: str, lease_id: str | None = None, timeout_s: float = 10.0
-    ) -> dict[str, Any]:
-        return self.wait_for(
-            lambda d: (
-                d.get("event") == kind and (lease_id is None or d.get("lease_id") == lease_id)
-            ),
-            timeout_s,
-        )
-
     def has_event(self, kind: str, lease_id: str | None = None, within_s: float = 0.0) -> bool:
         try:
             doc = self.event(kind, lease_id, within_s)
@@ -419,33 +345,6 @@ class LeaseEngine:
             return False
         self.seen.append(doc)
         return True
-
-    def start_command(self, op: str, **fields: Any) -> str:
-        self._tags += 1
-        tag = f"t{self._tags}"
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"op": op, "tag": tag, **fields}) + "\n")
-        self.process.stdin.flush()
-        return tag
-
-    def result(self, tag: str, timeout_s: float = 15.0) -> dict[str, Any]:
-        return self.wait_for(lambda d: d.get("tag") == tag and "ok" in d, timeout_s)
-
-    def command(self, op: str, timeout_s: float = 15.0, **fields: Any) -> dict[str, Any]:
-        return self.result(self.start_command(op, **fields), timeout_s)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 if __name__ == "__main__":
