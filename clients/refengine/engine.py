@@ -21,8 +21,15 @@ Handoff leases: a ReleaseRequest names only the lease id, which the prefill
 does not learn from PublishHandoff; the driver passes it on from the decode's
 grant (`bind_handoff`), and a release that arrives first is remembered.
 
+Drain: on a DrainNotice (`kvrc drain`) the engine asks for no new prefix
+load; loads and handoffs already running finish, and requests are still
+served (computed locally). kvrc itself stops granting loads from it.
+
+Every channel to kvrc is made from `EngineOptions.coordinator` (TLS, mutual
+TLS, bearer token: clients/credentials.py).
+
 Every process prints JSON lines on stdout (`listening`, `registered`, `ready`,
-`granted`, ...) for the orchestrator and tests; logs go to stderr.
+`granted`, `draining`, ...) for the orchestrator and tests; logs go to stderr.
 """
 
 from __future__ import annotations
@@ -40,9 +47,9 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-import grpc
 import torch
 
+from clients.credentials import connect
 from clients.errors import KvrcClientError
 from clients.hashing import hash_block_chain
 from clients.inventory import (
@@ -153,10 +160,11 @@ class RankPart:
             abort=self._abort,
             on_release=self._on_release,
             on_quarantine=self._on_quarantine,
+            on_drain=self._on_drain,
             inner=_PartState(self),
         )
         self.session = EngineSession(
-            options.target,
+            options.coordinator,
             RankPartRegistration(
                 engine_id=options.engine_id,
                 tp_rank=options.tp_rank,
@@ -179,9 +187,9 @@ class RankPart:
             handler=self.handler,
         )
         self.handler.attach(self.session)
-        self._channel = grpc.aio.insecure_channel(options.target)
+        self._channel = connect(options.coordinator)
         self.leases = LeaseClient(self._channel, options.child_engine_id, timeout_s=RPC_TIMEOUT_S)
-        self.lookups = LookupClient(options.target, channel=self._channel)
+        self.lookups = LookupClient(options.coordinator, channel=self._channel)
 
     @property
     def tier(self) -> Tier:
@@ -428,6 +436,13 @@ class RankPart:
         except Exception:
             log.exception("release of %s failed", lease_id)
 
+    def _on_drain(self, child_engine_id: str, deadline_unix_ms: int) -> None:
+        # Every part gets the notice; the leader is the one that asks for loads.
+        if self.leader is not None:
+            self.leader.start_draining(deadline_unix_ms)
+        else:
+            log.info("drain notice for %s (the leader stops new loads)", child_engine_id)
+
     def _on_quarantine(self, lease_id: str, reason: str) -> None:
         # Pins and tainted blocks already stay out of use until a release / quiet.
         log.warning("lease %s quarantined: %s", lease_id, reason)
@@ -491,6 +506,8 @@ class _PartState(NullHandler):
     async def on_state(self, state: ChildEngineState) -> None:
         if self.part.leader is not None:
             self.part.leader.reuse_enabled = state.reuse.enabled
+            if state.draining:  # a pushed state says so too (a DrainNotice may be lost)
+                self.part.leader.start_draining(0)
 
     async def on_resync_request(self, request: pb.ResyncRequest) -> None:
         if self.part.leader is not None:
@@ -537,6 +554,7 @@ class Leader:
         if self.options.tp_size == 1:
             self.all_connected.set()
         self.reuse_enabled = False
+        self.draining = False  # a DrainNotice came: no new prefix loads from here on
         self._pin_deadlines: dict[str, int] = {}
         self._holds: dict[str, _HandoffHold] = {}  # lease id -> blocks held for a handoff
         self._hold_by_request: dict[str, _HandoffHold] = {}
@@ -554,6 +572,7 @@ class Leader:
                 "handoffs",
                 "handoff_failures",
                 "pins",
+                "loads_skipped_draining",
             ),
             0,
         )
@@ -592,6 +611,20 @@ class Leader:
 
         channel = Channel(reader, writer, serve, name="control")
         channel.start()
+
+    def start_draining(self, deadline_unix_ms: int) -> None:
+        """No new prefix load from now on; running ones finish (they hold their leases)."""
+        if self.draining:
+            return
+        self.draining = True
+        log.warning(
+            "draining (deadline %d): no new prefix loads; %d pinned lease(s), %d handoff(s) "
+            "held finish",
+            deadline_unix_ms,
+            len(self._pin_deadlines),
+            len(self._hold_by_request),
+        )
+        emit("draining", engine_id=self.options.engine_id, deadline_unix_ms=deadline_unix_ms)
 
     # --- inventory events (one stream per child engine) --------------------------
 
@@ -714,6 +747,7 @@ class Leader:
             "tainted_blocks": len(self.pool.tainted),
             "pinned_leases": len(self.pool.pinned_leases),
             "handoffs_held": len(self._hold_by_request),
+            "draining": self.draining,
         }
 
     async def _on_all(
@@ -809,6 +843,10 @@ class Leader:
             "load": "none",
         }
         if not self.reuse_enabled or len(hashes) <= local_n:
+            return [], info
+        if self.draining:
+            self.counters["loads_skipped_draining"] += 1
+            info["load"] = "skipped (draining)"
             return [], info
         me = self.options.child_engine_id
         hint = await self.part.lookups.lookup(me, hashes, min_blocks=local_n + 1)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
+
+from clients.credentials import ChannelOptions
 
 Role = Literal["prefill", "decode"]
 
@@ -38,6 +41,12 @@ class EngineOptions:
     mooncake_device: str = ""
     mooncake_port_min: int | None = None
     mooncake_port_max: int | None = None
+    # How to reach kvrc (clients/credentials.py): TLS, mutual TLS, bearer token.
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_server_name: str | None = None
+    token_file: Path | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -50,6 +59,19 @@ class EngineOptions:
             )
         if self.tp_rank > 0 and not self.leader:
             raise ValueError("a rank part other than tp rank 0 needs --leader HOST:PORT")
+        self.coordinator  # noqa: B018  # CredentialsError (a ValueError) now, not at connect
+
+    @property
+    def coordinator(self) -> ChannelOptions:
+        """Every channel to kvrc (session, leases, lookups) is made from these."""
+        return ChannelOptions(
+            self.target,
+            ca_cert=self.tls_ca,
+            client_cert=self.tls_cert,
+            client_key=self.tls_key,
+            server_name=self.tls_server_name,
+            token_file=self.token_file,
+        )
 
     @property
     def child_engine_id(self) -> str:
@@ -98,6 +120,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mooncake-device", default=d.mooncake_device)
     parser.add_argument("--mooncake-ports", type=_port_range, help="LOW-HIGH (below 32768)")
     parser.add_argument("--log-level", default="WARNING")
+    # The same client flags as `kvrc status / drain / quarantine` (coordinator/cli.py).
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA that signed kvrc's certificate: TLS")
+    parser.add_argument("--tls-cert", type=Path, help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-server-name", help="check kvrc's certificate against this name, not the host"
+    )
+    parser.add_argument("--token-file", type=Path, help="file holding this engine's bearer token")
 
 
 def options_from_args(args: argparse.Namespace) -> EngineOptions:
@@ -129,4 +159,9 @@ def options_from_args(args: argparse.Namespace) -> EngineOptions:
         mooncake_device=args.mooncake_device,
         mooncake_port_min=ports[0] if ports else None,
         mooncake_port_max=ports[1] if ports else None,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_server_name=args.tls_server_name,
+        token_file=args.token_file,
     )
