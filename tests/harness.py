@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -166,6 +167,22 @@ def start_coordinator(
         if check_exit:
             assert "Traceback" not in text, f"coordinator stderr has a traceback:\n{text}"
             assert process.returncode == 0, f"coordinator exited {process.returncode}:\n{text}"
+
+
+def metric_value(kvrc: CoordinatorProcess, name: str, **labels: str) -> float:
+    """One sample of kvrc's /metrics: `name` with exactly these labels; 0.0 when absent."""
+    import urllib.request
+
+    with urllib.request.urlopen(kvrc.metrics_url, timeout=10) as response:
+        body = response.read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in body.splitlines():
+        m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)", line)
+        if m and m.group(1) == name:
+            got = ",".join(sorted(m.group(2).split(","))) if m.group(2) else ""
+            if got == want:
+                return float(m.group(3))
+    return 0.0
 
 
 @dataclass

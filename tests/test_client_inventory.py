@@ -7,11 +7,16 @@ no duplicate, no fence) and must land in the inventory.
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from harness import CoordinatorProcess, child_engine_status, start_coordinator, wait_until
+from harness import (
+    CoordinatorProcess,
+    child_engine_status,
+    metric_value,
+    start_coordinator,
+    wait_until,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,14 +114,7 @@ def kvrc_on(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorPro
 
 
 def batches_metric(kvrc: CoordinatorProcess, result: str) -> float:
-    with urllib.request.urlopen(kvrc.metrics_url, timeout=10) as response:
-        body = response.read().decode()
-    for line in body.splitlines():
-        if line.startswith("kvrc_event_batches_total{"):
-            labels, value = line[len("kvrc_event_batches_total{") :].split("} ")
-            if sorted(labels.split(",")) == [f'result="{result}"', 'source="grpc"']:
-                return float(value)
-    return 0.0
+    return metric_value(kvrc, "kvrc_event_batches_total", source="grpc", result=result)
 
 
 @pytest.fixture

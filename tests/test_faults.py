@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -32,7 +31,7 @@ from typing import Any
 import grpc
 import pytest
 from fault_engine import FaultEngine
-from harness import CoordinatorProcess, free_port, get_status, start_coordinator
+from harness import CoordinatorProcess, free_port, get_status, metric_value, start_coordinator
 
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
@@ -531,14 +530,6 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def _metric(url: str, name: str, labels: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{{labels}}}"):
-            return float(line.split()[-1])
-    return 0.0
-
-
 async def test_a_consumer_that_stops_reading_is_disconnected_with_bounded_memory(
     tmp_path: Path,
 ) -> None:
@@ -558,8 +549,8 @@ async def test_a_consumer_that_stops_reading_is_disconnected_with_bounded_memory
         try:
             await _wait_hit(requester, "slow-h", 8)
             rss_before = _rss_mb(coordinator.process.pid)
-            closed: Callable[[], float] = lambda: _metric(  # noqa: E731
-                coordinator.metrics_url, "kvrc_sessions_closed_total", 'reason="error"'
+            closed: Callable[[], float] = lambda: metric_value(  # noqa: E731
+                coordinator, "kvrc_sessions_closed_total", reason="error"
             )
             assert closed() == 0
             # Each PinRequest names 2,000 blocks (about 40 KB): the stream's flow-control

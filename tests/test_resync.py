@@ -9,9 +9,7 @@ raw `EventBatch`es where a test needs a gap.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from harness import (
     CoordinatorProcess,
     child_engine_status,
     get_status,
+    metric_value,
     start_coordinator,
     wait_until,
 )
@@ -126,10 +125,7 @@ def gap_batch(session: EngineSession, sequence: int) -> pb.EventBatch:
 
 
 def resync_metric(kvrc: CoordinatorProcess) -> float:
-    with urllib.request.urlopen(kvrc.metrics_url, timeout=10) as response:
-        body = response.read().decode()
-    m = re.search(r'^kvrc_resync_requests_total\{source="grpc"\} (\S+)$', body, re.M)
-    return float(m.group(1)) if m else 0.0
+    return metric_value(kvrc, "kvrc_resync_requests_total", source="grpc")
 
 
 async def is_stale(target: str, child_engine_id: str) -> bool:

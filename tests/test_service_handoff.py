@@ -8,17 +8,15 @@ prefill's blocks) must be released only at quiescence or after proven death.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
-from harness import REPO, CoordinatorProcess, start_coordinator
+from harness import REPO, CoordinatorProcess, metric_value, start_coordinator
 from lease_engine import LeaseEngine
 
 from clients.kv_params import encode_kv_transfer_params
@@ -109,20 +107,6 @@ def lease_state(kvrc: CoordinatorProcess, lease_id: str) -> str | None:
     return None
 
 
-def metric(kvrc: CoordinatorProcess, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(kvrc.metrics_url, timeout=5).read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    pattern = re.compile(rf"^{re.escape(name)}(\{{(.*)\}})? (\S+)$")
-    for line in text.splitlines():
-        m = pattern.match(line)
-        if m is None:
-            continue
-        got = ",".join(sorted((m.group(2) or "").split(","))) if m.group(2) else ""
-        if got == want:
-            return float(m.group(3))
-    return 0.0
-
-
 def engine_stub(kvrc: CoordinatorProcess) -> tuple[grpc.Channel, pb_grpc.EngineServiceStub]:
     channel = grpc.insecure_channel(kvrc.grpc_target)
     return channel, pb_grpc.EngineServiceStub(channel)
@@ -152,7 +136,7 @@ def test_handoff_is_ready_only_after_every_prefill_part_and_passes_everything_th
     p1 = start(kvrc, engines, "pre-a", tp_rank=1, tp_size=2)
     dec = start(kvrc, engines, "dec-a")
     ready(kvrc, "pre-a")
-    waits_before = metric(kvrc, "kvrc_handoff_wait_seconds_count")
+    waits_before = metric_value(kvrc, "kvrc_handoff_wait_seconds_count")
     # The decode engine asks first and waits for READY.
     begin = dec.start_command("begin", request_id="r1", prefill="pre-a", wait_ms=10_000)
     first = publish(p0, "r1", NIXL_PARAMS, block_ids=[5, 6, 7])
@@ -183,8 +167,8 @@ def test_handoff_is_ready_only_after_every_prefill_part_and_passes_everything_th
     for part in (p0, p1):
         assert part.event("release", grant["lease_id"])["reason"].startswith("quiescent")
     assert lease_state(kvrc, grant["lease_id"]) is None  # no longer in flight
-    assert metric(kvrc, "kvrc_handoff_wait_seconds_count") == waits_before + 1
-    assert metric(kvrc, "kvrc_transfer_bytes_total", flow="handoff") >= 4096
+    assert metric_value(kvrc, "kvrc_handoff_wait_seconds_count") == waits_before + 1
+    assert metric_value(kvrc, "kvrc_transfer_bytes_total", flow="handoff") >= 4096
 
     # A completed lease cannot be re-opened; a repeated report is idempotent.
     again = dec.command("complete_handoff", lease_id=grant["lease_id"], outcome="SUCCEEDED")
@@ -249,7 +233,7 @@ def test_keepalive_holds_the_lease_and_silence_aborts_it_before_any_release(
     assert not alive.has_event("abort", kept["lease_id"])
     done = alive.command("complete_handoff", lease_id=kept["lease_id"], outcome="SUCCEEDED")
     assert done["state"] == "COMPLETED"
-    assert metric(kvrc, "kvrc_lease_aborts_total", flow="handoff") >= 1
+    assert metric_value(kvrc, "kvrc_lease_aborts_total", flow="handoff") >= 1
 
 
 def test_decode_that_dies_mid_transfer_is_released_only_after_proof(
@@ -281,13 +265,13 @@ def test_unacknowledged_abort_quarantines_until_resolved_by_the_cli(
     publish(pre, "r-q", MOONCAKE_PARAMS)
     grant = dec.command("begin", request_id="r-q", prefill="pre-q")
     lease_id = grant["lease_id"]
-    quarantines = metric(kvrc, "kvrc_lease_quarantines_total", flow="handoff")
+    quarantines = metric_value(kvrc, "kvrc_lease_quarantines_total", flow="handoff")
     dec.event("abort", lease_id, timeout_s=5)
     notice = pre.event("quarantine", lease_id, timeout_s=ABORT_TIMEOUT_MS / 1000 + 3)
     assert "abort not acknowledged" in notice["reason"]
     assert lease_state(kvrc, lease_id) == "QUARANTINED"
-    assert metric(kvrc, "kvrc_lease_quarantines_total", flow="handoff") == quarantines + 1
-    assert metric(kvrc, "kvrc_leases", flow="handoff", state="quarantined") >= 1
+    assert metric_value(kvrc, "kvrc_lease_quarantines_total", flow="handoff") == quarantines + 1
+    assert metric_value(kvrc, "kvrc_leases", flow="handoff", state="quarantined") >= 1
     # Visible in `kvrc status`, kept out of use: no release.
     shown = _kvrc("status", "--target", kvrc.grpc_target)
     assert lease_id in shown.stdout and "QUARANTINED" in shown.stdout
@@ -425,10 +409,10 @@ def test_bad_handoff_requests_get_statuses_and_change_nothing(
     assert other.command("begin", request_id="r-bad", prefill="pre-bad")["code"] == (
         "PERMISSION_DENIED"
     )
-    denied = metric(kvrc, "kvrc_auth_denied_total", reason="foreign_lease")
+    denied = metric_value(kvrc, "kvrc_auth_denied_total", reason="foreign_lease")
     foreign = other.command("complete_handoff", lease_id=lease_id, outcome="SUCCEEDED")
     assert foreign["code"] == "PERMISSION_DENIED"
-    assert metric(kvrc, "kvrc_auth_denied_total", reason="foreign_lease") == denied + 1
+    assert metric_value(kvrc, "kvrc_auth_denied_total", reason="foreign_lease") == denied + 1
     unknown = dec.command("complete_handoff", lease_id="no-such-lease", outcome="SUCCEEDED")
     assert unknown["code"] == "NOT_FOUND"
     wrong_flow = dec.command("complete_load", lease_id=lease_id, outcome="SUCCEEDED")

@@ -16,7 +16,6 @@ import json
 import re
 import subprocess
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from harness import (
     _env,
     child_engine_status,
     get_status,
+    metric_value,
     start_coordinator,
     wait_until,
 )
@@ -203,19 +203,6 @@ def holders(result: LookupResult) -> dict[str, int]:
     return {c.child_engine_id: c.matched_blocks for c in result.candidates}
 
 
-def metric(kvrc: CoordinatorProcess, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(kvrc.metrics_url, timeout=10) as response:
-        body = response.read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in body.splitlines():
-        m = re.fullmatch(r"([a-z_]+)(?:\{(.*)\})? (\S+)", line)
-        if m and m.group(1) == name:
-            got = ",".join(sorted((m.group(2) or "").split(","))) if m.group(2) else ""
-            if got == want:
-                return float(m.group(3))
-    return 0.0
-
-
 def raw_batch(
     incarnation: int, sequence: int, *events: pb.InventoryEvent, **flags: bool
 ) -> pb.EventBatch:
@@ -329,7 +316,7 @@ async def test_reuse_off_returns_no_candidates_with_the_reason(
             assert result.candidates == ()
             assert result.reuse.reason == "DISABLED_BY_COORDINATOR"
             assert "--reuse on" in result.reuse.detail
-            assert metric(kvrc, "kvrc_lookups_total", outcome="reuse_unavailable") == 1
+            assert metric_value(kvrc, "kvrc_lookups_total", outcome="reuse_unavailable") == 1
         finally:
             for engine in engines:
                 await engine.session.close()
@@ -402,13 +389,13 @@ async def test_duplicate_batches_are_dropped(
     await open_engine(engines, t, "dup-req")
     holder = await open_engine(engines, t, "dup-holder")
     inc = holder.incarnation
-    before = metric(reuse_on, "kvrc_event_batches_total", source="grpc", result="duplicate")
+    before = metric_value(reuse_on, "kvrc_event_batches_total", source="grpc", result="duplicate")
     await holder.session.send_event_batch(raw_batch(inc, 0, stored(*CHAIN[:2])))
     await holder.session.send_event_batch(raw_batch(inc, 0, stored(*CHAIN[2:5])))  # duplicate
     await holder.session.send_event_batch(raw_batch(inc, 1, stored(h(0xD0, 0))))  # marker
     await eventually_holds(t, "dup-req", "dup-holder", 1, (h(0xD0, 0),))
     assert holders(await lookup(t, "dup-req")) == {"dup-holder": 2}
-    after = metric(reuse_on, "kvrc_event_batches_total", source="grpc", result="duplicate")
+    after = metric_value(reuse_on, "kvrc_event_batches_total", source="grpc", result="duplicate")
     assert after == before + 1
 
 
@@ -421,7 +408,7 @@ async def test_an_older_incarnation_is_fenced(
     part0 = await open_engine(engines, t, "fence-holder", tp_size=2, tp_rank=0, wait_ready=False)
     part1 = await open_engine(engines, t, "fence-holder", tp_size=2, tp_rank=1)
     assert part1.incarnation > part0.incarnation
-    before = metric(reuse_on, "kvrc_event_batches_total", source="grpc", result="fenced")
+    before = metric_value(reuse_on, "kvrc_event_batches_total", source="grpc", result="fenced")
     await part1.session.send_event_batch(raw_batch(part1.incarnation, 0, stored(*CHAIN[:2])))
     await eventually_holds(t, "fence-req", "fence-holder", 2)
     # The older incarnation's batch (on part 0's session) is fenced, as is a batch that
@@ -431,7 +418,7 @@ async def test_an_older_incarnation_is_fenced(
     await part1.session.send_event_batch(raw_batch(part1.incarnation, 1, stored(h(0xF0, 0))))
     await eventually_holds(t, "fence-req", "fence-holder", 1, (h(0xF0, 0),))
     assert holders(await lookup(t, "fence-req")) == {"fence-holder": 2}
-    after = metric(reuse_on, "kvrc_event_batches_total", source="grpc", result="fenced")
+    after = metric_value(reuse_on, "kvrc_event_batches_total", source="grpc", result="fenced")
     assert after == before + 2
 
 
@@ -443,7 +430,7 @@ async def test_gap_makes_the_engine_stale_until_a_full_dump(
     holder = await open_engine(engines, t, "gap-holder", with_dump=False)
     await holder.publisher.stored(CHAIN[:4])  # sequence 0
     await eventually_holds(t, "gap-req", "gap-holder", 4)
-    resyncs_before = metric(reuse_on, "kvrc_resync_requests_total", source="grpc")
+    resyncs_before = metric_value(reuse_on, "kvrc_resync_requests_total", source="grpc")
 
     # Sequence 1 is lost; sequence 2 arrives.
     await holder.session.send_event_batch(raw_batch(holder.incarnation, 2, stored(*CHAIN[4:8])))
@@ -458,7 +445,7 @@ async def test_gap_makes_the_engine_stale_until_a_full_dump(
     # Later live batches of a stale stream are refused; the request is resent only on
     # its retry timer while no dump begins (tests/test_resync.py), never per batch.
     await holder.session.send_event_batch(raw_batch(holder.incarnation, 3, stored(*CHAIN)))
-    assert metric(reuse_on, "kvrc_resync_requests_total", source="grpc") >= resyncs_before + 1
+    assert metric_value(reuse_on, "kvrc_resync_requests_total", source="grpc") >= resyncs_before + 1
 
     # The engine answers with a full dump (sequence 4 onwards): its state is replaced.
     inc = holder.incarnation
@@ -565,9 +552,9 @@ async def test_entry_caps_drop_stores_and_count_them(
             await b.publisher.stored(CHAIN[:12])
             await eventually_holds(t, "cap-req", "cap-b", 5)
             assert (await get_status(t)).inventory_entries == 15
-            assert metric(kvrc, "kvrc_inventory_bound_hits_total", bound="per_engine") == 2
-            assert metric(kvrc, "kvrc_inventory_bound_hits_total", bound="total") == 7
-            assert metric(kvrc, "kvrc_inventory_entries", tier="gpu") == 15
+            assert metric_value(kvrc, "kvrc_inventory_bound_hits_total", bound="per_engine") == 2
+            assert metric_value(kvrc, "kvrc_inventory_bound_hits_total", bound="total") == 7
+            assert metric_value(kvrc, "kvrc_inventory_entries", tier="gpu") == 15
             # Removals make room again.
             await a.publisher.removed(CHAIN[5:10])
             await b.publisher.stored(CHAIN[5:8])
@@ -634,8 +621,10 @@ async def test_a_malformed_batch_ends_the_session_and_changes_nothing(
         batch.incarnation = holder.incarnation
     if len(batch.events) < 1024:  # a valid store first: the batch is refused whole
         batch.events.insert(0, stored(h(0x99, 0)))
-    malformed = metric(reuse_on, "kvrc_event_batches_total", source="grpc", result="malformed")
-    stored_blocks = metric(reuse_on, "kvrc_block_events_total", source="grpc", type="stored")
+    malformed = metric_value(
+        reuse_on, "kvrc_event_batches_total", source="grpc", result="malformed"
+    )
+    stored_blocks = metric_value(reuse_on, "kvrc_block_events_total", source="grpc", type="stored")
     await holder.session.send_event_batch(batch)
 
     async def ended() -> bool:
@@ -645,10 +634,10 @@ async def test_a_malformed_batch_ends_the_session_and_changes_nothing(
     error = holder.session.last_error
     assert isinstance(error, InvalidArgumentError), error
     assert message in error.message
-    after = metric(reuse_on, "kvrc_event_batches_total", source="grpc", result="malformed")
+    after = metric_value(reuse_on, "kvrc_event_batches_total", source="grpc", result="malformed")
     assert after == malformed + 1
     # Nothing of the bad batch reached the core (then the part left with its session).
-    assert metric(reuse_on, "kvrc_block_events_total", source="grpc", type="stored") == (
+    assert metric_value(reuse_on, "kvrc_block_events_total", source="grpc", type="stored") == (
         stored_blocks
     )
     assert (await lookup(t, "bad-req", (h(0x99, 0),))).candidates == ()
@@ -736,7 +725,7 @@ async def test_status_shows_inventory_entries_and_stale_engines(
         timeout=30,
     )
     assert re.search(r"stat-stale .* 2 \(stale\)", table.stdout), table.stdout
-    assert metric(reuse_on, "kvrc_child_engines", state="stale") >= 1
+    assert metric_value(reuse_on, "kvrc_child_engines", state="stale") >= 1
 
 
 # --- the facade API the lease flows use (in process, no mocks) -------------------------------
