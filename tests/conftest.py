@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from harness import CoordinatorProcess, start_coordinator
+from harness import CommandProcess, CoordinatorProcess, start_coordinator
 
 
 @pytest.fixture
@@ -13,3 +13,12 @@ def kvrc() -> Iterator[CoordinatorProcess]:
     """A real coordinator subprocess with default flags, stopped (and checked) afterwards."""
     with start_coordinator() as coordinator:
         yield coordinator
+
+
+@pytest.fixture
+def engines() -> Iterator[list[CommandProcess]]:
+    """Engine processes a test starts (e.g. tests/lease_engine.py), SIGKILLed afterwards."""
+    started: list[CommandProcess] = []
+    yield started
+    for engine in started:
+        engine.kill()

@@ -66,14 +66,6 @@ def kvrc() -> Iterator[CoordinatorProcess]:
         yield coordinator
 
 
-@pytest.fixture
-def engines() -> Iterator[list[LeaseEngine]]:
-    started: list[LeaseEngine] = []
-    yield started
-    for engine in started:
-        engine.kill()
-
-
 def start(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine], engine_id: str, **options: Any
 ) -> LeaseEngine:

@@ -15,9 +15,9 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import CoordinatorProcess, start_coordinator
+from harness import CoordinatorProcess, metric_value, start_coordinator
 from lease_engine import LeaseEngine
-from test_service_handoff import lease_state, metric, ready, status
+from test_service_handoff import lease_state, ready, status
 
 from clients.hashing import hash_block_chain
 from kvrc.v1 import kvrc_pb2 as pb
@@ -44,20 +44,10 @@ def kvrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProces
         yield coordinator
 
 
-@pytest.fixture
-def engines() -> Iterator[list[LeaseEngine]]:
-    started: list[LeaseEngine] = []
-    yield started
-    for engine in started:
-        engine.kill()
-
-
 def start(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine], engine_id: str, **options: Any
 ) -> LeaseEngine:
-    options.setdefault("reuse_opt_in", True)
-    if options["reuse_opt_in"] is False:
-        del options["reuse_opt_in"]
+    options.setdefault("reuse_opt_in", True)  # reuse_opt_in=False: no flag (option_flags)
     engine = LeaseEngine(kvrc.grpc_target, engine_id=engine_id, **options)
     engines.append(engine)
     return engine
@@ -110,7 +100,9 @@ def test_prefix_load_grants_the_shortest_pin_and_releases_at_quiescence(
     ready(kvrc, "req-a")
     hashes = chain("a", 6)
     store(kvrc, h0, hashes, "req-a")
-    grants_before = metric(kvrc, "kvrc_lease_grant_duration_seconds_count", flow="prefix_load")
+    grants_before = metric_value(
+        kvrc, "kvrc_lease_grant_duration_seconds_count", flow="prefix_load"
+    )
 
     grant = load(r0, "q1", hashes, min_blocks=2, pin_timeout_ms=3000)
     assert grant["granted"] and grant["source"] == "hold-a"
@@ -120,7 +112,7 @@ def test_prefix_load_grants_the_shortest_pin_and_releases_at_quiescence(
     assert grant["source_parts"] == [p["descriptor"] for p in pinned]  # byte for byte
     assert lease_state(kvrc, grant["lease_id"]) == "ACTIVE"
     assert (
-        metric(kvrc, "kvrc_lease_grant_duration_seconds_count", flow="prefix_load")
+        metric_value(kvrc, "kvrc_lease_grant_duration_seconds_count", flow="prefix_load")
         == grants_before + 1
     )
     # The same request id gives the same lease (any rank part of the requester may ask).
@@ -150,11 +142,11 @@ def test_short_and_empty_pins_are_misses_not_errors(
     first, second = chain("empty", 5), chain("short", 5)
     store(kvrc, empty, first, "req-miss")
     store(kvrc, short, second, "req-miss")
-    misses = metric(kvrc, "kvrc_prefix_load_misses_total", reason="short_pin")
+    misses = metric_value(kvrc, "kvrc_prefix_load_misses_total", reason="short_pin")
 
     miss = load(req, "m1", first)
     assert (miss["granted"], miss["reason"]) == (False, "short_pin")
-    assert metric(kvrc, "kvrc_prefix_load_misses_total", reason="short_pin") == misses + 1
+    assert metric_value(kvrc, "kvrc_prefix_load_misses_total", reason="short_pin") == misses + 1
     assert not empty.has_event("release", miss["lease_id"], within_s=0.3)  # it pinned nothing
 
     below = load(req, "m2", second, min_blocks=4)
@@ -215,15 +207,15 @@ def test_lease_timeout_with_a_live_requester_aborts_then_releases_after_the_ack(
     ready(kvrc, "req-to")
     hashes = chain("to", 4)
     store(kvrc, holder, hashes, "req-to")
-    aborts = metric(kvrc, "kvrc_lease_aborts_total", flow="prefix_load")
+    aborts = metric_value(kvrc, "kvrc_lease_aborts_total", flow="prefix_load")
     grant = load(req, "t1", hashes, transfer_timeout_ms=600)
     req.event("abort", grant["lease_id"], timeout_s=5)
     assert lease_state(kvrc, grant["lease_id"]) == "ABORTING"
     assert not holder.has_event("release", grant["lease_id"], within_s=0.5)
     req.event("abort_acked", grant["lease_id"], timeout_s=5)
     assert holder.event("release", grant["lease_id"], timeout_s=5)
-    assert metric(kvrc, "kvrc_lease_aborts_total", flow="prefix_load") == aborts + 1
-    assert metric(kvrc, "kvrc_leases_ended_total", flow="prefix_load", state="failed") >= 1
+    assert metric_value(kvrc, "kvrc_lease_aborts_total", flow="prefix_load") == aborts + 1
+    assert metric_value(kvrc, "kvrc_leases_ended_total", flow="prefix_load", state="failed") >= 1
 
 
 def test_unknown_outcome_quarantines_until_resolved_by_rpc(
