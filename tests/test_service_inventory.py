@@ -628,7 +628,9 @@ async def test_a_malformed_batch_ends_the_session_and_changes_nothing(
     await holder.session.send_event_batch(batch)
 
     async def ended() -> bool:
-        return not holder.session.connected
+        # The call is done as soon as its status arrives; the session records the
+        # error a moment later, after reading the status details.
+        return not holder.session.connected and holder.session.last_error is not None
 
     await wait_until(ended, 10)
     error = holder.session.last_error
