@@ -14,6 +14,7 @@ from coordinator.events import RankKey
 from coordinator.leases import (
     Action,
     Flow,
+    HandoffPublished,
     HandoffReady,
     LeaseAborting,
     LeaseConfig,
@@ -22,6 +23,7 @@ from coordinator.leases import (
     LeaseMissed,
     LeaseQuarantined,
     LeaseState,
+    LeaseStep,
     LeaseTable,
     MissReason,
     Outcome,
@@ -64,7 +66,7 @@ def refused(t: LeaseTable, code: ErrorCode, call: Callable[[], object]) -> KvrcE
     return info.value
 
 
-def open_load(
+def open_load_step(
     t: LeaseTable,
     request_id: str = "r1",
     *,
@@ -75,8 +77,11 @@ def open_load(
     holder_grid: Sequence[RankKey] = TP2,
     chain: Sequence[bytes] = CHAIN,
     now: int = T0,
-) -> str:
-    step = t.open_prefix_load(
+    pin_timeout_ms: int = 500,
+    transfer_ttl_ms: int = 5_000,
+    group_idx: int = 0,
+) -> LeaseStep:
+    return t.open_prefix_load(
         request_id=request_id,
         requester_child_engine_id=requester,
         requester_rank_keys=requester_grid,
@@ -84,11 +89,16 @@ def open_load(
         holder_rank_keys=holder_grid,
         block_hashes=chain,
         min_blocks=min_blocks,
-        pin_timeout_ms=500,
-        transfer_ttl_ms=5_000,
+        pin_timeout_ms=pin_timeout_ms,
+        transfer_ttl_ms=transfer_ttl_ms,
         now_ms=now,
+        group_idx=group_idx,
     )
-    return step.view.lease_id
+
+
+def open_load(t: LeaseTable, request_id: str = "r1", **fields: Any) -> str:
+    """`open_load_step`'s lease id."""
+    return open_load_step(t, request_id, **fields).view.lease_id
 
 
 def granted_load(t: LeaseTable, request_id: str = "r1", pinned: int = 8) -> str:
@@ -99,34 +109,57 @@ def granted_load(t: LeaseTable, request_id: str = "r1", pinned: int = 8) -> str:
     return lease_id
 
 
+def publish(
+    t: LeaseTable,
+    rank_key: RankKey,
+    descriptor: object,
+    request_id: str = "h1",
+    *,
+    decode: str | None = None,
+    now: int = T0,
+) -> HandoffPublished:
+    """One prefill part of PRE (grid TP2) publishes its 6 blocks and PARAMS."""
+    return t.publish_handoff(
+        request_id=request_id,
+        prefill_child_engine_id=PRE,
+        prefill_rank_keys=TP2,
+        rank_key=rank_key,
+        descriptor=descriptor,
+        kv_transfer_params=PARAMS,
+        decode_child_engine_id=decode,
+        num_blocks=6,
+        now_ms=now,
+    )
+
+
 def publish_all(t: LeaseTable, request_id: str = "h1", decode: str | None = None) -> str:
     lease_id = ""
     for key in TP2:
-        published = t.publish_handoff(
-            request_id=request_id,
-            prefill_child_engine_id=PRE,
-            prefill_rank_keys=TP2,
-            rank_key=key,
-            descriptor=("desc", key),
-            kv_transfer_params=PARAMS,
-            decode_child_engine_id=decode,
-            num_blocks=6,
-            now_ms=T0,
-        )
-        lease_id = published.view.lease_id
+        lease_id = publish(t, key, ("desc", key), request_id, decode=decode).view.lease_id
     return lease_id
+
+
+def begin(
+    t: LeaseTable,
+    request_id: str = "h1",
+    *,
+    decode: str = DEC,
+    decode_grid: Sequence[RankKey] = TP2,
+    now: int = T0,
+) -> LeaseStep:
+    """A decode child engine begins the handoff of PRE's `request_id`."""
+    return t.begin_handoff(
+        request_id=request_id,
+        prefill_child_engine_id=PRE,
+        decode_child_engine_id=decode,
+        decode_rank_keys=decode_grid,
+        now_ms=now,
+    )
 
 
 def begun(t: LeaseTable, request_id: str = "h1") -> str:
     publish_all(t, request_id)
-    step = t.begin_handoff(
-        request_id=request_id,
-        prefill_child_engine_id=PRE,
-        decode_child_engine_id=DEC,
-        decode_rank_keys=TP2,
-        now_ms=T0 + 5,
-    )
-    return step.view.lease_id
+    return begin(t, request_id, now=T0 + 5).view.lease_id
 
 
 # --------------------------------------------------------------------- prefix load
@@ -134,19 +167,7 @@ def begun(t: LeaseTable, request_id: str = "h1") -> str:
 
 def test_open_sends_a_pin_to_every_holder_part() -> None:
     t = table()
-    step = t.open_prefix_load(
-        request_id="r1",
-        requester_child_engine_id=REQ,
-        requester_rank_keys=TP2,
-        holder_child_engine_id=HOLD,
-        holder_rank_keys=TP2,
-        block_hashes=CHAIN,
-        min_blocks=2,
-        pin_timeout_ms=500,
-        transfer_ttl_ms=5_000,
-        now_ms=T0,
-        group_idx=1,
-    )
+    step = open_load_step(t, "r1", min_blocks=2, group_idx=1)
     assert step.view.state is LeaseState.PINNING and step.view.flow is Flow.PREFIX_LOAD
     pins = of(step.actions, SendPin)
     assert [(p.child_engine_id, p.rank_key) for p in pins] == [(HOLD, k) for k in TP2]
@@ -345,18 +366,7 @@ def test_holder_gone_mid_transfer_fails_and_tells_the_requester_to_stop() -> Non
 def test_same_request_id_returns_the_same_lease_even_after_it_ended() -> None:
     t = table()
     lease_id = granted_load(t)
-    again = t.open_prefix_load(
-        request_id="r1",
-        requester_child_engine_id=REQ,
-        requester_rank_keys=TP2,
-        holder_child_engine_id="someone-else",
-        holder_rank_keys=TP2,
-        block_hashes=CHAIN,
-        min_blocks=1,
-        pin_timeout_ms=500,
-        transfer_ttl_ms=5_000,
-        now_ms=T0 + 50,
-    )
+    again = open_load_step(t, "r1", holder="someone-else", now=T0 + 50)
     assert again.view == t.get(lease_id) and again.actions == ()
     for key in TP2:
         t.complete_prefix_load(lease_id, REQ, key, Outcome.SUCCEEDED, T0 + 100)
@@ -464,18 +474,7 @@ def test_bad_durations_are_refused(pin_timeout: int, ttl: int) -> None:
     refused(
         t,
         ErrorCode.INVALID_ARGUMENT,
-        lambda: t.open_prefix_load(
-            request_id="r",
-            requester_child_engine_id=REQ,
-            requester_rank_keys=TP2,
-            holder_child_engine_id=HOLD,
-            holder_rank_keys=TP2,
-            block_hashes=CHAIN,
-            min_blocks=1,
-            pin_timeout_ms=pin_timeout,
-            transfer_ttl_ms=ttl,
-            now_ms=T0,
-        ),
+        lambda: open_load_step(t, "r", pin_timeout_ms=pin_timeout, transfer_ttl_ms=ttl),
     )
 
 
@@ -514,43 +513,13 @@ def test_ended_leases_are_purged_by_age_and_by_count() -> None:
 
 def test_handoff_is_ready_only_when_every_prefill_part_published() -> None:
     t = table()
-    first = t.publish_handoff(
-        request_id="h1",
-        prefill_child_engine_id=PRE,
-        prefill_rank_keys=TP2,
-        rank_key=TP2[1],
-        descriptor="d1",
-        kv_transfer_params=PARAMS,
-        decode_child_engine_id=None,
-        num_blocks=6,
-        now_ms=T0,
-    )
+    first = publish(t, TP2[1], "d1")
     assert first.view.state is LeaseState.WAITING_READY and first.view.flow is Flow.HANDOFF
     assert (first.parts_reported, first.parts_expected) == (1, 2) and first.actions == ()
     lease_id = first.view.lease_id
-    err = refused(
-        t,
-        ErrorCode.FAILED_PRECONDITION,
-        lambda: t.begin_handoff(
-            request_id="h1",
-            prefill_child_engine_id=PRE,
-            decode_child_engine_id=DEC,
-            decode_rank_keys=TP2,
-            now_ms=T0,
-        ),
-    )
+    err = refused(t, ErrorCode.FAILED_PRECONDITION, lambda: begin(t))
     assert "1 of 2" in err.message
-    second = t.publish_handoff(
-        request_id="h1",
-        prefill_child_engine_id=PRE,
-        prefill_rank_keys=TP2,
-        rank_key=TP2[0],
-        descriptor="d0",
-        kv_transfer_params=PARAMS,
-        decode_child_engine_id=None,
-        num_blocks=6,
-        now_ms=T0 + 3,
-    )
+    second = publish(t, TP2[0], "d0", now=T0 + 3)
     assert second.view.state is LeaseState.READY and second.view.lease_id == lease_id
     assert second.actions == (HandoffReady(lease_id, PRE, "h1"),)
 
@@ -568,78 +537,22 @@ def test_begin_hands_over_params_and_descriptors_unchanged() -> None:
     ]
     assert grant.deadline_ms == T0 + 5 + 10_000
     # Same decode again: the same grant; another decode: refused.
-    again = t.begin_handoff(
-        request_id="h1",
-        prefill_child_engine_id=PRE,
-        decode_child_engine_id=DEC,
-        decode_rank_keys=TP2,
-        now_ms=T0 + 6,
-    )
+    again = begin(t, now=T0 + 6)
     assert again.view == view and again.actions == ()
-    refused(
-        t,
-        ErrorCode.PERMISSION_DENIED,
-        lambda: t.begin_handoff(
-            request_id="h1",
-            prefill_child_engine_id=PRE,
-            decode_child_engine_id="other",
-            decode_rank_keys=TP2,
-            now_ms=T0,
-        ),
-    )
+    refused(t, ErrorCode.PERMISSION_DENIED, lambda: begin(t, decode="other"))
 
 
 def test_begin_errors() -> None:
     t = table()
-    refused(
-        t,
-        ErrorCode.NOT_FOUND,
-        lambda: t.begin_handoff(
-            request_id="none",
-            prefill_child_engine_id=PRE,
-            decode_child_engine_id=DEC,
-            decode_rank_keys=TP2,
-            now_ms=T0,
-        ),
-    )
+    refused(t, ErrorCode.NOT_FOUND, lambda: begin(t, "none"))
     publish_all(t, "h1", decode=DEC)
-    refused(
-        t,
-        ErrorCode.PERMISSION_DENIED,
-        lambda: t.begin_handoff(
-            request_id="h1",
-            prefill_child_engine_id=PRE,
-            decode_child_engine_id="intruder",
-            decode_rank_keys=TP2,
-            now_ms=T0,
-        ),
-    )
-    refused(
-        t,
-        ErrorCode.INVALID_ARGUMENT,
-        lambda: t.begin_handoff(
-            request_id="h1",
-            prefill_child_engine_id=PRE,
-            decode_child_engine_id=DEC,
-            decode_rank_keys=(),
-            now_ms=T0,
-        ),
-    )
+    refused(t, ErrorCode.PERMISSION_DENIED, lambda: begin(t, decode="intruder"))
+    refused(t, ErrorCode.INVALID_ARGUMENT, lambda: begin(t, decode_grid=()))
 
 
 def test_prefill_parts_must_agree() -> None:
     t = table()
-    t.publish_handoff(
-        request_id="h1",
-        prefill_child_engine_id=PRE,
-        prefill_rank_keys=TP2,
-        rank_key=TP2[0],
-        descriptor="d0",
-        kv_transfer_params=PARAMS,
-        decode_child_engine_id=None,
-        num_blocks=6,
-        now_ms=T0,
-    )
+    publish(t, TP2[0], "d0")
     base: dict[str, Any] = {
         "request_id": "h1",
         "prefill_child_engine_id": PRE,
@@ -772,31 +685,11 @@ def test_ready_handoff_never_begun_expires_with_release() -> None:
 
 def test_incomplete_handoff_expires_releasing_only_published_parts() -> None:
     t = table(handoff_publish_timeout_ms=1_000)
-    published = t.publish_handoff(
-        request_id="h1",
-        prefill_child_engine_id=PRE,
-        prefill_rank_keys=TP2,
-        rank_key=TP2[0],
-        descriptor="d0",
-        kv_transfer_params=PARAMS,
-        decode_child_engine_id=None,
-        num_blocks=6,
-        now_ms=T0,
-    )
+    published = publish(t, TP2[0], "d0")
     actions = t.tick(T0 + 1_000)
     assert [a.rank_key for a in of(actions, SendRelease)] == [TP2[0]]
     # The missing part arrives late: it sees the end and nothing changes.
-    late = t.publish_handoff(
-        request_id="h1",
-        prefill_child_engine_id=PRE,
-        prefill_rank_keys=TP2,
-        rank_key=TP2[1],
-        descriptor="d1",
-        kv_transfer_params=PARAMS,
-        decode_child_engine_id=None,
-        num_blocks=6,
-        now_ms=T0 + 2_000,
-    )
+    late = publish(t, TP2[1], "d1", now=T0 + 2_000)
     assert late.view.lease_id == published.view.lease_id
     assert late.view.state is LeaseState.FAILED and late.actions == () and late.parts_reported == 1
 
