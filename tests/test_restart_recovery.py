@@ -26,12 +26,14 @@ from hypothesis import strategies as st
 
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import ErrorCode, KvrcError
+from coordinator.events import RankKey
 from coordinator.leases import (
     RECOVERED_REASON,
     Flow,
     LeaseConfig,
     LeaseQuarantined,
     LeaseState,
+    LeaseStep,
     LeaseTable,
     Outcome,
     SendQuarantine,
@@ -139,17 +141,17 @@ def test_bad_state_files_are_refused_with_the_reason(data: bytes, words: str) ->
 
 # --- re-announced leases in the lease core (pure) -------------------------------------
 
-GRID1 = ((0, 0, 0),)
-GRID2 = ((0, 0, 0), (1, 0, 0))
+GRID1: tuple[RankKey, ...] = ((0, 0, 0),)
+GRID2: tuple[RankKey, ...] = ((0, 0, 0), (1, 0, 0))
 
 
 def _table() -> LeaseTable:
     return LeaseTable(LeaseConfig(abort_timeout_ms=1_000, handoff_heartbeat_timeout_ms=1_000))
 
 
-def test_default_lease_ids_name_their_flow() -> None:
-    t = _table()
-    step = t.open_prefix_load(
+def _open_load(t: LeaseTable, *, transfer_ttl_ms: int) -> LeaseStep:
+    """Request "r" of "req": block b"a" from "hold" (one part each)."""
+    return t.open_prefix_load(
         request_id="r",
         requester_child_engine_id="req",
         requester_rank_keys=GRID1,
@@ -158,9 +160,33 @@ def test_default_lease_ids_name_their_flow() -> None:
         block_hashes=[b"a"],
         min_blocks=1,
         pin_timeout_ms=100,
-        transfer_ttl_ms=100,
+        transfer_ttl_ms=transfer_ttl_ms,
         now_ms=0,
     )
+
+
+def _recover(
+    t: LeaseTable,
+    lease_id: str,
+    rank_key: RankKey = (0, 0, 0),
+    *,
+    holder: str = "hold",
+    grid: tuple[RankKey, ...] = GRID1,
+    now: int = 0,
+) -> LeaseStep:
+    """One holder part re-announces `lease_id` at (re-)registration."""
+    return t.recover_held(
+        lease_id=lease_id,
+        holder_child_engine_id=holder,
+        holder_rank_keys=grid,
+        rank_key=rank_key,
+        now_ms=now,
+    )
+
+
+def test_default_lease_ids_name_their_flow() -> None:
+    t = _table()
+    step = _open_load(t, transfer_ttl_ms=100)
     assert flow_of_lease_id(step.view.lease_id) is Flow.PREFIX_LOAD
     published = t.publish_handoff(
         request_id="r",
@@ -179,13 +205,7 @@ def test_default_lease_ids_name_their_flow() -> None:
 
 def test_a_re_announced_lease_is_quarantined_and_no_timer_releases_it() -> None:
     t = _table()
-    step = t.recover_held(
-        lease_id="pl-x1",
-        holder_child_engine_id="hold",
-        holder_rank_keys=GRID2,
-        rank_key=(1, 0, 0),
-        now_ms=0,
-    )
+    step = _recover(t, "pl-x1", rank_key=(1, 0, 0), grid=GRID2)
     assert step.view.state is LeaseState.QUARANTINED and step.view.flow is Flow.PREFIX_LOAD
     assert step.view.reason == RECOVERED_REASON
     assert step.actions == (
@@ -195,26 +215,14 @@ def test_a_re_announced_lease_is_quarantined_and_no_timer_releases_it() -> None:
     assert t.tick(10**12) == []  # fail closed: time alone never releases it
     assert t.get("pl-x1").state is LeaseState.QUARANTINED
     # The other part re-announces: told the same, nothing else changes.
-    again = t.recover_held(
-        lease_id="pl-x1",
-        holder_child_engine_id="hold",
-        holder_rank_keys=GRID2,
-        rank_key=(0, 0, 0),
-        now_ms=5,
-    )
+    again = _recover(t, "pl-x1", grid=GRID2, now=5)
     assert [type(a) for a in again.actions] == [SendQuarantine]
     assert t.open_lease_count() == 1
 
 
 def test_a_recovered_lease_is_released_when_every_target_part_reports() -> None:
     t = _table()
-    t.recover_held(
-        lease_id="ho-x2",
-        holder_child_engine_id="pre",
-        holder_rank_keys=GRID2,
-        rank_key=(0, 0, 0),
-        now_ms=0,
-    )
+    _recover(t, "ho-x2", holder="pre", grid=GRID2)
     first = t.complete_handoff(
         "ho-x2", "dec", (0, 0, 0), Outcome.SUCCEEDED, 10, reporter_rank_keys=GRID2
     )
@@ -228,25 +236,13 @@ def test_a_recovered_lease_is_released_when_every_target_part_reports() -> None:
     # Every holder part may hold pins (only one re-announced so far): all are released.
     assert sorted(a.rank_key for a in releases) == [(0, 0, 0), (1, 0, 0)]
     # The part that re-announces late gets the release again.
-    late = t.recover_held(
-        lease_id="ho-x2",
-        holder_child_engine_id="pre",
-        holder_rank_keys=GRID2,
-        rank_key=(1, 0, 0),
-        now_ms=30,
-    )
+    late = _recover(t, "ho-x2", rank_key=(1, 0, 0), holder="pre", grid=GRID2, now=30)
     assert [type(a) for a in late.actions] == [SendRelease]
 
 
 def test_an_unknown_outcome_keeps_a_recovered_lease_quarantined_until_an_operator() -> None:
     t = _table()
-    t.recover_held(
-        lease_id="pl-x3",
-        holder_child_engine_id="hold",
-        holder_rank_keys=GRID1,
-        rank_key=(0, 0, 0),
-        now_ms=0,
-    )
+    _recover(t, "pl-x3")
     step = t.complete_prefix_load(
         "pl-x3", "req", (0, 0, 0), Outcome.UNKNOWN, 5, reporter_rank_keys=GRID1
     )
@@ -258,13 +254,7 @@ def test_an_unknown_outcome_keeps_a_recovered_lease_quarantined_until_an_operato
 
 def test_bad_or_foreign_re_announcements_are_refused_and_change_nothing() -> None:
     t = _table()
-    t.recover_held(
-        lease_id="pl-x4",
-        holder_child_engine_id="hold",
-        holder_rank_keys=GRID1,
-        rank_key=(0, 0, 0),
-        now_ms=0,
-    )
+    _recover(t, "pl-x4")
     cases: list[tuple[dict[str, Any], ErrorCode]] = [
         ({"lease_id": "pl-x4", "holder_child_engine_id": "thief"}, ErrorCode.PERMISSION_DENIED),
         ({"lease_id": "not-ours"}, ErrorCode.INVALID_ARGUMENT),
@@ -297,13 +287,7 @@ def test_bad_or_foreign_re_announcements_are_refused_and_change_nothing() -> Non
 
 def test_a_recovered_lease_whose_holder_is_gone_ends_without_a_release() -> None:
     t = _table()
-    t.recover_held(
-        lease_id="pl-x6",
-        holder_child_engine_id="hold",
-        holder_rank_keys=GRID1,
-        rank_key=(0, 0, 0),
-        now_ms=0,
-    )
+    _recover(t, "pl-x6")
     actions = t.on_engine_gone("hold", 10)
     assert t.get("pl-x6").state is LeaseState.FAILED
     assert not any(isinstance(a, SendRelease) for a in actions)  # its pins died with it
@@ -311,27 +295,10 @@ def test_a_recovered_lease_whose_holder_is_gone_ends_without_a_release() -> None
 
 def test_re_announcing_a_live_lease_changes_nothing() -> None:
     t = _table()
-    opened = t.open_prefix_load(
-        request_id="r",
-        requester_child_engine_id="req",
-        requester_rank_keys=GRID1,
-        holder_child_engine_id="hold",
-        holder_rank_keys=GRID1,
-        block_hashes=[b"a"],
-        min_blocks=1,
-        pin_timeout_ms=100,
-        transfer_ttl_ms=1000,
-        now_ms=0,
-    )
+    opened = _open_load(t, transfer_ttl_ms=1000)
     lease_id = opened.view.lease_id
     t.on_pin_result(lease_id, "hold", (0, 0, 0), 1, b"d", 1)
-    step = t.recover_held(
-        lease_id=lease_id,
-        holder_child_engine_id="hold",
-        holder_rank_keys=GRID1,
-        rank_key=(0, 0, 0),
-        now_ms=2,
-    )
+    step = _recover(t, lease_id, now=2)
     assert step.actions == () and step.view.state is LeaseState.ACTIVE
 
 
