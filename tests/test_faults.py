@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -458,21 +458,34 @@ async def test_kvrc_kill_at_each_step(tmp_path: Path, flow: str, step: str) -> N
 # --- a stalled engine (SIGSTOP / SIGCONT) --------------------------------------------------
 
 
+@asynccontextmanager
+async def _granted_load_of_4(
+    target: str, name: str
+) -> AsyncIterator[tuple[FaultEngine, FaultEngine, str]]:
+    """Holder `{name}-h` retaining 4 blocks, requester `{name}-r` and its granted load of them.
+
+    Both processes are stopped on exit.
+    """
+    holder, requester = await asyncio.to_thread(
+        _spawn,
+        target,
+        [(f"{name}-h", {"retain": 4, "reuse_opt_in": True}), (f"{name}-r", {"reuse_opt_in": True})],
+    )
+    try:
+        await _wait_hit(requester, f"{name}-h", 4)
+        grant = await asyncio.to_thread(
+            requester.command, "request_load", n=4, transfer_timeout_ms=TTL_MS
+        )
+        yield holder, requester, grant["lease_id"]
+    finally:
+        await asyncio.to_thread(_stop_all, [holder, requester])
+
+
 async def test_short_stall_keeps_the_session_and_delays_the_release(
     kvrc: CoordinatorProcess,
 ) -> None:
     target = kvrc.grpc_target
-    holder, requester = await asyncio.to_thread(
-        _spawn,
-        target,
-        [("stall-h", {"retain": 4, "reuse_opt_in": True}), ("stall-r", {"reuse_opt_in": True})],
-    )
-    try:
-        await _wait_hit(requester, "stall-h", 4)
-        grant = await asyncio.to_thread(
-            requester.command, "request_load", n=4, transfer_timeout_ms=TTL_MS
-        )
-        lease_id = grant["lease_id"]
+    async with _granted_load_of_4(target, "stall") as (holder, requester, lease_id):
         holder.signal(signal.SIGSTOP)  # shorter than the 1 s heartbeat timeout
         report_t = time.time()
         done = await asyncio.to_thread(
@@ -485,25 +498,13 @@ async def test_short_stall_keeps_the_session_and_delays_the_release(
         assert release["t"] >= report_t + 0.4  # delivered after the stall, not lost
         assert holder.registrations() == 1  # the session survived
         assert await _inventory_of(target, "stall-h") == 4
-    finally:
-        await asyncio.to_thread(_stop_all, [holder, requester])
 
 
 async def test_long_stall_removes_the_holder_and_it_comes_back_consistent(
     kvrc: CoordinatorProcess,
 ) -> None:
     target = kvrc.grpc_target
-    holder, requester = await asyncio.to_thread(
-        _spawn,
-        target,
-        [("lstall-h", {"retain": 4, "reuse_opt_in": True}), ("lstall-r", {"reuse_opt_in": True})],
-    )
-    try:
-        await _wait_hit(requester, "lstall-h", 4)
-        grant = await asyncio.to_thread(
-            requester.command, "request_load", n=4, transfer_timeout_ms=TTL_MS
-        )
-        lease_id = grant["lease_id"]
+    async with _granted_load_of_4(target, "lstall") as (holder, requester, lease_id):
         holder.signal(signal.SIGSTOP)  # past the heartbeat timeout and the grace
         await asyncio.to_thread(requester.event, "abort", lease_id)  # told to stop reading
         assert await _inventory_of(target, "lstall-h") is None  # its inventory went with it
@@ -516,8 +517,6 @@ async def test_long_stall_removes_the_holder_and_it_comes_back_consistent(
         await asyncio.sleep(0.3)
         # Its lease ended while it was away without a provable quiet point: no release.
         assert holder.events("release", lease_id) == []
-    finally:
-        await asyncio.to_thread(_stop_all, [holder, requester])
 
 
 # --- an engine that stops reading its session stream --------------------------------------
