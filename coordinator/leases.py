@@ -601,7 +601,7 @@ class LeaseTable:
     ) -> LeaseStep:
         """A holder part's answer: how many chain blocks it pinned (0 = a miss)."""
         lease = self._lookup_flow(lease_id, _PrefixLoad)
-        self._check_source_part(lease, holder_child_engine_id, rank_key)
+        self._check_part(lease, holder_child_engine_id, rank_key, source=True)
         if type(pinned_blocks) is not int or not 0 <= pinned_blocks <= len(lease.block_hashes):
             raise invalid(
                 f"pinned_blocks must be between 0 and the chain length "
@@ -845,7 +845,7 @@ class LeaseTable:
     ) -> LeaseStep:
         """A target part confirms it stopped every native operation of the lease."""
         lease = self._lookup(lease_id)
-        self._check_target_part(lease, child_engine_id, rank_key)
+        self._check_part(lease, child_engine_id, rank_key, source=False)
         actions: list[Action] = []
         if lease.state is LeaseState.ABORTING and rank_key in lease.abort_pending:
             lease.abort_pending.discard(rank_key)
@@ -1029,7 +1029,7 @@ class LeaseTable:
             self._bind_recovered_target(
                 lease, reporter_child_engine_id, reporter_rank_keys, rank_key
             )
-        self._check_target_part(lease, reporter_child_engine_id, rank_key)
+        self._check_part(lease, reporter_child_engine_id, rank_key, source=False)
         if lease.recovered and lease.state is LeaseState.QUARANTINED:
             return self._report_recovered(lease, rank_key, outcome, now_ms)
         if rank_key in lease.abort_acked:
@@ -1373,24 +1373,19 @@ class LeaseTable:
             raise not_found(f"lease {lease_id!r} is not a {wanted} lease")
         return lease
 
-    def _check_source_part(self, lease: _Lease, child_engine_id: str, rank_key: RankKey) -> None:
-        if (
-            child_engine_id != lease.source_child_engine_id
-            or rank_key not in lease.source_rank_keys
-        ):
+    def _check_part(
+        self, lease: _Lease, child_engine_id: str, rank_key: RankKey, *, source: bool
+    ) -> None:
+        """The caller is a source (holder, prefill) or else a target (requester, decode) part."""
+        owner: str | None
+        if source:
+            owner, keys, word = lease.source_child_engine_id, lease.source_rank_keys, _SOURCE_WORD
+        else:
+            owner, keys, word = lease.target_child_engine_id, lease.target_rank_keys, _TARGET_WORD
+        if child_engine_id != owner or rank_key not in keys:
             raise permission_denied(
                 f"{child_engine_id!r} rank part {rank_key} is not a "
-                f"{_SOURCE_WORD[lease.flow]} part of lease {lease.lease_id}"
-            )
-
-    def _check_target_part(self, lease: _Lease, child_engine_id: str, rank_key: RankKey) -> None:
-        if (
-            child_engine_id != lease.target_child_engine_id
-            or rank_key not in lease.target_rank_keys
-        ):
-            raise permission_denied(
-                f"{child_engine_id!r} rank part {rank_key} is not a "
-                f"{_TARGET_WORD[lease.flow]} part of lease {lease.lease_id}"
+                f"{word[lease.flow]} part of lease {lease.lease_id}"
             )
 
     def _published(self, lease: _Handoff, actions: tuple[Action, ...]) -> HandoffPublished:
