@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 from harness import CommandProcess, CoordinatorProcess, start_coordinator
+
+if TYPE_CHECKING:
+    from clients.session import EngineSession
 
 
 @pytest.fixture
@@ -22,3 +26,12 @@ def engines() -> Iterator[list[CommandProcess]]:
     yield started
     for engine in started:
         engine.kill()
+
+
+@pytest.fixture
+async def sessions() -> AsyncIterator[list[EngineSession]]:
+    """In-process engine sessions a test opens; closed afterwards."""
+    opened: list[EngineSession] = []
+    yield opened
+    for session in opened:
+        await session.close()

@@ -7,7 +7,7 @@ no duplicate, no fence) and must land in the inventory.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 from harness import (
@@ -115,14 +115,6 @@ def kvrc_on(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorPro
 
 def batches_metric(kvrc: CoordinatorProcess, result: str) -> float:
     return metric_value(kvrc, "kvrc_event_batches_total", source="grpc", result=result)
-
-
-@pytest.fixture
-async def sessions() -> AsyncIterator[list[EngineSession]]:
-    opened: list[EngineSession] = []
-    yield opened
-    for s in opened:
-        await s.close()
 
 
 async def entries(target: str, child_engine_id: str) -> int:

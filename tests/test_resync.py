@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +79,6 @@ class Deaf(NullHandler):
 
     async def on_state(self, state: ChildEngineState) -> None:
         self.states.append(state)
-
-
-@pytest.fixture
-async def sessions() -> AsyncIterator[list[EngineSession]]:
-    opened: list[EngineSession] = []
-    yield opened
-    for session in opened:
-        await session.close()
 
 
 async def open_engine(

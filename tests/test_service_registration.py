@@ -12,7 +12,7 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -56,15 +56,6 @@ def shared() -> Iterator[CoordinatorProcess]:
 
 def part(engine_id: str, **kw: Any) -> RankPartRegistration:
     return RankPartRegistration(engine_id=engine_id, profile=PROFILE, **kw)
-
-
-@pytest.fixture
-async def sessions() -> AsyncIterator[list[EngineSession]]:
-    """Sessions a test opens; closed afterwards."""
-    opened: list[EngineSession] = []
-    yield opened
-    for session in opened:
-        await session.close()
 
 
 async def open_session(
