@@ -78,6 +78,25 @@ def store(kvrc: CoordinatorProcess, holder: LeaseEngine, hashes: list[str], requ
     raise TimeoutError("the holder's blocks never became visible")
 
 
+def stored_pair(
+    kvrc: CoordinatorProcess,
+    engines: list[LeaseEngine],
+    name: str,
+    blocks: int,
+    *,
+    holder_options: dict[str, Any] | None = None,
+    requester_options: dict[str, Any] | None = None,
+) -> tuple[LeaseEngine, LeaseEngine, list[str]]:
+    """`hold-{name}` holds `blocks` blocks of prompt `name`, visible to `req-{name}`; both READY."""
+    holder = start(kvrc, engines, f"hold-{name}", **(holder_options or {}))
+    req = start(kvrc, engines, f"req-{name}", **(requester_options or {}))
+    ready(kvrc, f"hold-{name}")
+    ready(kvrc, f"req-{name}")
+    hashes = chain(name, blocks)
+    store(kvrc, holder, hashes, f"req-{name}")
+    return holder, req, hashes
+
+
 def load(
     requester: LeaseEngine, request_id: str, hashes: list[str], **fields: Any
 ) -> dict[str, Any]:
@@ -164,12 +183,7 @@ def test_short_and_empty_pins_are_misses_not_errors(
 def test_holder_that_dies_before_answering_is_a_miss_within_the_deadline(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine]
 ) -> None:
-    holder = start(kvrc, engines, "hold-die", pin="never")
-    req = start(kvrc, engines, "req-die")
-    ready(kvrc, "hold-die")
-    ready(kvrc, "req-die")
-    hashes = chain("die", 4)
-    store(kvrc, holder, hashes, "req-die")
+    holder, req, hashes = stored_pair(kvrc, engines, "die", 4, holder_options={"pin": "never"})
     started = time.monotonic()
     tag = req.start_command("request_load", request_id="d1", hashes=hashes, pin_timeout_ms=1500)
     holder.event("pin_request")
@@ -183,12 +197,7 @@ def test_holder_that_dies_before_answering_is_a_miss_within_the_deadline(
 def test_requester_that_dies_mid_transfer_is_released_only_after_proof(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine]
 ) -> None:
-    holder = start(kvrc, engines, "hold-rq")
-    req = start(kvrc, engines, "req-rq")
-    ready(kvrc, "hold-rq")
-    ready(kvrc, "req-rq")
-    hashes = chain("rq", 4)
-    store(kvrc, holder, hashes, "req-rq")
+    holder, req, hashes = stored_pair(kvrc, engines, "rq", 4)
     grant = load(req, "g1", hashes)
     req.kill()
     killed = time.monotonic()
@@ -201,12 +210,9 @@ def test_requester_that_dies_mid_transfer_is_released_only_after_proof(
 def test_lease_timeout_with_a_live_requester_aborts_then_releases_after_the_ack(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine]
 ) -> None:
-    holder = start(kvrc, engines, "hold-to")
-    req = start(kvrc, engines, "req-to", abort="delay:800")
-    ready(kvrc, "hold-to")
-    ready(kvrc, "req-to")
-    hashes = chain("to", 4)
-    store(kvrc, holder, hashes, "req-to")
+    holder, req, hashes = stored_pair(
+        kvrc, engines, "to", 4, requester_options={"abort": "delay:800"}
+    )
     aborts = metric_value(kvrc, "kvrc_lease_aborts_total", flow="prefix_load")
     grant = load(req, "t1", hashes, transfer_timeout_ms=600)
     req.event("abort", grant["lease_id"], timeout_s=5)
@@ -221,12 +227,7 @@ def test_lease_timeout_with_a_live_requester_aborts_then_releases_after_the_ack(
 def test_unknown_outcome_quarantines_until_resolved_by_rpc(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine]
 ) -> None:
-    holder = start(kvrc, engines, "hold-uq")
-    req = start(kvrc, engines, "req-uq")
-    ready(kvrc, "hold-uq")
-    ready(kvrc, "req-uq")
-    hashes = chain("uq", 3)
-    store(kvrc, holder, hashes, "req-uq")
+    holder, req, hashes = stored_pair(kvrc, engines, "uq", 3)
     grant = load(req, "u1", hashes)
     done = req.command("complete_load", lease_id=grant["lease_id"], outcome="UNKNOWN")
     assert (done["state"], done["quiescent"]) == ("QUARANTINED", False)
