@@ -80,7 +80,8 @@ def test_demo_runs_end_to_end_with_no_mismatch_and_leaves_no_process(tmp_path: P
     lines = run.stdout.splitlines()
     # Progress while it runs, then the table.
     assert sum(line.startswith("[") for line in lines) == 6
-    table = {line.rsplit(None, 1)[0].strip(): line.rsplit(None, 1)[1] for line in lines[-9:]}
+    table = {line.rsplit(None, 1)[0].strip(): line.rsplit(None, 1)[1] for line in lines[-14:-1]}
+    assert "requests" in table  # the whole table, one value per row
     assert table["mismatches"] == "0", run.stdout
     assert float(table["hit ratio"]) > 0
     assert int(table["prefix blocks loaded"]) > 0
@@ -90,6 +91,15 @@ def test_demo_runs_end_to_end_with_no_mismatch_and_leaves_no_process(tmp_path: P
     assert doc["mismatches"] == 0
     assert doc["handoffs"] == 6
     assert doc["blocks_loaded"] > 0 and doc["bytes_moved"] > 0 and doc["transfer_gbps"] > 0
+    # transfer_gbps is GB/s inside the native reads: bytes over their summed durations.
+    assert doc["native_reads"] >= 2 * 6  # every handoff: one read per rank part (tp 2)
+    gbps = doc["bytes_moved"] / doc["read_s"] / 1e9
+    assert doc["transfer_gbps"] == pytest.approx(gbps, rel=0.05, abs=1e-4)
+    assert float(table["GB/s inside native reads"]) == pytest.approx(gbps, abs=2e-3)
+    assert int(table["native reads"]) == doc["native_reads"]
+    assert doc["read_mean_kib"] == pytest.approx(
+        doc["bytes_moved"] / doc["native_reads"] / 1024, abs=0.1
+    )
     assert doc["hit_ratio"] > 0
     assert wait_gone(ports, 5.0) == []
 

@@ -20,11 +20,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from clients.hashing import hash_block_chain
-from clients.kv_cache import KvCacheLayout, PagedKvCache
+from clients.kv_cache import (
+    KvCacheLayout,
+    KvEndpointDescription,
+    KvRegionDescription,
+    PagedKvCache,
+)
 from clients.refengine.blocks import BlockPool, PoolExhaustedError
 from clients.refengine.channel import Channel, ChannelError
 from clients.refengine.compute import expected_blocks, kv_values, write_positions
-from clients.refengine.engine import _parse_test_faults
+from clients.refengine.engine import Leader, _parse_test_faults, _pull_reply
+from clients.transfer import TransferPlan
 
 LAYOUT = KvCacheLayout(
     num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16"
@@ -337,3 +343,57 @@ def test_test_faults_are_validated_before_anything_runs() -> None:
     for bad in ({2: "bad-remote-address"}, {0: "explode"}, {0: "delay-before-pull=999"}):
         with pytest.raises(ValueError):
             _parse_test_faults(bad, 2)
+
+
+# --- transfer accounting and coalescing -------------------------------------------------
+
+
+def test_allocation_is_ascending_so_reused_runs_coalesce() -> None:
+    """Freed blocks come back in reverse order; allocate hands them out ascending, so a
+    plan between two such runs is one entry per layer, not one per block per layer."""
+    pool = BlockPool(8)
+    first, _ = pool.allocate(4, 0)
+    pool.release(first, 0)  # unhashed: straight back to the free list
+    again, _ = pool.allocate(6, 0)
+    assert again == sorted(again)
+    assert again[:4] == first
+    endpoint = KvEndpointDescription.from_parts(
+        backend="mooncake",
+        session_name="127.0.0.1:1",
+        layout=LAYOUT,
+        regions=[
+            KvRegionDescription(layer, (1 + layer) << 30, LAYOUT.block_bytes, LAYOUT.num_blocks)
+            for layer in range(LAYOUT.num_layers)
+        ],
+    )
+    plan = TransferPlan.build(endpoint, endpoint, list(zip(again, range(8, 14), strict=True)))
+    assert plan.num_entries == LAYOUT.num_layers
+
+
+def test_pull_replies_fold_into_wall_time_and_native_read_time() -> None:
+    results = [
+        _pull_reply("SUCCEEDED", nbytes=1000, seconds=0.1, entries=4),
+        _pull_reply("SUCCEEDED", nbytes=3000, seconds=0.3, entries=8),
+    ]
+    info: dict[str, Any] = {}
+    assert Leader._combine(results, info)
+    assert info["bytes"] == 4000
+    assert info["transfer_s"] == pytest.approx(0.3)  # the parts ran in parallel
+    assert info["read_s"] == pytest.approx(0.4)  # time inside the native reads, summed
+    assert (info["reads"], info["read_entries"]) == (2, 12)
+    # A part refused before any read adds no read time.
+    refused = [results[0], _pull_reply("FAILED", error="refused: tp", refused=True)]
+    info = {}
+    assert not Leader._combine(refused, info)
+    assert (info["reads"], info["read_s"]) == (1, pytest.approx(0.1))
+
+
+def test_demo_gbps_is_bytes_over_native_read_time() -> None:
+    from coordinator.demo import Totals
+
+    totals = Totals(bytes_moved=3_000_000_000, native_reads=6, read_s=2.0)
+    assert totals.transfer_gbps == pytest.approx(1.5)
+    doc = totals.document(elapsed_s=100.0)  # the wall time of the run does not enter it
+    assert doc["transfer_gbps"] == 1.5
+    assert doc["read_mean_ms"] == pytest.approx(333.333, abs=1e-3)
+    assert Totals().transfer_gbps == 0.0

@@ -148,6 +148,9 @@ class BlockPool:
                 removed.append(block_hash)
             self._blocks[block_id].refs = 1
             taken.append(block_id)
+        # Ascending ids: runs contiguous on both sides coalesce into one transfer
+        # entry per layer (freed blocks come back in reverse order otherwise).
+        taken.sort()
         return taken, removed
 
     def commit(

@@ -329,6 +329,7 @@ class RankPart:
             seconds=result.duration_s,
             error=result.error,
             mismatches=mismatches,
+            entries=plan.num_entries,
         )
 
     def mismatches(self, tokens: Sequence[int], block_ids: Sequence[int], first_index: int) -> int:
@@ -473,7 +474,10 @@ def _pull_reply(
     error: str = "",
     mismatches: int = 0,
     refused: bool = False,
+    entries: int = 0,
 ) -> dict[str, Any]:
+    """One rank part's pull: `seconds` is its native batch read (submit to return),
+    `entries` the (local, remote, length) entries of that batch (0: no read ran)."""
     return {
         "outcome": outcome,
         "bytes": nbytes,
@@ -481,6 +485,7 @@ def _pull_reply(
         "error": error,
         "mismatches": mismatches,
         "refused": refused,
+        "entries": entries,
     }
 
 
@@ -839,6 +844,9 @@ class Leader:
             "blocks_loaded": 0,
             "bytes": 0,
             "transfer_s": 0.0,
+            "reads": 0,
+            "read_s": 0.0,
+            "read_entries": 0,
             "mismatches": 0,
             "load": "none",
         }
@@ -915,7 +923,13 @@ class Leader:
         """Fold the rank parts' pull replies into `info`; True when the whole transfer is good."""
         outcome = combine_outcomes([TransferOutcome[r["outcome"]] for r in results])
         info["bytes"] = sum(int(r["bytes"]) for r in results)
+        # Wall time of the request's transfer (the parts read in parallel) ...
         info["transfer_s"] = max(float(r["seconds"]) for r in results)
+        # ... and what the native reads themselves took, summed over the parts.
+        reads = [r for r in results if int(r.get("entries", 0)) > 0]
+        info["reads"] = len(reads)
+        info["read_s"] = sum(float(r["seconds"]) for r in reads)
+        info["read_entries"] = sum(int(r["entries"]) for r in reads)
         info["mismatches"] = sum(int(r["mismatches"]) for r in results)
         info["refused"] = any(r["refused"] for r in results)
         info["outcome"] = outcome.value
