@@ -118,6 +118,26 @@ def publish(prefill: LeaseEngine, request_id: str, params: object, **fields: Any
     return reply
 
 
+def begun_pair(
+    kvrc: CoordinatorProcess,
+    engines: list[LeaseEngine],
+    name: str,
+    request_id: str,
+    params: object,
+    *,
+    keepalive: bool = True,
+    decode_options: dict[str, Any] | None = None,
+) -> tuple[LeaseEngine, LeaseEngine, dict[str, Any]]:
+    """READY `pre-{name}` published `request_id`; READY `dec-{name}` began it (its grant)."""
+    pre = start(kvrc, engines, f"pre-{name}")
+    dec = start(kvrc, engines, f"dec-{name}", **(decode_options or {}))
+    ready(kvrc, f"pre-{name}")
+    ready(kvrc, f"dec-{name}")
+    publish(pre, request_id, params)
+    grant = dec.command("begin", request_id=request_id, prefill=f"pre-{name}", keepalive=keepalive)
+    return pre, dec, grant
+
+
 # --- both flows end to end -------------------------------------------------------------
 
 
@@ -231,12 +251,7 @@ def test_keepalive_holds_the_lease_and_silence_aborts_it_before_any_release(
 def test_decode_that_dies_mid_transfer_is_released_only_after_proof(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine]
 ) -> None:
-    pre = start(kvrc, engines, "pre-die")
-    dec = start(kvrc, engines, "dec-die")
-    ready(kvrc, "pre-die")
-    ready(kvrc, "dec-die")
-    publish(pre, "r-die", NIXL_PARAMS)
-    grant = dec.command("begin", request_id="r-die", prefill="pre-die", keepalive=True)
+    pre, dec, grant = begun_pair(kvrc, engines, "die", "r-die", NIXL_PARAMS)
     dec.kill()
     killed = time.monotonic()
     # Within the grace period the decode may come back: nothing is released.
@@ -250,12 +265,15 @@ def test_decode_that_dies_mid_transfer_is_released_only_after_proof(
 def test_unacknowledged_abort_quarantines_until_resolved_by_the_cli(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine]
 ) -> None:
-    pre = start(kvrc, engines, "pre-q")
-    dec = start(kvrc, engines, "dec-q", abort="never")
-    ready(kvrc, "pre-q")
-    ready(kvrc, "dec-q")
-    publish(pre, "r-q", MOONCAKE_PARAMS)
-    grant = dec.command("begin", request_id="r-q", prefill="pre-q")
+    pre, dec, grant = begun_pair(
+        kvrc,
+        engines,
+        "q",
+        "r-q",
+        MOONCAKE_PARAMS,
+        decode_options={"abort": "never"},
+        keepalive=False,
+    )
     lease_id = grant["lease_id"]
     quarantines = metric_value(kvrc, "kvrc_lease_quarantines_total", flow="handoff")
     dec.event("abort", lease_id, timeout_s=5)
@@ -303,12 +321,9 @@ def _kvrc(*args: str) -> subprocess.CompletedProcess[str]:
 def test_drain_refuses_new_handoffs_and_aborts_at_the_deadline(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine]
 ) -> None:
-    pre = start(kvrc, engines, "pre-drain")
-    dec = start(kvrc, engines, "dec-drain", abort="delay:300")
-    ready(kvrc, "pre-drain")
-    ready(kvrc, "dec-drain")
-    publish(pre, "r-run", MOONCAKE_PARAMS)
-    grant = dec.command("begin", request_id="r-run", prefill="pre-drain", keepalive=True)
+    pre, dec, grant = begun_pair(
+        kvrc, engines, "drain", "r-run", MOONCAKE_PARAMS, decode_options={"abort": "delay:300"}
+    )
     drain = subprocess.Popen(
         [sys.executable, "-m", "coordinator", "drain", "pre-drain", "--target",
          kvrc.grpc_target, "--timeout-ms", "1000", "--wait", "--json"],
@@ -340,12 +355,7 @@ def test_drain_refuses_new_handoffs_and_aborts_at_the_deadline(
 def test_drain_rpc_returns_safe_once_running_leases_complete(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine]
 ) -> None:
-    pre = start(kvrc, engines, "pre-drain2")
-    dec = start(kvrc, engines, "dec-drain2")
-    ready(kvrc, "pre-drain2")
-    ready(kvrc, "dec-drain2")
-    publish(pre, "r", MOONCAKE_PARAMS)
-    grant = dec.command("begin", request_id="r", prefill="pre-drain2", keepalive=True)
+    pre, dec, grant = begun_pair(kvrc, engines, "drain2", "r", MOONCAKE_PARAMS)
     with grpc.insecure_channel(kvrc.grpc_target) as channel:
         admin = pb_grpc.AdminServiceStub(channel)
         first = admin.Drain(pb.DrainRequest(child_engine_id="dec-drain2", timeout_ms=20_000))
