@@ -106,6 +106,11 @@ class Pki:
     rogue_ca: Authority
     rogue_engine: Issued  # CN e1, but signed by another CA
 
+    def serve_flags(self, *, mutual: bool = False) -> tuple[str, ...]:
+        """`kvrc serve` flags: TLS with the server certificate; mutual: clients of this CA."""
+        flags = ("--tls-cert", str(self.server.cert), "--tls-key", str(self.server.key))
+        return (*flags, "--tls-client-ca", str(self.ca.files.cert)) if mutual else flags
+
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
@@ -145,9 +150,7 @@ async def _refused(options: ChannelOptions) -> grpc.aio.AioRpcError:
 
 
 async def test_tls_serves_engines_and_refuses_plaintext(pki: Pki) -> None:
-    with start_coordinator(
-        "--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key)
-    ) as kvrc:
+    with start_coordinator(*pki.serve_flags()) as kvrc:
         tls = ChannelOptions(kvrc.grpc_target, ca_cert=pki.ca.files.cert)
         session = EngineSession(tls, _registration("e1"), reconnect=False)
         ack = await session.start()
@@ -175,14 +178,7 @@ async def test_tls_serves_engines_and_refuses_plaintext(pki: Pki) -> None:
 
 
 async def test_mutual_tls_needs_a_certificate_from_the_client_ca(pki: Pki) -> None:
-    with start_coordinator(
-        "--tls-cert",
-        str(pki.server.cert),
-        "--tls-key",
-        str(pki.server.key),
-        "--tls-client-ca",
-        str(pki.ca.files.cert),
-    ) as kvrc:
+    with start_coordinator(*pki.serve_flags(mutual=True)) as kvrc:
         good = ChannelOptions(
             kvrc.grpc_target,
             ca_cert=pki.ca.files.cert,
@@ -217,16 +213,7 @@ async def test_certificate_identity_binds_engine_ids(pki: Pki, tmp_path: Path) -
         '[[identity]]\nname = "e1-cert"\nuri = "spiffe://test/engine/e1"\nengine_ids = ["e1"]\n'
         '[[identity]]\nname = "e2-cert"\ncn = "e2"\nengine_ids = ["e2"]\nroles = ["read"]\n'
     )
-    with start_coordinator(
-        "--tls-cert",
-        str(pki.server.cert),
-        "--tls-key",
-        str(pki.server.key),
-        "--tls-client-ca",
-        str(pki.ca.files.cert),
-        "--auth-tokens",
-        str(creds),
-    ) as kvrc:
+    with start_coordinator(*pki.serve_flags(mutual=True), "--auth-tokens", str(creds)) as kvrc:
 
         def as_(issued: Issued) -> ChannelOptions:
             return ChannelOptions(
@@ -324,9 +311,7 @@ def test_client_options_refuse_half_configurations(pki: Pki) -> None:
 
 
 def test_cli_status_over_tls(pki: Pki) -> None:
-    with start_coordinator(
-        "--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key)
-    ) as kvrc:
+    with start_coordinator(*pki.serve_flags()) as kvrc:
         done = subprocess.run(
             [
                 PYTHON,
