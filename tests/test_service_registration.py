@@ -58,6 +58,12 @@ def part(engine_id: str, **kw: Any) -> RankPartRegistration:
     return RankPartRegistration(engine_id=engine_id, profile=PROFILE, **kw)
 
 
+async def readiness_is(target: str, child_engine_id: str, ready: bool) -> bool:
+    """The child engine is registered and its readiness is `ready`."""
+    status = await child_engine_status(target, child_engine_id)
+    return status is not None and status.state.ready == ready
+
+
 async def open_session(
     sessions: list[EngineSession], target: str, registration: RankPartRegistration
 ) -> EngineSession:
@@ -248,12 +254,9 @@ async def test_killed_part_process_unreadies_within_heartbeat_timeout(
     ]
     assert procs[1].first_line["ready"]
     procs[0].kill(signal.SIGKILL)
-
-    async def not_ready() -> bool:
-        status = await child_engine_status(target, "kill")
-        return status is not None and not status.state.ready
-
-    await wait_until(not_ready, timeout_s=HEARTBEAT_TIMEOUT_MS / 1000 + 2)
+    await wait_until(
+        lambda: readiness_is(target, "kill", False), timeout_s=HEARTBEAT_TIMEOUT_MS / 1000 + 2
+    )
     status = await child_engine_status(target, "kill")
     assert status is not None and status.state.parts_present == 1
     assert "missing (tp=0, pp=0, pcp=0)" in status.state.not_ready_reason
@@ -279,24 +282,17 @@ async def test_frozen_part_is_removed_by_heartbeat_timeout_then_reconnects(
     frozen = procs[0]
     frozen.kill(signal.SIGSTOP)
     try:
-
-        async def unready() -> bool:
-            status = await child_engine_status(target, "frozen")
-            return status is not None and not status.state.ready
-
-        await wait_until(unready, timeout_s=HEARTBEAT_TIMEOUT_MS / 1000 + 2)
+        await wait_until(
+            lambda: readiness_is(target, "frozen", False),
+            timeout_s=HEARTBEAT_TIMEOUT_MS / 1000 + 2,
+        )
     finally:
         frozen.kill(signal.SIGCONT)
     # Thawed, the part finds its stream closed, reconnects and registers again.
     lines = [frozen.next_line(timeout_s=15)]
     while lines[-1]["event"] != "registered":
         lines.append(frozen.next_line(timeout_s=15))
-
-    async def ready() -> bool:
-        status = await child_engine_status(target, "frozen")
-        return status is not None and status.state.ready
-
-    await wait_until(ready, timeout_s=10)
+    await wait_until(lambda: readiness_is(target, "frozen", True), timeout_s=10)
     for proc in procs:
         proc.kill()
 
