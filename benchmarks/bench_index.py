@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import percentile, write_result
+from benchmarks.common import percentile, start_kvrc, write_result
 from coordinator.events import BlockRemoved, BlockStored, InventoryEvent, Tier
 from coordinator.inventory import Inventory, Scope
 
@@ -300,7 +300,7 @@ def _start_process(argv: list[str]) -> subprocess.Popen[str]:
     )
 
 
-def _stop_process(process: subprocess.Popen[str]) -> None:
+def _stop_process(process: subprocess.Popen[Any]) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
@@ -310,37 +310,9 @@ def _stop_process(process: subprocess.Popen[str]) -> None:
             process.wait()
 
 
-def _start_kvrc(tmp: Path) -> tuple[subprocess.Popen[str], int]:
-    profiles = tmp / "profiles.toml"
-    profiles.write_text('[[profile]]\nname = "bench"\nmodel = "bench-model"\n')
-    port_file = tmp / "ports.json"
-    process = _start_process(
-        [
-            sys.executable,
-            "-m",
-            "coordinator",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-port",
-            "-1",
-            "--reuse",
-            "on",
-            "--profiles",
-            str(profiles),
-            "--log-level",
-            "WARNING",
-            "--port-file",
-            str(port_file),
-        ]
-    )
-    deadline = time.monotonic() + 30
-    while not port_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            _stop_process(process)
-            raise RuntimeError("kvrc serve did not start")
-        time.sleep(0.02)
-    return process, int(json.loads(port_file.read_text())["grpc_port"])
+def _start_kvrc(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
+    serve = start_kvrc(tmp, '[[profile]]\nname = "bench"\nmodel = "bench-model"\n', metrics=False)
+    return serve.process, serve.grpc_port
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -49,8 +49,6 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,7 +57,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, percentile, write_result
+from benchmarks.common import RESULTS_DIR, percentile, start_kvrc, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 P99_LIMIT_MS = 10.0
@@ -318,46 +316,6 @@ def _server_p99_ms(before: dict[float, float], after: dict[float, float]) -> flo
     return None
 
 
-def _start_kvrc(tmp: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    profiles = tmp / "profiles.toml"
-    profiles.write_text(PROFILES)
-    port_file = tmp / "ports.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "coordinator",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-port",
-            "0",
-            "--reuse",
-            "on",
-            "--profiles",
-            str(profiles),
-            "--log-level",
-            "WARNING",
-            "--port-file",
-            str(port_file),
-        ],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp / "kvrc.log", "wb"),  # noqa: SIM115  # closed with the process
-    )
-    deadline = time.monotonic() + 30
-    while not port_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("kvrc did not start:\n" + (tmp / "kvrc.log").read_text())
-        time.sleep(0.05)
-    ports = json.loads(port_file.read_text())
-    metrics = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
-    return process, f"127.0.0.1:{ports['grpc_port']}", metrics
-
-
 # --- the driver ------------------------------------------------------------------------------
 
 
@@ -366,7 +324,8 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
     load_start = round(os.getloadavg()[0], 2)
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvrc-load-") as tmp:
-        kvrc, target, metrics_url = _start_kvrc(Path(tmp))
+        kvrc = start_kvrc(Path(tmp), PROFILES)
+        target, metrics_url = kvrc.target, kvrc.metrics_url
         conns: list[multiprocessing.connection.Connection] = []
         procs = []
         try:
@@ -387,7 +346,7 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
                 conn.send(("step", rates[0] / workers, 2.0))
             for conn in conns:
                 conn.recv()
-            rss_start = _rss_mb(kvrc.pid)
+            rss_start = _rss_mb(kvrc.process.pid)
             rss_before = rss_start
             queue = list(rates)
             retried: set[int] = set()
@@ -410,7 +369,7 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
                 elapsed = max(r["elapsed_s"] for r in results)
                 errors = sum(r["errors"] for r in results)
                 dropped = sum(r["dropped"] for r in results)
-                rss = _rss_mb(kvrc.pid)
+                rss = _rss_mb(kvrc.process.pid)
                 achieved_ops = (rate * step_s - dropped) / elapsed if elapsed else 0.0
                 step = {
                     "target_ops_per_s": rate,
@@ -452,7 +411,7 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
                     queue.insert(0, rate)
                     continue
                 best = step
-            rss_end = _rss_mb(kvrc.pid)
+            rss_end = _rss_mb(kvrc.process.pid)
             for conn in conns:
                 conn.send(("stop",))
             for proc in procs:
@@ -461,11 +420,7 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
             for proc in procs:
                 if proc.is_alive():
                     proc.kill()
-            kvrc.send_signal(signal.SIGTERM)
-            try:
-                kvrc.wait(20)
-            except subprocess.TimeoutExpired:
-                kvrc.kill()
+            kvrc.stop()
     return {
         "benchmark": "load",
         "max_rps": best["requests_per_s"] if best else 0.0,

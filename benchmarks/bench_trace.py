@@ -36,10 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,7 +50,7 @@ from typing import Any, TypeVar
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import percentile, write_result
+from benchmarks.common import KvrcServe, percentile, start_kvrc, write_result
 from benchmarks.trace_sim import (
     DEFAULT_CAPACITY_TOKENS,
     DEFAULT_ENGINES,
@@ -144,56 +141,23 @@ block_size = 512
 
 
 class CoordinatorProcess:
-    """`python -m coordinator serve` on an ephemeral loopback port."""
+    """`python -m coordinator serve` on an ephemeral loopback port, and its own costs."""
 
     def __init__(self, workdir: Path) -> None:
         self._workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.serve: KvrcServe | None = None
         self.target = ""
         self.metrics_url = ""
-        self._log = workdir / "coordinator.log"
 
     def start(self) -> None:
-        profiles = self._workdir / "profiles.toml"
-        profiles.write_text(PROFILES_TOML, encoding="utf-8")
-        port_file = self._workdir / "ports.json"
-        port_file.unlink(missing_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "coordinator",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-port",
-            "0",
-            "--reuse",
-            "on",
-            "--profiles",
-            str(profiles),
-            "--port-file",
-            str(port_file),
-            "--log-level",
-            "WARNING",
-        ]
-        with self._log.open("ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"coordinator exited at start: {self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("coordinator did not write its port file within 60 s")
-            time.sleep(0.05)
-        ports = json.loads(port_file.read_text())
-        self.target = f"127.0.0.1:{ports['grpc_port']}"
-        self.metrics_url = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
+        self.serve = start_kvrc(self._workdir, PROFILES_TOML, timeout_s=60.0)
+        self.target = self.serve.target
+        self.metrics_url = self.serve.metrics_url
 
     def cpu_seconds(self) -> float:
         """User + system CPU of the coordinator process so far."""
-        assert self.proc is not None
-        stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        assert self.serve is not None
+        stat = Path(f"/proc/{self.serve.process.pid}/stat").read_text()
         fields = stat.rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -215,21 +179,9 @@ class CoordinatorProcess:
         wanted = buckets[-1][1] * q / 100.0
         return next(le * 1000.0 for le, count in buckets if count >= wanted)
 
-    def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self._log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.serve is not None:
+            self.serve.stop()
 
 
 # ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ coalescing) it measures, interleaved repetition by repetition:
 
 Throughput is bytes / median seconds per batch, in GB/s (1e9 bytes). Every
 batch is checked: a block whose first bytes do not name its source block fails
-the run. Writes the JSON report (see `write_report`).
+the run. Writes the JSON report (`benchmarks.common.write_json`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import json
 import os
 import platform
 import random
@@ -42,6 +41,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import start_kvrc, write_json
 from clients.kv_cache import KvCacheLayout, KvEndpointDescription, PagedKvCache
 from clients.leases import LeaseClient, LeaseSessionHandler, PinAnswer, PinRequestInfo
 from clients.leases import PrefixLoadGrant as LeaseGrant
@@ -249,21 +249,13 @@ class KvrcPath:
     def __init__(self, local: PagedKvCache, loop: asyncio.AbstractEventLoop) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrc-bench-")
         tmp = Path(self._tmp.name)
-        (tmp / "profiles.toml").write_text('[[profile]]\nname = "bench"\nmodel = "bench"\n')
-        self.server = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "serve", "--listen", "127.0.0.1:0",
-             "--metrics-port", "-1", "--reuse", "on", "--profiles", str(tmp / "profiles.toml"),
-             "--port-file", str(tmp / "ports.json"), "--log-level", "WARNING"],
-            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while not (tmp / "ports.json").exists():
-            if time.monotonic() > deadline or self.server.poll() is not None:
-                self.close()
-                raise RuntimeError("kvrc did not start")
-            time.sleep(0.05)
-        self.target = f"127.0.0.1:{json.loads((tmp / 'ports.json').read_text())['grpc_port']}"
+        try:
+            profiles = '[[profile]]\nname = "bench"\nmodel = "bench"\n'
+            self.server = start_kvrc(tmp, profiles, metrics=False)
+        except RuntimeError:
+            self._tmp.cleanup()
+            raise
+        self.target = self.server.target
         self.peer = PeerProcess(self.target)
         self.local = local
         self.loop = loop
@@ -319,12 +311,7 @@ class KvrcPath:
             self.loop.run_until_complete(self.session.close())
         if hasattr(self, "peer"):
             self.peer.close()
-        if self.server.poll() is None:
-            self.server.terminate()
-            try:
-                self.server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.server.kill()
+        self.server.stop()
         self._tmp.cleanup()
 
 
@@ -427,14 +414,6 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
     }
 
 
-def write_report(report: dict[str, Any], out: Path) -> None:
-    """Write the JSON report atomically (benchmarks/common.py does not exist yet)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(".json.partial")
-    partial.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    partial.replace(out)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--repeats", type=int, default=15)
@@ -451,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Quiet Mooncake's per-connection INFO logs in this process too.
     os.environ.setdefault("GLOG_minloglevel", "1")
     report = run(args.repeats, args.warmup, with_kvrc=not args.no_kvrc)
-    write_report(report, args.out)
+    write_json(args.out, report)
     print(f"wrote {args.out}")
     return 0
 

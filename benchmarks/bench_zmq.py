@@ -45,6 +45,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from benchmarks.common import write_json
 from coordinator.events import BlockRemoved, BlockStored, EventBatch
 from coordinator.inventory import Inventory
 from coordinator.metrics import Metrics
@@ -343,13 +344,6 @@ def run(n_batches: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def write_report(report: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(".json.partial")
-    partial.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    partial.replace(out)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--batches", type=int, default=2000)
@@ -357,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     report = run(args.batches, args.repeats)
-    write_report(report, args.out)
+    write_json(args.out, report)
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
 

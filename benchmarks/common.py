@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: result files and percentiles."""
+"""Helpers shared by the benchmarks: result files, percentiles and a live `kvrc serve`."""
 
 from __future__ import annotations
 
@@ -7,12 +7,17 @@ import json
 import math
 import os
 import platform
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def machine_info() -> dict[str, Any]:
@@ -43,10 +48,17 @@ def write_result(name: str, result: Mapping[str, Any], *, results_dir: Path = RE
     payload["measured_at"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     payload["machine"] = machine_info()
     payload["argv"] = sys.argv[1:]
-    results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_json(path, payload)
     return path
+
+
+def write_json(path: Path, document: Mapping[str, Any]) -> None:
+    """Write `document` as sorted, indented JSON, atomically (a reader never sees half)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    partial.replace(path)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -60,3 +72,92 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class KvrcServe:
+    """A `kvrc serve` process started by `start_kvrc`."""
+
+    process: subprocess.Popen[bytes]
+    grpc_port: int
+    metrics_port: int  # -1: no metrics endpoint
+    log: Path
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM (graceful stop), SIGKILL if it has not exited within 20 s."""
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_kvrc(
+    workdir: Path, profiles_toml: str, *, metrics: bool = True, timeout_s: float = 30.0
+) -> KvrcServe:
+    """`kvrc serve` on ephemeral loopback ports with reuse on and these declared profiles.
+
+    Its output (WARNING and up) goes to `workdir/kvrc.log`; RuntimeError with the log's
+    tail when it exits or writes no port file within `timeout_s`.
+    """
+    profiles = workdir / "profiles.toml"
+    profiles.write_text(profiles_toml, encoding="utf-8")
+    port_file = workdir / "ports.json"
+    port_file.unlink(missing_ok=True)
+    log = workdir / "kvrc.log"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    argv = [
+        sys.executable,
+        "-m",
+        "coordinator",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "0" if metrics else "-1",
+        "--reuse",
+        "on",
+        "--profiles",
+        str(profiles),
+        "--port-file",
+        str(port_file),
+        "--log-level",
+        "WARNING",
+    ]
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
+        )
+    serve = KvrcServe(process, 0, -1, log)
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if process.poll() is not None:
+            raise RuntimeError(f"kvrc serve exited at start:\n{serve.log_tail()}")
+        if time.monotonic() > deadline:
+            serve.stop()
+            raise RuntimeError(
+                f"kvrc serve wrote no port file in {timeout_s} s:\n{serve.log_tail()}"
+            )
+        time.sleep(0.02)
+    ports = json.loads(port_file.read_text())
+    serve.grpc_port = int(ports["grpc_port"])
+    serve.metrics_port = int(ports["metrics_port"]) if metrics else -1
+    return serve
