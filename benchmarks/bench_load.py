@@ -146,6 +146,16 @@ async def _worker_main(conn: multiprocessing.connection.Connection, target: str,
         lat.append((time.perf_counter() - issued) * 1000)
         return 1
 
+    def succeeded(lease_id: str, blocks: int) -> pb.TransferReport:
+        """b's report that every block of the lease moved."""
+        return pb.TransferReport(
+            lease_id=lease_id,
+            reporter_child_engine_id=b_id,
+            rank=pb.RankCoordinates(),
+            outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+            bytes_moved=blocks * 65536,
+        )
+
     async def prefix_load(lat: list[float], lag: list[float], scheduled: float, i: int) -> int:
         issued = time.perf_counter()
         lag.append((issued - scheduled) * 1000)
@@ -154,15 +164,7 @@ async def _worker_main(conn: multiprocessing.connection.Connection, target: str,
         if not isinstance(answer, Grant):
             raise RuntimeError(f"prefix load missed: {answer.reason}")
         t = time.perf_counter()
-        await b_client.complete_prefix_load(
-            pb.TransferReport(
-                lease_id=answer.lease_id,
-                reporter_child_engine_id=b_id,
-                rank=pb.RankCoordinates(),
-                outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
-                bytes_moved=16 * 65536,
-            )
-        )
+        await b_client.complete_prefix_load(succeeded(answer.lease_id, blocks=16))
         lat.append((time.perf_counter() - t) * 1000)
         return 2
 
@@ -182,15 +184,7 @@ async def _worker_main(conn: multiprocessing.connection.Connection, target: str,
         grant = await b_client.begin_handoff(request_id, a_id, wait_timeout_ms=1000)
         lat.append((time.perf_counter() - t) * 1000)
         t = time.perf_counter()
-        await b_client.complete_handoff(
-            pb.TransferReport(
-                lease_id=grant.lease_id,
-                reporter_child_engine_id=b_id,
-                rank=pb.RankCoordinates(),
-                outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
-                bytes_moved=8 * 65536,
-            )
-        )
+        await b_client.complete_handoff(succeeded(grant.lease_id, blocks=8))
         lat.append((time.perf_counter() - t) * 1000)
         return 3
 
