@@ -57,7 +57,7 @@ import enum
 import heapq
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -335,6 +335,14 @@ class LocalReferenceProvider:
 # ---------------------------------------------------------------------------
 
 
+def prefix_length(chain: Sequence[BlockId], present: Container[BlockId]) -> int:
+    """How many leading blocks of `chain` are in `present`."""
+    n = 0
+    while n < len(chain) and chain[n] in present:
+        n += 1
+    return n
+
+
 class EngineCache:
     """LRU block cache of one engine with pins and a published subset."""
 
@@ -363,16 +371,10 @@ class EngineCache:
         return list(self._entries)
 
     def local_prefix(self, chain: Sequence[BlockId]) -> int:
-        n = 0
-        while n < len(chain) and chain[n] in self._entries:
-            n += 1
-        return n
+        return prefix_length(chain, self._entries)
 
     def published_prefix(self, chain: Sequence[BlockId]) -> int:
-        n = 0
-        while n < len(chain) and chain[n] in self.published:
-            n += 1
-        return n
+        return prefix_length(chain, self.published)
 
     def is_pinned(self, block: BlockId) -> bool:
         return block in self._pins
@@ -625,10 +627,7 @@ class TraceSimulation:
         return choice
 
     def _shared_prefix(self, chain: Sequence[BlockId]) -> int:
-        n = 0
-        while n < len(chain) and chain[n] in self._shared:
-            n += 1
-        return n
+        return prefix_length(chain, self._shared)
 
     def _dispatch(self, req: TraceRequest, now: float) -> None:
         engine_idx, remote_hint = self._route(req, now)
