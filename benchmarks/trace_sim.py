@@ -144,18 +144,22 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         return parse_trace(fh, source=str(p))
 
 
+def prefix_length(chain: Sequence[BlockId], present: Container[BlockId]) -> int:
+    """How many leading blocks of `chain` are in `present`."""
+    n = 0
+    while n < len(chain) and chain[n] in present:
+        n += 1
+    return n
+
+
 def best_possible_hit_ratio(requests: Sequence[TraceRequest]) -> float:
     """Prefix hit ratio with one unbounded cache: contiguous known blocks / all blocks."""
     seen: set[BlockId] = set()
     hit = total = 0
     for req in requests:
-        chain = req.block_ids
-        n = 0
-        while n < len(chain) and chain[n] in seen:
-            n += 1
-        hit += n
-        total += len(chain)
-        seen.update(chain)
+        hit += prefix_length(req.block_ids, seen)
+        total += len(req.block_ids)
+        seen.update(req.block_ids)
     return hit / total
 
 
@@ -333,14 +337,6 @@ class LocalReferenceProvider:
 # ---------------------------------------------------------------------------
 # Engine cache
 # ---------------------------------------------------------------------------
-
-
-def prefix_length(chain: Sequence[BlockId], present: Container[BlockId]) -> int:
-    """How many leading blocks of `chain` are in `present`."""
-    n = 0
-    while n < len(chain) and chain[n] in present:
-        n += 1
-    return n
 
 
 class EngineCache:
