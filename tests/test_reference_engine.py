@@ -397,3 +397,37 @@ def test_demo_gbps_is_bytes_over_native_read_time() -> None:
     assert doc["transfer_gbps"] == 1.5
     assert doc["read_mean_ms"] == pytest.approx(333.333, abs=1e-3)
     assert Totals().transfer_gbps == 0.0
+
+
+class _Parts:
+    """Stands in for the leader's rank parts (`Leader._on_all`): records the commands."""
+
+    def __init__(self, pull_outcomes: list[str], mismatches: list[int]) -> None:
+        self.ops: list[str] = []
+        self._pull = pull_outcomes
+        self._mismatches = mismatches
+
+    async def _on_all(
+        self, op: str, per_rank: dict[int, dict[str, Any]] | None = None, **args: Any
+    ) -> list[Any]:
+        self.ops.append(op)
+        if op == "pull":
+            return [_pull_reply(o, nbytes=8, seconds=0.01, entries=4) for o in self._pull]
+        assert op == "verify" and args["block_ids"] == [5, 6] and args["first_index"] == 2
+        return list(self._mismatches)
+
+
+async def test_parts_verify_only_after_every_read_returned() -> None:
+    args: dict[str, Any] = {"tokens": [1] * 64, "local_block_ids": [5, 6], "first_index": 2}
+    parts = _Parts(["SUCCEEDED", "SUCCEEDED"], [0, 3])
+    results = await Leader._pull_all(parts, None, flow="handoff", **args)  # type: ignore[arg-type]
+    assert parts.ops == ["pull", "verify"]  # the check never overlaps a sibling's read
+    assert [r["mismatches"] for r in results] == [0, 3]
+    info: dict[str, Any] = {}
+    assert not Leader._combine(results, info)  # a mismatch fails the transfer
+    assert info["mismatches"] == 3
+    # A failed slice: nothing to verify, the whole load is recomputed anyway.
+    parts = _Parts(["SUCCEEDED", "FAILED"], [])
+    results = await Leader._pull_all(parts, None, flow="handoff", **args)  # type: ignore[arg-type]
+    assert parts.ops == ["pull"]
+    assert [r["mismatches"] for r in results] == [0, 0]
