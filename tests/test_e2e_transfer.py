@@ -307,28 +307,46 @@ async def _holder_has(target: str, chain: list[int], engine: str, blocks: int) -
     return (await holders(target, chain, requester="p1")).get(engine) == blocks
 
 
-async def test_frozen_source_gives_unknown_blocks_stay_out_until_quiet_and_quarantine(
-    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
-) -> None:
-    kvrc, groups = cluster
-    prompt = tokens(71, 80)
-    await call(engines["p0"], "prefill", request_id="freeze-1", tokens=prompt, decode="")
-    turn2 = prompt + tokens(72, 20)
+async def _load_paused_before_pull(
+    groups: dict[str, EngineGroup],
+    engines: dict[str, Channel],
+    name: str,
+    prompt: list[int],
+    more: list[int],
+    delay_s: str,
+    **fields: Any,
+) -> tuple[list[int], asyncio.Task[Any], str]:
+    """p0 prefills `prompt`; p1 prefills `prompt + more`, loading the prompt from p0 with
+    each part waiting `delay_s` before its pull. Returns (p1's tokens, its running request,
+    the lease id) once p1's leader holds the grant and waits before the pull."""
+    await call(engines["p0"], "prefill", request_id=f"{name}-1", tokens=prompt, decode="")
+    turn2 = prompt + more
+    delay = f"delay-before-pull={delay_s}"
     request = asyncio.create_task(
         call(
             engines["p1"],
             "prefill",
-            request_id="freeze-2",
+            request_id=f"{name}-2",
             tokens=turn2,
             decode="",
-            transfer_timeout_ms=1500,
-            test_faults={0: "delay-before-pull=0.3", 1: "delay-before-pull=0.3"},
+            test_faults={0: delay, 1: delay},
+            **fields,
         )
     )
     leader = groups["p1"].leader
-    granted = await asyncio.to_thread(leader.wait_event, "granted", 60.0, request_id="freeze-2")
-    lease_id = granted["lease_id"]
+    granted = await asyncio.to_thread(leader.wait_event, "granted", 60.0, request_id=f"{name}-2")
+    lease_id: str = granted["lease_id"]
     await asyncio.to_thread(leader.wait_event, "pull_delayed", 60.0, lease_id=lease_id)
+    return turn2, request, lease_id
+
+
+async def test_frozen_source_gives_unknown_blocks_stay_out_until_quiet_and_quarantine(
+    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    kvrc, groups = cluster
+    turn2, request, lease_id = await _load_paused_before_pull(
+        groups, engines, "freeze", tokens(71, 80), tokens(72, 20), "0.3", transfer_timeout_ms=1500
+    )
     for part in groups["p0"].parts:  # the source freezes: Mooncake would block 30-60 s
         os.killpg(part.process.pid, signal.SIGSTOP)
     try:
@@ -401,26 +419,13 @@ async def test_source_killed_mid_transfer_recomputes_and_leaves_no_lease_open(
 ) -> None:
     """Runs last in this module: it kills p0."""
     kvrc, groups = cluster
-    prompt = tokens(31, 96)
-    await call(engines["p0"], "prefill", request_id="kill-1", tokens=prompt, decode="")
-    turn2 = prompt + tokens(32, 30)
-    request = asyncio.create_task(
-        call(
-            engines["p1"],
-            "prefill",
-            request_id="kill-2",
-            tokens=turn2,
-            decode="",
-            test_faults={0: "delay-before-pull=2", 1: "delay-before-pull=2"},
-        )
+    turn2, request, lease_id = await _load_paused_before_pull(
+        groups, engines, "kill", tokens(31, 96), tokens(32, 30), "2"
     )
-    leader = groups["p1"].leader
-    granted = await asyncio.to_thread(leader.wait_event, "granted", 60.0, request_id="kill-2")
-    await asyncio.to_thread(leader.wait_event, "pull_delayed", 60.0, lease_id=granted["lease_id"])
     for part in groups["p0"].parts:  # the source dies between its pin and the pull
         os.killpg(part.process.pid, signal.SIGKILL)
     result = await asyncio.wait_for(request, 60.0)  # never a hang
-    assert result["lease_id"] == granted["lease_id"]
+    assert result["lease_id"] == lease_id
     assert result["source"] == "p0"
     assert result["load"].startswith("failed (FAILED)"), result
     assert result["blocks_loaded"] == 0
