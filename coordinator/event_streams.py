@@ -16,7 +16,8 @@ State machine of one stream, per incarnation::
     LIVE --seq > next--> STALE (GAP: resync asked once, expected = next)
     STALE --seq < next--> STALE (DUPLICATE)
     STALE --seq >= next, dump_begin--> DUMPING
-    STALE --anything else--> STALE (REFUSED: dropped, no second resync request)
+    STALE --anything else--> STALE (REFUSED: dropped; the service resends the
+                                    ResyncRequest on its own timer until a dump begins)
     DUMPING --seq == next--> DUMPING, or LIVE on dump_end
     DUMPING --seq == next, dump_begin--> DUMPING (the dump restarts)
     DUMPING --seq < next--> DUMPING (DUPLICATE)
@@ -65,7 +66,7 @@ class StreamAction(enum.Enum):
     DUPLICATE = "duplicate"
     FENCED = "fenced"
     GAP = "gap"  # first batch past a gap: mark stale, send ResyncRequest
-    REFUSED = "refused"  # stale stream, not a dump: drop (resync already asked)
+    REFUSED = "refused"  # stale stream, not a dump: drop (resync asked, resent on a timer)
 
 
 class StreamPhase(enum.Enum):
