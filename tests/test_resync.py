@@ -83,10 +83,19 @@ class Deaf(NullHandler):
 
 
 async def open_engine(
-    sessions: list[EngineSession], target: str, engine_id: str, retained: list[StoredBlocks]
+    sessions: list[EngineSession],
+    target: str,
+    engine_id: str,
+    retained: list[StoredBlocks],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    wait_ready: bool = True,
 ) -> tuple[EngineSession, InventoryPublisher, Deaf]:
     registration = RankPartRegistration(
         engine_id=engine_id,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         profile=EngineProfile(
             model="test-model", block_size=16, kv_dtype="bfloat16", reuse_opt_in=True
         ),
@@ -98,7 +107,8 @@ async def open_engine(
     session.handler = deaf
     await session.start()
     sessions.append(session)
-    await session.wait_ready(10)
+    if wait_ready:
+        await session.wait_ready(10)
     return session, publisher, deaf
 
 
@@ -283,3 +293,20 @@ async def test_stale_and_fresh_are_pushed_to_the_engine_parts(
     await wait_until(pushed_fresh, 10)
     assert [s.stale for s in deaf.states] == [True, False]  # once each way, no noise
     assert session.state is not None and not session.state.stale
+
+
+async def test_every_part_of_the_child_engine_gets_the_stale_state(
+    kvrc: CoordinatorProcess, sessions: list[EngineSession]
+) -> None:
+    t = kvrc.grpc_target
+    _, _, other = await open_engine(sessions, t, "stale-tp2", [], tp_size=2, wait_ready=False)
+    session, publisher, deaf = await open_engine(sessions, t, "stale-tp2", [], tp_rank=1, tp_size=2)
+    deaf.ignore_first = 1_000  # stays stale
+    await publisher.stored(CHAIN[:2])
+    await session.send_event_batch(gap_batch(session, 4))  # part 1 publishes for the engine
+
+    async def both_told() -> bool:
+        return any(s.stale for s in deaf.states) and any(s.stale for s in other.states)
+
+    await wait_until(both_told, 10)
+    assert other.resyncs == []  # the resync goes to the publishing part only
