@@ -37,13 +37,20 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import CommandProcess, option_flags, serve_commands
+from harness import (
+    CommandProcess,
+    CoordinatorProcess,
+    option_flags,
+    serve_commands,
+    start_coordinator,
+)
 
 from clients.errors import KvrcClientError
 from clients.inventory import (
@@ -69,6 +76,10 @@ from clients.session import (
     TransferEndpoint,
 )
 from kvrc.v1 import kvrc_pb2 as pb
+
+MODEL = "fault-model"
+PROFILES = f'[[profile]]\nname = "fault"\nmodel = "{MODEL}"\n'
+GRACE_MS = 300  # --session-grace-ms of fault_coordinator
 
 
 def chain(n: int) -> list[bytes]:
@@ -254,7 +265,7 @@ async def main() -> int:
         tp_rank=args.tp_rank,
         tp_size=args.tp_size,
         profile=EngineProfile(
-            model="fault-model", block_size=16, kv_dtype="bfloat16", reuse_opt_in=args.reuse_opt_in
+            model=MODEL, block_size=16, kv_dtype="bfloat16", reuse_opt_in=args.reuse_opt_in
         ),
         endpoint=TransferEndpoint(backend="mooncake", session_name="127.0.0.1:15999"),
     )
@@ -296,6 +307,31 @@ async def main() -> int:
 
 
 # --- the test side ---------------------------------------------------------------------
+
+
+@contextmanager
+def fault_coordinator(
+    workdir: Path, *extra: str, listen: str = "127.0.0.1:0", check_exit: bool = True
+) -> Iterator[CoordinatorProcess]:
+    """kvrc with reuse on for MODEL, 100 ms heartbeats, 1 s heartbeat timeout, GRACE_MS grace."""
+    profiles = workdir / "profiles.toml"
+    profiles.write_text(PROFILES)
+    with start_coordinator(
+        "--reuse",
+        "on",
+        "--heartbeat-interval-ms",
+        "100",
+        "--heartbeat-timeout-ms",
+        "1000",
+        "--session-grace-ms",
+        str(GRACE_MS),
+        "--profiles",
+        str(profiles),
+        *extra,
+        listen=listen,
+        check_exit=check_exit,
+    ) as kvrc:
+        yield kvrc
 
 
 class FaultEngine(CommandProcess):

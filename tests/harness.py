@@ -285,6 +285,30 @@ async def child_engine_status(target: str, child_engine_id: str) -> Any | None:
     return None
 
 
+def find_lease(status: Any, lease_id: str) -> Any | None:
+    """The LeaseStatus of `lease_id` in a StatusResponse, or None when it is not listed."""
+    return next((lease for lease in status.leases if lease.lease_id == lease_id), None)
+
+
+async def resolve_quarantine(target: str, lease_id: str) -> int:
+    """AdminService.ResolveQuarantine (release), as an operator who proved it quiet: its state."""
+    import grpc
+
+    from kvrc.v1 import kvrc_pb2, kvrc_pb2_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        reply = await kvrc_pb2_grpc.AdminServiceStub(channel).ResolveQuarantine(
+            kvrc_pb2.ResolveQuarantineRequest(
+                lease_id=lease_id,
+                resolution=kvrc_pb2.QUARANTINE_RESOLUTION_RELEASE,
+                operator_note="test: proven quiet",
+            ),
+            timeout=5,
+        )
+        state: int = reply.state
+        return state
+
+
 async def wait_until(
     predicate: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.05
 ) -> float:

@@ -28,30 +28,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
-from fault_engine import FaultEngine
-from harness import CoordinatorProcess, free_port, get_status, metric_value, start_coordinator
+from fault_engine import GRACE_MS, FaultEngine, fault_coordinator
+from harness import (
+    CoordinatorProcess,
+    find_lease,
+    free_port,
+    get_status,
+    metric_value,
+    resolve_quarantine,
+)
 
 from kvrc.v1 import kvrc_pb2 as pb
-from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
-GRACE_S = 0.3  # --session-grace-ms below
-PROFILES = '[[profile]]\nname = "fault"\nmodel = "fault-model"\n'
-FLAGS = (
-    "--reuse",
-    "on",
-    "--heartbeat-interval-ms",
-    "100",
-    "--heartbeat-timeout-ms",
-    "1000",
-    "--session-grace-ms",
-    str(int(GRACE_S * 1000)),
-    "--abort-timeout-ms",
-    "1000",
-    "--handoff-heartbeat-timeout-ms",
-    "3000",
-)
+GRACE_S = GRACE_MS / 1000  # fault_coordinator's --session-grace-ms
+FLAGS = ("--abort-timeout-ms", "1000", "--handoff-heartbeat-timeout-ms", "3000")
 TTL_MS = 3000  # prefix-load transfer TTL in these tests
 OPEN = (
     pb.LEASE_STATE_PINNING,
@@ -66,11 +57,7 @@ OPEN = (
 def _coordinator(
     tmp: Path, *extra: str, listen: str = "127.0.0.1:0", check_exit: bool = True
 ) -> Iterator[CoordinatorProcess]:
-    profiles = tmp / "profiles.toml"
-    profiles.write_text(PROFILES)
-    with start_coordinator(
-        *FLAGS, "--profiles", str(profiles), *extra, listen=listen, check_exit=check_exit
-    ) as kvrc:
+    with fault_coordinator(tmp, *FLAGS, *extra, listen=listen, check_exit=check_exit) as kvrc:
         yield kvrc
 
 
@@ -97,15 +84,11 @@ async def _status(target: str) -> Any:
     return await get_status(target)
 
 
-def _lease(status: Any, lease_id: str) -> Any | None:
-    return next((x for x in status.leases if x.lease_id == lease_id), None)
-
-
 async def _settled(target: str, lease_id: str, timeout_s: float) -> Any | None:
     """Waits until the lease is no longer in flight: None (ended) or its QUARANTINED status."""
     deadline = time.monotonic() + timeout_s
     while True:
-        lease = _lease(await _status(target), lease_id)
+        lease = find_lease(await _status(target), lease_id)
         if lease is None or lease.state not in OPEN:
             return lease
         if time.monotonic() > deadline:
@@ -308,17 +291,6 @@ def _only_lease(status: Any, source: str) -> str:
 # --- kill -9 of kvrc itself at each step of both flows --------------------------------
 
 
-async def _resolve(target: str, lease_id: str) -> None:
-    async with grpc.aio.insecure_channel(target) as channel:
-        reply = await pb_grpc.AdminServiceStub(channel).ResolveQuarantine(
-            pb.ResolveQuarantineRequest(
-                lease_id=lease_id, resolution=pb.QUARANTINE_RESOLUTION_RELEASE
-            ),
-            timeout=5,
-        )
-        assert reply.state == pb.LEASE_STATE_RESOLVED
-
-
 async def _wait_registrations(engines: list[FaultEngine], n: int) -> None:
     deadline = time.monotonic() + 15
     while not all(e.registrations() >= n for e in engines):
@@ -424,7 +396,7 @@ async def test_kvrc_kill_at_each_step(tmp_path: Path, flow: str, step: str) -> N
             return
 
         await asyncio.to_thread(holder.event, "quarantine", lease_id)
-        lease = _lease(await _status(second.grpc_target), lease_id)
+        lease = find_lease(await _status(second.grpc_target), lease_id)
         assert lease is not None and lease.state == pb.LEASE_STATE_QUARANTINED
         assert holder.events("release", lease_id) == []
         if step == "granted":
@@ -444,11 +416,11 @@ async def test_kvrc_kill_at_each_step(tmp_path: Path, flow: str, step: str) -> N
                     targets[1].command, report_op, lease_id=lease_id, outcome="SUCCEEDED"
                 )
             await asyncio.sleep(0.5)
-            lease = _lease(await _status(second.grpc_target), lease_id)
+            lease = find_lease(await _status(second.grpc_target), lease_id)
             assert lease is not None and lease.state == pb.LEASE_STATE_QUARANTINED
             assert holder.events("release", lease_id) == []
             resolved_t = time.time()
-            await _resolve(second.grpc_target, lease_id)
+            assert await resolve_quarantine(second.grpc_target, lease_id) == pb.LEASE_STATE_RESOLVED
             await asyncio.to_thread(holder.event, "release", lease_id)
             _releases_not_before(holder, lease_id, resolved_t)
         if flow == "prefix_load":
@@ -508,7 +480,7 @@ async def test_long_stall_removes_the_holder_and_it_comes_back_consistent(
         holder.signal(signal.SIGSTOP)  # past the heartbeat timeout and the grace
         await asyncio.to_thread(requester.event, "abort", lease_id)  # told to stop reading
         assert await _inventory_of(target, "lstall-h") is None  # its inventory went with it
-        assert _lease(await _status(target), lease_id) is None  # accounted: ended
+        assert find_lease(await _status(target), lease_id) is None  # accounted: ended
         holder.signal(signal.SIGCONT)
         await _wait_registrations([holder], 2)
         again = holder.events("registered")[1]

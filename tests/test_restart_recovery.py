@@ -17,10 +17,9 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
-from fault_engine import FaultEngine
-from harness import CoordinatorProcess, free_port, get_status, start_coordinator
+from fault_engine import FaultEngine, fault_coordinator
+from harness import CoordinatorProcess, find_lease, free_port, get_status, resolve_quarantine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,7 +43,6 @@ from coordinator.profiles import ReuseReason
 from coordinator.recovery import KnownEngine, StateFileError, Warmup, decode_state, encode_state
 from coordinator.service import Coordinator
 from kvrc.v1 import kvrc_pb2 as pb
-from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 # --- warm-up (pure) ------------------------------------------------------------------
 
@@ -304,30 +302,12 @@ def test_re_announcing_a_live_lease_changes_nothing() -> None:
 
 # --- end to end: kill -9 kvrc, restart it on the same port and state file -------------
 
-FAST = (
-    "--reuse",
-    "on",
-    "--heartbeat-interval-ms",
-    "100",
-    "--heartbeat-timeout-ms",
-    "1000",
-    "--session-grace-ms",
-    "300",
-)
-
-
-PROFILES = '[[profile]]\nname = "fault"\nmodel = "fault-model"\n'
-
 
 @contextmanager
 def _kvrc(port: int, state: Path, *extra: str) -> Iterator[CoordinatorProcess]:
-    profiles = state.with_name("profiles.toml")
-    profiles.write_text(PROFILES)
     # check_exit off: these coordinators are killed with SIGKILL on purpose.
-    with start_coordinator(
-        *FAST,
-        "--profiles",
-        str(profiles),
+    with fault_coordinator(
+        state.parent,
         "--state-file",
         str(state),
         *extra,
@@ -335,13 +315,6 @@ def _kvrc(port: int, state: Path, *extra: str) -> Iterator[CoordinatorProcess]:
         check_exit=False,
     ) as kvrc:
         yield kvrc
-
-
-def _lease(status: Any, lease_id: str) -> Any | None:
-    for lease in status.leases:
-        if lease.lease_id == lease_id:
-            return lease
-    return None
 
 
 async def _wait(predicate: Any, timeout_s: float, what: str) -> Any:
@@ -353,21 +326,6 @@ async def _wait(predicate: Any, timeout_s: float, what: str) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s} s")
         await asyncio.sleep(0.05)
-
-
-async def _resolve(target: str, lease_id: str) -> int:
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.AdminServiceStub(channel)
-        reply = await stub.ResolveQuarantine(
-            pb.ResolveQuarantineRequest(
-                lease_id=lease_id,
-                resolution=pb.QUARANTINE_RESOLUTION_RELEASE,
-                operator_note="test: proven quiet",
-            ),
-            timeout=5,
-        )
-        state: int = reply.state
-        return state
 
 
 async def test_restart_mid_transfer_recovers_pins_inventory_and_warms_up(tmp_path: Path) -> None:
@@ -409,7 +367,7 @@ async def test_restart_mid_transfer_recovers_pins_inventory_and_warms_up(tmp_pat
         holder.event("quarantine", lease_id)
         status = await get_status(target)
         assert status.warming  # the ghost is expected and missing
-        recovered = _lease(status, lease_id)
+        recovered = find_lease(status, lease_id)
         assert recovered is not None and recovered.state == pb.LEASE_STATE_QUARANTINED
         assert recovered.source_child_engine_id == "holder"
         assert holder.events("release", lease_id) == []
@@ -441,7 +399,7 @@ async def test_restart_mid_transfer_recovers_pins_inventory_and_warms_up(tmp_pat
         assert looked["outcome"] == "HIT" and looked["candidates"] == [["holder", 8]]
         status = await get_status(target)
         assert {c.state.child_engine_id for c in status.child_engines} == {"holder", "requester"}
-        assert _lease(status, lease_id) is None
+        assert find_lease(status, lease_id) is None
         await asyncio.sleep(0.5)
         doc = json.loads(state.read_text())
         assert {e["child_engine_id"] for e in doc["child_engines"]} == {"holder", "requester"}
@@ -500,11 +458,11 @@ async def test_an_unreported_recovered_lease_waits_for_the_operator(tmp_path: Pa
         await asyncio.sleep(2.5)
         status = await get_status(second.grpc_target)
         assert not status.warming
-        lease = _lease(status, lease_id)
+        lease = find_lease(status, lease_id)
         assert lease is not None and lease.state == pb.LEASE_STATE_QUARANTINED
         assert holder.events("release", lease_id) == []
         resolved_at = time.time()
-        assert await _resolve(second.grpc_target, lease_id) == pb.LEASE_STATE_RESOLVED
+        assert await resolve_quarantine(second.grpc_target, lease_id) == pb.LEASE_STATE_RESOLVED
         assert holder.event("release", lease_id)["t"] >= resolved_at
 
 
