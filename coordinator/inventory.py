@@ -905,14 +905,42 @@ class Inventory:
         return True
 
     def _remove(self, engine: _Engine, ev: BlockRemoved, now_ms: int, acc: _Acc) -> None:
-        acc.removed_hashes += len(ev.block_hashes)
+        hashes = ev.block_hashes
+        acc.removed_hashes += len(hashes)
         index = engine.compat.scopes.get(ev.group_idx)
         es = engine.scopes.get(ev.group_idx)
         if index is None or es is None:
             return
         tier = int(ev.tier)
+        if tier == Tier.GPU and not es.expiry:
+            # Hot path (vLLM evictions): `_del_entry` inlined for the GPU tier with no
+            # expiry to check or drop; the counters move once per event.
+            d = index.by_tier[tier]
+            get = d.get
+            bit = engine.bit
+            keep = ~bit
+            gone = 0
+            for h in hashes:
+                k = hash(h) >> 4
+                m = get(k, 0)
+                if m & bit:
+                    m &= keep
+                    if m:
+                        d[k] = m
+                    else:
+                        del d[k]
+                    gone += 1
+            if gone:
+                es.live -= gone
+                engine.index_entries -= gone
+                self._index_by_tier[tier] -= gone
+                if engine.mode is PublishMode.PER_CHILD_ENGINE:
+                    engine.entries -= gone
+                    self._entries_total -= gone
+            acc.removed += gone
+            return
         removed = 0
-        for k in map(_key, ev.block_hashes):
+        for k in map(_key, hashes):
             exp = es.expiry.get(k) if es.expiry else None
             if exp is not None and exp <= now_ms:
                 removed += self._purge_block(engine, index, es, k, now_ms)
@@ -956,7 +984,11 @@ class Inventory:
         index = engine.compat.scopes[group_idx]
         bit = engine.bit
         tiers = [index.by_tier[t] for t in _TIERS if index.by_tier[t]]
-        es.keys = [h for h in dict.fromkeys(es.keys) if any(d.get(h, 0) & bit for d in tiers)]
+        if len(tiers) == 1:
+            get = tiers[0].get  # one tier in use (the usual case): no generator per key
+            es.keys = [h for h in dict.fromkeys(es.keys) if get(h, 0) & bit]
+        else:
+            es.keys = [h for h in dict.fromkeys(es.keys) if any(d.get(h, 0) & bit for d in tiers)]
 
     def _clear_index(self, engine: _Engine) -> int:
         """Drop all of an engine's index entries, in O(its reverse index)."""
