@@ -12,6 +12,11 @@ its port file, and on exit stops it with SIGTERM and asserts that it exited 0
 without a traceback on stderr. It is synchronous on purpose (it is usable from
 async tests too: it blocks only for process start and stop). Engine parts are
 stopped (SIGKILL) when their coordinator context exits.
+
+Also here: `metric_value` (one sample of /metrics), `get_status`, `find_lease`,
+`resolve_quarantine`, `wait_until`, and the two halves of a command process
+(`serve_commands` in the engine script, `CommandProcess` in the test) that
+tests/lease_engine.py and tests/fault_engine.py are built on.
 """
 
 from __future__ import annotations
