@@ -22,6 +22,7 @@ from fault_engine import FaultEngine, fault_coordinator
 from harness import CoordinatorProcess, find_lease, free_port, get_status, resolve_quarantine
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_leases import open_load_step
 
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import ErrorCode, KvrcError
@@ -149,17 +150,17 @@ def _table() -> LeaseTable:
 
 def _open_load(t: LeaseTable, *, transfer_ttl_ms: int) -> LeaseStep:
     """Request "r" of "req": block b"a" from "hold" (one part each)."""
-    return t.open_prefix_load(
-        request_id="r",
-        requester_child_engine_id="req",
-        requester_rank_keys=GRID1,
-        holder_child_engine_id="hold",
-        holder_rank_keys=GRID1,
-        block_hashes=[b"a"],
-        min_blocks=1,
+    return open_load_step(
+        t,
+        "r",
+        requester="req",
+        holder="hold",
+        requester_grid=GRID1,
+        holder_grid=GRID1,
+        chain=[b"a"],
+        now=0,
         pin_timeout_ms=100,
         transfer_ttl_ms=transfer_ttl_ms,
-        now_ms=0,
     )
 
 
