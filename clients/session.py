@@ -85,6 +85,24 @@ class TransferEndpoint:
     regions: tuple[KvRegion, ...] = ()
     extra: tuple[tuple[str, bytes], ...] = ()
 
+    def to_proto(self) -> pb.TransferEndpoint:
+        return pb.TransferEndpoint(
+            backend=self.backend,
+            session_name=self.session_name,
+            agent_metadata=self.agent_metadata,
+            regions=[
+                pb.KvRegion(
+                    base_addr=r.base_addr,
+                    block_len=r.block_len,
+                    num_blocks=r.num_blocks,
+                    layer=r.layer,
+                    kv_index=r.kv_index,
+                )
+                for r in self.regions
+            ],
+            extra=dict(self.extra),
+        )
+
 
 PublishModeName = Literal["per_child_engine", "per_rank_part"]
 
@@ -118,7 +136,7 @@ class RankPartRegistration:
         return self.engine_id
 
     def to_proto(self, held_lease_ids: Sequence[str] = ()) -> pb.Register:
-        p, e = self.profile, self.endpoint
+        p = self.profile
         return pb.Register(
             engine_id=self.engine_id,
             dp_rank=self.dp_rank,
@@ -150,22 +168,7 @@ class RankPartRegistration:
                 native_compatibility_hash=p.native_compatibility_hash,
                 extra=dict(p.extra),
             ),
-            endpoint=pb.TransferEndpoint(
-                backend=e.backend,
-                session_name=e.session_name,
-                agent_metadata=e.agent_metadata,
-                regions=[
-                    pb.KvRegion(
-                        base_addr=r.base_addr,
-                        block_len=r.block_len,
-                        num_blocks=r.num_blocks,
-                        layer=r.layer,
-                        kv_index=r.kv_index,
-                    )
-                    for r in e.regions
-                ],
-                extra=dict(e.extra),
-            ),
+            endpoint=self.endpoint.to_proto(),
             publish_mode=(
                 pb.PUBLISH_MODE_PER_RANK_PART
                 if self.publish_mode == "per_rank_part"

@@ -457,21 +457,7 @@ def plan_rank_part_pull(
 
 def endpoint_to_proto(endpoint: KvEndpointDescription) -> kvrc_pb2.TransferEndpoint:
     """The protocol form: regions field for field, the layout as JSON in `extra`."""
-    return kvrc_pb2.TransferEndpoint(
-        backend=endpoint.backend,
-        session_name=endpoint.session_name,
-        regions=[
-            kvrc_pb2.KvRegion(
-                base_addr=region.base_addr,
-                block_len=region.block_len,
-                num_blocks=region.num_blocks,
-                layer=region.layer,
-                kv_index=region.kv_index,
-            )
-            for region in endpoint.regions
-        ],
-        extra={LAYOUT_EXTRA_KEY: json.dumps(endpoint.layout.to_dict(), sort_keys=True).encode()},
-    )
+    return endpoint_to_session(endpoint).to_proto()
 
 
 def endpoint_to_session(endpoint: KvEndpointDescription) -> session.TransferEndpoint:
