@@ -19,6 +19,8 @@ import grpc
 from coordinator import wire
 from coordinator.auth import AuthDenied, AuthPolicy, DenyReason, Principal
 from coordinator.errors import ErrorCode, KvrcError, invalid
+from coordinator.lease_service import TransferReport
+from coordinator.leases import LeaseView
 from coordinator.service import (
     REASON_CLOSED,
     REASON_ERROR,
@@ -338,17 +340,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
     async def CompletePrefixLoad(
         self, request: pb.TransferReport, context: Context
     ) -> pb.CompleteResponse:
-        async def call() -> pb.CompleteResponse:
-            principal = self._gate.authenticate(context)
-            report = wire.transfer_report_from_proto(request, self._bounds)
-            self._gate.child_engine(
-                principal, report.reporter_child_engine_id, "reporter_child_engine_id"
-            )
-            return wire.complete_response_to_proto(
-                self._coordinator.leases.complete_prefix_load(report)
-            )
-
-        return await self._observed.unary("CompletePrefixLoad", context, call)
+        complete = self._coordinator.leases.complete_prefix_load
+        return await self._complete("CompletePrefixLoad", request, context, complete)
 
     async def PublishHandoff(
         self, request: pb.PublishHandoffRequest, context: Context
@@ -396,17 +389,27 @@ class EngineService(pb_grpc.EngineServiceServicer):
     async def CompleteHandoff(
         self, request: pb.TransferReport, context: Context
     ) -> pb.CompleteResponse:
+        complete = self._coordinator.leases.complete_handoff
+        return await self._complete("CompleteHandoff", request, context, complete)
+
+    async def _complete(
+        self,
+        method: str,
+        request: pb.TransferReport,
+        context: Context,
+        complete: Callable[[TransferReport], LeaseView],
+    ) -> pb.CompleteResponse:
+        """A target part's terminal report; both flows check and answer it the same way."""
+
         async def call() -> pb.CompleteResponse:
             principal = self._gate.authenticate(context)
             report = wire.transfer_report_from_proto(request, self._bounds)
             self._gate.child_engine(
                 principal, report.reporter_child_engine_id, "reporter_child_engine_id"
             )
-            return wire.complete_response_to_proto(
-                self._coordinator.leases.complete_handoff(report)
-            )
+            return wire.complete_response_to_proto(complete(report))
 
-        return await self._observed.unary("CompleteHandoff", context, call)
+        return await self._observed.unary(method, context, call)
 
 
 class AdminService(pb_grpc.AdminServiceServicer):
