@@ -191,7 +191,9 @@ def test_holder_that_dies_before_answering_is_a_miss_within_the_deadline(
     miss = req.result(tag)
     assert miss["ok"] and not miss["granted"]
     assert miss["reason"] in ("pin_timeout", "holder_gone")
-    assert time.monotonic() - started < 1.5 + 1.0
+    # Bounded by the pin timeout (1.5 s), not by a transfer deadline or a hang;
+    # the slack absorbs a loaded CI machine.
+    assert time.monotonic() - started < 1.5 + 5.0
 
 
 def test_requester_that_dies_mid_transfer_is_released_only_after_proof(
