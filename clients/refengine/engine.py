@@ -389,7 +389,10 @@ class RankPart:
             num_blocks=len(block_ids),
             decode_child_engine_id=decode_child_engine_id,
         )
-        # The lease id lets the leader match the prefill's ReleaseRequest to this request.
+        # The lease id lets the leader match the prefill's ReleaseRequest to this request,
+        # and this part re-announces the held blocks if kvrc restarts before the release.
+        if published.lease_id:
+            self.handler.track_held(published.lease_id)
         return {"state": published.state, "lease_id": published.lease_id}
 
     async def wait_quiet(self, block_ids: Sequence[int]) -> None:
