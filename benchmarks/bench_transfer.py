@@ -11,10 +11,17 @@ coalescing) it measures, interleaved repetition by repetition:
 * `raw`: `batch_transfer_sync_read` called directly, one entry per block;
 * `pull`: the client data path without the coordinator: `TransferPlan.build`
   plus `clients.transfer.pull` (executor thread, deadline, outcome);
-* `kvrc`: RequestPrefixLoad (the coordinator picks the peer from the inventory
-  it published, the peer pins over its session and answers its descriptor) ->
-  plan from the grant -> `pull` -> CompletePrefixLoad (-> release to the peer),
-  through a live `kvrc serve` subprocess, timed end to end per batch.
+* `kvrc`: a stream of prefix loads, each RequestPrefixLoad (the coordinator
+  picks the peer from the inventory it published, the peer pins over its
+  session and answers its descriptor) -> plan from the grant -> `pull` ->
+  CompletePrefixLoad (-> release to the peer), through a live `kvrc serve`
+  subprocess, run the way an engine runs its load queue: the next load's grant
+  is requested while this one's bytes move, and a report does not hold up the
+  next pull. Pulls never overlap (one batch on the wire at a time, as in `raw`),
+  so only control-plane time that cannot hide behind a pull costs throughput.
+  Timed from the first grant request to the last report's answer, per load.
+* `kvrc_serial`: the same three steps for one load with nothing overlapped:
+  the latency an isolated request sees (grant + pull + report, end to end).
 
 Throughput is bytes / median seconds per batch, in GB/s (1e9 bytes). Every
 batch is checked: a block whose first bytes do not name its source block fails
@@ -74,6 +81,7 @@ LOCAL_LAYOUT = KvCacheLayout(
     dtype="float16",
 )
 DEADLINE_S = 30.0
+STREAM_LOADS = 8  # loads per timed kvrc stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,41 +277,94 @@ class KvrcPath:
     async def _client(self) -> LeaseClient:
         return LeaseClient(self.target, "bench-requester")
 
-    def measure(
+    async def _grant(self, batch: Batch) -> LeaseGrant:
+        self.requests += 1
+        grant = await self.client.request_prefix_load(
+            f"bench-{self.requests}",
+            [block_hash(b) for b in batch.remote_ids],
+            min_blocks=len(batch.remote_ids),
+            pin_timeout_ms=5_000,
+            transfer_timeout_ms=int(DEADLINE_S * 1000),
+        )
+        if not isinstance(grant, LeaseGrant):
+            raise RuntimeError(f"kvrc answered a miss: {grant}")
+        return grant
+
+    async def _pull(
+        self,
+        engine: MooncakeTransferEngine,
+        batch: Batch,
+        grant: LeaseGrant,
+        executor: concurrent.futures.Executor,
+    ) -> kvrc_pb2.TransferReport:
+        plan = plan_rank_part_pull(
+            self.local.describe(),
+            list(range(len(batch.remote_ids))),
+            grant.source_parts,
+            tp_rank=0,
+            tp_size=1,
+        )
+        result = await pull(engine, plan, deadline_s=DEADLINE_S, executor=executor)
+        if result.outcome is not TransferOutcome.SUCCEEDED:
+            raise RuntimeError(f"kvrc path pull failed: {result.error}")
+        return result.to_report(
+            lease_id=grant.lease_id, reporter_child_engine_id="bench-requester", tp_rank=0
+        )
+
+    async def _complete(self, report: kvrc_pb2.TransferReport) -> None:
+        done = await self.client.complete_prefix_load(report)
+        if done.state != "COMPLETED":
+            raise RuntimeError(f"kvrc path report answered {done.state}")
+
+    def measure_serial(
         self, engine: MooncakeTransferEngine, batch: Batch, executor: concurrent.futures.Executor
     ) -> float:
         """Seconds for RequestPrefixLoad -> pull -> CompletePrefixLoad of one batch."""
 
         async def once() -> float:
-            self.requests += 1
             started = time.perf_counter()
-            grant = await self.client.request_prefix_load(
-                f"bench-{self.requests}",
-                [block_hash(b) for b in batch.remote_ids],
-                min_blocks=len(batch.remote_ids),
-                pin_timeout_ms=5_000,
-                transfer_timeout_ms=int(DEADLINE_S * 1000),
-            )
-            if not isinstance(grant, LeaseGrant):
-                raise RuntimeError(f"kvrc answered a miss: {grant}")
-            plan = plan_rank_part_pull(
-                self.local.describe(),
-                list(range(len(batch.remote_ids))),
-                grant.source_parts,
-                tp_rank=0,
-                tp_size=1,
-            )
-            result = await pull(engine, plan, deadline_s=DEADLINE_S, executor=executor)
-            report = result.to_report(
-                lease_id=grant.lease_id, reporter_child_engine_id="bench-requester", tp_rank=0
-            )
-            done = await self.client.complete_prefix_load(report)
-            elapsed = time.perf_counter() - started
-            if result.outcome is not TransferOutcome.SUCCEEDED or done.state != "COMPLETED":
-                raise RuntimeError(f"kvrc path failed: {result.error} ({done.state})")
-            return elapsed
+            grant = await self._grant(batch)
+            await self._complete(await self._pull(engine, batch, grant, executor))
+            return time.perf_counter() - started
 
         return self.loop.run_until_complete(once())
+
+    def measure_stream(
+        self,
+        engine: MooncakeTransferEngine,
+        batch: Batch,
+        executor: concurrent.futures.Executor,
+        loads: int,
+    ) -> float:
+        """Seconds per load over `loads` back-to-back loads of `batch`, pipelined.
+
+        Load i+1's grant is requested when load i's pull starts; load i's report
+        runs while load i+1 pulls. Every load's blocks are cleared before and
+        checked after its pull, inside the timed window.
+        """
+
+        async def stream() -> float:
+            started = time.perf_counter()
+            next_grant = asyncio.ensure_future(self._grant(batch))
+            reports: list[asyncio.Future[None]] = []
+            try:
+                for i in range(loads):
+                    grant = await next_grant
+                    if i + 1 < loads:
+                        next_grant = asyncio.ensure_future(self._grant(batch))
+                    check = _clear_and_check(self.local, batch)
+                    report = await self._pull(engine, batch, grant, executor)
+                    check()
+                    reports.append(asyncio.ensure_future(self._complete(report)))
+                await asyncio.gather(*reports)
+            finally:
+                pending: list[asyncio.Future[Any]] = [next_grant, *reports]
+                for task in pending:
+                    if not task.done():
+                        task.cancel()
+            return (time.perf_counter() - started) / loads
+
+        return self.loop.run_until_complete(stream())
 
     def close(self) -> None:
         if hasattr(self, "client"):
@@ -318,19 +379,40 @@ class KvrcPath:
 # --- the run ------------------------------------------------------------------------
 
 
+def _ratios(measured: dict[str, float | None], raw: dict[str, float]) -> dict[str, float | None]:
+    return {
+        key: None if value is None else round(value / raw[key], 4)
+        for key, value in measured.items()
+    }
+
+
 def _median_gbps(total_bytes: int, seconds: Sequence[float]) -> float:
     return total_bytes / statistics.median(seconds) / 1e9
 
 
+_CLEARED_TAG = -1  # no source block carries it
+
+
+def _block_tags(local: PagedKvCache, count: int) -> torch.Tensor:
+    """View of the first 8 bytes of local blocks 0..count-1, as int64 tags."""
+    layer = local.layers[0]
+    return layer.reshape(layer.shape[0], -1).view(torch.uint8)[:count, :8].view(torch.int64)
+
+
 def _clear_and_check(local: PagedKvCache, batch: Batch) -> Callable[[], None]:
-    for i in range(len(batch.remote_ids)):
-        _tag(local, i, 2**63)
+    """Mark the batch's local blocks as empty; the returned check fails unless each
+    then names its source block (vectorised: cheap enough to sit in a timed loop)."""
+    count = len(batch.remote_ids)
+    _block_tags(local, count).fill_(_CLEARED_TAG)
+    expected = torch.tensor(batch.remote_ids, dtype=torch.int64).reshape(count, 1)
 
     def check() -> None:
-        for i, remote_id in enumerate(batch.remote_ids):
-            found = _tag_of(local, i)
-            if found != remote_id:
-                raise RuntimeError(f"local block {i} holds block {found}, expected {remote_id}")
+        wrong = (_block_tags(local, count) != expected).nonzero()
+        if len(wrong):
+            i = int(wrong[0][0])
+            raise RuntimeError(
+                f"local block {i} holds block {_tag_of(local, i)}, expected {batch.remote_ids[i]}"
+            )
 
     return check
 
@@ -347,6 +429,7 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
     raw: dict[str, float] = {}
     pulled: dict[str, float] = {}
     kvrc: dict[str, float | None] = {}
+    serial: dict[str, float | None] = {}
     raw_seconds: dict[str, list[float]] = {}
     try:
         for size in BATCH_SIZES:
@@ -355,10 +438,12 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
                 measure_raw(engine, local, peer.endpoint, batch)
                 measure_pull(engine, local, peer.endpoint, batch, loop, executor)
                 if kvrc_path is not None:
-                    kvrc_path.measure(engine, batch, executor)
+                    kvrc_path.measure_serial(engine, batch, executor)
+                    kvrc_path.measure_stream(engine, batch, executor, STREAM_LOADS)
             raw_runs: list[float] = []
             pull_runs: list[float] = []
             kvrc_runs: list[float] = []
+            serial_runs: list[float] = []
             for _ in range(repeats):  # interleaved, so drift hits both paths alike
                 check = _clear_and_check(local, batch)
                 raw_runs.append(measure_raw(engine, local, peer.endpoint, batch))
@@ -368,17 +453,23 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
                 check()
                 if kvrc_path is not None:
                     check = _clear_and_check(local, batch)
-                    kvrc_runs.append(kvrc_path.measure(engine, batch, executor))
+                    serial_runs.append(kvrc_path.measure_serial(engine, batch, executor))
                     check()
+                    kvrc_runs.append(
+                        kvrc_path.measure_stream(engine, batch, executor, STREAM_LOADS)
+                    )
             key = str(size)
             raw[key] = round(_median_gbps(batch.total_bytes, raw_runs), 4)
             pulled[key] = round(_median_gbps(batch.total_bytes, pull_runs), 4)
             kvrc[key] = round(_median_gbps(batch.total_bytes, kvrc_runs), 4) if kvrc_runs else None
+            serial[key] = (
+                round(_median_gbps(batch.total_bytes, serial_runs), 4) if serial_runs else None
+            )
             raw_seconds[key] = [round(s, 6) for s in raw_runs]
             print(
                 f"{size:>5} blocks x 64 KiB: raw {raw[key]:.3f} GB/s, "
                 f"pull {pulled[key]:.3f} GB/s ({pulled[key] / raw[key]:.2f} of raw), "
-                f"kvrc {kvrc[key]} GB/s",
+                f"kvrc {kvrc[key]} GB/s (one load alone: {serial[key]} GB/s)",
                 flush=True,
             )
     finally:
@@ -399,10 +490,10 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
         "pull_gbps": pulled,
         "pull_vs_raw": {key: round(pulled[key] / raw[key], 4) for key in raw},
         "kvrc_gbps": kvrc,
-        "kvrc_vs_raw": {
-            key: None if value is None else round(value / raw[key], 4)
-            for key, value in kvrc.items()
-        },
+        "kvrc_vs_raw": _ratios(kvrc, raw),
+        "kvrc_loads_per_stream": STREAM_LOADS,
+        "kvrc_serial_gbps": serial,
+        "kvrc_serial_vs_raw": _ratios(serial, raw),
         "raw_seconds": raw_seconds,
         "machine": {
             "cpus": os.cpu_count(),

@@ -295,9 +295,7 @@ _MSGPACK_VALUES = st.recursive(
 @st.composite
 def vllm_like_payloads(draw: st.DrawFn) -> bytes:
     """Mostly vLLM's shape with wrong pieces: the decoder's deep paths get exercised."""
-    hashes = draw(
-        st.lists(st.one_of(st.integers(-5, _U64), st.binary(max_size=70)), max_size=5)
-    )
+    hashes = draw(st.lists(st.one_of(st.integers(-5, _U64), st.binary(max_size=70)), max_size=5))
     event = draw(
         st.sampled_from(
             [
