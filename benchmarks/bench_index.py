@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import percentile, start_kvrc, write_result
+from benchmarks.common import percentile, process_cpu_seconds, start_kvrc, write_result
 from coordinator.events import BlockRemoved, BlockStored, InventoryEvent, Tier
 from coordinator.inventory import Inventory, Scope
 
@@ -315,12 +315,6 @@ def _start_kvrc(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
     return serve.process, serve.grpc_port
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _drive(
     channel: Any, method: str, requests: list[bytes], seconds: float, server_pid: int
 ) -> tuple[float, float]:
@@ -338,11 +332,11 @@ async def _drive(
             i += 1
             done += 1
 
-    cpu_before = _cpu_seconds(server_pid)
+    cpu_before = process_cpu_seconds(server_pid)
     started = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(GRPC_CONCURRENCY)))
     elapsed = time.perf_counter() - started
-    return done / elapsed, (_cpu_seconds(server_pid) - cpu_before) / done * 1e6
+    return done / elapsed, (process_cpu_seconds(server_pid) - cpu_before) / done * 1e6
 
 
 async def _measure_grpc_async(kvrc_port: int, kvrc_pid: int) -> dict[str, Any]:

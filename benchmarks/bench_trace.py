@@ -157,9 +157,7 @@ class CoordinatorProcess:
     def cpu_seconds(self) -> float:
         """User + system CPU of the coordinator process so far."""
         assert self.serve is not None
-        stat = Path(f"/proc/{self.serve.process.pid}/stat").read_text()
-        fields = stat.rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return self.serve.cpu_seconds()
 
     def rpc_ms_upper_bound(self, method: str, q: float) -> float | None:
         """The coordinator's own time for `method`, from its histogram: the upper

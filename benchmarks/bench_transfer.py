@@ -23,6 +23,10 @@ coalescing) it measures, interleaved repetition by repetition:
 * `kvrc_serial`: the same three steps for one load with nothing overlapped:
   the latency an isolated request sees (grant + pull + report, end to end).
 
+`cpu_ms_per_batch` tallies the CPU each process spends per batch (raw: reader and
+source; kvrc stream: requester, holder, coordinator): on a small host the tcp
+transfer itself is CPU-bound, so control-plane CPU shows up as lost throughput.
+
 Throughput is bytes / median seconds per batch, in GB/s (1e9 bytes). Every
 batch is checked: a block whose first bytes do not name its source block fails
 the run. Writes the JSON report (`benchmarks.common.write_json`).
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import platform
 import random
@@ -41,14 +46,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import start_kvrc, write_json
+from benchmarks.common import process_cpu_seconds, start_kvrc, write_json
 from clients.kv_cache import KvCacheLayout, KvEndpointDescription, PagedKvCache
 from clients.leases import LeaseClient, LeaseSessionHandler, PinAnswer, PinRequestInfo
 from clients.leases import PrefixLoadGrant as LeaseGrant
@@ -379,6 +384,40 @@ class KvrcPath:
 # --- the run ------------------------------------------------------------------------
 
 
+class CpuTally:
+    """CPU seconds that named processes spend inside measured windows.
+
+    A pid of 0 is this process (all its threads, Mooncake's included). /proc
+    counts in clock ticks (10 ms), so a tally is only read over many batches.
+    """
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self._pids = pids
+        self._seconds = dict.fromkeys(pids, 0.0)
+        self._batches = 0
+
+    def _now(self) -> dict[str, float]:
+        return {
+            name: time.process_time() if pid == 0 else process_cpu_seconds(pid)
+            for name, pid in self._pids.items()
+        }
+
+    @contextlib.contextmanager
+    def window(self, batches: int) -> Iterator[None]:
+        before = self._now()
+        yield
+        after = self._now()
+        for name in self._pids:
+            self._seconds[name] += after[name] - before[name]
+        self._batches += batches
+
+    def ms_per_batch(self) -> dict[str, float]:
+        return {
+            name: round(seconds * 1000 / max(self._batches, 1), 2)
+            for name, seconds in self._seconds.items()
+        }
+
+
 def _ratios(measured: dict[str, float | None], raw: dict[str, float]) -> dict[str, float | None]:
     return {
         key: None if value is None else round(value / raw[key], 4)
@@ -431,6 +470,7 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
     kvrc: dict[str, float | None] = {}
     serial: dict[str, float | None] = {}
     raw_seconds: dict[str, list[float]] = {}
+    cpu_ms: dict[str, dict[str, dict[str, float]]] = {"raw": {}, "kvrc": {}}
     try:
         for size in BATCH_SIZES:
             batch = Batch(tuple(rng.sample(range(SOURCE_LAYOUT.num_blocks), size)))
@@ -444,20 +484,34 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
             pull_runs: list[float] = []
             kvrc_runs: list[float] = []
             serial_runs: list[float] = []
+            raw_cpu = CpuTally({"requester": 0, "source": peer.process.pid})
+            kvrc_cpu = (
+                CpuTally(
+                    {
+                        "requester": 0,
+                        "holder": kvrc_path.peer.process.pid,
+                        "coordinator": kvrc_path.server.process.pid,
+                    }
+                )
+                if kvrc_path is not None
+                else None
+            )
             for _ in range(repeats):  # interleaved, so drift hits both paths alike
                 check = _clear_and_check(local, batch)
-                raw_runs.append(measure_raw(engine, local, peer.endpoint, batch))
+                with raw_cpu.window(1):
+                    raw_runs.append(measure_raw(engine, local, peer.endpoint, batch))
                 check()
                 check = _clear_and_check(local, batch)
                 pull_runs.append(measure_pull(engine, local, peer.endpoint, batch, loop, executor))
                 check()
-                if kvrc_path is not None:
+                if kvrc_path is not None and kvrc_cpu is not None:
                     check = _clear_and_check(local, batch)
                     serial_runs.append(kvrc_path.measure_serial(engine, batch, executor))
                     check()
-                    kvrc_runs.append(
-                        kvrc_path.measure_stream(engine, batch, executor, STREAM_LOADS)
-                    )
+                    with kvrc_cpu.window(STREAM_LOADS):
+                        kvrc_runs.append(
+                            kvrc_path.measure_stream(engine, batch, executor, STREAM_LOADS)
+                        )
             key = str(size)
             raw[key] = round(_median_gbps(batch.total_bytes, raw_runs), 4)
             pulled[key] = round(_median_gbps(batch.total_bytes, pull_runs), 4)
@@ -466,6 +520,9 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
                 round(_median_gbps(batch.total_bytes, serial_runs), 4) if serial_runs else None
             )
             raw_seconds[key] = [round(s, 6) for s in raw_runs]
+            cpu_ms["raw"][key] = raw_cpu.ms_per_batch()
+            if kvrc_cpu is not None:
+                cpu_ms["kvrc"][key] = kvrc_cpu.ms_per_batch()
             print(
                 f"{size:>5} blocks x 64 KiB: raw {raw[key]:.3f} GB/s, "
                 f"pull {pulled[key]:.3f} GB/s ({pulled[key] / raw[key]:.2f} of raw), "
@@ -492,6 +549,7 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
         "kvrc_gbps": kvrc,
         "kvrc_vs_raw": _ratios(kvrc, raw),
         "kvrc_loads_per_stream": STREAM_LOADS,
+        "cpu_ms_per_batch": cpu_ms,
         "kvrc_serial_gbps": serial,
         "kvrc_serial_vs_raw": _ratios(serial, raw),
         "raw_seconds": raw_seconds,

@@ -74,6 +74,12 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class KvrcServe:
     """A `kvrc serve` process started by `start_kvrc`."""
@@ -90,6 +96,10 @@ class KvrcServe:
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the coordinator process so far."""
+        return process_cpu_seconds(self.process.pid)
 
     def log_tail(self, chars: int = 2000) -> str:
         try:
