@@ -179,8 +179,16 @@ class EngineService(pb_grpc.EngineServiceServicer):
         reader: asyncio.Task[None] | None = None
         failure = _Failure()
         try:
+            # Read Register before any refusal: a stream aborted while the client is
+            # still writing surfaces on the client as INTERNAL ("Internal error from
+            # Core") instead of the status sent, e.g. UNAUTHENTICATED.
+            try:
+                first = await self._first_message(request_iterator)
+            except KvrcError:
+                self._gate.authenticate(context)  # an unauthenticated stream hears that
+                raise
             principal = self._gate.authenticate(context)
-            session = await self._register(request_iterator, principal)
+            session = await self._register(first, principal)
             reader = asyncio.create_task(self._read(request_iterator, session, failure))
             while True:
                 out = await session.next_outbound()
@@ -213,17 +221,19 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 self._coordinator.close_session(session, REASON_CLOSED)
             self._observed.count("Session", code)
 
-    async def _register(
-        self, requests: AsyncIterator[pb.EngineMessage], principal: Principal | None
-    ) -> CoordinatorSession:
+    async def _first_message(self, requests: AsyncIterator[pb.EngineMessage]) -> pb.EngineMessage:
         # A stream that never registers would hold resources: bound the wait.
         timeout_s = self._coordinator.config.heartbeat_timeout_ms / 1000
         try:
-            first = await asyncio.wait_for(anext(requests), timeout_s)
+            return await asyncio.wait_for(anext(requests), timeout_s)
         except StopAsyncIteration:
             raise invalid("the session stream ended before its Register message") from None
         except TimeoutError:
             raise invalid(f"no Register message within {timeout_s:g} s of opening") from None
+
+    async def _register(
+        self, first: pb.EngineMessage, principal: Principal | None
+    ) -> CoordinatorSession:
         kind = first.WhichOneof("message")
         if kind != "register":
             raise invalid(f"the first session message must be register, got {kind or 'nothing'}")

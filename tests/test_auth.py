@@ -9,6 +9,7 @@ and change nothing; admin RPCs need the admin role; secrets appear nowhere.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import subprocess
@@ -321,6 +322,26 @@ async def test_callers_without_valid_credentials_are_unauthenticated(
     status = await reader.admin.GetStatus(pb.StatusRequest(), timeout=5)
     assert all(c.state.child_engine_id != "p" for c in status.child_engines)
     await reader.close()
+
+
+async def test_sessions_without_credentials_hear_unauthenticated_every_time(
+    kvrc: CoordinatorProcess,
+) -> None:
+    # Many at once, so some Register writes race the refusal: a stream aborted while
+    # the client still writes reaches it as INTERNAL unless kvrc reads Register first.
+    attempts = [
+        EngineSession(_options(kvrc, None), _registration(f"p{i}"), reconnect=False).start()
+        for i in range(40)
+    ]
+    outcomes = await asyncio.gather(*attempts, return_exceptions=True)
+    codes = [o.code if isinstance(o, KvrcClientError) else o for o in outcomes]
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * len(attempts)
+    # A stream that ends without a Register is still refused as unauthenticated.
+    anonymous = Caller(kvrc, None)
+    call = anonymous.engine.Session()  # type: ignore[call-arg]  # stubs predate the optional iterator
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
+    await anonymous.close()
 
 
 async def test_engines_act_only_for_themselves(kvrc: CoordinatorProcess) -> None:
