@@ -2,8 +2,7 @@
 
 `KvrcError.code` maps onto a gRPC status in one place (`status_code`); every
 RPC is counted in `kvrc_rpc_requests_total{method,code}` and unary RPCs are
-timed in `kvrc_rpc_duration_seconds`, also in one place (`_observe`). RPCs
-that later issues implement answer UNIMPLEMENTED with a clear message.
+timed in `kvrc_rpc_duration_seconds`, also in one place (`_Observed`).
 """
 
 from __future__ import annotations
@@ -42,10 +41,6 @@ SessionMessageHandler = Callable[[CoordinatorSession, pb.EngineMessage], None]
 def status_code(code: ErrorCode) -> grpc.StatusCode:
     """ErrorCode names are gRPC status names."""
     return grpc.StatusCode[code.value]
-
-
-class Unimplemented(Exception):
-    """An RPC or session message a later issue implements."""
 
 
 class _Failure:
@@ -132,9 +127,6 @@ class _Observed:
             code = status_code(e.code)
             self.count_denied(e)
             await context.abort(code, e.message)
-        except Unimplemented as e:
-            code = grpc.StatusCode.UNIMPLEMENTED
-            await context.abort(code, str(e))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -150,24 +142,19 @@ class _Observed:
             self.count(method, code)
 
 
-def _later(method: str, issue: str) -> Unimplemented:
-    return Unimplemented(f"{method} is not implemented by this coordinator yet ({issue})")
-
-
 class EngineService(pb_grpc.EngineServiceServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self._coordinator = coordinator
         self._observed = _Observed(coordinator)
         self._gate = _Gate(coordinator)
         self._bounds = coordinator.config.bounds
-        # Session message kinds later issues handle (events, pin_result, ...).
-        self.session_handlers: dict[
-            str, Callable[[CoordinatorSession, pb.EngineMessage], None]
-        ] = {}
-        self.session_handlers["events"] = self._on_events
-        self.session_handlers["pin_result"] = self._on_pin_result
-        self.session_handlers["abort_ack"] = self._on_abort_ack
-        self.session_handlers["release_ack"] = self._on_release_ack
+        # Every EngineMessage kind after Register but the heartbeat.
+        self._handlers: dict[str, SessionMessageHandler] = {
+            "events": self._on_events,
+            "pin_result": self._on_pin_result,
+            "abort_ack": self._on_abort_ack,
+            "release_ack": self._on_release_ack,
+        }
 
     # --- the session stream --------------------------------------------------------
 
@@ -262,9 +249,6 @@ class EngineService(pb_grpc.EngineServiceServicer):
         except KvrcError as e:
             failure.set(status_code(e.code), e.message)
             reason = REASON_ERROR
-        except Unimplemented as e:
-            failure.set(grpc.StatusCode.UNIMPLEMENTED, str(e))
-            reason = REASON_ERROR
         except (grpc.aio.BaseError, grpc.RpcError, asyncio.InvalidStateError):
             pass  # the peer went away; the stream is over
         except Exception:
@@ -284,10 +268,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         if kind is None:
             raise invalid("empty or unknown EngineMessage (no known oneof field set)")
         self._coordinator.touch(session)
-        handler = self.session_handlers.get(kind)
-        if handler is None:
-            raise _later(f"session message {kind}", "a later issue")
-        handler(session, message)
+        self._handlers[kind](session, message)
 
     def _on_events(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
         # A malformed batch raises INVALID_ARGUMENT: the session ends, nothing is applied.
