@@ -359,9 +359,6 @@ class EngineCache:
     def __contains__(self, block: object) -> bool:
         return block in self._entries
 
-    def blocks(self) -> set[BlockId]:
-        return set(self._entries)
-
     def lru_order(self) -> list[BlockId]:
         """Resident blocks, least recently used first."""
         return list(self._entries)
@@ -499,9 +496,6 @@ class _Engine:
 
 @dataclass(slots=True)
 class _Counters:
-    local_hit: int = 0
-    loaded: int = 0
-    total: int = 0
     grants: int = 0
     misses: int = 0
     outcomes: list[RequestOutcome] = field(default_factory=list)
@@ -737,11 +731,7 @@ class TraceSimulation:
         source: EngineIndex | None,
         ttft_ms: float,
     ) -> None:
-        c = self._c
-        c.local_hit += local
-        c.loaded += loaded
-        c.total += len(req.block_ids)
-        c.outcomes.append(
+        self._c.outcomes.append(
             RequestOutcome(
                 req.request_index, engine, len(req.block_ids), local, loaded, source, ttft_ms
             )
@@ -749,22 +739,22 @@ class TraceSimulation:
 
     def _result(self) -> ModeResult:
         c = self._c
-        reused = 0
-        total = 0
+        local_hit = loaded = total = 0
         cumulative: list[float] = []
         for o in c.outcomes:
-            reused += o.local_hit_blocks + o.loaded_blocks
+            local_hit += o.local_hit_blocks
+            loaded += o.loaded_blocks
             total += o.total_blocks
-            cumulative.append(reused / total)
+            cumulative.append((local_hit + loaded) / total)
         ttfts = [o.ttft_ms / 1000.0 for o in c.outcomes]
         return ModeResult(
             mode=self.mode,
             requests=len(c.outcomes),
-            blocks_total=c.total,
-            blocks_local_hit=c.local_hit,
-            blocks_loaded=c.loaded,
-            blocks_recomputed=c.total - c.local_hit - c.loaded,
-            hit_ratio=(c.local_hit + c.loaded) / c.total if c.total else 0.0,
+            blocks_total=total,
+            blocks_local_hit=local_hit,
+            blocks_loaded=loaded,
+            blocks_recomputed=total - local_hit - loaded,
+            hit_ratio=(local_hit + loaded) / total if total else 0.0,
             ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
             ttft_p90_s=percentile(ttfts, 90) if ttfts else 0.0,
             load_grants=c.grants,
