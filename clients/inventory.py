@@ -37,7 +37,6 @@ from clients.session import (
     RegisterAck,
     ReuseInfo,
     SessionHandler,
-    _reuse,
 )
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
@@ -466,7 +465,7 @@ class LookupClient:
                     )
                     for c in r.candidates
                 ),
-                reuse=_reuse(r.reuse),
+                reuse=ReuseInfo.from_proto(r.reuse),
             )
             for r in response.results
         )

@@ -117,11 +117,6 @@ def _state_name(value: int) -> str:
     return f"UNKNOWN({value})"
 
 
-def _reuse(msg: pb.ReuseStatus) -> ReuseInfo:
-    name = pb.ReuseReason.Name(msg.reason) if msg.reason in pb.ReuseReason.values() else "UNKNOWN"
-    return ReuseInfo(msg.enabled, name.removeprefix("REUSE_REASON_"), msg.detail)
-
-
 # --- requester / decode side --------------------------------------------------------------
 
 
@@ -191,10 +186,10 @@ class LeaseClient:
                 matched_blocks=reply.matched_blocks,
                 source_parts=tuple(reply.source_parts),
                 deadline_unix_ms=reply.deadline_unix_ms,
-                reuse=_reuse(reply.reuse),
+                reuse=ReuseInfo.from_proto(reply.reuse),
             )
         reason, _, detail = reply.miss_reason.partition(": ")
-        return Miss(reason, detail, reply.lease_id, _reuse(reply.reuse))
+        return Miss(reason, detail, reply.lease_id, ReuseInfo.from_proto(reply.reuse))
 
     async def complete_prefix_load(self, report: pb.TransferReport) -> CompleteResult:
         """One requester rank part's terminal outcome (`TransferResult.to_report(...)`).

@@ -189,6 +189,12 @@ class ReuseInfo:
     reason: str  # e.g. "DISABLED_BY_COORDINATOR"
     detail: str
 
+    @classmethod
+    def from_proto(cls, msg: pb.ReuseStatus) -> ReuseInfo:
+        known = msg.reason in pb.ReuseReason.values()
+        name = pb.ReuseReason.Name(msg.reason) if known else "UNKNOWN"
+        return cls(msg.enabled, name.removeprefix("REUSE_REASON_"), msg.detail)
+
 
 @dataclass(frozen=True, slots=True)
 class ChildEngineState:
@@ -215,7 +221,7 @@ class ChildEngineState:
             stale=msg.stale,
             draining=msg.draining,
             compatibility_hash=msg.compatibility_hash,
-            reuse=_reuse(msg.reuse),
+            reuse=ReuseInfo.from_proto(msg.reuse),
         )
 
 
@@ -237,14 +243,9 @@ class RegisterAck:
             compatibility_hash=msg.compatibility_hash,
             heartbeat_interval_ms=msg.heartbeat_interval_ms,
             heartbeat_timeout_ms=msg.heartbeat_timeout_ms,
-            reuse=_reuse(msg.reuse),
+            reuse=ReuseInfo.from_proto(msg.reuse),
             state=ChildEngineState.from_proto(msg.state),
         )
-
-
-def _reuse(msg: pb.ReuseStatus) -> ReuseInfo:
-    name = pb.ReuseReason.Name(msg.reason) if msg.reason in pb.ReuseReason.values() else "UNKNOWN"
-    return ReuseInfo(msg.enabled, name.removeprefix("REUSE_REASON_"), msg.detail)
 
 
 class SessionHandler(Protocol):
