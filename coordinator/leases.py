@@ -861,8 +861,8 @@ class LeaseTable:
                 f"lease {lease_id} is {lease.state.name}, not QUARANTINED; nothing to resolve"
             )
         actions: list[Action] = []
-        self._release(lease, "quarantine resolved by an operator", actions)
-        self._end(lease, LeaseState.RESOLVED, "quarantine resolved by an operator", now_ms, actions)
+        reason = "quarantine resolved by an operator"
+        self._release_and_end(lease, LeaseState.RESOLVED, reason, now_ms, actions)
         return LeaseStep(self._view(lease), tuple(actions))
 
     def recover_held(
@@ -939,10 +939,7 @@ class LeaseTable:
             reason=RECOVERED_REASON,
             recovered=True,
         )
-        self._leases[lease_id] = lease
-        self._open_ids[lease_id] = None
-        self._open_counts[(flow, LeaseState.QUARANTINED)] += 1
-        self._index_engine(holder_child_engine_id, lease_id)
+        self._admit(lease, None)  # no request id: never indexed by request
         quarantined = LeaseQuarantined(lease_id, flow, RECOVERED_REASON)
         notice = SendQuarantine(holder_child_engine_id, rank_key, lease_id, flow, RECOVERED_REASON)
         return LeaseStep(self._view(lease), (quarantined, notice))
@@ -978,8 +975,7 @@ class LeaseTable:
                 assert isinstance(lease, _PrefixLoad)
                 self._miss(lease, MissReason.DRAINING, now_ms, actions)
             elif lease.state in (LeaseState.WAITING_READY, LeaseState.READY):
-                self._release(lease, reason, actions)
-                self._end(lease, LeaseState.FAILED, reason, now_ms, actions)
+                self._release_and_end(lease, LeaseState.FAILED, reason, now_ms, actions)
             elif lease.state is LeaseState.ACTIVE:
                 self._abort(lease, reason, now_ms, actions)
         return actions
@@ -1034,14 +1030,8 @@ class LeaseTable:
             return self._report_recovered(lease, rank_key, outcome, now_ms)
         if rank_key in lease.abort_acked:
             return LeaseStep(self._view(lease), ())  # its abort ack already settled it
-        previous = lease.outcomes.get(rank_key)
-        if previous is not None:
-            if previous is not outcome:
-                raise failed_precondition(
-                    f"rank part {rank_key} already reported {previous.name} for lease "
-                    f"{lease.lease_id}; a terminal report cannot change to {outcome.name}"
-                )
-            return LeaseStep(self._view(lease), ())
+        if _earlier_outcome(lease, rank_key, outcome) is not None:
+            return LeaseStep(self._view(lease), ())  # a repeat
         if lease.state in (LeaseState.PINNING, LeaseState.WAITING_READY, LeaseState.READY):
             raise failed_precondition(
                 f"lease {lease.lease_id} is {lease.state.name}: nothing was granted to report on"
@@ -1078,12 +1068,7 @@ class LeaseTable:
     def _report_recovered(
         self, lease: _Lease, rank_key: RankKey, outcome: Outcome, now_ms: int
     ) -> LeaseStep:
-        previous = lease.outcomes.get(rank_key)
-        if previous is not None and previous is not outcome:
-            raise failed_precondition(
-                f"rank part {rank_key} already reported {previous.name} for lease "
-                f"{lease.lease_id}; a terminal report cannot change to {outcome.name}"
-            )
+        _earlier_outcome(lease, rank_key, outcome)
         lease.outcomes[rank_key] = outcome
         actions: list[Action] = []
         outcomes = lease.outcomes.values()
@@ -1117,8 +1102,7 @@ class LeaseTable:
                 if target_gone
                 else "quiescent: a part failed or was aborted"
             )
-            self._release(lease, text, actions)
-            self._end(lease, LeaseState.FAILED, text, now_ms, actions)
+            self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
 
     def _abort(self, lease: _Lease, reason: str, now_ms: int, actions: list[Action]) -> None:
         pending = [k for k in lease.target_rank_keys if k not in lease.outcomes]
@@ -1126,6 +1110,12 @@ class LeaseTable:
         lease.abort_deadline_ms = now_ms + self._config.abort_timeout_ms
         lease.reason = reason
         self._set_state(lease, LeaseState.ABORTING)
+        self._send_aborts(lease, pending, reason, actions)
+
+    @staticmethod
+    def _send_aborts(
+        lease: _Lease, pending: list[RankKey], reason: str, actions: list[Action]
+    ) -> None:
         actions.append(LeaseAborting(lease.lease_id, lease.flow, reason))
         assert lease.target_child_engine_id is not None
         actions.extend(
@@ -1149,12 +1139,10 @@ class LeaseTable:
             self._miss(lease, MissReason.PIN_TIMEOUT, now_ms, actions)
         elif state is LeaseState.WAITING_READY:
             text = "not every prefill part published in time"
-            self._release(lease, text, actions)
-            self._end(lease, LeaseState.FAILED, text, now_ms, actions)
+            self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
         elif state is LeaseState.READY:
             text = "no decode engine began the handoff in time"
-            self._release(lease, text, actions)
-            self._end(lease, LeaseState.FAILED, text, now_ms, actions)
+            self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
         elif state is LeaseState.ACTIVE:
             # The target is alive (else on_engine_gone would have run): abort, don't release.
             self._abort(lease, "lease deadline passed", now_ms, actions)
@@ -1172,12 +1160,7 @@ class LeaseTable:
             # Tell the target to stop reading from a dead peer (ABORTING: already told).
             pending = [k for k in lease.target_rank_keys if k not in lease.outcomes]
             if pending:
-                actions.append(LeaseAborting(lease.lease_id, lease.flow, text))
-                assert lease.target_child_engine_id is not None
-                actions.extend(
-                    SendAbort(lease.target_child_engine_id, k, lease.lease_id, lease.flow, text)
-                    for k in pending
-                )
+                self._send_aborts(lease, pending, text, actions)
         self._end(lease, LeaseState.FAILED, text, now_ms, actions)
 
     def _target_gone(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
@@ -1186,8 +1169,7 @@ class LeaseTable:
             self._settle_if_quiescent(lease, now_ms, actions, target_gone=True)
         elif lease.state in (LeaseState.PINNING, LeaseState.WAITING_READY, LeaseState.READY):
             # Nothing was granted (or the handoff was reserved for this decode engine).
-            self._release(lease, text, actions)
-            self._end(lease, LeaseState.FAILED, text, now_ms, actions)
+            self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
         # QUARANTINED stays for the operator (fail closed).
 
     # ------------------------------------------------------------ bookkeeping
@@ -1214,6 +1196,13 @@ class LeaseTable:
                         lease.source_child_engine_id, rank_key, lease.lease_id, lease.flow, reason
                     )
                 )
+
+    def _release_and_end(
+        self, lease: _Lease, state: LeaseState, reason: str, now_ms: int, actions: list[Action]
+    ) -> None:
+        """The source parts that may hold pins are released, then the lease ends."""
+        self._release(lease, reason, actions)
+        self._end(lease, state, reason, now_ms, actions)
 
     def _end(
         self, lease: _Lease, state: LeaseState, reason: str, now_ms: int, actions: list[Action]
@@ -1245,10 +1234,11 @@ class LeaseTable:
             self._open_counts[(lease.flow, state)] += 1
         self._arm(lease)
 
-    def _admit(self, lease: _Lease, key: tuple[Flow, str, str]) -> None:
+    def _admit(self, lease: _Lease, key: tuple[Flow, str, str] | None) -> None:
         self._leases[lease.lease_id] = lease
         self._open_ids[lease.lease_id] = None
-        self._by_request[key] = lease.lease_id
+        if key is not None:
+            self._by_request[key] = lease.lease_id
         self._open_counts[(lease.flow, lease.state)] += 1
         for engine in (lease.source_child_engine_id, *self._target_engines(lease)):
             self._index_engine(engine, lease.lease_id)
@@ -1459,6 +1449,17 @@ def _check_id(name: str, value: str) -> None:
 def _check_duration(name: str, value: int, limit: int) -> None:
     if type(value) is not int or not 1 <= value <= limit:
         raise invalid(f"{name} must be between 1 and {limit} ms, got {value!r}")
+
+
+def _earlier_outcome(lease: _Lease, rank_key: RankKey, outcome: Outcome) -> Outcome | None:
+    """The part's earlier report (None: its first); FAILED_PRECONDITION if it differs."""
+    previous = lease.outcomes.get(rank_key)
+    if previous is not None and previous is not outcome:
+        raise failed_precondition(
+            f"rank part {rank_key} already reported {previous.name} for lease "
+            f"{lease.lease_id}; a terminal report cannot change to {outcome.name}"
+        )
+    return previous
 
 
 def _agree(lease: _Handoff, name: str, recorded: object, given: object) -> None:
