@@ -188,9 +188,7 @@ def check_consistent(reg: RankPartRegistration, existing: RankPartRegistration) 
         have, sent = getattr(existing.profile, name), getattr(reg.profile, name)
         if have != sent:
             raise _mismatch(f"profile.{name}", cid, have, sent)
-    have_hash, sent_hash = compatibility_hash(existing.profile), compatibility_hash(reg.profile)
-    if have_hash != sent_hash:  # unreachable while LAYOUT_FIELDS are compared above
-        raise _mismatch("compatibility_hash", cid, have_hash, sent_hash)
+    # Equal LAYOUT_FIELDS are an equal compatibility hash: nothing more to compare there.
     for name in _OTHER_PROFILE_FIELDS:
         have, sent = getattr(existing.profile, name), getattr(reg.profile, name)
         if have != sent:
@@ -202,11 +200,13 @@ def check_consistent(reg: RankPartRegistration, existing: RankPartRegistration) 
 class _ChildEngine:
     """Mutable record of one child engine; never leaves this module."""
 
-    __slots__ = ("parts", "reference")
+    __slots__ = ("compatibility_hash", "parts", "reference")
 
     def __init__(self, reference: RankPartRegistration) -> None:
         # The registration every later part is compared with (all present parts agree).
         self.reference = reference
+        # Fixed for the child's life: every part agrees on the layout fields it covers.
+        self.compatibility_hash = compatibility_hash(reference.profile)
         self.parts: dict[RankKey, RegisteredPart] = {}
 
 
@@ -318,14 +318,14 @@ class Registry:
     def _view(child: _ChildEngine) -> ChildEngineView:
         ref = child.reference
         expected = grid_size(ref.profile)
-        ready = bool(child.parts) and len(child.parts) == expected
+        ready = len(child.parts) == expected  # expected >= 1
         reason = "" if ready else _not_ready_reason(child, expected)
         return ChildEngineView(
             child_engine_id=ref.child_engine_id,
             engine_id=ref.engine_id,
             dp_rank=ref.dp_rank,
             profile=ref.profile,
-            compatibility_hash=compatibility_hash(ref.profile),
+            compatibility_hash=child.compatibility_hash,
             parts=tuple(child.parts[rank] for rank in sorted(child.parts)),
             parts_expected=expected,
             ready=ready,
