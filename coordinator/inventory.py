@@ -193,10 +193,9 @@ class _EngineState(enum.Enum):
 class _ScopeIndex:
     """Block hash -> slot bitmask, one dict per tier (index 0 unused)."""
 
-    __slots__ = ("by_tier", "compat", "expiring", "group_idx")
+    __slots__ = ("by_tier", "expiring", "group_idx")
 
-    def __init__(self, compat: _CompatSlots, group_idx: int) -> None:
-        self.compat = compat
+    def __init__(self, group_idx: int) -> None:
         self.group_idx = group_idx
         self.by_tier: list[dict[_Key, int]] = [{} for _ in range(5)]
         # block -> bits of the slots that have an expiry on it
@@ -715,7 +714,7 @@ class Inventory:
     def _scope_pair(self, engine: _Engine, group_idx: int) -> tuple[_ScopeIndex, _EngineScope]:
         index = engine.compat.scopes.get(group_idx)
         if index is None:
-            index = engine.compat.scopes[group_idx] = _ScopeIndex(engine.compat, group_idx)
+            index = engine.compat.scopes[group_idx] = _ScopeIndex(group_idx)
         es = engine.scopes.get(group_idx)
         if es is None:
             es = engine.scopes[group_idx] = _EngineScope()
