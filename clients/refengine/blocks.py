@@ -75,9 +75,6 @@ class BlockPool:
     def refs(self, block_id: int) -> int:
         return self._blocks[block_id].refs
 
-    def hash_of(self, block_id: int) -> bytes | None:
-        return self._blocks[block_id].block_hash
-
     def match_prefix(self, hashes: Sequence[bytes], now_ms: int) -> list[int]:
         """Blocks holding the longest live prefix of `hashes` (first block first)."""
         found: list[int] = []
