@@ -127,11 +127,6 @@ def check_compatible(local: KvCacheLayout, remote: KvCacheLayout) -> None:
                 f"KV layouts differ in {field}: local {mine!r}, remote {theirs!r}; "
                 "refusing to transfer between heterogeneous layouts"
             )
-    if local.block_bytes != remote.block_bytes:  # defensive: implied by the fields above
-        raise IncompatibleLayoutError(
-            f"KV layouts differ in block_bytes: local {local.block_bytes}, "
-            f"remote {remote.block_bytes}"
-        )
 
 
 @dataclass(frozen=True, slots=True)
