@@ -2,5 +2,6 @@
 
 One process per rank part (`kvrc engine --role prefill|decode ...`). See
 `clients/refengine/engine.py` for how rank parts of one engine cooperate.
-Only `channel.py` and `driver.py` are importable without torch.
+`channel.py`, `options.py` and `blocks.py` import without torch (the CLI
+and the demo orchestrator rely on that).
 """
