@@ -350,9 +350,7 @@ class Inventory:
         dropped = engine.entries
         self._clear_index(engine)
         for part in engine.parts.values():
-            self._entries_total -= part.entries
-            engine.entries -= part.entries
-            part.entries = 0
+            self._reset_part(engine, part)
         engine.parts.clear()
         engine.removed = True
         compat = engine.compat
