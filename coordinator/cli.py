@@ -237,24 +237,15 @@ def _add_client_security(parser: argparse.ArgumentParser) -> None:
 
 
 def channel_options_from_args(args: argparse.Namespace) -> ChannelOptions:
-    try:
-        return ChannelOptions(
-            args.target,
-            ca_cert=args.tls_ca,
-            client_cert=args.tls_cert,
-            client_key=args.tls_key,
-            server_name=args.tls_server_name,
-            token_file=args.token_file,
-        )
-    except CredentialsError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _client_channel(args: argparse.Namespace) -> grpc.Channel:
-    try:
-        return connect_blocking(channel_options_from_args(args))
-    except CredentialsError as e:
-        raise ConfigError(str(e)) from None
+    """CredentialsError (reported by `main` as a configuration error) when inconsistent."""
+    return ChannelOptions(
+        args.target,
+        ca_cert=args.tls_ca,
+        client_cert=args.tls_cert,
+        client_key=args.tls_key,
+        server_name=args.tls_server_name,
+        token_file=args.token_file,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
@@ -483,7 +474,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     # A waiting drain lasts up to its timeout plus the abort acknowledgements.
     timeout_s = (args.timeout_ms or 60_000) / 1000 + 30 if args.wait else 10.0
     try:
-        with _client_channel(args) as channel:
+        with connect_blocking(channel_options_from_args(args)) as channel:
             stub = pb_grpc.AdminServiceStub(channel)
             response: pb.DrainResponse = stub.Drain(request, timeout=timeout_s)
     except grpc.RpcError as e:
@@ -509,7 +500,7 @@ def _cmd_quarantine_resolve(args: argparse.Namespace) -> int:
         operator_note=args.note,
     )
     try:
-        with _client_channel(args) as channel:
+        with connect_blocking(channel_options_from_args(args)) as channel:
             stub = pb_grpc.AdminServiceStub(channel)
             response: pb.ResolveQuarantineResponse = stub.ResolveQuarantine(request, timeout=10.0)
     except grpc.RpcError as e:
