@@ -372,16 +372,14 @@ class Inventory:
 
     def mark_stale(self, child_engine_id: str, rank_key: RankKey | None = None) -> None:
         """A stream lost events: hide the engine until that stream's dump ends."""
-        engine = self._engine(child_engine_id)
-        self._check_rank_key(engine, rank_key)
+        engine = self._stream_engine(child_engine_id, rank_key)
         engine.stale.add(rank_key)
         engine.dumping.discard(rank_key)
         self._refresh_state(engine)
 
     def begin_dump(self, child_engine_id: str, rank_key: RankKey | None = None) -> None:
         """A full dump starts: drop the stream's state; the engine stays hidden."""
-        engine = self._engine(child_engine_id)
-        self._check_rank_key(engine, rank_key)
+        engine = self._stream_engine(child_engine_id, rank_key)
         self._clear_stream(engine, rank_key)
         engine.stale.add(rank_key)
         engine.dumping.add(rank_key)
@@ -389,8 +387,7 @@ class Inventory:
 
     def end_dump(self, child_engine_id: str, rank_key: RankKey | None = None) -> None:
         """The dump is complete: the stream is fresh again."""
-        engine = self._engine(child_engine_id)
-        self._check_rank_key(engine, rank_key)
+        engine = self._stream_engine(child_engine_id, rank_key)
         if rank_key in engine.dumping:
             engine.dumping.discard(rank_key)
             engine.stale.discard(rank_key)
@@ -398,8 +395,7 @@ class Inventory:
 
     def clear_stream(self, child_engine_id: str, rank_key: RankKey | None = None) -> int:
         """A new incarnation of the stream: drop its state and its staleness."""
-        engine = self._engine(child_engine_id)
-        self._check_rank_key(engine, rank_key)
+        engine = self._stream_engine(child_engine_id, rank_key)
         before = engine.entries
         self._clear_stream(engine, rank_key)
         engine.stale.discard(rank_key)
@@ -444,8 +440,7 @@ class Inventory:
         Raises INVALID_ARGUMENT, changing nothing, for an unknown rank key or a
         malformed event; stores past a cap are dropped and counted (see module doc).
         """
-        engine = self._engine(child_engine_id)
-        self._check_rank_key(engine, rank_key)
+        engine = self._stream_engine(child_engine_id, rank_key)
         for ev in events:
             if isinstance(ev, (BlockStored, BlockRemoved)):
                 if not 0 <= ev.group_idx <= MAX_GROUP_IDX:
@@ -677,8 +672,9 @@ class Inventory:
             raise not_found(f"child engine {child_engine_id!r} is not in the inventory")
         return engine
 
-    @staticmethod
-    def _check_rank_key(engine: _Engine, rank_key: RankKey | None) -> None:
+    def _stream_engine(self, child_engine_id: str, rank_key: RankKey | None) -> _Engine:
+        """The child engine of a stream; INVALID_ARGUMENT for a rank key of the wrong mode."""
+        engine = self._engine(child_engine_id)
         if engine.mode is PublishMode.PER_CHILD_ENGINE:
             if rank_key is not None:
                 raise invalid(
@@ -690,6 +686,7 @@ class Inventory:
                 f"child engine {engine.child_engine_id!r} publishes per rank part; "
                 f"{rank_key} is not one of its rank parts {sorted(engine.parts)}"
             )
+        return engine
 
     def _refresh_state(self, engine: _Engine) -> None:
         if engine.dumping:
