@@ -52,12 +52,18 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, percentile, start_kvrc, write_result
+from benchmarks.common import (
+    RESULTS_DIR,
+    histogram_percentile_ms,
+    percentile,
+    rpc_histogram,
+    start_kvrc,
+    write_result,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 P99_LIMIT_MS = 10.0
@@ -282,34 +288,6 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _rpc_histogram(metrics_url: str) -> dict[float, float]:
-    """kvrc's own `kvrc_rpc_duration_seconds` buckets of Lookup: le -> count.
-
-    Lookup only: RequestPrefixLoad and BeginHandoff include waits (the holder's pin
-    round trip, READY) that are not the coordinator's work."""
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    buckets: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvrc_rpc_duration_seconds_bucket{") and 'method="Lookup"' in line:
-            labels, value = line.rsplit(" ", 1)
-            le = labels.split('le="')[1].split('"')[0]
-            bound = float("inf") if le == "+Inf" else float(le)
-            buckets[bound] = buckets.get(bound, 0.0) + float(value)
-    return buckets
-
-
-def _server_p99_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
-    """The bucket bound under which 99 % of the step's RPCs finished inside kvrc."""
-    delta = {b: after.get(b, 0.0) - before.get(b, 0.0) for b in after}
-    total = delta.get(float("inf"), 0.0)
-    if total <= 0:
-        return None
-    for bound in sorted(delta):
-        if delta[bound] >= 0.99 * total:
-            return bound * 1000
-    return None
-
-
 # --- the driver ------------------------------------------------------------------------------
 
 
@@ -348,11 +326,15 @@ def run(rates: Sequence[int], step_s: float, workers: int, budget_s: float) -> d
                 rate = queue.pop(0)
                 if time.monotonic() - started + step_s + 10 > budget_s:
                     break
-                histogram_before = _rpc_histogram(metrics_url)
+                # Lookup only: RequestPrefixLoad and BeginHandoff include waits (the
+                # holder's pin round trip, READY) that are not the coordinator's work.
+                histogram_before = rpc_histogram(metrics_url, "Lookup")
                 for conn in conns:
                     conn.send(("step", rate / workers, step_s))
                 results = [conn.recv() for conn in conns]
-                server_p99 = _server_p99_ms(histogram_before, _rpc_histogram(metrics_url))
+                server_p99 = histogram_percentile_ms(
+                    rpc_histogram(metrics_url, "Lookup"), 99, histogram_before
+                )
                 by_kind = {
                     k: [x for r in results for x in r["latencies_ms"][k]]
                     for k in ("lookup", "prefix_load", "handoff")

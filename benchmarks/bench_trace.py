@@ -41,16 +41,20 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import KvrcServe, percentile, start_kvrc, write_result
+from benchmarks.common import (
+    histogram_percentile_ms,
+    percentile,
+    rpc_histogram,
+    start_kvrc,
+    write_result,
+)
 from benchmarks.trace_sim import (
     DEFAULT_CAPACITY_TOKENS,
     DEFAULT_ENGINES,
@@ -128,7 +132,7 @@ def block_from_hash(raw: bytes) -> BlockId:
 
 
 # ---------------------------------------------------------------------------
-# The coordinator process
+# The coordinator (benchmarks.common.start_kvrc) and its declared profile
 # ---------------------------------------------------------------------------
 
 
@@ -138,48 +142,6 @@ name = "trace-sim"
 model = "{MODEL}"
 block_size = 512
 """
-
-
-class CoordinatorProcess:
-    """`python -m coordinator serve` on an ephemeral loopback port, and its own costs."""
-
-    def __init__(self, workdir: Path) -> None:
-        self._workdir = workdir
-        self.serve: KvrcServe | None = None
-        self.target = ""
-        self.metrics_url = ""
-
-    def start(self) -> None:
-        self.serve = start_kvrc(self._workdir, PROFILES_TOML, timeout_s=60.0)
-        self.target = self.serve.target
-        self.metrics_url = self.serve.metrics_url
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU of the coordinator process so far."""
-        assert self.serve is not None
-        return self.serve.cpu_seconds()
-
-    def rpc_ms_upper_bound(self, method: str, q: float) -> float | None:
-        """The coordinator's own time for `method`, from its histogram: the upper
-        edge (ms) of the bucket holding the q-th percentile (None without data)."""
-        with urllib.request.urlopen(self.metrics_url, timeout=RPC_TIMEOUT_S) as response:
-            text = response.read().decode()
-        buckets: list[tuple[float, float]] = []
-        for family in text_string_to_metric_families(text):
-            if family.name != "kvrc_rpc_duration_seconds":
-                continue
-            for sample in family.samples:
-                if sample.name.endswith("_bucket") and sample.labels.get("method") == method:
-                    buckets.append((float(sample.labels["le"]), sample.value))
-        buckets.sort()
-        if not buckets or buckets[-1][1] == 0:
-            return None
-        wanted = buckets[-1][1] * q / 100.0
-        return next(le * 1000.0 for le, count in buckets if count >= wanted)
-
-    def stop(self) -> None:
-        if self.serve is not None:
-            self.serve.stop()
 
 
 # ---------------------------------------------------------------------------
@@ -396,7 +358,6 @@ class KvrcProvider:
 
     def __init__(
         self,
-        target: str,
         links: Sequence[SimEngineLink],
         loop: asyncio.AbstractEventLoop,
         bridge: HolderBridge,
@@ -724,15 +685,14 @@ def run_real(
     workdir: Path,
 ) -> RealRun:
     """One replay of a kvrc mode through a fresh coordinator process."""
-    server = CoordinatorProcess(workdir)
-    server.start()
+    server = start_kvrc(workdir, PROFILES_TOML, timeout_s=60.0)
     names = [f"prefill-{i}" for i in range(engines)]
     bridge = HolderBridge()
     try:
         with LoopThread() as lt:
             cluster = lt.run(_start_cluster(server.target, names, bridge))
             links = cluster.links
-            provider = KvrcProvider(server.target, links, lt.loop, bridge, cluster.lookups)
+            provider = KvrcProvider(links, lt.loop, bridge, cluster.lookups)
             lags: list[float] = []
             last_virtual_ms = [0.0]
             try:
@@ -759,7 +719,9 @@ def run_real(
                 result = sim.run()
                 wall_s = time.perf_counter() - t0
                 # Before the end-of-run check adds its own lookups.
-                server_p99 = server.rpc_ms_upper_bound("Lookup", 99)
+                server_p99 = histogram_percentile_ms(
+                    rpc_histogram(server.metrics_url, "Lookup"), 99
+                )
                 lt.run(_flush_links(links))
                 # Events still in flight settle within moments; a lost one never does.
                 check = (server.target, sim, names, provider.stored_ever)

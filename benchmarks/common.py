@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: result files, percentiles and a live `kvrc serve`."""
+"""Helpers shared by the benchmarks: result files, percentiles, processes, a live `kvrc serve`
+and its RPC-duration histogram."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -74,6 +78,53 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def subprocess_env() -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH, for child processes."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def stop_process(process: subprocess.Popen[Any]) -> None:
+    """SIGTERM (graceful stop), SIGKILL if it has not exited within 20 s."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def rpc_histogram(metrics_url: str, method: str) -> dict[float, float]:
+    """kvrc's own `kvrc_rpc_duration_seconds` buckets of one RPC method: le -> count."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "kvrc_rpc_duration_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and sample.labels.get("method") == method:
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return buckets
+
+
+def histogram_percentile_ms(
+    after: Mapping[float, float], q: float, before: Mapping[float, float] | None = None
+) -> float | None:
+    """The upper edge (ms) of the bucket holding the q-th percentile of what `after`
+    counted since `before` (cumulative bucket counts); None without data."""
+    delta = {b: after[b] - (before or {}).get(b, 0.0) for b in after}
+    total = delta.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    wanted = total * q / 100.0
+    return next((bound * 1000.0 for bound in sorted(delta) if delta[bound] >= wanted), None)
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -109,14 +160,7 @@ class KvrcServe:
 
     def stop(self) -> None:
         """SIGTERM (graceful stop), SIGKILL if it has not exited within 20 s."""
-        if self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
 
 
 def start_kvrc(
@@ -132,8 +176,6 @@ def start_kvrc(
     port_file = workdir / "ports.json"
     port_file.unlink(missing_ok=True)
     log = workdir / "kvrc.log"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     argv = [
         sys.executable,
         "-m",
@@ -154,7 +196,7 @@ def start_kvrc(
     ]
     with log.open("ab") as out:
         process = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
+            argv, cwd=REPO, env=subprocess_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out
         )
     serve = KvrcServe(process, 0, -1, log)
     deadline = time.monotonic() + timeout_s
