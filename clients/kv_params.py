@@ -154,10 +154,8 @@ def decode_kv_transfer_params(
     decoder = _Decoder(max_depth)
     try:
         value = decoder.unpack(bytes(data))
-    except ValueError as exc:
-        # msgpack's own errors (ExtraData, FormatError, StackError) are ValueErrors.
-        raise ValueError(f"kv_transfer_params are not valid: {exc}") from exc
-    except (TypeError, RecursionError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
+        # msgpack's own errors (ExtraData, FormatError, StackError) are ValueErrors;
         # TypeError: an unhashable map key (e.g. a list).
         raise ValueError(f"kv_transfer_params are not valid: {exc}") from exc
     _check_depth(value, max_depth)
