@@ -165,11 +165,6 @@ class AuthPolicy:
     def __repr__(self) -> str:
         return f"AuthPolicy({len(self._tokens)} token(s), {len(self._identities)} identity(ies))"
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        tokens = [e.principal.name for e in self._tokens]
-        return (*tokens, *(e.principal.name for e in self._identities))
-
     # --- authentication --------------------------------------------------------
 
     def authenticate(self, token: str | None, cert: CertIdentity) -> Principal:

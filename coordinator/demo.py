@@ -245,9 +245,6 @@ class Cluster:
                 group.parts.append(self.spawn(f"{group.engine_id}-tp{rank}", argv))
         return groups
 
-    def pids(self) -> list[int]:
-        return [child.process.pid for child in self.children]
-
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every engine group, then kvrc; SIGKILL what is left. Idempotent."""
         engines = [c for c in self.children if c is not self.coordinator]
