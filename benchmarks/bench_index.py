@@ -47,7 +47,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -58,7 +57,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import percentile, process_cpu_seconds, start_kvrc, write_result
+from benchmarks.common import (
+    REPO,
+    KvrcServe,
+    percentile,
+    process_cpu_seconds,
+    start_kvrc,
+    stop_process,
+    subprocess_env,
+    write_result,
+)
 from coordinator.events import BlockRemoved, BlockStored, InventoryEvent, Tier
 from coordinator.inventory import Inventory, Scope
 
@@ -286,13 +294,10 @@ uvloop.run(main())
 
 
 def _start_process(argv: list[str]) -> subprocess.Popen[str]:
-    repo = Path(__file__).resolve().parent.parent
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH", "")]))
     return subprocess.Popen(
         argv,
-        cwd=repo,
-        env=env,
+        cwd=REPO,
+        env=subprocess_env(),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -300,19 +305,9 @@ def _start_process(argv: list[str]) -> subprocess.Popen[str]:
     )
 
 
-def _stop_process(process: subprocess.Popen[Any]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _start_kvrc(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
-    serve = start_kvrc(tmp, '[[profile]]\nname = "bench"\nmodel = "bench-model"\n', metrics=False)
-    return serve.process, serve.grpc_port
+def start_bench_kvrc(tmp: Path) -> KvrcServe:
+    """`kvrc serve` (no metrics endpoint) declaring the `bench-model` profile."""
+    return start_kvrc(tmp, '[[profile]]\nname = "bench"\nmodel = "bench-model"\n', metrics=False)
 
 
 async def _drive(
@@ -402,7 +397,7 @@ async def _measure_grpc_async(kvrc_port: int, kvrc_pid: int) -> dict[str, Any]:
                         kvrc_channel, kvrc_pid, echo_channel, echo_process.pid, requests
                     )
             finally:
-                _stop_process(echo_process)
+                stop_process(echo_process)
     finally:
         for s in sessions:
             await s.close()
@@ -465,11 +460,11 @@ def measure_grpc() -> dict[str, Any] | None:
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
-        kvrc, kvrc_port = _start_kvrc(Path(tmp))
+        kvrc = start_bench_kvrc(Path(tmp))
         try:
-            return uvloop.run(_measure_grpc_async(kvrc_port, kvrc.pid))
+            return uvloop.run(_measure_grpc_async(kvrc.grpc_port, kvrc.process.pid))
         finally:
-            _stop_process(kvrc)
+            kvrc.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -291,15 +291,16 @@ async def measure_grpc(target: str, batches: list[Any], total: int, run_no: int)
 def _grpc_runs(batches: list[Any], total: int, repeats: int) -> list[float]:
     import tempfile
 
-    from benchmarks.bench_index import _start_kvrc, _stop_process
+    from benchmarks.bench_index import start_bench_kvrc
 
     with tempfile.TemporaryDirectory(prefix="bench-zmq-") as tmp:
-        kvrc, port = _start_kvrc(Path(tmp))
+        kvrc = start_bench_kvrc(Path(tmp))
         try:
-            target = f"127.0.0.1:{port}"
-            return [uvloop.run(measure_grpc(target, batches, total, i)) for i in range(repeats)]
+            return [
+                uvloop.run(measure_grpc(kvrc.target, batches, total, i)) for i in range(repeats)
+            ]
         finally:
-            _stop_process(kvrc)
+            kvrc.stop()
 
 
 def run(n_batches: int, repeats: int) -> dict[str, Any]:
