@@ -36,7 +36,7 @@ import grpc
 from clients.credentials import ChannelOptions, connect
 from clients.errors import KvrcClientError, UnavailableError, from_rpc_error
 from clients.kv_params import decode_kv_transfer_params, encode_kv_transfer_params
-from clients.session import EngineSession, ReuseInfo, SessionHandler
+from clients.session import EngineSession, NullHandler, ReuseInfo, SessionHandler
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -401,7 +401,8 @@ class LeaseSessionHandler(SessionHandler):
         self._on_release = on_release
         self._on_quarantine = on_quarantine
         self._on_drain = on_drain
-        self._inner = inner  # readiness and registration callbacks go here too
+        # Readiness and registration callbacks go here too.
+        self._inner: SessionHandler = inner if inner is not None else NullHandler()
         self._session: EngineSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         # Leases this part holds pins for until their ReleaseRequest (insertion order).
@@ -432,16 +433,13 @@ class LeaseSessionHandler(SessionHandler):
         return self._session
 
     async def on_registered(self, ack: Any) -> None:
-        if self._inner is not None:
-            await self._inner.on_registered(ack)
+        await self._inner.on_registered(ack)
 
     async def on_state(self, state: Any) -> None:
-        if self._inner is not None:
-            await self._inner.on_state(state)
+        await self._inner.on_state(state)
 
     async def on_resync_request(self, request: pb.ResyncRequest) -> None:
-        if self._inner is not None:
-            await self._inner.on_resync_request(request)
+        await self._inner.on_resync_request(request)
 
     async def on_pin_request(self, request: pb.PinRequest) -> None:
         session = self._require_session()
