@@ -571,7 +571,7 @@ class InventoryFacade:
     # --- ZMQ edge -------------------------------------------------------------------
 
     def _start_zmq(self, registration: RankPartRegistration, meta: _Meta) -> None:
-        from coordinator.zmq_ingest import ZmqEventStream, ZmqStreamConfig, subscriber_endpoint
+        from coordinator.zmq_ingest import ZmqEventStream, stream_config_from_vllm
 
         cid = registration.child_engine_id
         if meta.mode is not PublishMode.PER_CHILD_ENGINE:
@@ -585,23 +585,14 @@ class InventoryFacade:
         # vLLM binds `tcp://*:PORT` on its own host: the host of its transfer endpoint.
         host = registration.endpoint.session_name.rpartition(":")[0] or "127.0.0.1"
         try:
-            endpoint, bind = subscriber_endpoint(
-                registration.kv_events_endpoint, host, registration.dp_rank
-            )
-            replay = None
-            if registration.kv_events_replay_endpoint:
-                # vLLM binds its replay ROUTER too; kvrc always connects to it.
-                replay, _ = subscriber_endpoint(
-                    registration.kv_events_replay_endpoint, host, registration.dp_rank
-                )
             stream = ZmqEventStream(
-                ZmqStreamConfig(
+                stream_config_from_vllm(
                     engine_id=registration.engine_id,
-                    endpoint=endpoint,
-                    bind=bind,
-                    replay_endpoint=replay,
                     dp_rank=registration.dp_rank,
                     dp_size=p.dp_size,
+                    kv_events_endpoint=registration.kv_events_endpoint,
+                    kv_events_replay_endpoint=registration.kv_events_replay_endpoint,
+                    publisher_host=host,
                     block_size=p.block_size,
                     lora_name=p.lora_name,
                 ),
