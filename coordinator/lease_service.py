@@ -29,6 +29,7 @@ from typing import Protocol
 from coordinator.errors import ErrorCode, KvrcError, failed_precondition, not_found
 from coordinator.events import BlockHash, RankKey
 from coordinator.leases import (
+    TERMINAL_STATES,
     Action,
     Flow,
     HandoffGrant,
@@ -65,15 +66,7 @@ DRAIN_ACK_GRACE_MS = 2_000
 # The ticker wakes at least this often (timers are also kicked on every change).
 _MAX_TICK_S = 1.0
 
-_NON_TERMINAL = (
-    LeaseState.PINNING,
-    LeaseState.WAITING_READY,
-    LeaseState.READY,
-    LeaseState.ACTIVE,
-    LeaseState.ABORTING,
-    LeaseState.RELEASING,
-    LeaseState.QUARANTINED,
-)
+_NON_TERMINAL = tuple(s for s in LeaseState if s not in TERMINAL_STATES)
 
 
 # --- outbound session message of this edge (the core's Send* are the others) ----
@@ -310,13 +303,12 @@ class LeaseFacade:
             if isinstance(holder, str):
                 self._metrics.prefix_load_misses.labels(reason=holder).inc()
                 return PrefixLoadAnswer(None, holder, _NO_HOLDER_DETAIL[holder], reuse)
-            holder_view = holder
             step = self.table.open_prefix_load(
                 request_id=req.request_id,
                 requester_child_engine_id=req.requester_child_engine_id,
                 requester_rank_keys=grid_keys(requester),
-                holder_child_engine_id=holder_view.child_engine_id,
-                holder_rank_keys=grid_keys(holder_view),
+                holder_child_engine_id=holder.child_engine_id,
+                holder_rank_keys=grid_keys(holder),
                 block_hashes=req.block_hashes,  # the holder pins what it still has
                 min_blocks=req.min_blocks,
                 pin_timeout_ms=pin_timeout,
@@ -472,7 +464,7 @@ class LeaseFacade:
                     remaining = deadline - self._clock_ms()
                     if not waitable or req.wait_timeout_ms == 0:
                         raise
-                    if remaining <= 0 or self._stopping:
+                    if remaining <= 0 or self._closing:
                         raise KvrcError(
                             ErrorCode.DEADLINE_EXCEEDED,
                             f"handoff for request {req.request_id!r} of "
@@ -581,7 +573,7 @@ class LeaseFacade:
         self._kick.set()
         if wait:
             until = max(self._draining[c] for c in children) + DRAIN_ACK_GRACE_MS
-            while self._remaining(children) and not self._stopping:
+            while self._remaining(children) and not self._closing:
                 changed = self._changed
                 left = until - self._clock_ms()
                 if left <= 0:
@@ -621,10 +613,6 @@ class LeaseFacade:
 
     # --- internals -----------------------------------------------------------------------
 
-    @property
-    def _stopping(self) -> bool:
-        return self._closing
-
     def _ready_engine(self, child_engine_id: str, role: str) -> ChildEngineView:
         view = self._registry.get(child_engine_id)
         if view is None:
@@ -653,10 +641,7 @@ class LeaseFacade:
                     f"{e.message}; the coordinator restarted and is warming: retry the report",
                 ) from None
             raise
-        if before.flow is not flow:
-            word = "prefix-load" if flow is Flow.PREFIX_LOAD else "handoff"
-            raise not_found(f"lease {report.lease_id!r} is not a {word} lease")
-        call = (
+        call = (  # NOT_FOUND for a lease of the other flow
             self.table.complete_prefix_load
             if flow is Flow.PREFIX_LOAD
             else self.table.complete_handoff
@@ -744,7 +729,7 @@ class LeaseFacade:
         while True:
             changed = self._changed
             view = self.table.get(lease_id)
-            if view.state not in states or self._stopping:
+            if view.state not in states or self._closing:
                 return view
             # The ticker ends PINNING at the pin deadline; wake a little after it anyway.
             due = view.deadline_ms
@@ -765,7 +750,7 @@ class LeaseFacade:
 
     def _tick(self) -> None:
         now = self._clock_ms()
-        actions = list(self.table.tick(now))
+        actions = self.table.tick(now)
         for child, deadline in sorted(self._draining.items()):
             if deadline <= now and child not in self._drain_aborted:
                 self._drain_aborted.add(child)

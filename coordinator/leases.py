@@ -56,6 +56,7 @@ from coordinator.errors import (
 from coordinator.events import BlockHash, RankKey
 
 __all__ = [
+    "TERMINAL_STATES",
     "Action",
     "Flow",
     "HandoffGrant",
