@@ -74,8 +74,8 @@ from coordinator.vllm_events import (
 log = logging.getLogger(__name__)
 
 SOURCE = "zmq"
-_VLLM_TCP_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
-_TCP_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}")
+# tcp://host:port; groups: host, port.
+_TCP_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
 # Frames drained per wake-up before yielding to the event loop.
 _BURST = 256
 
@@ -160,7 +160,7 @@ def subscriber_endpoint(
     connects to one without (kvrc binds it); DP rank N adds N to the port.
     """
     binds = "*" in vllm_endpoint or "::" in vllm_endpoint
-    match = _VLLM_TCP_ENDPOINT.fullmatch(vllm_endpoint)
+    match = _TCP_ENDPOINT.fullmatch(vllm_endpoint)
     if match is None:
         raise invalid(f"KV-event endpoint must be tcp://host:port, got {vllm_endpoint!r}")
     host, port = match.group(1), int(match.group(2))
