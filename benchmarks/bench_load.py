@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    REPO,
     RESULTS_DIR,
     histogram_percentile_ms,
     percentile,
@@ -65,7 +66,6 @@ from benchmarks.common import (
     write_result,
 )
 
-REPO = Path(__file__).resolve().parent.parent
 P99_LIMIT_MS = 10.0
 RSS_STEP_LIMIT_MB = 16.0  # a step that grows kvrc's RSS more than this is not flat
 DEFAULT_RATES = (25, 50, 100, 200, 300, 400, 600, 800, 1000, 1500, 2000, 3000, 4000)

@@ -49,6 +49,8 @@ from typing import Any, TypeVar
 import grpc
 
 from benchmarks.common import (
+    REPO,
+    RESULTS_DIR,
     histogram_percentile_ms,
     percentile,
     rpc_histogram,
@@ -104,9 +106,8 @@ from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl"
-DEFAULT_OUT = REPO / "benchmarks" / "results"
+DEFAULT_OUT = RESULTS_DIR
 DEFAULT_SPEEDUP = 50.0
 LOOKUP_P99_LIMIT_MS = 10.0
 # A replay keeps pace when it ends within 10 % (+1 s) of its schedule; bursts of

@@ -53,7 +53,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import process_cpu_seconds, start_kvrc, write_json
+from benchmarks.common import (
+    REPO,
+    RESULTS_DIR,
+    process_cpu_seconds,
+    start_kvrc,
+    write_json,
+)
 from clients.kv_cache import KvCacheLayout, KvEndpointDescription, PagedKvCache
 from clients.leases import LeaseClient, LeaseSessionHandler, PinAnswer, PinRequestInfo
 from clients.leases import PrefixLoadGrant as LeaseGrant
@@ -69,8 +75,7 @@ from clients.transfer import (
 )
 from kvrc.v1 import kvrc_pb2
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "transfer.json"
+DEFAULT_OUT = RESULTS_DIR / "transfer.json"
 BATCH_SIZES = (16, 256, 1024)
 BLOCK_BYTES = 64 * 1024
 # 64 KiB per block: 2 (K, V) x 16 tokens x 8 heads x 128 dims x 2 bytes.

@@ -45,15 +45,14 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from benchmarks.common import write_json
+from benchmarks.common import RESULTS_DIR, write_json
 from coordinator.events import BlockRemoved, BlockStored, EventBatch
 from coordinator.inventory import Inventory
 from coordinator.metrics import Metrics
 from coordinator.vllm_events import decode_payload
 from coordinator.zmq_ingest import ZmqEventStream, ZmqStreamConfig
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "zmq.json"
+DEFAULT_OUT = RESULTS_DIR / "zmq.json"
 ENGINE = "bench-engine"
 BLOCK_SIZE = 16
 STORES_PER_BATCH = 8
