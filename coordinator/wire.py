@@ -293,7 +293,9 @@ _REUSE_REASONS: dict[ReuseReason, pb.ReuseReason.ValueType] = {
 }
 
 
-def child_engine_state_to_proto(view: ChildEngineView, reuse: ReuseStatus) -> pb.ChildEngineState:
+def child_engine_state_to_proto(
+    view: ChildEngineView, reuse: ReuseStatus, *, stale: bool = False, draining: bool = False
+) -> pb.ChildEngineState:
     return pb.ChildEngineState(
         child_engine_id=view.child_engine_id,
         engine_id=view.engine_id,
@@ -303,6 +305,8 @@ def child_engine_state_to_proto(view: ChildEngineView, reuse: ReuseStatus) -> pb
         not_ready_reason=view.not_ready_reason,
         compatibility_hash=view.compatibility_hash,
         reuse=reuse_status_to_proto(reuse),
+        stale=stale,
+        draining=draining,
     )
 
 
@@ -325,9 +329,9 @@ def coordinator_message(out: Outbound) -> pb.CoordinatorMessage:
             heartbeat_ack=pb.HeartbeatAck(server_time_unix_ms=out.server_time_ms)
         )
     if isinstance(out, StateUpdate):
-        state = child_engine_state_to_proto(out.view, out.reuse)
-        state.stale = out.stale
-        state.draining = out.draining
+        state = child_engine_state_to_proto(
+            out.view, out.reuse, stale=out.stale, draining=out.draining
+        )
         return pb.CoordinatorMessage(state=state)
     if isinstance(out, ResyncOrder):
         return pb.CoordinatorMessage(
@@ -354,11 +358,10 @@ def status_to_proto(snapshot: StatusSnapshot) -> pb.StatusResponse:
 
 def _child_engine_status(status: ChildEngineStatus) -> pb.ChildEngineStatus:
     view = status.view
-    state = child_engine_state_to_proto(view, status.reuse)
-    state.stale = status.stale
-    state.draining = status.draining
     return pb.ChildEngineStatus(
-        state=state,
+        state=child_engine_state_to_proto(
+            view, status.reuse, stale=status.stale, draining=status.draining
+        ),
         inventory_entries=status.inventory_entries,
         profile=profile_to_proto(view.profile),
         parts=[
