@@ -55,10 +55,6 @@ _TIER_BY_MEDIUM: dict[str, Tier] = {
     "DISK": Tier.DISK,
 }
 
-# The exact strings vLLM sends, looked up before any normalising.
-_TIER_BY_KNOWN_MEDIUM: dict[str | None, Tier] = {None: Tier.GPU}
-_TIER_BY_KNOWN_MEDIUM.update(_TIER_BY_MEDIUM)
-
 # Positions in the tagged-array encoding (index 0 is the tag).
 _STORED_HASHES, _STORED_PARENT, _STORED_TOKENS, _STORED_BLOCK_SIZE = 1, 2, 3, 4
 _STORED_MEDIUM, _STORED_LORA_NAME, _STORED_GROUP = 6, 7, 9
@@ -210,7 +206,9 @@ def tier_for_medium(medium: object) -> Tier:
         return Tier.GPU
     if type(medium) is not str:
         raise MalformedFrame(f"medium must be a string or nil, got {type(medium).__name__}")
-    return _TIER_BY_MEDIUM.get(medium.upper(), Tier.EXTERNAL)
+    # The exact strings vLLM sends first, before any normalising.
+    tier = _TIER_BY_MEDIUM.get(medium)
+    return tier if tier is not None else _TIER_BY_MEDIUM.get(medium.upper(), Tier.EXTERNAL)
 
 
 # --- internals -------------------------------------------------------------------
@@ -236,14 +234,6 @@ def _split_batch(batch: Any) -> tuple[float, tuple[Any, ...], int | None]:
     if dp_rank is not None and (type(dp_rank) is not int or dp_rank < 0):
         raise MalformedFrame(f"data_parallel_rank must be a non-negative int, got {dp_rank!r}")
     return float(ts), events, dp_rank
-
-
-def _tier(medium: object) -> Tier:
-    if medium is None or type(medium) is str:
-        tier = _TIER_BY_KNOWN_MEDIUM.get(medium)
-        if tier is not None:
-            return tier
-    return tier_for_medium(medium)
 
 
 def _hashes(raw: object) -> tuple[BlockHash, ...]:
@@ -310,7 +300,7 @@ def _stored(
         block_hashes=_hashes(hashes),
         parent_block_hash=_optional_hash(parent),
         num_tokens=len(token_ids),
-        tier=_tier(medium),
+        tier=tier_for_medium(medium),
         group_idx=_group(group_idx),
     )
     return event, block_size, _lora_name(lora_name)
@@ -353,7 +343,9 @@ def _removed_run(hashes: list[object], key: tuple[object, object], first: int) -
     medium, group_idx = key
     try:
         return BlockRemoved(
-            block_hashes=_hashes(tuple(hashes)), tier=_tier(medium), group_idx=_group(group_idx)
+            block_hashes=_hashes(tuple(hashes)),
+            tier=tier_for_medium(medium),
+            group_idx=_group(group_idx),
         )
     except MalformedFrame as exc:
         raise MalformedFrame(f"BlockRemoved from event {first} on: {exc}") from None
