@@ -40,10 +40,10 @@ from coordinator.events import (
     InventoryEvent,
     Tier,
 )
+from coordinator.inventory import MAX_BLOCK_HASH_BYTES
 
 # vLLM's replay end marker: seq = -1 as signed 8 bytes.
 END_SEQ = b"\xff" * 8
-MAX_BLOCK_HASH_BYTES = 64
 _U64_LIMIT = 1 << 64
 
 # vLLM's `medium` strings (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE) and common aliases.
