@@ -290,12 +290,10 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from coordinator.server import serve, split_host_port  # keeps `kvrc status` light
+    from coordinator.server import serve  # keeps `kvrc status` light
 
     _setup_logging(args.log_level, args.log_json)
-    config = config_from_args(args)
-    split_host_port(config.listen)
-    return serve(config, args.port_file)
+    return serve(config_from_args(args), args.port_file)
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
