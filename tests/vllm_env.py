@@ -39,11 +39,10 @@ def venv_python() -> Path:
     return VENV_DIR / "bin" / "python"
 
 
-def _run(cmd: list[str], log: list[str]) -> None:
+def _run(cmd: list[str]) -> None:
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False
     )
-    log.append(f"$ {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
     if proc.returncode != 0:
         raise VllmEnvUnavailable(
             f"`{' '.join(cmd)}` exited {proc.returncode}:\n{proc.stderr[-4000:]}"
@@ -64,14 +63,12 @@ def ensure_vllm_venv() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _STAMP.is_file() and _STAMP.read_text() == digest and venv_python().exists():
             return venv_python()
-        log: list[str] = []
         if not venv_python().exists():
-            _run([sys.executable, "-m", "venv", str(VENV_DIR)], log)
+            _run([sys.executable, "-m", "venv", str(VENV_DIR)])
         pip = [str(venv_python()), "-m", "pip", "install", "-q", "--no-deps"]
-        _run([*pip, f"vllm=={VLLM_VERSION}"], log)
-        _run([*pip, "-r", str(REQUIREMENTS)], log)
-        check = [str(venv_python()), "-c", "import vllm.distributed.kv_events"]
-        _run(check, log)
+        _run([*pip, f"vllm=={VLLM_VERSION}"])
+        _run([*pip, "-r", str(REQUIREMENTS)])
+        _run([str(venv_python()), "-c", "import vllm.distributed.kv_events"])
         _STAMP.write_text(digest)
         return venv_python()
 
