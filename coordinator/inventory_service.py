@@ -302,13 +302,9 @@ class InventoryFacade:
             self._remove_engine(child_engine_id, meta)
             return
         if meta.mode is PublishMode.PER_RANK_PART:
-            self.inventory.clear_stream(child_engine_id, rank)
-            self.streams.close_stream(StreamKey(child_engine_id, rank))
-            self._cancel_resync(StreamKey(child_engine_id, rank))
+            self._drop_stream(StreamKey(child_engine_id, rank))
         elif meta.publisher_rank == rank:
-            self.inventory.clear_stream(child_engine_id, None)
-            self.streams.close_stream(StreamKey(child_engine_id, None))
-            self._cancel_resync(StreamKey(child_engine_id, None))
+            self._drop_stream(StreamKey(child_engine_id, None))
             meta.publisher_rank = None
         self._refresh(child_engine_id, meta, view, self._reuse_for(view))
         self._note_stale(child_engine_id, meta)
@@ -316,6 +312,12 @@ class InventoryFacade:
 
     def on_part_gone(self, child_engine_id: str, rank: RankKey, session_id: str) -> None:
         """PartListener: nothing left to do; the inventory went at removal."""
+
+    def _drop_stream(self, key: StreamKey) -> None:
+        """The stream's publishing part left: its inventory, ordering and resync retry go."""
+        self.inventory.clear_stream(key.child_engine_id, key.rank_key)
+        self.streams.close_stream(key)
+        self._cancel_resync(key)
 
     # --- ingest (gRPC edge) -------------------------------------------------------
 
