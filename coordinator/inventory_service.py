@@ -308,7 +308,6 @@ class InventoryFacade:
             meta.publisher_rank = None
         self._refresh(child_engine_id, meta, view, self._reuse_for(view))
         self._note_stale(child_engine_id, meta)
-        self._update_gauges()
 
     def on_part_gone(self, child_engine_id: str, rank: RankKey, session_id: str) -> None:
         """PartListener: nothing left to do; the inventory went at removal."""
