@@ -1,9 +1,9 @@
 """The async facade of the coordinator: owns the core and the engine sessions.
 
 The servicer translates protobuf and calls this; this calls the pure core
-(`registry.py`, later the inventory and leases) and executes what follows:
-queueing messages to sessions, removing parts whose heartbeats stopped,
-publishing readiness changes, and telling listeners that a part left.
+(`registry.py`; the inventory and leases through their facades) and executes
+what follows: queueing messages to sessions, removing parts whose heartbeats
+stopped, publishing readiness changes, and telling listeners that a part left.
 
 Each session has one bounded outbound queue. A session whose engine stops
 reading fills it and is closed with RESOURCE_EXHAUSTED instead of buffering
@@ -28,8 +28,8 @@ from coordinator.errors import ErrorCode, KvrcError
 from coordinator.events import RankKey
 from coordinator.inventory import MAX_CANDIDATES
 from coordinator.inventory_service import InventoryFacade, LookupQuery, ResyncOrder
-from coordinator.lease_service import DrainNotice, HolderCandidate, LeaseFacade
-from coordinator.leases import LeaseView, SendAbort, SendPin, SendQuarantine, SendRelease
+from coordinator.lease_service import HolderCandidate, LeaseFacade, LeaseOutbound
+from coordinator.leases import LeaseView
 from coordinator.metrics import Metrics
 from coordinator.profiles import ReuseReason, ReuseStatus, reuse_status
 from coordinator.recovery import (
@@ -87,18 +87,8 @@ class StateUpdate:
     draining: bool = False
 
 
-# Later issues add their messages (pin, release, abort, resync, ...) here.
-Outbound = (
-    RegisterReply
-    | HeartbeatReply
-    | StateUpdate
-    | ResyncOrder
-    | SendPin
-    | SendRelease
-    | SendAbort
-    | SendQuarantine
-    | DrainNotice
-)
+# Every message the coordinator queues on a session (the lease edge's are LeaseOutbound).
+Outbound = RegisterReply | HeartbeatReply | StateUpdate | ResyncOrder | LeaseOutbound
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +152,7 @@ class Session:
 
 
 class PartListener(Protocol):
-    """Told when a rank part leaves; later issues (leases, inventory) listen."""
+    """Told when a rank part leaves (the inventory and lease facades listen)."""
 
     def on_part_removed(self, child_engine_id: str, rank: RankKey, reason: str) -> None:
         """The part is no longer registered (its child engine is not READY)."""
@@ -339,8 +329,9 @@ class Coordinator:
         return session
 
     def heartbeat(self, session: Session) -> None:
-        if self.registry.heartbeat(session.ref, self._clock_ms()):
-            self._send(session, HeartbeatReply(server_time_ms=self._clock_ms()))
+        now = self._clock_ms()
+        if self.registry.heartbeat(session.ref, now):
+            self._send(session, HeartbeatReply(server_time_ms=now))
 
     def touch(self, session: Session) -> None:
         """Any message from the engine proves it alive."""
