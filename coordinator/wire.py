@@ -182,7 +182,8 @@ def profile_to_proto(profile: DeploymentProfile) -> pb.DeploymentProfile:
     )
 
 
-def endpoint_from_proto(msg: pb.TransferEndpoint, bounds: FieldBounds) -> TransferEndpoint:
+def _check_endpoint(msg: pb.TransferEndpoint, bounds: FieldBounds) -> None:
+    """Sizes of an opaque endpoint, without building it."""
     check_text("endpoint.backend", msg.backend, bounds)
     check_text("endpoint.session_name", msg.session_name, bounds)
     check_count("endpoint.regions", len(msg.regions), bounds.max_regions)
@@ -195,6 +196,10 @@ def endpoint_from_proto(msg: pb.TransferEndpoint, bounds: FieldBounds) -> Transf
         )
     for key in msg.extra:
         check_id("endpoint.extra key", key, bounds)
+
+
+def endpoint_from_proto(msg: pb.TransferEndpoint, bounds: FieldBounds) -> TransferEndpoint:
+    _check_endpoint(msg, bounds)
     return TransferEndpoint(
         backend=msg.backend,
         session_name=msg.session_name,
@@ -585,7 +590,7 @@ def descriptor_from_proto(
     """Validates a source part's descriptor; returns it serialized, to hand back byte for byte."""
     if _rank_key(msg.rank) != rank:
         raise invalid(f"{field}.rank {_rank_key(msg.rank)} is not the sending rank part {rank}")
-    endpoint_from_proto(msg.endpoint, bounds)  # sizes of the opaque endpoint
+    _check_endpoint(msg.endpoint, bounds)
     check_count(f"{field}.block_ids", len(msg.block_ids), MAX_BLOCK_IDS)
     if len(msg.opaque) > bounds.max_metadata_bytes:
         raise invalid(
