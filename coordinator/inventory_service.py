@@ -144,6 +144,11 @@ class _Meta:
         self.zmq: ZmqEventStream | None = None
 
 
+_DISABLED = ReuseStatus(
+    False,
+    ReuseReason.DISABLED_BY_COORDINATOR,
+    "reuse is off on this coordinator (start it with --reuse on)",
+)
 _UNKNOWN = ReuseStatus(
     False, ReuseReason.REQUESTER_UNKNOWN, "the requester is not a registered child engine"
 )
@@ -204,11 +209,6 @@ class InventoryFacade:
         self.on_stale_changed: Callable[[str], None] = lambda child_engine_id: None
         # One pending retry per stale gRPC stream (bounded by the streams).
         self._resyncs: dict[StreamKey, _ResyncRetry] = {}
-        self._disabled = ReuseStatus(
-            False,
-            ReuseReason.DISABLED_BY_COORDINATOR,
-            "reuse is off on this coordinator (start it with --reuse on)",
-        )
         m = metrics
         # Label children bound once: the lookup path is hot.
         self._m_lookups = {v: m.lookups.labels(outcome=v.value) for v in LookupVerdict}
@@ -465,7 +465,7 @@ class InventoryFacade:
     def reuse_gate(self, requester_child_engine_id: str) -> ReuseStatus:
         """Invariant 1, then the requester's readiness: why reuse is (not) open to it."""
         if not self._config.reuse:
-            return self._disabled
+            return _DISABLED
         warming = self.warming()
         if warming is not None:
             return warming
