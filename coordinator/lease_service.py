@@ -259,9 +259,6 @@ class LeaseFacade:
         """In flight and quarantined, oldest first (for `kvrc status`)."""
         return sorted(self.table.list_leases(), key=lambda v: (v.created_ms, v.lease_id))
 
-    def draining(self) -> frozenset[str]:
-        return frozenset(self._draining)
-
     def is_draining(self, child_engine_id: str) -> bool:
         return child_engine_id in self._draining
 
@@ -341,7 +338,7 @@ class LeaseFacade:
                     False, ReuseReason.REQUESTER_UNKNOWN, "requester is not registered"
                 )
             )
-        view = await self._wait_while(lease_id, (LeaseState.PINNING,))
+        view = await self._wait_while_pinning(lease_id)
         if view.state is LeaseState.PINNING:  # only when shutting down
             raise KvrcError(ErrorCode.UNAVAILABLE, "the coordinator is shutting down")
         if view.prefix_load_grant is not None:
@@ -725,11 +722,11 @@ class LeaseFacade:
         self._changed = asyncio.Event()
         self._kick.set()
 
-    async def _wait_while(self, lease_id: str, states: tuple[LeaseState, ...]) -> LeaseView:
+    async def _wait_while_pinning(self, lease_id: str) -> LeaseView:
         while True:
             changed = self._changed
             view = self.table.get(lease_id)
-            if view.state not in states or self._closing:
+            if view.state is not LeaseState.PINNING or self._closing:
                 return view
             # The ticker ends PINNING at the pin deadline; wake a little after it anyway.
             due = view.deadline_ms
