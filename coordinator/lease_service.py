@@ -660,7 +660,7 @@ class LeaseFacade:
                 ).inc()
                 self._metrics.transfer_bytes.labels(flow=flow.value).inc(report.bytes_moved)
         self._execute(step.actions)
-        return self.table.get(report.lease_id)
+        return step.view
 
     def _session_step(self, what: str, call: Callable[[int], Sequence[Action]]) -> None:
         """A session message about a lease: stale ones (ended, purged, foreign) are logged."""
