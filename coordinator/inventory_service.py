@@ -66,7 +66,7 @@ from coordinator.inventory import (
 )
 from coordinator.metrics import Metrics
 from coordinator.profiles import ReuseReason, ReuseStatus
-from coordinator.registry import ChildEngineView, RankPartRegistration, Registry
+from coordinator.registry import ChildEngineView, RankPartRegistration, Registry, grid_ranks
 from coordinator.registry import PublishMode as WirePublishMode
 
 if TYPE_CHECKING:
@@ -266,17 +266,7 @@ class InventoryFacade:
         if meta is None:
             per_part = registration.publish_mode is WirePublishMode.PER_RANK_PART
             mode = PublishMode.PER_RANK_PART if per_part else PublishMode.PER_CHILD_ENGINE
-            p = view.profile
-            ranks = (
-                [
-                    (tp, pp, pcp)
-                    for tp in range(p.tp_size)
-                    for pp in range(p.pp_size)
-                    for pcp in range(p.pcp_size)
-                ]
-                if per_part
-                else []
-            )
+            ranks = list(grid_ranks(view.profile)) if per_part else []
             self.inventory.add_engine(
                 cid, view.compatibility_hash, publish_mode=mode, rank_keys=ranks
             )

@@ -51,7 +51,7 @@ from coordinator.leases import (
 )
 from coordinator.metrics import Metrics
 from coordinator.profiles import ReuseReason, ReuseStatus
-from coordinator.registry import ChildEngineView, Registry
+from coordinator.registry import ChildEngineView, Registry, grid_ranks
 
 log = logging.getLogger("kvrc.leases")
 
@@ -177,13 +177,7 @@ SendToPart = Callable[[str, RankKey, LeaseOutbound], bool]
 
 def grid_keys(view: ChildEngineView) -> tuple[RankKey, ...]:
     """Every rank part of the child engine's tp x pp x pcp grid."""
-    p = view.profile
-    return tuple(
-        (tp, pp, pcp)
-        for tp in range(p.tp_size)
-        for pp in range(p.pp_size)
-        for pcp in range(p.pcp_size)
-    )
+    return tuple(grid_ranks(view.profile))
 
 
 class LeaseFacade:

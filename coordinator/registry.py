@@ -124,6 +124,13 @@ def grid_size(profile: DeploymentProfile) -> int:
     return profile.tp_size * profile.pp_size * profile.pcp_size
 
 
+def grid_ranks(profile: DeploymentProfile) -> Iterator[RankKey]:
+    """Every rank part of the tp x pp x pcp grid, tp outermost."""
+    return itertools.product(
+        range(profile.tp_size), range(profile.pp_size), range(profile.pcp_size)
+    )
+
+
 def check_registration_shape(reg: RankPartRegistration, max_grid_parts: int = 4096) -> None:
     """Checks one registration on its own: ranks inside sizes, ids derived correctly."""
     p = reg.profile
@@ -343,13 +350,7 @@ def _not_ready_reason(child: _ChildEngine, expected: int) -> str:
     num_missing = expected - len(child.parts)
     # Lazily: the grid may be large, only the first few missing ranks are named.
     missing = itertools.islice(
-        (
-            (tp, pp, pcp)
-            for tp in range(p.tp_size)
-            for pp in range(p.pp_size)
-            for pcp in range(p.pcp_size)
-            if (tp, pp, pcp) not in child.parts
-        ),
+        (r for r in grid_ranks(p) if r not in child.parts),
         _MAX_LISTED_MISSING,
     )
     listed = ", ".join(format_rank(r) for r in missing)
