@@ -190,7 +190,7 @@ class LeaseFacade:
         metrics: Metrics,
         send_to_part: SendToPart,
         reuse_for: Callable[[ChildEngineView], ReuseStatus],
-        gone_pending: Callable[[str], bool],
+        proven_gone: Callable[[str], bool],
         clock_ms: Callable[[], int],
         config: LeaseConfig | None = None,
         table: LeaseTable | None = None,
@@ -200,7 +200,7 @@ class LeaseFacade:
         self._metrics = metrics
         self._send_to_part = send_to_part
         self._reuse_for = reuse_for
-        self._gone_pending = gone_pending
+        self._proven_gone = proven_gone
         self._clock_ms = clock_ms
         self.holder_finder: HolderFinder = _no_holders
         self._draining: dict[str, int] = {}  # child engine -> drain deadline (ms)
@@ -593,8 +593,8 @@ class LeaseFacade:
         self._notify()  # a waiter for READY engines re-checks
 
     def on_part_gone(self, child_engine_id: str, rank: RankKey, session_id: str) -> None:
-        if self._registry.get(child_engine_id) is not None or self._gone_pending(child_engine_id):
-            return  # some part is back or still in its grace period: not proven gone
+        if not self._proven_gone(child_engine_id):
+            return  # some part is back or still in its grace period
         actions = self.table.on_engine_gone(child_engine_id, self._clock_ms())
         if actions:
             log.info("child engine %s is gone: %d lease action(s)", child_engine_id, len(actions))

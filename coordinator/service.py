@@ -209,7 +209,7 @@ class Coordinator:
             metrics=self.metrics,
             send_to_part=self.send_to_part,
             reuse_for=self.reuse_for,
-            gone_pending=self.gone_pending,
+            proven_gone=self.proven_gone,
             clock_ms=clock_ms,
             config=config.leases,
         )
@@ -410,9 +410,11 @@ class Coordinator:
                     return True
         return False
 
-    def gone_pending(self, child_engine_id: str) -> bool:
-        """Some removed part of this child engine is still inside its grace period."""
-        return any(key[0] == child_engine_id for key in self._gone_timers)
+    def proven_gone(self, child_engine_id: str) -> bool:
+        """No part of the child engine is registered and none is inside its grace period."""
+        return self.registry.get(child_engine_id) is None and not any(
+            key[0] == child_engine_id for key in self._gone_timers
+        )
 
     def _find_holders(
         self,
@@ -448,7 +450,7 @@ class Coordinator:
     def _part_gone(self, ref: PartRef) -> None:
         self._gone_timers.pop(self._part_key(ref), None)
         child = ref.child_engine_id
-        if self.registry.get(child) is None and not self.gone_pending(child):
+        if self.proven_gone(child):
             self._forget(child)
         for listener in self._listeners:
             try:
