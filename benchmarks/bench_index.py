@@ -64,9 +64,9 @@ from benchmarks.common import (
     process_cpu_seconds,
     start_kvrc,
     stop_process,
-    subprocess_env,
     write_result,
 )
+from coordinator.demo import child_process_env
 from coordinator.events import BlockRemoved, BlockStored, InventoryEvent, Tier
 from coordinator.inventory import Inventory, Scope
 
@@ -297,7 +297,7 @@ def _start_process(argv: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         argv,
         cwd=REPO,
-        env=subprocess_env(),
+        env=child_process_env(),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -20,6 +20,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.demo import child_process_env
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,13 +78,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def subprocess_env() -> dict[str, str]:
-    """This environment with the repository first on PYTHONPATH, for child processes."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    return env
 
 
 def stop_process(process: subprocess.Popen[Any]) -> None:
@@ -196,7 +191,12 @@ def start_kvrc(
     ]
     with log.open("ab") as out:
         process = subprocess.Popen(
-            argv, cwd=REPO, env=subprocess_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out
+            argv,
+            cwd=REPO,
+            env=child_process_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
         )
     serve = KvrcServe(process, 0, -1, log)
     deadline = time.monotonic() + timeout_s

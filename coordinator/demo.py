@@ -77,7 +77,9 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _env() -> dict[str, str]:
+def child_process_env() -> dict[str, str]:
+    """This environment for a child Python process: the repository first on
+    PYTHONPATH (it runs from a checkout too) and unbuffered output (progress lines)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env["PYTHONUNBUFFERED"] = "1"
@@ -156,7 +158,7 @@ class Cluster:
             process = subprocess.Popen(
                 list(argv),
                 cwd=REPO,
-                env=_env(),
+                env=child_process_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import signal
 import socket
@@ -37,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from coordinator.demo import child_process_env
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 ENGINE_PART_SCRIPT = REPO / "tests" / "engine_part.py"
@@ -48,13 +49,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 @dataclass
@@ -143,7 +137,7 @@ def start_coordinator(
                     *extra_args,
                 ],
                 cwd=REPO,
-                env=_env(),
+                env=child_process_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
@@ -249,7 +243,7 @@ def start_engine_part(
     process = subprocess.Popen(
         argv,
         cwd=REPO,
-        env=_env(),
+        env=child_process_env(),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=None,  # pytest captures it and shows it when a test fails
@@ -406,7 +400,7 @@ class CommandProcess:
         self.process = subprocess.Popen(
             [PYTHON, str(script), *argv],
             cwd=REPO,
-            env=_env(),
+            env=child_process_env(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL if quiet else None,

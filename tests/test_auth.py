@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import PYTHON, REPO, CoordinatorProcess, _env, start_coordinator
+from harness import PYTHON, REPO, CoordinatorProcess, start_coordinator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,6 +41,7 @@ from coordinator.auth import (
     parse_auth_policy,
     parse_authorization,
 )
+from coordinator.demo import child_process_env
 from coordinator.errors import ErrorCode
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
@@ -514,7 +515,7 @@ def test_cli_uses_a_token_file(kvrc: CoordinatorProcess, tmp_path: Path) -> None
         return subprocess.run(
             [PYTHON, "-m", "coordinator", *args, "--target", kvrc.grpc_target],
             cwd=REPO,
-            env=_env(),
+            env=child_process_env(),
             capture_output=True,
             text=True,
             timeout=60,

@@ -16,18 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.demo import RESULT_KEYS
+from coordinator.demo import RESULT_KEYS, child_process_env
 
 pytestmark = pytest.mark.timeout(240)
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def processes_with(marker: str) -> list[int]:
@@ -71,7 +62,7 @@ def test_demo_runs_end_to_end_with_no_mismatch_and_leaves_no_process(tmp_path: P
     run = subprocess.run(
         demo_argv(ports, json_path, "--conversations", "3", "--turns", "2"),
         cwd=tmp_path,
-        env=_env(),
+        env=child_process_env(),
         capture_output=True,
         text=True,
         timeout=200,
@@ -114,7 +105,7 @@ def test_sigint_stops_every_process_of_the_demo(tmp_path: Path) -> None:
             *("--conversations", "50", "--turns", "4", "--keep-logs", str(tmp_path / "logs")),
         ),
         cwd=tmp_path,
-        env=_env(),
+        env=child_process_env(),
         stdout=out,
         stderr=subprocess.STDOUT,
         text=True,

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import REPO, _env, wait_until
+from harness import REPO, wait_until
 
 from clients.credentials import ChannelOptions, connect
 from clients.refengine.channel import Channel
 from clients.refengine.options import EngineOptions
-from coordinator.demo import BLOCK_SIZE, Cluster, EngineGroup
+from coordinator.demo import BLOCK_SIZE, Cluster, EngineGroup, child_process_env
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -176,7 +176,7 @@ async def test_drain_stops_new_prefix_loads_and_the_engine_still_serves(
         subprocess.run,
         [*argv, "--token-file", str(admin), "--json"],
         cwd=REPO,
-        env=_env(),
+        env=child_process_env(),
         capture_output=True,
         text=True,
         timeout=60,

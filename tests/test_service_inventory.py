@@ -27,7 +27,6 @@ from harness import (
     PYTHON,
     REPO,
     CoordinatorProcess,
-    _env,
     child_engine_status,
     get_status,
     metric_value,
@@ -53,6 +52,7 @@ from clients.session import (
     NullHandler,
     RankPartRegistration,
 )
+from coordinator.demo import child_process_env
 from kvrc.v1 import kvrc_pb2 as pb
 
 PROFILES = """
@@ -704,7 +704,7 @@ async def test_status_shows_inventory_entries_and_stale_engines(
         subprocess.run,
         [PYTHON, "-m", "coordinator", "status", "--target", t, "--json"],
         cwd=REPO,
-        env=_env(),
+        env=child_process_env(),
         capture_output=True,
         text=True,
         timeout=30,
@@ -721,7 +721,7 @@ async def test_status_shows_inventory_entries_and_stale_engines(
         subprocess.run,
         [PYTHON, "-m", "coordinator", "status", "--target", t],
         cwd=REPO,
-        env=_env(),
+        env=child_process_env(),
         capture_output=True,
         text=True,
         timeout=30,

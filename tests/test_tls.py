@@ -18,13 +18,14 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from harness import PYTHON, REPO, _env, get_status, start_coordinator
+from harness import PYTHON, REPO, get_status, start_coordinator
 
 from clients.credentials import ChannelOptions, CredentialsError, connect
 from clients.errors import KvrcClientError, PermissionDeniedError
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from coordinator.auth import load_auth_policy
 from coordinator.config import ConfigError, CoordinatorConfig, TlsFiles
+from coordinator.demo import child_process_env
 from coordinator.tls import server_credentials, tls_files_from_flags
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
@@ -243,7 +244,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [PYTHON, "-m", "coordinator", "serve", "--listen", "127.0.0.1:0", *args],
         cwd=REPO,
-        env=_env(),
+        env=child_process_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -325,7 +326,7 @@ def test_cli_status_over_tls(pki: Pki) -> None:
                 str(pki.ca.files.cert),
             ],
             cwd=REPO,
-            env=_env(),
+            env=child_process_env(),
             capture_output=True,
             text=True,
             timeout=60,
@@ -335,7 +336,7 @@ def test_cli_status_over_tls(pki: Pki) -> None:
         plain = subprocess.run(
             [PYTHON, "-m", "coordinator", "status", "--target", kvrc.grpc_target],
             cwd=REPO,
-            env=_env(),
+            env=child_process_env(),
             capture_output=True,
             text=True,
             timeout=60,
