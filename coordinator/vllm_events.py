@@ -41,6 +41,7 @@ from coordinator.events import (
     Tier,
 )
 from coordinator.inventory import MAX_BLOCK_HASH_BYTES
+from coordinator.registry import expected_child_engine_id
 
 # vLLM's replay end marker: seq = -1 as signed 8 bytes.
 END_SEQ = b"\xff" * 8
@@ -196,8 +197,8 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
 
 
 def child_engine_id_for(engine_id: str, dp_size: int, dp_rank: int) -> str:
-    """vLLM's child-engine naming: `<engine_id>_dp<rank>` when DP > 1, else bare."""
-    return f"{engine_id}_dp{dp_rank}" if dp_size > 1 else engine_id
+    """vLLM's child-engine naming (the registry's rule), in the stream config's order."""
+    return expected_child_engine_id(engine_id, dp_rank, dp_size)
 
 
 def tier_for_medium(medium: object) -> Tier:
