@@ -562,7 +562,7 @@ class InventoryFacade:
     # --- ZMQ edge -------------------------------------------------------------------
 
     def _start_zmq(self, registration: RankPartRegistration, meta: _Meta) -> None:
-        from coordinator.zmq_ingest import ZmqEventStream, stream_config_from_vllm
+        from coordinator.zmq_ingest import ZmqEventStream, publisher_host, stream_config_from_vllm
 
         cid = registration.child_engine_id
         if meta.mode is not PublishMode.PER_CHILD_ENGINE:
@@ -573,8 +573,6 @@ class InventoryFacade:
             )
             return
         p = registration.profile
-        # vLLM binds `tcp://*:PORT` on its own host: the host of its transfer endpoint.
-        host = registration.endpoint.session_name.rpartition(":")[0] or "127.0.0.1"
         try:
             stream = ZmqEventStream(
                 stream_config_from_vllm(
@@ -583,7 +581,7 @@ class InventoryFacade:
                     dp_size=p.dp_size,
                     kv_events_endpoint=registration.kv_events_endpoint,
                     kv_events_replay_endpoint=registration.kv_events_replay_endpoint,
-                    publisher_host=host,
+                    publisher_host=publisher_host(registration.endpoint.session_name),
                     block_size=p.block_size,
                     lora_name=p.lora_name,
                 ),

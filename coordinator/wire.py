@@ -53,7 +53,7 @@ from coordinator.service import (
     StateUpdate,
     StatusSnapshot,
 )
-from coordinator.zmq_ingest import ZmqStreamConfig, subscriber_endpoint
+from coordinator.zmq_ingest import ZmqStreamConfig, publisher_host, subscriber_endpoint
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2 as pb
 
@@ -269,9 +269,8 @@ def _check_kv_events_endpoint(
     """Refuses what the ZMQ edge would refuse later (its own validators, same inputs)."""
     if not value:
         return
-    # As the ZMQ edge does: vLLM binds `*` on the host of its transfer endpoint.
-    host = endpoint.session_name.rpartition(":")[0] or "127.0.0.1"
     try:
+        host = publisher_host(endpoint.session_name)
         subscribed, _ = subscriber_endpoint(value, host, msg.dp_rank)
         ZmqStreamConfig(engine_id=engine_id, endpoint=subscribed)
     except KvrcError as e:

@@ -151,6 +151,12 @@ class ZmqStreamConfig:
         return child_engine_id_for(self.engine_id, self.dp_size, self.dp_rank)
 
 
+def publisher_host(session_name: str) -> str:
+    """The host a vLLM engine publishes on: vLLM binds `tcp://*:PORT` on its own
+    host, which is the host of its transfer endpoint's session name."""
+    return session_name.rpartition(":")[0] or "127.0.0.1"
+
+
 def subscriber_endpoint(
     vllm_endpoint: str, publisher_host: str, dp_rank: int = 0
 ) -> tuple[str, bool]:
