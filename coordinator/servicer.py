@@ -43,6 +43,18 @@ def status_code(code: ErrorCode) -> grpc.StatusCode:
     return grpc.StatusCode[code.value]
 
 
+async def _abort(context: Context, code: grpc.StatusCode, message: str) -> None:
+    """End a session stream with `code`. When grpc can no longer send a status (the
+    server is stopping or the peer already went away) the call is over anyway: the
+    stream just ends, without a second abort or an error in the log."""
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise  # the normal way out: grpc unwinds the handler with it
+    except Exception as e:  # cygrpc's ExecuteBatchError: the call is already finished
+        log.debug("session status %s not sent, the call is over: %r", code.name, e)
+
+
 class _Failure:
     """The status a session ends with when its reader fails (set once)."""
 
@@ -182,16 +194,16 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 if isinstance(out, SessionEnd):
                     if failure.code is not None:
                         code = failure.code
-                        await context.abort(code, failure.message)
-                    if out.code is not None:
+                        await _abort(context, code, failure.message)
+                    elif out.code is not None:
                         code = status_code(out.code)
-                        await context.abort(code, out.message)
+                        await _abort(context, code, out.message)
                     return
                 yield wire.coordinator_message(out)
         except KvrcError as e:
             code = status_code(e.code)
             self._observed.count_denied(e)
-            await context.abort(code, e.message)
+            await _abort(context, code, e.message)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -200,7 +212,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         except Exception:
             code = grpc.StatusCode.INTERNAL
             log.exception("session stream failed")
-            await context.abort(code, "internal error (see the coordinator log)")
+            await _abort(context, code, "internal error (see the coordinator log)")
         finally:
             if reader is not None:
                 reader.cancel()
