@@ -66,9 +66,9 @@ from benchmarks.common import (
     stop_process,
     write_result,
 )
-from coordinator.demo import child_process_env
-from coordinator.events import BlockRemoved, BlockStored, InventoryEvent, Tier
-from coordinator.inventory import Inventory, Scope
+from clients.refengine.demo import child_process_env
+from coordinator.core.events import BlockRemoved, BlockStored, InventoryEvent, Tier
+from coordinator.core.inventory import Inventory, Scope
 
 COMPAT = "bench-compat"
 SCOPE = Scope(COMPAT, 0)

@@ -8,7 +8,7 @@ them as `[topic, seq, payload]` through a ZMQ PUB socket on loopback as fast as
 it can. This process ingests them with `ZmqEventStream` (decode, ordering,
 metrics) on uvloop, into:
 
-* `inventory`: the inventory core (`coordinator.inventory.Inventory`), the path
+* `inventory`: the inventory core (`coordinator.core.inventory.Inventory`), the path
   the running service uses: `block_events_per_s` (the headline);
 * `count`: a sink that only counts, i.e. the edge alone: `edge_block_events_per_s`.
 
@@ -46,11 +46,11 @@ import zmq
 import zmq.asyncio
 
 from benchmarks.common import RESULTS_DIR, write_json
-from coordinator.events import BlockRemoved, BlockStored, EventBatch
-from coordinator.inventory import Inventory
-from coordinator.metrics import Metrics
-from coordinator.vllm_events import decode_payload
-from coordinator.zmq_ingest import ZmqEventStream, ZmqStreamConfig
+from coordinator.core.events import BlockRemoved, BlockStored, EventBatch
+from coordinator.core.inventory import Inventory
+from coordinator.core.vllm_events import decode_payload
+from coordinator.edges.zmq_ingest import ZmqEventStream, ZmqStreamConfig
+from coordinator.runtime.metrics import Metrics
 
 DEFAULT_OUT = RESULTS_DIR / "zmq.json"
 ENGINE = "bench-engine"

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from clients.credentials import ChannelOptions, connect
 from clients.errors import InvalidArgumentError, from_rpc_error
 from clients.session import (
     ChildEngineState,
@@ -38,12 +37,13 @@ from clients.session import (
     ReuseInfo,
     SessionHandler,
 )
+from kvrc.credentials import ChannelOptions, connect
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvrc.client.inventory")
 
-# The coordinator's limits (coordinator/inventory.py); batches are cut below them.
+# The coordinator's limits (coordinator/core/inventory.py); batches are cut below them.
 MAX_EVENTS_PER_BATCH = 1024
 MAX_BLOCKS_PER_BATCH = 8192
 MAX_CHAIN_BLOCKS = 4096

@@ -33,10 +33,10 @@ from typing import Any
 
 import grpc
 
-from clients.credentials import ChannelOptions, connect
 from clients.errors import KvrcClientError, UnavailableError, from_rpc_error
-from clients.kv_params import decode_kv_transfer_params, encode_kv_transfer_params
 from clients.session import EngineSession, NullHandler, ReuseInfo, SessionHandler
+from kvrc.credentials import ChannelOptions, connect
+from kvrc.kv_params import decode_kv_transfer_params, encode_kv_transfer_params
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -259,7 +259,7 @@ class LeaseClient:
         try:
             params = decode_kv_transfer_params(reply.kv_transfer_params)
         except ValueError:
-            params = {}  # not made by clients.kv_params: the bytes are still there
+            params = {}  # not made by kvrc.kv_params: the bytes are still there
         return HandoffGrant(
             lease_id=reply.lease_id,
             prefill_child_engine_id=reply.prefill_child_engine_id,

@@ -34,8 +34,8 @@ from typing import Literal, Protocol
 import grpc
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
-from clients.credentials import ChannelOptions, connect
 from clients.errors import KvrcClientError, UnavailableError, error_from_status, from_rpc_error
+from kvrc.credentials import ChannelOptions, connect
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 

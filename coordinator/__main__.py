@@ -2,6 +2,6 @@
 
 import sys
 
-from coordinator.cli import main
+from coordinator.edges.cli import main
 
 sys.exit(main())

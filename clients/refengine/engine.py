@@ -26,7 +26,7 @@ load; loads and handoffs already running finish, and requests are still
 served (computed locally). kvrc itself stops granting loads from it.
 
 Every channel to kvrc is made from `EngineOptions.coordinator` (TLS, mutual
-TLS, bearer token: clients/credentials.py).
+TLS, bearer token: kvrc/credentials.py).
 
 Every process prints JSON lines on stdout (`listening`, `registered`, `ready`,
 `granted`, `draining`, ...) for the orchestrator and tests; logs go to stderr.
@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 
-from clients.credentials import connect
 from clients.errors import KvrcClientError
 from clients.hashing import hash_block_chain
 from clients.inventory import (
@@ -62,7 +61,6 @@ from clients.inventory import (
     Tier,
 )
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
-from clients.kv_params import encode_kv_transfer_params
 from clients.leases import LeaseClient, LeaseSessionHandler, Miss, PinAnswer, PinRequestInfo
 from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from clients.refengine.blocks import BlockPool, PoolExhaustedError, StoredBlock
@@ -88,6 +86,8 @@ from clients.transfer import (
     pull,
     rank_part_descriptor,
 )
+from kvrc.credentials import connect
+from kvrc.kv_params import encode_kv_transfer_params
 from kvrc.v1 import kvrc_pb2 as pb
 
 log = logging.getLogger("kvrc.refengine")

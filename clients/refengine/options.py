@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from clients.credentials import ChannelOptions
+from kvrc.credentials import ChannelOptions
 
 Role = Literal["prefill", "decode"]
 
@@ -41,7 +41,7 @@ class EngineOptions:
     mooncake_device: str = ""
     mooncake_port_min: int | None = None
     mooncake_port_max: int | None = None
-    # How to reach kvrc (clients/credentials.py): TLS, mutual TLS, bearer token.
+    # How to reach kvrc (kvrc/credentials.py): TLS, mutual TLS, bearer token.
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -120,7 +120,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mooncake-device", default=d.mooncake_device)
     parser.add_argument("--mooncake-ports", type=_port_range, help="LOW-HIGH (below 32768)")
     parser.add_argument("--log-level", default="WARNING")
-    # The same client flags as `kvrc status / drain / quarantine` (coordinator/cli.py).
+    # The same client flags as `kvrc status / drain / quarantine` (coordinator/edges/cli.py).
     parser.add_argument("--tls-ca", type=Path, help="PEM CA that signed kvrc's certificate: TLS")
     parser.add_argument("--tls-cert", type=Path, help="PEM client certificate (mutual TLS)")
     parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")

@@ -1,0 +1,375 @@
+"""Engine identity and authorization, pure (no grpc, no I/O but reading the file).
+
+With `kvrc serve --auth-tokens FILE` every kvrc.v1 RPC needs a credential: a
+bearer token (gRPC metadata `authorization: Bearer <token>`) or, under mutual
+TLS, a client certificate whose identity the file names. A credential is bound
+to the `engine_id`s it may act for and to roles:
+
+    [[token]]
+    name = "prefill-0"          # shown in logs and errors; never the secret
+    sha256 = "9f86d08..."       # hex SHA-256 of the token (preferred), or
+    # token = "..."             # the token itself (at least 16 characters)
+    engine_ids = ["prefill-0"]
+
+    [[token]]
+    name = "operator"
+    sha256 = "..."
+    roles = ["admin"]           # Drain, ResolveQuarantine, GetStatus
+
+    [[identity]]                # a client certificate (mTLS)
+    name = "decode-0"
+    uri = "spiffe://cluster.local/kvrc/decode-0"   # a SAN entry; or cn = "decode-0"
+    engine_ids = ["decode-0"]
+    roles = ["read"]            # GetStatus
+
+Only SHA-256 digests of tokens are kept in memory; a presented token is hashed
+and compared with `hmac.compare_digest` against every entry (no early exit).
+A child engine belongs to engine E when it is E itself or `E_dp<N>` (vLLM's
+naming), or when the registry says so. Refusals are `AuthDenied` (a
+`KvrcError`) carrying the `DenyReason` that labels `kvrc_auth_denied_total`;
+their messages name the credential by its `name`, never by its secret.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import re
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coordinator.core.errors import ErrorCode, KvrcError
+
+MIN_TOKEN_CHARS = 16  # about 96 bits in base64: not guessable online
+MAX_TOKEN_CHARS = 4096  # above any real token; bounds the hashing work per call
+MAX_ENTRIES = 100_000
+_HEX_SHA256 = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[A-Za-z0-9._:@/+-]{1,128}")
+_DP_SUFFIX = re.compile(r"_dp[0-9]+")
+
+
+class AuthConfigError(Exception):
+    """A credentials file the coordinator cannot start with; the message is one line."""
+
+
+class Role(enum.Enum):
+    ADMIN = "admin"  # Drain, ResolveQuarantine (and everything READ may do)
+    READ = "read"  # GetStatus
+
+
+class DenyReason(enum.Enum):
+    """The `reason` label of `kvrc_auth_denied_total`."""
+
+    UNAUTHENTICATED = "unauthenticated"
+    FOREIGN_ENGINE = "foreign_engine"
+    FOREIGN_LEASE = "foreign_lease"
+    NOT_ADMIN = "not_admin"
+
+
+class AuthDenied(KvrcError):
+    """A refusal for identity reasons; state is unchanged."""
+
+    def __init__(self, reason: DenyReason, message: str) -> None:
+        code = (
+            ErrorCode.UNAUTHENTICATED
+            if reason is DenyReason.UNAUTHENTICATED
+            else ErrorCode.PERMISSION_DENIED
+        )
+        super().__init__(code, message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: a credential's name and what it is bound to (no secret in here)."""
+
+    name: str
+    engine_ids: frozenset[str]
+    roles: frozenset[Role]
+    via: str  # "token" or "certificate"
+
+    def may_read(self) -> bool:
+        return bool(self.roles & {Role.ADMIN, Role.READ})
+
+
+@dataclass(frozen=True, slots=True)
+class CertIdentity:
+    """What the TLS layer verified about the client certificate (empty without mTLS)."""
+
+    common_name: str = ""
+    subject_alt_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _TokenEntry:
+    principal: Principal
+    digest: bytes = field(repr=False)  # SHA-256 of the token
+
+
+@dataclass(frozen=True, slots=True)
+class _IdentityEntry:
+    principal: Principal
+    cn: str
+    uri: str
+
+
+def token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+def child_engine_belongs_to(child_engine_id: str, engine_id: str) -> bool:
+    """vLLM's naming: the child of a dense engine is the engine; DP ranks add `_dp<N>`."""
+    if child_engine_id == engine_id:
+        return True
+    return child_engine_id.startswith(engine_id) and bool(
+        _DP_SUFFIX.fullmatch(child_engine_id, len(engine_id))
+    )
+
+
+def parse_authorization(values: Sequence[str]) -> str | None:
+    """The token of the `authorization` metadata values (None when absent).
+
+    AuthDenied(UNAUTHENTICATED) when malformed: repeated, not `Bearer`, empty or
+    oversized. The message never contains the header's value.
+    """
+    if not values:
+        return None
+    if len(values) > 1:
+        raise AuthDenied(DenyReason.UNAUTHENTICATED, "more than one authorization header")
+    scheme, _, token = values[0].strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise AuthDenied(
+            DenyReason.UNAUTHENTICATED,
+            "the authorization header must be 'Bearer <token>'",
+        )
+    if len(token) > MAX_TOKEN_CHARS:
+        raise AuthDenied(
+            DenyReason.UNAUTHENTICATED, f"the bearer token is longer than {MAX_TOKEN_CHARS}"
+        )
+    return token
+
+
+class AuthPolicy:
+    """The credentials of one coordinator and the checks every RPC makes."""
+
+    def __init__(
+        self, tokens: Sequence[_TokenEntry] = (), identities: Sequence[_IdentityEntry] = ()
+    ) -> None:
+        self._tokens = tuple(tokens)
+        self._identities = tuple(identities)
+
+    def __repr__(self) -> str:
+        return f"AuthPolicy({len(self._tokens)} token(s), {len(self._identities)} identity(ies))"
+
+    # --- authentication --------------------------------------------------------
+
+    def authenticate(self, token: str | None, cert: CertIdentity) -> Principal:
+        """A bearer token wins when present (it must be valid); else the certificate."""
+        if token is not None:
+            presented = token_digest(token)
+            found: Principal | None = None
+            for entry in self._tokens:  # every entry, no early exit: constant time
+                if hmac.compare_digest(presented, entry.digest):
+                    found = entry.principal
+            if found is None:
+                raise AuthDenied(DenyReason.UNAUTHENTICATED, "the bearer token is not recognised")
+            return found
+        if cert.common_name or cert.subject_alt_names:
+            for identity in self._identities:
+                if (identity.cn and identity.cn == cert.common_name) or (
+                    identity.uri and identity.uri in cert.subject_alt_names
+                ):
+                    return identity.principal
+            raise AuthDenied(
+                DenyReason.UNAUTHENTICATED,
+                "the client certificate's identity is not in the credentials file",
+            )
+        raise AuthDenied(
+            DenyReason.UNAUTHENTICATED,
+            "credentials required: send 'authorization: Bearer <token>' metadata "
+            "or a client certificate",
+        )
+
+    # --- authorization ----------------------------------------------------------
+
+    @staticmethod
+    def check_engine(principal: Principal, engine_id: str) -> None:
+        """The principal may register rank parts of `engine_id`."""
+        if engine_id not in principal.engine_ids:
+            raise AuthDenied(
+                DenyReason.FOREIGN_ENGINE,
+                f"credential {principal.name!r} may not act for engine {engine_id!r}",
+            )
+
+    @staticmethod
+    def check_child_engine(
+        principal: Principal,
+        child_engine_id: str,
+        registered_engine_of: Callable[[str], str | None],
+        field_name: str = "child_engine_id",
+    ) -> None:
+        """The principal may act for `child_engine_id` (a registered child's engine wins)."""
+        registered = registered_engine_of(child_engine_id)
+        if registered is not None:
+            allowed = registered in principal.engine_ids
+        else:
+            allowed = any(child_engine_belongs_to(child_engine_id, e) for e in principal.engine_ids)
+        if not allowed:
+            raise AuthDenied(
+                DenyReason.FOREIGN_ENGINE,
+                f"credential {principal.name!r} may not act for {field_name} {child_engine_id!r}",
+            )
+
+    @staticmethod
+    def check_admin(principal: Principal, method: str) -> None:
+        if Role.ADMIN not in principal.roles:
+            raise AuthDenied(
+                DenyReason.NOT_ADMIN,
+                f"{method} needs an admin credential; {principal.name!r} is not one",
+            )
+
+    @staticmethod
+    def check_read(principal: Principal, method: str) -> None:
+        if not principal.may_read():
+            raise AuthDenied(
+                DenyReason.NOT_ADMIN,
+                f"{method} needs a credential with the read or admin role; "
+                f"{principal.name!r} has neither",
+            )
+
+
+# --- the credentials file ---------------------------------------------------------
+
+
+def load_auth_policy(path: Path) -> AuthPolicy:
+    """Reads the TOML credentials file; AuthConfigError (one line, no secret) when bad."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise AuthConfigError(f"auth tokens file {path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise AuthConfigError(f"auth tokens file {path}: not UTF-8 text") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        # tomllib's message names a line and column, never the value.
+        raise AuthConfigError(f"auth tokens file {path}: invalid TOML: {e}") from None
+    return parse_auth_policy(data, str(path))
+
+
+def parse_auth_policy(data: Mapping[str, object], source: str = "auth tokens") -> AuthPolicy:
+    unknown = sorted(str(k) for k in data if k not in ("token", "identity"))
+    if unknown:
+        raise AuthConfigError(
+            f"{source}: unknown top-level key(s) {unknown} (expected 'token', 'identity')"
+        )
+    tokens_raw = _entries(data, "token", source)
+    identities_raw = _entries(data, "identity", source)
+    if not tokens_raw and not identities_raw:
+        raise AuthConfigError(f"{source}: no [[token]] or [[identity]] entry")
+    if len(tokens_raw) + len(identities_raw) > MAX_ENTRIES:
+        raise AuthConfigError(f"{source}: more than {MAX_ENTRIES} entries")
+    names: set[str] = set()
+    digests: set[bytes] = set()
+    tokens: list[_TokenEntry] = []
+    for index, entry in enumerate(tokens_raw):
+        where = f"{source}: [[token]] #{index + 1}"
+        principal = _principal(entry, where, names, "token", {"token", "sha256"})
+        has_token, has_sha = "token" in entry, "sha256" in entry
+        if has_token == has_sha:
+            raise AuthConfigError(f"{where} ({principal.name}): give exactly one of token, sha256")
+        if has_token:
+            token = entry["token"]
+            if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
+                raise AuthConfigError(
+                    f"{where} ({principal.name}): token must be a string of at least "
+                    f"{MIN_TOKEN_CHARS} characters"
+                )
+            if len(token) > MAX_TOKEN_CHARS or not (token.isascii() and token.isprintable()):
+                raise AuthConfigError(
+                    f"{where} ({principal.name}): token must be printable ASCII of at most "
+                    f"{MAX_TOKEN_CHARS} characters"
+                )
+            if " " in token:
+                raise AuthConfigError(f"{where} ({principal.name}): token may not contain spaces")
+            digest = token_digest(token)
+        else:
+            sha = entry["sha256"]
+            if not isinstance(sha, str) or not _HEX_SHA256.fullmatch(sha.lower()):
+                raise AuthConfigError(
+                    f"{where} ({principal.name}): sha256 must be 64 hexadecimal digits"
+                )
+            digest = bytes.fromhex(sha)
+        if digest in digests:
+            raise AuthConfigError(f"{where} ({principal.name}): the same token is listed twice")
+        digests.add(digest)
+        tokens.append(_TokenEntry(principal, digest))
+    identities: list[_IdentityEntry] = []
+    seen_ids: set[tuple[str, str]] = set()
+    for index, entry in enumerate(identities_raw):
+        where = f"{source}: [[identity]] #{index + 1}"
+        principal = _principal(entry, where, names, "certificate", {"cn", "uri"})
+        cn, uri = entry.get("cn", ""), entry.get("uri", "")
+        if not isinstance(cn, str) or not isinstance(uri, str) or bool(cn) == bool(uri):
+            raise AuthConfigError(
+                f"{where} ({principal.name}): give exactly one of cn, uri (a non-empty string)"
+            )
+        if (cn, uri) in seen_ids:
+            raise AuthConfigError(f"{where} ({principal.name}): the same identity is listed twice")
+        seen_ids.add((cn, uri))
+        identities.append(_IdentityEntry(principal, cn, uri))
+    return AuthPolicy(tokens, identities)
+
+
+def _entries(data: Mapping[str, object], key: str, source: str) -> list[Mapping[str, object]]:
+    raw = data.get(key, [])
+    if not isinstance(raw, list) or not all(isinstance(e, Mapping) for e in raw):
+        raise AuthConfigError(f"{source}: '{key}' must be a list of tables ([[{key}]])")
+    return raw
+
+
+def _principal(
+    entry: Mapping[str, object], where: str, names: set[str], via: str, secret_keys: set[str]
+) -> Principal:
+    unknown = sorted(
+        str(k) for k in entry if k not in {"name", "engine_ids", "roles"} | secret_keys
+    )
+    if unknown:
+        raise AuthConfigError(f"{where}: unknown key(s) {unknown}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise AuthConfigError(
+            f"{where}: name must be 1..128 characters of letters, digits and ._:@/+-"
+        )
+    if name in names:
+        raise AuthConfigError(f"{where}: name {name!r} is used twice")
+    names.add(name)
+    engine_ids = _strings(entry.get("engine_ids", []), f"{where} ({name}): engine_ids")
+    role_names = _strings(entry.get("roles", []), f"{where} ({name}): roles")
+    try:
+        roles = frozenset(Role(r) for r in role_names)
+    except ValueError:
+        raise AuthConfigError(
+            f"{where} ({name}): roles must be among {[r.value for r in Role]}, got {role_names}"
+        ) from None
+    if not engine_ids and not roles:
+        raise AuthConfigError(f"{where} ({name}): grants nothing (no engine_ids, no roles)")
+    return Principal(name, frozenset(engine_ids), roles, via)
+
+
+def _strings(value: object, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, str) and v and len(v) <= 256 and v.isascii() and v.isprintable()
+        for v in value
+    ):
+        raise AuthConfigError(f"{where} must be a list of non-empty printable ASCII strings")
+    return list(value)
+
+
+def describe(policy: AuthPolicy | None) -> str:
+    """For the startup log line: counts only."""
+    return "off" if policy is None else repr(policy)

@@ -1,0 +1,1471 @@
+"""The two lease state machines: prefix load and decode handoff.
+
+Pure and synchronous: no I/O, no asyncio, no protobuf; time comes in as
+`now_ms`. Every mutating method returns the actions the facade must execute
+(send a pin / release / abort / quarantine notice, wake a waiter, count a
+metric); the core never sends anything itself. A method that raises
+`KvrcError` has changed nothing.
+
+Invariant 2: prefix loads and handoffs are separate record types, created and
+driven by separate methods; a lease id of one flow is NOT_FOUND to the other.
+
+Invariant 6 (quiescence), the rules this module keeps:
+- the *source* (prefix-load holder / handoff prefill) gets `SendRelease` only
+  when every *target* part (requester / decode) reported a terminal outcome,
+  acknowledged an abort, or the target engine is proven gone;
+- a deadline passing while the target is alive leads to `SendAbort` and a wait
+  for every acknowledgement, never to a release; an abort that is never
+  acknowledged, or any UNKNOWN outcome, ends in QUARANTINED (fail closed): the
+  source is told to keep the blocks out of use until an operator resolves it;
+- a release is sent at most once per source rank part.
+
+Prefix-load pins: a holder part that never answered its PinRequest by the pin
+timeout still gets a `SendRelease` (it may have pinned and its answer be in
+flight; the release follows the PinRequest on the same ordered session stream,
+so it cannot arrive first). Holder parts that answered 0 blocks hold nothing
+and get no release.
+
+Handoff publications: a prefill part that publishes after its handoff ended
+receives the terminal state (nothing changes); it must then free its blocks
+itself, since no release will follow for a lease it was never part of.
+
+Idempotency: (flow, requester or prefill child engine, request id) names one
+lease; repeating it returns that lease, also after it ended, for as long as the
+ended lease is retained (`LeaseConfig.terminal_retention_ms` / count bound).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from coordinator.core.errors import (
+    ErrorCode,
+    KvrcError,
+    failed_precondition,
+    invalid,
+    not_found,
+    permission_denied,
+    resource_exhausted,
+)
+from coordinator.core.events import BlockHash, RankKey
+
+__all__ = [
+    "TERMINAL_STATES",
+    "Action",
+    "Flow",
+    "HandoffGrant",
+    "HandoffPublished",
+    "HandoffReady",
+    "LeaseAborting",
+    "LeaseConfig",
+    "LeaseEnded",
+    "LeaseGranted",
+    "LeaseMissed",
+    "LeaseQuarantined",
+    "LeaseState",
+    "LeaseStep",
+    "LeaseTable",
+    "LeaseView",
+    "MissReason",
+    "Outcome",
+    "PrefixLoadGrant",
+    "SendAbort",
+    "SendPin",
+    "SendQuarantine",
+    "SendRelease",
+    "SourcePart",
+    "flow_of_lease_id",
+]
+
+
+class Flow(enum.Enum):
+    """Values are the `flow` metric label and `LeaseStatus.flow`."""
+
+    PREFIX_LOAD = "prefix_load"
+    HANDOFF = "handoff"
+
+
+class LeaseState(enum.IntEnum):
+    """Values match `kvrc.v1.LeaseState`. RELEASING is not used by this core:
+    a release is sent and the lease is terminal in the same step."""
+
+    PINNING = 1
+    WAITING_READY = 2
+    READY = 3
+    ACTIVE = 4
+    ABORTING = 5
+    RELEASING = 6
+    COMPLETED = 7
+    FAILED = 8
+    QUARANTINED = 9
+    RESOLVED = 10
+    MISSED = 11
+
+
+TERMINAL_STATES = frozenset(
+    {LeaseState.COMPLETED, LeaseState.FAILED, LeaseState.RESOLVED, LeaseState.MISSED}
+)
+
+
+class Outcome(enum.IntEnum):
+    """A target rank part's terminal report; values match `kvrc.v1.TransferOutcome`."""
+
+    SUCCEEDED = 1
+    FAILED = 2
+    UNKNOWN = 3
+
+
+class MissReason(enum.Enum):
+    """Values are the `reason` label of `kvrc_prefix_load_misses_total`."""
+
+    SHORT_PIN = "short_pin"  # a holder part pinned nothing
+    BELOW_MIN_BLOCKS = "below_min_blocks"  # pinned, but fewer than min_blocks
+    PIN_TIMEOUT = "pin_timeout"
+    HOLDER_GONE = "holder_gone"
+    DRAINING = "draining"  # holder or requester drained while pinning
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseConfig:
+    max_open_leases: int = 65_536  # non-terminal (incl. quarantined), both flows
+    max_open_leases_per_engine: int = 4_096  # as source or target
+    max_chain_blocks: int = 65_536
+    max_rank_parts: int = 1_024  # per child engine grid
+    max_kv_transfer_params_bytes: int = 1 << 20
+    max_pin_timeout_ms: int = 60_000
+    max_transfer_ttl_ms: int = 600_000
+    # A frozen Mooncake peer blocks a call 30-60 s; give the target that long.
+    abort_timeout_ms: int = 60_000
+    handoff_heartbeat_timeout_ms: int = 10_000
+    handoff_publish_timeout_ms: int = 60_000  # WAITING_READY this long -> FAILED
+    handoff_ready_max_wait_ms: int = 120_000  # READY, never begun -> FAILED
+    terminal_retention_ms: int = 600_000
+    max_terminal_leases: int = 65_536
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"LeaseConfig.{name} must be an int >= 1, got {value!r}")
+
+
+# ---------------------------------------------------------------------------
+# Values handed to the facade
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SourcePart:
+    """One source rank part's transfer descriptor, passed through untouched."""
+
+    rank_key: RankKey
+    descriptor: object
+    pinned_blocks: int  # handoff: the handoff's num_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLoadGrant:
+    lease_id: str
+    source_child_engine_id: str
+    matched_blocks: int
+    source_parts: tuple[SourcePart, ...]  # sorted by rank key
+    deadline_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffGrant:
+    lease_id: str
+    prefill_child_engine_id: str
+    decode_child_engine_id: str
+    source_parts: tuple[SourcePart, ...]  # sorted by rank key
+    kv_transfer_params: bytes  # byte for byte as published
+    num_blocks: int
+    deadline_ms: int  # as of the grant; extend_handoff moves it
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseView:
+    """A snapshot of one lease, for RPC answers and `kvrc status`."""
+
+    lease_id: str
+    flow: Flow
+    state: LeaseState
+    request_id: str
+    source_child_engine_id: str  # holder / prefill
+    target_child_engine_id: str | None  # requester / decode (None: handoff not begun)
+    created_ms: int
+    deadline_ms: int | None  # of the current state's timer, if any
+    reason: str
+    parts_reported: int  # prefix load: holder parts answered; handoff: prefill parts
+    parts_expected: int
+    prefix_load_grant: PrefixLoadGrant | None = None
+    handoff_grant: HandoffGrant | None = None
+    miss_reason: MissReason | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def quiescent(self) -> bool:
+        """True once no native operation can touch the leased blocks any more."""
+        return self.state in TERMINAL_STATES
+
+
+@dataclass(frozen=True, slots=True)
+class SendPin:
+    child_engine_id: str
+    rank_key: RankKey
+    lease_id: str
+    block_hashes: tuple[BlockHash, ...]
+    requester_child_engine_id: str
+    deadline_ms: int  # latest the lease can be granted until (pin timeout + TTL)
+    group_idx: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendRelease:
+    child_engine_id: str
+    rank_key: RankKey
+    lease_id: str
+    flow: Flow
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendAbort:
+    child_engine_id: str
+    rank_key: RankKey
+    lease_id: str
+    flow: Flow
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendQuarantine:
+    child_engine_id: str
+    rank_key: RankKey
+    lease_id: str
+    flow: Flow
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffReady:
+    """Every prefill part reported: wake decode engines waiting in BeginHandoff."""
+
+    lease_id: str
+    prefill_child_engine_id: str
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGranted:
+    lease_id: str
+    flow: Flow
+    grant_latency_ms: int  # from the lease's creation
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseMissed:
+    lease_id: str
+    requester_child_engine_id: str
+    request_id: str
+    reason: MissReason
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseAborting:
+    """Counted once per lease in `kvrc_lease_aborts_total` (its SendAborts follow)."""
+
+    lease_id: str
+    flow: Flow
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseQuarantined:
+    lease_id: str
+    flow: Flow
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseEnded:
+    lease_id: str
+    flow: Flow
+    state: LeaseState
+    quiescence_ms: int | None  # grant -> end; None if never granted
+    lifetime_ms: int
+
+
+Action = (
+    SendPin
+    | SendRelease
+    | SendAbort
+    | SendQuarantine
+    | HandoffReady
+    | LeaseGranted
+    | LeaseMissed
+    | LeaseAborting
+    | LeaseQuarantined
+    | LeaseEnded
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseStep:
+    view: LeaseView
+    actions: tuple[Action, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffPublished:
+    view: LeaseView
+    parts_reported: int
+    parts_expected: int
+    actions: tuple[Action, ...]
+
+
+# ---------------------------------------------------------------------------
+# Internal records (mutable; never leave this module)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _Lease:
+    lease_id: str
+    request_id: str
+    state: LeaseState
+    created_ms: int
+    source_child_engine_id: str
+    source_rank_keys: tuple[RankKey, ...]
+    target_child_engine_id: str | None
+    target_rank_keys: tuple[RankKey, ...]
+    reason: str = ""
+    granted_ms: int | None = None
+    deadline_ms: int | None = None  # ACTIVE: transfer / heartbeat deadline
+    abort_deadline_ms: int | None = None
+    ended_ms: int | None = None
+    outcomes: dict[RankKey, Outcome] = field(default_factory=dict)
+    abort_pending: set[RankKey] = field(default_factory=set)  # aborted, not yet acked
+    abort_acked: set[RankKey] = field(default_factory=set)
+    released: set[RankKey] = field(default_factory=set)
+    # Rebuilt from a holder's re-announcement after a coordinator restart (recover_held).
+    recovered: bool = False
+
+    @property
+    def flow(self) -> Flow:
+        raise NotImplementedError
+
+
+@dataclass(slots=True, eq=False)
+class _PrefixLoad(_Lease):
+    block_hashes: tuple[BlockHash, ...] = ()
+    min_blocks: int = 1
+    group_idx: int = 0
+    pin_deadline_ms: int = 0
+    transfer_ttl_ms: int = 0
+    pins: dict[RankKey, tuple[int, object]] = field(default_factory=dict)
+    matched_blocks: int = 0
+    miss_reason: MissReason | None = None
+
+    @property
+    def flow(self) -> Flow:
+        return Flow.PREFIX_LOAD
+
+
+@dataclass(slots=True, eq=False)
+class _Handoff(_Lease):
+    kv_transfer_params: bytes = b""
+    num_blocks: int = 0
+    decode_restriction: str | None = None  # only this decode engine may begin
+    published: dict[RankKey, object] = field(default_factory=dict)
+    ready_ms: int | None = None
+
+    @property
+    def flow(self) -> Flow:
+        return Flow.HANDOFF
+
+
+_TARGET_WORD = {Flow.PREFIX_LOAD: "requester", Flow.HANDOFF: "decode"}
+_SOURCE_WORD = {Flow.PREFIX_LOAD: "holder", Flow.HANDOFF: "prefill"}
+
+
+_L = TypeVar("_L", bound=_Lease)
+
+
+def _default_ids() -> str:
+    return uuid.uuid4().hex
+
+
+# Default lease ids carry their flow, so a lease a holder re-announces after a
+# coordinator restart (`Register.held_lease_ids`) is rebuilt in the right flow.
+_FLOW_ID_PREFIX = {Flow.PREFIX_LOAD: "pl-", Flow.HANDOFF: "ho-"}
+
+RECOVERED_REASON = (
+    "re-announced by its holder after a coordinator restart: outcome unknown, kept pinned "
+    "until every target part reports or an operator resolves it"
+)
+
+
+def flow_of_lease_id(lease_id: str) -> Flow | None:
+    """The flow a default lease id names (None: not an id this table issued by default)."""
+    for flow, prefix in _FLOW_ID_PREFIX.items():
+        if lease_id.startswith(prefix) and len(lease_id) > len(prefix):
+            return flow
+    return None
+
+
+class LeaseTable:
+    """The in-memory lease store and both state machines.
+
+    A Redis-backed store can replace it behind the same methods (DESIGN §7).
+    """
+
+    def __init__(
+        self, config: LeaseConfig | None = None, id_factory: Callable[[], str] | None = None
+    ) -> None:
+        self._config = config if config is not None else LeaseConfig()
+        self._new_id = id_factory if id_factory is not None else _default_ids
+        self._flow_ids = id_factory is None  # prefix ids with their flow (see flow_of_lease_id)
+        self._leases: dict[str, _Lease] = {}
+        self._by_request: dict[tuple[Flow, str, str], str] = {}
+        self._by_engine: dict[str, set[str]] = {}  # open leases, as source or target
+        self._open_ids: dict[str, None] = {}  # open leases, oldest first
+        self._open_counts: Counter[tuple[Flow, LeaseState]] = Counter()
+        self._terminal: OrderedDict[str, int] = OrderedDict()  # lease id -> ended_ms
+        self._timers: list[tuple[int, int, str]] = []  # (due_ms, seq, lease id), lazy
+        self._timer_seq = 0
+
+    @property
+    def config(self) -> LeaseConfig:
+        return self._config
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, lease_id: str) -> LeaseView:
+        return self._view(self._lookup(lease_id))
+
+    def find_prefix_load(self, requester_child_engine_id: str, request_id: str) -> LeaseView | None:
+        lease_id = self._by_request.get((Flow.PREFIX_LOAD, requester_child_engine_id, request_id))
+        return None if lease_id is None else self._view(self._leases[lease_id])
+
+    def find_handoff(self, prefill_child_engine_id: str, request_id: str) -> LeaseView | None:
+        lease_id = self._by_request.get((Flow.HANDOFF, prefill_child_engine_id, request_id))
+        return None if lease_id is None else self._view(self._leases[lease_id])
+
+    def leases_of(self, child_engine_id: str) -> list[LeaseView]:
+        """Open (non-terminal, incl. quarantined) leases with this engine on either side."""
+        ids = sorted(self._by_engine.get(child_engine_id, ()))
+        return [self._view(self._leases[i]) for i in ids]
+
+    def list_leases(self, *, include_terminal: bool = False) -> list[LeaseView]:
+        """Open leases (in flight and quarantined), oldest first; or every retained one."""
+        if include_terminal:
+            return [self._view(lease) for lease in self._leases.values()]
+        return [self._view(self._leases[lease_id]) for lease_id in self._open_ids]
+
+    def open_counts_by_engine(self) -> dict[str, int]:
+        """Open leases per child engine, as source or target (for lookup ranking)."""
+        return {engine: len(ids) for engine, ids in self._by_engine.items()}
+
+    def counts(self) -> dict[tuple[Flow, LeaseState], int]:
+        """Open leases by flow and state (for the `kvrc_leases` gauge)."""
+        return {key: n for key, n in self._open_counts.items() if n > 0}
+
+    def open_lease_count(self) -> int:
+        return sum(self._open_counts.values())
+
+    def retained_lease_count(self) -> int:
+        return len(self._leases)
+
+    def pending_timer_count(self) -> int:
+        """Timer entries held, live or superseded (bounded; for tests and debugging)."""
+        return len(self._timers)
+
+    def next_deadline_ms(self) -> int | None:
+        """When `tick` next has work (may be early: stale timers are skipped)."""
+        while self._timers and not self._timer_live(self._timers[0]):
+            heapq.heappop(self._timers)
+        due = self._timers[0][0] if self._timers else None
+        if self._terminal:
+            purge_at = next(iter(self._terminal.values())) + self._config.terminal_retention_ms
+            due = purge_at if due is None else min(due, purge_at)
+        return due
+
+    # ------------------------------------------------------------ prefix load
+
+    def open_prefix_load(
+        self,
+        *,
+        request_id: str,
+        requester_child_engine_id: str,
+        requester_rank_keys: Sequence[RankKey],
+        holder_child_engine_id: str,
+        holder_rank_keys: Sequence[RankKey],
+        block_hashes: Sequence[BlockHash],
+        min_blocks: int,
+        pin_timeout_ms: int,
+        transfer_ttl_ms: int,
+        now_ms: int,
+        group_idx: int = 0,
+    ) -> LeaseStep:
+        """Open a prefix-load lease and ask every holder part to pin.
+
+        Repeating a request id of this requester returns its lease unchanged
+        (the holder arguments are then ignored: the first choice stands).
+        """
+        cfg = self._config
+        _check_id("request_id", request_id)
+        _check_id("requester_child_engine_id", requester_child_engine_id)
+        chain = tuple(block_hashes)
+        if not chain:
+            raise invalid("block_hashes is empty: a prefix load needs at least one block")
+        if len(chain) > cfg.max_chain_blocks:
+            raise invalid(
+                f"block_hashes has {len(chain)} blocks, more than the limit {cfg.max_chain_blocks}"
+            )
+        if type(min_blocks) is not int or not 0 <= min_blocks <= len(chain):
+            raise invalid(f"min_blocks must be between 0 and {len(chain)}, got {min_blocks!r}")
+        key = (Flow.PREFIX_LOAD, requester_child_engine_id, request_id)
+        existing_id = self._by_request.get(key)
+        if existing_id is not None:
+            existing = self._leases[existing_id]
+            assert isinstance(existing, _PrefixLoad)
+            if existing.block_hashes != chain or existing.min_blocks != max(min_blocks, 1):
+                raise KvrcError(
+                    ErrorCode.ALREADY_EXISTS,
+                    f"request_id {request_id!r} of {requester_child_engine_id!r} already names "
+                    f"prefix-load lease {existing_id} with a different block chain or min_blocks",
+                )
+            return LeaseStep(self._view(existing), ())
+        _check_id("holder_child_engine_id", holder_child_engine_id)
+        if holder_child_engine_id == requester_child_engine_id:
+            raise invalid(
+                f"requester and holder are the same child engine {holder_child_engine_id!r}"
+            )
+        requester_grid = self._check_grid("requester_rank_keys", requester_rank_keys)
+        holder_grid = self._check_grid("holder_rank_keys", holder_rank_keys)
+        _check_duration("pin_timeout_ms", pin_timeout_ms, cfg.max_pin_timeout_ms)
+        _check_duration("transfer_ttl_ms", transfer_ttl_ms, cfg.max_transfer_ttl_ms)
+        if type(group_idx) is not int or group_idx < 0:
+            raise invalid(f"group_idx must be an int >= 0, got {group_idx!r}")
+        self._check_capacity((requester_child_engine_id, holder_child_engine_id))
+        lease_id = self._fresh_id(Flow.PREFIX_LOAD)
+
+        lease = _PrefixLoad(
+            lease_id=lease_id,
+            request_id=request_id,
+            state=LeaseState.PINNING,
+            created_ms=now_ms,
+            source_child_engine_id=holder_child_engine_id,
+            source_rank_keys=holder_grid,
+            target_child_engine_id=requester_child_engine_id,
+            target_rank_keys=requester_grid,
+            reason="waiting for the holder's pins",
+            block_hashes=chain,
+            min_blocks=max(min_blocks, 1),  # zero blocks is always a miss
+            group_idx=group_idx,
+            pin_deadline_ms=now_ms + pin_timeout_ms,
+            transfer_ttl_ms=transfer_ttl_ms,
+        )
+        self._admit(lease, key)
+        actions: list[Action] = [
+            SendPin(
+                child_engine_id=holder_child_engine_id,
+                rank_key=rank_key,
+                lease_id=lease_id,
+                block_hashes=chain,
+                requester_child_engine_id=requester_child_engine_id,
+                deadline_ms=lease.pin_deadline_ms + transfer_ttl_ms,
+                group_idx=group_idx,
+            )
+            for rank_key in holder_grid
+        ]
+        return LeaseStep(self._view(lease), tuple(actions))
+
+    def on_pin_result(
+        self,
+        lease_id: str,
+        holder_child_engine_id: str,
+        rank_key: RankKey,
+        pinned_blocks: int,
+        descriptor: object,
+        now_ms: int,
+    ) -> LeaseStep:
+        """A holder part's answer: how many chain blocks it pinned (0 = a miss)."""
+        lease = self._lookup_flow(lease_id, _PrefixLoad)
+        self._check_part(lease, holder_child_engine_id, rank_key, source=True)
+        if type(pinned_blocks) is not int or not 0 <= pinned_blocks <= len(lease.block_hashes):
+            raise invalid(
+                f"pinned_blocks must be between 0 and the chain length "
+                f"{len(lease.block_hashes)}, got {pinned_blocks!r}"
+            )
+        previous = lease.pins.get(rank_key)
+        if previous is not None:
+            if previous != (pinned_blocks, descriptor):
+                raise failed_precondition(
+                    f"holder part {rank_key} already answered lease {lease_id} with "
+                    f"{previous[0]} pinned blocks and a descriptor; answers cannot change"
+                )
+            return LeaseStep(self._view(lease), ())
+        if lease.state is not LeaseState.PINNING:
+            # Late answer (timed out, missed, holder drained): its release was already sent.
+            return LeaseStep(self._view(lease), ())
+        actions: list[Action] = []
+        lease.pins[rank_key] = (pinned_blocks, descriptor)
+        if pinned_blocks < lease.min_blocks:
+            # One short part caps the whole match: miss now, don't wait for the rest.
+            reason = MissReason.SHORT_PIN if pinned_blocks == 0 else MissReason.BELOW_MIN_BLOCKS
+            self._miss(lease, reason, now_ms, actions)
+        elif len(lease.pins) == len(lease.source_rank_keys):
+            self._grant_prefix_load(lease, now_ms, actions)
+        return LeaseStep(self._view(lease), tuple(actions))
+
+    def complete_prefix_load(
+        self,
+        lease_id: str,
+        reporter_child_engine_id: str,
+        rank_key: RankKey,
+        outcome: Outcome,
+        now_ms: int,
+        reporter_rank_keys: Sequence[RankKey] = (),
+    ) -> LeaseStep:
+        """A requester part's terminal outcome (`reporter_rank_keys`: see `recover_held`)."""
+        lease = self._lookup_flow(lease_id, _PrefixLoad)
+        return self._report(
+            lease, reporter_child_engine_id, rank_key, outcome, now_ms, reporter_rank_keys
+        )
+
+    # ---------------------------------------------------------------- handoff
+
+    def publish_handoff(
+        self,
+        *,
+        request_id: str,
+        prefill_child_engine_id: str,
+        prefill_rank_keys: Sequence[RankKey],
+        rank_key: RankKey,
+        descriptor: object,
+        kv_transfer_params: bytes,
+        decode_child_engine_id: str | None,
+        num_blocks: int,
+        now_ms: int,
+    ) -> HandoffPublished:
+        """One prefill part reports its part of a request's KV (READY when all did)."""
+        cfg = self._config
+        _check_id("request_id", request_id)
+        _check_id("prefill_child_engine_id", prefill_child_engine_id)
+        if decode_child_engine_id is not None:
+            _check_id("decode_child_engine_id", decode_child_engine_id)
+            if decode_child_engine_id == prefill_child_engine_id:
+                raise invalid(
+                    f"decode and prefill are the same child engine {decode_child_engine_id!r}"
+                )
+        grid = self._check_grid("prefill_rank_keys", prefill_rank_keys)
+        if rank_key not in grid:
+            raise permission_denied(
+                f"rank part {rank_key} is not part of prefill child engine "
+                f"{prefill_child_engine_id!r}'s grid"
+            )
+        if type(kv_transfer_params) is not bytes:
+            raise invalid("kv_transfer_params must be bytes (encode them with kvrc.kv_params)")
+        if len(kv_transfer_params) > cfg.max_kv_transfer_params_bytes:
+            raise invalid(
+                f"kv_transfer_params are {len(kv_transfer_params)} bytes, more than the limit "
+                f"{cfg.max_kv_transfer_params_bytes}"
+            )
+        if type(num_blocks) is not int or not 0 <= num_blocks <= cfg.max_chain_blocks:
+            raise invalid(
+                f"num_blocks must be between 0 and {cfg.max_chain_blocks}, got {num_blocks!r}"
+            )
+        key = (Flow.HANDOFF, prefill_child_engine_id, request_id)
+        existing_id = self._by_request.get(key)
+        actions: list[Action] = []
+        if existing_id is None:
+            engines = [prefill_child_engine_id]
+            if decode_child_engine_id is not None:
+                engines.append(decode_child_engine_id)
+            self._check_capacity(engines)
+            lease = _Handoff(
+                lease_id=self._fresh_id(Flow.HANDOFF),
+                request_id=request_id,
+                state=LeaseState.WAITING_READY,
+                created_ms=now_ms,
+                source_child_engine_id=prefill_child_engine_id,
+                source_rank_keys=grid,
+                target_child_engine_id=None,
+                target_rank_keys=(),
+                reason="waiting for every prefill part to publish",
+                kv_transfer_params=kv_transfer_params,
+                num_blocks=num_blocks,
+                decode_restriction=decode_child_engine_id,
+            )
+            self._admit(lease, key)
+        else:
+            found = self._leases[existing_id]
+            assert isinstance(found, _Handoff)
+            lease = found
+            _agree(lease, "prefill_rank_keys", lease.source_rank_keys, grid)
+            _agree(lease, "kv_transfer_params", lease.kv_transfer_params, kv_transfer_params)
+            _agree(lease, "num_blocks", lease.num_blocks, num_blocks)
+            _agree(
+                lease, "decode_child_engine_id", lease.decode_restriction, decode_child_engine_id
+            )
+            if rank_key in lease.published:
+                if lease.published[rank_key] != descriptor:
+                    raise failed_precondition(
+                        f"prefill part {rank_key} already published handoff {lease.lease_id} "
+                        "with a different descriptor; publications cannot change"
+                    )
+                return self._published(lease, ())
+            if lease.state is not LeaseState.WAITING_READY:
+                # Ended before this part arrived: the caller sees the state and frees.
+                return self._published(lease, ())
+        lease.published[rank_key] = descriptor
+        if len(lease.published) == len(lease.source_rank_keys):
+            lease.ready_ms = now_ms
+            lease.reason = "every prefill part published; waiting for the decode engine"
+            self._set_state(lease, LeaseState.READY)
+            actions.append(HandoffReady(lease.lease_id, prefill_child_engine_id, request_id))
+        return self._published(lease, tuple(actions))
+
+    def begin_handoff(
+        self,
+        *,
+        request_id: str,
+        prefill_child_engine_id: str,
+        decode_child_engine_id: str,
+        decode_rank_keys: Sequence[RankKey],
+        now_ms: int,
+    ) -> LeaseStep:
+        """The decode engine takes a READY handoff (the facade does the waiting).
+
+        NOT_FOUND: nothing published yet; FAILED_PRECONDITION: not READY (or ended);
+        PERMISSION_DENIED: reserved for / already taken by another decode engine.
+        The same decode engine asking again gets the same grant.
+        """
+        _check_id("decode_child_engine_id", decode_child_engine_id)
+        lease_id = self._by_request.get((Flow.HANDOFF, prefill_child_engine_id, request_id))
+        if lease_id is None:
+            raise not_found(
+                f"no handoff for request {request_id!r} of prefill child engine "
+                f"{prefill_child_engine_id!r} has been published"
+            )
+        lease = self._leases[lease_id]
+        assert isinstance(lease, _Handoff)
+        if lease.decode_restriction not in (None, decode_child_engine_id):
+            raise permission_denied(
+                f"handoff {lease_id} is reserved for decode child engine "
+                f"{lease.decode_restriction!r}, not {decode_child_engine_id!r}"
+            )
+        if lease.target_child_engine_id not in (None, decode_child_engine_id):
+            raise permission_denied(
+                f"handoff {lease_id} was already begun by decode child engine "
+                f"{lease.target_child_engine_id!r}"
+            )
+        if lease.state is LeaseState.ACTIVE:
+            return LeaseStep(self._view(lease), ())
+        if lease.state is not LeaseState.READY:
+            detail = (
+                f"{len(lease.published)} of {len(lease.source_rank_keys)} prefill parts reported"
+                if lease.state is LeaseState.WAITING_READY
+                else f"it is {lease.state.name}"
+            )
+            raise failed_precondition(f"handoff {lease_id} is not READY: {detail}")
+        if decode_child_engine_id == lease.source_child_engine_id:
+            raise invalid(
+                f"decode and prefill are the same child engine {decode_child_engine_id!r}"
+            )
+        grid = self._check_grid("decode_rank_keys", decode_rank_keys)
+        if lease.decode_restriction is None:
+            self._check_capacity((decode_child_engine_id,))
+        lease.target_child_engine_id = decode_child_engine_id
+        lease.target_rank_keys = grid
+        self._index_engine(decode_child_engine_id, lease.lease_id)
+        lease.granted_ms = now_ms
+        lease.deadline_ms = now_ms + self._config.handoff_heartbeat_timeout_ms
+        lease.reason = "granted; kept alive by heartbeats"
+        self._set_state(lease, LeaseState.ACTIVE)
+        granted = LeaseGranted(lease.lease_id, Flow.HANDOFF, now_ms - lease.created_ms)
+        return LeaseStep(self._view(lease), (granted,))
+
+    def extend_handoff(self, lease_id: str, decode_child_engine_id: str, now_ms: int) -> int:
+        """Heartbeat of an ACTIVE handoff lease; returns the new deadline."""
+        lease = self._lookup_flow(lease_id, _Handoff)
+        if lease.target_child_engine_id is None:
+            raise failed_precondition(
+                f"handoff lease {lease_id} is {lease.state.name}: it was never begun"
+            )
+        if lease.target_child_engine_id != decode_child_engine_id:
+            raise permission_denied(
+                f"handoff lease {lease_id} is not held by decode child engine "
+                f"{decode_child_engine_id!r}"
+            )
+        if lease.state is not LeaseState.ACTIVE:
+            raise failed_precondition(
+                f"handoff lease {lease_id} is {lease.state.name}; only ACTIVE leases extend"
+            )
+        assert lease.deadline_ms is not None
+        if now_ms >= lease.deadline_ms:
+            raise failed_precondition(
+                f"handoff lease {lease_id} expired at {lease.deadline_ms} before this heartbeat"
+            )
+        new_deadline = max(lease.deadline_ms, now_ms + self._config.handoff_heartbeat_timeout_ms)
+        if new_deadline != lease.deadline_ms:
+            lease.deadline_ms = new_deadline
+            self._arm(lease)
+        return new_deadline
+
+    def complete_handoff(
+        self,
+        lease_id: str,
+        reporter_child_engine_id: str,
+        rank_key: RankKey,
+        outcome: Outcome,
+        now_ms: int,
+        reporter_rank_keys: Sequence[RankKey] = (),
+    ) -> LeaseStep:
+        """A decode part's terminal outcome (`reporter_rank_keys`: see `recover_held`)."""
+        lease = self._lookup_flow(lease_id, _Handoff)
+        return self._report(
+            lease, reporter_child_engine_id, rank_key, outcome, now_ms, reporter_rank_keys
+        )
+
+    # ------------------------------------------------------------ both flows
+
+    def on_abort_ack(
+        self, lease_id: str, child_engine_id: str, rank_key: RankKey, now_ms: int
+    ) -> LeaseStep:
+        """A target part confirms it stopped every native operation of the lease."""
+        lease = self._lookup(lease_id)
+        self._check_part(lease, child_engine_id, rank_key, source=False)
+        actions: list[Action] = []
+        if lease.state is LeaseState.ABORTING and rank_key in lease.abort_pending:
+            lease.abort_pending.discard(rank_key)
+            lease.abort_acked.add(rank_key)
+            self._settle_if_quiescent(lease, now_ms, actions)
+        return LeaseStep(self._view(lease), tuple(actions))
+
+    def resolve_quarantine(self, lease_id: str, now_ms: int) -> LeaseStep:
+        """An operator proved the quarantined blocks quiet: release them."""
+        lease = self._lookup(lease_id)
+        if lease.state is not LeaseState.QUARANTINED:
+            raise failed_precondition(
+                f"lease {lease_id} is {lease.state.name}, not QUARANTINED; nothing to resolve"
+            )
+        actions: list[Action] = []
+        reason = "quarantine resolved by an operator"
+        self._release_and_end(lease, LeaseState.RESOLVED, reason, now_ms, actions)
+        return LeaseStep(self._view(lease), tuple(actions))
+
+    def recover_held(
+        self,
+        *,
+        lease_id: str,
+        holder_child_engine_id: str,
+        holder_rank_keys: Sequence[RankKey],
+        rank_key: RankKey,
+        now_ms: int,
+    ) -> LeaseStep:
+        """A source part (re-)registers saying it still holds pins for `lease_id`.
+
+        After a coordinator restart the lease's record is gone and its outcome is
+        unknown: it is rebuilt QUARANTINED (fail closed) with this engine as its
+        source, and the part is told so. It is released only when every part of
+        the target engine reports SUCCEEDED or FAILED for it (the target proves
+        quiescence; the first report names the target), or when an operator
+        resolves it. Never released on a timer.
+
+        A lease this table still knows (the session broke, kvrc did not restart)
+        changes nothing, except that a part whose release was already decided
+        gets it again (the first may have been lost with the old stream).
+        """
+        _check_id("held lease id", lease_id)
+        _check_id("holder_child_engine_id", holder_child_engine_id)
+        grid = self._check_grid("holder_rank_keys", holder_rank_keys)
+        if rank_key not in grid:
+            raise permission_denied(
+                f"rank part {rank_key} is not part of {holder_child_engine_id!r}'s grid"
+            )
+        existing = self._leases.get(lease_id)
+        if existing is not None:
+            if existing.source_child_engine_id != holder_child_engine_id:
+                raise permission_denied(
+                    f"lease {lease_id} is not held by {holder_child_engine_id!r}: it cannot "
+                    "re-announce another engine's lease"
+                )
+            actions: list[Action] = []
+            if existing.state in TERMINAL_STATES:
+                if rank_key in existing.released:
+                    actions.append(
+                        SendRelease(
+                            holder_child_engine_id,
+                            rank_key,
+                            lease_id,
+                            existing.flow,
+                            f"already settled: {existing.reason}",
+                        )
+                    )
+            elif existing.state is LeaseState.QUARANTINED:
+                actions.append(
+                    SendQuarantine(
+                        holder_child_engine_id, rank_key, lease_id, existing.flow, existing.reason
+                    )
+                )
+            return LeaseStep(self._view(existing), tuple(actions))
+        flow = flow_of_lease_id(lease_id)
+        if flow is None:
+            raise invalid(
+                f"held lease id {lease_id!r} is not one kvrc issues (no 'pl-' or 'ho-' prefix)"
+            )
+        self._check_capacity((holder_child_engine_id,))
+        kind: type[_Lease] = _PrefixLoad if flow is Flow.PREFIX_LOAD else _Handoff
+        lease = kind(
+            lease_id=lease_id,
+            request_id="",
+            state=LeaseState.QUARANTINED,
+            created_ms=now_ms,
+            source_child_engine_id=holder_child_engine_id,
+            source_rank_keys=grid,
+            target_child_engine_id=None,
+            target_rank_keys=(),
+            reason=RECOVERED_REASON,
+            recovered=True,
+        )
+        self._admit(lease, None)  # no request id: never indexed by request
+        quarantined = LeaseQuarantined(lease_id, flow, RECOVERED_REASON)
+        notice = SendQuarantine(holder_child_engine_id, rank_key, lease_id, flow, RECOVERED_REASON)
+        return LeaseStep(self._view(lease), (quarantined, notice))
+
+    def tick(self, now_ms: int) -> list[Action]:
+        """Fire every timer due at `now_ms` and purge expired ended leases."""
+        actions: list[Action] = []
+        while self._timers and self._timers[0][0] <= now_ms:
+            entry = heapq.heappop(self._timers)
+            if self._timer_live(entry):
+                self._expire(self._leases[entry[2]], now_ms, actions)
+        self._purge(now_ms)
+        return actions
+
+    def on_engine_gone(self, child_engine_id: str, now_ms: int) -> list[Action]:
+        """The engine is PROVEN gone (sessions closed past grace, not re-registered)."""
+        actions: list[Action] = []
+        for lease_id in sorted(self._by_engine.get(child_engine_id, ())):
+            lease = self._leases[lease_id]
+            if lease.source_child_engine_id == child_engine_id:
+                self._source_gone(lease, now_ms, actions)
+            else:
+                self._target_gone(lease, now_ms, actions)
+        return actions
+
+    def abort_engine(self, child_engine_id: str, now_ms: int) -> list[Action]:
+        """Drain deadline passed: stop this engine's leases (aborts, never early releases)."""
+        actions: list[Action] = []
+        reason = f"child engine {child_engine_id!r} is draining"
+        for lease_id in sorted(self._by_engine.get(child_engine_id, ())):
+            lease = self._leases[lease_id]
+            if lease.state is LeaseState.PINNING:
+                assert isinstance(lease, _PrefixLoad)
+                self._miss(lease, MissReason.DRAINING, now_ms, actions)
+            elif lease.state in (LeaseState.WAITING_READY, LeaseState.READY):
+                self._release_and_end(lease, LeaseState.FAILED, reason, now_ms, actions)
+            elif lease.state is LeaseState.ACTIVE:
+                self._abort(lease, reason, now_ms, actions)
+        return actions
+
+    # ------------------------------------------------------------ transitions
+
+    def _grant_prefix_load(self, lease: _PrefixLoad, now_ms: int, actions: list[Action]) -> None:
+        lease.matched_blocks = min(pinned for pinned, _ in lease.pins.values())
+        lease.granted_ms = now_ms
+        lease.deadline_ms = now_ms + lease.transfer_ttl_ms
+        lease.reason = f"granted {lease.matched_blocks} blocks"
+        self._set_state(lease, LeaseState.ACTIVE)
+        actions.append(LeaseGranted(lease.lease_id, Flow.PREFIX_LOAD, now_ms - lease.created_ms))
+
+    def _miss(
+        self,
+        lease: _PrefixLoad,
+        reason: MissReason,
+        now_ms: int,
+        actions: list[Action],
+        *,
+        release: bool = True,
+    ) -> None:
+        lease.miss_reason = reason
+        text = f"miss: {reason.value}"
+        if release:
+            # Parts that answered 0 hold nothing; all others may hold a pin.
+            self._release(lease, text, actions)
+        assert lease.target_child_engine_id is not None
+        actions.append(
+            LeaseMissed(lease.lease_id, lease.target_child_engine_id, lease.request_id, reason)
+        )
+        self._end(lease, LeaseState.MISSED, text, now_ms, actions)
+
+    def _report(
+        self,
+        lease: _Lease,
+        reporter_child_engine_id: str,
+        rank_key: RankKey,
+        outcome: Outcome,
+        now_ms: int,
+        reporter_rank_keys: Sequence[RankKey] = (),
+    ) -> LeaseStep:
+        if not isinstance(outcome, Outcome):
+            raise invalid(f"outcome must be SUCCEEDED, FAILED or UNKNOWN, got {outcome!r}")
+        if lease.recovered and lease.target_child_engine_id is None:
+            self._bind_recovered_target(
+                lease, reporter_child_engine_id, reporter_rank_keys, rank_key
+            )
+        self._check_part(lease, reporter_child_engine_id, rank_key, source=False)
+        if lease.recovered and lease.state is LeaseState.QUARANTINED:
+            return self._report_recovered(lease, rank_key, outcome, now_ms)
+        if rank_key in lease.abort_acked:
+            return LeaseStep(self._view(lease), ())  # its abort ack already settled it
+        if _earlier_outcome(lease, rank_key, outcome) is not None:
+            return LeaseStep(self._view(lease), ())  # a repeat
+        if lease.state in (LeaseState.PINNING, LeaseState.WAITING_READY, LeaseState.READY):
+            raise failed_precondition(
+                f"lease {lease.lease_id} is {lease.state.name}: nothing was granted to report on"
+            )
+        actions: list[Action] = []
+        if lease.state in (LeaseState.ACTIVE, LeaseState.ABORTING):
+            lease.outcomes[rank_key] = outcome
+            lease.abort_pending.discard(rank_key)
+            self._settle_if_quiescent(lease, now_ms, actions)
+        # QUARANTINED or ended: a late report changes nothing (fail closed).
+        return LeaseStep(self._view(lease), tuple(actions))
+
+    def _bind_recovered_target(
+        self, lease: _Lease, reporter: str, reporter_rank_keys: Sequence[RankKey], rank_key: RankKey
+    ) -> None:
+        # The first report on a recovered lease names its target; checks first, then binds.
+        _check_id("reporter_child_engine_id", reporter)
+        if reporter == lease.source_child_engine_id:
+            raise permission_denied(
+                f"{reporter!r} holds lease {lease.lease_id}; only its target may report on it"
+            )
+        if not reporter_rank_keys:
+            raise failed_precondition(
+                f"{reporter!r} is not registered: register before reporting on "
+                f"recovered lease {lease.lease_id}"
+            )
+        grid = self._check_grid("reporter_rank_keys", reporter_rank_keys)
+        if rank_key not in grid:
+            raise permission_denied(f"rank part {rank_key} is not part of {reporter!r}'s grid")
+        lease.target_child_engine_id = reporter
+        lease.target_rank_keys = grid
+        self._index_engine(reporter, lease.lease_id)
+
+    def _report_recovered(
+        self, lease: _Lease, rank_key: RankKey, outcome: Outcome, now_ms: int
+    ) -> LeaseStep:
+        _earlier_outcome(lease, rank_key, outcome)
+        lease.outcomes[rank_key] = outcome
+        actions: list[Action] = []
+        outcomes = lease.outcomes.values()
+        if len(lease.outcomes) == len(lease.target_rank_keys) and Outcome.UNKNOWN not in outcomes:
+            # The target proved quiescence for every part: the holder may unpin.
+            self._settle_if_quiescent(lease, now_ms, actions)
+        elif Outcome.UNKNOWN in outcomes:
+            lease.reason = "recovered after a restart; a target part reported UNKNOWN"
+        return LeaseStep(self._view(lease), tuple(actions))
+
+    def _settle_if_quiescent(
+        self, lease: _Lease, now_ms: int, actions: list[Action], *, target_gone: bool = False
+    ) -> None:
+        if not target_gone:
+            settled = len(lease.outcomes) + len(lease.abort_acked)
+            if settled < len(lease.target_rank_keys):
+                return
+        outcomes = lease.outcomes.values()
+        if Outcome.UNKNOWN in outcomes:
+            self._quarantine(lease, "a transfer part reported an UNKNOWN outcome", actions)
+        elif (
+            not target_gone
+            and all(o is Outcome.SUCCEEDED for o in outcomes)
+            and not (lease.abort_acked)
+        ):
+            self._release(lease, "quiescent: every part succeeded", actions)
+            self._end(lease, LeaseState.COMPLETED, "every part succeeded", now_ms, actions)
+        else:
+            text = (
+                f"{_TARGET_WORD[lease.flow]} engine gone"
+                if target_gone
+                else "quiescent: a part failed or was aborted"
+            )
+            self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
+
+    def _abort(self, lease: _Lease, reason: str, now_ms: int, actions: list[Action]) -> None:
+        pending = [k for k in lease.target_rank_keys if k not in lease.outcomes]
+        lease.abort_pending = set(pending)
+        lease.abort_deadline_ms = now_ms + self._config.abort_timeout_ms
+        lease.reason = reason
+        self._set_state(lease, LeaseState.ABORTING)
+        self._send_aborts(lease, pending, reason, actions)
+
+    @staticmethod
+    def _send_aborts(
+        lease: _Lease, pending: list[RankKey], reason: str, actions: list[Action]
+    ) -> None:
+        actions.append(LeaseAborting(lease.lease_id, lease.flow, reason))
+        assert lease.target_child_engine_id is not None
+        actions.extend(
+            SendAbort(lease.target_child_engine_id, k, lease.lease_id, lease.flow, reason)
+            for k in pending
+        )
+
+    def _quarantine(self, lease: _Lease, reason: str, actions: list[Action]) -> None:
+        lease.reason = reason
+        self._set_state(lease, LeaseState.QUARANTINED)
+        actions.append(LeaseQuarantined(lease.lease_id, lease.flow, reason))
+        actions.extend(
+            SendQuarantine(lease.source_child_engine_id, k, lease.lease_id, lease.flow, reason)
+            for k in self._pinned_parts(lease)
+        )
+
+    def _expire(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
+        state = lease.state
+        if state is LeaseState.PINNING:
+            assert isinstance(lease, _PrefixLoad)
+            self._miss(lease, MissReason.PIN_TIMEOUT, now_ms, actions)
+        elif state is LeaseState.WAITING_READY:
+            text = "not every prefill part published in time"
+            self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
+        elif state is LeaseState.READY:
+            text = "no decode engine began the handoff in time"
+            self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
+        elif state is LeaseState.ACTIVE:
+            # The target is alive (else on_engine_gone would have run): abort, don't release.
+            self._abort(lease, "lease deadline passed", now_ms, actions)
+        elif state is LeaseState.ABORTING:
+            self._quarantine(lease, "abort not acknowledged in time", actions)
+
+    def _source_gone(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
+        # Its pins died with it: nobody to release, nothing to quarantine.
+        text = f"{_SOURCE_WORD[lease.flow]} engine gone"
+        if lease.state is LeaseState.PINNING:
+            assert isinstance(lease, _PrefixLoad)
+            self._miss(lease, MissReason.HOLDER_GONE, now_ms, actions, release=False)
+            return
+        if lease.state is LeaseState.ACTIVE:
+            # Tell the target to stop reading from a dead peer (ABORTING: already told).
+            pending = [k for k in lease.target_rank_keys if k not in lease.outcomes]
+            if pending:
+                self._send_aborts(lease, pending, text, actions)
+        self._end(lease, LeaseState.FAILED, text, now_ms, actions)
+
+    def _target_gone(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
+        text = f"{_TARGET_WORD[lease.flow]} engine gone"
+        if lease.state in (LeaseState.ACTIVE, LeaseState.ABORTING):
+            self._settle_if_quiescent(lease, now_ms, actions, target_gone=True)
+        elif lease.state in (LeaseState.PINNING, LeaseState.WAITING_READY, LeaseState.READY):
+            # Nothing was granted (or the handoff was reserved for this decode engine).
+            self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
+        # QUARANTINED stays for the operator (fail closed).
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _pinned_parts(self, lease: _Lease) -> list[RankKey]:
+        """Source parts that may hold something for this lease."""
+        if lease.recovered:
+            return list(lease.source_rank_keys)  # any part may hold; each re-announces its own
+        if isinstance(lease, _PrefixLoad):
+            return [
+                k
+                for k in lease.source_rank_keys
+                if k not in lease.pins or lease.pins[k][0] > 0  # unanswered may have pinned
+            ]
+        assert isinstance(lease, _Handoff)
+        return [k for k in lease.source_rank_keys if k in lease.published]
+
+    def _release(self, lease: _Lease, reason: str, actions: list[Action]) -> None:
+        for rank_key in self._pinned_parts(lease):
+            if rank_key not in lease.released:
+                lease.released.add(rank_key)
+                actions.append(
+                    SendRelease(
+                        lease.source_child_engine_id, rank_key, lease.lease_id, lease.flow, reason
+                    )
+                )
+
+    def _release_and_end(
+        self, lease: _Lease, state: LeaseState, reason: str, now_ms: int, actions: list[Action]
+    ) -> None:
+        """The source parts that may hold pins are released, then the lease ends."""
+        self._release(lease, reason, actions)
+        self._end(lease, state, reason, now_ms, actions)
+
+    def _end(
+        self, lease: _Lease, state: LeaseState, reason: str, now_ms: int, actions: list[Action]
+    ) -> None:
+        assert state in TERMINAL_STATES and lease.state not in TERMINAL_STATES
+        lease.reason = reason
+        lease.ended_ms = now_ms
+        self._set_state(lease, state)
+        for engine in (lease.source_child_engine_id, *self._target_engines(lease)):
+            ids = self._by_engine.get(engine)
+            if ids is not None:
+                ids.discard(lease.lease_id)
+                if not ids:
+                    del self._by_engine[engine]
+        del self._open_ids[lease.lease_id]
+        self._terminal[lease.lease_id] = now_ms
+        quiescence = None if lease.granted_ms is None else now_ms - lease.granted_ms
+        actions.append(
+            LeaseEnded(lease.lease_id, lease.flow, state, quiescence, now_ms - lease.created_ms)
+        )
+        if len(self._terminal) > self._config.max_terminal_leases:
+            self._purge(now_ms)
+
+    def _set_state(self, lease: _Lease, state: LeaseState) -> None:
+        if lease.state not in TERMINAL_STATES:
+            self._open_counts[(lease.flow, lease.state)] -= 1
+        lease.state = state
+        if state not in TERMINAL_STATES:
+            self._open_counts[(lease.flow, state)] += 1
+        self._arm(lease)
+
+    def _admit(self, lease: _Lease, key: tuple[Flow, str, str] | None) -> None:
+        self._leases[lease.lease_id] = lease
+        self._open_ids[lease.lease_id] = None
+        if key is not None:
+            self._by_request[key] = lease.lease_id
+        self._open_counts[(lease.flow, lease.state)] += 1
+        for engine in (lease.source_child_engine_id, *self._target_engines(lease)):
+            self._index_engine(engine, lease.lease_id)
+        self._arm(lease)
+
+    def _index_engine(self, engine: str, lease_id: str) -> None:
+        self._by_engine.setdefault(engine, set()).add(lease_id)
+
+    @staticmethod
+    def _target_engines(lease: _Lease) -> list[str]:
+        engines = []
+        if lease.target_child_engine_id is not None:
+            engines.append(lease.target_child_engine_id)
+        if isinstance(lease, _Handoff) and lease.decode_restriction not in (None, *engines):
+            assert lease.decode_restriction is not None
+            engines.append(lease.decode_restriction)
+        return engines
+
+    def _timer_due(self, lease: _Lease) -> int | None:
+        state = lease.state
+        if state is LeaseState.PINNING:
+            assert isinstance(lease, _PrefixLoad)
+            return lease.pin_deadline_ms
+        if state is LeaseState.WAITING_READY:
+            return lease.created_ms + self._config.handoff_publish_timeout_ms
+        if state is LeaseState.READY:
+            assert isinstance(lease, _Handoff) and lease.ready_ms is not None
+            return lease.ready_ms + self._config.handoff_ready_max_wait_ms
+        if state is LeaseState.ACTIVE:
+            return lease.deadline_ms
+        if state is LeaseState.ABORTING:
+            return lease.abort_deadline_ms
+        return None
+
+    def _arm(self, lease: _Lease) -> None:
+        due = self._timer_due(lease)
+        if due is not None:
+            self._timer_seq += 1
+            heapq.heappush(self._timers, (due, self._timer_seq, lease.lease_id))
+        # Superseded timers stay until due; a client extending in a tight loop must not
+        # grow the heap without bound, so rebuild it from live entries when stale ones pile up.
+        if len(self._timers) > 2 * len(self._leases) + 64:
+            self._timers = [entry for entry in self._timers if self._timer_live(entry)]
+            heapq.heapify(self._timers)
+
+    def _timer_live(self, entry: tuple[int, int, str]) -> bool:
+        lease = self._leases.get(entry[2])
+        return lease is not None and self._timer_due(lease) == entry[0]
+
+    def _purge(self, now_ms: int) -> None:
+        cfg = self._config
+        while self._terminal:
+            lease_id, ended_ms = next(iter(self._terminal.items()))
+            if (
+                len(self._terminal) <= cfg.max_terminal_leases
+                and ended_ms + cfg.terminal_retention_ms > now_ms
+            ):
+                break
+            del self._terminal[lease_id]
+            lease = self._leases.pop(lease_id)
+            if lease.recovered:
+                continue  # never indexed by request id
+            owner = (
+                lease.target_child_engine_id
+                if isinstance(lease, _PrefixLoad)
+                else lease.source_child_engine_id
+            )
+            assert owner is not None
+            self._by_request.pop((lease.flow, owner, lease.request_id), None)
+
+    def _check_capacity(self, engines: Iterable[str]) -> None:
+        cfg = self._config
+        if self.open_lease_count() >= cfg.max_open_leases:
+            raise resource_exhausted(
+                f"{cfg.max_open_leases} leases are open, the limit; retry after some end"
+            )
+        for engine in engines:
+            if len(self._by_engine.get(engine, ())) >= cfg.max_open_leases_per_engine:
+                raise resource_exhausted(
+                    f"child engine {engine!r} has {cfg.max_open_leases_per_engine} open leases, "
+                    "the per-engine limit"
+                )
+
+    def _check_grid(self, name: str, rank_keys: Sequence[RankKey]) -> tuple[RankKey, ...]:
+        grid = tuple(rank_keys)
+        if not grid:
+            raise invalid(f"{name} is empty: a child engine has at least one rank part")
+        if len(grid) > self._config.max_rank_parts:
+            raise invalid(
+                f"{name} has {len(grid)} rank parts, more than the limit "
+                f"{self._config.max_rank_parts}"
+            )
+        for key in grid:
+            if (
+                type(key) is not tuple
+                or len(key) != 3
+                or not all(type(x) is int and x >= 0 for x in key)
+            ):
+                raise invalid(f"{name} holds {key!r}; expected (tp_rank, pp_rank, pcp_rank) >= 0")
+        if len(set(grid)) != len(grid):
+            raise invalid(f"{name} lists a rank part twice")
+        return tuple(sorted(grid))
+
+    def _fresh_id(self, flow: Flow) -> str:
+        lease_id = self._new_id()
+        if self._flow_ids:
+            lease_id = _FLOW_ID_PREFIX[flow] + lease_id
+        if not lease_id or lease_id in self._leases:
+            raise RuntimeError(f"lease id factory returned an empty or reused id {lease_id!r}")
+        return lease_id
+
+    def _lookup(self, lease_id: str) -> _Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise not_found(f"no lease {lease_id!r} (unknown, or ended and purged)")
+        return lease
+
+    def _lookup_flow(self, lease_id: str, kind: type[_L]) -> _L:
+        lease = self._lookup(lease_id)
+        if not isinstance(lease, kind):
+            wanted = "prefix-load" if kind is _PrefixLoad else "handoff"
+            raise not_found(f"lease {lease_id!r} is not a {wanted} lease")
+        return lease
+
+    def _check_part(
+        self, lease: _Lease, child_engine_id: str, rank_key: RankKey, *, source: bool
+    ) -> None:
+        """The caller is a source (holder, prefill) or else a target (requester, decode) part."""
+        owner: str | None
+        if source:
+            owner, keys, word = lease.source_child_engine_id, lease.source_rank_keys, _SOURCE_WORD
+        else:
+            owner, keys, word = lease.target_child_engine_id, lease.target_rank_keys, _TARGET_WORD
+        if child_engine_id != owner or rank_key not in keys:
+            raise permission_denied(
+                f"{child_engine_id!r} rank part {rank_key} is not a "
+                f"{word[lease.flow]} part of lease {lease.lease_id}"
+            )
+
+    def _published(self, lease: _Handoff, actions: tuple[Action, ...]) -> HandoffPublished:
+        return HandoffPublished(
+            self._view(lease), len(lease.published), len(lease.source_rank_keys), actions
+        )
+
+    def _view(self, lease: _Lease) -> LeaseView:
+        prefix_grant: PrefixLoadGrant | None = None
+        handoff_grant: HandoffGrant | None = None
+        miss_reason: MissReason | None = None
+        granted = lease.granted_ms is not None
+        if isinstance(lease, _PrefixLoad):
+            reported = len(lease.pins)
+            miss_reason = lease.miss_reason
+            if granted:
+                assert lease.target_child_engine_id is not None and lease.deadline_ms is not None
+                prefix_grant = PrefixLoadGrant(
+                    lease_id=lease.lease_id,
+                    source_child_engine_id=lease.source_child_engine_id,
+                    matched_blocks=lease.matched_blocks,
+                    source_parts=tuple(
+                        SourcePart(k, lease.pins[k][1], lease.pins[k][0])
+                        for k in lease.source_rank_keys
+                    ),
+                    deadline_ms=lease.deadline_ms,
+                )
+        else:
+            assert isinstance(lease, _Handoff)
+            reported = len(lease.published)
+            if granted:
+                assert lease.target_child_engine_id is not None and lease.deadline_ms is not None
+                handoff_grant = HandoffGrant(
+                    lease_id=lease.lease_id,
+                    prefill_child_engine_id=lease.source_child_engine_id,
+                    decode_child_engine_id=lease.target_child_engine_id,
+                    source_parts=tuple(
+                        SourcePart(k, lease.published[k], lease.num_blocks)
+                        for k in lease.source_rank_keys
+                    ),
+                    kv_transfer_params=lease.kv_transfer_params,
+                    num_blocks=lease.num_blocks,
+                    deadline_ms=lease.deadline_ms,
+                )
+        target = lease.target_child_engine_id
+        if isinstance(lease, _Handoff) and target is None:
+            target = lease.decode_restriction
+        return LeaseView(
+            lease_id=lease.lease_id,
+            flow=lease.flow,
+            state=lease.state,
+            request_id=lease.request_id,
+            source_child_engine_id=lease.source_child_engine_id,
+            target_child_engine_id=target,
+            created_ms=lease.created_ms,
+            deadline_ms=self._timer_due(lease),
+            reason=lease.reason,
+            parts_reported=reported,
+            parts_expected=len(lease.source_rank_keys),
+            prefix_load_grant=prefix_grant,
+            handoff_grant=handoff_grant,
+            miss_reason=miss_reason,
+        )
+
+
+def _check_id(name: str, value: str) -> None:
+    if type(value) is not str or not value or len(value) > 256:
+        raise invalid(f"{name} must be a string of 1..256 characters, got {value!r:.80}")
+
+
+def _check_duration(name: str, value: int, limit: int) -> None:
+    if type(value) is not int or not 1 <= value <= limit:
+        raise invalid(f"{name} must be between 1 and {limit} ms, got {value!r}")
+
+
+def _earlier_outcome(lease: _Lease, rank_key: RankKey, outcome: Outcome) -> Outcome | None:
+    """The part's earlier report (None: its first); FAILED_PRECONDITION if it differs."""
+    previous = lease.outcomes.get(rank_key)
+    if previous is not None and previous is not outcome:
+        raise failed_precondition(
+            f"rank part {rank_key} already reported {previous.name} for lease "
+            f"{lease.lease_id}; a terminal report cannot change to {outcome.name}"
+        )
+    return previous
+
+
+def _agree(lease: _Handoff, name: str, recorded: object, given: object) -> None:
+    if recorded != given:
+        raise failed_precondition(
+            f"prefill parts disagree on {name} for handoff {lease.lease_id} "
+            f"(request {lease.request_id!r}): this part sent a different value than the first"
+        )

@@ -1,0 +1,365 @@
+"""Rank parts and child engines: registration checks and readiness (invariant 5).
+
+Pure and synchronous: no asyncio, no protobuf; time comes in as `now_ms`.
+A child engine is READY only when every rank part of its tp x pp x pcp grid has
+registered consistently (same engine id, sizes, profile and compatibility
+hash). Every check runs before any change, so a rejected registration leaves
+the registry exactly as it was.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+
+from coordinator.core.errors import already_exists, failed_precondition, invalid, resource_exhausted
+from coordinator.core.events import RankKey
+from coordinator.core.profiles import LAYOUT_FIELDS, DeploymentProfile, compatibility_hash
+
+
+class PublishMode(enum.IntEnum):
+    """How a child engine publishes inventory. Values match `kvrc.v1.PublishMode`."""
+
+    PER_CHILD_ENGINE = 1
+    PER_RANK_PART = 2
+
+
+@dataclass(frozen=True, slots=True)
+class KvRegion:
+    base_addr: int
+    block_len: int
+    num_blocks: int
+    layer: int = 0
+    kv_index: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferEndpoint:
+    """How a peer's transfer engine reaches a rank part. Opaque: kept byte for byte."""
+
+    backend: str = ""
+    session_name: str = ""
+    agent_metadata: bytes = b""
+    regions: tuple[KvRegion, ...] = ()
+    extra: tuple[tuple[str, bytes], ...] = ()  # in the order received
+
+
+@dataclass(frozen=True, slots=True)
+class RankPartRegistration:
+    engine_id: str
+    dp_rank: int
+    child_engine_id: str
+    rank: RankKey  # (tp_rank, pp_rank, pcp_rank)
+    profile: DeploymentProfile
+    endpoint: TransferEndpoint = TransferEndpoint()
+    publish_mode: PublishMode = PublishMode.PER_CHILD_ENGINE
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    held_lease_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredPart:
+    registration: RankPartRegistration
+    session_id: str
+    incarnation: int
+    registered_ms: int
+    last_heartbeat_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChildEngineView:
+    """A snapshot of one child engine, safe to hand to the edges."""
+
+    child_engine_id: str
+    engine_id: str
+    dp_rank: int
+    profile: DeploymentProfile
+    compatibility_hash: str
+    parts: tuple[RegisteredPart, ...]  # sorted by rank
+    parts_expected: int
+    ready: bool
+    not_ready_reason: str
+
+    @property
+    def parts_present(self) -> int:
+        return len(self.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class PartRef:
+    """Names one registered rank part and the session that holds it."""
+
+    child_engine_id: str
+    rank: RankKey
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationResult:
+    part: RegisteredPart
+    view: ChildEngineView
+    readiness_changed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RemovalResult:
+    part: RegisteredPart
+    view: ChildEngineView  # the child engine after removal (no parts: it is gone)
+    readiness_changed: bool
+
+
+def expected_child_engine_id(engine_id: str, dp_rank: int, dp_size: int) -> str:
+    """vLLM's naming: `<engine_id>_dp<dp_rank>`, or the bare id for one DP rank."""
+    return f"{engine_id}_dp{dp_rank}" if dp_size > 1 else engine_id
+
+
+def format_rank(rank: RankKey) -> str:
+    return f"(tp={rank[0]}, pp={rank[1]}, pcp={rank[2]})"
+
+
+def grid_size(profile: DeploymentProfile) -> int:
+    return profile.tp_size * profile.pp_size * profile.pcp_size
+
+
+def grid_ranks(profile: DeploymentProfile) -> Iterator[RankKey]:
+    """Every rank part of the tp x pp x pcp grid, tp outermost."""
+    return itertools.product(
+        range(profile.tp_size), range(profile.pp_size), range(profile.pcp_size)
+    )
+
+
+def check_registration_shape(reg: RankPartRegistration, max_grid_parts: int = 4096) -> None:
+    """Checks one registration on its own: ranks inside sizes, ids derived correctly."""
+    p = reg.profile
+    for name, size in (("tp_size", p.tp_size), ("pp_size", p.pp_size), ("pcp_size", p.pcp_size)):
+        if size < 1:
+            raise invalid(f"profile.parallel.{name} must be >= 1, got {size}")
+    if grid_size(p) > max_grid_parts:
+        raise invalid(
+            f"profile.parallel: tp_size x pp_size x pcp_size = {grid_size(p)} rank parts "
+            f"exceeds the limit of {max_grid_parts}"
+        )
+    if p.dp_size < 1:
+        raise invalid(f"profile.parallel.dp_size must be >= 1, got {p.dp_size}")
+    for name, value, size in (
+        ("rank.tp_rank", reg.rank[0], p.tp_size),
+        ("rank.pp_rank", reg.rank[1], p.pp_size),
+        ("rank.pcp_rank", reg.rank[2], p.pcp_size),
+        ("dp_rank", reg.dp_rank, p.dp_size),
+    ):
+        if not 0 <= value < size:
+            raise invalid(f"{name} must be in [0, {size}), got {value}")
+    expected = expected_child_engine_id(reg.engine_id, reg.dp_rank, p.dp_size)
+    if reg.child_engine_id != expected:
+        raise invalid(
+            f"child_engine_id mismatch: got {reg.child_engine_id!r}, expected {expected!r} "
+            f"(engine_id {reg.engine_id!r}, dp_rank {reg.dp_rank}, dp_size {p.dp_size})"
+        )
+
+
+# Compared between rank parts of one child engine, in this order: the first
+# difference names the field. Sizes first (the most common operator error),
+# then the layout (what the compatibility hash covers), then the rest.
+_SIZE_FIELDS = ("tp_size", "pp_size", "pcp_size", "dp_size", "dcp_size")
+_OTHER_PROFILE_FIELDS = tuple(
+    f.name
+    for f in fields(DeploymentProfile)
+    if f.name not in _SIZE_FIELDS and f.name not in LAYOUT_FIELDS and f.name != "extra"
+)
+
+
+def _mismatch(field: str, child_engine_id: str, registered: object, sent: object) -> Exception:
+    return failed_precondition(
+        f"{field} mismatch for child engine {child_engine_id!r}: registered rank parts have "
+        f"{registered!r}, this rank part sent {sent!r}"
+    )
+
+
+def check_consistent(reg: RankPartRegistration, existing: RankPartRegistration) -> None:
+    """A new part must agree with the child engine's registered parts field for field."""
+    cid = reg.child_engine_id
+    if reg.engine_id != existing.engine_id:
+        raise _mismatch("engine_id", cid, existing.engine_id, reg.engine_id)
+    if reg.dp_rank != existing.dp_rank:
+        raise _mismatch("dp_rank", cid, existing.dp_rank, reg.dp_rank)
+    for name in _SIZE_FIELDS:
+        have, sent = getattr(existing.profile, name), getattr(reg.profile, name)
+        if have != sent:
+            raise _mismatch(f"profile.parallel.{name}", cid, have, sent)
+    for name in LAYOUT_FIELDS:
+        if name in _SIZE_FIELDS:
+            continue
+        have, sent = getattr(existing.profile, name), getattr(reg.profile, name)
+        if have != sent:
+            raise _mismatch(f"profile.{name}", cid, have, sent)
+    # Equal LAYOUT_FIELDS are an equal compatibility hash: nothing more to compare there.
+    for name in _OTHER_PROFILE_FIELDS:
+        have, sent = getattr(existing.profile, name), getattr(reg.profile, name)
+        if have != sent:
+            raise _mismatch(f"profile.{name}", cid, have, sent)
+    if reg.publish_mode != existing.publish_mode:
+        raise _mismatch("publish_mode", cid, existing.publish_mode.name, reg.publish_mode.name)
+
+
+class _ChildEngine:
+    """Mutable record of one child engine; never leaves this module."""
+
+    __slots__ = ("compatibility_hash", "parts", "reference")
+
+    def __init__(self, reference: RankPartRegistration) -> None:
+        # The registration every later part is compared with (all present parts agree).
+        self.reference = reference
+        # Fixed for the child's life: every part agrees on the layout fields it covers.
+        self.compatibility_hash = compatibility_hash(reference.profile)
+        self.parts: dict[RankKey, RegisteredPart] = {}
+
+
+class Registry:
+    """All registered rank parts, grouped by child engine."""
+
+    def __init__(self, max_rank_parts: int = 65536, max_grid_parts: int = 4096) -> None:
+        self._max_rank_parts = max_rank_parts
+        self._max_grid_parts = max_grid_parts
+        self._children: dict[str, _ChildEngine] = {}
+        self._num_parts = 0
+
+    @property
+    def num_parts(self) -> int:
+        return self._num_parts
+
+    def register(
+        self, reg: RankPartRegistration, session_id: str, incarnation: int, now_ms: int
+    ) -> RegistrationResult:
+        check_registration_shape(reg, self._max_grid_parts)
+        child = self._children.get(reg.child_engine_id)
+        if child is not None:
+            held = child.parts.get(reg.rank)
+            if held is not None:
+                raise already_exists(
+                    f"rank part {format_rank(reg.rank)} of child engine "
+                    f"{reg.child_engine_id!r} is already registered (session {held.session_id})"
+                )
+            check_consistent(reg, child.reference)
+        if self._num_parts >= self._max_rank_parts:
+            raise resource_exhausted(
+                f"the coordinator holds its maximum of {self._max_rank_parts} rank parts"
+            )
+        # All checks passed: mutate.
+        was_ready = child is not None and self._is_ready(child)
+        if child is None:
+            child = _ChildEngine(reg)
+            self._children[reg.child_engine_id] = child
+        part = RegisteredPart(reg, session_id, incarnation, now_ms, now_ms)
+        child.parts[reg.rank] = part
+        self._num_parts += 1
+        view = self._view(child)
+        return RegistrationResult(part, view, readiness_changed=view.ready != was_ready)
+
+    def remove(self, ref: PartRef) -> RemovalResult | None:
+        """Removes a part if `ref.session_id` still holds it (a newer session is kept)."""
+        child = self._children.get(ref.child_engine_id)
+        if child is None:
+            return None
+        part = child.parts.get(ref.rank)
+        if part is None or part.session_id != ref.session_id:
+            return None
+        was_ready = self._is_ready(child)
+        del child.parts[ref.rank]
+        self._num_parts -= 1
+        view = self._view(child)
+        if not child.parts:
+            del self._children[ref.child_engine_id]
+        elif child.reference.rank == ref.rank:
+            child.reference = next(iter(child.parts.values())).registration
+        return RemovalResult(part, view, readiness_changed=was_ready != view.ready)
+
+    def heartbeat(self, ref: PartRef, now_ms: int) -> bool:
+        """Records liveness; False when `ref` no longer holds the part."""
+        child = self._children.get(ref.child_engine_id)
+        part = child.parts.get(ref.rank) if child is not None else None
+        if child is None or part is None or part.session_id != ref.session_id:
+            return False
+        child.parts[ref.rank] = replace(part, last_heartbeat_ms=max(now_ms, part.last_heartbeat_ms))
+        return True
+
+    def expired(self, now_ms: int, timeout_ms: int) -> list[PartRef]:
+        """Parts silent for longer than `timeout_ms`."""
+        return [
+            PartRef(cid, rank, part.session_id)
+            for cid, child in self._children.items()
+            for rank, part in child.parts.items()
+            if now_ms - part.last_heartbeat_ms > timeout_ms
+        ]
+
+    def get(self, child_engine_id: str) -> ChildEngineView | None:
+        child = self._children.get(child_engine_id)
+        return self._view(child) if child is not None else None
+
+    def is_ready(self, child_engine_id: str) -> bool:
+        child = self._children.get(child_engine_id)
+        return child is not None and self._is_ready(child)
+
+    def readiness_counts(self) -> tuple[int, int]:
+        """(ready, not ready) child engines, without building views."""
+        ready = sum(1 for child in self._children.values() if self._is_ready(child))
+        return ready, len(self._children) - ready
+
+    def parts_of(self, child_engine_id: str) -> list[PartRef]:
+        child = self._children.get(child_engine_id)
+        if child is None:
+            return []
+        return [PartRef(child_engine_id, rank, p.session_id) for rank, p in child.parts.items()]
+
+    def views(self) -> Iterator[ChildEngineView]:
+        for cid in sorted(self._children):
+            yield self._view(self._children[cid])
+
+    @staticmethod
+    def _is_ready(child: _ChildEngine) -> bool:
+        return len(child.parts) == grid_size(child.reference.profile)
+
+    @staticmethod
+    def _view(child: _ChildEngine) -> ChildEngineView:
+        ref = child.reference
+        expected = grid_size(ref.profile)
+        ready = len(child.parts) == expected  # expected >= 1
+        reason = "" if ready else _not_ready_reason(child, expected)
+        return ChildEngineView(
+            child_engine_id=ref.child_engine_id,
+            engine_id=ref.engine_id,
+            dp_rank=ref.dp_rank,
+            profile=ref.profile,
+            compatibility_hash=child.compatibility_hash,
+            parts=tuple(child.parts[rank] for rank in sorted(child.parts)),
+            parts_expected=expected,
+            ready=ready,
+            not_ready_reason=reason,
+        )
+
+
+_MAX_LISTED_MISSING = 8
+
+
+def _not_ready_reason(child: _ChildEngine, expected: int) -> str:
+    if not child.parts:
+        return "no rank part is registered"
+    p = child.reference.profile
+    num_missing = expected - len(child.parts)
+    # Lazily: the grid may be large, only the first few missing ranks are named.
+    missing = itertools.islice(
+        (r for r in grid_ranks(p) if r not in child.parts),
+        _MAX_LISTED_MISSING,
+    )
+    listed = ", ".join(format_rank(r) for r in missing)
+    more = (
+        f" and {num_missing - _MAX_LISTED_MISSING} more"
+        if num_missing > _MAX_LISTED_MISSING
+        else ""
+    )
+    return (
+        f"waiting for {num_missing} of {expected} rank parts "
+        f"(tp={p.tp_size} x pp={p.pp_size} x pcp={p.pcp_size}): missing {listed}{more}"
+    )

@@ -1,0 +1,524 @@
+"""`kvrc` command line: `kvrc serve`, `kvrc status`, `kvrc drain`, `kvrc quarantine resolve`.
+
+Errors a person can fix (bad flags, bad profiles file, unreachable target)
+print one line on stderr and exit non-zero, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from coordinator.core.auth import AuthConfigError, load_auth_policy
+from coordinator.core.leases import LeaseConfig
+from coordinator.runtime.config import ConfigError, CoordinatorConfig, load_profiles
+from kvrc import __version__
+from kvrc.credentials import ChannelOptions, CredentialsError, connect_blocking
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+
+EXIT_CONFIG = 2
+EXIT_UNREACHABLE = 1  # also: the coordinator refused the request (the message says why)
+EXIT_NOT_SAFE = 3  # `kvrc drain --wait`: leases remain at the timeout
+
+
+class _JsonLogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def _setup_logging(level: str, as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        handler.setFormatter(_JsonLogFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+        )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrc", description="KV reuse coordinator")
+    parser.add_argument("--version", action="version", version=f"kvrc {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    defaults = CoordinatorConfig()
+    serve = commands.add_parser("serve", help="run the coordinator")
+    serve.add_argument("--listen", default=defaults.listen, help="gRPC HOST:PORT (%(default)s)")
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=defaults.metrics_port,
+        help="Prometheus /metrics port; 0 = any free port, -1 = off (%(default)s)",
+    )
+    serve.add_argument(
+        "--reuse",
+        type=_on_off,
+        default=defaults.reuse,
+        metavar="{off,on}",
+        help="experimental prefix reuse (default off)",
+    )
+    serve.add_argument("--profiles", type=Path, help="declared deployment profiles (TOML or YAML)")
+    serve.add_argument("--heartbeat-interval-ms", type=int, default=defaults.heartbeat_interval_ms)
+    serve.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=defaults.heartbeat_timeout_ms,
+        help="a rank part silent this long is removed (%(default)s)",
+    )
+    serve.add_argument("--session-grace-ms", type=int, default=defaults.session_grace_ms)
+    serve.add_argument(
+        "--resync-retry-ms",
+        type=int,
+        default=defaults.resync_retry_initial_ms,
+        help="resend a ResyncRequest after this long without a dump, doubling (%(default)s)",
+    )
+    serve.add_argument(
+        "--resync-retry-max-ms",
+        type=int,
+        default=defaults.resync_retry_max_ms,
+        help="longest wait between ResyncRequests to one stale stream (%(default)s)",
+    )
+    serve.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=defaults.shutdown_grace_s,
+        help="time in-flight RPCs get to finish on SIGTERM (%(default)s)",
+    )
+    serve.add_argument(
+        "--inventory-max-entries",
+        type=int,
+        default=defaults.inventory_max_entries_total,
+        help="cap on (block, holder) inventory entries; stores past it are dropped (%(default)s)",
+    )
+    serve.add_argument(
+        "--inventory-max-entries-per-engine",
+        type=int,
+        default=defaults.inventory_max_entries_per_engine,
+        help="cap on one child engine's inventory entries (%(default)s)",
+    )
+    lease_defaults = defaults.leases
+    serve.add_argument(
+        "--handoff-heartbeat-timeout-ms",
+        type=int,
+        default=lease_defaults.handoff_heartbeat_timeout_ms,
+        help="a handoff lease not extended this long is aborted (%(default)s)",
+    )
+    serve.add_argument(
+        "--abort-timeout-ms",
+        type=int,
+        default=lease_defaults.abort_timeout_ms,
+        help="an abort not acknowledged this long sends the lease to quarantine (%(default)s)",
+    )
+    serve.add_argument(
+        "--tls-cert", type=Path, help="PEM server certificate (chain): TLS on the gRPC port"
+    )
+    serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="PEM CA bundle: clients must present a certificate it signed (mutual TLS)",
+    )
+    serve.add_argument(
+        "--auth-tokens",
+        type=Path,
+        metavar="FILE",
+        help="credentials file (TOML): bearer tokens and certificate identities, each bound to "
+        "engine ids and roles; every RPC then needs one (docs/security.md)",
+    )
+    serve.add_argument(
+        "--state-file",
+        type=Path,
+        metavar="FILE",
+        help="keep the known child engines here; after a restart kvrc warms up until they "
+        "are back or --warmup-ms passes (docs/operations.md)",
+    )
+    serve.add_argument(
+        "--warmup-ms",
+        type=int,
+        help="warm-up deadline after a restart (default 10000 with --state-file; without "
+        "one, warm up exactly this long)",
+    )
+    serve.add_argument(
+        "--session-queue-size",
+        type=int,
+        default=defaults.session_queue_size,
+        help="messages queued to one session before an engine that does not read its stream "
+        "is disconnected (%(default)s)",
+    )
+    serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-json", action="store_true", help="one JSON document per log line")
+    serve.set_defaults(func=_cmd_serve)
+
+    status = commands.add_parser("status", help="show engines, rank parts and readiness")
+    status.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    status.add_argument("--json", action="store_true", help="print one JSON document")
+    status.add_argument("--timeout-s", type=float, default=5.0)
+    _add_client_security(status)
+    status.set_defaults(func=_cmd_status)
+
+    drain = commands.add_parser(
+        "drain", help="stop new grants from/to an engine; report when it is safe to stop"
+    )
+    drain.add_argument("engine", metavar="ENGINE", help="a child engine id or an engine id")
+    drain.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    drain.add_argument(
+        "--timeout-ms",
+        type=int,
+        default=0,
+        help="then running leases are aborted (0 = the coordinator's default, 60000)",
+    )
+    drain.add_argument("--wait", action="store_true", help="block until safe to stop or timeout")
+    drain.add_argument("--json", action="store_true", help="print one JSON document")
+    _add_client_security(drain)
+    drain.set_defaults(func=_cmd_drain)
+
+    quarantine = commands.add_parser("quarantine", help="leases whose outcome is unknown")
+    q_commands = quarantine.add_subparsers(dest="quarantine_command", required=True)
+    resolve = q_commands.add_parser(
+        "resolve", help="an operator proved the blocks quiet: release the quarantined lease"
+    )
+    resolve.add_argument("lease_id", metavar="LEASE_ID")
+    resolve.add_argument("--note", default="", help="why it is safe (logged by the coordinator)")
+    resolve.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    resolve.add_argument("--json", action="store_true", help="print one JSON document")
+    _add_client_security(resolve)
+    resolve.set_defaults(func=_cmd_quarantine_resolve)
+
+    from clients.refengine.demo import add_demo_arguments
+    from clients.refengine.options import add_engine_arguments  # torch-free
+
+    engine = commands.add_parser("engine", help="run one rank part of the reference engine")
+    add_engine_arguments(engine)
+    engine.set_defaults(func=_cmd_engine)
+    demo = commands.add_parser("demo", help="kvrc + 2 prefill + 1 decode engines on loopback")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def _add_client_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA that signed kvrc's certificate: TLS")
+    parser.add_argument("--tls-cert", type=Path, help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-server-name", help="check kvrc's certificate against this name, not the host"
+    )
+    parser.add_argument(
+        "--token-file", type=Path, help="file holding a bearer token (admin or read role)"
+    )
+
+
+def channel_options_from_args(args: argparse.Namespace) -> ChannelOptions:
+    """CredentialsError (reported by `main` as a configuration error) when inconsistent."""
+    return ChannelOptions(
+        args.target,
+        ca_cert=args.tls_ca,
+        client_cert=args.tls_cert,
+        client_key=args.tls_key,
+        server_name=args.tls_server_name,
+        token_file=args.token_file,
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    from coordinator.edges.tls import tls_files_from_flags  # keeps the pure imports light
+
+    profiles = load_profiles(args.profiles) if args.profiles is not None else ()
+    tls = tls_files_from_flags(args.tls_cert, args.tls_key, args.tls_client_ca)
+    try:
+        auth = load_auth_policy(args.auth_tokens) if args.auth_tokens is not None else None
+    except AuthConfigError as e:
+        raise ConfigError(str(e)) from None
+    for flag, value in (
+        ("--handoff-heartbeat-timeout-ms", args.handoff_heartbeat_timeout_ms),
+        ("--abort-timeout-ms", args.abort_timeout_ms),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1 ms, got {value}")
+    leases = LeaseConfig(
+        handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,
+        abort_timeout_ms=args.abort_timeout_ms,
+    )
+    return CoordinatorConfig(
+        listen=args.listen,
+        metrics_port=args.metrics_port,
+        reuse=args.reuse,
+        declared_profiles=profiles,
+        heartbeat_interval_ms=args.heartbeat_interval_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        session_grace_ms=args.session_grace_ms,
+        shutdown_grace_s=args.shutdown_grace_s,
+        inventory_max_entries_total=args.inventory_max_entries,
+        inventory_max_entries_per_engine=args.inventory_max_entries_per_engine,
+        leases=leases,
+        tls=tls,
+        auth=auth,
+        session_queue_size=args.session_queue_size,
+        state_file=args.state_file,
+        warmup_ms=args.warmup_ms,
+        resync_retry_initial_ms=args.resync_retry_ms,
+        resync_retry_max_ms=args.resync_retry_max_ms,
+    )
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from coordinator.edges.server import serve  # keeps `kvrc status` light
+
+    _setup_logging(args.log_level, args.log_json)
+    return serve(config_from_args(args), args.port_file)
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from clients.refengine.engine import run_from_args  # needs the engine extra (torch)
+
+    return run_from_args(args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from clients.refengine.demo import run_demo
+
+    return run_demo(args)
+
+
+# --- status --------------------------------------------------------------------
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def status_document(response: pb.StatusResponse) -> dict[str, Any]:
+    """The `kvrc status --json` document; opaque bytes are base64."""
+    children = []
+    for child in response.child_engines:
+        state = child.state
+        children.append(
+            {
+                "child_engine_id": state.child_engine_id,
+                "engine_id": state.engine_id,
+                "ready": state.ready,
+                "parts_present": state.parts_present,
+                "parts_expected": state.parts_expected,
+                "not_ready_reason": state.not_ready_reason,
+                "compatibility_hash": state.compatibility_hash,
+                "stale": state.stale,
+                "inventory_entries": child.inventory_entries,
+                "draining": state.draining,
+                "reuse": {
+                    "enabled": state.reuse.enabled,
+                    "reason": pb.ReuseReason.Name(state.reuse.reason),
+                    "detail": state.reuse.detail,
+                },
+                "profile": {
+                    "model": child.profile.model,
+                    "kv_dtype": child.profile.kv_dtype,
+                    "block_size": child.profile.block_size,
+                    "tp_size": child.profile.parallel.tp_size,
+                    "pp_size": child.profile.parallel.pp_size,
+                    "pcp_size": child.profile.parallel.pcp_size,
+                    "dp_size": child.profile.parallel.dp_size,
+                },
+                "parts": [
+                    {
+                        "tp_rank": part.rank.tp_rank,
+                        "pp_rank": part.rank.pp_rank,
+                        "pcp_rank": part.rank.pcp_rank,
+                        "session_id": part.session_id,
+                        "incarnation": part.incarnation,
+                        "last_heartbeat_unix_ms": part.last_heartbeat_unix_ms,
+                        "endpoint": {
+                            "backend": part.endpoint.backend,
+                            "session_name": part.endpoint.session_name,
+                            "agent_metadata_b64": _b64(part.endpoint.agent_metadata),
+                            "num_regions": len(part.endpoint.regions),
+                            "extra_b64": {k: _b64(v) for k, v in part.endpoint.extra.items()},
+                        },
+                    }
+                    for part in child.parts
+                ],
+            }
+        )
+    return {
+        "version": response.version,
+        "reuse_enabled": response.reuse_enabled,
+        "warming": response.warming,
+        "inventory_entries": response.inventory_entries,
+        "child_engines": children,
+        "leases": [lease_document(lease) for lease in response.leases],
+    }
+
+
+def lease_document(lease: pb.LeaseStatus) -> dict[str, Any]:
+    return {
+        "lease_id": lease.lease_id,
+        "flow": lease.flow,
+        "state": pb.LeaseState.Name(lease.state).removeprefix("LEASE_STATE_"),
+        "source_child_engine_id": lease.source_child_engine_id,
+        "target_child_engine_id": lease.target_child_engine_id,
+        "deadline_unix_ms": lease.deadline_unix_ms,
+        "reason": lease.reason,
+    }
+
+
+def _status_text(target: str, response: pb.StatusResponse) -> str:
+    lines = [
+        f"kvrc {response.version} at {target}: reuse {'on' if response.reuse_enabled else 'off'}"
+        f"{', warming' if response.warming else ''}, {len(response.child_engines)} child engine(s)"
+        f", {response.inventory_entries} inventory entries"
+    ]
+    header = ("CHILD ENGINE", "ENGINE", "READY", "PARTS", "REUSE", "ENTRIES", "WHY NOT READY")
+    rows = [header]
+    for child in response.child_engines:
+        s = child.state
+        rows.append(
+            (
+                s.child_engine_id,
+                s.engine_id,
+                "yes" if s.ready else "no",
+                f"{s.parts_present}/{s.parts_expected}",
+                "on" if s.reuse.enabled else pb.ReuseReason.Name(s.reuse.reason)[13:].lower(),
+                f"{child.inventory_entries}{' (stale)' if s.stale else ''}",
+                s.not_ready_reason or "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)]
+        lines.append("  ".join([*cells, row[-1]]))
+    quarantined = sum(1 for x in response.leases if x.state == pb.LEASE_STATE_QUARANTINED)
+    lines.append(
+        f"{len(response.leases)} lease(s) in flight or quarantined ({quarantined} quarantined)"
+    )
+    for lease in response.leases:
+        doc = lease_document(lease)
+        lines.append(
+            f"  {doc['lease_id']}  {doc['flow']}  {doc['state']}  "
+            f"{doc['source_child_engine_id']} -> {doc['target_child_engine_id'] or '?'}  "
+            f"{doc['reason']}"
+        )
+    return "\n".join(lines)
+
+
+def fetch_status(target: str | ChannelOptions, timeout_s: float) -> pb.StatusResponse:
+    with connect_blocking(target) as channel:
+        stub = pb_grpc.AdminServiceStub(channel)
+        response: pb.StatusResponse = stub.GetStatus(pb.StatusRequest(), timeout=timeout_s)
+        return response
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    try:
+        response = fetch_status(channel_options_from_args(args), args.timeout_s)
+    except grpc.RpcError as e:
+        code = e.code() if isinstance(e, grpc.Call) else None
+        details = e.details() if isinstance(e, grpc.Call) else str(e)
+        name = code.name if code is not None else "ERROR"
+        print(
+            f"kvrc status: cannot get status from {args.target} "
+            f"({name} after {time.monotonic() - started:.1f} s): {details}",
+            file=sys.stderr,
+        )
+        return EXIT_UNREACHABLE
+    if args.json:
+        print(json.dumps(status_document(response), indent=2, sort_keys=True))
+    else:
+        print(_status_text(args.target, response))
+    return 0
+
+
+def _rpc_failed(command: str, target: str, e: grpc.RpcError) -> int:
+    code = e.code() if isinstance(e, grpc.Call) else None
+    details = e.details() if isinstance(e, grpc.Call) else str(e)
+    print(
+        f"kvrc {command}: {code.name if code is not None else 'ERROR'} from {target}: {details}",
+        file=sys.stderr,
+    )
+    return EXIT_UNREACHABLE
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    request = pb.DrainRequest(
+        child_engine_id=args.engine, timeout_ms=max(args.timeout_ms, 0), wait=args.wait
+    )
+    # A waiting drain lasts up to its timeout plus the abort acknowledgements.
+    timeout_s = (args.timeout_ms or 60_000) / 1000 + 30 if args.wait else 10.0
+    try:
+        with connect_blocking(channel_options_from_args(args)) as channel:
+            stub = pb_grpc.AdminServiceStub(channel)
+            response: pb.DrainResponse = stub.Drain(request, timeout=timeout_s)
+    except grpc.RpcError as e:
+        return _rpc_failed("drain", args.target, e)
+    doc = {
+        "child_engine_ids": list(response.child_engine_ids),
+        "leases_remaining": response.leases_remaining,
+        "safe_to_stop": response.safe_to_stop,
+    }
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        engines = ", ".join(response.child_engine_ids)
+        verdict = "safe to stop" if response.safe_to_stop else "NOT safe to stop yet"
+        print(f"draining {engines}: {response.leases_remaining} lease(s) remaining, {verdict}")
+    return 0 if response.safe_to_stop or not args.wait else EXIT_NOT_SAFE
+
+
+def _cmd_quarantine_resolve(args: argparse.Namespace) -> int:
+    request = pb.ResolveQuarantineRequest(
+        lease_id=args.lease_id,
+        resolution=pb.QUARANTINE_RESOLUTION_RELEASE,
+        operator_note=args.note,
+    )
+    try:
+        with connect_blocking(channel_options_from_args(args)) as channel:
+            stub = pb_grpc.AdminServiceStub(channel)
+            response: pb.ResolveQuarantineResponse = stub.ResolveQuarantine(request, timeout=10.0)
+    except grpc.RpcError as e:
+        return _rpc_failed("quarantine resolve", args.target, e)
+    state = pb.LeaseState.Name(response.state).removeprefix("LEASE_STATE_")
+    if args.json:
+        print(json.dumps({"lease_id": args.lease_id, "state": state}, sort_keys=True))
+    else:
+        print(f"lease {args.lease_id}: {state} (its pins are released)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result: int = args.func(args)
+    except (ConfigError, CredentialsError) as e:
+        print(f"kvrc: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+    return result

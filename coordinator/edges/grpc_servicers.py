@@ -1,0 +1,452 @@
+"""gRPC servicers: translate protobuf <-> the `Coordinator` facade, nothing more.
+
+`KvrcError.code` maps onto a gRPC status in one place (`status_code`); every
+RPC is counted in `kvrc_rpc_requests_total{method,code}` and unary RPCs are
+timed in `kvrc_rpc_duration_seconds`, also in one place (`_Observed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from coordinator.core.auth import AuthDenied, AuthPolicy, DenyReason, Principal
+from coordinator.core.errors import ErrorCode, KvrcError, invalid
+from coordinator.core.leases import LeaseView
+from coordinator.edges import grpc_wire as wire
+from coordinator.edges.tls import caller_credentials
+from coordinator.runtime.coordinator import (
+    REASON_CLOSED,
+    REASON_ERROR,
+    Coordinator,
+    SessionEnd,
+)
+from coordinator.runtime.coordinator import Session as CoordinatorSession
+from coordinator.runtime.lease_flow import TransferReport
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvrc.servicer")
+
+Context = grpc.aio.ServicerContext[Any, Any]
+R = TypeVar("R")
+SessionMessageHandler = Callable[[CoordinatorSession, pb.EngineMessage], None]
+
+
+def status_code(code: ErrorCode) -> grpc.StatusCode:
+    """ErrorCode names are gRPC status names."""
+    return grpc.StatusCode[code.value]
+
+
+async def _abort(context: Context, code: grpc.StatusCode, message: str) -> None:
+    """End a session stream with `code`. When grpc can no longer send a status (the
+    server is stopping or the peer already went away) the call is over anyway: the
+    stream just ends, without a second abort or an error in the log."""
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise  # the normal way out: grpc unwinds the handler with it
+    except Exception as e:  # cygrpc's ExecuteBatchError: the call is already finished
+        log.debug("session status %s not sent, the call is over: %r", code.name, e)
+
+
+class _Failure:
+    """The status a session ends with when its reader fails (set once)."""
+
+    __slots__ = ("code", "message")
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+        self.message = ""
+
+    def set(self, code: grpc.StatusCode, message: str) -> None:
+        if self.code is None:
+            self.code, self.message = code, message
+
+
+class _Gate:
+    """Who calls and what they may act for (core/auth.py); open without --auth-tokens."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._policy: AuthPolicy | None = coordinator.config.auth
+        self._registry = coordinator.registry
+
+    def authenticate(self, context: Context) -> Principal | None:
+        """Before anything of the request is read: anonymous callers learn nothing."""
+        if self._policy is None:
+            return None
+        token, cert = caller_credentials(context)
+        return self._policy.authenticate(token, cert)
+
+    def engine(self, principal: Principal | None, engine_id: str) -> None:
+        if principal is not None:
+            AuthPolicy.check_engine(principal, engine_id)
+
+    def child_engine(self, principal: Principal | None, child_engine_id: str, field: str) -> None:
+        if principal is not None:
+            AuthPolicy.check_child_engine(principal, child_engine_id, self._engine_of, field)
+
+    def admin(self, principal: Principal | None, method: str) -> None:
+        if principal is not None:
+            AuthPolicy.check_admin(principal, method)
+
+    def read(self, principal: Principal | None, method: str) -> None:
+        if principal is not None:
+            AuthPolicy.check_read(principal, method)
+
+    def _engine_of(self, child_engine_id: str) -> str | None:
+        view = self._registry.get(child_engine_id)
+        return view.engine_id if view is not None else None
+
+
+class _Observed:
+    """Counts and times RPCs; converts exceptions into statuses."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._metrics = coordinator.metrics
+        # Label children cached (methods x codes is finite): labels() costs µs per call.
+        self._counters: dict[tuple[str, grpc.StatusCode], Any] = {}
+        self._timers: dict[str, Any] = {}
+
+    def count(self, method: str, code: grpc.StatusCode) -> None:
+        counter = self._counters.get((method, code))
+        if counter is None:
+            counter = self._metrics.rpc_requests.labels(method=method, code=code.name)
+            self._counters[method, code] = counter
+        counter.inc()
+
+    def count_denied(self, error: KvrcError) -> None:
+        """Identity refusals; the core's PERMISSION_DENIED is acting on another's lease."""
+        if isinstance(error, AuthDenied):
+            reason = error.reason
+        elif error.code is ErrorCode.PERMISSION_DENIED:
+            reason = DenyReason.FOREIGN_LEASE
+        else:
+            return
+        self._metrics.auth_denied.labels(reason=reason.value).inc()
+
+    async def unary(self, method: str, context: Context, call: Callable[[], Awaitable[R]]) -> R:
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return await call()
+        except KvrcError as e:
+            code = status_code(e.code)
+            self.count_denied(e)
+            await context.abort(code, e.message)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", method)
+            await context.abort(code, f"{method}: internal error (see the coordinator log)")
+        finally:
+            timer = self._timers.get(method)
+            if timer is None:
+                timer = self._timers[method] = self._metrics.rpc_duration.labels(method=method)
+            timer.observe(time.perf_counter() - started)
+            self.count(method, code)
+
+
+class EngineService(pb_grpc.EngineServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+        self._observed = _Observed(coordinator)
+        self._gate = _Gate(coordinator)
+        self._bounds = coordinator.config.bounds
+        # Every EngineMessage kind after Register but the heartbeat.
+        self._handlers: dict[str, SessionMessageHandler] = {
+            "events": self._on_events,
+            "pin_result": self._on_pin_result,
+            "abort_ack": self._on_abort_ack,
+            "release_ack": self._on_release_ack,
+        }
+
+    # --- the session stream --------------------------------------------------------
+
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.EngineMessage], context: Context
+    ) -> AsyncIterator[pb.CoordinatorMessage]:
+        code = grpc.StatusCode.OK
+        session: CoordinatorSession | None = None
+        reader: asyncio.Task[None] | None = None
+        failure = _Failure()
+        try:
+            # Read Register before any refusal: a stream aborted while the client is
+            # still writing surfaces on the client as INTERNAL ("Internal error from
+            # Core") instead of the status sent, e.g. UNAUTHENTICATED.
+            try:
+                first = await self._first_message(request_iterator)
+            except KvrcError:
+                self._gate.authenticate(context)  # an unauthenticated stream hears that
+                raise
+            principal = self._gate.authenticate(context)
+            session = await self._register(first, principal)
+            reader = asyncio.create_task(self._read(request_iterator, session, failure))
+            while True:
+                out = await session.next_outbound()
+                if isinstance(out, SessionEnd):
+                    if failure.code is not None:
+                        code = failure.code
+                        await _abort(context, code, failure.message)
+                    elif out.code is not None:
+                        code = status_code(out.code)
+                        await _abort(context, code, out.message)
+                    return
+                yield wire.coordinator_message(out)
+        except KvrcError as e:
+            code = status_code(e.code)
+            self._observed.count_denied(e)
+            await _abort(context, code, e.message)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("session stream failed")
+            await _abort(context, code, "internal error (see the coordinator log)")
+        finally:
+            if reader is not None:
+                reader.cancel()
+            if session is not None:
+                self._coordinator.close_session(session, REASON_CLOSED)
+            self._observed.count("Session", code)
+
+    async def _first_message(self, requests: AsyncIterator[pb.EngineMessage]) -> pb.EngineMessage:
+        # A stream that never registers would hold resources: bound the wait.
+        timeout_s = self._coordinator.config.heartbeat_timeout_ms / 1000
+        try:
+            return await asyncio.wait_for(anext(requests), timeout_s)
+        except StopAsyncIteration:
+            raise invalid("the session stream ended before its Register message") from None
+        except TimeoutError:
+            raise invalid(f"no Register message within {timeout_s:g} s of opening") from None
+
+    async def _register(
+        self, first: pb.EngineMessage, principal: Principal | None
+    ) -> CoordinatorSession:
+        kind = first.WhichOneof("message")
+        if kind != "register":
+            raise invalid(f"the first session message must be register, got {kind or 'nothing'}")
+        try:
+            registration = wire.registration_from_proto(first.register, self._bounds)
+            # A rank part joins only an engine its credential is bound to.
+            self._gate.engine(principal, registration.engine_id)
+            self._gate.child_engine(principal, registration.child_engine_id, "child_engine_id")
+        except KvrcError as e:
+            self._coordinator.metrics.registrations.labels(result=e.code.value).inc()
+            raise
+        return self._coordinator.open_session(registration)
+
+    async def _read(
+        self,
+        requests: AsyncIterator[pb.EngineMessage],
+        session: CoordinatorSession,
+        failure: _Failure,
+    ) -> None:
+        reason = REASON_CLOSED
+        try:
+            async for message in requests:
+                if session.ended:
+                    return
+                self._dispatch(session, message)
+        except KvrcError as e:
+            failure.set(status_code(e.code), e.message)
+            reason = REASON_ERROR
+        except (grpc.aio.BaseError, grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the peer went away; the stream is over
+        except Exception:
+            log.exception("session %s: reading failed", session.session_id)
+            failure.set(grpc.StatusCode.INTERNAL, "internal error (see the coordinator log)")
+            reason = REASON_ERROR
+        # The engine ended its side (or failed): the rank part leaves now.
+        self._coordinator.close_session(session, reason, SessionEnd(None, ""))
+
+    def _dispatch(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        kind = message.WhichOneof("message")
+        if kind == "heartbeat":
+            self._coordinator.heartbeat(session)
+            return
+        if kind == "register":
+            raise invalid("register may only be the first message of a session")
+        if kind is None:
+            raise invalid("empty or unknown EngineMessage (no known oneof field set)")
+        self._coordinator.touch(session)
+        self._handlers[kind](session, message)
+
+    def _on_events(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        # A malformed batch raises INVALID_ARGUMENT: the session ends, nothing is applied.
+        inventory = self._coordinator.inventory
+        try:
+            batch = wire.event_batch_from_proto(message.events)
+        except KvrcError:
+            inventory.count_malformed()
+            raise
+        ref = session.ref
+        inventory.ingest(ref.child_engine_id, ref.rank, ref.session_id, session.incarnation, batch)
+
+    async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
+        async def call() -> pb.LookupResponse:
+            principal = self._gate.authenticate(context)
+            requester, queries = wire.lookup_request_from_proto(request, self._bounds)
+            self._gate.child_engine(principal, requester, "requester_child_engine_id")
+            results = self._coordinator.inventory.lookup_many(requester, queries)
+            return wire.lookup_response_to_proto(results)
+
+        return await self._observed.unary("Lookup", context, call)
+
+    # --- leases: session messages ---------------------------------------------------
+
+    def _on_pin_result(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        ref = session.ref
+        lease_id, pinned, descriptor, error = wire.pin_result_from_proto(
+            message.pin_result, ref.rank, self._bounds
+        )
+        self._coordinator.leases.on_pin_result(
+            ref.child_engine_id, ref.rank, lease_id, pinned, descriptor, error
+        )
+
+    def _on_abort_ack(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        lease_id = wire.check_id("abort_ack.lease_id", message.abort_ack.lease_id, self._bounds)
+        ref = session.ref
+        self._coordinator.leases.on_abort_ack(ref.child_engine_id, ref.rank, lease_id)
+
+    def _on_release_ack(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        lease_id = wire.check_id("release_ack.lease_id", message.release_ack.lease_id, self._bounds)
+        ref = session.ref
+        self._coordinator.leases.on_release_ack(ref.child_engine_id, ref.rank, lease_id)
+
+    # --- leases: unary RPCs -----------------------------------------------------------
+
+    async def RequestPrefixLoad(
+        self, request: pb.PrefixLoadRequest, context: Context
+    ) -> pb.PrefixLoadGrant:
+        async def call() -> pb.PrefixLoadGrant:
+            principal = self._gate.authenticate(context)
+            req = wire.prefix_load_request_from_proto(request, self._bounds)
+            self._gate.child_engine(
+                principal, req.requester_child_engine_id, "requester_child_engine_id"
+            )
+            answer = await self._coordinator.leases.request_prefix_load(req)
+            return wire.prefix_load_answer_to_proto(answer)
+
+        return await self._observed.unary("RequestPrefixLoad", context, call)
+
+    async def CompletePrefixLoad(
+        self, request: pb.TransferReport, context: Context
+    ) -> pb.CompleteResponse:
+        complete = self._coordinator.leases.complete_prefix_load
+        return await self._complete("CompletePrefixLoad", request, context, complete)
+
+    async def PublishHandoff(
+        self, request: pb.PublishHandoffRequest, context: Context
+    ) -> pb.PublishHandoffResponse:
+        async def call() -> pb.PublishHandoffResponse:
+            principal = self._gate.authenticate(context)
+            req = wire.publish_handoff_from_proto(request, self._bounds)
+            self._gate.child_engine(
+                principal, req.prefill_child_engine_id, "prefill_child_engine_id"
+            )
+            view, reported, expected = self._coordinator.leases.publish_handoff(req)
+            return wire.publish_response_to_proto(view, reported, expected)
+
+        return await self._observed.unary("PublishHandoff", context, call)
+
+    async def BeginHandoff(
+        self, request: pb.BeginHandoffRequest, context: Context
+    ) -> pb.HandoffGrant:
+        async def call() -> pb.HandoffGrant:
+            principal = self._gate.authenticate(context)
+            req = wire.begin_handoff_from_proto(request, self._bounds)
+            self._gate.child_engine(principal, req.decode_child_engine_id, "decode_child_engine_id")
+            grant = await self._coordinator.leases.begin_handoff(req)
+            return wire.handoff_grant_to_proto(
+                grant, self._coordinator.leases.heartbeat_interval_ms
+            )
+
+        return await self._observed.unary("BeginHandoff", context, call)
+
+    async def ExtendHandoff(
+        self, request: pb.ExtendHandoffRequest, context: Context
+    ) -> pb.ExtendHandoffResponse:
+        async def call() -> pb.ExtendHandoffResponse:
+            principal = self._gate.authenticate(context)
+            lease_id = wire.check_id("lease_id", request.lease_id, self._bounds)
+            decode = wire.check_id(
+                "decode_child_engine_id", request.decode_child_engine_id, self._bounds
+            )
+            self._gate.child_engine(principal, decode, "decode_child_engine_id")
+            deadline = self._coordinator.leases.extend_handoff(lease_id, decode)
+            return pb.ExtendHandoffResponse(deadline_unix_ms=deadline)
+
+        return await self._observed.unary("ExtendHandoff", context, call)
+
+    async def CompleteHandoff(
+        self, request: pb.TransferReport, context: Context
+    ) -> pb.CompleteResponse:
+        complete = self._coordinator.leases.complete_handoff
+        return await self._complete("CompleteHandoff", request, context, complete)
+
+    async def _complete(
+        self,
+        method: str,
+        request: pb.TransferReport,
+        context: Context,
+        complete: Callable[[TransferReport], LeaseView],
+    ) -> pb.CompleteResponse:
+        """A target part's terminal report; both flows check and answer it the same way."""
+
+        async def call() -> pb.CompleteResponse:
+            principal = self._gate.authenticate(context)
+            report = wire.transfer_report_from_proto(request, self._bounds)
+            self._gate.child_engine(
+                principal, report.reporter_child_engine_id, "reporter_child_engine_id"
+            )
+            return wire.complete_response_to_proto(complete(report))
+
+        return await self._observed.unary(method, context, call)
+
+
+class AdminService(pb_grpc.AdminServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+        self._observed = _Observed(coordinator)
+        self._gate = _Gate(coordinator)
+
+    async def GetStatus(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
+        async def call() -> pb.StatusResponse:
+            # Status shows endpoints and memory layout of every engine: read role.
+            self._gate.read(self._gate.authenticate(context), "GetStatus")
+            return wire.status_to_proto(self._coordinator.status())
+
+        return await self._observed.unary("GetStatus", context, call)
+
+    async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
+        async def call() -> pb.DrainResponse:
+            self._gate.admin(self._gate.authenticate(context), "Drain")
+            bounds = self._coordinator.config.bounds
+            target, timeout_ms, wait = wire.drain_request_from_proto(request, bounds)
+            result = await self._coordinator.leases.drain(target, timeout_ms, wait)
+            return wire.drain_response_to_proto(result)
+
+        return await self._observed.unary("Drain", context, call)
+
+    async def ResolveQuarantine(
+        self, request: pb.ResolveQuarantineRequest, context: Context
+    ) -> pb.ResolveQuarantineResponse:
+        async def call() -> pb.ResolveQuarantineResponse:
+            self._gate.admin(self._gate.authenticate(context), "ResolveQuarantine")
+            bounds = self._coordinator.config.bounds
+            lease_id, note = wire.resolve_quarantine_from_proto(request, bounds)
+            view = self._coordinator.leases.resolve_quarantine(lease_id, note)
+            return pb.ResolveQuarantineResponse(state=pb.LeaseState.ValueType(view.state.value))
+
+        return await self._observed.unary("ResolveQuarantine", context, call)

@@ -1,0 +1,841 @@
+"""Protobuf <-> domain conversion and input validation for the gRPC edge.
+
+Every `*_from_proto` function validates what a client sent and raises
+`KvrcError(INVALID_ARGUMENT)` naming the field: empty or oversized ids, zero
+sizes, unknown enum values (proto3 keeps unknown ints, so they are checked
+here), oversized opaque fields. Semantic checks that need no protobuf (ranks
+inside sizes, child-engine naming, consistency between parts) live in the core
+(`registry.py`). Opaque bytes are copied verbatim in both directions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from coordinator.core import events as ev
+from coordinator.core import inventory as inv
+from coordinator.core.errors import KvrcError, invalid
+from coordinator.core.leases import (
+    HandoffGrant,
+    LeaseState,
+    LeaseView,
+    Outcome,
+    SendAbort,
+    SendPin,
+    SendQuarantine,
+    SendRelease,
+    SourcePart,
+)
+from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
+from coordinator.core.registry import (
+    ChildEngineView,
+    KvRegion,
+    PublishMode,
+    RankPartRegistration,
+    TransferEndpoint,
+)
+from coordinator.edges.zmq_ingest import ZmqStreamConfig, publisher_host, subscriber_endpoint
+from coordinator.runtime.config import FieldBounds
+from coordinator.runtime.coordinator import (
+    ChildEngineStatus,
+    HeartbeatReply,
+    Outbound,
+    RegisterReply,
+    StateUpdate,
+    StatusSnapshot,
+)
+from coordinator.runtime.inventory_flow import LookupQuery, LookupResult, LookupVerdict, ResyncOrder
+from coordinator.runtime.lease_flow import (
+    BeginHandoffRequest,
+    DrainNotice,
+    DrainResult,
+    PrefixLoadAnswer,
+    PrefixLoadRequest,
+    PublishHandoffRequest,
+    TransferReport,
+)
+from kvrc import __version__
+from kvrc.v1 import kvrc_pb2 as pb
+
+# --- validation helpers ------------------------------------------------------
+
+
+def check_id(field: str, value: str, bounds: FieldBounds) -> str:
+    if not value:
+        raise invalid(f"{field} is empty")
+    if len(value) > bounds.max_id_chars:
+        raise invalid(
+            f"{field} is {len(value)} characters long; the limit is {bounds.max_id_chars}"
+        )
+    if not (value.isascii() and value.isprintable()):
+        raise invalid(f"{field} must be printable ASCII, got {value!r:.80}")
+    return value
+
+
+def check_text(field: str, value: str, bounds: FieldBounds) -> str:
+    if len(value) > bounds.max_string_chars:
+        raise invalid(
+            f"{field} is {len(value)} characters long; the limit is {bounds.max_string_chars}"
+        )
+    return value
+
+
+def check_size(field: str, value: int, bounds: FieldBounds) -> int:
+    if not 1 <= value <= bounds.max_parallel_size:
+        raise invalid(f"{field} must be in [1, {bounds.max_parallel_size}], got {value}")
+    return value
+
+
+def check_count(field: str, count: int, limit: int) -> None:
+    if count > limit:
+        raise invalid(f"{field} has {count} entries; the limit is {limit}")
+
+
+# --- registration --------------------------------------------------------------
+
+
+def publish_mode_from_proto(value: int) -> PublishMode:
+    if value == pb.PUBLISH_MODE_UNSPECIFIED:
+        return PublishMode.PER_CHILD_ENGINE  # the vLLM default
+    try:
+        return PublishMode(value)
+    except ValueError:
+        raise invalid(f"publish_mode: unknown enum value {value}") from None
+
+
+def profile_from_proto(msg: pb.DeploymentProfile, bounds: FieldBounds) -> DeploymentProfile:
+    model = check_text("profile.model", msg.model, bounds)
+    if not model:
+        raise invalid("profile.model is empty")
+    if msg.block_size < 1:
+        raise invalid("profile.block_size must be >= 1, got 0")
+    check_count("profile.transfer_backends", len(msg.transfer_backends), bounds.max_extra_entries)
+    check_count("profile.extra", len(msg.extra), bounds.max_extra_entries)
+    for name, value in (
+        ("profile.model_revision", msg.model_revision),
+        ("profile.kv_dtype", msg.kv_dtype),
+        ("profile.attention_backend", msg.attention_backend),
+        ("profile.kv_layout", msg.kv_layout),
+        ("profile.gpu_kind", msg.gpu_kind),
+        ("profile.lora_name", msg.lora_name),
+    ):
+        check_text(name, value, bounds)
+    for backend in msg.transfer_backends:
+        check_id("profile.transfer_backends[]", backend, bounds)
+    for key, value in msg.extra.items():
+        check_id("profile.extra key", key, bounds)
+        check_text(f"profile.extra[{key!r}]", value, bounds)
+    if len(msg.native_compatibility_hash) > bounds.max_id_chars:
+        raise invalid(
+            f"profile.native_compatibility_hash is {len(msg.native_compatibility_hash)} bytes; "
+            f"the limit is {bounds.max_id_chars}"
+        )
+    par = msg.parallel
+    return DeploymentProfile(
+        model=model,
+        block_size=msg.block_size,
+        model_revision=msg.model_revision,
+        kv_dtype=msg.kv_dtype,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_size=msg.head_size,
+        attention_backend=msg.attention_backend,
+        kv_layout=msg.kv_layout,
+        tp_size=check_size("profile.parallel.tp_size", par.tp_size, bounds),
+        pp_size=check_size("profile.parallel.pp_size", par.pp_size, bounds),
+        pcp_size=check_size("profile.parallel.pcp_size", par.pcp_size, bounds),
+        dp_size=check_size("profile.parallel.dp_size", par.dp_size, bounds),
+        dcp_size=check_size("profile.parallel.dcp_size", par.dcp_size, bounds),
+        transfer_backends=tuple(msg.transfer_backends),
+        gpu_kind=msg.gpu_kind,
+        reuse_opt_in=msg.reuse_opt_in,
+        lora_name=msg.lora_name,
+        native_compatibility_hash=bytes(msg.native_compatibility_hash),
+        extra=tuple(sorted(msg.extra.items())),
+    )
+
+
+def profile_to_proto(profile: DeploymentProfile) -> pb.DeploymentProfile:
+    return pb.DeploymentProfile(
+        model=profile.model,
+        model_revision=profile.model_revision,
+        kv_dtype=profile.kv_dtype,
+        block_size=profile.block_size,
+        num_layers=profile.num_layers,
+        num_kv_heads=profile.num_kv_heads,
+        head_size=profile.head_size,
+        attention_backend=profile.attention_backend,
+        kv_layout=profile.kv_layout,
+        parallel=pb.ParallelSizes(
+            tp_size=profile.tp_size,
+            pp_size=profile.pp_size,
+            pcp_size=profile.pcp_size,
+            dp_size=profile.dp_size,
+            dcp_size=profile.dcp_size,
+        ),
+        transfer_backends=list(profile.transfer_backends),
+        gpu_kind=profile.gpu_kind,
+        reuse_opt_in=profile.reuse_opt_in,
+        lora_name=profile.lora_name,
+        native_compatibility_hash=profile.native_compatibility_hash,
+        extra=dict(profile.extra),
+    )
+
+
+def _check_endpoint(msg: pb.TransferEndpoint, bounds: FieldBounds) -> None:
+    """Sizes of an opaque endpoint, without building it."""
+    check_text("endpoint.backend", msg.backend, bounds)
+    check_text("endpoint.session_name", msg.session_name, bounds)
+    check_count("endpoint.regions", len(msg.regions), bounds.max_regions)
+    check_count("endpoint.extra", len(msg.extra), bounds.max_extra_entries)
+    opaque_bytes = len(msg.agent_metadata) + sum(len(k) + len(v) for k, v in msg.extra.items())
+    if opaque_bytes > bounds.max_metadata_bytes:
+        raise invalid(
+            f"endpoint metadata (agent_metadata + extra) is {opaque_bytes} bytes; "
+            f"the limit is {bounds.max_metadata_bytes}"
+        )
+    for key in msg.extra:
+        check_id("endpoint.extra key", key, bounds)
+
+
+def endpoint_from_proto(msg: pb.TransferEndpoint, bounds: FieldBounds) -> TransferEndpoint:
+    _check_endpoint(msg, bounds)
+    return TransferEndpoint(
+        backend=msg.backend,
+        session_name=msg.session_name,
+        agent_metadata=bytes(msg.agent_metadata),
+        regions=tuple(
+            KvRegion(r.base_addr, r.block_len, r.num_blocks, r.layer, r.kv_index)
+            for r in msg.regions
+        ),
+        extra=tuple((k, bytes(v)) for k, v in msg.extra.items()),
+    )
+
+
+def endpoint_to_proto(endpoint: TransferEndpoint) -> pb.TransferEndpoint:
+    return pb.TransferEndpoint(
+        backend=endpoint.backend,
+        session_name=endpoint.session_name,
+        agent_metadata=endpoint.agent_metadata,
+        regions=[
+            pb.KvRegion(
+                base_addr=r.base_addr,
+                block_len=r.block_len,
+                num_blocks=r.num_blocks,
+                layer=r.layer,
+                kv_index=r.kv_index,
+            )
+            for r in endpoint.regions
+        ],
+        extra=dict(endpoint.extra),
+    )
+
+
+def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRegistration:
+    engine_id = check_id("engine_id", msg.engine_id, bounds)
+    child_engine_id = check_id("child_engine_id", msg.child_engine_id, bounds)
+    if not msg.HasField("profile"):
+        raise invalid("profile is missing")
+    profile = profile_from_proto(msg.profile, bounds)
+    check_text("kv_events_endpoint", msg.kv_events_endpoint, bounds)
+    check_text("kv_events_replay_endpoint", msg.kv_events_replay_endpoint, bounds)
+    check_count("held_lease_ids", len(msg.held_lease_ids), bounds.max_held_leases)
+    for lease_id in msg.held_lease_ids:
+        check_id("held_lease_ids[]", lease_id, bounds)
+    endpoint = endpoint_from_proto(msg.endpoint, bounds)
+    _check_kv_events_endpoint(
+        "kv_events_endpoint", msg.kv_events_endpoint, engine_id, msg, endpoint
+    )
+    _check_kv_events_endpoint(
+        "kv_events_replay_endpoint", msg.kv_events_replay_endpoint, engine_id, msg, endpoint
+    )
+    return RankPartRegistration(
+        engine_id=engine_id,
+        dp_rank=msg.dp_rank,
+        child_engine_id=child_engine_id,
+        rank=(msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.pcp_rank),
+        profile=profile,
+        endpoint=endpoint,
+        publish_mode=publish_mode_from_proto(msg.publish_mode),
+        kv_events_endpoint=msg.kv_events_endpoint,
+        kv_events_replay_endpoint=msg.kv_events_replay_endpoint,
+        held_lease_ids=tuple(msg.held_lease_ids),
+    )
+
+
+def _check_kv_events_endpoint(
+    field: str, value: str, engine_id: str, msg: pb.Register, endpoint: TransferEndpoint
+) -> None:
+    """Refuses what the ZMQ edge would refuse later (its own validators, same inputs)."""
+    if not value:
+        return
+    try:
+        host = publisher_host(endpoint.session_name)
+        subscribed, _ = subscriber_endpoint(value, host, msg.dp_rank)
+        ZmqStreamConfig(engine_id=engine_id, endpoint=subscribed)
+    except KvrcError as e:
+        raise invalid(f"{field}: {e.message}") from None
+
+
+# --- coordinator -> engine -----------------------------------------------------
+
+
+def reuse_status_to_proto(status: ReuseStatus) -> pb.ReuseStatus:
+    return pb.ReuseStatus(
+        enabled=status.enabled, reason=_REUSE_REASONS[status.reason], detail=status.detail
+    )
+
+
+_REUSE_REASONS: dict[ReuseReason, pb.ReuseReason.ValueType] = {
+    ReuseReason.ENABLED: pb.REUSE_REASON_ENABLED,
+    ReuseReason.DISABLED_BY_COORDINATOR: pb.REUSE_REASON_DISABLED_BY_COORDINATOR,
+    ReuseReason.PROFILE_NOT_OPTED_IN: pb.REUSE_REASON_PROFILE_NOT_OPTED_IN,
+    ReuseReason.PROFILE_NOT_DECLARED: pb.REUSE_REASON_PROFILE_NOT_DECLARED,
+    ReuseReason.REQUESTER_UNKNOWN: pb.REUSE_REASON_REQUESTER_UNKNOWN,
+    ReuseReason.REQUESTER_NOT_READY: pb.REUSE_REASON_REQUESTER_NOT_READY,
+    ReuseReason.WARMING: pb.REUSE_REASON_WARMING,
+}
+
+
+def child_engine_state_to_proto(
+    view: ChildEngineView, reuse: ReuseStatus, *, stale: bool = False, draining: bool = False
+) -> pb.ChildEngineState:
+    return pb.ChildEngineState(
+        child_engine_id=view.child_engine_id,
+        engine_id=view.engine_id,
+        ready=view.ready,
+        parts_present=view.parts_present,
+        parts_expected=view.parts_expected,
+        not_ready_reason=view.not_ready_reason,
+        compatibility_hash=view.compatibility_hash,
+        reuse=reuse_status_to_proto(reuse),
+        stale=stale,
+        draining=draining,
+    )
+
+
+def coordinator_message(out: Outbound) -> pb.CoordinatorMessage:
+    """Encodes one outbound session message."""
+    if isinstance(out, RegisterReply):
+        return pb.CoordinatorMessage(
+            register_ack=pb.RegisterAck(
+                session_id=out.session_id,
+                incarnation=out.incarnation,
+                compatibility_hash=out.view.compatibility_hash,
+                heartbeat_interval_ms=out.heartbeat_interval_ms,
+                heartbeat_timeout_ms=out.heartbeat_timeout_ms,
+                reuse=reuse_status_to_proto(out.reuse),
+                state=child_engine_state_to_proto(out.view, out.reuse),
+            )
+        )
+    if isinstance(out, HeartbeatReply):
+        return pb.CoordinatorMessage(
+            heartbeat_ack=pb.HeartbeatAck(server_time_unix_ms=out.server_time_ms)
+        )
+    if isinstance(out, StateUpdate):
+        state = child_engine_state_to_proto(
+            out.view, out.reuse, stale=out.stale, draining=out.draining
+        )
+        return pb.CoordinatorMessage(state=state)
+    if isinstance(out, ResyncOrder):
+        return pb.CoordinatorMessage(
+            resync_request=pb.ResyncRequest(
+                reason=out.reason, expected_sequence=out.expected_sequence
+            )
+        )
+    lease_message = _lease_message(out)
+    if lease_message is not None:
+        return lease_message
+    raise TypeError(f"no encoding for outbound message {type(out).__name__}")
+
+
+def status_to_proto(snapshot: StatusSnapshot) -> pb.StatusResponse:
+    return pb.StatusResponse(
+        version=__version__,
+        reuse_enabled=snapshot.reuse_enabled,
+        warming=snapshot.warming,
+        child_engines=[_child_engine_status(c) for c in snapshot.child_engines],
+        inventory_entries=snapshot.inventory_entries,
+        leases=[lease_status_to_proto(v) for v in snapshot.leases],
+    )
+
+
+def _child_engine_status(status: ChildEngineStatus) -> pb.ChildEngineStatus:
+    view = status.view
+    return pb.ChildEngineStatus(
+        state=child_engine_state_to_proto(
+            view, status.reuse, stale=status.stale, draining=status.draining
+        ),
+        inventory_entries=status.inventory_entries,
+        profile=profile_to_proto(view.profile),
+        parts=[
+            pb.RankPartStatus(
+                rank=pb.RankCoordinates(
+                    tp_rank=part.registration.rank[0],
+                    pp_rank=part.registration.rank[1],
+                    pcp_rank=part.registration.rank[2],
+                ),
+                session_id=part.session_id,
+                incarnation=part.incarnation,
+                last_heartbeat_unix_ms=part.last_heartbeat_ms,
+                endpoint=endpoint_to_proto(part.registration.endpoint),
+            )
+            for part in view.parts
+        ],
+    )
+
+
+# --- inventory: event batches and lookups ------------------------------------------
+
+_TIERS = {t.value: t for t in ev.Tier}
+
+
+def _tier(field: str, value: int) -> ev.Tier:
+    tier = _TIERS.get(value)
+    if tier is None:
+        raise invalid(f"{field}: tier must be one of GPU, CPU, DISK, EXTERNAL (1..4), got {value}")
+    return tier
+
+
+def _group(field: str, value: int) -> int:
+    if value > inv.MAX_GROUP_IDX:
+        raise invalid(f"{field}: group_idx {value} exceeds {inv.MAX_GROUP_IDX}")
+    return value
+
+
+def check_block_hashes(field: str, hashes: Sequence[bytes], limit: int) -> tuple[bytes, ...]:
+    """1..limit hashes of 1..64 bytes each (C-level min/max: the lookup path is hot)."""
+    n = len(hashes)
+    if n > limit:
+        raise invalid(f"{field} has {n} block hashes; the limit is {limit}")
+    # One copy out of the protobuf container: each element access allocates.
+    copied = tuple(hashes)
+    if n:
+        # The set of distinct lengths is tiny (usually one): cheaper than a list of n.
+        distinct = {*map(len, copied)}
+        if 0 in distinct:
+            i = next(i for i, h in enumerate(copied) if not h)
+            raise invalid(f"{field}[{i}] is empty (block hashes are 1..64 bytes)")
+        if max(distinct) > inv.MAX_BLOCK_HASH_BYTES:
+            lengths = [len(h) for h in copied]
+            i = next(i for i, n in enumerate(lengths) if n > inv.MAX_BLOCK_HASH_BYTES)
+            raise invalid(
+                f"{field}[{i}] is {lengths[i]} bytes; block hashes are 1.."
+                f"{inv.MAX_BLOCK_HASH_BYTES} bytes"
+            )
+    return copied
+
+
+def event_batch_from_proto(msg: pb.EventBatch) -> ev.EventBatch:
+    """Validates a whole batch before anything of it is applied (INVALID_ARGUMENT)."""
+    check_count("events.events", len(msg.events), inv.MAX_EVENTS_PER_BATCH)
+    events: list[ev.InventoryEvent] = []
+    blocks = 0
+    for i, event in enumerate(msg.events):
+        kind = event.WhichOneof("event")
+        where = f"events.events[{i}]"
+        if kind == "stored":
+            st = event.stored
+            hashes = check_block_hashes(
+                f"{where}.stored.block_hashes", st.block_hashes, inv.MAX_CHAIN_BLOCKS
+            )
+            if not hashes:
+                raise invalid(f"{where}.stored.block_hashes is empty")
+            parent = bytes(st.parent_block_hash)
+            if len(parent) > inv.MAX_BLOCK_HASH_BYTES:
+                raise invalid(
+                    f"{where}.stored.parent_block_hash is {len(parent)} bytes; the limit is "
+                    f"{inv.MAX_BLOCK_HASH_BYTES}"
+                )
+            blocks += len(hashes)
+            events.append(
+                ev.BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent or None,
+                    num_tokens=st.num_tokens,
+                    tier=_tier(f"{where}.stored.tier", st.tier),
+                    group_idx=_group(f"{where}.stored", st.group_idx),
+                    expiry_ms=st.expiry_unix_ms,
+                )
+            )
+        elif kind == "removed":
+            rm = event.removed
+            hashes = check_block_hashes(
+                f"{where}.removed.block_hashes", rm.block_hashes, inv.MAX_CHAIN_BLOCKS
+            )
+            blocks += len(hashes)
+            events.append(
+                ev.BlockRemoved(
+                    block_hashes=hashes,
+                    tier=_tier(f"{where}.removed.tier", rm.tier),
+                    group_idx=_group(f"{where}.removed", rm.group_idx),
+                )
+            )
+        elif kind == "cleared":
+            events.append(ev.AllBlocksCleared())
+        else:
+            raise invalid(f"{where} has no event set (stored, removed or cleared)")
+        if blocks > inv.MAX_BLOCKS_PER_BATCH:
+            raise invalid(
+                f"events carry more than {inv.MAX_BLOCKS_PER_BATCH} block hashes in one batch; "
+                "split it"
+            )
+    return ev.EventBatch(
+        incarnation=msg.incarnation,
+        sequence=msg.sequence,
+        events=tuple(events),
+        dump_begin=msg.dump_begin,
+        dump_end=msg.dump_end,
+    )
+
+
+def lookup_request_from_proto(
+    msg: pb.LookupRequest, bounds: FieldBounds
+) -> tuple[str, tuple[LookupQuery, ...]]:
+    requester = check_id("requester_child_engine_id", msg.requester_child_engine_id, bounds)
+    n = len(msg.queries)
+    if n == 0:
+        raise invalid("queries is empty: send at least one LookupQuery")
+    check_count("queries", n, inv.MAX_QUERIES_PER_LOOKUP)
+    queries = []
+    for i, q in enumerate(msg.queries):
+        hashes = check_block_hashes(
+            f"queries[{i}].block_hashes", q.block_hashes, inv.MAX_CHAIN_BLOCKS
+        )
+        if q.max_candidates > inv.MAX_CANDIDATES:
+            raise invalid(
+                f"queries[{i}].max_candidates {q.max_candidates} exceeds {inv.MAX_CANDIDATES}"
+            )
+        if q.min_blocks > inv.MAX_CHAIN_BLOCKS:
+            raise invalid(f"queries[{i}].min_blocks {q.min_blocks} exceeds {inv.MAX_CHAIN_BLOCKS}")
+        queries.append(
+            LookupQuery(
+                block_hashes=hashes,
+                compatibility_hash=check_text(
+                    f"queries[{i}].compatibility_hash", q.compatibility_hash, bounds
+                ),
+                min_blocks=q.min_blocks,
+                include_self=q.include_self,
+                max_candidates=q.max_candidates or inv.DEFAULT_MAX_CANDIDATES,
+                group_idx=_group(f"queries[{i}]", q.group_idx),
+            )
+        )
+    return requester, tuple(queries)
+
+
+_OUTCOMES: dict[LookupVerdict, pb.LookupOutcome.ValueType] = {
+    LookupVerdict.HIT: pb.LOOKUP_OUTCOME_HIT,
+    LookupVerdict.MISS: pb.LOOKUP_OUTCOME_MISS,
+    LookupVerdict.BELOW_MIN_BLOCKS: pb.LOOKUP_OUTCOME_BELOW_MIN_BLOCKS,
+    LookupVerdict.REUSE_UNAVAILABLE: pb.LOOKUP_OUTCOME_REUSE_UNAVAILABLE,
+}
+
+
+# ReuseStatus values are few (one per engine and reason): their messages are built once.
+_REUSE_PROTOS: dict[ReuseStatus, pb.ReuseStatus] = {}
+_MAX_REUSE_PROTOS = 1024
+
+
+def _reuse_proto(status: ReuseStatus) -> pb.ReuseStatus:
+    msg = _REUSE_PROTOS.get(status)
+    if msg is None:
+        msg = reuse_status_to_proto(status)
+        if len(_REUSE_PROTOS) >= _MAX_REUSE_PROTOS:
+            _REUSE_PROTOS.clear()  # bounded whatever the details say
+        _REUSE_PROTOS[status] = msg
+    return msg
+
+
+def lookup_response_to_proto(results: Sequence[LookupResult]) -> pb.LookupResponse:
+    # Filled in place with add(): half the cost of nested keyword constructors (hot path).
+    response = pb.LookupResponse()
+    add_result = response.results.add
+    for r in results:
+        result = add_result(outcome=_OUTCOMES[r.outcome])
+        add_candidate = result.candidates.add
+        for c in r.candidates:
+            add_candidate(
+                child_engine_id=c.child_engine_id,
+                matched_blocks=c.matched_blocks,
+                tier=pb.Tier.ValueType(c.tier),
+                expiry_unix_ms=c.expiry_ms,
+                leases_in_flight=c.leases_in_flight,
+            )
+        result.reuse.CopyFrom(_reuse_proto(r.reuse))
+    return response
+
+
+# --- leases: prefix load, decode handoff, drain, quarantine ---------------------------
+
+# Far above any real connector's params; the core checks its own (larger) bound too.
+MAX_KV_TRANSFER_PARAMS_BYTES = 1 << 20
+MAX_BLOCK_IDS = 1 << 16
+MAX_DURATION_MS = 600_000  # pin / transfer / wait / drain timeouts on the wire
+
+
+def _rank_key(msg: pb.RankCoordinates) -> tuple[int, int, int]:
+    return (msg.tp_rank, msg.pp_rank, msg.pcp_rank)
+
+
+def _duration(field: str, value: int, limit: int = MAX_DURATION_MS) -> int:
+    if value > limit:
+        raise invalid(f"{field} is {value} ms; the limit is {limit} ms")
+    return value
+
+
+def descriptor_from_proto(
+    field: str, msg: pb.RankPartDescriptor, rank: tuple[int, int, int], bounds: FieldBounds
+) -> bytes:
+    """Validates a source part's descriptor; returns it serialized, to hand back byte for byte."""
+    if _rank_key(msg.rank) != rank:
+        raise invalid(f"{field}.rank {_rank_key(msg.rank)} is not the sending rank part {rank}")
+    _check_endpoint(msg.endpoint, bounds)
+    check_count(f"{field}.block_ids", len(msg.block_ids), MAX_BLOCK_IDS)
+    if len(msg.opaque) > bounds.max_metadata_bytes:
+        raise invalid(
+            f"{field}.opaque is {len(msg.opaque)} bytes; the limit is {bounds.max_metadata_bytes}"
+        )
+    return msg.SerializeToString(deterministic=True)
+
+
+def _descriptor_to_proto(part: SourcePart) -> pb.RankPartDescriptor:
+    assert isinstance(part.descriptor, bytes)
+    return pb.RankPartDescriptor.FromString(part.descriptor)
+
+
+def prefix_load_request_from_proto(
+    msg: pb.PrefixLoadRequest, bounds: FieldBounds
+) -> PrefixLoadRequest:
+    chain = check_block_hashes("block_hashes", msg.block_hashes, inv.MAX_CHAIN_BLOCKS)
+    if not chain:
+        raise invalid("block_hashes is empty: a prefix load needs at least one block")
+    if msg.min_blocks > len(chain):
+        raise invalid(f"min_blocks {msg.min_blocks} exceeds the chain's {len(chain)} blocks")
+    if msg.compatibility_hash:
+        check_id("compatibility_hash", msg.compatibility_hash, bounds)
+    return PrefixLoadRequest(
+        request_id=check_id("request_id", msg.request_id, bounds),
+        requester_child_engine_id=check_id(
+            "requester_child_engine_id", msg.requester_child_engine_id, bounds
+        ),
+        block_hashes=chain,
+        compatibility_hash=msg.compatibility_hash,
+        min_blocks=msg.min_blocks,
+        group_idx=_group("group_idx", msg.group_idx),
+        pin_timeout_ms=_duration("pin_timeout_ms", msg.pin_timeout_ms, 60_000),
+        transfer_timeout_ms=_duration("transfer_timeout_ms", msg.transfer_timeout_ms),
+    )
+
+
+_REPORT_OUTCOMES = {o.value: o for o in Outcome}
+
+
+def transfer_report_from_proto(msg: pb.TransferReport, bounds: FieldBounds) -> TransferReport:
+    outcome = _REPORT_OUTCOMES.get(msg.outcome)
+    if outcome is None:
+        raise invalid(f"outcome must be SUCCEEDED, FAILED or UNKNOWN (1..3), got {msg.outcome}")
+    return TransferReport(
+        lease_id=check_id("lease_id", msg.lease_id, bounds),
+        reporter_child_engine_id=check_id(
+            "reporter_child_engine_id", msg.reporter_child_engine_id, bounds
+        ),
+        rank_key=_rank_key(msg.rank),
+        outcome=outcome,
+        bytes_moved=msg.bytes_moved,
+        duration_us=msg.duration_us,
+        error_message=check_text("error_message", msg.error_message, bounds),
+    )
+
+
+def publish_handoff_from_proto(
+    msg: pb.PublishHandoffRequest, bounds: FieldBounds
+) -> PublishHandoffRequest:
+    rank = _rank_key(msg.rank)
+    if not msg.HasField("descriptor"):
+        raise invalid("descriptor is missing: each prefill part publishes its own blocks")
+    if len(msg.kv_transfer_params) > MAX_KV_TRANSFER_PARAMS_BYTES:
+        raise invalid(
+            f"kv_transfer_params are {len(msg.kv_transfer_params)} bytes; the limit is "
+            f"{MAX_KV_TRANSFER_PARAMS_BYTES}"
+        )
+    if msg.num_blocks > inv.MAX_CHAIN_BLOCKS * 16:
+        raise invalid(f"num_blocks {msg.num_blocks} exceeds {inv.MAX_CHAIN_BLOCKS * 16}")
+    decode = msg.decode_child_engine_id
+    return PublishHandoffRequest(
+        request_id=check_id("request_id", msg.request_id, bounds),
+        prefill_child_engine_id=check_id(
+            "prefill_child_engine_id", msg.prefill_child_engine_id, bounds
+        ),
+        rank_key=rank,
+        descriptor=descriptor_from_proto("descriptor", msg.descriptor, rank, bounds),
+        kv_transfer_params=bytes(msg.kv_transfer_params),
+        decode_child_engine_id=(
+            check_id("decode_child_engine_id", decode, bounds) if decode else None
+        ),
+        num_blocks=msg.num_blocks,
+    )
+
+
+def begin_handoff_from_proto(
+    msg: pb.BeginHandoffRequest, bounds: FieldBounds
+) -> BeginHandoffRequest:
+    return BeginHandoffRequest(
+        request_id=check_id("request_id", msg.request_id, bounds),
+        prefill_child_engine_id=check_id(
+            "prefill_child_engine_id", msg.prefill_child_engine_id, bounds
+        ),
+        decode_child_engine_id=check_id(
+            "decode_child_engine_id", msg.decode_child_engine_id, bounds
+        ),
+        wait_timeout_ms=_duration("wait_timeout_ms", msg.wait_timeout_ms),
+    )
+
+
+def pin_result_from_proto(
+    msg: pb.PinResult, rank: tuple[int, int, int], bounds: FieldBounds
+) -> tuple[str, int, bytes | None, str]:
+    """(lease id, pinned blocks, descriptor or None for a miss, error message)."""
+    lease_id = check_id("pin_result.lease_id", msg.lease_id, bounds)
+    descriptor = None
+    if msg.pinned_blocks > 0:
+        if not msg.HasField("descriptor"):
+            raise invalid("pin_result.descriptor is missing for a non-zero pin")
+        descriptor = descriptor_from_proto("pin_result.descriptor", msg.descriptor, rank, bounds)
+        if 0 < len(msg.descriptor.block_ids) < msg.pinned_blocks:
+            raise invalid(
+                f"pin_result.descriptor lists {len(msg.descriptor.block_ids)} block ids for "
+                f"{msg.pinned_blocks} pinned blocks"
+            )
+    return (
+        lease_id,
+        msg.pinned_blocks,
+        descriptor,
+        check_text("pin_result.error_message", msg.error_message, bounds),
+    )
+
+
+def drain_request_from_proto(msg: pb.DrainRequest, bounds: FieldBounds) -> tuple[str, int, bool]:
+    return (
+        check_id("child_engine_id", msg.child_engine_id, bounds),
+        _duration("timeout_ms", msg.timeout_ms, 3_600_000),
+        msg.wait,
+    )
+
+
+def resolve_quarantine_from_proto(
+    msg: pb.ResolveQuarantineRequest, bounds: FieldBounds
+) -> tuple[str, str]:
+    if msg.resolution != pb.QUARANTINE_RESOLUTION_RELEASE:
+        raise invalid(
+            f"resolution must be RELEASE (1), got {msg.resolution}: the only way out of "
+            "quarantine is an operator's proof that the blocks are quiet"
+        )
+    return (
+        check_id("lease_id", msg.lease_id, bounds),
+        check_text("operator_note", msg.operator_note, bounds),
+    )
+
+
+def _lease_state(state: LeaseState) -> pb.LeaseState.ValueType:
+    return pb.LeaseState.ValueType(state.value)
+
+
+def prefix_load_answer_to_proto(answer: PrefixLoadAnswer) -> pb.PrefixLoadGrant:
+    reuse = reuse_status_to_proto(answer.reuse)
+    view = answer.view
+    grant = view.prefix_load_grant if view is not None else None
+    if grant is None:
+        return pb.PrefixLoadGrant(
+            outcome=pb.GRANT_OUTCOME_MISS,
+            miss_reason=f"{answer.miss_reason}: {answer.miss_detail}",
+            lease_id=view.lease_id if view is not None else "",
+            reuse=reuse,
+        )
+    return pb.PrefixLoadGrant(
+        outcome=pb.GRANT_OUTCOME_GRANTED,
+        lease_id=grant.lease_id,
+        source_child_engine_id=grant.source_child_engine_id,
+        matched_blocks=grant.matched_blocks,
+        source_parts=[_descriptor_to_proto(p) for p in grant.source_parts],
+        deadline_unix_ms=grant.deadline_ms,
+        reuse=reuse,
+    )
+
+
+def handoff_grant_to_proto(grant: HandoffGrant, heartbeat_interval_ms: int) -> pb.HandoffGrant:
+    return pb.HandoffGrant(
+        lease_id=grant.lease_id,
+        prefill_child_engine_id=grant.prefill_child_engine_id,
+        source_parts=[_descriptor_to_proto(p) for p in grant.source_parts],
+        kv_transfer_params=grant.kv_transfer_params,
+        deadline_unix_ms=grant.deadline_ms,
+        heartbeat_interval_ms=heartbeat_interval_ms,
+        num_blocks=grant.num_blocks,
+    )
+
+
+def complete_response_to_proto(view: LeaseView) -> pb.CompleteResponse:
+    return pb.CompleteResponse(state=_lease_state(view.state), quiescent=view.quiescent)
+
+
+def publish_response_to_proto(
+    view: LeaseView, reported: int, expected: int
+) -> pb.PublishHandoffResponse:
+    return pb.PublishHandoffResponse(
+        state=_lease_state(view.state),
+        parts_reported=reported,
+        parts_expected=expected,
+        lease_id=view.lease_id,
+    )
+
+
+def drain_response_to_proto(result: DrainResult) -> pb.DrainResponse:
+    return pb.DrainResponse(
+        child_engine_ids=list(result.child_engine_ids),
+        leases_remaining=result.leases_remaining,
+        safe_to_stop=result.safe_to_stop,
+    )
+
+
+def lease_status_to_proto(view: LeaseView) -> pb.LeaseStatus:
+    return pb.LeaseStatus(
+        lease_id=view.lease_id,
+        flow=view.flow.value,
+        state=_lease_state(view.state),
+        source_child_engine_id=view.source_child_engine_id,
+        target_child_engine_id=view.target_child_engine_id or "",
+        deadline_unix_ms=view.deadline_ms or 0,
+        reason=view.reason,
+    )
+
+
+def _lease_message(out: object) -> pb.CoordinatorMessage | None:
+    if isinstance(out, SendPin):
+        return pb.CoordinatorMessage(
+            pin_request=pb.PinRequest(
+                lease_id=out.lease_id,
+                block_hashes=list(out.block_hashes),
+                requester_child_engine_id=out.requester_child_engine_id,
+                deadline_unix_ms=out.deadline_ms,
+                group_idx=out.group_idx,
+            )
+        )
+    if isinstance(out, SendRelease):
+        return pb.CoordinatorMessage(
+            release_request=pb.ReleaseRequest(lease_id=out.lease_id, reason=out.reason)
+        )
+    if isinstance(out, SendAbort):
+        return pb.CoordinatorMessage(
+            abort_request=pb.AbortRequest(lease_id=out.lease_id, reason=out.reason)
+        )
+    if isinstance(out, SendQuarantine):
+        return pb.CoordinatorMessage(
+            quarantine_notice=pb.QuarantineNotice(lease_id=out.lease_id, reason=out.reason)
+        )
+    if isinstance(out, DrainNotice):
+        return pb.CoordinatorMessage(
+            drain_notice=pb.DrainNotice(
+                child_engine_id=out.child_engine_id, deadline_unix_ms=out.deadline_ms
+            )
+        )
+    return None

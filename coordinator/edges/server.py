@@ -1,0 +1,182 @@
+"""Lifecycle of one kvrc process, in one place.
+
+uvloop, the grpc.aio server (kvrc services, standard health, reflection), the
+Prometheus `/metrics` HTTP server, and graceful shutdown: on SIGTERM/SIGINT
+health turns NOT_SERVING, engine sessions end with UNAVAILABLE (engines
+reconnect elsewhere), in-flight RPCs get `shutdown_grace_s` to finish, then
+the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import tempfile
+from pathlib import Path
+
+import grpc
+import uvloop
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from coordinator.core.auth import describe as describe_auth
+from coordinator.edges.grpc_servicers import AdminService, EngineService
+from coordinator.edges.tls import server_credentials
+from coordinator.runtime.config import ConfigError, CoordinatorConfig, is_loopback_host
+from coordinator.runtime.coordinator import Coordinator
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvrc.server")
+
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["EngineService"].full_name,
+    pb.DESCRIPTOR.services_by_name["AdminService"].full_name,
+)
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """'127.0.0.1:50051' or '[::1]:50051' -> (host, port); ConfigError otherwise."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(f"--listen {address!r}: expected HOST:PORT, e.g. 127.0.0.1:50051")
+    return host.strip("[]"), int(port_text)
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Fails early, with one line, where grpc would log a multi-line C-core error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"--listen {host}:{port}: cannot resolve {host!r} ({e.strerror})"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"--listen {host}:{port}: cannot bind ({e.strerror})") from None
+
+
+def write_port_file(path: Path, grpc_port: int, metrics_port: int) -> None:
+    """Atomically: readers never see a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"grpc_port": grpc_port, "metrics_port": metrics_port}, f)
+    os.replace(tmp, path)
+
+
+def _server_options(config: CoordinatorConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        # Two coordinators must not share a port silently.
+        ("grpc.so_reuseport", 0),
+        # Engines may keep their long-lived sessions alive with pings.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ]
+
+
+async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
+    """Serves until SIGTERM/SIGINT; returns the exit status."""
+    host, port = split_host_port(config.listen)
+    check_bindable(host, port)
+    # Read and check the PEM files before anything starts (ConfigError: one line).
+    credentials = server_credentials(config.tls) if config.tls is not None else None
+    if credentials is None and not is_loopback_host(host):
+        log.warning(
+            "plaintext gRPC on %s: anyone on the network can act for any engine; "
+            "use --tls-cert/--tls-key and --auth-tokens (docs/security.md)",
+            config.listen,
+        )
+    coordinator = Coordinator(config)
+    server = grpc.aio.server(options=_server_options(config))
+    pb_grpc.add_EngineServiceServicer_to_server(EngineService(coordinator), server)
+    pb_grpc.add_AdminServiceServicer_to_server(AdminService(coordinator), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for name in SERVICE_NAMES:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (
+            *SERVICE_NAMES,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    try:
+        if credentials is not None:
+            grpc_port = server.add_secure_port(config.listen, credentials)
+        else:
+            grpc_port = server.add_insecure_port(config.listen)
+    except RuntimeError as e:
+        raise ConfigError(f"--listen {config.listen}: cannot bind ({e})") from None
+    if grpc_port == 0:
+        raise ConfigError(f"--listen {config.listen}: cannot bind")
+
+    metrics_port = -1
+    httpd = None
+    if config.metrics_port >= 0:
+        try:
+            httpd, _thread = start_http_server(
+                config.metrics_port, addr=host, registry=coordinator.metrics.registry
+            )
+        except OSError as e:
+            raise ConfigError(
+                f"--metrics-port {config.metrics_port}: cannot bind on {host} ({e.strerror})"
+            ) from None
+        metrics_port = httpd.server_port
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await coordinator.start()
+    await server.start()
+    if port_file is not None:
+        write_port_file(port_file, grpc_port, metrics_port)
+    log.info(
+        "kvrc serving on %s (port %d), metrics %s, reuse %s, %d declared profile(s), "
+        "tls %s, auth %s",
+        config.listen,
+        grpc_port,
+        f"on http://{host}:{metrics_port}/metrics" if metrics_port >= 0 else "off",
+        "on" if config.reuse else "off",
+        len(config.declared_profiles),
+        _tls_mode(config),
+        describe_auth(config.auth),
+    )
+
+    await stop.wait()
+    log.info("shutting down: grace %.1f s", config.shutdown_grace_s)
+    await health.enter_graceful_shutdown()
+    # Let health watchers see NOT_SERVING before the server stops answering.
+    await asyncio.sleep(0)
+    await coordinator.shutdown()
+    await server.stop(config.shutdown_grace_s)
+    if httpd is not None:
+        await asyncio.to_thread(httpd.shutdown)
+        httpd.server_close()
+    log.info("stopped")
+    return 0
+
+
+def _tls_mode(config: CoordinatorConfig) -> str:
+    if config.tls is None:
+        return "off"
+    return "mutual" if config.tls.client_ca is not None else "on"
+
+
+def serve(config: CoordinatorConfig, port_file: Path | None = None) -> int:
+    return uvloop.run(run(config, port_file))

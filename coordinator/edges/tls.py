@@ -1,0 +1,102 @@
+"""TLS for the gRPC port and the caller's credentials, at the gRPC edge.
+
+`server_credentials` reads and checks the PEM files of `TlsFiles` once at start
+(a bad or mismatching file is a one-line `ConfigError`, never a C-core log);
+`caller_credentials` pulls what `coordinator.core.auth` needs out of a call: the
+bearer token from the `authorization` metadata and the identity the TLS layer
+verified on the client certificate. Nothing here logs a token or a key.
+"""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from coordinator.core.auth import CertIdentity, parse_authorization
+from coordinator.runtime.config import ConfigError, TlsFiles
+
+MAX_PEM_BYTES = 1 << 20
+
+
+def tls_files_from_flags(
+    cert: Path | None, key: Path | None, client_ca: Path | None
+) -> TlsFiles | None:
+    """`--tls-cert`, `--tls-key`, `--tls-client-ca` -> TlsFiles (None: plaintext).
+
+    Half a configuration is refused: a server certificate needs its key, and a
+    client CA (mutual TLS) needs the server's own certificate.
+    """
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+        return None
+    if cert is None or key is None:
+        missing = "--tls-key" if key is None else "--tls-cert"
+        given = "--tls-cert" if key is None else "--tls-key"
+        raise ConfigError(f"{given} needs {missing}: TLS takes a certificate and its private key")
+    return TlsFiles(cert, key, client_ca)
+
+
+def _read(flag: str, path: Path) -> bytes:
+    try:
+        data = path.read_bytes()[: MAX_PEM_BYTES + 1]
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_PEM_BYTES:
+        raise ConfigError(f"{flag} {path}: larger than {MAX_PEM_BYTES} bytes")
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{flag} {path}: not a PEM file")
+    return data
+
+
+def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    """Checked credentials: the key matches the certificate, the CA file parses."""
+    cert = _read("--tls-cert", tls.cert)
+    key = _read("--tls-key", tls.key)
+    check = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        check.load_cert_chain(tls.cert, tls.key)
+    except ssl.SSLError as e:
+        # ssl's reason (e.g. KEY_VALUES_MISMATCH) names no key material.
+        raise ConfigError(
+            f"--tls-cert/--tls-key: not a usable certificate and private key ({e.reason})"
+        ) from None
+    ca = None
+    if tls.client_ca is not None:
+        ca = _read("--tls-client-ca", tls.client_ca)
+        try:
+            check.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+        except (ssl.SSLError, ValueError) as e:
+            reason = getattr(e, "reason", None) or "unreadable"
+            raise ConfigError(
+                f"--tls-client-ca {tls.client_ca}: no usable CA certificate ({reason})"
+            ) from None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def caller_credentials(
+    context: grpc.aio.ServicerContext[Any, Any],
+) -> tuple[str | None, CertIdentity]:
+    """(bearer token or None, verified certificate identity) of the calling peer.
+
+    AuthDenied(UNAUTHENTICATED) for a malformed authorization header.
+    """
+    values = [
+        value if isinstance(value, str) else value.decode("latin-1")
+        for key, value in (context.invocation_metadata() or ())
+        if key == "authorization"
+    ]
+    token = parse_authorization(values)
+    auth = context.auth_context() or {}
+    # gRPC fills these only for a certificate it verified against --tls-client-ca.
+    names = list(auth.get("x509_common_name", []))
+    common_name = names[0].decode("utf-8", "replace") if names else ""
+    sans = tuple(
+        san.decode("utf-8", "replace") for san in auth.get("x509_subject_alternative_name", [])
+    )
+    return token, CertIdentity(common_name, sans)

@@ -1,0 +1,651 @@
+"""ZMQ ingest edge: subscribe to an unmodified vLLM engine's KV-event publisher.
+
+One `ZmqEventStream` per publisher (one per DP rank of an engine). It owns a SUB
+socket (connecting to a publisher that binds `tcp://*:PORT`, or binding for one
+that connects) and a DEALER socket to the publisher's replay ROUTER. It decodes
+frames with `coordinator.core.vllm_events`, puts them in sequence order and hands
+`EventBatch` values to an `EventSink`: the same inventory core the gRPC session
+stream feeds (one core, two edges).
+
+Ordering (DESIGN invariant 7), per stream:
+
+- a sequence at or below the last one seen on the SUB socket itself is a
+  publisher restart (a PUB socket delivers in order): new incarnation, the
+  sink drops the engine's inventory of the old one;
+- a sequence at or below the last applied one, but above the last seen on the
+  SUB socket, is a batch already delivered by a replay: dropped as duplicate;
+- a gap (or a first frame above 0: late subscription) asks the replay endpoint
+  for everything from the first missing sequence;
+- a malformed frame is counted and skipped; its events are lost, like a gap.
+
+Degraded: when a gap cannot be filled (no replay endpoint, the replay starts
+after the sequence asked for because vLLM's buffer overran, no answer within
+`replay_timeout_s`, or a malformed frame), events may have been lost. Lost
+stores only cost hits; a lost removal leaves a phantom entry. Inventory is
+advisory (a pin is checked by the holder, a miss means recompute), so kvrc
+keeps the entries as hints but for at most `degraded_grace_s`: it calls
+`sink.mark_degraded`, keeps applying the live stream, and when the grace ends
+drops the engine's inventory and starts a new incarnation (what it learns from
+then on is exact). An `AllBlocksCleared` or a publisher restart ends it sooner.
+A stream that had applied nothing before the gap (a late subscriber) has no
+entry that can be a phantom: it stays live with a partial view.
+`ZmqEventStream.status()` and the `kvrc_zmq_streams{state}` gauge show it.
+
+Stale: a batch whose `block_size` or `lora_name` differs from the registered
+profile, or whose `data_parallel_rank` is not this stream's, is refused with
+one log line; the stream is marked stale (`sink.mark_stale`) and applies
+nothing more until the publisher restarts. It never pollutes the scope.
+
+A restarted publisher can number past the last sequence kvrc saw before any of
+its frames arrive (its first batches lost while kvrc reconnects). So after a
+publisher connection drops (a socket monitor reports it), the next frame first
+replays from the last applied sequence and compares that batch's bytes: other
+bytes, or no such batch, is a restart. Without a replay endpoint this check is
+not possible and only the sequence rule applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from coordinator.core.errors import ErrorCode, KvrcError, invalid
+from coordinator.core.events import EventBatch
+from coordinator.core.vllm_events import (
+    END_SEQ,
+    DecodedBatch,
+    MalformedFrame,
+    child_engine_id_for,
+    decode_payload,
+    decode_sequence,
+)
+from coordinator.runtime.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+SOURCE = "zmq"
+# tcp://host:port; groups: host, port.
+_TCP_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
+# Frames drained per wake-up before yielding to the event loop.
+_BURST = 256
+
+
+class EventSink(Protocol):
+    """What the ZMQ edge feeds; the integrator wires it to the inventory core."""
+
+    def apply(self, child_engine_id: str, batch: EventBatch) -> None:
+        """Apply one in-order batch. Within an incarnation sequences increase."""
+
+    def drop_engine_inventory(self, child_engine_id: str) -> None:
+        """Forget everything the child engine's earlier incarnations reported."""
+
+    def mark_stale(self, child_engine_id: str, reason: str) -> None:
+        """The stream no longer matches the registered profile; serve nothing of it."""
+
+    def mark_degraded(self, child_engine_id: str, reason: str) -> None:
+        """Events were lost: entries are hints with a bounded age until `mark_live`."""
+
+    def mark_live(self, child_engine_id: str) -> None:
+        """The view is exact (or a subset of the truth) again."""
+
+
+class StreamState(enum.Enum):
+    LIVE = "live"
+    DEGRADED = "degraded"
+    STALE = "stale"
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqStreamConfig:
+    """One vLLM publisher (one DP rank of one engine), as registered or configured."""
+
+    engine_id: str
+    endpoint: str  # where kvrc connects (publisher binds) or binds (publisher connects)
+    bind: bool = False
+    replay_endpoint: str | None = None  # the publisher's ROUTER; kvrc always connects
+    dp_rank: int = 0
+    dp_size: int = 1
+    topic: str = ""
+    # From the registered profile; None skips the check.
+    block_size: int | None = None
+    lora_name: str = ""
+    replay_timeout_s: float = 2.0
+    degraded_grace_s: float = 30.0
+    # Bounds what a publisher can make kvrc hold: at most rcv_hwm frames queued per
+    # connected publisher, each at most max_frame_bytes (a vLLM step is ~10-100 KiB;
+    # a larger frame drops that connection). A replay reads at most max_replay_frames.
+    max_frame_bytes: int = 8 << 20
+    max_replay_frames: int = 100_000
+    rcv_hwm: int = 1000
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise invalid("engine_id must not be empty")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise invalid(
+                f"dp_rank {self.dp_rank} is outside 0..dp_size-1 (dp_size {self.dp_size})"
+            )
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not _TCP_ENDPOINT.fullmatch(value):
+                raise invalid(f"{name} must be tcp://host:port, got {value!r}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise invalid(f"block_size must be positive, got {self.block_size}")
+        if not self.replay_timeout_s > 0 or not self.degraded_grace_s >= 0:
+            raise invalid("replay_timeout_s must be > 0 and degraded_grace_s >= 0")
+        if min(self.max_frame_bytes, self.max_replay_frames, self.rcv_hwm) <= 0:
+            raise invalid("max_frame_bytes, max_replay_frames and rcv_hwm must be positive")
+
+    @property
+    def child_engine_id(self) -> str:
+        return child_engine_id_for(self.engine_id, self.dp_size, self.dp_rank)
+
+
+def publisher_host(session_name: str) -> str:
+    """The host a vLLM engine publishes on: vLLM binds `tcp://*:PORT` on its own
+    host, which is the host of its transfer endpoint's session name."""
+    return session_name.rpartition(":")[0] or "127.0.0.1"
+
+
+def subscriber_endpoint(
+    vllm_endpoint: str, publisher_host: str, dp_rank: int = 0
+) -> tuple[str, bool]:
+    """kvrc's side of a vLLM `kv_events_config.endpoint`: `(endpoint, bind)`.
+
+    vLLM binds an endpoint with `*` (kvrc connects to `publisher_host`) and
+    connects to one without (kvrc binds it); DP rank N adds N to the port.
+    """
+    binds = "*" in vllm_endpoint or "::" in vllm_endpoint
+    match = _TCP_ENDPOINT.fullmatch(vllm_endpoint)
+    if match is None:
+        raise invalid(f"KV-event endpoint must be tcp://host:port, got {vllm_endpoint!r}")
+    host, port = match.group(1), int(match.group(2))
+    if not 0 < port + dp_rank < 65536:
+        raise invalid(
+            f"KV-event endpoint {vllm_endpoint!r} needs a fixed port (1..65535) for dp_rank "
+            f"{dp_rank}: kvrc cannot learn a port the publisher picked itself"
+        )
+    if binds:
+        return f"tcp://{publisher_host}:{port + dp_rank}", False
+    return f"tcp://{host}:{port + dp_rank}", True
+
+
+def stream_config_from_vllm(
+    *,
+    engine_id: str,
+    dp_rank: int,
+    dp_size: int,
+    kv_events_endpoint: str,
+    kv_events_replay_endpoint: str,
+    publisher_host: str,
+    block_size: int | None,
+    lora_name: str = "",
+    topic: str = "",
+) -> ZmqStreamConfig:
+    """The stream of one DP rank whose engine registered vLLM's `kv_events_config`
+    values unchanged (`endpoint`, `replay_endpoint`, as configured for rank 0).
+
+    `publisher_host` is the engine's address, used where vLLM binds `*`. vLLM
+    always binds its replay ROUTER, so kvrc connects to it ("" = no replay).
+    """
+    endpoint, bind = subscriber_endpoint(kv_events_endpoint, publisher_host, dp_rank)
+    replay = None
+    if kv_events_replay_endpoint:
+        replay, _ = subscriber_endpoint(kv_events_replay_endpoint, publisher_host, dp_rank)
+    return ZmqStreamConfig(
+        engine_id=engine_id,
+        endpoint=endpoint,
+        bind=bind,
+        replay_endpoint=replay,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        topic=topic,
+        block_size=block_size,
+        lora_name=lora_name,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqStreamStatus:
+    child_engine_id: str
+    state: StreamState
+    reason: str  # why degraded or stale; "" when live
+    incarnation: int
+    last_sequence: int | None  # last applied publisher sequence
+    applied_batches: int
+    malformed_frames: int
+    duplicate_frames: int
+    replays: int
+    degraded_until_s: float | None  # monotonic time the degraded hints are dropped at
+
+
+class _ReplayResult(enum.Enum):
+    COMPLETE = "complete"
+    OVERRUN = "overrun"
+    TIMEOUT = "timeout"
+
+
+class ZmqEventStream:
+    """Subscribe to one vLLM publisher and feed its batches, in order, to a sink."""
+
+    def __init__(
+        self,
+        config: ZmqStreamConfig,
+        sink: EventSink,
+        metrics: Metrics,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.child_engine_id = config.child_engine_id
+        self._sink = sink
+        self._metrics = metrics
+        self._clock = clock
+        self._own_context = context is None
+        self._ctx = context if context is not None else zmq.asyncio.Context()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.bound_endpoint: str | None = None  # the real address when kvrc binds
+        self._closed = False
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._reconnected = False  # a publisher connection dropped since the last frame
+        self._last_digest: int | None = None  # hash of the last applied batch's bytes
+
+        self._state = StreamState.LIVE
+        self._reason = ""
+        self._incarnation = 0
+        self._applied: int | None = None  # last applied publisher sequence
+        self._live_high: int | None = None  # last sequence seen on the SUB socket
+        self._has_state = False  # this incarnation handed the sink something
+        self._degraded_deadline: float | None = None
+        self._applied_batches = 0
+        self._malformed = 0
+        self._duplicates = 0
+        self._replays = 0
+
+        m = metrics
+        self._m_stored = m.block_events.labels(source=SOURCE, type="stored")
+        self._m_removed = m.block_events.labels(source=SOURCE, type="removed")
+        self._m_cleared = m.block_events.labels(source=SOURCE, type="cleared")
+        self._m_applied = m.event_batches.labels(source=SOURCE, result="applied")
+        self._m_duplicate = m.event_batches.labels(source=SOURCE, result="duplicate")
+        self._m_gap = m.event_batches.labels(source=SOURCE, result="gap")
+        self._m_refused = m.event_batches.labels(source=SOURCE, result="refused")
+        self._m_malformed = m.event_batches.labels(source=SOURCE, result="malformed")
+        m.zmq_streams.labels(state=StreamState.LIVE.value).inc()
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
+        sub.setsockopt(zmq.RCVHWM, cfg.rcv_hwm)
+        sub.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
+        self._sub = sub
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            if cfg.bind:
+                sub.bind(cfg.endpoint)
+                self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                sub.connect(cfg.endpoint)
+            if cfg.replay_endpoint is not None:
+                self._dealer = self._new_dealer()
+        except zmq.ZMQError as exc:
+            await self.close()
+            verb = "bind" if cfg.bind else "connect to"
+            raise KvrcError(
+                ErrorCode.FAILED_PRECONDITION, f"cannot {verb} {cfg.endpoint}: {exc}"
+            ) from None
+        self._task = asyncio.create_task(self._run(), name=f"zmq-ingest-{self.child_engine_id}")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._sub is not None and self._monitor is not None:
+            self._sub.disable_monitor()
+        for sock in (self._monitor, self._sub, self._dealer):
+            if sock is not None:
+                sock.close(linger=0)
+        self._sub = self._dealer = self._monitor = None
+        self._metrics.zmq_streams.labels(state=self._state.value).dec()
+        if self._own_context:
+            self._ctx.term()
+
+    def status(self) -> ZmqStreamStatus:
+        return ZmqStreamStatus(
+            child_engine_id=self.child_engine_id,
+            state=self._state,
+            reason=self._reason,
+            incarnation=self._incarnation,
+            last_sequence=self._applied,
+            applied_batches=self._applied_batches,
+            malformed_frames=self._malformed,
+            duplicate_frames=self._duplicates,
+            replays=self._replays,
+            degraded_until_s=self._degraded_deadline,
+        )
+
+    # --- receive loop ------------------------------------------------------------
+
+    async def _run(self) -> None:
+        sub, monitor = self._sub, self._monitor
+        assert sub is not None and monitor is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
+        while True:
+            timeout_ms: int | None = None
+            if self._degraded_deadline is not None:
+                timeout_ms = max(0, int((self._degraded_deadline - self._clock()) * 1000) + 1)
+            ready = dict(await poller.poll(timeout_ms))
+            if monitor in ready:
+                while True:
+                    try:
+                        await monitor.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                # A publisher connection dropped: the next frames may come from a
+                # restarted publisher whose numbering has already passed ours.
+                self._reconnected = self._applied is not None
+            if sub in ready:
+                # Drain a burst without going back to the loop for each frame.
+                for _ in range(_BURST):
+                    try:
+                        frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        await self._on_live(frames)
+                    except Exception:  # never let one frame stop the stream
+                        log.exception("zmq stream %s: frame handling failed", self.child_engine_id)
+            if self._degraded_deadline is not None and self._clock() >= self._degraded_deadline:
+                self._end_degraded_grace()
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            self._count_malformed(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+            return
+        try:
+            seq = decode_sequence(frames[1])
+        except MalformedFrame as exc:
+            self._count_malformed(str(exc))
+            return
+        if self._live_high is not None and seq <= self._live_high:
+            self._new_incarnation(
+                f"publisher restarted (sequence {seq} after {self._live_high})", restart=True
+            )
+        elif self._reconnected:
+            await self._check_same_publisher()
+        self._reconnected = False
+        self._live_high = seq
+        applied = self._applied
+        if applied is not None and seq <= applied:
+            self._duplicates += 1
+            self._m_duplicate.inc()
+            return
+        expected = 0 if applied is None else applied + 1
+        if seq != expected and self._state is not StreamState.STALE:
+            self._m_gap.inc()
+            had_state = self._has_state  # before the replay applies anything
+            lost = ""
+            if self._dealer is None:
+                lost = f"sequences {expected}..{seq - 1} missed, no replay endpoint"
+            else:
+                result = await self._replay(expected)
+                if result is _ReplayResult.OVERRUN:
+                    lost = f"replay from {expected} overran vLLM's buffer"
+                elif result is _ReplayResult.TIMEOUT:
+                    timeout = self.config.replay_timeout_s
+                    lost = f"replay from {expected} unanswered in {timeout}s"
+                elif self._applied is None or self._applied < seq - 1:
+                    lost = f"replay from {expected} ended before {seq}"
+            if lost:
+                self._events_lost(lost, had_state)
+            if self._applied is not None and seq <= self._applied:
+                return  # the replay delivered it
+        self._consume(frames[0], seq, frames[2])
+
+    async def _check_same_publisher(self) -> None:
+        """After a reconnection: is the publisher the one whose batches we applied?
+
+        Replays from the last applied sequence and compares that batch's bytes:
+        another publisher (a restart that already numbered past us) answers with
+        other bytes, or nothing. Any later batches the replay brings are applied.
+        """
+        if self._dealer is None or self._applied is None or self._last_digest is None:
+            return  # cannot tell; the sequence rule still catches most restarts
+        if await self._replay(self._applied, verify_digest=self._last_digest) is None:
+            self._new_incarnation(
+                f"publisher reconnected without batch {self._applied} it had sent", restart=True
+            )
+
+    def _events_lost(self, why: str, had_state: bool) -> None:
+        if had_state:
+            self._degrade(why)
+        else:
+            # Nothing applied yet: no entry can be a phantom, only hits are missing.
+            log.info("zmq stream %s: %s; starting with a partial view", self.child_engine_id, why)
+
+    async def _replay(
+        self, start_seq: int, verify_digest: int | None = None
+    ) -> _ReplayResult | None:
+        """Replay from `start_seq`; None when `verify_digest` shows another publisher."""
+        dealer = self._dealer
+        assert dealer is not None
+        self._replays += 1
+        timeout_ms = int(self.config.replay_timeout_s * 1000)
+        await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        first = True
+        result = _ReplayResult.COMPLETE
+        for _ in range(self.config.max_replay_frames + 1):
+            if not await dealer.poll(timeout_ms):
+                self._reset_dealer()  # late answers must not leak into the next replay
+                self._metrics.zmq_replays.labels(result=_ReplayResult.TIMEOUT.value).inc()
+                return _ReplayResult.TIMEOUT
+            frames = await dealer.recv_multipart()
+            # vLLM 0.33: [b"", topic, seq, payload], end [b"", b"", END, b""];
+            # earlier: [b"", seq, payload], end [b"", END, b""].
+            if len(frames) == 4:
+                topic, seq_bytes, payload = frames[1], frames[2], frames[3]
+            elif len(frames) == 3:
+                topic, seq_bytes, payload = b"", frames[1], frames[2]
+            else:
+                self._count_malformed(f"replay answer has {len(frames)} frames")
+                continue
+            if seq_bytes == END_SEQ:
+                break
+            try:
+                seq = decode_sequence(seq_bytes)
+            except MalformedFrame as exc:
+                self._count_malformed(f"replay: {exc}")
+                continue
+            if first:
+                first = False
+                if seq != start_seq:
+                    result = _ReplayResult.OVERRUN
+                elif verify_digest is not None and hash(payload) != verify_digest:
+                    self._reset_dealer()  # the rest of this answer is not wanted
+                    return None
+            if self._applied is not None and seq <= self._applied:
+                continue
+            self._consume(topic, seq, payload)
+        else:
+            result = _ReplayResult.OVERRUN  # more than any vLLM buffer holds
+        if first:
+            if verify_digest is not None:
+                return None  # this publisher never got as far as we did
+            result = _ReplayResult.OVERRUN  # nothing from start_seq on is buffered
+        self._metrics.zmq_replays.labels(result=result.value).inc()
+        return result
+
+    # --- applying ------------------------------------------------------------------
+
+    def _consume(self, topic: bytes, seq: int, payload: bytes) -> None:
+        """Decode and hand over the batch with sequence `seq`; it is consumed either way."""
+        self._applied = seq
+        self._last_digest = hash(payload)
+        try:
+            decoded = decode_payload(topic, seq, payload)
+        except MalformedFrame as exc:
+            self._count_malformed(f"sequence {seq}: {exc}")
+            self._events_lost(
+                f"malformed frame at sequence {seq}: its events are lost", self._has_state
+            )
+            return
+        if self._state is StreamState.STALE:
+            self._m_refused.inc()
+            return
+        mismatch = self._profile_mismatch(decoded)
+        if mismatch:
+            self._m_refused.inc()
+            self._set_state(StreamState.STALE, mismatch)
+            log.warning("zmq stream %s is stale: %s", self.child_engine_id, mismatch)
+            self._sink.mark_stale(self.child_engine_id, mismatch)
+            return
+        batch = EventBatch(incarnation=self._incarnation, sequence=seq, events=decoded.events)
+        try:
+            self._sink.apply(self.child_engine_id, batch)
+        except KvrcError as exc:
+            # The core refused the batch and changed nothing: its events are lost.
+            self._m_refused.inc()
+            log.warning(
+                "zmq stream %s: batch %d refused: %s", self.child_engine_id, seq, exc.message
+            )
+            self._events_lost(f"batch {seq} refused: {exc.message}", self._has_state)
+            return
+        self._has_state = True
+        self._applied_batches += 1
+        self._m_applied.inc()
+        if decoded.stored_blocks:
+            self._m_stored.inc(decoded.stored_blocks)
+        if decoded.removed_blocks:
+            self._m_removed.inc(decoded.removed_blocks)
+        if decoded.cleared:
+            self._m_cleared.inc(decoded.cleared)
+            if self._state is StreamState.DEGRADED:
+                # Everything before the clear is gone, so no phantom is left.
+                self._set_live("the publisher cleared all blocks")
+
+    def _profile_mismatch(self, decoded: DecodedBatch) -> str:
+        cfg = self.config
+        if decoded.dp_rank is not None and decoded.dp_rank != cfg.dp_rank:
+            return (
+                f"batch {decoded.sequence} says data_parallel_rank {decoded.dp_rank}, "
+                f"this stream is rank {cfg.dp_rank}"
+            )
+        if cfg.block_size is not None and decoded.block_sizes - {cfg.block_size}:
+            sizes = sorted(decoded.block_sizes - {cfg.block_size})
+            return (
+                f"batch {decoded.sequence} has block_size {sizes}, "
+                f"the registered profile says {cfg.block_size}"
+            )
+        if decoded.lora_names - {cfg.lora_name}:
+            names = sorted(decoded.lora_names - {cfg.lora_name})
+            return (
+                f"batch {decoded.sequence} has lora_name {names}, "
+                f"the registered profile says {cfg.lora_name!r}"
+            )
+        return ""
+
+    # --- state changes -----------------------------------------------------------------
+
+    def _new_incarnation(self, why: str, *, restart: bool) -> None:
+        log.warning("zmq stream %s: %s; new incarnation", self.child_engine_id, why)
+        if restart:
+            self._metrics.zmq_publisher_restarts.inc()
+        self._sink.drop_engine_inventory(self.child_engine_id)
+        self._incarnation += 1
+        self._applied = None
+        self._live_high = None
+        self._has_state = False
+        if self._state is not StreamState.LIVE:
+            self._set_live(why)
+
+    def _degrade(self, why: str) -> None:
+        grace = self.config.degraded_grace_s
+        if self._state is StreamState.STALE:
+            return
+        if self._state is StreamState.DEGRADED:
+            # Further losses do not extend the grace: the bound on a hint's age holds.
+            log.warning("zmq stream %s: %s (already degraded)", self.child_engine_id, why)
+            return
+        log.warning(
+            "zmq stream %s degraded: %s; its entries stay hints for at most %.1fs",
+            self.child_engine_id,
+            why,
+            grace,
+        )
+        self._set_state(StreamState.DEGRADED, why)
+        self._degraded_deadline = self._clock() + grace
+        self._sink.mark_degraded(self.child_engine_id, why)
+        if grace <= 0:
+            self._end_degraded_grace()
+
+    def _end_degraded_grace(self) -> None:
+        """Drop the hints that may be phantoms; what follows is exact."""
+        keep_applied = self._applied
+        keep_live_high = self._live_high
+        self._new_incarnation("degraded grace ended, inventory dropped", restart=False)
+        # Same publisher: keep its numbering, only the inventory starts over.
+        self._applied = keep_applied
+        self._live_high = keep_live_high
+
+    def _set_live(self, why: str) -> None:
+        log.info("zmq stream %s live again: %s", self.child_engine_id, why)
+        self._set_state(StreamState.LIVE, "")
+        self._sink.mark_live(self.child_engine_id)
+
+    def _set_state(self, state: StreamState, reason: str) -> None:
+        if state is not self._state:
+            self._metrics.zmq_streams.labels(state=self._state.value).dec()
+            self._metrics.zmq_streams.labels(state=state.value).inc()
+        self._state = state
+        self._reason = reason
+        if state is not StreamState.DEGRADED:
+            self._degraded_deadline = None
+
+    def _count_malformed(self, why: str) -> None:
+        self._malformed += 1
+        self._m_malformed.inc()
+        # Log the first and then every 1000th, so a bad publisher cannot flood the log.
+        if self._malformed == 1 or self._malformed % 1000 == 0:
+            log.warning(
+                "zmq stream %s: malformed frame skipped (%d so far): %s",
+                self.child_engine_id,
+                self._malformed,
+                why,
+            )
+
+    def _reset_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+        self._dealer = self._new_dealer()
+
+    def _new_dealer(self) -> zmq.asyncio.Socket:
+        assert self.config.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+        dealer.connect(self.config.replay_endpoint)
+        return dealer

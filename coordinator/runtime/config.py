@@ -1,0 +1,196 @@
+"""Coordinator configuration and the declared-profiles file (TOML or YAML).
+
+A profiles file lists the deployment profiles under which reuse may be
+activated. Each entry names the fields it pins (any subset of the profile's
+scalar fields):
+
+    [[profile]]
+    name = "llama-8b-bf16"
+    model = "meta-llama/Llama-3.1-8B-Instruct"
+    kv_dtype = "bfloat16"
+    block_size = 16
+
+YAML: `profile: [{name: ..., model: ..., ...}]`. A bad file raises
+`ConfigError` with one line a person can act on.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from coordinator.core.auth import AuthPolicy
+from coordinator.core.errors import KvrcError
+from coordinator.core.leases import LeaseConfig
+from coordinator.core.profiles import DeclaredProfile, declared_profile
+
+
+class ConfigError(Exception):
+    """A configuration the coordinator cannot start with; the message is one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class FieldBounds:
+    """Bounds on what one client message may carry (invariant 8)."""
+
+    max_id_chars: int = 256
+    max_string_chars: int = 4096  # model names, endpoints, reasons
+    max_parallel_size: int = 1024  # each of tp/pp/pcp/dp/dcp
+    max_grid_parts: int = 4096  # tp x pp x pcp of one child engine
+    max_metadata_bytes: int = 1 << 20  # opaque endpoint metadata, all fields together
+    max_regions: int = 4096
+    max_extra_entries: int = 64
+    max_held_leases: int = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files of the gRPC port's TLS (coordinator/edges/tls.py reads and checks them)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None  # set: mutual TLS, clients must present a certificate
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    listen: str = "127.0.0.1:50051"
+    metrics_port: int = 9400  # 0 = any free port; -1 = no metrics HTTP server
+    reuse: bool = False  # invariant 1: reuse is off by default
+    declared_profiles: tuple[DeclaredProfile, ...] = ()
+    heartbeat_interval_ms: int = 1000
+    heartbeat_timeout_ms: int = 5000
+    # A closed stream removes the part at once (not READY); after this grace the
+    # part also counts as gone for its leases, unless it came back.
+    session_grace_ms: int = 2000
+    shutdown_grace_s: float = 5.0
+    # gRPC's hard limit per message. Above every field bound, so an oversized
+    # field gets our INVALID_ARGUMENT; a message beyond this gets grpc's
+    # RESOURCE_EXHAUSTED before any of our code runs.
+    max_message_bytes: int = 16 << 20
+    # One session's outbound queue; a session that does not read is closed.
+    session_queue_size: int = 1024
+    max_rank_parts: int = 65536
+    # Inventory caps: stores past them are dropped and counted (inventory.py "Bounds").
+    inventory_max_entries_total: int = 50_000_000
+    inventory_max_entries_per_engine: int = 5_000_000
+    bounds: FieldBounds = FieldBounds()
+    # Lease timers and bounds (coordinator/core/leases.py).
+    leases: LeaseConfig = field(default_factory=LeaseConfig)
+    # None: plaintext (the loopback default); see docs/security.md.
+    tls: TlsFiles | None = None
+    # None: no credentials needed (today's behaviour); see coordinator/core/auth.py.
+    auth: AuthPolicy | None = None
+    # Restart recovery (coordinator/core/recovery.py, docs/operations.md): the known child
+    # engines are kept here; after a restart kvrc warms until they are back.
+    state_file: Path | None = None
+    # Warm-up deadline; None: DEFAULT_WARMUP_MS with a state file, no warm-up without.
+    warmup_ms: int | None = None
+    # A stale stream whose dump does not begin gets its ResyncRequest again: after
+    # this delay, doubling up to the max (the engine may have lost the first one).
+    resync_retry_initial_ms: int = 1000
+    resync_retry_max_ms: int = 30_000
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_ms <= 0:
+            raise ConfigError(
+                f"heartbeat interval must be > 0 ms, got {self.heartbeat_interval_ms}"
+            )
+        if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
+            raise ConfigError(
+                f"heartbeat timeout ({self.heartbeat_timeout_ms} ms) must exceed the heartbeat "
+                f"interval ({self.heartbeat_interval_ms} ms)"
+            )
+        if self.warmup_ms is not None and not 0 <= self.warmup_ms <= 3_600_000:
+            raise ConfigError(f"warm-up must be 0..3600000 ms, got {self.warmup_ms}")
+        if not 1 <= self.resync_retry_initial_ms <= self.resync_retry_max_ms <= 3_600_000:
+            raise ConfigError(
+                f"resync retry must satisfy 1 <= initial ({self.resync_retry_initial_ms} ms) "
+                f"<= max ({self.resync_retry_max_ms} ms) <= 3600000"
+            )
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"shutdown grace must be >= 0 s, got {self.shutdown_grace_s}")
+        if self.inventory_max_entries_total < 0 or self.inventory_max_entries_per_engine < 0:
+            raise ConfigError("inventory entry caps must be >= 0")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics port must be in 0..65535 (or -1), got {self.metrics_port}")
+        if self.auth is not None and self.tls is None:
+            host = self.listen.rpartition(":")[0].strip("[]")
+            if not is_loopback_host(host):
+                # Bearer tokens in plaintext on a network can be read and replayed.
+                raise ConfigError(
+                    f"--auth-tokens on {self.listen} needs TLS (--tls-cert, --tls-key): "
+                    "bearer tokens travel in plaintext otherwise; plaintext is for loopback only"
+                )
+
+
+def load_profiles(path: Path) -> tuple[DeclaredProfile, ...]:
+    """Reads declared profiles from a .toml, .yaml or .yml file."""
+    suffix = path.suffix.lower()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"profiles file {path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"profiles file {path}: not UTF-8 text") from None
+    data: object
+    if suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"profiles file {path}: invalid TOML: {e}") from None
+    elif suffix in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"profiles file {path}: invalid YAML{line}") from None
+    else:
+        raise ConfigError(f"profiles file {path}: unknown extension (use .toml, .yaml or .yml)")
+    return parse_profiles(data, str(path))
+
+
+def parse_profiles(data: object, source: str = "profiles") -> tuple[DeclaredProfile, ...]:
+    """Validates the parsed document: `{"profile": [{"name": ..., <field>: ...}, ...]}`."""
+    if data is None:
+        return ()
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a table with a 'profile' list")
+    unknown = sorted(str(k) for k in data if k != "profile")
+    if unknown:
+        raise ConfigError(f"{source}: unknown top-level key(s) {unknown} (expected 'profile')")
+    entries = data.get("profile", [])
+    if not isinstance(entries, list):
+        raise ConfigError(f"{source}: 'profile' must be a list of tables")
+    profiles: list[DeclaredProfile] = []
+    names: set[str] = set()
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{source}: profile #{index + 1} must be a table")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{source}: profile #{index + 1} needs a non-empty string 'name'")
+        if name in names:
+            raise ConfigError(f"{source}: profile name {name!r} is declared twice")
+        names.add(name)
+        pinned = {str(k): v for k, v in entry.items() if k != "name"}
+        try:
+            profiles.append(declared_profile(name, pinned))
+        except KvrcError as e:
+            raise ConfigError(f"{source}: {e.message}") from None
+    return tuple(profiles)

@@ -1,0 +1,645 @@
+"""The async facade of the coordinator: owns the core and the engine sessions.
+
+The servicer translates protobuf and calls this; this calls the pure core
+(`registry.py`; the inventory and leases through their facades) and executes
+what follows: queueing messages to sessions, removing parts whose heartbeats
+stopped, publishing readiness changes, and telling listeners that a part left.
+
+Each session has one bounded outbound queue. A session whose engine stops
+reading fills it and is closed with RESOURCE_EXHAUSTED instead of buffering
+without bound (invariant 8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from coordinator.core.errors import ErrorCode, KvrcError
+from coordinator.core.events import RankKey
+from coordinator.core.inventory import MAX_CANDIDATES
+from coordinator.core.leases import LeaseView
+from coordinator.core.profiles import ReuseReason, ReuseStatus, reuse_status
+from coordinator.core.recovery import (
+    MAX_STATE_FILE_BYTES,
+    KnownEngine,
+    StateFileError,
+    Warmup,
+    decode_state,
+    encode_state,
+)
+from coordinator.core.registry import (
+    ChildEngineView,
+    PartRef,
+    RankPartRegistration,
+    Registry,
+    format_rank,
+)
+from coordinator.runtime.config import CoordinatorConfig
+from coordinator.runtime.inventory_flow import InventoryFacade, LookupQuery, ResyncOrder
+from coordinator.runtime.lease_flow import HolderCandidate, LeaseFacade, LeaseOutbound
+from coordinator.runtime.metrics import Metrics
+from kvrc import __version__
+
+log = logging.getLogger("kvrc.coordinator")
+
+# Warm-up deadline after a restart when a state file is used and --warmup-ms is not given.
+DEFAULT_WARMUP_MS = 10_000
+# State file writes are coalesced: registrations come in bursts after a restart.
+_STATE_WRITE_DELAY_S = 0.2
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+# --- outbound session messages (encoded by wire.py) ----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterReply:
+    session_id: str
+    incarnation: int
+    view: ChildEngineView
+    reuse: ReuseStatus
+    heartbeat_interval_ms: int
+    heartbeat_timeout_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    server_time_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateUpdate:
+    view: ChildEngineView
+    reuse: ReuseStatus
+    stale: bool = False  # its inventory lost events; awaiting a full dump
+    draining: bool = False
+
+
+# Every message the coordinator queues on a session (the lease edge's are LeaseOutbound).
+Outbound = RegisterReply | HeartbeatReply | StateUpdate | ResyncOrder | LeaseOutbound
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnd:
+    """Why the coordinator ends a session; `code` None ends it with OK."""
+
+    code: ErrorCode | None
+    message: str
+
+
+# Removal reasons, also the `reason` label of kvrc_sessions_closed_total.
+REASON_CLOSED = "closed"
+REASON_HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+REASON_SHUTDOWN = "shutdown"
+REASON_ERROR = "error"
+
+
+class Session:
+    """One registered rank part's stream: its identity and its outbound queue."""
+
+    __slots__ = ("_ended", "_limit", "_queue", "incarnation", "ref", "registration")
+
+    def __init__(
+        self, registration: RankPartRegistration, ref: PartRef, incarnation: int, limit: int
+    ) -> None:
+        self.registration = registration
+        self.ref = ref
+        self.incarnation = incarnation
+        self._limit = limit
+        self._queue: asyncio.Queue[Outbound | SessionEnd] = asyncio.Queue()
+        self._ended = False
+
+    @property
+    def session_id(self) -> str:
+        return self.ref.session_id
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def offer(self, message: Outbound) -> bool:
+        """Queues a message; False when the queue is full (the caller closes the session)."""
+        if self._ended:
+            return True  # dropped: nobody reads an ended session
+        if self._queue.qsize() >= self._limit:
+            return False
+        self._queue.put_nowait(message)
+        return True
+
+    def end(self, end: SessionEnd) -> None:
+        """Discards what is still queued and leaves only the end marker."""
+        if self._ended:
+            return
+        self._ended = True
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(end)
+
+    async def next_outbound(self) -> Outbound | SessionEnd:
+        return await self._queue.get()
+
+
+class PartListener(Protocol):
+    """Told when a rank part leaves (the inventory and lease facades listen)."""
+
+    def on_part_removed(self, child_engine_id: str, rank: RankKey, reason: str) -> None:
+        """The part is no longer registered (its child engine is not READY)."""
+
+    def on_part_gone(self, child_engine_id: str, rank: RankKey, session_id: str) -> None:
+        """`session_grace_ms` after removal, the part has not come back: treat it as gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildEngineStatus:
+    view: ChildEngineView
+    reuse: ReuseStatus
+    inventory_entries: int = 0
+    stale: bool = False  # its inventory stream lost events; awaiting a full dump
+    draining: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StatusSnapshot:
+    version: str
+    reuse_enabled: bool
+    warming: bool
+    child_engines: tuple[ChildEngineStatus, ...]
+    inventory_entries: int = 0
+    leases: tuple[LeaseView, ...] = ()  # in flight and quarantined
+
+
+class Coordinator:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        metrics: Metrics | None = None,
+        clock_ms: Callable[[], int] = wall_clock_ms,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._clock_ms = clock_ms
+        self.registry = Registry(config.max_rank_parts, config.bounds.max_grid_parts)
+        self._sessions: dict[str, Session] = {}
+        self._listeners: list[PartListener] = []
+        self._gone_timers: dict[tuple[str, RankKey], asyncio.TimerHandle] = {}
+        # Incarnations grow across restarts too: seeded from the wall clock.
+        self._incarnations = itertools.count(clock_ms() * 1000)
+        self._watchdog: asyncio.Task[None] | None = None
+        self._shutting_down = False
+        # Inventory ingest, lookup and status (coordinator/runtime/inventory_flow.py).
+        self.inventory = InventoryFacade(
+            config, self.metrics, self.registry, self.reuse_for, clock_ms, self._send_to
+        )
+        self.add_part_listener(self.inventory)
+        # Both lease flows (coordinator/runtime/lease_flow.py).
+        self.leases = LeaseFacade(
+            registry=self.registry,
+            metrics=self.metrics,
+            send_to_part=self.send_to_part,
+            reuse_for=self.reuse_for,
+            proven_gone=self.proven_gone,
+            clock_ms=clock_ms,
+            config=config.leases,
+        )
+        self.leases.holder_finder = self._find_holders
+        self.inventory.set_leases_in_flight(self.leases.leases_in_flight)
+        self.add_part_listener(self.leases)
+        # Restart recovery (coordinator/core/recovery.py): warm-up and the known engines.
+        self._known: dict[str, KnownEngine] = {}
+        self._known_written: tuple[KnownEngine, ...] | None = None
+        self._state_timer: asyncio.TimerHandle | None = None
+        self._warmup_timer: asyncio.TimerHandle | None = None
+        self.warmup = self._load_warmup(clock_ms())
+        self.inventory.warming = self.warming_status
+        self.inventory.on_stale_changed = self._stale_changed
+        self.leases.warming = self.warming_status
+        self.metrics.warming.set(1 if self.warmup.warming else 0)
+        self._update_gauges()
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._watchdog = asyncio.create_task(self._watch_heartbeats(), name="kvrc-watchdog")
+        status = self.warmup.status()
+        if status.warming and status.deadline_ms is not None:
+            delay_s = max(status.deadline_ms - self._clock_ms(), 0) / 1000
+            self._warmup_timer = asyncio.get_running_loop().call_later(
+                delay_s + 0.01, self._warmup_deadline
+            )
+        self.inventory.start()
+        await self.leases.start()
+
+    async def shutdown(self) -> None:
+        """Ends every session (UNAVAILABLE: engines reconnect to the next coordinator)."""
+        self._shutting_down = True
+        self._flush_state()  # the sessions closing below are not departures
+        for handle in (self._state_timer, self._warmup_timer):
+            if handle is not None:
+                handle.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
+        for session in list(self._sessions.values()):
+            self.close_session(
+                session,
+                REASON_SHUTDOWN,
+                SessionEnd(ErrorCode.UNAVAILABLE, "the coordinator is shutting down"),
+            )
+        for timer in self._gone_timers.values():
+            timer.cancel()
+        self._gone_timers.clear()
+        await self.inventory.close()
+        await self.leases.shutdown()
+
+    def add_part_listener(self, listener: PartListener) -> None:
+        self._listeners.append(listener)
+
+    # --- sessions --------------------------------------------------------------
+
+    def open_session(self, registration: RankPartRegistration) -> Session:
+        """Registers a rank part (KvrcError when refused; nothing changes then)."""
+        if self._shutting_down:
+            raise KvrcError(ErrorCode.UNAVAILABLE, "the coordinator is shutting down")
+        now = self._clock_ms()
+        session_id = f"s-{secrets.token_hex(8)}"
+        incarnation = next(self._incarnations)
+        try:
+            result = self.registry.register(registration, session_id, incarnation, now)
+        except KvrcError as e:
+            self.metrics.registrations.labels(result=e.code.value).inc()
+            log.info(
+                "registration refused: %s rank %s: %s: %s",
+                registration.child_engine_id,
+                format_rank(registration.rank),
+                e.code.value,
+                e.message,
+            )
+            raise
+        ref = PartRef(registration.child_engine_id, registration.rank, session_id)
+        session = Session(registration, ref, incarnation, self.config.session_queue_size)
+        self._sessions[session_id] = session
+        timer = self._gone_timers.pop(self._part_key(ref), None)
+        if timer is not None:
+            timer.cancel()  # came back within the grace period
+        self.metrics.registrations.labels(result="ok").inc()
+        self._update_gauges()
+        view = result.view
+        reuse = self.reuse_for(view)
+        self.inventory.part_registered(registration, incarnation, view, reuse)
+        self._remember(view.child_engine_id, view.engine_id, view.parts_expected)
+        session.offer(
+            RegisterReply(
+                session_id=session_id,
+                incarnation=incarnation,
+                view=view,
+                reuse=reuse,
+                heartbeat_interval_ms=self.config.heartbeat_interval_ms,
+                heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
+            )
+        )
+        log.info(
+            "rank part registered: %s rank %s session %s (%d/%d parts)",
+            view.child_engine_id,
+            format_rank(registration.rank),
+            session_id,
+            view.parts_present,
+            view.parts_expected,
+        )
+        if result.readiness_changed:
+            self._readiness_changed(view, reuse, skip_session=session_id)
+        if registration.held_lease_ids:
+            # Restart recovery: pins this part still holds (after the RegisterAck).
+            self.leases.recover_held(
+                view.child_engine_id, registration.rank, registration.held_lease_ids
+            )
+        return session
+
+    def heartbeat(self, session: Session) -> None:
+        now = self._clock_ms()
+        if self.registry.heartbeat(session.ref, now):
+            self._send(session, HeartbeatReply(server_time_ms=now))
+
+    def touch(self, session: Session) -> None:
+        """Any message from the engine proves it alive."""
+        self.registry.heartbeat(session.ref, self._clock_ms())
+
+    def close_session(self, session: Session, reason: str, end: SessionEnd | None = None) -> None:
+        """Removes the session's rank part (idempotent) and ends its stream."""
+        session.end(end if end is not None else SessionEnd(None, ""))
+        if self._sessions.pop(session.session_id, None) is None:
+            return
+        self.metrics.sessions_closed.labels(reason=reason).inc()
+        removed = self.registry.remove(session.ref)
+        if removed is None:
+            return
+        self._update_gauges()
+        view = removed.view
+        log.info(
+            "rank part removed (%s): %s rank %s session %s (%d/%d parts)",
+            reason,
+            view.child_engine_id,
+            format_rank(session.ref.rank),
+            session.session_id,
+            view.parts_present,
+            view.parts_expected,
+        )
+        if removed.readiness_changed:
+            self._readiness_changed(view, self.reuse_for(view))
+        for listener in self._listeners:
+            try:
+                listener.on_part_removed(session.ref.child_engine_id, session.ref.rank, reason)
+            except Exception:  # one listener's bug must not keep the part registered
+                log.exception("part listener %r failed on removal", listener)
+        if self._listeners and not self._shutting_down:
+            key = self._part_key(session.ref)
+            old = self._gone_timers.pop(key, None)
+            if old is not None:
+                old.cancel()
+            self._gone_timers[key] = asyncio.get_running_loop().call_later(
+                self.config.session_grace_ms / 1000, self._part_gone, session.ref
+            )
+
+    # --- reads -----------------------------------------------------------------
+
+    def reuse_for(self, view: ChildEngineView) -> ReuseStatus:
+        return reuse_status(self.config.reuse, view.profile, self.config.declared_profiles)
+
+    def status(self) -> StatusSnapshot:
+        children = []
+        for view in self.registry.views():
+            inv = self.inventory.engine_status(view.child_engine_id)
+            children.append(
+                ChildEngineStatus(
+                    view,
+                    self.reuse_for(view),
+                    inv.entries,
+                    inv.stale,
+                    self.leases.is_draining(view.child_engine_id),
+                )
+            )
+        return StatusSnapshot(
+            version=__version__,
+            reuse_enabled=self.config.reuse,
+            warming=self.warming_status() is not None,
+            child_engines=tuple(children),
+            inventory_entries=self.inventory.entries_total(),
+            leases=tuple(self.leases.open_leases()),
+        )
+
+    def send_to_part(self, child_engine_id: str, rank: RankKey, message: Outbound) -> bool:
+        """Queues a message on the session of one rank part; False when it has none."""
+        for ref in self.registry.parts_of(child_engine_id):
+            if ref.rank == rank:
+                session = self._sessions.get(ref.session_id)
+                if session is not None:
+                    self._send(session, message)
+                    return True
+        return False
+
+    def proven_gone(self, child_engine_id: str) -> bool:
+        """No part of the child engine is registered and none is inside its grace period."""
+        return self.registry.get(child_engine_id) is None and not any(
+            key[0] == child_engine_id for key in self._gone_timers
+        )
+
+    def _find_holders(
+        self,
+        *,
+        requester_child_engine_id: str,
+        compatibility_hash: str,
+        group_idx: int,
+        chain: Sequence[bytes],
+        min_blocks: int,
+        now_ms: int,
+        leases_in_flight: Mapping[str, int],
+    ) -> list[HolderCandidate]:
+        # min_blocks 1: the lease side tells "below min_blocks" from "no candidate".
+        result = self.inventory.lookup(
+            requester_child_engine_id,
+            LookupQuery(
+                tuple(chain),
+                compatibility_hash=compatibility_hash,
+                min_blocks=1,
+                group_idx=group_idx,
+                max_candidates=MAX_CANDIDATES,
+            ),
+            leases_in_flight=leases_in_flight,
+        )
+        return [HolderCandidate(c.child_engine_id, c.matched_blocks) for c in result.candidates]
+
+    # --- internals -------------------------------------------------------------
+
+    @staticmethod
+    def _part_key(ref: PartRef) -> tuple[str, RankKey]:
+        return (ref.child_engine_id, ref.rank)
+
+    def _part_gone(self, ref: PartRef) -> None:
+        self._gone_timers.pop(self._part_key(ref), None)
+        child = ref.child_engine_id
+        if self.proven_gone(child):
+            self._forget(child)
+        for listener in self._listeners:
+            try:
+                listener.on_part_gone(ref.child_engine_id, ref.rank, ref.session_id)
+            except Exception:
+                log.exception("part listener %r failed on gone", listener)
+
+    def _send_to(self, session_id: str, message: Outbound) -> None:
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._send(session, message)
+
+    def _send(self, session: Session, message: Outbound) -> None:
+        if not session.offer(message):
+            self.close_session(
+                session,
+                REASON_ERROR,
+                SessionEnd(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"outbound queue of session {session.session_id} is full "
+                    f"({self.config.session_queue_size} messages): the engine is not reading "
+                    "its session stream",
+                ),
+            )
+
+    def _readiness_changed(
+        self, view: ChildEngineView, reuse: ReuseStatus, skip_session: str = ""
+    ) -> None:
+        if view.ready:
+            log.info("child engine %s READY (%d parts)", view.child_engine_id, view.parts_expected)
+            if self.warmup.engine_ready(view.child_engine_id):
+                self._warm("every known child engine is back")
+        else:
+            log.info("child engine %s not READY: %s", view.child_engine_id, view.not_ready_reason)
+        self._push_state(view, reuse, skip_session)
+
+    def _stale_changed(self, child_engine_id: str) -> None:
+        view = self.registry.get(child_engine_id)
+        if view is not None:
+            self._push_state(view, self.reuse_for(view))
+
+    def _push_state(
+        self, view: ChildEngineView, reuse: ReuseStatus, skip_session: str = ""
+    ) -> None:
+        """The one path that tells a child engine's parts its state (readiness, stale)."""
+        child = view.child_engine_id
+        update = StateUpdate(
+            view, reuse, self.inventory.is_stale(child), self.leases.is_draining(child)
+        )
+        for ref in self.registry.parts_of(child):
+            session = self._sessions.get(ref.session_id)
+            if session is not None and ref.session_id != skip_session:
+                self._send(session, update)
+
+    # --- restart recovery (coordinator/core/recovery.py) -------------------------------
+
+    def warming_status(self) -> ReuseStatus | None:
+        """While warming, the reuse status lookups and prefix loads answer; else None."""
+        if not self.warmup.warming:
+            return None
+        if self.warmup.tick(self._clock_ms()):
+            self._warm("the warm-up deadline passed")
+            return None
+        return ReuseStatus(False, ReuseReason.WARMING, self.warmup.status().detail)
+
+    def _warmup_deadline(self) -> None:
+        self._warmup_timer = None
+        if self.warmup.tick(self._clock_ms()):
+            self._warm("the warm-up deadline passed")
+
+    def _warm(self, why: str) -> None:
+        status = self.warmup.status()
+        missing = [c for c in status.expected if self.registry.get(c) is None]
+        if missing:
+            log.warning(
+                "warm: %s; %d known child engine(s) did not come back: %s",
+                why,
+                len(missing),
+                ", ".join(missing[:10]),
+            )
+        else:
+            log.info("warm: %s", why)
+        self.metrics.warming.set(0)
+        if self._warmup_timer is not None:
+            self._warmup_timer.cancel()
+            self._warmup_timer = None
+        for child in missing:  # not back in time: no longer known
+            self._forget(child)
+
+    def _load_warmup(self, now: int) -> Warmup:
+        cfg = self.config
+        expected: tuple[KnownEngine, ...] = ()
+        unreadable = False
+        if cfg.state_file is not None:
+            try:
+                with open(cfg.state_file, "rb") as f:
+                    data = f.read(MAX_STATE_FILE_BYTES + 1)
+                expected = decode_state(data)
+            except FileNotFoundError:
+                pass  # a first start
+            except (OSError, StateFileError) as e:
+                # Fail safe: some engines may have been known; warm up for the deadline.
+                log.warning(
+                    "state file %s unusable (%s): warming until the deadline", cfg.state_file, e
+                )
+                unreadable = True
+        warmup_ms = cfg.warmup_ms if cfg.warmup_ms is not None else DEFAULT_WARMUP_MS
+        timed = unreadable or (cfg.state_file is None and cfg.warmup_ms is not None)
+        warmup = Warmup(
+            expected=[e.child_engine_id for e in expected],
+            started_ms=now,
+            warmup_ms=warmup_ms,
+            timed=timed,
+        )
+        # Until they are back or the warm-up ends, the file keeps listing them.
+        self._known = {e.child_engine_id: e for e in expected}
+        self._known_written = expected
+        if warmup.warming:
+            log.warning("warming: %s", warmup.status().detail)
+        return warmup
+
+    def _remember(self, child_engine_id: str, engine_id: str, parts_expected: int) -> None:
+        known = KnownEngine(child_engine_id, engine_id, parts_expected)
+        if self._known.get(child_engine_id) != known:
+            self._known[child_engine_id] = known
+            self._schedule_state_write()
+
+    def _forget(self, child_engine_id: str) -> None:
+        if self._known.pop(child_engine_id, None) is not None:
+            self._schedule_state_write()
+
+    def _schedule_state_write(self) -> None:
+        if self.config.state_file is None or self._state_timer is not None:
+            return
+        if self._shutting_down:
+            return
+        self._state_timer = asyncio.get_running_loop().call_later(
+            _STATE_WRITE_DELAY_S, self._flush_state
+        )
+
+    def _flush_state(self) -> None:
+        self._state_timer = None
+        path = self.config.state_file
+        if path is None:
+            return
+        known = tuple(sorted(self._known.values(), key=lambda e: e.child_engine_id))
+        if known == self._known_written:
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            # Atomic replace: a crash mid-write leaves the previous file, never half of one.
+            with open(tmp, "wb") as f:
+                f.write(encode_state(known, self._clock_ms()))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            log.error("cannot write state file %s: %s", path, e)
+            return
+        self._known_written = known
+
+    def _update_gauges(self) -> None:
+        ready, not_ready = self.registry.readiness_counts()
+        self.metrics.child_engines.labels(state="ready").set(ready)
+        self.metrics.child_engines.labels(state="not_ready").set(not_ready)
+        self.metrics.rank_parts.set(self.registry.num_parts)
+
+    async def _watch_heartbeats(self) -> None:
+        timeout = self.config.heartbeat_timeout_ms
+        # Check often enough that removal lags the timeout by at most ~20 %.
+        tick_s = min(max(timeout / 5, 20), 1000) / 1000
+        while True:
+            await asyncio.sleep(tick_s)
+            try:
+                self._expire(self._clock_ms(), timeout)
+            except Exception:  # the watchdog must outlive any one bad removal
+                log.exception("heartbeat watchdog pass failed")
+
+    def _expire(self, now: int, timeout: int) -> None:
+        for ref in self.registry.expired(now, timeout):
+            session = self._sessions.get(ref.session_id)
+            if session is None:
+                continue
+            self.close_session(
+                session,
+                REASON_HEARTBEAT_TIMEOUT,
+                SessionEnd(
+                    ErrorCode.UNAVAILABLE,
+                    f"no heartbeat from rank part {format_rank(ref.rank)} of "
+                    f"{ref.child_engine_id!r} for more than {timeout} ms",
+                ),
+            )

@@ -1,0 +1,722 @@
+"""The inventory half of the service: one inventory core fed by two edges.
+
+`InventoryFacade` is owned by `Coordinator` (service.py). It owns the pure
+inventory core (`inventory.Inventory`), the ordering of the gRPC publishing
+streams (`event_streams.EventStreams`), the expiry sweeper, the ZMQ subscribers
+of engines that publish vLLM KV events natively, and the inventory metrics.
+No protobuf here: `wire.py` converts, `servicer.py` calls.
+
+Decisions (each has a test in tests/test_service_inventory.py):
+
+- A malformed `EventBatch` (bad sizes, hashes, tiers, group) ends the session
+  with INVALID_ARGUMENT naming the field; nothing of it is applied. A batch
+  whose incarnation is newer than its session's is malformed too; an older one
+  is fenced (counted, dropped), so is a batch of a per-child-engine stream that
+  another part of the same child engine took over with a newer incarnation.
+- Streams: per rank part, each part's own stream, opened at registration with
+  the session's incarnation. Per child engine, any part may publish; the stream
+  follows the newest incarnation that published (an older one is fenced).
+- A gap marks the engine stale (hidden from lookups) and sends a
+  ResyncRequest on the session that published; a full dump makes it fresh.
+  Until a dump begins the request is sent again (the engine may have lost it),
+  after `resync_retry_initial_ms` doubling to `resync_retry_max_ms`, each one
+  counted in `kvrc_resync_requests_total`. Every stale <-> fresh change of a
+  child engine goes to `on_stale_changed` (the service pushes its state).
+- Events of a child engine that is not READY are held: applied to the core and
+  bounded, never returned by a lookup until the engine is READY.
+- A holder is visible only while READY, fresh, and its own reuse gate is open
+  (a holder that does not opt in is never a source).
+- Departure: when a rank part is removed (session closed or heartbeat timeout)
+  its stream's inventory goes at once (per child engine: if it was the
+  publishing part); when the last part leaves, the child engine leaves the
+  inventory. The engine is not READY anyway; a part that comes back has a new
+  incarnation and resends a full dump (clients/inventory.py does so).
+- Caps: stores past `inventory_max_entries_total` / `_per_engine` are dropped
+  and counted in `kvrc_inventory_bound_hits_total` (the core's choice: a
+  forgotten block is a miss, never a wrong hint).
+- Lookup scope: the query's compatibility hash must be empty or the
+  requester's own (INVALID_ARGUMENT otherwise): engines of different
+  compatibility never exchange KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from coordinator.core.errors import KvrcError, invalid
+from coordinator.core.event_streams import EventStreams, StreamAction, StreamKey, StreamPhase
+from coordinator.core.events import EventBatch, RankKey, Tier
+from coordinator.core.inventory import (
+    DEFAULT_MAX_CANDIDATES,
+    ApplyResult,
+    Candidate,
+    Inventory,
+    LookupOutcome,
+    PublishMode,
+    Scope,
+)
+from coordinator.core.profiles import ReuseReason, ReuseStatus
+from coordinator.core.registry import ChildEngineView, RankPartRegistration, Registry, grid_ranks
+from coordinator.core.registry import PublishMode as WirePublishMode
+from coordinator.runtime.config import CoordinatorConfig
+from coordinator.runtime.metrics import Metrics
+
+if TYPE_CHECKING:
+    from coordinator.edges.zmq_ingest import ZmqEventStream
+
+log = logging.getLogger("kvrc.inventory")
+
+SOURCE_GRPC = "grpc"
+SOURCE_ZMQ = "zmq"
+SWEEP_INTERVAL_S = 1.0
+SWEEP_BUDGET = 4096
+_NO_LEASES: Mapping[str, int] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncOrder:
+    """Outbound session message: the stream lost events, resend a full dump."""
+
+    reason: str
+    expected_sequence: int
+
+
+class LookupVerdict(enum.Enum):
+    """Outcome of one lookup query; values are the `kvrc_lookups_total` outcomes."""
+
+    HIT = "hit"
+    MISS = "miss"
+    BELOW_MIN_BLOCKS = "below_min_blocks"
+    REUSE_UNAVAILABLE = "reuse_unavailable"
+
+
+_VERDICT = {
+    LookupOutcome.HIT: LookupVerdict.HIT,
+    LookupOutcome.MISS: LookupVerdict.MISS,
+    LookupOutcome.BELOW_MIN_BLOCKS: LookupVerdict.BELOW_MIN_BLOCKS,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LookupQuery:
+    block_hashes: Sequence[bytes]  # the prompt's chain, first block first
+    compatibility_hash: str = ""  # "" = the requester's own
+    min_blocks: int = 0
+    include_self: bool = False
+    max_candidates: int = DEFAULT_MAX_CANDIDATES
+    group_idx: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    outcome: LookupVerdict
+    candidates: tuple[Candidate, ...]  # best first
+    reuse: ReuseStatus
+    best_matched_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInventoryStatus:
+    entries: int
+    stale: bool
+
+
+class _Meta:
+    """What the facade keeps per child engine for the lookup gate (no view building)."""
+
+    __slots__ = ("compatibility_hash", "mode", "publisher_rank", "ready", "reuse", "stale", "zmq")
+
+    def __init__(self, compatibility_hash: str, mode: PublishMode) -> None:
+        self.compatibility_hash = compatibility_hash
+        self.mode = mode
+        self.ready = False
+        self.stale = False  # as last told to on_stale_changed
+        self.reuse = ReuseStatus(False, ReuseReason.REQUESTER_NOT_READY, "not READY")
+        self.publisher_rank: RankKey | None = None  # per child engine: the part that publishes
+        self.zmq: ZmqEventStream | None = None
+
+
+_DISABLED = ReuseStatus(
+    False,
+    ReuseReason.DISABLED_BY_COORDINATOR,
+    "reuse is off on this coordinator (start it with --reuse on)",
+)
+_UNKNOWN = ReuseStatus(
+    False, ReuseReason.REQUESTER_UNKNOWN, "the requester is not a registered child engine"
+)
+_NOT_READY = ReuseStatus(
+    False,
+    ReuseReason.REQUESTER_NOT_READY,
+    "the requester is not READY (some rank part of its grid is missing)",
+)
+
+SendFn = Callable[[str, ResyncOrder], None]  # (session_id, message)
+
+
+class _ResyncRetry:
+    """A stale stream's pending ResyncRequest: resent until a dump begins."""
+
+    __slots__ = ("delay_ms", "expected_sequence", "handle", "incarnation", "session_id")
+
+    def __init__(
+        self, session_id: str, incarnation: int, expected_sequence: int, delay_ms: int
+    ) -> None:
+        self.session_id = session_id
+        self.incarnation = incarnation
+        self.expected_sequence = expected_sequence
+        self.delay_ms = delay_ms
+        self.handle: asyncio.TimerHandle | None = None
+
+
+class InventoryFacade:
+    """Inventory ingest, lookup and status for one coordinator. One event loop."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        metrics: Metrics,
+        registry: Registry,
+        reuse_for: Callable[[ChildEngineView], ReuseStatus],
+        clock_ms: Callable[[], int],
+        send: SendFn,
+    ) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._registry = registry
+        self._reuse_for = reuse_for
+        self._clock_ms = clock_ms
+        self._send = send
+        self.inventory = Inventory(
+            max_entries_total=config.inventory_max_entries_total,
+            max_entries_per_engine=config.inventory_max_entries_per_engine,
+        )
+        self.streams = EventStreams()
+        self._meta: dict[str, _Meta] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._stopping: set[asyncio.Task[None]] = set()  # ZMQ subscribers being closed
+        self._leases_in_flight: Callable[[], Mapping[str, int]] = lambda: _NO_LEASES
+        # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
+        self.warming: Callable[[], ReuseStatus | None] = lambda: None
+        # The service pushes a child engine's state when its staleness changes.
+        self.on_stale_changed: Callable[[str], None] = lambda child_engine_id: None
+        # One pending retry per stale gRPC stream (bounded by the streams).
+        self._resyncs: dict[StreamKey, _ResyncRetry] = {}
+        m = metrics
+        # Label children bound once: the lookup path is hot.
+        self._m_lookups = {v: m.lookups.labels(outcome=v.value) for v in LookupVerdict}
+        self._m_batches = {
+            (src, a.value): m.event_batches.labels(source=src, result=a.value)
+            for src in (SOURCE_GRPC, SOURCE_ZMQ)
+            for a in StreamAction
+        }
+        self._m_malformed = m.event_batches.labels(source=SOURCE_GRPC, result="malformed")
+        self._m_events = {
+            (src, kind): m.block_events.labels(source=src, type=kind)
+            for src in (SOURCE_GRPC, SOURCE_ZMQ)
+            for kind in ("stored", "removed", "cleared")
+        }
+        self._m_resync = m.resync_requests.labels(source=SOURCE_GRPC)
+        self._m_cap_total = m.inventory_bound_hits.labels(bound="total")
+        self._m_cap_engine = m.inventory_bound_hits.labels(bound="per_engine")
+        self._m_entries = {t: m.inventory_entries.labels(tier=t.name.lower()) for t in Tier}
+        self._m_stale = m.child_engines.labels(state="stale")
+        self._update_gauges()
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="kvrc-inventory-sweeper")
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        for key in list(self._resyncs):
+            self._cancel_resync(key)
+        for meta in self._meta.values():
+            await self._stop_zmq(meta)
+        if self._stopping:
+            await asyncio.gather(*self._stopping, return_exceptions=True)
+
+    def set_leases_in_flight(self, provider: Callable[[], Mapping[str, int]]) -> None:
+        """The lease side tells lookups how many leases each holder has in flight."""
+        self._leases_in_flight = provider
+
+    # --- registration and departure (called by Coordinator) -------------------------
+
+    def part_registered(
+        self,
+        registration: RankPartRegistration,
+        incarnation: int,
+        view: ChildEngineView,
+        reuse: ReuseStatus,
+    ) -> None:
+        cid = registration.child_engine_id
+        meta = self._meta.get(cid)
+        if meta is None:
+            per_part = registration.publish_mode is WirePublishMode.PER_RANK_PART
+            mode = PublishMode.PER_RANK_PART if per_part else PublishMode.PER_CHILD_ENGINE
+            ranks = list(grid_ranks(view.profile)) if per_part else []
+            self.inventory.add_engine(
+                cid, view.compatibility_hash, publish_mode=mode, rank_keys=ranks
+            )
+            meta = self._meta[cid] = _Meta(view.compatibility_hash, mode)
+        if meta.mode is PublishMode.PER_RANK_PART:
+            key = StreamKey(cid, registration.rank)
+            if self.streams.open_stream(key, incarnation):
+                self.inventory.clear_stream(cid, registration.rank)
+                self._cancel_resync(key)
+        self._refresh(cid, meta, view, reuse)
+        # No push here: the RegisterAck is not sent yet; readiness pushes carry it.
+        self._note_stale(cid, meta, push=False)
+        if registration.kv_events_endpoint and meta.zmq is None:
+            self._start_zmq(registration, meta)
+
+    def on_part_removed(self, child_engine_id: str, rank: RankKey, reason: str) -> None:
+        """PartListener: the part's stream inventory goes now; the last part takes the engine."""
+        meta = self._meta.get(child_engine_id)
+        if meta is None:
+            return
+        view = self._registry.get(child_engine_id)
+        if view is None:
+            self._remove_engine(child_engine_id, meta)
+            return
+        if meta.mode is PublishMode.PER_RANK_PART:
+            self._drop_stream(StreamKey(child_engine_id, rank))
+        elif meta.publisher_rank == rank:
+            self._drop_stream(StreamKey(child_engine_id, None))
+            meta.publisher_rank = None
+        self._refresh(child_engine_id, meta, view, self._reuse_for(view))
+        self._note_stale(child_engine_id, meta)
+
+    def on_part_gone(self, child_engine_id: str, rank: RankKey, session_id: str) -> None:
+        """PartListener: nothing left to do; the inventory went at removal."""
+
+    def _drop_stream(self, key: StreamKey) -> None:
+        """The stream's publishing part left: its inventory, ordering and resync retry go."""
+        self.inventory.clear_stream(key.child_engine_id, key.rank_key)
+        self.streams.close_stream(key)
+        self._cancel_resync(key)
+
+    # --- ingest (gRPC edge) -------------------------------------------------------
+
+    def count_malformed(self) -> None:
+        self._m_malformed.inc()
+
+    def ingest(
+        self,
+        child_engine_id: str,
+        rank: RankKey,
+        session_id: str,
+        session_incarnation: int,
+        batch: EventBatch,
+    ) -> StreamAction:
+        """One validated batch from a session. Raises INVALID_ARGUMENT (nothing changes)."""
+        if batch.incarnation > session_incarnation:
+            self._m_malformed.inc()
+            raise invalid(
+                f"event batch incarnation {batch.incarnation} is newer than this session's "
+                f"{session_incarnation} (use the incarnation of RegisterAck)"
+            )
+        meta = self._meta.get(child_engine_id)
+        if meta is None or batch.incarnation < session_incarnation:
+            self._m_batches[SOURCE_GRPC, StreamAction.FENCED.value].inc()
+            return StreamAction.FENCED
+        per_part = meta.mode is PublishMode.PER_RANK_PART
+        rank_key = rank if per_part else None
+        key = StreamKey(child_engine_id, rank_key)
+        d = self.streams.accept(
+            key,
+            batch.incarnation,
+            batch.sequence,
+            dump_begin=batch.dump_begin,
+            dump_end=batch.dump_end,
+        )
+        action = d.action
+        self._m_batches[SOURCE_GRPC, action.value].inc()
+        if action is StreamAction.FENCED:
+            return action
+        if not per_part:
+            meta.publisher_rank = rank
+        if action is StreamAction.APPLY:
+            if d.dump_begins:
+                self.inventory.begin_dump(child_engine_id, rank_key)
+                self._cancel_resync(key)
+            elif d.reset_stream:
+                self.inventory.clear_stream(child_engine_id, rank_key)
+                self._cancel_resync(key)
+            result = self.inventory.apply(
+                child_engine_id, batch.events, rank_key=rank_key, now_ms=self._clock_ms()
+            )
+            if d.dump_ends:
+                self.inventory.end_dump(child_engine_id, rank_key)
+            self._count_applied(SOURCE_GRPC, result)
+            if d.dump_begins or d.dump_ends or d.reset_stream:
+                self._note_stale(child_engine_id, meta)
+        elif action is StreamAction.GAP:
+            if d.reset_stream:
+                self.inventory.clear_stream(child_engine_id, rank_key)
+            self.inventory.mark_stale(child_engine_id, rank_key)
+            log.info(
+                "inventory stream of %s%s lost events (expected sequence %d, got %d): "
+                "stale until a full dump",
+                child_engine_id,
+                f" rank {rank_key}" if rank_key is not None else "",
+                d.expected_sequence,
+                batch.sequence,
+            )
+            self._ask_resync(
+                key,
+                _ResyncRetry(
+                    session_id,
+                    batch.incarnation,
+                    d.expected_sequence,
+                    self._config.resync_retry_initial_ms,
+                ),
+                f"expected sequence {d.expected_sequence}, got {batch.sequence}",
+            )
+            self._note_stale(child_engine_id, meta)
+        self._update_gauges()
+        return action
+
+    # --- resync retries ------------------------------------------------------------
+
+    def _ask_resync(self, key: StreamKey, retry: _ResyncRetry, reason: str) -> None:
+        """Sends a ResyncRequest now and schedules its resend (replaces a pending one)."""
+        self._cancel_resync(key)
+        self._m_resync.inc()
+        self._send(
+            retry.session_id,
+            ResyncOrder(reason=reason, expected_sequence=retry.expected_sequence),
+        )
+        self._resyncs[key] = retry
+        retry.handle = asyncio.get_running_loop().call_later(
+            retry.delay_ms / 1000, self._resend_resync, key, retry
+        )
+
+    def _resend_resync(self, key: StreamKey, retry: _ResyncRetry) -> None:
+        if self._resyncs.get(key) is not retry:
+            return
+        del self._resyncs[key]
+        # Only the same incarnation, still stale (a dump that began cancels the retry).
+        if (
+            self.streams.phase(key) is not StreamPhase.STALE
+            or self.streams.incarnation(key) != retry.incarnation
+        ):
+            return
+        waited = retry.delay_ms
+        log.info(
+            "inventory stream of %s%s still stale %d ms after its ResyncRequest: asking again",
+            key.child_engine_id,
+            f" rank {key.rank_key}" if key.rank_key is not None else "",
+            waited,
+        )
+        self._ask_resync(
+            key,
+            _ResyncRetry(
+                retry.session_id,
+                retry.incarnation,
+                retry.expected_sequence,
+                min(waited * 2, self._config.resync_retry_max_ms),
+            ),
+            f"no full dump began within {waited} ms of the previous ResyncRequest "
+            f"(expected sequence {retry.expected_sequence})",
+        )
+
+    def _cancel_resync(self, key: StreamKey) -> None:
+        retry = self._resyncs.pop(key, None)
+        if retry is not None and retry.handle is not None:
+            retry.handle.cancel()
+
+    def _note_stale(self, child_engine_id: str, meta: _Meta, *, push: bool = True) -> None:
+        """Tells the service when the child engine turned stale or fresh."""
+        stale = self.is_stale(child_engine_id)
+        if stale != meta.stale:
+            meta.stale = stale
+            if not push:
+                return
+            try:
+                self.on_stale_changed(child_engine_id)
+            except Exception:  # a push failure must not undo the ingest
+                log.exception("stale change of %s not pushed", child_engine_id)
+
+    # --- lookup ----------------------------------------------------------------
+
+    def reuse_gate(self, requester_child_engine_id: str) -> ReuseStatus:
+        """Invariant 1, then the requester's readiness: why reuse is (not) open to it."""
+        if not self._config.reuse:
+            return _DISABLED
+        warming = self.warming()
+        if warming is not None:
+            return warming
+        meta = self._meta.get(requester_child_engine_id)
+        if meta is None:
+            return _UNKNOWN
+        if not meta.ready:
+            return _NOT_READY
+        return meta.reuse
+
+    def lookup_many(
+        self,
+        requester_child_engine_id: str,
+        queries: Sequence[LookupQuery],
+        *,
+        leases_in_flight: Mapping[str, int] | None = None,
+    ) -> tuple[LookupResult, ...]:
+        """Answers each query (same order). INVALID_ARGUMENT for a foreign scope."""
+        reuse = self.reuse_gate(requester_child_engine_id)
+        if not reuse.enabled:
+            counter = self._m_lookups[LookupVerdict.REUSE_UNAVAILABLE]
+            counter.inc(len(queries))
+            unavailable = LookupResult(LookupVerdict.REUSE_UNAVAILABLE, (), reuse)
+            return tuple(unavailable for _ in queries)
+        own = self._meta[requester_child_engine_id].compatibility_hash
+        for q in queries:
+            if q.compatibility_hash and q.compatibility_hash != own:
+                raise invalid(
+                    f"compatibility_hash {q.compatibility_hash!r} is not the requester's own "
+                    f"({own!r}): engines of different compatibility never exchange KV"
+                )
+        leases = self._leases_in_flight() if leases_in_flight is None else leases_in_flight
+        now = self._clock_ms()
+        observe_duration = self._metrics.lookup_duration.observe
+        observe_matched = self._metrics.lookup_matched_blocks.observe
+        results = []
+        for q in queries:
+            started = time.perf_counter()
+            answer = self.inventory.lookup(
+                Scope(own, q.group_idx),
+                q.block_hashes,
+                now_ms=now,
+                min_blocks=q.min_blocks,
+                exclude_child_engine_id=None if q.include_self else requester_child_engine_id,
+                max_candidates=q.max_candidates,
+                leases_in_flight=leases,
+            )
+            observe_duration(time.perf_counter() - started)
+            verdict = _VERDICT[answer.outcome]
+            self._m_lookups[verdict].inc()
+            observe_matched(answer.best_matched_blocks)
+            results.append(
+                LookupResult(verdict, answer.candidates, reuse, answer.best_matched_blocks)
+            )
+        return tuple(results)
+
+    def lookup(
+        self,
+        requester_child_engine_id: str,
+        query: LookupQuery,
+        *,
+        leases_in_flight: Mapping[str, int] | None = None,
+    ) -> LookupResult:
+        return self.lookup_many(
+            requester_child_engine_id, (query,), leases_in_flight=leases_in_flight
+        )[0]
+
+    def best_holder(
+        self,
+        requester_child_engine_id: str,
+        block_hashes: Sequence[bytes],
+        *,
+        group_idx: int = 0,
+        min_blocks: int = 1,
+        leases_in_flight: Mapping[str, int] | None = None,
+    ) -> tuple[Candidate | None, LookupResult]:
+        """The top candidate for a prefix load (None on a miss or a closed gate)."""
+        result = self.lookup(
+            requester_child_engine_id,
+            LookupQuery(tuple(block_hashes), min_blocks=min_blocks, group_idx=group_idx),
+            leases_in_flight=leases_in_flight,
+        )
+        return (result.candidates[0] if result.candidates else None), result
+
+    # --- status ------------------------------------------------------------------
+
+    def is_stale(self, child_engine_id: str) -> bool:
+        """Its inventory lost events and awaits a full dump (pushed in state updates)."""
+        return self.inventory.has_engine(child_engine_id) and self.inventory.is_stale(
+            child_engine_id
+        )
+
+    def engine_status(self, child_engine_id: str) -> EngineInventoryStatus:
+        if not self.inventory.has_engine(child_engine_id):
+            return EngineInventoryStatus(0, False)
+        return EngineInventoryStatus(
+            self.inventory.engine_entries(child_engine_id),
+            self.inventory.is_stale(child_engine_id),
+        )
+
+    def entries_total(self) -> int:
+        return self.inventory.stats().entries_total
+
+    # --- ZMQ edge -------------------------------------------------------------------
+
+    def _start_zmq(self, registration: RankPartRegistration, meta: _Meta) -> None:
+        from coordinator.edges.zmq_ingest import (
+            ZmqEventStream,
+            publisher_host,
+            stream_config_from_vllm,
+        )
+
+        cid = registration.child_engine_id
+        if meta.mode is not PublishMode.PER_CHILD_ENGINE:
+            log.warning(
+                "child engine %s names a KV-event endpoint but publishes per rank part; "
+                "vLLM publishes per child engine: endpoint ignored",
+                cid,
+            )
+            return
+        p = registration.profile
+        try:
+            stream = ZmqEventStream(
+                stream_config_from_vllm(
+                    engine_id=registration.engine_id,
+                    dp_rank=registration.dp_rank,
+                    dp_size=p.dp_size,
+                    kv_events_endpoint=registration.kv_events_endpoint,
+                    kv_events_replay_endpoint=registration.kv_events_replay_endpoint,
+                    publisher_host=publisher_host(registration.endpoint.session_name),
+                    block_size=p.block_size,
+                    lora_name=p.lora_name,
+                ),
+                _ZmqSink(self),
+                self._metrics,
+            )
+        except (ValueError, KvrcError) as e:
+            # The registration stands (handoffs need no inventory); only the edge is off.
+            log.warning("child engine %s: KV-event endpoint refused, not subscribing: %s", cid, e)
+            return
+        meta.zmq = stream
+        task = asyncio.get_running_loop().create_task(stream.start())
+        task.add_done_callback(_log_failure)
+
+    async def _stop_zmq(self, meta: _Meta) -> None:
+        stream, meta.zmq = meta.zmq, None
+        if stream is not None:
+            await stream.close()
+
+    def zmq_apply(self, child_engine_id: str, batch: EventBatch) -> None:
+        if not self.inventory.has_engine(child_engine_id):
+            return
+        result = self.inventory.apply(child_engine_id, batch.events, now_ms=self._clock_ms())
+        self._count_applied(SOURCE_ZMQ, result)
+        self._update_gauges()
+
+    def zmq_drop(self, child_engine_id: str) -> None:
+        if self.inventory.has_engine(child_engine_id):
+            self.inventory.clear_stream(child_engine_id, None)
+            self._zmq_note_stale(child_engine_id)
+            self._update_gauges()
+
+    def zmq_stale(self, child_engine_id: str) -> None:
+        if self.inventory.has_engine(child_engine_id):
+            self.inventory.mark_stale(child_engine_id, None)
+            self._zmq_note_stale(child_engine_id)
+            self._update_gauges()
+
+    def _zmq_note_stale(self, child_engine_id: str) -> None:
+        meta = self._meta.get(child_engine_id)
+        if meta is not None:
+            self._note_stale(child_engine_id, meta)
+
+    # --- internals -------------------------------------------------------------------
+
+    def _refresh(
+        self, child_engine_id: str, meta: _Meta, view: ChildEngineView, reuse: ReuseStatus
+    ) -> None:
+        meta.ready = view.ready
+        meta.reuse = reuse
+        self.inventory.set_ready(child_engine_id, view.ready and reuse.enabled)
+        self._update_gauges()
+
+    def _remove_engine(self, child_engine_id: str, meta: _Meta) -> None:
+        dropped = self.inventory.remove_engine(child_engine_id)
+        for key in [k for k in self._resyncs if k.child_engine_id == child_engine_id]:
+            self._cancel_resync(key)
+        self.streams.remove_engine(child_engine_id)
+        del self._meta[child_engine_id]
+        if meta.zmq is not None:
+            task = asyncio.get_running_loop().create_task(self._stop_zmq(meta))
+            task.add_done_callback(_log_failure)
+            task.add_done_callback(self._stopping.discard)
+            self._stopping.add(task)
+        log.info("child engine %s left: %d inventory entries dropped", child_engine_id, dropped)
+        self._update_gauges()
+
+    def _count_applied(self, source: str, result: ApplyResult) -> None:
+        if source == SOURCE_GRPC:  # the ZMQ edge counts its own block events
+            self._count_events(source, result)
+        if result.dropped_total_cap:
+            self._m_cap_total.inc(result.dropped_total_cap)
+        if result.dropped_engine_cap:
+            self._m_cap_engine.inc(result.dropped_engine_cap)
+
+    def _count_events(self, source: str, result: ApplyResult) -> None:
+        if result.blocks_stored:
+            self._m_events[source, "stored"].inc(result.blocks_stored)
+        if result.blocks_removed:
+            self._m_events[source, "removed"].inc(result.blocks_removed)
+        if result.clears:
+            self._m_events[source, "cleared"].inc(result.clears)
+
+    def _update_gauges(self) -> None:
+        stats = self.inventory.stats()
+        for tier, gauge in self._m_entries.items():
+            gauge.set(stats.index_entries_by_tier.get(tier, 0))
+        self._m_stale.set(stats.engines_stale + stats.engines_resyncing)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            try:
+                if self.inventory.sweep_expired(self._clock_ms(), SWEEP_BUDGET):
+                    self._update_gauges()
+            except Exception:  # the sweeper must outlive one bad pass
+                log.exception("inventory expiry sweep failed")
+
+
+class _ZmqSink:
+    """`zmq_ingest.EventSink` over the facade: the ZMQ edge orders, the core applies."""
+
+    def __init__(self, facade: InventoryFacade) -> None:
+        self._facade = facade
+
+    def apply(self, child_engine_id: str, batch: EventBatch) -> None:
+        self._facade.zmq_apply(child_engine_id, batch)
+
+    def drop_engine_inventory(self, child_engine_id: str) -> None:
+        self._facade.zmq_drop(child_engine_id)
+
+    def mark_stale(self, child_engine_id: str, reason: str) -> None:
+        self._facade.zmq_stale(child_engine_id)
+
+    def mark_degraded(self, child_engine_id: str, reason: str) -> None:
+        """Entries stay hints (bounded age is the ZMQ edge's job)."""
+
+    def mark_live(self, child_engine_id: str) -> None:
+        """Nothing to undo: staleness ends with the new incarnation's drop."""
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("inventory background task failed", exc_info=task.exception())
+
+
+__all__ = [
+    "EngineInventoryStatus",
+    "InventoryFacade",
+    "LookupQuery",
+    "LookupResult",
+    "LookupVerdict",
+    "ResyncOrder",
+]

@@ -1,0 +1,248 @@
+"""How every client reaches kvrc: one `ChannelOptions`, one `connect()`.
+
+    from kvrc.credentials import ChannelOptions, connect
+
+    options = ChannelOptions(
+        "kvrc.internal:50051",
+        ca_cert=Path("/etc/kvrc/ca.pem"),            # TLS: trust this CA
+        client_cert=Path("/etc/kvrc/engine.pem"),     # mutual TLS (optional)
+        client_key=Path("/etc/kvrc/engine.key"),
+        token_file=Path("/run/secrets/kvrc-token"),   # bearer token (optional)
+    )
+    session = EngineSession(options, registration)    # or LeaseClient(options, ...), ...
+
+A plain "host:port" string is the plaintext loopback default and behaves as
+before. A token travels as gRPC metadata `authorization: Bearer <token>`; it is
+read from its file when a channel is made, and never appears in a `repr()`,
+a log line or an error message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+__all__ = ["ChannelOptions", "CredentialsError", "connect", "connect_blocking"]
+
+MAX_FILE_BYTES = 1 << 20
+MAX_TOKEN_CHARS = 4096
+
+
+class CredentialsError(ValueError):
+    """Client TLS or token options that cannot work; the message is one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelOptions:
+    target: str  # "host:port"
+    # TLS is on when any of tls, ca_cert or client_cert is set (tls alone: system CAs).
+    tls: bool = False
+    ca_cert: Path | None = None
+    client_cert: Path | None = None  # with client_key: mutual TLS
+    client_key: Path | None = None
+    # Check the server certificate against this name instead of the target's host.
+    server_name: str | None = None
+    token_file: Path | None = None
+    token: str | None = field(default=None, repr=False)  # prefer token_file
+    grpc_options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.client_cert is None) != (self.client_key is None):
+            raise CredentialsError("a client certificate needs its key (client_cert, client_key)")
+        if self.token is not None and self.token_file is not None:
+            raise CredentialsError("give a token or a token_file, not both")
+        if self.token is not None:
+            _check_token(self.token, "token")
+        if self.server_name is not None and not self.secure:
+            raise CredentialsError("server_name only applies with TLS (set ca_cert or tls)")
+
+    @property
+    def secure(self) -> bool:
+        return self.tls or self.ca_cert is not None or self.client_cert is not None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        root = _read_pem(self.ca_cert, "ca_cert") if self.ca_cert is not None else None
+        key = cert = None
+        if self.client_cert is not None and self.client_key is not None:
+            cert = _read_pem(self.client_cert, "client_cert")
+            key = _read_pem(self.client_key, "client_key")
+        return grpc.ssl_channel_credentials(root, key, cert)
+
+    def bearer_token(self) -> str | None:
+        if self.token is not None:
+            return self.token
+        if self.token_file is None:
+            return None
+        try:
+            raw = self.token_file.read_bytes()[: MAX_TOKEN_CHARS + 2]
+        except OSError as e:
+            raise CredentialsError(
+                f"token file {self.token_file}: cannot read: {e.strerror or e}"
+            ) from None
+        try:
+            token = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise CredentialsError(f"token file {self.token_file}: not ASCII") from None
+        return _check_token(token, f"token file {self.token_file}")
+
+    def all_grpc_options(self) -> list[tuple[str, Any]]:
+        options = list(self.grpc_options)
+        if self.server_name is not None:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        return options
+
+
+def _check_token(token: str, where: str) -> str:
+    if not token or len(token) > MAX_TOKEN_CHARS:
+        raise CredentialsError(f"{where}: a token is 1..{MAX_TOKEN_CHARS} characters")
+    if not (token.isascii() and token.isprintable()) or " " in token:
+        raise CredentialsError(f"{where}: a token is printable ASCII without spaces")
+    return token
+
+
+def _read_pem(path: Path, what: str) -> bytes:
+    try:
+        data = path.read_bytes()[: MAX_FILE_BYTES + 1]
+    except OSError as e:
+        raise CredentialsError(f"{what} {path}: cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES or b"-----BEGIN " not in data:
+        raise CredentialsError(f"{what} {path}: not a PEM file")
+    return data
+
+
+def _as_options(target: str | ChannelOptions) -> ChannelOptions:
+    return target if isinstance(target, ChannelOptions) else ChannelOptions(target)
+
+
+# --- asyncio channels (engines) -----------------------------------------------------
+
+if TYPE_CHECKING:  # the stubs are generic, the runtime classes are not
+    _AioUnaryUnary = grpc.aio.UnaryUnaryClientInterceptor[Any, Any]
+    _AioUnaryStream = grpc.aio.UnaryStreamClientInterceptor[Any, Any]
+    _AioStreamUnary = grpc.aio.StreamUnaryClientInterceptor[Any, Any]
+    _AioStreamStream = grpc.aio.StreamStreamClientInterceptor[Any, Any]
+    _SyncUnaryUnary = grpc.UnaryUnaryClientInterceptor[Any, Any]
+else:
+    _AioUnaryUnary = grpc.aio.UnaryUnaryClientInterceptor
+    _AioUnaryStream = grpc.aio.UnaryStreamClientInterceptor
+    _AioStreamUnary = grpc.aio.StreamUnaryClientInterceptor
+    _AioStreamStream = grpc.aio.StreamStreamClientInterceptor
+    _SyncUnaryUnary = grpc.UnaryUnaryClientInterceptor
+
+
+class _AioBearer:
+    """Adds `authorization: Bearer <token>` to a call's metadata."""
+
+    def __init__(self, token: str) -> None:
+        self._header = f"Bearer {token}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(<token>)"
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        metadata.add("authorization", self._header)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+
+# grpc.aio files an interceptor under the first call kind it implements: one class per kind.
+class _AioBearerUnaryUnary(_AioBearer, _AioUnaryUnary):
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioBearerUnaryStream(_AioBearer, _AioUnaryStream):
+    async def intercept_unary_stream(
+        self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioBearerStreamUnary(_AioBearer, _AioStreamUnary):
+    async def intercept_stream_unary(
+        self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, requests: Any
+    ) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+class _AioBearerStreamStream(_AioBearer, _AioStreamStream):
+    async def intercept_stream_stream(
+        self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, requests: Any
+    ) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+def _bearer_interceptors(token: str) -> list[_AioBearer]:
+    return [
+        kind(token)
+        for kind in (
+            _AioBearerUnaryUnary,
+            _AioBearerUnaryStream,
+            _AioBearerStreamUnary,
+            _AioBearerStreamStream,
+        )
+    ]
+
+
+def connect(
+    target: str | ChannelOptions, grpc_options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    """An asyncio channel to kvrc: plaintext for a bare target, else as `ChannelOptions` say."""
+    opts = _as_options(target)
+    token = opts.bearer_token()
+    interceptors: Any = _bearer_interceptors(token) if token is not None else None
+    options = [*opts.all_grpc_options(), *grpc_options]
+    if opts.secure:
+        return grpc.aio.secure_channel(
+            opts.target, opts.channel_credentials(), options, interceptors=interceptors
+        )
+    return grpc.aio.insecure_channel(opts.target, options, interceptors=interceptors)
+
+
+# --- blocking channels (the CLI, tooling) -----------------------------------------------
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base: grpc.ClientCallDetails, metadata: Any) -> None:
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+class _SyncBearer(_SyncUnaryUnary):
+    def __init__(self, token: str) -> None:
+        self._header = f"Bearer {token}"
+
+    def __repr__(self) -> str:
+        return "_SyncBearer(<token>)"
+
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
+        metadata = (*(details.metadata or ()), ("authorization", self._header))
+        return continuation(_Details(details, metadata), request)
+
+
+def connect_blocking(target: str | ChannelOptions) -> grpc.Channel:
+    """A blocking channel (unary calls) with the same options; close it when done."""
+    opts = _as_options(target)
+    token = opts.bearer_token()
+    options = opts.all_grpc_options()
+    if opts.secure:
+        channel = grpc.secure_channel(opts.target, opts.channel_credentials(), options)
+    else:
+        channel = grpc.insecure_channel(opts.target, options)
+    if token is not None:
+        return grpc.intercept_channel(channel, _SyncBearer(token))
+    return channel

@@ -1,0 +1,433 @@
+"""The reference engine's parts on their own: compute, block pool, control channel.
+
+The pool is checked with a hypothesis state machine against a plain model: every
+block is in exactly one state, the prefix table matches what was published
+(stored minus removed), and nothing referenced, pinned or tainted is ever
+handed out again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from clients.hashing import hash_block_chain
+from clients.kv_cache import (
+    KvCacheLayout,
+    KvEndpointDescription,
+    KvRegionDescription,
+    PagedKvCache,
+)
+from clients.refengine.blocks import BlockPool, PoolExhaustedError
+from clients.refengine.channel import Channel, ChannelError
+from clients.refengine.compute import expected_blocks, kv_values, write_positions
+from clients.refengine.engine import Leader, _parse_test_faults, _pull_reply
+from clients.transfer import TransferPlan
+
+LAYOUT = KvCacheLayout(
+    num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16"
+)
+
+# --- deterministic compute ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@settings(max_examples=25, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 50_000), min_size=1, max_size=30),
+    split=st.integers(0, 30),
+    tp_rank=st.integers(0, 3),
+)
+def test_written_blocks_equal_expected_whatever_the_split(
+    kv_layout: str, tokens: list[int], split: int, tp_rank: int
+) -> None:
+    """Computing a request in two steps (prefill, then decode) gives the same bytes."""
+    layout = KvCacheLayout(**{**LAYOUT.to_dict(), "kv_layout": kv_layout})
+    n_blocks = -(-len(tokens) // layout.block_size)
+    block_ids = list(range(n_blocks))[::-1]  # any placement in the cache
+    cache = PagedKvCache(layout)
+    cache.layers[0].fill_(7)  # stale contents must not leak into a block
+    split = min(split, len(tokens))
+    first = tokens[:split]
+    if first:
+        write_positions(
+            cache, first, block_ids[: -(-split // layout.block_size)], 0, tp_rank=tp_rank
+        )
+    write_positions(cache, tokens, block_ids, split, tp_rank=tp_rank)
+    expected = expected_blocks(layout, tokens, list(range(n_blocks)), tp_rank=tp_rank)
+    for index, block_id in enumerate(block_ids):
+        for layer in range(layout.num_layers):
+            assert torch.equal(cache.block_bytes_view(layer, block_id), expected[index, layer])
+
+
+def test_values_depend_on_prefix_position_layer_and_rank() -> None:
+    base = kv_values(LAYOUT, [5, 6, 7], range(0, 3), tp_rank=0)
+    assert torch.equal(base, kv_values(LAYOUT, [5, 6, 7], range(0, 3), tp_rank=0))
+    assert not torch.equal(base, kv_values(LAYOUT, [5, 6, 7], range(0, 3), tp_rank=1))
+    # Position 2 sees the whole prefix: changing token 0 changes it; a suffix does not.
+    other_prefix = kv_values(LAYOUT, [9, 6, 7], range(0, 3), tp_rank=0)
+    assert not torch.equal(base[:, 2], other_prefix[:, 2])
+    longer = kv_values(LAYOUT, [5, 6, 7, 8], range(0, 3), tp_rank=0)
+    assert torch.equal(base, longer)
+    assert not torch.equal(base[0], base[1])  # layers differ
+    assert not torch.isnan(base.float()).any()
+
+
+def test_partial_block_tail_is_zero_and_one_byte_off_is_a_mismatch() -> None:
+    cache = PagedKvCache(LAYOUT)
+    cache.layers[1].fill_(3)
+    tokens = [1, 2, 3, 4, 5, 6]  # one full block and a half
+    write_positions(cache, tokens, [4, 9], 0, tp_rank=0)
+    expected = expected_blocks(LAYOUT, tokens, [0, 1], tp_rank=0)
+    tail = cache.block(1, 9)[:, 2:]  # NHD: slots 2..3 of the partial block
+    assert bool((tail == 0).all())
+    assert torch.equal(cache.block_bytes_view(1, 9), expected[1, 1])
+    cache.block_bytes_view(1, 9)[17] ^= 1
+    assert not torch.equal(cache.block_bytes_view(1, 9), expected[1, 1])
+
+
+def test_write_positions_refuses_wrong_block_count() -> None:
+    with pytest.raises(ValueError, match="blocks for"):
+        write_positions(PagedKvCache(LAYOUT), [1, 2, 3, 4, 5], [0], 0, tp_rank=0)
+
+
+# --- block pool ---------------------------------------------------------------------
+
+
+def chain(seed: int, blocks: int) -> list[bytes]:
+    tokens = [seed * 1000 + i for i in range(blocks * 4)]
+    return hash_block_chain(tokens, 4, seed=0)
+
+
+def test_lru_evicts_oldest_unreferenced_and_reports_removed_hashes() -> None:
+    pool = BlockPool(4)
+    a, b = chain(1, 2), chain(2, 2)
+    ids_a, _ = pool.allocate(2, 0)
+    assert [s.block_hash for s in pool.commit(ids_a, a, b"")] == a
+    pool.release(ids_a, 0)
+    ids_b, _ = pool.allocate(2, 0)
+    pool.commit(ids_b, b, b"")
+    pool.release(ids_b, 0)
+    pool.acquire(pool.match_prefix(a, 0))  # a is used again: b is now the oldest
+    pool.release(pool.match_prefix(a, 0), 0)
+    _, removed = pool.allocate(2, 0)
+    assert removed == b
+    assert pool.match_prefix(a, 0) == ids_a
+
+
+def test_pinned_blocks_are_never_evicted_and_unpin_is_idempotent() -> None:
+    pool = BlockPool(2)
+    a = chain(1, 2)
+    ids, _ = pool.allocate(2, 0)
+    pool.commit(ids, a, b"")
+    pool.release(ids, 0)
+    assert pool.pin("lease-1", a + chain(9, 1), 0) == tuple(ids)
+    assert pool.pin("lease-1", a, 0) == tuple(ids)  # the same lease: the same pin
+    with pytest.raises(PoolExhaustedError):
+        pool.allocate(1, 0)
+    assert pool.num_free == 0 and pool.refs(ids[0]) == 1  # a refusal changes nothing
+    pool.unpin("lease-1", 0)
+    pool.unpin("lease-1", 0)
+    assert pool.allocate(2, 0)[1] == a
+
+
+def test_retention_expiry_removes_blocks_and_extends_only() -> None:
+    pool = BlockPool(4)
+    a = chain(1, 2)
+    ids, _ = pool.allocate(2, 0)
+    pool.commit(ids, a, b"", expiry_ms=1000)
+    pool.release(ids, 0)
+    again = pool.match_prefix(a, 500)
+    pool.acquire(again)
+    assert [s.expiry_ms for s in pool.commit(again, a, b"", expiry_ms=2000)] == [2000, 2000]
+    assert pool.commit(again, a, b"", expiry_ms=1500) == []  # never shortened
+    pool.release(again, 600)
+    assert pool.expire(1999) == []
+    assert pool.match_prefix(a, 2000) == []  # an expired entry is a miss
+    assert pool.expire(2000) == a
+    assert pool.num_free == 4
+
+
+def test_tainted_blocks_stay_out_until_untainted() -> None:
+    pool = BlockPool(3)
+    ids, _ = pool.allocate(2, 0)
+    pool.taint(ids)
+    other, _ = pool.allocate(1, 0)
+    assert set(other).isdisjoint(ids)
+    with pytest.raises(PoolExhaustedError):
+        pool.allocate(1, 0)
+    pool.untaint(ids)
+    assert set(pool.allocate(2, 0)[0]) == set(ids)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random requests, pins, releases, taints and time against a plain model."""
+
+    SIZE = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(self.SIZE)
+        self.now = 0
+        self.held: list[list[int]] = []  # block lists held by running "requests"
+        self.published: dict[bytes, int] = {}  # hash -> expiry, from stored/removed
+        self.pins: set[str] = set()
+        self.tainted: list[list[int]] = []
+
+    def _removed(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            assert h in self.published, "removed a hash never published"
+            del self.published[h]
+
+    @rule(seed=st.integers(0, 5), length=st.integers(1, 4), expiry=st.sampled_from([0, 0, 50]))
+    def request(self, seed: int, length: int, expiry: int) -> None:
+        hashes = chain(seed, length)
+        local = self.pool.match_prefix(hashes, self.now)
+        self.pool.acquire(local)
+        try:
+            fresh, removed = self.pool.allocate(length - len(local), self.now)
+        except PoolExhaustedError:
+            self._removed(self.pool.release(local, self.now))
+            return
+        self._removed(removed)
+        blocks = local + fresh
+        busy = {b for held in self.held for b in held} | {b for t in self.tainted for b in t}
+        assert busy.isdisjoint(fresh), "handed out a block still in use"
+        for entry in self.pool.commit(
+            blocks, hashes, b"", expiry_ms=self.now + expiry if expiry else 0
+        ):
+            self.published[entry.block_hash] = entry.expiry_ms
+        self.held.append(blocks)
+
+    @precondition(lambda self: bool(self.held))
+    @rule(index=st.integers(0, 10))
+    def finish(self, index: int) -> None:
+        blocks = self.held.pop(index % len(self.held))
+        self._removed(self.pool.release(blocks, self.now))
+
+    @rule()
+    def failed_transfer(self) -> None:
+        try:
+            fresh, removed = self.pool.allocate(1, self.now)
+        except PoolExhaustedError:
+            return
+        self._removed(removed)
+        self.pool.taint(fresh)
+        self.tainted.append(fresh)
+
+    @precondition(lambda self: bool(self.tainted))
+    @rule()
+    def quiet(self) -> None:
+        self.pool.untaint(self.tainted.pop(0))
+
+    @rule(seed=st.integers(0, 5), lease=st.integers(0, 3))
+    def pin(self, seed: int, lease: int) -> None:
+        self.pool.pin(f"lease-{lease}", chain(seed, 4), self.now)
+        self.pins.add(f"lease-{lease}")
+
+    @rule(lease=st.integers(0, 3))
+    def release(self, lease: int) -> None:
+        self._removed(self.pool.unpin(f"lease-{lease}", self.now))
+        self.pins.discard(f"lease-{lease}")
+
+    @rule(step=st.integers(1, 40))
+    def tick(self, step: int) -> None:
+        self.now += step
+        self._removed(self.pool.expire(self.now))
+
+    @invariant()
+    def states_partition_the_pool(self) -> None:
+        pool = self.pool
+        free = set(pool._free)
+        cached = set(pool._lru)
+        tainted = pool.tainted
+        referenced = {b for b in range(self.SIZE) if pool.refs(b) > 0}
+        assert len(pool._free) == len(free)  # no block twice in the free list
+        assert free | cached | tainted | referenced == set(range(self.SIZE))
+        assert not free & cached and not free & tainted and not free & referenced
+        assert not cached & referenced and not tainted & referenced
+        assert tainted == {b for t in self.tainted for b in t}
+        assert pool.pinned_leases == self.pins
+
+    @invariant()
+    def table_equals_what_was_published(self) -> None:
+        table = {e.block_hash: e.expiry_ms for e in self.pool.table()}
+        assert table == self.published
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+# --- control channel ------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def channel_pair(
+    handler_a: Any = None, handler_b: Any = None
+) -> AsyncIterator[tuple[Channel, Channel]]:
+    accepted: asyncio.Queue[Channel] = asyncio.Queue()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        server_side = Channel(reader, writer, handler_b, name="b")
+        server_side.start()
+        await accepted.put(server_side)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    a = await Channel.connect("127.0.0.1", port, handler_a, name="a")
+    b = await accepted.get()
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+        server.close()
+
+
+async def test_channel_calls_both_ways_and_carries_bytes_and_int_keys() -> None:
+    async def echo(op: str, args: dict[str, Any]) -> Any:
+        if op == "fail":
+            raise ValueError("no such block")
+        return {"op": op, **args}
+
+    async with channel_pair(echo, echo) as (a, b):
+        reply = await a.call("pull", timeout_s=5, data=b"\x00\xff", faults={1: "x"})
+        assert reply == {"op": "pull", "data": b"\x00\xff", "faults": {1: "x"}}
+        assert (await b.call("pin", timeout_s=5, n=3))["n"] == 3
+        with pytest.raises(ChannelError, match="ValueError: no such block"):
+            await a.call("fail", timeout_s=5)
+        # Concurrent calls are matched by id.
+        replies = await asyncio.gather(*(a.call("op", timeout_s=5, i=i) for i in range(20)))
+        assert [r["i"] for r in replies] == list(range(20))
+
+
+async def test_channel_peer_going_away_fails_pending_calls_at_once() -> None:
+    gate = asyncio.Event()
+
+    async def slow(op: str, args: dict[str, Any]) -> Any:
+        await gate.wait()
+        return None
+
+    async with channel_pair(None, slow) as (a, b):
+        pending = asyncio.create_task(a.call("wait", timeout_s=30))
+        await asyncio.sleep(0.05)
+        await b.close()
+        with pytest.raises(ChannelError, match="went away"):
+            await asyncio.wait_for(pending, 5)
+
+
+async def test_channel_malformed_frame_closes_instead_of_hanging() -> None:
+    async with channel_pair() as (a, b):
+        pending = asyncio.create_task(b.call("x", timeout_s=30))
+        # Not a msgpack map: the reader closes the connection, both sides see it.
+        a._writer.write(b"\x00\x00\x00\x01\xc1")
+        await asyncio.wait_for(a.wait_closed(), 5)
+        with pytest.raises(ChannelError):
+            await asyncio.wait_for(pending, 5)
+
+
+def test_test_faults_are_validated_before_anything_runs() -> None:
+    assert _parse_test_faults({1: "bad-remote-address"}, 2) == {
+        1: {"test_fault": "bad-remote-address"}
+    }
+    assert _parse_test_faults({0: "delay-before-pull=1.5"}, 2)[0]["test_fault"].endswith("1.5")
+    for bad in ({2: "bad-remote-address"}, {0: "explode"}, {0: "delay-before-pull=999"}):
+        with pytest.raises(ValueError):
+            _parse_test_faults(bad, 2)
+
+
+# --- transfer accounting and coalescing -------------------------------------------------
+
+
+def test_allocation_is_ascending_so_reused_runs_coalesce() -> None:
+    """Freed blocks come back in reverse order; allocate hands them out ascending, so a
+    plan between two such runs is one entry per layer, not one per block per layer."""
+    pool = BlockPool(8)
+    first, _ = pool.allocate(4, 0)
+    pool.release(first, 0)  # unhashed: straight back to the free list
+    again, _ = pool.allocate(6, 0)
+    assert again == sorted(again)
+    assert again[:4] == first
+    endpoint = KvEndpointDescription.from_parts(
+        backend="mooncake",
+        session_name="127.0.0.1:1",
+        layout=LAYOUT,
+        regions=[
+            KvRegionDescription(layer, (1 + layer) << 30, LAYOUT.block_bytes, LAYOUT.num_blocks)
+            for layer in range(LAYOUT.num_layers)
+        ],
+    )
+    plan = TransferPlan.build(endpoint, endpoint, list(zip(again, range(8, 14), strict=True)))
+    assert plan.num_entries == LAYOUT.num_layers
+
+
+def test_pull_replies_fold_into_wall_time_and_native_read_time() -> None:
+    results = [
+        _pull_reply("SUCCEEDED", nbytes=1000, seconds=0.1, entries=4),
+        _pull_reply("SUCCEEDED", nbytes=3000, seconds=0.3, entries=8),
+    ]
+    info: dict[str, Any] = {}
+    assert Leader._combine(results, info)
+    assert info["bytes"] == 4000
+    assert info["transfer_s"] == pytest.approx(0.3)  # the parts ran in parallel
+    assert info["read_s"] == pytest.approx(0.4)  # time inside the native reads, summed
+    assert (info["reads"], info["read_entries"]) == (2, 12)
+    # A part refused before any read adds no read time.
+    refused = [results[0], _pull_reply("FAILED", error="refused: tp", refused=True)]
+    info = {}
+    assert not Leader._combine(refused, info)
+    assert (info["reads"], info["read_s"]) == (1, pytest.approx(0.1))
+
+
+def test_demo_gbps_is_bytes_over_native_read_time() -> None:
+    from clients.refengine.demo import Totals
+
+    totals = Totals(bytes_moved=3_000_000_000, native_reads=6, read_s=2.0)
+    assert totals.transfer_gbps == pytest.approx(1.5)
+    doc = totals.document(elapsed_s=100.0)  # the wall time of the run does not enter it
+    assert doc["transfer_gbps"] == 1.5
+    assert doc["read_mean_ms"] == pytest.approx(333.333, abs=1e-3)
+    assert Totals().transfer_gbps == 0.0
+
+
+class _Parts:
+    """Stands in for the leader's rank parts (`Leader._on_all`): records the commands."""
+
+    def __init__(self, pull_outcomes: list[str], mismatches: list[int]) -> None:
+        self.ops: list[str] = []
+        self._pull = pull_outcomes
+        self._mismatches = mismatches
+
+    async def _on_all(
+        self, op: str, per_rank: dict[int, dict[str, Any]] | None = None, **args: Any
+    ) -> list[Any]:
+        self.ops.append(op)
+        if op == "pull":
+            return [_pull_reply(o, nbytes=8, seconds=0.01, entries=4) for o in self._pull]
+        assert op == "verify" and args["block_ids"] == [5, 6] and args["first_index"] == 2
+        return list(self._mismatches)
+
+
+async def test_parts_verify_only_after_every_read_returned() -> None:
+    args: dict[str, Any] = {"tokens": [1] * 64, "local_block_ids": [5, 6], "first_index": 2}
+    parts = _Parts(["SUCCEEDED", "SUCCEEDED"], [0, 3])
+    results = await Leader._pull_all(parts, None, flow="handoff", **args)  # type: ignore[arg-type]
+    assert parts.ops == ["pull", "verify"]  # the check never overlaps a sibling's read
+    assert [r["mismatches"] for r in results] == [0, 3]
+    info: dict[str, Any] = {}
+    assert not Leader._combine(results, info)  # a mismatch fails the transfer
+    assert info["mismatches"] == 3
+    # A failed slice: nothing to verify, the whole load is recomputed anyway.
+    parts = _Parts(["SUCCEEDED", "FAILED"], [])
+    results = await Leader._pull_all(parts, None, flow="handoff", **args)  # type: ignore[arg-type]
+    assert parts.ops == ["pull"]
+    assert [r["mismatches"] for r in results] == [0, 0]

@@ -1,0 +1,648 @@
+"""Transfers through real Mooncake (tcp, loopback) from real peer processes.
+
+Every peer is `tests/transfer_peer.py` in its own process; the local side is a
+real `MooncakeTransferEngine` in this process. Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transfer_peer import block_pattern
+
+from clients.kv_cache import (
+    IncompatibleLayoutError,
+    KvCacheLayout,
+    KvEndpointDescription,
+    KvRegionDescription,
+    PagedKvCache,
+)
+from clients.mooncake_engine import (
+    MooncakeConfig,
+    MooncakeTransferEngine,
+    TransferEngineUnavailable,
+)
+from clients.session import EngineProfile, RankPartRegistration
+from clients.transfer import (
+    InFlightReads,
+    TransferOutcome,
+    TransferPlan,
+    TransferResult,
+    combine_outcomes,
+    endpoint_from_proto,
+    endpoint_to_proto,
+    endpoint_to_session,
+    plan_rank_part_pull,
+    pull,
+    rank_part_descriptor,
+)
+from kvrc.v1 import kvrc_pb2
+
+PEER_SCRIPT = Path(__file__).resolve().parents[1] / "support" / "transfer_peer.py"
+# Peers listen here (Mooncake accepts ranges below 32768 only).
+PORT_MIN, PORT_MAX = 23000, 23999
+PEER_SEED = 5
+LAYOUT = KvCacheLayout(
+    num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_size=64, dtype="bfloat16"
+)
+# The local pool is sized differently on purpose: block counts may differ.
+LOCAL_LAYOUT = replace(LAYOUT, num_blocks=48)
+NEVER_HANG_S = 10.0  # far below Mooncake's own 30-60 s hang on a frozen peer
+
+
+class Peer:
+    """A transfer_peer.py process; always reaped by `close`."""
+
+    def __init__(self, layout: KvCacheLayout, log_path: Path) -> None:
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                str(PEER_SCRIPT),
+                json.dumps(layout.to_dict()),
+                str(PEER_SEED),
+                str(PORT_MIN),
+                str(PORT_MAX),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+        self.endpoint = KvEndpointDescription.from_json(self._first_line(timeout_s=60))
+
+    def _first_line(self, timeout_s: float) -> bytes:
+        lines: list[bytes] = []
+        assert self.process.stdout is not None
+        stdout = self.process.stdout
+        reader = threading.Thread(target=lambda: lines.append(stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not lines or not lines[0]:
+            self.close()
+            raise RuntimeError(
+                f"peer did not describe itself (exit {self.process.returncode}); "
+                f"see {self._log.name}"
+            )
+        return lines[0]
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.process.pid, signum)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.write(b"exit\n")
+                self.process.stdin.flush()
+                self.process.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait(timeout=10)
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> MooncakeTransferEngine:
+    # Mooncake fixes its port range per process at first import; this process keeps
+    # whatever it has (15000-17000 by default), the peers show the configured range.
+    return MooncakeTransferEngine(MooncakeConfig())
+
+
+@pytest.fixture(scope="module")
+def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake")
+    yield pool
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def local_cache(engine: MooncakeTransferEngine) -> Iterator[PagedKvCache]:
+    cache = PagedKvCache(LOCAL_LAYOUT, device="cpu")
+    cache.register(engine)
+    yield cache
+    cache.unregister()
+
+
+@pytest.fixture
+def local(local_cache: PagedKvCache) -> PagedKvCache:
+    for layer in local_cache.layers:
+        layer.zero_()
+    return local_cache
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
+    started = Peer(LAYOUT, tmp_path_factory.mktemp("peer") / "peer.log")
+    yield started
+    started.close()
+
+
+@pytest.fixture
+def fresh_peer(tmp_path: Path) -> Iterator[Peer]:
+    """A peer of this test alone (to kill or freeze)."""
+    started = Peer(LAYOUT, tmp_path / "peer.log")
+    yield started
+    started.close()
+
+
+def assert_blocks_hold_pattern(cache: PagedKvCache, pairs: list[tuple[int, int]]) -> None:
+    for layer in range(cache.layout.num_layers):
+        for local_id, remote_id in pairs:
+            expected = block_pattern(cache.layout, PEER_SEED, layer, remote_id)
+            assert torch.equal(cache.block_bytes_view(layer, local_id), expected), (
+                f"layer {layer} local block {local_id} != remote block {remote_id}"
+            )
+
+
+def assert_blocks_zero(cache: PagedKvCache, block_ids: list[int]) -> None:
+    for layer in range(cache.layout.num_layers):
+        for block_id in block_ids:
+            assert int(cache.block_bytes_view(layer, block_id).count_nonzero()) == 0
+
+
+# --- the engine wrapper ------------------------------------------------------------
+
+
+def test_peer_listens_in_the_configured_port_range(peer: Peer) -> None:
+    host, port = peer.endpoint.session_name.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    assert PORT_MIN <= int(port) <= PORT_MAX
+
+
+def test_a_second_port_range_in_one_process_is_refused(engine: MooncakeTransferEngine) -> None:
+    low, high = engine.port_range
+    assert low <= engine.rpc_port <= high
+    other = (PORT_MIN, PORT_MAX) if (low, high) != (PORT_MIN, PORT_MAX) else (24000, 24999)
+    with pytest.raises(ValueError, match="once, at first import"):
+        MooncakeTransferEngine(MooncakeConfig(rpc_port_min=other[0], rpc_port_max=other[1]))
+
+
+def test_missing_mooncake_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(TransferEngineUnavailable, match="mooncake-transfer-engine-non-cuda"):
+        MooncakeTransferEngine(MooncakeConfig())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"protocol": "smoke-signals"},
+        {"rpc_port_min": 20000},
+        {"rpc_port_min": 30000, "rpc_port_max": 20000},
+        {"rpc_port_min": 41000, "rpc_port_max": 41999},  # Mooncake would ignore it
+        {"local_hostname": ""},
+    ],
+)
+def test_bad_engine_configuration_is_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        MooncakeConfig(**kwargs)  # type: ignore[arg-type]
+
+
+# --- pulls from a live peer ----------------------------------------------------------
+
+
+async def test_pull_is_bit_exact(
+    engine: MooncakeTransferEngine,
+    executor: concurrent.futures.Executor,
+    local: PagedKvCache,
+    peer: Peer,
+) -> None:
+    # A contiguous run, a reversed run and scattered blocks.
+    pairs = [(i, 20 + i) for i in range(8)] + [(10 + i, 50 - i) for i in range(5)] + [(40, 63)]
+    plan = TransferPlan.build(local.describe(), peer.endpoint, pairs)
+    result = await pull(engine, plan, deadline_s=NEVER_HANG_S, executor=executor)
+    assert result.outcome is TransferOutcome.SUCCEEDED, result.error
+    assert result.bytes_moved == len(pairs) * LAYOUT.num_layers * LAYOUT.block_bytes
+    assert result.tainted_block_ids == () and result.is_quiet()
+    assert_blocks_hold_pattern(local, pairs)
+    untouched = sorted(set(range(LOCAL_LAYOUT.num_blocks)) - {local_id for local_id, _ in pairs})
+    assert_blocks_zero(local, untouched)
+
+
+async def test_coalesced_plan_has_fewer_entries_and_moves_the_same_bytes(
+    engine: MooncakeTransferEngine,
+    executor: concurrent.futures.Executor,
+    local: PagedKvCache,
+    peer: Peer,
+) -> None:
+    pairs = [(i, 10 + i) for i in range(16)] + [(30 + i, 40 + i) for i in range(8)]
+    coalesced = TransferPlan.build(local.describe(), peer.endpoint, pairs)
+    per_block = TransferPlan.build(local.describe(), peer.endpoint, pairs, coalesce=False)
+    assert coalesced.num_entries == 2 * LAYOUT.num_layers
+    assert per_block.num_entries == len(pairs) * LAYOUT.num_layers
+    assert coalesced.total_bytes == per_block.total_bytes
+
+    first = await pull(engine, coalesced, deadline_s=NEVER_HANG_S, executor=executor)
+    assert first.outcome is TransferOutcome.SUCCEEDED, first.error
+    coalesced_bytes = [layer.clone() for layer in local.layers]
+    for layer in local.layers:
+        layer.zero_()
+    second = await pull(engine, per_block, deadline_s=NEVER_HANG_S, executor=executor)
+    assert second.outcome is TransferOutcome.SUCCEEDED, second.error
+    assert first.bytes_moved == second.bytes_moved
+    for before, after in zip(coalesced_bytes, local.layers, strict=True):
+        assert torch.equal(before.view(torch.uint8), after.view(torch.uint8))
+    assert_blocks_hold_pattern(local, pairs)
+
+
+async def test_heterogeneous_layout_is_refused_before_any_byte_moves(
+    local: PagedKvCache, tmp_path: Path
+) -> None:
+    # float16 vs bfloat16: the same block bytes, a different meaning. Must be refused.
+    other = Peer(replace(LAYOUT, dtype="float16"), tmp_path / "peer.log")
+    try:
+        assert other.endpoint.layout.block_bytes == LAYOUT.block_bytes
+        with pytest.raises(IncompatibleLayoutError, match="dtype"):
+            TransferPlan.build(local.describe(), other.endpoint, [(0, 0), (1, 1)])
+        assert_blocks_zero(local, list(range(LOCAL_LAYOUT.num_blocks)))
+    finally:
+        other.close()
+
+
+async def test_dead_peer_fails_fast_and_taints_until_quiet(
+    engine: MooncakeTransferEngine,
+    executor: concurrent.futures.Executor,
+    local: PagedKvCache,
+    fresh_peer: Peer,
+) -> None:
+    fresh_peer.signal(signal.SIGKILL)
+    fresh_peer.process.wait(timeout=10)
+    pairs = [(i, i) for i in range(4)]
+    plan = TransferPlan.build(local.describe(), fresh_peer.endpoint, pairs)
+    in_flight = InFlightReads()
+    started = time.monotonic()
+    result = await pull(
+        engine,
+        plan,
+        deadline_s=NEVER_HANG_S,
+        executor=executor,
+        wait_settle=False,
+        in_flight=in_flight,
+        settle_s=0.5,
+    )
+    assert time.monotonic() - started < NEVER_HANG_S  # failed, not timed out
+    assert result.outcome is TransferOutcome.FAILED
+    assert result.bytes_moved == 0 and "returned -" in result.error
+    # Entries of a failed batch may still land for a while: tainted until quiet.
+    assert result.tainted_block_ids == (0, 1, 2, 3)
+    assert not result.is_quiet()
+    assert in_flight.tainted_block_ids() == frozenset({0, 1, 2, 3})
+    # FAILED means "proven quiet" on the wire: no report before that.
+    with pytest.raises(RuntimeError, match="wait_quiet"):
+        result.to_report(lease_id="l", reporter_child_engine_id="d", tp_rank=0)
+    assert await result.wait_quiet(timeout_s=NEVER_HANG_S)
+    assert result.is_quiet() and len(in_flight) == 0
+    report = result.to_report(lease_id="l", reporter_child_engine_id="d", tp_rank=0)
+    assert report.outcome == kvrc_pb2.TRANSFER_OUTCOME_FAILED
+
+    # The default waits the settle delay itself: a FAILED result is already quiet.
+    settled = await pull(engine, plan, deadline_s=NEVER_HANG_S, executor=executor, settle_s=0.2)
+    assert settled.outcome is TransferOutcome.FAILED
+    assert settled.is_quiet() and settled.tainted_block_ids == ()
+
+
+async def test_frozen_peer_gives_unknown_within_the_deadline_and_bytes_land_later(
+    engine: MooncakeTransferEngine,
+    executor: concurrent.futures.Executor,
+    local: PagedKvCache,
+    fresh_peer: Peer,
+) -> None:
+    pairs = [(i, 30 + i) for i in range(6)]
+    plan = TransferPlan.build(local.describe(), fresh_peer.endpoint, pairs)
+    in_flight = InFlightReads()
+    fresh_peer.signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        result = await pull(
+            engine, plan, deadline_s=0.5, executor=executor, in_flight=in_flight, settle_s=0.2
+        )
+        elapsed = time.monotonic() - started
+        assert result.outcome is TransferOutcome.UNKNOWN
+        assert 0.5 <= elapsed < NEVER_HANG_S
+        assert "may still land" in result.error
+        assert result.tainted_block_ids == tuple(range(6))
+        assert in_flight.tainted_block_ids() == frozenset(range(6))
+        assert not await result.wait_quiet(timeout_s=0.3)  # still blocked inside Mooncake
+        # Nothing may be pulled into blocks that a running read may still write.
+        overlapping = TransferPlan.build(local.describe(), fresh_peer.endpoint, [(5, 0)])
+        with pytest.raises(ValueError, match=r"blocks \[5\] are tainted"):
+            await pull(engine, overlapping, deadline_s=1.0, executor=executor, in_flight=in_flight)
+    finally:
+        fresh_peer.signal(signal.SIGCONT)
+    # The peer wakes up and the "timed out" read lands anyway: why UNKNOWN taints.
+    assert await in_flight.wait_all_quiet(timeout_s=90)
+    assert len(in_flight) == 0 and result.is_quiet()
+    assert_blocks_hold_pattern(local, pairs)
+
+
+async def test_address_outside_peer_memory_fails_without_harming_the_peer(
+    engine: MooncakeTransferEngine,
+    executor: concurrent.futures.Executor,
+    local: PagedKvCache,
+    peer: Peer,
+) -> None:
+    good = TransferPlan.build(local.describe(), peer.endpoint, [(0, 1), (1, 2)])
+    region = peer.endpoint.regions[-1]
+    beyond = region.base_addr + region.num_blocks * region.block_len + (1 << 30)
+    bad = replace(good, remote_addresses=(beyond,) * good.num_entries)
+    result = await pull(engine, bad, deadline_s=NEVER_HANG_S, executor=executor, settle_s=0.2)
+    assert result.outcome is TransferOutcome.FAILED and result.bytes_moved == 0
+    assert_blocks_zero(local, [0, 1])
+    assert peer.process.poll() is None
+    # Four rejections in a row make Mooncake hold the peer off for ~1 s; we caused at
+    # most two, and a valid read afterwards succeeds.
+    retry = await pull(engine, good, deadline_s=NEVER_HANG_S, executor=executor)
+    assert retry.outcome is TransferOutcome.SUCCEEDED, retry.error
+    assert_blocks_hold_pattern(local, [(0, 1), (1, 2)])
+
+
+async def test_empty_plan_succeeds_without_touching_mooncake(
+    executor: concurrent.futures.Executor, local: PagedKvCache, peer: Peer
+) -> None:
+    plan = TransferPlan.build(local.describe(), peer.endpoint, [])
+
+    class Unreachable:
+        def read_batch(self, *args: object) -> int:
+            raise AssertionError("an empty plan must not reach the engine")
+
+    result = await pull(Unreachable(), plan, deadline_s=1.0, executor=executor)
+    assert result.outcome is TransferOutcome.SUCCEEDED and result.bytes_moved == 0
+
+
+async def test_a_raising_binding_is_a_failed_outcome_not_a_crash(
+    executor: concurrent.futures.Executor, local: PagedKvCache, peer: Peer
+) -> None:
+    plan = TransferPlan.build(local.describe(), peer.endpoint, [(0, 0)])
+
+    class Broken:
+        def read_batch(self, *args: object) -> int:
+            raise TypeError("incompatible function arguments")
+
+    result = await pull(Broken(), plan, deadline_s=1.0, executor=executor, settle_s=0.0)
+    assert result.outcome is TransferOutcome.FAILED
+    assert "incompatible function arguments" in result.error
+
+
+async def test_bad_pull_arguments_are_refused(
+    engine: MooncakeTransferEngine,
+    executor: concurrent.futures.Executor,
+    local: PagedKvCache,
+    peer: Peer,
+) -> None:
+    plan = TransferPlan.build(local.describe(), peer.endpoint, [(0, 0)])
+    with pytest.raises(ValueError, match="deadline_s"):
+        await pull(engine, plan, deadline_s=0, executor=executor)
+    with pytest.raises(ValueError, match="settle_s"):
+        await pull(engine, plan, deadline_s=1, executor=executor, settle_s=-1)
+
+
+# --- rank parts of one load ---------------------------------------------------------
+
+
+def descriptor(
+    tp_rank: int, endpoint: KvEndpointDescription, block_ids: list[int]
+) -> kvrc_pb2.RankPartDescriptor:
+    return rank_part_descriptor(endpoint, block_ids, tp_rank=tp_rank)
+
+
+async def test_a_rank_part_failing_its_slice_fails_the_whole_load(
+    engine: MooncakeTransferEngine,
+    executor: concurrent.futures.Executor,
+    local: PagedKvCache,
+    peer: Peer,
+    fresh_peer: Peer,
+) -> None:
+    # A tp=2 source: rank 0 is alive, rank 1 dies before the pull.
+    source_ids = [3, 4, 5, 9]
+    parts = [
+        descriptor(0, peer.endpoint, source_ids),
+        descriptor(1, fresh_peer.endpoint, source_ids),
+    ]
+    fresh_peer.signal(signal.SIGKILL)
+    fresh_peer.process.wait(timeout=10)
+    # Both local rank parts live in this process here; in an engine each is its own.
+    rank1_cache = PagedKvCache(LOCAL_LAYOUT)
+    rank1_cache.register(engine)
+    try:
+        local_ids = [0, 1, 2, 3]
+        plans = [
+            plan_rank_part_pull(cache.describe(), local_ids, parts, tp_rank=rank, tp_size=2)
+            for rank, cache in ((0, local), (1, rank1_cache))
+        ]
+        assert plans[0].session_name == peer.endpoint.session_name
+        assert plans[1].session_name == fresh_peer.endpoint.session_name
+        results = await asyncio.gather(
+            *(
+                pull(engine, plan, deadline_s=NEVER_HANG_S, executor=executor, settle_s=0.2)
+                for plan in plans
+            )
+        )
+        assert [r.outcome for r in results] == [TransferOutcome.SUCCEEDED, TransferOutcome.FAILED]
+        assert combine_outcomes([r.outcome for r in results]) is TransferOutcome.FAILED
+        # Rank 0's slice landed, but the request is not loaded: it recomputes.
+        assert_blocks_hold_pattern(local, list(zip(local_ids, source_ids, strict=True)))
+        report = results[1].to_report(
+            lease_id="lease-1", reporter_child_engine_id="prefill-1", tp_rank=1
+        )
+        assert report.outcome == kvrc_pb2.TRANSFER_OUTCOME_FAILED
+        assert report.rank.tp_rank == 1 and report.bytes_moved == 0 and report.error_message
+    finally:
+        rank1_cache.unregister()
+
+
+async def test_tp_mismatch_is_refused_before_any_byte_moves(
+    local: PagedKvCache, peer: Peer
+) -> None:
+    parts = [descriptor(0, peer.endpoint, [1, 2]), descriptor(1, peer.endpoint, [1, 2])]
+    with pytest.raises(IncompatibleLayoutError, match="2 rank parts, this engine 1"):
+        plan_rank_part_pull(local.describe(), [0, 1], parts, tp_rank=0, tp_size=1)
+    with pytest.raises(IncompatibleLayoutError, match="1 rank parts, this engine 4"):
+        plan_rank_part_pull(local.describe(), [0, 1], parts[:1], tp_rank=0, tp_size=4)
+    duplicate = [descriptor(0, peer.endpoint, [1, 2])] * 2
+    with pytest.raises(IncompatibleLayoutError, match="duplicate or out-of-range"):
+        plan_rank_part_pull(local.describe(), [0, 1], duplicate, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="block id 64"):
+        rank_part_descriptor(peer.endpoint, [63, 64], tp_rank=0)
+    with pytest.raises(ValueError, match="lists 2 blocks, 3 requested"):
+        plan_rank_part_pull(local.describe(), [0, 1, 2], parts, tp_rank=0, tp_size=2)
+    assert_blocks_zero(local, list(range(LOCAL_LAYOUT.num_blocks)))
+
+
+def test_combine_outcomes_and_reports() -> None:
+    ok, failed, unknown = TransferOutcome.SUCCEEDED, TransferOutcome.FAILED, TransferOutcome.UNKNOWN
+    assert combine_outcomes([ok, ok]) is ok
+    assert combine_outcomes([ok, failed]) is failed
+    assert combine_outcomes([failed, unknown, ok]) is unknown
+    with pytest.raises(ValueError):
+        combine_outcomes([])
+    done = TransferResult(ok, 4096, 0.0025, "", ())
+    report = done.to_report(lease_id="l", reporter_child_engine_id="d", tp_rank=1)
+    assert report.outcome == kvrc_pb2.TRANSFER_OUTCOME_SUCCEEDED
+    assert (report.bytes_moved, report.duration_us) == (4096, 2500)
+
+
+# --- tainting, driven step by step ---------------------------------------------------
+
+
+class ScriptedReader:
+    """Stands in for the native call only to control *when* it returns (threads are real)."""
+
+    def __init__(self, return_code: int) -> None:
+        self.return_code = return_code
+        self.release = threading.Event()
+
+    def read_batch(self, *args: object) -> int:
+        self.release.wait(timeout=30)
+        return self.return_code
+
+
+async def test_taint_lasts_until_the_call_returns_and_then_settles(
+    executor: concurrent.futures.Executor, local: PagedKvCache, peer: Peer
+) -> None:
+    in_flight = InFlightReads()
+    first_plan = TransferPlan.build(local.describe(), peer.endpoint, [(0, 0), (1, 1)])
+    second_plan = TransferPlan.build(local.describe(), peer.endpoint, [(7, 7)])
+    failing, succeeding = ScriptedReader(-1), ScriptedReader(0)
+    first = await pull(
+        failing, first_plan, deadline_s=0.1, executor=executor, in_flight=in_flight, settle_s=0.4
+    )
+    second = await pull(
+        succeeding, second_plan, deadline_s=0.1, executor=executor, in_flight=in_flight
+    )
+    assert first.outcome is second.outcome is TransferOutcome.UNKNOWN
+    assert in_flight.tainted_block_ids() == frozenset({0, 1, 7}) and len(in_flight) == 2
+
+    succeeding.release.set()  # returns 0: its blocks are quiet as soon as it returns
+    assert await second.wait_quiet(timeout_s=NEVER_HANG_S)
+    assert in_flight.tainted_block_ids() == frozenset({0, 1})
+
+    failing.release.set()  # returns -1: other entries may land for settle_s more
+    assert await first.wait_quiet(timeout_s=0.0) is False
+    await asyncio.sleep(0.05)
+    assert first.native_read is not None and first.native_read.returned
+    assert not first.is_quiet() and in_flight.tainted_block_ids() == frozenset({0, 1})
+    assert await in_flight.wait_all_quiet(timeout_s=NEVER_HANG_S)
+    assert first.is_quiet() and len(in_flight) == 0 and in_flight.tainted_block_ids() == set()
+
+
+# --- plans (pure) ---------------------------------------------------------------
+
+
+def synthetic_endpoint(
+    layout: KvCacheLayout, base: int, session: str = "127.0.0.1:1"
+) -> KvEndpointDescription:
+    layer_stride = layout.layer_bytes + 4096
+    return KvEndpointDescription.from_parts(
+        backend="mooncake",
+        session_name=session,
+        layout=layout,
+        regions=[
+            KvRegionDescription(
+                layer=layer,
+                base_addr=base + layer * layer_stride,
+                block_len=layout.block_bytes,
+                num_blocks=layout.num_blocks,
+            )
+            for layer in range(layout.num_layers)
+        ],
+    )
+
+
+SMALL = KvCacheLayout(
+    num_layers=3, num_blocks=32, block_size=4, num_kv_heads=1, head_size=8, dtype="float16"
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    data=st.data(),
+    local_ids=st.lists(st.integers(0, 31), unique=True, max_size=32),
+    coalesce=st.booleans(),
+)
+def test_plan_maps_every_local_block_byte_to_its_remote_block(
+    data: st.DataObject, local_ids: list[int], coalesce: bool
+) -> None:
+    remote_ids = data.draw(
+        st.lists(st.integers(0, 31), min_size=len(local_ids), max_size=len(local_ids))
+    )
+    pairs = list(zip(local_ids, remote_ids, strict=True))
+    local = synthetic_endpoint(SMALL, 1 << 20)
+    remote = synthetic_endpoint(SMALL, 1 << 30, "127.0.0.1:2")
+    plan = TransferPlan.build(local, remote, pairs, coalesce=coalesce)
+    block = SMALL.block_bytes
+    # Expand the entries back to block granularity: exactly the requested copies.
+    copies = set()
+    for local_addr, remote_addr, length in zip(
+        plan.local_addresses, plan.remote_addresses, plan.lengths, strict=True
+    ):
+        assert length > 0 and length % block == 0
+        for offset in range(0, length, block):
+            copies.add((local_addr + offset, remote_addr + offset))
+    expected = {
+        (local.regions[layer].block_address(l_id), remote.regions[layer].block_address(r_id))
+        for layer in range(SMALL.num_layers)
+        for l_id, r_id in pairs
+    }
+    assert copies == expected
+    assert plan.total_bytes == len(pairs) * SMALL.num_layers * block
+    assert plan.local_block_ids == tuple(sorted(local_ids))
+    if not coalesce:
+        assert plan.num_entries == len(pairs) * SMALL.num_layers
+
+
+@pytest.mark.parametrize(
+    ("pairs", "message"),
+    [
+        ([(32, 0)], "local block id 32"),
+        ([(-1, 0)], "local block id -1"),
+        ([(0, 32)], "remote block id 32"),
+        ([(0, 1), (0, 2)], "written twice"),
+    ],
+)
+def test_plan_refuses_bad_block_ids(pairs: list[tuple[int, int]], message: str) -> None:
+    local = synthetic_endpoint(SMALL, 1 << 20)
+    with pytest.raises(ValueError, match=message):
+        TransferPlan.build(local, synthetic_endpoint(SMALL, 1 << 30), pairs)
+
+
+def test_endpoint_round_trips_through_the_protocol() -> None:
+    endpoint = synthetic_endpoint(SMALL, 1 << 40, "10.0.0.7:15123")
+    message = endpoint_to_proto(endpoint)
+    assert message.session_name == "10.0.0.7:15123" and message.backend == "mooncake"
+    assert [region.base_addr for region in message.regions] == [
+        region.base_addr for region in endpoint.regions
+    ]
+    assert endpoint_from_proto(message) == endpoint
+    # What a peer cannot be trusted with is refused, not half-parsed.
+    del message.extra["kvrc.kv_layout"]
+    with pytest.raises(ValueError, match=r"kvrc\.kv_layout"):
+        endpoint_from_proto(message)
+    # The registration path (EngineSession) carries the same description.
+    registration = RankPartRegistration(
+        engine_id="prefill-0",
+        profile=EngineProfile(model="m", block_size=SMALL.block_size),
+        endpoint=endpoint_to_session(endpoint),
+    )
+    assert endpoint_from_proto(registration.to_proto().endpoint) == endpoint
+    broken = endpoint_to_proto(endpoint)
+    broken.regions[1].block_len += 1
+    with pytest.raises(ValueError, match="block_len"):
+        endpoint_from_proto(broken)

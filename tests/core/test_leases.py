@@ -1,0 +1,732 @@
+"""Unit tests of the lease core: every rule of both flows and every error status."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import pytest
+from lease_steps import CHAIN, DEC, HOLD, PARAMS, PRE, REQ, T0, TP2, open_load_step
+
+from coordinator.core.errors import ErrorCode, KvrcError
+from coordinator.core.events import RankKey
+from coordinator.core.leases import (
+    Action,
+    Flow,
+    HandoffPublished,
+    HandoffReady,
+    LeaseAborting,
+    LeaseConfig,
+    LeaseEnded,
+    LeaseGranted,
+    LeaseMissed,
+    LeaseQuarantined,
+    LeaseState,
+    LeaseStep,
+    LeaseTable,
+    MissReason,
+    Outcome,
+    SendAbort,
+    SendPin,
+    SendQuarantine,
+    SendRelease,
+)
+
+
+def table(**config: int) -> LeaseTable:
+    counter = itertools.count()
+    return LeaseTable(LeaseConfig(**config), id_factory=lambda: f"L{next(counter)}")
+
+
+def of(actions: Sequence[Action], kind: type[Any]) -> list[Any]:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def snapshot(t: LeaseTable) -> object:
+    return (t.list_leases(include_terminal=True), t.counts(), t.next_deadline_ms())
+
+
+def refused(t: LeaseTable, code: ErrorCode, call: Callable[[], object]) -> KvrcError:
+    """The call raises `code` and changes nothing."""
+    before = snapshot(t)
+    with pytest.raises(KvrcError) as info:
+        call()
+    assert info.value.code is code, info.value
+    assert snapshot(t) == before
+    return info.value
+
+
+def open_load(t: LeaseTable, request_id: str = "r1", **fields: Any) -> str:
+    """`open_load_step`'s lease id."""
+    return open_load_step(t, request_id, **fields).view.lease_id
+
+
+def granted_load(t: LeaseTable, request_id: str = "r1", pinned: int = 8) -> str:
+    lease_id = open_load(t, request_id)
+    for key in TP2:
+        t.on_pin_result(lease_id, HOLD, key, pinned, {"desc": key}, T0 + 10)
+    assert t.get(lease_id).state is LeaseState.ACTIVE
+    return lease_id
+
+
+def publish(
+    t: LeaseTable,
+    rank_key: RankKey,
+    descriptor: object,
+    request_id: str = "h1",
+    *,
+    decode: str | None = None,
+    now: int = T0,
+) -> HandoffPublished:
+    """One prefill part of PRE (grid TP2) publishes its 6 blocks and PARAMS."""
+    return t.publish_handoff(
+        request_id=request_id,
+        prefill_child_engine_id=PRE,
+        prefill_rank_keys=TP2,
+        rank_key=rank_key,
+        descriptor=descriptor,
+        kv_transfer_params=PARAMS,
+        decode_child_engine_id=decode,
+        num_blocks=6,
+        now_ms=now,
+    )
+
+
+def publish_all(t: LeaseTable, request_id: str = "h1", decode: str | None = None) -> str:
+    lease_id = ""
+    for key in TP2:
+        lease_id = publish(t, key, ("desc", key), request_id, decode=decode).view.lease_id
+    return lease_id
+
+
+def begin(
+    t: LeaseTable,
+    request_id: str = "h1",
+    *,
+    decode: str = DEC,
+    decode_grid: Sequence[RankKey] = TP2,
+    now: int = T0,
+) -> LeaseStep:
+    """A decode child engine begins the handoff of PRE's `request_id`."""
+    return t.begin_handoff(
+        request_id=request_id,
+        prefill_child_engine_id=PRE,
+        decode_child_engine_id=decode,
+        decode_rank_keys=decode_grid,
+        now_ms=now,
+    )
+
+
+def begun(t: LeaseTable, request_id: str = "h1") -> str:
+    publish_all(t, request_id)
+    return begin(t, request_id, now=T0 + 5).view.lease_id
+
+
+# --------------------------------------------------------------------- prefix load
+
+
+def test_open_sends_a_pin_to_every_holder_part() -> None:
+    t = table()
+    step = open_load_step(t, "r1", min_blocks=2, group_idx=1)
+    assert step.view.state is LeaseState.PINNING and step.view.flow is Flow.PREFIX_LOAD
+    pins = of(step.actions, SendPin)
+    assert [(p.child_engine_id, p.rank_key) for p in pins] == [(HOLD, k) for k in TP2]
+    assert all(p.block_hashes == CHAIN and p.group_idx == 1 for p in pins)
+    assert all(p.requester_child_engine_id == REQ for p in pins)
+    assert len(step.actions) == 2
+    assert t.counts() == {(Flow.PREFIX_LOAD, LeaseState.PINNING): 1}
+
+
+def test_grant_matches_the_shortest_pin_and_passes_descriptors_through() -> None:
+    t = table()
+    lease_id = open_load(t, min_blocks=2)
+    desc0, desc1 = object(), object()
+    first = t.on_pin_result(lease_id, HOLD, TP2[0], 5, desc0, T0 + 10)
+    assert first.actions == () and first.view.state is LeaseState.PINNING
+    step = t.on_pin_result(lease_id, HOLD, TP2[1], 3, desc1, T0 + 20)
+    assert step.view.state is LeaseState.ACTIVE
+    assert of(step.actions, LeaseGranted) == [LeaseGranted(lease_id, Flow.PREFIX_LOAD, 20)]
+    grant = step.view.prefix_load_grant
+    assert grant is not None
+    assert grant.matched_blocks == 3  # the hint was 8: a holder may pin fewer
+    assert grant.source_child_engine_id == HOLD and grant.deadline_ms == T0 + 20 + 5_000
+    assert [(p.rank_key, p.pinned_blocks) for p in grant.source_parts] == [(TP2[0], 5), (TP2[1], 3)]
+    assert grant.source_parts[0].descriptor is desc0 and grant.source_parts[1].descriptor is desc1
+
+
+def test_zero_pin_is_a_miss_and_releases_only_parts_that_may_hold_pins() -> None:
+    t = table()
+    lease_id = open_load(t)
+    t.on_pin_result(lease_id, HOLD, TP2[0], 0, None, T0 + 10)
+    view = t.get(lease_id)
+    assert view.state is LeaseState.MISSED and view.miss_reason is MissReason.SHORT_PIN
+    # Three parts: one pinned 4, one pinned 0, one never answered.
+    t = table()
+    grid3 = ((0, 0, 0), (1, 0, 0), (2, 0, 0))
+    lease_id = open_load(t, holder_grid=grid3)
+    assert t.on_pin_result(lease_id, HOLD, grid3[0], 4, None, T0 + 1).actions == ()
+    step = t.on_pin_result(lease_id, HOLD, grid3[1], 0, None, T0 + 2)
+    assert step.view.state is LeaseState.MISSED
+    released = {a.rank_key for a in of(step.actions, SendRelease)}
+    assert released == {grid3[0], grid3[2]}
+    assert of(step.actions, LeaseMissed) == [LeaseMissed(lease_id, REQ, "r1", MissReason.SHORT_PIN)]
+    assert of(step.actions, LeaseEnded)[0].quiescence_ms is None
+
+
+def test_pin_below_min_blocks_is_a_miss() -> None:
+    t = table()
+    lease_id = open_load(t, min_blocks=4)
+    step = t.on_pin_result(lease_id, HOLD, TP2[0], 3, None, T0 + 1)
+    assert step.view.state is LeaseState.MISSED
+    assert step.view.miss_reason is MissReason.BELOW_MIN_BLOCKS
+    assert [a.rank_key for a in of(step.actions, SendRelease)] == list(TP2)
+
+
+def test_pin_timeout_misses_and_releases_answered_and_silent_parts() -> None:
+    t = table()
+    lease_id = open_load(t)
+    t.on_pin_result(lease_id, HOLD, TP2[0], 8, None, T0 + 10)
+    assert t.tick(T0 + 499) == []
+    actions = t.tick(T0 + 500)
+    assert t.get(lease_id).state is LeaseState.MISSED
+    assert t.get(lease_id).miss_reason is MissReason.PIN_TIMEOUT
+    assert {a.rank_key for a in of(actions, SendRelease)} == set(TP2)
+    # The silent part answers late: a no-op, no second release.
+    late = t.on_pin_result(lease_id, HOLD, TP2[1], 8, None, T0 + 600)
+    assert late.actions == () and late.view.state is LeaseState.MISSED
+
+
+def test_release_waits_for_every_requester_part() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    first = t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.SUCCEEDED, T0 + 100)
+    assert first.actions == () and first.view.state is LeaseState.ACTIVE
+    assert not first.view.quiescent
+    step = t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.SUCCEEDED, T0 + 300)
+    assert step.view.state is LeaseState.COMPLETED and step.view.quiescent
+    assert [(a.child_engine_id, a.rank_key) for a in of(step.actions, SendRelease)] == [
+        (HOLD, k) for k in TP2
+    ]
+    ended = of(step.actions, LeaseEnded)
+    assert ended == [LeaseEnded(lease_id, Flow.PREFIX_LOAD, LeaseState.COMPLETED, 290, 300)]
+    assert t.counts() == {}
+
+
+def test_a_failed_part_ends_failed_with_release() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.FAILED, T0 + 100)
+    step = t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.SUCCEEDED, T0 + 100)
+    assert step.view.state is LeaseState.FAILED
+    assert len(of(step.actions, SendRelease)) == 2
+
+
+def test_unknown_outcome_quarantines_until_an_operator_resolves() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.UNKNOWN, T0 + 100)
+    step = t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.SUCCEEDED, T0 + 100)
+    assert step.view.state is LeaseState.QUARANTINED
+    assert of(step.actions, SendRelease) == []
+    assert [a.rank_key for a in of(step.actions, SendQuarantine)] == list(TP2)
+    assert len(of(step.actions, LeaseQuarantined)) == 1
+    # Time passing, the requester dying and late reports do not release it.
+    assert t.tick(T0 + 10**9) == []
+    assert t.on_engine_gone(REQ, T0 + 10**9) == []
+    assert [v.state for v in t.leases_of(HOLD)] == [LeaseState.QUARANTINED]
+    assert t.counts() == {(Flow.PREFIX_LOAD, LeaseState.QUARANTINED): 1}
+    resolved = t.resolve_quarantine(lease_id, T0 + 10**9)
+    assert resolved.view.state is LeaseState.RESOLVED
+    assert len(of(resolved.actions, SendRelease)) == 2
+    refused(t, ErrorCode.FAILED_PRECONDITION, lambda: t.resolve_quarantine(lease_id, T0))
+
+
+def test_deadline_with_live_requester_aborts_and_releases_only_after_every_ack() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.FAILED, T0 + 100)
+    deadline = T0 + 10 + 5_000
+    assert t.tick(deadline - 1) == []
+    actions = t.tick(deadline)
+    assert t.get(lease_id).state is LeaseState.ABORTING
+    assert of(actions, SendRelease) == []
+    assert [(a.child_engine_id, a.rank_key) for a in of(actions, SendAbort)] == [(REQ, TP2[1])]
+    assert len(of(actions, LeaseAborting)) == 1
+    # An ack from a part that already reported changes nothing.
+    assert t.on_abort_ack(lease_id, REQ, TP2[0], deadline + 1).actions == ()
+    step = t.on_abort_ack(lease_id, REQ, TP2[1], deadline + 2)
+    assert step.view.state is LeaseState.FAILED
+    assert len(of(step.actions, SendRelease)) == 2
+    # Duplicate ack after the end: no-op.
+    assert t.on_abort_ack(lease_id, REQ, TP2[1], deadline + 3).actions == ()
+
+
+def test_a_report_during_abort_counts_as_settled() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.tick(T0 + 10 + 5_000)
+    t.on_abort_ack(lease_id, REQ, TP2[0], T0 + 6_000)
+    step = t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.SUCCEEDED, T0 + 6_001)
+    assert step.view.state is LeaseState.FAILED  # aborted, proven quiet
+    assert len(of(step.actions, SendRelease)) == 2
+
+
+def test_an_unacknowledged_abort_goes_to_quarantine() -> None:
+    t = table(abort_timeout_ms=1_000)
+    lease_id = granted_load(t)
+    t.tick(T0 + 10 + 5_000)
+    actions = t.tick(T0 + 10 + 6_000)
+    assert t.get(lease_id).state is LeaseState.QUARANTINED
+    assert of(actions, SendRelease) == [] and len(of(actions, SendQuarantine)) == 2
+    # A late ack does not undo the quarantine (fail closed).
+    assert t.on_abort_ack(lease_id, REQ, TP2[0], T0 + 7_000).actions == ()
+    assert t.get(lease_id).state is LeaseState.QUARANTINED
+
+
+def test_requester_gone_mid_transfer_releases_after_proof() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.SUCCEEDED, T0 + 100)
+    actions = t.on_engine_gone(REQ, T0 + 200)
+    assert t.get(lease_id).state is LeaseState.FAILED
+    assert len(of(actions, SendRelease)) == 2 and of(actions, SendAbort) == []
+
+
+def test_requester_gone_while_pinning_releases_the_holder() -> None:
+    t = table()
+    lease_id = open_load(t)
+    actions = t.on_engine_gone(REQ, T0 + 1)
+    assert t.get(lease_id).state is LeaseState.FAILED
+    assert len(of(actions, SendRelease)) == 2
+
+
+def test_holder_gone_before_answering_is_a_miss_without_release() -> None:
+    t = table()
+    lease_id = open_load(t)
+    actions = t.on_engine_gone(HOLD, T0 + 100)
+    view = t.get(lease_id)
+    assert view.state is LeaseState.MISSED and view.miss_reason is MissReason.HOLDER_GONE
+    assert of(actions, SendRelease) == []
+    assert of(actions, LeaseMissed)[0].reason is MissReason.HOLDER_GONE
+
+
+def test_holder_gone_mid_transfer_fails_and_tells_the_requester_to_stop() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.SUCCEEDED, T0 + 100)
+    actions = t.on_engine_gone(HOLD, T0 + 200)
+    assert t.get(lease_id).state is LeaseState.FAILED
+    assert of(actions, SendRelease) == []
+    assert [a.rank_key for a in of(actions, SendAbort)] == [TP2[1]]
+    # The requester's later report changes nothing.
+    late = t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.FAILED, T0 + 300)
+    assert late.actions == () and late.view.state is LeaseState.FAILED
+
+
+def test_same_request_id_returns_the_same_lease_even_after_it_ended() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    again = open_load_step(t, "r1", holder="someone-else", now=T0 + 50)
+    assert again.view == t.get(lease_id) and again.actions == ()
+    for key in TP2:
+        t.complete_prefix_load(lease_id, REQ, key, Outcome.SUCCEEDED, T0 + 100)
+    assert open_load(t, "r1") == lease_id
+    assert t.get(lease_id).state is LeaseState.COMPLETED  # not re-opened
+    assert t.find_prefix_load(REQ, "r1") == t.get(lease_id)
+    assert t.find_prefix_load(HOLD, "r1") is None
+    refused(t, ErrorCode.ALREADY_EXISTS, lambda: open_load(t, "r1", chain=CHAIN[:4]))
+
+
+def test_prefix_load_errors_change_nothing() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    refused(
+        t,
+        ErrorCode.NOT_FOUND,
+        lambda: t.complete_prefix_load("nope", REQ, TP2[0], Outcome.SUCCEEDED, T0),
+    )
+    # A foreign engine, or a rank part outside the requester's grid.
+    refused(
+        t,
+        ErrorCode.PERMISSION_DENIED,
+        lambda: t.complete_prefix_load(lease_id, "x", TP2[0], Outcome.SUCCEEDED, T0),
+    )
+    refused(
+        t,
+        ErrorCode.PERMISSION_DENIED,
+        lambda: t.complete_prefix_load(lease_id, REQ, (5, 0, 0), Outcome.SUCCEEDED, T0),
+    )
+    refused(
+        t,
+        ErrorCode.PERMISSION_DENIED,
+        lambda: t.complete_prefix_load(lease_id, HOLD, TP2[0], Outcome.SUCCEEDED, T0),
+    )
+    refused(t, ErrorCode.PERMISSION_DENIED, lambda: t.on_abort_ack(lease_id, HOLD, TP2[0], T0))
+    # Duplicate report: idempotent; a changed report: refused.
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.FAILED, T0 + 1)
+    before = snapshot(t)
+    assert t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.FAILED, T0 + 2).actions == ()
+    assert snapshot(t) == before
+    refused(
+        t,
+        ErrorCode.FAILED_PRECONDITION,
+        lambda: t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.SUCCEEDED, T0),
+    )
+    not_an_outcome: Any = 7
+    refused(
+        t,
+        ErrorCode.INVALID_ARGUMENT,
+        lambda: t.complete_prefix_load(lease_id, REQ, TP2[1], not_an_outcome, T0),
+    )
+    # Pin answers: from a non-holder, too long, or changed.
+    refused(
+        t, ErrorCode.PERMISSION_DENIED, lambda: t.on_pin_result(lease_id, REQ, TP2[0], 1, None, T0)
+    )
+    refused(
+        t, ErrorCode.INVALID_ARGUMENT, lambda: t.on_pin_result(lease_id, HOLD, TP2[0], 9, None, T0)
+    )
+    refused(
+        t,
+        ErrorCode.FAILED_PRECONDITION,
+        lambda: t.on_pin_result(lease_id, HOLD, TP2[0], 7, None, T0),
+    )
+    refused(t, ErrorCode.NOT_FOUND, lambda: t.resolve_quarantine("nope", T0))
+    refused(t, ErrorCode.FAILED_PRECONDITION, lambda: t.resolve_quarantine(lease_id, T0))
+
+
+def test_report_before_the_grant_is_refused() -> None:
+    t = table()
+    lease_id = open_load(t)
+    refused(
+        t,
+        ErrorCode.FAILED_PRECONDITION,
+        lambda: t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.SUCCEEDED, T0),
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "code"),
+    [
+        ({"chain": ()}, ErrorCode.INVALID_ARGUMENT),
+        ({"chain": CHAIN * 3}, ErrorCode.INVALID_ARGUMENT),  # over max_chain_blocks=16
+        ({"min_blocks": 9}, ErrorCode.INVALID_ARGUMENT),
+        ({"min_blocks": -1}, ErrorCode.INVALID_ARGUMENT),
+        ({"holder": REQ}, ErrorCode.INVALID_ARGUMENT),
+        ({"holder": ""}, ErrorCode.INVALID_ARGUMENT),
+        ({"requester": "x" * 257}, ErrorCode.INVALID_ARGUMENT),
+        ({"holder_grid": ()}, ErrorCode.INVALID_ARGUMENT),
+        ({"holder_grid": (TP2[0], TP2[0])}, ErrorCode.INVALID_ARGUMENT),
+        ({"requester_grid": ((0, -1, 0),)}, ErrorCode.INVALID_ARGUMENT),
+        ({"requester_grid": tuple((i, 0, 0) for i in range(9))}, ErrorCode.INVALID_ARGUMENT),
+    ],
+)
+def test_bad_prefix_load_requests_are_refused(overrides: dict[str, Any], code: ErrorCode) -> None:
+    t = table(max_chain_blocks=16, max_rank_parts=8)
+    open_load(t, "existing")
+    refused(t, code, lambda: open_load(t, "r-bad", **overrides))
+
+
+@pytest.mark.parametrize(
+    ("pin_timeout", "ttl"), [(0, 5_000), (500, 0), (60_001, 5_000), (500, 600_001)]
+)
+def test_bad_durations_are_refused(pin_timeout: int, ttl: int) -> None:
+    t = table()
+    refused(
+        t,
+        ErrorCode.INVALID_ARGUMENT,
+        lambda: open_load_step(t, "r", pin_timeout_ms=pin_timeout, transfer_ttl_ms=ttl),
+    )
+
+
+def test_open_lease_bounds_total_and_per_engine() -> None:
+    t = table(max_open_leases=3, max_open_leases_per_engine=2)
+    open_load(t, "a")
+    open_load(t, "b")
+    err = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: open_load(t, "c"))
+    assert "per-engine" in err.message
+    open_load(t, "c", requester="other-req", holder="other-hold")
+    err = refused(
+        t, ErrorCode.RESOURCE_EXHAUSTED, lambda: open_load(t, "d", requester="r3", holder="h3")
+    )
+    assert "3 leases are open" in err.message
+    # Ending a lease frees its slot.
+    t.on_engine_gone(HOLD, T0 + 1)
+    open_load(t, "d", requester="r3", holder="h3")
+
+
+def test_ended_leases_are_purged_by_age_and_by_count() -> None:
+    t = table(terminal_retention_ms=1_000, max_terminal_leases=2)
+    ids = [open_load(t, f"r{i}") for i in range(3)]
+    t.on_engine_gone(HOLD, T0)  # all three miss at T0
+    assert t.retained_lease_count() == 2  # count bound: the oldest went first
+    refused(t, ErrorCode.NOT_FOUND, lambda: t.get(ids[0]))
+    assert t.find_prefix_load(REQ, "r0") is None
+    assert t.next_deadline_ms() == T0 + 1_000
+    t.tick(T0 + 999)
+    assert t.retained_lease_count() == 2
+    t.tick(T0 + 1_000)
+    assert t.retained_lease_count() == 0 and t.find_prefix_load(REQ, "r2") is None
+
+
+# -------------------------------------------------------------------------- handoff
+
+
+def test_handoff_is_ready_only_when_every_prefill_part_published() -> None:
+    t = table()
+    first = publish(t, TP2[1], "d1")
+    assert first.view.state is LeaseState.WAITING_READY and first.view.flow is Flow.HANDOFF
+    assert (first.parts_reported, first.parts_expected) == (1, 2) and first.actions == ()
+    lease_id = first.view.lease_id
+    err = refused(t, ErrorCode.FAILED_PRECONDITION, lambda: begin(t))
+    assert "1 of 2" in err.message
+    second = publish(t, TP2[0], "d0", now=T0 + 3)
+    assert second.view.state is LeaseState.READY and second.view.lease_id == lease_id
+    assert second.actions == (HandoffReady(lease_id, PRE, "h1"),)
+
+
+def test_begin_hands_over_params_and_descriptors_unchanged() -> None:
+    t = table()
+    lease_id = begun(t)
+    view = t.get(lease_id)
+    grant = view.handoff_grant
+    assert view.state is LeaseState.ACTIVE and grant is not None
+    assert grant.kv_transfer_params == PARAMS and grant.num_blocks == 6
+    assert grant.prefill_child_engine_id == PRE and grant.decode_child_engine_id == DEC
+    assert [(p.rank_key, p.descriptor) for p in grant.source_parts] == [
+        (k, ("desc", k)) for k in TP2
+    ]
+    assert grant.deadline_ms == T0 + 5 + 10_000
+    # Same decode again: the same grant; another decode: refused.
+    again = begin(t, now=T0 + 6)
+    assert again.view == view and again.actions == ()
+    refused(t, ErrorCode.PERMISSION_DENIED, lambda: begin(t, decode="other"))
+
+
+def test_begin_errors() -> None:
+    t = table()
+    refused(t, ErrorCode.NOT_FOUND, lambda: begin(t, "none"))
+    publish_all(t, "h1", decode=DEC)
+    refused(t, ErrorCode.PERMISSION_DENIED, lambda: begin(t, decode="intruder"))
+    refused(t, ErrorCode.INVALID_ARGUMENT, lambda: begin(t, decode_grid=()))
+
+
+def test_prefill_parts_must_agree() -> None:
+    t = table()
+    publish(t, TP2[0], "d0")
+    base: dict[str, Any] = {
+        "request_id": "h1",
+        "prefill_child_engine_id": PRE,
+        "prefill_rank_keys": TP2,
+        "rank_key": TP2[1],
+        "descriptor": "d1",
+        "kv_transfer_params": PARAMS,
+        "decode_child_engine_id": None,
+        "num_blocks": 6,
+        "now_ms": T0,
+    }
+    changes: list[tuple[str, object]] = [
+        ("kv_transfer_params", PARAMS + b"!"),
+        ("num_blocks", 7),
+        ("decode_child_engine_id", DEC),
+        ("prefill_rank_keys", (*TP2, (2, 0, 0))),
+    ]
+    for field, value in changes:
+        changed: dict[str, Any] = {**base, field: value}
+        err = refused(t, ErrorCode.FAILED_PRECONDITION, partial(t.publish_handoff, **changed))
+        assert field in err.message
+    # The same part re-publishing a different descriptor is refused; the same one is a no-op.
+    refused(
+        t,
+        ErrorCode.FAILED_PRECONDITION,
+        lambda: t.publish_handoff(**{**base, "rank_key": TP2[0], "descriptor": "other"}),
+    )
+    assert t.publish_handoff(**{**base, "rank_key": TP2[0], "descriptor": "d0"}).parts_reported == 1
+    refused(
+        t, ErrorCode.PERMISSION_DENIED, lambda: t.publish_handoff(**{**base, "rank_key": (9, 0, 0)})
+    )
+    refused(
+        t,
+        ErrorCode.INVALID_ARGUMENT,
+        lambda: t.publish_handoff(**{**base, "request_id": "h2", "kv_transfer_params": "str"}),
+    )
+    refused(
+        t,
+        ErrorCode.INVALID_ARGUMENT,
+        lambda: t.publish_handoff(**{**base, "request_id": "h2", "decode_child_engine_id": PRE}),
+    )
+    refused(
+        t,
+        ErrorCode.INVALID_ARGUMENT,
+        lambda: t.publish_handoff(**{**base, "request_id": "h2", "num_blocks": -1}),
+    )
+
+
+def test_heartbeats_keep_a_handoff_alive_and_silence_aborts_it() -> None:
+    t = table()
+    lease_id = begun(t)
+    deadline = T0 + 5 + 10_000
+    assert t.extend_handoff(lease_id, DEC, T0 + 9_000) == T0 + 19_000
+    assert t.tick(deadline) == []  # the old deadline no longer fires
+    refused(t, ErrorCode.PERMISSION_DENIED, lambda: t.extend_handoff(lease_id, "other", T0 + 9_500))
+    refused(t, ErrorCode.NOT_FOUND, lambda: t.extend_handoff("nope", DEC, T0))
+    actions = t.tick(T0 + 19_000)
+    assert t.get(lease_id).state is LeaseState.ABORTING
+    assert of(actions, SendRelease) == [] and len(of(actions, SendAbort)) == 2
+    assert all(a.child_engine_id == DEC and a.flow is Flow.HANDOFF for a in of(actions, SendAbort))
+    refused(t, ErrorCode.FAILED_PRECONDITION, lambda: t.extend_handoff(lease_id, DEC, T0 + 19_001))
+    for key in TP2:
+        step = t.on_abort_ack(lease_id, DEC, key, T0 + 19_100)
+    assert step.view.state is LeaseState.FAILED
+    assert [(a.child_engine_id, a.rank_key) for a in of(step.actions, SendRelease)] == [
+        (PRE, k) for k in TP2
+    ]
+
+
+def test_extending_in_a_tight_loop_keeps_timer_memory_bounded() -> None:
+    t = table()
+    lease_id = begun(t)
+    for now in range(T0 + 6, T0 + 6 + 20_000):
+        t.extend_handoff(lease_id, DEC, now)
+    assert t.pending_timer_count() <= 2 * t.retained_lease_count() + 65
+    # The live timer survived the compaction: silence still aborts the lease.
+    t.tick(T0 + 5 + 20_000 + 10_000)
+    assert t.get(lease_id).state is LeaseState.ABORTING
+
+
+def test_extend_after_the_deadline_or_before_begin_is_refused() -> None:
+    t = table()
+    lease_id = publish_all(t)
+    refused(t, ErrorCode.FAILED_PRECONDITION, lambda: t.extend_handoff(lease_id, DEC, T0))
+    lease_id = begun(t, "h2")
+    refused(
+        t, ErrorCode.FAILED_PRECONDITION, lambda: t.extend_handoff(lease_id, DEC, T0 + 5 + 10_000)
+    )
+
+
+def test_decode_reports_release_the_prefill() -> None:
+    t = table()
+    lease_id = begun(t)
+    t.complete_handoff(lease_id, DEC, TP2[0], Outcome.SUCCEEDED, T0 + 50)
+    step = t.complete_handoff(lease_id, DEC, TP2[1], Outcome.SUCCEEDED, T0 + 60)
+    assert step.view.state is LeaseState.COMPLETED
+    assert [(a.child_engine_id, a.rank_key) for a in of(step.actions, SendRelease)] == [
+        (PRE, k) for k in TP2
+    ]
+    assert of(step.actions, LeaseEnded)[0].quiescence_ms == 55
+
+
+def test_flows_never_share_a_lease() -> None:
+    t = table()
+    load_id = granted_load(t)
+    handoff_id = begun(t)
+    refused(
+        t,
+        ErrorCode.NOT_FOUND,
+        lambda: t.complete_handoff(load_id, REQ, TP2[0], Outcome.SUCCEEDED, T0),
+    )
+    refused(
+        t,
+        ErrorCode.NOT_FOUND,
+        lambda: t.complete_prefix_load(handoff_id, DEC, TP2[0], Outcome.SUCCEEDED, T0),
+    )
+    refused(t, ErrorCode.NOT_FOUND, lambda: t.extend_handoff(load_id, REQ, T0))
+    refused(t, ErrorCode.NOT_FOUND, lambda: t.on_pin_result(handoff_id, PRE, TP2[0], 1, None, T0))
+    assert t.get(load_id).flow is Flow.PREFIX_LOAD and t.get(handoff_id).flow is Flow.HANDOFF
+
+
+def test_ready_handoff_never_begun_expires_with_release() -> None:
+    t = table(handoff_ready_max_wait_ms=1_000)
+    lease_id = publish_all(t)
+    assert t.tick(T0 + 999) == []
+    actions = t.tick(T0 + 1_000)
+    assert t.get(lease_id).state is LeaseState.FAILED
+    assert len(of(actions, SendRelease)) == 2
+
+
+def test_incomplete_handoff_expires_releasing_only_published_parts() -> None:
+    t = table(handoff_publish_timeout_ms=1_000)
+    published = publish(t, TP2[0], "d0")
+    actions = t.tick(T0 + 1_000)
+    assert [a.rank_key for a in of(actions, SendRelease)] == [TP2[0]]
+    # The missing part arrives late: it sees the end and nothing changes.
+    late = publish(t, TP2[1], "d1", now=T0 + 2_000)
+    assert late.view.lease_id == published.view.lease_id
+    assert late.view.state is LeaseState.FAILED and late.actions == () and late.parts_reported == 1
+
+
+def test_prefill_gone_fails_without_release_and_stops_the_decode() -> None:
+    t = table()
+    lease_id = begun(t)
+    actions = t.on_engine_gone(PRE, T0 + 100)
+    assert t.get(lease_id).state is LeaseState.FAILED
+    assert of(actions, SendRelease) == [] and len(of(actions, SendAbort)) == 2
+
+
+def test_decode_gone_releases_the_prefill() -> None:
+    t = table()
+    lease_id = begun(t)
+    t.complete_handoff(lease_id, DEC, TP2[0], Outcome.SUCCEEDED, T0 + 50)
+    actions = t.on_engine_gone(DEC, T0 + 100)
+    assert t.get(lease_id).state is LeaseState.FAILED and len(of(actions, SendRelease)) == 2
+
+
+def test_reserved_decode_gone_before_begin_releases_the_prefill() -> None:
+    t = table()
+    lease_id = publish_all(t, decode=DEC)
+    assert [v.lease_id for v in t.leases_of(DEC)] == [lease_id]
+    actions = t.on_engine_gone(DEC, T0 + 100)
+    assert t.get(lease_id).state is LeaseState.FAILED and len(of(actions, SendRelease)) == 2
+
+
+def test_abort_engine_for_drain() -> None:
+    t = table()
+    pinning = open_load(t, "p")
+    active = granted_load(t, "a")
+    ready = publish_all(t, "h-ready", decode=HOLD)
+    quarantined = granted_load(t, "q")
+    for key in TP2:
+        t.complete_prefix_load(quarantined, REQ, key, Outcome.UNKNOWN, T0 + 20)
+    assert {v.lease_id for v in t.leases_of(HOLD)} == {pinning, active, ready, quarantined}
+    actions = t.abort_engine(HOLD, T0 + 100)
+    assert t.get(pinning).state is LeaseState.MISSED
+    assert t.get(pinning).miss_reason is MissReason.DRAINING
+    assert t.get(active).state is LeaseState.ABORTING
+    assert t.get(ready).state is LeaseState.FAILED
+    assert t.get(quarantined).state is LeaseState.QUARANTINED
+    released = {(a.lease_id, a.child_engine_id) for a in of(actions, SendRelease)}
+    assert released == {(pinning, HOLD), (ready, PRE)}
+    assert {a.lease_id for a in of(actions, SendAbort)} == {active}
+    assert {v.lease_id for v in t.leases_of(HOLD)} == {active, quarantined}
+
+
+def test_counts_and_listing_follow_states() -> None:
+    t = table()
+    open_load(t, "p")
+    granted_load(t, "a")
+    publish_all(t, "h")
+    assert t.counts() == {
+        (Flow.PREFIX_LOAD, LeaseState.PINNING): 1,
+        (Flow.PREFIX_LOAD, LeaseState.ACTIVE): 1,
+        (Flow.HANDOFF, LeaseState.READY): 1,
+    }
+    assert len(t.list_leases()) == 3 and t.open_lease_count() == 3
+    assert t.open_counts_by_engine() == {REQ: 2, HOLD: 2, PRE: 1}
+    t.on_engine_gone(HOLD, T0 + 1)
+    assert [v.state for v in t.list_leases()] == [LeaseState.READY]
+    assert len(t.list_leases(include_terminal=True)) == 3
+    assert t.open_counts_by_engine() == {PRE: 1}
+
+
+def test_lease_config_rejects_non_positive_values() -> None:
+    with pytest.raises(ValueError, match="abort_timeout_ms"):
+        LeaseConfig(abort_timeout_ms=0)
+
+
+def test_reused_lease_id_from_the_factory_is_an_internal_error() -> None:
+    t = LeaseTable(id_factory=lambda: "same")
+    open_load(t, "a")
+    with pytest.raises(RuntimeError):
+        open_load(t, "b")
+    assert t.open_lease_count() == 1

@@ -1,0 +1,512 @@
+"""Restart recovery (issue 9, item 3): warm-up, the state file, re-announced leases.
+
+Pure parts (coordinator/core/recovery.py and `LeaseTable.recover_held`) are tested on
+plain values; the end-to-end tests kill -9 a real `kvrc serve`, restart it on the
+same port and state file, and watch real reconnecting engine processes
+(tests/fault_engine.py) come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fault_engine import FaultEngine, fault_coordinator
+from harness import CoordinatorProcess, find_lease, free_port, get_status, resolve_quarantine
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lease_steps import open_load_step
+
+from coordinator.core.errors import ErrorCode, KvrcError
+from coordinator.core.events import RankKey
+from coordinator.core.leases import (
+    RECOVERED_REASON,
+    Flow,
+    LeaseConfig,
+    LeaseQuarantined,
+    LeaseState,
+    LeaseStep,
+    LeaseTable,
+    Outcome,
+    SendQuarantine,
+    SendRelease,
+    flow_of_lease_id,
+)
+from coordinator.core.profiles import ReuseReason
+from coordinator.core.recovery import (
+    KnownEngine,
+    StateFileError,
+    Warmup,
+    decode_state,
+    encode_state,
+)
+from coordinator.runtime.config import CoordinatorConfig
+from coordinator.runtime.coordinator import Coordinator
+from kvrc.v1 import kvrc_pb2 as pb
+
+# --- warm-up (pure) ------------------------------------------------------------------
+
+
+def test_first_start_without_state_is_not_warming() -> None:
+    w = Warmup(expected=(), started_ms=1_000, warmup_ms=10_000)
+    assert not w.warming
+    assert w.status().deadline_ms is None
+    assert not w.tick(10**12)
+
+
+def test_warming_ends_when_every_expected_engine_is_back() -> None:
+    w = Warmup(expected=("a", "b"), started_ms=1_000, warmup_ms=10_000)
+    assert w.warming and w.status().missing == ("a", "b")
+    assert "recompute" in w.status().detail
+    assert not w.engine_ready("a")
+    assert not w.engine_ready("stranger")  # an engine nobody expected changes nothing
+    assert w.warming and w.status().missing == ("b",)
+    assert w.engine_ready("b")  # this one ended it
+    assert not w.warming and w.status().missing == ()
+    assert not w.engine_ready("b")  # only once
+
+
+def test_warming_ends_at_the_deadline_and_never_comes_back() -> None:
+    w = Warmup(expected=("a",), started_ms=1_000, warmup_ms=500)
+    assert not w.tick(1_499)
+    assert w.warming
+    assert w.tick(1_500)
+    assert not w.warming
+    assert not w.tick(1_501)
+    w.engine_ready("a")
+    assert not w.warming
+
+
+def test_timed_warmup_without_a_state_file_waits_for_its_deadline_only() -> None:
+    w = Warmup(expected=(), started_ms=0, warmup_ms=300, timed=True)
+    assert w.warming
+    assert not w.engine_ready("a")
+    assert w.warming
+    assert w.tick(300) and not w.warming
+
+
+def test_zero_warmup_means_warm_at_once() -> None:
+    assert not Warmup(expected=("a",), started_ms=0, warmup_ms=0).warming
+    with pytest.raises(ValueError):
+        Warmup(expected=(), started_ms=0, warmup_ms=-1)
+
+
+# --- the state file (pure) -----------------------------------------------------------
+
+_ids = st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(_ids, st.tuples(_ids, st.integers(1, 64)), max_size=20))
+def test_state_file_round_trips(engines: dict[str, tuple[str, int]]) -> None:
+    known = [KnownEngine(c, e, n) for c, (e, n) in engines.items()]
+    data = encode_state(known, written_ms=123)
+    assert decode_state(data) == tuple(sorted(known, key=lambda k: k.child_engine_id))
+    assert encode_state(reversed(known), written_ms=123) == data  # same set, same bytes
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (b"\xff\xfe", "not JSON"),
+        (b"[]", "JSON object"),
+        (b'{"version": 2, "child_engines": []}', "version"),
+        (b'{"version": 1}', "'child_engines'"),
+        (b'{"version": 1, "child_engines": [1]}', "must be an object"),
+        (
+            b'{"version": 1, "child_engines": [{"child_engine_id": "", "engine_id": "e", '
+            b'"parts_expected": 1}]}',
+            "child_engine_id",
+        ),
+        (
+            b'{"version": 1, "child_engines": [{"child_engine_id": "a", "engine_id": "e", '
+            b'"parts_expected": 0}]}',
+            "parts_expected",
+        ),
+        (
+            b'{"version": 1, "child_engines": [{"child_engine_id": "a", "engine_id": "e", '
+            b'"parts_expected": 1}, {"child_engine_id": "a", "engine_id": "e", '
+            b'"parts_expected": 1}]}',
+            "twice",
+        ),
+        (b" " * (16 << 20) + b"{}", "limit"),
+    ],
+)
+def test_bad_state_files_are_refused_with_the_reason(data: bytes, words: str) -> None:
+    with pytest.raises(StateFileError, match=words):
+        decode_state(data)
+
+
+# --- re-announced leases in the lease core (pure) -------------------------------------
+
+GRID1: tuple[RankKey, ...] = ((0, 0, 0),)
+GRID2: tuple[RankKey, ...] = ((0, 0, 0), (1, 0, 0))
+
+
+def _table() -> LeaseTable:
+    return LeaseTable(LeaseConfig(abort_timeout_ms=1_000, handoff_heartbeat_timeout_ms=1_000))
+
+
+def _open_load(t: LeaseTable, *, transfer_ttl_ms: int) -> LeaseStep:
+    """Request "r" of "req": block b"a" from "hold" (one part each)."""
+    return open_load_step(
+        t,
+        "r",
+        requester="req",
+        holder="hold",
+        requester_grid=GRID1,
+        holder_grid=GRID1,
+        chain=[b"a"],
+        now=0,
+        pin_timeout_ms=100,
+        transfer_ttl_ms=transfer_ttl_ms,
+    )
+
+
+def _recover(
+    t: LeaseTable,
+    lease_id: str,
+    rank_key: RankKey = (0, 0, 0),
+    *,
+    holder: str = "hold",
+    grid: tuple[RankKey, ...] = GRID1,
+    now: int = 0,
+) -> LeaseStep:
+    """One holder part re-announces `lease_id` at (re-)registration."""
+    return t.recover_held(
+        lease_id=lease_id,
+        holder_child_engine_id=holder,
+        holder_rank_keys=grid,
+        rank_key=rank_key,
+        now_ms=now,
+    )
+
+
+def test_default_lease_ids_name_their_flow() -> None:
+    t = _table()
+    step = _open_load(t, transfer_ttl_ms=100)
+    assert flow_of_lease_id(step.view.lease_id) is Flow.PREFIX_LOAD
+    published = t.publish_handoff(
+        request_id="r",
+        prefill_child_engine_id="pre",
+        prefill_rank_keys=GRID1,
+        rank_key=GRID1[0],
+        descriptor=b"d",
+        kv_transfer_params=b"",
+        decode_child_engine_id=None,
+        num_blocks=1,
+        now_ms=0,
+    )
+    assert flow_of_lease_id(published.view.lease_id) is Flow.HANDOFF
+    assert flow_of_lease_id("0123abcd") is None and flow_of_lease_id("pl-") is None
+
+
+def test_a_re_announced_lease_is_quarantined_and_no_timer_releases_it() -> None:
+    t = _table()
+    step = _recover(t, "pl-x1", rank_key=(1, 0, 0), grid=GRID2)
+    assert step.view.state is LeaseState.QUARANTINED and step.view.flow is Flow.PREFIX_LOAD
+    assert step.view.reason == RECOVERED_REASON
+    assert step.actions == (
+        LeaseQuarantined("pl-x1", Flow.PREFIX_LOAD, RECOVERED_REASON),
+        SendQuarantine("hold", (1, 0, 0), "pl-x1", Flow.PREFIX_LOAD, RECOVERED_REASON),
+    )
+    assert t.tick(10**12) == []  # fail closed: time alone never releases it
+    assert t.get("pl-x1").state is LeaseState.QUARANTINED
+    # The other part re-announces: told the same, nothing else changes.
+    again = _recover(t, "pl-x1", grid=GRID2, now=5)
+    assert [type(a) for a in again.actions] == [SendQuarantine]
+    assert t.open_lease_count() == 1
+
+
+def test_a_recovered_lease_is_released_when_every_target_part_reports() -> None:
+    t = _table()
+    _recover(t, "ho-x2", holder="pre", grid=GRID2)
+    first = t.complete_handoff(
+        "ho-x2", "dec", (0, 0, 0), Outcome.SUCCEEDED, 10, reporter_rank_keys=GRID2
+    )
+    assert first.view.state is LeaseState.QUARANTINED and first.actions == ()
+    assert first.view.target_child_engine_id == "dec"
+    done = t.complete_handoff(
+        "ho-x2", "dec", (1, 0, 0), Outcome.FAILED, 20, reporter_rank_keys=GRID2
+    )
+    assert done.view.state is LeaseState.FAILED
+    releases = [a for a in done.actions if isinstance(a, SendRelease)]
+    # Every holder part may hold pins (only one re-announced so far): all are released.
+    assert sorted(a.rank_key for a in releases) == [(0, 0, 0), (1, 0, 0)]
+    # The part that re-announces late gets the release again.
+    late = _recover(t, "ho-x2", rank_key=(1, 0, 0), holder="pre", grid=GRID2, now=30)
+    assert [type(a) for a in late.actions] == [SendRelease]
+
+
+def test_an_unknown_outcome_keeps_a_recovered_lease_quarantined_until_an_operator() -> None:
+    t = _table()
+    _recover(t, "pl-x3")
+    step = t.complete_prefix_load(
+        "pl-x3", "req", (0, 0, 0), Outcome.UNKNOWN, 5, reporter_rank_keys=GRID1
+    )
+    assert step.view.state is LeaseState.QUARANTINED and step.actions == ()
+    resolved = t.resolve_quarantine("pl-x3", 10)
+    assert resolved.view.state is LeaseState.RESOLVED
+    assert [type(a) for a in resolved.actions if isinstance(a, SendRelease)] == [SendRelease]
+
+
+def test_bad_or_foreign_re_announcements_are_refused_and_change_nothing() -> None:
+    t = _table()
+    _recover(t, "pl-x4")
+    cases: list[tuple[dict[str, Any], ErrorCode]] = [
+        ({"lease_id": "pl-x4", "holder_child_engine_id": "thief"}, ErrorCode.PERMISSION_DENIED),
+        ({"lease_id": "not-ours"}, ErrorCode.INVALID_ARGUMENT),
+        ({"lease_id": ""}, ErrorCode.INVALID_ARGUMENT),
+        ({"lease_id": "pl-" + "x" * 300}, ErrorCode.INVALID_ARGUMENT),
+        ({"lease_id": "pl-x5", "rank_key": (3, 0, 0)}, ErrorCode.PERMISSION_DENIED),
+    ]
+    for overrides, code in cases:
+        args: dict[str, Any] = {
+            "lease_id": "pl-x5",
+            "holder_child_engine_id": "hold",
+            "holder_rank_keys": GRID1,
+            "rank_key": (0, 0, 0),
+            "now_ms": 1,
+            **overrides,
+        }
+        with pytest.raises(KvrcError) as e:
+            t.recover_held(**args)
+        assert e.value.code is code, overrides
+    assert [v.lease_id for v in t.list_leases()] == ["pl-x4"]
+    # The holder may not report on its own lease; a stranger's report needs its grid.
+    with pytest.raises(KvrcError) as e:
+        t.complete_prefix_load("pl-x4", "hold", (0, 0, 0), Outcome.SUCCEEDED, 2, GRID1)
+    assert e.value.code is ErrorCode.PERMISSION_DENIED
+    with pytest.raises(KvrcError) as e:
+        t.complete_prefix_load("pl-x4", "req", (0, 0, 0), Outcome.SUCCEEDED, 2, ())
+    assert e.value.code is ErrorCode.FAILED_PRECONDITION
+    assert t.get("pl-x4").target_child_engine_id is None
+
+
+def test_a_recovered_lease_whose_holder_is_gone_ends_without_a_release() -> None:
+    t = _table()
+    _recover(t, "pl-x6")
+    actions = t.on_engine_gone("hold", 10)
+    assert t.get("pl-x6").state is LeaseState.FAILED
+    assert not any(isinstance(a, SendRelease) for a in actions)  # its pins died with it
+
+
+def test_re_announcing_a_live_lease_changes_nothing() -> None:
+    t = _table()
+    opened = _open_load(t, transfer_ttl_ms=1000)
+    lease_id = opened.view.lease_id
+    t.on_pin_result(lease_id, "hold", (0, 0, 0), 1, b"d", 1)
+    step = _recover(t, lease_id, now=2)
+    assert step.actions == () and step.view.state is LeaseState.ACTIVE
+
+
+# --- end to end: kill -9 kvrc, restart it on the same port and state file -------------
+
+
+@contextmanager
+def _kvrc(port: int, state: Path, *extra: str) -> Iterator[CoordinatorProcess]:
+    # check_exit off: these coordinators are killed with SIGKILL on purpose.
+    with fault_coordinator(
+        state.parent,
+        "--state-file",
+        str(state),
+        *extra,
+        listen=f"127.0.0.1:{port}",
+        check_exit=False,
+    ) as kvrc:
+        yield kvrc
+
+
+async def _wait(predicate: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(0.05)
+
+
+async def test_restart_mid_transfer_recovers_pins_inventory_and_warms_up(tmp_path: Path) -> None:
+    port, state = free_port(), tmp_path / "kvrc-state.json"
+    with ExitStack() as stack:
+        first = stack.enter_context(_kvrc(port, state))
+        target = first.grpc_target
+        holder = FaultEngine(target, "holder", retain=8, reuse_opt_in=True)
+        requester = FaultEngine(target, "requester", reuse_opt_in=True)
+        ghost = FaultEngine(target, "ghost", reuse_opt_in=True)  # will not come back
+        stack.callback(holder.stop)
+        stack.callback(requester.stop)
+        stack.callback(ghost.stop)
+        await _wait(
+            lambda: asyncio.to_thread(
+                lambda: requester.command("lookup", n=8)["candidates"] == [["holder", 8]]
+            ),
+            10,
+            "holder's inventory visible",
+        )
+        grant = requester.command("request_load", n=8, transfer_timeout_ms=60_000)
+        assert grant["granted"] and grant["matched_blocks"] == 8
+        lease_id = grant["lease_id"]
+        holder.event("pinned", lease_id)
+        await asyncio.sleep(0.5)  # the state file is written shortly after registrations
+        known = {e.child_engine_id for e in decode_state(state.read_bytes())}
+        assert known == {"holder", "requester", "ghost"}
+
+        # Mid-transfer: kvrc dies, and so does one of its engines.
+        first.stop(signal.SIGKILL)
+        ghost.kill()
+        second = stack.enter_context(_kvrc(port, state, "--warmup-ms", "4000"))
+        started = time.monotonic()
+
+        # The holder re-registers with the lease it still pins: rebuilt QUARANTINED.
+        await _wait(lambda: asyncio.to_thread(lambda: holder.registrations() >= 2), 10, "back")
+        again = [e for e in holder.events("registered")][1]
+        assert again["held"] == [lease_id]
+        holder.event("quarantine", lease_id)
+        status = await get_status(target)
+        assert status.warming  # the ghost is expected and missing
+        recovered = find_lease(status, lease_id)
+        assert recovered is not None and recovered.state == pb.LEASE_STATE_QUARANTINED
+        assert recovered.source_child_engine_id == "holder"
+        assert holder.events("release", lease_id) == []
+
+        # While warming: lookups say WARMING, prefix loads are refused.
+        await _wait(
+            lambda: asyncio.to_thread(lambda: requester.registrations() >= 2), 10, "requester"
+        )
+        looked = requester.command("lookup", n=8)
+        assert looked["outcome"] == "REUSE_UNAVAILABLE" and looked["reuse_reason"] == "WARMING"
+        refused = requester.command("request_load", n=8)
+        assert not refused["ok"] and refused["code"] == "FAILED_PRECONDITION"
+        assert "warm" in refused["message"]
+
+        # The requester finishes its transfer and reports: that proves quiescence.
+        reported_at = time.time()
+        done = requester.command("complete_load", lease_id=lease_id, outcome="SUCCEEDED")
+        assert done["ok"] and done["state"] == "COMPLETED", done
+        release = holder.event("release", lease_id)
+        assert release["t"] >= reported_at  # never before the target's proof
+
+        # The deadline ends the warm-up (the ghost never came back); inventory is back.
+        async def warm() -> bool:
+            return not (await get_status(target)).warming
+
+        await _wait(warm, 8, "warm after the deadline")
+        assert time.monotonic() - started >= 3.0
+        looked = requester.command("lookup", n=8)
+        assert looked["outcome"] == "HIT" and looked["candidates"] == [["holder", 8]]
+        status = await get_status(target)
+        assert {c.state.child_engine_id for c in status.child_engines} == {"holder", "requester"}
+        assert find_lease(status, lease_id) is None
+        await asyncio.sleep(0.5)
+        doc = json.loads(state.read_text())
+        assert {e["child_engine_id"] for e in doc["child_engines"]} == {"holder", "requester"}
+        assert second.process.poll() is None
+
+
+async def test_warm_up_ends_early_when_every_known_engine_is_back(tmp_path: Path) -> None:
+    port, state = free_port(), tmp_path / "kvrc-state.json"
+    with ExitStack() as stack:
+        first = stack.enter_context(_kvrc(port, state))
+        engines = [FaultEngine(first.grpc_target, f"e{i}", reuse_opt_in=True) for i in range(2)]
+        for engine in engines:
+            stack.callback(engine.stop)
+        await asyncio.sleep(0.5)
+        # A graceful stop (a rollout): the sessions it closes are not departures.
+        assert first.stop(signal.SIGTERM) == 0
+        known = {e.child_engine_id for e in decode_state(state.read_bytes())}
+        assert known == {"e0", "e1"}
+        second = stack.enter_context(_kvrc(port, state, "--warmup-ms", "60000"))
+        assert (await get_status(second.grpc_target)).warming or all(
+            e.registrations() >= 2 for e in engines
+        )
+        started = time.monotonic()
+
+        async def warm() -> bool:
+            return not (await get_status(second.grpc_target)).warming
+
+        await _wait(warm, 20, "warm once both engines are back")
+        assert time.monotonic() - started < 30  # long before the 60 s deadline
+        status = await get_status(second.grpc_target)
+        assert sorted(c.state.child_engine_id for c in status.child_engines) == ["e0", "e1"]
+        assert all(c.state.ready for c in status.child_engines)
+
+
+async def test_an_unreported_recovered_lease_waits_for_the_operator(tmp_path: Path) -> None:
+    port, state = free_port(), tmp_path / "kvrc-state.json"
+    with ExitStack() as stack:
+        first = stack.enter_context(_kvrc(port, state))
+        holder = FaultEngine(first.grpc_target, "holder", retain=4, reuse_opt_in=True)
+        requester = FaultEngine(first.grpc_target, "requester", reuse_opt_in=True)
+        stack.callback(holder.stop)
+        stack.callback(requester.stop)
+        await _wait(
+            lambda: asyncio.to_thread(lambda: requester.command("lookup", n=4)["outcome"] == "HIT"),
+            10,
+            "inventory",
+        )
+        grant = requester.command("request_load", n=4, transfer_timeout_ms=1_000)
+        lease_id = grant["lease_id"]
+        # Both the coordinator and the requester die mid-transfer: nobody can prove quiet.
+        first.stop(signal.SIGKILL)
+        requester.kill()
+        second = stack.enter_context(_kvrc(port, state, "--warmup-ms", "500"))
+        holder.event("quarantine", lease_id)
+        # Far past the lease's 1 s TTL and the warm-up: still pinned, still accounted.
+        await asyncio.sleep(2.5)
+        status = await get_status(second.grpc_target)
+        assert not status.warming
+        lease = find_lease(status, lease_id)
+        assert lease is not None and lease.state == pb.LEASE_STATE_QUARANTINED
+        assert holder.events("release", lease_id) == []
+        resolved_at = time.time()
+        assert await resolve_quarantine(second.grpc_target, lease_id) == pb.LEASE_STATE_RESOLVED
+        assert holder.event("release", lease_id)["t"] >= resolved_at
+
+
+async def test_an_unusable_state_file_warms_up_for_the_whole_deadline(tmp_path: Path) -> None:
+    state = tmp_path / "kvrc-state.json"
+    state.write_text("{not json")
+    with _kvrc(free_port(), state, "--warmup-ms", "1500") as kvrc:
+        assert (await get_status(kvrc.grpc_target)).warming
+        started = time.monotonic()
+
+        async def warm() -> bool:
+            return not (await get_status(kvrc.grpc_target)).warming
+
+        await _wait(warm, 10, "warm after the deadline")
+        assert time.monotonic() - started > 0.5
+        assert "unusable" in kvrc.stderr_text()
+
+
+async def test_warm_up_without_a_state_file_lasts_exactly_the_given_time() -> None:
+    clock = [1_000_000]
+    coordinator = Coordinator(
+        CoordinatorConfig(metrics_port=-1, reuse=True, warmup_ms=500), clock_ms=lambda: clock[0]
+    )
+    assert coordinator.status().warming
+    assert coordinator.metrics.registry.get_sample_value("kvrc_warming") == 1
+    gate = coordinator.inventory.reuse_gate("anyone")
+    assert not gate.enabled and gate.reason is ReuseReason.WARMING
+    clock[0] += 499
+    assert coordinator.status().warming
+    clock[0] += 1
+    assert not coordinator.status().warming
+    assert coordinator.metrics.registry.get_sample_value("kvrc_warming") == 0
+    assert coordinator.inventory.reuse_gate("anyone").reason is not ReuseReason.WARMING
+
+
+def test_reuse_off_says_so_even_while_warming() -> None:
+    coordinator = Coordinator(CoordinatorConfig(metrics_port=-1, reuse=False, warmup_ms=5_000))
+    assert coordinator.status().warming
+    gate = coordinator.inventory.reuse_gate("anyone")
+    assert gate.reason is ReuseReason.DISABLED_BY_COORDINATOR  # invariant 1 first
