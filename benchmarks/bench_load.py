@@ -89,12 +89,12 @@ async def _worker_main(conn: multiprocessing.connection.Connection, target: str,
         PublishingHandler,
         RemovedBlocks,
         StoredBlocks,
-        Tier,
     )
     from clients.leases import LeaseClient, LeaseSessionHandler, PinAnswer, PinRequestInfo
     from clients.leases import PrefixLoadGrant as Grant
     from clients.session import EngineProfile, EngineSession, RankPartRegistration
     from kvrc.v1 import kvrc_pb2 as pb
+    from kvrc.vocabulary import Tier
 
     profile = EngineProfile(model="load-model", block_size=16, reuse_opt_in=True)
     chain = [_hash(f"system-{i}") for i in range(SYSTEM_CHAIN)]

@@ -40,6 +40,7 @@ from clients.session import (
 from kvrc.credentials import ChannelOptions, connect
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+from kvrc.vocabulary import Tier
 
 log = logging.getLogger("kvrc.client.inventory")
 
@@ -48,15 +49,6 @@ MAX_EVENTS_PER_BATCH = 1024
 MAX_BLOCKS_PER_BATCH = 8192
 MAX_CHAIN_BLOCKS = 4096
 MAX_QUERIES_PER_LOOKUP = 64
-
-
-class Tier(enum.IntEnum):
-    """Where a block lives; lower is faster."""
-
-    GPU = 1
-    CPU = 2
-    DISK = 3
-    EXTERNAL = 4
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,15 +29,17 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 import grpc
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
 from clients.errors import KvrcClientError, UnavailableError, error_from_status, from_rpc_error
 from kvrc.credentials import ChannelOptions, connect
+from kvrc.ids import child_engine_id
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+from kvrc.vocabulary import PublishMode, TransferEndpoint
 
 log = logging.getLogger("kvrc.client")
 
@@ -67,47 +69,6 @@ class EngineProfile:
 
 
 @dataclass(frozen=True, slots=True)
-class KvRegion:
-    base_addr: int
-    block_len: int
-    num_blocks: int
-    layer: int = 0
-    kv_index: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class TransferEndpoint:
-    """Opaque to the coordinator: returned to peers byte for byte."""
-
-    backend: str = "mooncake"
-    session_name: str = ""
-    agent_metadata: bytes = b""
-    regions: tuple[KvRegion, ...] = ()
-    extra: tuple[tuple[str, bytes], ...] = ()
-
-    def to_proto(self) -> pb.TransferEndpoint:
-        return pb.TransferEndpoint(
-            backend=self.backend,
-            session_name=self.session_name,
-            agent_metadata=self.agent_metadata,
-            regions=[
-                pb.KvRegion(
-                    base_addr=r.base_addr,
-                    block_len=r.block_len,
-                    num_blocks=r.num_blocks,
-                    layer=r.layer,
-                    kv_index=r.kv_index,
-                )
-                for r in self.regions
-            ],
-            extra=dict(self.extra),
-        )
-
-
-PublishModeName = Literal["per_child_engine", "per_rank_part"]
-
-
-@dataclass(frozen=True, slots=True)
 class RankPartRegistration:
     engine_id: str
     profile: EngineProfile
@@ -121,7 +82,7 @@ class RankPartRegistration:
     dp_rank: int = 0
     dp_size: int = 1
     dcp_size: int = 1
-    publish_mode: PublishModeName = "per_child_engine"
+    publish_mode: PublishMode = PublishMode.PER_CHILD_ENGINE
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     # Empty: derived the vLLM way (`<engine_id>_dp<dp_rank>`, or engine_id).
@@ -129,11 +90,7 @@ class RankPartRegistration:
 
     @property
     def resolved_child_engine_id(self) -> str:
-        if self.child_engine_id:
-            return self.child_engine_id
-        if self.dp_size > 1:
-            return f"{self.engine_id}_dp{self.dp_rank}"
-        return self.engine_id
+        return self.child_engine_id or child_engine_id(self.engine_id, self.dp_rank, self.dp_size)
 
     def to_proto(self, held_lease_ids: Sequence[str] = ()) -> pb.Register:
         p = self.profile
@@ -169,11 +126,7 @@ class RankPartRegistration:
                 extra=dict(p.extra),
             ),
             endpoint=self.endpoint.to_proto(),
-            publish_mode=(
-                pb.PUBLISH_MODE_PER_RANK_PART
-                if self.publish_mode == "per_rank_part"
-                else pb.PUBLISH_MODE_PER_CHILD_ENGINE
-            ),
+            publish_mode=pb.PublishMode.ValueType(self.publish_mode),
             kv_events_endpoint=self.kv_events_endpoint,
             kv_events_replay_endpoint=self.kv_events_replay_endpoint,
             held_lease_ids=list(held_lease_ids),

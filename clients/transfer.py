@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from clients import session
 from clients.kv_cache import (
     IncompatibleLayoutError,
     KvCacheLayout,
@@ -38,6 +37,7 @@ from clients.kv_cache import (
     check_compatible,
 )
 from kvrc.v1 import kvrc_pb2
+from kvrc.vocabulary import KvRegion, TransferEndpoint
 
 # Mooncake lands entries of a failed batch for up to ~1 s after the call returned.
 DEFAULT_SETTLE_S = 1.0
@@ -460,13 +460,13 @@ def endpoint_to_proto(endpoint: KvEndpointDescription) -> kvrc_pb2.TransferEndpo
     return endpoint_to_session(endpoint).to_proto()
 
 
-def endpoint_to_session(endpoint: KvEndpointDescription) -> session.TransferEndpoint:
+def endpoint_to_session(endpoint: KvEndpointDescription) -> TransferEndpoint:
     """The registration form (`RankPartRegistration.endpoint`), layout included."""
-    return session.TransferEndpoint(
+    return TransferEndpoint(
         backend=endpoint.backend,
         session_name=endpoint.session_name,
         regions=tuple(
-            session.KvRegion(
+            KvRegion(
                 base_addr=region.base_addr,
                 block_len=region.block_len,
                 num_blocks=region.num_blocks,

@@ -58,7 +58,6 @@ from clients.inventory import (
     LookupOutcome,
     RemovedBlocks,
     StoredBlocks,
-    Tier,
 )
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
 from clients.leases import LeaseClient, LeaseSessionHandler, Miss, PinAnswer, PinRequestInfo
@@ -66,7 +65,9 @@ from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from clients.refengine.blocks import BlockPool, PoolExhaustedError, StoredBlock
 from clients.refengine.channel import Channel
 from clients.refengine.compute import expected_blocks, write_positions
-from clients.refengine.options import EngineOptions, add_engine_arguments, options_from_args
+from clients.refengine.options import EngineOptions, options_from_args
+from clients.refengine.pull_hook import NO_PULL_HOOK, PullContext, PullHook
+from clients.refengine.tasks import BackgroundTasks
 from clients.session import (
     ChildEngineState,
     EngineProfile,
@@ -89,6 +90,7 @@ from clients.transfer import (
 from kvrc.credentials import connect
 from kvrc.kv_params import encode_kv_transfer_params
 from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.vocabulary import Tier
 
 log = logging.getLogger("kvrc.refengine")
 
@@ -99,13 +101,6 @@ SWEEP_INTERVAL_S = 0.5
 PIN_SAFETY_GRACE_MS = 60_000
 HANDOFF_SAFETY_MS = 300_000
 QUIET_POLL_S = 0.05
-# Test-only fault injection, per request and rank part (`prefill`/`decode`
-# `test_faults={tp_rank: fault}`): real failures, provoked on purpose.
-# "bad-remote-address": the part's pull reads outside the source's registered
-#   memory; Mooncake's peer refuses it (a real FAILED slice).
-# "delay-before-pull=S": the part waits S seconds between grant and pull (a
-#   test kills the source meanwhile).
-TEST_FAULTS = ("bad-remote-address", "delay-before-pull=S")
 
 
 def now_ms() -> int:
@@ -122,8 +117,9 @@ def emit(event: str, **fields: Any) -> None:
 
 
 class RankPart:
-    def __init__(self, options: EngineOptions) -> None:
+    def __init__(self, options: EngineOptions, *, pull_hook: PullHook = NO_PULL_HOOK) -> None:
         self.options = options
+        self.pull_hook = pull_hook  # runs between a grant and each read (tests: faults)
         self.layout = KvCacheLayout(
             num_layers=options.num_layers,
             num_blocks=options.num_blocks,
@@ -260,6 +256,7 @@ class RankPart:
     async def _pull(
         self,
         flow: str,
+        request_id: str,
         lease_id: str,
         source_parts: Sequence[bytes],
         skip: int,
@@ -267,13 +264,12 @@ class RankPart:
         tokens: Sequence[int],
         first_index: int,
         deadline_s: float,
-        test_fault: str = "",
     ) -> dict[str, Any]:
         """Pull this part's slice and report it to kvrc; never raises for a transfer.
 
         `skip` source blocks are left out (the requester already holds them);
         `first_index` is the request block index of `local_block_ids[0]`.
-        `test_fault` (tests only, see TEST_FAULTS) provokes a real failure.
+        The part's `pull_hook` sees the plan before it is read (clients/refengine/pull_hook.py).
         """
         parts = []
         for raw in source_parts:
@@ -292,16 +288,8 @@ class RankPart:
             # Refused before any byte moves: FAILED and already quiet.
             await self.report(flow, lease_id, TransferOutcome.FAILED, f"refused: {exc}")
             return _pull_reply("FAILED", error=f"refused: {exc}", refused=True)
-        fault, _, value = test_fault.partition("=")
-        if fault == "bad-remote-address":
-            # Addresses past the peer's registered memory: the peer refuses the read.
-            far = 1 << 46
-            plan = dataclasses.replace(
-                plan, remote_addresses=tuple(a + far for a in plan.remote_addresses)
-            )
-        elif fault == "delay-before-pull":
-            emit("pull_delayed", lease_id=lease_id, seconds=float(value))
-            await asyncio.sleep(float(value))
+        context = PullContext(flow, request_id, lease_id, self.options.tp_rank)
+        plan = await self.pull_hook.before_pull(context, plan)
         if lease_id in self._aborted:
             # kvrc aborted the lease before our read started: it never starts.
             await self.report(flow, lease_id, TransferOutcome.FAILED, "aborted before the read")
@@ -452,22 +440,6 @@ class RankPart:
         emit("quarantined", lease_id=lease_id, reason=reason)
 
 
-def _parse_test_faults(raw: dict[Any, Any], tp_size: int) -> dict[int, dict[str, Any]]:
-    """Validate `{tp_rank: fault}` before anything runs (ValueError names what is wrong)."""
-    faults: dict[int, dict[str, Any]] = {}
-    for rank, fault in raw.items():
-        kind, _, value = str(fault).partition("=")
-        if not 0 <= int(rank) < tp_size:
-            raise ValueError(f"test fault for tp rank {rank} of a tp {tp_size} engine")
-        if kind == "delay-before-pull":
-            if not 0 <= float(value) <= 60:
-                raise ValueError(f"delay-before-pull must be 0..60 s, got {value!r}")
-        elif kind != "bad-remote-address":
-            raise ValueError(f"unknown test fault {fault!r}; known: {TEST_FAULTS}")
-        faults[int(rank)] = {"test_fault": str(fault)}
-    return faults
-
-
 def _pull_reply(
     outcome: str,
     *,
@@ -523,21 +495,6 @@ class _PartState(NullHandler):
             )
 
 
-_background: set[asyncio.Task[Any]] = set()
-
-
-def _spawn(work: Awaitable[Any]) -> None:
-    async def run() -> None:
-        try:
-            await work
-        except Exception:
-            log.exception("background task failed")
-
-    task = asyncio.create_task(run())
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-
-
 # ---------------------------------------------------------------------------
 # Leader: the engine's scheduler (tp rank 0)
 # ---------------------------------------------------------------------------
@@ -567,7 +524,8 @@ class Leader:
         self._hold_by_request: dict[str, _HandoffHold] = {}
         self._released_unbound: dict[str, None] = {}  # releases of handoffs not yet named
         self._server: asyncio.Server | None = None
-        self._sweeper: asyncio.Task[None] | None = None
+        # The sweep and the untaints of failed transfers: they end with the leader.
+        self._tasks = BackgroundTasks(log)
         self.control_port = 0
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -589,11 +547,11 @@ class Leader:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, self.options.control_host, 0)
         self.control_port = self._server.sockets[0].getsockname()[1]
-        self._sweeper = asyncio.create_task(self._sweep())
+        self._tasks.spawn(self._sweep(), name="sweep")
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        # First the background work (an untaint still talks to the followers).
+        await self._tasks.aclose()
         if self._server is not None:
             self._server.close()
         for channel in self.followers.values():
@@ -697,7 +655,6 @@ class Leader:
     async def handle_driver_request(self, op: str, args: dict[str, Any]) -> Any:
         if op == "ready":
             return await self.wait_ready(float(args.get("wait_s", 60.0)))
-        faults = _parse_test_faults(args.get("test_faults") or {}, self.options.tp_size)
         if op == "prefill":
             timeout_ms = int(args.get("transfer_timeout_ms") or self.options.transfer_timeout_ms)
             if not 100 <= timeout_ms <= 600_000:
@@ -706,7 +663,6 @@ class Leader:
                 str(args["request_id"]),
                 list(args["tokens"]),
                 str(args.get("decode") or ""),
-                faults,
                 transfer_timeout_ms=timeout_ms,
             )
         if op == "decode":
@@ -715,7 +671,6 @@ class Leader:
                 str(args["prefill"]),
                 list(args["prompt"]),
                 list(args.get("output") or []),
-                faults,
             )
         if op == "bind_handoff":
             await self.bind_handoff(str(args["request_id"]), str(args["lease_id"]))
@@ -757,30 +712,21 @@ class Leader:
             "draining": self.draining,
         }
 
-    async def _on_all(
-        self, op: str, per_rank: dict[int, dict[str, Any]] | None = None, **args: Any
-    ) -> list[Any]:
-        """Run one command on every rank part (tp rank order); the first error raises.
-
-        `per_rank[r]` adds arguments for rank part r only.
-        """
-        per_rank = per_rank or {}
-        calls: list[Awaitable[Any]] = [self.part.handle(op, {**args, **per_rank.get(0, {})})]
+    async def _on_all(self, op: str, **args: Any) -> list[Any]:
+        """Run one command on every rank part (tp rank order); the first error raises."""
+        calls: list[Awaitable[Any]] = [self.part.handle(op, args)]
         for rank in range(1, self.options.tp_size):
-            more = per_rank.get(rank, {})
-            calls.append(self.followers[rank].call(op, timeout_s=120.0, **args, **more))
+            calls.append(self.followers[rank].call(op, timeout_s=120.0, **args))
         return list(await asyncio.gather(*calls))
 
-    async def _pull_all(
-        self, faults: dict[int, dict[str, Any]] | None, **args: Any
-    ) -> list[dict[str, Any]]:
+    async def _pull_all(self, **args: Any) -> list[dict[str, Any]]:
         """Every part pulls its slice; then, if all succeeded, every part verifies it.
 
         Verifying only after every read returned keeps the check's CPU work (a
         recomputation) from starving a sibling part's read on a small host: in the
         demo on 2 cores, reads that overlapped a sibling's check took ~10 ms, not ~1.
         """
-        results = await self._on_all("pull", faults, **args)
+        results = await self._on_all("pull", **args)
         if all(r["outcome"] == TransferOutcome.SUCCEEDED.value for r in results):
             counts = await self._on_all(
                 "verify",
@@ -808,7 +754,6 @@ class Leader:
         request_id: str,
         tokens: list[int],
         decode: str,
-        faults: dict[int, dict[str, Any]] | None = None,
         *,
         transfer_timeout_ms: int = 0,
     ) -> dict[str, Any]:
@@ -830,7 +775,6 @@ class Leader:
                 tokens,
                 hashes,
                 len(local),
-                faults,
                 transfer_timeout_ms or self.options.transfer_timeout_ms,
             )
             held += loaded
@@ -860,7 +804,6 @@ class Leader:
         tokens: list[int],
         hashes: list[bytes],
         local_n: int,
-        faults: dict[int, dict[str, Any]] | None,
         transfer_timeout_ms: int,
     ) -> tuple[list[int], dict[str, Any]]:
         info: dict[str, Any] = {
@@ -916,8 +859,8 @@ class Leader:
         deadline_s = (answer.deadline_unix_ms - now_ms()) / 1000
         try:
             results = await self._pull_all(
-                faults,
                 flow="prefix_load",
+                request_id=request_id,
                 lease_id=answer.lease_id,
                 source_parts=[part.SerializeToString() for part in answer.source_parts],
                 skip=local_n,
@@ -974,7 +917,7 @@ class Leader:
             await self._on_all("wait_quiet", block_ids=block_ids)
             self.pool.untaint(block_ids)
 
-        _spawn(untaint())
+        self._tasks.spawn(untaint(), name=f"untaint {len(block_ids)} block(s)")
 
     async def _publish_handoff(
         self, request_id: str, held: list[int], decode: str
@@ -1037,7 +980,6 @@ class Leader:
         prefill: str,
         prompt: list[int],
         output: list[int],
-        faults: dict[int, dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """Take the prefill's handoff, pull, verify; fall back to recompute; retain."""
         self.counters["requests"] += 1
@@ -1059,8 +1001,8 @@ class Leader:
                     results = [_pull_reply("FAILED", error=error, refused=True)]
                 else:
                     results = await self._pull_all(
-                        faults,
                         flow="handoff",
+                        request_id=request_id,
                         lease_id=grant.lease_id,
                         source_parts=[part.SerializeToString() for part in grant.source_parts],
                         skip=0,
@@ -1126,8 +1068,8 @@ class Leader:
 # ---------------------------------------------------------------------------
 
 
-async def run(options: EngineOptions) -> int:
-    part = RankPart(options)
+async def run(options: EngineOptions, *, pull_hook: PullHook = NO_PULL_HOOK) -> int:
+    part = RankPart(options, pull_hook=pull_hook)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -1170,22 +1112,15 @@ async def run(options: EngineOptions) -> int:
         await part.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvrc engine", description="reference engine rank part")
-    add_engine_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_from_args(args)
+def run_from_args(args: argparse.Namespace, *, pull_hook: PullHook = NO_PULL_HOOK) -> int:
+    """`kvrc engine` (clients/cli.py): `args` from `add_engine_arguments`.
 
-
-def run_from_args(args: argparse.Namespace) -> int:
+    `pull_hook` runs between each grant and its read (tests pass faults through it).
+    """
     logging.basicConfig(
         level=args.log_level,
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s {args.engine_id}/tp{args.tp_rank} %(name)s: %(message)s",
     )
     options = options_from_args(args)
-    return asyncio.run(run(options))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return asyncio.run(run(options, pull_hook=pull_hook))

@@ -6,23 +6,20 @@ values and feed the same inventory core. Pure values: no protobuf, no msgpack.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from kvrc.vocabulary import BlockHash, RankKey, Tier
 
-class Tier(enum.IntEnum):
-    """Where a block lives; lower is faster. Values match `kvrc.v1.Tier`."""
-
-    GPU = 1
-    CPU = 2
-    DISK = 3
-    EXTERNAL = 4
-
-
-# A rank part inside its child engine's grid: (tp_rank, pp_rank, pcp_rank).
-RankKey = tuple[int, int, int]
-
-BlockHash = bytes
+__all__ = [
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "InventoryEvent",
+    "RankKey",
+    "Tier",
+]
 
 
 @dataclass(frozen=True, slots=True)

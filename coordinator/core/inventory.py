@@ -95,6 +95,7 @@ from coordinator.core.events import (
     RankKey,
     Tier,
 )
+from kvrc.vocabulary import PublishMode
 
 # Wire-level limits (checked by coordinator/edges/grpc_wire.py; the core checks chains).
 MAX_CHAIN_BLOCKS = 4096
@@ -127,11 +128,6 @@ def _key(block_hash: BlockHash) -> _Key:
 
 _NO_LEASES: Mapping[str, int] = MappingProxyType({})
 _TIER_OF: dict[int, Tier] = {int(t): t for t in Tier}
-
-
-class PublishMode(enum.Enum):
-    PER_CHILD_ENGINE = "per_child_engine"
-    PER_RANK_PART = "per_rank_part"
 
 
 class LookupOutcome(enum.Enum):

@@ -9,41 +9,14 @@ the registry exactly as it was.
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from coordinator.core.errors import already_exists, failed_precondition, invalid, resource_exhausted
-from coordinator.core.events import RankKey
 from coordinator.core.profiles import LAYOUT_FIELDS, DeploymentProfile, compatibility_hash
-
-
-class PublishMode(enum.IntEnum):
-    """How a child engine publishes inventory. Values match `kvrc.v1.PublishMode`."""
-
-    PER_CHILD_ENGINE = 1
-    PER_RANK_PART = 2
-
-
-@dataclass(frozen=True, slots=True)
-class KvRegion:
-    base_addr: int
-    block_len: int
-    num_blocks: int
-    layer: int = 0
-    kv_index: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class TransferEndpoint:
-    """How a peer's transfer engine reaches a rank part. Opaque: kept byte for byte."""
-
-    backend: str = ""
-    session_name: str = ""
-    agent_metadata: bytes = b""
-    regions: tuple[KvRegion, ...] = ()
-    extra: tuple[tuple[str, bytes], ...] = ()  # in the order received
+from kvrc.ids import child_engine_id, format_rank, rank_grid
+from kvrc.vocabulary import PublishMode, RankKey, TransferEndpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +26,7 @@ class RankPartRegistration:
     child_engine_id: str
     rank: RankKey  # (tp_rank, pp_rank, pcp_rank)
     profile: DeploymentProfile
-    endpoint: TransferEndpoint = TransferEndpoint()
+    endpoint: TransferEndpoint = field(default_factory=TransferEndpoint)
     publish_mode: PublishMode = PublishMode.PER_CHILD_ENGINE
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
@@ -111,24 +84,13 @@ class RemovalResult:
     readiness_changed: bool
 
 
-def expected_child_engine_id(engine_id: str, dp_rank: int, dp_size: int) -> str:
-    """vLLM's naming: `<engine_id>_dp<dp_rank>`, or the bare id for one DP rank."""
-    return f"{engine_id}_dp{dp_rank}" if dp_size > 1 else engine_id
-
-
-def format_rank(rank: RankKey) -> str:
-    return f"(tp={rank[0]}, pp={rank[1]}, pcp={rank[2]})"
-
-
 def grid_size(profile: DeploymentProfile) -> int:
     return profile.tp_size * profile.pp_size * profile.pcp_size
 
 
 def grid_ranks(profile: DeploymentProfile) -> Iterator[RankKey]:
-    """Every rank part of the tp x pp x pcp grid, tp outermost."""
-    return itertools.product(
-        range(profile.tp_size), range(profile.pp_size), range(profile.pcp_size)
-    )
+    """Every rank part of the child engine's tp x pp x pcp grid, tp outermost."""
+    return rank_grid(profile.tp_size, profile.pp_size, profile.pcp_size)
 
 
 def check_registration_shape(reg: RankPartRegistration, max_grid_parts: int = 4096) -> None:
@@ -152,7 +114,7 @@ def check_registration_shape(reg: RankPartRegistration, max_grid_parts: int = 40
     ):
         if not 0 <= value < size:
             raise invalid(f"{name} must be in [0, {size}), got {value}")
-    expected = expected_child_engine_id(reg.engine_id, reg.dp_rank, p.dp_size)
+    expected = child_engine_id(reg.engine_id, reg.dp_rank, p.dp_size)
     if reg.child_engine_id != expected:
         raise invalid(
             f"child_engine_id mismatch: got {reg.child_engine_id!r}, expected {expected!r} "

@@ -41,7 +41,6 @@ from coordinator.core.events import (
     Tier,
 )
 from coordinator.core.inventory import MAX_BLOCK_HASH_BYTES
-from coordinator.core.registry import expected_child_engine_id
 
 # vLLM's replay end marker: seq = -1 as signed 8 bytes.
 END_SEQ = b"\xff" * 8
@@ -194,11 +193,6 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
         cleared=cleared,
         unknown_events=unknown,
     )
-
-
-def child_engine_id_for(engine_id: str, dp_size: int, dp_rank: int) -> str:
-    """vLLM's child-engine naming (the registry's rule), in the stream config's order."""
-    return expected_child_engine_id(engine_id, dp_rank, dp_size)
 
 
 def tier_for_medium(medium: object) -> Tier:

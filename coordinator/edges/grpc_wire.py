@@ -27,13 +27,7 @@ from coordinator.core.leases import (
     SourcePart,
 )
 from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
-from coordinator.core.registry import (
-    ChildEngineView,
-    KvRegion,
-    PublishMode,
-    RankPartRegistration,
-    TransferEndpoint,
-)
+from coordinator.core.registry import ChildEngineView, RankPartRegistration
 from coordinator.edges.zmq_ingest import ZmqStreamConfig, publisher_host, subscriber_endpoint
 from coordinator.runtime.config import FieldBounds
 from coordinator.runtime.coordinator import (
@@ -56,6 +50,7 @@ from coordinator.runtime.lease_flow import (
 )
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.vocabulary import PublishMode, TransferEndpoint
 
 # --- validation helpers ------------------------------------------------------
 
@@ -200,35 +195,7 @@ def _check_endpoint(msg: pb.TransferEndpoint, bounds: FieldBounds) -> None:
 
 def endpoint_from_proto(msg: pb.TransferEndpoint, bounds: FieldBounds) -> TransferEndpoint:
     _check_endpoint(msg, bounds)
-    return TransferEndpoint(
-        backend=msg.backend,
-        session_name=msg.session_name,
-        agent_metadata=bytes(msg.agent_metadata),
-        regions=tuple(
-            KvRegion(r.base_addr, r.block_len, r.num_blocks, r.layer, r.kv_index)
-            for r in msg.regions
-        ),
-        extra=tuple((k, bytes(v)) for k, v in msg.extra.items()),
-    )
-
-
-def endpoint_to_proto(endpoint: TransferEndpoint) -> pb.TransferEndpoint:
-    return pb.TransferEndpoint(
-        backend=endpoint.backend,
-        session_name=endpoint.session_name,
-        agent_metadata=endpoint.agent_metadata,
-        regions=[
-            pb.KvRegion(
-                base_addr=r.base_addr,
-                block_len=r.block_len,
-                num_blocks=r.num_blocks,
-                layer=r.layer,
-                kv_index=r.kv_index,
-            )
-            for r in endpoint.regions
-        ],
-        extra=dict(endpoint.extra),
-    )
+    return TransferEndpoint.from_proto(msg)
 
 
 def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRegistration:
@@ -378,7 +345,7 @@ def _child_engine_status(status: ChildEngineStatus) -> pb.ChildEngineStatus:
                 session_id=part.session_id,
                 incarnation=part.incarnation,
                 last_heartbeat_unix_ms=part.last_heartbeat_ms,
-                endpoint=endpoint_to_proto(part.registration.endpoint),
+                endpoint=part.registration.endpoint.to_proto(),
             )
             for part in view.parts
         ],

@@ -65,11 +65,11 @@ from coordinator.core.vllm_events import (
     END_SEQ,
     DecodedBatch,
     MalformedFrame,
-    child_engine_id_for,
     decode_payload,
     decode_sequence,
 )
 from coordinator.runtime.metrics import Metrics
+from kvrc.ids import child_engine_id
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class ZmqStreamConfig:
 
     @property
     def child_engine_id(self) -> str:
-        return child_engine_id_for(self.engine_id, self.dp_size, self.dp_rank)
+        return child_engine_id(self.engine_id, self.dp_rank, self.dp_size)
 
 
 def publisher_host(session_name: str) -> str:

@@ -41,13 +41,13 @@ from coordinator.core.registry import (
     PartRef,
     RankPartRegistration,
     Registry,
-    format_rank,
 )
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.inventory_flow import InventoryFacade, LookupQuery, ResyncOrder
 from coordinator.runtime.lease_flow import HolderCandidate, LeaseFacade, LeaseOutbound
 from coordinator.runtime.metrics import Metrics
 from kvrc import __version__
+from kvrc.ids import format_rank
 
 log = logging.getLogger("kvrc.coordinator")
 

@@ -60,14 +60,13 @@ from coordinator.core.inventory import (
     Candidate,
     Inventory,
     LookupOutcome,
-    PublishMode,
     Scope,
 )
 from coordinator.core.profiles import ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, RankPartRegistration, Registry, grid_ranks
-from coordinator.core.registry import PublishMode as WirePublishMode
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.metrics import Metrics
+from kvrc.vocabulary import PublishMode
 
 if TYPE_CHECKING:
     from coordinator.edges.zmq_ingest import ZmqEventStream
@@ -264,7 +263,7 @@ class InventoryFacade:
         cid = registration.child_engine_id
         meta = self._meta.get(cid)
         if meta is None:
-            per_part = registration.publish_mode is WirePublishMode.PER_RANK_PART
+            per_part = registration.publish_mode is PublishMode.PER_RANK_PART
             mode = PublishMode.PER_RANK_PART if per_part else PublishMode.PER_CHILD_ENGINE
             ranks = list(grid_ranks(view.profile)) if per_part else []
             self.inventory.add_engine(

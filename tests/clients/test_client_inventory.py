@@ -28,10 +28,10 @@ from clients.inventory import (
     PublishingHandler,
     RemovedBlocks,
     StoredBlocks,
-    Tier,
     chunk_events,
 )
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from kvrc.vocabulary import Tier
 
 
 def hs(tag: int, n: int) -> tuple[bytes, ...]:

@@ -16,9 +16,9 @@ from coordinator.core.inventory import (
     Candidate,
     Inventory,
     LookupOutcome,
-    PublishMode,
     Scope,
 )
+from kvrc.vocabulary import PublishMode
 
 A = "compat-a"
 B = "compat-b"

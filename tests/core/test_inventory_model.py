@@ -29,9 +29,9 @@ from coordinator.core.inventory import (
     Inventory,
     LookupAnswer,
     LookupOutcome,
-    PublishMode,
     Scope,
 )
+from kvrc.vocabulary import PublishMode
 
 ENGINE_IDS = ("e0", "e1", "e2", "e3", "e4")
 COMPATS = ("compat-a", "compat-b")

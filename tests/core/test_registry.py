@@ -16,9 +16,9 @@ from coordinator.core.registry import (
     PartRef,
     RankPartRegistration,
     Registry,
-    TransferEndpoint,
-    expected_child_engine_id,
 )
+from kvrc.ids import child_engine_id as vllm_child_engine_id
+from kvrc.vocabulary import TransferEndpoint
 
 PROFILE = DeploymentProfile(model="m", block_size=16, kv_dtype="bfloat16", tp_size=2, pp_size=2)
 
@@ -37,7 +37,7 @@ def reg(
     cid = (
         child_engine_id
         if child_engine_id is not None
-        else expected_child_engine_id(engine_id, dp_rank, profile.dp_size)
+        else vllm_child_engine_id(engine_id, dp_rank, profile.dp_size)
     )
     return RankPartRegistration(
         engine_id=engine_id,

@@ -23,10 +23,10 @@ from coordinator.core.events import (
 from coordinator.core.vllm_events import (
     DecodedBatch,
     MalformedFrame,
-    child_engine_id_for,
     decode_frame,
     tier_for_medium,
 )
+from kvrc.ids import child_engine_id
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_frames"
 SEQ0 = (0).to_bytes(8, "big")
@@ -244,9 +244,9 @@ def test_medium_maps_to_tier() -> None:
 
 
 def test_child_engine_id_follows_vllm_dp_naming() -> None:
-    assert child_engine_id_for("engine-a", 1, 0) == "engine-a"
-    assert child_engine_id_for("engine-a", 4, 0) == "engine-a_dp0"
-    assert child_engine_id_for("engine-a", 4, 3) == "engine-a_dp3"
+    assert child_engine_id("engine-a", 0, 1) == "engine-a"
+    assert child_engine_id("engine-a", 0, 4) == "engine-a_dp0"
+    assert child_engine_id("engine-a", 3, 4) == "engine-a_dp3"
 
 
 def test_map_encoded_batch_and_topic_are_accepted() -> None:

@@ -36,10 +36,11 @@ from prometheus_env import (
     running_prometheus,
 )
 
-from clients.inventory import InventoryPublisher, LookupClient, PublishingHandler, Tier
+from clients.inventory import InventoryPublisher, LookupClient, PublishingHandler
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2, kvrc_pb2_grpc
+from kvrc.vocabulary import Tier
 
 REPO = Path(__file__).resolve().parents[2]
 STANDALONE = REPO / "deploy" / "kubernetes" / "standalone"

@@ -44,16 +44,11 @@ from clients.inventory import (
     LookupResult,
     PublishingHandler,
     StoredBlocks,
-    Tier,
 )
 from clients.refengine.demo import child_process_env
-from clients.session import (
-    EngineProfile,
-    EngineSession,
-    NullHandler,
-    RankPartRegistration,
-)
+from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
 from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.vocabulary import PublishMode, Tier
 
 PROFILES = """
 [[profile]]
@@ -478,7 +473,7 @@ async def test_per_rank_part_blocks_are_visible_only_while_every_part_holds_them
 ) -> None:
     t = reuse_on.grpc_target
     await open_tp2(engines, t, "prp-req")
-    kw: dict[str, Any] = {"tp_size": 2, "publish_mode": "per_rank_part"}
+    kw: dict[str, Any] = {"tp_size": 2, "publish_mode": PublishMode.PER_RANK_PART}
     p0 = await open_engine(engines, t, "prp-holder", tp_rank=0, wait_ready=False, **kw)
     p1 = await open_engine(engines, t, "prp-holder", tp_rank=1, **kw)
     await p0.publisher.stored(CHAIN[:6])

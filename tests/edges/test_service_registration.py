@@ -33,12 +33,8 @@ from clients.errors import (
     InvalidArgumentError,
     KvrcClientError,
 )
-from clients.session import (
-    EngineProfile,
-    EngineSession,
-    RankPartRegistration,
-    TransferEndpoint,
-)
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from kvrc.vocabulary import TransferEndpoint
 
 HEARTBEAT_TIMEOUT_MS = 1000
 

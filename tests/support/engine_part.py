@@ -28,8 +28,8 @@ from clients.session import (
     RankPartRegistration,
     RegisterAck,
     SessionHandler,
-    TransferEndpoint,
 )
+from kvrc.vocabulary import TransferEndpoint
 
 
 def emit(doc: dict[str, Any]) -> None:

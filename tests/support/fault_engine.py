@@ -53,12 +53,7 @@ from harness import (
 )
 
 from clients.errors import KvrcClientError
-from clients.inventory import (
-    InventoryPublisher,
-    LookupClient,
-    StoredBlocks,
-    Tier,
-)
+from clients.inventory import InventoryPublisher, LookupClient, StoredBlocks
 from clients.leases import (
     LeaseClient,
     LeaseSessionHandler,
@@ -73,9 +68,9 @@ from clients.session import (
     RankPartRegistration,
     RegisterAck,
     SessionHandler,
-    TransferEndpoint,
 )
 from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.vocabulary import Tier, TransferEndpoint
 
 MODEL = "fault-model"
 PROFILES = f'[[profile]]\nname = "fault"\nmodel = "{MODEL}"\n'

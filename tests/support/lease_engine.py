@@ -56,10 +56,10 @@ from clients.session import (
     EngineSession,
     RankPartRegistration,
     SessionHandler,
-    TransferEndpoint,
 )
 from kvrc.kv_params import encode_kv_transfer_params
 from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.vocabulary import TransferEndpoint
 
 
 def emit(doc: dict[str, Any]) -> None:

@@ -1,0 +1,94 @@
+"""The values both sides of kvrc share, each defined once.
+
+Engines (`clients/`) and the coordinator (`coordinator/`) import these; neither
+side defines its own copy. Protocol conversions live here too, so that the two
+sides cannot drift: `to_proto` builds the `kvrc.v1` message, `from_proto` reads
+one that the caller has already validated (the coordinator checks sizes first,
+in `coordinator/edges/grpc_wire.py`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvrc.v1 import kvrc_pb2 as pb
+
+# A rank part inside its child engine's grid: (tp_rank, pp_rank, pcp_rank).
+RankKey = tuple[int, int, int]
+
+# A block hash as engines publish it: opaque bytes, compared for equality only.
+BlockHash = bytes
+
+
+class Tier(enum.IntEnum):
+    """Where a block lives; lower is faster. Values match `kvrc.v1.Tier`."""
+
+    GPU = 1
+    CPU = 2
+    DISK = 3
+    EXTERNAL = 4
+
+
+class PublishMode(enum.IntEnum):
+    """How a child engine publishes inventory. Values match `kvrc.v1.PublishMode`."""
+
+    PER_CHILD_ENGINE = 1  # one stream for the child engine (vLLM's scheduler-side events)
+    PER_RANK_PART = 2  # one stream per rank part; a block counts once every part has it
+
+
+@dataclass(frozen=True, slots=True)
+class KvRegion:
+    """One registered memory region of a rank part's KV cache."""
+
+    base_addr: int
+    block_len: int
+    num_blocks: int
+    layer: int = 0
+    kv_index: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferEndpoint:
+    """How a peer's transfer engine reaches a rank part.
+
+    Opaque to the coordinator: kept and returned to peers byte for byte
+    (NIXL / Mooncake agent metadata, `extra` in the order received).
+    """
+
+    backend: str = ""
+    session_name: str = ""
+    agent_metadata: bytes = b""
+    regions: tuple[KvRegion, ...] = ()
+    extra: tuple[tuple[str, bytes], ...] = ()
+
+    def to_proto(self) -> pb.TransferEndpoint:
+        return pb.TransferEndpoint(
+            backend=self.backend,
+            session_name=self.session_name,
+            agent_metadata=self.agent_metadata,
+            regions=[
+                pb.KvRegion(
+                    base_addr=r.base_addr,
+                    block_len=r.block_len,
+                    num_blocks=r.num_blocks,
+                    layer=r.layer,
+                    kv_index=r.kv_index,
+                )
+                for r in self.regions
+            ],
+            extra=dict(self.extra),
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.TransferEndpoint) -> TransferEndpoint:
+        return cls(
+            backend=msg.backend,
+            session_name=msg.session_name,
+            agent_metadata=bytes(msg.agent_metadata),
+            regions=tuple(
+                KvRegion(r.base_addr, r.block_len, r.num_blocks, r.layer, r.kv_index)
+                for r in msg.regions
+            ),
+            extra=tuple((k, bytes(v)) for k, v in msg.extra.items()),
+        )
