@@ -139,9 +139,17 @@ class EngineGroup:
 class Cluster:
     """Owns every child process of a demo or test; `stop()` leaves none behind."""
 
-    def __init__(self, workdir: Path, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        python: str = sys.executable,
+        engine_command: Sequence[str] = (),
+    ) -> None:
+        """`engine_command`: the argv before an engine's flags (default `kvrc engine`
+        through clients/cli.py; tests run tests/support/refengine_faults.py)."""
         self.workdir = workdir
         self.python = python
+        self.engine_command = list(engine_command) or [python, "-m", "clients.cli", "engine"]
         self.children: list[Child] = []
         self.coordinator: Child | None = None
         self.coordinator_args: tuple[str, ...] = ()
@@ -209,7 +217,7 @@ class Cluster:
 
     def engine_argv(self, group: EngineGroup, tp_rank: int, extra: Sequence[str]) -> list[str]:
         argv = [
-            self.python, "-m", "coordinator", "engine",
+            *self.engine_command,
             "--role", group.role,
             "--engine-id", group.engine_id,
             "--tp-rank", str(tp_rank),

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from refengine_faults import FaultHook, PullFaults, parse_faults
 
 from clients.hashing import hash_block_chain
 from clients.kv_cache import (
@@ -29,7 +32,9 @@ from clients.kv_cache import (
 from clients.refengine.blocks import BlockPool, PoolExhaustedError
 from clients.refengine.channel import Channel, ChannelError
 from clients.refengine.compute import expected_blocks, kv_values, write_positions
-from clients.refengine.engine import Leader, _parse_test_faults, _pull_reply
+from clients.refengine.engine import Leader, _pull_reply
+from clients.refengine.pull_hook import NO_PULL_HOOK, PullContext
+from clients.refengine.tasks import BackgroundTasks
 from clients.transfer import TransferPlan
 
 LAYOUT = KvCacheLayout(
@@ -335,14 +340,77 @@ async def test_channel_malformed_frame_closes_instead_of_hanging() -> None:
             await asyncio.wait_for(pending, 5)
 
 
-def test_test_faults_are_validated_before_anything_runs() -> None:
-    assert _parse_test_faults({1: "bad-remote-address"}, 2) == {
-        1: {"test_fault": "bad-remote-address"}
-    }
-    assert _parse_test_faults({0: "delay-before-pull=1.5"}, 2)[0]["test_fault"].endswith("1.5")
+def test_test_faults_are_validated_before_anything_runs(tmp_path: Path) -> None:
+    assert parse_faults({1: "bad-remote-address"}, 2) == {1: "bad-remote-address"}
+    assert parse_faults({0: "delay-before-pull=1.5"}, 2)[0].endswith("1.5")
+    faults = PullFaults(tmp_path)
     for bad in ({2: "bad-remote-address"}, {0: "explode"}, {0: "delay-before-pull=999"}):
         with pytest.raises(ValueError):
-            _parse_test_faults(bad, 2)
+            parse_faults(bad, 2)
+        with pytest.raises(ValueError):
+            faults.arm("r", bad, tp_size=2)
+    assert list(tmp_path.iterdir()) == []  # nothing armed
+
+
+_PLAN = TransferPlan("peer", (0, 64), (1 << 30, (1 << 30) + 64), (64, 64), (3,), 128)
+
+
+def _context(request_id: str, tp_rank: int) -> PullContext:
+    return PullContext("prefix_load", request_id, f"lease-{request_id}", tp_rank)
+
+
+async def test_production_pull_hook_reads_the_plan_unchanged() -> None:
+    assert await NO_PULL_HOOK.before_pull(_context("r", 0), _PLAN) is _PLAN
+
+
+async def test_armed_faults_apply_to_their_request_and_rank_part_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    faults = PullFaults(tmp_path / "faults")
+    faults.arm("a/1", {1: "bad-remote-address"}, tp_size=2)
+    faults.arm("b", {0: "delay-before-pull=0.05"}, tp_size=2)
+    hook = FaultHook(faults.directory)
+    far = await hook.before_pull(_context("a/1", 1), _PLAN)
+    assert far.remote_addresses == tuple(a + (1 << 46) for a in _PLAN.remote_addresses)
+    assert far.local_addresses == _PLAN.local_addresses and far.lengths == _PLAN.lengths
+    assert await hook.before_pull(_context("a/1", 0), _PLAN) is _PLAN  # rank 0: no fault
+    assert await hook.before_pull(_context("other", 1), _PLAN) is _PLAN  # not armed
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await hook.before_pull(_context("b", 0), _PLAN) is _PLAN
+    assert loop.time() - started >= 0.05
+    assert '"event": "pull_delayed", "lease_id": "lease-b"' in capsys.readouterr().out
+
+
+async def test_background_tasks_log_failures_and_end_with_their_owner(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tasks = BackgroundTasks(logging.getLogger("test.tasks"))
+    release = asyncio.Event()
+    ended: list[str] = []
+
+    async def fails() -> None:
+        raise RuntimeError("boom")
+
+    async def waits() -> None:
+        try:
+            await release.wait()
+        finally:
+            ended.append("waits")
+
+    tasks.spawn(fails(), name="fails")
+    tasks.spawn(waits(), name="waits")
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    # A failure is logged with its name, and cancels nothing else.
+    assert [r.getMessage() for r in caplog.records] == ["fails failed"]
+    assert caplog.records[0].exc_info is not None
+    assert len(tasks) == 1 and not ended
+    await tasks.aclose()  # cancels and waits: nothing outlives the owner
+    assert ended == ["waits"] and len(tasks) == 0
+    work = waits()
+    assert tasks.spawn(work, name="late") is None  # closed: the work never starts
+    assert ended == ["waits"]
 
 
 # --- transfer accounting and coalescing -------------------------------------------------
@@ -407,9 +475,7 @@ class _Parts:
         self._pull = pull_outcomes
         self._mismatches = mismatches
 
-    async def _on_all(
-        self, op: str, per_rank: dict[int, dict[str, Any]] | None = None, **args: Any
-    ) -> list[Any]:
+    async def _on_all(self, op: str, **args: Any) -> list[Any]:
         self.ops.append(op)
         if op == "pull":
             return [_pull_reply(o, nbytes=8, seconds=0.01, entries=4) for o in self._pull]
@@ -420,7 +486,7 @@ class _Parts:
 async def test_parts_verify_only_after_every_read_returned() -> None:
     args: dict[str, Any] = {"tokens": [1] * 64, "local_block_ids": [5, 6], "first_index": 2}
     parts = _Parts(["SUCCEEDED", "SUCCEEDED"], [0, 3])
-    results = await Leader._pull_all(parts, None, flow="handoff", **args)  # type: ignore[arg-type]
+    results = await Leader._pull_all(parts, flow="handoff", **args)  # type: ignore[arg-type]
     assert parts.ops == ["pull", "verify"]  # the check never overlaps a sibling's read
     assert [r["mismatches"] for r in results] == [0, 3]
     info: dict[str, Any] = {}
@@ -428,6 +494,6 @@ async def test_parts_verify_only_after_every_read_returned() -> None:
     assert info["mismatches"] == 3
     # A failed slice: nothing to verify, the whole load is recomputed anyway.
     parts = _Parts(["SUCCEEDED", "FAILED"], [])
-    results = await Leader._pull_all(parts, None, flow="handoff", **args)  # type: ignore[arg-type]
+    results = await Leader._pull_all(parts, flow="handoff", **args)  # type: ignore[arg-type]
     assert parts.ops == ["pull"]
     assert [r["mismatches"] for r in results] == [0, 0]

@@ -49,7 +49,7 @@ def wait_gone(marker: str, timeout_s: float = 15.0) -> list[int]:
 
 def demo_argv(ports: str, json_path: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "coordinator", "demo",
+        sys.executable, "-m", "clients.cli", "demo",
         "--mooncake-ports", ports,
         "--json", str(json_path),
         *extra,

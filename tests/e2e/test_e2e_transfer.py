@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 from harness import get_status, wait_until
+from refengine_faults import PullFaults
 
 from clients.hashing import hash_block_chain
 from clients.inventory import LookupClient
@@ -65,11 +66,18 @@ def blocks_of(num_tokens: int) -> int:
 
 
 @pytest.fixture(scope="module")
+def pull_faults(tmp_path_factory: pytest.TempPathFactory) -> PullFaults:
+    """Faults a test arms per request before sending it (tests/support/refengine_faults.py)."""
+    return PullFaults(Path(tmp_path_factory.mktemp("pull-faults")))
+
+
+@pytest.fixture(scope="module")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, pull_faults: PullFaults
 ) -> Iterator[tuple[Cluster, dict[str, EngineGroup]]]:
     workdir = Path(tmp_path_factory.mktemp("e2e"))
-    c = Cluster(workdir)
+    # Every engine runs with the fault hook; a request without armed faults reads as usual.
+    c = Cluster(workdir, engine_command=pull_faults.engine_command())
     try:
         # A frozen source must outlive its freeze in kvrc's view (see the freeze test).
         c.start_coordinator("--heartbeat-timeout-ms", "15000")
@@ -191,21 +199,17 @@ async def _stat_is(engine: Channel, key: str, value: int) -> bool:
 
 
 async def test_a_rank_part_failing_its_slice_fails_the_whole_load(
-    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+    cluster: tuple[Cluster, dict[str, EngineGroup]],
+    engines: dict[str, Channel],
+    pull_faults: PullFaults,
 ) -> None:
     kvrc, _ = cluster
     prompt, output = tokens(11, 64), tokens(12, 32)
     await handoff(engines, "slice-1", prompt, output)
     turn2 = prompt + output + tokens(13, 20)
     # tp rank 1 reads outside d0's registered memory: its peer refuses, rank 0 succeeds.
-    failed = await call(
-        engines["p1"],
-        "prefill",
-        request_id="slice-2",
-        tokens=turn2,
-        decode="",
-        test_faults={1: "bad-remote-address"},
-    )
+    pull_faults.arm("slice-2", {1: "bad-remote-address"}, tp_size=2)
+    failed = await call(engines["p1"], "prefill", request_id="slice-2", tokens=turn2, decode="")
     assert failed["load"].startswith("failed (FAILED)"), failed
     assert "tp1" in failed["load"] and "tp0" not in failed["load"]
     assert failed["blocks_loaded"] == 0  # no partially loaded request
@@ -222,7 +226,7 @@ async def test_a_rank_part_failing_its_slice_fails_the_whole_load(
     assert ok["load"] == "loaded" and ok["source"] == "d0", ok
     assert ok["mismatches"] == 0
     # Mooncake keeps failing a peer pair fast for a while after refused reads
-    # (DESIGN.md §5); p1 -> d0 loads again once it recovers. Later tests in this
+    # (docs/mooncake.md); p1 -> d0 loads again once it recovers. Later tests in this
     # module share the cluster, so they start from a healthy pair. Each try hands a
     # fresh prefix to d0 (a failed try leaves its prefix computed on p1).
     tries = iter(range(100, 1_000))
@@ -330,6 +334,7 @@ async def _holder_has(target: str, chain: list[int], engine: str, blocks: int) -
 async def _load_paused_before_pull(
     groups: dict[str, EngineGroup],
     engines: dict[str, Channel],
+    pull_faults: PullFaults,
     name: str,
     prompt: list[int],
     more: list[int],
@@ -342,16 +347,9 @@ async def _load_paused_before_pull(
     await call(engines["p0"], "prefill", request_id=f"{name}-1", tokens=prompt, decode="")
     turn2 = prompt + more
     delay = f"delay-before-pull={delay_s}"
+    pull_faults.arm(f"{name}-2", {0: delay, 1: delay}, tp_size=2)
     request = asyncio.create_task(
-        call(
-            engines["p1"],
-            "prefill",
-            request_id=f"{name}-2",
-            tokens=turn2,
-            decode="",
-            test_faults={0: delay, 1: delay},
-            **fields,
-        )
+        call(engines["p1"], "prefill", request_id=f"{name}-2", tokens=turn2, decode="", **fields)
     )
     leader = groups["p1"].leader
     granted = await asyncio.to_thread(leader.wait_event, "granted", 60.0, request_id=f"{name}-2")
@@ -361,11 +359,20 @@ async def _load_paused_before_pull(
 
 
 async def test_frozen_source_gives_unknown_blocks_stay_out_until_quiet_and_quarantine(
-    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+    cluster: tuple[Cluster, dict[str, EngineGroup]],
+    engines: dict[str, Channel],
+    pull_faults: PullFaults,
 ) -> None:
     kvrc, groups = cluster
     turn2, request, lease_id = await _load_paused_before_pull(
-        groups, engines, "freeze", tokens(71, 80), tokens(72, 20), "0.3", transfer_timeout_ms=1500
+        groups,
+        engines,
+        pull_faults,
+        "freeze",
+        tokens(71, 80),
+        tokens(72, 20),
+        "0.3",
+        transfer_timeout_ms=1500,
     )
     for part in groups["p0"].parts:  # the source freezes: Mooncake would block 30-60 s
         os.killpg(part.process.pid, signal.SIGSTOP)
@@ -402,7 +409,9 @@ async def test_frozen_source_gives_unknown_blocks_stay_out_until_quiet_and_quara
 
 
 async def test_lease_aborted_before_the_read_starts_never_reads_and_releases(
-    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+    cluster: tuple[Cluster, dict[str, EngineGroup]],
+    engines: dict[str, Channel],
+    pull_faults: PullFaults,
 ) -> None:
     """The lease deadline passes while the requester is still about to read (source alive):
     kvrc aborts; the parts answer only after their pull calls return, and never start one."""
@@ -410,6 +419,7 @@ async def test_lease_aborted_before_the_read_starts_never_reads_and_releases(
     prompt = tokens(81, 64)
     await call(engines["p0"], "prefill", request_id="abort-1", tokens=prompt, decode="")
     turn2 = prompt + tokens(82, 20)
+    pull_faults.arm("abort-2", {0: "delay-before-pull=1.5", 1: "delay-before-pull=1.5"}, tp_size=2)
     result = await call(
         engines["p1"],
         "prefill",
@@ -417,7 +427,6 @@ async def test_lease_aborted_before_the_read_starts_never_reads_and_releases(
         tokens=turn2,
         decode="",
         transfer_timeout_ms=300,
-        test_faults={0: "delay-before-pull=1.5", 1: "delay-before-pull=1.5"},
     )
     assert result["source"] == "p0"
     assert result["load"].startswith("failed (FAILED)"), result
@@ -435,12 +444,14 @@ async def _lease_state(target: str, lease_id: str, state: int) -> bool:
 
 
 async def test_source_killed_mid_transfer_recomputes_and_leaves_no_lease_open(
-    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
+    cluster: tuple[Cluster, dict[str, EngineGroup]],
+    engines: dict[str, Channel],
+    pull_faults: PullFaults,
 ) -> None:
     """Runs last in this module: it kills p0."""
     kvrc, groups = cluster
     turn2, request, lease_id = await _load_paused_before_pull(
-        groups, engines, "kill", tokens(31, 96), tokens(32, 30), "2"
+        groups, engines, pull_faults, "kill", tokens(31, 96), tokens(32, 30), "2"
     )
     for part in groups["p0"].parts:  # the source dies between its pin and the pull
         os.killpg(part.process.pid, signal.SIGKILL)

@@ -107,7 +107,7 @@ async def inventory_entries(target: str, admin_token: Path, child_engine_id: str
 
 def test_engine_credentials_flags_become_channel_options() -> None:
     """`kvrc engine --tls-* --token-file` reach ChannelOptions (the one client path)."""
-    from coordinator.edges.cli import build_parser
+    from clients.cli import build_parser
 
     args = build_parser().parse_args(
         [
