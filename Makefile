@@ -7,16 +7,18 @@ STAMP := $(VENV)/.installed-stamp
 PROTO_SRC := proto/kvrc/v1/kvrc.proto
 PYTEST_ARGS ?=
 
-.PHONY: help venv sysdeps proto proto-check serve demo test lint typecheck check \
+.PHONY: help venv sysdeps proto proto-check serve demo test test-fast test-e2e lint typecheck check \
         bench-index bench-transfer bench-zmq bench-trace bench-load clean
 
 help:
 	@echo "make demo   - run the demo cluster (kvrc + engines on loopback)"
 	@echo "make serve  - run the kvrc coordinator with embedded defaults"
-	@echo "make test   - run the test suite"
+	@echo "make test   - run the test suite (everything; what CI runs)"
+	@echo "make test-fast - tests/core, runtime and edges: the fast subset (under 90 s)"
+	@echo "make test-e2e  - tests/clients and e2e: engines, Mooncake, Prometheus, faults"
 	@echo "make check  - lint + typecheck + stale-proto check + tests (what CI runs)"
 
-# Debian libraries the Mooncake wheel links against (DESIGN.md §5).
+# Debian libraries the Mooncake wheel links against (docs/mooncake.md).
 sysdeps:
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'libnuma.so.1'; then \
 	  if [ "$$(id -u)" = 0 ]; then \
@@ -59,6 +61,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The fast subset: no Mooncake transfers, no Prometheus, no fault scenarios with engine
+# processes (those are tests/e2e). $(wildcard) leaves out a folder that does not exist yet.
+test-fast: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS) $(wildcard tests/core tests/runtime tests/edges)
+
+test-e2e: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS) tests/clients tests/e2e
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

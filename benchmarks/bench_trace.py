@@ -60,6 +60,7 @@ from benchmarks.common import (
 from benchmarks.trace_sim import (
     DEFAULT_CAPACITY_TOKENS,
     DEFAULT_ENGINES,
+    DEFAULT_TRACE,
     BlockId,
     Candidate,
     CostModel,
@@ -84,7 +85,6 @@ from clients.inventory import (
     PublishingHandler,
     RemovedBlocks,
     StoredBlocks,
-    Tier,
 )
 from clients.leases import (
     LeaseClient,
@@ -93,20 +93,14 @@ from clients.leases import (
     PinRequestInfo,
     PrefixLoadGrant,
 )
-from clients.session import (
-    EngineProfile,
-    EngineSession,
-    NullHandler,
-    RankPartRegistration,
-    TransferEndpoint,
-)
+from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
 from clients.transfer import TransferOutcome, TransferResult
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+from kvrc.vocabulary import Tier, TransferEndpoint
 
 T = TypeVar("T")
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 DEFAULT_OUT = RESULTS_DIR
 DEFAULT_SPEEDUP = 50.0
 LOOKUP_P99_LIMIT_MS = 10.0
@@ -832,6 +826,12 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+def trace_label(path: Path) -> str:
+    """The trace as a report names it: relative to the repository when it lies inside."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
 def build_report(
     trace_path: Path,
     requests: Sequence[TraceRequest],
@@ -843,7 +843,7 @@ def build_report(
     config: dict[str, Any],
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
-        "trace": str(trace_path),
+        "trace": trace_label(trace_path),
         "trace_name": trace_path.stem,
         "requests": len(requests),
         "blocks": sum(len(r.block_ids) for r in requests),

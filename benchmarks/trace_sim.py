@@ -67,6 +67,8 @@ from benchmarks.common import percentile
 BLOCK_TOKENS = 512
 DEFAULT_CAPACITY_TOKENS = 3_000_000
 DEFAULT_ENGINES = 10
+# The Mooncake FAST'25 synthetic trace, shipped in the repository (benchmarks/data/README.md).
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "synthetic_trace.jsonl"
 
 BlockId = int
 EngineIndex = int
@@ -805,7 +807,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--trace", default="../shared/traces/synthetic_trace.jsonl")
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--engines", type=int, default=DEFAULT_ENGINES)
     parser.add_argument("--capacity-tokens", type=int, default=DEFAULT_CAPACITY_TOKENS)
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """The reference chained block hasher shared by engines, simulators and tests.
 
-kvrc never computes block hashes (DESIGN.md §2: they are opaque engine keys); this
+kvrc never computes block hashes (docs/invariants.md, Terms: they are opaque engine keys); this
 module exists so that every engine process of a deployment, and every test, derives
 the same key for the same prefix. It is pure Python (hashlib, no Python `hash()`),
 so the values are stable across processes, runs, machines and PYTHONHASHSEED.

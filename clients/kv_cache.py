@@ -1,6 +1,6 @@
 """A rank part's paged KV cache: torch tensors, registered once with Mooncake.
 
-Layout (DESIGN.md §5): per layer one tensor shaped
+Layout (docs/mooncake.md): per layer one tensor shaped
 `[num_blocks, 2 (K, V), block_size, num_kv_heads, head_size]` ("NHD") or
 `[num_blocks, 2, num_kv_heads, block_size, head_size]` ("HND"). Both are block
 major, so one block of one layer is one contiguous run of `block_bytes` bytes at

@@ -23,7 +23,7 @@ INSTALL_HINT = (
     "CPU hosts: `pip install mooncake-transfer-engine-non-cuda` and "
     "`apt-get install --no-install-recommends libibverbs1 libnuma1 libcurl4`; "
     "CUDA hosts: `pip install mooncake-transfer-engine` (needs the CUDA 12 runtime). "
-    "See DESIGN.md §5."
+    "See docs/mooncake.md."
 )
 
 _PORT_MIN_ENV = "MC_MIN_RPC_PORT"
@@ -178,7 +178,7 @@ class MooncakeTransferEngine:
         """Blocking batch read from a peer; 0 on success, negative on failure.
 
         A negative code does not mean quiet: other entries of the batch may still
-        be landing (DESIGN.md §5). `clients.transfer.pull` handles that.
+        be landing (docs/mooncake.md). `clients.transfer.pull` handles that.
         """
         return int(
             self._engine.batch_transfer_sync_read(

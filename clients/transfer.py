@@ -2,7 +2,7 @@
 
 A pull reads blocks of a peer rank part's KV cache into local blocks with one
 Mooncake batch read. Mooncake's failure behaviour shapes everything here
-(DESIGN.md §5):
+(docs/mooncake.md):
 
 * the call blocks and releases the GIL, so it runs in an executor thread;
 * a frozen peer blocks it for 30-60 s whatever Mooncake's own timeout says, so

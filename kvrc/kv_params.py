@@ -4,7 +4,7 @@ vLLM's connectors hand each other a dict (NIXL: `remote_block_ids`,
 `remote_engine_id`, ...; Mooncake: `transfer_id`, `remote_bootstrap_addr`, ...).
 kvrc never looks inside it: the prefill's client encodes the dict, kvrc stores
 the bytes, the decode's client decodes them. The round trip must give back the
-same dict field for field (invariant 3), so this codec keeps what plain msgpack
+same dict field for field (I3-identity), so this codec keeps what plain msgpack
 or JSON would lose:
 
 - tuples stay tuples (NIXL's `remote_block_ids` is a tuple of lists, one per

@@ -1,8 +1,9 @@
-"""Shared fixtures. Process helpers live in tests/harness.py (import it directly)."""
+"""Shared fixtures, and markers by folder. Process helpers live in tests/support/harness.py."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -10,6 +11,19 @@ from harness import CommandProcess, CoordinatorProcess, start_coordinator
 
 if TYPE_CHECKING:
     from clients.session import EngineSession
+
+TESTS = Path(__file__).resolve().parent
+VLLM_TESTS = (TESTS / "e2e" / "test_vllm_real.py", TESTS / "vllm")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/e2e is `e2e`; vLLM's own tests are `vllm` (see pyproject.toml)."""
+    for item in items:
+        path = item.path.resolve()
+        if path.is_relative_to(TESTS / "e2e"):
+            item.add_marker(pytest.mark.e2e)
+        if any(path.is_relative_to(p) for p in VLLM_TESTS):
+            item.add_marker(pytest.mark.vllm)
 
 
 @pytest.fixture

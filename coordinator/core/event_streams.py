@@ -1,4 +1,4 @@
-"""Ordering of inventory publishing streams (invariant 7). Pure and synchronous.
+"""Ordering of inventory publishing streams (I7-ordered-streams). Pure and synchronous.
 
 A *stream* is one publisher of inventory events: the child engine in
 per-child-engine mode (`StreamKey(child_engine_id, None)`), or one rank part in

@@ -29,7 +29,7 @@ class BlockStored:
     num_tokens: int
     tier: Tier = Tier.GPU
     group_idx: int = 0
-    expiry_ms: int = 0  # unix ms; 0 = no expiry
+    expiry_ms: int = 0  # on the monotonic clock (the gRPC edge converts unix ms); 0 = none
 
 
 @dataclass(frozen=True, slots=True)

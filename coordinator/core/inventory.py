@@ -22,7 +22,7 @@ someone, so tiers cost nothing to scopes that only use GPU. A block held by one
 engine stores that engine's shared bit object (no new int). The block key is
 `hash(block_hash) >> 4`: Python's per-process keyed SipHash cut to 60 bits, a
 32-byte int instead of a 72-byte `bytes`; two different hashes share a key with
-probability ~2**-60, and since the inventory is advisory (invariant 4) such a
+probability ~2**-60, and since the inventory is advisory (I4-advisory) such a
 false match costs a shorter pin at worst, never wrong data. The reverse index of a child engine is
 a plain list of the keys it added per scope (8 bytes an entry); removals leave
 the key in place and the list is compacted when more than half of it is dead,
@@ -117,7 +117,7 @@ _ANY_SLOWER = 0  # by_tier[0]: block key -> bits holding it in some tier slower 
 # Index key of a block hash: Python's keyed SipHash of the bytes, cut to 60 bits so
 # the int takes 32 bytes instead of the 72 of a 32-byte `bytes`. Two distinct
 # hashes share a key with probability ~2**-60; the inventory is advisory
-# (invariant 4), so such a false match costs at worst a shorter pin, never wrong
+# (I4-advisory), so such a false match costs at worst a shorter pin, never wrong
 # data. Always inlined as `hash(h) >> 4` in hot loops.
 _Key = int
 

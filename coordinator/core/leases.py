@@ -6,10 +6,11 @@ Pure and synchronous: no I/O, no asyncio, no protobuf; time comes in as
 metric); the core never sends anything itself. A method that raises
 `KvrcError` has changed nothing.
 
-Invariant 2: prefix loads and handoffs are separate record types, created and
-driven by separate methods; a lease id of one flow is NOT_FOUND to the other.
+I2-flows-separate (docs/invariants.md): prefix loads and handoffs are separate
+record types, created and driven by separate methods; a lease id of one flow is
+NOT_FOUND to the other.
 
-Invariant 6 (quiescence), the rules this module keeps:
+I6-quiescence, the rules this module keeps:
 - the *source* (prefix-load holder / handoff prefill) gets `SendRelease` only
   when every *target* part (requester / decode) reported a terminal outcome,
   acknowledged an abort, or the target engine is proven gone;
@@ -426,7 +427,8 @@ def flow_of_lease_id(lease_id: str) -> Flow | None:
 class LeaseTable:
     """The in-memory lease store and both state machines.
 
-    A Redis-backed store can replace it behind the same methods (DESIGN §7).
+    A Redis-backed store can replace it behind the same methods (docs/architecture.md,
+    "Beyond one process").
     """
 
     def __init__(

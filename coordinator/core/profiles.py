@@ -4,7 +4,7 @@ Pure values and functions (no I/O, no protobuf). A `DeploymentProfile` is what a
 engine declares about itself; its layout-relevant fields hash into the
 compatibility hash, so that engines whose KV layouts differ never exchange KV.
 Reuse is off unless the coordinator switch is on, the profile opts in and a
-declared profile matches (invariant 1). Decode handoffs never consult this gate.
+declared profile matches (I1-reuse-off). Decode handoffs never consult this gate.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def reuse_status(
     profile: DeploymentProfile,
     declared_profiles: Sequence[DeclaredProfile] = (),
 ) -> ReuseStatus:
-    """The reuse gate (invariant 1): all three conditions, checked in this order."""
+    """The reuse gate (I1-reuse-off): all three conditions, checked in this order."""
     if not coordinator_reuse_on:
         return ReuseStatus(
             False,

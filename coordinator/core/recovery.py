@@ -125,7 +125,7 @@ class Warmup:
     `expected` empty and `timed` True: warming exactly until the deadline.
     """
 
-    __slots__ = ("_deadline_ms", "_expected", "_missing", "_warming")
+    __slots__ = ("_deadline_ms", "_expected", "_missing", "_warming", "_warmup_ms")
 
     def __init__(
         self, *, expected: Iterable[str], started_ms: int, warmup_ms: int, timed: bool = False
@@ -137,6 +137,7 @@ class Warmup:
         waits = bool(self._expected) or timed
         self._warming = waits and warmup_ms > 0
         self._deadline_ms: int | None = started_ms + warmup_ms if waits else None
+        self._warmup_ms = warmup_ms
 
     @property
     def warming(self) -> bool:
@@ -170,11 +171,11 @@ class Warmup:
             detail = (
                 f"the coordinator restarted and is waiting for {len(missing)} of "
                 f"{len(self._expected)} known child engine(s) to re-register ({shown}{more}) "
-                f"until {self._deadline_ms} (unix ms); recompute meanwhile"
+                f"for at most {self._warmup_ms} ms after the restart; recompute meanwhile"
             )
         else:
             detail = (
-                f"the coordinator restarted and rebuilds its inventory until "
-                f"{self._deadline_ms} (unix ms); recompute meanwhile"
+                f"the coordinator restarted and rebuilds its inventory for "
+                f"{self._warmup_ms} ms; recompute meanwhile"
             )
         return WarmupStatus(self._warming, self._expected, missing, self._deadline_ms, detail)

@@ -1,4 +1,4 @@
-"""Rank parts and child engines: registration checks and readiness (invariant 5).
+"""Rank parts and child engines: registration checks and readiness (I5-complete-parts).
 
 Pure and synchronous: no asyncio, no protobuf; time comes in as `now_ms`.
 A child engine is READY only when every rank part of its tp x pp x pcp grid has

@@ -64,7 +64,12 @@ def _on_off(value: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrc", description="KV reuse coordinator")
+    parser = argparse.ArgumentParser(
+        prog="kvrc",
+        description="KV reuse coordinator",
+        epilog="engine-side commands: 'kvrc engine' (a reference engine rank part) and "
+        "'kvrc demo' (the demo cluster); see 'kvrc engine --help'",
+    )
     parser.add_argument("--version", action="version", version=f"kvrc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -211,16 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument("--json", action="store_true", help="print one JSON document")
     _add_client_security(resolve)
     resolve.set_defaults(func=_cmd_quarantine_resolve)
-
-    from clients.refengine.demo import add_demo_arguments
-    from clients.refengine.options import add_engine_arguments  # torch-free
-
-    engine = commands.add_parser("engine", help="run one rank part of the reference engine")
-    add_engine_arguments(engine)
-    engine.set_defaults(func=_cmd_engine)
-    demo = commands.add_parser("demo", help="kvrc + 2 prefill + 1 decode engines on loopback")
-    add_demo_arguments(demo)
-    demo.set_defaults(func=_cmd_demo)
     return parser
 
 
@@ -294,18 +289,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level, args.log_json)
     return serve(config_from_args(args), args.port_file)
-
-
-def _cmd_engine(args: argparse.Namespace) -> int:
-    from clients.refengine.engine import run_from_args  # needs the engine extra (torch)
-
-    return run_from_args(args)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from clients.refengine.demo import run_demo
-
-    return run_demo(args)
 
 
 # --- status --------------------------------------------------------------------

@@ -17,6 +17,7 @@ import grpc
 
 from coordinator.core.auth import AuthDenied, AuthPolicy, DenyReason, Principal
 from coordinator.core.errors import ErrorCode, KvrcError, invalid
+from coordinator.core.grants import TransferReport
 from coordinator.core.leases import LeaseView
 from coordinator.edges import grpc_wire as wire
 from coordinator.edges.tls import caller_credentials
@@ -27,7 +28,6 @@ from coordinator.runtime.coordinator import (
     SessionEnd,
 )
 from coordinator.runtime.coordinator import Session as CoordinatorSession
-from coordinator.runtime.lease_flow import TransferReport
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -199,7 +199,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                         code = status_code(out.code)
                         await _abort(context, code, out.message)
                     return
-                yield wire.coordinator_message(out)
+                yield wire.coordinator_message(out, self._coordinator.clock)
         except KvrcError as e:
             code = status_code(e.code)
             self._observed.count_denied(e)
@@ -286,7 +286,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         # A malformed batch raises INVALID_ARGUMENT: the session ends, nothing is applied.
         inventory = self._coordinator.inventory
         try:
-            batch = wire.event_batch_from_proto(message.events)
+            batch = wire.event_batch_from_proto(message.events, self._coordinator.clock)
         except KvrcError:
             inventory.count_malformed()
             raise
@@ -299,7 +299,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             requester, queries = wire.lookup_request_from_proto(request, self._bounds)
             self._gate.child_engine(principal, requester, "requester_child_engine_id")
             results = self._coordinator.inventory.lookup_many(requester, queries)
-            return wire.lookup_response_to_proto(results)
+            return wire.lookup_response_to_proto(results, self._coordinator.clock)
 
         return await self._observed.unary("Lookup", context, call)
 
@@ -336,7 +336,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 principal, req.requester_child_engine_id, "requester_child_engine_id"
             )
             answer = await self._coordinator.leases.request_prefix_load(req)
-            return wire.prefix_load_answer_to_proto(answer)
+            return wire.prefix_load_answer_to_proto(answer, self._coordinator.clock)
 
         return await self._observed.unary("RequestPrefixLoad", context, call)
 
@@ -369,7 +369,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             self._gate.child_engine(principal, req.decode_child_engine_id, "decode_child_engine_id")
             grant = await self._coordinator.leases.begin_handoff(req)
             return wire.handoff_grant_to_proto(
-                grant, self._coordinator.leases.heartbeat_interval_ms
+                grant, self._coordinator.leases.heartbeat_interval_ms, self._coordinator.clock
             )
 
         return await self._observed.unary("BeginHandoff", context, call)
@@ -425,7 +425,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         async def call() -> pb.StatusResponse:
             # Status shows endpoints and memory layout of every engine: read role.
             self._gate.read(self._gate.authenticate(context), "GetStatus")
-            return wire.status_to_proto(self._coordinator.status())
+            return wire.status_to_proto(self._coordinator.status(), self._coordinator.clock)
 
         return await self._observed.unary("GetStatus", context, call)
 

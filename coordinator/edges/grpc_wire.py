@@ -15,6 +15,15 @@ from collections.abc import Sequence
 from coordinator.core import events as ev
 from coordinator.core import inventory as inv
 from coordinator.core.errors import KvrcError, invalid
+from coordinator.core.grants import (
+    BeginHandoffRequest,
+    DrainNotice,
+    DrainResult,
+    PrefixLoadAnswer,
+    PrefixLoadRequest,
+    PublishHandoffRequest,
+    TransferReport,
+)
 from coordinator.core.leases import (
     HandoffGrant,
     LeaseState,
@@ -29,6 +38,7 @@ from coordinator.core.leases import (
 from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, RankPartRegistration
 from coordinator.edges.zmq_ingest import ZmqStreamConfig, publisher_host, subscriber_endpoint
+from coordinator.runtime.clock import Clock, from_unix_ms, to_unix_ms
 from coordinator.runtime.config import FieldBounds
 from coordinator.runtime.coordinator import (
     ChildEngineStatus,
@@ -39,18 +49,20 @@ from coordinator.runtime.coordinator import (
     StatusSnapshot,
 )
 from coordinator.runtime.inventory_flow import LookupQuery, LookupResult, LookupVerdict, ResyncOrder
-from coordinator.runtime.lease_flow import (
-    BeginHandoffRequest,
-    DrainNotice,
-    DrainResult,
-    PrefixLoadAnswer,
-    PrefixLoadRequest,
-    PublishHandoffRequest,
-    TransferReport,
-)
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.vocabulary import PublishMode, TransferEndpoint
+
+# Times: the core and the runtime keep monotonic ms; the protocol carries unix ms.
+# Each conversion reads both clocks at encoding time (coordinator/runtime/clock.py).
+
+
+def _expiry_from_unix(clock: Clock, expiry_unix_ms: int) -> int:
+    """An engine's expiry (unix ms, 0 = none) on the monotonic clock (at least 1: not none)."""
+    if not expiry_unix_ms:
+        return 0
+    return max(from_unix_ms(clock, expiry_unix_ms), 1)
+
 
 # --- validation helpers ------------------------------------------------------
 
@@ -281,7 +293,7 @@ def child_engine_state_to_proto(
     )
 
 
-def coordinator_message(out: Outbound) -> pb.CoordinatorMessage:
+def coordinator_message(out: Outbound, clock: Clock) -> pb.CoordinatorMessage:
     """Encodes one outbound session message."""
     if isinstance(out, RegisterReply):
         return pb.CoordinatorMessage(
@@ -297,7 +309,7 @@ def coordinator_message(out: Outbound) -> pb.CoordinatorMessage:
         )
     if isinstance(out, HeartbeatReply):
         return pb.CoordinatorMessage(
-            heartbeat_ack=pb.HeartbeatAck(server_time_unix_ms=out.server_time_ms)
+            heartbeat_ack=pb.HeartbeatAck(server_time_unix_ms=to_unix_ms(clock, out.server_time_ms))
         )
     if isinstance(out, StateUpdate):
         state = child_engine_state_to_proto(
@@ -310,24 +322,24 @@ def coordinator_message(out: Outbound) -> pb.CoordinatorMessage:
                 reason=out.reason, expected_sequence=out.expected_sequence
             )
         )
-    lease_message = _lease_message(out)
+    lease_message = _lease_message(out, clock)
     if lease_message is not None:
         return lease_message
     raise TypeError(f"no encoding for outbound message {type(out).__name__}")
 
 
-def status_to_proto(snapshot: StatusSnapshot) -> pb.StatusResponse:
+def status_to_proto(snapshot: StatusSnapshot, clock: Clock) -> pb.StatusResponse:
     return pb.StatusResponse(
         version=__version__,
         reuse_enabled=snapshot.reuse_enabled,
         warming=snapshot.warming,
-        child_engines=[_child_engine_status(c) for c in snapshot.child_engines],
+        child_engines=[_child_engine_status(c, clock) for c in snapshot.child_engines],
         inventory_entries=snapshot.inventory_entries,
-        leases=[lease_status_to_proto(v) for v in snapshot.leases],
+        leases=[lease_status_to_proto(v, clock) for v in snapshot.leases],
     )
 
 
-def _child_engine_status(status: ChildEngineStatus) -> pb.ChildEngineStatus:
+def _child_engine_status(status: ChildEngineStatus, clock: Clock) -> pb.ChildEngineStatus:
     view = status.view
     return pb.ChildEngineStatus(
         state=child_engine_state_to_proto(
@@ -344,7 +356,7 @@ def _child_engine_status(status: ChildEngineStatus) -> pb.ChildEngineStatus:
                 ),
                 session_id=part.session_id,
                 incarnation=part.incarnation,
-                last_heartbeat_unix_ms=part.last_heartbeat_ms,
+                last_heartbeat_unix_ms=to_unix_ms(clock, part.last_heartbeat_ms),
                 endpoint=part.registration.endpoint.to_proto(),
             )
             for part in view.parts
@@ -393,7 +405,7 @@ def check_block_hashes(field: str, hashes: Sequence[bytes], limit: int) -> tuple
     return copied
 
 
-def event_batch_from_proto(msg: pb.EventBatch) -> ev.EventBatch:
+def event_batch_from_proto(msg: pb.EventBatch, clock: Clock) -> ev.EventBatch:
     """Validates a whole batch before anything of it is applied (INVALID_ARGUMENT)."""
     check_count("events.events", len(msg.events), inv.MAX_EVENTS_PER_BATCH)
     events: list[ev.InventoryEvent] = []
@@ -422,7 +434,7 @@ def event_batch_from_proto(msg: pb.EventBatch) -> ev.EventBatch:
                     num_tokens=st.num_tokens,
                     tier=_tier(f"{where}.stored.tier", st.tier),
                     group_idx=_group(f"{where}.stored", st.group_idx),
-                    expiry_ms=st.expiry_unix_ms,
+                    expiry_ms=_expiry_from_unix(clock, st.expiry_unix_ms),
                 )
             )
         elif kind == "removed":
@@ -513,10 +525,11 @@ def _reuse_proto(status: ReuseStatus) -> pb.ReuseStatus:
     return msg
 
 
-def lookup_response_to_proto(results: Sequence[LookupResult]) -> pb.LookupResponse:
+def lookup_response_to_proto(results: Sequence[LookupResult], clock: Clock) -> pb.LookupResponse:
     # Filled in place with add(): half the cost of nested keyword constructors (hot path).
     response = pb.LookupResponse()
     add_result = response.results.add
+    unix_offset = clock.wall_ms() - clock.monotonic_ms()
     for r in results:
         result = add_result(outcome=_OUTCOMES[r.outcome])
         add_candidate = result.candidates.add
@@ -525,7 +538,7 @@ def lookup_response_to_proto(results: Sequence[LookupResult]) -> pb.LookupRespon
                 child_engine_id=c.child_engine_id,
                 matched_blocks=c.matched_blocks,
                 tier=pb.Tier.ValueType(c.tier),
-                expiry_unix_ms=c.expiry_ms,
+                expiry_unix_ms=c.expiry_ms + unix_offset if c.expiry_ms else 0,
                 leases_in_flight=c.leases_in_flight,
             )
         result.reuse.CopyFrom(_reuse_proto(r.reuse))
@@ -707,7 +720,7 @@ def _lease_state(state: LeaseState) -> pb.LeaseState.ValueType:
     return pb.LeaseState.ValueType(state.value)
 
 
-def prefix_load_answer_to_proto(answer: PrefixLoadAnswer) -> pb.PrefixLoadGrant:
+def prefix_load_answer_to_proto(answer: PrefixLoadAnswer, clock: Clock) -> pb.PrefixLoadGrant:
     reuse = reuse_status_to_proto(answer.reuse)
     view = answer.view
     grant = view.prefix_load_grant if view is not None else None
@@ -724,18 +737,20 @@ def prefix_load_answer_to_proto(answer: PrefixLoadAnswer) -> pb.PrefixLoadGrant:
         source_child_engine_id=grant.source_child_engine_id,
         matched_blocks=grant.matched_blocks,
         source_parts=[_descriptor_to_proto(p) for p in grant.source_parts],
-        deadline_unix_ms=grant.deadline_ms,
+        deadline_unix_ms=to_unix_ms(clock, grant.deadline_ms),
         reuse=reuse,
     )
 
 
-def handoff_grant_to_proto(grant: HandoffGrant, heartbeat_interval_ms: int) -> pb.HandoffGrant:
+def handoff_grant_to_proto(
+    grant: HandoffGrant, heartbeat_interval_ms: int, clock: Clock
+) -> pb.HandoffGrant:
     return pb.HandoffGrant(
         lease_id=grant.lease_id,
         prefill_child_engine_id=grant.prefill_child_engine_id,
         source_parts=[_descriptor_to_proto(p) for p in grant.source_parts],
         kv_transfer_params=grant.kv_transfer_params,
-        deadline_unix_ms=grant.deadline_ms,
+        deadline_unix_ms=to_unix_ms(clock, grant.deadline_ms),
         heartbeat_interval_ms=heartbeat_interval_ms,
         num_blocks=grant.num_blocks,
     )
@@ -764,26 +779,26 @@ def drain_response_to_proto(result: DrainResult) -> pb.DrainResponse:
     )
 
 
-def lease_status_to_proto(view: LeaseView) -> pb.LeaseStatus:
+def lease_status_to_proto(view: LeaseView, clock: Clock) -> pb.LeaseStatus:
     return pb.LeaseStatus(
         lease_id=view.lease_id,
         flow=view.flow.value,
         state=_lease_state(view.state),
         source_child_engine_id=view.source_child_engine_id,
         target_child_engine_id=view.target_child_engine_id or "",
-        deadline_unix_ms=view.deadline_ms or 0,
+        deadline_unix_ms=to_unix_ms(clock, view.deadline_ms) if view.deadline_ms else 0,
         reason=view.reason,
     )
 
 
-def _lease_message(out: object) -> pb.CoordinatorMessage | None:
+def _lease_message(out: object, clock: Clock) -> pb.CoordinatorMessage | None:
     if isinstance(out, SendPin):
         return pb.CoordinatorMessage(
             pin_request=pb.PinRequest(
                 lease_id=out.lease_id,
                 block_hashes=list(out.block_hashes),
                 requester_child_engine_id=out.requester_child_engine_id,
-                deadline_unix_ms=out.deadline_ms,
+                deadline_unix_ms=to_unix_ms(clock, out.deadline_ms),
                 group_idx=out.group_idx,
             )
         )
@@ -802,7 +817,8 @@ def _lease_message(out: object) -> pb.CoordinatorMessage | None:
     if isinstance(out, DrainNotice):
         return pb.CoordinatorMessage(
             drain_notice=pb.DrainNotice(
-                child_engine_id=out.child_engine_id, deadline_unix_ms=out.deadline_ms
+                child_engine_id=out.child_engine_id,
+                deadline_unix_ms=to_unix_ms(clock, out.deadline_ms),
             )
         )
     return None

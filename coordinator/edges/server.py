@@ -28,6 +28,7 @@ from prometheus_client import start_http_server
 from coordinator.core.auth import describe as describe_auth
 from coordinator.edges.grpc_servicers import AdminService, EngineService
 from coordinator.edges.tls import server_credentials
+from coordinator.edges.zmq_ingest import vllm_event_streams
 from coordinator.runtime.config import ConfigError, CoordinatorConfig, is_loopback_host
 from coordinator.runtime.coordinator import Coordinator
 from kvrc.v1 import kvrc_pb2 as pb
@@ -99,6 +100,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
             config.listen,
         )
     coordinator = Coordinator(config)
+    coordinator.inventory.event_streams = vllm_event_streams(coordinator.metrics)
     server = grpc.aio.server(options=_server_options(config))
     pb_grpc.add_EngineServiceServicer_to_server(EngineService(coordinator), server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminService(coordinator), server)

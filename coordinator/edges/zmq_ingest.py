@@ -7,7 +7,7 @@ frames with `coordinator.core.vllm_events`, puts them in sequence order and hand
 `EventBatch` values to an `EventSink`: the same inventory core the gRPC session
 stream feeds (one core, two edges).
 
-Ordering (DESIGN invariant 7), per stream:
+Ordering (I7-ordered-streams in docs/invariants.md), per stream:
 
 - a sequence at or below the last one seen on the SUB socket itself is a
   publisher restart (a PUB socket delivers in order): new incarnation, the
@@ -61,6 +61,7 @@ import zmq.asyncio
 
 from coordinator.core.errors import ErrorCode, KvrcError, invalid
 from coordinator.core.events import EventBatch
+from coordinator.core.registry import RankPartRegistration
 from coordinator.core.vllm_events import (
     END_SEQ,
     DecodedBatch,
@@ -649,3 +650,28 @@ class ZmqEventStream:
         dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
         dealer.connect(self.config.replay_endpoint)
         return dealer
+
+
+def vllm_event_streams(
+    metrics: Metrics,
+) -> Callable[[RankPartRegistration, EventSink], ZmqEventStream]:
+    """The runtime's `EventStreamFactory` for vLLM's ZMQ publisher (one per child engine)."""
+
+    def make(registration: RankPartRegistration, sink: EventSink) -> ZmqEventStream:
+        p = registration.profile
+        return ZmqEventStream(
+            stream_config_from_vllm(
+                engine_id=registration.engine_id,
+                dp_rank=registration.dp_rank,
+                dp_size=p.dp_size,
+                kv_events_endpoint=registration.kv_events_endpoint,
+                kv_events_replay_endpoint=registration.kv_events_replay_endpoint,
+                publisher_host=publisher_host(registration.endpoint.session_name),
+                block_size=p.block_size,
+                lora_name=p.lora_name,
+            ),
+            sink,
+            metrics,
+        )
+
+    return make

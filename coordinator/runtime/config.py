@@ -36,7 +36,7 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class FieldBounds:
-    """Bounds on what one client message may carry (invariant 8)."""
+    """Bounds on what one client message may carry (I8-bad-input)."""
 
     max_id_chars: int = 256
     max_string_chars: int = 4096  # model names, endpoints, reasons
@@ -70,7 +70,7 @@ def is_loopback_host(host: str) -> bool:
 class CoordinatorConfig:
     listen: str = "127.0.0.1:50051"
     metrics_port: int = 9400  # 0 = any free port; -1 = no metrics HTTP server
-    reuse: bool = False  # invariant 1: reuse is off by default
+    reuse: bool = False  # I1-reuse-off: reuse is off by default
     declared_profiles: tuple[DeclaredProfile, ...] = ()
     heartbeat_interval_ms: int = 1000
     heartbeat_timeout_ms: int = 5000

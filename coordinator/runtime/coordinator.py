@@ -7,25 +7,21 @@ stopped, publishing readiness changes, and telling listeners that a part left.
 
 Each session has one bounded outbound queue. A session whose engine stops
 reading fills it and is closed with RESOURCE_EXHAUSTED instead of buffering
-without bound (invariant 8).
+without bound (I8-bad-input).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
 import secrets
-import time
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
-from coordinator.core.inventory import MAX_CANDIDATES
 from coordinator.core.leases import LeaseView
 from coordinator.core.profiles import ReuseReason, ReuseStatus, reuse_status
 from coordinator.core.recovery import (
@@ -42,9 +38,10 @@ from coordinator.core.registry import (
     RankPartRegistration,
     Registry,
 )
+from coordinator.runtime.clock import Clock, SystemClock, Timer
 from coordinator.runtime.config import CoordinatorConfig
-from coordinator.runtime.inventory_flow import InventoryFacade, LookupQuery, ResyncOrder
-from coordinator.runtime.lease_flow import HolderCandidate, LeaseFacade, LeaseOutbound
+from coordinator.runtime.inventory_flow import InventoryFlow, ResyncOrder
+from coordinator.runtime.lease_flow import LeaseFlow, LeaseOutbound
 from coordinator.runtime.metrics import Metrics
 from kvrc import __version__
 from kvrc.ids import format_rank
@@ -54,11 +51,7 @@ log = logging.getLogger("kvrc.coordinator")
 # Warm-up deadline after a restart when a state file is used and --warmup-ms is not given.
 DEFAULT_WARMUP_MS = 10_000
 # State file writes are coalesced: registrations come in bursts after a restart.
-_STATE_WRITE_DELAY_S = 0.2
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
+_STATE_WRITE_DELAY_MS = 200
 
 
 # --- outbound session messages (encoded by wire.py) ----------------------------
@@ -185,42 +178,46 @@ class Coordinator:
         self,
         config: CoordinatorConfig,
         metrics: Metrics | None = None,
-        clock_ms: Callable[[], int] = wall_clock_ms,
+        clock: Clock | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
-        self._clock_ms = clock_ms
+        # Every deadline runs on the monotonic clock (the wire edge converts to unix ms).
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self._clock_ms = self.clock.monotonic_ms
+        clock_ms = self._clock_ms
         self.registry = Registry(config.max_rank_parts, config.bounds.max_grid_parts)
         self._sessions: dict[str, Session] = {}
         self._listeners: list[PartListener] = []
-        self._gone_timers: dict[tuple[str, RankKey], asyncio.TimerHandle] = {}
-        # Incarnations grow across restarts too: seeded from the wall clock.
-        self._incarnations = itertools.count(clock_ms() * 1000)
-        self._watchdog: asyncio.Task[None] | None = None
+        self._gone_timers: dict[tuple[str, RankKey], Timer] = {}
+        # Incarnations grow across restarts too: seeded from the wall clock (an identity,
+        # never a deadline).
+        self._incarnations = itertools.count(self.clock.wall_ms() * 1000)
+        self._watchdog: Timer | None = None
         self._shutting_down = False
         # Inventory ingest, lookup and status (coordinator/runtime/inventory_flow.py).
-        self.inventory = InventoryFacade(
-            config, self.metrics, self.registry, self.reuse_for, clock_ms, self._send_to
+        self.inventory = InventoryFlow(
+            config, self.metrics, self.registry, self.reuse_for, self.clock, self._send_to
         )
         self.add_part_listener(self.inventory)
         # Both lease flows (coordinator/runtime/lease_flow.py).
-        self.leases = LeaseFacade(
+        self.leases = LeaseFlow(
             registry=self.registry,
+            inventory=self.inventory.inventory,
             metrics=self.metrics,
             send_to_part=self.send_to_part,
             reuse_for=self.reuse_for,
             proven_gone=self.proven_gone,
-            clock_ms=clock_ms,
+            clock=self.clock,
             config=config.leases,
         )
-        self.leases.holder_finder = self._find_holders
         self.inventory.set_leases_in_flight(self.leases.leases_in_flight)
         self.add_part_listener(self.leases)
         # Restart recovery (coordinator/core/recovery.py): warm-up and the known engines.
         self._known: dict[str, KnownEngine] = {}
         self._known_written: tuple[KnownEngine, ...] | None = None
-        self._state_timer: asyncio.TimerHandle | None = None
-        self._warmup_timer: asyncio.TimerHandle | None = None
+        self._state_timer: Timer | None = None
+        self._warmup_timer: Timer | None = None
         self.warmup = self._load_warmup(clock_ms())
         self.inventory.warming = self.warming_status
         self.inventory.on_stale_changed = self._stale_changed
@@ -231,12 +228,11 @@ class Coordinator:
     # --- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
-        self._watchdog = asyncio.create_task(self._watch_heartbeats(), name="kvrc-watchdog")
+        self._arm_watchdog()
         status = self.warmup.status()
         if status.warming and status.deadline_ms is not None:
-            delay_s = max(status.deadline_ms - self._clock_ms(), 0) / 1000
-            self._warmup_timer = asyncio.get_running_loop().call_later(
-                delay_s + 0.01, self._warmup_deadline
+            self._warmup_timer = self.clock.call_later(
+                status.deadline_ms - self._clock_ms() + 10, self._warmup_deadline
             )
         self.inventory.start()
         await self.leases.start()
@@ -250,8 +246,6 @@ class Coordinator:
                 handle.cancel()
         if self._watchdog is not None:
             self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
             self._watchdog = None
         for session in list(self._sessions.values()):
             self.close_session(
@@ -369,8 +363,9 @@ class Coordinator:
             old = self._gone_timers.pop(key, None)
             if old is not None:
                 old.cancel()
-            self._gone_timers[key] = asyncio.get_running_loop().call_later(
-                self.config.session_grace_ms / 1000, self._part_gone, session.ref
+            ref = session.ref
+            self._gone_timers[key] = self.clock.call_later(
+                self.config.session_grace_ms, lambda: self._part_gone(ref)
             )
 
     # --- reads -----------------------------------------------------------------
@@ -415,31 +410,6 @@ class Coordinator:
         return self.registry.get(child_engine_id) is None and not any(
             key[0] == child_engine_id for key in self._gone_timers
         )
-
-    def _find_holders(
-        self,
-        *,
-        requester_child_engine_id: str,
-        compatibility_hash: str,
-        group_idx: int,
-        chain: Sequence[bytes],
-        min_blocks: int,
-        now_ms: int,
-        leases_in_flight: Mapping[str, int],
-    ) -> list[HolderCandidate]:
-        # min_blocks 1: the lease side tells "below min_blocks" from "no candidate".
-        result = self.inventory.lookup(
-            requester_child_engine_id,
-            LookupQuery(
-                tuple(chain),
-                compatibility_hash=compatibility_hash,
-                min_blocks=1,
-                group_idx=group_idx,
-                max_candidates=MAX_CANDIDATES,
-            ),
-            leases_in_flight=leases_in_flight,
-        )
-        return [HolderCandidate(c.child_engine_id, c.matched_blocks) for c in result.candidates]
 
     # --- internals -------------------------------------------------------------
 
@@ -587,9 +557,7 @@ class Coordinator:
             return
         if self._shutting_down:
             return
-        self._state_timer = asyncio.get_running_loop().call_later(
-            _STATE_WRITE_DELAY_S, self._flush_state
-        )
+        self._state_timer = self.clock.call_later(_STATE_WRITE_DELAY_MS, self._flush_state)
 
     def _flush_state(self) -> None:
         self._state_timer = None
@@ -603,7 +571,7 @@ class Coordinator:
         try:
             # Atomic replace: a crash mid-write leaves the previous file, never half of one.
             with open(tmp, "wb") as f:
-                f.write(encode_state(known, self._clock_ms()))
+                f.write(encode_state(known, self.clock.wall_ms()))  # a unix-ms stamp
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -618,16 +586,20 @@ class Coordinator:
         self.metrics.child_engines.labels(state="not_ready").set(not_ready)
         self.metrics.rank_parts.set(self.registry.num_parts)
 
-    async def _watch_heartbeats(self) -> None:
+    def _arm_watchdog(self) -> None:
         timeout = self.config.heartbeat_timeout_ms
         # Check often enough that removal lags the timeout by at most ~20 %.
-        tick_s = min(max(timeout / 5, 20), 1000) / 1000
-        while True:
-            await asyncio.sleep(tick_s)
-            try:
-                self._expire(self._clock_ms(), timeout)
-            except Exception:  # the watchdog must outlive any one bad removal
-                log.exception("heartbeat watchdog pass failed")
+        self._watchdog = self.clock.call_later(
+            min(max(timeout // 5, 20), 1000), self._watchdog_pass
+        )
+
+    def _watchdog_pass(self) -> None:
+        try:
+            self._expire(self._clock_ms(), self.config.heartbeat_timeout_ms)
+        except Exception:  # the watchdog must outlive any one bad removal
+            log.exception("heartbeat watchdog pass failed")
+        if not self._shutting_down:
+            self._arm_watchdog()
 
     def _expire(self, now: int, timeout: int) -> None:
         for ref in self.registry.expired(now, timeout):

@@ -1,6 +1,6 @@
 """The inventory half of the service: one inventory core fed by two edges.
 
-`InventoryFacade` is owned by `Coordinator` (service.py). It owns the pure
+`InventoryFlow` is owned by `Coordinator` (service.py). It owns the pure
 inventory core (`inventory.Inventory`), the ordering of the gRPC publishing
 streams (`event_streams.EventStreams`), the expiry sweeper, the ZMQ subscribers
 of engines that publish vLLM KV events natively, and the inventory metrics.
@@ -42,14 +42,13 @@ Decisions (each has a test in tests/test_service_inventory.py):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from coordinator.core.errors import KvrcError, invalid
 from coordinator.core.event_streams import EventStreams, StreamAction, StreamKey, StreamPhase
@@ -64,18 +63,43 @@ from coordinator.core.inventory import (
 )
 from coordinator.core.profiles import ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, RankPartRegistration, Registry, grid_ranks
+from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.metrics import Metrics
 from kvrc.vocabulary import PublishMode
 
-if TYPE_CHECKING:
-    from coordinator.edges.zmq_ingest import ZmqEventStream
+
+class EventStream(Protocol):
+    """A subscription to one child engine's own KV-event publisher (vLLM's ZMQ one)."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class EventStreamSink(Protocol):
+    """What an event stream feeds: the inventory, in order (InventoryFlow's ZMQ side)."""
+
+    def apply(self, child_engine_id: str, batch: EventBatch) -> None: ...
+
+    def drop_engine_inventory(self, child_engine_id: str) -> None: ...
+
+    def mark_stale(self, child_engine_id: str, reason: str) -> None: ...
+
+    def mark_degraded(self, child_engine_id: str, reason: str) -> None: ...
+
+    def mark_live(self, child_engine_id: str) -> None: ...
+
+
+# Builds the stream a registration names (ValueError / KvrcError when its endpoint is
+# refused). The edge that speaks the publisher's wire provides it (edges/zmq_ingest.py).
+EventStreamFactory = Callable[[RankPartRegistration, EventStreamSink], EventStream]
 
 log = logging.getLogger("kvrc.inventory")
 
 SOURCE_GRPC = "grpc"
 SOURCE_ZMQ = "zmq"
-SWEEP_INTERVAL_S = 1.0
+SWEEP_INTERVAL_MS = 1_000
 SWEEP_BUDGET = 4096
 _NO_LEASES: Mapping[str, int] = MappingProxyType({})
 
@@ -140,7 +164,7 @@ class _Meta:
         self.stale = False  # as last told to on_stale_changed
         self.reuse = ReuseStatus(False, ReuseReason.REQUESTER_NOT_READY, "not READY")
         self.publisher_rank: RankKey | None = None  # per child engine: the part that publishes
-        self.zmq: ZmqEventStream | None = None
+        self.zmq: EventStream | None = None
 
 
 _DISABLED = ReuseStatus(
@@ -172,10 +196,10 @@ class _ResyncRetry:
         self.incarnation = incarnation
         self.expected_sequence = expected_sequence
         self.delay_ms = delay_ms
-        self.handle: asyncio.TimerHandle | None = None
+        self.handle: Timer | None = None
 
 
-class InventoryFacade:
+class InventoryFlow:
     """Inventory ingest, lookup and status for one coordinator. One event loop."""
 
     def __init__(
@@ -184,14 +208,15 @@ class InventoryFacade:
         metrics: Metrics,
         registry: Registry,
         reuse_for: Callable[[ChildEngineView], ReuseStatus],
-        clock_ms: Callable[[], int],
+        clock: Clock,
         send: SendFn,
     ) -> None:
         self._config = config
         self._metrics = metrics
         self._registry = registry
         self._reuse_for = reuse_for
-        self._clock_ms = clock_ms
+        self._clock = clock
+        self._clock_ms = clock.monotonic_ms
         self._send = send
         self.inventory = Inventory(
             max_entries_total=config.inventory_max_entries_total,
@@ -199,7 +224,9 @@ class InventoryFacade:
         )
         self.streams = EventStreams()
         self._meta: dict[str, _Meta] = {}
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweeper: Timer | None = None
+        # Engines' own KV-event publishers (None: ingest over the session stream only).
+        self.event_streams: EventStreamFactory | None = None
         self._stopping: set[asyncio.Task[None]] = set()  # ZMQ subscribers being closed
         self._leases_in_flight: Callable[[], Mapping[str, int]] = lambda: _NO_LEASES
         # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
@@ -232,13 +259,11 @@ class InventoryFacade:
     # --- lifecycle ---------------------------------------------------------------
 
     def start(self) -> None:
-        self._sweeper = asyncio.create_task(self._sweep_forever(), name="kvrc-inventory-sweeper")
+        self._sweeper = self._clock.call_later(SWEEP_INTERVAL_MS, self._sweep)
 
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
             self._sweeper = None
         for key in list(self._resyncs):
             self._cancel_resync(key)
@@ -399,8 +424,8 @@ class InventoryFacade:
             ResyncOrder(reason=reason, expected_sequence=retry.expected_sequence),
         )
         self._resyncs[key] = retry
-        retry.handle = asyncio.get_running_loop().call_later(
-            retry.delay_ms / 1000, self._resend_resync, key, retry
+        retry.handle = self._clock.call_later(
+            retry.delay_ms, lambda: self._resend_resync(key, retry)
         )
 
     def _resend_resync(self, key: StreamKey, retry: _ResyncRetry) -> None:
@@ -452,7 +477,7 @@ class InventoryFacade:
     # --- lookup ----------------------------------------------------------------
 
     def reuse_gate(self, requester_child_engine_id: str) -> ReuseStatus:
-        """Invariant 1, then the requester's readiness: why reuse is (not) open to it."""
+        """I1-reuse-off, then the requester's readiness: why reuse is (not) open to it."""
         if not self._config.reuse:
             return _DISABLED
         warming = self.warming()
@@ -561,13 +586,14 @@ class InventoryFacade:
     # --- ZMQ edge -------------------------------------------------------------------
 
     def _start_zmq(self, registration: RankPartRegistration, meta: _Meta) -> None:
-        from coordinator.edges.zmq_ingest import (
-            ZmqEventStream,
-            publisher_host,
-            stream_config_from_vllm,
-        )
-
         cid = registration.child_engine_id
+        if self.event_streams is None:
+            log.warning(
+                "child engine %s names a KV-event endpoint, but this coordinator ingests "
+                "no engine event streams: endpoint ignored",
+                cid,
+            )
+            return
         if meta.mode is not PublishMode.PER_CHILD_ENGINE:
             log.warning(
                 "child engine %s names a KV-event endpoint but publishes per rank part; "
@@ -575,22 +601,8 @@ class InventoryFacade:
                 cid,
             )
             return
-        p = registration.profile
         try:
-            stream = ZmqEventStream(
-                stream_config_from_vllm(
-                    engine_id=registration.engine_id,
-                    dp_rank=registration.dp_rank,
-                    dp_size=p.dp_size,
-                    kv_events_endpoint=registration.kv_events_endpoint,
-                    kv_events_replay_endpoint=registration.kv_events_replay_endpoint,
-                    publisher_host=publisher_host(registration.endpoint.session_name),
-                    block_size=p.block_size,
-                    lora_name=p.lora_name,
-                ),
-                _ZmqSink(self),
-                self._metrics,
-            )
+            stream = self.event_streams(registration, _ZmqSink(self))
         except (ValueError, KvrcError) as e:
             # The registration stands (handoffs need no inventory); only the edge is off.
             log.warning("child engine %s: KV-event endpoint refused, not subscribing: %s", cid, e)
@@ -674,20 +686,20 @@ class InventoryFacade:
             gauge.set(stats.index_entries_by_tier.get(tier, 0))
         self._m_stale.set(stats.engines_stale + stats.engines_resyncing)
 
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_INTERVAL_S)
-            try:
-                if self.inventory.sweep_expired(self._clock_ms(), SWEEP_BUDGET):
-                    self._update_gauges()
-            except Exception:  # the sweeper must outlive one bad pass
-                log.exception("inventory expiry sweep failed")
+    def _sweep(self) -> None:
+        try:
+            if self.inventory.sweep_expired(self._clock_ms(), SWEEP_BUDGET):
+                self._update_gauges()
+        except Exception:  # the sweeper must outlive one bad pass
+            log.exception("inventory expiry sweep failed")
+        if self._sweeper is not None:  # not closed
+            self._sweeper = self._clock.call_later(SWEEP_INTERVAL_MS, self._sweep)
 
 
 class _ZmqSink:
     """`zmq_ingest.EventSink` over the facade: the ZMQ edge orders, the core applies."""
 
-    def __init__(self, facade: InventoryFacade) -> None:
+    def __init__(self, facade: InventoryFlow) -> None:
         self._facade = facade
 
     def apply(self, child_engine_id: str, batch: EventBatch) -> None:
@@ -713,7 +725,7 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 
 __all__ = [
     "EngineInventoryStatus",
-    "InventoryFacade",
+    "InventoryFlow",
     "LookupQuery",
     "LookupResult",
     "LookupVerdict",

@@ -9,7 +9,7 @@ kvrc coordinates two kinds of KV-cache movement between serving engines:
 It never carries KV bytes. Engines move bytes directly (Mooncake Transfer
 Engine, NIXL); kvrc keeps an advisory inventory, tracks readiness, grants
 leases that pin source blocks until the transfer is quiescent, and exports
-metrics. See DESIGN.md for the vocabulary and the eight invariants.
+metrics. See docs/invariants.md for the vocabulary and the eight invariants.
 
 Conventions
   * Identifiers are strings of 1..256 printable ASCII characters.

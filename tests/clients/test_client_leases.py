@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from harness import CoordinatorProcess, get_status, start_coordinator, wait_until
+from harness import (
+    CoordinatorProcess,
+    child_engine_status,
+    get_status,
+    metric_value,
+    start_coordinator,
+    wait_until,
+)
 
 from clients.errors import (
     DeadlineExceededError,
@@ -93,7 +100,14 @@ async def stored(session: EngineSession, hashes: list[bytes]) -> None:
             ],
         )
     )
-    await asyncio.sleep(0.2)
+
+    child = session.ack.state.child_engine_id
+
+    async def visible() -> bool:
+        state = await child_engine_status(session.target, child)
+        return state is not None and state.inventory_entries >= len(hashes)
+
+    await wait_until(visible, 5, what="the stored blocks in the coordinator's inventory")
 
 
 def hashes_of(name: str, n: int) -> list[bytes]:
@@ -151,12 +165,13 @@ async def test_abort_is_acknowledged_only_after_the_engine_stopped(
     # The prefill learns the lease id at publish time: its ReleaseRequest names it.
     assert published.lease_id == grant.lease_id
     # No keep-alive: the lease expires, the decode is asked to abort.
-    await wait_until(lambda: _true(aborts), timeout_s=5)
+    await wait_until(lambda: bool(aborts), timeout_s=5)
+    # Kept sleep: the abort stays unacknowledged for 0.3 s, and no release may come meanwhile.
     await asyncio.sleep(0.3)
     assert await lease_state(kvrc, grant.lease_id) == "LEASE_STATE_ABORTING"
     assert released == []
     stopped.set()
-    await wait_until(lambda: _true(released), timeout_s=5)
+    await wait_until(lambda: bool(released), timeout_s=5)
     assert released == [grant.lease_id]
 
 
@@ -172,7 +187,8 @@ async def test_keep_alive_extends_and_reports_a_refused_extension(
     assert grant.kv_transfer_params_bytes == b"raw" and grant.kv_transfer_params == {}
     assert grant.heartbeat_interval_ms == 300
     async with dec.keep_alive(grant) as keep:
-        await asyncio.sleep(1.5)  # past the 900 ms heartbeat timeout
+        # Kept sleep: the scenario is outliving the 900 ms heartbeat timeout on keep-alives.
+        await asyncio.sleep(1.5)
         assert keep.extensions >= 3 and keep.error is None
         assert await lease_state(kvrc, grant.lease_id) == "LEASE_STATE_ACTIVE"
         report = pb.TransferReport(
@@ -182,7 +198,7 @@ async def test_keep_alive_extends_and_reports_a_refused_extension(
         )
         done = await dec.complete_handoff(report)
         assert (done.state, done.quiescent) == ("COMPLETED", True)
-        await wait_until(lambda: _true([keep.error]), timeout_s=3)
+        await wait_until(lambda: keep.error is not None, timeout_s=3)
     assert isinstance(keep.error, FailedPreconditionError)
 
 
@@ -208,10 +224,6 @@ async def test_typed_errors(kvrc: CoordinatorProcess, parts: Parts) -> None:
     assert answer.reason == "no_candidate" and answer.reuse.enabled
 
 
-async def _true(values: Sequence[object]) -> bool:
-    return any(v is not None for v in values)
-
-
 async def test_foreign_and_malformed_pin_results_change_nothing(
     kvrc: CoordinatorProcess, parts: Parts
 ) -> None:
@@ -230,16 +242,22 @@ async def test_foreign_and_malformed_pin_results_change_nothing(
     await stored(holder, chain)
     load = asyncio.ensure_future(requester.request_prefix_load("f1", chain, pin_timeout_ms=5000))
     lease_id = (await asyncio.wait_for(asked.get(), 5)).lease_id
-    # Another engine answering for the holder is ignored; its session goes on.
+    # Another engine answering for the holder is ignored (counted as denied); its session goes
+    # on (had it ended, its last error below would not be the malformed answer's).
+    denied = metric_value(kvrc, "kvrc_auth_denied_total", reason="foreign_lease")
     await intruder.send_pin_result(
         pb.PinResult(lease_id=lease_id, pinned_blocks=2, descriptor=descriptor([9, 9]))
     )
-    await asyncio.sleep(0.3)
+    await wait_until(
+        lambda: metric_value(kvrc, "kvrc_auth_denied_total", reason="foreign_lease") > denied,
+        5,
+        what="the foreign answer denied",
+    )
     assert intruder.connected
     assert await lease_state(kvrc, lease_id) == "LEASE_STATE_PINNING"
     # A malformed answer (blocks but no descriptor) ends that session with INVALID_ARGUMENT.
     await intruder.send_pin_result(pb.PinResult(lease_id=lease_id, pinned_blocks=2))
-    await wait_until(lambda: _true([None if intruder.connected else True]), timeout_s=5)
+    await wait_until(lambda: not intruder.connected, timeout_s=5)
     assert intruder.last_error is not None and intruder.last_error.code.name == "INVALID_ARGUMENT"
     assert await lease_state(kvrc, lease_id) == "LEASE_STATE_PINNING"
     answer.set()

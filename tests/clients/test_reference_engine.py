@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from refengine_faults import FaultHook, PullFaults, parse_faults
+from waiting import wait_until
 
 from clients.hashing import hash_block_chain
 from clients.kv_cache import (
@@ -316,15 +317,16 @@ async def test_channel_calls_both_ways_and_carries_bytes_and_int_keys() -> None:
 
 
 async def test_channel_peer_going_away_fails_pending_calls_at_once() -> None:
-    gate = asyncio.Event()
+    gate, arrived = asyncio.Event(), asyncio.Event()
 
     async def slow(op: str, args: dict[str, Any]) -> Any:
+        arrived.set()
         await gate.wait()
         return None
 
     async with channel_pair(None, slow) as (a, b):
         pending = asyncio.create_task(a.call("wait", timeout_s=30))
-        await asyncio.sleep(0.05)
+        await wait_until(arrived.is_set, 5, what="the call pending at the peer")
         await b.close()
         with pytest.raises(ChannelError, match="went away"):
             await asyncio.wait_for(pending, 5)
@@ -400,8 +402,7 @@ async def test_background_tasks_log_failures_and_end_with_their_owner(
 
     tasks.spawn(fails(), name="fails")
     tasks.spawn(waits(), name="waits")
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await wait_until(lambda: len(tasks) == 1, 5, what="the failing task done")
     # A failure is logged with its name, and cancels nothing else.
     assert [r.getMessage() for r in caplog.records] == ["fails failed"]
     assert caplog.records[0].exc_info is not None

@@ -24,6 +24,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transfer_peer import block_pattern
+from waiting import wait_until
 
 from clients.kv_cache import (
     IncompatibleLayoutError,
@@ -536,8 +537,11 @@ async def test_taint_lasts_until_the_call_returns_and_then_settles(
 
     failing.release.set()  # returns -1: other entries may land for settle_s more
     assert await first.wait_quiet(timeout_s=0.0) is False
-    await asyncio.sleep(0.05)
-    assert first.native_read is not None and first.native_read.returned
+
+    def returned() -> bool:
+        return first.native_read is not None and first.native_read.returned
+
+    await wait_until(returned, NEVER_HANG_S, what="the native read returned")
     assert not first.is_quiet() and in_flight.tainted_block_ids() == frozenset({0, 1})
     assert await in_flight.wait_all_quiet(timeout_s=NEVER_HANG_S)
     assert first.is_quiet() and len(in_flight) == 0 and in_flight.tainted_block_ids() == set()

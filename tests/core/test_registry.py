@@ -1,4 +1,4 @@
-"""Pure tests of the registry: registration checks and readiness (invariant 5)."""
+"""Pure tests of the registry: registration checks and readiness (I5-complete-parts)."""
 
 from __future__ import annotations
 

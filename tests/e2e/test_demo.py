@@ -6,15 +6,16 @@ command line, so "no process left behind" is checked by scanning /proc for it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until_sync
 
 from clients.refengine.demo import RESULT_KEYS, child_process_env
 
@@ -37,14 +38,10 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def wait_gone(marker: str, timeout_s: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        left = processes_with(marker)
-        if not left:
-            return []
-        time.sleep(0.1)
-    return processes_with(marker)
+def assert_all_gone(marker: str, timeout_s: float = 15.0) -> None:
+    with contextlib.suppress(TimeoutError):
+        wait_until_sync(lambda: not processes_with(marker), timeout_s, interval_s=0.1)
+    assert processes_with(marker) == [], f"processes left with {marker!r} in their command line"
 
 
 def demo_argv(ports: str, json_path: Path, *extra: str) -> list[str]:
@@ -92,7 +89,7 @@ def test_demo_runs_end_to_end_with_no_mismatch_and_leaves_no_process(tmp_path: P
         doc["bytes_moved"] / doc["native_reads"] / 1024, abs=0.1
     )
     assert doc["hit_ratio"] > 0
-    assert wait_gone(ports, 5.0) == []
+    assert_all_gone(ports, 5.0)
 
 
 def test_sigint_stops_every_process_of_the_demo(tmp_path: Path) -> None:
@@ -111,20 +108,20 @@ def test_sigint_stops_every_process_of_the_demo(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 150
         # Interrupt mid-workload: engines up, requests running.
-        while "[  2/" not in (tmp_path / "stdout").read_text():
+        def second_request_running() -> bool:
             assert demo.poll() is None, (tmp_path / "stdout").read_text()
-            assert time.monotonic() < deadline, "the demo made no progress"
-            time.sleep(0.1)
+            return "[  2/" in (tmp_path / "stdout").read_text()
+
+        wait_until_sync(second_request_running, 150, interval_s=0.1, what="the demo's progress")
         engines = [pid for pid in processes_with(ports) if pid != demo.pid]
         assert len(engines) == 6  # 3 engines x tp=2
         coordinator = processes_with(str(tmp_path / "logs" / "profiles.toml"))
         assert len(coordinator) == 1  # kvrc serve --profiles <logs>/profiles.toml
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=60) == 130
-        assert wait_gone(ports) == []
-        assert wait_gone(str(tmp_path / "logs")) == []
+        assert_all_gone(ports)
+        assert_all_gone(str(tmp_path / "logs"))
         assert "interrupted" in (tmp_path / "stdout").read_text()
         assert not (tmp_path / "r.json").exists()
     finally:

@@ -38,7 +38,9 @@ from harness import (
     metric_value,
     resolve_quarantine,
 )
+from waiting import wait_until
 
+from coordinator.core.recovery import decode_state
 from kvrc.v1 import kvrc_pb2 as pb
 
 GRACE_S = GRACE_MS / 1000  # fault_coordinator's --session-grace-ms
@@ -86,25 +88,22 @@ async def _status(target: str) -> Any:
 
 async def _settled(target: str, lease_id: str, timeout_s: float) -> Any | None:
     """Waits until the lease is no longer in flight: None (ended) or its QUARANTINED status."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        lease = find_lease(await _status(target), lease_id)
-        if lease is None or lease.state not in OPEN:
-            return lease
-        if time.monotonic() > deadline:
-            raise AssertionError(f"lease {lease_id} still {lease.state} after {timeout_s} s")
-        await asyncio.sleep(0.05)
+    seen: list[Any] = []
+
+    async def settled() -> bool:
+        seen[:] = [find_lease(await _status(target), lease_id)]
+        return seen[0] is None or seen[0].state not in OPEN
+
+    await wait_until(settled, timeout_s, interval_s=0.05, what=f"lease {lease_id} settled")
+    return seen[0]
 
 
 async def _wait_hit(requester: FaultEngine, holder: str, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while True:
+    async def visible() -> bool:
         got = await asyncio.to_thread(requester.command, "lookup", n=n)
-        if got.get("candidates") == [[holder, n]]:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"holder {holder} never visible: {got}")
-        await asyncio.sleep(0.05)
+        return bool(got.get("candidates") == [[holder, n]])
+
+    await wait_until(visible, 10, interval_s=0.05, what=f"holder {holder} visible")
 
 
 def _releases_not_before(holder: FaultEngine, lease_id: str, proof_t: float) -> None:
@@ -292,11 +291,17 @@ def _only_lease(status: Any, source: str) -> str:
 
 
 async def _wait_registrations(engines: list[FaultEngine], n: int) -> None:
-    deadline = time.monotonic() + 15
-    while not all(e.registrations() >= n for e in engines):
-        if time.monotonic() > deadline:
-            raise AssertionError("engines did not re-register")
-        await asyncio.sleep(0.05)
+    await wait_until(
+        lambda: all(e.registrations() >= n for e in engines), 15, what="engines re-registered"
+    )
+
+
+def _state_lists(state: Path, engines: list[FaultEngine]) -> bool:
+    """The state file names every one of these engines (it is written just after changes)."""
+    if not state.exists():
+        return False
+    known = {e.child_engine_id for e in decode_state(state.read_bytes())}
+    return known >= {e.child_engine_id for e in engines}
 
 
 KVRC_CASES = [
@@ -373,7 +378,7 @@ async def test_kvrc_kill_at_each_step(tmp_path: Path, flow: str, step: str) -> N
                 targets[0].command, report_op, lease_id=lease_id, outcome="SUCCEEDED"
             )
             assert done["state"] == "ACTIVE"
-        await asyncio.sleep(0.4)  # the state file lists the engines
+        await wait_until(lambda: _state_lists(state, engines), 5, what="the state file")
 
         first.stop(signal.SIGKILL)
         second = stack.enter_context(
@@ -415,6 +420,7 @@ async def test_kvrc_kill_at_each_step(tmp_path: Path, flow: str, step: str) -> N
                 await asyncio.to_thread(
                     targets[1].command, report_op, lease_id=lease_id, outcome="SUCCEEDED"
                 )
+            # Kept sleep: 0.5 s in which a (wrong) release after that report would arrive.
             await asyncio.sleep(0.5)
             lease = find_lease(await _status(second.grpc_target), lease_id)
             assert lease is not None and lease.state == pb.LEASE_STATE_QUARANTINED
@@ -464,7 +470,7 @@ async def test_short_stall_keeps_the_session_and_delays_the_release(
             requester.command, "complete_load", lease_id=lease_id, outcome="SUCCEEDED"
         )
         assert done["state"] == "COMPLETED"
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # kept: the stall itself (0.5 s, under the heartbeat timeout)
         holder.signal(signal.SIGCONT)
         release = await asyncio.to_thread(holder.event, "release", lease_id)
         assert release["t"] >= report_t + 0.4  # delivered after the stall, not lost
@@ -486,7 +492,7 @@ async def test_long_stall_removes_the_holder_and_it_comes_back_consistent(
         again = holder.events("registered")[1]
         assert again["held"] == [lease_id]  # still pinned: it says so
         await _wait_hit(requester, "lstall-h", 4)  # the dump rebuilt its inventory
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # kept: 0.3 s in which a (wrong) release would arrive
         # Its lease ended while it was away without a provable quiet point: no release.
         assert holder.events("release", lease_id) == []
 

@@ -15,7 +15,6 @@ import asyncio
 import json
 import socket
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ from typing import Any
 import pytest
 import zmq.asyncio
 from vllm_env import VllmEnvUnavailable, ensure_vllm_venv
-from zmq_wire import RecordingSink, eventually, value
+from waiting import wait_until
+from zmq_wire import RecordingSink, value
 
 from coordinator.edges.zmq_ingest import StreamState, ZmqEventStream, ZmqStreamConfig
 from coordinator.runtime.metrics import Metrics
@@ -103,7 +103,7 @@ def inventory(sink: RecordingSink) -> set[str]:
 async def matches(sink: RecordingSink, answer: dict[str, Any]) -> None:
     """Wait until kvrc has applied everything vLLM published, then compare exactly."""
     seq = answer["seq"]
-    await eventually(lambda: bool(sink.batches) and sink.batches[-1][2] >= seq, within_s=10)
+    await wait_until(lambda: bool(sink.batches) and sink.batches[-1][2] >= seq, 10)
     assert inventory(sink) == set(answer["cached"])
 
 
@@ -143,12 +143,15 @@ async def test_vllm_blockpool_events_become_kvrc_inventory(
         answer = await vllm.do("cache", tokens=[*range(1, 9), 50, 51, 52, 53])
         assert answer["seq"] == 1
         await stream.start()
-        started = time.monotonic()
-        for n in range(10):  # until vLLM's reconnect reaches kvrc's socket
-            answer = await vllm.do("cache", tokens=[100 + n, 101, 102, 103, 104])
-            if sink.batches or time.monotonic() - started > 20:
-                break
-            await asyncio.sleep(0.3)
+        answers: list[dict[str, Any]] = []
+
+        async def reached_kvrc() -> bool:  # one more batch, until one reaches kvrc's socket
+            n = len(answers)
+            answers.append(await vllm.do("cache", tokens=[100 + n, 101, 102, 103, 104]))
+            return bool(sink.batches)
+
+        await wait_until(reached_kvrc, 20, interval_s=0.3, what="vLLM's reconnect to kvrc")
+        answer = answers[-1]
         await matches(sink, answer)
         assert sink.seqs() == list(range(answer["seq"] + 1)), "replay filled 0..n in order"
         assert stream.status().replays >= 1
@@ -177,12 +180,16 @@ async def test_vllm_blockpool_events_become_kvrc_inventory(
     # A restarted vLLM (sequence from 0 again), now with 32-byte hashes.
     vllm = await VllmProcess.start(vllm_python, *endpoints, "--hash-kind=bytes")
     try:
-        started = time.monotonic()
-        for n in range(last_seq_before_restart):
-            answer = await vllm.do("cache", tokens=[400 + n, *range(401, 409)])
-            if stream.status().incarnation == 1 or time.monotonic() - started > 20:
-                break
-            await asyncio.sleep(0.5)
+        answers = []
+
+        async def restart_seen() -> bool:  # one more batch, until kvrc sees a new incarnation
+            n = len(answers)
+            assert n < last_seq_before_restart, "the restart went unseen for as many batches"
+            answers.append(await vllm.do("cache", tokens=[400 + n, *range(401, 409)]))
+            return stream.status().incarnation == 1
+
+        await wait_until(restart_seen, 20, interval_s=0.5, what="the restarted publisher")
+        answer = answers[-1]
         assert answer["seq"] < last_seq_before_restart
         await matches(sink, answer)
         assert ("drop", ENGINE) in sink.calls

@@ -1,4 +1,4 @@
-"""Malformed input is refused with INVALID_ARGUMENT and changes nothing (invariant 8).
+"""Malformed input is refused with INVALID_ARGUMENT and changes nothing (I8-bad-input).
 
 Raw protobuf over a real session stream, so each case sends exactly what a
 buggy or hostile client could send. After every case GetStatus must be

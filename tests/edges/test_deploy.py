@@ -262,7 +262,7 @@ def test_profiles_configmap_is_mounted_and_loads(shape: str) -> None:
     spec = pod_spec(docs)
     kvrc = kvrc_container(spec)
     args = kvrc["args"]
-    # Reuse is experimental: the manifests ship it off (invariant 1).
+    # Reuse is experimental: the manifests ship it off (I1-reuse-off).
     assert flag_value(args, "--reuse") == "off"
     profiles_path = Path(flag_value(args, "--profiles"))
     mount = next(m for m in kvrc["volumeMounts"] if profiles_path.parent == Path(m["mountPath"]))
@@ -378,7 +378,7 @@ def test_image_drops_created_series() -> None:
             cwd=REPO,
             env={
                 **os.environ,
-                "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
+                "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'support'}",
                 "PROMETHEUS_DISABLE_CREATED_SERIES": value,
             },
         )

@@ -53,6 +53,7 @@ from coordinator.core.auth import (
 from coordinator.core.errors import KvrcError
 from coordinator.core.vllm_events import MalformedFrame, decode_frame, decode_payload
 from coordinator.edges import grpc_wire as wire
+from coordinator.runtime.clock import SystemClock
 from coordinator.runtime.config import ConfigError, FieldBounds, load_profiles, parse_profiles
 from kvrc.kv_params import decode_kv_transfer_params, encode_kv_transfer_params
 from kvrc.v1 import kvrc_pb2 as pb
@@ -172,7 +173,10 @@ WIRE_DECODERS: dict[str, tuple[type[Message], Callable[[Any], object]]] = {
     "registration_from_proto": (pb.Register, lambda m: wire.registration_from_proto(m, BOUNDS)),
     "profile_from_proto": (pb.DeploymentProfile, lambda m: wire.profile_from_proto(m, BOUNDS)),
     "endpoint_from_proto": (pb.TransferEndpoint, lambda m: wire.endpoint_from_proto(m, BOUNDS)),
-    "event_batch_from_proto": (pb.EventBatch, wire.event_batch_from_proto),
+    "event_batch_from_proto": (
+        pb.EventBatch,
+        lambda m: wire.event_batch_from_proto(m, SystemClock()),
+    ),
     "lookup_request_from_proto": (
         pb.LookupRequest,
         lambda m: wire.lookup_request_from_proto(m, BOUNDS),

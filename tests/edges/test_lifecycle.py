@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -66,7 +65,7 @@ async def test_sigterm_with_open_session_ends_it_unavailable_and_exits_zero() ->
         try:
             kvrc.process.send_signal(signal.SIGTERM)
             rc = await asyncio.to_thread(kvrc.process.wait, 30)
-            await wait_until(_not_connected(session), timeout_s=10)
+            await wait_until(lambda: not session.connected, timeout_s=10)
             assert isinstance(session.last_error, UnavailableError)
             assert "shutting down" in session.last_error.message
         finally:
@@ -74,13 +73,6 @@ async def test_sigterm_with_open_session_ends_it_unavailable_and_exits_zero() ->
     assert rc == 0
     text = kvrc.stderr_text()
     assert "Traceback" not in text and "rank part removed (shutdown)" in text
-
-
-def _not_connected(session: EngineSession) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
-        return not session.connected
-
-    return check
 
 
 def test_sigint_exits_zero() -> None:

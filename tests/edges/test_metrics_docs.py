@@ -29,7 +29,7 @@ from prometheus_env import (
     registry_family_names,
 )
 
-from coordinator.core import event_streams, events, leases
+from coordinator.core import event_streams, events, grants, leases
 from coordinator.core.errors import ErrorCode
 from coordinator.edges import zmq_ingest
 from coordinator.runtime import coordinator as service
@@ -285,5 +285,5 @@ def test_flow_values_defined_in_code_match_the_doc(
     assert ended == {s.name.lower() for s in leases.TERMINAL_STATES}
     misses = documented["kvrc_prefix_load_misses_total"].labels["reason"]
     # Misses come from the core (MissReason) and from choosing a holder.
-    no_holder = set(lease_service._NO_HOLDER_DETAIL)
+    no_holder = set(grants._NO_HOLDER_DETAIL)
     assert misses == {r.value for r in leases.MissReason} | no_holder

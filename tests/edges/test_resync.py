@@ -235,7 +235,8 @@ async def test_an_engine_that_loses_the_first_resync_request_gets_another_and_re
     assert resync_metric(kvrc) - before == 4
     status = await child_engine_status(t, "resync-lost")
     assert status is not None and status.inventory_entries == 6
-    # Once the dump began, no further request: the retry was cancelled.
+    # Once the dump began, no further request: the retry was cancelled. Kept sleep: an
+    # absence is shown by waiting out three retry intervals in which a live timer would fire.
     await asyncio.sleep(3 * RETRY_MAX_MS / 1000)
     assert len(deaf.resyncs) == 4
     assert resync_metric(kvrc) - before == 4
@@ -262,6 +263,7 @@ async def test_retries_stop_when_the_stale_engine_leaves(
 
     await wait_until(gone, 10)
     before = resync_metric(kvrc)
+    # Kept sleep: three retry intervals in which a timer left behind would have sent again.
     await asyncio.sleep(3 * RETRY_MAX_MS / 1000)
     assert resync_metric(kvrc) == before  # no timer left sending for a gone stream
 

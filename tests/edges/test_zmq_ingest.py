@@ -18,12 +18,12 @@ import zmq
 import zmq.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from waiting import wait_until
 from zmq_wire import (
     CLEARED,
     ENGINE,
     RecordingSink,
     WirePublisher,
-    eventually,
     removed,
     stored,
     value,
@@ -95,10 +95,10 @@ async def test_in_order_batches_reach_the_sink_and_the_metrics(
     rigs.append(rig := await start_rig(ctx, block_size=16))
     await rig.pub.publish(stored(1, 2, 3))
     await rig.pub.publish(removed(2), stored(4))
-    await eventually(lambda: rig.sink.seqs() == [0, 1])
+    await wait_until(lambda: rig.sink.seqs() == [0, 1], 5)
     assert rig.sink.held() == {1, 3, 4}
     await rig.pub.publish(CLEARED, stored(9))
-    await eventually(lambda: rig.sink.seqs() == [0, 1, 2])
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2], 5)
     assert rig.sink.held() == {9}
     assert rig.sink.calls == []
     m = rig.metrics
@@ -123,11 +123,11 @@ async def test_gap_is_filled_by_a_replay_from_the_first_missing_sequence(
     await rig.pub.publish(stored(2), send=False)  # lost on the wire
     await rig.pub.publish(removed(1), send=False)
     await rig.pub.publish(stored(3))
-    await eventually(lambda: rig.sink.seqs() == [0, 1, 2, 3])
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2, 3], 5)
     assert rig.pub.replay_requests == [1]
     assert rig.sink.held() == {2, 3}
     await rig.pub.publish(stored(4))
-    await eventually(lambda: rig.sink.seqs() == [0, 1, 2, 3, 4])
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2, 3, 4], 5)
     assert rig.stream.status().state is StreamState.LIVE
     assert value(rig.metrics, "kvrc_zmq_replays_total", result="complete") == 1
     assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="gap") == 1
@@ -140,7 +140,7 @@ async def test_late_subscription_replays_from_zero(
     for h in range(5):  # published before kvrc subscribed
         await rig.pub.publish(stored(h), send=False)
     await rig.pub.publish(removed(0))
-    await eventually(lambda: rig.sink.seqs() == [0, 1, 2, 3, 4, 5])
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2, 3, 4, 5], 5)
     assert rig.pub.replay_requests == [0]
     assert rig.sink.held() == {1, 2, 3, 4}
     assert rig.stream.status().state is StreamState.LIVE
@@ -151,15 +151,15 @@ async def test_overrun_degrades_keeps_hints_for_the_grace_then_drops_them(
 ) -> None:
     rigs.append(rig := await start_rig(ctx, publisher={"buffer_steps": 2}, degraded_grace_s=0.5))
     await rig.pub.publish(stored(1, 2))
-    await eventually(lambda: rig.sink.seqs() == [0])
+    await wait_until(lambda: rig.sink.seqs() == [0], 5)
     await rig.pub.publish(removed(1), send=False)  # lost, and out of the buffer
     await rig.pub.publish(stored(5), send=False)  # lost, and out of the buffer
     await rig.pub.publish(stored(6), send=False)  # lost, still in the buffer
     await rig.pub.publish(stored(7))
-    await eventually(lambda: rig.stream.status().state is StreamState.DEGRADED)
+    await wait_until(lambda: rig.stream.status().state is StreamState.DEGRADED, 5)
     # What survived in the buffer (3, 4) is applied; the pre-gap entry 1 may be a
     # phantom (it was removed in the lost batches) but stays as a hint for now.
-    await eventually(lambda: rig.sink.seqs() == [0, 3, 4])
+    await wait_until(lambda: rig.sink.seqs() == [0, 3, 4], 5)
     assert rig.sink.held() == {1, 2, 6, 7}
     assert ("degraded", ENGINE) in rig.sink.calls
     assert "overran" in rig.sink.reasons[-1]
@@ -168,12 +168,12 @@ async def test_overrun_degrades_keeps_hints_for_the_grace_then_drops_them(
     assert value(m, "kvrc_zmq_streams", state="degraded") == 1
     assert value(m, "kvrc_zmq_streams", state="live") == 0
     # The grace ends: every hint from before is dropped, a new incarnation begins.
-    await eventually(lambda: rig.stream.status().state is StreamState.LIVE)
+    await wait_until(lambda: rig.stream.status().state is StreamState.LIVE, 5)
     assert rig.sink.calls[-2:] == [("drop", ENGINE), ("live", ENGINE)]
     assert rig.sink.held() == set()
     assert rig.stream.status().incarnation == 1
     await rig.pub.publish(stored(8))
-    await eventually(lambda: rig.sink.held() == {8})
+    await wait_until(lambda: rig.sink.held() == {8}, 5)
     assert rig.sink.batches[-1] == (ENGINE, 1, 5)
     assert value(m, "kvrc_zmq_streams", state="live") == 1
 
@@ -185,7 +185,7 @@ async def test_overrun_on_a_fresh_stream_is_a_partial_view_not_degraded(
     for h in range(4):
         await rig.pub.publish(stored(h), send=False)
     await rig.pub.publish(stored(10))
-    await eventually(lambda: rig.sink.seqs() == [3, 4])
+    await wait_until(lambda: rig.sink.seqs() == [3, 4], 5)
     assert rig.sink.held() == {3, 10}
     assert rig.stream.status().state is StreamState.LIVE
     assert ("degraded", ENGINE) not in rig.sink.calls
@@ -201,10 +201,10 @@ async def test_unanswered_replay_degrades_and_a_clear_makes_the_view_exact_again
         )
     )
     await rig.pub.publish(stored(1))
-    await eventually(lambda: rig.sink.seqs() == [0])
+    await wait_until(lambda: rig.sink.seqs() == [0], 5)
     await rig.pub.publish(removed(1), send=False)
     await rig.pub.publish(stored(2))
-    await eventually(lambda: rig.sink.seqs() == [0, 2])
+    await wait_until(lambda: rig.sink.seqs() == [0, 2], 5)
     status = rig.stream.status()
     assert status.state is StreamState.DEGRADED
     assert "unanswered" in status.reason
@@ -212,7 +212,7 @@ async def test_unanswered_replay_degrades_and_a_clear_makes_the_view_exact_again
     assert rig.sink.held() == {1, 2}  # 1 is a possible phantom, kept as a hint
     assert value(rig.metrics, "kvrc_zmq_replays_total", result="timeout") == 1
     await rig.pub.publish(CLEARED, stored(3))
-    await eventually(lambda: rig.stream.status().state is StreamState.LIVE)
+    await wait_until(lambda: rig.stream.status().state is StreamState.LIVE, 5)
     assert rig.sink.held() == {3}
     assert ("drop", ENGINE) not in rig.sink.calls
     assert rig.sink.calls[-1] == ("live", ENGINE)
@@ -223,17 +223,17 @@ async def test_gap_without_a_replay_endpoint_degrades(
 ) -> None:
     rigs.append(rig := await start_rig(ctx, replay=False, degraded_grace_s=60))
     await rig.pub.publish(stored(1))
-    await eventually(lambda: rig.sink.seqs() == [0])
+    await wait_until(lambda: rig.sink.seqs() == [0], 5)
     await rig.pub.publish(stored(2), send=False)
     await rig.pub.publish(stored(3))
-    await eventually(lambda: rig.sink.seqs() == [0, 2])
+    await wait_until(lambda: rig.sink.seqs() == [0, 2], 5)
     assert rig.stream.status().state is StreamState.DEGRADED
     assert "no replay endpoint" in rig.sink.reasons[-1]
     # A second loss while degraded does not extend the bound on a hint's age.
     until = rig.stream.status().degraded_until_s
     await rig.pub.publish(stored(4), send=False)
     await rig.pub.publish(stored(5))
-    await eventually(lambda: rig.sink.seqs() == [0, 2, 4])
+    await wait_until(lambda: rig.sink.seqs() == [0, 2, 4], 5)
     assert rig.stream.status().degraded_until_s == until
 
 
@@ -246,10 +246,10 @@ async def test_publisher_restart_is_a_new_incarnation(
     rigs.append(rig := await start_rig(ctx))
     for h in (1, 2, 3):
         await rig.pub.publish(stored(h))
-    await eventually(lambda: rig.sink.seqs() == [0, 1, 2])
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2], 5)
     rig.pub.restart_numbering()
     await rig.pub.publish(stored(20))
-    await eventually(lambda: rig.sink.batches[-1] == (ENGINE, 1, 0))
+    await wait_until(lambda: rig.sink.batches[-1] == (ENGINE, 1, 0), 5)
     assert rig.sink.held() == {20}  # the old incarnation's blocks are gone
     assert ("drop", ENGINE) in rig.sink.calls
     assert value(rig.metrics, "kvrc_zmq_publisher_restarts_total") == 1
@@ -262,11 +262,11 @@ async def test_restart_seen_late_drops_the_old_and_replays_the_new_from_zero(
     rigs.append(rig := await start_rig(ctx))
     for h in (1, 2, 3, 4):
         await rig.pub.publish(stored(h))
-    await eventually(lambda: rig.sink.seqs() == [0, 1, 2, 3])
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2, 3], 5)
     rig.pub.restart_numbering()
     await rig.pub.publish(stored(30), send=False)  # lost while reconnecting
     await rig.pub.publish(stored(31))
-    await eventually(lambda: rig.sink.batches[-2:] == [(ENGINE, 1, 0), (ENGINE, 1, 1)])
+    await wait_until(lambda: rig.sink.batches[-2:] == [(ENGINE, 1, 0), (ENGINE, 1, 1)], 5)
     assert rig.sink.held() == {30, 31}
     assert rig.pub.replay_requests == [0]
 
@@ -278,13 +278,13 @@ async def test_restarted_publisher_that_numbered_past_us_is_caught_on_reconnect(
     rigs.append(rig := await start_rig(ctx))
     await rig.pub.publish(stored(1))
     await rig.pub.publish(stored(2))
-    await eventually(lambda: rig.sink.seqs() == [0, 1])
+    await wait_until(lambda: rig.sink.seqs() == [0, 1], 5)
     await rig.pub.restart_process()
     for h in (40, 41, 42):  # published before kvrc reconnected: lost
         await rig.pub.publish(stored(h), send=False)
     await rig.pub.wait_subscribed()
     await rig.pub.publish(stored(43))
-    await eventually(lambda: rig.sink.held() == {40, 41, 42, 43})
+    await wait_until(lambda: rig.sink.held() == {40, 41, 42, 43}, 5)
     assert rig.pub.replay_requests == [1, 0]  # the check, then the new history
     assert [seq for _, inc, seq in rig.sink.batches if inc == 1] == [0, 1, 2, 3]
     assert ("drop", ENGINE) in rig.sink.calls
@@ -297,7 +297,7 @@ async def test_reconnection_to_the_same_publisher_keeps_the_incarnation(
     rigs.append(rig := await start_rig(ctx))
     await rig.pub.publish(stored(1))
     await rig.pub.publish(stored(2))
-    await eventually(lambda: rig.sink.seqs() == [0, 1])
+    await wait_until(lambda: rig.sink.seqs() == [0, 1], 5)
     # Same publisher and buffer, new connection (a network blip).
     buffer, next_seq = rig.pub.buffer, rig.pub.next_seq
     await rig.pub.restart_process()
@@ -305,7 +305,7 @@ async def test_reconnection_to_the_same_publisher_keeps_the_incarnation(
     await rig.pub.publish(stored(3), send=False)  # lost during the blip
     await rig.pub.wait_subscribed()
     await rig.pub.publish(stored(4))
-    await eventually(lambda: rig.sink.seqs() == [0, 1, 2, 3])
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2, 3], 5)
     assert rig.sink.held() == {1, 2, 3, 4}
     assert rig.pub.replay_requests == [1]  # the check also brought 2 and 3
     assert rig.stream.status().incarnation == 0
@@ -359,7 +359,7 @@ def test_any_loss_and_restart_pattern_ends_in_the_publishers_exact_inventory(
                 model.update(store)
                 model.difference_update(remove)
             last = rig.pub.next_seq - 1
-            await eventually(lambda: bool(rig.sink.batches) and rig.sink.batches[-1][2] == last)
+            await wait_until(lambda: bool(rig.sink.batches) and rig.sink.batches[-1][2] == last, 5)
             assert rig.sink.held() == model
             incarnation = rig.stream.status().incarnation
             current = [seq for _, inc, seq in rig.sink.batches if inc == incarnation]
@@ -386,7 +386,7 @@ async def test_malformed_frames_are_counted_skipped_and_the_stream_continues(
     await rig.pub.send_raw([b"", (1).to_bytes(8, "big"), b"\xc1garbage"])  # seq 1, bad payload
     rig.pub.next_seq = 2
     await rig.pub.publish(stored(2))
-    await eventually(lambda: rig.sink.seqs() == [0, 2])
+    await wait_until(lambda: rig.sink.seqs() == [0, 2], 5)
     assert rig.sink.held() == {1, 2}
     assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="malformed") == 3
     status = rig.stream.status()
@@ -418,9 +418,10 @@ async def test_profile_mismatch_marks_the_stream_stale_and_pollutes_nothing(
     await rig.pub.publish(stored(1))
     await rig.pub.publish(event, dp_rank=dp_rank)
     await rig.pub.publish(stored(2))  # refused too: the stream is stale
-    await eventually(lambda: rig.stream.status().state is StreamState.STALE)
-    await eventually(
-        lambda: value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="refused") == 2
+    await wait_until(lambda: rig.stream.status().state is StreamState.STALE, 5)
+    await wait_until(
+        lambda: value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="refused") == 2,
+        5,
     )
     assert rig.sink.held(child) == {1}
     assert rig.sink.calls == [("stale", child)]
@@ -429,7 +430,7 @@ async def test_profile_mismatch_marks_the_stream_stale_and_pollutes_nothing(
     # A restarted publisher with the right profile is a new, live incarnation.
     rig.pub.restart_numbering()
     await rig.pub.publish(stored(3))
-    await eventually(lambda: rig.sink.held(child) == {3})
+    await wait_until(lambda: rig.sink.held(child) == {3}, 5)
     assert rig.stream.status().state is StreamState.LIVE
 
 
@@ -438,7 +439,7 @@ async def test_child_engine_id_carries_the_dp_rank(
 ) -> None:
     rigs.append(rig := await start_rig(ctx, publisher={"dp_rank": 3}, dp_rank=3, dp_size=4))
     await rig.pub.publish(stored(1))
-    await eventually(lambda: rig.sink.held("engine-a_dp3") == {1})
+    await wait_until(lambda: rig.sink.held("engine-a_dp3") == {1}, 5)
 
 
 class RefusingSink(RecordingSink):
@@ -458,10 +459,10 @@ async def test_a_batch_the_core_refuses_is_counted_and_the_stream_continues(
     sink = RefusingSink()
     rig.stream._sink = sink  # the same stream, a sink that refuses like the core
     await rig.pub.publish(stored(1))
-    await eventually(lambda: sink.seqs() == [0])
+    await wait_until(lambda: sink.seqs() == [0], 5)
     await rig.pub.publish({**stored(2), "group_idx": 5000})
     await rig.pub.publish(stored(3))
-    await eventually(lambda: sink.seqs() == [0, 2])
+    await wait_until(lambda: sink.seqs() == [0, 2], 5)
     assert sink.held() == {1, 3}
     assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="refused") == 1
     assert rig.stream.status().state is StreamState.DEGRADED
@@ -521,22 +522,24 @@ async def test_kvrc_binds_for_a_publisher_that_connects(ctx: zmq.asyncio.Context
     try:
         await pub.wait_subscribed()
         await pub.publish(stored(1))
-        await eventually(lambda: sink.held() == {1})
+        await wait_until(lambda: sink.held() == {1}, 5)
     finally:
         await stream.close()
         await pub.close()
     assert value(metrics, "kvrc_zmq_streams", state="live") == 0
     # close() released the port (ZMQ's I/O thread lets go of it shortly after).
+    endpoint = stream.bound_endpoint
     again = ctx.socket(zmq.SUB)
+
+    def rebound() -> bool:
+        try:
+            again.bind(endpoint)
+        except zmq.ZMQError:
+            return False
+        return True
+
     try:
-        for _ in range(200):
-            try:
-                again.bind(stream.bound_endpoint)
-                break
-            except zmq.ZMQError:
-                await asyncio.sleep(0.01)
-        else:
-            raise AssertionError(f"{stream.bound_endpoint} still bound after close()")
+        await wait_until(rebound, 2, interval_s=0.01, what=f"{endpoint} released after close()")
     finally:
         again.close(0)
 

@@ -14,9 +14,9 @@ async tests too: it blocks only for process start and stop). Engine parts are
 stopped (SIGKILL) when their coordinator context exits.
 
 Also here: `metric_value` (one sample of /metrics), `get_status`, `find_lease`,
-`resolve_quarantine`, `wait_until`, and the two halves of a command process
-(`serve_commands` in the engine script, `CommandProcess` in the test) that
-tests/lease_engine.py and tests/fault_engine.py are built on.
+`resolve_quarantine`, `wait_until` (re-exported from tests/support/waiting.py), and the
+two halves of a command process (`serve_commands` in the engine script, `CommandProcess`
+in the test) that tests/lease_engine.py and tests/fault_engine.py are built on.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from waiting import wait_until as wait_until  # re-exported: tests import it from here
 
 from clients.refengine.demo import child_process_env
 
@@ -306,21 +308,6 @@ async def resolve_quarantine(target: str, lease_id: str) -> int:
         )
         state: int = reply.state
         return state
-
-
-async def wait_until(
-    predicate: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.05
-) -> float:
-    """Polls until `predicate()` is true; returns the seconds it took (TimeoutError if never)."""
-    import asyncio
-
-    started = time.monotonic()
-    while True:
-        if await predicate():
-            return time.monotonic() - started
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(interval_s)
 
 
 # --- command processes: tests/lease_engine.py and tests/fault_engine.py -------------------

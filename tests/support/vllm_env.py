@@ -1,11 +1,16 @@
 """Build (once) and cache a virtualenv holding vLLM 0.33.0's real KV-event publisher.
 
-The recipe is `../shared/vllm-events/README.md`: `pip install --no-deps vllm==0.33.0`
-plus the pinned requirements, all `--no-deps` (letting pip resolve vLLM's own
-requirements pulls triton and 3+ GB). The venv lives in `.cache/vllm-venv` under the
-repository root and is reused while its stamp matches the recipe.
+The recipe: `pip install --no-deps vllm==0.33.0`, then the pins of
+`tests/support/vllm-events-requirements.txt` (torch 2.13.0 among them), all
+`--no-deps`: letting pip resolve vLLM's own requirements pulls
+triton and 3+ GB. `vllm.distributed.kv_events` imports torch and much of vLLM but
+none of its compiled CUDA libraries, so this runs the real publisher
+(`ZmqEventPublisher`, `KVEventBatch`, the scheduler-side `BlockPool`) without a GPU:
+about 2.1 GB on disk, about a minute from a warm package cache. The venv lives in
+`.cache/vllm-venv` under the repository root and is reused while its stamp matches
+the recipe.
 
-Run as a script to build it ahead of the tests: `.venv/bin/python tests/vllm_env.py`.
+Run as a script to build it ahead of the tests: `.venv/bin/python tests/support/vllm_env.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pathlib import Path
 VLLM_VERSION = "0.33.0"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_DIR = REPO_ROOT / ".cache" / "vllm-venv"
-REQUIREMENTS = REPO_ROOT.parent / "shared" / "vllm-events" / "requirements.txt"
+REQUIREMENTS = Path(__file__).resolve().parent / "vllm-events-requirements.txt"
 _STAMP = VENV_DIR / ".kvrc-stamp"
 _LOCK = REPO_ROOT / ".cache" / "vllm-venv.lock"
 _BUILD_TIMEOUT_S = 1800

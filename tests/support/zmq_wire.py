@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,14 +195,6 @@ async def _bind_again(sock: zmq.asyncio.Socket, endpoint: str) -> zmq.asyncio.So
 
 
 # --- fixtures and helpers ----------------------------------------------------------
-
-
-async def eventually(cond: Callable[[], bool], within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def value(metrics: Metrics, name: str, **labels: str) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import tomllib
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -35,6 +34,7 @@ from prometheus_env import (
     promtool_check_metrics,
     running_prometheus,
 )
+from waiting import wait_until_sync
 
 from clients.inventory import InventoryPublisher, LookupClient, PublishingHandler
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
@@ -177,13 +177,15 @@ def check_alert_rules_evaluate(prom: PrometheusServer, expected_rules: int) -> N
         return [r for g in groups for r in g["rules"]]
 
     rules: list[dict[str, Any]] = []
-    for _ in range(120):
-        rules = evaluated()
-        if len(rules) == expected_rules and all(
+
+    def all_evaluated() -> bool:
+        rules[:] = evaluated()
+        return len(rules) == expected_rules and all(
             r.get("lastEvaluation", "").startswith("20") and r["health"] != "unknown" for r in rules
-        ):
-            break
-        time.sleep(0.25)
+        )
+
+    with contextlib.suppress(TimeoutError):  # the asserts below say what is missing
+        wait_until_sync(all_evaluated, 30, interval_s=0.25, what="every rule evaluated")
     assert len(rules) == expected_rules
     for rule in rules:
         assert rule["health"] == "ok", rule

@@ -18,6 +18,7 @@ import grpc
 import pytest
 from harness import REPO, CoordinatorProcess, metric_value, start_coordinator
 from lease_engine import LeaseEngine
+from waiting import wait_until_sync
 
 from kvrc.kv_params import encode_kv_transfer_params
 from kvrc.v1 import kvrc_pb2 as pb
@@ -75,13 +76,12 @@ def start(
 
 
 def ready(kvrc: CoordinatorProcess, child: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for c in status(kvrc).child_engines:
-            if c.state.child_engine_id == child and c.state.ready:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"{child} not READY")
+    def is_ready() -> bool:
+        return any(
+            c.state.child_engine_id == child and c.state.ready for c in status(kvrc).child_engines
+        )
+
+    wait_until_sync(is_ready, timeout_s, interval_s=0.05, what=f"{child} READY")
 
 
 def status(kvrc: CoordinatorProcess) -> pb.StatusResponse:
@@ -157,8 +157,8 @@ def test_handoff_is_ready_only_after_every_prefill_part_and_passes_everything_th
         1,
         2,
     )
-    time.sleep(0.3)
-    assert not any(d.get("tag") == begin for d in dec.seen), "granted before every part reported"
+    with pytest.raises(TimeoutError):  # no grant before every part reported (0.3 s to show)
+        dec.result(begin, timeout_s=0.3)
     second = publish(p1, "r1", NIXL_PARAMS, block_ids=[9, 10, 11], opaque="")
     assert second["state"] == "READY"
     grant = dec.result(begin)
@@ -229,6 +229,7 @@ def test_keepalive_holds_the_lease_and_silence_aborts_it_before_any_release(
     publish(pre, "kept", MOONCAKE_PARAMS)
     publish(pre, "dropped", MOONCAKE_PARAMS)
     kept = alive.command("begin", request_id="kept", prefill="pre-hb", keepalive=True)
+    kept_at = time.monotonic()
     dropped = silent.command("begin", request_id="dropped", prefill="pre-hb")
     assert kept["heartbeat_interval_ms"] == HEARTBEAT_TIMEOUT_MS // 3
     # The silent decode is told to abort once its deadline passes; the prefill keeps its
@@ -238,8 +239,10 @@ def test_keepalive_holds_the_lease_and_silence_aborts_it_before_any_release(
     assert not pre.has_event("release", dropped["lease_id"], within_s=0.8)
     silent.event("abort_acked", dropped["lease_id"], timeout_s=3)
     assert "abort" in pre.event("release", dropped["lease_id"], timeout_s=3)["reason"]
-    # Two heartbeat timeouts later the kept lease is still ACTIVE.
-    time.sleep(2 * HEARTBEAT_TIMEOUT_MS / 1000 - 1.5)
+    # Two heartbeat timeouts after its grant the kept lease is still ACTIVE. Kept sleep: the
+    # scenario is time passing with only keep-alives (no event to wait for); the abort above
+    # already used most of it.
+    time.sleep(max(0.0, kept_at + 2 * HEARTBEAT_TIMEOUT_MS / 1000 - time.monotonic()))
     assert lease_state(kvrc, kept["lease_id"]) == "ACTIVE"
     assert alive.command("stop_keepalive")["extensions"] >= 2
     assert not alive.has_event("abort", kept["lease_id"])
@@ -368,8 +371,8 @@ def test_drain_rpc_returns_safe_once_running_leases_complete(
         waiting = admin.Drain.future(
             pb.DrainRequest(child_engine_id="dec-drain2", timeout_ms=20_000, wait=True)
         )
-        time.sleep(0.3)
-        assert not waiting.done()
+        with pytest.raises(grpc.FutureTimeoutError):  # it waits (0.3 s to show it does)
+            waiting.result(timeout=0.3)
         dec.command("complete_handoff", lease_id=grant["lease_id"], outcome="SUCCEEDED")
         answer = waiting.result(timeout=10)
         assert (answer.leases_remaining, answer.safe_to_stop) == (0, True)

@@ -18,6 +18,7 @@ import pytest
 from harness import CoordinatorProcess, metric_value, start_coordinator
 from lease_engine import LeaseEngine
 from test_service_handoff import lease_state, ready, status
+from waiting import wait_until_sync
 
 from clients.hashing import hash_block_chain
 from kvrc.v1 import kvrc_pb2 as pb
@@ -65,17 +66,15 @@ def store(kvrc: CoordinatorProcess, holder: LeaseEngine, hashes: list[str], requ
     query = pb.LookupQuery(block_hashes=[bytes.fromhex(h) for h in hashes])
     with grpc.insecure_channel(kvrc.grpc_target) as channel:
         stub = pb_grpc.EngineServiceStub(channel)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+
+        def visible() -> bool:
             answer = stub.Lookup(
                 pb.LookupRequest(requester_child_engine_id=requester, queries=[query]), timeout=5
             )
-            if any(
-                c.child_engine_id == holder.child_engine_id for c in answer.results[0].candidates
-            ):
-                return
-            time.sleep(0.05)
-    raise TimeoutError("the holder's blocks never became visible")
+            candidates = answer.results[0].candidates
+            return any(c.child_engine_id == holder.child_engine_id for c in candidates)
+
+        wait_until_sync(visible, 10, interval_s=0.05, what="the holder's blocks visible")
 
 
 def stored_pair(

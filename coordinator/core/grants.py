@@ -1,0 +1,735 @@
+"""Both lease flows as the service runs them: one call per request or message.
+
+`Grants` owns the lease table (core/leases.py) and the drain state, and reads
+the registry, the inventory and the reuse policy. Each request of an engine
+(a prefix-load request, a pin result, a handoff publication or begin, a
+transfer report, ...) is one method call here that returns everything the
+runtime must do (`actions`) and, where the request can be answered at once,
+the answer. The runtime never asks twice: an answer that has to wait (a
+prefix load waiting for its pins, a handoff begin waiting for READY) arrives
+later as an action of the call that settles it (`PrefixLoadAnswered`,
+`HandoffBegun`, `HandoffBeginFailed`).
+
+Pure and synchronous like the rest of the core: no I/O, no clock (`now_ms` is
+an argument, on the runtime's monotonic clock).
+
+I6-quiescence: `on_engine_gone` may be called only once the runtime has proven
+the child engine gone (no part registered, none inside its grace period).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from coordinator.core.errors import ErrorCode, KvrcError, failed_precondition, not_found
+from coordinator.core.inventory import MAX_CANDIDATES, Inventory, Scope
+from coordinator.core.leases import (
+    Action,
+    Flow,
+    HandoffGrant,
+    LeaseEnded,
+    LeaseState,
+    LeaseStep,
+    LeaseTable,
+    LeaseView,
+    Outcome,
+)
+from coordinator.core.profiles import ReuseReason, ReuseStatus
+from coordinator.core.registry import ChildEngineView, Registry, grid_ranks
+from kvrc.vocabulary import BlockHash, RankKey
+
+# Defaults for requests that leave a duration at 0.
+DEFAULT_PIN_TIMEOUT_MS = 2_000
+DEFAULT_TRANSFER_TIMEOUT_MS = 30_000
+DEFAULT_DRAIN_TIMEOUT_MS = 60_000
+MAX_HANDOFF_WAIT_MS = 600_000
+MAX_DRAIN_TIMEOUT_MS = 3_600_000
+
+
+# --- requests, as the gRPC edge decodes and validates them ----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLoadRequest:
+    request_id: str
+    requester_child_engine_id: str
+    block_hashes: tuple[BlockHash, ...]
+    compatibility_hash: str  # "" = the requester's own
+    min_blocks: int
+    group_idx: int
+    pin_timeout_ms: int  # 0 = DEFAULT_PIN_TIMEOUT_MS
+    transfer_timeout_ms: int  # 0 = DEFAULT_TRANSFER_TIMEOUT_MS
+
+
+@dataclass(frozen=True, slots=True)
+class TransferReport:
+    lease_id: str
+    reporter_child_engine_id: str
+    rank_key: RankKey
+    outcome: Outcome
+    bytes_moved: int
+    duration_us: int
+    error_message: str
+
+
+@dataclass(frozen=True, slots=True)
+class PublishHandoffRequest:
+    request_id: str
+    prefill_child_engine_id: str
+    rank_key: RankKey
+    descriptor: bytes  # a serialized kvrc.v1.RankPartDescriptor, returned byte for byte
+    kv_transfer_params: bytes
+    decode_child_engine_id: str | None
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class BeginHandoffRequest:
+    request_id: str
+    prefill_child_engine_id: str
+    decode_child_engine_id: str
+    wait_timeout_ms: int
+
+
+# --- answers and the actions of this layer ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLoadAnswer:
+    """A grant (`view.prefix_load_grant` set) or a miss (`miss_reason` set)."""
+
+    view: LeaseView | None  # None: missed before any lease was opened
+    miss_reason: str  # "" for a grant; a metric label value otherwise
+    miss_detail: str
+    reuse: ReuseStatus
+
+
+@dataclass(frozen=True, slots=True)
+class DrainResult:
+    child_engine_ids: tuple[str, ...]
+    leases_remaining: int
+    safe_to_stop: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DrainNotice:
+    """Sent to every part of a draining child engine (a session message)."""
+
+    child_engine_id: str
+    rank_key: RankKey
+    deadline_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLoadAnswered:
+    """A prefix load left PINNING: the waiting request can be answered."""
+
+    lease_id: str
+    answer: PrefixLoadAnswer
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffBegun:
+    """A waiting BeginHandoff (its `token`) got its grant."""
+
+    token: int
+    grant: HandoffGrant
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffBeginFailed:
+    """A waiting BeginHandoff ends with this error (the handoff failed, or never got READY)."""
+
+    token: int
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class DrainDeadlinePassed:
+    child_engine_id: str
+
+
+GrantAction = (
+    Action
+    | DrainNotice
+    | PrefixLoadAnswered
+    | HandoffBegun
+    | HandoffBeginFailed
+    | DrainDeadlinePassed
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLoadStep:
+    """`answer` is set when the request is answered now; else wait for `lease_id`'s answer."""
+
+    lease_id: str | None
+    answer: PrefixLoadAnswer | None
+    actions: tuple[GrantAction, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BeginStep:
+    """`grant` now, or `token` to wait on (HandoffBegun / HandoffBeginFailed)."""
+
+    grant: HandoffGrant | None
+    token: int | None
+    actions: tuple[GrantAction, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PublishStep:
+    view: LeaseView
+    parts_reported: int
+    parts_expected: int
+    actions: tuple[GrantAction, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReportStep:
+    view: LeaseView
+    first_report: bool  # this rank part's first report of a lease still open (count it)
+    actions: tuple[GrantAction, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DrainStep:
+    child_engine_ids: tuple[str, ...]
+    actions: tuple[GrantAction, ...]
+
+
+@dataclass
+class _PendingBegin:
+    token: int
+    request: BeginHandoffRequest
+    deadline_ms: int
+    last_error: str
+    live: bool = True
+
+
+_NO_HOLDER_DETAIL = {
+    "no_candidate": "no ready, compatible engine retains the first block of this chain",
+    "below_min_blocks": "the longest retained prefix is shorter than min_blocks",
+}
+
+_NOT_REGISTERED = ReuseStatus(False, ReuseReason.REQUESTER_UNKNOWN, "requester is not registered")
+
+
+def grid_keys(view: ChildEngineView) -> tuple[RankKey, ...]:
+    """Every rank part of the child engine's tp x pp x pcp grid."""
+    return tuple(grid_ranks(view.profile))
+
+
+class Grants:
+    """Both lease flows over the registry, the inventory and the lease table."""
+
+    def __init__(
+        self,
+        *,
+        table: LeaseTable,
+        registry: Registry,
+        inventory: Inventory,
+        reuse_for: Callable[[ChildEngineView], ReuseStatus],
+    ) -> None:
+        self.table = table
+        self._registry = registry
+        self._inventory = inventory
+        self._reuse_for = reuse_for
+        self._draining: dict[str, int] = {}  # child engine -> drain deadline (ms)
+        self._drain_aborted: set[str] = set()
+        self._pinning: set[str] = set()  # prefix loads whose answer someone waits for
+        self._reported: dict[str, set[RankKey]] = {}  # reports counted, per open lease
+        self._begins: dict[tuple[str, str], list[_PendingBegin]] = {}  # (prefill, request)
+        self._begin_deadlines: list[tuple[int, int, tuple[str, str]]] = []
+        self._tokens = itertools.count(1)
+        # When `tick` next has work, as of the last call (the runtime arms one timer at it).
+        self.due_ms: int | None = None
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def is_draining(self, child_engine_id: str) -> bool:
+        return child_engine_id in self._draining
+
+    def leases_remaining(self, child_engine_ids: Iterable[str]) -> int:
+        return len({v.lease_id for c in child_engine_ids for v in self.table.leases_of(c)})
+
+    def _next_deadline_ms(self) -> int | None:
+        due = self.table.next_deadline_ms()
+        for child, deadline in self._draining.items():
+            if child not in self._drain_aborted:
+                due = deadline if due is None else min(due, deadline)
+        while self._begin_deadlines and not self._begin_live(self._begin_deadlines[0]):
+            heapq.heappop(self._begin_deadlines)
+        if self._begin_deadlines:
+            first = self._begin_deadlines[0][0]
+            due = first if due is None else min(due, first)
+        return due
+
+    @property
+    def waiting_begins(self) -> int:
+        return sum(len(v) for v in self._begins.values())
+
+    # --- prefix load ---------------------------------------------------------------------
+
+    def request_prefix_load(
+        self, req: PrefixLoadRequest, now_ms: int, warming: ReuseStatus | None
+    ) -> PrefixLoadStep:
+        """Opens the lease and asks the holder's parts to pin (or misses at once).
+
+        A repeat of an open request returns that lease; one whose answer is known
+        answers at once. FAILED_PRECONDITION (nothing changed) when the requester
+        may not load now, with the reason.
+        """
+        requester = self._registry.get(req.requester_child_engine_id)
+        existing = self.table.find_prefix_load(req.requester_child_engine_id, req.request_id)
+        if existing is not None:
+            # The core checks that the repeat names the same chain (holder arguments unused).
+            step = self.table.open_prefix_load(
+                request_id=req.request_id,
+                requester_child_engine_id=req.requester_child_engine_id,
+                requester_rank_keys=(),
+                holder_child_engine_id=existing.source_child_engine_id,
+                holder_rank_keys=(),
+                block_hashes=req.block_hashes,
+                min_blocks=req.min_blocks,
+                pin_timeout_ms=1,
+                transfer_ttl_ms=1,
+                now_ms=now_ms,
+                group_idx=req.group_idx,
+            )
+            reuse = self._reuse_for(requester) if requester is not None else _NOT_REGISTERED
+            view = step.view
+            if view.state is LeaseState.PINNING:
+                self._pinning.add(view.lease_id)
+                return PrefixLoadStep(view.lease_id, None, self._settled(()))
+            return PrefixLoadStep(view.lease_id, _answer_of(view, reuse), self._settled(()))
+        if requester is None:
+            raise failed_precondition(
+                f"requester {req.requester_child_engine_id!r} is not registered: "
+                "register its rank parts before asking for a prefix load"
+            )
+        reuse = self._reuse_for(requester)
+        if not reuse.enabled:
+            raise failed_precondition(
+                f"reuse is not enabled for {req.requester_child_engine_id!r}: {reuse.detail}"
+            )
+        if warming is not None:
+            raise failed_precondition(f"prefix loads wait for warm-up: {warming.detail}")
+        if not requester.ready:
+            raise failed_precondition(
+                f"requester {req.requester_child_engine_id!r} is not READY: "
+                f"{requester.not_ready_reason}"
+            )
+        self._check_not_draining(req.requester_child_engine_id, "requester")
+        if req.compatibility_hash and req.compatibility_hash != requester.compatibility_hash:
+            raise failed_precondition(
+                f"compatibility_hash {req.compatibility_hash!r} is not the requester's own "
+                f"({requester.compatibility_hash!r}): engines with different layouts "
+                "never exchange KV"
+            )
+        holder = self._choose_holder(req, requester, now_ms)
+        if isinstance(holder, str):
+            return PrefixLoadStep(
+                None, PrefixLoadAnswer(None, holder, _NO_HOLDER_DETAIL[holder], reuse), ()
+            )
+        step = self.table.open_prefix_load(
+            request_id=req.request_id,
+            requester_child_engine_id=req.requester_child_engine_id,
+            requester_rank_keys=grid_keys(requester),
+            holder_child_engine_id=holder.child_engine_id,
+            holder_rank_keys=grid_keys(holder),
+            block_hashes=req.block_hashes,  # the holder pins what it still has
+            min_blocks=req.min_blocks,
+            pin_timeout_ms=req.pin_timeout_ms or DEFAULT_PIN_TIMEOUT_MS,
+            transfer_ttl_ms=req.transfer_timeout_ms or DEFAULT_TRANSFER_TIMEOUT_MS,
+            now_ms=now_ms,
+            group_idx=req.group_idx,
+        )
+        lease_id = step.view.lease_id
+        if step.view.state is LeaseState.PINNING:
+            self._pinning.add(lease_id)
+            return PrefixLoadStep(lease_id, None, self._settled(step.actions))
+        return PrefixLoadStep(lease_id, _answer_of(step.view, reuse), self._settled(step.actions))
+
+    def _choose_holder(
+        self, req: PrefixLoadRequest, requester: ChildEngineView, now_ms: int
+    ) -> ChildEngineView | str:
+        min_blocks = max(req.min_blocks, 1)
+        # min_blocks 1: "below min_blocks" is told apart from "no candidate" here.
+        answer = self._inventory.lookup(
+            Scope(requester.compatibility_hash, req.group_idx),
+            req.block_hashes,
+            now_ms=now_ms,
+            min_blocks=1,
+            exclude_child_engine_id=req.requester_child_engine_id,
+            max_candidates=MAX_CANDIDATES,
+            leases_in_flight=self.table.open_counts_by_engine(),
+        )
+        best = 0
+        for candidate in answer.candidates:
+            best = max(best, candidate.matched_blocks)
+            if candidate.matched_blocks < min_blocks or self.is_draining(candidate.child_engine_id):
+                continue
+            view = self._registry.get(candidate.child_engine_id)
+            if view is None or not view.ready:
+                continue
+            if view.compatibility_hash != requester.compatibility_hash:
+                continue  # never hand KV across layouts, whatever the index said
+            return view
+        return "below_min_blocks" if 0 < best < min_blocks else "no_candidate"
+
+    def on_pin_result(
+        self,
+        holder_child_engine_id: str,
+        rank_key: RankKey,
+        lease_id: str,
+        pinned_blocks: int,
+        descriptor: bytes | None,
+        now_ms: int,
+    ) -> tuple[GrantAction, ...]:
+        """A holder part's PinResult (KvrcError for a stale or foreign one; nothing changes)."""
+        step = self.table.on_pin_result(
+            lease_id,
+            holder_child_engine_id,
+            rank_key,
+            pinned_blocks,
+            descriptor if pinned_blocks > 0 else None,
+            now_ms,
+        )
+        return self._settled(step.actions)
+
+    def complete(
+        self, report: TransferReport, flow: Flow, now_ms: int, warming: ReuseStatus | None
+    ) -> ReportStep:
+        """A target part's terminal outcome (NOT_FOUND for a lease of the other flow)."""
+        try:
+            before = self.table.get(report.lease_id)
+        except KvrcError as e:
+            if e.code is ErrorCode.NOT_FOUND and warming is not None:
+                # After a restart the holder may not have re-announced it yet.
+                raise KvrcError(
+                    ErrorCode.UNAVAILABLE,
+                    f"{e.message}; the coordinator restarted and is warming: retry the report",
+                ) from None
+            raise
+        call = (
+            self.table.complete_prefix_load
+            if flow is Flow.PREFIX_LOAD
+            else self.table.complete_handoff
+        )
+        step = call(
+            report.lease_id,
+            report.reporter_child_engine_id,
+            report.rank_key,
+            report.outcome,
+            now_ms,
+            reporter_rank_keys=self._grid_of(report.reporter_child_engine_id),
+        )
+        first = False
+        if not before.terminal:
+            seen = self._reported.setdefault(report.lease_id, set())
+            if report.rank_key not in seen:
+                seen.add(report.rank_key)
+                first = True
+        return ReportStep(step.view, first, self._settled(step.actions))
+
+    # --- decode handoff ------------------------------------------------------------------
+
+    def publish_handoff(self, req: PublishHandoffRequest, now_ms: int) -> PublishStep:
+        prefill = self._ready_engine(req.prefill_child_engine_id, "prefill")
+        if self.table.find_handoff(req.prefill_child_engine_id, req.request_id) is None:
+            self._check_not_draining(req.prefill_child_engine_id, "prefill")
+        published = self.table.publish_handoff(
+            request_id=req.request_id,
+            prefill_child_engine_id=req.prefill_child_engine_id,
+            prefill_rank_keys=grid_keys(prefill),
+            rank_key=req.rank_key,
+            descriptor=req.descriptor,
+            kv_transfer_params=req.kv_transfer_params,
+            decode_child_engine_id=req.decode_child_engine_id,
+            num_blocks=req.num_blocks,
+            now_ms=now_ms,
+        )
+        actions: list[GrantAction] = list(published.actions)
+        self._retry_begins((req.prefill_child_engine_id, req.request_id), now_ms, actions)
+        return PublishStep(
+            published.view,
+            published.parts_reported,
+            published.parts_expected,
+            self._settled(actions),
+        )
+
+    def begin_handoff(self, req: BeginHandoffRequest, now_ms: int) -> BeginStep:
+        """The grant when READY; else (with a wait) a token that a later call settles."""
+        try:
+            step = self._try_begin(req, now_ms)
+        except KvrcError as e:
+            if not self._waitable(req, e):
+                raise
+            token = next(self._tokens)
+            key = (req.prefill_child_engine_id, req.request_id)
+            pending = _PendingBegin(token, req, now_ms + req.wait_timeout_ms, e.message)
+            self._begins.setdefault(key, []).append(pending)
+            heapq.heappush(self._begin_deadlines, (pending.deadline_ms, token, key))
+            return BeginStep(None, token, self._settled(()))
+        grant = step.view.handoff_grant
+        assert grant is not None
+        return BeginStep(grant, None, self._settled(step.actions))
+
+    def cancel_begin(self, token: int) -> None:
+        """The waiting caller went away: its begin must never be granted."""
+        for key, waiting in list(self._begins.items()):
+            for pending in waiting:
+                if pending.token == token:
+                    pending.live = False
+                    waiting.remove(pending)
+                    if not waiting:
+                        del self._begins[key]
+                    return
+
+    def _try_begin(self, req: BeginHandoffRequest, now_ms: int) -> LeaseStep:
+        decode = self._ready_engine(req.decode_child_engine_id, "decode")
+        existing = self.table.find_handoff(req.prefill_child_engine_id, req.request_id)
+        if existing is None or existing.target_child_engine_id is None:
+            self._check_not_draining(req.decode_child_engine_id, "decode")
+        return self.table.begin_handoff(
+            request_id=req.request_id,
+            prefill_child_engine_id=req.prefill_child_engine_id,
+            decode_child_engine_id=req.decode_child_engine_id,
+            decode_rank_keys=grid_keys(decode),
+            now_ms=now_ms,
+        )
+
+    def _waitable(self, req: BeginHandoffRequest, e: KvrcError) -> bool:
+        """Not published yet, or published and waiting for its last prefill parts."""
+        if req.wait_timeout_ms == 0:
+            return False
+        if e.code is ErrorCode.NOT_FOUND:
+            return True
+        existing = self.table.find_handoff(req.prefill_child_engine_id, req.request_id)
+        return (
+            e.code is ErrorCode.FAILED_PRECONDITION
+            and existing is not None
+            and existing.state is LeaseState.WAITING_READY
+        )
+
+    def _retry_begins(self, key: tuple[str, str], now_ms: int, actions: list[GrantAction]) -> None:
+        waiting = self._begins.get(key)
+        if not waiting:
+            return
+        for pending in list(waiting):
+            try:
+                step = self._try_begin(pending.request, now_ms)
+            except KvrcError as e:
+                if self._waitable(pending.request, e):
+                    pending.last_error = e.message
+                    continue
+                actions.append(HandoffBeginFailed(pending.token, e.code, e.message))
+            else:
+                grant = step.view.handoff_grant
+                assert grant is not None
+                actions.extend(step.actions)
+                actions.append(HandoffBegun(pending.token, grant))
+            pending.live = False
+            waiting.remove(pending)
+        if not waiting:
+            del self._begins[key]
+
+    def _expire_begins(self, now_ms: int, actions: list[GrantAction]) -> None:
+        while self._begin_deadlines and self._begin_deadlines[0][0] <= now_ms:
+            entry = heapq.heappop(self._begin_deadlines)
+            if not self._begin_live(entry):
+                continue
+            _, token, key = entry
+            waiting = self._begins[key]
+            pending = next(p for p in waiting if p.token == token)
+            pending.live = False
+            waiting.remove(pending)
+            if not waiting:
+                del self._begins[key]
+            req = pending.request
+            actions.append(
+                HandoffBeginFailed(
+                    token,
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"handoff for request {req.request_id!r} of {req.prefill_child_engine_id!r} "
+                    f"was not READY within {req.wait_timeout_ms} ms: {pending.last_error}",
+                )
+            )
+
+    def _begin_live(self, entry: tuple[int, int, tuple[str, str]]) -> bool:
+        _, token, key = entry
+        return any(p.token == token and p.live for p in self._begins.get(key, ()))
+
+    def fail_all_begins(self) -> tuple[GrantAction, ...]:
+        """Shutting down: every waiting begin ends (DEADLINE_EXCEEDED, as a wait that ran out)."""
+        actions: list[GrantAction] = []
+        for waiting in self._begins.values():
+            for pending in waiting:
+                pending.live = False
+                req = pending.request
+                actions.append(
+                    HandoffBeginFailed(
+                        pending.token,
+                        ErrorCode.DEADLINE_EXCEEDED,
+                        f"handoff for request {req.request_id!r} of "
+                        f"{req.prefill_child_engine_id!r} was not READY within "
+                        f"{req.wait_timeout_ms} ms: {pending.last_error}",
+                    )
+                )
+        self._begins.clear()
+        self._begin_deadlines.clear()
+        return self._settled(actions)
+
+    def extend_handoff(self, lease_id: str, decode_child_engine_id: str, now_ms: int) -> int:
+        deadline = self.table.extend_handoff(lease_id, decode_child_engine_id, now_ms)
+        self._settled(())
+        return deadline
+
+    # --- both flows ----------------------------------------------------------------------
+
+    def on_abort_ack(
+        self, child_engine_id: str, rank_key: RankKey, lease_id: str, now_ms: int
+    ) -> tuple[GrantAction, ...]:
+        step = self.table.on_abort_ack(lease_id, child_engine_id, rank_key, now_ms)
+        return self._settled(step.actions)
+
+    def resolve_quarantine(
+        self, lease_id: str, now_ms: int
+    ) -> tuple[LeaseView, tuple[GrantAction, ...]]:
+        step = self.table.resolve_quarantine(lease_id, now_ms)
+        return step.view, self._settled(step.actions)
+
+    def recover_held(
+        self, child_engine_id: str, rank_key: RankKey, lease_id: str, now_ms: int
+    ) -> tuple[LeaseView, tuple[GrantAction, ...]]:
+        """One re-announced held lease (restart recovery); KvrcError when refused."""
+        keys = self._grid_of(child_engine_id)
+        if not keys:
+            raise not_found(f"{child_engine_id!r} is not registered")
+        step = self.table.recover_held(
+            lease_id=lease_id,
+            holder_child_engine_id=child_engine_id,
+            holder_rank_keys=keys,
+            rank_key=rank_key,
+            now_ms=now_ms,
+        )
+        return step.view, self._settled(step.actions)
+
+    def tick(self, now_ms: int) -> tuple[GrantAction, ...]:
+        """Fires due lease timers, drain deadlines and begin waits."""
+        actions: list[GrantAction] = list(self.table.tick(now_ms))
+        for child, deadline in sorted(self._draining.items()):
+            if deadline <= now_ms and child not in self._drain_aborted:
+                self._drain_aborted.add(child)
+                actions.append(DrainDeadlinePassed(child))
+                actions.extend(self.table.abort_engine(child, now_ms))
+        self._retry_ended_begins(now_ms, actions)
+        self._expire_begins(now_ms, actions)
+        return self._settled(actions)
+
+    def on_engine_gone(self, child_engine_id: str, now_ms: int) -> tuple[GrantAction, ...]:
+        """The child engine is proven gone (I6-quiescence): its leases may end without reports."""
+        actions: list[GrantAction] = list(self.table.on_engine_gone(child_engine_id, now_ms))
+        self._draining.pop(child_engine_id, None)
+        self._drain_aborted.discard(child_engine_id)
+        self._retry_ended_begins(now_ms, actions)
+        return self._settled(actions)
+
+    def on_part_removed(self, child_engine_id: str, now_ms: int) -> tuple[GrantAction, ...]:
+        """A part left: begins waiting for this decode engine fail, as they would on a retry."""
+        actions: list[GrantAction] = []
+        for key, waiting in list(self._begins.items()):
+            if any(p.request.decode_child_engine_id == child_engine_id for p in waiting):
+                self._retry_begins(key, now_ms, actions)
+        return self._settled(actions)
+
+    def _retry_ended_begins(self, now_ms: int, actions: list[GrantAction]) -> None:
+        for key in list(self._begins):
+            view = self.table.find_handoff(*key)
+            if view is not None and view.state is not LeaseState.WAITING_READY:
+                self._retry_begins(key, now_ms, actions)
+
+    # --- drain ---------------------------------------------------------------------------
+
+    def drain(self, target: str, timeout_ms: int, now_ms: int) -> DrainStep:
+        """Stops new grants from/to the engine(s); the deadline aborts what still runs."""
+        children = self._drain_targets(target)
+        timeout = timeout_ms or DEFAULT_DRAIN_TIMEOUT_MS
+        actions: list[GrantAction] = []
+        for child in children:
+            if child in self._draining:
+                continue
+            self._draining[child] = now_ms + timeout
+            view = self._registry.get(child)
+            if view is not None:
+                for part in view.parts:
+                    actions.append(DrainNotice(child, part.registration.rank, now_ms + timeout))
+        return DrainStep(tuple(children), self._settled(actions))
+
+    def drain_deadline_ms(self, child_engine_ids: Iterable[str]) -> int:
+        return max(self._draining[c] for c in child_engine_ids)
+
+    def _drain_targets(self, target: str) -> list[str]:
+        if self._registry.get(target) is not None or target in self._draining:
+            return [target]
+        children = sorted(
+            {v.child_engine_id for v in self._registry.views() if v.engine_id == target}
+        )
+        if not children:
+            raise not_found(f"no child engine or engine named {target!r} is registered")
+        return children
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _settled(self, actions: Sequence[GrantAction]) -> tuple[GrantAction, ...]:
+        """Adds the answers of waiting prefix loads that these actions settled."""
+        out = list(actions)
+        if self._pinning:
+            for lease_id in {getattr(a, "lease_id", None) for a in actions}:
+                if lease_id is None or lease_id not in self._pinning:
+                    continue
+                view = self.table.get(lease_id)
+                if view.state is LeaseState.PINNING:
+                    continue
+                self._pinning.discard(lease_id)
+                requester = view.target_child_engine_id
+                req_view = self._registry.get(requester) if requester is not None else None
+                reuse = self._reuse_for(req_view) if req_view is not None else _NOT_REGISTERED
+                out.append(PrefixLoadAnswered(lease_id, _answer_of(view, reuse)))
+        for action in actions:
+            if isinstance(action, LeaseEnded):
+                self._reported.pop(action.lease_id, None)
+        self.due_ms = self._next_deadline_ms()
+        return tuple(out)
+
+    def _grid_of(self, child_engine_id: str) -> tuple[RankKey, ...]:
+        view = self._registry.get(child_engine_id)
+        return grid_keys(view) if view is not None else ()
+
+    def _ready_engine(self, child_engine_id: str, role: str) -> ChildEngineView:
+        view = self._registry.get(child_engine_id)
+        if view is None:
+            raise failed_precondition(f"{role} child engine {child_engine_id!r} is not registered")
+        if not view.ready:
+            raise failed_precondition(
+                f"{role} child engine {child_engine_id!r} is not READY: {view.not_ready_reason}"
+            )
+        return view
+
+    def _check_not_draining(self, child_engine_id: str, role: str) -> None:
+        if child_engine_id in self._draining:
+            raise failed_precondition(
+                f"{role} child engine {child_engine_id!r} is draining: no new grants from or to it"
+            )
+
+
+def _answer_of(view: LeaseView, reuse: ReuseStatus) -> PrefixLoadAnswer:
+    if view.prefix_load_grant is not None:
+        return PrefixLoadAnswer(view, "", "", reuse)
+    reason = view.miss_reason.value if view.miss_reason is not None else "holder_gone"
+    return PrefixLoadAnswer(view, reason, view.reason, reuse)
