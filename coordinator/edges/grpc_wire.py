@@ -529,7 +529,7 @@ def lookup_response_to_proto(results: Sequence[LookupResult], clock: Clock) -> p
     # Filled in place with add(): half the cost of nested keyword constructors (hot path).
     response = pb.LookupResponse()
     add_result = response.results.add
-    unix_offset = clock.wall_ms() - clock.monotonic_ms()
+    unix_offset = clock.wall_offset_ms()
     for r in results:
         result = add_result(outcome=_OUTCOMES[r.outcome])
         add_candidate = result.candidates.add

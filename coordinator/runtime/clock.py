@@ -33,6 +33,9 @@ class Clock(Protocol):
     def wall_ms(self) -> int:
         """Unix milliseconds: for the wire and for persisted timestamps only."""
 
+    def wall_offset_ms(self) -> int:
+        """Unix ms minus monotonic ms now (moves when the wall clock steps)."""
+
     def call_later(self, delay_ms: int, callback: Callable[[], None]) -> Timer:
         """Runs `callback` once `delay_ms` of monotonic time has passed."""
 
@@ -42,16 +45,32 @@ class Clock(Protocol):
 
 def to_unix_ms(clock: Clock, monotonic_ms: int) -> int:
     """A monotonic instant as the wire's unix ms (as of now: the offset is read each time)."""
-    return monotonic_ms + clock.wall_ms() - clock.monotonic_ms()
+    return monotonic_ms + clock.wall_offset_ms()
 
 
 def from_unix_ms(clock: Clock, unix_ms: int) -> int:
     """A unix-ms instant from the wire on this process's monotonic clock."""
-    return unix_ms - clock.wall_ms() + clock.monotonic_ms()
+    return unix_ms - clock.wall_offset_ms()
 
 
 class SystemClock:
     """The host's clocks and the running event loop's timers."""
+
+    def __init__(self) -> None:
+        self._offset_ms = self._read_offset_ms()
+
+    @staticmethod
+    def _read_offset_ms() -> int:
+        return (time.time_ns() - time.monotonic_ns()) // 1_000_000
+
+    def wall_offset_ms(self) -> int:
+        # Two reads a moment apart differ by a rounding ms now and then: keep the last
+        # offset unless the wall clock really moved, so the same instant always encodes
+        # to the same unix ms.
+        now = self._read_offset_ms()
+        if abs(now - self._offset_ms) > 1:
+            self._offset_ms = now
+        return self._offset_ms
 
     def monotonic_ms(self) -> int:
         return time.monotonic_ns() // 1_000_000
@@ -97,6 +116,9 @@ class ManualClock:
 
     def wall_ms(self) -> int:
         return self._wall
+
+    def wall_offset_ms(self) -> int:
+        return self._wall - self._mono
 
     def call_later(self, delay_ms: int, callback: Callable[[], None]) -> Timer:
         timer = _ManualTimer(self._mono + max(delay_ms, 0), callback)

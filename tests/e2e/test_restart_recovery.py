@@ -46,7 +46,6 @@ from coordinator.core.leases import (
     SendRelease,
     flow_of_lease_id,
 )
-from coordinator.core.profiles import ReuseReason
 from coordinator.core.recovery import (
     KnownEngine,
     StateFileError,
@@ -54,9 +53,6 @@ from coordinator.core.recovery import (
     decode_state,
     encode_state,
 )
-from coordinator.runtime.clock import ManualClock
-from coordinator.runtime.config import CoordinatorConfig
-from coordinator.runtime.coordinator import Coordinator
 from kvrc.v1 import kvrc_pb2 as pb
 
 # --- warm-up (pure) ------------------------------------------------------------------
@@ -489,27 +485,3 @@ async def test_an_unusable_state_file_warms_up_for_the_whole_deadline(tmp_path: 
         await wait_until(warm, 10, what="warm after the deadline")
         assert time.monotonic() - started > 0.5
         assert "unusable" in kvrc.stderr_text()
-
-
-async def test_warm_up_without_a_state_file_lasts_exactly_the_given_time() -> None:
-    clock = ManualClock()
-    coordinator = Coordinator(
-        CoordinatorConfig(metrics_port=-1, reuse=True, warmup_ms=500), clock=clock
-    )
-    assert coordinator.status().warming
-    assert coordinator.metrics.registry.get_sample_value("kvrc_warming") == 1
-    gate = coordinator.inventory.reuse_gate("anyone")
-    assert not gate.enabled and gate.reason is ReuseReason.WARMING
-    clock.advance(499)
-    assert coordinator.status().warming
-    clock.advance(1)
-    assert not coordinator.status().warming
-    assert coordinator.metrics.registry.get_sample_value("kvrc_warming") == 0
-    assert coordinator.inventory.reuse_gate("anyone").reason is not ReuseReason.WARMING
-
-
-def test_reuse_off_says_so_even_while_warming() -> None:
-    coordinator = Coordinator(CoordinatorConfig(metrics_port=-1, reuse=False, warmup_ms=5_000))
-    assert coordinator.status().warming
-    gate = coordinator.inventory.reuse_gate("anyone")
-    assert gate.reason is ReuseReason.DISABLED_BY_COORDINATOR  # I1-reuse-off first

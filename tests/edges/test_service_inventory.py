@@ -730,56 +730,6 @@ async def test_status_shows_inventory_entries_and_stale_engines(
     assert metric_value(reuse_on, "kvrc_child_engines", state="stale") >= 1
 
 
-# --- the facade API the lease flows use (in process, no mocks) -------------------------------
-
-
-async def test_facade_ranks_fewer_leases_first_and_best_holder() -> None:
-    from coordinator.core.events import BlockStored, EventBatch
-    from coordinator.core.profiles import DeploymentProfile, declared_profile
-    from coordinator.core.registry import RankPartRegistration as CoreRegistration
-    from coordinator.runtime.config import CoordinatorConfig
-    from coordinator.runtime.coordinator import Coordinator
-
-    config = CoordinatorConfig(
-        reuse=True,
-        declared_profiles=(declared_profile("t", {"model": "m"}),),
-        metrics_port=-1,
-    )
-    coordinator = Coordinator(config)
-    await coordinator.start()
-    try:
-        profile = DeploymentProfile(model="m", block_size=16, reuse_opt_in=True)
-        sessions = {
-            cid: coordinator.open_session(CoreRegistration(cid, 0, cid, (0, 0, 0), profile))
-            for cid in ("req", "busy", "idle")
-        }
-        facade = coordinator.inventory
-        for cid in ("busy", "idle"):
-            s = sessions[cid]
-            facade.ingest(
-                cid,
-                (0, 0, 0),
-                s.session_id,
-                s.incarnation,
-                EventBatch(s.incarnation, 0, (BlockStored(CHAIN[:4], None, 64),)),
-            )
-        leases = {"busy": 3}
-        best, result = facade.best_holder("req", CHAIN, leases_in_flight=leases)
-        assert best is not None and best.child_engine_id == "idle"
-        assert [(c.child_engine_id, c.leases_in_flight) for c in result.candidates] == [
-            ("idle", 0),
-            ("busy", 3),
-        ]
-        facade.set_leases_in_flight(lambda: {"idle": 5})
-        best, _ = facade.best_holder("req", CHAIN)
-        assert best is not None and best.child_engine_id == "busy"
-        # Below the recompute threshold: no holder.
-        best, result = facade.best_holder("req", CHAIN, min_blocks=5)
-        assert best is None and result.best_matched_blocks == 4
-    finally:
-        await coordinator.shutdown()
-
-
 # --- the ZMQ edge: one core, two edges ----------------------------------------------------
 
 

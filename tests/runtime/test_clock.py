@@ -60,3 +60,9 @@ def test_the_system_clock_reads_both_clocks() -> None:
     clock = SystemClock()
     # Equal within the instants between the reads (the two clocks have different bases).
     assert abs(from_unix_ms(clock, to_unix_ms(clock, 1_000)) - 1_000) <= 2
+
+
+def test_the_system_clock_encodes_one_instant_to_one_unix_ms() -> None:
+    # Status answers compared byte for byte must not jitter by a rounding millisecond.
+    clock = SystemClock()
+    assert len({to_unix_ms(clock, 5_000) for _ in range(10_000)}) == 1

@@ -1,0 +1,161 @@
+"""The coordinator runtime in process, on a manual clock: sessions, listeners, warm-up.
+
+No server and no sleeps: time moves only through `ManualClock.advance`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from manual_rig import CHAIN
+
+from coordinator.core.profiles import ReuseReason
+from coordinator.runtime.clock import ManualClock
+from coordinator.runtime.config import CoordinatorConfig
+from coordinator.runtime.coordinator import Coordinator
+
+
+def _domain_registration(tp_rank: int = 0, tp_size: int = 2) -> Any:
+    from coordinator.core.profiles import DeploymentProfile
+    from coordinator.core.registry import RankPartRegistration as DomainRegistration
+
+    return DomainRegistration(
+        engine_id="facade",
+        dp_rank=0,
+        child_engine_id="facade",
+        rank=(tp_rank, 0, 0),
+        profile=DeploymentProfile(model="m", block_size=16, tp_size=tp_size),
+    )
+
+
+async def test_session_that_does_not_read_is_closed_resource_exhausted() -> None:
+    from coordinator.core.errors import ErrorCode
+    from coordinator.runtime.config import CoordinatorConfig
+    from coordinator.runtime.coordinator import Coordinator, RegisterReply, SessionEnd
+
+    coordinator = Coordinator(CoordinatorConfig(session_queue_size=4), clock=ManualClock())
+    session = coordinator.open_session(_domain_registration())
+    for _ in range(10):  # heartbeat acks pile up: nobody reads them
+        coordinator.heartbeat(session)
+    assert session.ended
+    end = await session.next_outbound()
+    assert isinstance(end, SessionEnd) and end.code == ErrorCode.RESOURCE_EXHAUSTED
+    assert "not reading" in end.message
+    assert coordinator.registry.num_parts == 0
+    assert (
+        coordinator.metrics.registry.get_sample_value(
+            "kvrc_sessions_closed_total", {"reason": "error"}
+        )
+        == 1.0
+    )
+    # A well-behaved session gets its RegisterReply first.
+    other = coordinator.open_session(_domain_registration())
+    assert isinstance(await other.next_outbound(), RegisterReply)
+    await coordinator.shutdown()
+
+
+async def test_part_listeners_hear_removal_at_once_and_gone_after_grace() -> None:
+    from coordinator.core.events import RankKey
+    from coordinator.runtime.config import CoordinatorConfig
+    from coordinator.runtime.coordinator import Coordinator
+
+    heard: list[tuple[str, str, RankKey, str]] = []
+
+    class Listener:
+        def on_part_removed(self, child_engine_id: str, rank: RankKey, reason: str) -> None:
+            heard.append(("removed", child_engine_id, rank, reason))
+
+        def on_part_gone(self, child_engine_id: str, rank: RankKey, session_id: str) -> None:
+            heard.append(("gone", child_engine_id, rank, session_id))
+
+    clock = ManualClock()
+    coordinator = Coordinator(CoordinatorConfig(session_grace_ms=100), clock=clock)
+    coordinator.add_part_listener(Listener())
+    first = coordinator.open_session(_domain_registration(0))
+    back = coordinator.open_session(_domain_registration(1))
+    coordinator.close_session(first, "closed")
+    coordinator.close_session(back, "closed")
+    assert heard == [
+        ("removed", "facade", (0, 0, 0), "closed"),
+        ("removed", "facade", (1, 0, 0), "closed"),
+    ]
+    coordinator.open_session(_domain_registration(1))  # rank 1 returns within the grace
+    clock.advance(99)
+    assert len(heard) == 2  # both still inside the grace
+    # Rank 0's grace ends; rank 1's, had its return not cancelled it, was due at the same time.
+    clock.advance(1)
+    assert heard[2:] == [("gone", "facade", (0, 0, 0), first.session_id)]
+    await coordinator.shutdown()
+
+
+async def test_facade_ranks_fewer_leases_first_and_best_holder() -> None:
+    from coordinator.core.events import BlockStored, EventBatch
+    from coordinator.core.profiles import DeploymentProfile, declared_profile
+    from coordinator.core.registry import RankPartRegistration as CoreRegistration
+    from coordinator.runtime.config import CoordinatorConfig
+    from coordinator.runtime.coordinator import Coordinator
+
+    config = CoordinatorConfig(
+        reuse=True,
+        declared_profiles=(declared_profile("t", {"model": "m"}),),
+        metrics_port=-1,
+    )
+    coordinator = Coordinator(config, clock=ManualClock())
+    await coordinator.start()
+    try:
+        profile = DeploymentProfile(model="m", block_size=16, reuse_opt_in=True)
+        sessions = {
+            cid: coordinator.open_session(CoreRegistration(cid, 0, cid, (0, 0, 0), profile))
+            for cid in ("req", "busy", "idle")
+        }
+        facade = coordinator.inventory
+        for cid in ("busy", "idle"):
+            s = sessions[cid]
+            facade.ingest(
+                cid,
+                (0, 0, 0),
+                s.session_id,
+                s.incarnation,
+                EventBatch(s.incarnation, 0, (BlockStored(CHAIN[:4], None, 64),)),
+            )
+        leases = {"busy": 3}
+        best, result = facade.best_holder("req", CHAIN, leases_in_flight=leases)
+        assert best is not None and best.child_engine_id == "idle"
+        assert [(c.child_engine_id, c.leases_in_flight) for c in result.candidates] == [
+            ("idle", 0),
+            ("busy", 3),
+        ]
+        facade.set_leases_in_flight(lambda: {"idle": 5})
+        best, _ = facade.best_holder("req", CHAIN)
+        assert best is not None and best.child_engine_id == "busy"
+        # Below the recompute threshold: no holder.
+        best, result = facade.best_holder("req", CHAIN, min_blocks=5)
+        assert best is None and result.best_matched_blocks == 4
+    finally:
+        await coordinator.shutdown()
+
+
+async def test_warm_up_without_a_state_file_lasts_exactly_the_given_time() -> None:
+    clock = ManualClock()
+    coordinator = Coordinator(
+        CoordinatorConfig(metrics_port=-1, reuse=True, warmup_ms=500), clock=clock
+    )
+    assert coordinator.status().warming
+    assert coordinator.metrics.registry.get_sample_value("kvrc_warming") == 1
+    gate = coordinator.inventory.reuse_gate("anyone")
+    assert not gate.enabled and gate.reason is ReuseReason.WARMING
+    clock.advance(499)
+    assert coordinator.status().warming
+    clock.advance(1)
+    assert not coordinator.status().warming
+    assert coordinator.metrics.registry.get_sample_value("kvrc_warming") == 0
+    assert coordinator.inventory.reuse_gate("anyone").reason is not ReuseReason.WARMING
+
+
+def test_reuse_off_says_so_even_while_warming() -> None:
+    coordinator = Coordinator(
+        CoordinatorConfig(metrics_port=-1, reuse=False, warmup_ms=5_000), clock=ManualClock()
+    )
+    assert coordinator.status().warming
+    gate = coordinator.inventory.reuse_gate("anyone")
+    assert gate.reason is ReuseReason.DISABLED_BY_COORDINATOR  # I1-reuse-off first
