@@ -6,7 +6,7 @@ streams (`event_streams.EventStreams`), the expiry sweeper, the ZMQ subscribers
 of engines that publish vLLM KV events natively, and the inventory metrics.
 No protobuf here: `wire.py` converts, `servicer.py` calls.
 
-Decisions (each has a test in tests/test_service_inventory.py):
+Decisions (each has a test in tests/edges/test_service_inventory.py):
 
 - A malformed `EventBatch` (bad sizes, hashes, tiers, group) ends the session
   with INVALID_ARGUMENT naming the field; nothing of it is applied. A batch

@@ -1,7 +1,7 @@
 """vLLM 0.33.0's own publisher and BlockPool against kvrc's ZMQ ingest edge.
 
 `tests/vllm_publisher.py` runs in a separate process with the cached vLLM venv
-(`tests/vllm_env.py`): vLLM's real `BlockPool` caches, evicts and resets, and
+(`tests/support/vllm_env.py`): vLLM's real `BlockPool` caches, evicts and resets, and
 vLLM's real `ZmqEventPublisher` publishes the events. After every step the
 process reports the pool's actual cached blocks; the test checks that the
 inventory kvrc received is exactly that, through a late subscription (recovered

@@ -443,7 +443,7 @@ async def test_gap_makes_the_engine_stale_until_a_full_dump(
     assert await is_stale(t, "gap-holder")
     assert (await lookup(t, "gap-req")).outcome is LookupOutcome.MISS
     # Later live batches of a stale stream are refused; the request is resent only on
-    # its retry timer while no dump begins (tests/test_resync.py), never per batch.
+    # its retry timer while no dump begins (tests/edges/test_resync.py), never per batch.
     await holder.session.send_event_batch(raw_batch(holder.incarnation, 3, stored(*CHAIN)))
     assert metric_value(reuse_on, "kvrc_resync_requests_total", source="grpc") >= resyncs_before + 1
 
