@@ -19,7 +19,7 @@ from waiting import wait_until_sync
 
 from clients.refengine.demo import RESULT_KEYS, child_process_env
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # a whole demo cluster each
 
 
 def processes_with(marker: str) -> list[int]:

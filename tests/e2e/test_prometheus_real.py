@@ -106,6 +106,7 @@ def dashboard_exprs() -> list[str]:
     return exprs
 
 
+@pytest.mark.slow  # waits on Prometheus's scrapes and rule evaluations
 def test_prometheus_scrapes_kvrc_and_sees_known_traffic(kvrc: CoordinatorProcess) -> None:
     # Traffic: 5 status calls; engine "ready-engine" complete (2 of 2 parts),
     # "half-engine" incomplete (1 of 2), one duplicate rank part refused.
@@ -259,6 +260,7 @@ def chain(prefix: bytes, n: int) -> list[bytes]:
     return [prefix + i.to_bytes(4, "big") for i in range(n)]
 
 
+@pytest.mark.slow  # waits on Prometheus's scrapes
 async def test_inventory_lookups_and_a_handoff_reach_prometheus(tmp_path: Path) -> None:
     configmap = yaml.safe_load((STANDALONE / "configmap.yaml").read_text())
     profiles = tmp_path / "profiles.toml"

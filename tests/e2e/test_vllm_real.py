@@ -31,7 +31,8 @@ from coordinator.runtime.metrics import Metrics
 PUBLISHER = Path(__file__).resolve().parents[1] / "support" / "vllm_publisher.py"
 ENGINE = "vllm-engine"
 BLOCK_SIZE = 4
-pytestmark = pytest.mark.timeout(1500)  # a cold first run downloads and builds the venv
+# slow: a cold first run downloads and builds the venv.
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
