@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 from pathlib import Path
 
 import grpc
@@ -168,8 +169,15 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     await coordinator.shutdown()
     await server.stop(config.shutdown_grace_s)
     if httpd is not None:
-        await asyncio.to_thread(httpd.shutdown)
-        httpd.server_close()
+        # The /metrics server notices a shutdown only at its next 0.5 s poll; nothing
+        # waits for it (its thread is a daemon): the process exits right after this.
+        metrics_server = httpd
+
+        def stop_metrics() -> None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+
+        threading.Thread(target=stop_metrics, name="kvrc-metrics-stop", daemon=True).start()
     log.info("stopped")
     return 0
 
