@@ -271,7 +271,10 @@ def dynamo_side_by_side(built: Built, rng: random.Random, n: int) -> dict[str, A
         encoded.append((e, dyn.encode_events(batch, event_id)))
         event_id += len(batch)
     block_events = sum(
-        len(ev.block_hashes) for _e, batch in built.log for ev in batch if isinstance(ev, (BlockStored, BlockRemoved))
+        len(ev.block_hashes)
+        for _e, batch in built.log
+        for ev in batch
+        if isinstance(ev, (BlockStored, BlockRemoved))
     )
     apply_event = tree.apply_event
     refused = 0  # Dynamo refuses an event removing a block its worker no longer holds

@@ -66,9 +66,10 @@ def encode_events(events: Sequence[InventoryEvent], event_id: int) -> list[bytes
     out: list[bytes] = []
     for i, ev in enumerate(events):
         if isinstance(ev, BlockStored):
+            parent = ev.parent_block_hash
             data: dict[str, Any] = {
                 "stored": {
-                    "parent_hash": None if ev.parent_block_hash is None else u64(ev.parent_block_hash),
+                    "parent_hash": None if parent is None else u64(parent),
                     "blocks": [
                         {"block_hash": u64(h), "tokens_hash": u64(h)} for h in ev.block_hashes
                     ],

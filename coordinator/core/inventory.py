@@ -20,13 +20,15 @@ to the bitmask of slots that hold it, so a lookup walks the chain with one
 `dict.get` and one `&` per block; one more dict marks blocks held below GPU by
 someone, so tiers cost nothing to scopes that only use GPU. A block held by one
 engine stores that engine's shared bit object (no new int). The block key is
-`hash(block_hash) >> 4`: Python's per-process keyed SipHash cut to 60 bits, a
-32-byte int instead of a 72-byte `bytes`; two different hashes share a key with
-probability ~2**-60, and since the inventory is advisory (I4-advisory) such a
-false match costs a shorter pin at worst, never wrong data. The reverse index of a child engine is
-a plain list of the keys it added per scope (8 bytes an entry); removals leave
-the key in place and the list is compacted when more than half of it is dead,
-so `remove_engine` is O(that engine's entries), never O(all blocks). Expiries
+`hash(block_hash) & _KEY_MASK`: Python's per-process keyed SipHash cut to its low 60
+bits, a 32-byte int instead of a 72-byte `bytes` (a mask, not a shift: CPython
+allocates a shifted int at its operand's 3 digits, 48 bytes in pymalloc); two
+different hashes share a key with probability ~2**-60, and since the inventory is
+advisory (I4-advisory) such a false match costs a shorter pin at worst, never wrong
+data. The reverse index of a child engine is a plain list of the keys it added per
+scope (8 bytes an entry); removals leave the key in place and the list is compacted
+when more than half of it is dead, so `remove_engine` is O(that engine's entries),
+never O(all blocks). Expiries
 live in side tables that exist only for entries that have one.
 
 Publish modes
@@ -115,15 +117,20 @@ _SLOWER_TIERS: tuple[Tier, ...] = (Tier.CPU, Tier.DISK, Tier.EXTERNAL)
 _ANY_SLOWER = 0  # by_tier[0]: block key -> bits holding it in some tier slower than GPU
 
 # Index key of a block hash: Python's keyed SipHash of the bytes, cut to 60 bits so
-# the int takes 32 bytes instead of the 72 of a 32-byte `bytes`. Two distinct
-# hashes share a key with probability ~2**-60; the inventory is advisory
-# (I4-advisory), so such a false match costs at worst a shorter pin, never wrong
-# data. Always inlined as `hash(h) >> 4` in hot loops.
+# the int takes 32 bytes instead of the 72 of a 32-byte `bytes`. Two distinct hashes
+# share a key with probability ~2**-60; the inventory is advisory (I4-advisory), so
+# such a false match costs at worst a shorter pin, never wrong data. Inlined as
+# `hash(h) & 0xFFFFFFFFFFFFFFF` in hot loops (a constant, no global). A mask, not `>>
+# 4`: CPython allocates the result of a right shift with its operand's digit count (3
+# for a 64-bit hash: 36 bytes, the 48-byte pymalloc class) while `&` with a 2-digit
+# positive mask allocates exactly 2 digits (32 bytes): 16 bytes less per indexed
+# block.
 _Key = int
+_KEY_MASK = (1 << 60) - 1
 
 
 def _key(block_hash: BlockHash) -> _Key:
-    return hash(block_hash) >> 4
+    return hash(block_hash) & _KEY_MASK
 
 
 _NO_LEASES: Mapping[str, int] = MappingProxyType({})
@@ -524,7 +531,7 @@ class Inventory:
         if not any_slower and not expiring:
             # Hot path: one hash, one dict.get and one & per block.
             for h in chain:
-                nxt = cur & gpu_get(hash(h) >> 4, 0)
+                nxt = cur & gpu_get(hash(h) & 0xFFFFFFFFFFFFFFF, 0)
                 if nxt != cur:
                     if i:
                         dropped.append((i, cur ^ nxt))
@@ -542,7 +549,7 @@ class Inventory:
             # has expired and no entry needs its own check during the walk.
             may_have_expired = bool(heap) and heap[0][0] <= now_ms
             for h in chain:
-                k = hash(h) >> 4
+                k = hash(h) & 0xFFFFFFFFFFFFFFF  # _KEY_MASK, a constant in the loop
                 g = gpu_get(k, 0)
                 nxt = cur & (g | slower_get(k, 0))
                 if expiring and nxt:
@@ -741,7 +748,7 @@ class Inventory:
             append = es.keys.append
             added = 0
             for h in hashes:
-                k = hash(h) >> 4
+                k = hash(h) & 0xFFFFFFFFFFFFFFF  # _KEY_MASK, a constant in the loop
                 m = get(k, 0)
                 if not m & bit:
                     d[k] = m | bit if m else bit
@@ -911,7 +918,7 @@ class Inventory:
             keep = ~bit
             gone = 0
             for h in hashes:
-                k = hash(h) >> 4
+                k = hash(h) & 0xFFFFFFFFFFFFFFF  # _KEY_MASK, a constant in the loop
                 m = get(k, 0)
                 if m & bit:
                     m &= keep
