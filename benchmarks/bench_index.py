@@ -256,8 +256,10 @@ def dynamo_side_by_side(built: Built, rng: random.Random, n: int) -> dict[str, A
     beforehand; a last find_matches makes sure its tree has applied them all).
     Lookups: every query goes to kvrc's Lookup (top 4 candidates), kvrc's all-holders
     query (every holder and its matched blocks: max_candidates 64) and Dynamo's
-    find_matches (which always returns every holder), in an order that rotates per
-    query; every answer of kvrc is checked against Dynamo's.
+    find_matches (which always returns every holder), interleaved call by call (which
+    goes first rotates), each kind walking the queries in its own random order (no call
+    finds its chain warm from the one before); every answer of kvrc is checked
+    against Dynamo's.
     """
     from benchmarks import dynamo_anchor as dyn
 
@@ -305,27 +307,37 @@ def dynamo_side_by_side(built: Built, rng: random.Random, n: int) -> dict[str, A
     top: list[float] = []
     every: list[float] = []
     dynamo: list[float] = []
-    mismatches = 0
+    # Each kind of query walks the queries in its own order, so no measured call finds
+    # its chain warm in the cache from the call just before it on the same structure.
+    orders = [list(range(len(queries))) for _ in range(3)]
+    for order in orders:
+        rng.shuffle(order)
+    answers: list[Any] = [None] * len(queries)
+    holders: list[Any] = [None] * len(queries)
+    found: list[Any] = [None] * len(queries)
     gc.collect()
-    for i, stored in enumerate(queries):
-        chain = [bytes(bytearray(h)) for h in stored]
-        chain_all = [bytes(bytearray(h)) for h in stored]
-        seq = list(dyn_chains[i])
+    for i in range(len(queries)):
         for which in ((0, 1, 2), (1, 2, 0), (2, 0, 1))[i % 3]:
+            q = orders[which][i]
+            if which == 2:
+                seq = list(dyn_chains[q])
+                t0 = clock()
+                found[q] = find(seq)
+                dynamo.append((clock() - t0) / 1000.0)
+                continue
+            chain = [bytes(bytearray(h)) for h in queries[q]]
             if which == 0:
                 t0 = clock()
-                answer = lookup(SCOPE, chain, now_ms=2_000, min_blocks=1)
+                answers[q] = lookup(SCOPE, chain, now_ms=2_000, min_blocks=1)
                 top.append((clock() - t0) / 1000.0)
-            elif which == 1:
-                t0 = clock()
-                holders = lookup(SCOPE, chain_all, now_ms=2_000, min_blocks=1, max_candidates=64)
-                every.append((clock() - t0) / 1000.0)
             else:
                 t0 = clock()
-                found = find(seq)
-                dynamo.append((clock() - t0) / 1000.0)
-        want = {ids[w]: m for (w, _dp), m in found.scores.items() if m}
-        got = {c.child_engine_id: c.matched_blocks for c in holders.candidates}
+                holders[q] = lookup(SCOPE, chain, now_ms=2_000, min_blocks=1, max_candidates=64)
+                every.append((clock() - t0) / 1000.0)
+    mismatches = 0
+    for answer, every_holder, scores in zip(answers, holders, found, strict=True):
+        want = {ids[w]: m for (w, _dp), m in scores.scores.items() if m}
+        got = {c.child_engine_id: c.matched_blocks for c in every_holder.candidates}
         ranked = sorted(want.items(), key=lambda kv: (-kv[1], kv[0]))[:4]
         got_top = [(c.child_engine_id, c.matched_blocks) for c in answer.candidates]
         if got != want or got_top != ranked:

@@ -134,6 +134,15 @@ def _key(block_hash: BlockHash) -> _Key:
 
 
 _NO_LEASES: Mapping[str, int] = MappingProxyType({})
+_CANDIDATE_CACHE = 4096  # Candidate values kept for reuse, per inventory
+_ENGINE_CANDIDATES = 256  # per engine: its GPU, no-expiry, no-lease Candidate by matched
+
+
+def _engine_id(engine: _Engine | None) -> str:
+    assert engine is not None
+    return engine.child_engine_id
+
+
 _TIER_OF: dict[int, Tier] = {int(t): t for t in Tier}
 
 
@@ -242,6 +251,7 @@ class _Part:
 class _Engine:
     __slots__ = (
         "bit",
+        "candidates",
         "child_engine_id",
         "compat",
         "compatibility_hash",
@@ -282,6 +292,8 @@ class _Engine:
         self.index_entries = 0  # entries in the lookup index
         self.removed = False
         self.state = _EngineState.NOT_READY
+        # matched blocks -> this engine's Candidate on GPU, no expiry, no leases
+        self.candidates: dict[int, Candidate] = {}
 
 
 class Inventory:
@@ -306,6 +318,8 @@ class Inventory:
         self._expiry_heap: list[tuple[int, int, _Engine, int, tuple[_Key, ...]]] = []
         self._expiring_entries = 0  # (block, engine) pairs with an expiry, all engines
         self._heap_seq = itertools.count()
+        # (id, -matched, tier, expiry, leases) -> the Candidate: bounded, cleared when full
+        self._candidates: dict[tuple[str, int, int, int, int], Candidate] = {}
 
     # ------------------------------------------------------------------ engines
 
@@ -596,40 +610,54 @@ class Inventory:
             return LookupAnswer(LookupOutcome.BELOW_MIN_BLOCKS, (), best)
         floor = max(min_blocks, 1)
         engines = compat.engines
+        by_id = compat.by_id
         rows: list[tuple[int, int, int, str, int]] = []
+        # Without tiers or leases to reorder them, rows built group by group (longest
+        # first) from members in id order are already ranked: no sort.
+        simple = not worst and not leases_in_flight
+        if simple and not exp_hits:
+            return self._simple_answer(compat, dropped, floor, max_candidates, best)
+        ranked = simple
         # Longest matches first; a shorter group can only matter while rows are missing.
         for matched, bits in reversed(dropped):
             need = max_candidates - len(rows)
             if matched < floor or need <= 0:
                 break
             members: list[_Engine | None]
-            if bits.bit_count() <= need:
+            n = bits.bit_count()
+            if n == 1:
+                members = [engines[bits.bit_length() - 1]]
+            elif n > need or 4 * n >= len(by_id):
+                # A big tie, or most of the engines: walk them in id order; when
+                # neither tier nor leases can reorder them, the first `need` are it.
+                members = [e for e in by_id if e.bit & bits]
+                if simple:
+                    members = members[:need]
+            else:
+                ranked = False
                 members = []
                 while bits:
                     low = bits & -bits
                     bits ^= low
                     members.append(engines[low.bit_length() - 1])
-            else:
-                # A big tie: walk engines in id order; when neither tier nor leases
-                # can reorder them, the first `need` of them are the answer.
-                members = [e for e in compat.by_id if e.bit & bits]
-                if not worst and not leases_in_flight:
-                    members = members[:need]
             for eng in members:
                 assert eng is not None
-                low = eng.bit
-                slot = eng.slot
                 tier_no = 1
                 if worst:
+                    low = eng.bit
                     for slow_no in (4, 3, 2):
                         if worst.get(slow_no, 0) & low:
                             tier_no = slow_no
                             break
                 eid = eng.child_engine_id
-                rows.append((-matched, tier_no, leases_in_flight.get(eid, 0), eid, slot))
-        rows.sort()
+                rows.append((-matched, tier_no, leases_in_flight.get(eid, 0), eid, eng.slot))
+        if not ranked:
+            rows.sort()
         del rows[max_candidates:]
         candidates = []
+        # Candidates are immutable values: the same one is handed out again (a
+        # frozen dataclass costs ~1 us to build, most of an all-holders answer).
+        cache = self._candidates
         for neg, tier_no, leases, eid, slot in rows:
             expiry = 0
             if exp_hits:
@@ -643,7 +671,58 @@ class Inventory:
                         exp = own[k]
                         if not expiry or exp < expiry:
                             expiry = exp
-            candidates.append(Candidate(eid, -neg, _TIER_OF[tier_no], expiry, leases))
+            key = (eid, neg, tier_no, expiry, leases)
+            cand = cache.get(key)
+            if cand is None:
+                if len(cache) >= _CANDIDATE_CACHE:
+                    cache.clear()
+                cand = cache[key] = Candidate(eid, -neg, _TIER_OF[tier_no], expiry, leases)
+            candidates.append(cand)
+        return LookupAnswer(LookupOutcome.HIT, tuple(candidates), best)
+
+    @staticmethod
+    def _simple_answer(
+        compat: _CompatSlots,
+        dropped: list[tuple[int, int]],
+        floor: int,
+        max_candidates: int,
+        best: int,
+    ) -> LookupAnswer:
+        """The ranking when every matched block is on GPU, none expires and no leases
+        count: by matched blocks, then id. Groups come longest first and members in id
+        order, so the answer is built in rank order (no rows, no sort), and each
+        engine hands out its Candidate for that many matched blocks again."""
+        engines = compat.engines
+        by_id = compat.by_id
+        candidates: list[Candidate] = []
+        for matched, bits in reversed(dropped):
+            need = max_candidates - len(candidates)
+            if matched < floor or need <= 0:
+                break
+            n = bits.bit_count()
+            members: list[_Engine | None]
+            if n == 1:
+                members = [engines[bits.bit_length() - 1]]
+            elif n > need or 4 * n >= len(by_id):
+                members = [e for e in by_id if e.bit & bits]
+                del members[need:]
+            else:
+                members = []
+                while bits:
+                    low = bits & -bits
+                    bits ^= low
+                    members.append(engines[low.bit_length() - 1])
+                members.sort(key=_engine_id)
+            for eng in members:
+                assert eng is not None
+                cand = eng.candidates.get(matched)
+                if cand is None:
+                    if len(eng.candidates) >= _ENGINE_CANDIDATES:
+                        eng.candidates.clear()
+                    cand = eng.candidates[matched] = Candidate(
+                        eng.child_engine_id, matched, Tier.GPU, 0, 0
+                    )
+                candidates.append(cand)
         return LookupAnswer(LookupOutcome.HIT, tuple(candidates), best)
 
     # ------------------------------------------------------------------ expiry
