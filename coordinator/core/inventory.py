@@ -28,8 +28,9 @@ advisory (I4-advisory) such a false match costs a shorter pin at worst, never wr
 data. The reverse index of a child engine is a plain list of the keys it added per
 scope (8 bytes an entry); removals leave the key in place and the list is compacted
 when more than half of it is dead, so `remove_engine` is O(that engine's entries),
-never O(all blocks). Expiries
-live in side tables that exist only for entries that have one.
+never O(all blocks). Expiries live in side tables that exist only for entries that
+have one. A lookup's Candidates are values handed out again, not built per answer
+(see `Inventory.lookup`).
 
 Publish modes
 -------------
