@@ -155,7 +155,7 @@ def rss_side_by_side() -> dict[str, Any]:
         "kvrc_rss_bytes_per_membership": round(kvrc["rss_bytes"] / memberships, 1),
         "memberships": memberships,
     }
-    if dynamo_version() is not None:
+    if dynamo_version() is not None and radix_tree() is not None:
         dyn = run("dynamo", "--chains", str(kvrc["chains"]))
         out["dynamo_rss_bytes_per_membership"] = round(dyn["rss_bytes"] / memberships, 1)
     return out
