@@ -151,6 +151,8 @@ class Built:
     block_events: int
     apply_seconds: float
     apply_cpu_seconds: float
+    # (engine index, batch) in the order applied: replayed into Dynamo's RadixTree
+    log: list[tuple[int, list[InventoryEvent]]]
 
 
 def build(*, shared: bool, mixed: bool, seed: int = 1) -> Built:
@@ -162,6 +164,7 @@ def build(*, shared: bool, mixed: bool, seed: int = 1) -> Built:
     apply_seconds = 0.0
     apply_cpu_seconds = 0.0
     now_ms = 1_000
+    log: list[tuple[int, list[InventoryEvent]]] = []
     for spec in plan_chains(rng, shared):
         if inv.stats().entries_total >= TARGET_MEMBERSHIPS:
             break
@@ -181,34 +184,35 @@ def build(*, shared: bool, mixed: bool, seed: int = 1) -> Built:
         apply_cpu_seconds += time.thread_time() - c0
         block_events += len(hashes)
         chains.append((spec, hashes))
-    return Built(inv, chains, block_events, apply_seconds, apply_cpu_seconds)
+        log.append((spec.engine_idx, batch))
+    return Built(inv, chains, block_events, apply_seconds, apply_cpu_seconds, log)
 
 
 def churn(built: Built, rng: random.Random) -> tuple[int, float, float]:
     """Remove then re-store 10% of the chains, in batches of 64 block events."""
     picked = rng.sample(built.chains, len(built.chains) // 10)
-    removes: list[tuple[str, list[InventoryEvent]]] = [
-        (
-            engine_id(spec.engine_idx),
-            [BlockRemoved(h[i : i + SEGMENT]) for i in range(0, 64, SEGMENT)],
-        )
+    removes: list[tuple[int, list[InventoryEvent]]] = [
+        (spec.engine_idx, [BlockRemoved(h[i : i + SEGMENT]) for i in range(0, 64, SEGMENT)])
         for spec, h in picked
     ]
-    stores = [(engine_id(spec.engine_idx), stored_batch(h)) for spec, h in picked]
+    stores = [(spec.engine_idx, stored_batch(h)) for spec, h in picked]
     inv = built.inv
+    ids = [engine_id(e) for e in range(N_ENGINES)]
     gc.collect()
     c0 = time.thread_time()
     t0 = time.perf_counter()
-    for eid, batch in removes:
-        inv.apply(eid, batch, now_ms=1_000)
-    for eid, batch in stores:
-        inv.apply(eid, batch, now_ms=1_000)
+    for e, batch in removes:
+        inv.apply(ids[e], batch, now_ms=1_000)
+    for e, batch in stores:
+        inv.apply(ids[e], batch, now_ms=1_000)
     wall = time.perf_counter() - t0
+    built.log.extend(removes)
+    built.log.extend(stores)
     return 2 * CHAIN_BLOCKS * len(picked), wall, time.thread_time() - c0
 
 
-def lookup_latencies(built: Built, rng: random.Random, n: int) -> tuple[list[float], list[float]]:
-    """Per lookup: wall-clock µs and this thread's CPU µs (the host is shared)."""
+def make_queries(built: Built, rng: random.Random, n: int) -> list[tuple[bytes, ...]]:
+    """Half held chains (full match), a quarter family prefix only, a quarter unknown."""
     queries: list[tuple[bytes, ...]] = []
     for k in range(n):
         kind = k % 4
@@ -221,6 +225,12 @@ def lookup_latencies(built: Built, rng: random.Random, n: int) -> tuple[list[flo
         else:
             queries.append(tuple(block_hash(3, k, j) for j in range(CHAIN_BLOCKS)))  # unknown
     rng.shuffle(queries)
+    return queries
+
+
+def lookup_latencies(built: Built, rng: random.Random, n: int) -> tuple[list[float], list[float]]:
+    """Per lookup: wall-clock µs and this thread's CPU µs (the host is shared)."""
+    queries = make_queries(built, rng, n)
     inv = built.inv
     clock = time.perf_counter_ns
     cpu_clock = time.thread_time_ns
@@ -236,6 +246,122 @@ def lookup_latencies(built: Built, rng: random.Random, n: int) -> tuple[list[flo
         out.append((clock() - t0) / 1000.0)
         cpu.append((cpu_clock() - c0) / 1000.0)
     return out, cpu
+
+
+def dynamo_side_by_side(built: Built, rng: random.Random, n: int) -> dict[str, Any]:
+    """The same events and queries into Dynamo's RadixTree and the inventory, one run.
+
+    Ingest: the whole event log (fill and churn) replayed into a fresh Inventory and a
+    fresh RadixTree, each timed over its apply calls only (Dynamo's events serialized
+    beforehand; a last find_matches makes sure its tree has applied them all).
+    Lookups: every query goes to kvrc's Lookup (top 4 candidates), kvrc's all-holders
+    query (every holder and its matched blocks: max_candidates 64) and Dynamo's
+    find_matches (which always returns every holder), interleaved call by call (which
+    goes first rotates), each kind walking the queries in its own random order (no call
+    finds its chain warm from the one before); every answer of kvrc is checked
+    against Dynamo's.
+    """
+    from benchmarks import dynamo_anchor as dyn
+
+    version = dyn.dynamo_version()
+    tree = dyn.radix_tree()
+    if version is None or tree is None:
+        return {"dynamo_version": None, "dynamo_skipped": dyn.unavailable_reason()}
+    encoded = []
+    event_id = 0
+    for e, batch in built.log:
+        encoded.append((e, dyn.encode_events(batch, event_id)))
+        event_id += len(batch)
+    block_events = sum(
+        len(ev.block_hashes)
+        for _e, batch in built.log
+        for ev in batch
+        if isinstance(ev, (BlockStored, BlockRemoved))
+    )
+    apply_event = tree.apply_event
+    refused = 0  # Dynamo refuses an event removing a block its worker no longer holds
+    gc.collect()
+    t0 = time.perf_counter()
+    for e, raws in encoded:
+        for raw in raws:
+            try:
+                apply_event(e, raw)
+            except RuntimeError:
+                refused += 1
+    tree.find_matches([0])
+    dyn_seconds = time.perf_counter() - t0
+    del encoded
+    inv = new_inventory()
+    ids = [engine_id(e) for e in range(N_ENGINES)]
+    gc.collect()
+    t0 = time.perf_counter()
+    for e, batch in built.log:
+        inv.apply(ids[e], batch, now_ms=1_000)
+    kvrc_seconds = time.perf_counter() - t0
+
+    queries = make_queries(built, rng, n)
+    dyn_chains = [[dyn.u64(h) for h in q] for q in queries]
+    find = tree.find_matches
+    lookup = inv.lookup
+    clock = time.perf_counter_ns
+    top: list[float] = []
+    every: list[float] = []
+    dynamo: list[float] = []
+    # Each kind of query walks the queries in its own order, so no measured call finds
+    # its chain warm in the cache from the call just before it on the same structure.
+    orders = [list(range(len(queries))) for _ in range(3)]
+    for order in orders:
+        rng.shuffle(order)
+    answers: list[Any] = [None] * len(queries)
+    holders: list[Any] = [None] * len(queries)
+    found: list[Any] = [None] * len(queries)
+    gc.collect()
+    for i in range(len(queries)):
+        for which in ((0, 1, 2), (1, 2, 0), (2, 0, 1))[i % 3]:
+            q = orders[which][i]
+            if which == 2:
+                seq = list(dyn_chains[q])
+                t0 = clock()
+                found[q] = find(seq)
+                dynamo.append((clock() - t0) / 1000.0)
+                continue
+            chain = [bytes(bytearray(h)) for h in queries[q]]
+            if which == 0:
+                t0 = clock()
+                answers[q] = lookup(SCOPE, chain, now_ms=2_000, min_blocks=1)
+                top.append((clock() - t0) / 1000.0)
+            else:
+                t0 = clock()
+                holders[q] = lookup(SCOPE, chain, now_ms=2_000, min_blocks=1, max_candidates=64)
+                every.append((clock() - t0) / 1000.0)
+    mismatches = 0
+    for answer, every_holder, scores in zip(answers, holders, found, strict=True):
+        want = {ids[w]: m for (w, _dp), m in scores.scores.items() if m}
+        got = {c.child_engine_id: c.matched_blocks for c in every_holder.candidates}
+        ranked = sorted(want.items(), key=lambda kv: (-kv[1], kv[0]))[:4]
+        got_top = [(c.child_engine_id, c.matched_blocks) for c in answer.candidates]
+        if got != want or got_top != ranked:
+            mismatches += 1
+    return {
+        "dynamo_version": version,
+        "dynamo_events_per_s": round(block_events / dyn_seconds),
+        "sbs_kvrc_events_per_s": round(block_events / kvrc_seconds),
+        "ingest_vs_dynamo": round(dyn_seconds / kvrc_seconds, 3),
+        "dynamo_lookup_us_p50": round(percentile(dynamo, 50), 2),
+        "dynamo_lookup_us_p99": round(percentile(dynamo, 99), 2),
+        "sbs_kvrc_lookup_us_p50": round(percentile(top, 50), 2),
+        "sbs_kvrc_lookup_us_p99": round(percentile(top, 99), 2),
+        "sbs_kvrc_all_holders_us_p50": round(percentile(every, 50), 2),
+        "sbs_kvrc_all_holders_us_p99": round(percentile(every, 99), 2),
+        "lookup_p50_vs_dynamo": round(percentile(top, 50) / percentile(dynamo, 50), 3),
+        "lookup_p99_vs_dynamo": round(percentile(top, 99) / percentile(dynamo, 99), 3),
+        "all_holders_p50_vs_dynamo": round(percentile(every, 50) / percentile(dynamo, 50), 3),
+        "all_holders_p99_vs_dynamo": round(percentile(every, 99) / percentile(dynamo, 99), 3),
+        "answers_equal_dynamo": mismatches == 0 and len(queries) > 0,
+        "answers_compared": len(queries),
+        "dynamo_events_refused": refused,
+        "answers_mismatched": mismatches,
+    }
 
 
 def memory_per_membership(*, shared: bool) -> dict[str, float]:
@@ -499,6 +625,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     lat, lat_cpu = lookup_latencies(built, rng, args.lookups)
     log(f"lookups: p50 {percentile(lat, 50):.1f} us, p99 {percentile(lat, 99):.1f} us")
+    dynamo = dynamo_side_by_side(built, rng, args.lookups)
+    if dynamo["dynamo_version"] is None:
+        log(dynamo["dynamo_skipped"])
+    else:
+        log(
+            f"dynamo {dynamo['dynamo_version']}: ingest x{dynamo['ingest_vs_dynamo']}, lookup "
+            f"p99 x{dynamo['lookup_p99_vs_dynamo']}, all-holders p50 "
+            f"x{dynamo['all_holders_p50_vs_dynamo']}, answers equal "
+            f"{dynamo['answers_equal_dynamo']}"
+        )
     del built
     gc.collect()
 
@@ -512,6 +648,17 @@ def main(argv: list[str] | None = None) -> int:
     log(f"memory: {mem_shared['bytes']:.1f} bytes/membership (family prefixes shared)")
     mem_unshared = memory_per_membership(shared=False)
     log(f"memory: {mem_unshared['bytes']:.1f} bytes/membership (nothing shared)")
+    from benchmarks.dynamo_anchor import rss_side_by_side
+
+    rss = rss_side_by_side()
+    if "dynamo_rss_bytes_per_membership" in rss:
+        dynamo["bytes_vs_dynamo"] = round(
+            rss["kvrc_rss_bytes_per_membership"] / rss["dynamo_rss_bytes_per_membership"], 3
+        )
+        dynamo["dynamo_rss_bytes_per_membership"] = rss["dynamo_rss_bytes_per_membership"]
+    dynamo["rss_bytes_per_membership"] = rss["kvrc_rss_bytes_per_membership"]
+    dynamo["rss_method"] = "VmRSS growth of a fresh process building the index, after gc"
+    log(f"memory (RSS): {rss}")
 
     grpc = measure_grpc()
     if grpc is not None:
@@ -556,6 +703,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     if grpc is not None:
         result.update(grpc)
+    result.update(dynamo)
+    result["targets"].update(
+        {
+            "lookup_p99_vs_dynamo": "<= 1.0",
+            "all_holders_p50_vs_dynamo": "<= 1.0",
+            "ingest_vs_dynamo": ">= 1.5",
+            "bytes_vs_dynamo": "<= 1.0",
+            "answers_equal_dynamo": "true",
+            "grpc_lookup_vs_echo": ">= 0.8",
+        }
+    )
     path = write_result(args.name, result)
     log(f"wrote {path}")
     return 0

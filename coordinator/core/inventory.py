@@ -20,14 +20,17 @@ to the bitmask of slots that hold it, so a lookup walks the chain with one
 `dict.get` and one `&` per block; one more dict marks blocks held below GPU by
 someone, so tiers cost nothing to scopes that only use GPU. A block held by one
 engine stores that engine's shared bit object (no new int). The block key is
-`hash(block_hash) >> 4`: Python's per-process keyed SipHash cut to 60 bits, a
-32-byte int instead of a 72-byte `bytes`; two different hashes share a key with
-probability ~2**-60, and since the inventory is advisory (I4-advisory) such a
-false match costs a shorter pin at worst, never wrong data. The reverse index of a child engine is
-a plain list of the keys it added per scope (8 bytes an entry); removals leave
-the key in place and the list is compacted when more than half of it is dead,
-so `remove_engine` is O(that engine's entries), never O(all blocks). Expiries
-live in side tables that exist only for entries that have one.
+`hash(block_hash) & _KEY_MASK`: Python's per-process keyed SipHash cut to its low 60
+bits, a 32-byte int instead of a 72-byte `bytes` (a mask, not a shift: CPython
+allocates a shifted int at its operand's 3 digits, 48 bytes in pymalloc); two
+different hashes share a key with probability ~2**-60, and since the inventory is
+advisory (I4-advisory) such a false match costs a shorter pin at worst, never wrong
+data. The reverse index of a child engine is a plain list of the keys it added per
+scope (8 bytes an entry); removals leave the key in place and the list is compacted
+when more than half of it is dead, so `remove_engine` is O(that engine's entries),
+never O(all blocks). Expiries live in side tables that exist only for entries that
+have one. A lookup's Candidates are values handed out again, not built per answer
+(see `Inventory.lookup`).
 
 Publish modes
 -------------
@@ -115,18 +118,32 @@ _SLOWER_TIERS: tuple[Tier, ...] = (Tier.CPU, Tier.DISK, Tier.EXTERNAL)
 _ANY_SLOWER = 0  # by_tier[0]: block key -> bits holding it in some tier slower than GPU
 
 # Index key of a block hash: Python's keyed SipHash of the bytes, cut to 60 bits so
-# the int takes 32 bytes instead of the 72 of a 32-byte `bytes`. Two distinct
-# hashes share a key with probability ~2**-60; the inventory is advisory
-# (I4-advisory), so such a false match costs at worst a shorter pin, never wrong
-# data. Always inlined as `hash(h) >> 4` in hot loops.
+# the int takes 32 bytes instead of the 72 of a 32-byte `bytes`. Two distinct hashes
+# share a key with probability ~2**-60; the inventory is advisory (I4-advisory), so
+# such a false match costs at worst a shorter pin, never wrong data. Inlined as
+# `hash(h) & 0xFFFFFFFFFFFFFFF` in hot loops (a constant, no global). A mask, not `>>
+# 4`: CPython allocates the result of a right shift with its operand's digit count (3
+# for a 64-bit hash: 36 bytes, the 48-byte pymalloc class) while `&` with a 2-digit
+# positive mask allocates exactly 2 digits (32 bytes): 16 bytes less per indexed
+# block.
 _Key = int
+_KEY_MASK = (1 << 60) - 1
 
 
 def _key(block_hash: BlockHash) -> _Key:
-    return hash(block_hash) >> 4
+    return hash(block_hash) & _KEY_MASK
 
 
 _NO_LEASES: Mapping[str, int] = MappingProxyType({})
+_CANDIDATE_CACHE = 4096  # Candidate values kept for reuse, per inventory
+_ENGINE_CANDIDATES = 256  # per engine: its GPU, no-expiry, no-lease Candidate by matched
+
+
+def _engine_id(engine: _Engine | None) -> str:
+    assert engine is not None
+    return engine.child_engine_id
+
+
 _TIER_OF: dict[int, Tier] = {int(t): t for t in Tier}
 
 
@@ -235,6 +252,7 @@ class _Part:
 class _Engine:
     __slots__ = (
         "bit",
+        "candidates",
         "child_engine_id",
         "compat",
         "compatibility_hash",
@@ -275,6 +293,8 @@ class _Engine:
         self.index_entries = 0  # entries in the lookup index
         self.removed = False
         self.state = _EngineState.NOT_READY
+        # matched blocks -> this engine's Candidate on GPU, no expiry, no leases
+        self.candidates: dict[int, Candidate] = {}
 
 
 class Inventory:
@@ -299,6 +319,8 @@ class Inventory:
         self._expiry_heap: list[tuple[int, int, _Engine, int, tuple[_Key, ...]]] = []
         self._expiring_entries = 0  # (block, engine) pairs with an expiry, all engines
         self._heap_seq = itertools.count()
+        # (id, -matched, tier, expiry, leases) -> the Candidate: bounded, cleared when full
+        self._candidates: dict[tuple[str, int, int, int, int], Candidate] = {}
 
     # ------------------------------------------------------------------ engines
 
@@ -524,7 +546,7 @@ class Inventory:
         if not any_slower and not expiring:
             # Hot path: one hash, one dict.get and one & per block.
             for h in chain:
-                nxt = cur & gpu_get(hash(h) >> 4, 0)
+                nxt = cur & gpu_get(hash(h) & 0xFFFFFFFFFFFFFFF, 0)
                 if nxt != cur:
                     if i:
                         dropped.append((i, cur ^ nxt))
@@ -542,7 +564,7 @@ class Inventory:
             # has expired and no entry needs its own check during the walk.
             may_have_expired = bool(heap) and heap[0][0] <= now_ms
             for h in chain:
-                k = hash(h) >> 4
+                k = hash(h) & 0xFFFFFFFFFFFFFFF  # _KEY_MASK, a constant in the loop
                 g = gpu_get(k, 0)
                 nxt = cur & (g | slower_get(k, 0))
                 if expiring and nxt:
@@ -589,40 +611,54 @@ class Inventory:
             return LookupAnswer(LookupOutcome.BELOW_MIN_BLOCKS, (), best)
         floor = max(min_blocks, 1)
         engines = compat.engines
+        by_id = compat.by_id
         rows: list[tuple[int, int, int, str, int]] = []
+        # Without tiers or leases to reorder them, rows built group by group (longest
+        # first) from members in id order are already ranked: no sort.
+        simple = not worst and not leases_in_flight
+        if simple and not exp_hits:
+            return self._simple_answer(compat, dropped, floor, max_candidates, best)
+        ranked = simple
         # Longest matches first; a shorter group can only matter while rows are missing.
         for matched, bits in reversed(dropped):
             need = max_candidates - len(rows)
             if matched < floor or need <= 0:
                 break
             members: list[_Engine | None]
-            if bits.bit_count() <= need:
+            n = bits.bit_count()
+            if n == 1:
+                members = [engines[bits.bit_length() - 1]]
+            elif n > need or 4 * n >= len(by_id):
+                # A big tie, or most of the engines: walk them in id order; when
+                # neither tier nor leases can reorder them, the first `need` are it.
+                members = [e for e in by_id if e.bit & bits]
+                if simple:
+                    members = members[:need]
+            else:
+                ranked = False
                 members = []
                 while bits:
                     low = bits & -bits
                     bits ^= low
                     members.append(engines[low.bit_length() - 1])
-            else:
-                # A big tie: walk engines in id order; when neither tier nor leases
-                # can reorder them, the first `need` of them are the answer.
-                members = [e for e in compat.by_id if e.bit & bits]
-                if not worst and not leases_in_flight:
-                    members = members[:need]
             for eng in members:
                 assert eng is not None
-                low = eng.bit
-                slot = eng.slot
                 tier_no = 1
                 if worst:
+                    low = eng.bit
                     for slow_no in (4, 3, 2):
                         if worst.get(slow_no, 0) & low:
                             tier_no = slow_no
                             break
                 eid = eng.child_engine_id
-                rows.append((-matched, tier_no, leases_in_flight.get(eid, 0), eid, slot))
-        rows.sort()
+                rows.append((-matched, tier_no, leases_in_flight.get(eid, 0), eid, eng.slot))
+        if not ranked:
+            rows.sort()
         del rows[max_candidates:]
         candidates = []
+        # Candidates are immutable values: the same one is handed out again (a
+        # frozen dataclass costs ~1 us to build, most of an all-holders answer).
+        cache = self._candidates
         for neg, tier_no, leases, eid, slot in rows:
             expiry = 0
             if exp_hits:
@@ -636,7 +672,58 @@ class Inventory:
                         exp = own[k]
                         if not expiry or exp < expiry:
                             expiry = exp
-            candidates.append(Candidate(eid, -neg, _TIER_OF[tier_no], expiry, leases))
+            key = (eid, neg, tier_no, expiry, leases)
+            cand = cache.get(key)
+            if cand is None:
+                if len(cache) >= _CANDIDATE_CACHE:
+                    cache.clear()
+                cand = cache[key] = Candidate(eid, -neg, _TIER_OF[tier_no], expiry, leases)
+            candidates.append(cand)
+        return LookupAnswer(LookupOutcome.HIT, tuple(candidates), best)
+
+    @staticmethod
+    def _simple_answer(
+        compat: _CompatSlots,
+        dropped: list[tuple[int, int]],
+        floor: int,
+        max_candidates: int,
+        best: int,
+    ) -> LookupAnswer:
+        """The ranking when every matched block is on GPU, none expires and no leases
+        count: by matched blocks, then id. Groups come longest first and members in id
+        order, so the answer is built in rank order (no rows, no sort), and each
+        engine hands out its Candidate for that many matched blocks again."""
+        engines = compat.engines
+        by_id = compat.by_id
+        candidates: list[Candidate] = []
+        for matched, bits in reversed(dropped):
+            need = max_candidates - len(candidates)
+            if matched < floor or need <= 0:
+                break
+            n = bits.bit_count()
+            members: list[_Engine | None]
+            if n == 1:
+                members = [engines[bits.bit_length() - 1]]
+            elif n > need or 4 * n >= len(by_id):
+                members = [e for e in by_id if e.bit & bits]
+                del members[need:]
+            else:
+                members = []
+                while bits:
+                    low = bits & -bits
+                    bits ^= low
+                    members.append(engines[low.bit_length() - 1])
+                members.sort(key=_engine_id)
+            for eng in members:
+                assert eng is not None
+                cand = eng.candidates.get(matched)
+                if cand is None:
+                    if len(eng.candidates) >= _ENGINE_CANDIDATES:
+                        eng.candidates.clear()
+                    cand = eng.candidates[matched] = Candidate(
+                        eng.child_engine_id, matched, Tier.GPU, 0, 0
+                    )
+                candidates.append(cand)
         return LookupAnswer(LookupOutcome.HIT, tuple(candidates), best)
 
     # ------------------------------------------------------------------ expiry
@@ -741,7 +828,7 @@ class Inventory:
             append = es.keys.append
             added = 0
             for h in hashes:
-                k = hash(h) >> 4
+                k = hash(h) & 0xFFFFFFFFFFFFFFF  # _KEY_MASK, a constant in the loop
                 m = get(k, 0)
                 if not m & bit:
                     d[k] = m | bit if m else bit
@@ -911,7 +998,7 @@ class Inventory:
             keep = ~bit
             gone = 0
             for h in hashes:
-                k = hash(h) >> 4
+                k = hash(h) & 0xFFFFFFFFFFFFFFF  # _KEY_MASK, a constant in the loop
                 m = get(k, 0)
                 if m & bit:
                     m &= keep

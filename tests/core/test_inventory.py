@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import sys
 import tracemalloc
 from typing import Any
 
@@ -539,3 +540,90 @@ def test_churn_does_not_grow_memory() -> None:
     # Bounded by the live size (dict resizes, dead keys awaiting compaction). Without
     # compaction the dead reverse-index keys would keep ~128 KB a round: ~7.7 MB here.
     assert grown < 600_000, grown
+
+
+# ------------------------------------------------------------- complexity, by counting
+
+
+class _CountingDict(dict[int, int]):
+    """The index of one tier, counting the entries a call touches (gets and sets)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.gets = 0
+        self.sets = 0
+
+    def get(self, key: int, default: Any = None) -> Any:
+        self.gets += 1
+        return super().get(key, default)
+
+    def __setitem__(self, key: int, value: int) -> None:
+        self.sets += 1
+        super().__setitem__(key, value)
+
+
+def _count_gpu_tier(inv: Inventory, compat: str = A) -> _CountingDict:
+    index = inv._compat[compat].scopes[0]
+    counting = _CountingDict(index.by_tier[Tier.GPU])
+    index.by_tier[Tier.GPU] = counting
+    return counting
+
+
+def _big_inventory(engines: int = 8, chains: int = 40) -> Inventory:
+    inv = ready_inventory(*((f"e{i}", A) for i in range(engines)))
+    for i in range(engines):
+        for c in range(chains):
+            inv.apply(f"e{i}", [stored(chain(32, family=1000 * i + c))])
+    return inv
+
+
+@pytest.mark.parametrize("chains", [5, 40])
+def test_lookup_touches_one_entry_per_matched_block_whatever_the_index_size(chains: int) -> None:
+    inv = _big_inventory(chains=chains)
+    held = chain(32, family=1000 * 3 + 1)  # e3's
+    counting = _count_gpu_tier(inv)
+    answer = inv.lookup(Scope(A), held, now_ms=0)
+    assert [(c.child_engine_id, c.matched_blocks) for c in answer.candidates] == [("e3", 32)]
+    assert counting.gets == 32
+    assert counting.sets == 0
+
+
+def test_lookup_stops_at_the_first_block_nobody_holds() -> None:
+    inv = _big_inventory()
+    counting = _count_gpu_tier(inv)
+    assert inv.lookup(Scope(A), chain(64, family=-1), now_ms=0).outcome is LookupOutcome.MISS
+    assert counting.gets == 1
+    partial = chain(32, family=1000 * 2 + 7)[:10] + chain(22, family=-2)
+    answer = inv.lookup(Scope(A), partial, now_ms=0)
+    assert answer.best_matched_blocks == 10
+    assert counting.gets == 1 + 11  # ten held blocks, then the first unknown one
+
+
+def test_store_and_remove_touch_one_entry_per_block_of_the_event() -> None:
+    inv = _big_inventory()
+    counting = _count_gpu_tier(inv)
+    new = chain(16, family=-3)
+    inv.apply("e0", [stored(new)])
+    assert (counting.gets, counting.sets) == (16, 16)
+    inv.apply("e0", [BlockRemoved(new[:4])])
+    assert counting.gets == 16 + 4
+
+
+def test_remove_engine_touches_only_its_own_entries() -> None:
+    inv = _big_inventory(engines=8, chains=10)
+    counting = _count_gpu_tier(inv)
+    inv.remove_engine("e5")
+    assert counting.gets == 10 * 32  # e5's entries, not the 8 x 10 x 32 of the index
+
+
+def test_block_keys_are_allocated_at_two_int_digits() -> None:
+    """`hash & mask`, not `hash >> 4`: a shifted int keeps its operand's 3 digits (36
+    bytes, pymalloc's 48-byte class); a key of 2 digits takes 32, for every indexed block."""
+    from coordinator.core.inventory import _key
+
+    hashes = [h(i) for i in range(10_000)]
+    keys: list[int] = []
+    used = _traced(lambda: keys.extend(map(_key, hashes)))
+    per_key = (used - sys.getsizeof(keys)) / len(hashes)
+    assert per_key <= 32.5, per_key  # 36 with `>> 4`
+    assert all(0 <= _key(x) < 1 << 60 for x in hashes[:100])
