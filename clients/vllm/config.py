@@ -1,0 +1,171 @@
+"""`kv_connector_extra_config` of KvrcConnector: parsed once, every field checked.
+
+A bad value fails engine start with one `KvrcConfigError` naming the field.
+
+| field | default | meaning |
+| --- | --- | --- |
+| `kvrc_target` | `127.0.0.1:50051` | kvrc's gRPC `host:port` |
+| `kvrc_tls` | false | TLS with the system CAs |
+| `kvrc_ca_cert`, `kvrc_client_cert`, `kvrc_client_key` | none | PEM paths (mutual TLS) |
+| `kvrc_server_name` | none | certificate name to check instead of the target host |
+| `kvrc_token_file` | none | bearer token file (kvrc's per-engine identity) |
+| `reuse` | false | opt this engine into prefix loads (kvrc must have reuse on, too) |
+| `min_blocks` | 2 | a prefix load must bring at least this many blocks |
+| `mooncake_protocol` | `tcp` | Mooncake transport: `tcp` here, `rdma` on RDMA hosts |
+| `mooncake_device` | `""` | Mooncake device name (RDMA NIC), empty for tcp |
+| `mooncake_hostname` | `$VLLM_HOST_IP` or `127.0.0.1` | address peers read this engine's KV at |
+| `lookup_timeout_ms` | 300 | longest the scheduler waits for Lookup + grant |
+| `pin_timeout_ms` | 1000 | how long kvrc waits for the holder's pin |
+| `transfer_timeout_ms` | 10000 | deadline of one Mooncake read |
+| `handoff_wait_ms` | 15000 | how long the decode waits for the prefill's handoff to be READY |
+| `handoff_hold_s` | 120 | a prefill frees a handoff's blocks after this even without a release |
+| `register_timeout_s` | 30 | a worker waits this long to register, then serves without kvrc |
+| `switch_interval_s` | 0.0005 | the process's GIL switch interval (kvrc's thread vs vLLM's loop) |
+| `model_name` | the model path | the profile's model name (engines exchanging KV must agree) |
+| `stats_file` | none | the scheduler side writes its counters here as JSON (tests, demos) |
+| `test_faults` | false | tests only: honour a request's `kvrc_test_fault` |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvrc.credentials import ChannelOptions
+
+
+class KvrcConfigError(ValueError):
+    """A bad `kv_connector_extra_config` field; the message names it."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"KvrcConnector: kv_connector_extra_config.{field}: {problem}")
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class KvrcConnectorConfig:
+    kvrc_target: str = "127.0.0.1:50051"
+    kvrc_tls: bool = False
+    kvrc_ca_cert: str = ""
+    kvrc_client_cert: str = ""
+    kvrc_client_key: str = ""
+    kvrc_server_name: str = ""
+    kvrc_token_file: str = ""
+    reuse: bool = False
+    min_blocks: int = 2
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_hostname: str = ""
+    lookup_timeout_ms: int = 300
+    pin_timeout_ms: int = 1000
+    transfer_timeout_ms: int = 10_000
+    handoff_wait_ms: int = 15_000
+    handoff_hold_s: float = 120.0
+    register_timeout_s: float = 30.0
+    switch_interval_s: float = 0.0005
+    model_name: str = ""
+    stats_file: str = ""
+    # Tests only: honour a request's `kvrc_test_fault` kv_transfer_param
+    # ("corrupt": noise over the loaded blocks after a good read, the negative
+    # control that proves an output comparison can fail; "delay-before-pull=S").
+    test_faults: bool = False
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> KvrcConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise KvrcConfigError(unknown[0], f"unknown field; known: {', '.join(sorted(known))}")
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            default = known[name].default
+            values[name] = _coerce(name, value, type(default))
+        config = cls(**values)
+        config._check()
+        return config
+
+    def _check(self) -> None:
+        host, sep, port = self.kvrc_target.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise KvrcConfigError("kvrc_target", f"{self.kvrc_target!r} is not HOST:PORT")
+        if self.min_blocks < 1:
+            raise KvrcConfigError("min_blocks", f"must be >= 1, got {self.min_blocks}")
+        if self.mooncake_protocol not in ("tcp", "rdma", "nvlink", "efa", "cxl"):
+            raise KvrcConfigError(
+                "mooncake_protocol", f"{self.mooncake_protocol!r} is not tcp/rdma/nvlink/efa/cxl"
+            )
+        for name, low, high in (
+            ("lookup_timeout_ms", 1, 10_000),
+            ("pin_timeout_ms", 10, 60_000),
+            ("transfer_timeout_ms", 100, 600_000),
+            ("handoff_wait_ms", 0, 600_000),
+        ):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise KvrcConfigError(name, f"must be in {low}..{high}, got {value}")
+        if not 1 <= self.handoff_hold_s <= 3600:
+            raise KvrcConfigError(
+                "handoff_hold_s", f"must be in 1..3600, got {self.handoff_hold_s}"
+            )
+        if not 0.00001 <= self.switch_interval_s <= 0.1:
+            raise KvrcConfigError(
+                "switch_interval_s", f"must be in 0.00001..0.1, got {self.switch_interval_s}"
+            )
+        if not 0 < self.register_timeout_s <= 600:
+            raise KvrcConfigError(
+                "register_timeout_s", f"must be in (0, 600], got {self.register_timeout_s}"
+            )
+        for name in ("kvrc_ca_cert", "kvrc_client_cert", "kvrc_client_key", "kvrc_token_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise KvrcConfigError(name, f"{path!r} is not a readable file")
+        if bool(self.kvrc_client_cert) != bool(self.kvrc_client_key):
+            raise KvrcConfigError("kvrc_client_key", "a client certificate needs its key")
+        try:
+            self.channel_options()
+        except ValueError as e:
+            raise KvrcConfigError("kvrc_target", str(e)) from None
+
+    def channel_options(self) -> ChannelOptions:
+        return ChannelOptions(
+            target=self.kvrc_target,
+            tls=self.kvrc_tls,
+            ca_cert=Path(self.kvrc_ca_cert) if self.kvrc_ca_cert else None,
+            client_cert=Path(self.kvrc_client_cert) if self.kvrc_client_cert else None,
+            client_key=Path(self.kvrc_client_key) if self.kvrc_client_key else None,
+            server_name=self.kvrc_server_name or None,
+            token_file=Path(self.kvrc_token_file) if self.kvrc_token_file else None,
+        )
+
+    @property
+    def hostname(self) -> str:
+        return self.mooncake_hostname or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+
+
+def _coerce(name: str, value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "on", "off", "1", "0"):
+            return value.lower() in ("true", "on", "1")
+        raise KvrcConfigError(name, f"must be a boolean, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise KvrcConfigError(name, f"must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise KvrcConfigError(name, f"must be an integer, got {value!r}") from None
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise KvrcConfigError(name, f"must be a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise KvrcConfigError(name, f"must be a number, got {value!r}") from None
+    if not isinstance(value, str):
+        raise KvrcConfigError(name, f"must be a string, got {value!r}")
+    return value

@@ -1,0 +1,144 @@
+"""Holder-side pins in vLLM's own block pool (`bind_kv_cache_manager` / `bind_gpu_block_pool`).
+
+A pin is what a request's prefix-cache hit does: `BlockPool.touch(blocks)` takes
+a reference (ref_cnt + 1, out of the free queue), so vLLM can neither evict nor
+reuse the blocks; the release is `BlockPool.free_blocks(blocks)`, which puts them
+back as cached, evictable blocks. Blocks are found by vLLM's own block hashes
+(`cached_block_hash_to_block`), the kvrc key of each being vLLM's
+`maybe_convert_block_hash` form (see `scheduler.block_hash_key`).
+
+Pins arrive from kvrc at any time, also while the engine is idle (its EngineCore
+thread blocked on its input queue), so they run on the connector's own thread.
+Every public method of the KV cache manager and the block pool is wrapped in one
+re-entrant lock that pins and releases take too, so a pin never interleaves
+with an allocation, an eviction or a free. One pin per lease, whatever the
+number of rank parts asking; released once, at kvrc's ReleaseRequest (quiescence),
+or by a safety deadline long after the lease's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("kvrc.vllm.pool")
+
+PIN_SAFETY_GRACE_S = 60.0
+
+
+def _lock_public_methods(obj: Any, lock: threading.RLock) -> None:
+    for name in dir(type(obj)):
+        if name.startswith("_"):
+            continue
+        attr = getattr(type(obj), name, None)
+        if not callable(attr) or isinstance(attr, (staticmethod, classmethod, type)):
+            continue
+        bound = getattr(obj, name)
+        if getattr(bound, "_kvrc_locked", False):
+            continue
+
+        def locked(*args: Any, __fn: Callable[..., Any] = bound, **kwargs: Any) -> Any:
+            with lock:
+                return __fn(*args, **kwargs)
+
+        functools.update_wrapper(locked, bound)
+        locked._kvrc_locked = True  # type: ignore[attr-defined]
+        setattr(obj, name, locked)
+
+
+@dataclass
+class _Pin:
+    blocks: list[Any]
+    until: float
+
+
+class PoolPins:
+    def __init__(self, key_of: Callable[[Any], bytes]) -> None:
+        self.lock = threading.RLock()
+        self._key_of = key_of
+        self._pool: Any = None
+        self._pins: dict[str, _Pin] = {}
+        self._by_key: dict[bytes, bytes] = {}  # kvrc key -> vLLM BlockHash
+
+    def bind(self, pool: Any, manager: Any = None) -> None:
+        self._pool = pool
+        _lock_public_methods(pool, self.lock)
+        if manager is not None:
+            _lock_public_methods(manager, self.lock)
+
+    @property
+    def bound(self) -> bool:
+        return self._pool is not None
+
+    def _refresh_keys(self) -> None:
+        from vllm.v1.core.kv_cache_utils import get_block_hash  # type: ignore[import-not-found]
+
+        by_key: dict[bytes, bytes] = {}
+        for key_with_group in list(self._pool.cached_block_hash_to_block._cache):
+            block_hash = get_block_hash(key_with_group)
+            by_key[self._key_of(block_hash)] = block_hash
+        self._by_key = by_key
+
+    def _find(self, keys: Sequence[bytes]) -> list[Any]:
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # type: ignore[import-not-found]
+
+        blocks: list[Any] = []
+        for key in keys:
+            block_hash = self._by_key.get(key)
+            if block_hash is None:
+                break
+            block = self._pool.cached_block_hash_to_block.get_one_block(
+                make_block_hash_with_group_id(block_hash, 0)
+            )
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def pin(self, lease_id: str, keys: Sequence[bytes], deadline_unix_ms: int) -> list[int]:
+        """Pin the longest cached prefix of `keys` (chain order); its block ids."""
+        if self._pool is None:
+            return []
+        with self.lock:
+            existing = self._pins.get(lease_id)
+            if existing is not None:  # another rank part of this engine asked too
+                return [block.block_id for block in existing.blocks]
+            if (
+                len(self._by_key) == 0
+                or keys[0] not in self._by_key
+                or keys[-1] not in self._by_key
+            ):
+                self._refresh_keys()
+            blocks = self._find(keys)
+            if not blocks:
+                return []
+            self._pool.touch(blocks)
+            left_s = max(0.0, deadline_unix_ms / 1000 - time.time()) if deadline_unix_ms else 60.0
+            self._pins[lease_id] = _Pin(blocks, time.monotonic() + left_s + PIN_SAFETY_GRACE_S)
+            return [block.block_id for block in blocks]
+
+    def release(self, lease_id: str) -> bool:
+        with self.lock:
+            pin = self._pins.pop(lease_id, None)
+            if pin is None:
+                return False
+            self._pool.free_blocks(pin.blocks)
+            return True
+
+    def expire(self) -> list[str]:
+        """Pins whose release never came, dropped long after their deadline."""
+        now = time.monotonic()
+        with self.lock:
+            late = [lease for lease, pin in self._pins.items() if pin.until <= now]
+        for lease in late:
+            log.warning("pin of lease %s never released; dropping it", lease)
+            self.release(lease)
+        return late
+
+    def pinned_leases(self) -> int:
+        return len(self._pins)

@@ -1,0 +1,600 @@
+"""Scheduler side of KvrcConnector (runs in vLLM's EngineCore process).
+
+It makes the kvrc calls that happen once per request: BeginHandoff (decode),
+Lookup and RequestPrefixLoad (prefix reuse); it turns finished prefill requests
+into handoffs (`request_finished` -> `delay_free=True` + kv_transfer_params in
+vLLM's Mooncake/NIXL field names); and it pins the holder side's blocks in vLLM's
+own block pool when kvrc asks (see `pool.py`). The workers do the per-rank work
+(publish, pull, report), driven by the step's metadata.
+
+The scheduler never waits on kvrc for longer than `lookup_timeout_ms`; past it,
+it does no load.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from clients.errors import KvrcClientError
+from clients.inventory import LookupClient, LookupOutcome
+from clients.leases import HandoffGrant, HandoffKeepAlive, LeaseClient, Miss, PrefixLoadGrant
+from clients.vllm.config import KvrcConnectorConfig
+from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
+from clients.vllm.metadata import KvrcConnectorMetadata, KvrcWorkerMetadata, LoadSpec, PublishSpec
+from clients.vllm.pool import PoolPins
+from kvrc.credentials import connect
+from kvrc.kv_params import encode_kv_transfer_params
+
+log = logging.getLogger("kvrc.vllm.scheduler")
+
+RPC_TIMEOUT_S = 10.0
+# The longest an idle step (nothing scheduled, kvrc work pending) yields the CPU.
+IDLE_STEP_WAIT_S = 0.002
+# ... and when it only holds handoffs for their release (frees come a little later).
+RELEASE_WAIT_S = 0.02
+# kv_transfer_params keys kvrc adds (vLLM's own keys keep their meaning)
+KVRC_MARK = "kvrc_handoff"
+
+
+def block_hash_key(block_hash: Any) -> bytes:
+    """vLLM's request block hash -> the key form kvrc's inventory holds.
+
+    vLLM's KV events carry `maybe_convert_block_hash(hash)`: the low 64 bits as
+    an int by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), or the full
+    bytes; kvrc stores an int as 8 bytes big-endian. Same conversion, same key.
+    """
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # type: ignore[import-not-found]
+
+    converted = maybe_convert_block_hash(block_hash)
+    if isinstance(converted, int):
+        return converted.to_bytes(8, "big")
+    return bytes(converted)
+
+
+def _trace_done(event: str, request_id: str, _future: concurrent.futures.Future[Any]) -> None:
+    trace(event, request_id)
+
+
+@dataclass
+class _Recv:
+    request_id: str
+    flow: str
+    local_block_ids: list[int]
+    skip: int
+    num_tokens: int
+    grant: concurrent.futures.Future[Any] | None = None
+    lease_id: str = ""
+    test_fault: str = ""
+    dispatched: bool = False
+    keepalive: HandoffKeepAlive | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Prefix:
+    """A prefix load decided in get_num_new_matched_tokens, waiting for its blocks."""
+
+    grant: PrefixLoadGrant
+    local_blocks: int  # blocks of the local prefix-cache hit
+    load_blocks: int  # blocks to load after them
+
+
+class KvrcScheduler:
+    def __init__(self, vllm_config: Any, config: KvrcConnectorConfig, identity: Any) -> None:
+        self.vllm_config = vllm_config
+        self.config = config
+        self.identity = identity
+        self.child_engine_id: str = identity.child_engine_id
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        kv = vllm_config.kv_transfer_config
+        self.kv_role = kv.kv_role
+        self.kv_port = int(kv.kv_port)
+        self.loop = BackgroundLoop("kvrc-scheduler")
+        self._lock = threading.Lock()
+        self._recv: dict[str, _Recv] = {}
+        self._prefix: dict[str, _Prefix] = {}
+        self._prefix_decided: dict[str, int] = {}  # request id -> tokens (0: no load)
+        self._publishes: list[PublishSpec] = []
+        self._free_now: list[str] = []
+        self._sending: dict[str, float] = {}
+        # Handoffs published from here (every rank part's descriptor, from the workers'
+        # endpoints): lease id -> request id, until kvrc's release (or handoff_hold_s).
+        self._endpoints: dict[int, str] = {}  # tp rank -> KvEndpointDescription JSON
+        self._handoff_leases: dict[str, str] = {}
+        self._released_early: dict[str, None] = {}
+        self._held_new: list[str] = []
+        self.counters: Counter[str] = Counter()
+        self.pins = PoolPins(block_hash_key)
+        self.loop.run(self._connect(), timeout_s=10)
+        self.loop.run(self._serve_workers(), timeout_s=10)
+
+    async def _connect(self) -> None:
+        options = self.config.channel_options()
+        self._channel = connect(options)
+        self.leases = LeaseClient(self._channel, self.child_engine_id, timeout_s=RPC_TIMEOUT_S)
+        self.lookups = LookupClient(options, channel=self._channel)
+
+    def bind_pool(self, pool: Any, manager: Any = None) -> None:
+        if not self.pins.bound:
+            self.pins.bind(pool, manager)
+
+    # --- the workers' requests (holder pins) ---------------------------------------
+
+    async def _serve_workers(self) -> None:
+        import asyncio
+
+        from clients.refengine.channel import Channel
+
+        path = control_socket_path(self.child_engine_id)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a previous incarnation's
+
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            channel = Channel(reader, writer, self._handle_worker, name="kvrc-worker")
+            channel.start()
+
+        self._server = await asyncio.start_unix_server(accept, path)
+        self._expirer = asyncio.create_task(self._expire_pins())
+
+    async def _handle_worker(self, op: str, args: dict[str, Any]) -> Any:
+        if op == "pin":
+            block_ids = self.pins.pin(
+                str(args["lease_id"]), [bytes(h) for h in args["hashes"]], int(args["deadline_ms"])
+            )
+            self._count("pins" if block_ids else "pin_misses")
+            return block_ids
+        if op == "release":
+            lease_id = str(args["lease_id"])
+            released = self.pins.release(lease_id)
+            if released:
+                self._count("pins_released")
+                return True
+            return self._handoff_released(lease_id)
+        if op == "hello":
+            self._endpoints[int(args["tp_rank"])] = str(args["endpoint"])
+            return True
+        raise ValueError(f"unknown worker request {op!r}")
+
+    def _handoff_released(self, lease_id: str) -> bool:
+        """kvrc released a handoff published from here (any rank's release proves quiescence)."""
+        with self._lock:
+            request_id = self._handoff_leases.pop(lease_id, None)
+            if request_id is None:
+                self._released_early[lease_id] = None  # the publish answer may still come
+                while len(self._released_early) > 4096:
+                    del self._released_early[next(iter(self._released_early))]
+                return True
+            if request_id in self._sending:
+                self._free_now.append(request_id)
+        return True
+
+    async def _publish_all(self, spec: PublishSpec) -> None:
+        """PublishHandoff for every rank part at once, before the prefill's answer is out."""
+        import asyncio
+
+        from clients.kv_cache import KvEndpointDescription
+        from clients.transfer import rank_part_descriptor
+
+        async def one(rank: int) -> Any:
+            endpoint = KvEndpointDescription.from_json(self._endpoints[rank])
+            return await self.leases.publish_handoff(
+                spec.handoff_id,
+                descriptor=rank_part_descriptor(endpoint, spec.block_ids, tp_rank=rank),
+                kv_transfer_params=spec.kv_transfer_params,
+                num_blocks=len(spec.block_ids),
+                decode_child_engine_id=spec.decode_child_engine_id,
+            )
+
+        try:
+            results = await asyncio.gather(*(one(rank) for rank in range(self.tp_size)))
+        except Exception as e:
+            log.warning("handoff %s not published: %s; freeing its blocks", spec.handoff_id, e)
+            self._count("handoff_publish_failures")
+            with self._lock:
+                self._free_now.append(spec.request_id)
+            return
+        trace("published", spec.request_id)
+        self._count("handoffs_published")
+        lease_id = next((r.lease_id for r in results if r.lease_id), "")
+        ended = {r.state for r in results} & {"COMPLETED", "FAILED", "RESOLVED", "MISSED"}
+        with self._lock:
+            released_first = lease_id in self._released_early  # kvrc was quicker than us
+            self._released_early.pop(lease_id, None)
+            if ended or not lease_id or released_first:
+                self._free_now.append(spec.request_id)
+                return
+            self._handoff_leases[lease_id] = spec.request_id
+            self._held_new.append(lease_id)
+        asyncio.get_running_loop().call_later(
+            self.config.handoff_hold_s, self._hold_expired, lease_id
+        )
+
+    def _hold_expired(self, lease_id: str) -> None:
+        with self._lock:
+            request_id = self._handoff_leases.pop(lease_id, None)
+            if request_id is None:
+                return
+            self._free_now.append(request_id)
+        log.warning("handoff lease %s never released; freeing %s", lease_id, request_id)
+        self._count("handoff_hold_expired")
+
+    async def _expire_pins(self) -> None:
+        import asyncio
+
+        while True:
+            await asyncio.sleep(1.0)
+            for _ in self.pins.expire():
+                self._count("pins_expired")
+
+    # --- counters ------------------------------------------------------------------
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] += n
+        self._write_stats()
+
+    def _write_stats(self) -> None:
+        if not self.config.stats_file:
+            return
+        data = {"child_engine_id": self.child_engine_id, **self.counters}
+        tmp = f"{self.config.stats_file}.{os.getpid()}.tmp"
+        with contextlib.suppress(OSError):
+            with open(tmp, "w") as f:
+                json.dump(data, f, sort_keys=True)
+            os.replace(tmp, self.config.stats_file)
+
+    # --- get_num_new_matched_tokens ------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            if not params.get(KVRC_MARK):
+                return 0, False  # not a kvrc handoff: nothing for this connector
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            trace("matched", request.request_id)
+            return (count, True) if count > 0 else (0, False)
+        if self.config.reuse:
+            tokens = self._prefix_tokens(request, num_computed_tokens)
+            return (tokens, True) if tokens > 0 else (0, False)
+        return 0, False
+
+    def _prefix_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """One Lookup + grant, bounded by lookup_timeout_ms; 0 = recompute."""
+        request_id = request.request_id
+        if request_id in self._prefix_decided:
+            decided = self._prefix.get(request_id)
+            if decided is None:
+                return 0
+            return max(
+                0,
+                (decided.local_blocks + decided.load_blocks) * self.block_size
+                - num_computed_tokens,
+            )
+        prompt_len = len(request.prompt_token_ids or ())
+        # Never the last prompt token (vLLM must compute one), whole blocks only.
+        usable_blocks = min(len(request.block_hashes), (prompt_len - 1) // self.block_size)
+        local_blocks = num_computed_tokens // self.block_size
+        if usable_blocks - local_blocks < self.config.min_blocks:
+            self._decide(request_id, 0)
+            return 0
+        hashes = [block_hash_key(h) for h in request.block_hashes[:usable_blocks]]
+        future = self.loop.submit(self._lookup_and_grant(request_id, hashes, local_blocks))
+        try:
+            answer = future.result(self.config.lookup_timeout_ms / 1000)
+        except concurrent.futures.TimeoutError:
+            # Past the deadline: no load. A grant that still comes is given back.
+            self._count("prefix_lookup_timeouts")
+            future.add_done_callback(self._abandon_late)
+            answer = None
+        except Exception as e:  # kvrc down: recompute, say so
+            log.warning("prefix lookup for %s failed: %s", request_id, e)
+            self._count("prefix_lookup_errors")
+            answer = None
+        if not isinstance(answer, PrefixLoadGrant):
+            if answer is not None:
+                self._count(f"prefix_miss_{answer}")
+            self._decide(request_id, 0)
+            return 0
+        matched = min(answer.matched_blocks, usable_blocks)
+        load_blocks = matched - local_blocks
+        if load_blocks < self.config.min_blocks:
+            self._abandon(answer, "below min_blocks after the pin")
+            self._decide(request_id, 0)
+            return 0
+        self._prefix[request_id] = _Prefix(answer, local_blocks, load_blocks)
+        self._decide(request_id, load_blocks * self.block_size)
+        self._count("prefix_grants")
+        return load_blocks * self.block_size
+
+    def _decide(self, request_id: str, tokens: int) -> None:
+        self._prefix_decided[request_id] = tokens
+        while len(self._prefix_decided) > 65536:
+            del self._prefix_decided[next(iter(self._prefix_decided))]
+
+    async def _lookup_and_grant(
+        self, request_id: str, hashes: list[bytes], local_blocks: int
+    ) -> PrefixLoadGrant | str:
+        want = local_blocks + self.config.min_blocks
+        hint = await self.lookups.lookup(
+            self.child_engine_id, hashes, min_blocks=want, timeout_s=RPC_TIMEOUT_S
+        )
+        if hint.outcome is not LookupOutcome.HIT:
+            return str(hint.outcome.value)
+        answer = await self.leases.request_prefix_load(
+            f"{request_id}/load",
+            hashes,
+            min_blocks=want,
+            pin_timeout_ms=self.config.pin_timeout_ms,
+            transfer_timeout_ms=self.config.transfer_timeout_ms,
+        )
+        if isinstance(answer, Miss):
+            return answer.reason
+        return answer
+
+    def _abandon_late(self, future: concurrent.futures.Future[Any]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        if isinstance(future.result(), PrefixLoadGrant):
+            self._abandon(future.result(), "granted after lookup_timeout_ms")
+
+    def _abandon(self, grant: PrefixLoadGrant, why: str) -> None:
+        """A grant we will not use: every rank part reports it (nothing was read)."""
+        self.loop.submit(self._report_unused(grant.lease_id, why))
+
+    async def _report_unused(self, lease_id: str, why: str) -> None:
+        from clients.transfer import TransferOutcome, TransferResult
+
+        for tp_rank in range(self.tp_size):
+            report = TransferResult(
+                TransferOutcome.FAILED, 0, 0.0, f"not used: {why}", ()
+            ).to_report(
+                lease_id=lease_id, reporter_child_engine_id=self.child_engine_id, tp_rank=tp_rank
+            )
+            with contextlib.suppress(KvrcClientError):
+                await self.leases.complete_prefix_load(report)
+
+    # --- update_state_after_alloc ------------------------------------------------------
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        request_id = request.request_id
+        if params and params.get("do_remote_prefill") and params.get(KVRC_MARK):
+            params["do_remote_prefill"] = False  # one transfer per request
+            if num_external_tokens <= 0:
+                return
+            block_ids = list(blocks.get_block_ids()[0])
+            prompt_len = len(request.prompt_token_ids or ())
+            local_tokens = prompt_len - num_external_tokens
+            skip = local_tokens // self.block_size
+            needed = -(-prompt_len // self.block_size)
+            recv = _Recv(
+                request_id,
+                "handoff",
+                block_ids[skip:needed],
+                skip,
+                num_external_tokens,
+            )
+            handoff_id = str(params.get("transfer_id") or params.get("remote_request_id"))
+            prefill = str(params.get("remote_engine_id") or "")
+            recv.grant = self.loop.submit(self._begin_handoff(handoff_id, prefill))
+            trace("begin_submitted", request_id)
+            recv.grant.add_done_callback(functools.partial(_trace_done, "granted", request_id))
+            recv.test_fault = self._test_fault(params)
+            with self._lock:
+                self._recv[request_id] = recv
+            return
+        prefix = self._prefix.pop(request_id, None)
+        if prefix is None:
+            return
+        if num_external_tokens <= 0:
+            self._abandon(prefix.grant, "vLLM allocated no blocks for it")
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        local_block_ids = block_ids[prefix.local_blocks : prefix.local_blocks + prefix.load_blocks]
+        recv = _Recv(
+            request_id, "prefix_load", local_block_ids, prefix.local_blocks, num_external_tokens
+        )
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done.set_result(prefix.grant)
+        recv.grant = done
+        recv.lease_id = prefix.grant.lease_id
+        recv.test_fault = self._test_fault(request.kv_transfer_params or {})
+        with self._lock:
+            self._recv[request_id] = recv
+
+    def _test_fault(self, params: dict[str, Any]) -> str:
+        fault = str(params.get("kvrc_test_fault") or "")
+        if fault and not self.config.test_faults:
+            log.warning("ignoring kvrc_test_fault %r: test_faults is off", fault)
+            return ""
+        return fault
+
+    async def _begin_handoff(self, handoff_id: str, prefill: str) -> HandoffGrant:
+        """BeginHandoff; while this engine's own rank parts are re-registering (a session
+        that lost its heartbeats reconnects), retried until handoff_wait_ms."""
+        import asyncio
+
+        from clients.errors import FailedPreconditionError
+
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.config.handoff_wait_ms / 1000
+        while True:
+            left_ms = max(0, int((give_up - loop.time()) * 1000))
+            try:
+                return await self.leases.begin_handoff(handoff_id, prefill, wait_timeout_ms=left_ms)
+            except FailedPreconditionError as e:
+                own = f"decode child engine {self.child_engine_id!r}" in e.message
+                if not own or loop.time() + 0.1 >= give_up:
+                    raise
+                self._count("handoff_begin_retries")
+                await asyncio.sleep(0.1)
+
+    # --- build_connector_meta ----------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvrcConnectorMetadata:
+        meta = KvrcConnectorMetadata()
+        with self._lock:
+            pending = [r for r in self._recv.values() if not r.dispatched]
+            waiting = bool(self._sending) or len(pending) < len(self._recv)
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 1) and (pending or waiting):
+            # An idle step that only waits for kvrc (a grant, a pull, a release): vLLM would
+            # spin here and starve the connector's threads (one core per engine). Yield the
+            # CPU briefly instead; a grant that arrives meanwhile ends the wait at once.
+            grants = [r.grant for r in pending if r.grant is not None]
+            if grants:
+                concurrent.futures.wait(
+                    grants, IDLE_STEP_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+            elif len(self._recv) or self._free_now:
+                time.sleep(IDLE_STEP_WAIT_S)  # a pull is running: its end is picked up soon
+            else:
+                time.sleep(RELEASE_WAIT_S)  # only held handoffs: a release frees them later
+        for recv in pending:
+            assert recv.grant is not None
+            if not recv.grant.done():
+                continue
+            recv.dispatched = True
+            try:
+                grant = recv.grant.result()
+            except Exception as e:
+                log.warning("%s of %s: no grant: %s", recv.flow, recv.request_id, e)
+                self._count(f"{recv.flow}_grant_failures")
+                meta.loads.append(
+                    LoadSpec(
+                        recv.request_id, recv.flow, "", [], 0, recv.local_block_ids, 0.0, str(e)
+                    )
+                )
+                continue
+            recv.lease_id = grant.lease_id
+            trace("dispatched", recv.request_id)
+            deadline_s = max(0.05, (grant.deadline_unix_ms - time.time() * 1000) / 1000)
+            deadline_s = min(deadline_s, self.config.transfer_timeout_ms / 1000)
+            if recv.flow == "handoff":
+                deadline_s = self.config.transfer_timeout_ms / 1000
+                recv.keepalive = self.leases.keep_alive(grant)
+                self.loop.call_soon(recv.keepalive.start)
+            meta.loads.append(
+                LoadSpec(
+                    recv.request_id,
+                    recv.flow,
+                    grant.lease_id,
+                    [part.SerializeToString() for part in grant.source_parts],
+                    recv.skip,
+                    recv.local_block_ids,
+                    deadline_s,
+                    test_fault=recv.test_fault,
+                )
+            )
+        with self._lock:
+            meta.publishes, self._publishes = self._publishes, []
+            meta.free_now, self._free_now = self._free_now, []
+            meta.held, self._held_new = self._held_new, []
+        return meta
+
+    # --- update_connector_output -------------------------------------------------------
+
+    def update_connector_output(self, output: Any) -> None:
+        worker_meta = getattr(output, "kv_connector_worker_meta", None)
+        outcomes: dict[str, str] = {}
+        if isinstance(worker_meta, KvrcWorkerMetadata):
+            outcomes = worker_meta.outcomes
+            for key, value in worker_meta.counters.items():
+                self.counters[f"workers_{key}"] += value
+        for request_id in output.finished_recving or ():
+            trace("finished_recving", request_id)
+            with self._lock:
+                recv = self._recv.pop(request_id, None)
+            if recv is None:
+                continue
+            if recv.keepalive is not None:
+                self.loop.submit(recv.keepalive.stop())
+            outcome = outcomes.get(request_id, "SUCCEEDED")
+            if outcome == "SUCCEEDED":
+                self.counters[f"{recv.flow}_loads"] += 1
+                self.counters[f"{recv.flow}_tokens_loaded"] += recv.num_tokens
+                self.counters[f"{recv.flow}_blocks_loaded"] += len(recv.local_block_ids)
+            else:
+                self.counters[f"{recv.flow}_load_failures"] += 1
+                self.counters[f"{recv.flow}_tokens_recomputed"] += recv.num_tokens
+                log.warning("%s of %s failed: %s (vLLM recomputes)", recv.flow, request_id, outcome)
+        for request_id in output.finished_sending or ():
+            if self._sending.pop(request_id, None) is not None:
+                self.counters["handoffs_freed"] += 1
+        self._write_stats()
+
+    # --- request_finished --------------------------------------------------------------
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        self._prefix_decided.pop(request_id, None)
+        leftover = self._prefix.pop(request_id, None)
+        if leftover is not None:
+            self._abandon(leftover.grant, "request finished before its blocks were allocated")
+        with self._lock:
+            loading = request_id in self._recv
+        if loading:
+            # Aborted while its KV is loading: the blocks are freed once the read is quiet
+            # (the worker reports the request in finished_recving).
+            self._count("loads_finished_early")
+            return True, None
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or self.kv_role == "kv_consumer":
+            return False, None
+        from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
+
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            return False, None  # aborted prefill: nothing to hand off
+        num_tokens = int(request.num_computed_tokens)
+        blocks = list(block_ids[: -(-num_tokens // self.block_size)])
+        handoff_id = str(params.get("transfer_id") or f"{self.child_engine_id}/{request_id}")
+        out = dict(params)  # unknown fields pass through unchanged
+        out.update(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.child_engine_id,
+            remote_request_id=request_id,
+            remote_block_ids=blocks,
+            remote_host=self.config.hostname,
+            remote_port=self.kv_port,
+            remote_num_tokens=num_tokens,
+            tp_size=self.tp_size,
+            transfer_id=handoff_id,
+        )
+        out[KVRC_MARK] = True
+        decode = str(params.get("kvrc_decode_engine_id") or "")
+        spec = PublishSpec(request_id, handoff_id, blocks, decode, encode_kv_transfer_params(out))
+        with self._lock:
+            self._sending[request_id] = time.monotonic()
+            if len(self._endpoints) == self.tp_size:
+                self.loop.submit(self._publish_all(spec))
+            else:  # the workers publish their own parts at the next step
+                self._publishes.append(spec)
+        self._count("handoffs_offered")
+        trace("handoff_offered", request_id)
+        return True, out
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._sending or self._publishes)
+
+    def shutdown(self) -> None:
+        async def close() -> None:
+            with contextlib.suppress(Exception):
+                await self._channel.close(None)
+
+        with contextlib.suppress(Exception):
+            self.loop.run(close(), timeout_s=5)
+        self.loop.stop()

@@ -1,0 +1,1 @@
+"""Tests with real vLLM engines (pytest marker `vllm`): KvrcConnector end to end."""

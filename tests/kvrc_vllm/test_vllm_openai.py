@@ -1,0 +1,130 @@
+"""vLLM's OpenAI server with KvrcConnector, behind the P/D proxy (item 7).
+
+Two `python -m vllm.entrypoints.openai.api_server` processes (prefill on core 0,
+decode on core 1), kvrc, and `clients.vllm.proxy`. A completion through the
+proxy, plain and streamed, equals the prefill server's own single-engine
+completion; the decode server's connector counters (`handoff_tokens_loaded`)
+show the prompt's KV was loaded, and the proxy's `/stats` counts the handoffs.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kvrc_vllm.vllm_harness import (
+    REPO,
+    Kvrc,
+    OpenAiServer,
+    engine_env,
+    post_json,
+    post_stream,
+    python_of_tests,
+    random_prompt,
+    workdir,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_openai_servers_behind_the_pd_proxy(vllm_python: str, tiny_model: Path) -> None:
+    work = workdir("openai")
+    kvrc = Kvrc(python_of_tests(), work, "--reuse", "off")
+    extra = {"kvrc_target": kvrc.target}
+    prefill = OpenAiServer(
+        vllm_python,
+        work,
+        "api-prefill",
+        model=tiny_model,
+        cores="0",
+        kv_role="kv_producer",
+        extra=extra,
+        port=free_port(),
+    )
+    decode = OpenAiServer(
+        vllm_python,
+        work,
+        "api-decode",
+        model=tiny_model,
+        cores="1",
+        kv_role="kv_consumer",
+        extra=extra,
+        port=free_port(),
+    )
+    proxy = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        port_file = work / "proxy-port.json"
+        proxy = subprocess.Popen(
+            [
+                vllm_python,
+                "-m",
+                "clients.vllm.proxy",
+                "--prefill",
+                prefill.url,
+                "--decode",
+                decode.url,
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+            ],
+            cwd=REPO,
+            env=engine_env("0", work / "vllm-cache"),
+            stdout=subprocess.DEVNULL,
+            stderr=open(work / "proxy.log", "wb"),  # noqa: SIM115 - the child keeps it
+            start_new_session=True,
+        )
+        give_up = time.monotonic() + 30
+        while not port_file.is_file() or not port_file.read_text().endswith("}"):
+            assert time.monotonic() < give_up and proxy.poll() is None, "the proxy did not start"
+            time.sleep(0.1)
+        proxy_url = f"http://127.0.0.1:{json.loads(port_file.read_text())['port']}"
+
+        prompt = random_prompt(51, 300)
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        reference = post_json(prefill.url + "/v1/completions", body)["choices"][0]["text"]
+
+        via_proxy = post_json(proxy_url + "/v1/completions", body)
+        assert via_proxy["choices"][0]["text"] == reference
+        events = post_stream(proxy_url + "/v1/completions", {**body, "stream": True})
+        assert len(events) > 1  # streamed through, chunk by chunk
+        assert "".join(e["choices"][0]["text"] for e in events) == reference
+
+        give_up = time.monotonic() + 30
+        while decode.stats().get("handoff_loads", 0) < 2 and time.monotonic() < give_up:
+            time.sleep(0.1)
+        stats = decode.stats()
+        assert stats["handoff_loads"] == 2
+        # the second time D holds the prompt's 9 full blocks itself: it loads the tail only
+        full_blocks = len(prompt) // 32
+        assert stats["handoff_tokens_loaded"] == len(prompt) + (len(prompt) - full_blocks * 32)
+        assert stats.get("handoff_load_failures", 0) == 0
+        with __import__("urllib.request").request.urlopen(proxy_url + "/stats") as r:
+            assert json.loads(r.read())["handoffs"] == 2
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(10)
+        prefill.close()
+        decode.close()
+        kvrc.close()

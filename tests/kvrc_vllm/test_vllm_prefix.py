@@ -1,0 +1,144 @@
+"""Prefix loads between two real vLLM engines through kvrc (reuse on), tp=1, one core each.
+
+Engine A (core 0) and engine B (core 1) both run KvrcConnector with `reuse: true`
+and vLLM's own ZMQ KV-event publisher, which kvrc ingests: the inventory holds
+vLLM's block hashes (the 64-bit int form of vLLM's KV events), and B's lookup
+converts its `request.block_hashes` with vLLM's `maybe_convert_block_hash`.
+
+Where KV came from: B's connector counters `prefix_grants`, `prefix_load_loads`,
+`prefix_load_tokens_loaded` (scheduler side: grants taken and loads whose every
+rank part succeeded) and `workers_prefix_load_bytes` (bytes Mooncake moved);
+A's `pins` / `pins_released` (pins taken in vLLM's block pool and released at
+kvrc's ReleaseRequest). vLLM's own `num_cached_tokens` of B's request counts
+the loaded tokens as cached.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvrc_vllm.vllm_harness import (
+    BLOCK_SIZE,
+    Kvrc,
+    VllmEngine,
+    engines,
+    python_of_tests,
+    random_prompt,
+    workdir,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+KV_BYTES_PER_TOKEN = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Cluster:
+    def __init__(self, kvrc: Kvrc, a: VllmEngine, b: VllmEngine) -> None:
+        self.kvrc, self.a, self.b = kvrc, a, b
+
+
+@pytest.fixture(scope="module")
+def cluster(vllm_python: str, tiny_model: Path) -> Iterator[Cluster]:
+    work = workdir("prefix")
+    profiles = work / "profiles.toml"
+    profiles.write_text('[[profile]]\nname = "tiny-llama-bf16"\nkv_dtype = "bfloat16"\n')
+    kvrc = Kvrc(python_of_tests(), work, "--reuse", "on", "--profiles", str(profiles))
+    extra = {"kvrc_target": kvrc.target, "reuse": True, "min_blocks": 2, "test_faults": True}
+
+    def engine(name: str, core: str) -> VllmEngine:
+        return VllmEngine(
+            vllm_python,
+            work,
+            name,
+            model=tiny_model,
+            cores=core,
+            extra=extra,
+            kv_events_endpoint=f"tcp://*:{free_port()}",
+            kv_events_replay_endpoint=f"tcp://*:{free_port()}",
+        )
+
+    try:
+        a, b = engine("engine-a", "0"), engine("engine-b", "1")
+        with engines(a, b):
+            yield Cluster(kvrc, a, b)
+    finally:
+        kvrc.close()
+
+
+def wait_for_inventory(seconds: float = 1.5) -> None:
+    """vLLM publishes KV events after the step; kvrc applies them within milliseconds."""
+    time.sleep(seconds)
+
+
+def test_b_loads_the_prefix_that_a_holds(cluster: Cluster) -> None:
+    prompt = random_prompt(11, 320)  # 10 blocks; 9 loadable (vLLM computes the last token)
+    reference = cluster.a.generate(prompt, max_tokens=24)["tokens"]  # single engine
+    wait_for_inventory()
+    before_b, before_a = cluster.b.stats(), cluster.a.stats()
+
+    out = cluster.b.generate(prompt, max_tokens=24)
+
+    assert out["tokens"] == reference
+    stats = cluster.b.wait_stats("prefix_load_loads", before_b.get("prefix_load_loads", 0) + 1)
+    loaded_blocks = (len(prompt) - 1) // BLOCK_SIZE
+    assert stats.get("prefix_grants", 0) == before_b.get("prefix_grants", 0) + 1, stats
+    assert stats["prefix_load_tokens_loaded"] - before_b.get("prefix_load_tokens_loaded", 0) == (
+        loaded_blocks * BLOCK_SIZE
+    )
+    assert stats["workers_prefix_load_bytes"] - before_b.get("workers_prefix_load_bytes", 0) == (
+        loaded_blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN
+    )
+    assert out["num_cached_tokens"] >= loaded_blocks * BLOCK_SIZE, out
+    # A pinned the blocks in its block pool for the lease and released them at quiescence.
+    a_stats = cluster.a.wait_stats("pins_released", before_a.get("pins_released", 0) + 1)
+    assert a_stats["pins"] == before_a.get("pins", 0) + 1
+    assert a_stats["pins_released"] == before_a.get("pins_released", 0) + 1
+
+
+def test_a_local_hit_plus_a_remote_tail(cluster: Cluster) -> None:
+    """B holds the first blocks itself; it loads only the blocks beyond its local hit."""
+    shared = random_prompt(12, 128)
+    prompt = shared + random_prompt(13, 192)  # 4 blocks B will hold, 10 in all
+    cluster.b.generate(shared + [7] * 40, max_tokens=4)  # B caches the 4 shared blocks
+    reference = cluster.a.generate(prompt, max_tokens=16)["tokens"]
+    wait_for_inventory()
+    before = cluster.b.stats()
+
+    out = cluster.b.generate(prompt, max_tokens=16)
+
+    assert out["tokens"] == reference
+    stats = cluster.b.wait_stats("prefix_load_loads", before.get("prefix_load_loads", 0) + 1)
+    loaded = (len(prompt) - 1) // BLOCK_SIZE - len(shared) // BLOCK_SIZE
+    assert stats["prefix_load_tokens_loaded"] - before.get("prefix_load_tokens_loaded", 0) == (
+        loaded * BLOCK_SIZE
+    )
+
+
+def test_corrupted_prefix_load_changes_the_output(cluster: Cluster) -> None:
+    """Negative control for the prefix path: wrong KV shows in the output."""
+    prompt = random_prompt(14, 320)
+    reference = cluster.a.generate(prompt, max_tokens=24)["tokens"]
+    wait_for_inventory()
+    before = cluster.b.stats()
+    out = cluster.b.generate(
+        prompt, max_tokens=24, kv_transfer_params={"kvrc_test_fault": "corrupt"}
+    )
+    stats = cluster.b.wait_stats(
+        "workers_test_corrupted_loads", before.get("workers_test_corrupted_loads", 0) + 1
+    )
+    assert (
+        stats["workers_test_corrupted_loads"] == before.get("workers_test_corrupted_loads", 0) + 1
+    )
+    assert out["tokens"] != reference

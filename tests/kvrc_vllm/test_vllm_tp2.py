@@ -1,0 +1,112 @@
+"""Tensor parallelism 2 (item 12): P/D between two tp=2 vLLM engines, and a tp=1 peer refused.
+
+Both engines run tp=2 with one core per rank (`VLLM_CPU_OMP_THREADS_BIND="0|1"`):
+four vLLM workers, each a kvrc rank part registering its own KV tensors (one KV
+head of the two) and pulling its own slice from the matching prefill rank.
+
+* kvrc shows each child engine READY with parts 2/2 (readiness over several rank parts);
+* D's output equals a single-engine run; D's counters: `handoff_tokens_loaded`,
+  `workers_handoff_bytes` (both ranks' slices: all the KV), `workers_handoff_loads` = 2
+  (one pull per rank part);
+* a tp=1 decode engine asked to take a tp=2 prefill's handoff refuses it by layout
+  before any byte moves (`workers_handoff_refused`), recomputes, same output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvrc_vllm.vllm_harness import (
+    BLOCK_SIZE,
+    Kvrc,
+    VllmEngine,
+    engines,
+    python_of_tests,
+    random_prompt,
+    workdir,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+KV_BYTES_PER_TOKEN = 1024
+
+
+def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
+    vllm_python: str, tiny_model: Path
+) -> None:
+    work = workdir("tp2")
+    # three vLLM workers share the two cores here: their kvrc heartbeats may lag
+    kvrc = Kvrc(python_of_tests(), work, "--reuse", "off", "--heartbeat-timeout-ms", "20000")
+    extra = {"kvrc_target": kvrc.target}
+    try:
+        prefill = VllmEngine(
+            vllm_python,
+            work,
+            "prefill-tp2",
+            model=tiny_model,
+            cores="0|1",
+            tp=2,
+            kv_role="kv_producer",
+            extra=extra,
+        )
+        decode = VllmEngine(
+            vllm_python,
+            work,
+            "decode-tp2",
+            model=tiny_model,
+            cores="0|1",
+            tp=2,
+            kv_role="kv_consumer",
+            extra=extra,
+        )
+        prompt = random_prompt(41, 300)
+        blocks = -(-len(prompt) // BLOCK_SIZE)
+        with engines(prefill, decode):
+            status = {
+                c["child_engine_id"]: c for c in kvrc.status(python_of_tests())["child_engines"]
+            }
+            for name in ("prefill-tp2", "decode-tp2"):
+                assert status[name]["ready"] is True
+                assert (status[name]["parts_present"], status[name]["parts_expected"]) == (2, 2)
+            reference = prefill.generate(prompt, max_tokens=16)["tokens"]
+            first = prefill.generate(
+                prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+            )
+            params = first["kv_transfer_params"]
+            assert params["tp_size"] == 2
+            out = decode.generate(prompt, max_tokens=16, kv_transfer_params=params)
+            assert out["tokens"] == reference
+            stats = decode.wait_stats("handoff_loads")
+            assert stats["handoff_tokens_loaded"] == len(prompt)
+            assert stats["workers_handoff_loads"] == 2  # one pull per rank part
+            assert stats["workers_handoff_bytes"] == blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN
+            assert stats.get("handoff_load_failures", 0) == 0
+            decode.close()  # two engines at most: the tp=1 peer takes D's place
+
+            tp1 = VllmEngine(
+                vllm_python,
+                work,
+                "decode-tp1",
+                model=tiny_model,
+                cores="1",
+                kv_role="kv_consumer",
+                extra=extra,
+            )
+            with engines(tp1):
+                # published once the peer is up (kvrc fails a READY handoff nobody takes in 120 s)
+                second = prefill.generate(
+                    prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+                )
+                out = tp1.generate(
+                    prompt, max_tokens=16, kv_transfer_params=second["kv_transfer_params"]
+                )
+                assert out["tokens"] == reference  # recomputed
+                stats = tp1.wait_stats("handoff_load_failures")
+                assert stats["handoff_load_failures"] == 1
+                assert stats["workers_handoff_refused"] == 1
+                assert stats.get("workers_handoff_bytes", 0) == 0  # refused before any byte moved
+            assert prefill.wait_stats("handoffs_freed", 2)["handoffs_freed"] == 2
+    finally:
+        kvrc.close()
