@@ -6,7 +6,6 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -399,8 +398,6 @@ def test_kvrc_mode_needs_a_provider() -> None:
 
 
 def test_bench_trace_writes_every_field_without_the_service(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (bench extra)")
-
     trace = tmp_path / "tiny.jsonl"
     trace.write_text(
         "\n".join(
@@ -446,20 +443,15 @@ def test_real_service_replay_keeps_the_coordinator_view_and_leases_exact(
     mode: Mode, tmp_path: Path
 ) -> None:
     reqs = _churn_trace(160)
-    try:
-        run = bench_trace.run_real(
-            mode,
-            reqs,
-            engines=4,
-            capacity_tokens=512 * 6,
-            cost=CostModel(),
-            speedup=20.0,
-            workdir=tmp_path,
-        )
-    except grpc.RpcError as e:
-        if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
-            pytest.skip(f"the service does not serve this yet: {e.details()}")
-        raise
+    run = bench_trace.run_real(
+        mode,
+        reqs,
+        engines=4,
+        capacity_tokens=512 * 6,
+        cost=CostModel(),
+        speedup=20.0,
+        workdir=tmp_path,
+    )
     assert not run.events_lost, run.lost_detail
     assert run.lookups == len(reqs)  # one real Lookup per request
     assert run.stats.grants > 5 and run.result.blocks_loaded > 0

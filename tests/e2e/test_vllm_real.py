@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 import zmq.asyncio
+from harness import free_port
 from vllm_env import VllmEnvUnavailable, ensure_vllm_venv
 from waiting import wait_until
 from zmq_wire import RecordingSink, value
@@ -41,14 +41,7 @@ def vllm_python() -> Path:
         return ensure_vllm_venv()
     except VllmEnvUnavailable as exc:
         print(f"vLLM venv unavailable: {exc}", file=sys.stderr)
-        pytest.skip(f"vLLM 0.33.0 venv cannot be built here: {str(exc)[:300]}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        pytest.fail(f"the vLLM 0.33.0 venv cannot be built: {str(exc)[:300]}", pytrace=False)
 
 
 class VllmProcess:
