@@ -269,10 +269,6 @@ class Grants:
             due = first if due is None else min(due, first)
         return due
 
-    @property
-    def waiting_begins(self) -> int:
-        return sum(len(v) for v in self._begins.values())
-
     # --- prefix load ---------------------------------------------------------------------
 
     def request_prefix_load(

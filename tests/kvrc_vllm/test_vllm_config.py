@@ -11,22 +11,15 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
 import pytest
+from harness import free_port
 
 from kvrc_vllm.vllm_harness import Kvrc, VllmEngine, python_of_tests, random_prompt, workdir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_a_bad_config_fails_engine_start_naming_the_field(

@@ -18,7 +18,6 @@ the holder can be stopped or killed between the grant (its pin) and R's read.
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import free_port
 
 from kvrc_vllm.vllm_harness import (
     Kvrc,
@@ -41,13 +41,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 DELAY_S = 3.0
 TRANSFER_TIMEOUT_MS = 1500
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Cluster:

@@ -10,12 +10,12 @@ show the prompt's KV was loaded, and the proxy's `/stats` counts the handoffs.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from harness import free_port
 
 from kvrc_vllm.vllm_harness import (
     REPO,
@@ -30,13 +30,6 @@ from kvrc_vllm.vllm_harness import (
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_openai_servers_behind_the_pd_proxy(vllm_python: str, tiny_model: Path) -> None:

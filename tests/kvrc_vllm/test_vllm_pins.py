@@ -16,7 +16,6 @@ Negative control: the same pressure without a lease evicts a prompt Y (H's own
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import free_port
 
 from kvrc_vllm.vllm_harness import (
     BLOCK_SIZE,
@@ -39,13 +39,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 HOLDER_BLOCKS = 40
 DELAY_S = 4.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")

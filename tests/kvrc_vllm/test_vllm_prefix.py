@@ -15,12 +15,12 @@ the loaded tokens as cached.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harness import free_port
 
 from kvrc_vllm.vllm_harness import (
     BLOCK_SIZE,
@@ -35,13 +35,6 @@ from kvrc_vllm.vllm_harness import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 KV_BYTES_PER_TOKEN = 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Cluster:
