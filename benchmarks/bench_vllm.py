@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
-from kvrc_vllm.vllm_cpu_env import ensure_vllm_cpu_venv  # noqa: E402
-from kvrc_vllm.vllm_harness import (  # noqa: E402
+from vllm_env import ensure_vllm_venv  # noqa: E402
+from vllm_harness import (  # noqa: E402
     Kvrc,
     VllmEngine,
     engines,
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "vllm.json"))
     args = parser.parse_args(argv)
-    python = str(ensure_vllm_cpu_venv())
+    python = str(ensure_vllm_venv())
     from clients.vllm.tiny_model import make_tiny_model
 
     model = make_tiny_model(REPO / ".cache" / "tiny-llama")

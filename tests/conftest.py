@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import os
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from harness import CommandProcess, CoordinatorProcess, start_coordinator
+from harness import REPO, CommandProcess, CoordinatorProcess, start_coordinator
+from vllm_env import VllmEnvError, ensure_vllm_venv
 
 if TYPE_CHECKING:
     from clients.session import EngineSession
 
 TESTS = Path(__file__).resolve().parent
 
-# The vLLM connector's tests (issue 21, work in progress) start several real vLLM
-# engines each (~10 min in all): not yet part of `make test`; `make test-vllm` runs them.
-collect_ignore = [] if os.environ.get("KVRC_TEST_VLLM_CONNECTOR") == "1" else ["kvrc_vllm"]
-VLLM_TESTS = (TESTS / "e2e" / "test_vllm_real.py", TESTS / "vllm")
+VLLM_TESTS = (TESTS / "e2e" / "test_vllm_real.py", TESTS / "e2e" / "vllm_engines")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -54,3 +52,32 @@ async def sessions() -> AsyncIterator[list[EngineSession]]:
     yield opened
     for session in opened:
         await session.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The one cached vLLM venv's python (tests/support/vllm_env.py), built on first use.
+
+    Where it cannot be built, every vLLM test fails with the reason: none skips.
+    """
+    try:
+        return str(ensure_vllm_venv())
+    except VllmEnvError as exc:
+        pytest.fail(f"the vLLM venv cannot be built: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python: str) -> Path:
+    """The 2-layer tiny Llama the vLLM tests run, made once by the project's own script."""
+    model_dir = REPO / ".cache" / "tiny-llama"
+    proc = subprocess.run(
+        [vllm_python, "-m", "clients.vllm.tiny_model", str(model_dir)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"the tiny model was not made:\n{proc.stderr[-3000:]}", pytrace=False)
+    return model_dir

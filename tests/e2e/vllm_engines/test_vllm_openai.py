@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 from harness import free_port
-
-from kvrc_vllm.vllm_harness import (
+from vllm_harness import (
     REPO,
     Kvrc,
     OpenAiServer,

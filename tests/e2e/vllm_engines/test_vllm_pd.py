@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from kvrc_vllm.vllm_harness import (
+from vllm_harness import (
     BLOCK_SIZE,
     Kvrc,
     VllmEngine,

@@ -24,8 +24,7 @@ from typing import Any
 
 import pytest
 from harness import free_port
-
-from kvrc_vllm.vllm_harness import (
+from vllm_harness import (
     BLOCK_SIZE,
     Kvrc,
     VllmEngine,

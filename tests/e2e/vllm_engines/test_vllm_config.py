@@ -1,4 +1,4 @@
-"""Engine start and kvrc outages (items 1 and 4): one real vLLM engine at a time.
+"""Engine start and kvrc outages (items 1 and 4): two single-core engines, one per core.
 
 * A bad `kv_connector_extra_config` fails the engine start with one message
   naming the field.
@@ -12,37 +12,36 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from harness import free_port
-
-from kvrc_vllm.vllm_harness import Kvrc, VllmEngine, python_of_tests, random_prompt, workdir
+from vllm_harness import Kvrc, VllmEngine, python_of_tests, random_prompt, workdir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-def test_a_bad_config_fails_engine_start_naming_the_field(
-    vllm_python: str, tiny_model: Path
-) -> None:
-    work = workdir("badconfig")
+@pytest.fixture(scope="module")
+def bad_engine(vllm_python: str, tiny_model: Path) -> Iterator[VllmEngine]:
+    """An engine with a bad config, started on core 1 while the other test runs on core 0
+    (its start takes as long as a good one's: vLLM builds the connector with the KV caches)."""
     engine = VllmEngine(
-        vllm_python, work, "bad", model=tiny_model, cores="0", extra={"min_blocks": 0}
+        vllm_python,
+        workdir("badconfig"),
+        "bad",
+        model=tiny_model,
+        cores="1",
+        extra={"min_blocks": 0},
     )
     try:
-        with pytest.raises(AssertionError):
-            engine.wait_ready(within_s=300)
-        engine.process.wait(60)
-        assert engine.process.returncode != 0
-        assert "kv_connector_extra_config.min_blocks: must be >= 1, got 0" in engine.stderr_tail(
-            400
-        )
+        yield engine
     finally:
         engine.close()
 
 
 def test_kvrc_unreachable_the_engine_serves_then_reconnects(
-    vllm_python: str, tiny_model: Path
+    vllm_python: str, tiny_model: Path, bad_engine: VllmEngine
 ) -> None:
     work = workdir("nokvrc")
     port = free_port()
@@ -83,3 +82,13 @@ def test_kvrc_unreachable_the_engine_serves_then_reconnects(
         engine.close()
         if kvrc is not None:
             kvrc.close()
+
+
+def test_a_bad_config_fails_engine_start_naming_the_field(bad_engine: VllmEngine) -> None:
+    with pytest.raises(AssertionError):
+        bad_engine.wait_ready(within_s=300)
+    bad_engine.process.wait(60)
+    assert bad_engine.process.returncode != 0
+    assert "kv_connector_extra_config.min_blocks: must be >= 1, got 0" in bad_engine.stderr_tail(
+        400
+    )

@@ -26,8 +26,7 @@ from typing import Any
 
 import pytest
 from harness import free_port
-
-from kvrc_vllm.vllm_harness import (
+from vllm_harness import (
     Kvrc,
     VllmEngine,
     engines,

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 from harness import free_port
-
-from kvrc_vllm.vllm_harness import (
+from vllm_harness import (
     BLOCK_SIZE,
     Kvrc,
     VllmEngine,

@@ -17,8 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from kvrc_vllm.vllm_harness import (
+from vllm_harness import (
     BLOCK_SIZE,
     Kvrc,
     VllmEngine,

@@ -1,1 +1,0 @@
-"""Tests with real vLLM engines (pytest marker `vllm`): KvrcConnector end to end."""
