@@ -10,8 +10,10 @@ For each `POST /v1/completions` or `/v1/chat/completions`:
    `kv_transfer_params={"do_remote_decode": true}`;
 2. the prefill's answer carries `kv_transfer_params` (KvrcConnector's: vLLM's
    Mooncake/NIXL field names plus kvrc's); the original request goes to the
-   decode engine with those params, and the decode's answer, streamed or not, is
-   passed through unchanged.
+   decode engine with those params (over any `kv_transfer_params` the client sent,
+   whose other fields pass through), and the decode's answer, streamed or not, is
+   passed through unchanged. A client that disconnects closes the decode request,
+   which vLLM's server aborts.
 
 If the prefill fails, the request still goes to the decode engine without
 params (it computes the prompt itself). `GET /healthz` answers 200. Needs
@@ -69,6 +71,7 @@ class PdProxy:
         assert self._session is not None
         body: dict[str, Any] = await request.json()
         self.counters["requests"] += 1
+        client_params = body.get("kv_transfer_params")
         path = request.path
         prefill_body = dict(body)
         prefill_body.update(
@@ -88,16 +91,20 @@ class PdProxy:
             log.warning("prefill failed: %s", e)
         if params:
             self.counters["handoffs"] += 1
-            body = {**body, "kv_transfer_params": params}
+            passed = client_params if isinstance(client_params, dict) else {}
+            body = {**body, "kv_transfer_params": {**passed, **params}}
         else:
             self.counters["prefill_failures"] += 1
         async with self._session.post(next(self._decode) + path, json=body) as reply:
             response = web.StreamResponse(status=reply.status)
             response.content_type = reply.content_type
             await response.prepare(request)
-            async for chunk in reply.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
+            try:
+                async for chunk in reply.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+            except ConnectionResetError:  # the client left: closing `reply` aborts the decode
+                log.info("client of %s left mid-response; closing the decode request", path)
             return response
 
 
@@ -112,7 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
     async def serve() -> None:
-        runner = web.AppRunner(PdProxy(args.prefill, args.decode).app())
+        # A client that disconnects cancels its handler, which closes the decode request.
+        runner = web.AppRunner(PdProxy(args.prefill, args.decode).app(), handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()

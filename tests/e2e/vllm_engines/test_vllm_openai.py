@@ -9,10 +9,14 @@ show the prompt's KV was loaded, and the proxy's `/stats` counts the handoffs.
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import free_port
@@ -21,6 +25,8 @@ from vllm_harness import (
     Kvrc,
     OpenAiServer,
     engine_env,
+    metric_sum,
+    open_leases,
     post_json,
     post_stream,
     python_of_tests,
@@ -31,10 +37,75 @@ from vllm_harness import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
+def client_disconnects_mid_load(
+    kvrc: Kvrc, prefill: OpenAiServer, decode: OpenAiServer, proxy_url: str, body: dict[str, Any]
+) -> None:
+    """A streaming client that hangs up while D's worker waits to pull: vLLM's server aborts
+    the request (the proxy closes its decode request), the connector counts
+    `loads_finished_early` and frees the blocks after the read, kvrc's lease ends, P frees
+    its blocks (`handoffs_freed`), and D holds no request (vLLM's own gauges)."""
+    before_d, before_p = decode.stats(), prefill.stats()
+    prompt = random_prompt(52, 300)
+    request = {
+        **body,
+        "prompt": prompt,
+        "stream": True,
+        "kv_transfer_params": {"kvrc_test_fault": "delay-before-pull=4"},
+    }
+    host, port = proxy_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request(
+        "POST", "/v1/completions", json.dumps(request), {"Content-Type": "application/json"}
+    )
+    give_up = time.monotonic() + 30
+    while metric_sum(kvrc, "kvrc_leases", flow="handoff", state="active") == 0:
+        assert time.monotonic() < give_up, "D never took the handoff"
+        time.sleep(0.05)
+    connection.sock.shutdown(socket.SHUT_RDWR)  # the client hangs up mid-load
+    connection.close()
+
+    after_d = wait_counter(decode, "loads_finished_early", before_d, within_s=60)
+    assert after_d.get("handoff_tokens_loaded", 0) >= before_d.get("handoff_tokens_loaded", 0)
+    freed = wait_counter(prefill, "handoffs_freed", before_p, within_s=60)
+    assert freed.get("handoff_hold_expired", 0) == before_p.get("handoff_hold_expired", 0)
+    give_up = time.monotonic() + 60
+    while open_leases(kvrc) > 0:
+        assert time.monotonic() < give_up, "kvrc's handoff lease never ended"
+        time.sleep(0.2)
+    give_up = time.monotonic() + 30
+    while (
+        held := vllm_gauge(decode, "vllm:num_requests_running")
+        + vllm_gauge(decode, "vllm:num_requests_waiting")
+    ) > 0:
+        assert time.monotonic() < give_up, f"D still holds {held} request(s) after the abort"
+        time.sleep(0.2)
+
+
+def wait_counter(
+    server: OpenAiServer, key: str, before: dict[str, Any], within_s: float
+) -> dict[str, Any]:
+    """Wait until the connector counter `key` has grown by one since `before`."""
+    give_up = time.monotonic() + within_s
+    while (stats := server.stats()).get(key, 0) < before.get(key, 0) + 1:
+        assert time.monotonic() < give_up, f"{server.name}: {key} stayed {stats.get(key, 0)}"
+        time.sleep(0.1)
+    return stats
+
+
+def vllm_gauge(server: OpenAiServer, name: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
 def test_openai_servers_behind_the_pd_proxy(vllm_python: str, tiny_model: Path) -> None:
     work = workdir("openai")
     kvrc = Kvrc(python_of_tests(), work, "--reuse", "off")
-    extra = {"kvrc_target": kvrc.target}
+    extra = {"kvrc_target": kvrc.target, "test_faults": True}
     prefill = OpenAiServer(
         vllm_python,
         work,
@@ -111,8 +182,12 @@ def test_openai_servers_behind_the_pd_proxy(vllm_python: str, tiny_model: Path) 
         full_blocks = len(prompt) // 32
         assert stats["handoff_tokens_loaded"] == len(prompt) + (len(prompt) - full_blocks * 32)
         assert stats.get("handoff_load_failures", 0) == 0
-        with __import__("urllib.request").request.urlopen(proxy_url + "/stats") as r:
+        with urllib.request.urlopen(proxy_url + "/stats") as r:
             assert json.loads(r.read())["handoffs"] == 2
+
+        client_disconnects_mid_load(kvrc, prefill, decode, proxy_url, body)
+        # D still serves, from intact blocks
+        assert post_json(proxy_url + "/v1/completions", body)["choices"][0]["text"] == reference
     finally:
         if proxy is not None:
             proxy.terminate()
