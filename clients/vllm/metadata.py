@@ -56,6 +56,8 @@ class KvrcConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     free_now: list[str] = field(default_factory=list)
     # handoff leases the scheduler side published: re-announced after a kvrc restart
     held: list[str] = field(default_factory=list)
+    # nothing is scheduled this step: the workers may wait for their running pulls
+    idle_step: bool = False
 
 
 @dataclass

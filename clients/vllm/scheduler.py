@@ -40,6 +40,8 @@ log = logging.getLogger("kvrc.vllm.scheduler")
 RPC_TIMEOUT_S = 10.0
 # The longest an idle step (nothing scheduled, kvrc work pending) yields the CPU.
 IDLE_STEP_WAIT_S = 0.002
+# ... when it waits for a grant (it ends as soon as one arrives).
+GRANT_WAIT_S = 0.01
 # ... and when it only holds handoffs for their release (frees come a little later).
 RELEASE_WAIT_S = 0.02
 # kv_transfer_params keys kvrc adds (vLLM's own keys keep their meaning)
@@ -448,17 +450,21 @@ class KvrcScheduler:
         with self._lock:
             pending = [r for r in self._recv.values() if not r.dispatched]
             waiting = bool(self._sending) or len(pending) < len(self._recv)
-        if not getattr(scheduler_output, "total_num_scheduled_tokens", 1) and (pending or waiting):
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        meta.idle_step = idle
+        if idle and (pending or waiting):
             # An idle step that only waits for kvrc (a grant, a pull, a release): vLLM would
             # spin here and starve the connector's threads (one core per engine). Yield the
             # CPU briefly instead; a grant that arrives meanwhile ends the wait at once.
             grants = [r.grant for r in pending if r.grant is not None]
             if grants:
                 concurrent.futures.wait(
-                    grants, IDLE_STEP_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED
+                    grants, GRANT_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED
                 )
-            elif len(self._recv) or self._free_now:
-                time.sleep(IDLE_STEP_WAIT_S)  # a pull is running: its end is picked up soon
+            elif self._recv:
+                pass  # pulls are running: the workers wait for their end (get_finished)
+            elif self._free_now:
+                time.sleep(IDLE_STEP_WAIT_S)
             else:
                 time.sleep(RELEASE_WAIT_S)  # only held handoffs: a release frees them later
         for recv in pending:

@@ -119,11 +119,17 @@ def describe_kv_caches(
     return layout, views, "x".join(map(str, shape))
 
 
+# The longest an idle step's get_finished waits for a running pull to end.
+IDLE_LOAD_WAIT_S = 0.01
+
+
 class _Finished:
     """Thread-safe sets handed to vLLM at the next `get_finished`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._recved = threading.Condition(self._lock)
+        self.loads_running = 0
         self.sending: set[str] = set()
         self.recving: set[str] = set()
         self.load_errors: set[int] = set()
@@ -134,11 +140,23 @@ class _Finished:
         with self._lock:
             self.sending.add(request_id)
 
+    def load_started(self) -> None:
+        with self._lock:
+            self.loads_running += 1
+
     def add_recving(self, request_id: str, errors: list[int], outcome: str) -> None:
         with self._lock:
             self.load_errors.update(errors)
             self.recving.add(request_id)
             self.outcomes[request_id] = outcome
+            self.loads_running -= 1
+            self._recved.notify_all()
+
+    def wait_recving(self, timeout_s: float) -> None:
+        """Until a running load finishes (or `timeout_s`): an idle step reports it at once."""
+        with self._lock:
+            if self.loads_running > 0 and not self.recving:
+                self._recved.wait(timeout_s)
 
     def count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -197,6 +215,7 @@ class KvrcWorker:
         self.child_engine_id: str = identity.child_engine_id
         self.block_size = int(vllm_config.cache_config.block_size)
         self.finished = _Finished()
+        self._idle_step = False
         self.loop = BackgroundLoop(f"kvrc-worker-tp{self.tp_rank}")
         self.registered = threading.Event()
         self.registration_refused = threading.Event()
@@ -359,7 +378,9 @@ class KvrcWorker:
             trace("worker_load_start", spec.request_id)
             while len(self._started_loads) > 65536:
                 del self._started_loads[next(iter(self._started_loads))]
+            self.finished.load_started()
             self.loop.submit(self._load(spec))
+        self._idle_step = meta.idle_step
         for publish in meta.publishes:
             trace("worker_publish_start", publish.request_id)
             self.loop.submit(self._publish(publish))
@@ -369,6 +390,10 @@ class KvrcWorker:
             self.handler.track_held(lease_id)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
+        if self._idle_step:
+            # Nothing to compute this step: rather than spin through empty steps, wait here
+            # for a running pull, so its end reaches the scheduler in this very step.
+            self.finished.wait_recving(IDLE_LOAD_WAIT_S)
         return self.finished.take()
 
     # --- loads (decode handoff, prefix load) ---------------------------------------
