@@ -41,8 +41,9 @@ import enum
 import heapq
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TypeVar
 
 from coordinator.core.errors import (
@@ -440,6 +441,9 @@ class LeaseTable:
         self._leases: dict[str, _Lease] = {}
         self._by_request: dict[tuple[Flow, str, str], str] = {}
         self._by_engine: dict[str, set[str]] = {}  # open leases, as source or target
+        # len(_by_engine[e]) per engine, kept per change: lookups read it, never rebuild it.
+        self._open_by_engine: dict[str, int] = {}
+        self._open_by_engine_view: Mapping[str, int] = MappingProxyType(self._open_by_engine)
         self._open_ids: dict[str, None] = {}  # open leases, oldest first
         self._open_counts: Counter[tuple[Flow, LeaseState]] = Counter()
         self._terminal: OrderedDict[str, int] = OrderedDict()  # lease id -> ended_ms
@@ -474,9 +478,12 @@ class LeaseTable:
             return [self._view(lease) for lease in self._leases.values()]
         return [self._view(self._leases[lease_id]) for lease_id in self._open_ids]
 
-    def open_counts_by_engine(self) -> dict[str, int]:
-        """Open leases per child engine, as source or target (for lookup ranking)."""
-        return {engine: len(ids) for engine, ids in self._by_engine.items()}
+    def open_counts_by_engine(self) -> Mapping[str, int]:
+        """Open leases per child engine, as source or target (for lookup ranking).
+
+        A live read-only view, O(1) per call: engines with no open lease are absent.
+        """
+        return self._open_by_engine_view
 
     def counts(self) -> dict[tuple[Flow, LeaseState], int]:
         """Open leases by flow and state (for the `kvrc_leases` gauge)."""
@@ -1216,10 +1223,13 @@ class LeaseTable:
         self._set_state(lease, state)
         for engine in (lease.source_child_engine_id, *self._target_engines(lease)):
             ids = self._by_engine.get(engine)
-            if ids is not None:
+            if ids is not None and lease.lease_id in ids:
                 ids.discard(lease.lease_id)
-                if not ids:
+                if ids:
+                    self._open_by_engine[engine] = len(ids)
+                else:
                     del self._by_engine[engine]
+                    del self._open_by_engine[engine]
         del self._open_ids[lease.lease_id]
         self._terminal[lease.lease_id] = now_ms
         quiescence = None if lease.granted_ms is None else now_ms - lease.granted_ms
@@ -1248,7 +1258,9 @@ class LeaseTable:
         self._arm(lease)
 
     def _index_engine(self, engine: str, lease_id: str) -> None:
-        self._by_engine.setdefault(engine, set()).add(lease_id)
+        ids = self._by_engine.setdefault(engine, set())
+        ids.add(lease_id)
+        self._open_by_engine[engine] = len(ids)
 
     @staticmethod
     def _target_engines(lease: _Lease) -> list[str]:

@@ -269,6 +269,16 @@ class Registry:
         ready = sum(1 for child in self._children.values() if self._is_ready(child))
         return ready, len(self._children) - ready
 
+    def session_of(self, child_engine_id: str, rank: RankKey) -> str | None:
+        """The session holding one rank part (O(1): sends to a part run per lease step)."""
+        child = self._children.get(child_engine_id)
+        part = child.parts.get(rank) if child is not None else None
+        return part.session_id if part is not None else None
+
+    def is_registered(self, child_engine_id: str) -> bool:
+        """Some part of the child engine is registered (O(1), no view built)."""
+        return child_engine_id in self._children
+
     def parts_of(self, child_engine_id: str) -> list[PartRef]:
         child = self._children.get(child_engine_id)
         if child is None:

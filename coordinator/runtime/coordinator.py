@@ -189,7 +189,8 @@ class Coordinator:
         self.registry = Registry(config.max_rank_parts, config.bounds.max_grid_parts)
         self._sessions: dict[str, Session] = {}
         self._listeners: list[PartListener] = []
-        self._gone_timers: dict[tuple[str, RankKey], Timer] = {}
+        # Parts inside their grace period, per child engine: `proven_gone` is O(1).
+        self._gone_timers: dict[str, dict[RankKey, Timer]] = {}
         # Incarnations grow across restarts too: seeded from the wall clock (an identity,
         # never a deadline).
         self._incarnations = itertools.count(self.clock.wall_ms() * 1000)
@@ -253,8 +254,9 @@ class Coordinator:
                 REASON_SHUTDOWN,
                 SessionEnd(ErrorCode.UNAVAILABLE, "the coordinator is shutting down"),
             )
-        for timer in self._gone_timers.values():
-            timer.cancel()
+        for timers in self._gone_timers.values():
+            for timer in timers.values():
+                timer.cancel()
         self._gone_timers.clear()
         await self.inventory.close()
         await self.leases.shutdown()
@@ -286,7 +288,7 @@ class Coordinator:
         ref = PartRef(registration.child_engine_id, registration.rank, session_id)
         session = Session(registration, ref, incarnation, self.config.session_queue_size)
         self._sessions[session_id] = session
-        timer = self._gone_timers.pop(self._part_key(ref), None)
+        timer = self._take_gone_timer(ref)
         if timer is not None:
             timer.cancel()  # came back within the grace period
         self.metrics.registrations.labels(result="ok").inc()
@@ -359,12 +361,11 @@ class Coordinator:
             except Exception:  # one listener's bug must not keep the part registered
                 log.exception("part listener %r failed on removal", listener)
         if self._listeners and not self._shutting_down:
-            key = self._part_key(session.ref)
-            old = self._gone_timers.pop(key, None)
+            ref = session.ref
+            old = self._take_gone_timer(ref)
             if old is not None:
                 old.cancel()
-            ref = session.ref
-            self._gone_timers[key] = self.clock.call_later(
+            self._gone_timers.setdefault(ref.child_engine_id, {})[ref.rank] = self.clock.call_later(
                 self.config.session_grace_ms, lambda: self._part_gone(ref)
             )
 
@@ -397,28 +398,32 @@ class Coordinator:
 
     def send_to_part(self, child_engine_id: str, rank: RankKey, message: Outbound) -> bool:
         """Queues a message on the session of one rank part; False when it has none."""
-        for ref in self.registry.parts_of(child_engine_id):
-            if ref.rank == rank:
-                session = self._sessions.get(ref.session_id)
-                if session is not None:
-                    self._send(session, message)
-                    return True
-        return False
+        session_id = self.registry.session_of(child_engine_id, rank)
+        session = self._sessions.get(session_id) if session_id is not None else None
+        if session is None:
+            return False
+        self._send(session, message)
+        return True
 
     def proven_gone(self, child_engine_id: str) -> bool:
         """No part of the child engine is registered and none is inside its grace period."""
-        return self.registry.get(child_engine_id) is None and not any(
-            key[0] == child_engine_id for key in self._gone_timers
+        return child_engine_id not in self._gone_timers and not self.registry.is_registered(
+            child_engine_id
         )
 
     # --- internals -------------------------------------------------------------
 
-    @staticmethod
-    def _part_key(ref: PartRef) -> tuple[str, RankKey]:
-        return (ref.child_engine_id, ref.rank)
+    def _take_gone_timer(self, ref: PartRef) -> Timer | None:
+        timers = self._gone_timers.get(ref.child_engine_id)
+        if timers is None:
+            return None
+        timer = timers.pop(ref.rank, None)
+        if not timers:
+            del self._gone_timers[ref.child_engine_id]
+        return timer
 
     def _part_gone(self, ref: PartRef) -> None:
-        self._gone_timers.pop(self._part_key(ref), None)
+        self._take_gone_timer(ref)
         child = ref.child_engine_id
         if self.proven_gone(child):
             self._forget(child)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.grants import (
@@ -166,8 +166,8 @@ class LeaseFlow:
         """How often a decode engine extends its handoff lease (three tries per timeout)."""
         return max(self.table.config.handoff_heartbeat_timeout_ms // 3, 1)
 
-    def leases_in_flight(self) -> dict[str, int]:
-        """Open leases per child engine, as source or target (for lookup ranking)."""
+    def leases_in_flight(self) -> Mapping[str, int]:
+        """Open leases per child engine, as source or target (a live view, O(1))."""
         return self.table.open_counts_by_engine()
 
     def open_leases(self) -> list[LeaseView]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -730,3 +731,45 @@ def test_reused_lease_id_from_the_factory_is_an_internal_error() -> None:
     with pytest.raises(RuntimeError):
         open_load(t, "b")
     assert t.open_lease_count() == 1
+
+
+class _CountingDict(dict[str, int]):
+    """Counts the entries written and any walk over the whole dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+        self.walks = 0
+
+    def __setitem__(self, key: str, value: int) -> None:
+        self.writes += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.writes += 1
+        super().__delitem__(key)
+
+    def __iter__(self) -> Any:
+        self.walks += 1
+        return super().__iter__()
+
+
+def test_open_counts_per_engine_are_kept_per_change_not_rebuilt() -> None:
+    t = table()
+    counts = _CountingDict()
+    # White box: the table's per-engine counts, swapped for one that counts its writes.
+    t._open_by_engine = counts
+    t._open_by_engine_view = MappingProxyType(counts)
+    view = t.open_counts_by_engine()
+    holders = [f"holder-{i}" for i in range(500)]
+    for i, holder in enumerate(holders):
+        open_load_step(t, f"r{i}", holder=holder)
+    # One open touches two entries (requester and holder), whatever is open already.
+    assert counts.writes == 2 * len(holders)
+    assert t.open_counts_by_engine() is view  # the same live view: nothing is rebuilt
+    assert view[REQ] == len(holders) and view["holder-7"] == 1 and len(view) == 501
+    counts.writes = 0
+    t.on_engine_gone("holder-7", T0 + 1)  # its one lease ends
+    assert counts.writes == 2  # the requester's count and the holder's removal
+    assert "holder-7" not in view and view[REQ] == len(holders) - 1
+    assert counts.walks == 0

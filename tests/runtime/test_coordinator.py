@@ -9,6 +9,7 @@ from typing import Any
 
 from manual_rig import CHAIN
 
+from coordinator.core.leases import Flow
 from coordinator.core.profiles import ReuseReason
 from coordinator.runtime.clock import ManualClock
 from coordinator.runtime.config import CoordinatorConfig
@@ -159,3 +160,47 @@ def test_reuse_off_says_so_even_while_warming() -> None:
     assert coordinator.status().warming
     gate = coordinator.inventory.reuse_gate("anyone")
     assert gate.reason is ReuseReason.DISABLED_BY_COORDINATOR  # I1-reuse-off first
+
+
+class _Calls:
+    """Counts calls of the registry's O(grid) reads (parts lists and views)."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.count = 0
+        registry = coordinator.registry
+        for name in ("parts_of", "get", "_view"):
+            original = getattr(registry, name)
+
+            def counted(*args: Any, _original: Any = original) -> Any:
+                self.count += 1
+                return _original(*args)
+
+            setattr(registry, name, counted)
+
+
+async def test_send_to_part_and_proven_gone_do_no_work_per_part_of_the_grid() -> None:
+    from coordinator.core.leases import SendRelease
+    from coordinator.runtime.coordinator import RegisterReply
+
+    grid = 64
+    clock = ManualClock()
+    coordinator = Coordinator(CoordinatorConfig(session_grace_ms=100), clock=clock)
+    sessions = [coordinator.open_session(_domain_registration(r, grid)) for r in range(grid)]
+    for session in sessions:
+        assert isinstance(await session.next_outbound(), RegisterReply)
+    calls = _Calls(coordinator)
+    for rank, session in enumerate(sessions):
+        release = SendRelease("facade", (rank, 0, 0), "L1", Flow.PREFIX_LOAD, "done")
+        assert coordinator.send_to_part("facade", (rank, 0, 0), release)
+        while (out := await session.next_outbound()) is not release:
+            assert not isinstance(out, SendRelease)  # readiness updates queued before it
+    assert calls.count == 0  # one dict probe per send, no list of the 64 parts
+    for session in sessions:
+        coordinator.close_session(session, "closed")
+    calls.count = 0
+    assert not coordinator.proven_gone("facade")  # 64 parts inside their grace period
+    assert calls.count == 0
+    clock.advance(100)  # every grace period ends: the last one proves the engine gone
+    assert coordinator.proven_gone("facade")
+    assert calls.count == 0
+    await coordinator.shutdown()
