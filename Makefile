@@ -28,6 +28,15 @@ sysdeps:
 	    echo "Mooncake needs Debian's libibverbs1 libnuma1 libcurl4: sudo apt-get install --no-install-recommends libibverbs1 libnuma1 libcurl4"; exit 1; \
 	  fi; \
 	fi
+	@# Debian's redis-server: the shared-store tests start their own (tests/support/redis_env.py).
+	@if ! command -v redis-server >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing redis-server (for the --store redis:// tests)"; \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; \
+	  else \
+	    echo "the shared-store tests need Debian's redis-server: sudo apt-get install --no-install-recommends redis-server"; exit 1; \
+	  fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory sysdeps
