@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -213,6 +214,37 @@ async def test_a_replica_that_starts_later_catches_up_from_the_log(
         with start_coordinator(*flags) as late:
             await engines.open(late.grpc_target, "req-late")
             await eventually_matched(late.grpc_target, "req-late", "holder-early", 5)
+
+
+async def test_kill_9_of_a_replica_its_engines_move_and_the_rest_leave_the_view(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    flags = replica_flags(profiles_file, redis_server.url)
+    with (
+        start_coordinator(*flags, check_exit=False) as a,
+        start_coordinator(*flags) as b,
+        start_coordinator(*flags) as c,
+    ):
+        retained = [StoredBlocks(CHAIN[:8])]
+        mover = await engines.open(a.grpc_target, "mover", retained)
+        stays_gone = await engines.open(a.grpc_target, "gone-with-a")
+        await engines.open(c.grpc_target, "req-c")
+        await mover.stored(CHAIN[:8])
+        await stays_gone.stored(CHAIN[:4])
+        await eventually_matched(c.grpc_target, "req-c", "mover", 8)
+        await eventually_matched(c.grpc_target, "req-c", "gone-with-a", 4)
+        a.stop(signal.SIGKILL)
+        # The engine reconnects to another replica and re-announces (its full dump; a
+        # new session object here, so the test sends the dump a reconnect would send).
+        moved = await engines.open(b.grpc_target, "mover", retained)
+        await moved.send_dump()
+        await eventually_matched(c.grpc_target, "req-c", "mover", 8)
+        status_c = await get_status(c.grpc_target)
+        assert status_c.store_unavailable_reason == ""
+        # The dead replica's other engine leaves the view once that replica falls silent
+        # (its heartbeats stop; the timeout runs on c's own monotonic clock).
+        await eventually_matched(c.grpc_target, "req-c", "gone-with-a", 0)
+        assert await matched(c.grpc_target, "req-c", "mover") == 8
 
 
 # --- Redis lost: fail closed, then recover ---------------------------------------------------
