@@ -8,7 +8,7 @@ PROTO_SRC := proto/kvrc/v1/kvrc.proto
 PYTEST_ARGS ?=
 
 .PHONY: help venv sysdeps proto proto-check serve demo test test-fast test-e2e lint typecheck check \
-        bench-index bench-transfer vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load clean
+        bench-index bench-transfer bench-cluster vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load clean
 
 help:
 	@echo "make demo   - run the demo cluster (kvrc + engines on loopback)"
@@ -106,6 +106,10 @@ bench-trace: $(STAMP)
 
 bench-load: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_load
+
+# Two replicas over a real redis-server: cross-replica visibility by ingest rate.
+bench-cluster: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_cluster $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
