@@ -106,6 +106,7 @@ class RedisStore:
         self._closing = False
         self._epoch: object = None  # the epoch key's value as this replica last saw it
         self._reset_reader = False  # a store loss: read the new log from its start
+        self._epoch_checks_after_failure = 0  # reset by every failure (see _fail)
         self._failures: dict[str, str] = {"start": "the shared store has not been reached yet"}
         self._m_out = metrics.store_ops.labels(direction="out")
         self._m_in = metrics.store_ops.labels(direction="in")
@@ -131,6 +132,11 @@ class RedisStore:
         if part not in self._failures:
             log.warning("shared store %s: %s failed: %s", self._config.url, part, why)
         self._failures[part] = why
+        # Up again only after an epoch check that started after this failure: an empty
+        # restarted Redis must be seen as a store loss before any grant (a check that
+        # was in flight through the outage may have read the old epoch).
+        self._failures.setdefault("epoch check", "not checked since the store failed")
+        self._epoch_checks_after_failure = 0
         self._set_up_gauge()
 
     def _set_up_gauge(self) -> None:
@@ -166,6 +172,7 @@ class RedisStore:
     # --- the epoch: an empty, restarted Redis is a store loss ------------------------------
 
     async def _check_epoch(self) -> None:
+        generation = self._epoch_checks_after_failure = self._epoch_checks_after_failure + 1
         try:
             epoch = await self._writer_conn.get(EPOCH_KEY)
             if epoch is None:
@@ -177,8 +184,9 @@ class RedisStore:
         if self._epoch is not None and epoch != self._epoch:
             self._store_lost()
         self._epoch = epoch
-        self._ok("epoch check")
-        self._ok("start")
+        if generation == self._epoch_checks_after_failure:  # no failure while it ran
+            self._ok("epoch check")
+            self._ok("start")
 
     def _store_lost(self) -> None:
         log.warning(
