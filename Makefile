@@ -8,7 +8,7 @@ PROTO_SRC := proto/kvrc/v1/kvrc.proto
 PYTEST_ARGS ?=
 
 .PHONY: help venv sysdeps proto proto-check serve demo test test-fast test-e2e lint typecheck check \
-        bench-index bench-transfer vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load clean
+        bench-index bench-transfer bench-cluster vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load clean
 
 help:
 	@echo "make demo   - run the demo cluster (kvrc + engines on loopback)"
@@ -26,6 +26,15 @@ sysdeps:
 	    apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 libnuma1 libcurl4 >/dev/null; \
 	  else \
 	    echo "Mooncake needs Debian's libibverbs1 libnuma1 libcurl4: sudo apt-get install --no-install-recommends libibverbs1 libnuma1 libcurl4"; exit 1; \
+	  fi; \
+	fi
+	@# Debian's redis-server: the shared-store tests start their own (tests/support/redis_env.py).
+	@if ! command -v redis-server >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing redis-server (for the --store redis:// tests)"; \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; \
+	  else \
+	    echo "the shared-store tests need Debian's redis-server: sudo apt-get install --no-install-recommends redis-server"; exit 1; \
 	  fi; \
 	fi
 
@@ -97,6 +106,10 @@ bench-trace: $(STAMP)
 
 bench-load: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_load
+
+# Two replicas over a real redis-server: cross-replica visibility by ingest rate.
+bench-cluster: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_cluster $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

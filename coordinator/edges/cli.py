@@ -10,6 +10,7 @@ import argparse
 import base64
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -20,7 +21,14 @@ import grpc
 
 from coordinator.core.auth import AuthConfigError, load_auth_policy
 from coordinator.core.leases import LeaseConfig
-from coordinator.runtime.config import ConfigError, CoordinatorConfig, load_profiles
+from coordinator.runtime.config import (
+    STORE_PASSWORD_ENV,
+    ConfigError,
+    CoordinatorConfig,
+    load_profiles,
+    parse_store,
+    read_store_password,
+)
 from kvrc import __version__
 from kvrc.credentials import ChannelOptions, CredentialsError, connect_blocking
 from kvrc.v1 import kvrc_pb2 as pb
@@ -177,6 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="messages queued to one session before an engine that does not read its stream "
         "is disconnected (%(default)s)",
     )
+    serve.add_argument(
+        "--store",
+        default="memory",
+        metavar="URL",
+        help="memory (one process's view, the default) or redis://HOST:PORT/DB, "
+        "rediss://HOST:PORT/DB (TLS): replicas share the inventory through that Redis",
+    )
+    serve.add_argument(
+        "--store-password-file",
+        type=Path,
+        metavar="FILE",
+        help=f"file holding the Redis password (else ${STORE_PASSWORD_ENV}; never in the URL)",
+    )
+    serve.add_argument(
+        "--store-tls-ca", type=Path, metavar="FILE", help="PEM CA of the rediss:// server"
+    )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-json", action="store_true", help="one JSON document per log line")
@@ -258,6 +282,15 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     ):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1 ms, got {value}")
+    if args.store == "memory" and args.store_password_file is not None:
+        raise ConfigError("--store-password-file needs a redis:// or rediss:// store")
+    if args.store_tls_ca is not None and not args.store_tls_ca.is_file():
+        raise ConfigError(f"--store-tls-ca {args.store_tls_ca}: no such file")
+    store = parse_store(
+        args.store,
+        password=read_store_password(args.store_password_file, os.environ),
+        tls_ca=args.store_tls_ca,
+    )
     leases = LeaseConfig(
         handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,
         abort_timeout_ms=args.abort_timeout_ms,
@@ -281,6 +314,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         warmup_ms=args.warmup_ms,
         resync_retry_initial_ms=args.resync_retry_ms,
         resync_retry_max_ms=args.resync_retry_max_ms,
+        store=store,
     )
 
 
@@ -356,6 +390,12 @@ def status_document(response: pb.StatusResponse) -> dict[str, Any]:
         "inventory_entries": response.inventory_entries,
         "child_engines": children,
         "leases": [lease_document(lease) for lease in response.leases],
+        "store": {
+            "url": response.store or "memory",
+            "available": not response.store_unavailable_reason,
+            "unavailable_reason": response.store_unavailable_reason,
+            "remote_child_engines": response.remote_child_engines,
+        },
     }
 
 
@@ -377,6 +417,15 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
         f"{', warming' if response.warming else ''}, {len(response.child_engines)} child engine(s)"
         f", {response.inventory_entries} inventory entries"
     ]
+    if response.store and response.store != "memory":
+        lines.append(
+            f"store {response.store}: "
+            + (
+                f"UNAVAILABLE, no new grants: {response.store_unavailable_reason}"
+                if response.store_unavailable_reason
+                else f"ok, {response.remote_child_engines} child engine(s) of other replicas"
+            )
+        )
     header = ("CHILD ENGINE", "ENGINE", "READY", "PARTS", "REUSE", "ENTRIES", "WHY NOT READY")
     rows = [header]
     for child in response.child_engines:

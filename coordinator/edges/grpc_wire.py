@@ -336,6 +336,9 @@ def status_to_proto(snapshot: StatusSnapshot, clock: Clock) -> pb.StatusResponse
         child_engines=[_child_engine_status(c, clock) for c in snapshot.child_engines],
         inventory_entries=snapshot.inventory_entries,
         leases=[lease_status_to_proto(v, clock) for v in snapshot.leases],
+        store=snapshot.store,
+        store_unavailable_reason=snapshot.store_unavailable_reason,
+        remote_child_engines=snapshot.remote_child_engines,
     )
 
 

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import tempfile
@@ -32,6 +33,8 @@ from coordinator.edges.tls import server_credentials
 from coordinator.edges.zmq_ingest import vllm_event_streams
 from coordinator.runtime.config import ConfigError, CoordinatorConfig, is_loopback_host
 from coordinator.runtime.coordinator import Coordinator
+from coordinator.runtime.redis_store import RedisStore
+from coordinator.runtime.replication import ReplicatedInventory
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -100,7 +103,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
             "use --tls-cert/--tls-key and --auth-tokens (docs/security.md)",
             config.listen,
         )
-    coordinator = Coordinator(config)
+    coordinator, store = _coordinator_with_store(config)
     coordinator.inventory.event_streams = vllm_event_streams(coordinator.metrics)
     server = grpc.aio.server(options=_server_options(config))
     pb_grpc.add_EngineServiceServicer_to_server(EngineService(coordinator), server)
@@ -146,12 +149,14 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
         loop.add_signal_handler(sig, stop.set)
 
     await coordinator.start()
+    if store is not None:
+        await store.start()
     await server.start()
     if port_file is not None:
         write_port_file(port_file, grpc_port, metrics_port)
     log.info(
         "kvrc serving on %s (port %d), metrics %s, reuse %s, %d declared profile(s), "
-        "tls %s, auth %s",
+        "tls %s, auth %s, store %s",
         config.listen,
         grpc_port,
         f"on http://{host}:{metrics_port}/metrics" if metrics_port >= 0 else "off",
@@ -159,6 +164,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
         len(config.declared_profiles),
         _tls_mode(config),
         describe_auth(config.auth),
+        config.store.url,
     )
 
     await stop.wait()
@@ -167,6 +173,8 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     # Let health watchers see NOT_SERVING before the server stops answering.
     await asyncio.sleep(0)
     await coordinator.shutdown()
+    if store is not None:
+        await store.close()  # after the sessions ended: their departures reach the log
     await server.stop(config.shutdown_grace_s)
     if httpd is not None:
         # The /metrics server notices a shutdown only at its next 0.5 s poll; nothing
@@ -180,6 +188,37 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
         threading.Thread(target=stop_metrics, name="kvrc-metrics-stop", daemon=True).start()
     log.info("stopped")
     return 0
+
+
+def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, RedisStore | None]:
+    """`--store memory`: today's coordinator. A Redis store: the replicated inventory."""
+    if config.store.kind == "memory":
+        return Coordinator(config), None
+    # Unique per process: a restarted replica is a new origin (its old engines expire).
+    origin = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    inventory = ReplicatedInventory(
+        origin,
+        max_entries_total=config.inventory_max_entries_total,
+        max_entries_per_engine=config.inventory_max_entries_per_engine,
+    )
+    coordinator = Coordinator(config, inventory=inventory)
+    store = RedisStore(
+        config.store,
+        inventory,
+        coordinator.clock,
+        coordinator.metrics,
+        on_applied=coordinator.inventory.refresh_gauges,
+        on_store_lost=lambda: log.info(
+            "asked %d publishing part(s) for a full dump",
+            coordinator.inventory.request_full_dumps(
+                f"the shared store {config.store.url} came back empty: resend your inventory"
+            ),
+        ),
+    )
+    coordinator.leases.store_unavailable = store.unavailable_reason
+    coordinator.store_unavailable = store.unavailable_reason
+    log.info("replica %s of the shared store %s", origin, config.store.url)
+    return coordinator, store
 
 
 def _tls_mode(config: CoordinatorConfig) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import tomllib
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,107 @@ class TlsFiles:
     cert: Path
     key: Path
     client_ca: Path | None = None  # set: mutual TLS, clients must present a certificate
+
+
+# Where the password of a `redis://` / `rediss://` store may come from (never argv).
+STORE_PASSWORD_ENV = "KVRC_STORE_PASSWORD"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Where the state replicas share lives: this process (memory) or one Redis primary.
+
+    `memory` is one coordinator's whole view in process (today's default). A Redis
+    store replicates the inventory between replicas (coordinator/runtime/redis_store.py).
+    """
+
+    kind: str = "memory"  # "memory" | "redis"
+    host: str = ""
+    port: int = 6379
+    db: int = 0
+    tls: bool = False  # rediss://
+    username: str | None = None
+    # repr=False: a password must never reach a log line or a traceback.
+    password: str | None = field(default=None, repr=False)
+    tls_ca: Path | None = None  # rediss:// with a private CA
+
+    @property
+    def url(self) -> str:
+        """The URL without credentials: safe to log and to show in `kvrc status`."""
+        if self.kind == "memory":
+            return "memory"
+        scheme = "rediss" if self.tls else "redis"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}/{self.db}"
+
+
+def parse_store(
+    value: str,
+    *,
+    password: str | None = None,
+    tls_ca: Path | None = None,
+) -> StoreConfig:
+    """`memory`, `redis://host:port/db` or `rediss://host:port/db` -> StoreConfig.
+
+    A password inside the URL is refused: argv is visible to every user of the host
+    (`ps`), so it comes from --store-password-file or $KVRC_STORE_PASSWORD.
+    """
+    if value == "memory":
+        if tls_ca is not None:
+            raise ConfigError("--store-tls-ca needs a rediss:// store, not --store memory")
+        return StoreConfig()
+    parsed = urllib.parse.urlsplit(value)
+    if parsed.scheme not in ("redis", "rediss"):
+        raise ConfigError(
+            f"--store {value!r}: expected memory, redis://HOST:PORT/DB or rediss://HOST:PORT/DB"
+        )
+    if parsed.password is not None:
+        raise ConfigError(
+            "--store: a password in the URL would be visible in the process list; "
+            f"use --store-password-file or ${STORE_PASSWORD_ENV}"
+        )
+    if not parsed.hostname:
+        raise ConfigError(f"--store {parsed.scheme}://...: the URL names no host")
+    try:
+        port = parsed.port or 6379
+    except ValueError:
+        raise ConfigError(f"--store: port of {parsed.netloc!r} must be 1..65535") from None
+    path = parsed.path.strip("/")
+    if path and not (path.isdigit() and int(path) <= 1_000_000):
+        raise ConfigError(f"--store: database {path!r} must be a number (redis://HOST:PORT/0)")
+    if parsed.query or parsed.fragment:
+        raise ConfigError("--store: the URL takes no query or fragment (TLS: --store-tls-ca)")
+    tls = parsed.scheme == "rediss"
+    if tls_ca is not None and not tls:
+        raise ConfigError("--store-tls-ca needs a rediss:// store (TLS)")
+    return StoreConfig(
+        kind="redis",
+        host=parsed.hostname,
+        port=port,
+        db=int(path) if path else 0,
+        tls=tls,
+        username=urllib.parse.unquote(parsed.username) if parsed.username else None,
+        password=password,
+        tls_ca=tls_ca,
+    )
+
+
+def read_store_password(path: Path | None, env: Mapping[str, str]) -> str | None:
+    """The file wins over the environment; one trailing newline is not part of it."""
+    if path is not None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(
+                f"--store-password-file {path}: cannot read: {e.strerror or e}"
+            ) from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--store-password-file {path}: not UTF-8 text") from None
+        password = text.removesuffix("\n")
+        if not password:
+            raise ConfigError(f"--store-password-file {path}: the file is empty")
+        return password
+    return env.get(STORE_PASSWORD_ENV) or None
 
 
 def is_loopback_host(host: str) -> bool:
@@ -104,6 +206,8 @@ class CoordinatorConfig:
     # this delay, doubling up to the max (the engine may have lost the first one).
     resync_retry_initial_ms: int = 1000
     resync_retry_max_ms: int = 30_000
+    # memory (one process's view) or a Redis that replicas share (docs/operations.md).
+    store: StoreConfig = StoreConfig()
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_ms <= 0:

@@ -17,11 +17,13 @@ import itertools
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
+from coordinator.core.inventory import Inventory
 from coordinator.core.leases import LeaseView
 from coordinator.core.profiles import ReuseReason, ReuseStatus, reuse_status
 from coordinator.core.recovery import (
@@ -171,6 +173,9 @@ class StatusSnapshot:
     child_engines: tuple[ChildEngineStatus, ...]
     inventory_entries: int = 0
     leases: tuple[LeaseView, ...] = ()  # in flight and quarantined
+    store: str = "memory"  # the shared store's URL, without credentials
+    store_unavailable_reason: str = ""  # "" while the store is reachable
+    remote_child_engines: int = 0  # other replicas' engines in this replica's index
 
 
 class Coordinator:
@@ -179,6 +184,7 @@ class Coordinator:
         config: CoordinatorConfig,
         metrics: Metrics | None = None,
         clock: Clock | None = None,
+        inventory: Inventory | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
@@ -198,7 +204,13 @@ class Coordinator:
         self._shutting_down = False
         # Inventory ingest, lookup and status (coordinator/runtime/inventory_flow.py).
         self.inventory = InventoryFlow(
-            config, self.metrics, self.registry, self.reuse_for, self.clock, self._send_to
+            config,
+            self.metrics,
+            self.registry,
+            self.reuse_for,
+            self.clock,
+            self._send_to,
+            inventory,
         )
         self.add_part_listener(self.inventory)
         # Both lease flows (coordinator/runtime/lease_flow.py).
@@ -225,6 +237,8 @@ class Coordinator:
         self.leases.warming = self.warming_status
         self.metrics.warming.set(1 if self.warmup.warming else 0)
         self._update_gauges()
+        # A shared store says why it is unreachable here (coordinator/edges/server.py).
+        self.store_unavailable: Callable[[], str | None] = lambda: None
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -394,6 +408,9 @@ class Coordinator:
             child_engines=tuple(children),
             inventory_entries=self.inventory.entries_total(),
             leases=tuple(self.leases.open_leases()),
+            store=self.config.store.url,
+            store_unavailable_reason=self.store_unavailable() or "",
+            remote_child_engines=self.inventory.remote_engine_count(),
         )
 
     def send_to_part(self, child_engine_id: str, rank: RankKey, message: Outbound) -> bool:

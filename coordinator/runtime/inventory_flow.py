@@ -210,6 +210,7 @@ class InventoryFlow:
         reuse_for: Callable[[ChildEngineView], ReuseStatus],
         clock: Clock,
         send: SendFn,
+        inventory: Inventory | None = None,
     ) -> None:
         self._config = config
         self._metrics = metrics
@@ -218,9 +219,14 @@ class InventoryFlow:
         self._clock = clock
         self._clock_ms = clock.monotonic_ms
         self._send = send
-        self.inventory = Inventory(
-            max_entries_total=config.inventory_max_entries_total,
-            max_entries_per_engine=config.inventory_max_entries_per_engine,
+        # A shared store passes its replicated subclass (coordinator/runtime/replication.py).
+        self.inventory = (
+            inventory
+            if inventory is not None
+            else Inventory(
+                max_entries_total=config.inventory_max_entries_total,
+                max_entries_per_engine=config.inventory_max_entries_per_engine,
+            )
         )
         self.streams = EventStreams()
         self._meta: dict[str, _Meta] = {}
@@ -413,6 +419,24 @@ class InventoryFlow:
         self._update_gauges()
         return action
 
+    def request_full_dumps(self, reason: str) -> int:
+        """Asks every publishing part here for a full dump; returns the requests sent.
+
+        A shared store that came back empty lost what this replica's engines had
+        published; their dumps re-announce it to the other replicas (the local view
+        hides each engine only while its dump runs). vLLM's ZMQ publishers have no
+        dump: their next events rebuild the others' view.
+        """
+        sent = 0
+        for cid, meta in self._meta.items():
+            for ref in self._registry.parts_of(cid):
+                if meta.mode is PublishMode.PER_CHILD_ENGINE and meta.publisher_rank != ref.rank:
+                    continue
+                self._m_resync.inc()
+                self._send(ref.session_id, ResyncOrder(reason=reason, expected_sequence=0))
+                sent += 1
+        return sent
+
     # --- resync retries ------------------------------------------------------------
 
     def _ask_resync(self, key: StreamKey, retry: _ResyncRetry, reason: str) -> None:
@@ -583,6 +607,17 @@ class InventoryFlow:
     def entries_total(self) -> int:
         return self.inventory.stats().entries_total
 
+    def remote_engine_count(self) -> int:
+        """Child engines in the index whose sessions are on other replicas."""
+        stats = self.inventory.stats()
+        engines = (
+            stats.engines_ready
+            + stats.engines_not_ready
+            + stats.engines_stale
+            + stats.engines_resyncing
+        )
+        return max(engines - len(self._meta), 0)
+
     # --- ZMQ edge -------------------------------------------------------------------
 
     def _start_zmq(self, registration: RankPartRegistration, meta: _Meta) -> None:
@@ -679,6 +714,10 @@ class InventoryFlow:
             self._m_events[source, "removed"].inc(result.blocks_removed)
         if result.clears:
             self._m_events[source, "cleared"].inc(result.clears)
+
+    def refresh_gauges(self) -> None:
+        """Another replica's ops changed the index (coordinator/runtime/redis_store.py)."""
+        self._update_gauges()
 
     def _update_gauges(self) -> None:
         stats = self.inventory.stats()

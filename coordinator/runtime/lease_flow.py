@@ -129,6 +129,8 @@ class LeaseFlow:
         self._drained = asyncio.Event()  # set (then replaced) when a drain may have finished
         # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
         self.warming: Callable[[], ReuseStatus | None] = lambda: None
+        # A shared store that is unreachable says why here (None: grants may go on).
+        self.store_unavailable: Callable[[], str | None] = lambda: None
         # The gauge's children, labelled once (labels() costs µs; _execute runs per step),
         # and the value last set on each, so only changed counts are written.
         self._gauge_children = {
@@ -181,6 +183,10 @@ class LeaseFlow:
 
     async def request_prefix_load(self, req: PrefixLoadRequest) -> PrefixLoadAnswer:
         """One core call; a lease waiting for its pins is answered by the call that settles it."""
+        reason = self.store_unavailable()
+        if reason is not None:
+            # Fail closed: replicas that cannot reach the shared store grant nothing new.
+            raise KvrcError(ErrorCode.UNAVAILABLE, f"no new grants: {reason}")
         step = self.core.request_prefix_load(req, self._clock.monotonic_ms(), self.warming())
         if step.answer is not None and step.answer.view is None:
             self._metrics.prefix_load_misses.labels(reason=step.answer.miss_reason).inc()

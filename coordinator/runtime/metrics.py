@@ -87,6 +87,25 @@ class Metrics:
             registry=r,
         )
 
+        # --- Shared store (--store redis://) ---------------------------------------
+        self.store_up = Gauge(
+            "kvrc_store_up",
+            "1 while the shared store is reachable (always 1 with --store memory), else 0.",
+            registry=r,
+        )
+        self.store_up.set(1)
+        self.store_ops = Counter(
+            "kvrc_store_ops_total",
+            "Inventory ops replicated through the shared store, by direction.",
+            ["direction"],
+            registry=r,
+        )
+        self.store_losses = Counter(
+            "kvrc_store_losses_total",
+            "Times the shared store was found empty (restarted) or its log was lost.",
+            registry=r,
+        )
+
         # --- Inventory ---------------------------------------------------------
         self.inventory_entries = Gauge(
             "kvrc_inventory_entries",

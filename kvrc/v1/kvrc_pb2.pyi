@@ -2036,10 +2036,19 @@ class StatusResponse(_message.Message):
     CHILD_ENGINES_FIELD_NUMBER: _builtins.int
     LEASES_FIELD_NUMBER: _builtins.int
     INVENTORY_ENTRIES_FIELD_NUMBER: _builtins.int
+    STORE_FIELD_NUMBER: _builtins.int
+    STORE_UNAVAILABLE_REASON_FIELD_NUMBER: _builtins.int
+    REMOTE_CHILD_ENGINES_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     reuse_enabled: _builtins.bool
     warming: _builtins.bool
     inventory_entries: _builtins.int
+    store: _builtins.str
+    """The shared store: "memory", or its redis:// / rediss:// URL without credentials."""
+    store_unavailable_reason: _builtins.str
+    """Empty while the store is reachable; else why not (no new prefix-load grants)."""
+    remote_child_engines: _builtins.int
+    """Child engines of other replicas in this replica's index (a shared store only)."""
     @_builtins.property
     def child_engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChildEngineStatus]: ...
     @_builtins.property
@@ -2055,10 +2064,13 @@ class StatusResponse(_message.Message):
         child_engines: _abc.Iterable[Global___ChildEngineStatus] | None = ...,
         leases: _abc.Iterable[Global___LeaseStatus] | None = ...,
         inventory_entries: _builtins.int = ...,
+        store: _builtins.str = ...,
+        store_unavailable_reason: _builtins.str = ...,
+        remote_child_engines: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engines", b"child_engines", "inventory_entries", b"inventory_entries", "leases", b"leases", "reuse_enabled", b"reuse_enabled", "version", b"version", "warming", b"warming"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engines", b"child_engines", "inventory_entries", b"inventory_entries", "leases", b"leases", "remote_child_engines", b"remote_child_engines", "reuse_enabled", b"reuse_enabled", "store", b"store", "store_unavailable_reason", b"store_unavailable_reason", "version", b"version", "warming", b"warming"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,309 @@
+"""The Redis store: one replicated, ordered inventory log that replicas share.
+
+Every replica appends its local inventory ops (coordinator/runtime/replication.py)
+to one Redis Stream, as msgpack batches, and reads the same stream in order from
+its last entry id, applying other replicas' ops to its own in-process index. A
+lookup never touches Redis.
+
+Keys share the hash tag `{kvrc}` so that a Redis Cluster slot could hold them all:
+
+- `{kvrc}:inventory`: the stream; entries `o` (origin replica) and `d` (packed ops),
+  trimmed with MAXLEN ~ so Redis memory stays bounded;
+- `{kvrc}:epoch`: a random value set once (SET NX). A different or missing value
+  means Redis restarted empty (no AOF) or was replaced: a store loss. Every replica
+  then forgets the other replicas' engines, reads the new log from its start and
+  re-announces its own engines.
+
+Fail closed: while Redis cannot be reached (an append, a read or the epoch check
+failed), or a store loss has not been re-announced yet, `unavailable_reason` says
+why; the lease flow then refuses new prefix loads with UNAVAILABLE. Leases
+already granted and their pins are not touched (I6-quiescence): nothing here ends
+a lease. Liveness of the other replicas runs on this replica's monotonic clock
+(heartbeat ops in the log), never on a Redis key TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from coordinator.runtime.clock import Clock
+from coordinator.runtime.config import StoreConfig
+from coordinator.runtime.metrics import Metrics
+from coordinator.runtime.replication import ReplicatedInventory, pack_ops, unpack_ops
+
+log = logging.getLogger("kvrc.store")
+
+HASH_TAG = "{kvrc}"
+STREAM_KEY = f"{HASH_TAG}:inventory"
+EPOCH_KEY = f"{HASH_TAG}:epoch"
+OPS_PER_ENTRY = 512  # one XADD carries up to this many ops
+READ_COUNT = 256  # entries per XREAD
+READ_BLOCK_MS = 500
+HEARTBEAT_MS = 500
+ORIGIN_TIMEOUT_MS = 5_000  # a replica silent this long: its engines leave the view
+STREAM_MAXLEN = 1_000_000  # entries kept (approximately): bounded Redis memory
+BACKOFF_MS = (50, 100, 250, 500, 1000)
+
+
+def redis_client(config: StoreConfig, *, name: str) -> aioredis.Redis:
+    """One connection pool to the store; timeouts so that a partition is noticed."""
+    kwargs: dict[str, Any] = {
+        "host": config.host,
+        "port": config.port,
+        "db": config.db,
+        "username": config.username,
+        "password": config.password,
+        "socket_connect_timeout": 1.0,
+        # Above the XREAD block, so a blocked read is not mistaken for a dead server.
+        "socket_timeout": READ_BLOCK_MS / 1000 + 2.0,
+        "client_name": name,
+        "protocol": 2,
+    }
+    if config.tls:
+        kwargs["ssl"] = True
+        kwargs["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+        if config.tls_ca is not None:
+            kwargs["ssl_ca_certs"] = str(config.tls_ca)
+    return aioredis.Redis(**kwargs)
+
+
+class RedisStore:
+    """Appends this replica's inventory ops and applies everybody else's, in log order."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        inventory: ReplicatedInventory,
+        clock: Clock,
+        metrics: Metrics,
+        *,
+        on_applied: Callable[[], None] = lambda: None,
+        on_store_lost: Callable[[], None] = lambda: None,
+        stream_maxlen: int = STREAM_MAXLEN,
+        origin_timeout_ms: int = ORIGIN_TIMEOUT_MS,
+    ) -> None:
+        self._config = config
+        self._inventory = inventory
+        self._clock = clock
+        self._metrics = metrics
+        self._on_applied = on_applied
+        self._on_store_lost = on_store_lost
+        self._maxlen = stream_maxlen
+        self._origin_timeout_ms = origin_timeout_ms
+        self._writer_conn = redis_client(config, name=f"kvrc-{inventory.origin}-w")
+        self._reader_conn = redis_client(config, name=f"kvrc-{inventory.origin}-r")
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self._epoch: object = None  # the epoch key's value as this replica last saw it
+        self._reset_reader = False  # a store loss: read the new log from its start
+        self._epoch_checks_after_failure = 0  # reset by every failure (see _fail)
+        self._failures: dict[str, str] = {"start": "the shared store has not been reached yet"}
+        self._m_out = metrics.store_ops.labels(direction="out")
+        self._m_in = metrics.store_ops.labels(direction="in")
+        inventory.on_record = self._wake.set
+        self._set_up_gauge()
+
+    # --- health ---------------------------------------------------------------------
+
+    def unavailable_reason(self) -> str | None:
+        """None while Redis answers and this replica follows the log; else why not."""
+        if not self._failures:
+            return None
+        detail = "; ".join(sorted(set(self._failures.values())))
+        return f"the shared store {self._config.url} is unavailable ({detail})"
+
+    def _ok(self, part: str) -> None:
+        if self._failures.pop(part, None) is not None:
+            if part != "start":
+                log.info("shared store %s: %s works again", self._config.url, part)
+            self._set_up_gauge()
+
+    def _fail(self, part: str, why: str) -> None:
+        if part not in self._failures:
+            log.warning("shared store %s: %s failed: %s", self._config.url, part, why)
+        self._failures[part] = why
+        # Up again only after an epoch check that started after this failure: an empty
+        # restarted Redis must be seen as a store loss before any grant (a check that
+        # was in flight through the outage may have read the old epoch).
+        self._failures.setdefault("epoch check", "not checked since the store failed")
+        self._epoch_checks_after_failure = 0
+        self._set_up_gauge()
+
+    def _set_up_gauge(self) -> None:
+        self._metrics.store_up.set(0 if self._failures else 1)
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts following the log; an unreachable Redis is retried, failing closed."""
+        await self._check_epoch()
+        loop = asyncio.get_running_loop()
+        for coro in (self._writer(), self._reader(), self._health()):
+            task = loop.create_task(coro)
+            task.add_done_callback(_log_failure)
+            self._tasks.append(task)
+        self._inventory.heartbeat()  # other replicas hear of this one at once
+
+    async def close(self, flush_timeout_s: float = 1.0) -> None:
+        """Flushes what is queued (departures, mostly), then stops."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(flush_timeout_s):
+                while self._inventory.outbox and "append" not in self._failures:
+                    self._wake.set()
+                    await asyncio.sleep(0.01)
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for conn in (self._writer_conn, self._reader_conn):
+            with contextlib.suppress(RedisError, OSError):
+                await conn.aclose()
+
+    # --- the epoch: an empty, restarted Redis is a store loss ------------------------------
+
+    async def _check_epoch(self) -> None:
+        generation = self._epoch_checks_after_failure = self._epoch_checks_after_failure + 1
+        try:
+            epoch = await self._writer_conn.get(EPOCH_KEY)
+            if epoch is None:
+                await self._writer_conn.set(EPOCH_KEY, secrets.token_hex(16), nx=True)
+                epoch = await self._writer_conn.get(EPOCH_KEY)
+        except (RedisError, OSError) as e:
+            self._fail("epoch check", _why(e))
+            return
+        if self._epoch is not None and epoch != self._epoch:
+            self._store_lost()
+        self._epoch = epoch
+        if generation == self._epoch_checks_after_failure:  # no failure while it ran
+            self._ok("epoch check")
+            self._ok("start")
+
+    def _store_lost(self) -> None:
+        log.warning(
+            "shared store %s came back empty (its epoch changed): rebuilding the shared view "
+            "from the replicas' re-announcements",
+            self._config.url,
+        )
+        self._metrics.store_losses.inc()
+        self._reset_reader = True
+        self._inventory.reannounce()
+        try:
+            self._on_store_lost()  # the holders re-announce their blocks (full dumps)
+        except Exception:  # the rebuild must go on without it
+            log.exception("full dumps after the store loss not requested")
+        self._failures["rebuild"] = "it came back empty; the view is being rebuilt"
+        self._set_up_gauge()
+        self._wake.set()
+
+    # --- tasks ---------------------------------------------------------------------------
+
+    async def _health(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(HEARTBEAT_MS / 1000)
+            await self._check_epoch()
+            self._inventory.heartbeat()
+            dropped = self._inventory.expire_silent_origins(
+                self._clock.monotonic_ms(), self._origin_timeout_ms
+            )
+            if dropped:
+                log.info("%d child engine(s) of silent replicas left the view", dropped)
+                self._on_applied()
+
+    async def _writer(self) -> None:
+        attempt = 0
+        inventory = self._inventory
+        while not self._closing:
+            if not inventory.outbox and not inventory.outbox_overflowed:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if inventory.outbox_overflowed:
+                inventory.reannounce()
+            count = min(len(inventory.outbox), OPS_PER_ENTRY)
+            ops = [inventory.outbox[i] for i in range(count)]
+            generation = inventory.generation
+            try:
+                await self._writer_conn.xadd(
+                    STREAM_KEY,
+                    {"o": inventory.origin, "d": pack_ops(ops)},
+                    maxlen=self._maxlen,
+                    approximate=True,
+                )
+            except (RedisError, OSError) as e:
+                self._fail("append", _why(e))
+                await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
+                attempt += 1
+                continue
+            attempt = 0
+            self._ok("append")
+            if inventory.generation != generation:
+                continue  # the outbox was replaced meanwhile (a reset): these ops are not in it
+            for _ in range(count):
+                inventory.outbox.popleft()
+            self._m_out.inc(count)
+            if "rebuild" in self._failures and not inventory.outbox:
+                self._ok("rebuild")  # the reset and re-announcement are in the new log
+
+    async def _reader(self) -> None:
+        last_id = "0-0"  # a new replica reads the retained log from its start
+        attempt = 0
+        origin = self._inventory.origin.encode()
+        while not self._closing:
+            if self._reset_reader:
+                self._reset_reader = False
+                last_id = "0-0"
+                if self._inventory.drop_all_remote():
+                    self._on_applied()
+            try:
+                reply: Any = await self._reader_conn.xread(
+                    {STREAM_KEY: last_id}, count=READ_COUNT, block=READ_BLOCK_MS
+                )
+            except (RedisError, OSError) as e:
+                self._fail("read", _why(e))
+                await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
+                attempt += 1
+                continue
+            attempt = 0
+            self._ok("read")
+            if self._reset_reader:
+                continue  # read from a log that is gone: start again from the new one
+            applied = 0
+            now = self._clock.monotonic_ms()
+            for _stream, entries in reply or ():
+                for entry_id, fields in entries:
+                    last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    source = fields.get(b"o", b"")
+                    if source == origin:
+                        continue
+                    try:
+                        ops = unpack_ops(fields[b"d"])
+                    except (KeyError, ValueError, TypeError) as e:
+                        log.warning("log entry %s skipped: %s", last_id, e)
+                        continue
+                    applied += self._inventory.apply_remote(source.decode(), ops, now)
+            if applied:
+                self._m_in.inc(applied)
+                self._on_applied()
+
+
+def _why(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text.splitlines()[0][:200]
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("shared store task failed", exc_info=task.exception())
+
+
+__all__ = ["EPOCH_KEY", "HASH_TAG", "STREAM_KEY", "RedisStore", "redis_client"]

@@ -1,0 +1,385 @@
+"""The inventory one replica shares with the others: recorded ops, applied in log order.
+
+Each replica keeps the whole index in process, so a lookup never leaves it. What
+changes the index of a child engine whose session this replica holds (a *local*
+engine) is recorded as an op; the store (coordinator/runtime/redis_store.py)
+appends the ops, in order, to one log that every replica reads in order and
+applies to the engines of other replicas (*remote* engines). No Redis here: this
+module is the codec and the two sides of the index, tested on plain data.
+
+Decisions:
+
+- The ops are the inventory core's own mutations, taken after the core accepted
+  them (a refused call raises before anything is recorded): `InventoryFlow`
+  orders each stream (I7-ordered-streams, `EventStreams.accept`) and its
+  decisions reach the log in that order. One engine has one owning replica at a
+  time, so one origin writes its ops, and log order is their order.
+- A local engine wins: ops of another origin for a child engine registered here
+  are ignored (the session is here, so this replica's view of it is first hand).
+  An engine that moves (its replica died, it reconnected here) replaces the
+  remote copy when it registers.
+- Expiry instants are monotonic, and monotonic clocks differ between hosts: the
+  log carries the time left, and the reader adds it to its own clock.
+- Remote engines of an origin that falls silent (no heartbeat op for
+  `origin_timeout_ms` on the reader's monotonic clock) are dropped: the
+  inventory is advisory (I4-advisory), a forgotten block is a miss, never a
+  wrong grant (a grant needs the holder's session, which the registry checks).
+- An origin that starts again, or that lost ops while the store was down, sends
+  a reset first, then re-announces its engines.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+
+from coordinator.core.errors import KvrcError
+from coordinator.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    InventoryEvent,
+    RankKey,
+    Tier,
+)
+from coordinator.core.inventory import ApplyResult, Inventory
+from kvrc.vocabulary import PublishMode
+
+log = logging.getLogger("kvrc.replication")
+
+# Op tags (one byte each on the log): engine added, visibility, events applied,
+# dump begins, dump ends, stream cleared, stream stale, engine removed, origin
+# reset, origin heartbeat.
+OP_ENGINE = "E"
+OP_VISIBLE = "V"
+OP_APPLY = "A"
+OP_DUMP_BEGIN = "B"
+OP_DUMP_END = "D"
+OP_CLEAR = "C"
+OP_STALE = "S"
+OP_REMOVE = "X"
+OP_RESET = "R"
+OP_HEARTBEAT = "H"
+
+Op = list[Any]
+
+# A store that cannot append keeps this many ops; past it the remote view is rebuilt
+# from a reset and re-announcement when the store returns (the outbox stays bounded).
+DEFAULT_OUTBOX_LIMIT = 1_000_000
+
+
+def _rank(value: Any) -> RankKey | None:
+    if value is None:
+        return None
+    tp, pp, pcp = value
+    return (int(tp), int(pp), int(pcp))
+
+
+def encode_events(events: Sequence[InventoryEvent], now_ms: int) -> list[list[Any]]:
+    """Events as msgpack-ready lists; an expiry becomes the time left (>= 1 ms)."""
+    out: list[list[Any]] = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            left = max(ev.expiry_ms - now_ms, 1) if ev.expiry_ms else 0
+            out.append(
+                [
+                    "s",
+                    list(ev.block_hashes),
+                    ev.parent_block_hash,
+                    ev.num_tokens,
+                    int(ev.tier),
+                    ev.group_idx,
+                    left,
+                ]
+            )
+        elif isinstance(ev, BlockRemoved):
+            out.append(["r", list(ev.block_hashes), int(ev.tier), ev.group_idx])
+        else:
+            out.append(["c"])
+    return out
+
+
+def decode_events(raw: Sequence[Any], now_ms: int) -> tuple[InventoryEvent, ...]:
+    """The reader's side of `encode_events`: the time left is added to its own clock."""
+    out: list[InventoryEvent] = []
+    for item in raw:
+        tag = item[0]
+        if tag == "s":
+            _, hashes, parent, num_tokens, tier, group, left = item
+            out.append(
+                BlockStored(
+                    tuple(bytes(h) for h in hashes),
+                    None if parent is None else bytes(parent),
+                    int(num_tokens),
+                    Tier(tier),
+                    int(group),
+                    now_ms + int(left) if left else 0,
+                )
+            )
+        elif tag == "r":
+            _, hashes, tier, group = item
+            out.append(BlockRemoved(tuple(bytes(h) for h in hashes), Tier(tier), int(group)))
+        elif tag == "c":
+            out.append(AllBlocksCleared())
+        else:
+            raise ValueError(f"unknown event tag {tag!r}")
+    return tuple(out)
+
+
+def pack_ops(ops: Sequence[Op]) -> bytes:
+    return msgpack.packb(ops, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack_ops(data: bytes) -> list[Op]:
+    ops = msgpack.unpackb(data, raw=False, use_list=True)
+    if not isinstance(ops, list):
+        raise ValueError("a log entry must hold a list of ops")
+    return ops
+
+
+class ReplicatedInventory(Inventory):
+    """The core's `Inventory`, whose local changes are recorded for the log.
+
+    `InventoryFlow` and `Grants` use it exactly as the plain one (a subclass, so
+    the core stays the only place that decides); the store drains `outbox` and
+    feeds other replicas' ops to `apply_remote`.
+    """
+
+    def __init__(
+        self,
+        origin: str,
+        *,
+        max_entries_total: int,
+        max_entries_per_engine: int,
+        outbox_limit: int = DEFAULT_OUTBOX_LIMIT,
+    ) -> None:
+        super().__init__(
+            max_entries_total=max_entries_total, max_entries_per_engine=max_entries_per_engine
+        )
+        self.origin = origin
+        self.outbox: deque[Op] = deque()
+        self.outbox_limit = outbox_limit
+        self.outbox_overflowed = False  # ops were lost: reset and re-announce next
+        self.generation = 0  # bumped whenever the outbox is replaced (the writer checks it)
+        self.on_record: Callable[[], None] = lambda: None  # wakes the store's writer
+        self._remote: dict[str, str] = {}  # child engine -> origin replica
+        self._origin_seen: dict[str, int] = {}  # origin -> reader's monotonic ms
+        # What was announced of each local engine: (compat, mode, ranks), visible.
+        self._local: dict[str, tuple[Op, bool]] = {}
+
+    # --- local changes (recorded after the core accepted them) -----------------------
+
+    def _record(self, op: Op) -> None:
+        if len(self.outbox) >= self.outbox_limit:
+            self.outbox.clear()
+            self.outbox_overflowed = True
+            self.generation += 1
+        if not self.outbox_overflowed:
+            self.outbox.append(op)
+        self.on_record()
+
+    def add_engine(
+        self,
+        child_engine_id: str,
+        compatibility_hash: str,
+        *,
+        publish_mode: PublishMode = PublishMode.PER_CHILD_ENGINE,
+        rank_keys: Sequence[RankKey] = (),
+    ) -> None:
+        if child_engine_id in self._remote:  # it moved here: the session is first hand
+            self._drop_remote(child_engine_id)
+        super().add_engine(
+            child_engine_id, compatibility_hash, publish_mode=publish_mode, rank_keys=rank_keys
+        )
+        op: Op = [
+            OP_ENGINE,
+            child_engine_id,
+            compatibility_hash,
+            int(publish_mode),
+            [list(k) for k in rank_keys],
+        ]
+        self._local[child_engine_id] = (op, False)
+        self._record(op)
+
+    def remove_engine(self, child_engine_id: str) -> int:
+        dropped = super().remove_engine(child_engine_id)
+        if self._local.pop(child_engine_id, None) is not None:
+            self._record([OP_REMOVE, child_engine_id])
+        return dropped
+
+    def set_ready(self, child_engine_id: str, ready: bool) -> None:
+        super().set_ready(child_engine_id, ready)
+        known = self._local.get(child_engine_id)
+        if known is not None and known[1] != ready:  # InventoryFlow refreshes often
+            self._local[child_engine_id] = (known[0], ready)
+            self._record([OP_VISIBLE, child_engine_id, ready])
+
+    def apply(
+        self,
+        child_engine_id: str,
+        events: Sequence[InventoryEvent],
+        *,
+        rank_key: RankKey | None = None,
+        now_ms: int = 0,
+    ) -> ApplyResult:
+        result = super().apply(child_engine_id, events, rank_key=rank_key, now_ms=now_ms)
+        if child_engine_id in self._local:
+            self._record(
+                [
+                    OP_APPLY,
+                    child_engine_id,
+                    None if rank_key is None else list(rank_key),
+                    encode_events(events, now_ms),
+                ]
+            )
+        return result
+
+    def _stream_op(self, tag: str, child_engine_id: str, rank_key: RankKey | None) -> None:
+        if child_engine_id in self._local:
+            self._record([tag, child_engine_id, None if rank_key is None else list(rank_key)])
+
+    def mark_stale(self, child_engine_id: str, rank_key: RankKey | None = None) -> None:
+        super().mark_stale(child_engine_id, rank_key)
+        self._stream_op(OP_STALE, child_engine_id, rank_key)
+
+    def begin_dump(self, child_engine_id: str, rank_key: RankKey | None = None) -> None:
+        super().begin_dump(child_engine_id, rank_key)
+        self._stream_op(OP_DUMP_BEGIN, child_engine_id, rank_key)
+
+    def end_dump(self, child_engine_id: str, rank_key: RankKey | None = None) -> None:
+        super().end_dump(child_engine_id, rank_key)
+        self._stream_op(OP_DUMP_END, child_engine_id, rank_key)
+
+    def clear_stream(self, child_engine_id: str, rank_key: RankKey | None = None) -> int:
+        dropped = super().clear_stream(child_engine_id, rank_key)
+        self._stream_op(OP_CLEAR, child_engine_id, rank_key)
+        return dropped
+
+    # --- what the store sends on its own behalf ------------------------------------
+
+    def heartbeat(self) -> None:
+        self._record([OP_HEARTBEAT])
+
+    def reannounce(self) -> None:
+        """After lost ops (or a new, empty store): reset this origin, announce its engines.
+
+        The engines' entries come back with their next events; a block whose store
+        event was lost is a miss on the other replicas meanwhile (I4-advisory).
+        """
+        self.outbox.clear()
+        self.outbox_overflowed = False
+        self.generation += 1
+        self._record([OP_RESET])
+        for child_engine_id, (op, visible) in self._local.items():
+            self._record(list(op))
+            if visible:
+                self._record([OP_VISIBLE, child_engine_id, True])
+
+    # --- the other replicas' ops --------------------------------------------------------
+
+    def remote_engines(self) -> dict[str, str]:
+        return dict(self._remote)
+
+    def apply_remote(self, origin: str, ops: Sequence[Op], now_ms: int) -> int:
+        """Applies one log entry of another origin; returns the ops applied.
+
+        A malformed op or one the core refuses is logged and skipped: the log is
+        written only by replicas, so this is a bug or a version skew, and one bad op
+        must not stop a replica from following the others.
+        """
+        if origin == self.origin:
+            return 0
+        self._origin_seen[origin] = now_ms
+        applied = 0
+        for op in ops:
+            try:
+                if self._apply_one(origin, op, now_ms):
+                    applied += 1
+            except (KvrcError, ValueError, TypeError, IndexError, KeyError) as e:
+                log.warning("replicated op %r of %s skipped: %s", op[:2], origin, e)
+        return applied
+
+    def _apply_one(self, origin: str, op: Op, now_ms: int) -> bool:
+        tag = op[0]
+        if tag == OP_HEARTBEAT:
+            return True
+        if tag == OP_RESET:
+            for cid in [c for c, o in self._remote.items() if o == origin]:
+                self._drop_remote(cid)
+            return True
+        cid = str(op[1])
+        if cid in self._local:
+            return False  # a local engine wins (module doc)
+        if tag == OP_ENGINE:
+            _, _, compat, mode, ranks = op
+            if self._remote.get(cid) == origin:
+                return False  # a re-announcement of what is already here
+            if cid in self._remote:
+                self._drop_remote(cid)  # it moved to another replica
+            Inventory.add_engine(
+                self,
+                cid,
+                str(compat),
+                publish_mode=PublishMode(mode),
+                rank_keys=[k for k in (_rank(r) for r in ranks) if k is not None],
+            )
+            self._remote[cid] = origin
+            return True
+        if self._remote.get(cid) != origin:
+            return False  # an engine this replica does not know from that origin
+        if tag == OP_VISIBLE:
+            Inventory.set_ready(self, cid, bool(op[2]))
+        elif tag == OP_APPLY:
+            Inventory.apply(
+                self, cid, decode_events(op[3], now_ms), rank_key=_rank(op[2]), now_ms=now_ms
+            )
+        elif tag == OP_DUMP_BEGIN:
+            Inventory.begin_dump(self, cid, _rank(op[2]))
+        elif tag == OP_DUMP_END:
+            Inventory.end_dump(self, cid, _rank(op[2]))
+        elif tag == OP_CLEAR:
+            Inventory.clear_stream(self, cid, _rank(op[2]))
+        elif tag == OP_STALE:
+            Inventory.mark_stale(self, cid, _rank(op[2]))
+        elif tag == OP_REMOVE:
+            self._drop_remote(cid)
+        else:
+            raise ValueError(f"unknown op tag {tag!r}")
+        return True
+
+    def expire_silent_origins(self, now_ms: int, timeout_ms: int) -> int:
+        """Drops the engines of origins not heard from within `timeout_ms`. Returns them."""
+        silent = {o for o, seen in self._origin_seen.items() if now_ms - seen > timeout_ms}
+        dropped = 0
+        for cid in [c for c, o in self._remote.items() if o in silent]:
+            self._drop_remote(cid)
+            dropped += 1
+        for origin in silent:
+            del self._origin_seen[origin]
+        return dropped
+
+    def drop_all_remote(self) -> int:
+        """The log is gone or broken (a store loss): forget every other replica's engines."""
+        count = len(self._remote)
+        for cid in list(self._remote):
+            self._drop_remote(cid)
+        self._origin_seen.clear()
+        return count
+
+    def _drop_remote(self, child_engine_id: str) -> None:
+        del self._remote[child_engine_id]
+        if self.has_engine(child_engine_id):
+            Inventory.remove_engine(self, child_engine_id)
+
+
+__all__ = [
+    "ReplicatedInventory",
+    "decode_events",
+    "encode_events",
+    "pack_ops",
+    "unpack_ops",
+]

@@ -1,0 +1,447 @@
+"""kvrc replicas over a real Redis (issue 23): `--store redis://` and `rediss://`.
+
+Real `kvrc serve` processes and a real `redis-server` (tests/support/redis_env.py,
+started per test on a free port, no persistence); engines are real
+`EngineSession`s publishing with `InventoryPublisher`, lookups go through
+`LookupClient`. A machine without redis-server fails these tests (CI installs it).
+
+What is proved here: an inventory event ingested on one replica is visible to
+lookups on another (and the memory store, the negative control, shares nothing);
+departures replicate; kill -9 of Redis fails closed (no new grants, UNAVAILABLE
+with the reason, `kvrc status` and `kvrc_store_up` say so) and an empty restarted
+Redis is detected by its epoch and rebuilt from re-announcements; TLS with a
+password works; bad `--store` flags are one-line configuration errors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from harness import (
+    PYTHON,
+    REPO,
+    CoordinatorProcess,
+    get_status,
+    metric_value,
+    start_coordinator,
+    wait_until,
+)
+from redis_env import RedisServer, RedisTls, start_redis
+
+from clients.errors import UnavailableError
+from clients.inventory import (
+    InventoryPublisher,
+    LookupClient,
+    LookupResult,
+    PublishingHandler,
+    StoredBlocks,
+)
+from clients.leases import (
+    LeaseClient,
+    LeaseSessionHandler,
+    PinAnswer,
+    PinRequestInfo,
+    PrefixLoadGrant,
+)
+from clients.refengine.demo import child_process_env
+from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
+from kvrc.v1 import kvrc_pb2 as pb
+
+PROFILES = '[[profile]]\nname = "test"\nmodel = "test-model"\n'
+CHAIN = tuple(bytes([0xB0, i]) * 4 for i in range(16))
+
+
+@pytest.fixture(scope="module")
+def profiles_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("profiles") / "profiles.toml"
+    path.write_text(PROFILES)
+    return path
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    with start_redis() as server:
+        yield server
+
+
+def replica_flags(profiles: Path, store: str, *extra: str) -> tuple[str, ...]:
+    return ("--reuse", "on", "--profiles", str(profiles), "--store", store, *extra)
+
+
+class Engines:
+    def __init__(self) -> None:
+        self.sessions: list[EngineSession] = []
+
+    async def open(
+        self, target: str, engine_id: str, retained: list[StoredBlocks] | None = None
+    ) -> InventoryPublisher:
+        registration = RankPartRegistration(
+            engine_id=engine_id,
+            profile=EngineProfile(
+                model="test-model", block_size=16, kv_dtype="bfloat16", reuse_opt_in=True
+            ),
+        )
+        session = EngineSession(target, registration, reconnect=False)
+        # Its dump (a resync) resends `retained`, what the test says it still keeps.
+        kept = retained if retained is not None else []
+        publisher = InventoryPublisher(session, dump=lambda: list(kept))
+        # A holder that pins whatever it is asked for (its bytes never move here).
+        handler = LeaseSessionHandler(
+            pin=_pin_all, inner=PublishingHandler(publisher, NullHandler())
+        )
+        session.handler = handler
+        handler.attach(session)
+        await session.start()
+        self.sessions.append(session)
+        await session.wait_ready(10)
+        return publisher
+
+
+def _pin_all(info: PinRequestInfo) -> PinAnswer:
+    return PinAnswer(
+        len(info.block_hashes),
+        pb.RankPartDescriptor(
+            rank=pb.RankCoordinates(tp_rank=0, pp_rank=0, pcp_rank=0),
+            endpoint=pb.TransferEndpoint(backend="mooncake", session_name="127.0.0.1:15000"),
+            block_ids=list(range(len(info.block_hashes))),
+        ),
+    )
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Engines]:
+    opened = Engines()
+    yield opened
+    for session in opened.sessions:
+        await session.close()
+
+
+async def lookup(target: str, requester: str) -> LookupResult:
+    async with LookupClient(target) as client:
+        return await client.lookup(requester, CHAIN, max_candidates=64)
+
+
+async def matched(target: str, requester: str, holder: str) -> int:
+    result = await lookup(target, requester)
+    return max(
+        (c.matched_blocks for c in result.candidates if c.child_engine_id == holder), default=0
+    )
+
+
+async def eventually_matched(target: str, requester: str, holder: str, blocks: int) -> None:
+    last: list[int] = []
+
+    async def check() -> bool:
+        last[:] = [await matched(target, requester, holder)]
+        return last[0] == blocks
+
+    try:
+        await wait_until(check, 10)
+    except TimeoutError:
+        raise AssertionError(
+            f"{requester}@{target} never saw {holder} with {blocks} blocks (last {last})"
+        ) from None
+
+
+# --- replication -----------------------------------------------------------------------------
+
+
+async def test_inventory_ingested_on_one_replica_is_visible_on_the_others(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    flags = replica_flags(profiles_file, redis_server.url)
+    with (
+        start_coordinator(*flags) as a,
+        start_coordinator(*flags) as b,
+        start_coordinator(*flags) as c,
+    ):
+        holder = await engines.open(a.grpc_target, "holder-a")
+        await engines.open(b.grpc_target, "req-b")
+        await engines.open(c.grpc_target, "req-c")
+        await holder.stored(CHAIN[:8])
+        await eventually_matched(b.grpc_target, "req-b", "holder-a", 8)
+        await eventually_matched(c.grpc_target, "req-c", "holder-a", 8)
+        # Removals replicate in order after the stores (I7-ordered-streams).
+        await holder.removed(CHAIN[4:8])
+        await holder.stored(CHAIN[4:6])
+        await eventually_matched(b.grpc_target, "req-b", "holder-a", 6)
+        status_b = await get_status(b.grpc_target)
+        assert status_b.store == redis_server.url
+        assert status_b.store_unavailable_reason == ""
+        assert status_b.remote_child_engines == 2  # holder-a and req-c
+        assert metric_value(b, "kvrc_store_up") == 1
+        assert metric_value(b, "kvrc_store_ops_total", direction="in") > 0
+        assert metric_value(a, "kvrc_store_ops_total", direction="out") > 0
+        # The holder's own replica still answers from its own, first-hand view.
+        assert await matched(a.grpc_target, "holder-a", "holder-a") == 0  # self excluded
+        # A departure replicates: the engine leaves every replica's view.
+        await engines.sessions[0].close()
+        await eventually_matched(b.grpc_target, "req-b", "holder-a", 0)
+        await eventually_matched(c.grpc_target, "req-c", "holder-a", 0)
+
+
+async def test_the_memory_store_shares_nothing(profiles_file: Path, engines: Engines) -> None:
+    """Negative control: without the shared store, replica B never sees A's engines."""
+    flags = replica_flags(profiles_file, "memory")
+    with start_coordinator(*flags) as a, start_coordinator(*flags) as b:
+        holder = await engines.open(a.grpc_target, "holder-mem")
+        await engines.open(a.grpc_target, "req-mem-a")
+        await engines.open(b.grpc_target, "req-mem-b")
+        await holder.stored(CHAIN[:8])
+        await eventually_matched(a.grpc_target, "req-mem-a", "holder-mem", 8)
+        assert await matched(b.grpc_target, "req-mem-b", "holder-mem") == 0
+        status = await get_status(b.grpc_target)
+        assert status.store == "memory" and status.remote_child_engines == 0
+
+
+async def test_a_replica_that_starts_later_catches_up_from_the_log(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    flags = replica_flags(profiles_file, redis_server.url)
+    with start_coordinator(*flags) as a:
+        holder = await engines.open(a.grpc_target, "holder-early")
+        await holder.stored(CHAIN[:5])
+        with start_coordinator(*flags) as late:
+            await engines.open(late.grpc_target, "req-late")
+            await eventually_matched(late.grpc_target, "req-late", "holder-early", 5)
+
+
+async def test_kill_9_of_a_replica_its_engines_move_and_the_rest_leave_the_view(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    flags = replica_flags(profiles_file, redis_server.url)
+    with (
+        start_coordinator(*flags, check_exit=False) as a,
+        start_coordinator(*flags) as b,
+        start_coordinator(*flags) as c,
+    ):
+        retained = [StoredBlocks(CHAIN[:8])]
+        mover = await engines.open(a.grpc_target, "mover", retained)
+        stays_gone = await engines.open(a.grpc_target, "gone-with-a")
+        await engines.open(c.grpc_target, "req-c")
+        await mover.stored(CHAIN[:8])
+        await stays_gone.stored(CHAIN[:4])
+        await eventually_matched(c.grpc_target, "req-c", "mover", 8)
+        await eventually_matched(c.grpc_target, "req-c", "gone-with-a", 4)
+        a.stop(signal.SIGKILL)
+        # The engine reconnects to another replica and re-announces (its full dump; a
+        # new session object here, so the test sends the dump a reconnect would send).
+        moved = await engines.open(b.grpc_target, "mover", retained)
+        await moved.send_dump()
+        await eventually_matched(c.grpc_target, "req-c", "mover", 8)
+        status_c = await get_status(c.grpc_target)
+        assert status_c.store_unavailable_reason == ""
+        # The dead replica's other engine leaves the view once that replica falls silent
+        # (its heartbeats stop; the timeout runs on c's own monotonic clock).
+        await eventually_matched(c.grpc_target, "req-c", "gone-with-a", 0)
+        assert await matched(c.grpc_target, "req-c", "mover") == 8
+
+
+# --- Redis lost: fail closed, then recover ---------------------------------------------------
+
+
+async def _store_down(kvrc: CoordinatorProcess) -> bool:
+    status = await get_status(kvrc.grpc_target)
+    return bool(status.store_unavailable_reason) and metric_value(kvrc, "kvrc_store_up") == 0
+
+
+async def _store_up(kvrc: CoordinatorProcess) -> bool:
+    status = await get_status(kvrc.grpc_target)
+    return not status.store_unavailable_reason and metric_value(kvrc, "kvrc_store_up") == 1
+
+
+async def test_redis_killed_fails_closed_and_an_empty_restart_is_rebuilt(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    flags = replica_flags(profiles_file, redis_server.url)
+    with start_coordinator(*flags) as a, start_coordinator(*flags) as b:
+        retained = [StoredBlocks(CHAIN[:8])]
+        holder = await engines.open(a.grpc_target, "holder-k", retained)
+        await engines.open(a.grpc_target, "req-k")
+        await engines.open(b.grpc_target, "req-kb")
+        await holder.stored(CHAIN[:8])
+        await eventually_matched(b.grpc_target, "req-kb", "holder-k", 8)
+        async with LeaseClient(a.grpc_target, "req-k") as leases:
+            # Control: with the store up the same request is granted (then the pins end).
+            grant = await leases.request_prefix_load("before", CHAIN[:8])
+            assert isinstance(grant, PrefixLoadGrant), grant
+
+            redis_server.kill()
+            await wait_until(lambda: _store_down(a), 10)
+            await wait_until(lambda: _store_down(b), 10)
+            with pytest.raises(UnavailableError) as refused:
+                await leases.request_prefix_load("during", CHAIN[:8])
+            assert "shared store" in str(refused.value) and redis_server.url in str(refused.value)
+            # Nothing granted before is touched: the first lease is still open.
+            status_a = await get_status(a.grpc_target)
+            assert grant.lease_id in {x.lease_id for x in status_a.leases}
+            assert "UNAVAILABLE" in _status_text(a)
+            # Lookups stay local and keep answering (hints, I4-advisory).
+            assert await matched(b.grpc_target, "req-kb", "holder-k") == 8
+
+            redis_server.restart()  # empty: no AOF
+            await wait_until(lambda: _store_up(a), 15)
+            await wait_until(lambda: _store_up(b), 15)
+            assert metric_value(a, "kvrc_store_losses_total") >= 1
+            assert metric_value(b, "kvrc_store_losses_total") >= 1, b.stderr_text()[-3000:]
+            # Rebuilt from the holder's re-announcement (its full dump), then new events flow.
+            await eventually_matched(b.grpc_target, "req-kb", "holder-k", 8)
+            await holder.stored(CHAIN[8:12])
+            await eventually_matched(b.grpc_target, "req-kb", "holder-k", 12)
+            again = await leases.request_prefix_load("after", CHAIN[:8])
+            assert isinstance(again, PrefixLoadGrant), again
+
+
+def _status_text(kvrc: CoordinatorProcess) -> str:
+    done = subprocess.run(
+        [PYTHON, "-m", "coordinator", "status", "--target", kvrc.grpc_target],
+        cwd=REPO,
+        env=child_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+# --- TLS and a password ----------------------------------------------------------------------
+
+
+def _pki(directory: Path) -> RedisTls:
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def pem(path: Path, data: bytes) -> Path:
+        path.write_bytes(data)
+        return path
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("redis-test-ca"))
+        .issuer_name(name("redis-test-ca"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name("redis.test"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
+    )
+    return RedisTls(
+        cert=pem(directory / "redis.crt", cert.public_bytes(serialization.Encoding.PEM)),
+        key=pem(directory / "redis.key", key_pem),
+        ca=pem(directory / "ca.crt", ca.public_bytes(serialization.Encoding.PEM)),
+    )
+
+
+async def test_rediss_with_a_password_replicates_and_a_wrong_password_fails_closed(
+    tmp_path: Path, profiles_file: Path, engines: Engines
+) -> None:
+    tls = _pki(tmp_path)
+    secret = tmp_path / "password"
+    secret.write_text("s3cret-for-redis\n")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-it\n")
+    with start_redis(password="s3cret-for-redis", tls=tls) as server:
+        assert server.url.startswith("rediss://")
+        flags = replica_flags(
+            profiles_file,
+            server.url,
+            "--store-password-file",
+            str(secret),
+            "--store-tls-ca",
+            str(tls.ca),
+        )
+        with start_coordinator(*flags) as a, start_coordinator(*flags) as b:
+            holder = await engines.open(a.grpc_target, "holder-tls")
+            await engines.open(b.grpc_target, "req-tls")
+            await holder.stored(CHAIN[:3])
+            await eventually_matched(b.grpc_target, "req-tls", "holder-tls", 3)
+            assert "s3cret" not in a.stderr_text()
+        bad = replica_flags(
+            profiles_file,
+            server.url,
+            "--store-password-file",
+            str(wrong),
+            "--store-tls-ca",
+            str(tls.ca),
+        )
+        with start_coordinator(*bad) as refused:
+            await wait_until(lambda: _store_down(refused), 10)
+            status = await get_status(refused.grpc_target)
+            assert "not-it" not in status.store_unavailable_reason
+            assert "not-it" not in refused.stderr_text()
+
+
+# --- configuration errors --------------------------------------------------------------------
+
+
+def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PYTHON, "-m", "coordinator", "serve", "--listen", "127.0.0.1:0", *args],
+        cwd=REPO,
+        env=env if env is not None else child_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--store", "mysql://db:1/0"), "expected memory, redis://"),
+        (("--store", "redis://:hunter2@127.0.0.1:6379/0"), "visible in the process list"),
+        (("--store", "redis://127.0.0.1:6379/zero"), "must be a number"),
+        (("--store", "redis://127.0.0.1:99999/0"), "must be 1..65535"),
+        (("--store", "redis:///0"), "names no host"),
+        (("--store", "redis://127.0.0.1:6379/0?ssl=1"), "takes no query"),
+        (("--store", "redis://127.0.0.1/0", "--store-tls-ca", "/etc/hostname"), "rediss://"),
+        (
+            ("--store", "redis://127.0.0.1/0", "--store-password-file", "/nonexistent"),
+            "cannot read",
+        ),
+        (("--store-password-file", "/etc/hostname"), "needs a redis:// or rediss:// store"),
+    ],
+)
+def test_bad_store_flags_are_one_line_configuration_errors(
+    args: tuple[str, ...], message: str
+) -> None:
+    done = _serve(*args)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvrc: error: "), done.stderr
+    assert message in lines[0], lines[0]
+    assert "hunter2" not in done.stderr

@@ -1,0 +1,273 @@
+"""The replicated inventory on plain data (coordinator/runtime/replication.py), no Redis.
+
+Two `ReplicatedInventory`s stand for two replicas; what one records goes through
+the log's codec (`pack_ops` / `unpack_ops`) to the other's `apply_remote`, as the
+Redis store carries it. The hypothesis test drives random local changes, ships
+the log in random slices, and checks that both replicas answer every lookup alike
+(I7-ordered-streams: log order is the origin's order; I4-advisory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from coordinator.core.errors import KvrcError
+from coordinator.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    InventoryEvent,
+    Tier,
+)
+from coordinator.core.inventory import Candidate, Scope
+from coordinator.runtime.replication import (
+    ReplicatedInventory,
+    decode_events,
+    encode_events,
+    pack_ops,
+    unpack_ops,
+)
+
+CHAIN = tuple(bytes([0xC0, i]) * 4 for i in range(12))
+COMPAT = "compat-1"
+
+
+def replica(origin: str, limit: int = 1_000_000) -> ReplicatedInventory:
+    return ReplicatedInventory(
+        origin, max_entries_total=10_000, max_entries_per_engine=1_000, outbox_limit=limit
+    )
+
+
+def ship(source: ReplicatedInventory, *targets: ReplicatedInventory, now_ms: int = 0) -> int:
+    """Drains the source's outbox through the codec into every target."""
+    ops = list(source.outbox)
+    source.outbox.clear()
+    data = pack_ops(ops)
+    for target in targets:
+        target.apply_remote(source.origin, unpack_ops(data), now_ms)
+    return len(ops)
+
+
+def view(
+    inv: ReplicatedInventory, now_ms: int, chain: Sequence[bytes] = CHAIN
+) -> list[tuple[str, int, Tier, int]]:
+    """A lookup as any third requester sees it; expiry as the time left (clocks differ)."""
+    answer = inv.lookup(Scope(COMPAT), chain, now_ms=now_ms, max_candidates=64)
+    return [_relative(c, now_ms) for c in answer.candidates]
+
+
+def _relative(c: Candidate, now_ms: int) -> tuple[str, int, Tier, int]:
+    left = c.expiry_ms - now_ms if c.expiry_ms else 0
+    return (c.child_engine_id, c.matched_blocks, c.tier, left)
+
+
+def ready_engine(inv: ReplicatedInventory, cid: str) -> None:
+    inv.add_engine(cid, COMPAT)
+    inv.set_ready(cid, True)
+
+
+def test_events_round_trip_with_expiry_as_time_left() -> None:
+    events: tuple[InventoryEvent, ...] = (
+        BlockStored(CHAIN[:3], None, 48, Tier.CPU, 1, expiry_ms=10_500),
+        BlockStored(CHAIN[3:4], CHAIN[2], 16),
+        BlockRemoved(CHAIN[1:2], Tier.GPU, 0),
+        AllBlocksCleared(),
+    )
+    raw = unpack_ops(pack_ops([encode_events(events, now_ms=10_000)]))[0]
+    back = decode_events(raw, now_ms=900_000)
+    assert back[0] == BlockStored(CHAIN[:3], None, 48, Tier.CPU, 1, expiry_ms=900_500)
+    assert back[1:] == events[1:]
+    # An instant already past still expires (1 ms left), it does not become "no expiry".
+    late = decode_events(encode_events((events[0],), now_ms=20_000), now_ms=5)
+    assert isinstance(late[0], BlockStored) and late[0].expiry_ms == 6
+
+
+def test_local_changes_reach_the_other_replica_and_departures_too() -> None:
+    a, b = replica("a"), replica("b")
+    ready_engine(a, "h1")
+    a.apply("h1", [BlockStored(CHAIN[:6], None, 96)], now_ms=0)
+    ship(a, b)
+    assert view(b, 0) == view(a, 0) == [("h1", 6, Tier.GPU, 0)]
+    assert b.remote_engines() == {"h1": "a"}
+    a.remove_engine("h1")
+    ship(a, b)
+    assert view(b, 0) == [] and not b.has_engine("h1")
+
+
+def test_own_ops_are_not_applied_twice_and_a_local_engine_wins() -> None:
+    a, b = replica("a"), replica("b")
+    ready_engine(a, "shared")
+    a.apply("shared", [BlockStored(CHAIN[:4], None, 64)], now_ms=0)
+    ready_engine(b, "shared")  # the same id registered on b: b's session is first hand
+    b.apply("shared", [BlockStored(CHAIN[:2], None, 32)], now_ms=0)
+    ops = list(a.outbox)
+    assert a.apply_remote("a", ops, 0) == 0  # its own entry, read back from the log
+    ship(a, b)
+    assert view(b, 0) == [("shared", 2, Tier.GPU, 0)]
+    assert b.remote_engines() == {}
+
+
+def test_an_engine_that_moves_replaces_the_remote_copy() -> None:
+    a, b = replica("a"), replica("b")
+    ready_engine(a, "mover")
+    a.apply("mover", [BlockStored(CHAIN[:5], None, 80)], now_ms=0)
+    ship(a, b)
+    ready_engine(b, "mover")  # a died; the engine reconnected to b with a fresh stream
+    assert b.remote_engines() == {} and view(b, 0) == []
+    b.apply("mover", [BlockStored(CHAIN[:3], None, 48)], now_ms=0)
+    assert view(b, 0) == [("mover", 3, Tier.GPU, 0)]
+    # A late op of the old owner changes nothing here.
+    a.apply("mover", [BlockStored(CHAIN[5:8], CHAIN[4], 48)], now_ms=0)
+    ship(a, b)
+    assert view(b, 0) == [("mover", 3, Tier.GPU, 0)]
+
+
+def test_reset_and_silent_origins_drop_that_origins_engines_only() -> None:
+    a, c, b = replica("a"), replica("c"), replica("b")
+    ready_engine(a, "ea")
+    ready_engine(c, "ec")
+    a.apply("ea", [BlockStored(CHAIN[:2], None, 32)], now_ms=0)
+    c.apply("ec", [BlockStored(CHAIN[:3], None, 48)], now_ms=0)
+    ship(a, b, now_ms=1_000)
+    ship(c, b, now_ms=1_000)
+    assert {x[0] for x in view(b, 0)} == {"ea", "ec"}
+    a.reannounce()  # a lost ops: reset, then its engines again (without their entries)
+    ship(a, b, now_ms=2_000)
+    assert b.remote_engines() == {"ea": "a", "ec": "c"}
+    assert b.engine_entries("ea") == 0 and b.engine_entries("ec") == 3
+    c.heartbeat()
+    ship(c, b, now_ms=9_000)
+    # a was last heard at 2 000, c at 9 000: only a's engines leave at 9 500 (timeout 5 000).
+    assert b.expire_silent_origins(9_500, 5_000) == 1
+    assert b.remote_engines() == {"ec": "c"}
+
+
+def test_a_bad_op_is_skipped_and_the_rest_of_the_entry_applies() -> None:
+    a, b = replica("a"), replica("b")
+    ready_engine(a, "ok")
+    a.apply("ok", [BlockStored(CHAIN[:2], None, 32)], now_ms=0)
+    ops: list[list[Any]] = [["?", "x"], ["A", "unknown", None, []], *a.outbox]
+    # The unknown tag is skipped, the op of an engine b never heard of changes nothing.
+    assert b.apply_remote("a", ops, 0) == len(ops) - 2
+    assert view(b, 0) == [("ok", 2, Tier.GPU, 0)]
+
+
+def test_refused_local_changes_are_not_recorded() -> None:
+    a = replica("a")
+    ready_engine(a, "e")
+    a.outbox.clear()
+    with pytest.raises(KvrcError):
+        a.apply("e", [BlockStored(CHAIN[:2], None, 32)], rank_key=(0, 0, 0), now_ms=0)
+    with pytest.raises(KvrcError):
+        a.add_engine("e", COMPAT)
+    assert list(a.outbox) == []
+
+
+def test_a_full_outbox_turns_into_a_reset_and_re_announcement() -> None:
+    a, b = replica("a", limit=4), replica("b")
+    ready_engine(a, "e")
+    for i in range(6):
+        a.apply("e", [BlockStored(CHAIN[i : i + 1], CHAIN[i - 1] if i else None, 16)], now_ms=0)
+    assert a.outbox_overflowed and len(a.outbox) < 4
+    generation = a.generation
+    a.reannounce()
+    assert a.generation > generation and not a.outbox_overflowed
+    assert [op[0] for op in a.outbox] == ["R", "E", "V"]
+    ship(a, b)
+    assert b.remote_engines() == {"e": "a"} and b.is_visible("e")
+
+
+# --- the model: both replicas answer alike -------------------------------------------------
+
+ENGINES = ("e0", "e1", "e2")
+_store = st.tuples(
+    st.just("store"),
+    st.sampled_from(ENGINES),
+    st.integers(0, 3),
+    st.integers(1, 6),
+    st.sampled_from([Tier.GPU, Tier.CPU]),
+    st.sampled_from([0, 0, 500, 5_000]),
+)
+_op = st.one_of(
+    _store,
+    _store,  # stores weigh more: most examples then end with candidates to compare
+    _store,
+    st.tuples(st.just("add"), st.sampled_from(ENGINES)),
+    st.tuples(st.just("ready"), st.sampled_from(ENGINES), st.booleans()),
+    st.tuples(
+        st.just("store"),
+        st.sampled_from(ENGINES),
+        st.integers(0, 10),
+        st.integers(1, 4),
+        st.sampled_from([Tier.GPU, Tier.CPU]),
+        st.sampled_from([0, 0, 500, 5_000]),
+    ),
+    st.tuples(st.just("remove_blocks"), st.sampled_from(ENGINES), st.integers(0, 11)),
+    st.tuples(st.just("clear"), st.sampled_from(ENGINES)),
+    st.tuples(st.just("stale"), st.sampled_from(ENGINES)),
+    st.tuples(st.just("dump"), st.sampled_from(ENGINES), st.booleans()),
+    st.tuples(st.just("leave"), st.sampled_from(ENGINES)),
+    st.tuples(
+        st.just("ship"),
+    ),
+)
+
+
+def _run(inv: ReplicatedInventory, op: tuple[Any, ...], now_ms: int) -> None:
+    kind, *args = op
+    cid = args[0] if args else ""
+    try:
+        if kind == "add":
+            inv.add_engine(cid, COMPAT)
+        elif kind == "ready":
+            inv.set_ready(cid, args[1])
+        elif kind == "store":
+            start, length, tier, ttl = args[1:]
+            hashes = CHAIN[start : start + length]
+            parent = CHAIN[start - 1] if start else None
+            expiry = now_ms + ttl if ttl else 0
+            inv.apply(
+                cid, [BlockStored(hashes, parent, 16 * len(hashes), tier, 0, expiry)], now_ms=now_ms
+            )
+        elif kind == "remove_blocks":
+            inv.apply(cid, [BlockRemoved(CHAIN[args[1] : args[1] + 1])], now_ms=now_ms)
+        elif kind == "clear":
+            inv.clear_stream(cid)
+        elif kind == "stale":
+            inv.mark_stale(cid)
+        elif kind == "dump":
+            (inv.begin_dump if args[1] else inv.end_dump)(cid)
+        elif kind == "leave":
+            inv.remove_engine(cid)
+    except KvrcError:
+        pass  # refused: changed nothing and recorded nothing
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_op, max_size=40), st.integers(0, 3_000))
+def test_both_replicas_answer_every_lookup_alike(ops: list[tuple[Any, ...]], elapsed: int) -> None:
+    a, b = replica("a"), replica("b")
+    now_a, now_b = 1_000, 7_777_000  # monotonic clocks of two hosts never agree
+    for cid in ENGINES[:2]:  # most examples then reach visible engines with entries
+        ready_engine(a, cid)
+    # The log's own transit time is left out (the clocks stand still while it runs): a
+    # reader adds the time left when it reads, so it errs toward keeping a hint longer.
+    for op in ops:
+        if op[0] == "ship":
+            ship(a, b, now_ms=now_b)
+        else:
+            _run(a, op, now_a)
+    ship(a, b, now_ms=now_b)
+    seen = False
+    for start in (0, 1, 4):
+        chain = CHAIN[start:]
+        expected = view(a, now_a + elapsed, chain)
+        assert view(b, now_b + elapsed, chain) == expected
+        seen = seen or bool(expected)
+    event("some candidate" if seen else "no candidate")
+    assert set(b.remote_engines()) == {cid for cid in ENGINES if a.has_engine(cid)}
