@@ -36,6 +36,7 @@ REMOVED = ("torchvision", "torchaudio", "torchcodec")
 KVRC_EXTRAS = (
     "grpcio-health-checking>=1.85.1,<2",
     "grpcio-reflection>=1.85.1,<2",
+    "redis>=5",
     "pytest>=8",
     "pytest-asyncio>=1.0",
     "pytest-timeout>=2.3",
