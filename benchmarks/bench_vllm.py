@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import socket
 import statistics
 import sys
 import time
@@ -32,23 +31,17 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "support"))
 
+from harness import free_port  # noqa: E402
 from vllm_env import ensure_vllm_venv  # noqa: E402
 from vllm_harness import (  # noqa: E402
-    Kvrc,
     VllmEngine,
     engines,
     random_prompt,
+    reuse_on_kvrc,
     workdir,
 )
 
 LENGTHS = (256, 1024, 4096)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def median(samples: list[float]) -> float:
@@ -68,9 +61,7 @@ def crossover(ratios: dict[int, float]) -> float | None:
 
 def measure_kvrc(python: str, model: Path, repeats: int) -> dict[str, dict[int, list[float]]]:
     work = workdir("bench")
-    profiles = work / "profiles.toml"
-    profiles.write_text('[[profile]]\nname = "tiny-llama-bf16"\nkv_dtype = "bfloat16"\n')
-    kvrc = Kvrc(sys.executable, work, "--reuse", "on", "--profiles", str(profiles))
+    kvrc = reuse_on_kvrc(work)
     extra = {"kvrc_target": kvrc.target, "reuse": True}
     samples: dict[str, dict[int, list[float]]] = {"pd": {}, "load": {}, "recompute": {}}
     seed = 1000
@@ -84,8 +75,7 @@ def measure_kvrc(python: str, model: Path, repeats: int) -> dict[str, dict[int, 
                 model=model,
                 cores=core,
                 extra=extra,
-                kv_events_endpoint=f"tcp://*:{free_port()}",
-                kv_events_replay_endpoint=f"tcp://*:{free_port()}",
+                kv_events=True,
             )
 
         with engines(engine("bench-a", "0"), engine("bench-b", "1")) as (a, b):

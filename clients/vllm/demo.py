@@ -150,7 +150,48 @@ def stream(url: str, body: dict[str, Any]) -> tuple[str, float]:
     return "".join(parts), ttft if ttft is not None else float("nan")
 
 
+def api_server_command(
+    python: str,
+    model: Path,
+    port: int,
+    kv_transfer_config: dict[str, Any],
+    kv_events_config: dict[str, Any] | None = None,
+    block_size: int = 32,
+) -> list[str]:
+    """vLLM's OpenAI server on loopback, the way the demo and the tests run it (the
+    wheel's `vllm` console script is broken, so `-m`)."""
+    command = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "8192",
+        "--block-size",
+        str(block_size),
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--seed",
+        "0",
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config),
+    ]
+    if kv_events_config is not None:
+        command += ["--kv-events-config", json.dumps(kv_events_config)]
+    return command
+
+
 def engine_env(core: str, workdir: Path) -> dict[str, str]:
+    """A vLLM child's environment: offline, one core (or `0|1` at tp=2), caches in `workdir`."""
     env = dict(os.environ)
     env.update(
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
@@ -224,33 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             child = procs.start(
                 f"engine-{name}",
-                [
-                    sys.executable,
-                    "-m",
-                    "vllm.entrypoints.openai.api_server",
-                    "--model",
-                    str(model),
-                    "--served-model-name",
-                    "tiny",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--dtype",
-                    "bfloat16",
-                    "--max-model-len",
-                    "8192",
-                    "--block-size",
-                    "32",
-                    "--enforce-eager",
-                    "--enable-prefix-caching",
-                    "--seed",
-                    "0",
-                    "--kv-transfer-config",
-                    json.dumps(kv),
-                    "--kv-events-config",
-                    json.dumps(events),
-                ],
+                api_server_command(sys.executable, model, port, kv, events),
                 engine_env(core, workdir),
             )
             servers[name] = (f"http://127.0.0.1:{port}", child)

@@ -25,6 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from harness import free_port
+
+from clients.vllm.demo import api_server_command, engine_env
+
 REPO = Path(__file__).resolve().parent.parent.parent
 DRIVER = Path(__file__).resolve().parent / "vllm_engine_driver.py"
 CONNECTOR_MODULE = "clients.vllm.connector"
@@ -36,20 +40,11 @@ def random_prompt(seed: int, length: int, vocab: int = 1000) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def engine_env(cores: str, cache_root: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
-        PYTHONUNBUFFERED="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_HOST_IP="127.0.0.1",
-        VLLM_CPU_OMP_THREADS_BIND=cores,
-        VLLM_CACHE_ROOT=str(cache_root),
-    )
-    return env
+def reuse_on_kvrc(work: Path, *args: str) -> Kvrc:
+    """kvrc with reuse on and the tiny model's profile declared (the reuse gate opens)."""
+    profiles = work / "profiles.toml"
+    profiles.write_text('[[profile]]\nname = "tiny-llama-bf16"\nkv_dtype = "bfloat16"\n')
+    return Kvrc(python_of_tests(), work, "--reuse", "on", "--profiles", str(profiles), *args)
 
 
 class Kvrc:
@@ -144,6 +139,7 @@ class VllmEngine:
         connector: str | None = "KvrcConnector",
         module: str | None = CONNECTOR_MODULE,
         env_extra: dict[str, str] | None = None,
+        kv_events: bool = False,
         **spec_extra: Any,
     ) -> None:
         self.name = name
@@ -161,6 +157,9 @@ class VllmEngine:
             "extra": {"stats_file": str(self.stats_path), **(extra or {})},
             **spec_extra,
         }
+        if kv_events:  # vLLM's ZMQ KV-event publisher, which kvrc subscribes to
+            spec["kv_events_endpoint"] = f"tcp://*:{free_port()}"
+            spec["kv_events_replay_endpoint"] = f"tcp://*:{free_port()}"
         self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
             [python, str(DRIVER), json.dumps(spec)],
@@ -168,7 +167,7 @@ class VllmEngine:
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
-            env={**engine_env(cores, workdir / "vllm-cache"), **(env_extra or {})},
+            env={**engine_env(cores, workdir), **(env_extra or {})},
             cwd=workdir,
             start_new_session=True,
         )
@@ -344,35 +343,11 @@ class OpenAiServer:
             "kv_connector_extra_config": {"stats_file": str(self.stats_path), **extra},
         }
         self.process = subprocess.Popen(
-            [
-                python,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(model),
-                "--served-model-name",
-                "tiny",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dtype",
-                "bfloat16",
-                "--max-model-len",
-                "8192",
-                "--block-size",
-                str(BLOCK_SIZE),
-                "--enforce-eager",
-                "--enable-prefix-caching",
-                "--seed",
-                "0",
-                "--kv-transfer-config",
-                json.dumps(kv),
-            ],
+            api_server_command(python, model, port, kv, block_size=BLOCK_SIZE),
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=engine_env(cores, workdir / "vllm-cache"),
+            env=engine_env(cores, workdir),
             cwd=workdir,
             start_new_session=True,
         )

@@ -25,14 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import free_port
 from vllm_harness import (
     Kvrc,
     VllmEngine,
     engines,
     open_leases,
-    python_of_tests,
     random_prompt,
+    reuse_on_kvrc,
     workdir,
 )
 
@@ -50,15 +49,8 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(vllm_python: str, tiny_model: Path) -> Iterator[Cluster]:
     work = workdir("faults")
-    profiles = work / "profiles.toml"
-    profiles.write_text('[[profile]]\nname = "tiny-llama-bf16"\nkv_dtype = "bfloat16"\n')
-    kvrc = Kvrc(
-        python_of_tests(),
+    kvrc = reuse_on_kvrc(
         work,
-        "--reuse",
-        "on",
-        "--profiles",
-        str(profiles),
         "--heartbeat-interval-ms",
         "200",
         "--heartbeat-timeout-ms",
@@ -81,8 +73,7 @@ def cluster(vllm_python: str, tiny_model: Path) -> Iterator[Cluster]:
             model=tiny_model,
             cores=core,
             extra=extra,
-            kv_events_endpoint=f"tcp://*:{free_port()}",
-            kv_events_replay_endpoint=f"tcp://*:{free_port()}",
+            kv_events=True,
         )
 
     try:

@@ -24,7 +24,6 @@ from vllm_harness import (
     REPO,
     Kvrc,
     OpenAiServer,
-    engine_env,
     metric_sum,
     open_leases,
     post_json,
@@ -33,6 +32,8 @@ from vllm_harness import (
     random_prompt,
     workdir,
 )
+
+from clients.vllm.demo import engine_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -146,7 +147,7 @@ def test_openai_servers_behind_the_pd_proxy(vllm_python: str, tiny_model: Path) 
                 str(port_file),
             ],
             cwd=REPO,
-            env=engine_env("0", work / "vllm-cache"),
+            env=engine_env("0", work),
             stdout=subprocess.DEVNULL,
             stderr=open(work / "proxy.log", "wb"),  # noqa: SIM115 - the child keeps it
             start_new_session=True,

@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import free_port
 from vllm_harness import (
     BLOCK_SIZE,
     Kvrc,
     VllmEngine,
     engines,
-    python_of_tests,
     random_prompt,
+    reuse_on_kvrc,
     workdir,
 )
 
@@ -43,9 +42,7 @@ DELAY_S = 4.0
 @pytest.fixture(scope="module")
 def cluster(vllm_python: str, tiny_model: Path) -> Iterator[tuple[Kvrc, VllmEngine, VllmEngine]]:
     work = workdir("pins")
-    profiles = work / "profiles.toml"
-    profiles.write_text('[[profile]]\nname = "tiny-llama-bf16"\nkv_dtype = "bfloat16"\n')
-    kvrc = Kvrc(python_of_tests(), work, "--reuse", "on", "--profiles", str(profiles))
+    kvrc = reuse_on_kvrc(work)
     extra = {"kvrc_target": kvrc.target, "reuse": True, "test_faults": True}
 
     def engine(name: str, core: str, **kw: Any) -> VllmEngine:
@@ -56,8 +53,7 @@ def cluster(vllm_python: str, tiny_model: Path) -> Iterator[tuple[Kvrc, VllmEngi
             model=tiny_model,
             cores=core,
             extra=extra,
-            kv_events_endpoint=f"tcp://*:{free_port()}",
-            kv_events_replay_endpoint=f"tcp://*:{free_port()}",
+            kv_events=True,
             **kw,
         )
 

@@ -20,14 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import free_port
 from vllm_harness import (
     BLOCK_SIZE,
     Kvrc,
     VllmEngine,
     engines,
-    python_of_tests,
     random_prompt,
+    reuse_on_kvrc,
     workdir,
 )
 
@@ -44,9 +43,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(vllm_python: str, tiny_model: Path) -> Iterator[Cluster]:
     work = workdir("prefix")
-    profiles = work / "profiles.toml"
-    profiles.write_text('[[profile]]\nname = "tiny-llama-bf16"\nkv_dtype = "bfloat16"\n')
-    kvrc = Kvrc(python_of_tests(), work, "--reuse", "on", "--profiles", str(profiles))
+    kvrc = reuse_on_kvrc(work)
     extra = {"kvrc_target": kvrc.target, "reuse": True, "min_blocks": 2, "test_faults": True}
 
     def engine(name: str, core: str) -> VllmEngine:
@@ -57,8 +54,7 @@ def cluster(vllm_python: str, tiny_model: Path) -> Iterator[Cluster]:
             model=tiny_model,
             cores=core,
             extra=extra,
-            kv_events_endpoint=f"tcp://*:{free_port()}",
-            kv_events_replay_endpoint=f"tcp://*:{free_port()}",
+            kv_events=True,
         )
 
     try:
