@@ -84,10 +84,16 @@ def inventory(sink: RecordingSink) -> set[str]:
     return {f"{group}:{h.hex()}" for group, h in sink.blocks.get(ENGINE, set())}
 
 
-async def matches(sink: RecordingSink, answer: dict[str, Any]) -> None:
-    """Wait until kvrc has applied everything vLLM published, then compare exactly."""
+async def matches(sink: RecordingSink, answer: dict[str, Any], incarnation: int = 0) -> None:
+    """Wait until kvrc has applied everything vLLM published, then compare exactly.
+
+    The incarnation matters: after a restart, the old publisher's last batch (a
+    higher sequence number) must not count as the new one's.
+    """
     seq = answer["seq"]
-    await wait_until(lambda: bool(sink.batches) and sink.batches[-1][2] >= seq, 10)
+    await wait_until(
+        lambda: bool(sink.batches) and sink.batches[-1][1:] >= (incarnation, seq), 10
+    )
     assert inventory(sink) == set(answer["cached"])
 
 
@@ -175,7 +181,7 @@ async def test_vllm_blockpool_events_become_kvrc_inventory(
         await wait_until(restart_seen, 20, interval_s=0.5, what="the restarted publisher")
         answer = answers[-1]
         assert answer["seq"] < last_seq_before_restart
-        await matches(sink, answer)
+        await matches(sink, answer, incarnation=1)
         assert ("drop", ENGINE) in sink.calls
         assert stream.status().incarnation == 1
         assert stream.status().state is StreamState.LIVE
