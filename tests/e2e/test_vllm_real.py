@@ -91,9 +91,7 @@ async def matches(sink: RecordingSink, answer: dict[str, Any], incarnation: int 
     higher sequence number) must not count as the new one's.
     """
     seq = answer["seq"]
-    await wait_until(
-        lambda: bool(sink.batches) and sink.batches[-1][1:] >= (incarnation, seq), 10
-    )
+    await wait_until(lambda: bool(sink.batches) and sink.batches[-1][1:] >= (incarnation, seq), 10)
     assert inventory(sink) == set(answer["cached"])
 
 
