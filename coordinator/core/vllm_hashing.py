@@ -26,7 +26,8 @@ What it follows, from vLLM 0.32.0 (`vllm/v1/core/kv_cache_utils.py`,
   `("mm", identifier, offset - block_start)` for each multimodal item a block
   overlaps, `("cache_salt", salt)` on block 0 only; None when there are none.
   Prompt embeddings (vLLM's fourth kind) cannot come with token ids, so there
-  are none here.
+  are none here. Pickle writes an object repeated within one block as a
+  back-reference, in vLLM as here: the strings are used as the caller gave them.
 
 Pure: no I/O, no clock. `xxhash` is imported only when an xxhash algorithm is
 configured (it is optional in vLLM for the same reason: not every deployment
@@ -60,7 +61,7 @@ MAX_TOKENS: Final = 1 << 18
 # Token ids are vocabulary indices; anything outside uint32 is not a token.
 MAX_TOKEN_ID: Final = (1 << 32) - 1
 MAX_MM_FEATURES: Final = 4096
-_PICKLE_PROTOCOL: Final = 5  # pickle.HIGHEST_PROTOCOL in vLLM's Python (3.10-3.13)
+_PICKLE_PROTOCOL: Final = 5  # vLLM's pickle.HIGHEST_PROTOCOL (5 since Python 3.8)
 
 
 class Seed(enum.Enum):
