@@ -7,13 +7,22 @@ vLLM's real `ZmqEventPublisher` publishes the events. After every step the
 process reports the pool's actual cached blocks; the test checks that the
 inventory kvrc received is exactly that, through a late subscription (recovered
 by replay), stores, removals, a clear, and a publisher restart (a new
-incarnation, this time with 32-byte hashes).
+incarnation, this time with 32-byte hashes). Along the way, kvrc's own Score
+hashing (`coordinator/core/vllm_hashing.py`) of each prompt must give exactly the
+keys the pool published.
+
+`tests/support/vllm_block_hashes.py`, one more process of the same venv, gives
+vLLM's own request block hashes for cases across every algorithm, block sizes 1,
+16 and 64, seeds, LoRA, cache_salt and multimodal items; kvrc's must equal them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import random
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +33,12 @@ from harness import free_port
 from waiting import wait_until
 from zmq_wire import RecordingSink, value
 
+from coordinator.core.vllm_hashing import ALGOS, HashConfig, MmFeature, Seed, block_keys
 from coordinator.edges.zmq_ingest import StreamState, ZmqEventStream, ZmqStreamConfig
 from coordinator.runtime.metrics import Metrics
 
 PUBLISHER = Path(__file__).resolve().parents[1] / "support" / "vllm_publisher.py"
+HASHER = Path(__file__).resolve().parents[1] / "support" / "vllm_block_hashes.py"
 ENGINE = "vllm-engine"
 BLOCK_SIZE = 4
 # slow: a cold first run downloads and builds the venv.
@@ -84,6 +95,24 @@ def inventory(sink: RecordingSink) -> set[str]:
     return {f"{group}:{h.hex()}" for group, h in sink.blocks.get(ENGINE, set())}
 
 
+def score_keys(tokens: list[int], hash_kind: str) -> set[str]:
+    """kvrc's Score keys of a prompt, as the publisher's "group:hash-hex" strings.
+
+    The publisher runs vLLM's sha256 and inherits this process's PYTHONHASHSEED."""
+    seed = os.environ.get("PYTHONHASHSEED", Seed.UNSET)
+    config = HashConfig("sha256", BLOCK_SIZE, seed, int_hashes=hash_kind == "int")
+    return {f"0:{key.hex()}" for key in block_keys(tokens, config)}
+
+
+async def cache(vllm: VllmProcess, tokens: list[int], hash_kind: str) -> dict[str, Any]:
+    """Cache a prompt; every one of its full blocks is then in the pool under kvrc's key."""
+    answer = await vllm.do("cache", tokens=tokens)
+    keys = score_keys(tokens, hash_kind)
+    assert len(keys) == len(tokens) // BLOCK_SIZE
+    assert keys <= set(answer["cached"]), "kvrc's hashes of the prompt are not vLLM's"
+    return answer
+
+
 async def matches(sink: RecordingSink, answer: dict[str, Any], incarnation: int = 0) -> None:
     """Wait until kvrc has applied everything vLLM published, then compare exactly.
 
@@ -127,15 +156,15 @@ async def test_vllm_blockpool_events_become_kvrc_inventory(
     vllm = await VllmProcess.start(vllm_python, *endpoints, "--hash-kind=int")
     try:
         # Late subscription: vLLM publishes two batches before kvrc listens.
-        await vllm.do("cache", tokens=list(range(1, 11)))
-        answer = await vllm.do("cache", tokens=[*range(1, 9), 50, 51, 52, 53])
+        await cache(vllm, list(range(1, 11)), "int")
+        answer = await cache(vllm, [*range(1, 9), 50, 51, 52, 53], "int")
         assert answer["seq"] == 1
         await stream.start()
         answers: list[dict[str, Any]] = []
 
         async def reached_kvrc() -> bool:  # one more batch, until one reaches kvrc's socket
             n = len(answers)
-            answers.append(await vllm.do("cache", tokens=[100 + n, 101, 102, 103, 104]))
+            answers.append(await cache(vllm, [100 + n, 101, 102, 103, 104], "int"))
             return bool(sink.batches)
 
         await wait_until(reached_kvrc, 20, interval_s=0.3, what="vLLM's reconnect to kvrc")
@@ -149,7 +178,7 @@ async def test_vllm_blockpool_events_become_kvrc_inventory(
         answer = await vllm.do("evict", n=14)
         await matches(sink, answer)
         assert value(metrics, "kvrc_block_events_total", source="zmq", type="removed") > 0
-        answer = await vllm.do("cache", tokens=list(range(200, 213)))
+        answer = await cache(vllm, list(range(200, 213)), "int")
         await matches(sink, answer)
 
         # reset_prefix_cache: AllBlocksCleared.
@@ -157,7 +186,7 @@ async def test_vllm_blockpool_events_become_kvrc_inventory(
         await matches(sink, answer)
         assert answer["cached"] == [] and inventory(sink) == set()
         for n in range(3):
-            answer = await vllm.do("cache", tokens=[300 + n, *range(301, 310)])
+            answer = await cache(vllm, [300 + n, *range(301, 310)], "int")
         await matches(sink, answer)
         last_seq_before_restart = answer["seq"]
         old_inventory = inventory(sink)
@@ -173,7 +202,7 @@ async def test_vllm_blockpool_events_become_kvrc_inventory(
         async def restart_seen() -> bool:  # one more batch, until kvrc sees a new incarnation
             n = len(answers)
             assert n < last_seq_before_restart, "the restart went unseen for as many batches"
-            answers.append(await vllm.do("cache", tokens=[400 + n, *range(401, 409)]))
+            answers.append(await cache(vllm, [400 + n, *range(401, 409)], "bytes"))
             return stream.status().incarnation == 1
 
         await wait_until(restart_seen, 20, interval_s=0.5, what="the restarted publisher")
@@ -190,3 +219,114 @@ async def test_vllm_blockpool_events_become_kvrc_inventory(
         assert value(metrics, "kvrc_event_batches_total", source="zmq", result="malformed") == 0
     finally:
         await vllm.stop()
+
+
+# --- Score's hashing against vLLM's own functions ------------------------------------
+
+
+def hashing_cases() -> list[dict[str, Any]]:
+    """Every algorithm at block sizes 1, 16 and 64, and each kind of extra key."""
+    rng = random.Random(25)
+
+    def tokens(n: int) -> list[int]:
+        # Every width of CBOR's and pickle's int encodings, up to uint32.
+        return [rng.randrange(rng.choice((24, 256, 65536, 2**32))) for _ in range(n)]
+
+    def case(algo: str, block_size: int, seed: str | None, n: int, **extra: Any) -> dict[str, Any]:
+        return {
+            "algo": algo,
+            "block_size": block_size,
+            "seed": seed,  # None: PYTHONHASHSEED unset (vLLM's fixed seed for sha256)
+            "tokens": tokens(n),
+            "lora": extra.get("lora"),
+            "cache_salt": extra.get("cache_salt"),
+            "mm": extra.get("mm", []),
+        }
+
+    lora, salt = ["sql-adapter", "/adapters/sql"], "tenant-a"
+    # Items across blocks, two in one block, one past the prompt's end, the same id twice.
+    mm = [
+        ["img-a", 3, 10],
+        ["img-b", 13, 30],
+        ["img-c", 43, 2],
+        ["img-c", 45, 4],
+        ["img-d", 90, 40],
+    ]
+    cases: list[dict[str, Any]] = []
+    for algo in ALGOS:
+        crypto = algo.startswith("sha256")
+        cases += [
+            case(algo, 1, None if crypto else "1", 7),
+            case(algo, 16, "0", 3 * 16 + 9),
+            case(algo, 64, "", 2 * 64 + 1),  # PYTHONHASHSEED="": vLLM hashes the empty string
+            case(algo, 16, "7", 100, lora=lora),
+            case(algo, 16, "7", 100, cache_salt=salt),
+            case(algo, 16, "7", 100, mm=mm),
+            case(algo, 4, None if crypto else "7", 40, lora=lora, cache_salt=salt, mm=mm[:3]),
+        ]
+    return cases
+
+
+def kvrc_keys(case: dict[str, Any], int_hashes: bool, **change: Any) -> list[int | str]:
+    """kvrc's keys for a case (optionally changed), in the reference's two forms."""
+    case = {**case, **change}
+    seed = Seed.UNSET if case["seed"] is None else case["seed"]
+    config = HashConfig(case["algo"], case["block_size"], seed, int_hashes=int_hashes)
+    lora = case["lora"] or [None, None]
+    keys = block_keys(
+        case["tokens"],
+        config,
+        lora_name=lora[0],
+        lora_path=lora[1],
+        cache_salt=case["cache_salt"],
+        mm_features=[MmFeature(i, offset, length) for i, offset, length in case["mm"]],
+    )
+    return [int.from_bytes(k, "big") for k in keys] if int_hashes else [k.hex() for k in keys]
+
+
+def test_score_hashes_equal_vllms_own(vllm_python: str, tmp_path: Path) -> None:
+    # Both sides read the cases from JSON: equal strings are distinct objects on both,
+    # as a Score request's decoded strings are (pickle shares repeated objects).
+    cases = json.loads(json.dumps(hashing_cases()))
+    # vLLM lists xxhash as optional and the venv lacks it: lend it kvrc's.
+    import xxhash
+
+    (tmp_path / "xxhash").symlink_to(Path(xxhash.__file__).parent)
+    proc = subprocess.run(
+        [vllm_python, str(HASHER)],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "KVRC_XXHASH_DIR": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    vllm = json.loads(proc.stdout.splitlines()[-1])
+    assert len(vllm) == len(cases)
+    for case, ref in zip(cases, vllm, strict=True):
+        what = {k: case[k] for k in ("algo", "block_size", "seed", "lora", "cache_salt", "mm")}
+        assert len(ref["digests"]) == len(case["tokens"]) // case["block_size"] > 0, what
+        assert kvrc_keys(case, int_hashes=False) == ref["digests"], what
+        assert kvrc_keys(case, int_hashes=True) == ref["ints"], what
+
+    # Negative controls: each input the comparison covers does change the keys.
+    by_kind = {
+        (c["algo"], bool(c["lora"]), bool(c["cache_salt"]), bool(c["mm"])): (c, r)
+        for c, r in zip(cases, vllm, strict=True)
+    }
+    for algo in ALGOS:
+        plain, ref = by_kind[(algo, False, False, False)]
+        changed_token = [*plain["tokens"]]
+        changed_token[-plain["block_size"] - 1] += 1
+        assert kvrc_keys(plain, False, tokens=changed_token)[-1] != ref["digests"][-1]
+        assert kvrc_keys(plain, False, seed="other")[0] != ref["digests"][0]
+        salted, ref = by_kind[(algo, False, True, False)]
+        assert kvrc_keys(salted, False, cache_salt="tenant-b")[0] != ref["digests"][0]
+        adapted, ref = by_kind[(algo, True, False, False)]
+        assert (
+            kvrc_keys(adapted, False, lora=["sql-adapter", "/adapters/v2"])[0] != ref["digests"][0]
+        )
+        multimodal, ref = by_kind[(algo, False, False, True)]
+        moved = [["img-a", 2, 10], *multimodal["mm"][1:]]
+        assert kvrc_keys(multimodal, False, mm=moved)[0] != ref["digests"][0]
