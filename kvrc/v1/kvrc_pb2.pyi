@@ -2075,3 +2075,258 @@ class StatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class ScoreScope(_message.Message):
+    """---------------------------------------------------------------------------
+    Score (routers): how much of a prompt each child engine holds (docs/score.md)
+    ---------------------------------------------------------------------------
+
+    Which KV a prompt's blocks belong to. A router knows these from the request
+    it routes; the hash configuration (algorithm, seed) and the block size are
+    not the router's to know: kvrc takes them from the engines' deployment
+    profiles (`DeploymentProfile.block_size`, and `extra` keys
+    `vllm_prefix_caching_hash_algo` and `vllm_hash_seed`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """DeploymentProfile.model of the engines to score; required"""
+    lora_name: _builtins.str
+    """the request's LoRA adapter ("" = base model); token ids only"""
+    cache_salt: _builtins.str
+    """the request's cache_salt ("" = none); token ids only"""
+    group_idx: _builtins.int
+    """KV-cache group (0 for single-group models)"""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        lora_name: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
+        group_idx: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "group_idx", b"group_idx", "lora_name", b"lora_name", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreScope: _TypeAlias = ScoreScope  # noqa: Y015
+
+@_typing.final
+class TokenIds(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the prompt, first token first (at most 65,536)"""
+
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
+
+@_typing.final
+class BlockHashes(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HASHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """the prompt's chain as engines publish it (at most 4,096)"""
+
+    def __init__(
+        self,
+        *,
+        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockHashes: _TypeAlias = BlockHashes  # noqa: Y015
+
+@_typing.final
+class ScoreRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCOPE_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    CANDIDATE_CHILD_ENGINE_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def scope(self) -> Global___ScoreScope: ...
+    @_builtins.property
+    def token_ids(self) -> Global___TokenIds:
+        """kvrc hashes them as vLLM does, per block size of the engines scored;
+        FAILED_PRECONDITION when an engine's hash configuration is not known.
+        """
+
+    @_builtins.property
+    def block_hashes(self) -> Global___BlockHashes:
+        """already in the inventory's key form"""
+
+    @_builtins.property
+    def candidate_child_engine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The child engines to score (at most 64, no repeats). Empty: every child
+        engine registered with scope.model.
+        """
+
+    def __init__(
+        self,
+        *,
+        scope: Global___ScoreScope | None = ...,
+        token_ids: Global___TokenIds | None = ...,
+        block_hashes: Global___BlockHashes | None = ...,
+        candidate_child_engine_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "prompt", b"prompt", "scope", b"scope", "token_ids", b"token_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "candidate_child_engine_ids", b"candidate_child_engine_ids", "prompt", b"prompt", "scope", b"scope", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["token_ids", "block_hashes"]  # noqa: Y015
+    _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
+
+Global___ScoreRequest: _TypeAlias = ScoreRequest  # noqa: Y015
+
+@_typing.final
+class TierBlocks(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    tier: Global___Tier.ValueType
+    blocks: _builtins.int
+    def __init__(
+        self,
+        *,
+        tier: Global___Tier.ValueType = ...,
+        blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierBlocks: _TypeAlias = TierBlocks  # noqa: Y015
+
+@_typing.final
+class EngineScore(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHILD_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    SCORED_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    PROMPT_BLOCKS_FIELD_NUMBER: _builtins.int
+    LOCAL_MATCHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    LOCAL_BY_TIER_FIELD_NUMBER: _builtins.int
+    LOADABLE_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOLDER_CHILD_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    HOLDER_TIER_FIELD_NUMBER: _builtins.int
+    PREDICTED_SAVING_MS_FIELD_NUMBER: _builtins.int
+    REUSE_FIELD_NUMBER: _builtins.int
+    child_engine_id: _builtins.str
+    scored: _builtins.bool
+    """False when the engine cannot be scored (unknown, not READY, stale, another
+    model); `detail` says why and every count is 0.
+    """
+    detail: _builtins.str
+    prompt_blocks: _builtins.int
+    """full blocks of the prompt at this engine's block size"""
+    local_matched_blocks: _builtins.int
+    """contiguous from the start, held by the engine itself"""
+    loadable_blocks: _builtins.int
+    """Blocks past the local match another engine could lend (prefix load), and
+    the best such holder. 0 and "" while reuse is not enabled for this engine.
+    """
+    holder_child_engine_id: _builtins.str
+    holder_tier: Global___Tier.ValueType
+    """slowest tier among the holder's matched blocks"""
+    predicted_saving_ms: _builtins.float
+    """predicted TTFT saving against recomputing the prompt"""
+    @_builtins.property
+    def local_by_tier(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierBlocks]:
+        """the same blocks by the fastest tier it holds each in"""
+
+    @_builtins.property
+    def reuse(self) -> Global___ReuseStatus:
+        """may this engine load prefixes (the reuse gate)"""
+
+    def __init__(
+        self,
+        *,
+        child_engine_id: _builtins.str = ...,
+        scored: _builtins.bool = ...,
+        detail: _builtins.str = ...,
+        prompt_blocks: _builtins.int = ...,
+        local_matched_blocks: _builtins.int = ...,
+        local_by_tier: _abc.Iterable[Global___TierBlocks] | None = ...,
+        loadable_blocks: _builtins.int = ...,
+        holder_child_engine_id: _builtins.str = ...,
+        holder_tier: Global___Tier.ValueType = ...,
+        predicted_saving_ms: _builtins.float = ...,
+        reuse: Global___ReuseStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reuse", b"reuse"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engine_id", b"child_engine_id", "detail", b"detail", "holder_child_engine_id", b"holder_child_engine_id", "holder_tier", b"holder_tier", "loadable_blocks", b"loadable_blocks", "local_by_tier", b"local_by_tier", "local_matched_blocks", b"local_matched_blocks", "predicted_saving_ms", b"predicted_saving_ms", "prompt_blocks", b"prompt_blocks", "reuse", b"reuse", "scored", b"scored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineScore: _TypeAlias = EngineScore  # noqa: Y015
+
+@_typing.final
+class ScoreResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINES_FIELD_NUMBER: _builtins.int
+    REUSE_ENABLED_FIELD_NUMBER: _builtins.int
+    REUSE_DETAIL_FIELD_NUMBER: _builtins.int
+    PREDICTION_BASIS_FIELD_NUMBER: _builtins.int
+    reuse_enabled: _builtins.bool
+    """The coordinator's reuse switch (and not warming). False: local matches
+    only, loadable_blocks are 0, and reuse_detail says why.
+    """
+    reuse_detail: _builtins.str
+    prediction_basis: _builtins.str
+    """How predicted_saving_ms was computed (e.g. the fallback before the cost model)."""
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineScore]:
+        """Scored engines first, best first: predicted saving, then local matched
+        blocks, then loadable blocks, then child_engine_id (ties are deterministic).
+        """
+
+    def __init__(
+        self,
+        *,
+        engines: _abc.Iterable[Global___EngineScore] | None = ...,
+        reuse_enabled: _builtins.bool = ...,
+        reuse_detail: _builtins.str = ...,
+        prediction_basis: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "prediction_basis", b"prediction_basis", "reuse_detail", b"reuse_detail", "reuse_enabled", b"reuse_enabled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreResponse: _TypeAlias = ScoreResponse  # noqa: Y015

@@ -427,6 +427,87 @@ class EngineService:
             _registered_method=True)
 
 
+class RouterServiceStub:
+    """Called by routers: which engine holds most of a prompt. Read only: it
+    changes nothing. Under --auth-tokens it needs the `router` or `admin` role.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Score = channel.unary_unary(
+                '/kvrc.v1.RouterService/Score',
+                request_serializer=kvrc_dot_v1_dot_kvrc__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=kvrc_dot_v1_dot_kvrc__pb2.ScoreResponse.FromString,
+                _registered_method=True)
+
+
+class RouterServiceServicer:
+    """Called by routers: which engine holds most of a prompt. Read only: it
+    changes nothing. Under --auth-tokens it needs the `router` or `admin` role.
+    """
+
+    def Score(self, request, context):
+        """Per child engine: local matched blocks by tier, loadable blocks and their
+        best holder, the predicted TTFT saving. INVALID_ARGUMENT beyond the limits
+        (65,536 token ids, 4,096 block hashes, 64 candidates), naming the limit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RouterServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=kvrc_dot_v1_dot_kvrc__pb2.ScoreRequest.FromString,
+                    response_serializer=kvrc_dot_v1_dot_kvrc__pb2.ScoreResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvrc.v1.RouterService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvrc.v1.RouterService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RouterService:
+    """Called by routers: which engine holds most of a prompt. Read only: it
+    changes nothing. Under --auth-tokens it needs the `router` or `admin` role.
+    """
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrc.v1.RouterService/Score',
+            kvrc_dot_v1_dot_kvrc__pb2.ScoreRequest.SerializeToString,
+            kvrc_dot_v1_dot_kvrc__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class AdminServiceStub:
     """Called by operators and tooling (`kvrc status`, `kvrc drain`).
     """

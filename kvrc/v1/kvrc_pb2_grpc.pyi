@@ -207,6 +207,52 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
+class RouterServiceStub:
+    """Called by routers: which engine holds most of a prompt. Read only: it
+    changes nothing. Under --auth-tokens it needs the `router` or `admin` role.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> RouterServiceAsyncStub: ...
+    Score: _grpc.UnaryUnaryMultiCallable[_kvrc_pb2.ScoreRequest, _kvrc_pb2.ScoreResponse]
+    """Per child engine: local matched blocks by tier, loadable blocks and their
+    best holder, the predicted TTFT saving. INVALID_ARGUMENT beyond the limits
+    (65,536 token ids, 4,096 block hashes, 64 candidates), naming the limit.
+    """
+
+@_typing.type_check_only
+class RouterServiceAsyncStub(RouterServiceStub):
+    """Called by routers: which engine holds most of a prompt. Read only: it
+    changes nothing. Under --auth-tokens it needs the `router` or `admin` role.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Score: _aio.UnaryUnaryMultiCallable[_kvrc_pb2.ScoreRequest, _kvrc_pb2.ScoreResponse]  # type: ignore[assignment]
+    """Per child engine: local matched blocks by tier, loadable blocks and their
+    best holder, the predicted TTFT saving. INVALID_ARGUMENT beyond the limits
+    (65,536 token ids, 4,096 block hashes, 64 candidates), naming the limit.
+    """
+
+class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Called by routers: which engine holds most of a prompt. Read only: it
+    changes nothing. Under --auth-tokens it needs the `router` or `admin` role.
+    """
+
+    @_abc_1.abstractmethod
+    def Score(
+        self,
+        request: _kvrc_pb2.ScoreRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvrc_pb2.ScoreResponse, _abc.Awaitable[_kvrc_pb2.ScoreResponse]]:
+        """Per child engine: local matched blocks by tier, loadable blocks and their
+        best holder, the predicted TTFT saving. INVALID_ARGUMENT beyond the limits
+        (65,536 token ids, 4,096 block hashes, 64 candidates), naming the limit.
+        """
+
+def add_RouterServiceServicer_to_server(servicer: RouterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
 class AdminServiceStub:
     """Called by operators and tooling (`kvrc status`, `kvrc drain`)."""
 
