@@ -75,7 +75,8 @@ cannot pile up; the heap is rebuilt when stale items outnumber live expiries
 spares the per-engine expiry checks.
 
 Cost: `apply` O(block hashes in the batch); `lookup` O(chain length + holders
-of the best matches); `remove_engine`/`clear_stream` O(that engine's entries);
+of the best matches); `match` O(chain length + engines named + their entries
+below GPU on the chain); `remove_engine`/`clear_stream` O(that engine's entries);
 `stats` O(1).
 """
 
@@ -176,6 +177,23 @@ class LookupAnswer:
 
 
 @dataclass(frozen=True, slots=True)
+class LocalMatch:
+    """One engine's own prefix of a chain (Inventory.match)."""
+
+    child_engine_id: str
+    matched_blocks: int  # contiguous from the start of the chain
+    # (tier, blocks): each matched block under the fastest tier the engine holds it
+    # in, GPU first, tiers with no block left out; the counts add up to matched_blocks.
+    by_tier: tuple[tuple[Tier, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MatchAnswer:
+    matches: Mapping[str, LocalMatch]  # the named engines that could be matched
+    work: int  # blocks walked + engines named + drop points + below-GPU (engine, block) pairs
+
+
+@dataclass(frozen=True, slots=True)
 class ApplyResult:
     blocks_stored: int  # block hashes in BlockStored events
     blocks_removed: int  # block hashes in BlockRemoved events
@@ -216,13 +234,14 @@ class _ScopeIndex:
 
 
 class _CompatSlots:
-    __slots__ = ("by_id", "engines", "free_slots", "scopes", "visible")
+    __slots__ = ("by_id", "engines", "free_slots", "scopes", "serving", "visible")
 
     def __init__(self) -> None:
         self.engines: list[_Engine | None] = []
         self.by_id: list[_Engine] = []  # sorted by child_engine_id: ranks ties cheaply
         self.free_slots: list[int] = []
         self.visible = 0  # bits of READY, fresh engines
+        self.serving = 0  # bits of serving, fresh engines: their own matches count (Score)
         self.scopes: dict[int, _ScopeIndex] = {}
 
 
@@ -264,6 +283,7 @@ class _Engine:
         "ready",
         "removed",
         "scopes",
+        "serving",
         "slot",
         "stale",
         "state",
@@ -287,6 +307,7 @@ class _Engine:
         self.parts: dict[RankKey, _Part] = {k: _Part() for k in rank_keys}
         self.scopes: dict[int, _EngineScope] = {}
         self.ready = False
+        self.serving = False  # READY in the registry, whatever its reuse gate says
         self.stale: set[RankKey | None] = set()  # streams awaiting (or running) a dump
         self.dumping: set[RankKey | None] = set()
         self.entries = 0  # counted against the caps
@@ -373,6 +394,7 @@ class Inventory:
         engine.removed = True
         compat = engine.compat
         compat.visible &= ~engine.bit
+        compat.serving &= ~engine.bit
         compat.engines[engine.slot] = None
         compat.by_id.remove(engine)
         heapq.heappush(compat.free_slots, engine.slot)
@@ -386,6 +408,13 @@ class Inventory:
     def set_ready(self, child_engine_id: str, ready: bool) -> None:
         engine = self._engine(child_engine_id)
         engine.ready = ready
+        self._refresh_state(engine)
+
+    def set_serving(self, child_engine_id: str, serving: bool) -> None:
+        """The engine serves requests (READY in the registry), whether or not it may lend
+        or load KV: a router's Score counts its own matches while its inventory is fresh."""
+        engine = self._engine(child_engine_id)
+        engine.serving = serving
         self._refresh_state(engine)
 
     def mark_stale(self, child_engine_id: str, rank_key: RankKey | None = None) -> None:
@@ -534,76 +563,7 @@ class Inventory:
                 cur &= ~excluded.bit
         if not cur:
             return _MISS
-        by_tier = index.by_tier
-        gpu_get = by_tier[Tier.GPU].get
-        any_slower = by_tier[_ANY_SLOWER]
-        expiring = index.expiring
-        dropped: list[tuple[int, int]] = []  # (matched blocks, bits that stopped there)
-        worst: dict[int, int] = {}  # tier -> bits with a matched block at best in that tier
-        exp_hits: list[tuple[_Key, int]] = []  # (block, matched bits with an expiry on it)
-        purge: list[tuple[int, _Key]] = []
-        i = 0
-        if not any_slower and not expiring:
-            # Hot path: one hash, one dict.get and one & per block.
-            for h in chain:
-                nxt = cur & gpu_get(hash(h) & 0xFFFFFFFFFFFFFFF, 0)
-                if nxt != cur:
-                    if i:
-                        dropped.append((i, cur ^ nxt))
-                    cur = nxt
-                    if not cur:
-                        break
-                i += 1
-        else:
-            engines = compat.engines
-            group_idx = index.group_idx
-            slower_get = any_slower.get
-            expiring_get = expiring.get
-            heap = self._expiry_heap
-            # The heap's top bounds every live expiry from below: before it, nothing
-            # has expired and no entry needs its own check during the walk.
-            may_have_expired = bool(heap) and heap[0][0] <= now_ms
-            for h in chain:
-                k = hash(h) & 0xFFFFFFFFFFFFFFF  # _KEY_MASK, a constant in the loop
-                g = gpu_get(k, 0)
-                nxt = cur & (g | slower_get(k, 0))
-                if expiring and nxt:
-                    em = expiring_get(k, 0) & nxt
-                    if em:
-                        if may_have_expired:
-                            bits = em
-                            while bits:
-                                low = bits & -bits
-                                bits ^= low
-                                slot = low.bit_length() - 1
-                                eng = engines[slot]
-                                assert eng is not None
-                                if eng.scopes[group_idx].expiry[k] <= now_ms:
-                                    nxt ^= low
-                                    em ^= low
-                                    purge.append((slot, k))
-                        exp_hits.append((k, em))
-                only_slower = nxt & ~g
-                if only_slower:
-                    # Engines holding this block only below GPU: find their fastest tier.
-                    for t in _SLOWER_TIERS:
-                        m = by_tier[t].get(k, 0) & only_slower
-                        if m:
-                            worst[t] = worst.get(t, 0) | m
-                            only_slower ^= m
-                            if not only_slower:
-                                break
-                if nxt != cur:
-                    if i:
-                        dropped.append((i, cur ^ nxt))
-                    cur = nxt
-                    if not cur:
-                        break
-                i += 1
-        if cur:
-            dropped.append((i, cur))
-        if purge:
-            self._purge_expired(compat, index, purge, now_ms)
+        dropped, worst, exp_hits, _ = self._walk(compat, index, cur, chain, now_ms)
         if not dropped:
             return _MISS
         best = dropped[-1][0]
@@ -680,6 +640,166 @@ class Inventory:
                 cand = cache[key] = Candidate(eid, -neg, _TIER_OF[tier_no], expiry, leases)
             candidates.append(cand)
         return LookupAnswer(LookupOutcome.HIT, tuple(candidates), best)
+
+    def match(
+        self,
+        scope: Scope,
+        chain: Sequence[BlockHash],
+        child_engine_ids: Sequence[str],
+        *,
+        now_ms: int,
+    ) -> MatchAnswer:
+        """Each named engine's own longest prefix of `chain` in `scope`, by tier (Score).
+
+        The same walk as `lookup`, started from the named engines that serve with a
+        fresh inventory in this scope's compatibility (reuse gate or not: a router
+        counts an engine's own cache either way); others are left out of the answer.
+        One walk for all of them: O(blocks walked + engines named + (engine, block)
+        pairs held only below GPU), counted in `work`. Expired entries are misses.
+        """
+        if len(chain) > MAX_CHAIN_BLOCKS:
+            raise invalid(f"chain has {len(chain)} blocks; at most {MAX_CHAIN_BLOCKS}")
+        work = len(child_engine_ids)
+        compat = self._compat.get(scope.compatibility_hash)
+        if compat is None:
+            return MatchAnswer({}, work)
+        live = compat.serving | compat.visible
+        asked = 0
+        for cid in child_engine_ids:
+            engine = self._engines.get(cid)
+            if engine is not None and engine.compat is compat and engine.bit & live:
+                asked |= engine.bit
+        if not asked:
+            return MatchAnswer({}, work)
+        index = compat.scopes.get(scope.group_idx)
+        counts: dict[int, dict[int, int]] = {}
+        if index is None or not chain:
+            dropped = [(0, asked)]
+        else:
+            dropped, _, _, visited = self._walk(compat, index, asked, chain, now_ms, counts)
+            work += visited + sum(len(c) for c in counts.values())
+            # The bits that never matched a block stopped at 0 (the walk skips them).
+            matched_any = 0
+            for _, bits in dropped:
+                matched_any |= bits
+            if asked & ~matched_any:
+                dropped.append((0, asked & ~matched_any))
+        engines = compat.engines
+        matches: dict[str, LocalMatch] = {}
+        for matched, bits in dropped:
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                slot = low.bit_length() - 1
+                eng = engines[slot]
+                assert eng is not None
+                slower = [(_TIER_OF[t], c[slot]) for t, c in sorted(counts.items()) if slot in c]
+                on_gpu = matched - sum(n for _, n in slower)
+                by_tier = ((Tier.GPU, on_gpu),) if on_gpu else ()
+                matches[eng.child_engine_id] = LocalMatch(
+                    eng.child_engine_id, matched, by_tier + tuple(slower)
+                )
+        return MatchAnswer(matches, work + len(dropped))
+
+    def _walk(
+        self,
+        compat: _CompatSlots,
+        index: _ScopeIndex,
+        cur: int,
+        chain: Sequence[BlockHash],
+        now_ms: int,
+        counts: dict[int, dict[int, int]] | None = None,
+    ) -> tuple[list[tuple[int, int]], dict[int, int], list[tuple[_Key, int]], int]:
+        """The longest-prefix walk of `chain` for the engines of `cur` (lookup and match).
+
+        Returns (dropped, worst, exp_hits, visited): `dropped` lists (matched blocks,
+        bits that stopped there) in chain order, `worst` maps a slower tier to the bits
+        with a matched block at best in it, `exp_hits` the (block, matched bits with an
+        expiry) met, `visited` the blocks looked at. With `counts`, every (engine,
+        block) held only below GPU is counted under its fastest tier. Expired entries
+        met on the way are purged.
+        """
+        by_tier = index.by_tier
+        gpu_get = by_tier[Tier.GPU].get
+        any_slower = by_tier[_ANY_SLOWER]
+        expiring = index.expiring
+        dropped: list[tuple[int, int]] = []  # (matched blocks, bits that stopped there)
+        worst: dict[int, int] = {}  # tier -> bits with a matched block at best in that tier
+        exp_hits: list[tuple[_Key, int]] = []  # (block, matched bits with an expiry on it)
+        purge: list[tuple[int, _Key]] = []
+        i = 0
+        if not any_slower and not expiring:
+            # Hot path: one hash, one dict.get and one & per block.
+            for h in chain:
+                nxt = cur & gpu_get(hash(h) & 0xFFFFFFFFFFFFFFF, 0)
+                if nxt != cur:
+                    if i:
+                        dropped.append((i, cur ^ nxt))
+                    cur = nxt
+                    if not cur:
+                        break
+                i += 1
+        else:
+            engines = compat.engines
+            group_idx = index.group_idx
+            slower_get = any_slower.get
+            expiring_get = expiring.get
+            heap = self._expiry_heap
+            # The heap's top bounds every live expiry from below: before it, nothing
+            # has expired and no entry needs its own check during the walk.
+            may_have_expired = bool(heap) and heap[0][0] <= now_ms
+            for h in chain:
+                k = hash(h) & 0xFFFFFFFFFFFFFFF  # _KEY_MASK, a constant in the loop
+                g = gpu_get(k, 0)
+                nxt = cur & (g | slower_get(k, 0))
+                if expiring and nxt:
+                    em = expiring_get(k, 0) & nxt
+                    if em:
+                        if may_have_expired:
+                            bits = em
+                            while bits:
+                                low = bits & -bits
+                                bits ^= low
+                                slot = low.bit_length() - 1
+                                eng = engines[slot]
+                                assert eng is not None
+                                if eng.scopes[group_idx].expiry[k] <= now_ms:
+                                    nxt ^= low
+                                    em ^= low
+                                    purge.append((slot, k))
+                        exp_hits.append((k, em))
+                only_slower = nxt & ~g
+                if only_slower:
+                    # Engines holding this block only below GPU: find their fastest tier.
+                    for t in _SLOWER_TIERS:
+                        m = by_tier[t].get(k, 0) & only_slower
+                        if m:
+                            worst[t] = worst.get(t, 0) | m
+                            if counts is not None:
+                                # Score: one count per (engine, block) held only below GPU.
+                                per_slot = counts.setdefault(t, {})
+                                bits = m
+                                while bits:
+                                    low = bits & -bits
+                                    bits ^= low
+                                    slot = low.bit_length() - 1
+                                    per_slot[slot] = per_slot.get(slot, 0) + 1
+                            only_slower ^= m
+                            if not only_slower:
+                                break
+                if nxt != cur:
+                    if i:
+                        dropped.append((i, cur ^ nxt))
+                    cur = nxt
+                    if not cur:
+                        break
+                i += 1
+        if cur:
+            dropped.append((i, cur))
+        if purge:
+            self._purge_expired(compat, index, purge, now_ms)
+        visited = i if cur else min(i + 1, len(chain))
+        return dropped, worst, exp_hits, visited
 
     @staticmethod
     def _simple_answer(
@@ -788,6 +908,10 @@ class Inventory:
             engine.compat.visible |= engine.bit
         else:
             engine.compat.visible &= ~engine.bit
+        if engine.serving and not engine.stale and not engine.dumping:
+            engine.compat.serving |= engine.bit
+        else:
+            engine.compat.serving &= ~engine.bit
 
     def _scope_pair(self, engine: _Engine, group_idx: int) -> tuple[_ScopeIndex, _EngineScope]:
         index = engine.compat.scopes.get(group_idx)

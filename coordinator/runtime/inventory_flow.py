@@ -683,6 +683,8 @@ class InventoryFlow:
         meta.ready = view.ready
         meta.reuse = reuse
         self.inventory.set_ready(child_engine_id, view.ready and reuse.enabled)
+        # Score counts an engine's own cache whatever its reuse gate (docs/score.md).
+        self.inventory.set_serving(child_engine_id, view.ready)
         self._update_gauges()
 
     def _remove_engine(self, child_engine_id: str, meta: _Meta) -> None:

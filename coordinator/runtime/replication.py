@@ -168,8 +168,8 @@ class ReplicatedInventory(Inventory):
         self.on_record: Callable[[], None] = lambda: None  # wakes the store's writer
         self._remote: dict[str, str] = {}  # child engine -> origin replica
         self._origin_seen: dict[str, int] = {}  # origin -> reader's monotonic ms
-        # What was announced of each local engine: (compat, mode, ranks), visible.
-        self._local: dict[str, tuple[Op, bool]] = {}
+        # What was announced of each local engine: (compat, mode, ranks), (visible, serving).
+        self._local: dict[str, tuple[Op, tuple[bool, bool]]] = {}
 
     # --- local changes (recorded after the core accepted them) -----------------------
 
@@ -202,7 +202,7 @@ class ReplicatedInventory(Inventory):
             int(publish_mode),
             [list(k) for k in rank_keys],
         ]
-        self._local[child_engine_id] = (op, False)
+        self._local[child_engine_id] = (op, (False, False))
         self._record(op)
 
     def remove_engine(self, child_engine_id: str) -> int:
@@ -213,10 +213,25 @@ class ReplicatedInventory(Inventory):
 
     def set_ready(self, child_engine_id: str, ready: bool) -> None:
         super().set_ready(child_engine_id, ready)
+        self._record_flags(child_engine_id, ready=ready)
+
+    def set_serving(self, child_engine_id: str, serving: bool) -> None:
+        super().set_serving(child_engine_id, serving)
+        self._record_flags(child_engine_id, serving=serving)
+
+    def _record_flags(
+        self, child_engine_id: str, *, ready: bool | None = None, serving: bool | None = None
+    ) -> None:
         known = self._local.get(child_engine_id)
-        if known is not None and known[1] != ready:  # InventoryFlow refreshes often
-            self._local[child_engine_id] = (known[0], ready)
-            self._record([OP_VISIBLE, child_engine_id, ready])
+        if known is None:
+            return
+        old = known[1]
+        flags = (old[0] if ready is None else ready, old[1] if serving is None else serving)
+        if flags != old:  # InventoryFlow refreshes often
+            self._local[child_engine_id] = (known[0], flags)
+            # The serving flag rides as a 4th element: a replica that predates it reads
+            # op[2] only (its Score then sees only engines that may lend, docs/score.md).
+            self._record([OP_VISIBLE, child_engine_id, flags[0], flags[1]])
 
     def apply(
         self,
@@ -274,10 +289,10 @@ class ReplicatedInventory(Inventory):
         self.outbox_overflowed = False
         self.generation += 1
         self._record([OP_RESET])
-        for child_engine_id, (op, visible) in self._local.items():
+        for child_engine_id, (op, (visible, serving)) in self._local.items():
             self._record(list(op))
-            if visible:
-                self._record([OP_VISIBLE, child_engine_id, True])
+            if visible or serving:
+                self._record([OP_VISIBLE, child_engine_id, visible, serving])
 
     # --- the other replicas' ops --------------------------------------------------------
 
@@ -333,6 +348,8 @@ class ReplicatedInventory(Inventory):
             return False  # an engine this replica does not know from that origin
         if tag == OP_VISIBLE:
             Inventory.set_ready(self, cid, bool(op[2]))
+            # Older replicas send no serving flag: a visible engine serves.
+            Inventory.set_serving(self, cid, bool(op[3]) if len(op) > 3 else bool(op[2]))
         elif tag == OP_APPLY:
             Inventory.apply(
                 self, cid, decode_events(op[3], now_ms), rank_key=_rank(op[2]), now_ms=now_ms
