@@ -21,6 +21,14 @@ RankKey = tuple[int, int, int]
 BlockHash = bytes
 
 
+# DeploymentProfile.extra keys through which an engine declares how it hashes its
+# blocks, so that kvrc can hash a router's token ids the same way (Score only,
+# docs/score.md). The seed is vLLM's PYTHONHASHSEED; absent, the engine's hashes are
+# random per process and no token-id Score can match them.
+PROFILE_EXTRA_HASH_ALGO = "vllm_prefix_caching_hash_algo"
+PROFILE_EXTRA_HASH_SEED = "vllm_hash_seed"
+
+
 class Tier(enum.IntEnum):
     """Where a block lives; lower is faster. Values match `kvrc.v1.Tier`."""
 

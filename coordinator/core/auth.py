@@ -22,6 +22,11 @@ to the `engine_id`s it may act for and to roles:
     engine_ids = ["decode-0"]
     roles = ["read"]            # GetStatus
 
+    [[token]]
+    name = "gateway"
+    sha256 = "..."
+    roles = ["router"]          # Score, and Lookup for any requester: read only
+
 Only SHA-256 digests of tokens are kept in memory; a presented token is hashed
 and compared with `hmac.compare_digest` against every entry (no early exit).
 A child engine belongs to engine E when it is E itself or `E_dp<N>` (vLLM's
@@ -56,8 +61,11 @@ class AuthConfigError(Exception):
 
 
 class Role(enum.Enum):
-    ADMIN = "admin"  # Drain, ResolveQuarantine (and everything READ may do)
+    ADMIN = "admin"  # Drain, ResolveQuarantine (and everything READ and ROUTER may do)
     READ = "read"  # GetStatus
+    # Score, and Lookup for any requester; nothing that changes state (no engine ids:
+    # a router cannot open a session, pin, lease, drain or resolve).
+    ROUTER = "router"
 
 
 class DenyReason(enum.Enum):
@@ -67,6 +75,7 @@ class DenyReason(enum.Enum):
     FOREIGN_ENGINE = "foreign_engine"
     FOREIGN_LEASE = "foreign_lease"
     NOT_ADMIN = "not_admin"
+    NOT_ROUTER = "not_router"
 
 
 class AuthDenied(KvrcError):
@@ -93,6 +102,9 @@ class Principal:
 
     def may_read(self) -> bool:
         return bool(self.roles & {Role.ADMIN, Role.READ})
+
+    def may_route(self) -> bool:
+        return bool(self.roles & {Role.ADMIN, Role.ROUTER})
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +243,29 @@ class AuthPolicy:
                 DenyReason.NOT_ADMIN,
                 f"{method} needs an admin credential; {principal.name!r} is not one",
             )
+
+    @staticmethod
+    def check_router(principal: Principal, method: str) -> None:
+        """Score: a read-only router (or admin) credential."""
+        if not principal.may_route():
+            raise AuthDenied(
+                DenyReason.NOT_ROUTER,
+                f"{method} needs a credential with the router or admin role; "
+                f"{principal.name!r} has neither",
+            )
+
+    @staticmethod
+    def check_lookup(
+        principal: Principal,
+        requester_child_engine_id: str,
+        registered_engine_of: Callable[[str], str | None],
+    ) -> None:
+        """Lookup reads for a requester: its own engine, or a router asking for any."""
+        if principal.may_route():
+            return  # read only: a lookup changes nothing (a router asks for its candidates)
+        AuthPolicy.check_child_engine(
+            principal, requester_child_engine_id, registered_engine_of, "requester_child_engine_id"
+        )
 
     @staticmethod
     def check_read(principal: Principal, method: str) -> None:

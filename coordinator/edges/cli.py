@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest wait between ResyncRequests to one stale stream (%(default)s)",
     )
     serve.add_argument(
+        "--score-prefill-tokens-per-s",
+        type=float,
+        default=defaults.score_prefill_tokens_per_s,
+        help="Score's prefill rate for the predicted saving of local matches, until the "
+        "cost model measures it (%(default)s; docs/score.md)",
+    )
+    serve.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=defaults.shutdown_grace_s,
@@ -315,6 +322,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         resync_retry_initial_ms=args.resync_retry_ms,
         resync_retry_max_ms=args.resync_retry_max_ms,
         store=store,
+        score_prefill_tokens_per_s=args.score_prefill_tokens_per_s,
     )
 
 

@@ -99,6 +99,14 @@ class _Gate:
         if principal is not None:
             AuthPolicy.check_read(principal, method)
 
+    def router(self, principal: Principal | None, method: str) -> None:
+        if principal is not None:
+            AuthPolicy.check_router(principal, method)
+
+    def lookup(self, principal: Principal | None, requester: str) -> None:
+        if principal is not None:
+            AuthPolicy.check_lookup(principal, requester, self._engine_of)
+
     def _engine_of(self, child_engine_id: str) -> str | None:
         view = self._registry.get(child_engine_id)
         return view.engine_id if view is not None else None
@@ -297,7 +305,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         async def call() -> pb.LookupResponse:
             principal = self._gate.authenticate(context)
             requester, queries = wire.lookup_request_from_proto(request, self._bounds)
-            self._gate.child_engine(principal, requester, "requester_child_engine_id")
+            self._gate.lookup(principal, requester)
             results = self._coordinator.inventory.lookup_many(requester, queries)
             return wire.lookup_response_to_proto(results, self._coordinator.clock)
 
@@ -450,3 +458,25 @@ class AdminService(pb_grpc.AdminServiceServicer):
             return pb.ResolveQuarantineResponse(state=pb.LeaseState.ValueType(view.state.value))
 
         return await self._observed.unary("ResolveQuarantine", context, call)
+
+
+class RouterService(pb_grpc.RouterServiceServicer):
+    """Score for routers: read only (docs/score.md)."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+        self._observed = _Observed(coordinator)
+        self._gate = _Gate(coordinator)
+
+    async def Score(self, request: pb.ScoreRequest, context: Context) -> pb.ScoreResponse:
+        async def call() -> pb.ScoreResponse:
+            self._gate.router(self._gate.authenticate(context), "Score")
+            inventory = self._coordinator.inventory
+            try:
+                query = wire.score_request_from_proto(request, self._coordinator.config.bounds)
+            except KvrcError:
+                inventory.count_score_refused()
+                raise
+            return wire.score_response_to_proto(inventory.score(query))
+
+        return await self._observed.unary("Score", context, call)

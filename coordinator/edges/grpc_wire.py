@@ -37,6 +37,13 @@ from coordinator.core.leases import (
 )
 from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, RankPartRegistration
+from coordinator.core.score import (
+    MAX_SCORE_BLOCKS,
+    MAX_SCORE_CANDIDATES,
+    MAX_SCORE_TOKENS,
+    ScoreAnswer,
+    ScoreQuery,
+)
 from coordinator.edges.zmq_ingest import ZmqStreamConfig, publisher_host, subscriber_endpoint
 from coordinator.runtime.clock import Clock, from_unix_ms, to_unix_ms
 from coordinator.runtime.config import FieldBounds
@@ -545,6 +552,81 @@ def lookup_response_to_proto(results: Sequence[LookupResult], clock: Clock) -> p
                 leases_in_flight=c.leases_in_flight,
             )
         result.reuse.CopyFrom(_reuse_proto(r.reuse))
+    return response
+
+
+# --- score (routers) ------------------------------------------------------------------
+
+
+def score_request_from_proto(msg: pb.ScoreRequest, bounds: FieldBounds) -> ScoreQuery:
+    """INVALID_ARGUMENT naming the field and the limit; sizes before any copy."""
+    if not msg.HasField("scope"):
+        raise invalid("scope is missing: name at least scope.model")
+    scope = msg.scope
+    model = check_text("scope.model", scope.model, bounds)
+    if not model:
+        raise invalid("scope.model is empty: name the model whose engines to score")
+    lora = check_text("scope.lora_name", scope.lora_name, bounds)
+    salt = check_text("scope.cache_salt", scope.cache_salt, bounds)
+    group_idx = _group("scope", scope.group_idx)
+    n = len(msg.candidate_child_engine_ids)
+    if n > MAX_SCORE_CANDIDATES:
+        raise invalid(
+            f"candidate_child_engine_ids has {n} entries; the limit is {MAX_SCORE_CANDIDATES}"
+        )
+    candidates = tuple(
+        check_id(f"candidate_child_engine_ids[{i}]", c, bounds)
+        for i, c in enumerate(msg.candidate_child_engine_ids)
+    )
+    kind = msg.WhichOneof("prompt")
+    token_ids: tuple[int, ...] | None = None
+    hashes: tuple[bytes, ...] | None = None
+    if kind == "token_ids":
+        count = len(msg.token_ids.ids)
+        if count > MAX_SCORE_TOKENS:
+            raise invalid(f"token_ids has {count} tokens; the limit is {MAX_SCORE_TOKENS}")
+        if not count:
+            raise invalid("token_ids is empty: send the prompt's token ids")
+        token_ids = tuple(msg.token_ids.ids)
+    elif kind == "block_hashes":
+        hashes = check_block_hashes("block_hashes", msg.block_hashes.hashes, MAX_SCORE_BLOCKS)
+        if not hashes:
+            raise invalid("block_hashes is empty: send the prompt's chain")
+    else:
+        raise invalid("no prompt: send token_ids or block_hashes")
+    return ScoreQuery(
+        model=model,
+        token_ids=token_ids,
+        block_hashes=hashes,
+        lora_name=lora,
+        cache_salt=salt,
+        group_idx=group_idx,
+        candidates=candidates,
+    )
+
+
+def score_response_to_proto(answer: ScoreAnswer) -> pb.ScoreResponse:
+    response = pb.ScoreResponse(
+        reuse_enabled=answer.reuse_enabled,
+        reuse_detail=answer.reuse_detail,
+        prediction_basis=answer.prediction_basis,
+    )
+    for e in answer.engines:
+        out = response.engines.add(
+            child_engine_id=e.child_engine_id,
+            scored=e.scored,
+            detail=e.detail,
+            prompt_blocks=e.prompt_blocks,
+            local_matched_blocks=e.local_matched_blocks,
+            loadable_blocks=e.loadable_blocks,
+            holder_child_engine_id=e.holder_child_engine_id,
+            holder_tier=pb.Tier.ValueType(e.holder_tier or 0),
+            predicted_saving_ms=e.predicted_saving_ms,
+        )
+        for tier, blocks in e.local_by_tier:
+            out.local_by_tier.add(tier=pb.Tier.ValueType(tier), blocks=blocks)
+        if e.reuse is not None:
+            out.reuse.CopyFrom(_reuse_proto(e.reuse))
     return response
 
 

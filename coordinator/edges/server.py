@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from coordinator.core.auth import describe as describe_auth
-from coordinator.edges.grpc_servicers import AdminService, EngineService
+from coordinator.edges.grpc_servicers import AdminService, EngineService, RouterService
 from coordinator.edges.tls import server_credentials
 from coordinator.edges.zmq_ingest import vllm_event_streams
 from coordinator.runtime.config import ConfigError, CoordinatorConfig, is_loopback_host
@@ -43,6 +43,7 @@ log = logging.getLogger("kvrc.server")
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["EngineService"].full_name,
     pb.DESCRIPTOR.services_by_name["AdminService"].full_name,
+    pb.DESCRIPTOR.services_by_name["RouterService"].full_name,
 )
 
 
@@ -108,6 +109,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     server = grpc.aio.server(options=_server_options(config))
     pb_grpc.add_EngineServiceServicer_to_server(EngineService(coordinator), server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminService(coordinator), server)
+    pb_grpc.add_RouterServiceServicer_to_server(RouterService(coordinator), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in SERVICE_NAMES:

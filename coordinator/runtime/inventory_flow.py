@@ -63,6 +63,16 @@ from coordinator.core.inventory import (
 )
 from coordinator.core.profiles import ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, RankPartRegistration, Registry, grid_ranks
+from coordinator.core.score import (
+    DeclaredRatePredictor,
+    SavingPredictor,
+    ScoreAnswer,
+    ScoreEngine,
+    ScoreQuery,
+    TokenHasher,
+    no_token_hashing,
+    score,
+)
 from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.metrics import Metrics
@@ -121,6 +131,15 @@ class LookupVerdict(enum.Enum):
     REUSE_UNAVAILABLE = "reuse_unavailable"
 
 
+class ScoreOutcome(enum.Enum):
+    """Outcome of one Score call; values are the `kvrc_score_requests_total` outcomes."""
+
+    HIT = "hit"  # some engine scored a local or loadable block
+    MISS = "miss"  # engines scored, none holds the prompt's first block
+    NO_ENGINES = "no_engines"  # no engine could be scored (none of the model, or none READY)
+    REFUSED = "refused"  # bad input or a hash configuration kvrc does not know
+
+
 _VERDICT = {
     LookupOutcome.HIT: LookupVerdict.HIT,
     LookupOutcome.MISS: LookupVerdict.MISS,
@@ -172,6 +191,7 @@ _DISABLED = ReuseStatus(
     ReuseReason.DISABLED_BY_COORDINATOR,
     "reuse is off on this coordinator (start it with --reuse on)",
 )
+_REUSE_ON = ReuseStatus(True, ReuseReason.ENABLED, "reuse is on on this coordinator")
 _UNKNOWN = ReuseStatus(
     False, ReuseReason.REQUESTER_UNKNOWN, "the requester is not a registered child engine"
 )
@@ -241,6 +261,13 @@ class InventoryFlow:
         self.on_stale_changed: Callable[[str], None] = lambda child_engine_id: None
         # One pending retry per stale gRPC stream (bounded by the streams).
         self._resyncs: dict[StreamKey, _ResyncRetry] = {}
+        # Score's seams (coordinator/core/score.py): vLLM's hashing of token ids and the
+        # predicted saving. Stand-ins until vllm_hashing and the cost model are wired.
+        self.token_hasher: TokenHasher = no_token_hashing
+        fallback = DeclaredRatePredictor(config.score_prefill_tokens_per_s)
+        self.saving_predictor: SavingPredictor = fallback
+        self.prediction_basis = fallback.basis
+        self._m_scores = {o: metrics.score_requests.labels(outcome=o.value) for o in ScoreOutcome}
         m = metrics
         # Label children bound once: the lookup path is hot.
         self._m_lookups = {v: m.lookups.labels(outcome=v.value) for v in LookupVerdict}
@@ -588,6 +615,62 @@ class InventoryFlow:
         )
         return (result.candidates[0] if result.candidates else None), result
 
+    # --- score (routers) ------------------------------------------------------------
+
+    def score(self, query: ScoreQuery) -> ScoreAnswer:
+        """One Score request: the engines to score from the registry, then one core call.
+
+        Read only: nothing here changes state (expired entries met are purged, as a
+        lookup does). Raises INVALID_ARGUMENT / FAILED_PRECONDITION, counted refused.
+        """
+        started = time.perf_counter()
+        if query.candidates:
+            views = [(cid, self._registry.get(cid)) for cid in query.candidates]
+        else:
+            views = [
+                (v.child_engine_id, v)
+                for v in self._registry.views()
+                if v.profile.model == query.model
+            ]
+        engines = [
+            ScoreEngine(cid, None)
+            if view is None
+            else ScoreEngine(
+                cid, view.profile, view.compatibility_hash, view.ready, self.reuse_gate(cid)
+            )
+            for cid, view in views
+        ]
+        # The coordinator's gate (I1-reuse-off): off or warming, local matches only.
+        reuse = (self.warming() or _REUSE_ON) if self._config.reuse else _DISABLED
+        try:
+            answer = score(
+                self.inventory,
+                query,
+                engines,
+                now_ms=self._clock_ms(),
+                reuse=reuse,
+                predictor=self.saving_predictor,
+                prediction_basis=self.prediction_basis,
+                hasher=self.token_hasher,
+                leases_in_flight=self._leases_in_flight(),
+            )
+        except KvrcError:
+            self.count_score_refused()
+            raise
+        self._metrics.score_duration.observe(time.perf_counter() - started)
+        scored = [e for e in answer.engines if e.scored]
+        if not scored:
+            outcome = ScoreOutcome.NO_ENGINES
+        elif any(e.local_matched_blocks or e.loadable_blocks for e in scored):
+            outcome = ScoreOutcome.HIT
+        else:
+            outcome = ScoreOutcome.MISS
+        self._m_scores[outcome].inc()
+        return answer
+
+    def count_score_refused(self) -> None:
+        self._m_scores[ScoreOutcome.REFUSED].inc()
+
     # --- status ------------------------------------------------------------------
 
     def is_stale(self, child_engine_id: str) -> bool:
@@ -771,4 +854,5 @@ __all__ = [
     "LookupResult",
     "LookupVerdict",
     "ResyncOrder",
+    "ScoreOutcome",
 ]

@@ -240,6 +240,20 @@ class Metrics:
         )
 
         # --- Security ---------------------------------------------------------
+        # --- Score (routers) ----------------------------------------------------
+        self.score_requests = Counter(
+            "kvrc_score_requests_total",
+            "Score calls, by outcome (hit, miss, no_engines, refused).",
+            ["outcome"],
+            registry=r,
+        )
+        self.score_duration = Histogram(
+            "kvrc_score_duration_seconds",
+            "Coordinator time to answer one Score call, hashing included.",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+
         self.auth_denied = Counter(
             "kvrc_auth_denied_total",
             "Requests refused for identity reasons, by reason "

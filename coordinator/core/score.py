@@ -1,0 +1,411 @@
+"""Score: how much of a prompt each child engine holds, for routers (docs/score.md).
+
+Pure and synchronous (no I/O, no clock: `now_ms` is an argument). `score` is the
+one core call of a `Score` RPC: it hashes token ids (through the `TokenHasher`
+seam) once per distinct hash configuration, walks the inventory once per
+compatibility scope for the engines' own prefixes (`Inventory.match`), asks the
+same ranking a prefix load uses for the best holders (`Inventory.lookup`, top
+two, so that an engine is never its own holder), and prices each engine's match
+through the `SavingPredictor` seam. Work per request is O(prompt blocks x
+distinct scopes + engines scored), counted in `ScoreAnswer.work`, never
+O(blocks x engines).
+
+Two seams, each with an honest stand-in until its branch lands:
+
+- `TokenHasher`: vLLM's block hashing (coordinator/core/vllm_hashing.py, issue
+  #25 item 3). `no_token_hashing` refuses token ids with FAILED_PRECONDITION
+  saying so; block hashes work without it.
+- `SavingPredictor`: the per-pair cost model (coordinator/core/cost_model.py).
+  `DeclaredRatePredictor` credits local matches with their recompute time at a
+  declared prefill rate and loadable blocks with nothing: without a measured link
+  a load may cost more than the recompute (I4-advisory: a hint must not promise
+  a saving it cannot back).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from coordinator.core.errors import failed_precondition, invalid
+from coordinator.core.inventory import MAX_CANDIDATES, MAX_CHAIN_BLOCKS, Inventory, Scope
+from coordinator.core.profiles import DeploymentProfile, ReuseStatus
+from kvrc.vocabulary import PROFILE_EXTRA_HASH_ALGO, PROFILE_EXTRA_HASH_SEED, BlockHash, Tier
+
+MAX_SCORE_TOKENS = 65_536  # token ids in one request (256 KiB packed)
+MAX_SCORE_BLOCKS = MAX_CHAIN_BLOCKS  # block hashes in one request; token ids: scored blocks
+MAX_SCORE_CANDIDATES = MAX_CANDIDATES  # candidate child engines in one request
+_HOLDERS = 2  # the best holder other than the engine itself is among the top two
+
+_NO_LEASES: Mapping[str, int] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class HashSpec:
+    """How an engine hashes its blocks (vllm_hashing's HashConfig carries the same)."""
+
+    algo: str  # vLLM's --prefix-caching-hash-algo, e.g. "sha256_cbor"
+    block_size: int
+    seed: str  # PYTHONHASHSEED of the engine
+
+
+def hash_spec(child_engine_id: str, profile: DeploymentProfile) -> HashSpec:
+    """The engine's declared hash configuration; FAILED_PRECONDITION when it has none."""
+    extra = dict(profile.extra)
+    algo = extra.get(PROFILE_EXTRA_HASH_ALGO, "")
+    seed = extra.get(PROFILE_EXTRA_HASH_SEED)
+    if not algo or seed is None or profile.block_size < 1:
+        missing = [
+            k
+            for k, bad in (
+                (PROFILE_EXTRA_HASH_ALGO, not algo),
+                (PROFILE_EXTRA_HASH_SEED, seed is None),
+                ("block_size", profile.block_size < 1),
+            )
+            if bad
+        ]
+        raise failed_precondition(
+            f"token-id Score: the hash configuration of child engine {child_engine_id!r} is "
+            f"not known (its deployment profile lacks {', '.join(missing)}; an engine "
+            "without PYTHONHASHSEED hashes randomly and cannot be matched): send "
+            "block_hashes, or have the engine declare them"
+        )
+    return HashSpec(algo, profile.block_size, seed)
+
+
+class TokenHasher(Protocol):
+    """Token ids -> the inventory's key form of each full block, first block first."""
+
+    def __call__(
+        self,
+        token_ids: Sequence[int],
+        spec: HashSpec,
+        *,
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> Sequence[BlockHash]: ...
+
+
+def no_token_hashing(
+    token_ids: Sequence[int],
+    spec: HashSpec,
+    *,
+    lora_name: str | None,
+    cache_salt: str | None,
+) -> Sequence[BlockHash]:
+    """The stand-in until coordinator/core/vllm_hashing.py lands: refuses, saying so."""
+    raise failed_precondition(
+        "token-id Score needs vLLM block hashing, which this kvrc build does not have yet "
+        "(issue #25 item 3): send block_hashes instead"
+    )
+
+
+class Prediction(Protocol):
+    """What a predictor says about moving or recomputing some tokens."""
+
+    @property
+    def load_ms(self) -> float: ...
+
+    @property
+    def recompute_ms(self) -> float: ...
+
+
+class SavingPredictor(Protocol):
+    """The cost model's seam: the predicted load and recompute time of `num_tokens`."""
+
+    def predict(
+        self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
+    ) -> Prediction: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RatePrediction:
+    load_ms: float
+    recompute_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredRatePredictor:
+    """The fallback before the cost model: recompute at a declared prefill rate, and a
+    load of unknown cost (infinite), so loadable blocks are never credited."""
+
+    prefill_tokens_per_s: float
+
+    def __post_init__(self) -> None:
+        if not self.prefill_tokens_per_s > 0:
+            raise invalid(f"prefill rate must be > 0 tokens/s, got {self.prefill_tokens_per_s}")
+
+    @property
+    def basis(self) -> str:
+        return (
+            f"local matches at a declared prefill rate of {self.prefill_tokens_per_s:g} "
+            "tokens/s; loads not credited (no cost model yet)"
+        )
+
+    def predict(
+        self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
+    ) -> RatePrediction:
+        return RatePrediction(math.inf, num_tokens * 1000.0 / self.prefill_tokens_per_s)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreQuery:
+    """One Score request, validated at the wire (and its bounds again here)."""
+
+    model: str
+    token_ids: tuple[int, ...] | None = None
+    block_hashes: tuple[BlockHash, ...] | None = None
+    lora_name: str = ""
+    cache_salt: str = ""
+    group_idx: int = 0
+    candidates: tuple[str, ...] = ()  # empty: every engine registered with `model`
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreEngine:
+    """What the runtime knows of one engine to score (from the registry)."""
+
+    child_engine_id: str
+    profile: DeploymentProfile | None  # None: not registered
+    compatibility_hash: str = ""
+    ready: bool = False
+    reuse: ReuseStatus | None = None  # may it load prefixes (the reuse gate)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineScore:
+    child_engine_id: str
+    scored: bool
+    detail: str
+    prompt_blocks: int = 0
+    local_matched_blocks: int = 0
+    local_by_tier: tuple[tuple[Tier, int], ...] = ()
+    loadable_blocks: int = 0
+    holder_child_engine_id: str = ""
+    holder_tier: Tier | None = None
+    predicted_saving_ms: float = 0.0
+    reuse: ReuseStatus | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreAnswer:
+    engines: tuple[EngineScore, ...]  # scored first, best first (rank_key)
+    reuse_enabled: bool
+    reuse_detail: str
+    prediction_basis: str
+    work: int  # tokens hashed + blocks walked + engines + drop points (see module doc)
+
+
+def check_query(query: ScoreQuery) -> None:
+    """INVALID_ARGUMENT naming the limit; the wire checks the same with field names."""
+    if not query.model:
+        raise invalid("scope.model is empty: name the model whose engines to score")
+    if (query.token_ids is None) == (query.block_hashes is None):
+        raise invalid("send exactly one of token_ids and block_hashes")
+    if query.token_ids is not None and len(query.token_ids) > MAX_SCORE_TOKENS:
+        raise invalid(
+            f"token_ids has {len(query.token_ids)} tokens; the limit is {MAX_SCORE_TOKENS}"
+        )
+    if query.block_hashes is not None and len(query.block_hashes) > MAX_SCORE_BLOCKS:
+        raise invalid(
+            f"block_hashes has {len(query.block_hashes)} hashes; the limit is {MAX_SCORE_BLOCKS}"
+        )
+    if len(query.candidates) > MAX_SCORE_CANDIDATES:
+        raise invalid(
+            f"candidate_child_engine_ids has {len(query.candidates)} entries; the limit is "
+            f"{MAX_SCORE_CANDIDATES}"
+        )
+    seen: set[str] = set()
+    for c in query.candidates:
+        if c in seen:
+            raise invalid(f"candidate_child_engine_ids names {c!r} twice")
+        seen.add(c)
+
+
+def kv_bytes_per_token(profile: DeploymentProfile) -> int:
+    """K and V of every layer and KV head; 0 when the profile does not say (the
+    predictor then goes by tokens). MLA and other layouts differ: the cost model
+    learns bytes from reports instead."""
+    width = _DTYPE_BYTES.get(profile.kv_dtype.lower(), 0)
+    return 2 * profile.num_layers * profile.num_kv_heads * profile.head_size * width
+
+
+_DTYPE_BYTES = {
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "float32": 4,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+
+
+def rank_key(s: EngineScore) -> tuple[bool, float, int, int, str]:
+    """Scored first; then predicted saving, local blocks, loadable blocks; then id."""
+    return (
+        not s.scored,
+        -s.predicted_saving_ms,
+        -s.local_matched_blocks,
+        -s.loadable_blocks,
+        s.child_engine_id,
+    )
+
+
+def score(
+    inventory: Inventory,
+    query: ScoreQuery,
+    engines: Sequence[ScoreEngine],
+    *,
+    now_ms: int,
+    reuse: ReuseStatus,
+    predictor: SavingPredictor,
+    prediction_basis: str,
+    hasher: TokenHasher = no_token_hashing,
+    leases_in_flight: Mapping[str, int] = _NO_LEASES,
+) -> ScoreAnswer:
+    """Scores `engines` for `query` (see the module doc). Raises, changing nothing:
+    INVALID_ARGUMENT beyond the bounds, FAILED_PRECONDITION for token ids whose
+    hashing an engine has not declared. `reuse` is the coordinator's gate (switch,
+    warm-up): closed, only local matches count (I1-reuse-off)."""
+    check_query(query)
+    work = len(engines)
+    out: dict[str, EngineScore] = {}
+    # Scorable engines grouped by what their chain depends on: compatibility (the
+    # inventory scope) and, for token ids, how they hash.
+    groups: dict[tuple[str, HashSpec | None], list[ScoreEngine]] = {}
+    for e in engines:
+        why = _unscorable(e, query.model)
+        if why:
+            out[e.child_engine_id] = EngineScore(e.child_engine_id, False, why, reuse=e.reuse)
+            continue
+        assert e.profile is not None
+        spec = hash_spec(e.child_engine_id, e.profile) if query.token_ids is not None else None
+        groups.setdefault((e.compatibility_hash, spec), []).append(e)
+    chains: dict[HashSpec, tuple[BlockHash, ...]] = {}
+    for (compat, spec), members in groups.items():
+        if spec is None:
+            assert query.block_hashes is not None
+            chain = query.block_hashes
+        else:
+            assert query.token_ids is not None
+            hashed = chains.get(spec)
+            if hashed is None:
+                work += len(query.token_ids)
+                keys = hasher(
+                    query.token_ids,
+                    spec,
+                    lora_name=query.lora_name or None,
+                    cache_salt=query.cache_salt or None,
+                )
+                # Prompts past the chain bound are scored on their first blocks.
+                hashed = chains[spec] = tuple(keys[:MAX_SCORE_BLOCKS])
+            chain = hashed
+        scope = Scope(compat, query.group_idx)
+        local = inventory.match(scope, chain, [e.child_engine_id for e in members], now_ms=now_ms)
+        work += local.work
+        holders: tuple[tuple[str, int, Tier], ...] = ()
+        if reuse.enabled and any(e.reuse is not None and e.reuse.enabled for e in members):
+            answer = inventory.lookup(
+                scope,
+                chain,
+                now_ms=now_ms,
+                max_candidates=_HOLDERS,
+                leases_in_flight=leases_in_flight,
+            )
+            work += len(chain) + len(answer.candidates)
+            holders = tuple(
+                (c.child_engine_id, c.matched_blocks, c.tier) for c in answer.candidates
+            )
+        for e in members:
+            m = local.matches.get(e.child_engine_id)
+            if m is None:
+                out[e.child_engine_id] = EngineScore(
+                    e.child_engine_id,
+                    False,
+                    "its inventory is stale (a full dump is awaited): its matches are unknown",
+                    reuse=e.reuse,
+                )
+                continue
+            out[e.child_engine_id] = _priced(
+                e, len(chain), m.matched_blocks, m.by_tier, holders, predictor
+            )
+    ranked = tuple(sorted(out.values(), key=rank_key))
+    return ScoreAnswer(ranked, reuse.enabled, reuse.detail, prediction_basis, work)
+
+
+def _unscorable(e: ScoreEngine, model: str) -> str:
+    if e.profile is None:
+        return "not a registered child engine"
+    if e.profile.model != model:
+        return f"serves model {e.profile.model!r}, not {model!r}"
+    if not e.ready:
+        return "not READY (a rank part of its grid is missing)"
+    return ""
+
+
+def _priced(
+    e: ScoreEngine,
+    prompt_blocks: int,
+    matched: int,
+    by_tier: tuple[tuple[Tier, int], ...],
+    holders: tuple[tuple[str, int, Tier], ...],
+    predictor: SavingPredictor,
+) -> EngineScore:
+    assert e.profile is not None
+    block_size = e.profile.block_size
+    per_token = kv_bytes_per_token(e.profile)
+    me = e.child_engine_id
+    saving = 0.0
+    if matched:
+        tokens = matched * block_size
+        fastest = by_tier[0][0] if by_tier else Tier.GPU
+        # A local hit is prefill not run: its whole recompute time is saved.
+        saving += predictor.predict(me, me, fastest, tokens, tokens * per_token).recompute_ms
+    loadable = 0
+    holder = ""
+    holder_tier: Tier | None = None
+    if e.reuse is not None and e.reuse.enabled:
+        best = next((h for h in holders if h[0] != me), None)
+        if best is not None and best[1] > matched:
+            holder, loadable, holder_tier = best[0], best[1] - matched, best[2]
+            tokens = loadable * block_size
+            p = predictor.predict(holder, me, best[2], tokens, tokens * per_token)
+            # A load saves only what it beats the recompute by (never negative).
+            if p.load_ms < p.recompute_ms:
+                saving += p.recompute_ms - p.load_ms
+    return EngineScore(
+        me,
+        True,
+        "",
+        prompt_blocks=prompt_blocks,
+        local_matched_blocks=matched,
+        local_by_tier=by_tier,
+        loadable_blocks=loadable,
+        holder_child_engine_id=holder,
+        holder_tier=holder_tier,
+        predicted_saving_ms=saving,
+        reuse=e.reuse,
+    )
+
+
+__all__ = [
+    "MAX_SCORE_BLOCKS",
+    "MAX_SCORE_CANDIDATES",
+    "MAX_SCORE_TOKENS",
+    "DeclaredRatePredictor",
+    "EngineScore",
+    "HashSpec",
+    "Prediction",
+    "SavingPredictor",
+    "ScoreAnswer",
+    "ScoreEngine",
+    "ScoreQuery",
+    "TokenHasher",
+    "check_query",
+    "hash_spec",
+    "no_token_hashing",
+    "score",
+]
