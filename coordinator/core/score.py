@@ -4,8 +4,8 @@ Pure and synchronous (no I/O, no clock: `now_ms` is an argument). `score` is the
 one core call of a `Score` RPC: it hashes token ids (through the `TokenHasher`
 seam) once per distinct hash configuration, walks the inventory once per
 compatibility scope for the engines' own prefixes (`Inventory.match`), asks the
-same ranking a prefix load uses for the best holders (`Inventory.lookup`, top
-two, so that an engine is never its own holder), and prices each engine's match
+same ranking a prefix load uses for the best holder (`Inventory.lookup`, top
+one), and prices each engine's match
 through the `SavingPredictor` seam. Work per request is O(prompt blocks x
 distinct scopes + engines scored), counted in `ScoreAnswer.work`, never
 O(blocks x engines).
@@ -37,7 +37,9 @@ from kvrc.vocabulary import PROFILE_EXTRA_HASH_ALGO, PROFILE_EXTRA_HASH_SEED, Bl
 MAX_SCORE_TOKENS = 65_536  # token ids in one request (256 KiB packed)
 MAX_SCORE_BLOCKS = MAX_CHAIN_BLOCKS  # block hashes in one request; token ids: scored blocks
 MAX_SCORE_CANDIDATES = MAX_CANDIDATES  # candidate child engines in one request
-_HOLDERS = 2  # the best holder other than the engine itself is among the top two
+# The top holder only: when it is the engine itself nobody holds more than its own
+# match, so there is nothing to load either way.
+_HOLDERS = 1
 
 _NO_LEASES: Mapping[str, int] = {}
 
@@ -368,8 +370,9 @@ def _priced(
     holder = ""
     holder_tier: Tier | None = None
     if e.reuse is not None and e.reuse.enabled:
-        best = next((h for h in holders if h[0] != me), None)
-        if best is not None and best[1] > matched:
+        best = holders[0] if holders else None
+        # Only a longer prefix than the engine's own is loadable (never from itself).
+        if best is not None and best[0] != me and best[1] > matched:
             holder, loadable, holder_tier = best[0], best[1] - matched, best[2]
             tokens = loadable * block_size
             p = predictor.predict(holder, me, best[2], tokens, tokens * per_token)

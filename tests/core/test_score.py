@@ -1,0 +1,416 @@
+"""Score on plain data (coordinator/core/score.py, Inventory.match): docs/score.md.
+
+A hypothesis model checks every answer against a brute-force longest prefix over
+the same facts; the other tests pin the bounds, the reuse-off answer, the token-id
+seam and its refusal, and that the work per request does not grow with engines
+that are not asked about.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.core.errors import ErrorCode, KvrcError
+from coordinator.core.events import BlockRemoved, BlockStored
+from coordinator.core.inventory import Inventory, Scope
+from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
+from coordinator.core.score import (
+    MAX_SCORE_CANDIDATES,
+    MAX_SCORE_TOKENS,
+    DeclaredRatePredictor,
+    HashSpec,
+    RatePrediction,
+    ScoreAnswer,
+    ScoreEngine,
+    ScoreQuery,
+    no_token_hashing,
+    score,
+)
+from kvrc.vocabulary import PROFILE_EXTRA_HASH_ALGO, PROFILE_EXTRA_HASH_SEED, Tier
+
+COMPAT = "compat-a"
+ON = ReuseStatus(True, ReuseReason.ENABLED, "on")
+OFF = ReuseStatus(False, ReuseReason.DISABLED_BY_COORDINATOR, "reuse is off")
+RATE = DeclaredRatePredictor(1000.0)  # 1 token per ms: savings read as token counts
+PROFILE = DeploymentProfile(
+    model="m",
+    block_size=4,
+    extra=((PROFILE_EXTRA_HASH_ALGO, "sha256_cbor"), (PROFILE_EXTRA_HASH_SEED, "0")),
+)
+
+
+def chain(n: int, tag: int = 0) -> tuple[bytes, ...]:
+    return tuple(bytes([tag, i % 256, i // 256]) * 3 for i in range(n))
+
+
+CHAIN = chain(12)
+
+
+def store(inv: Inventory, cid: str, hashes: Sequence[bytes], tier: Tier = Tier.GPU) -> None:
+    inv.apply(cid, [BlockStored(tuple(hashes), None, 4 * len(hashes), tier)])
+
+
+def add(inv: Inventory, cid: str, *, visible: bool = True, serving: bool = True) -> None:
+    inv.add_engine(cid, COMPAT)
+    inv.set_ready(cid, visible)
+    inv.set_serving(cid, serving)
+
+
+def engine(cid: str, reuse: ReuseStatus = ON, **kw: object) -> ScoreEngine:
+    return ScoreEngine(cid, replace(PROFILE, **kw), COMPAT, True, reuse)  # type: ignore[arg-type]
+
+
+def run(
+    inv: Inventory,
+    engines: Sequence[ScoreEngine],
+    hashes: tuple[bytes, ...] = CHAIN,
+    *,
+    reuse: ReuseStatus = ON,
+    predictor: object = RATE,
+    **kw: object,
+) -> ScoreAnswer:
+    query = ScoreQuery(model="m", block_hashes=hashes, **kw)  # type: ignore[arg-type]
+    return score(
+        inv,
+        query,
+        engines,
+        now_ms=0,
+        reuse=reuse,
+        predictor=predictor,  # type: ignore[arg-type]
+        prediction_basis="test",
+    )
+
+
+def by_id(answer: ScoreAnswer) -> dict[str, tuple[int, int, str]]:
+    return {
+        e.child_engine_id: (e.local_matched_blocks, e.loadable_blocks, e.holder_child_engine_id)
+        for e in answer.engines
+    }
+
+
+# --- the model ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class World:
+    holdings: dict[str, dict[int, frozenset[Tier]]]  # engine -> block index -> tiers
+    visible: dict[str, bool]  # may lend (reuse gate open)
+    serving: dict[str, bool]
+    stale: dict[str, bool]
+    asked: tuple[str, ...]
+    gates: dict[str, bool]  # the asked engine may load
+
+
+NAMES = ("e0", "e1", "e2", "e3", "e4")
+TIERS = st.sampled_from([Tier.GPU, Tier.GPU, Tier.CPU, Tier.DISK])
+
+
+@st.composite
+def worlds(draw: st.DrawFn) -> World:
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=5, unique=True))
+    holdings: dict[str, dict[int, frozenset[Tier]]] = {}
+    for name in names:
+        # Mostly prefixes with holes, so matches stop at different places.
+        blocks = draw(st.lists(st.integers(0, 11), max_size=12, unique=True))
+        holdings[name] = {
+            b: frozenset(draw(st.lists(TIERS, min_size=1, max_size=2))) for b in blocks
+        }
+        if draw(st.booleans()):
+            holdings[name].update(
+                {b: frozenset({Tier.GPU}) for b in range(draw(st.integers(0, 12)))}
+            )
+    flags = {n: draw(st.tuples(st.booleans(), st.booleans(), st.booleans())) for n in names}
+    asked = tuple(draw(st.lists(st.sampled_from(names), min_size=1, unique=True)))
+    return World(
+        holdings,
+        {n: f[0] for n, f in flags.items()},
+        {n: f[0] or f[1] for n, f in flags.items()},  # the flow sets visible only when serving
+        {n: f[2] and draw(st.booleans()) for n, f in flags.items()},
+        asked,
+        {n: draw(st.booleans()) for n in asked},
+    )
+
+
+def build(world: World) -> Inventory:
+    inv = Inventory()
+    for name, blocks in world.holdings.items():
+        add(inv, name, visible=world.visible[name], serving=world.serving[name])
+        for b, tiers in blocks.items():
+            for t in tiers:
+                store(inv, name, [CHAIN[b]], t)
+        if world.stale[name]:
+            inv.mark_stale(name)
+    return inv
+
+
+def brute_prefix(blocks: dict[int, frozenset[Tier]]) -> int:
+    n = 0
+    while n in blocks:
+        n += 1
+    return n
+
+
+def brute_tiers(blocks: dict[int, frozenset[Tier]], n: int) -> tuple[tuple[Tier, int], ...]:
+    counts: dict[Tier, int] = {}
+    for b in range(n):
+        t = min(blocks[b])
+        counts[t] = counts.get(t, 0) + 1
+    return tuple(sorted(counts.items()))
+
+
+@settings(max_examples=150, deadline=None)
+@given(worlds(), st.booleans())
+def test_score_matches_a_brute_force_longest_prefix(world: World, reuse_on: bool) -> None:
+    inv = build(world)
+    engines = [engine(n, ON if world.gates[n] else OFF) for n in world.asked]
+    answer = run(inv, engines, reuse=ON if reuse_on else OFF)
+    got = {e.child_engine_id: e for e in answer.engines}
+    assert set(got) == set(world.asked)
+    fresh = {n for n in world.holdings if not world.stale[n]}
+    lenders = [n for n in fresh if world.visible[n]]
+    for name in world.asked:
+        e = got[name]
+        if name not in fresh or not (world.serving[name] or world.visible[name]):
+            assert not e.scored and e.local_matched_blocks == 0, e
+            continue
+        blocks = world.holdings[name]
+        local = brute_prefix(blocks)
+        assert e.scored and e.local_matched_blocks == local, (e, blocks)
+        assert e.local_by_tier == brute_tiers(blocks, local)
+        assert e.predicted_saving_ms == pytest.approx(local * 4)  # loads never credited
+        others = [(brute_prefix(world.holdings[n]), n) for n in lenders if n != name]
+        best = max((m for m, _ in others), default=0)
+        if reuse_on and world.gates[name] and best > local:
+            assert e.loadable_blocks == best - local
+            assert (best, e.holder_child_engine_id) in others
+        else:
+            assert (e.loadable_blocks, e.holder_child_engine_id) == (0, ""), e
+    keys = [(not e.scored, -e.predicted_saving_ms, e.child_engine_id) for e in answer.engines]
+    assert [k[0] for k in keys] == sorted(k[0] for k in keys)
+
+
+# --- answers ------------------------------------------------------------------------
+
+
+def test_local_by_tier_loadable_and_the_holder_is_never_the_engine_itself() -> None:
+    inv = Inventory()
+    for cid in ("a", "b", "c"):
+        add(inv, cid)
+    store(inv, "a", CHAIN[:3])
+    store(inv, "a", CHAIN[3:5], Tier.CPU)
+    store(inv, "b", CHAIN[:10])
+    store(inv, "c", CHAIN[:8])
+    answer = run(inv, [engine("a"), engine("b")])
+    a, b = (next(e for e in answer.engines if e.child_engine_id == x) for x in "ab")
+    assert a.local_by_tier == ((Tier.GPU, 3), (Tier.CPU, 2))
+    assert (a.local_matched_blocks, a.loadable_blocks, a.holder_child_engine_id) == (5, 5, "b")
+    assert a.holder_tier is Tier.GPU
+    # b holds the longest prefix itself: nothing to load.
+    assert (b.local_matched_blocks, b.loadable_blocks, b.holder_child_engine_id) == (10, 0, "")
+    assert [e.child_engine_id for e in answer.engines] == ["b", "a"]
+    assert answer.reuse_enabled and a.prompt_blocks == len(CHAIN)
+
+
+def test_reuse_off_counts_local_matches_only_and_says_so() -> None:
+    inv = Inventory()
+    # The flow's gate keeps every engine out of lookups while reuse is off (visible
+    # False); Score still counts what each one holds itself.
+    add(inv, "a", visible=False)
+    add(inv, "b", visible=False)
+    store(inv, "a", CHAIN[:2])
+    store(inv, "b", CHAIN[:9])
+    answer = run(inv, [engine("a", OFF), engine("b", OFF)], reuse=OFF)
+    assert not answer.reuse_enabled and answer.reuse_detail == "reuse is off"
+    assert by_id(answer) == {"a": (2, 0, ""), "b": (9, 0, "")}
+    assert answer.engines[0].child_engine_id == "b"
+    # Negative control: the same inventory with reuse on lends b's blocks to a.
+    for cid in ("a", "b"):
+        inv.set_ready(cid, True)
+    assert by_id(run(inv, [engine("a"), engine("b")]))["a"] == (2, 7, "b")
+
+
+def test_unscorable_engines_say_why_and_do_not_break_the_answer() -> None:
+    inv = Inventory()
+    add(inv, "a")
+    add(inv, "stale")
+    store(inv, "a", CHAIN[:4])
+    inv.mark_stale("stale")
+    engines = [
+        engine("a"),
+        ScoreEngine("ghost", None),
+        engine("other", model="n"),
+        replace(engine("half"), ready=False),
+        engine("stale"),
+    ]
+    answer = run(inv, engines)
+    details = {e.child_engine_id: e.detail for e in answer.engines if not e.scored}
+    assert details == {
+        "ghost": "not a registered child engine",
+        "other": "serves model 'n', not 'm'",
+        "half": "not READY (a rank part of its grid is missing)",
+        "stale": "its inventory is stale (a full dump is awaited): its matches are unknown",
+    }
+    assert answer.engines[0].child_engine_id == "a" and answer.engines[0].scored
+
+
+def test_expired_blocks_are_misses() -> None:
+    inv = Inventory()
+    add(inv, "a")
+    inv.apply("a", [BlockStored(CHAIN[:6], None, 24, Tier.GPU, 0, expiry_ms=100)])
+    query = ScoreQuery(model="m", block_hashes=CHAIN)
+    before = score(
+        inv, query, [engine("a")], now_ms=50, reuse=ON, predictor=RATE, prediction_basis=""
+    )
+    after = score(
+        inv, query, [engine("a")], now_ms=100, reuse=ON, predictor=RATE, prediction_basis=""
+    )
+    assert before.engines[0].local_matched_blocks == 6
+    assert after.engines[0].local_matched_blocks == 0
+
+
+@dataclass(frozen=True)
+class CheapLinks:
+    """A predictor whose loads cost half the recompute (what the cost model may say)."""
+
+    def predict(
+        self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
+    ) -> RatePrediction:
+        return RatePrediction(num_tokens / 2, float(num_tokens))
+
+
+def test_the_predictor_seam_credits_loads_only_when_they_beat_the_recompute() -> None:
+    inv = Inventory()
+    add(inv, "a")
+    add(inv, "b")
+    store(inv, "a", CHAIN[:2])
+    store(inv, "b", CHAIN[:10])
+    fallback = by_saving(run(inv, [engine("a")]))
+    cheap = by_saving(run(inv, [engine("a")], predictor=CheapLinks()))
+    assert fallback["a"] == pytest.approx(2 * 4)  # local tokens at 1 token/ms, load not credited
+    assert cheap["a"] == pytest.approx(2 * 4 + 8 * 4 / 2)
+    assert math.isinf(RATE.predict("b", "a", Tier.GPU, 10, 0).load_ms)
+
+
+def by_saving(answer: ScoreAnswer) -> dict[str, float]:
+    return {e.child_engine_id: e.predicted_saving_ms for e in answer.engines}
+
+
+# --- token ids: the hashing seam ------------------------------------------------------
+
+
+def fake_hasher(
+    token_ids: Sequence[int], spec: HashSpec, *, lora_name: str | None, cache_salt: str | None
+) -> list[bytes]:
+    """Stands in for vLLM's hashing: block i of CHAIN when tokens are 4*i..4*i+3."""
+    full = len(token_ids) // spec.block_size
+    return [CHAIN[token_ids[i * spec.block_size] // 4] for i in range(full)]
+
+
+def test_token_ids_are_hashed_once_per_configuration_and_refused_without_one() -> None:
+    inv = Inventory()
+    add(inv, "a")
+    store(inv, "a", CHAIN[:5])
+    query = ScoreQuery(model="m", token_ids=tuple(range(4 * 7 + 2)))
+    answer = score(
+        inv,
+        query,
+        [engine("a")],
+        now_ms=0,
+        reuse=ON,
+        predictor=RATE,
+        prediction_basis="",
+        hasher=fake_hasher,
+    )
+    assert (answer.engines[0].prompt_blocks, answer.engines[0].local_matched_blocks) == (7, 5)
+    with pytest.raises(KvrcError) as no_seed:
+        score(
+            inv,
+            query,
+            [engine("a", extra=((PROFILE_EXTRA_HASH_ALGO, "sha256"),))],
+            now_ms=0,
+            reuse=ON,
+            predictor=RATE,
+            prediction_basis="",
+            hasher=fake_hasher,
+        )
+    assert no_seed.value.code is ErrorCode.FAILED_PRECONDITION
+    assert "lacks vllm_hash_seed" in no_seed.value.message and "'a'" in no_seed.value.message
+    with pytest.raises(KvrcError) as unbuilt:
+        score(
+            inv,
+            query,
+            [engine("a")],
+            now_ms=0,
+            reuse=ON,
+            predictor=RATE,
+            prediction_basis="",
+            hasher=no_token_hashing,
+        )
+    assert unbuilt.value.code is ErrorCode.FAILED_PRECONDITION
+    assert "send block_hashes" in unbuilt.value.message
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        (ScoreQuery(model="m", token_ids=(1,) * (MAX_SCORE_TOKENS + 1)), "limit is 65536"),
+        (ScoreQuery(model="m", block_hashes=chain(4097)), "limit is 4096"),
+        (
+            ScoreQuery(
+                model="m",
+                block_hashes=CHAIN,
+                candidates=tuple(f"e{i}" for i in range(MAX_SCORE_CANDIDATES + 1)),
+            ),
+            "limit is 64",
+        ),
+        (ScoreQuery(model="m", block_hashes=CHAIN, candidates=("a", "a")), "'a' twice"),
+        (ScoreQuery(model="m"), "exactly one of"),
+        (ScoreQuery(model="", block_hashes=CHAIN), "scope.model is empty"),
+    ],
+)
+def test_bounds_are_invalid_argument_naming_the_limit(query: ScoreQuery, says: str) -> None:
+    inv = Inventory()
+    with pytest.raises(KvrcError) as e:
+        score(inv, query, [], now_ms=0, reuse=ON, predictor=RATE, prediction_basis="")
+    assert e.value.code is ErrorCode.INVALID_ARGUMENT and says in e.value.message
+
+
+# --- work -------------------------------------------------------------------------------
+
+
+def work_with(total_engines: int, blocks: int = 400) -> int:
+    inv = Inventory()
+    hashes = chain(blocks, 7)
+    for i in range(total_engines):
+        add(inv, f"e{i:03}")
+        store(inv, f"e{i:03}", hashes[: blocks - i])
+        store(inv, f"e{i:03}", hashes[:2], Tier.CPU)  # a slower copy, still GPU-fastest
+    return run(inv, [engine("e000"), engine("e001")], hashes).work
+
+
+def test_work_is_blocks_plus_candidates_not_blocks_times_engines() -> None:
+    few, many = work_with(3), work_with(60)
+    # Two walks (own prefixes, then the holders' ranking) over at most 400 blocks, plus
+    # the engines asked and their drop points: the 58 engines not asked add nothing.
+    assert few == many
+    assert many <= 2 * 400 + 16
+    # Negative control for the counter: a longer chain costs more.
+    assert work_with(3, 800) > few
+
+
+def test_removing_the_blocks_moves_the_best_engine() -> None:
+    inv = Inventory()
+    add(inv, "a")
+    add(inv, "b")
+    store(inv, "a", CHAIN[:3])
+    store(inv, "b", CHAIN[:9])
+    assert run(inv, [engine("a"), engine("b")]).engines[0].child_engine_id == "b"
+    inv.apply("b", [BlockRemoved(CHAIN[:9], Tier.GPU)])
+    assert run(inv, [engine("a"), engine("b")]).engines[0].child_engine_id == "a"
+    assert Scope(COMPAT) == Scope(COMPAT, 0)
