@@ -23,10 +23,14 @@ BlockHash = bytes
 
 # DeploymentProfile.extra keys through which an engine declares how it hashes its
 # blocks, so that kvrc can hash a router's token ids the same way (Score only,
-# docs/score.md). The seed is vLLM's PYTHONHASHSEED; absent, the engine's hashes are
-# random per process and no token-id Score can match them.
+# docs/score.md): vLLM's --prefix-caching-hash-algo; its PYTHONHASHSEED verbatim, or
+# PROFILE_HASH_SEED_UNSET when it runs without one (Python itself accepts only an
+# integer or "random" there, so the word cannot be a real value); and
+# VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES ("1", vLLM's default, or "0").
 PROFILE_EXTRA_HASH_ALGO = "vllm_prefix_caching_hash_algo"
 PROFILE_EXTRA_HASH_SEED = "vllm_hash_seed"
+PROFILE_EXTRA_INT_HASHES = "vllm_int_block_hashes"
+PROFILE_HASH_SEED_UNSET = "unset"
 
 
 class Tier(enum.IntEnum):

@@ -10,12 +10,14 @@ through the `SavingPredictor` seam. Work per request is O(prompt blocks x
 distinct scopes + engines scored), counted in `ScoreAnswer.work`, never
 O(blocks x engines).
 
-Two seams, each with an honest stand-in until its branch lands:
+Two seams:
 
-- `TokenHasher`: vLLM's block hashing (coordinator/core/vllm_hashing.py, issue
-  #25 item 3). `no_token_hashing` refuses token ids with FAILED_PRECONDITION
-  saying so; block hashes work without it.
-- `SavingPredictor`: the per-pair cost model (coordinator/core/cost_model.py).
+- `TokenHasher`: vLLM's block hashing, `vllm_block_keys` over
+  coordinator/core/vllm_hashing.py (tests plug in their own). The hash
+  configuration is each engine's declared one (`hash_config`): a router cannot
+  know it, and an engine that declares none is refused with FAILED_PRECONDITION.
+- `SavingPredictor`: the per-pair cost model (coordinator/core/cost_model.py,
+  not merged yet): until then the runtime plugs in the stand-in below.
   `DeclaredRatePredictor` credits local matches with their recompute time at a
   declared prefill rate and loadable blocks with nothing: without a measured link
   a load may cost more than the recompute (I4-advisory: a hint must not promise
@@ -29,10 +31,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from coordinator.core.errors import failed_precondition, invalid
+from coordinator.core.errors import KvrcError, failed_precondition, invalid
 from coordinator.core.inventory import MAX_CANDIDATES, MAX_CHAIN_BLOCKS, Inventory, Scope
 from coordinator.core.profiles import DeploymentProfile, ReuseStatus
-from kvrc.vocabulary import PROFILE_EXTRA_HASH_ALGO, PROFILE_EXTRA_HASH_SEED, BlockHash, Tier
+from coordinator.core.vllm_hashing import HashConfig, Seed, block_keys
+from kvrc.vocabulary import (
+    PROFILE_EXTRA_HASH_ALGO,
+    PROFILE_EXTRA_HASH_SEED,
+    PROFILE_EXTRA_INT_HASHES,
+    PROFILE_HASH_SEED_UNSET,
+    BlockHash,
+    Tier,
+)
 
 MAX_SCORE_TOKENS = 65_536  # token ids in one request (256 KiB packed)
 MAX_SCORE_BLOCKS = MAX_CHAIN_BLOCKS  # block hashes in one request; token ids: scored blocks
@@ -44,37 +54,38 @@ _HOLDERS = 1
 _NO_LEASES: Mapping[str, int] = {}
 
 
-@dataclass(frozen=True, slots=True)
-class HashSpec:
-    """How an engine hashes its blocks (vllm_hashing's HashConfig carries the same)."""
-
-    algo: str  # vLLM's --prefix-caching-hash-algo, e.g. "sha256_cbor"
-    block_size: int
-    seed: str  # PYTHONHASHSEED of the engine
-
-
-def hash_spec(child_engine_id: str, profile: DeploymentProfile) -> HashSpec:
-    """The engine's declared hash configuration; FAILED_PRECONDITION when it has none."""
+def hash_config(child_engine_id: str, profile: DeploymentProfile) -> HashConfig:
+    """The engine's declared hash configuration; FAILED_PRECONDITION, naming the engine
+    and what is missing, when kvrc cannot reproduce its hashes (never silent misses)."""
     extra = dict(profile.extra)
     algo = extra.get(PROFILE_EXTRA_HASH_ALGO, "")
-    seed = extra.get(PROFILE_EXTRA_HASH_SEED)
-    if not algo or seed is None or profile.block_size < 1:
-        missing = [
-            k
-            for k, bad in (
-                (PROFILE_EXTRA_HASH_ALGO, not algo),
-                (PROFILE_EXTRA_HASH_SEED, seed is None),
-                ("block_size", profile.block_size < 1),
-            )
-            if bad
-        ]
-        raise failed_precondition(
-            f"token-id Score: the hash configuration of child engine {child_engine_id!r} is "
-            f"not known (its deployment profile lacks {', '.join(missing)}; an engine "
-            "without PYTHONHASHSEED hashes randomly and cannot be matched): send "
-            "block_hashes, or have the engine declare them"
+    raw_seed = extra.get(PROFILE_EXTRA_HASH_SEED)
+    int_hashes = extra.get(PROFILE_EXTRA_INT_HASHES, "1")
+    missing = [
+        k
+        for k, bad in (
+            (PROFILE_EXTRA_HASH_ALGO, not algo),
+            (PROFILE_EXTRA_HASH_SEED, raw_seed is None),
         )
-    return HashSpec(algo, profile.block_size, seed)
+        if bad
+    ]
+    where = f"token-id Score: child engine {child_engine_id!r}"
+    if missing:
+        raise failed_precondition(
+            f"{where} does not declare how it hashes its blocks (its deployment profile's "
+            f"extra lacks {', '.join(missing)}): send block_hashes, or have the engine "
+            "declare them (docs/score.md)"
+        )
+    if int_hashes not in ("0", "1"):
+        raise failed_precondition(
+            f"{where} declares {PROFILE_EXTRA_INT_HASHES}={int_hashes!r}; expected '0' or '1'"
+        )
+    seed: str | Seed = Seed.UNSET if raw_seed == PROFILE_HASH_SEED_UNSET else str(raw_seed)
+    try:
+        return HashConfig(algo, profile.block_size, seed, int_hashes=int_hashes == "1")
+    except KvrcError as e:
+        # The engine's declaration is what cannot be used, not the router's request.
+        raise failed_precondition(f"{where}: {e.message}") from None
 
 
 class TokenHasher(Protocol):
@@ -83,24 +94,25 @@ class TokenHasher(Protocol):
     def __call__(
         self,
         token_ids: Sequence[int],
-        spec: HashSpec,
+        config: HashConfig,
         *,
         lora_name: str | None,
+        lora_path: str | None,
         cache_salt: str | None,
     ) -> Sequence[BlockHash]: ...
 
 
-def no_token_hashing(
+def vllm_block_keys(
     token_ids: Sequence[int],
-    spec: HashSpec,
+    config: HashConfig,
     *,
     lora_name: str | None,
+    lora_path: str | None,
     cache_salt: str | None,
 ) -> Sequence[BlockHash]:
-    """The stand-in until coordinator/core/vllm_hashing.py lands: refuses, saying so."""
-    raise failed_precondition(
-        "token-id Score needs vLLM block hashing, which this kvrc build does not have yet "
-        "(issue #25 item 3): send block_hashes instead"
+    """vLLM 0.32.0's hashing (coordinator/core/vllm_hashing.py); text prompts only."""
+    return block_keys(
+        token_ids, config, lora_name=lora_name, lora_path=lora_path, cache_salt=cache_salt
     )
 
 
@@ -160,6 +172,7 @@ class ScoreQuery:
     token_ids: tuple[int, ...] | None = None
     block_hashes: tuple[BlockHash, ...] | None = None
     lora_name: str = ""
+    lora_path: str = ""
     cache_salt: str = ""
     group_idx: int = 0
     candidates: tuple[str, ...] = ()  # empty: every engine registered with `model`
@@ -265,7 +278,7 @@ def score(
     reuse: ReuseStatus,
     predictor: SavingPredictor,
     prediction_basis: str,
-    hasher: TokenHasher = no_token_hashing,
+    hasher: TokenHasher = vllm_block_keys,
     leases_in_flight: Mapping[str, int] = _NO_LEASES,
 ) -> ScoreAnswer:
     """Scores `engines` for `query` (see the module doc). Raises, changing nothing:
@@ -277,16 +290,16 @@ def score(
     out: dict[str, EngineScore] = {}
     # Scorable engines grouped by what their chain depends on: compatibility (the
     # inventory scope) and, for token ids, how they hash.
-    groups: dict[tuple[str, HashSpec | None], list[ScoreEngine]] = {}
+    groups: dict[tuple[str, HashConfig | None], list[ScoreEngine]] = {}
     for e in engines:
         why = _unscorable(e, query.model)
         if why:
             out[e.child_engine_id] = EngineScore(e.child_engine_id, False, why, reuse=e.reuse)
             continue
         assert e.profile is not None
-        spec = hash_spec(e.child_engine_id, e.profile) if query.token_ids is not None else None
+        spec = hash_config(e.child_engine_id, e.profile) if query.token_ids is not None else None
         groups.setdefault((e.compatibility_hash, spec), []).append(e)
-    chains: dict[HashSpec, tuple[BlockHash, ...]] = {}
+    chains: dict[HashConfig, tuple[BlockHash, ...]] = {}
     for (compat, spec), members in groups.items():
         if spec is None:
             assert query.block_hashes is not None
@@ -300,6 +313,7 @@ def score(
                     query.token_ids,
                     spec,
                     lora_name=query.lora_name or None,
+                    lora_path=query.lora_path or None,
                     cache_salt=query.cache_salt or None,
                 )
                 # Prompts past the chain bound are scored on their first blocks.
@@ -400,7 +414,6 @@ __all__ = [
     "MAX_SCORE_TOKENS",
     "DeclaredRatePredictor",
     "EngineScore",
-    "HashSpec",
     "Prediction",
     "SavingPredictor",
     "ScoreAnswer",
@@ -408,7 +421,7 @@ __all__ = [
     "ScoreQuery",
     "TokenHasher",
     "check_query",
-    "hash_spec",
-    "no_token_hashing",
+    "hash_config",
     "score",
+    "vllm_block_keys",
 ]

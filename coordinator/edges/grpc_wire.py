@@ -567,6 +567,7 @@ def score_request_from_proto(msg: pb.ScoreRequest, bounds: FieldBounds) -> Score
     if not model:
         raise invalid("scope.model is empty: name the model whose engines to score")
     lora = check_text("scope.lora_name", scope.lora_name, bounds)
+    lora_path = check_text("scope.lora_path", scope.lora_path, bounds)
     salt = check_text("scope.cache_salt", scope.cache_salt, bounds)
     group_idx = _group("scope", scope.group_idx)
     n = len(msg.candidate_child_engine_ids)
@@ -599,6 +600,7 @@ def score_request_from_proto(msg: pb.ScoreRequest, bounds: FieldBounds) -> Score
         token_ids=token_ids,
         block_hashes=hashes,
         lora_name=lora,
+        lora_path=lora_path,
         cache_salt=salt,
         group_idx=group_idx,
         candidates=candidates,

@@ -70,8 +70,8 @@ from coordinator.core.score import (
     ScoreEngine,
     ScoreQuery,
     TokenHasher,
-    no_token_hashing,
     score,
+    vllm_block_keys,
 )
 from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.config import CoordinatorConfig
@@ -262,8 +262,8 @@ class InventoryFlow:
         # One pending retry per stale gRPC stream (bounded by the streams).
         self._resyncs: dict[StreamKey, _ResyncRetry] = {}
         # Score's seams (coordinator/core/score.py): vLLM's hashing of token ids and the
-        # predicted saving. Stand-ins until vllm_hashing and the cost model are wired.
-        self.token_hasher: TokenHasher = no_token_hashing
+        # predicted saving (a declared-rate stand-in until the cost model is merged).
+        self.token_hasher: TokenHasher = vllm_block_keys
         fallback = DeclaredRatePredictor(config.score_prefill_tokens_per_s)
         self.saving_predictor: SavingPredictor = fallback
         self.prediction_basis = fallback.basis

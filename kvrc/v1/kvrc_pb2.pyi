@@ -2086,7 +2086,7 @@ class ScoreScope(_message.Message):
     it routes; the hash configuration (algorithm, seed) and the block size are
     not the router's to know: kvrc takes them from the engines' deployment
     profiles (`DeploymentProfile.block_size`, and `extra` keys
-    `vllm_prefix_caching_hash_algo` and `vllm_hash_seed`).
+    `vllm_prefix_caching_hash_algo`, `vllm_hash_seed` and `vllm_int_block_hashes`).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -2095,6 +2095,7 @@ class ScoreScope(_message.Message):
     LORA_NAME_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     GROUP_IDX_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """DeploymentProfile.model of the engines to score; required"""
     lora_name: _builtins.str
@@ -2103,6 +2104,10 @@ class ScoreScope(_message.Message):
     """the request's cache_salt ("" = none); token ids only"""
     group_idx: _builtins.int
     """KV-cache group (0 for single-group models)"""
+    lora_path: _builtins.str
+    """The adapter's LoRARequest.lora_path on the engines: vLLM hashes name and path,
+    so a token-id Score with lora_name needs it too. Token ids only.
+    """
     def __init__(
         self,
         *,
@@ -2110,10 +2115,11 @@ class ScoreScope(_message.Message):
         lora_name: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
         group_idx: _builtins.int = ...,
+        lora_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "group_idx", b"group_idx", "lora_name", b"lora_name", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "group_idx", b"group_idx", "lora_name", b"lora_name", "lora_path", b"lora_path", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

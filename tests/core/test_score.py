@@ -1,8 +1,8 @@
 """Score on plain data (coordinator/core/score.py, Inventory.match): docs/score.md.
 
 A hypothesis model checks every answer against a brute-force longest prefix over
-the same facts; the other tests pin the bounds, the reuse-off answer, the token-id
-seam and its refusal, and that the work per request does not grow with engines
+the same facts; the other tests pin the bounds, the reuse-off answer, token ids through vLLM's
+hashing and its refusals, and that the work per request does not grow with engines
 that are not asked about.
 """
 
@@ -24,15 +24,20 @@ from coordinator.core.score import (
     MAX_SCORE_CANDIDATES,
     MAX_SCORE_TOKENS,
     DeclaredRatePredictor,
-    HashSpec,
     RatePrediction,
     ScoreAnswer,
     ScoreEngine,
     ScoreQuery,
-    no_token_hashing,
+    hash_config,
     score,
 )
-from kvrc.vocabulary import PROFILE_EXTRA_HASH_ALGO, PROFILE_EXTRA_HASH_SEED, Tier
+from coordinator.core.vllm_hashing import HashConfig, block_keys
+from kvrc.vocabulary import (
+    PROFILE_EXTRA_HASH_ALGO,
+    PROFILE_EXTRA_HASH_SEED,
+    PROFILE_HASH_SEED_UNSET,
+    Tier,
+)
 
 COMPAT = "compat-a"
 ON = ReuseStatus(True, ReuseReason.ENABLED, "on")
@@ -301,59 +306,79 @@ def by_saving(answer: ScoreAnswer) -> dict[str, float]:
     return {e.child_engine_id: e.predicted_saving_ms for e in answer.engines}
 
 
-# --- token ids: the hashing seam ------------------------------------------------------
+# --- token ids: vLLM's hashing --------------------------------------------------------
+
+TOKENS = tuple(range(1000, 1000 + 4 * 7 + 2))  # 7 full blocks of 4, and 2 tokens over
 
 
-def fake_hasher(
-    token_ids: Sequence[int], spec: HashSpec, *, lora_name: str | None, cache_salt: str | None
-) -> list[bytes]:
-    """Stands in for vLLM's hashing: block i of CHAIN when tokens are 4*i..4*i+3."""
-    full = len(token_ids) // spec.block_size
-    return [CHAIN[token_ids[i * spec.block_size] // 4] for i in range(full)]
+def token_query(**kw: object) -> ScoreQuery:
+    return ScoreQuery(model="m", token_ids=TOKENS, **kw)  # type: ignore[arg-type]
 
 
-def test_token_ids_are_hashed_once_per_configuration_and_refused_without_one() -> None:
+def score_tokens(inv: Inventory, engines: Sequence[ScoreEngine], **kw: object) -> ScoreAnswer:
+    return score(
+        inv, token_query(**kw), engines, now_ms=0, reuse=ON, predictor=RATE, prediction_basis=""
+    )
+
+
+def test_token_ids_are_hashed_with_the_engines_declared_configuration() -> None:
+    config = hash_config("a", PROFILE)
+    assert config == HashConfig("sha256_cbor", 4, "0")
     inv = Inventory()
     add(inv, "a")
-    store(inv, "a", CHAIN[:5])
-    query = ScoreQuery(model="m", token_ids=tuple(range(4 * 7 + 2)))
-    answer = score(
-        inv,
-        query,
-        [engine("a")],
-        now_ms=0,
-        reuse=ON,
-        predictor=RATE,
-        prediction_basis="",
-        hasher=fake_hasher,
+    add(inv, "b")
+    store(inv, "a", block_keys(TOKENS, config)[:5])
+    salted = block_keys(TOKENS, config, cache_salt="s")
+    store(inv, "b", salted[:6])
+    plain = score_tokens(inv, [engine("a"), engine("b")])
+    assert by_id(plain)["a"][0] == 5 and by_id(plain)["b"][0] == 0
+    assert plain.engines[0].prompt_blocks == 7
+    assert by_id(score_tokens(inv, [engine("a"), engine("b")], cache_salt="s"))["b"][0] == 6
+    # Negative control: an engine that declares another seed hashes other blocks.
+    other_seed = engine(
+        "a", extra=((PROFILE_EXTRA_HASH_ALGO, "sha256_cbor"), (PROFILE_EXTRA_HASH_SEED, "1"))
     )
-    assert (answer.engines[0].prompt_blocks, answer.engines[0].local_matched_blocks) == (7, 5)
-    with pytest.raises(KvrcError) as no_seed:
-        score(
-            inv,
-            query,
-            [engine("a", extra=((PROFILE_EXTRA_HASH_ALGO, "sha256"),))],
-            now_ms=0,
-            reuse=ON,
-            predictor=RATE,
-            prediction_basis="",
-            hasher=fake_hasher,
-        )
-    assert no_seed.value.code is ErrorCode.FAILED_PRECONDITION
-    assert "lacks vllm_hash_seed" in no_seed.value.message and "'a'" in no_seed.value.message
-    with pytest.raises(KvrcError) as unbuilt:
-        score(
-            inv,
-            query,
-            [engine("a")],
-            now_ms=0,
-            reuse=ON,
-            predictor=RATE,
-            prediction_basis="",
-            hasher=no_token_hashing,
-        )
-    assert unbuilt.value.code is ErrorCode.FAILED_PRECONDITION
-    assert "send block_hashes" in unbuilt.value.message
+    assert by_id(score_tokens(inv, [other_seed]))["a"][0] == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ((), "lacks vllm_prefix_caching_hash_algo, vllm_hash_seed"),
+        (((PROFILE_EXTRA_HASH_ALGO, "sha256"),), "lacks vllm_hash_seed"),
+        (
+            (
+                (PROFILE_EXTRA_HASH_ALGO, "xxhash"),
+                (PROFILE_EXTRA_HASH_SEED, PROFILE_HASH_SEED_UNSET),
+            ),
+            "random bytes per process",
+        ),
+        (((PROFILE_EXTRA_HASH_ALGO, "md5"), (PROFILE_EXTRA_HASH_SEED, "0")), "unknown vLLM"),
+    ],
+)
+def test_a_hash_configuration_kvrc_cannot_reproduce_is_refused(
+    extra: tuple[tuple[str, str], ...], says: str
+) -> None:
+    inv = Inventory()
+    add(inv, "a")
+    with pytest.raises(KvrcError) as e:
+        score_tokens(inv, [engine("a", extra=extra)])
+    assert e.value.code is ErrorCode.FAILED_PRECONDITION
+    assert says in e.value.message and "'a'" in e.value.message
+    # The same engines answer block hashes.
+    assert run(inv, [engine("a", extra=extra)]).engines[0].scored
+
+
+def test_engines_without_a_seed_on_sha256_are_scored() -> None:
+    unset = (
+        (PROFILE_EXTRA_HASH_ALGO, "sha256"),
+        (PROFILE_EXTRA_HASH_SEED, PROFILE_HASH_SEED_UNSET),
+    )
+    config = hash_config("a", replace(PROFILE, extra=unset))
+    inv = Inventory()
+    add(inv, "a")
+    store(inv, "a", block_keys(TOKENS, config)[:3])
+    assert by_id(score_tokens(inv, [engine("a", extra=unset)]))["a"][0] == 3
 
 
 @pytest.mark.parametrize(
