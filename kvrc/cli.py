@@ -1,7 +1,7 @@
 """The `kvrc` console script: a thin dispatcher over the two sides.
 
 `kvrc engine` and `kvrc demo` belong to the engine library (clients/cli.py);
-every other subcommand (`serve`, `status`, `drain`, `quarantine`, ...) to the
+every other subcommand (`serve`, `status`, `score`, `drain`, `quarantine`, ...) to the
 coordinator (coordinator/edges/cli.py). Each side is imported only when its
 subcommand runs, so a coordinator deployment installs no engine library and
 an engine host needs no coordinator runtime. This module imports neither side

@@ -1,4 +1,4 @@
-"""`kvrc` command line: `kvrc serve`, `kvrc status`, `kvrc drain`, `kvrc quarantine resolve`.
+"""`kvrc` command line: `kvrc serve`, `status`, `score`, `drain`, `quarantine resolve`.
 
 Errors a person can fix (bad flags, bad profiles file, unreachable target)
 print one line on stderr and exit non-zero, never a traceback.
@@ -220,6 +220,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_security(status)
     status.set_defaults(func=_cmd_status)
 
+    score = commands.add_parser(
+        "score", help="how much of a prompt each child engine holds (the router's Score)"
+    )
+    score.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    score.add_argument("--model", required=True, help="the model whose engines to score")
+    prompt = score.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--tokens", help="token ids, comma-separated: 1,2,3")
+    prompt.add_argument(
+        "--tokens-file",
+        type=Path,
+        help="a file of token ids (a JSON list, or separated by commas/space)",
+    )
+    prompt.add_argument(
+        "--block-hashes", help="the chain's block hashes in hex, comma-separated (first first)"
+    )
+    score.add_argument(
+        "--candidates", default="", help="child engine ids, comma-separated (default: all)"
+    )
+    score.add_argument("--lora-name", default="", help="the request's LoRA adapter name")
+    score.add_argument("--lora-path", default="", help="the adapter's lora_path on the engines")
+    score.add_argument("--cache-salt", default="", help="the request's cache_salt")
+    score.add_argument("--group-idx", type=int, default=0, help="KV-cache group (0)")
+    score.add_argument("--json", action="store_true", help="print one JSON document")
+    score.add_argument("--timeout-s", type=float, default=5.0)
+    _add_client_security(score)
+    score.set_defaults(func=_cmd_score)
+
     drain = commands.add_parser(
         "drain", help="stop new grants from/to an engine; report when it is safe to stop"
     )
@@ -258,7 +285,9 @@ def _add_client_security(parser: argparse.ArgumentParser) -> None:
         "--tls-server-name", help="check kvrc's certificate against this name, not the host"
     )
     parser.add_argument(
-        "--token-file", type=Path, help="file holding a bearer token (admin or read role)"
+        "--token-file",
+        type=Path,
+        help="file holding a bearer token (admin or read role; router for score)",
     )
 
 
@@ -492,6 +521,142 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status_document(response), indent=2, sort_keys=True))
     else:
         print(_status_text(args.target, response))
+    return 0
+
+
+# --- score ---------------------------------------------------------------------
+
+
+def _token_ids(text: str, where: str) -> list[int]:
+    text = text.strip()
+    try:
+        if text.startswith("["):
+            values = json.loads(text)
+            if not isinstance(values, list):
+                raise ValueError
+        else:
+            values = [v for v in text.replace(",", " ").split() if v]
+        ids = [int(v) for v in values]
+    except (ValueError, TypeError):
+        raise ConfigError(f"{where}: token ids must be integers (1,2,3 or a JSON list)") from None
+    if not ids or any(not 0 <= t < 1 << 32 for t in ids):
+        raise ConfigError(f"{where}: give at least one token id, each in 0..4294967295")
+    return ids
+
+
+def score_request_from_args(args: argparse.Namespace) -> pb.ScoreRequest:
+    """ConfigError (one line, exit 2) for a prompt that cannot be read."""
+    request = pb.ScoreRequest(
+        scope=pb.ScoreScope(
+            model=args.model,
+            lora_name=args.lora_name,
+            lora_path=args.lora_path,
+            cache_salt=args.cache_salt,
+            group_idx=max(args.group_idx, 0),
+        ),
+        candidate_child_engine_ids=[c for c in args.candidates.split(",") if c],
+    )
+    if args.tokens is not None:
+        request.token_ids.ids.extend(_token_ids(args.tokens, "--tokens"))
+    elif args.tokens_file is not None:
+        try:
+            text = args.tokens_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--tokens-file {args.tokens_file}: cannot read: {e}") from None
+        request.token_ids.ids.extend(_token_ids(text, f"--tokens-file {args.tokens_file}"))
+    else:
+        try:
+            hashes = [bytes.fromhex(h) for h in args.block_hashes.split(",") if h.strip()]
+        except ValueError:
+            raise ConfigError("--block-hashes: expected hex strings separated by commas") from None
+        if not hashes:
+            raise ConfigError("--block-hashes: give at least one block hash")
+        request.block_hashes.hashes.extend(hashes)
+    return request
+
+
+def _tier_name(tier: pb.Tier.ValueType) -> str:
+    return pb.Tier.Name(tier).removeprefix("TIER_").lower() if tier in pb.Tier.values() else "?"
+
+
+def score_document(response: pb.ScoreResponse) -> dict[str, Any]:
+    return {
+        "reuse_enabled": response.reuse_enabled,
+        "reuse_detail": response.reuse_detail,
+        "prediction_basis": response.prediction_basis,
+        "engines": [
+            {
+                "child_engine_id": e.child_engine_id,
+                "scored": e.scored,
+                "detail": e.detail,
+                "prompt_blocks": e.prompt_blocks,
+                "local_matched_blocks": e.local_matched_blocks,
+                "local_by_tier": {_tier_name(t.tier): t.blocks for t in e.local_by_tier},
+                "loadable_blocks": e.loadable_blocks,
+                "holder_child_engine_id": e.holder_child_engine_id,
+                "holder_tier": _tier_name(e.holder_tier) if e.holder_child_engine_id else "",
+                "predicted_saving_ms": e.predicted_saving_ms,
+                "reuse": {
+                    "enabled": e.reuse.enabled,
+                    "reason": pb.ReuseReason.Name(e.reuse.reason).removeprefix("REUSE_REASON_"),
+                    "detail": e.reuse.detail,
+                },
+            }
+            for e in response.engines
+        ],
+    }
+
+
+def _score_text(target: str, response: pb.ScoreResponse) -> str:
+    reuse = "on" if response.reuse_enabled else f"off ({response.reuse_detail})"
+    lines = [
+        f"kvrc score at {target}: reuse {reuse}; {len(response.engines)} child engine(s)",
+        f"predicted saving: {response.prediction_basis}",
+    ]
+    header = (
+        "CHILD ENGINE",
+        "BLOCKS",
+        "LOCAL",
+        "BY TIER",
+        "LOADABLE",
+        "HOLDER",
+        "SAVING MS",
+        "NOTE",
+    )
+    rows = [header]
+    for e in response.engines:
+        tiers = ",".join(f"{_tier_name(t.tier)}:{t.blocks}" for t in e.local_by_tier)
+        rows.append(
+            (
+                e.child_engine_id,
+                str(e.prompt_blocks) if e.scored else "-",
+                str(e.local_matched_blocks),
+                tiers or "-",
+                str(e.loadable_blocks),
+                e.holder_child_engine_id or "-",
+                f"{e.predicted_saving_ms:.1f}",
+                e.detail or "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)]
+        lines.append("  ".join([*cells, row[-1]]))
+    return "\n".join(lines)
+
+
+def _cmd_score(args: argparse.Namespace) -> int:
+    request = score_request_from_args(args)
+    try:
+        with connect_blocking(channel_options_from_args(args)) as channel:
+            stub = pb_grpc.RouterServiceStub(channel)
+            response: pb.ScoreResponse = stub.Score(request, timeout=args.timeout_s)
+    except grpc.RpcError as e:
+        return _rpc_failed("score", args.target, e)
+    if args.json:
+        print(json.dumps(score_document(response), indent=2, sort_keys=True))
+    else:
+        print(_score_text(args.target, response))
     return 0
 
 
