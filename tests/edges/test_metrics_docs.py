@@ -271,6 +271,8 @@ def test_flow_values_defined_in_code_match_the_doc(
     # The enums the inventory and lease edges take their label values from.
     lookups = documented["kvrc_lookups_total"].labels["outcome"]
     assert lookups == {v.value for v in inventory_service.LookupVerdict}
+    scores = documented["kvrc_score_requests_total"].labels["outcome"]
+    assert scores == {o.value for o in inventory_service.ScoreOutcome}
     batches = documented["kvrc_event_batches_total"].labels["result"]
     assert batches == {a.value for a in event_streams.StreamAction} | {"malformed"}
     tiers = documented["kvrc_inventory_entries"].labels["tier"]
