@@ -217,6 +217,10 @@ WIRE_DECODERS: dict[str, tuple[type[Message], Callable[[Any], object]]] = {
         pb.Register,
         lambda m: wire.publish_mode_from_proto(m.publish_mode),
     ),
+    "score_request_from_proto": (
+        pb.ScoreRequest,
+        lambda m: wire.score_request_from_proto(m, BOUNDS),
+    ),
 }
 
 
@@ -563,6 +567,7 @@ def _unary_cases() -> list[tuple[str, str, type[Message], Callable[[Any], Any]]]
         ("AdminService", "GetStatus", pb.StatusRequest, same),
         ("AdminService", "Drain", pb.DrainRequest, no_wait),
         ("AdminService", "ResolveQuarantine", pb.ResolveQuarantineRequest, same),
+        ("RouterService", "Score", pb.ScoreRequest, same),
     ]
 
 
