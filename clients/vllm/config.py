@@ -29,11 +29,18 @@ A bad value fails engine start with one `KvrcConfigError` naming the field.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from kvrc.credentials import ChannelOptions
+from kvrc.vocabulary import (
+    PROFILE_EXTRA_HASH_ALGO,
+    PROFILE_EXTRA_HASH_SEED,
+    PROFILE_EXTRA_INT_HASHES,
+    PROFILE_HASH_SEED_UNSET,
+)
 
 
 class KvrcConfigError(ValueError):
@@ -169,3 +176,18 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
     if not isinstance(value, str):
         raise KvrcConfigError(name, f"must be a string, got {value!r}")
     return value
+
+
+def hash_declaration(cache_config: Any, env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """How this engine hashes its blocks, for kvrc's token-id Score (docs/score.md):
+    vLLM's --prefix-caching-hash-algo, PYTHONHASHSEED verbatim (or "unset") and
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (vLLM's default "1")."""
+    algo = str(getattr(cache_config, "prefix_caching_hash_algo", "") or "")
+    if not algo:
+        return ()  # nothing to declare: kvrc refuses token-id Scores for this engine
+    int_hashes = env.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    return (
+        (PROFILE_EXTRA_HASH_ALGO, algo),
+        (PROFILE_EXTRA_HASH_SEED, env.get("PYTHONHASHSEED", PROFILE_HASH_SEED_UNSET)),
+        (PROFILE_EXTRA_INT_HASHES, "0" if int_hashes in ("0", "false", "False") else "1"),
+    )

@@ -23,6 +23,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -52,7 +53,7 @@ from clients.transfer import (
     pull,
     rank_part_descriptor,
 )
-from clients.vllm.config import KvrcConnectorConfig
+from clients.vllm.config import KvrcConnectorConfig, hash_declaration
 from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
 from clients.vllm.metadata import KvrcConnectorMetadata, LoadSpec, PublishSpec
 from kvrc.credentials import connect
@@ -275,7 +276,10 @@ class KvrcWorker:
                 gpu_kind="cpu" if views[0].device.type == "cpu" else device.split(":")[0],
                 reuse_opt_in=self.config.reuse,
                 transfer_backends=("mooncake",),
-                extra=(("vllm_kv_shape", vllm_shape),),
+                extra=(
+                    ("vllm_kv_shape", vllm_shape),
+                    *hash_declaration(self.vllm_config.cache_config, os.environ),
+                ),
             ),
             endpoint=endpoint_to_session(self.endpoint),
             kv_events_endpoint=str(kv_events.endpoint) if events_on else "",  # type: ignore[union-attr]

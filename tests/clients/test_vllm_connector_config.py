@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from clients.vllm import SUPPORTED_VLLM_VERSIONS, UnsupportedVllmVersion, check_vllm_version
-from clients.vllm.config import KvrcConfigError, KvrcConnectorConfig
+from clients.vllm.config import KvrcConfigError, KvrcConnectorConfig, hash_declaration
+from coordinator.core.profiles import DeploymentProfile
+from coordinator.core.score import hash_config
+from coordinator.core.vllm_hashing import HashConfig, Seed
 
 
 def test_defaults_are_sensible_and_reuse_is_off() -> None:
@@ -50,3 +53,27 @@ def test_supported_vllm_versions() -> None:
     check_vllm_version("0.32.0+cpu")
     with pytest.raises(UnsupportedVllmVersion, match=r"0\.32\.0; this is vLLM 0\.9\.1"):
         check_vllm_version("0.9.1")
+
+
+class _CacheConfig:
+    prefix_caching_hash_algo = "sha256_cbor"
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"PYTHONHASHSEED": "0"}, HashConfig("sha256_cbor", 16, "0")),
+        ({}, HashConfig("sha256_cbor", 16, Seed.UNSET)),
+        (
+            {"PYTHONHASHSEED": "7", "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"},
+            HashConfig("sha256_cbor", 16, "7", int_hashes=False),
+        ),
+    ],
+)
+def test_the_engine_declares_its_hashing_as_kvrc_score_reads_it(
+    env: dict[str, str], expected: HashConfig
+) -> None:
+    # The connector's side (profile extra) and the coordinator's (docs/score.md) agree.
+    extra = hash_declaration(_CacheConfig(), env)
+    assert hash_config("e", DeploymentProfile(model="m", block_size=16, extra=extra)) == expected
+    assert hash_declaration(object(), env) == ()  # no algorithm known: nothing declared
