@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from coordinator.core.auth import AuthPolicy
+from coordinator.core.cost_model import CostConfig
 from coordinator.core.errors import KvrcError
 from coordinator.core.leases import LeaseConfig
 from coordinator.core.profiles import DeclaredProfile, declared_profile
@@ -208,6 +209,9 @@ class CoordinatorConfig:
     resync_retry_max_ms: int = 30_000
     # memory (one process's view) or a Redis that replicas share (docs/operations.md).
     store: StoreConfig = StoreConfig()
+    # Load or recompute (I9-cost-gate, docs/cost_model.md): the gate, its margin, the
+    # bound on links kept and the cold defaults.
+    cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_ms <= 0:
