@@ -179,6 +179,7 @@ async def test_a_slow_measured_pair_misses_recompute_cheaper_while_a_fast_pair_k
     miss = await load(requester, "s-after", chain)
     assert isinstance(miss, Miss) and miss.reason == "recompute_cheaper", miss
     assert miss.lease_id == ""  # decided before any pin
+    assert miss.prediction is not None and not miss.prediction.worth_loading
     assert "cost-slow->cost-req" in miss.detail and "declared" in miss.detail
     # Another requester's pair with the same holder is its own, still cold: granted.
     fresh = await load(other, "o1", chain)
