@@ -73,16 +73,21 @@ class PrefixLoadGrant:
     source_parts: tuple[pb.RankPartDescriptor, ...]  # byte for byte as the holder sent them
     deadline_unix_ms: int
     reuse: ReuseInfo
+    # The cost model's prediction this grant was made on (docs/cost_model.md).
+    prediction: pb.CostPrediction | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Miss:
     """Recompute: nothing (worth) loading. Never an error."""
 
-    reason: str  # no_candidate, short_pin, pin_timeout, holder_gone, below_min_blocks, draining
+    # no_candidate, short_pin, pin_timeout, holder_gone, below_min_blocks, draining,
+    # recompute_cheaper (the cost model predicts recomputing to beat loading)
+    reason: str
     detail: str
     lease_id: str  # "" when no holder was asked
     reuse: ReuseInfo
+    prediction: pb.CostPrediction | None = None  # recompute_cheaper before any pin
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,9 +192,11 @@ class LeaseClient:
                 source_parts=tuple(reply.source_parts),
                 deadline_unix_ms=reply.deadline_unix_ms,
                 reuse=ReuseInfo.from_proto(reply.reuse),
+                prediction=reply.prediction if reply.HasField("prediction") else None,
             )
         reason, _, detail = reply.miss_reason.partition(": ")
-        return Miss(reason, detail, reply.lease_id, ReuseInfo.from_proto(reply.reuse))
+        prediction = reply.prediction if reply.HasField("prediction") else None
+        return Miss(reason, detail, reply.lease_id, ReuseInfo.from_proto(reply.reuse), prediction)
 
     async def complete_prefix_load(self, report: pb.TransferReport) -> CompleteResult:
         """One requester rank part's terminal outcome (`TransferResult.to_report(...)`).

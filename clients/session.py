@@ -39,7 +39,7 @@ from kvrc.credentials import ChannelOptions, connect
 from kvrc.ids import child_engine_id
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
-from kvrc.vocabulary import PublishMode, TransferEndpoint
+from kvrc.vocabulary import PROTOCOL_VERSION, PublishMode, TransferEndpoint
 
 log = logging.getLogger("kvrc.client")
 
@@ -130,6 +130,7 @@ class RankPartRegistration:
             kv_events_endpoint=self.kv_events_endpoint,
             kv_events_replay_endpoint=self.kv_events_replay_endpoint,
             held_lease_ids=list(held_lease_ids),
+            protocol_version=PROTOCOL_VERSION,
         )
 
 

@@ -261,13 +261,25 @@ class TransferResult:
         tp_rank: int,
         pp_rank: int = 0,
         pcp_rank: int = 0,
+        prefill: tuple[int, float] | None = None,
     ) -> kvrc_pb2.TransferReport:
         """This rank part's terminal report (CompletePrefixLoad / CompleteHandoff).
 
         FAILED promises "proven quiet" on the wire, so it is refused before quiet.
+        `prefill` is a prefill rate sample of this engine where it measures one: (tokens,
+        seconds) of a recent prefill it computed. The coordinator's cost model
+        (docs/cost_model.md) learns the engine's prefill rate from it; leave it None
+        when the engine does not know, and the declared (or default) rate is used.
         """
         if self.outcome is TransferOutcome.FAILED and not self.is_quiet():
             raise RuntimeError("report FAILED only after `await result.wait_quiet()`")
+        sample = None
+        if prefill is not None:
+            tokens, seconds = prefill
+            duration_us = int(seconds * 1e6)
+            if tokens < 1 or duration_us < 1:
+                raise ValueError(f"a prefill sample needs tokens >= 1 and time > 0, got {prefill}")
+            sample = kvrc_pb2.PrefillSample(tokens=tokens, duration_us=duration_us)
         return kvrc_pb2.TransferReport(
             lease_id=lease_id,
             reporter_child_engine_id=reporter_child_engine_id,
@@ -276,6 +288,7 @@ class TransferResult:
             bytes_moved=self.bytes_moved,
             duration_us=min(int(self.duration_s * 1e6), 2**32 - 1),
             error_message=self.error[:1024],
+            prefill=sample,
         )
 
 

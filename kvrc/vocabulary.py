@@ -14,6 +14,23 @@ from dataclasses import dataclass
 
 from kvrc.v1 import kvrc_pb2 as pb
 
+# The protocol revision both sides speak (`Register.protocol_version`; the revisions are
+# listed in proto/kvrc/v1/kvrc.proto's header). A Register without the field is revision 1.
+PROTOCOL_VERSION = 2
+
+
+def protocol_mismatch(client_version: int) -> str | None:
+    """Why a client of `client_version` (0 = absent = 1) may not register, or None."""
+    client = client_version or 1
+    if client == PROTOCOL_VERSION:
+        return None
+    upgrade = "the kvrc client library" if client < PROTOCOL_VERSION else "this coordinator"
+    return (
+        f"client speaks kvrc protocol v{client}, this coordinator speaks "
+        f"v{PROTOCOL_VERSION}; upgrade {upgrade}"
+    )
+
+
 # A rank part inside its child engine's grid: (tp_rank, pp_rank, pcp_rank).
 RankKey = tuple[int, int, int]
 

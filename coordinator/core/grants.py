@@ -15,6 +15,12 @@ an argument, on the runtime's monotonic clock).
 
 I6-quiescence: `on_engine_gone` may be called only once the runtime has proven
 the child engine gone (no part registered, none inside its grace period).
+
+I9-cost-gate: `Grants` owns the cost model (core/cost_model.py). A holder is asked
+to pin only when loading its prefix is predicted to beat recomputing it, the lease
+carries the smallest pin still worth loading, every grant carries its prediction,
+and each completed load feeds its measured bytes and duration back (one sample per
+lease: the bytes of all rank parts, the slowest part's duration).
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from coordinator.core.cost_model import CostModel, Prediction, kv_bytes_per_block
 from coordinator.core.errors import ErrorCode, KvrcError, failed_precondition, not_found
 from coordinator.core.inventory import MAX_CANDIDATES, Inventory, Scope
 from coordinator.core.leases import (
@@ -35,11 +42,12 @@ from coordinator.core.leases import (
     LeaseStep,
     LeaseTable,
     LeaseView,
+    MissReason,
     Outcome,
 )
 from coordinator.core.profiles import ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, Registry, grid_ranks
-from kvrc.vocabulary import BlockHash, RankKey
+from kvrc.vocabulary import BlockHash, RankKey, Tier
 
 # Defaults for requests that leave a duration at 0.
 DEFAULT_PIN_TIMEOUT_MS = 2_000
@@ -73,6 +81,9 @@ class TransferReport:
     bytes_moved: int
     duration_us: int
     error_message: str
+    # A prefill rate sample of the reporter (tokens, duration); 0, 0 = not measured.
+    prefill_tokens: int = 0
+    prefill_duration_us: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +116,9 @@ class PrefixLoadAnswer:
     miss_reason: str  # "" for a grant; a metric label value otherwise
     miss_detail: str
     reuse: ReuseStatus
+    # I9-cost-gate: a grant's prediction for what it grants; a recompute_cheaper
+    # miss's for the best holder it refused. None: no holder got that far.
+    prediction: Prediction | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +167,16 @@ class DrainDeadlinePassed:
     child_engine_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class CostObserved:
+    """A completed prefix load's predicted and measured transfer (the error histogram)."""
+
+    lease_id: str
+    predicted_load_ms: float
+    actual_load_ms: float
+    link_measured: bool  # the prediction came from measurements, not the cold defaults
+
+
 GrantAction = (
     Action
     | DrainNotice
@@ -160,6 +184,7 @@ GrantAction = (
     | HandoffBegun
     | HandoffBeginFailed
     | DrainDeadlinePassed
+    | CostObserved
 )
 
 
@@ -202,6 +227,27 @@ class DrainStep:
     actions: tuple[GrantAction, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _CostContext:
+    """What a prefix-load lease's predictions need (kept while the lease is open)."""
+
+    holder: str
+    requester: str
+    tier: Tier
+    bytes_per_block: int
+    block_size: int
+    worthwhile_blocks: int = 1  # the fewest blocks worth loading, as of the request
+
+
+@dataclass
+class _Measured:
+    """A prefix load's reports so far: all parts' bytes, the slowest part's duration."""
+
+    bytes_moved: int = 0
+    duration_us: int = 0
+    succeeded: int = 0
+
+
 @dataclass
 class _PendingBegin:
     token: int
@@ -214,6 +260,7 @@ class _PendingBegin:
 _NO_HOLDER_DETAIL = {
     "no_candidate": "no ready, compatible engine retains the first block of this chain",
     "below_min_blocks": "the longest retained prefix is shorter than min_blocks",
+    "recompute_cheaper": "recomputing is predicted to be cheaper than loading from any holder",
 }
 
 _NOT_REGISTERED = ReuseStatus(False, ReuseReason.REQUESTER_UNKNOWN, "requester is not registered")
@@ -234,11 +281,17 @@ class Grants:
         registry: Registry,
         inventory: Inventory,
         reuse_for: Callable[[ChildEngineView], ReuseStatus],
+        cost: CostModel | None = None,
     ) -> None:
         self.table = table
         self._registry = registry
         self._inventory = inventory
         self._reuse_for = reuse_for
+        # I9-cost-gate: load or recompute, from measured cost (core/cost_model.py).
+        self.cost = cost if cost is not None else CostModel()
+        self._cost_ctx: dict[str, _CostContext] = {}  # per open prefix-load lease
+        self._predictions: dict[str, Prediction] = {}  # per open lease, once answered
+        self._measured: dict[str, _Measured] = {}
         self._draining: dict[str, int] = {}  # child engine -> drain deadline (ms)
         self._drain_aborted: set[str] = set()
         self._pinning: set[str] = set()  # prefix loads whose answer someone waits for
@@ -302,7 +355,7 @@ class Grants:
             if view.state is LeaseState.PINNING:
                 self._pinning.add(view.lease_id)
                 return PrefixLoadStep(view.lease_id, None, self._settled(()))
-            return PrefixLoadStep(view.lease_id, _answer_of(view, reuse), self._settled(()))
+            return PrefixLoadStep(view.lease_id, self._answer_of(view, reuse), self._settled(()))
         if requester is None:
             raise failed_precondition(
                 f"requester {req.requester_child_engine_id!r} is not registered: "
@@ -327,11 +380,15 @@ class Grants:
                 f"({requester.compatibility_hash!r}): engines with different layouts "
                 "never exchange KV"
             )
-        holder = self._choose_holder(req, requester, now_ms)
-        if isinstance(holder, str):
+        choice = self._choose_holder(req, requester, now_ms)
+        if not isinstance(choice, tuple):
+            detail = _NO_HOLDER_DETAIL[choice.reason]
+            if choice.refused is not None:
+                detail = f"{detail}: best {choice.refused.describe()}"
             return PrefixLoadStep(
-                None, PrefixLoadAnswer(None, holder, _NO_HOLDER_DETAIL[holder], reuse), ()
+                None, PrefixLoadAnswer(None, choice.reason, detail, reuse, choice.refused), ()
             )
+        holder, context, worthwhile = choice
         step = self.table.open_prefix_load(
             request_id=req.request_id,
             requester_child_engine_id=req.requester_child_engine_id,
@@ -344,16 +401,67 @@ class Grants:
             transfer_ttl_ms=req.transfer_timeout_ms or DEFAULT_TRANSFER_TIMEOUT_MS,
             now_ms=now_ms,
             group_idx=req.group_idx,
+            worthwhile_blocks=worthwhile,
         )
         lease_id = step.view.lease_id
+        self._cost_ctx[lease_id] = context
         if step.view.state is LeaseState.PINNING:
             self._pinning.add(lease_id)
             return PrefixLoadStep(lease_id, None, self._settled(step.actions))
-        return PrefixLoadStep(lease_id, _answer_of(step.view, reuse), self._settled(step.actions))
+        return PrefixLoadStep(
+            lease_id, self._answer_of(step.view, reuse), self._settled(step.actions)
+        )
+
+    def _predict(self, context: _CostContext, blocks: int) -> Prediction:
+        return self.cost.predict(
+            context.holder,
+            context.requester,
+            context.tier,
+            blocks * context.block_size,
+            blocks * context.bytes_per_block,
+        )
+
+    def _cost_context(
+        self, holder: ChildEngineView, requester: ChildEngineView, tier: Tier
+    ) -> _CostContext:
+        p = holder.profile
+        per_block = kv_bytes_per_block(
+            [part.registration.endpoint.regions for part in holder.parts],
+            block_size=p.block_size,
+            num_layers=p.num_layers,
+            num_kv_heads=p.num_kv_heads,
+            head_size=p.head_size,
+            kv_dtype=p.kv_dtype,
+        )
+        return _CostContext(
+            holder.child_engine_id,
+            requester.child_engine_id,
+            tier,
+            per_block,
+            requester.profile.block_size,
+        )
+
+    def _worthwhile_blocks(self, context: _CostContext, floor: int, hinted: int) -> int | None:
+        """The fewest blocks in [floor, hinted] worth loading (None: not even `hinted`).
+
+        Load and recompute both grow linearly with the blocks, so "worth loading" holds
+        from some length on: a binary search finds it (I9-cost-gate)."""
+        if not self.cost.config.gate:
+            return floor
+        if not self._predict(context, hinted).worth_loading:
+            return None
+        low, high = floor, hinted
+        while low < high:
+            mid = (low + high) // 2
+            if self._predict(context, mid).worth_loading:
+                high = mid
+            else:
+                low = mid + 1
+        return low
 
     def _choose_holder(
         self, req: PrefixLoadRequest, requester: ChildEngineView, now_ms: int
-    ) -> ChildEngineView | str:
+    ) -> tuple[ChildEngineView, _CostContext, int] | _NoHolder:
         min_blocks = max(req.min_blocks, 1)
         # min_blocks 1: "below min_blocks" is told apart from "no candidate" here.
         answer = self._inventory.lookup(
@@ -366,6 +474,7 @@ class Grants:
             leases_in_flight=self.table.open_counts_by_engine(),
         )
         best = 0
+        refused: Prediction | None = None
         for candidate in answer.candidates:
             best = max(best, candidate.matched_blocks)
             if candidate.matched_blocks < min_blocks or self.is_draining(candidate.child_engine_id):
@@ -375,8 +484,18 @@ class Grants:
                 continue
             if view.compatibility_hash != requester.compatibility_hash:
                 continue  # never hand KV across layouts, whatever the index said
-            return view
-        return "below_min_blocks" if 0 < best < min_blocks else "no_candidate"
+            context = self._cost_context(view, requester, candidate.tier)
+            worthwhile = self._worthwhile_blocks(context, min_blocks, candidate.matched_blocks)
+            if worthwhile is None:
+                # I9-cost-gate: this holder's link is too slow; another may still pay off.
+                prediction = self._predict(context, candidate.matched_blocks)
+                if refused is None or prediction.saving_ms > refused.saving_ms:
+                    refused = prediction
+                continue
+            return view, replace(context, worthwhile_blocks=worthwhile), worthwhile
+        if refused is not None:
+            return _NoHolder(MissReason.RECOMPUTE_CHEAPER.value, refused)
+        return _NoHolder("below_min_blocks" if 0 < best < min_blocks else "no_candidate", None)
 
     def on_pin_result(
         self,
@@ -431,7 +550,56 @@ class Grants:
             if report.rank_key not in seen:
                 seen.add(report.rank_key)
                 first = True
-        return ReportStep(step.view, first, self._settled(step.actions))
+        actions: list[GrantAction] = list(step.actions)
+        if flow is Flow.PREFIX_LOAD and first:
+            # The table checked that the reporter is this lease's requester, so a rate
+            # sample is only ever the reporter's own; a repeated report adds nothing.
+            self.cost.observe_prefill(
+                report.reporter_child_engine_id,
+                report.prefill_tokens,
+                report.prefill_duration_us,
+            )
+            self._measure(report, actions)
+        return ReportStep(step.view, first, self._settled(actions))
+
+    def _measure(self, report: TransferReport, actions: list[GrantAction]) -> None:
+        """Adds one part's first report; at COMPLETED the whole load is one sample."""
+        measured = self._measured.setdefault(report.lease_id, _Measured())
+        if report.outcome is Outcome.SUCCEEDED:
+            measured.bytes_moved += report.bytes_moved
+            measured.duration_us = max(measured.duration_us, report.duration_us)
+            measured.succeeded += 1
+        ended = any(
+            isinstance(a, LeaseEnded)
+            and a.lease_id == report.lease_id
+            and a.state is LeaseState.COMPLETED
+            for a in actions
+        )
+        context = self._cost_ctx.get(report.lease_id)
+        prediction = self._predictions.get(report.lease_id)
+        if not ended or context is None or measured.duration_us <= 0:
+            return
+        # One sample per load: its parts pull in parallel, so the slowest one is the load.
+        if prediction is not None:
+            actions.append(
+                CostObserved(
+                    report.lease_id,
+                    prediction.load_ms,
+                    measured.duration_us / 1000.0,
+                    prediction.link.samples > 0,
+                )
+            )
+        self.cost.observe_transfer(
+            context.holder,
+            context.requester,
+            context.tier,
+            measured.bytes_moved,
+            measured.duration_us,
+        )
+
+    def cost_decision(self, lease_id: str) -> Prediction | None:
+        """The prediction an open prefix-load lease was granted with (for `kvrc status`)."""
+        return self._predictions.get(lease_id)
 
     # --- decode handoff ------------------------------------------------------------------
 
@@ -696,10 +864,13 @@ class Grants:
                 requester = view.target_child_engine_id
                 req_view = self._registry.get(requester) if requester is not None else None
                 reuse = self._reuse_for(req_view) if req_view is not None else _NOT_REGISTERED
-                out.append(PrefixLoadAnswered(lease_id, _answer_of(view, reuse)))
+                out.append(PrefixLoadAnswered(lease_id, self._answer_of(view, reuse)))
         for action in actions:
             if isinstance(action, LeaseEnded):
                 self._reported.pop(action.lease_id, None)
+                self._cost_ctx.pop(action.lease_id, None)
+                self._predictions.pop(action.lease_id, None)
+                self._measured.pop(action.lease_id, None)
         self.due_ms = self._next_deadline_ms()
         return tuple(out)
 
@@ -723,9 +894,29 @@ class Grants:
                 f"{role} child engine {child_engine_id!r} is draining: no new grants from or to it"
             )
 
+    def _answer_of(self, view: LeaseView, reuse: ReuseStatus) -> PrefixLoadAnswer:
+        """The answer of a lease that left PINNING, with its prediction (I9-cost-gate)."""
+        context = self._cost_ctx.get(view.lease_id)
+        grant = view.prefix_load_grant
+        if grant is not None:
+            prediction = self._predictions.get(view.lease_id)
+            if prediction is None and context is not None:
+                prediction = self._predict(context, grant.matched_blocks)
+                if not view.terminal:
+                    self._predictions[view.lease_id] = prediction
+            return PrefixLoadAnswer(view, "", "", reuse, prediction)
+        reason = view.miss_reason.value if view.miss_reason is not None else "holder_gone"
+        if view.miss_reason is MissReason.RECOMPUTE_CHEAPER and context is not None:
+            detail = (
+                f"the holder pinned fewer than the {context.worthwhile_blocks} blocks a load "
+                f"needs to beat recomputing ({context.holder}->{context.requester} "
+                f"{context.tier.name.lower()})"
+            )
+            return PrefixLoadAnswer(view, reason, detail, reuse)
+        return PrefixLoadAnswer(view, reason, view.reason, reuse)
 
-def _answer_of(view: LeaseView, reuse: ReuseStatus) -> PrefixLoadAnswer:
-    if view.prefix_load_grant is not None:
-        return PrefixLoadAnswer(view, "", "", reuse)
-    reason = view.miss_reason.value if view.miss_reason is not None else "holder_gone"
-    return PrefixLoadAnswer(view, reason, view.reason, reuse)
+
+@dataclass(frozen=True, slots=True)
+class _NoHolder:
+    reason: str  # a miss reason (metric label)
+    refused: Prediction | None  # recompute_cheaper: the best holder's prediction

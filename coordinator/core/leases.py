@@ -131,6 +131,8 @@ class MissReason(enum.Enum):
     PIN_TIMEOUT = "pin_timeout"
     HOLDER_GONE = "holder_gone"
     DRAINING = "draining"  # holder or requester drained while pinning
+    # I9-cost-gate: the pinned prefix is too short for a load to beat recomputing it.
+    RECOMPUTE_CHEAPER = "recompute_cheaper"
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +373,7 @@ class _Lease:
 class _PrefixLoad(_Lease):
     block_hashes: tuple[BlockHash, ...] = ()
     min_blocks: int = 1
+    worthwhile_blocks: int = 1  # the cost gate's floor (I9-cost-gate); >= min_blocks
     group_idx: int = 0
     pin_deadline_ms: int = 0
     transfer_ttl_ms: int = 0
@@ -525,11 +528,14 @@ class LeaseTable:
         transfer_ttl_ms: int,
         now_ms: int,
         group_idx: int = 0,
+        worthwhile_blocks: int = 1,
     ) -> LeaseStep:
         """Open a prefix-load lease and ask every holder part to pin.
 
         Repeating a request id of this requester returns its lease unchanged
         (the holder arguments are then ignored: the first choice stands).
+        `worthwhile_blocks` is the cost gate's floor (I9-cost-gate): a pin at or above
+        `min_blocks` but below it misses as RECOMPUTE_CHEAPER.
         """
         cfg = self._config
         _check_id("request_id", request_id)
@@ -581,6 +587,7 @@ class LeaseTable:
             reason="waiting for the holder's pins",
             block_hashes=chain,
             min_blocks=max(min_blocks, 1),  # zero blocks is always a miss
+            worthwhile_blocks=max(worthwhile_blocks, min_blocks, 1),
             group_idx=group_idx,
             pin_deadline_ms=now_ms + pin_timeout_ms,
             transfer_ttl_ms=transfer_ttl_ms,
@@ -634,6 +641,9 @@ class LeaseTable:
             # One short part caps the whole match: miss now, don't wait for the rest.
             reason = MissReason.SHORT_PIN if pinned_blocks == 0 else MissReason.BELOW_MIN_BLOCKS
             self._miss(lease, reason, now_ms, actions)
+        elif pinned_blocks < lease.worthwhile_blocks:
+            # I9-cost-gate: what is pinned is too short for a load to pay off.
+            self._miss(lease, MissReason.RECOMPUTE_CHEAPER, now_ms, actions)
         elif len(lease.pins) == len(lease.source_rank_keys):
             self._grant_prefix_load(lease, now_ms, actions)
         return LeaseStep(self._view(lease), tuple(actions))

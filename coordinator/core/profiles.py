@@ -91,15 +91,35 @@ class DeclaredProfile:
 
     name: str
     pins: tuple[tuple[str, str | int | bool], ...]
+    # Not a pin: the prefill rate of the engines it matches, the cost model's prior
+    # for them until they report their own (I9-cost-gate). None: the coordinator's default.
+    prefill_tokens_per_s: float | None = None
 
     def matches(self, profile: DeploymentProfile) -> bool:
         return all(getattr(profile, field) == value for field, value in self.pins)
 
 
+# Keys of a declared profile that describe its engines instead of pinning a field.
+COST_KEYS = frozenset({"prefill_tokens_per_s"})
+
+
 def declared_profile(name: str, pinned: Mapping[str, object]) -> DeclaredProfile:
-    """Build a declared profile from a mapping of field -> value; names bad fields."""
+    """Build a declared profile from a mapping of field -> value; names bad fields.
+
+    `prefill_tokens_per_s` (a number > 0) is the one key that is not a pin."""
     if not name:
         raise invalid("declared profile: name is empty")
+    raw = pinned.get("prefill_tokens_per_s")
+    pinned = {k: v for k, v in pinned.items() if k not in COST_KEYS}
+    rate: float | None = None
+    # bool is an int subclass: refuse `prefill_tokens_per_s = true` too.
+    if type(raw) in (int, float) and isinstance(raw, int | float) and 0 < raw <= 1e9:
+        rate = float(raw)
+    if raw is not None and rate is None:
+        raise invalid(
+            f"declared profile {name!r}: prefill_tokens_per_s must be a number in (0, 1e9], "
+            f"got {raw!r}"
+        )
     if not pinned:
         raise invalid(f"declared profile {name!r}: pins no field (would match every engine)")
     defaults = DeploymentProfile(model="", block_size=0)
@@ -119,7 +139,21 @@ def declared_profile(name: str, pinned: Mapping[str, object]) -> DeclaredProfile
             )
         assert isinstance(value, str | int | bool)
         pins.append((field, value))
-    return DeclaredProfile(name=name, pins=tuple(sorted(pins)))
+    return DeclaredProfile(
+        name=name,
+        pins=tuple(sorted(pins)),
+        prefill_tokens_per_s=rate,
+    )
+
+
+def declared_prefill_rate(
+    profile: DeploymentProfile, declared_profiles: Sequence[DeclaredProfile]
+) -> float | None:
+    """The prefill rate the first matching declared profile names (the reuse gate's order)."""
+    for declared in declared_profiles:
+        if declared.matches(profile):
+            return declared.prefill_tokens_per_s
+    return None
 
 
 class ReuseReason(enum.IntEnum):

@@ -16,8 +16,9 @@ Two seams:
   coordinator/core/vllm_hashing.py (tests plug in their own). The hash
   configuration is each engine's declared one (`hash_config`): a router cannot
   know it, and an engine that declares none is refused with FAILED_PRECONDITION.
-- `SavingPredictor`: the per-pair cost model (coordinator/core/cost_model.py,
-  not merged yet): until then the runtime plugs in the stand-in below.
+- `SavingPredictor`: the per-pair cost model (coordinator/core/cost_model.py's
+  `CostModel`, the same one prefix-load grants ask: I9-cost-gate), so a Score
+  credits a load exactly when a grant would be made for it.
   `DeclaredRatePredictor` credits local matches with their recompute time at a
   declared prefill rate and loadable blocks with nothing: without a measured link
   a load may cost more than the recompute (I4-advisory: a hint must not promise
@@ -26,7 +27,6 @@ Two seams:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -125,6 +125,9 @@ class Prediction(Protocol):
     @property
     def recompute_ms(self) -> float: ...
 
+    @property
+    def worth_loading(self) -> bool: ...
+
 
 class SavingPredictor(Protocol):
     """The cost model's seam: the predicted load and recompute time of `num_tokens`."""
@@ -132,36 +135,6 @@ class SavingPredictor(Protocol):
     def predict(
         self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
     ) -> Prediction: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RatePrediction:
-    load_ms: float
-    recompute_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class DeclaredRatePredictor:
-    """The fallback before the cost model: recompute at a declared prefill rate, and a
-    load of unknown cost (infinite), so loadable blocks are never credited."""
-
-    prefill_tokens_per_s: float
-
-    def __post_init__(self) -> None:
-        if not self.prefill_tokens_per_s > 0:
-            raise invalid(f"prefill rate must be > 0 tokens/s, got {self.prefill_tokens_per_s}")
-
-    @property
-    def basis(self) -> str:
-        return (
-            f"local matches at a declared prefill rate of {self.prefill_tokens_per_s:g} "
-            "tokens/s; loads not credited (no cost model yet)"
-        )
-
-    def predict(
-        self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
-    ) -> RatePrediction:
-        return RatePrediction(math.inf, num_tokens * 1000.0 / self.prefill_tokens_per_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +160,9 @@ class ScoreEngine:
     compatibility_hash: str = ""
     ready: bool = False
     reuse: ReuseStatus | None = None  # may it load prefixes (the reuse gate)
+    # KV bytes of one block, the same at any holder of its compatibility hash (same
+    # layout); 0: unknown, a load then costs the link's latency alone.
+    bytes_per_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,25 +213,6 @@ def check_query(query: ScoreQuery) -> None:
         if c in seen:
             raise invalid(f"candidate_child_engine_ids names {c!r} twice")
         seen.add(c)
-
-
-def kv_bytes_per_token(profile: DeploymentProfile) -> int:
-    """K and V of every layer and KV head; 0 when the profile does not say (the
-    predictor then goes by tokens). MLA and other layouts differ: the cost model
-    learns bytes from reports instead."""
-    width = _DTYPE_BYTES.get(profile.kv_dtype.lower(), 0)
-    return 2 * profile.num_layers * profile.num_kv_heads * profile.head_size * width
-
-
-_DTYPE_BYTES = {
-    "bfloat16": 2,
-    "float16": 2,
-    "half": 2,
-    "float32": 4,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
 
 
 def rank_key(s: EngineScore) -> tuple[bool, float, int, int, str]:
@@ -372,14 +329,14 @@ def _priced(
 ) -> EngineScore:
     assert e.profile is not None
     block_size = e.profile.block_size
-    per_token = kv_bytes_per_token(e.profile)
     me = e.child_engine_id
     saving = 0.0
     if matched:
         tokens = matched * block_size
         fastest = by_tier[0][0] if by_tier else Tier.GPU
         # A local hit is prefill not run: its whole recompute time is saved.
-        saving += predictor.predict(me, me, fastest, tokens, tokens * per_token).recompute_ms
+        blocks_bytes = matched * e.bytes_per_block
+        saving += predictor.predict(me, me, fastest, tokens, blocks_bytes).recompute_ms
     loadable = 0
     holder = ""
     holder_tier: Tier | None = None
@@ -389,9 +346,10 @@ def _priced(
         if best is not None and best[0] != me and best[1] > matched:
             holder, loadable, holder_tier = best[0], best[1] - matched, best[2]
             tokens = loadable * block_size
-            p = predictor.predict(holder, me, best[2], tokens, tokens * per_token)
-            # A load saves only what it beats the recompute by (never negative).
-            if p.load_ms < p.recompute_ms:
+            p = predictor.predict(holder, me, best[2], tokens, loadable * e.bytes_per_block)
+            # Credited exactly when a grant would be made for it (I9-cost-gate: load x
+            # margin < recompute); it then saves what it beats the recompute by.
+            if p.worth_loading:
                 saving += p.recompute_ms - p.load_ms
     return EngineScore(
         me,
@@ -412,7 +370,6 @@ __all__ = [
     "MAX_SCORE_BLOCKS",
     "MAX_SCORE_CANDIDATES",
     "MAX_SCORE_TOKENS",
-    "DeclaredRatePredictor",
     "EngineScore",
     "Prediction",
     "SavingPredictor",

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from coordinator.core.auth import AuthConfigError, load_auth_policy
+from coordinator.core.cost_model import CostConfig
 from coordinator.core.leases import LeaseConfig
 from coordinator.runtime.config import (
     STORE_PASSWORD_ENV,
@@ -119,13 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest wait between ResyncRequests to one stale stream (%(default)s)",
     )
     serve.add_argument(
-        "--score-prefill-tokens-per-s",
-        type=float,
-        default=defaults.score_prefill_tokens_per_s,
-        help="Score's prefill rate for the predicted saving of local matches, until the "
-        "cost model measures it (%(default)s; docs/score.md)",
-    )
-    serve.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=defaults.shutdown_grace_s,
@@ -207,6 +201,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--store-tls-ca", type=Path, metavar="FILE", help="PEM CA of the rediss:// server"
+    )
+    cost = defaults.cost
+    serve.add_argument(
+        "--cost-gate",
+        type=_on_off,
+        default=cost.gate,
+        metavar="{off,on}",
+        help="with reuse on, grant a prefix load only when it is predicted to beat "
+        "recomputing (default on; docs/cost_model.md)",
+    )
+    serve.add_argument(
+        "--cost-safety-margin",
+        type=float,
+        default=cost.safety_margin,
+        help="grant when predicted load x this < predicted recompute (%(default)s)",
+    )
+    serve.add_argument(
+        "--cost-max-pairs",
+        type=int,
+        default=cost.max_pairs,
+        help="(holder, requester, tier) links the cost model keeps, LRU (%(default)s)",
+    )
+    serve.add_argument(
+        "--cost-default-bandwidth-gbps",
+        type=float,
+        default=cost.default_bandwidth_bytes_per_s / 1e9,
+        help="an unmeasured link's bandwidth, GB/s (%(default)s)",
+    )
+    serve.add_argument(
+        "--cost-default-latency-ms",
+        type=float,
+        default=cost.default_latency_ms,
+        help="an unmeasured link's fixed latency (%(default)s)",
+    )
+    serve.add_argument(
+        "--cost-default-prefill-tokens-per-s",
+        type=float,
+        default=cost.default_prefill_tokens_per_s,
+        help="a requester's prefill rate before it reports one, unless its declared profile "
+        "names prefill_tokens_per_s (%(default)s)",
     )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -331,6 +365,19 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,
         abort_timeout_ms=args.abort_timeout_ms,
     )
+    try:
+        cost = CostConfig(
+            gate=args.cost_gate,
+            safety_margin=args.cost_safety_margin,
+            max_pairs=args.cost_max_pairs,
+            max_requesters=max(args.cost_max_pairs, 1),
+            default_bandwidth_bytes_per_s=args.cost_default_bandwidth_gbps * 1e9,
+            default_latency_ms=args.cost_default_latency_ms,
+            default_prefill_tokens_per_s=args.cost_default_prefill_tokens_per_s,
+        )
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise ConfigError(f"{_COST_FLAGS.get(name, '--cost-*')}: {e}") from None
     return CoordinatorConfig(
         listen=args.listen,
         metrics_port=args.metrics_port,
@@ -351,8 +398,18 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         resync_retry_initial_ms=args.resync_retry_ms,
         resync_retry_max_ms=args.resync_retry_max_ms,
         store=store,
-        score_prefill_tokens_per_s=args.score_prefill_tokens_per_s,
+        cost=cost,
     )
+
+
+_COST_FLAGS = {
+    "safety_margin": "--cost-safety-margin",
+    "max_pairs": "--cost-max-pairs",
+    "max_requesters": "--cost-max-pairs",
+    "default_bandwidth_bytes_per_s": "--cost-default-bandwidth-gbps",
+    "default_latency_ms": "--cost-default-latency-ms",
+    "default_prefill_tokens_per_s": "--cost-default-prefill-tokens-per-s",
+}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -427,6 +484,7 @@ def status_document(response: pb.StatusResponse) -> dict[str, Any]:
         "inventory_entries": response.inventory_entries,
         "child_engines": children,
         "leases": [lease_document(lease) for lease in response.leases],
+        "cost_model": cost_model_document(response.cost_model),
         "store": {
             "url": response.store or "memory",
             "available": not response.store_unavailable_reason,
@@ -445,7 +503,89 @@ def lease_document(lease: pb.LeaseStatus) -> dict[str, Any]:
         "target_child_engine_id": lease.target_child_engine_id,
         "deadline_unix_ms": lease.deadline_unix_ms,
         "reason": lease.reason,
+        "prediction": prediction_document(lease.prediction)
+        if lease.HasField("prediction")
+        else None,
     }
+
+
+def _tier_name(tier: int) -> str:
+    if tier in pb.Tier.values():
+        return pb.Tier.Name(tier).removeprefix("TIER_").lower()  # type: ignore[arg-type]
+    return f"tier({tier})"
+
+
+def prediction_document(p: pb.CostPrediction) -> dict[str, Any]:
+    return {
+        "load_ms": p.load_ms,
+        "recompute_ms": p.recompute_ms,
+        "safety_margin": p.safety_margin,
+        "worth_loading": p.worth_loading,
+        "num_bytes": p.num_bytes,
+        "num_tokens": p.num_tokens,
+        "holder_child_engine_id": p.holder_child_engine_id,
+        "tier": _tier_name(p.tier),
+        "bandwidth_bytes_per_s": p.bandwidth_bytes_per_s,
+        "latency_ms": p.latency_ms,
+        "link_samples": p.link_samples,
+        "prefill_tokens_per_s": p.prefill_tokens_per_s,
+        "prefill_source": p.prefill_source,
+        "detail": p.detail,
+    }
+
+
+def cost_model_document(cost: pb.CostModelStatus) -> dict[str, Any]:
+    return {
+        "gate": cost.gate,
+        "safety_margin": cost.safety_margin,
+        "max_pairs": cost.max_pairs,
+        "defaults": {
+            "bandwidth_bytes_per_s": cost.default_bandwidth_bytes_per_s,
+            "latency_ms": cost.default_latency_ms,
+            "prefill_tokens_per_s": cost.default_prefill_tokens_per_s,
+        },
+        "links": [
+            {
+                "holder_child_engine_id": link.holder_child_engine_id,
+                "requester_child_engine_id": link.requester_child_engine_id,
+                "tier": _tier_name(link.tier),
+                "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
+                "latency_ms": link.latency_ms,
+                "samples": link.samples,
+            }
+            for link in cost.links
+        ],
+        "prefill_rates": [
+            {
+                "child_engine_id": rate.child_engine_id,
+                "tokens_per_s": rate.tokens_per_s,
+                "samples": rate.samples,
+                "source": rate.source,
+            }
+            for rate in cost.prefill_rates
+        ],
+    }
+
+
+def _cost_lines(cost: pb.CostModelStatus) -> list[str]:
+    lines = [
+        f"cost gate {'on' if cost.gate else 'off'}: load x {cost.safety_margin:g} < recompute; "
+        f"{len(cost.links)}/{cost.max_pairs} measured link(s); cold defaults "
+        f"{cost.default_bandwidth_bytes_per_s / 1e9:g} GB/s + {cost.default_latency_ms:g} ms, "
+        f"{cost.default_prefill_tokens_per_s:g} tokens/s"
+    ]
+    for link in cost.links:
+        lines.append(
+            f"  link {link.holder_child_engine_id} -> {link.requester_child_engine_id} "
+            f"({_tier_name(link.tier)}): {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s + "
+            f"{link.latency_ms:.3g} ms, {link.samples} sample(s)"
+        )
+    for rate in cost.prefill_rates:
+        lines.append(
+            f"  prefill {rate.child_engine_id}: {rate.tokens_per_s:.4g} tokens/s ({rate.source}"
+            f"{f', {rate.samples} sample(s)' if rate.samples else ''})"
+        )
+    return lines
 
 
 def _status_text(target: str, response: pb.StatusResponse) -> str:
@@ -482,6 +622,8 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)]
         lines.append("  ".join([*cells, row[-1]]))
+    if response.HasField("cost_model"):
+        lines.extend(_cost_lines(response.cost_model))
     quarantined = sum(1 for x in response.leases if x.state == pb.LEASE_STATE_QUARANTINED)
     lines.append(
         f"{len(response.leases)} lease(s) in flight or quarantined ({quarantined} quarantined)"
@@ -492,6 +634,7 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
             f"  {doc['lease_id']}  {doc['flow']}  {doc['state']}  "
             f"{doc['source_child_engine_id']} -> {doc['target_child_engine_id'] or '?'}  "
             f"{doc['reason']}"
+            + (f"; {lease.prediction.detail}" if lease.HasField("prediction") else "")
         )
     return "\n".join(lines)
 
@@ -573,10 +716,6 @@ def score_request_from_args(args: argparse.Namespace) -> pb.ScoreRequest:
             raise ConfigError("--block-hashes: give at least one block hash")
         request.block_hashes.hashes.extend(hashes)
     return request
-
-
-def _tier_name(tier: pb.Tier.ValueType) -> str:
-    return pb.Tier.Name(tier).removeprefix("TIER_").lower() if tier in pb.Tier.values() else "?"
 
 
 def score_document(response: pb.ScoreResponse) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from coordinator.core import events as ev
 from coordinator.core import inventory as inv
-from coordinator.core.errors import KvrcError, invalid
+from coordinator.core.cost_model import Prediction
+from coordinator.core.errors import KvrcError, failed_precondition, invalid
 from coordinator.core.grants import (
     BeginHandoffRequest,
     DrainNotice,
@@ -49,6 +50,7 @@ from coordinator.runtime.clock import Clock, from_unix_ms, to_unix_ms
 from coordinator.runtime.config import FieldBounds
 from coordinator.runtime.coordinator import (
     ChildEngineStatus,
+    CostStatus,
     HeartbeatReply,
     Outbound,
     RegisterReply,
@@ -58,7 +60,7 @@ from coordinator.runtime.coordinator import (
 from coordinator.runtime.inventory_flow import LookupQuery, LookupResult, LookupVerdict, ResyncOrder
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2 as pb
-from kvrc.vocabulary import PublishMode, TransferEndpoint
+from kvrc.vocabulary import PublishMode, TransferEndpoint, protocol_mismatch
 
 # Times: the core and the runtime keep monotonic ms; the protocol carries unix ms.
 # Each conversion reads both clocks at encoding time (coordinator/runtime/clock.py).
@@ -218,6 +220,10 @@ def endpoint_from_proto(msg: pb.TransferEndpoint, bounds: FieldBounds) -> Transf
 
 
 def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRegistration:
+    # First: an older client's message means something else field by field.
+    mismatch = protocol_mismatch(msg.protocol_version)
+    if mismatch is not None:
+        raise failed_precondition(mismatch)
     engine_id = check_id("engine_id", msg.engine_id, bounds)
     child_engine_id = check_id("child_engine_id", msg.child_engine_id, bounds)
     if not msg.HasField("profile"):
@@ -336,16 +342,57 @@ def coordinator_message(out: Outbound, clock: Clock) -> pb.CoordinatorMessage:
 
 
 def status_to_proto(snapshot: StatusSnapshot, clock: Clock) -> pb.StatusResponse:
+    decisions = dict(snapshot.cost.decisions) if snapshot.cost is not None else {}
+    leases = []
+    for view in snapshot.leases:
+        lease = lease_status_to_proto(view, clock)
+        prediction = decisions.get(view.lease_id)
+        if prediction is not None:
+            lease.prediction.CopyFrom(prediction_to_proto(prediction))
+        leases.append(lease)
     return pb.StatusResponse(
         version=__version__,
         reuse_enabled=snapshot.reuse_enabled,
         warming=snapshot.warming,
         child_engines=[_child_engine_status(c, clock) for c in snapshot.child_engines],
         inventory_entries=snapshot.inventory_entries,
-        leases=[lease_status_to_proto(v, clock) for v in snapshot.leases],
+        leases=leases,
         store=snapshot.store,
         store_unavailable_reason=snapshot.store_unavailable_reason,
         remote_child_engines=snapshot.remote_child_engines,
+        cost_model=_cost_status(snapshot.cost) if snapshot.cost is not None else None,
+    )
+
+
+def _cost_status(cost: CostStatus) -> pb.CostModelStatus:
+    cfg = cost.config
+    return pb.CostModelStatus(
+        gate=cfg.gate,
+        safety_margin=cfg.safety_margin,
+        max_pairs=cfg.max_pairs,
+        links=[
+            pb.LinkCost(
+                holder_child_engine_id=holder,
+                requester_child_engine_id=requester,
+                tier=pb.Tier.ValueType(tier.value),
+                bandwidth_bytes_per_s=estimate.bandwidth_bytes_per_s,
+                latency_ms=estimate.latency_ms,
+                samples=estimate.samples,
+            )
+            for (holder, requester, tier), estimate in cost.links
+        ],
+        prefill_rates=[
+            pb.PrefillRate(
+                child_engine_id=child,
+                tokens_per_s=estimate.tokens_per_s,
+                samples=estimate.samples,
+                source=estimate.source,
+            )
+            for child, estimate in cost.prefill_rates
+        ],
+        default_bandwidth_bytes_per_s=cfg.default_bandwidth_bytes_per_s,
+        default_latency_ms=cfg.default_latency_ms,
+        default_prefill_tokens_per_s=cfg.default_prefill_tokens_per_s,
     )
 
 
@@ -695,12 +742,25 @@ def prefix_load_request_from_proto(
 
 
 _REPORT_OUTCOMES = {o.value: o for o in Outcome}
+# A prefill rate sample is one prefill, not a sum over hours (I8-bad-input).
+MAX_PREFILL_SAMPLE_US = 3_600_000_000
 
 
 def transfer_report_from_proto(msg: pb.TransferReport, bounds: FieldBounds) -> TransferReport:
     outcome = _REPORT_OUTCOMES.get(msg.outcome)
     if outcome is None:
         raise invalid(f"outcome must be SUCCEEDED, FAILED or UNKNOWN (1..3), got {msg.outcome}")
+    prefill = msg.prefill
+    if msg.HasField("prefill") and (prefill.tokens == 0 or prefill.duration_us == 0):
+        raise invalid(
+            f"prefill sample needs tokens >= 1 and duration_us >= 1, got {prefill.tokens} "
+            f"tokens in {prefill.duration_us} us (leave prefill unset when not measured)"
+        )
+    if prefill.duration_us > MAX_PREFILL_SAMPLE_US:
+        raise invalid(
+            f"prefill.duration_us {prefill.duration_us} exceeds {MAX_PREFILL_SAMPLE_US} "
+            "(one hour): a rate sample is one prefill"
+        )
     return TransferReport(
         lease_id=check_id("lease_id", msg.lease_id, bounds),
         reporter_child_engine_id=check_id(
@@ -711,6 +771,8 @@ def transfer_report_from_proto(msg: pb.TransferReport, bounds: FieldBounds) -> T
         bytes_moved=msg.bytes_moved,
         duration_us=msg.duration_us,
         error_message=check_text("error_message", msg.error_message, bounds),
+        prefill_tokens=prefill.tokens,
+        prefill_duration_us=prefill.duration_us,
     )
 
 
@@ -807,16 +869,37 @@ def _lease_state(state: LeaseState) -> pb.LeaseState.ValueType:
     return pb.LeaseState.ValueType(state.value)
 
 
+def prediction_to_proto(prediction: Prediction) -> pb.CostPrediction:
+    return pb.CostPrediction(
+        load_ms=prediction.load_ms,
+        recompute_ms=prediction.recompute_ms,
+        safety_margin=prediction.safety_margin,
+        worth_loading=prediction.worth_loading,
+        num_bytes=prediction.num_bytes,
+        num_tokens=prediction.num_tokens,
+        holder_child_engine_id=prediction.holder_child_engine_id,
+        tier=pb.Tier.ValueType(prediction.tier.value),
+        bandwidth_bytes_per_s=prediction.link.bandwidth_bytes_per_s,
+        latency_ms=prediction.link.latency_ms,
+        link_samples=prediction.link.samples,
+        prefill_tokens_per_s=prediction.prefill.tokens_per_s,
+        prefill_source=prediction.prefill.source,
+        detail=prediction.describe(),
+    )
+
+
 def prefix_load_answer_to_proto(answer: PrefixLoadAnswer, clock: Clock) -> pb.PrefixLoadGrant:
     reuse = reuse_status_to_proto(answer.reuse)
     view = answer.view
     grant = view.prefix_load_grant if view is not None else None
+    prediction = prediction_to_proto(answer.prediction) if answer.prediction is not None else None
     if grant is None:
         return pb.PrefixLoadGrant(
             outcome=pb.GRANT_OUTCOME_MISS,
             miss_reason=f"{answer.miss_reason}: {answer.miss_detail}",
             lease_id=view.lease_id if view is not None else "",
             reuse=reuse,
+            prediction=prediction,
         )
     return pb.PrefixLoadGrant(
         outcome=pb.GRANT_OUTCOME_GRANTED,
@@ -826,6 +909,7 @@ def prefix_load_answer_to_proto(answer: PrefixLoadAnswer, clock: Clock) -> pb.Pr
         source_parts=[_descriptor_to_proto(p) for p in grant.source_parts],
         deadline_unix_ms=to_unix_ms(clock, grant.deadline_ms),
         reuse=reuse,
+        prediction=prediction,
     )
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from coordinator.core.auth import AuthPolicy
+from coordinator.core.cost_model import CostConfig
 from coordinator.core.errors import KvrcError
 from coordinator.core.leases import LeaseConfig
 from coordinator.core.profiles import DeclaredProfile, declared_profile
@@ -208,9 +209,9 @@ class CoordinatorConfig:
     resync_retry_max_ms: int = 30_000
     # memory (one process's view) or a Redis that replicas share (docs/operations.md).
     store: StoreConfig = StoreConfig()
-    # Score's fallback predictor before the cost model: local matches are credited with
-    # their recompute time at this prefill rate (docs/score.md).
-    score_prefill_tokens_per_s: float = 8000.0
+    # Load or recompute (I9-cost-gate, docs/cost_model.md): the gate, its margin, the
+    # bound on links kept and the cold defaults.
+    cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_ms <= 0:
@@ -228,11 +229,6 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"resync retry must satisfy 1 <= initial ({self.resync_retry_initial_ms} ms) "
                 f"<= max ({self.resync_retry_max_ms} ms) <= 3600000"
-            )
-        if not 0 < self.score_prefill_tokens_per_s <= 1e9:
-            raise ConfigError(
-                f"score prefill rate must be in (0, 1e9] tokens/s, got "
-                f"{self.score_prefill_tokens_per_s}"
             )
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown grace must be >= 0 s, got {self.shutdown_grace_s}")

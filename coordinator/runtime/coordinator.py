@@ -21,11 +21,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from coordinator.core.cost_model import (
+    CostConfig,
+    CostModel,
+    LinkEstimate,
+    LinkKey,
+    Prediction,
+    PrefillEstimate,
+)
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
 from coordinator.core.inventory import Inventory
 from coordinator.core.leases import LeaseView
-from coordinator.core.profiles import ReuseReason, ReuseStatus, reuse_status
+from coordinator.core.profiles import (
+    ReuseReason,
+    ReuseStatus,
+    declared_prefill_rate,
+    reuse_status,
+)
 from coordinator.core.recovery import (
     MAX_STATE_FILE_BYTES,
     KnownEngine,
@@ -176,6 +189,16 @@ class StatusSnapshot:
     store: str = "memory"  # the shared store's URL, without credentials
     store_unavailable_reason: str = ""  # "" while the store is reachable
     remote_child_engines: int = 0  # other replicas' engines in this replica's index
+    cost: CostStatus | None = None  # this replica's own cost estimates (I9-cost-gate)
+
+
+@dataclass(frozen=True, slots=True)
+class CostStatus:
+    config: CostConfig
+    links: tuple[tuple[LinkKey, LinkEstimate], ...]  # measured, least recently first
+    prefill_rates: tuple[tuple[str, PrefillEstimate], ...]
+    # The prediction each open, granted prefix load was granted on.
+    decisions: tuple[tuple[str, Prediction], ...] = ()
 
 
 class Coordinator:
@@ -223,8 +246,10 @@ class Coordinator:
             proven_gone=self.proven_gone,
             clock=self.clock,
             config=config.leases,
+            cost=CostModel(config.cost, self.declared_prefill),
         )
         self.inventory.set_leases_in_flight(self.leases.leases_in_flight)
+        self.inventory.set_saving_predictor(self.leases.cost_model)
         self.add_part_listener(self.leases)
         # Restart recovery (coordinator/core/recovery.py): warm-up and the known engines.
         self._known: dict[str, KnownEngine] = {}
@@ -388,6 +413,26 @@ class Coordinator:
     def reuse_for(self, view: ChildEngineView) -> ReuseStatus:
         return reuse_status(self.config.reuse, view.profile, self.config.declared_profiles)
 
+    def declared_prefill(self, child_engine_id: str) -> float | None:
+        """The prefill rate the requester's declared profile names (the cost model's prior)."""
+        view = self.registry.get(child_engine_id)
+        if view is None:
+            return None
+        return declared_prefill_rate(view.profile, self.config.declared_profiles)
+
+    def cost_status(self) -> CostStatus:
+        model = self.leases.cost_model
+        measured = dict(model.prefill_rates())
+        registered = [v.child_engine_id for v in self.registry.views()]
+        rates = [(c, model.prefill(c)) for c in registered]
+        rates += [(c, e) for c, e in measured.items() if c not in set(registered)]
+        decisions = []
+        for view in self.leases.open_leases():
+            prediction = self.leases.cost_decision(view.lease_id)
+            if prediction is not None:
+                decisions.append((view.lease_id, prediction))
+        return CostStatus(model.config, model.links(), tuple(rates), tuple(decisions))
+
     def status(self) -> StatusSnapshot:
         children = []
         for view in self.registry.views():
@@ -411,6 +456,7 @@ class Coordinator:
             store=self.config.store.url,
             store_unavailable_reason=self.store_unavailable() or "",
             remote_child_engines=self.inventory.remote_engine_count(),
+            cost=self.cost_status(),
         )
 
     def send_to_part(self, child_engine_id: str, rank: RankKey, message: Outbound) -> bool:

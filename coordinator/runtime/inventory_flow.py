@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
+from coordinator.core.cost_model import CostModel, kv_bytes_per_block
 from coordinator.core.errors import KvrcError, invalid
 from coordinator.core.event_streams import EventStreams, StreamAction, StreamKey, StreamPhase
 from coordinator.core.events import EventBatch, RankKey, Tier
@@ -64,7 +65,6 @@ from coordinator.core.inventory import (
 from coordinator.core.profiles import ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, RankPartRegistration, Registry, grid_ranks
 from coordinator.core.score import (
-    DeclaredRatePredictor,
     SavingPredictor,
     ScoreAnswer,
     ScoreEngine,
@@ -262,11 +262,11 @@ class InventoryFlow:
         # One pending retry per stale gRPC stream (bounded by the streams).
         self._resyncs: dict[StreamKey, _ResyncRetry] = {}
         # Score's seams (coordinator/core/score.py): vLLM's hashing of token ids and the
-        # predicted saving (a declared-rate stand-in until the cost model is merged).
+        # predicted saving. The coordinator plugs in the cost model its grants use
+        # (set_saving_predictor); alone, a cold one of the same configuration.
         self.token_hasher: TokenHasher = vllm_block_keys
-        fallback = DeclaredRatePredictor(config.score_prefill_tokens_per_s)
-        self.saving_predictor: SavingPredictor = fallback
-        self.prediction_basis = fallback.basis
+        self.saving_predictor: SavingPredictor = CostModel(config.cost)
+        self.prediction_basis = _cost_basis(config)
         self._m_scores = {o: metrics.score_requests.labels(outcome=o.value) for o in ScoreOutcome}
         m = metrics
         # Label children bound once: the lookup path is hot.
@@ -304,6 +304,10 @@ class InventoryFlow:
             await self._stop_zmq(meta)
         if self._stopping:
             await asyncio.gather(*self._stopping, return_exceptions=True)
+
+    def set_saving_predictor(self, predictor: SavingPredictor) -> None:
+        """Score prices matches with the cost model that prefix-load grants use."""
+        self.saving_predictor = predictor
 
     def set_leases_in_flight(self, provider: Callable[[], Mapping[str, int]]) -> None:
         """The lease side tells lookups how many leases each holder has in flight."""
@@ -636,7 +640,12 @@ class InventoryFlow:
             ScoreEngine(cid, None)
             if view is None
             else ScoreEngine(
-                cid, view.profile, view.compatibility_hash, view.ready, self.reuse_gate(cid)
+                cid,
+                view.profile,
+                view.compatibility_hash,
+                view.ready,
+                self.reuse_gate(cid),
+                _bytes_per_block(view),
             )
             for cid, view in views
         ]
@@ -818,6 +827,28 @@ class InventoryFlow:
             log.exception("inventory expiry sweep failed")
         if self._sweeper is not None:  # not closed
             self._sweeper = self._clock.call_later(SWEEP_INTERVAL_MS, self._sweep)
+
+
+def _bytes_per_block(view: ChildEngineView) -> int:
+    p = view.profile
+    return kv_bytes_per_block(
+        [part.registration.endpoint.regions for part in view.parts],
+        block_size=p.block_size,
+        num_layers=p.num_layers,
+        num_kv_heads=p.num_kv_heads,
+        head_size=p.head_size,
+        kv_dtype=p.kv_dtype,
+    )
+
+
+def _cost_basis(config: CoordinatorConfig) -> str:
+    c = config.cost
+    return (
+        "cost model (docs/cost_model.md): local matches at the engine's prefill rate; "
+        f"a load counts when load x {c.safety_margin:g} < recompute; measured links and "
+        f"rates, else declared, else {c.default_prefill_tokens_per_s:g} tokens/s and "
+        f"{c.default_bandwidth_bytes_per_s / 1e9:g} GB/s + {c.default_latency_ms:g} ms"
+    )
 
 
 class _ZmqSink:

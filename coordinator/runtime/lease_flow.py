@@ -21,11 +21,13 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from coordinator.core.cost_model import CostModel, Prediction
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.grants import (
     MAX_DRAIN_TIMEOUT_MS,
     MAX_HANDOFF_WAIT_MS,
     BeginHandoffRequest,
+    CostObserved,
     DrainDeadlinePassed,
     DrainNotice,
     DrainResult,
@@ -108,12 +110,14 @@ class LeaseFlow:
         clock: Clock,
         config: LeaseConfig | None = None,
         table: LeaseTable | None = None,
+        cost: CostModel | None = None,
     ) -> None:
         self.core = Grants(
             table=table if table is not None else LeaseTable(config),
             registry=registry,
             inventory=inventory,
             reuse_for=reuse_for,
+            cost=cost,
         )
         self.table = self.core.table
         self._metrics = metrics
@@ -178,6 +182,14 @@ class LeaseFlow:
 
     def is_draining(self, child_engine_id: str) -> bool:
         return self.core.is_draining(child_engine_id)
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model (I9-cost-gate): `predict(...)` for Score, estimates for status."""
+        return self.core.cost
+
+    def cost_decision(self, lease_id: str) -> Prediction | None:
+        return self.core.cost_decision(lease_id)
 
     # --- prefix load -------------------------------------------------------------------
 
@@ -414,6 +426,11 @@ class LeaseFlow:
                 failed = self._begins.get(action.token)
                 if failed is not None and not failed.done():
                     failed.set_exception(KvrcError(action.code, action.message))
+            elif isinstance(action, CostObserved):
+                if action.predicted_load_ms > 0:
+                    m.cost_prediction_error.labels(
+                        link="measured" if action.link_measured else "default"
+                    ).observe(action.actual_load_ms / action.predicted_load_ms)
             elif isinstance(action, DrainDeadlinePassed):
                 log.info("drain deadline of %s passed: aborting its leases", action.child_engine_id)
             elif isinstance(action, LeaseGranted):

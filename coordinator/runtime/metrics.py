@@ -34,6 +34,8 @@ _FAST_BUCKETS = (
 )
 _SLOW_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+# Measured over predicted load: 1 is exact; both tails are a factor of ten out.
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 
 
 class Metrics:
@@ -214,8 +216,17 @@ class Metrics:
         self.prefix_load_misses = Counter(
             "kvrc_prefix_load_misses_total",
             "Prefix-load requests answered with a miss, by reason "
-            "(no_candidate, short_pin, pin_timeout, holder_gone, below_min_blocks, draining).",
+            "(no_candidate, short_pin, pin_timeout, holder_gone, below_min_blocks, draining, "
+            "recompute_cheaper).",
             ["reason"],
+            registry=r,
+        )
+        self.cost_prediction_error = Histogram(
+            "kvrc_cost_prediction_error_ratio",
+            "Completed prefix loads: the measured transfer over the cost model's prediction "
+            "(1 = exact, above 1 = slower than predicted), by whether the link was measured.",
+            ["link"],
+            buckets=_RATIO_BUCKETS,
             registry=r,
         )
         self.handoff_wait = Histogram(

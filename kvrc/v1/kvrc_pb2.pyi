@@ -9,7 +9,7 @@ kvrc coordinates two kinds of KV-cache movement between serving engines:
 It never carries KV bytes. Engines move bytes directly (Mooncake Transfer
 Engine, NIXL); kvrc keeps an advisory inventory, tracks readiness, grants
 leases that pin source blocks until the transfer is quiescent, and exports
-metrics. See docs/invariants.md for the vocabulary and the eight invariants.
+metrics. See docs/invariants.md for the vocabulary and the nine invariants.
 
 Conventions
   * Identifiers are strings of 1..256 printable ASCII characters.
@@ -25,6 +25,16 @@ Conventions
     FAILED_PRECONDITION for a valid request the current state refuses,
     PERMISSION_DENIED for acting on another engine's state,
     RESOURCE_EXHAUSTED for bounds. A rejected request changes nothing.
+  * Protocol versions: the package stays kvrc.v1 while changes are additive;
+    `Register.protocol_version` names the revision a client speaks (the
+    coordinator's is `kvrc.vocabulary.PROTOCOL_VERSION`). 0 (absent) is revision 1,
+    before the field existed. The coordinator refuses any other revision than its
+    own with FAILED_PRECONDITION naming both.
+      1: the original protocol.
+      2: Register.protocol_version; TransferReport.prefill; PrefixLoadGrant.prediction
+         and the "recompute_cheaper" miss; LeaseStatus.prediction;
+         StatusResponse.cost_model; RouterService.Score (routers do not register:
+         a coordinator without Score answers UNIMPLEMENTED).
 """
 
 from collections import abc as _abc
@@ -622,6 +632,7 @@ class Register(_message.Message):
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _builtins.int
     KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _builtins.int
     HELD_LEASE_IDS_FIELD_NUMBER: _builtins.int
+    PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     dp_rank: _builtins.int
     child_engine_id: _builtins.str
@@ -630,6 +641,10 @@ class Register(_message.Message):
     kv_events_endpoint: _builtins.str
     """Optional vLLM ZMQ KV-event endpoints, for engines that publish natively."""
     kv_events_replay_endpoint: _builtins.str
+    protocol_version: _builtins.int
+    """The protocol revision this client speaks (see the header); 0 = revision 1.
+    A revision other than the coordinator's is refused with FAILED_PRECONDITION.
+    """
     @_builtins.property
     def rank(self) -> Global___RankCoordinates: ...
     @_builtins.property
@@ -655,10 +670,11 @@ class Register(_message.Message):
         kv_events_endpoint: _builtins.str = ...,
         kv_events_replay_endpoint: _builtins.str = ...,
         held_lease_ids: _abc.Iterable[_builtins.str] | None = ...,
+        protocol_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "profile", b"profile", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engine_id", b"child_engine_id", "dp_rank", b"dp_rank", "endpoint", b"endpoint", "engine_id", b"engine_id", "held_lease_ids", b"held_lease_ids", "kv_events_endpoint", b"kv_events_endpoint", "kv_events_replay_endpoint", b"kv_events_replay_endpoint", "profile", b"profile", "publish_mode", b"publish_mode", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engine_id", b"child_engine_id", "dp_rank", b"dp_rank", "endpoint", b"endpoint", "engine_id", b"engine_id", "held_lease_ids", b"held_lease_ids", "kv_events_endpoint", b"kv_events_endpoint", "kv_events_replay_endpoint", b"kv_events_replay_endpoint", "profile", b"profile", "protocol_version", b"protocol_version", "publish_mode", b"publish_mode", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1513,6 +1529,76 @@ class PrefixLoadRequest(_message.Message):
 Global___PrefixLoadRequest: _TypeAlias = PrefixLoadRequest  # noqa: Y015
 
 @_typing.final
+class CostPrediction(_message.Message):
+    """The cost model's prediction for one prefix load (docs/cost_model.md): loading
+    `num_bytes` over the holder -> requester link against recomputing `num_tokens`.
+    A load is granted only when load_ms * safety_margin < recompute_ms.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOAD_MS_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_MS_FIELD_NUMBER: _builtins.int
+    SAFETY_MARGIN_FIELD_NUMBER: _builtins.int
+    WORTH_LOADING_FIELD_NUMBER: _builtins.int
+    NUM_BYTES_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    HOLDER_CHILD_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    LATENCY_MS_FIELD_NUMBER: _builtins.int
+    LINK_SAMPLES_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    PREFILL_SOURCE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    load_ms: _builtins.float
+    """latency_ms + num_bytes / bandwidth"""
+    recompute_ms: _builtins.float
+    """num_tokens / prefill_tokens_per_s"""
+    safety_margin: _builtins.float
+    worth_loading: _builtins.bool
+    """load_ms * safety_margin < recompute_ms"""
+    num_bytes: _builtins.int
+    num_tokens: _builtins.int
+    holder_child_engine_id: _builtins.str
+    tier: Global___Tier.ValueType
+    """the holder's tier for these blocks"""
+    bandwidth_bytes_per_s: _builtins.float
+    latency_ms: _builtins.float
+    link_samples: _builtins.int
+    """transfers measured on this link; 0 = cold defaults"""
+    prefill_tokens_per_s: _builtins.float
+    prefill_source: _builtins.str
+    """"measured", "declared" (profiles file) or "default" """
+    detail: _builtins.str
+    """the decision and its inputs, one line for people"""
+    def __init__(
+        self,
+        *,
+        load_ms: _builtins.float = ...,
+        recompute_ms: _builtins.float = ...,
+        safety_margin: _builtins.float = ...,
+        worth_loading: _builtins.bool = ...,
+        num_bytes: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        holder_child_engine_id: _builtins.str = ...,
+        tier: Global___Tier.ValueType = ...,
+        bandwidth_bytes_per_s: _builtins.float = ...,
+        latency_ms: _builtins.float = ...,
+        link_samples: _builtins.int = ...,
+        prefill_tokens_per_s: _builtins.float = ...,
+        prefill_source: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "detail", b"detail", "holder_child_engine_id", b"holder_child_engine_id", "latency_ms", b"latency_ms", "link_samples", b"link_samples", "load_ms", b"load_ms", "num_bytes", b"num_bytes", "num_tokens", b"num_tokens", "prefill_source", b"prefill_source", "prefill_tokens_per_s", b"prefill_tokens_per_s", "recompute_ms", b"recompute_ms", "safety_margin", b"safety_margin", "tier", b"tier", "worth_loading", b"worth_loading"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CostPrediction: _TypeAlias = CostPrediction  # noqa: Y015
+
+@_typing.final
 class PrefixLoadGrant(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1524,8 +1610,13 @@ class PrefixLoadGrant(_message.Message):
     SOURCE_PARTS_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
     REUSE_FIELD_NUMBER: _builtins.int
+    PREDICTION_FIELD_NUMBER: _builtins.int
     outcome: Global___GrantOutcome.ValueType
     miss_reason: _builtins.str
+    """"<reason>: <detail>"; reasons: no_candidate, below_min_blocks, short_pin,
+    pin_timeout, holder_gone, draining, recompute_cheaper (the cost model
+    predicts recomputing to be cheaper than loading from any holder).
+    """
     lease_id: _builtins.str
     source_child_engine_id: _builtins.str
     matched_blocks: _builtins.int
@@ -1535,6 +1626,12 @@ class PrefixLoadGrant(_message.Message):
     def source_parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankPartDescriptor]: ...
     @_builtins.property
     def reuse(self) -> Global___ReuseStatus: ...
+    @_builtins.property
+    def prediction(self) -> Global___CostPrediction:
+        """A grant: the prediction for matched_blocks. A recompute_cheaper miss decided
+        before pinning: the prediction for the best holder refused. Else unset.
+        """
+
     def __init__(
         self,
         *,
@@ -1546,14 +1643,43 @@ class PrefixLoadGrant(_message.Message):
         source_parts: _abc.Iterable[Global___RankPartDescriptor] | None = ...,
         deadline_unix_ms: _builtins.int = ...,
         reuse: Global___ReuseStatus | None = ...,
+        prediction: Global___CostPrediction | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["reuse", b"reuse"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prediction", b"prediction", "reuse", b"reuse"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ms", b"deadline_unix_ms", "lease_id", b"lease_id", "matched_blocks", b"matched_blocks", "miss_reason", b"miss_reason", "outcome", b"outcome", "reuse", b"reuse", "source_child_engine_id", b"source_child_engine_id", "source_parts", b"source_parts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ms", b"deadline_unix_ms", "lease_id", b"lease_id", "matched_blocks", b"matched_blocks", "miss_reason", b"miss_reason", "outcome", b"outcome", "prediction", b"prediction", "reuse", b"reuse", "source_child_engine_id", b"source_child_engine_id", "source_parts", b"source_parts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefixLoadGrant: _TypeAlias = PrefixLoadGrant  # noqa: Y015
+
+@_typing.final
+class PrefillSample(_message.Message):
+    """A prefill rate sample: one prefill the reporting engine computed recently (any
+    request, e.g. the tokens it computed after its last load) and how long it took.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    DURATION_US_FIELD_NUMBER: _builtins.int
+    tokens: _builtins.int
+    """tokens computed, >= 1"""
+    duration_us: _builtins.int
+    """their prefill time, >= 1"""
+    def __init__(
+        self,
+        *,
+        tokens: _builtins.int = ...,
+        duration_us: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_us", b"duration_us", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillSample: _TypeAlias = PrefillSample  # noqa: Y015
 
 @_typing.final
 class TransferReport(_message.Message):
@@ -1568,14 +1694,22 @@ class TransferReport(_message.Message):
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     DURATION_US_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    PREFILL_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     reporter_child_engine_id: _builtins.str
     outcome: Global___TransferOutcome.ValueType
     bytes_moved: _builtins.int
     duration_us: _builtins.int
+    """this part's transfer; 0 = not measured"""
     error_message: _builtins.str
     @_builtins.property
     def rank(self) -> Global___RankCoordinates: ...
+    @_builtins.property
+    def prefill(self) -> Global___PrefillSample:
+        """Prefix loads: the requester's prefill rate, where the engine measures it. Unset
+        when it does not: the cost model keeps the declared (or default) rate.
+        """
+
     def __init__(
         self,
         *,
@@ -1586,10 +1720,11 @@ class TransferReport(_message.Message):
         bytes_moved: _builtins.int = ...,
         duration_us: _builtins.int = ...,
         error_message: _builtins.str = ...,
+        prefill: Global___PrefillSample | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefill", b"prefill", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "duration_us", b"duration_us", "error_message", b"error_message", "lease_id", b"lease_id", "outcome", b"outcome", "rank", b"rank", "reporter_child_engine_id", b"reporter_child_engine_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "duration_us", b"duration_us", "error_message", b"error_message", "lease_id", b"lease_id", "outcome", b"outcome", "prefill", b"prefill", "rank", b"rank", "reporter_child_engine_id", b"reporter_child_engine_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1999,6 +2134,7 @@ class LeaseStatus(_message.Message):
     TARGET_CHILD_ENGINE_ID_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    PREDICTION_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     flow: _builtins.str
     """"prefix_load" or "handoff" """
@@ -2007,6 +2143,10 @@ class LeaseStatus(_message.Message):
     target_child_engine_id: _builtins.str
     deadline_unix_ms: _builtins.int
     reason: _builtins.str
+    @_builtins.property
+    def prediction(self) -> Global___CostPrediction:
+        """a granted prefix load: what it was granted on"""
+
     def __init__(
         self,
         *,
@@ -2017,14 +2157,127 @@ class LeaseStatus(_message.Message):
         target_child_engine_id: _builtins.str = ...,
         deadline_unix_ms: _builtins.int = ...,
         reason: _builtins.str = ...,
+        prediction: Global___CostPrediction | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prediction", b"prediction"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ms", b"deadline_unix_ms", "flow", b"flow", "lease_id", b"lease_id", "reason", b"reason", "source_child_engine_id", b"source_child_engine_id", "state", b"state", "target_child_engine_id", b"target_child_engine_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ms", b"deadline_unix_ms", "flow", b"flow", "lease_id", b"lease_id", "prediction", b"prediction", "reason", b"reason", "source_child_engine_id", b"source_child_engine_id", "state", b"state", "target_child_engine_id", b"target_child_engine_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LeaseStatus: _TypeAlias = LeaseStatus  # noqa: Y015
+
+@_typing.final
+class LinkCost(_message.Message):
+    """One measured link of the cost model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDER_CHILD_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    REQUESTER_CHILD_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    LATENCY_MS_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    holder_child_engine_id: _builtins.str
+    requester_child_engine_id: _builtins.str
+    tier: Global___Tier.ValueType
+    bandwidth_bytes_per_s: _builtins.float
+    latency_ms: _builtins.float
+    samples: _builtins.int
+    def __init__(
+        self,
+        *,
+        holder_child_engine_id: _builtins.str = ...,
+        requester_child_engine_id: _builtins.str = ...,
+        tier: Global___Tier.ValueType = ...,
+        bandwidth_bytes_per_s: _builtins.float = ...,
+        latency_ms: _builtins.float = ...,
+        samples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "holder_child_engine_id", b"holder_child_engine_id", "latency_ms", b"latency_ms", "requester_child_engine_id", b"requester_child_engine_id", "samples", b"samples", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkCost: _TypeAlias = LinkCost  # noqa: Y015
+
+@_typing.final
+class PrefillRate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHILD_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    child_engine_id: _builtins.str
+    tokens_per_s: _builtins.float
+    samples: _builtins.int
+    source: _builtins.str
+    """"measured", "declared" or "default" """
+    def __init__(
+        self,
+        *,
+        child_engine_id: _builtins.str = ...,
+        tokens_per_s: _builtins.float = ...,
+        samples: _builtins.int = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engine_id", b"child_engine_id", "samples", b"samples", "source", b"source", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillRate: _TypeAlias = PrefillRate  # noqa: Y015
+
+@_typing.final
+class CostModelStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GATE_FIELD_NUMBER: _builtins.int
+    SAFETY_MARGIN_FIELD_NUMBER: _builtins.int
+    MAX_PAIRS_FIELD_NUMBER: _builtins.int
+    LINKS_FIELD_NUMBER: _builtins.int
+    PREFILL_RATES_FIELD_NUMBER: _builtins.int
+    DEFAULT_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    DEFAULT_LATENCY_MS_FIELD_NUMBER: _builtins.int
+    DEFAULT_PREFILL_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    gate: _builtins.bool
+    """loads are granted only when predicted to beat recomputing"""
+    safety_margin: _builtins.float
+    max_pairs: _builtins.int
+    default_bandwidth_bytes_per_s: _builtins.float
+    default_latency_ms: _builtins.float
+    default_prefill_tokens_per_s: _builtins.float
+    @_builtins.property
+    def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCost]:
+        """measured links, least recently measured first"""
+
+    @_builtins.property
+    def prefill_rates(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefillRate]:
+        """Every registered child engine's rate, and measured ones of engines gone."""
+
+    def __init__(
+        self,
+        *,
+        gate: _builtins.bool = ...,
+        safety_margin: _builtins.float = ...,
+        max_pairs: _builtins.int = ...,
+        links: _abc.Iterable[Global___LinkCost] | None = ...,
+        prefill_rates: _abc.Iterable[Global___PrefillRate] | None = ...,
+        default_bandwidth_bytes_per_s: _builtins.float = ...,
+        default_latency_ms: _builtins.float = ...,
+        default_prefill_tokens_per_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_bandwidth_bytes_per_s", b"default_bandwidth_bytes_per_s", "default_latency_ms", b"default_latency_ms", "default_prefill_tokens_per_s", b"default_prefill_tokens_per_s", "gate", b"gate", "links", b"links", "max_pairs", b"max_pairs", "prefill_rates", b"prefill_rates", "safety_margin", b"safety_margin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CostModelStatus: _TypeAlias = CostModelStatus  # noqa: Y015
 
 @_typing.final
 class StatusResponse(_message.Message):
@@ -2039,6 +2292,7 @@ class StatusResponse(_message.Message):
     STORE_FIELD_NUMBER: _builtins.int
     STORE_UNAVAILABLE_REASON_FIELD_NUMBER: _builtins.int
     REMOTE_CHILD_ENGINES_FIELD_NUMBER: _builtins.int
+    COST_MODEL_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     reuse_enabled: _builtins.bool
     warming: _builtins.bool
@@ -2055,6 +2309,10 @@ class StatusResponse(_message.Message):
     def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeaseStatus]:
         """in flight and quarantined"""
 
+    @_builtins.property
+    def cost_model(self) -> Global___CostModelStatus:
+        """this replica's own estimates"""
+
     def __init__(
         self,
         *,
@@ -2067,10 +2325,11 @@ class StatusResponse(_message.Message):
         store: _builtins.str = ...,
         store_unavailable_reason: _builtins.str = ...,
         remote_child_engines: _builtins.int = ...,
+        cost_model: Global___CostModelStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cost_model", b"cost_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engines", b"child_engines", "inventory_entries", b"inventory_entries", "leases", b"leases", "remote_child_engines", b"remote_child_engines", "reuse_enabled", b"reuse_enabled", "store", b"store", "store_unavailable_reason", b"store_unavailable_reason", "version", b"version", "warming", b"warming"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engines", b"child_engines", "cost_model", b"cost_model", "inventory_entries", b"inventory_entries", "leases", b"leases", "remote_child_engines", b"remote_child_engines", "reuse_enabled", b"reuse_enabled", "store", b"store", "store_unavailable_reason", b"store_unavailable_reason", "version", b"version", "warming", b"warming"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,7 +9,7 @@ kvrc coordinates two kinds of KV-cache movement between serving engines:
 It never carries KV bytes. Engines move bytes directly (Mooncake Transfer
 Engine, NIXL); kvrc keeps an advisory inventory, tracks readiness, grants
 leases that pin source blocks until the transfer is quiescent, and exports
-metrics. See docs/invariants.md for the vocabulary and the eight invariants.
+metrics. See docs/invariants.md for the vocabulary and the nine invariants.
 
 Conventions
   * Identifiers are strings of 1..256 printable ASCII characters.
@@ -25,6 +25,16 @@ Conventions
     FAILED_PRECONDITION for a valid request the current state refuses,
     PERMISSION_DENIED for acting on another engine's state,
     RESOURCE_EXHAUSTED for bounds. A rejected request changes nothing.
+  * Protocol versions: the package stays kvrc.v1 while changes are additive;
+    `Register.protocol_version` names the revision a client speaks (the
+    coordinator's is `kvrc.vocabulary.PROTOCOL_VERSION`). 0 (absent) is revision 1,
+    before the field existed. The coordinator refuses any other revision than its
+    own with FAILED_PRECONDITION naming both.
+      1: the original protocol.
+      2: Register.protocol_version; TransferReport.prefill; PrefixLoadGrant.prediction
+         and the "recompute_cheaper" miss; LeaseStatus.prediction;
+         StatusResponse.cost_model; RouterService.Score (routers do not register:
+         a coordinator without Score answers UNIMPLEMENTED).
 """
 
 from collections import abc as _abc

@@ -498,6 +498,14 @@ def test_combine_outcomes_and_reports() -> None:
     report = done.to_report(lease_id="l", reporter_child_engine_id="d", tp_rank=1)
     assert report.outcome == kvrc_pb2.TRANSFER_OUTCOME_SUCCEEDED
     assert (report.bytes_moved, report.duration_us) == (4096, 2500)
+    # No prefill sample unless the engine measured one (the cost model then keeps its prior).
+    assert not report.HasField("prefill")
+    sampled = done.to_report(
+        lease_id="l", reporter_child_engine_id="d", tp_rank=1, prefill=(512, 0.064)
+    )
+    assert (sampled.prefill.tokens, sampled.prefill.duration_us) == (512, 64_000)
+    with pytest.raises(ValueError, match="prefill sample"):
+        done.to_report(lease_id="l", reporter_child_engine_id="d", tp_rank=1, prefill=(0, 1.0))
 
 
 # --- tainting, driven step by step ---------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.core.cost_model import CostConfig, CostModel
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import BlockRemoved, BlockStored
 from coordinator.core.inventory import Inventory, Scope
@@ -23,8 +24,6 @@ from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatu
 from coordinator.core.score import (
     MAX_SCORE_CANDIDATES,
     MAX_SCORE_TOKENS,
-    DeclaredRatePredictor,
-    RatePrediction,
     ScoreAnswer,
     ScoreEngine,
     ScoreQuery,
@@ -42,7 +41,31 @@ from kvrc.vocabulary import (
 COMPAT = "compat-a"
 ON = ReuseStatus(True, ReuseReason.ENABLED, "on")
 OFF = ReuseStatus(False, ReuseReason.DISABLED_BY_COORDINATOR, "reuse is off")
-RATE = DeclaredRatePredictor(1000.0)  # 1 token per ms: savings read as token counts
+
+
+@dataclass(frozen=True)
+class Guess:
+    load_ms: float
+    recompute_ms: float
+
+    @property
+    def worth_loading(self) -> bool:
+        return self.load_ms < self.recompute_ms
+
+
+@dataclass(frozen=True)
+class NoLinks:
+    """Recompute at 1 token per ms (savings read as token counts); loads never pay."""
+
+    load_ms_per_token: float = math.inf
+
+    def predict(
+        self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
+    ) -> Guess:
+        return Guess(num_tokens * self.load_ms_per_token, float(num_tokens))
+
+
+RATE = NoLinks()
 PROFILE = DeploymentProfile(
     model="m",
     block_size=4,
@@ -279,27 +302,39 @@ def test_expired_blocks_are_misses() -> None:
     assert after.engines[0].local_matched_blocks == 0
 
 
-@dataclass(frozen=True)
-class CheapLinks:
-    """A predictor whose loads cost half the recompute (what the cost model may say)."""
-
-    def predict(
-        self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
-    ) -> RatePrediction:
-        return RatePrediction(num_tokens / 2, float(num_tokens))
-
-
 def test_the_predictor_seam_credits_loads_only_when_they_beat_the_recompute() -> None:
     inv = Inventory()
     add(inv, "a")
     add(inv, "b")
     store(inv, "a", CHAIN[:2])
     store(inv, "b", CHAIN[:10])
-    fallback = by_saving(run(inv, [engine("a")]))
-    cheap = by_saving(run(inv, [engine("a")], predictor=CheapLinks()))
-    assert fallback["a"] == pytest.approx(2 * 4)  # local tokens at 1 token/ms, load not credited
+    no_links = by_saving(run(inv, [engine("a")]))
+    cheap = by_saving(run(inv, [engine("a")], predictor=NoLinks(0.5)))
+    assert no_links["a"] == pytest.approx(2 * 4)  # local tokens at 1 token/ms, no load
     assert cheap["a"] == pytest.approx(2 * 4 + 8 * 4 / 2)
-    assert math.isinf(RATE.predict("b", "a", Tier.GPU, 10, 0).load_ms)
+
+
+def test_with_the_cost_model_a_load_counts_exactly_when_a_grant_would_be_made() -> None:
+    # 1000 tokens/s, 1 ms + 1 MB/s: 8 loadable blocks of 4 tokens and 1000 bytes each
+    # recompute in 32 ms and load in 9 ms; the margin decides (I9-cost-gate).
+    inv = Inventory()
+    add(inv, "a")
+    add(inv, "b")
+    store(inv, "a", CHAIN[:2])
+    store(inv, "b", CHAIN[:10])
+    a = replace(engine("a"), bytes_per_block=1000)
+    for margin, credited in ((3.0, True), (4.0, False)):
+        model = CostModel(
+            CostConfig(
+                safety_margin=margin,
+                default_prefill_tokens_per_s=1000.0,
+                default_bandwidth_bytes_per_s=1e6,
+                default_latency_ms=1.0,
+            )
+        )
+        assert model.predict("b", "a", Tier.GPU, 32, 8000).worth_loading is credited
+        saving = by_saving(run(inv, [a], predictor=model))["a"]
+        assert saving == pytest.approx(8 + (32 - 9 if credited else 0)), margin
 
 
 def by_saving(answer: ScoreAnswer) -> dict[str, float]:

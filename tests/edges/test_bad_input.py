@@ -17,6 +17,7 @@ from harness import CoordinatorProcess, get_status, start_coordinator
 
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+from kvrc.vocabulary import PROTOCOL_VERSION
 
 MiB = 1 << 20
 
@@ -34,6 +35,7 @@ def good_register(engine_id: str = "bad-input", tp_rank: int = 0) -> pb.Register
             parallel=pb.ParallelSizes(tp_size=2, pp_size=1, pcp_size=1, dp_size=1, dcp_size=1),
         ),
         endpoint=pb.TransferEndpoint(backend="mooncake", session_name="127.0.0.1:15000"),
+        protocol_version=PROTOCOL_VERSION,
     )
 
 

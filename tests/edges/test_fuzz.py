@@ -58,6 +58,7 @@ from coordinator.runtime.config import ConfigError, FieldBounds, load_profiles, 
 from kvrc.kv_params import decode_kv_transfer_params, encode_kv_transfer_params
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+from kvrc.vocabulary import PROTOCOL_VERSION
 
 CORPUS = Path(__file__).resolve().parents[1] / "fuzz_corpus"
 EXAMPLES = int(os.environ.get("KVRC_FUZZ_EXAMPLES", "100"))
@@ -169,8 +170,23 @@ def message_of(cls: type[Message]) -> st.SearchStrategy[Any]:
 
 # --- the wire decoders ---------------------------------------------------------------------
 
+
+def _speaking_this_protocol(msg: pb.Register) -> pb.Register:
+    """An unset version becomes this library's, so the fields behind it are fuzzed too;
+    any other version is kept (and must be refused)."""
+    if msg.protocol_version:
+        return msg
+    current = pb.Register()
+    current.CopyFrom(msg)
+    current.protocol_version = PROTOCOL_VERSION
+    return current
+
+
 WIRE_DECODERS: dict[str, tuple[type[Message], Callable[[Any], object]]] = {
-    "registration_from_proto": (pb.Register, lambda m: wire.registration_from_proto(m, BOUNDS)),
+    "registration_from_proto": (
+        pb.Register,
+        lambda m: wire.registration_from_proto(_speaking_this_protocol(m), BOUNDS),
+    ),
     "profile_from_proto": (pb.DeploymentProfile, lambda m: wire.profile_from_proto(m, BOUNDS)),
     "endpoint_from_proto": (pb.TransferEndpoint, lambda m: wire.endpoint_from_proto(m, BOUNDS)),
     "event_batch_from_proto": (
@@ -626,6 +642,7 @@ def test_live_sessions_never_fail_internally(
                 block_size=16,
                 parallel=pb.ParallelSizes(tp_size=1, pp_size=1, pcp_size=1, dp_size=1, dcp_size=1),
             ),
+            protocol_version=PROTOCOL_VERSION,
         )
     )
 

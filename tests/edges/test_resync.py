@@ -37,6 +37,7 @@ from clients.session import (
 )
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+from kvrc.vocabulary import PROTOCOL_VERSION
 
 RETRY_MS = 200
 RETRY_MAX_MS = 400
@@ -152,6 +153,7 @@ def register_with(engine_id: str, **endpoints: str) -> pb.Register:
             parallel=pb.ParallelSizes(tp_size=1, pp_size=1, pcp_size=1, dp_size=1, dcp_size=1),
         ),
         endpoint=pb.TransferEndpoint(backend="mooncake", session_name="127.0.0.1:15000"),
+        protocol_version=PROTOCOL_VERSION,
     )
     for field, value in endpoints.items():
         setattr(register, field, value)

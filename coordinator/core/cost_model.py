@@ -1,0 +1,351 @@
+"""Load or recompute: the measured cost of a prefix load against the requester's prefill.
+
+Pure and synchronous like the rest of the core: no I/O, no clock. Nothing here reads
+time; a transfer's duration and a prefill's duration arrive as reported numbers.
+
+What it keeps (I9-cost-gate in docs/invariants.md; the model is docs/cost_model.md):
+
+- per link, keyed `(holder child engine, requester child engine, holder's tier)`: a
+  fixed latency (ms) and a bandwidth (bytes/s), fitted from the whole-lease transfer
+  outcomes (`observe_transfer`: bytes moved, duration);
+- per requester child engine: a prefill rate (tokens/s), from the rate samples its
+  reports carry (`observe_prefill`), else the rate its declared profile names, else
+  the coordinator's default.
+
+Separating latency from bandwidth. A transfer of `x` bytes taking `y` ms is modelled as
+`y = latency_ms + x * 1000 / bandwidth`: a straight line over (bytes, duration) pairs.
+Each link keeps the exponentially weighted sums of a least-squares fit (weight, Σx, Σy,
+Σx², Σxy); every new sample multiplies the old sums by `1 - alpha` and adds itself with
+weight `alpha`, so old samples fade and a link that degrades is followed within a few
+samples (about `1 / alpha`). The fitted line's intercept is the latency and its slope
+the inverse bandwidth: transfers of different sizes tell the two apart. Sizes that
+barely differ (squared coefficient of variation below `MIN_SPREAD`) cannot: then the
+latency stays the default one (at most the mean measured duration) and the slope takes
+the rest, so the prediction at the measured size is the measured one. A fit that comes
+out non-physical (negative slope or latency, from noise) is treated the same way.
+The cold defaults are a prior that fades: the estimate blends the prior line and the
+data's line by their weights, `(1 - alpha)^n` and `1 - (1 - alpha)^n` after `n`
+samples, so one outlier (a first transfer that also set up its connection) moves a
+cold link by `alpha` only.
+
+Bounds (counted, never timed): at most `max_pairs` links and `max_requesters`
+prefill estimates, each evicted least recently *observed* first (`predict` does not
+touch recency, so a Score caller cannot churn the table).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvrc.vocabulary import KvRegion, Tier
+
+__all__ = [
+    "CostConfig",
+    "CostModel",
+    "LinkEstimate",
+    "LinkKey",
+    "Prediction",
+    "PrefillEstimate",
+    "kv_bytes_per_block",
+]
+
+# Sizes whose squared coefficient of variation is below this cannot separate latency
+# from bandwidth (they are "one size").
+MIN_SPREAD = 0.01
+# A fit whose slope is this small (or negative) reads as an infinitely fast link.
+MAX_BANDWIDTH_BYTES_PER_S = 1e13
+
+LinkKey = tuple[str, str, Tier]  # (holder, requester, holder's tier)
+
+# Bytes per element of the KV dtypes engines name (a fallback for engines without regions).
+_DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "float16": 2,
+    "half": 2,
+    "fp16": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "auto": 2,
+    "": 2,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CostConfig:
+    """The cost gate's switches and cold-start defaults (`kvrc serve --cost-*`)."""
+
+    gate: bool = True  # grant a load only when it is predicted to beat recomputing
+    # Grant only when predicted load ms x safety_margin < predicted recompute ms.
+    safety_margin: float = 1.5
+    max_pairs: int = 4096  # links kept (LRU)
+    max_requesters: int = 4096  # prefill estimates kept (LRU)
+    # Cold defaults. They lean towards loading (a fast link, a slow prefill) so that an
+    # unmeasured deployment behaves as before the gate; measurements and declared
+    # prefill rates then decide.
+    default_bandwidth_bytes_per_s: float = 10e9
+    default_latency_ms: float = 1.0
+    default_prefill_tokens_per_s: float = 1000.0
+    alpha: float = 0.2  # weight of each new sample in the EWMAs
+
+    def __post_init__(self) -> None:
+        # (name, value, lowest allowed, whether the lowest is allowed, highest allowed)
+        checks = (
+            ("safety_margin", self.safety_margin, 0.0, False, 1000.0),
+            ("default_bandwidth_bytes_per_s", self.default_bandwidth_bytes_per_s, 0.0, False, 1e13),
+            ("default_latency_ms", self.default_latency_ms, 0.0, True, 60_000.0),
+            ("default_prefill_tokens_per_s", self.default_prefill_tokens_per_s, 0.0, False, 1e9),
+            ("alpha", self.alpha, 0.0, False, 1.0),
+        )
+        for name, value, low, closed, high in checks:
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            above = number and (value >= low if closed else value > low)
+            if not (number and math.isfinite(value) and above and value <= high):
+                bracket = "[" if closed else "("
+                raise ValueError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value!r}")
+        for name, count in (("max_pairs", self.max_pairs), ("max_requesters", self.max_requesters)):
+            if type(count) is not int or count < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {count!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEstimate:
+    bandwidth_bytes_per_s: float
+    latency_ms: float
+    samples: int  # 0: the cold defaults
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEstimate:
+    tokens_per_s: float
+    samples: int
+    source: str  # "measured", "declared" or "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One predicted load against its recompute, with every input that went in."""
+
+    holder_child_engine_id: str
+    requester_child_engine_id: str
+    tier: Tier
+    num_tokens: int
+    num_bytes: int
+    load_ms: float
+    recompute_ms: float
+    link: LinkEstimate
+    prefill: PrefillEstimate
+    safety_margin: float
+
+    @property
+    def saving_ms(self) -> float:
+        """Predicted TTFT saving of loading instead of recomputing (negative: a loss)."""
+        return self.recompute_ms - self.load_ms
+
+    @property
+    def worth_loading(self) -> bool:
+        # I9-cost-gate: strict, so a tie (and a zero-token prefix) recomputes.
+        return self.load_ms * self.safety_margin < self.recompute_ms
+
+    def describe(self) -> str:
+        """The decision and its inputs, one line (grant reasons, miss details, status)."""
+        verdict = "<" if self.worth_loading else ">="
+        link = f"{self.link.samples} sample(s)" if self.link.samples else "cold: defaults"
+        return (
+            f"load {self.load_ms:.2f} ms x {self.safety_margin:g} {verdict} recompute "
+            f"{self.recompute_ms:.2f} ms ({self.num_bytes} bytes over "
+            f"{self.holder_child_engine_id}->{self.requester_child_engine_id} "
+            f"{self.tier.name.lower()} at {self.link.bandwidth_bytes_per_s / 1e9:.3g} GB/s + "
+            f"{self.link.latency_ms:.3g} ms, {link}; {self.num_tokens} tokens at "
+            f"{self.prefill.tokens_per_s:.4g} tokens/s, {self.prefill.source})"
+        )
+
+
+class _Link:
+    """The EWMA sums of one link's least-squares fit (see the module docstring)."""
+
+    __slots__ = ("samples", "sw", "sx", "sxx", "sxy", "sy")
+
+    def __init__(self) -> None:
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.samples = 0
+
+    def add(self, x: float, y: float, alpha: float) -> None:
+        keep = 1.0 - alpha
+        self.sw = keep * self.sw + alpha
+        self.sx = keep * self.sx + alpha * x
+        self.sy = keep * self.sy + alpha * y
+        self.sxx = keep * self.sxx + alpha * x * x
+        self.sxy = keep * self.sxy + alpha * x * y
+        self.samples += 1
+
+    def estimate(self, prior_latency_ms: float, prior_bandwidth: float) -> LinkEstimate:
+        # The data's own line: (latency ms, ms per byte).
+        mx, my = self.sx / self.sw, self.sy / self.sw
+        var = self.sxx / self.sw - mx * mx
+        slope = (self.sxy / self.sw - mx * my) / var if var > MIN_SPREAD * mx * mx else 0.0
+        latency = my - slope * mx
+        if slope <= 0 or not 0 <= latency <= my:
+            # One size (or noise): the sizes cannot separate the two. Keep the default
+            # latency (at most what was measured) and let the slope explain the rest.
+            latency = min(prior_latency_ms, my)
+            slope = (my - latency) / mx if mx > 0 else 0.0
+        # Blend with the prior by its remaining weight: sw is exactly 1 - (1 - alpha)^n.
+        data = self.sw
+        latency = (1 - data) * prior_latency_ms + data * latency
+        slope = (1 - data) * 1000.0 / prior_bandwidth + data * slope
+        bandwidth = 1000.0 / slope if slope > 1000.0 / MAX_BANDWIDTH_BYTES_PER_S else None
+        return LinkEstimate(
+            bandwidth if bandwidth is not None else MAX_BANDWIDTH_BYTES_PER_S,
+            latency,
+            self.samples,
+        )
+
+
+@dataclass(slots=True)
+class _Prefill:
+    ms_per_token: float
+    samples: int
+
+
+class CostModel:
+    """Per-link and per-requester estimates, and the predictions made from them.
+
+    `declared_prefill(requester)` answers the rate its declared profile names (or None);
+    the grants core passes one that reads the registry and the declared profiles.
+    """
+
+    def __init__(
+        self,
+        config: CostConfig | None = None,
+        declared_prefill: Callable[[str], float | None] = lambda _requester: None,
+    ) -> None:
+        self.config = config if config is not None else CostConfig()
+        self._declared_prefill = declared_prefill
+        self._links: OrderedDict[LinkKey, _Link] = OrderedDict()
+        self._prefill: OrderedDict[str, _Prefill] = OrderedDict()
+
+    # --- reads ---------------------------------------------------------------------
+
+    @property
+    def pair_count(self) -> int:
+        return len(self._links)
+
+    @property
+    def requester_count(self) -> int:
+        return len(self._prefill)
+
+    def link(self, holder: str, requester: str, tier: Tier) -> LinkEstimate:
+        state = self._links.get((holder, requester, tier))
+        cfg = self.config
+        if state is None:
+            return LinkEstimate(cfg.default_bandwidth_bytes_per_s, cfg.default_latency_ms, 0)
+        return state.estimate(cfg.default_latency_ms, cfg.default_bandwidth_bytes_per_s)
+
+    def prefill(self, requester: str) -> PrefillEstimate:
+        state = self._prefill.get(requester)
+        if state is not None:
+            return PrefillEstimate(1000.0 / state.ms_per_token, state.samples, "measured")
+        declared = self._declared_prefill(requester)
+        if declared is not None:
+            return PrefillEstimate(declared, 0, "declared")
+        return PrefillEstimate(self.config.default_prefill_tokens_per_s, 0, "default")
+
+    def predict(
+        self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
+    ) -> Prediction:
+        """Predicted load and recompute of `num_tokens` tokens (`num_bytes` of KV) in ms."""
+        link = self.link(holder, requester, tier)
+        prefill = self.prefill(requester)
+        load_ms = link.latency_ms + num_bytes * 1000.0 / link.bandwidth_bytes_per_s
+        recompute_ms = num_tokens * 1000.0 / prefill.tokens_per_s
+        return Prediction(
+            holder_child_engine_id=holder,
+            requester_child_engine_id=requester,
+            tier=tier,
+            num_tokens=num_tokens,
+            num_bytes=num_bytes,
+            load_ms=load_ms,
+            recompute_ms=recompute_ms,
+            link=link,
+            prefill=prefill,
+            safety_margin=self.config.safety_margin,
+        )
+
+    def links(self) -> tuple[tuple[LinkKey, LinkEstimate], ...]:
+        """Every measured link, least recently observed first (for `kvrc status`)."""
+        return tuple((key, self.link(*key)) for key in self._links)
+
+    def prefill_rates(self) -> tuple[tuple[str, PrefillEstimate], ...]:
+        """Every requester with measured prefill samples, least recently observed first."""
+        return tuple((requester, self.prefill(requester)) for requester in self._prefill)
+
+    # --- observations --------------------------------------------------------------
+
+    def observe_transfer(
+        self, holder: str, requester: str, tier: Tier, num_bytes: int, duration_us: int
+    ) -> bool:
+        """One whole load's outcome: its bytes and how long it took. False: not usable."""
+        if num_bytes <= 0 or duration_us <= 0:
+            return False  # an unmeasured (0) report says nothing about the link
+        key = (holder, requester, tier)
+        state = self._links.get(key)
+        if state is None:
+            cfg = self.config
+            state = _Link()
+            self._links[key] = state
+            while len(self._links) > cfg.max_pairs:
+                self._links.popitem(last=False)
+        else:
+            self._links.move_to_end(key)
+        state.add(float(num_bytes), duration_us / 1000.0, self.config.alpha)
+        return True
+
+    def observe_prefill(self, requester: str, num_tokens: int, duration_us: int) -> bool:
+        """One prefill the requester computed: tokens and how long. False: not usable."""
+        if num_tokens <= 0 or duration_us <= 0:
+            return False
+        sample = duration_us / 1000.0 / num_tokens
+        state = self._prefill.get(requester)
+        if state is None:
+            # The first sample starts from the declared (or default) rate and moves it.
+            prior = 1000.0 / self.prefill(requester).tokens_per_s
+            state = _Prefill(prior, 0)
+            self._prefill[requester] = state
+            while len(self._prefill) > self.config.max_requesters:
+                self._prefill.popitem(last=False)
+        else:
+            self._prefill.move_to_end(requester)
+        alpha = self.config.alpha
+        state.ms_per_token = (1.0 - alpha) * state.ms_per_token + alpha * sample
+        state.samples += 1
+        return True
+
+
+def kv_bytes_per_block(
+    regions_per_part: Sequence[Sequence[KvRegion]],
+    *,
+    block_size: int,
+    num_layers: int = 0,
+    num_kv_heads: int = 0,
+    head_size: int = 0,
+    kv_dtype: str = "",
+) -> int:
+    """KV bytes of one block over every rank part of the holder (0: unknown).
+
+    The holder's registered regions say it exactly (each region's `block_len`, summed
+    over regions and rank parts). Without regions the layout fields give K and V of
+    every layer and head; without those either the size is unknown (0), and the
+    prediction counts the link's latency alone.
+    """
+    from_regions = sum(r.block_len for regions in regions_per_part for r in regions)
+    if from_regions > 0:
+        return from_regions
+    if min(num_layers, num_kv_heads, head_size, block_size) <= 0:
+        return 0
+    dtype = kv_dtype.lower()
+    width = 1 if dtype.startswith(("fp8", "int8", "float8")) else _DTYPE_BYTES.get(dtype, 2)
+    return 2 * num_layers * num_kv_heads * head_size * block_size * width

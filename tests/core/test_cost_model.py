@@ -1,0 +1,182 @@
+"""The cost model on plain numbers (I9-cost-gate): fits, cold defaults, bounds, decisions."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.core.cost_model import CostConfig, CostModel, kv_bytes_per_block
+from kvrc.vocabulary import KvRegion, Tier
+
+GPU = Tier.GPU
+
+
+def feed(model: CostModel, latency_ms: float, bandwidth: float, sizes: list[int]) -> None:
+    for size in sizes:
+        duration_us = round((latency_ms + size * 1000 / bandwidth) * 1000)
+        assert model.observe_transfer("h", "r", GPU, size, duration_us)
+
+
+def test_a_cold_pair_predicts_from_the_defaults_and_the_declared_rate() -> None:
+    config = CostConfig(
+        default_bandwidth_bytes_per_s=2e9, default_latency_ms=0.5, default_prefill_tokens_per_s=8e3
+    )
+    model = CostModel(config, declared_prefill=lambda r: 4e3 if r == "declared" else None)
+    p = model.predict("h", "r", GPU, num_tokens=8000, num_bytes=2_000_000_000)
+    assert p.link.samples == 0
+    assert p.load_ms == pytest.approx(0.5 + 1000)
+    assert p.recompute_ms == pytest.approx(1000)
+    assert p.prefill.source == "default" and not p.worth_loading
+    declared = model.predict("h", "declared", GPU, num_tokens=8000, num_bytes=0)
+    assert declared.prefill.source == "declared" and declared.recompute_ms == pytest.approx(2000)
+    assert model.pair_count == 0  # predicting stores nothing
+
+
+def test_the_ewma_fit_separates_latency_from_bandwidth() -> None:
+    model = CostModel()
+    rng = random.Random(7)
+    sizes = [rng.randrange(1 << 20, 64 << 20) for _ in range(60)]
+    feed(model, latency_ms=5.0, bandwidth=0.1e9, sizes=sizes)
+    link = model.link("h", "r", GPU)
+    assert link.samples == 60
+    assert link.latency_ms == pytest.approx(5.0, rel=0.02)
+    assert link.bandwidth_bytes_per_s == pytest.approx(0.1e9, rel=0.02)
+    # What the separation buys: a small load still pays the latency. Bytes over duration
+    # alone (no intercept) would predict it ~9x too fast.
+    small = model.predict("h", "r", GPU, 1, 64 << 10)
+    assert small.load_ms == pytest.approx(5.0 + (64 << 10) / 0.1e6, rel=0.02)
+    naive_bandwidth = sum(sizes) / sum(5.0 / 1000 + s / 0.1e9 for s in sizes)
+    assert (64 << 10) * 1000 / naive_bandwidth < small.load_ms / 5
+
+
+def test_the_fit_follows_a_link_that_degrades() -> None:
+    model = CostModel()
+    rng = random.Random(3)
+    feed(model, 0.5, 2e9, [rng.randrange(1 << 20, 64 << 20) for _ in range(40)])
+    assert model.link("h", "r", GPU).bandwidth_bytes_per_s == pytest.approx(2e9, rel=0.02)
+    feed(model, 5.0, 0.1e9, [rng.randrange(1 << 20, 64 << 20) for _ in range(40)])
+    link = model.link("h", "r", GPU)
+    assert link.bandwidth_bytes_per_s == pytest.approx(0.1e9, rel=0.05)
+    assert link.latency_ms == pytest.approx(5.0, rel=0.1)
+
+
+def test_same_sized_transfers_predict_what_was_measured_at_that_size() -> None:
+    model = CostModel()
+    feed(model, 3.0, 0.5e9, [8 << 20] * 30)
+    p = model.predict("h", "r", GPU, 1, 8 << 20)
+    assert p.load_ms == pytest.approx(3.0 + (8 << 20) * 1000 / 0.5e9, rel=0.01)
+
+
+def test_unmeasured_reports_change_nothing() -> None:
+    model = CostModel()
+    assert not model.observe_transfer("h", "r", GPU, 0, 100)
+    assert not model.observe_transfer("h", "r", GPU, 100, 0)
+    assert not model.observe_prefill("r", 0, 100)
+    assert model.pair_count == 0 and model.requester_count == 0
+
+
+def test_measured_prefill_rates_replace_the_declared_one() -> None:
+    model = CostModel(declared_prefill=lambda _r: 1000.0)
+    for _ in range(40):
+        model.observe_prefill("r", 8000, 1_000_000)  # 8000 tokens/s
+    estimate = model.prefill("r")
+    assert estimate.source == "measured" and estimate.samples == 40
+    assert estimate.tokens_per_s == pytest.approx(8000, rel=0.01)
+
+
+def test_links_and_prefill_rates_are_bounded_by_count_least_recently_observed_first() -> None:
+    model = CostModel(CostConfig(max_pairs=8, max_requesters=4))
+    for i in range(100):
+        model.observe_transfer(f"h{i}", "r", GPU, 1 << 20, 1000)
+        model.observe_prefill(f"r{i}", 100, 1000)
+    assert model.pair_count == 8 and model.requester_count == 4
+    kept = [key[0] for key, _ in model.links()]
+    assert kept == [f"h{i}" for i in range(92, 100)]
+    assert model.link("h0", "r", GPU).samples == 0  # evicted: back to the defaults
+    # Observing an old pair again makes it the most recent; predicting does not.
+    model.observe_transfer("h92", "r", GPU, 1 << 20, 1000)
+    model.predict("h93", "r", GPU, 1, 1)
+    model.observe_transfer("new", "r", GPU, 1 << 20, 1000)
+    assert [key[0] for key, _ in model.links()][-2:] == ["h92", "new"]
+    assert "h93" not in {key[0] for key, _ in model.links()}
+
+
+def test_the_decision_boundary_is_strict_and_scaled_by_the_margin() -> None:
+    # A 10 ms link with no bytes, 1000 tokens/s: recompute of n tokens is n ms.
+    config = CostConfig(default_latency_ms=10.0, default_prefill_tokens_per_s=1000.0)
+    for margin, first_worth in ((1.0, 11), (1.5, 16), (3.0, 31)):
+        model = CostModel(dataclasses.replace(config, safety_margin=margin))
+        assert not model.predict("h", "r", GPU, first_worth - 1, 0).worth_loading
+        assert model.predict("h", "r", GPU, first_worth, 0).worth_loading
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    latency=st.floats(0, 100),
+    gbps=st.floats(0.01, 100),
+    rate=st.floats(100, 100_000),
+    margin=st.floats(0.5, 4),
+    block_tokens=st.integers(1, 64),
+    block_bytes=st.integers(0, 8 << 20),
+    blocks=st.integers(1, 512),
+)
+def test_predictions_are_the_model_and_worth_grows_with_the_prefix(
+    latency: float,
+    gbps: float,
+    rate: float,
+    margin: float,
+    block_tokens: int,
+    block_bytes: int,
+    blocks: int,
+) -> None:
+    model = CostModel(
+        CostConfig(
+            safety_margin=margin,
+            default_latency_ms=latency,
+            default_bandwidth_bytes_per_s=gbps * 1e9,
+            default_prefill_tokens_per_s=rate,
+        )
+    )
+
+    def at(n: int) -> tuple[float, float, bool]:
+        p = model.predict("h", "r", GPU, n * block_tokens, n * block_bytes)
+        return p.load_ms, p.recompute_ms, p.worth_loading
+
+    load, recompute, worth = at(blocks)
+    assert load == pytest.approx(latency + blocks * block_bytes / (gbps * 1e6))
+    assert recompute == pytest.approx(blocks * block_tokens * 1000 / rate)
+    assert worth == (load * margin < recompute)
+    if worth:  # the gate's binary search relies on this: longer prefixes stay worth it
+        assert at(blocks + 1)[2]
+
+
+def test_bytes_per_block_come_from_regions_then_from_the_layout() -> None:
+    regions = [[KvRegion(0, 65536, 64), KvRegion(1, 65536, 64)], [KvRegion(2, 65536, 64)]]
+    assert kv_bytes_per_block(regions, block_size=16) == 3 * 65536
+    assert (
+        kv_bytes_per_block(
+            [[]], block_size=16, num_layers=32, num_kv_heads=8, head_size=128, kv_dtype="bfloat16"
+        )
+        == 2 * 32 * 8 * 128 * 16 * 2
+    )
+    assert kv_bytes_per_block([[]], block_size=16) == 0  # unknown: latency only
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"safety_margin": 0.0},
+        {"default_latency_ms": -1.0},
+        {"default_bandwidth_bytes_per_s": float("inf")},
+        {"max_pairs": 0},
+        {"alpha": 0.0},
+    ],
+)
+def test_bad_cost_settings_are_refused_naming_the_setting(change: dict[str, float]) -> None:
+    (name,) = change
+    with pytest.raises(ValueError, match=name):
+        CostConfig(**change)  # type: ignore[arg-type]

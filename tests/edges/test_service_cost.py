@@ -1,0 +1,276 @@
+"""The cost gate through a real `kvrc serve` (I9-cost-gate), and the protocol version.
+
+In-process rank parts speak gRPC to the coordinator process: a requester, a holder
+whose loads it reports slow and one whose loads it reports fast. The slow pair ends
+with `recompute_cheaper` misses (its holder no longer asked to pin) while the fast
+pair keeps its grants; the grants carry their prediction, and `kvrc status` shows
+the measured links. A client of the old protocol is refused, naming both versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from harness import (
+    CoordinatorProcess,
+    child_engine_status,
+    get_status,
+    metric_value,
+    start_coordinator,
+    wait_until,
+)
+
+from clients.hashing import hash_block_chain
+from clients.leases import (
+    LeaseClient,
+    LeaseSessionHandler,
+    Miss,
+    PinAnswer,
+    PinRequestInfo,
+    PrefixLoadGrant,
+)
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from coordinator.edges.cli import _status_text
+from kvrc.v1 import kvrc_pb2 as pb
+from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+from kvrc.vocabulary import PROTOCOL_VERSION, KvRegion, TransferEndpoint
+
+BLOCK_BYTES = 65536
+BLOCKS = 8  # 128 tokens: 128 ms to recompute at the 1000 tokens/s declared below
+
+
+@pytest.fixture(scope="module")
+def kvrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
+    profiles = Path(tmp_path_factory.mktemp("p")) / "profiles.toml"
+    profiles.write_text('[[profile]]\nname = "t"\nmodel = "m"\nprefill_tokens_per_s = 1000\n')
+    with start_coordinator("--reuse", "on", "--profiles", str(profiles)) as coordinator:
+        yield coordinator
+
+
+def pin_all(info: PinRequestInfo) -> PinAnswer:
+    n = len(info.block_hashes)
+    return PinAnswer(n, pb.RankPartDescriptor(rank=pb.RankCoordinates(), block_ids=list(range(n))))
+
+
+class Parts:
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.sessions: list[EngineSession] = []
+        self.clients: list[LeaseClient] = []
+
+    async def part(self, engine_id: str) -> tuple[EngineSession, LeaseClient]:
+        registration = RankPartRegistration(
+            engine_id=engine_id,
+            profile=EngineProfile(model="m", block_size=16, reuse_opt_in=True),
+            endpoint=TransferEndpoint(regions=(KvRegion(0x1000, BLOCK_BYTES, 64),)),
+        )
+        handler = LeaseSessionHandler(pin=pin_all)
+        session = EngineSession(self.target, registration, handler, reconnect=False)
+        handler.attach(session)
+        await session.start()
+        await session.wait_ready(5)
+        client = LeaseClient(self.target, engine_id, timeout_s=10)
+        self.sessions.append(session)
+        self.clients.append(client)
+        return session, client
+
+
+@pytest.fixture
+async def parts(kvrc: CoordinatorProcess) -> AsyncIterator[Parts]:
+    p = Parts(kvrc.grpc_target)
+    yield p
+    for client in p.clients:
+        await client.close()
+    for session in p.sessions:
+        await session.close()
+
+
+async def store(session: EngineSession, hashes: list[bytes]) -> None:
+    assert session.ack is not None
+    await session.send_event_batch(
+        pb.EventBatch(
+            incarnation=session.ack.incarnation,
+            sequence=0,
+            events=[
+                pb.InventoryEvent(stored=pb.BlockStored(block_hashes=hashes, tier=pb.TIER_GPU))
+            ],
+        )
+    )
+    child = session.ack.state.child_engine_id
+
+    async def visible() -> bool:
+        state = await child_engine_status(session.target, child)
+        return state is not None and state.inventory_entries >= len(hashes)
+
+    await wait_until(visible, 5, what="the stored blocks in the coordinator's inventory")
+
+
+# How long each holder's loads take (reported by the requester): the pairs' speeds.
+SPEED_US = {"cost-slow": 400_000, "cost-fast": 1_000, "pred-hold": 1_000}
+
+
+async def load(
+    requester: LeaseClient, request_id: str, chain: list[bytes]
+) -> PrefixLoadGrant | Miss:
+    """A prefix load; a grant is reported done, as long as its holder's speed."""
+    answer = await requester.request_prefix_load(request_id, chain, pin_timeout_ms=2000)
+    if isinstance(answer, PrefixLoadGrant):
+        await requester.complete_prefix_load(
+            pb.TransferReport(
+                lease_id=answer.lease_id,
+                reporter_child_engine_id=requester.child_engine_id,
+                rank=pb.RankCoordinates(),
+                outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+                bytes_moved=BLOCK_BYTES * answer.matched_blocks,
+                duration_us=SPEED_US[answer.source_child_engine_id],
+            )
+        )
+    return answer
+
+
+async def test_a_slow_measured_pair_misses_recompute_cheaper_while_a_fast_pair_keeps_its_grants(
+    kvrc: CoordinatorProcess, parts: Parts
+) -> None:
+    slow, _ = await parts.part("cost-slow")
+    fast, _ = await parts.part("cost-fast")
+    _, requester = await parts.part("cost-req")
+    _, other = await parts.part("cost-req2")
+    chain = hash_block_chain([7] * 16 * BLOCKS, 16, seed=11)
+    await store(slow, chain)
+    await store(fast, chain[:4])  # a shorter match: the slow holder is the first choice
+
+    # Cold, the slow pair is granted (defaults lean towards loading); 400 ms per load
+    # then makes it lose to a 128 ms recompute.
+    answers = [await load(requester, f"s{i}", chain) for i in range(6)]
+    sources = [a.source_child_engine_id if isinstance(a, PrefixLoadGrant) else a for a in answers]
+    assert sources[0] == "cost-slow", sources
+    # The fast holder's 4 blocks take over once the slow link is measured; fast loads.
+    later = [
+        a
+        for a in answers[1:]
+        if not (isinstance(a, PrefixLoadGrant) and a.source_child_engine_id == "cost-slow")
+    ]
+    assert later, sources
+    assert all(
+        isinstance(a, PrefixLoadGrant) and a.source_child_engine_id == "cost-fast" for a in later
+    ), sources
+    for i in range(3):
+        answer = await load(requester, f"f{i}", chain)
+        assert isinstance(answer, PrefixLoadGrant), answer
+        assert answer.source_child_engine_id == "cost-fast"
+    # Without the fast holder's blocks the slow pair alone is refused before any pin.
+    await fast.send_event_batch(
+        pb.EventBatch(
+            incarnation=fast.ack.incarnation if fast.ack else 0,
+            sequence=1,
+            events=[pb.InventoryEvent(cleared=pb.AllBlocksCleared())],
+        )
+    )
+
+    async def fast_gone() -> bool:
+        state = await child_engine_status(kvrc.grpc_target, "cost-fast")
+        return state is not None and state.inventory_entries == 0
+
+    await wait_until(fast_gone, 5, what="the fast holder's blocks gone")
+    miss = await load(requester, "s-after", chain)
+    assert isinstance(miss, Miss) and miss.reason == "recompute_cheaper", miss
+    assert miss.lease_id == ""  # decided before any pin
+    assert miss.prediction is not None and not miss.prediction.worth_loading
+    assert "cost-slow->cost-req" in miss.detail and "declared" in miss.detail
+    # Another requester's pair with the same holder is its own, still cold: granted.
+    fresh = await load(other, "o1", chain)
+    assert isinstance(fresh, PrefixLoadGrant) and fresh.source_child_engine_id == "cost-slow"
+
+    assert metric_value(kvrc, "kvrc_prefix_load_misses_total", reason="recompute_cheaper") >= 1
+    assert metric_value(kvrc, "kvrc_cost_prediction_error_ratio_count", link="measured") >= 1
+    status = await get_status(kvrc.grpc_target)
+    links = {
+        (link.holder_child_engine_id, link.requester_child_engine_id): link
+        for link in status.cost_model.links
+    }
+    assert links[("cost-slow", "cost-req")].samples >= 2
+    assert links[("cost-fast", "cost-req")].samples >= 3
+    rates = {r.child_engine_id: r for r in status.cost_model.prefill_rates}
+    assert rates["cost-req"].source == "declared" and rates["cost-req"].tokens_per_s == 1000
+    text = _status_text(kvrc.grpc_target, status)
+    assert "cost gate on" in text and "link cost-slow -> cost-req (gpu)" in text
+
+
+async def test_the_grant_carries_its_prediction(kvrc: CoordinatorProcess, parts: Parts) -> None:
+    holder, _ = await parts.part("pred-hold")
+    _, requester = await parts.part("pred-req")
+    chain = hash_block_chain([9] * 16 * BLOCKS, 16, seed=12)
+    await store(holder, chain)
+    raw = await requester._stub.RequestPrefixLoad(  # the wire answer itself
+        pb.PrefixLoadRequest(
+            request_id="p1",
+            requester_child_engine_id="pred-req",
+            block_hashes=chain,
+            pin_timeout_ms=2000,
+        ),
+        timeout=10,
+    )
+    assert raw.outcome == pb.GRANT_OUTCOME_GRANTED
+    p = raw.prediction
+    assert p.worth_loading and p.num_tokens == 16 * BLOCKS and p.num_bytes == BLOCK_BYTES * BLOCKS
+    assert p.recompute_ms == pytest.approx(128.0) and p.prefill_source == "declared"
+    assert p.link_samples == 0 and p.holder_child_engine_id == "pred-hold"
+    status = await get_status(kvrc.grpc_target)
+    (lease,) = [x for x in status.leases if x.lease_id == raw.lease_id]
+    assert lease.prediction.detail == p.detail
+
+
+async def register_raw(target: str, register: pb.Register) -> tuple[grpc.StatusCode, str]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        call = stub.Session(iter([pb.EngineMessage(register=register)]), timeout=5)
+        try:
+            async for _ in call:
+                break
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+        return grpc.StatusCode.OK, ""
+
+
+@pytest.mark.parametrize(
+    ("version", "needle"),
+    [
+        (0, "client speaks kvrc protocol v1, this coordinator speaks v2; upgrade the kvrc client"),
+        (1, "client speaks kvrc protocol v1, this coordinator speaks v2"),
+        (
+            PROTOCOL_VERSION + 1,
+            f"v{PROTOCOL_VERSION + 1}, this coordinator speaks v2; upgrade this",
+        ),
+    ],
+)
+async def test_another_protocol_version_is_failed_precondition_naming_both_and_changes_nothing(
+    kvrc: CoordinatorProcess, version: int, needle: str
+) -> None:
+    register = RankPartRegistration(
+        engine_id="old-client", profile=EngineProfile(model="m", block_size=16)
+    ).to_proto()
+    register.protocol_version = version
+    before = await get_status(kvrc.grpc_target)
+    code, message = await register_raw(kvrc.grpc_target, register)
+    assert code is grpc.StatusCode.FAILED_PRECONDITION and needle in message, message
+    after = await get_status(kvrc.grpc_target)
+    assert "old-client" not in {c.state.child_engine_id for c in after.child_engines}
+    assert len(after.child_engines) == len(before.child_engines)
+    # Negative control: the same Register with this library's version is admitted.
+    register.protocol_version = PROTOCOL_VERSION
+    session_code = await asyncio.wait_for(_admitted(kvrc.grpc_target, register), 10)
+    assert session_code
+
+
+async def _admitted(target: str, register: pb.Register) -> bool:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        call = stub.Session(iter([pb.EngineMessage(register=register)]), timeout=5)
+        async for message in call:
+            call.cancel()
+            return message.HasField("register_ack")
+    return False

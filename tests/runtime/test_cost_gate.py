@@ -1,0 +1,179 @@
+"""The cost gate in the runtime (I9-cost-gate), on a manual clock.
+
+Loads are measured from their reports; a link measured slow stops getting grants
+(`recompute_cheaper`, and its holder is not even asked to pin) while a fast one keeps
+them; `min_blocks` stays the floor; a short pin below the worthwhile length misses;
+the grant carries its prediction, status shows the estimates, and the outcome feeds
+the prediction-error histogram.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from manual_rig import CHAIN, PROFILE, Rig, drain_outbound, manual_coordinator, settle
+
+from coordinator.core.cost_model import CostConfig
+from coordinator.core.grants import PrefixLoadAnswer, PrefixLoadRequest, TransferReport
+from coordinator.core.leases import Outcome, SendPin, SendRelease
+from coordinator.core.registry import RankPartRegistration
+from coordinator.runtime.coordinator import Session
+from kvrc.vocabulary import KvRegion, Tier, TransferEndpoint
+
+BLOCK_BYTES = 65536
+CHAIN_BYTES = BLOCK_BYTES * len(CHAIN)  # 8 blocks of 16 tokens: 128 tokens
+# 1000 tokens/s: recomputing the chain is predicted at 128 ms.
+COST = CostConfig(default_prefill_tokens_per_s=1000.0)
+
+
+def register(rig: Rig, child: str) -> Session:
+    endpoint = TransferEndpoint(regions=(KvRegion(0x1000, BLOCK_BYTES, 64),))
+    reg = RankPartRegistration(child, 0, child, (0, 0, 0), PROFILE, endpoint=endpoint)
+    return rig.coordinator.open_session(reg)
+
+
+async def load(
+    rig: Rig,
+    holder: Session,
+    request_id: str,
+    *,
+    pinned: int = len(CHAIN),
+    duration_us: int = 0,
+    min_blocks: int = 1,
+    prefill: tuple[int, int] = (0, 0),
+) -> PrefixLoadAnswer:
+    """One prefix load by "r": the holder pins `pinned`; a grant is reported done."""
+    c = rig.coordinator
+    request = PrefixLoadRequest(request_id, "r", CHAIN, "", min_blocks, 0, 2_000, 10_000)
+    drain_outbound(holder)
+    task = asyncio.ensure_future(c.leases.request_prefix_load(request))
+    await settle()
+    pins = [m for m in drain_outbound(holder) if isinstance(m, SendPin)]
+    if pins:
+        c.leases.on_pin_result(
+            holder.registration.child_engine_id, (0, 0, 0), pins[0].lease_id, pinned, b"d", ""
+        )
+    answer = await task
+    if answer.view is not None and answer.view.prefix_load_grant is not None:
+        c.leases.complete_prefix_load(
+            TransferReport(
+                answer.view.lease_id,
+                "r",
+                (0, 0, 0),
+                Outcome.SUCCEEDED,
+                BLOCK_BYTES * pinned,
+                duration_us,
+                "",
+                *prefill,
+            )
+        )
+    return answer
+
+
+def granted(answer: PrefixLoadAnswer) -> str | None:
+    grant = answer.view.prefix_load_grant if answer.view is not None else None
+    return grant.source_child_engine_id if grant is not None else None
+
+
+async def test_a_slow_measured_link_stops_getting_grants_and_a_fast_one_keeps_them() -> None:
+    async with manual_coordinator(cost=COST) as rig:
+        c = rig.coordinator
+        register(rig, "r")
+        slow, fast = register(rig, "slow"), register(rig, "fast")
+        rig.store(slow)
+
+        # Cold: the defaults (10 GB/s, 1 ms) make loading the chain worth it.
+        first = await load(rig, slow, "s0", duration_us=400_000)
+        assert granted(first) == "slow"
+        assert first.prediction is not None and first.prediction.link.samples == 0
+        assert first.prediction.worth_loading
+        # Measured at 400 ms per load, the link soon loses to a 128 ms recompute.
+        answers = [await load(rig, slow, f"s{i}", duration_us=400_000) for i in range(1, 6)]
+        missed = [a for a in answers if a.miss_reason]
+        assert missed, [granted(a) for a in answers]
+        miss = missed[0]
+        assert miss.miss_reason == "recompute_cheaper" and miss.view is None  # nothing pinned
+        assert miss.prediction is not None and not miss.prediction.worth_loading
+        assert "recompute" in miss.miss_detail and "slow->r" in miss.miss_detail
+        assert not [m for m in drain_outbound(slow) if isinstance(m, SendPin)]
+
+        # A fast holder of the same chain is chosen over the slow one, again and again.
+        rig.store(fast)
+        for i in range(4):
+            answer = await load(rig, fast, f"f{i}", duration_us=2_000)
+            assert granted(answer) == "fast", answer.miss_detail
+        status = c.status().cost
+        assert status is not None
+        links = {key: estimate for key, estimate in status.links}
+        assert (
+            links[("slow", "r", Tier.GPU)].latency_ms
+            + CHAIN_BYTES / (links[("slow", "r", Tier.GPU)].bandwidth_bytes_per_s / 1000)
+            > 128 / COST.safety_margin
+        )
+        assert links[("fast", "r", Tier.GPU)].samples == 4
+        metrics = c.metrics.registry
+        assert metrics.get_sample_value(
+            "kvrc_prefix_load_misses_total", {"reason": "recompute_cheaper"}
+        )
+        count = metrics.get_sample_value(
+            "kvrc_cost_prediction_error_ratio_count", {"link": "measured"}
+        )
+        assert count is not None and count >= 4
+
+
+async def test_with_the_gate_off_a_slow_link_still_gets_its_grants() -> None:
+    # Negative control of the test above: the same reports, no gate, no misses.
+    off = CostConfig(gate=False, default_prefill_tokens_per_s=1000.0)
+    async with manual_coordinator(cost=off) as rig:
+        register(rig, "r")
+        slow = register(rig, "slow")
+        rig.store(slow)
+        answers = [await load(rig, slow, f"s{i}", duration_us=400_000) for i in range(6)]
+        assert [granted(a) for a in answers] == ["slow"] * 6
+        # The prediction is still made and carried: it says loading is not worth it.
+        last = answers[-1].prediction
+        assert last is not None and not last.worth_loading
+
+
+async def test_min_blocks_stays_the_floor_and_a_short_pin_below_the_worthwhile_length_misses() -> (
+    None
+):
+    # 40 ms latency x 1.5 against 16 ms per block: a load needs at least 4 blocks.
+    cost = CostConfig(default_latency_ms=40.0, default_prefill_tokens_per_s=1000.0)
+    async with manual_coordinator(cost=cost) as rig:
+        register(rig, "r")
+        holder = register(rig, "h")
+        rig.store(holder, CHAIN[:4])
+        # The cost would pay off, but min_blocks asks for more than is retained.
+        floor = await load(rig, holder, "floor", min_blocks=5)
+        assert floor.miss_reason == "below_min_blocks"
+        # The holder pins fewer than the 4 worth loading: a miss, its pin released.
+        drain_outbound(holder)
+        short = await load(rig, holder, "short", pinned=3)
+        assert short.miss_reason == "recompute_cheaper", short
+        assert "4 blocks" in short.miss_detail
+        assert any(isinstance(m, SendRelease) for m in drain_outbound(holder))
+        # Four pinned blocks are worth it: granted, with the prediction for those four.
+        enough = await load(rig, holder, "enough", pinned=4)
+        assert granted(enough) == "h" and enough.prediction is not None
+        assert enough.prediction.num_tokens == 64 and enough.prediction.num_bytes == 4 * BLOCK_BYTES
+
+
+async def test_measured_prefill_rates_move_the_decision() -> None:
+    # A slow default prefill makes a 50 ms link worth it; the engine then reports that it
+    # prefills 100x faster, and recomputing wins.
+    cost = CostConfig(default_latency_ms=50.0, default_prefill_tokens_per_s=1000.0)
+    async with manual_coordinator(cost=cost) as rig:
+        c = rig.coordinator
+        register(rig, "r")
+        holder = register(rig, "h")
+        rig.store(holder)
+        assert (await load(rig, holder, "a")).miss_reason == ""
+        for i in range(20):
+            # 1000 tokens in 10 ms: 100,000 tokens/s.
+            answer = await load(rig, holder, f"b{i}", prefill=(1000, 10_000))
+            if answer.miss_reason:
+                break
+        assert c.leases.cost_model.prefill("r").source == "measured"
+        assert answer.miss_reason == "recompute_cheaper"
+        assert answer.prediction is not None and answer.prediction.prefill.source == "measured"
