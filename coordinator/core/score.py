@@ -5,10 +5,9 @@ one core call of a `Score` RPC: it hashes token ids (through the `TokenHasher`
 seam) once per distinct hash configuration, walks the inventory once per
 compatibility scope for the engines' own prefixes (`Inventory.match`), asks the
 same ranking a prefix load uses for the best holder (`Inventory.lookup`, top
-one), and prices each engine's match
-through the `SavingPredictor` seam. Work per request is O(prompt blocks x
-distinct scopes + engines scored), counted in `ScoreAnswer.work`, never
-O(blocks x engines).
+one), and prices each engine's match through the `SavingPredictor` seam. Work
+per request is O(prompt blocks x distinct scopes + engines scored), counted in
+`ScoreAnswer.work`, never O(blocks x engines).
 
 Two seams:
 
@@ -17,12 +16,9 @@ Two seams:
   configuration is each engine's declared one (`hash_config`): a router cannot
   know it, and an engine that declares none is refused with FAILED_PRECONDITION.
 - `SavingPredictor`: the per-pair cost model (coordinator/core/cost_model.py's
-  `CostModel`, the same one prefix-load grants ask: I9-cost-gate), so a Score
-  credits a load exactly when a grant would be made for it.
-  `DeclaredRatePredictor` credits local matches with their recompute time at a
-  declared prefill rate and loadable blocks with nothing: without a measured link
-  a load may cost more than the recompute (I4-advisory: a hint must not promise
-  a saving it cannot back).
+  `CostModel`, the same one prefix-load grants ask), so a Score credits a load
+  exactly when a grant would be made for it (I9-cost-gate) and never promises a
+  saving the coordinator would not grant (I4-advisory).
 """
 
 from __future__ import annotations
