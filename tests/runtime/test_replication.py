@@ -271,3 +271,25 @@ def test_both_replicas_answer_every_lookup_alike(ops: list[tuple[Any, ...]], ela
         seen = seen or bool(expected)
     event("some candidate" if seen else "no candidate")
     assert set(b.remote_engines()) == {cid for cid in ENGINES if a.has_engine(cid)}
+
+
+def test_the_serving_flag_reaches_the_other_replica_and_old_ops_still_read() -> None:
+    # Score counts an engine's own matches whatever its reuse gate (docs/score.md): the
+    # flag rides as the visibility op's 4th element.
+    a, b = replica("a"), replica("b")
+    a.add_engine("e", COMPAT)
+    a.apply("e", [BlockStored(CHAIN[:4], None, 64, Tier.GPU)])
+    a.set_ready("e", False)  # reuse off: not a holder
+    a.set_serving("e", True)
+    ship(a, b)
+    assert view(b, 0) == []  # no lookup sees it
+    assert b.match(Scope(COMPAT), CHAIN, ["e"], now_ms=0).matches["e"].matched_blocks == 4
+    a.set_serving("e", False)
+    ship(a, b)
+    assert b.match(Scope(COMPAT), CHAIN, ["e"], now_ms=0).matches == {}
+    # A replica that predates the flag sends 3 elements: a visible engine serves.
+    c = replica("c")
+    c.apply_remote("old", [["E", "x", COMPAT, 1, []], ["V", "x", True]], 0)
+    assert c.match(Scope(COMPAT), CHAIN, ["x"], now_ms=0).matches["x"].matched_blocks == 0
+    c.apply_remote("old", [["V", "x", False]], 0)
+    assert c.match(Scope(COMPAT), CHAIN, ["x"], now_ms=0).matches == {}
