@@ -1,4 +1,4 @@
-"""The engine side of the `kvrc` command: `kvrc engine` and `kvrc demo`.
+"""The engine side of the `kvrc` command: `kvrc engine`, `kvrc demo` and `kvrc route`.
 
 The `kvrc` console script (kvrc/cli.py) hands these two subcommands here and
 every other one to coordinator/edges/cli.py, importing each side only when it
@@ -13,13 +13,17 @@ stderr and exit non-zero, never a traceback.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from clients.refengine.demo import add_demo_arguments  # torch-free
 from clients.refengine.options import add_engine_arguments  # torch-free
 from kvrc import __version__
-from kvrc.credentials import CredentialsError
+from kvrc.credentials import ChannelOptions, CredentialsError
+from kvrc.prompts import parse_block_hashes, parse_token_ids, read_token_ids
 
 EXIT_CONFIG = 2
 
@@ -34,6 +38,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="kvrc + 2 prefill + 1 decode engines on loopback")
     add_demo_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
+    route = commands.add_parser(
+        "route", help="pick the prefill engine that holds most of a prompt (kvrc's Score)"
+    )
+    route.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    route.add_argument("--model", required=True, help="the model the candidates serve")
+    route.add_argument(
+        "--candidates", required=True, help="candidate child engine ids, comma-separated"
+    )
+    prompt = route.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--tokens", help="token ids, comma-separated: 1,2,3")
+    prompt.add_argument("--tokens-file", type=Path, help="a file of token ids")
+    prompt.add_argument("--block-hashes", help="block hashes in hex, comma-separated")
+    route.add_argument("--lora-name", default="")
+    route.add_argument("--lora-path", default="")
+    route.add_argument("--cache-salt", default="")
+    route.add_argument("--json", action="store_true", help="print one JSON document")
+    # The same client flags as `kvrc status` (coordinator/edges/cli.py); a router token.
+    route.add_argument("--tls-ca", type=Path, help="PEM CA that signed kvrc's certificate")
+    route.add_argument("--tls-cert", type=Path, help="PEM client certificate (mutual TLS)")
+    route.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    route.add_argument("--tls-server-name", help="check kvrc's certificate against this name")
+    route.add_argument("--token-file", type=Path, help="file holding a router bearer token")
+    route.set_defaults(func=_cmd_route)
     return parser
 
 
@@ -47,6 +74,54 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from clients.refengine.demo import run_demo
 
     return run_demo(args)
+
+
+def _cmd_route(args: argparse.Namespace) -> int:
+    from clients.router import ScoreClient, ScoreRouter  # grpc only, no torch
+
+    candidates = [c for c in args.candidates.split(",") if c]
+    try:
+        if not candidates:
+            raise ValueError("--candidates: name at least one child engine")
+        tokens: list[int] | None = None
+        hashes: list[bytes] | None = None
+        if args.tokens is not None:
+            tokens = parse_token_ids(args.tokens, "--tokens")
+        elif args.tokens_file is not None:
+            tokens = read_token_ids(args.tokens_file, "--tokens-file")
+        else:
+            hashes = parse_block_hashes(args.block_hashes, "--block-hashes")
+    except ValueError as e:
+        print(f"kvrc route: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    options = ChannelOptions(
+        args.target,
+        ca_cert=args.tls_ca,
+        client_cert=args.tls_cert,
+        client_key=args.tls_key,
+        server_name=args.tls_server_name,
+        token_file=args.token_file,
+    )
+
+    async def run() -> tuple[str, str, bool]:
+        async with ScoreClient(options) as client:
+            route = await ScoreRouter(client, args.model).route(
+                candidates,
+                token_ids=tokens,
+                block_hashes=hashes,
+                lora_name=args.lora_name,
+                lora_path=args.lora_path,
+                cache_salt=args.cache_salt,
+                timeout_s=5.0,
+            )
+            return route.child_engine_id, route.why, route.score is not None
+
+    engine, why, scored = asyncio.run(run())
+    if args.json:
+        print(json.dumps({"child_engine_id": engine, "why": why, "by_score": scored}))
+    else:
+        print(f"{engine}: {why}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

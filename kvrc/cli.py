@@ -1,6 +1,6 @@
 """The `kvrc` console script: a thin dispatcher over the two sides.
 
-`kvrc engine` and `kvrc demo` belong to the engine library (clients/cli.py);
+`kvrc engine`, `kvrc demo` and `kvrc route` belong to the engine library (clients/cli.py);
 every other subcommand (`serve`, `status`, `score`, `drain`, `quarantine`, ...) to the
 coordinator (coordinator/edges/cli.py). Each side is imported only when its
 subcommand runs, so a coordinator deployment installs no engine library and
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 # Subcommands of the engine side; everything else is the coordinator's.
-ENGINE_COMMANDS = frozenset({"engine", "demo"})
+ENGINE_COMMANDS = frozenset({"engine", "demo", "route"})
 _ENGINE_CLI = "clients.cli"
 _COORDINATOR_CLI = "coordinator.edges.cli"
 

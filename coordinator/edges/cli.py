@@ -32,6 +32,7 @@ from coordinator.runtime.config import (
 )
 from kvrc import __version__
 from kvrc.credentials import ChannelOptions, CredentialsError, connect_blocking
+from kvrc.prompts import parse_block_hashes, parse_token_ids, read_token_ids
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -670,23 +671,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
 # --- score ---------------------------------------------------------------------
 
 
-def _token_ids(text: str, where: str) -> list[int]:
-    text = text.strip()
-    try:
-        if text.startswith("["):
-            values = json.loads(text)
-            if not isinstance(values, list):
-                raise ValueError
-        else:
-            values = [v for v in text.replace(",", " ").split() if v]
-        ids = [int(v) for v in values]
-    except (ValueError, TypeError):
-        raise ConfigError(f"{where}: token ids must be integers (1,2,3 or a JSON list)") from None
-    if not ids or any(not 0 <= t < 1 << 32 for t in ids):
-        raise ConfigError(f"{where}: give at least one token id, each in 0..4294967295")
-    return ids
-
-
 def score_request_from_args(args: argparse.Namespace) -> pb.ScoreRequest:
     """ConfigError (one line, exit 2) for a prompt that cannot be read."""
     request = pb.ScoreRequest(
@@ -699,22 +683,17 @@ def score_request_from_args(args: argparse.Namespace) -> pb.ScoreRequest:
         ),
         candidate_child_engine_ids=[c for c in args.candidates.split(",") if c],
     )
-    if args.tokens is not None:
-        request.token_ids.ids.extend(_token_ids(args.tokens, "--tokens"))
-    elif args.tokens_file is not None:
-        try:
-            text = args.tokens_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"--tokens-file {args.tokens_file}: cannot read: {e}") from None
-        request.token_ids.ids.extend(_token_ids(text, f"--tokens-file {args.tokens_file}"))
-    else:
-        try:
-            hashes = [bytes.fromhex(h) for h in args.block_hashes.split(",") if h.strip()]
-        except ValueError:
-            raise ConfigError("--block-hashes: expected hex strings separated by commas") from None
-        if not hashes:
-            raise ConfigError("--block-hashes: give at least one block hash")
-        request.block_hashes.hashes.extend(hashes)
+    try:
+        if args.tokens is not None:
+            request.token_ids.ids.extend(parse_token_ids(args.tokens, "--tokens"))
+        elif args.tokens_file is not None:
+            request.token_ids.ids.extend(read_token_ids(args.tokens_file, "--tokens-file"))
+        else:
+            request.block_hashes.hashes.extend(
+                parse_block_hashes(args.block_hashes, "--block-hashes")
+            )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return request
 
 

@@ -221,6 +221,12 @@ def test_bad_requests_are_invalid_argument_naming_the_limit(reuse_on: Coordinato
     assert after - before == len(BAD_REQUESTS)
 
 
+def _kvrc_main(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvrc", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+
+
 def _kvrc(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "coordinator", *args],
@@ -231,7 +237,7 @@ def _kvrc(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-async def test_kvrc_score_prints_a_table_and_json(
+async def test_kvrc_score_and_kvrc_route(
     reuse_on: CoordinatorProcess, sessions: list[EngineSession], tmp_path: Path
 ) -> None:
     t = reuse_on.grpc_target
@@ -259,6 +265,17 @@ async def test_kvrc_score_prints_a_table_and_json(
     assert refused.returncode == 1 and "FAILED_PRECONDITION" in refused.stderr
     bad = _kvrc(*args, "--tokens", "1,x")
     assert bad.returncode == 2 and "--tokens: token ids must be integers" in bad.stderr
+    # kvrc route: the engine side of the command, through the dispatcher (kvrc/cli.py).
+    route_args = ["route", "--target", t, "--model", MODEL, "--candidates", "cli-ghost,cli-p0"]
+    routed = _kvrc_main(*route_args, "--block-hashes", hexes, "--json")
+    assert routed.returncode == 0, routed.stderr
+    assert json.loads(routed.stdout) | {"why": ""} == {
+        "child_engine_id": "cli-p0",
+        "by_score": True,
+        "why": "",
+    }
+    bad_route = _kvrc_main(*route_args, "--block-hashes", "zz")
+    assert bad_route.returncode == 2 and "--block-hashes: expected hex" in bad_route.stderr
 
 
 # --- reuse off --------------------------------------------------------------------------
