@@ -12,21 +12,35 @@
     session = EngineSession(options, registration)    # or LeaseClient(options, ...), ...
 
 A plain "host:port" string is the plaintext loopback default and behaves as
-before. A token travels as gRPC metadata `authorization: Bearer <token>`; it is
-read from its file when a channel is made, and never appears in a `repr()`,
-a log line or an error message.
+before. Several kvrc replicas (one shared `--store`): a comma-separated target,
+"a:50051,b:50051"; `split_targets` gives one `ChannelOptions` each, and
+`EngineSession` moves round robin between them. A DNS name with several
+addresses needs no list: "dns:///kvrc.internal:50051" resolves to all of them
+and grpc's pick_first moves on by itself.
+
+A token travels as gRPC metadata `authorization: Bearer <token>`; it is read
+from its file when a channel is made, and never appears in a `repr()`, a log
+line or an error message.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-__all__ = ["ChannelOptions", "CredentialsError", "connect", "connect_blocking"]
+__all__ = [
+    "ChannelOptions",
+    "CredentialsError",
+    "connect",
+    "connect_blocking",
+    "parse_targets",
+    "split_targets",
+]
 
 MAX_FILE_BYTES = 1 << 20
 MAX_TOKEN_CHARS = 4096
@@ -118,6 +132,62 @@ def _as_options(target: str | ChannelOptions) -> ChannelOptions:
     return target if isinstance(target, ChannelOptions) else ChannelOptions(target)
 
 
+# --- several targets (replicas sharing one store) ---------------------------------------
+
+
+def parse_targets(value: str | Sequence[str]) -> tuple[str, ...]:
+    """ "a:1,b:2" or ["a:1", "b:2"] -> ("a:1", "b:2"); ValueError (one line) when unusable.
+
+    Each is HOST:PORT or a grpc URI with a scheme ("dns:///name:port", "ipv4:...")."""
+    items = [value] if isinstance(value, str) else list(value)
+    targets: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"a target is a string, got {item!r}")
+        targets.extend(t.strip() for t in item.split(",") if t.strip())
+    if not targets:
+        raise ValueError("no target given (HOST:PORT, or several comma-separated)")
+    for target in targets:
+        if ":///" in target or target.startswith(("dns:", "unix:")):
+            continue
+        host, sep, port = target.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{target!r} is not HOST:PORT")
+    return tuple(dict.fromkeys(targets))  # a target named twice is tried once
+
+
+def split_targets(
+    target: str | ChannelOptions | Sequence[str | ChannelOptions],
+) -> tuple[ChannelOptions, ...]:
+    """One `ChannelOptions` per target; a comma-separated target keeps its credentials."""
+    given = [target] if isinstance(target, (str, ChannelOptions)) else list(target)
+    out: list[ChannelOptions] = []
+    for item in given:
+        opts = _as_options(item)
+        if "," not in opts.target:
+            out.append(opts)  # unchecked, as before: one target goes to grpc as given
+            continue
+        out.extend(replace(opts, target=t) for t in parse_targets(opts.target))
+    if not out:
+        raise ValueError("no target given (HOST:PORT, or several comma-separated)")
+    return tuple(out)
+
+
+def _grpc_target(target: str) -> str:
+    """A plain channel (unary calls) to several targets: grpc's own address list when they
+    are IP literals (pick_first moves on when one dies), else the first one."""
+    if "," not in target:
+        return target
+    targets = parse_targets(target)
+    hosts = [t.rpartition(":")[0] for t in targets]
+    try:
+        if all(ipaddress.ip_address(h).version == 4 for h in hosts):
+            return "ipv4:" + ",".join(targets)
+    except ValueError:
+        pass
+    return targets[0]
+
+
 # --- asyncio channels (engines) -----------------------------------------------------
 
 if TYPE_CHECKING:  # the stubs are generic, the runtime classes are not
@@ -202,9 +272,12 @@ def connect(
     options = [*opts.all_grpc_options(), *grpc_options]
     if opts.secure:
         return grpc.aio.secure_channel(
-            opts.target, opts.channel_credentials(), options, interceptors=interceptors
+            _grpc_target(opts.target),
+            opts.channel_credentials(),
+            options,
+            interceptors=interceptors,
         )
-    return grpc.aio.insecure_channel(opts.target, options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(_grpc_target(opts.target), options, interceptors=interceptors)
 
 
 # --- blocking channels (the CLI, tooling) -----------------------------------------------
@@ -240,9 +313,11 @@ def connect_blocking(target: str | ChannelOptions) -> grpc.Channel:
     token = opts.bearer_token()
     options = opts.all_grpc_options()
     if opts.secure:
-        channel = grpc.secure_channel(opts.target, opts.channel_credentials(), options)
+        channel = grpc.secure_channel(
+            _grpc_target(opts.target), opts.channel_credentials(), options
+        )
     else:
-        channel = grpc.insecure_channel(opts.target, options)
+        channel = grpc.insecure_channel(_grpc_target(opts.target), options)
     if token is not None:
         return grpc.intercept_channel(channel, _SyncBearer(token))
     return channel
