@@ -112,6 +112,23 @@ def _wait_for_port_file(
     raise TimeoutError(f"coordinator did not serve within {timeout_s} s")
 
 
+def serve_command(python: str, listen: str, port_file: Path, *args: str) -> list[str]:
+    """`kvrc serve` on `listen`, metrics on a free port, both ports written to `port_file`."""
+    return [
+        python,
+        "-m",
+        "coordinator",
+        "serve",
+        "--listen",
+        listen,
+        "--metrics-port",
+        "0",
+        "--port-file",
+        str(port_file),
+        *args,
+    ]
+
+
 @contextlib.contextmanager
 def start_coordinator(
     *extra_args: str,
@@ -125,19 +142,7 @@ def start_coordinator(
         stderr_path = Path(tmp) / "stderr.log"
         with open(stderr_path, "wb") as stderr:
             process = subprocess.Popen(
-                [
-                    PYTHON,
-                    "-m",
-                    "coordinator",
-                    "serve",
-                    "--listen",
-                    listen,
-                    "--metrics-port",
-                    "0",
-                    "--port-file",
-                    str(port_file),
-                    *extra_args,
-                ],
+                serve_command(PYTHON, listen, port_file, *extra_args),
                 cwd=REPO,
                 env=child_process_env(),
                 stdin=subprocess.DEVNULL,

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from harness import free_port
+from harness import free_port, serve_command
 
 from clients.vllm.demo import api_server_command, engine_env
 
@@ -56,19 +56,7 @@ class Kvrc:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
-            [
-                python,
-                "-m",
-                "coordinator",
-                "serve",
-                "--listen",
-                listen,
-                "--metrics-port",
-                "0",
-                "--port-file",
-                str(port_file),
-                *args,
-            ],
+            serve_command(python, listen, port_file, *args),
             cwd=REPO,
             env=env,
             stdin=subprocess.DEVNULL,
