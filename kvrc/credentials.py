@@ -138,38 +138,76 @@ def _as_options(target: str | ChannelOptions) -> ChannelOptions:
 def parse_targets(value: str | Sequence[str]) -> tuple[str, ...]:
     """ "a:1,b:2" or ["a:1", "b:2"] -> ("a:1", "b:2"); ValueError (one line) when unusable.
 
-    Each is HOST:PORT or a grpc URI with a scheme ("dns:///name:port", "ipv4:...")."""
+    Each is HOST:PORT ("[::1]:50051" for IPv6) or a grpc URI with a scheme
+    ("dns:///name:port", "unix:/path"). An empty item, a bad port or a target named
+    twice is refused: each is a typo (an unset variable in "$A,$B", a replica listed
+    twice while another is missing) that would otherwise silently drop a replica."""
     items = [value] if isinstance(value, str) else list(value)
     targets: list[str] = []
     for item in items:
         if not isinstance(item, str):
-            raise ValueError(f"a target is a string, got {item!r}")
-        targets.extend(t.strip() for t in item.split(",") if t.strip())
+            raise ValueError(f"a kvrc target is a string (HOST:PORT), got {item!r}")
+        if not item.strip():
+            raise ValueError("no kvrc target given (an empty string): HOST:PORT[,HOST:PORT...]")
+        for n, raw in enumerate(item.split(","), 1):
+            target = raw.strip()
+            if not target:
+                raise ValueError(
+                    f"kvrc targets {item!r}: item {n} is empty (a stray comma or an unset "
+                    "variable?); give HOST:PORT[,HOST:PORT...]"
+                )
+            _check_target(target)
+            targets.append(target)
     if not targets:
-        raise ValueError("no target given (HOST:PORT, or several comma-separated)")
+        raise ValueError("no kvrc target given: HOST:PORT, or several comma-separated")
+    _check_distinct(targets)
+    return tuple(targets)
+
+
+def _check_target(target: str) -> None:
+    if any(c.isspace() for c in target):
+        raise ValueError(f"kvrc target {target!r} has a space in it; give HOST:PORT")
+    if "://" in target or target.startswith(("dns:", "unix:", "ipv4:", "ipv6:")):
+        return  # a grpc URI: grpc checks it
+    host, sep, port = target.rpartition(":")
+    if not sep:
+        raise ValueError(f"kvrc target {target!r} has no port; give HOST:PORT, e.g. kvrc:50051")
+    if not host:
+        raise ValueError(f"kvrc target {target!r} has no host; give HOST:PORT, e.g. kvrc:50051")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(
+            f"kvrc target {target!r}: an IPv6 address goes in brackets, e.g. [::1]:50051"
+        )
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise ValueError(f"kvrc target {target!r}: port {port!r} is not a number in 1..65535")
+
+
+def _check_distinct(targets: Sequence[str]) -> None:
+    seen: set[str] = set()
     for target in targets:
-        if ":///" in target or target.startswith(("dns:", "unix:")):
-            continue
-        host, sep, port = target.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{target!r} is not HOST:PORT")
-    return tuple(dict.fromkeys(targets))  # a target named twice is tried once
+        if target in seen:
+            raise ValueError(f"kvrc target {target!r} is listed twice; list each replica once")
+        seen.add(target)
 
 
 def split_targets(
     target: str | ChannelOptions | Sequence[str | ChannelOptions],
 ) -> tuple[ChannelOptions, ...]:
-    """One `ChannelOptions` per target; a comma-separated target keeps its credentials."""
+    """One `ChannelOptions` per target; a comma-separated target keeps its credentials.
+
+    A single target without a comma goes to grpc as given, unchecked, as before;
+    several are checked as `parse_targets` checks them."""
     given = [target] if isinstance(target, (str, ChannelOptions)) else list(target)
-    out: list[ChannelOptions] = []
     for item in given:
-        opts = _as_options(item)
-        if "," not in opts.target:
-            out.append(opts)  # unchecked, as before: one target goes to grpc as given
-            continue
-        out.extend(replace(opts, target=t) for t in parse_targets(opts.target))
-    if not out:
-        raise ValueError("no target given (HOST:PORT, or several comma-separated)")
+        if not isinstance(item, (str, ChannelOptions)):
+            raise ValueError(f"a kvrc target is HOST:PORT or ChannelOptions, got {item!r}")
+    options = [_as_options(item) for item in given]
+    if not options:
+        raise ValueError("no kvrc target given: HOST:PORT, or several comma-separated")
+    if len(options) == 1 and "," not in options[0].target:
+        return (options[0],)
+    out = [replace(o, target=t) for o in options for t in parse_targets(o.target)]
+    _check_distinct([o.target for o in out])
     return tuple(out)
 
 

@@ -1,0 +1,109 @@
+"""Several kvrc targets (replicas): `kvrc.credentials.parse_targets` / `split_targets`, and
+`EngineSession` given a list, against real `kvrc serve` processes on loopback.
+
+The two-replica failover over a shared Redis (kill -9 of the replica a session is on)
+is in tests/edges/test_store_redis.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from kvrc.credentials import ChannelOptions, parse_targets, split_targets
+
+PROFILE = EngineProfile(model="test-model", block_size=16, kv_dtype="bfloat16")
+
+
+def part(engine_id: str, **kw: Any) -> RankPartRegistration:
+    return RankPartRegistration(engine_id=engine_id, profile=PROFILE, **kw)
+
+
+# --- parsing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("kvrc-0:50051", ("kvrc-0:50051",)),
+        ("kvrc-0:50051,kvrc-1:50051", ("kvrc-0:50051", "kvrc-1:50051")),
+        (" kvrc-0:50051 ,\tkvrc-1:50051 ", ("kvrc-0:50051", "kvrc-1:50051")),
+        (["10.0.0.2:1", "10.0.0.1:2"], ("10.0.0.2:1", "10.0.0.1:2")),  # order kept
+        (["a:1,b:2", "c:3"], ("a:1", "b:2", "c:3")),
+        ("[::1]:50051,127.0.0.1:50051", ("[::1]:50051", "127.0.0.1:50051")),
+        ("dns:///kvrc.internal:50051", ("dns:///kvrc.internal:50051",)),
+        ("a:65535", ("a:65535",)),
+    ],
+)
+def test_good_target_lists_parse_in_order(
+    value: str | list[str], expected: tuple[str, ...]
+) -> None:
+    assert parse_targets(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("a:1,,b:2", "kvrc targets 'a:1,,b:2': item 2 is empty"),
+        ("a:1,", "item 2 is empty"),
+        (",a:1", "item 1 is empty"),
+        ("", "no kvrc target given"),
+        ("  ", "no kvrc target given"),
+        ([], "no kvrc target given"),
+        ("a:1,b:2,a:1", "kvrc target 'a:1' is listed twice"),
+        (["a:1", " a:1"], "kvrc target 'a:1' is listed twice"),
+        ("a:1,b:0", "kvrc target 'b:0': port '0' is not a number in 1..65535"),
+        ("a:65536", "port '65536' is not a number in 1..65535"),
+        ("a:http", "port 'http' is not a number"),
+        ("a:-1", "port '-1' is not a number"),
+        ("a:\uff15\uff10", "is not a number"),  # fullwidth digits: isdigit() but not a port
+        ("a:1,kvrc-1", "kvrc target 'kvrc-1' has no port; give HOST:PORT"),
+        (":50051,a:1", "kvrc target ':50051' has no host"),
+        ("::1:50051,a:1", "an IPv6 address goes in brackets, e.g. [::1]:50051"),
+        ("a:1,b :2", "kvrc target 'b :2' has a space in it"),
+        ([5], "a kvrc target is a string (HOST:PORT), got 5"),
+    ],
+)
+def test_each_bad_target_list_is_refused_in_one_line_naming_it(value: Any, says: str) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_targets(value)
+    message = str(e.value)
+    assert says in message
+    assert "\n" not in message
+
+
+def test_split_targets_gives_each_target_the_same_credentials(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    token = tmp_path / "token"
+    opts = ChannelOptions("kvrc-0:50051, kvrc-1:50051", ca_cert=ca, token_file=token)
+    split = split_targets(opts)
+    assert [o.target for o in split] == ["kvrc-0:50051", "kvrc-1:50051"]
+    assert all(o.ca_cert == ca and o.token_file == token and o.secure for o in split)
+    # A list mixes strings (plaintext) and options; a repeat across items is refused too.
+    mixed = split_targets(["a:1", ChannelOptions("b:2", tls=True)])
+    assert [(o.target, o.secure) for o in mixed] == [("a:1", False), ("b:2", True)]
+    with pytest.raises(ValueError, match="'a:1' is listed twice"):
+        split_targets(["a:1", ChannelOptions("a:1", tls=True)])
+    with pytest.raises(ValueError, match="no kvrc target given"):
+        split_targets([])
+    with pytest.raises(ValueError, match="HOST:PORT or ChannelOptions, got 7"):
+        split_targets([7])  # type: ignore[list-item]
+
+
+def test_one_target_goes_to_grpc_unchecked_as_before() -> None:
+    """One target alone keeps its old meaning: grpc resolves whatever it is given."""
+    assert [o.target for o in split_targets("localhost")] == ["localhost"]
+    assert [o.target for o in split_targets(ChannelOptions("unix:/run/kvrc.sock"))] == [
+        "unix:/run/kvrc.sock"
+    ]
+    # ... but the same target in a list of several is checked.
+    with pytest.raises(ValueError, match="'localhost' has no port"):
+        split_targets(["localhost", "a:1"])
+
+
+def test_engine_session_refuses_a_bad_list_before_connecting() -> None:
+    with pytest.raises(ValueError, match="item 2 is empty"):
+        EngineSession("127.0.0.1:1,", part("bad-list"))
