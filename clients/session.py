@@ -16,9 +16,12 @@ heartbeats at the interval the coordinator asked for. When the stream breaks
 (coordinator restart, heartbeat timeout) it reconnects with exponential
 backoff and jitter and registers again. Given several targets (kvrc replicas
 sharing one `--store`: a list, or "a:50051,b:50051"), `start()` tries each in
-turn and a broken session or a failed reconnect moves to the next one, round
-robin; every registration re-announces in full (held leases, then the
-inventory dump), so the replica it lands on learns the engine's state.
+turn; a broken session reconnects to the same replica first and moves to the
+next one, round robin, only when that replica cannot be reached (UNAVAILABLE,
+no RegisterAck in time), so that the rank parts of one child engine, given
+the same list, stay on one replica. Every registration re-announces in full
+(held leases; `InventoryPublisher` then sends its dump), so the replica it
+lands on learns the engine's state.
 A DNS name with several addresses needs no list: "dns:///kvrc.internal:50051"
 and grpc's pick_first. Coordinator requests (pin, release,
 abort, resync, quarantine, drain) and readiness changes go to the handler.
@@ -489,8 +492,10 @@ class EngineSession:
                 return
 
     async def _reconnect_with_backoff(self) -> bool:
+        # The same replica first: a stall or a blip must not split the rank parts of one
+        # child engine over replicas (registrations are per replica). Only a replica that
+        # cannot be reached sends this part to the next one.
         delay = self._backoff_initial_s
-        await self._move_on()  # the session broke: the next replica (if any) first
         while not self._closing:
             await asyncio.sleep(delay * random.uniform(0.5, 1.5))
             if self._closing:
@@ -501,7 +506,8 @@ class EngineSession:
             except KvrcClientError as e:
                 self.last_error = e
                 log.info("reconnect to %s failed (%s); retrying", self.target, e.code.name)
-                await self._move_on()
+                if isinstance(e, _MOVE_ON):
+                    await self._move_on()
             delay = min(delay * 2, self._backoff_max_s)
         return False
 

@@ -7,11 +7,15 @@ is in tests/edges/test_store_redis.py.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from harness import child_engine_status, free_port, start_coordinator, wait_until
 
+from clients.errors import AlreadyExistsError, KvrcClientError
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from kvrc.credentials import ChannelOptions, parse_targets, split_targets
 
@@ -107,3 +111,70 @@ def test_one_target_goes_to_grpc_unchecked_as_before() -> None:
 def test_engine_session_refuses_a_bad_list_before_connecting() -> None:
     with pytest.raises(ValueError, match="item 2 is empty"):
         EngineSession("127.0.0.1:1,", part("bad-list"))
+
+
+# --- sessions over several targets ---------------------------------------------------------
+
+
+async def test_dead_then_live_registers_with_the_live_one(sessions: list[EngineSession]) -> None:
+    dead = f"127.0.0.1:{free_port()}"  # nobody listens here
+    with start_coordinator() as live:
+        session = EngineSession([dead, live.grpc_target], part("dead-live"), register_timeout_s=5)
+        sessions.append(session)
+        ack = await session.start()
+        assert ack.state.ready
+        assert session.target == live.grpc_target
+        assert [o.target for o in session.targets] == [dead, live.grpc_target]
+        assert session.last_error is not None
+        assert session.last_error.code == grpc.StatusCode.UNAVAILABLE  # what the dead one said
+        status = await child_engine_status(live.grpc_target, "dead-live")
+        assert status is not None and status.state.ready
+
+
+async def test_every_target_dead_raises_unavailable() -> None:
+    dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    session = EngineSession(",".join(dead), part("all-dead"), register_timeout_s=5)
+    with pytest.raises(KvrcClientError) as e:
+        await session.start()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert session.target == dead[1]  # it tried both
+
+
+async def test_a_refusal_is_not_retried_on_the_next_replica(
+    sessions: list[EngineSession],
+) -> None:
+    """ALREADY_EXISTS (or any refusal) would be the same on every replica: no moving on."""
+    with start_coordinator() as a, start_coordinator() as b:
+        first = EngineSession(a.grpc_target, part("taken"), reconnect=False)
+        sessions.append(first)
+        await first.start()
+        twin = EngineSession([a.grpc_target, b.grpc_target], part("taken"), reconnect=False)
+        with pytest.raises(AlreadyExistsError):
+            await twin.start()
+        assert twin.target == a.grpc_target
+        assert await child_engine_status(b.grpc_target, "taken") is None
+
+
+async def test_a_stalled_session_comes_back_to_its_own_replica_while_it_lives(
+    sessions: list[EngineSession],
+) -> None:
+    """A heartbeat timeout ends the session on a replica that is still up: the part must
+    register there again, not on the next target (its sibling rank parts are there)."""
+    flags = ("--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "400")
+    with start_coordinator(*flags) as a, start_coordinator(*flags) as b:
+        session = EngineSession(
+            [a.grpc_target, b.grpc_target],
+            part("stalled"),
+            backoff_initial_s=0.05,
+            backoff_max_s=0.2,
+        )
+        sessions.append(session)
+        await session.start()
+        # The stall is the scenario: this blocks the event loop the session runs on, so
+        # no heartbeat goes out and replica a ends the session (timeout 0.4 s).
+        time.sleep(1.5)  # noqa: ASYNC251  # blocking on purpose: the stall
+        await wait_until(lambda: session.registrations == 2, timeout_s=10)
+        assert session.target == a.grpc_target
+        status = await child_engine_status(a.grpc_target, "stalled")
+        assert status is not None and status.state.ready
+        assert await child_engine_status(b.grpc_target, "stalled") is None
