@@ -142,24 +142,28 @@ def parse_targets(value: str | Sequence[str]) -> tuple[str, ...]:
     ("dns:///name:port", "unix:/path"). An empty item, a bad port or a target named
     twice is refused: each is a typo (an unset variable in "$A,$B", a replica listed
     twice while another is missing) that would otherwise silently drop a replica."""
-    items = [value] if isinstance(value, str) else list(value)
-    targets: list[str] = []
-    for item in items:
-        if not isinstance(item, str):
-            raise ValueError(f"a kvrc target is a string (HOST:PORT), got {item!r}")
-        if not item.strip():
+    if isinstance(value, str):
+        if not value.strip():
             raise ValueError("no kvrc target given (an empty string): HOST:PORT[,HOST:PORT...]")
-        for n, raw in enumerate(item.split(","), 1):
-            target = raw.strip()
-            if not target:
-                raise ValueError(
-                    f"kvrc targets {item!r}: item {n} is empty (a stray comma or an unset "
-                    "variable?); give HOST:PORT[,HOST:PORT...]"
-                )
-            _check_target(target)
-            targets.append(target)
-    if not targets:
+        pieces = value.split(",")
+    else:
+        pieces = []
+        for item in value:
+            if not isinstance(item, str):
+                raise ValueError(f"a kvrc target is a string (HOST:PORT), got {item!r}")
+            pieces.extend(item.split(","))
+    if not pieces:
         raise ValueError("no kvrc target given: HOST:PORT, or several comma-separated")
+    targets: list[str] = []
+    for n, raw in enumerate(pieces, 1):
+        target = raw.strip()
+        if not target:
+            raise ValueError(
+                f"kvrc targets {value!r}: item {n} is empty (a stray comma or an unset "
+                "variable?); give HOST:PORT[,HOST:PORT...]"
+            )
+        _check_target(target)
+        targets.append(target)
     _check_distinct(targets)
     return tuple(targets)
 

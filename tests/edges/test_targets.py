@@ -57,6 +57,7 @@ def test_good_target_lists_parse_in_order(
         ("", "no kvrc target given"),
         ("  ", "no kvrc target given"),
         ([], "no kvrc target given"),
+        (["a:1", ""], "kvrc targets ['a:1', '']: item 2 is empty"),
         ("a:1,b:2,a:1", "kvrc target 'a:1' is listed twice"),
         (["a:1", " a:1"], "kvrc target 'a:1' is listed twice"),
         ("a:1,b:0", "kvrc target 'b:0': port '0' is not a number in 1..65535"),
