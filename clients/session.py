@@ -313,6 +313,11 @@ class EngineSession:
         return None if self._plain else self.targets[self._index]
 
     @property
+    def target_index(self) -> int:
+        """Which of `targets` is in use (`SessionChannels` follows it)."""
+        return self._index
+
+    @property
     def connected(self) -> bool:
         return self._call is not None and not self._call.done()
 
@@ -563,3 +568,36 @@ class EngineSession:
                 beat = pb.Heartbeat(client_time_unix_ms=time.time_ns() // 1_000_000)
                 async with self._write_lock:
                     await call.write(pb.EngineMessage(heartbeat=beat))
+
+
+class SessionChannels:
+    """Unary channels to the replica an `EngineSession` is on now, one per target, made on
+    first use and closed by `close()` (not by the session's: reports may follow it).
+
+        channels = SessionChannels(session)
+        leases = LeaseClient(channels, child_engine_id)    # or LookupClient(channels)
+
+    Registrations and leases are per replica, so lease RPCs, reports and lookups must
+    reach the replica this rank part registered with; a plain channel to several
+    targets cannot know which one that is. With one target this is one channel, as
+    `connect(target)` makes."""
+
+    def __init__(self, session: EngineSession) -> None:
+        self.session = session  # a caller that replaces its session points this at the new one
+        self._channels: dict[int, grpc.aio.Channel] = {}  # by index into session.targets
+        self._closed = False
+
+    def current(self) -> grpc.aio.Channel:
+        if self._closed:
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the channels are closed")
+        index = self.session.target_index
+        channel = self._channels.get(index)
+        if channel is None:
+            channel = self._channels[index] = connect(self.session.targets[index])
+        return channel
+
+    async def close(self) -> None:
+        self._closed = True
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close(None)

@@ -7,6 +7,7 @@ is in tests/edges/test_store_redis.py.
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,10 @@ import grpc
 import pytest
 from harness import child_engine_status, free_port, start_coordinator, wait_until
 
-from clients.errors import AlreadyExistsError, KvrcClientError
-from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from clients.errors import AlreadyExistsError, KvrcClientError, UnavailableError
+from clients.inventory import LookupClient, LookupOutcome
+from clients.leases import LeaseClient, Miss
+from clients.session import EngineProfile, EngineSession, RankPartRegistration, SessionChannels
 from kvrc.credentials import ChannelOptions, parse_targets, split_targets
 
 PROFILE = EngineProfile(model="test-model", block_size=16, kv_dtype="bfloat16")
@@ -179,3 +182,49 @@ async def test_a_stalled_session_comes_back_to_its_own_replica_while_it_lives(
         status = await child_engine_status(a.grpc_target, "stalled")
         assert status is not None and status.state.ready
         assert await child_engine_status(b.grpc_target, "stalled") is None
+
+
+async def test_session_channels_follow_the_session_to_the_replica_it_moved_to(
+    sessions: list[EngineSession], tmp_path: Path
+) -> None:
+    """Lease and lookup RPCs must reach the replica the part is registered with. Host
+    names (not IP literals) on purpose: a plain channel to "localhost:A,localhost:B"
+    can only ever ask the first (grpc takes one host name per channel)."""
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text('[[profile]]\nname = "test"\nmodel = "test-model"\n')
+    flags = ("--reuse", "on", "--profiles", str(profiles))
+    with start_coordinator(*flags, check_exit=False) as a, start_coordinator(*flags) as b:
+        targets = [f"localhost:{a.grpc_port}", f"localhost:{b.grpc_port}"]
+        registration = RankPartRegistration(
+            engine_id="follower",
+            profile=EngineProfile("test-model", 16, kv_dtype="bfloat16", reuse_opt_in=True),
+        )
+        session = EngineSession(targets, registration, backoff_initial_s=0.05)
+        sessions.append(session)
+        channels = SessionChannels(session)
+        leases = LeaseClient(channels, "follower", timeout_s=5)
+        lookups = LookupClient(channels)
+        plain = LookupClient(",".join(targets))  # the negative control
+        chain = [bytes([0xC0, i]) * 4 for i in range(4)]
+        try:
+            await session.start()
+            assert session.target_index == 0
+            for client in (lookups, plain):
+                result = await client.lookup("follower", chain)
+                assert result.outcome == LookupOutcome.MISS
+            a.stop(signal.SIGKILL)
+            await wait_until(lambda: session.registrations == 2, timeout_s=10)
+            assert session.target == targets[1]
+            # Both answered by b: the requester is registered there, nobody holds the chain.
+            result = await lookups.lookup("follower", chain)
+            assert result.outcome == LookupOutcome.MISS
+            miss = await leases.request_prefix_load("r-1", chain)
+            assert isinstance(miss, Miss), miss
+            # The plain channel still asks a, which is gone.
+            with pytest.raises(UnavailableError):
+                await plain.lookup("follower", chain, timeout_s=2)
+        finally:
+            await plain.close()
+            await channels.close()
+        with pytest.raises(UnavailableError, match="closed"):
+            channels.current()
