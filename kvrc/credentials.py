@@ -26,6 +26,7 @@ line or an error message.
 from __future__ import annotations
 
 import ipaddress
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,6 +42,8 @@ __all__ = [
     "parse_targets",
     "split_targets",
 ]
+
+log = logging.getLogger("kvrc.credentials")
 
 MAX_FILE_BYTES = 1 << 20
 MAX_TOKEN_CHARS = 4096
@@ -217,7 +220,9 @@ def split_targets(
 
 def _grpc_target(target: str) -> str:
     """A plain channel (unary calls) to several targets: grpc's own address list when they
-    are IP literals (pick_first moves on when one dies), else the first one."""
+    are IP literals (pick_first, in list order, moves on when one dies), else the first
+    one: grpc takes one host name per channel. An engine's lease and lookup calls follow
+    its session instead (`clients.session.SessionChannels`)."""
     if "," not in target:
         return target
     targets = parse_targets(target)
@@ -227,7 +232,17 @@ def _grpc_target(target: str) -> str:
             return "ipv4:" + ",".join(targets)
     except ValueError:
         pass
+    if target not in _warned:
+        _warned.add(target)
+        log.warning(
+            "kvrc targets %r are not all IPv4 literals: this channel reaches %s only",
+            target,
+            targets[0],
+        )
     return targets[0]
+
+
+_warned: set[str] = set()  # once per target list, not once per channel
 
 
 # --- asyncio channels (engines) -----------------------------------------------------

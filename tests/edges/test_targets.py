@@ -228,3 +228,18 @@ async def test_session_channels_follow_the_session_to_the_replica_it_moved_to(
             await channels.close()
         with pytest.raises(UnavailableError, match="closed"):
             channels.current()
+
+
+async def test_a_plain_channel_to_ip_literals_skips_a_dead_one_and_names_the_host_name_limit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`connect("ip:dead,ip:live")` is grpc's pick_first over both; host names cannot be."""
+    dead = f"127.0.0.1:{free_port()}"
+    with start_coordinator() as live:
+        async with LookupClient(f"{dead},{live.grpc_target}") as client:
+            result = await client.lookup("nobody", [b"\x01" * 8], timeout_s=5)
+        assert result.outcome != LookupOutcome.HIT
+        async with LookupClient(f"{live.grpc_target},localhost:{free_port()}") as client:
+            await client.lookup("nobody", [b"\x01" * 8], timeout_s=5)  # the first: live
+        assert "this channel reaches 127.0.0.1:" in caplog.text
+        assert "only" in caplog.text
