@@ -21,10 +21,12 @@ next one, round robin, only when that replica cannot be reached (UNAVAILABLE,
 no RegisterAck in time), so that the rank parts of one child engine, given
 the same list, stay on one replica. Every registration re-announces in full
 (held leases; `InventoryPublisher` then sends its dump), so the replica it
-lands on learns the engine's state.
-A DNS name with several addresses needs no list: "dns:///kvrc.internal:50051"
-and grpc's pick_first. Coordinator requests (pin, release,
-abort, resync, quarantine, drain) and readiness changes go to the handler.
+lands on learns the engine's state. `SessionChannels(session)` gives lease and
+lookup clients channels that follow the session to its replica. (A DNS name with
+several addresses, "dns:///kvrc.internal:50051", is one target: grpc's pick_first
+chooses for each channel on its own, so a list is the form whose channels agree.)
+Coordinator requests (pin, release, abort, resync, quarantine, drain) and
+readiness changes go to the handler.
 Engines never touch protobuf for registration; later flows pass protobuf
 messages through for now.
 """

@@ -14,9 +14,9 @@
 A plain "host:port" string is the plaintext loopback default and behaves as
 before. Several kvrc replicas (one shared `--store`): a comma-separated target,
 "a:50051,b:50051"; `split_targets` gives one `ChannelOptions` each, and
-`EngineSession` moves round robin between them. A DNS name with several
-addresses needs no list: "dns:///kvrc.internal:50051" resolves to all of them
-and grpc's pick_first moves on by itself.
+`EngineSession` moves round robin between them. A plain channel to such a list
+is grpc's pick_first over it when every target is an IPv4 literal, else the
+first target only (grpc takes one host name per channel).
 
 A token travels as gRPC metadata `authorization: Bearer <token>`; it is read
 from its file when a channel is made, and never appears in a `repr()`, a log
