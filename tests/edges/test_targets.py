@@ -243,3 +243,21 @@ async def test_a_plain_channel_to_ip_literals_skips_a_dead_one_and_names_the_hos
             await client.lookup("nobody", [b"\x01" * 8], timeout_s=5)  # the first: live
         assert "this channel reaches 127.0.0.1:" in caplog.text
         assert "only" in caplog.text
+
+
+async def test_a_replica_shutting_down_sends_its_parts_to_the_next(
+    sessions: list[EngineSession],
+) -> None:
+    """SIGTERM: the replica ends the session with UNAVAILABLE and refuses registrations
+    while it drains, so reconnecting to it first still ends on the next one."""
+    with start_coordinator() as a, start_coordinator() as b:
+        session = EngineSession(
+            [a.grpc_target, b.grpc_target], part("rollout"), backoff_initial_s=0.05
+        )
+        sessions.append(session)
+        await session.start()
+        assert a.stop(signal.SIGTERM) == 0
+        await wait_until(lambda: session.registrations == 2, timeout_s=10)
+        assert session.target == b.grpc_target
+        status = await child_engine_status(b.grpc_target, "rollout")
+        assert status is not None and status.state.ready
