@@ -175,8 +175,9 @@ async def test_a_stalled_session_comes_back_to_its_own_replica_while_it_lives(
         sessions.append(session)
         await session.start()
         # The stall is the scenario: this blocks the event loop the session runs on, so
-        # no heartbeat goes out and replica a ends the session (timeout 0.4 s).
-        time.sleep(1.5)  # noqa: ASYNC251  # blocking on purpose: the stall
+        # no heartbeat goes out and replica a ends the session (timeout 0.4 s; the
+        # margin is for a loaded machine).
+        time.sleep(2.5)  # noqa: ASYNC251  # blocking on purpose: the stall
         await wait_until(lambda: session.registrations == 2, timeout_s=10)
         assert session.target == a.grpc_target
         status = await child_engine_status(a.grpc_target, "stalled")
