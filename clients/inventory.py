@@ -35,6 +35,7 @@ from clients.session import (
     NullHandler,
     RegisterAck,
     ReuseInfo,
+    SessionChannels,
     SessionHandler,
 )
 from kvrc.credentials import ChannelOptions, connect
@@ -372,17 +373,34 @@ class LookupResult:
 
 
 class LookupClient:
-    """`EngineService.Lookup` without protobuf. Owns its channel unless given one."""
+    """`EngineService.Lookup` without protobuf. Owns its channel unless given one; given
+    `SessionChannels`, asks the replica the session is on at that moment."""
 
     def __init__(
-        self, target: str | ChannelOptions, *, channel: grpc.aio.Channel | None = None
+        self,
+        target: str | ChannelOptions | SessionChannels,
+        *,
+        channel: grpc.aio.Channel | None = None,
     ) -> None:
-        self._own = channel is None
-        self._channel = channel if channel is not None else connect(target)
-        self._stub = pb_grpc.EngineServiceStub(self._channel)
+        self._channels = target if isinstance(target, SessionChannels) else None
+        if isinstance(target, SessionChannels):
+            self._own = False
+            self._channel: grpc.aio.Channel | None = None
+        else:
+            self._own = channel is None
+            self._channel = channel if channel is not None else connect(target)
+        self._stubs: tuple[grpc.aio.Channel, pb_grpc.EngineServiceAsyncStub] | None = None
+
+    @property
+    def _stub(self) -> pb_grpc.EngineServiceAsyncStub:
+        channel = self._channels.current() if self._channels is not None else self._channel
+        assert channel is not None
+        if self._stubs is None or self._stubs[0] is not channel:
+            self._stubs = (channel, pb_grpc.EngineServiceStub(channel))
+        return self._stubs[1]
 
     async def close(self) -> None:
-        if self._own:
+        if self._own and self._channel is not None:
             await self._channel.close(None)
 
     async def __aenter__(self) -> LookupClient:

@@ -34,7 +34,13 @@ from typing import Any
 import grpc
 
 from clients.errors import KvrcClientError, UnavailableError, from_rpc_error
-from clients.session import EngineSession, NullHandler, ReuseInfo, SessionHandler
+from clients.session import (
+    EngineSession,
+    NullHandler,
+    ReuseInfo,
+    SessionChannels,
+    SessionHandler,
+)
 from kvrc.credentials import ChannelOptions, connect
 from kvrc.kv_params import decode_kv_transfer_params, encode_kv_transfer_params
 from kvrc.v1 import kvrc_pb2 as pb
@@ -126,23 +132,40 @@ def _state_name(value: int) -> str:
 
 
 class LeaseClient:
-    """Lease RPCs of one child engine (any of its rank parts may use it)."""
+    """Lease RPCs of one child engine (any of its rank parts may use it).
+
+    Given `SessionChannels`, each call goes to the replica the session is on at that
+    moment (leases are per replica); the caller closes those."""
 
     def __init__(
         self,
-        target: str | ChannelOptions | grpc.aio.Channel,
+        target: str | ChannelOptions | grpc.aio.Channel | SessionChannels,
         child_engine_id: str,
         *,
         timeout_s: float = 30.0,
     ) -> None:
         self.child_engine_id = child_engine_id
         self._own_channel = isinstance(target, (str, ChannelOptions))
-        self._channel = connect(target) if isinstance(target, (str, ChannelOptions)) else target
-        self._stub = pb_grpc.EngineServiceStub(self._channel)
+        self._channels = target if isinstance(target, SessionChannels) else None
+        if isinstance(target, SessionChannels):
+            self._channel: grpc.aio.Channel | None = None
+        elif isinstance(target, (str, ChannelOptions)):
+            self._channel = connect(target)
+        else:
+            self._channel = target
+        self._stubs: tuple[grpc.aio.Channel, pb_grpc.EngineServiceAsyncStub] | None = None
         self._timeout_s = timeout_s
 
+    @property
+    def _stub(self) -> pb_grpc.EngineServiceAsyncStub:
+        channel = self._channels.current() if self._channels is not None else self._channel
+        assert channel is not None
+        if self._stubs is None or self._stubs[0] is not channel:
+            self._stubs = (channel, pb_grpc.EngineServiceStub(channel))
+        return self._stubs[1]
+
     async def close(self) -> None:
-        if self._own_channel:
+        if self._own_channel and self._channel is not None:
             await self._channel.close(None)
 
     async def __aenter__(self) -> LeaseClient:
@@ -203,17 +226,19 @@ class LeaseClient:
 
         Retried on UNAVAILABLE (coordinator restarting or warming) for up to the client's
         timeout: a lost report would leave the holder's pins quarantined."""
-        reply = await self._report(self._stub.CompletePrefixLoad, report)
+        reply = await self._report("CompletePrefixLoad", report)
         return CompleteResult(_state_name(reply.state), reply.quiescent)
 
-    async def _report(self, method: Callable[..., Any], report: pb.TransferReport) -> Any:
+    async def _report(self, method: str, report: pb.TransferReport) -> Any:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
         delay = _REPORT_RETRY_INITIAL_S
         while True:
             left = deadline - loop.time()
             try:
-                return await self._call(method, report, max(left, 0.1))
+                # The stub on each try: after the session moved, a retry goes to the replica
+                # the holder re-announced the lease to.
+                return await self._call(getattr(self._stub, method), report, max(left, 0.1))
             except UnavailableError:
                 if loop.time() + delay >= deadline:
                     raise
@@ -293,7 +318,7 @@ class LeaseClient:
 
     async def complete_handoff(self, report: pb.TransferReport) -> CompleteResult:
         """One decode rank part's terminal outcome (retried like complete_prefix_load)."""
-        reply = await self._report(self._stub.CompleteHandoff, report)
+        reply = await self._report("CompleteHandoff", report)
         return CompleteResult(_state_name(reply.state), reply.quiescent)
 
 

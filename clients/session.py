@@ -14,8 +14,19 @@
 `start()` registers and returns the `RegisterAck`; the session then sends
 heartbeats at the interval the coordinator asked for. When the stream breaks
 (coordinator restart, heartbeat timeout) it reconnects with exponential
-backoff and jitter and registers again. Coordinator requests (pin, release,
-abort, resync, quarantine, drain) and readiness changes go to the handler.
+backoff and jitter and registers again. Given several targets (kvrc replicas
+sharing one `--store`: a list, or "a:50051,b:50051"), `start()` tries each in
+turn; a broken session reconnects to the same replica first and moves to the
+next one, round robin, only when that replica cannot be reached (UNAVAILABLE,
+no RegisterAck in time), so that the rank parts of one child engine, given
+the same list, stay on one replica. Every registration re-announces in full
+(held leases; `InventoryPublisher` then sends its dump), so the replica it
+lands on learns the engine's state. `SessionChannels(session)` gives lease and
+lookup clients channels that follow the session to its replica. (A DNS name with
+several addresses, "dns:///kvrc.internal:50051", is one target: grpc's pick_first
+chooses for each channel on its own, so a list is the form whose channels agree.)
+Coordinator requests (pin, release, abort, resync, quarantine, drain) and
+readiness changes go to the handler.
 Engines never touch protobuf for registration; later flows pass protobuf
 messages through for now.
 """
@@ -34,8 +45,14 @@ from typing import Protocol
 import grpc
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
-from clients.errors import KvrcClientError, UnavailableError, error_from_status, from_rpc_error
-from kvrc.credentials import ChannelOptions, connect
+from clients.errors import (
+    DeadlineExceededError,
+    KvrcClientError,
+    UnavailableError,
+    error_from_status,
+    from_rpc_error,
+)
+from kvrc.credentials import ChannelOptions, connect, split_targets
 from kvrc.ids import child_engine_id
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
@@ -247,11 +264,15 @@ class NullHandler(SessionHandler):
 
 _Call = grpc.aio.StreamStreamCall[pb.EngineMessage, pb.CoordinatorMessage]
 
+Target = str | ChannelOptions
+# Worth trying the next replica; a refusal (AlreadyExists, ...) is the same on every one.
+_MOVE_ON = (UnavailableError, DeadlineExceededError)
+
 
 class EngineSession:
     def __init__(
         self,
-        target: str | ChannelOptions,
+        target: Target | Sequence[Target],
         registration: RankPartRegistration,
         handler: SessionHandler | None = None,
         *,
@@ -261,8 +282,11 @@ class EngineSession:
         register_timeout_s: float = 10.0,
     ) -> None:
         # A bare "host:port" is plaintext; ChannelOptions add TLS and a token.
-        self.channel_options = target if isinstance(target, ChannelOptions) else None
-        self.target = target.target if isinstance(target, ChannelOptions) else target
+        self._plain = isinstance(target, str) or (
+            not isinstance(target, ChannelOptions) and all(isinstance(t, str) for t in target)
+        )
+        self.targets: tuple[ChannelOptions, ...] = split_targets(target)
+        self._index = 0  # the target in use
         self.registration = registration
         self.handler: SessionHandler = handler if handler is not None else NullHandler()
         self._reconnect = reconnect
@@ -282,6 +306,21 @@ class EngineSession:
         self.last_heartbeat_ack_ms = 0
 
     @property
+    def target(self) -> str:
+        """The target in use ("host:port")."""
+        return self.targets[self._index].target
+
+    @property
+    def channel_options(self) -> ChannelOptions | None:
+        """The target in use as given: None for a bare "host:port"."""
+        return None if self._plain else self.targets[self._index]
+
+    @property
+    def target_index(self) -> int:
+        """Which of `targets` is in use (`SessionChannels` follows it)."""
+        return self._index
+
+    @property
     def connected(self) -> bool:
         return self._call is not None and not self._call.done()
 
@@ -291,13 +330,22 @@ class EngineSession:
         """Registers; raises the typed KvrcClientError when the coordinator refuses."""
         if self._runner is not None:
             raise RuntimeError("EngineSession.start() called twice")
-        self._channel = connect(self.channel_options or self.target)
-        try:
-            ack = await self._connect()
-        except BaseException:
-            await self._channel.close(None)
-            self._channel = None
-            raise
+        for tried in range(len(self.targets)):
+            if tried:
+                self._next_target()
+            self._channel = connect(self.targets[self._index])
+            try:
+                ack = await self._connect()
+                break
+            except _MOVE_ON as e:
+                await self._drop_channel()
+                if tried == len(self.targets) - 1:
+                    raise
+                self.last_error = e
+                log.info("registering with %s failed (%s)", self.target, e.code.name)
+            except BaseException:
+                await self._drop_channel()
+                raise
         self._runner = asyncio.create_task(self._run(), name="kvrc-session")
         return ack
 
@@ -320,6 +368,32 @@ class EngineSession:
             self._call.cancel()
         if self._channel is not None:
             await self._channel.close(None)
+
+    async def _drop_channel(self) -> None:
+        if self._channel is not None:
+            await self._channel.close(None)
+            self._channel = None
+
+    def _next_target(self) -> None:
+        self._index = (self._index + 1) % len(self.targets)
+        log.warning(
+            "%s: moving to kvrc target %s (%d of %d)",
+            self.registration.resolved_child_engine_id,
+            self.target,
+            self._index + 1,
+            len(self.targets),
+        )
+
+    async def _move_on(self) -> None:
+        """Next target, on a fresh channel (the old one may keep trying a dead replica)."""
+        if len(self.targets) < 2:
+            return  # one target: its channel reconnects by itself
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        await self._drop_channel()
+        self._next_target()
+        self._channel = connect(self.targets[self._index])
 
     async def wait_ready(self, timeout_s: float | None = None) -> ChildEngineState:
         """Waits until the child engine is READY (all rank parts registered)."""
@@ -426,6 +500,9 @@ class EngineSession:
                 return
 
     async def _reconnect_with_backoff(self) -> bool:
+        # The same replica first: a stall or a blip must not split the rank parts of one
+        # child engine over replicas (registrations are per replica). Only a replica that
+        # cannot be reached sends this part to the next one.
         delay = self._backoff_initial_s
         while not self._closing:
             await asyncio.sleep(delay * random.uniform(0.5, 1.5))
@@ -437,6 +514,8 @@ class EngineSession:
             except KvrcClientError as e:
                 self.last_error = e
                 log.info("reconnect to %s failed (%s); retrying", self.target, e.code.name)
+                if isinstance(e, _MOVE_ON):
+                    await self._move_on()
             delay = min(delay * 2, self._backoff_max_s)
         return False
 
@@ -492,3 +571,36 @@ class EngineSession:
                 beat = pb.Heartbeat(client_time_unix_ms=time.time_ns() // 1_000_000)
                 async with self._write_lock:
                     await call.write(pb.EngineMessage(heartbeat=beat))
+
+
+class SessionChannels:
+    """Unary channels to the replica an `EngineSession` is on now, one per target, made on
+    first use and closed by `close()` (not by the session's: reports may follow it).
+
+        channels = SessionChannels(session)
+        leases = LeaseClient(channels, child_engine_id)    # or LookupClient(channels)
+
+    Registrations and leases are per replica, so lease RPCs, reports and lookups must
+    reach the replica this rank part registered with; a plain channel to several
+    targets cannot know which one that is. With one target this is one channel, as
+    `connect(target)` makes."""
+
+    def __init__(self, session: EngineSession) -> None:
+        self.session = session  # a caller that replaces its session points this at the new one
+        self._channels: dict[int, grpc.aio.Channel] = {}  # by index into session.targets
+        self._closed = False
+
+    def current(self) -> grpc.aio.Channel:
+        if self._closed:
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the channels are closed")
+        index = self.session.target_index
+        channel = self._channels.get(index)
+        if channel is None:
+            channel = self._channels[index] = connect(self.session.targets[index])
+        return channel
+
+    async def close(self) -> None:
+        self._closed = True
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close(None)

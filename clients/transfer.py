@@ -29,6 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from clients.kv_cache import (
     IncompatibleLayoutError,
     KvCacheLayout,
@@ -91,53 +94,78 @@ class TransferPlan:
         before any byte moves. With `coalesce`, runs of blocks contiguous on both
         sides become one entry per layer.
         """
+        ids = np.asarray(block_pairs, dtype=np.int64).reshape(-1, 2)
+        return cls.from_block_ids(local, remote, ids[:, 0], ids[:, 1], coalesce=coalesce)
+
+    @classmethod
+    def from_block_ids(
+        cls,
+        local: KvEndpointDescription,
+        remote: KvEndpointDescription,
+        local_block_ids: npt.ArrayLike,
+        remote_block_ids: npt.ArrayLike,
+        *,
+        coalesce: bool = True,
+    ) -> TransferPlan:
+        """`build` from two parallel id arrays: `local_block_ids[i]` gets `remote_block_ids[i]`.
+
+        Vectorised, no per-block Python work whatever the batch size (#22); a
+        protobuf repeated field converts without a copy loop.
+        """
         check_compatible(local.layout, remote.layout)
         for side in (local, remote):
             if side.backend != "mooncake":
                 raise ValueError(f"backend {side.backend!r} is not mooncake")
-        local_blocks = local.layout.num_blocks
-        remote_blocks = remote.layout.num_blocks
-        seen: set[int] = set()
-        for local_id, remote_id in block_pairs:
-            if not 0 <= local_id < local_blocks:
-                raise ValueError(f"local block id {local_id} is not in 0..{local_blocks - 1}")
-            if not 0 <= remote_id < remote_blocks:
-                raise ValueError(f"remote block id {remote_id} is not in 0..{remote_blocks - 1}")
-            if local_id in seen:
-                raise ValueError(f"local block id {local_id} is written twice")
-            seen.add(local_id)
+        local_ids = np.asarray(local_block_ids, dtype=np.int64)
+        remote_ids = np.asarray(remote_block_ids, dtype=np.int64)
+        if local_ids.shape != remote_ids.shape or local_ids.ndim != 1:
+            raise ValueError(
+                f"{local_ids.size} local and {remote_ids.size} remote block ids do not pair up"
+            )
+        _check_block_ids(local_ids, local.layout.num_blocks, "local")
+        _check_block_ids(remote_ids, remote.layout.num_blocks, "remote")
+        order = np.lexsort((remote_ids, local_ids))
+        local_ids, remote_ids = local_ids[order], remote_ids[order]
+        repeated = local_ids[1:] == local_ids[:-1]
+        if repeated.any():
+            raise ValueError(f"local block id {int(local_ids[repeated.argmax()])} is written twice")
 
-        runs = _runs(sorted(block_pairs), coalesce)
-        block_len = local.layout.block_bytes
-        local_addresses: list[int] = []
-        remote_addresses: list[int] = []
-        lengths: list[int] = []
-        for local_region, remote_region in zip(local.regions, remote.regions, strict=True):
-            for local_start, remote_start, count in runs:
-                local_addresses.append(local_region.block_address(local_start))
-                remote_addresses.append(remote_region.block_address(remote_start))
-                lengths.append(count * block_len)
+        if coalesce:  # a run breaks where either side is not the next block
+            breaks = ((local_ids[1:] - local_ids[:-1]) != 1) | (
+                (remote_ids[1:] - remote_ids[:-1]) != 1
+            )
+            starts = np.concatenate(([0], breaks.nonzero()[0] + 1)) if local_ids.size else local_ids
+            counts = np.diff(starts, append=local_ids.size)
+        else:
+            starts, counts = np.arange(local_ids.size), np.ones(local_ids.size, dtype=np.int64)
+        run_lengths = tuple((counts * local.layout.block_bytes).tolist())
+        local_addresses = _addresses(local.regions, local_ids[starts])
+        remote_addresses = _addresses(remote.regions, remote_ids[starts])
         return cls(
             session_name=remote.session_name,
-            local_addresses=tuple(local_addresses),
-            remote_addresses=tuple(remote_addresses),
-            lengths=tuple(lengths),
-            local_block_ids=tuple(sorted(seen)),
-            total_bytes=sum(lengths),
+            local_addresses=tuple(local_addresses.tolist()),
+            remote_addresses=tuple(remote_addresses.tolist()),
+            lengths=run_lengths * len(local.regions),  # the same runs in every region
+            local_block_ids=tuple(local_ids.tolist()),
+            total_bytes=sum(run_lengths) * len(local.regions),
         )
 
 
-def _runs(sorted_pairs: Sequence[tuple[int, int]], coalesce: bool) -> list[tuple[int, int, int]]:
-    """(local start, remote start, block count) runs of consecutive pairs."""
-    runs: list[tuple[int, int, int]] = []
-    for local_id, remote_id in sorted_pairs:
-        if coalesce and runs:
-            local_start, remote_start, count = runs[-1]
-            if local_id == local_start + count and remote_id == remote_start + count:
-                runs[-1] = (local_start, remote_start, count + 1)
-                continue
-        runs.append((local_id, remote_id, 1))
-    return runs
+def _check_block_ids(block_ids: npt.NDArray[np.int64], num_blocks: int, side: str) -> None:
+    # As unsigned, a negative id is huge: one comparison checks both bounds.
+    outside = block_ids.view(np.uint64) >= num_blocks
+    if outside.any():
+        block_id = int(block_ids[outside.argmax()])
+        raise ValueError(f"{side} block id {block_id} is not in 0..{num_blocks - 1}")
+
+
+def _addresses(
+    regions: Sequence[KvRegionDescription], block_ids: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """Region by region (layer-major, as the entries go): base + block id x block length."""
+    bases = np.array([region.base_addr for region in regions], dtype=np.int64)
+    strides = np.array([region.block_len for region in regions], dtype=np.int64)
+    return (bases[:, None] + block_ids * strides[:, None]).reshape(-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,12 +488,11 @@ def plan_rank_part_pull(
         by_rank[coordinates] = part
     mine = by_rank[(tp_rank, pp_rank, pcp_rank)]
     remote = endpoint_from_proto(mine.endpoint)
-    if len(mine.block_ids) < len(local_block_ids):
-        raise ValueError(
-            f"source part lists {len(mine.block_ids)} blocks, {len(local_block_ids)} requested"
-        )
-    pairs = list(zip(local_block_ids, mine.block_ids, strict=False))
-    return TransferPlan.build(local, remote, pairs)
+    wanted = len(local_block_ids)
+    if len(mine.block_ids) < wanted:
+        raise ValueError(f"source part lists {len(mine.block_ids)} blocks, {wanted} requested")
+    remote_block_ids = np.asarray(mine.block_ids, dtype=np.int64)[:wanted]
+    return TransferPlan.from_block_ids(local, remote, local_block_ids, remote_block_ids)
 
 
 def endpoint_to_proto(endpoint: KvEndpointDescription) -> kvrc_pb2.TransferEndpoint:

@@ -12,21 +12,38 @@
     session = EngineSession(options, registration)    # or LeaseClient(options, ...), ...
 
 A plain "host:port" string is the plaintext loopback default and behaves as
-before. A token travels as gRPC metadata `authorization: Bearer <token>`; it is
-read from its file when a channel is made, and never appears in a `repr()`,
-a log line or an error message.
+before. Several kvrc replicas (one shared `--store`): a comma-separated target,
+"a:50051,b:50051"; `split_targets` gives one `ChannelOptions` each, and
+`EngineSession` moves round robin between them. A plain channel to such a list
+is grpc's pick_first over it when every target is an IPv4 literal, else the
+first target only (grpc takes one host name per channel).
+
+A token travels as gRPC metadata `authorization: Bearer <token>`; it is read
+from its file when a channel is made, and never appears in a `repr()`, a log
+line or an error message.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-__all__ = ["ChannelOptions", "CredentialsError", "connect", "connect_blocking"]
+__all__ = [
+    "ChannelOptions",
+    "CredentialsError",
+    "connect",
+    "connect_blocking",
+    "parse_targets",
+    "split_targets",
+]
+
+log = logging.getLogger("kvrc.credentials")
 
 MAX_FILE_BYTES = 1 << 20
 MAX_TOKEN_CHARS = 4096
@@ -118,6 +135,116 @@ def _as_options(target: str | ChannelOptions) -> ChannelOptions:
     return target if isinstance(target, ChannelOptions) else ChannelOptions(target)
 
 
+# --- several targets (replicas sharing one store) ---------------------------------------
+
+
+def parse_targets(value: str | Sequence[str]) -> tuple[str, ...]:
+    """ "a:1,b:2" or ["a:1", "b:2"] -> ("a:1", "b:2"); ValueError (one line) when unusable.
+
+    Each is HOST:PORT ("[::1]:50051" for IPv6) or a grpc URI with a scheme
+    ("dns:///name:port", "unix:/path"). An empty item, a bad port or a target named
+    twice is refused: each is a typo (an unset variable in "$A,$B", a replica listed
+    twice while another is missing) that would otherwise silently drop a replica."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("no kvrc target given (an empty string): HOST:PORT[,HOST:PORT...]")
+        pieces = value.split(",")
+    else:
+        pieces = []
+        for item in value:
+            if not isinstance(item, str):
+                raise ValueError(f"a kvrc target is a string (HOST:PORT), got {item!r}")
+            pieces.extend(item.split(","))
+    if not pieces:
+        raise ValueError("no kvrc target given: HOST:PORT, or several comma-separated")
+    targets: list[str] = []
+    for n, raw in enumerate(pieces, 1):
+        target = raw.strip()
+        if not target:
+            raise ValueError(
+                f"kvrc targets {value!r}: item {n} is empty (a stray comma or an unset "
+                "variable?); give HOST:PORT[,HOST:PORT...]"
+            )
+        _check_target(target)
+        targets.append(target)
+    _check_distinct(targets)
+    return tuple(targets)
+
+
+def _check_target(target: str) -> None:
+    if any(c.isspace() for c in target):
+        raise ValueError(f"kvrc target {target!r} has a space in it; give HOST:PORT")
+    if "://" in target or target.startswith(("dns:", "unix:", "ipv4:", "ipv6:")):
+        return  # a grpc URI: grpc checks it
+    host, sep, port = target.rpartition(":")
+    if not sep:
+        raise ValueError(f"kvrc target {target!r} has no port; give HOST:PORT, e.g. kvrc:50051")
+    if not host:
+        raise ValueError(f"kvrc target {target!r} has no host; give HOST:PORT, e.g. kvrc:50051")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(
+            f"kvrc target {target!r}: an IPv6 address goes in brackets, e.g. [::1]:50051"
+        )
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise ValueError(f"kvrc target {target!r}: port {port!r} is not a number in 1..65535")
+
+
+def _check_distinct(targets: Sequence[str]) -> None:
+    seen: set[str] = set()
+    for target in targets:
+        if target in seen:
+            raise ValueError(f"kvrc target {target!r} is listed twice; list each replica once")
+        seen.add(target)
+
+
+def split_targets(
+    target: str | ChannelOptions | Sequence[str | ChannelOptions],
+) -> tuple[ChannelOptions, ...]:
+    """One `ChannelOptions` per target; a comma-separated target keeps its credentials.
+
+    A single target without a comma goes to grpc as given, unchecked, as before;
+    several are checked as `parse_targets` checks them."""
+    given = [target] if isinstance(target, (str, ChannelOptions)) else list(target)
+    for item in given:
+        if not isinstance(item, (str, ChannelOptions)):
+            raise ValueError(f"a kvrc target is HOST:PORT or ChannelOptions, got {item!r}")
+    options = [_as_options(item) for item in given]
+    if not options:
+        raise ValueError("no kvrc target given: HOST:PORT, or several comma-separated")
+    if len(options) == 1 and "," not in options[0].target:
+        return (options[0],)
+    out = [replace(o, target=t) for o in options for t in parse_targets(o.target)]
+    _check_distinct([o.target for o in out])
+    return tuple(out)
+
+
+def _grpc_target(target: str) -> str:
+    """A plain channel (unary calls) to several targets: grpc's own address list when they
+    are IP literals (pick_first, in list order, moves on when one dies), else the first
+    one: grpc takes one host name per channel. An engine's lease and lookup calls follow
+    its session instead (`clients.session.SessionChannels`)."""
+    if "," not in target:
+        return target
+    targets = parse_targets(target)
+    hosts = [t.rpartition(":")[0] for t in targets]
+    try:
+        if all(ipaddress.ip_address(h).version == 4 for h in hosts):
+            return "ipv4:" + ",".join(targets)
+    except ValueError:
+        pass
+    if target not in _warned:
+        _warned.add(target)
+        log.warning(
+            "kvrc targets %r are not all IPv4 literals: this channel reaches %s only",
+            target,
+            targets[0],
+        )
+    return targets[0]
+
+
+_warned: set[str] = set()  # once per target list, not once per channel
+
+
 # --- asyncio channels (engines) -----------------------------------------------------
 
 if TYPE_CHECKING:  # the stubs are generic, the runtime classes are not
@@ -202,9 +329,12 @@ def connect(
     options = [*opts.all_grpc_options(), *grpc_options]
     if opts.secure:
         return grpc.aio.secure_channel(
-            opts.target, opts.channel_credentials(), options, interceptors=interceptors
+            _grpc_target(opts.target),
+            opts.channel_credentials(),
+            options,
+            interceptors=interceptors,
         )
-    return grpc.aio.insecure_channel(opts.target, options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(_grpc_target(opts.target), options, interceptors=interceptors)
 
 
 # --- blocking channels (the CLI, tooling) -----------------------------------------------
@@ -240,9 +370,11 @@ def connect_blocking(target: str | ChannelOptions) -> grpc.Channel:
     token = opts.bearer_token()
     options = opts.all_grpc_options()
     if opts.secure:
-        channel = grpc.secure_channel(opts.target, opts.channel_credentials(), options)
+        channel = grpc.secure_channel(
+            _grpc_target(opts.target), opts.channel_credentials(), options
+        )
     else:
-        channel = grpc.insecure_channel(opts.target, options)
+        channel = grpc.insecure_channel(_grpc_target(opts.target), options)
     if token is not None:
         return grpc.intercept_channel(channel, _SyncBearer(token))
     return channel

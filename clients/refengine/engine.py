@@ -75,6 +75,7 @@ from clients.session import (
     NullHandler,
     RankPartRegistration,
     RegisterAck,
+    SessionChannels,
 )
 from clients.transfer import (
     InFlightReads,
@@ -87,7 +88,6 @@ from clients.transfer import (
     pull,
     rank_part_descriptor,
 )
-from kvrc.credentials import connect
 from kvrc.kv_params import encode_kv_transfer_params
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.vocabulary import Tier
@@ -183,9 +183,10 @@ class RankPart:
             handler=self.handler,
         )
         self.handler.attach(self.session)
-        self._channel = connect(options.coordinator)
-        self.leases = LeaseClient(self._channel, options.child_engine_id, timeout_s=RPC_TIMEOUT_S)
-        self.lookups = LookupClient(options.coordinator, channel=self._channel)
+        # To the replica this part is registered with, also after the session moved.
+        self._channels = SessionChannels(self.session)
+        self.leases = LeaseClient(self._channels, options.child_engine_id, timeout_s=RPC_TIMEOUT_S)
+        self.lookups = LookupClient(self._channels)
 
     @property
     def tier(self) -> Tier:
@@ -196,7 +197,7 @@ class RankPart:
         await self.handler.aclose()
         # Shutdown waits for native reads: never free memory a read may still write.
         await self.in_flight.wait_all_quiet(timeout_s=5.0)
-        await self._channel.close(None)
+        await self._channels.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # --- commands (from the leader, or the leader's own direct calls) ------------

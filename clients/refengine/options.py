@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kvrc.credentials import ChannelOptions
+from kvrc.credentials import ChannelOptions, split_targets
 
 Role = Literal["prefill", "decode"]
 
@@ -18,7 +18,7 @@ class EngineOptions:
     engine_id: str
     tp_rank: int
     tp_size: int
-    target: str  # the kvrc coordinator, HOST:PORT
+    target: str  # the kvrc coordinator, HOST:PORT; replicas: HOST:PORT,HOST:PORT
     leader: str = ""  # HOST:PORT of tp rank 0's control channel (followers only)
     control_host: str = "127.0.0.1"
     model: str = "kvrc/reference"
@@ -59,7 +59,7 @@ class EngineOptions:
             )
         if self.tp_rank > 0 and not self.leader:
             raise ValueError("a rank part other than tp rank 0 needs --leader HOST:PORT")
-        self.coordinator  # noqa: B018  # CredentialsError (a ValueError) now, not at connect
+        split_targets(self.coordinator)  # a CredentialsError or a bad list (ValueError) now
 
     @property
     def coordinator(self) -> ChannelOptions:
@@ -98,7 +98,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-id", required=True)
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--tp-size", type=int, default=1)
-    parser.add_argument("--target", default="127.0.0.1:50051", help="kvrc HOST:PORT")
+    parser.add_argument(
+        "--target",
+        default="127.0.0.1:50051",
+        help="kvrc HOST:PORT, or several kvrc replicas comma-separated (HOST:PORT,HOST:PORT): "
+        "registers with the first that answers, moves on when it cannot be reached",
+    )
     parser.add_argument("--leader", default="", help="tp rank 0's control HOST:PORT")
     parser.add_argument("--model", default=d.model)
     parser.add_argument("--layers", type=int, default=d.num_layers)

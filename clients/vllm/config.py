@@ -4,7 +4,7 @@ A bad value fails engine start with one `KvrcConfigError` naming the field.
 
 | field | default | meaning |
 | --- | --- | --- |
-| `kvrc_target` | `127.0.0.1:50051` | kvrc's gRPC `host:port` |
+| `kvrc_target` | `127.0.0.1:50051` | kvrc's gRPC `host:port`, or several kvrc replicas (below) |
 | `kvrc_tls` | false | TLS with the system CAs |
 | `kvrc_ca_cert`, `kvrc_client_cert`, `kvrc_client_key` | none | PEM paths (mutual TLS) |
 | `kvrc_server_name` | none | certificate name to check instead of the target host |
@@ -24,6 +24,13 @@ A bad value fails engine start with one `KvrcConfigError` naming the field.
 | `model_name` | the model path | the profile's model name (engines exchanging KV must agree) |
 | `stats_file` | none | the scheduler side writes its counters here as JSON (tests, demos) |
 | `test_faults` | false | tests only: honour a request's `kvrc_test_fault` |
+
+Several kvrc replicas sharing one `--store`: `kvrc_target` is a list,
+`["kvrc-0:50051", "kvrc-1:50051"]`, or the same comma-separated,
+`"kvrc-0:50051,kvrc-1:50051"` (an empty item, a repeat or a bad port is refused).
+Each rank part registers with the first that answers, in this order, and moves to
+the next only when its replica cannot be reached (docs/operations.md). Give every
+engine the same list, in the same order.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kvrc.credentials import ChannelOptions
+from kvrc.credentials import ChannelOptions, parse_targets
 from kvrc.vocabulary import (
     PROFILE_EXTRA_HASH_ALGO,
     PROFILE_EXTRA_HASH_SEED,
@@ -53,7 +60,7 @@ class KvrcConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class KvrcConnectorConfig:
-    kvrc_target: str = "127.0.0.1:50051"
+    kvrc_target: str = "127.0.0.1:50051"  # a list is kept comma-joined: "a:1,b:2"
     kvrc_tls: bool = False
     kvrc_ca_cert: str = ""
     kvrc_client_cert: str = ""
@@ -88,6 +95,9 @@ class KvrcConnectorConfig:
             raise KvrcConfigError(unknown[0], f"unknown field; known: {', '.join(sorted(known))}")
         values: dict[str, Any] = {}
         for name, value in extra.items():
+            if name == "kvrc_target":
+                values[name] = _coerce_targets(value)
+                continue
             default = known[name].default
             values[name] = _coerce(name, value, type(default))
         config = cls(**values)
@@ -95,9 +105,7 @@ class KvrcConnectorConfig:
         return config
 
     def _check(self) -> None:
-        host, sep, port = self.kvrc_target.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise KvrcConfigError("kvrc_target", f"{self.kvrc_target!r} is not HOST:PORT")
+        self.kvrc_targets  # noqa: B018  # KvrcConfigError now, not at connect
         if self.min_blocks < 1:
             raise KvrcConfigError("min_blocks", f"must be >= 1, got {self.min_blocks}")
         if self.mooncake_protocol not in ("tcp", "rdma", "nvlink", "efa", "cxl"):
@@ -136,7 +144,16 @@ class KvrcConnectorConfig:
         except ValueError as e:
             raise KvrcConfigError("kvrc_target", str(e)) from None
 
+    @property
+    def kvrc_targets(self) -> tuple[str, ...]:
+        """Every kvrc replica, in the order each rank part tries them."""
+        try:
+            return parse_targets(self.kvrc_target)
+        except ValueError as e:
+            raise KvrcConfigError("kvrc_target", str(e)) from None
+
     def channel_options(self) -> ChannelOptions:
+        """All targets in one (comma-joined): `EngineSession` splits them; see config."""
         return ChannelOptions(
             target=self.kvrc_target,
             tls=self.kvrc_tls,
@@ -150,6 +167,21 @@ class KvrcConnectorConfig:
     @property
     def hostname(self) -> str:
         return self.mooncake_hostname or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+
+
+def _coerce_targets(value: Any) -> str:
+    """A list or a comma-separated string, checked and kept as "a:1,b:2"."""
+    if isinstance(value, (list, tuple)):
+        if not all(isinstance(t, str) for t in value):
+            raise KvrcConfigError("kvrc_target", f"a list of HOST:PORT strings, got {value!r}")
+    elif not isinstance(value, str):
+        raise KvrcConfigError(
+            "kvrc_target", f"HOST:PORT, a comma-separated string or a list, got {value!r}"
+        )
+    try:
+        return ",".join(parse_targets(value))
+    except ValueError as e:
+        raise KvrcConfigError("kvrc_target", str(e)) from None
 
 
 def _coerce(name: str, value: Any, kind: type) -> Any:

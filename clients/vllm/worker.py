@@ -362,9 +362,9 @@ class KvrcWorker:
                 return
             except Exception:
                 log.exception("kvrc registration failed; retrying in %.1f s", delay)
-            # a refused start leaves the session unusable: make a new one
+            # a refused start leaves the session unusable: make a new one (every target)
             self.session = EngineSession(
-                self.session.channel_options or self.session.target,
+                self.session.targets,
                 self.session.registration,
                 handler=self.handler,
             )

@@ -8,6 +8,7 @@ handed out again.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -34,9 +35,11 @@ from clients.refengine.blocks import BlockPool, PoolExhaustedError
 from clients.refengine.channel import Channel, ChannelError
 from clients.refengine.compute import expected_blocks, kv_values, write_positions
 from clients.refengine.engine import Leader, _pull_reply
+from clients.refengine.options import add_engine_arguments, options_from_args
 from clients.refengine.pull_hook import NO_PULL_HOOK, PullContext
 from clients.refengine.tasks import BackgroundTasks
 from clients.transfer import TransferPlan
+from kvrc.credentials import split_targets
 
 LAYOUT = KvCacheLayout(
     num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16"
@@ -498,3 +501,15 @@ async def test_parts_verify_only_after_every_read_returned() -> None:
     results = await Leader._pull_all(parts, flow="handoff", **args)  # type: ignore[arg-type]
     assert parts.ops == ["pull"]
     assert [r["mismatches"] for r in results] == [0, 0]
+
+
+def test_engine_target_takes_several_replicas_and_refuses_a_bad_list() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    base = ["--role", "prefill", "--engine-id", "p"]
+    options = options_from_args(parser.parse_args([*base, "--target", "a:1, b:2"]))
+    assert [o.target for o in split_targets(options.coordinator)] == ["a:1", "b:2"]
+    target_help = next(a.help for a in parser._actions if "--target" in a.option_strings)
+    assert target_help is not None and "comma-separated" in target_help
+    with pytest.raises(ValueError, match="'a:1' is listed twice"):
+        options_from_args(parser.parse_args([*base, "--target", "a:1,a:1"]))

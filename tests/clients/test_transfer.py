@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import os
 import signal
@@ -616,7 +617,13 @@ def test_plan_maps_every_local_block_byte_to_its_remote_block(
     assert copies == expected
     assert plan.total_bytes == len(pairs) * SMALL.num_layers * block
     assert plan.local_block_ids == tuple(sorted(local_ids))
-    if not coalesce:
+    if coalesce:  # maximal runs: a new entry exactly where either side skips a block
+        ordered = sorted(pairs)
+        runs = 1 + sum(
+            1 for (l0, r0), (l1, r1) in itertools.pairwise(ordered) if (l1, r1) != (l0 + 1, r0 + 1)
+        )
+        assert plan.num_entries == (runs if pairs else 0) * SMALL.num_layers
+    else:
         assert plan.num_entries == len(pairs) * SMALL.num_layers
 
 
@@ -633,6 +640,12 @@ def test_plan_refuses_bad_block_ids(pairs: list[tuple[int, int]], message: str) 
     local = synthetic_endpoint(SMALL, 1 << 20)
     with pytest.raises(ValueError, match=message):
         TransferPlan.build(local, synthetic_endpoint(SMALL, 1 << 30), pairs)
+
+
+def test_plan_from_id_arrays_refuses_arrays_that_do_not_pair_up() -> None:
+    local = synthetic_endpoint(SMALL, 1 << 20)
+    with pytest.raises(ValueError, match="3 local and 2 remote block ids"):
+        TransferPlan.from_block_ids(local, synthetic_endpoint(SMALL, 1 << 30), [0, 1, 2], [0, 1])
 
 
 def test_endpoint_round_trips_through_the_protocol() -> None:

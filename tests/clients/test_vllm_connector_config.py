@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from clients.vllm import SUPPORTED_VLLM_VERSIONS, UnsupportedVllmVersion, check_vllm_version
 from clients.vllm.config import KvrcConfigError, KvrcConnectorConfig, hash_declaration
 from coordinator.core.profiles import DeploymentProfile
@@ -25,6 +26,45 @@ def test_values_are_coerced() -> None:
     )
     assert (config.reuse, config.min_blocks, config.handoff_hold_s) == (True, 3, 5.0)
     assert config.channel_options().target == "10.0.0.2:7000"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        ["kvrc-0:50051", "kvrc-1:50051"],
+        "kvrc-0:50051,kvrc-1:50051",
+        " kvrc-0:50051 , kvrc-1:50051 ",
+    ],
+)
+def test_kvrc_target_takes_a_list_or_a_comma_separated_string(value: object) -> None:
+    config = KvrcConnectorConfig.from_extra({"kvrc_target": value, "kvrc_token_file": __file__})
+    assert config.kvrc_target == "kvrc-0:50051,kvrc-1:50051"
+    assert config.kvrc_targets == ("kvrc-0:50051", "kvrc-1:50051")
+    # One ChannelOptions carries them all; EngineSession splits it, credentials on each.
+    registration = RankPartRegistration(engine_id="e", profile=EngineProfile("m", 16))
+    session = EngineSession(config.channel_options(), registration)
+    assert [o.target for o in session.targets] == ["kvrc-0:50051", "kvrc-1:50051"]
+    assert all(str(o.token_file) == __file__ for o in session.targets)
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (["kvrc-0:50051", ""], "item 2 is empty"),
+        ("kvrc-0:50051,,kvrc-1:50051", "item 2 is empty"),
+        (["kvrc-0:50051", "kvrc-0:50051"], "'kvrc-0:50051' is listed twice"),
+        ("kvrc-0:50051,kvrc-1:99999", "port '99999' is not a number in 1..65535"),
+        (["kvrc-0:50051", 50051], "a list of HOST:PORT strings"),
+        ([], "no kvrc target given"),
+        (50051, "HOST:PORT, a comma-separated string or a list"),
+    ],
+)
+def test_a_bad_kvrc_target_list_names_the_field_and_the_problem(value: object, says: str) -> None:
+    with pytest.raises(KvrcConfigError) as caught:
+        KvrcConnectorConfig.from_extra({"kvrc_target": value})
+    assert caught.value.field == "kvrc_target"
+    assert str(caught.value).startswith("KvrcConnector: kv_connector_extra_config.kvrc_target: ")
+    assert says in str(caught.value)
 
 
 @pytest.mark.parametrize(

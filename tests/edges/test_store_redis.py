@@ -7,10 +7,12 @@ started per test on a free port, no persistence); engines are real
 
 What is proved here: an inventory event ingested on one replica is visible to
 lookups on another (and the memory store, the negative control, shares nothing);
-departures replicate; kill -9 of Redis fails closed (no new grants, UNAVAILABLE
-with the reason, `kvrc status` and `kvrc_store_up` say so) and an empty restarted
-Redis is detected by its epoch and rebuilt from re-announcements; TLS with a
-password works; bad `--store` flags are one-line configuration errors.
+departures replicate; one EngineSession given both replicas' targets survives kill -9
+of the one it is on (it re-registers on the other, and its dump is the view there);
+kill -9 of Redis fails closed (no new grants, UNAVAILABLE with the reason, `kvrc
+status` and `kvrc_store_up` say so) and an empty restarted Redis is detected by its
+epoch and rebuilt from re-announcements; TLS with a password works; bad `--store`
+flags are one-line configuration errors.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -31,6 +34,7 @@ from harness import (
     PYTHON,
     REPO,
     CoordinatorProcess,
+    child_engine_status,
     get_status,
     metric_value,
     start_coordinator,
@@ -245,6 +249,59 @@ async def test_kill_9_of_a_replica_its_engines_move_and_the_rest_leave_the_view(
         # (its heartbeats stop; the timeout runs on c's own monotonic clock).
         await eventually_matched(c.grpc_target, "req-c", "gone-with-a", 0)
         assert await matched(c.grpc_target, "req-c", "mover") == 8
+
+
+async def test_one_session_given_both_replicas_survives_kill_9_of_the_one_it_is_on(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """EngineSession([a, b]): kill -9 of a, the session re-registers on b by itself and
+    its dump (what it still keeps) becomes b's first-hand view of it."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with (
+        start_coordinator(*flags, check_exit=False) as a,
+        start_coordinator(*flags) as b,
+    ):
+        await engines.open(b.grpc_target, "req-b")
+        stays_gone = await engines.open(a.grpc_target, "gone-with-a")
+        registration = RankPartRegistration(
+            engine_id="two-targets",
+            profile=EngineProfile(
+                model="test-model", block_size=16, kv_dtype="bfloat16", reuse_opt_in=True
+            ),
+        )
+        session = EngineSession(
+            [a.grpc_target, b.grpc_target], registration, backoff_initial_s=0.05
+        )
+        # The dump keeps fewer blocks than were published, so b's view after the move
+        # can only come from the dump sent on re-registration, not from a's old copy.
+        kept = [StoredBlocks(CHAIN[:5])]
+        publisher = InventoryPublisher(session, dump=lambda: list(kept))
+        session.handler = PublishingHandler(publisher, NullHandler())
+        await session.start()
+        engines.sessions.append(session)
+        assert session.target == a.grpc_target
+        await publisher.stored(CHAIN[:8])
+        await stays_gone.stored(CHAIN[:4])
+        await eventually_matched(b.grpc_target, "req-b", "two-targets", 8)  # through the log
+        await eventually_matched(b.grpc_target, "req-b", "gone-with-a", 4)
+
+        a.stop(signal.SIGKILL)
+        await wait_until(lambda: session.registrations == 2, 10, what="re-registered on b")
+        assert session.target == b.grpc_target
+        assert session.last_error is not None
+        assert session.last_error.code == grpc.StatusCode.UNAVAILABLE
+        status = await child_engine_status(b.grpc_target, "two-targets")
+        assert status is not None and status.state.ready
+        await publisher.wait_dump()
+        assert publisher.dumps_sent == 1
+        await eventually_matched(b.grpc_target, "req-b", "two-targets", 5)
+        # The new incarnation on b goes on publishing.
+        await publisher.stored(CHAIN[5:7])
+        await eventually_matched(b.grpc_target, "req-b", "two-targets", 7)
+        # a's silence drops a's engines from b's view (5 s on b's clock), not the one
+        # that moved: it is b's own now.
+        await eventually_matched(b.grpc_target, "req-b", "gone-with-a", 0)
+        assert await matched(b.grpc_target, "req-b", "two-targets") == 7
 
 
 # --- Redis lost: fail closed, then recover ---------------------------------------------------

@@ -11,9 +11,6 @@ and prints one JSON line, an array with one entry per case: {"digests": [hex, ..
 "ints": [...]}: the hashes vLLM's real request block hasher (`get_request_block_hasher`
 over a real `Request`, NONE_HASH from `init_none_hash`) gives the prompt, and what
 `maybe_convert_block_hash` makes of each for the KV events (their int form).
-
-When the venv has no `xxhash` (vLLM lists it as optional) and KVRC_XXHASH_DIR names
-a folder holding it, that folder goes on sys.path last; nothing else is taken from it.
 """
 
 from __future__ import annotations
@@ -27,11 +24,6 @@ from typing import Any
 def main() -> None:
     # vLLM reads this when it converts a hash for an event; ints are its default.
     os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"
-    try:
-        import xxhash  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
-    except ImportError:
-        if os.environ.get("KVRC_XXHASH_DIR"):
-            sys.path.append(os.environ["KVRC_XXHASH_DIR"])
 
     from vllm.lora.request import LoRARequest  # type: ignore[import-not-found]
     from vllm.multimodal.inputs import (  # type: ignore[import-not-found]

@@ -37,6 +37,9 @@ KVRC_EXTRAS = (
     "grpcio-health-checking>=1.85.1,<2",
     "grpcio-reflection>=1.85.1,<2",
     "redis>=5",
+    "cbor2>=5.6",
+    # vLLM lists xxhash as optional; its xxhash algorithms and kvrc's Score hashing need it.
+    "xxhash>=3.0",
     "pytest>=8",
     "pytest-asyncio>=1.0",
     "pytest-timeout>=2.3",
