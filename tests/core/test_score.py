@@ -376,6 +376,46 @@ def test_token_ids_are_hashed_with_the_engines_declared_configuration() -> None:
     assert by_id(score_tokens(inv, [other_seed]))["a"][0] == 0
 
 
+def test_engines_of_other_block_sizes_are_scored_in_their_own_scope() -> None:
+    # b has blocks of 8 tokens: its own compatibility hash, its own chain of the prompt.
+    inv = Inventory()
+    add(inv, "a")
+    inv.add_engine("b", "compat-b")
+    inv.set_serving("b", True)
+    config_b = hash_config("b", replace(PROFILE, block_size=8))
+    store(inv, "a", block_keys(TOKENS, hash_config("a", PROFILE))[:7])
+    inv.apply("b", [BlockStored(tuple(block_keys(TOKENS, config_b)[:2]), None, 16)])
+    b = ScoreEngine("b", replace(PROFILE, block_size=8), "compat-b", True, OFF)
+    add(inv, "a2")
+    calls: list[HashConfig] = []
+
+    def counting(
+        token_ids: Sequence[int],
+        config: HashConfig,
+        *,
+        lora_name: str | None,
+        lora_path: str | None,
+        cache_salt: str | None,
+    ) -> list[bytes]:
+        calls.append(config)
+        return block_keys(token_ids, config)
+
+    answer = score(
+        inv,
+        token_query(),
+        [engine("a"), b, engine("a2")],
+        now_ms=0,
+        reuse=ON,
+        predictor=RATE,
+        prediction_basis="",
+        hasher=counting,
+    )
+    got = {e.child_engine_id: (e.prompt_blocks, e.local_matched_blocks) for e in answer.engines}
+    assert got == {"a": (7, 7), "b": (3, 2), "a2": (7, 0)}
+    # Hashed once per configuration, not once per engine.
+    assert sorted(c.block_size for c in calls) == [4, 8]
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
