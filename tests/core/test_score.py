@@ -484,14 +484,14 @@ def test_bounds_are_invalid_argument_naming_the_limit(query: ScoreQuery, says: s
 # --- work -------------------------------------------------------------------------------
 
 
-def work_with(total_engines: int, blocks: int = 400) -> int:
+def work_with(total_engines: int, blocks: int = 400, asked: int = 2) -> int:
     inv = Inventory()
     hashes = chain(blocks, 7)
     for i in range(total_engines):
         add(inv, f"e{i:03}")
         store(inv, f"e{i:03}", hashes[: blocks - i])
         store(inv, f"e{i:03}", hashes[:2], Tier.CPU)  # a slower copy, still GPU-fastest
-    return run(inv, [engine("e000"), engine("e001")], hashes).work
+    return run(inv, [engine(f"e{i:03}") for i in range(asked)], hashes).work
 
 
 def test_work_is_blocks_plus_candidates_not_blocks_times_engines() -> None:
@@ -500,6 +500,8 @@ def test_work_is_blocks_plus_candidates_not_blocks_times_engines() -> None:
     # the engines asked and their drop points: the 58 engines not asked add nothing.
     assert few == many
     assert many <= 2 * 400 + 16
+    # 38 more engines asked cost a few steps each, not another walk each.
+    assert work_with(60, asked=40) - many <= 4 * 38
     # Negative control for the counter: a longer chain costs more.
     assert work_with(3, 800) > few
 
