@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import itertools
+import json
 import os
 import signal
 import subprocess
