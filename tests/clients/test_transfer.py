@@ -612,9 +612,7 @@ def test_plan_maps_every_local_block_byte_to_its_remote_block(
     if coalesce:  # maximal runs: a new entry exactly where either side skips a block
         ordered = sorted(pairs)
         runs = 1 + sum(
-            1
-            for (l0, r0), (l1, r1) in itertools.pairwise(ordered)
-            if (l1, r1) != (l0 + 1, r0 + 1)
+            1 for (l0, r0), (l1, r1) in itertools.pairwise(ordered) if (l1, r1) != (l0 + 1, r0 + 1)
         )
         assert plan.num_entries == (runs if pairs else 0) * SMALL.num_layers
     else:
