@@ -48,7 +48,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -58,15 +57,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    REPO,
+    ECHO_METHOD,
     KvrcServe,
+    drive_unary,
     percentile,
-    process_cpu_seconds,
+    start_echo_server,
     start_kvrc,
     stop_process,
     write_result,
 )
-from clients.refengine.demo import child_process_env
 from coordinator.core.events import BlockRemoved, BlockStored, InventoryEvent, Tier
 from coordinator.core.inventory import Inventory, Scope
 
@@ -391,73 +390,10 @@ GRPC_ROUNDS = 6  # pairs of lookup / echo windows (order swapped each pair); med
 GRPC_HOLDERS = 8
 GRPC_CHAINS_PER_HOLDER = 32
 
-# A bare grpc.aio unary echo on uvloop, in its own process like kvrc: the ceiling of a
-# unary RPC on this machine. It reads the same request bytes and answers as many bytes
-# as kvrc's LookupResponse (argv[1]), so both servers move the same payload.
-_ECHO_SERVER = """
-import asyncio, signal, sys
-import grpc, uvloop
-
-RESPONSE = bytes(int(sys.argv[1]))
-
-async def echo(request, context):
-    return RESPONSE
-
-async def main():
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(port, flush=True)
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    await stop.wait()
-    await server.stop(0)
-
-uvloop.run(main())
-"""
-
-
-def _start_process(argv: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        argv,
-        cwd=REPO,
-        env=child_process_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-
 
 def start_bench_kvrc(tmp: Path) -> KvrcServe:
     """`kvrc serve` (no metrics endpoint) declaring the `bench-model` profile."""
     return start_kvrc(tmp, '[[profile]]\nname = "bench"\nmodel = "bench-model"\n', metrics=False)
-
-
-async def _drive(
-    channel: Any, method: str, requests: list[bytes], seconds: float, server_pid: int
-) -> tuple[float, float]:
-    """(calls per second, server CPU µs per call) with GRPC_CONCURRENCY calls in flight."""
-    call = channel.unary_unary(method)  # bytes in, bytes out: no client-side (de)serializing
-    done = 0
-    deadline = time.perf_counter() + seconds
-
-    async def worker(offset: int) -> None:
-        nonlocal done
-        i = offset
-        n = len(requests)
-        while time.perf_counter() < deadline:
-            await call(requests[i % n])
-            i += 1
-            done += 1
-
-    cpu_before = process_cpu_seconds(server_pid)
-    started = time.perf_counter()
-    await asyncio.gather(*(worker(w) for w in range(GRPC_CONCURRENCY)))
-    elapsed = time.perf_counter() - started
-    return done / elapsed, (process_cpu_seconds(server_pid) - cpu_before) / done * 1e6
 
 
 async def _measure_grpc_async(kvrc_port: int, kvrc_pid: int) -> dict[str, Any]:
@@ -514,10 +450,8 @@ async def _measure_grpc_async(kvrc_port: int, kvrc_pid: int) -> dict[str, Any]:
                 len(await kvrc_channel.unary_unary(lookup_method, None, None)(r)) for r in requests
             ]
             response_bytes = round(statistics.mean(response_sizes))
-            echo_process = _start_process([sys.executable, "-c", _ECHO_SERVER, str(response_bytes)])
+            echo_process, echo_port = start_echo_server(response_bytes)
             try:
-                assert echo_process.stdout is not None
-                echo_port = int(echo_process.stdout.readline())
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as echo_channel:
                     lookup, echo = await _interleaved(
                         kvrc_channel, kvrc_pid, echo_channel, echo_process.pid, requests
@@ -557,20 +491,36 @@ async def _interleaved(
 ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """GRPC_ROUNDS pairs of windows, lookup first in even pairs and echo first in odd."""
     lookup_method = "/kvrc.v1.EngineService/Lookup"
-    echo_method = "/bench.Echo/Echo"
-    await _drive(kvrc_channel, lookup_method, requests, 0.5, kvrc_pid)  # warm-up
-    await _drive(echo_channel, echo_method, requests, 0.5, echo_pid)
+    echo_method = ECHO_METHOD
+    await drive_unary(
+        kvrc_channel, lookup_method, requests, 0.5, kvrc_pid, GRPC_CONCURRENCY
+    )  # warm-up
+    await drive_unary(echo_channel, echo_method, requests, 0.5, echo_pid, GRPC_CONCURRENCY)
     lookup: list[tuple[float, float]] = []
     echo: list[tuple[float, float]] = []
     for i in range(GRPC_ROUNDS):
         for which in ("lookup", "echo") if i % 2 == 0 else ("echo", "lookup"):
             if which == "lookup":
                 lookup.append(
-                    await _drive(kvrc_channel, lookup_method, requests, GRPC_SECONDS, kvrc_pid)
+                    await drive_unary(
+                        kvrc_channel,
+                        lookup_method,
+                        requests,
+                        GRPC_SECONDS,
+                        kvrc_pid,
+                        GRPC_CONCURRENCY,
+                    )
                 )
             else:
                 echo.append(
-                    await _drive(echo_channel, echo_method, requests, GRPC_SECONDS, echo_pid)
+                    await drive_unary(
+                        echo_channel,
+                        echo_method,
+                        requests,
+                        GRPC_SECONDS,
+                        echo_pid,
+                        GRPC_CONCURRENCY,
+                    )
                 )
     return lookup, echo
 

@@ -26,6 +26,12 @@ coalescing) it measures, interleaved repetition by repetition:
 `cpu_ms_per_batch` tallies the CPU each process spends per batch (raw: reader and
 source; kvrc stream: requester, holder, coordinator): on a small host the tcp
 transfer itself is CPU-bound, so control-plane CPU shows up as lost throughput.
+`coordinator_cpu_ms_per_load` is the coordinator's share of that, and
+`coordinator_cpu_vs_echo` divides it by `echo_server_cpu_us_per_call`: the server
+CPU of one call of a bare grpc.aio echo measured in the same run (two calls in
+flight, as a load stream has), so the coordinator's cost reads in bare RPCs.
+`requester_cpu_vs_raw` is the requester's CPU per kvrc load over the raw reader's
+per batch.
 
 Throughput is bytes / median seconds per batch, in GB/s (1e9 bytes). Every
 batch is checked: a block whose first bytes do not name its source block fails
@@ -54,10 +60,14 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    ECHO_METHOD,
     REPO,
     RESULTS_DIR,
+    drive_unary,
     process_cpu_seconds,
+    start_echo_server,
     start_kvrc,
+    stop_process,
     write_json,
 )
 from clients.kv_cache import KvCacheLayout, KvEndpointDescription, PagedKvCache
@@ -423,6 +433,57 @@ class CpuTally:
         }
 
 
+# The echo runs as a load's RPCs do: at most two in flight (the next grant overlaps a pull).
+ECHO_CONCURRENCY = 2
+ECHO_ROUNDS = 3
+ECHO_WINDOW_S = 2.0
+
+
+def echo_server_cpu_us(loop: asyncio.AbstractEventLoop) -> float:
+    """Server CPU µs per call of a bare grpc.aio unary echo: this run's unit of RPC cost."""
+    import grpc
+
+    process, port = start_echo_server(64)
+    request = [bytes(64)]
+
+    async def measure() -> list[float]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await drive_unary(channel, ECHO_METHOD, request, 0.5, process.pid, ECHO_CONCURRENCY)
+            return [
+                (
+                    await drive_unary(
+                        channel, ECHO_METHOD, request, ECHO_WINDOW_S, process.pid, ECHO_CONCURRENCY
+                    )
+                )[1]
+                for _ in range(ECHO_ROUNDS)
+            ]
+
+    try:
+        return statistics.median(loop.run_until_complete(measure()))
+    finally:
+        stop_process(process)
+
+
+def _cost_keys(
+    cpu_ms: dict[str, dict[str, dict[str, float]]], echo_us: float | None
+) -> dict[str, Any]:
+    """The coordinator's CPU per load against the echo's per call; the requester's against raw."""
+    kvrc_cpu = cpu_ms["kvrc"]
+    coordinator = {key: tally["coordinator"] for key, tally in kvrc_cpu.items()}
+    return {
+        "echo_server_cpu_us_per_call": round(echo_us, 1) if echo_us else None,
+        "coordinator_cpu_ms_per_load": coordinator,
+        "coordinator_cpu_vs_echo": {
+            key: round(ms * 1000 / echo_us, 3) if echo_us else None
+            for key, ms in coordinator.items()
+        },
+        "requester_cpu_vs_raw": {
+            key: round(tally["requester"] / cpu_ms["raw"][key]["requester"], 3)
+            for key, tally in kvrc_cpu.items()
+        },
+    }
+
+
 def _ratios(measured: dict[str, float | None], raw: dict[str, float]) -> dict[str, float | None]:
     return {
         key: None if value is None else round(value / raw[key], 4)
@@ -534,6 +595,7 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
                 f"kvrc {kvrc[key]} GB/s (one load alone: {serial[key]} GB/s)",
                 flush=True,
             )
+        echo_us = echo_server_cpu_us(loop) if kvrc_path is not None else None
     finally:
         if kvrc_path is not None:
             kvrc_path.close()
@@ -555,6 +617,7 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
         "kvrc_vs_raw": _ratios(kvrc, raw),
         "kvrc_loads_per_stream": STREAM_LOADS,
         "cpu_ms_per_batch": cpu_ms,
+        **_cost_keys(cpu_ms, echo_us),
         "kvrc_serial_gbps": serial,
         "kvrc_serial_vs_raw": _ratios(serial, raw),
         "raw_seconds": raw_seconds,

@@ -3,6 +3,7 @@ and its RPC-duration histogram."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import math
@@ -213,3 +214,80 @@ def start_kvrc(
     serve.grpc_port = int(ports["grpc_port"])
     serve.metrics_port = int(ports["metrics_port"]) if metrics else -1
     return serve
+
+
+# A bare grpc.aio unary echo on uvloop, in its own process like kvrc: the ceiling of a
+# unary RPC on this machine, and its server CPU per call the unit of coordinator cost.
+# It answers `response_bytes` zero bytes (argv[1]) to whatever it is sent.
+_ECHO_SERVER = """
+import asyncio, signal, sys
+import grpc, uvloop
+
+RESPONSE = bytes(int(sys.argv[1]))
+
+async def echo(request, context):
+    return RESPONSE
+
+async def main():
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.stop(0)
+
+uvloop.run(main())
+"""
+ECHO_METHOD = "/bench.Echo/Echo"
+
+
+def start_echo_server(response_bytes: int) -> tuple[subprocess.Popen[str], int]:
+    """The echo process and its port; stop it with `stop_process`."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _ECHO_SERVER, str(response_bytes)],
+        cwd=REPO,
+        env=child_process_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        stop_process(process)
+        raise RuntimeError("the echo server exited before it listened")
+    return process, int(line)
+
+
+async def drive_unary(
+    channel: Any,
+    method: str,
+    requests: Sequence[bytes],
+    seconds: float,
+    server_pid: int,
+    concurrency: int,
+) -> tuple[float, float]:
+    """(calls per second, server CPU µs per call) with `concurrency` calls in flight."""
+    call = channel.unary_unary(method)  # bytes in, bytes out: no client-side (de)serializing
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker(offset: int) -> None:
+        nonlocal done
+        i = offset
+        n = len(requests)
+        while time.perf_counter() < deadline:
+            await call(requests[i % n])
+            i += 1
+            done += 1
+
+    cpu_before = process_cpu_seconds(server_pid)
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    return done / elapsed, (process_cpu_seconds(server_pid) - cpu_before) / done * 1e6

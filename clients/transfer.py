@@ -437,9 +437,8 @@ def rank_part_descriptor(
     pcp_rank: int = 0,
 ) -> kvrc_pb2.RankPartDescriptor:
     """What a source rank part answers (PinResult, PublishHandoff): its blocks, in chain order."""
-    for block_id in block_ids:
-        if not 0 <= block_id < endpoint.layout.num_blocks:
-            raise ValueError(f"block id {block_id} is not in 0..{endpoint.layout.num_blocks - 1}")
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    _check_block_ids(ids, endpoint.layout.num_blocks, "source")
     return kvrc_pb2.RankPartDescriptor(
         rank=kvrc_pb2.RankCoordinates(tp_rank=tp_rank, pp_rank=pp_rank, pcp_rank=pcp_rank),
         endpoint=endpoint_to_proto(endpoint),
