@@ -597,6 +597,24 @@ class Grants:
             measured.duration_us,
         )
 
+    def predict_load(
+        self,
+        holder_child_engine_id: str,
+        requester_child_engine_id: str,
+        tier: Tier,
+        num_blocks: int,
+    ) -> Prediction | None:
+        """Loading `num_blocks` from the holder against recomputing them (read-only).
+
+        The bytes come from the holder's registered regions (or profile), the tokens from
+        the requester's block size, as for a grant. None: either engine is not registered.
+        """
+        holder = self._registry.get(holder_child_engine_id)
+        requester = self._registry.get(requester_child_engine_id)
+        if holder is None or requester is None:
+            return None
+        return self._predict(self._cost_context(holder, requester, tier), num_blocks)
+
     def cost_decision(self, lease_id: str) -> Prediction | None:
         """The prediction an open prefix-load lease was granted with (for `kvrc status`)."""
         return self._predictions.get(lease_id)

@@ -623,7 +623,8 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)]
         lines.append("  ".join([*cells, row[-1]]))
-    if response.HasField("cost_model"):
+    if response.reuse_enabled and response.HasField("cost_model"):
+        # The gate decides prefix loads only; with reuse off there is nothing to show.
         lines.extend(_cost_lines(response.cost_model))
     quarantined = sum(1 for x in response.leases if x.state == pb.LEASE_STATE_QUARANTINED)
     lines.append(

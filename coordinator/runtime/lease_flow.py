@@ -64,7 +64,7 @@ from coordinator.core.profiles import ReuseStatus
 from coordinator.core.registry import ChildEngineView, Registry
 from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.metrics import Metrics
-from kvrc.vocabulary import RankKey
+from kvrc.vocabulary import RankKey, Tier
 
 __all__ = [
     "MAX_DRAIN_TIMEOUT_MS",
@@ -190,6 +190,14 @@ class LeaseFlow:
 
     def cost_decision(self, lease_id: str) -> Prediction | None:
         return self.core.cost_decision(lease_id)
+
+    def predict_load(
+        self, holder_child_engine_id: str, requester_child_engine_id: str, tier: Tier, blocks: int
+    ) -> Prediction | None:
+        """Predicted load vs recompute of `blocks` blocks (Score's TTFT saving: `saving_ms`)."""
+        return self.core.predict_load(
+            holder_child_engine_id, requester_child_engine_id, tier, blocks
+        )
 
     # --- prefix load -------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
@@ -180,3 +181,23 @@ def test_bad_cost_settings_are_refused_naming_the_setting(change: dict[str, floa
     (name,) = change
     with pytest.raises(ValueError, match=name):
         CostConfig(**change)  # type: ignore[arg-type]
+
+
+def test_memory_is_a_few_hundred_bytes_per_link_and_churn_does_not_grow_it() -> None:
+    # Counted in bytes allocated (tracemalloc), never timed. The ids are the caller's.
+    names = [(f"holder-{i:05d}", f"req-{i:05d}") for i in range(11_000)]
+    model = CostModel(CostConfig(max_pairs=1000))
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        for holder, requester in names[:1000]:
+            model.observe_transfer(holder, requester, GPU, 1 << 20, 1000)
+        full = tracemalloc.get_traced_memory()[0] - start
+        for holder, requester in names[1000:]:  # ten times the bound, through the LRU
+            model.observe_transfer(holder, requester, GPU, 1 << 20, 1000)
+        churned = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert model.pair_count == 1000
+    assert full / 1000 < 600, f"{full / 1000:.0f} bytes per link"
+    assert churned < 1.5 * full, (full, churned)

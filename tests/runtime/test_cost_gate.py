@@ -177,3 +177,17 @@ async def test_measured_prefill_rates_move_the_decision() -> None:
         assert c.leases.cost_model.prefill("r").source == "measured"
         assert answer.miss_reason == "recompute_cheaper"
         assert answer.prediction is not None and answer.prediction.prefill.source == "measured"
+
+
+async def test_predict_load_sizes_a_prediction_from_the_registered_engines() -> None:
+    # What the Score API asks: no lease, no pin, nothing changes.
+    async with manual_coordinator(cost=COST) as rig:
+        register(rig, "r")
+        register(rig, "h")
+        flow = rig.coordinator.leases
+        p = flow.predict_load("h", "r", Tier.GPU, 8)
+        assert p is not None
+        assert (p.num_tokens, p.num_bytes) == (128, CHAIN_BYTES)
+        assert p.saving_ms == p.recompute_ms - p.load_ms and p.recompute_ms == 128
+        assert flow.predict_load("h", "nobody", Tier.GPU, 8) is None
+        assert flow.cost_model.pair_count == 0 and not flow.open_leases()
