@@ -35,7 +35,28 @@ from coordinator.runtime.metrics import Metrics
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 MANIFEST_DIR = DEPLOY / "kubernetes"
-SHAPES = ("standalone", "sidecar")
+SHAPES = ("standalone", "sidecar", "replicated")
+# The objects each shape ships (kinds, with repeats).
+SHAPE_KINDS = {
+    "standalone": [
+        "ConfigMap",
+        "Deployment",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "Service",
+        "ServiceMonitor",
+    ],
+    "replicated": [
+        *["ConfigMap", "ConfigMap"],  # kvrc's profiles, redis.conf
+        *["StatefulSet", "StatefulSet"],  # kvrc replicas, Redis
+        *["Service", "Service"],  # headless kvrc, kvrc-redis
+        *["NetworkPolicy", "NetworkPolicy"],
+        *["PodDisruptionBudget", "PodDisruptionBudget"],
+        "ServiceMonitor",
+    ],
+}
+SHAPE_KINDS["sidecar"] = SHAPE_KINDS["standalone"]
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 DASHBOARD = DEPLOY / "grafana" / "kvrc-dashboard.json"
 # Custom resources of the Prometheus operator: validated against subset schemas.
 CRD_SCHEMAS = {
@@ -71,13 +92,54 @@ def one(docs: list[Doc], kind: str) -> Doc:
     return found[0]
 
 
+def all_containers(spec: Doc) -> list[Doc]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def workloads(docs: list[Doc]) -> list[Doc]:
+    return [d for d in docs if d["kind"] in WORKLOAD_KINDS]
+
+
+def kvrc_workload(docs: list[Doc]) -> Doc:
+    """The Deployment or StatefulSet whose pods run the container named kvrc."""
+    found = [
+        w
+        for w in workloads(docs)
+        if any(c["name"] == "kvrc" for c in all_containers(w["spec"]["template"]["spec"]))
+    ]
+    assert len(found) == 1, f"expected one workload running kvrc, found {len(found)}"
+    return found[0]
+
+
 def pod_spec(docs: list[Doc]) -> Doc:
-    spec: Doc = one(docs, "Deployment")["spec"]["template"]["spec"]
+    spec: Doc = kvrc_workload(docs)["spec"]["template"]["spec"]
     return spec
 
 
-def all_containers(spec: Doc) -> list[Doc]:
-    return [*spec.get("initContainers", []), *spec["containers"]]
+def pod_labels(workload: Doc) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def service_of(docs: list[Doc], workload: Doc) -> Doc:
+    """The one Service that routes to `workload`'s pods."""
+    found = [
+        d
+        for d in docs
+        if d["kind"] == "Service" and selects(d["spec"].get("selector", {}), pod_labels(workload))
+    ]
+    assert len(found) == 1, f"expected one Service for {workload['metadata']['name']}: {found}"
+    return found[0]
+
+
+def named(docs: list[Doc], kind: str, name: str) -> Doc:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
 
 
 def kvrc_container(spec: Doc) -> Doc:
@@ -113,18 +175,12 @@ def test_manifest_validates_against_kubernetes_schemas(path: Path, version: str)
 
 
 def test_every_shape_has_the_objects_the_issue_asks_for() -> None:
+    assert (
+        set(SHAPE_KINDS) == set(SHAPES) == {p.name for p in MANIFEST_DIR.iterdir()} - {"monitoring"}
+    )
     for shape in SHAPES:
         kinds = sorted(d["kind"] for d in shape_docs(shape))
-        assert kinds == sorted(
-            [
-                "ConfigMap",
-                "Deployment",
-                "NetworkPolicy",
-                "PodDisruptionBudget",
-                "Service",
-                "ServiceMonitor",
-            ]
-        ), f"{shape}: {kinds}"
+        assert kinds == sorted(SHAPE_KINDS[shape]), f"{shape}: {kinds}"
 
 
 @pytest.mark.parametrize(
@@ -132,6 +188,8 @@ def test_every_shape_has_the_objects_the_issue_asks_for() -> None:
     [
         # A typo the API server would reject (strict: unknown field).
         ("Deployment", lambda d: d["spec"].__setitem__("replica", 1)),
+        ("StatefulSet", lambda d: d["spec"].__setitem__("replica", 3)),
+        ("StatefulSet", lambda d: d["spec"]["volumeClaimTemplates"][0].__setitem__("spec", 1)),
         # A wrong type.
         ("Service", lambda d: d["spec"]["ports"][0].__setitem__("port", "fifty")),
         # CRD subset: an unknown scheme and an unknown field.
@@ -143,8 +201,10 @@ def test_every_shape_has_the_objects_the_issue_asks_for() -> None:
 )
 def test_validation_rejects_broken_manifests(kind: str, mutate: Any) -> None:
     # The schema checks above mean something only if they can fail.
-    docs = [*shape_docs("standalone"), *load_docs(ALERTS)]
-    doc = copy.deepcopy(one(docs, kind))
+    docs = [*shape_docs("standalone"), *shape_docs("replicated"), *load_docs(ALERTS)]
+    # The first of its kind; of the StatefulSets, Redis's (the one with a PVC template).
+    of_kind = [d for d in docs if d["kind"] == kind]
+    doc = copy.deepcopy(min(of_kind, key=lambda d: "volumeClaimTemplates" not in d["spec"]))
     validate_resource(doc, KUBERNETES_VERSIONS[-1])
     mutate(doc)
     with pytest.raises(jsonschema.ValidationError):
@@ -180,7 +240,7 @@ def test_metrics_port_is_declared_and_served(shape: str) -> None:
     metrics_ports = {p["name"]: p["containerPort"] for p in kvrc["ports"] if "metrics" in p["name"]}
     assert list(metrics_ports.values()) == [METRICS_PORT]
     # Service -> container port name -> ServiceMonitor endpoint, all the same port.
-    service = one(docs, "Service")
+    service = service_of(docs, kvrc_workload(docs))
     by_name = {p["name"]: p for p in service["spec"]["ports"]}
     monitor = one(docs, "ServiceMonitor")
     for endpoint in monitor["spec"]["endpoints"]:
@@ -192,23 +252,27 @@ def test_metrics_port_is_declared_and_served(shape: str) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_selectors_select(shape: str) -> None:
     docs = shape_docs(shape)
-    deployment = one(docs, "Deployment")
-    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    service = one(docs, "Service")
-
-    def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-        return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-    assert selects(deployment["spec"]["selector"]["matchLabels"], pod_labels)
-    assert selects(service["spec"]["selector"], pod_labels)
-    assert selects(one(docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], pod_labels)
-    assert selects(one(docs, "NetworkPolicy")["spec"]["podSelector"]["matchLabels"], pod_labels)
+    kvrc = kvrc_workload(docs)
+    service = service_of(docs, kvrc)
+    # Every workload selects its own pods and no other workload's.
+    for workload in workloads(docs):
+        for other in workloads(docs):
+            picks = selects(workload["spec"]["selector"]["matchLabels"], pod_labels(other))
+            assert picks == (workload is other), f"{shape}: {workload['metadata']['name']}"
+    # kvrc's pods are covered by a PDB and a NetworkPolicy; every one of those selects pods.
+    for kind, key in (("PodDisruptionBudget", "selector"), ("NetworkPolicy", "podSelector")):
+        selectors = [d["spec"][key]["matchLabels"] for d in docs if d["kind"] == kind]
+        assert any(selects(s, pod_labels(kvrc)) for s in selectors), f"{shape}: {kind}"
+        for selector in selectors:
+            assert any(selects(selector, pod_labels(w)) for w in workloads(docs)), selector
     monitor = one(docs, "ServiceMonitor")
     assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
-    # Every Service port points at a named container port of the pod.
-    port_names = {p["name"] for c in all_containers(pod_spec(docs)) for p in c.get("ports", [])}
-    for port in service["spec"]["ports"]:
-        assert port["targetPort"] in port_names, f"{shape}: {port}"
+    # Every Service port points at a named container port of the pods it selects.
+    for workload in workloads(docs):
+        spec = workload["spec"]["template"]["spec"]
+        port_names = {p["name"] for c in all_containers(spec) for p in c.get("ports", [])}
+        for port in service_of(docs, workload)["spec"]["ports"]:
+            assert port["targetPort"] in port_names, f"{shape}: {port}"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -267,8 +331,7 @@ def test_profiles_configmap_is_mounted_and_loads(shape: str) -> None:
     profiles_path = Path(flag_value(args, "--profiles"))
     mount = next(m for m in kvrc["volumeMounts"] if profiles_path.parent == Path(m["mountPath"]))
     volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
-    configmap = one(docs, "ConfigMap")
-    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    configmap = named(docs, "ConfigMap", volume["configMap"]["name"])
     text = configmap["data"][profiles_path.name]
     profiles = parse_profiles(tomllib.loads(text), f"{shape} ConfigMap")
     assert profiles, f"{shape}: the ConfigMap declares no profile"
@@ -306,14 +369,24 @@ def test_flags_are_ones_kvrc_serve_accepts(tmp_path: Path) -> None:
     # The real parser and config builder: unknown flags and bad values both fail.
     profiles = tmp_path / "profiles.toml"
     profiles.write_text(one(shape_docs("standalone"), "ConfigMap")["data"]["profiles.toml"])
+    # The Secret's file, as the replicated shape mounts it (read when the config is built).
+    password = tmp_path / "password"
+    password.write_text("0123abcd\n")
     for where, args in kvrc_args_everywhere():
         if "--profiles" in args:
             args = [str(profiles) if a.endswith(".toml") else a for a in args]
+        if "--store-password-file" in args:
+            args = [*args]
+            args[args.index("--store-password-file") + 1] = str(password)
         parsed = build_parser().parse_args(["serve", *args])
         config = config_from_args(parsed)
         assert config.listen == f"0.0.0.0:{GRPC_PORT}", where
         assert config.metrics_port == METRICS_PORT, where
         assert config.reuse is False, f"{where}: reuse must ship off"
+        if where == "replicated":
+            assert config.store.kind == "redis" and config.store.password == "0123abcd"
+        else:
+            assert config.store.kind == "memory", where
 
 
 def test_parser_refuses_an_unknown_flag() -> None:
