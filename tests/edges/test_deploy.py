@@ -6,16 +6,24 @@ versions we support; the ServiceMonitor (a CRD) against the subset schema under
 deploy/schemas/. Beyond schemas: probes hit the gRPC port kvrc listens on, the
 flags are ones `kvrc serve` accepts, selectors select, the profiles file loads,
 and the Grafana dashboard only queries metrics kvrc exports (and covers them all).
+The replicated shape (N kvrc replicas over Redis) also gets checks of its own,
+each shown to fail on a broken copy of the manifests: the store URL names the
+Redis Service, the password comes only from the Secret, only kvrc pods reach
+Redis, replicas >= 2 with a PDB of one, and Redis takes requirepass from the
+Secret (run against a real redis-server).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,18 +32,44 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
+import redis as redis_lib
 import yaml
+from harness import free_port
 from prometheus_env import metric_catalog, promtool
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from redis_env import require_redis_server
 
 from coordinator.edges.cli import build_parser, config_from_args
 from coordinator.edges.server import SERVICE_NAMES
-from coordinator.runtime.config import ConfigError, parse_profiles
+from coordinator.runtime.config import ConfigError, parse_profiles, parse_store
 from coordinator.runtime.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 MANIFEST_DIR = DEPLOY / "kubernetes"
-SHAPES = ("standalone", "sidecar")
+SHAPES = ("standalone", "sidecar", "replicated")
+# The objects each shape ships (kinds, with repeats).
+SHAPE_KINDS = {
+    "standalone": [
+        "ConfigMap",
+        "Deployment",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "Service",
+        "ServiceMonitor",
+    ],
+    "replicated": [
+        *["ConfigMap", "ConfigMap"],  # kvrc's profiles, redis.conf
+        *["StatefulSet", "StatefulSet"],  # kvrc replicas, Redis
+        *["Service", "Service"],  # headless kvrc, kvrc-redis
+        *["NetworkPolicy", "NetworkPolicy"],
+        *["PodDisruptionBudget", "PodDisruptionBudget"],
+        "ServiceMonitor",
+    ],
+}
+SHAPE_KINDS["sidecar"] = SHAPE_KINDS["standalone"]
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 DASHBOARD = DEPLOY / "grafana" / "kvrc-dashboard.json"
 # Custom resources of the Prometheus operator: validated against subset schemas.
 CRD_SCHEMAS = {
@@ -71,13 +105,54 @@ def one(docs: list[Doc], kind: str) -> Doc:
     return found[0]
 
 
+def all_containers(spec: Doc) -> list[Doc]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def workloads(docs: list[Doc]) -> list[Doc]:
+    return [d for d in docs if d["kind"] in WORKLOAD_KINDS]
+
+
+def kvrc_workload(docs: list[Doc]) -> Doc:
+    """The Deployment or StatefulSet whose pods run the container named kvrc."""
+    found = [
+        w
+        for w in workloads(docs)
+        if any(c["name"] == "kvrc" for c in all_containers(w["spec"]["template"]["spec"]))
+    ]
+    assert len(found) == 1, f"expected one workload running kvrc, found {len(found)}"
+    return found[0]
+
+
 def pod_spec(docs: list[Doc]) -> Doc:
-    spec: Doc = one(docs, "Deployment")["spec"]["template"]["spec"]
+    spec: Doc = kvrc_workload(docs)["spec"]["template"]["spec"]
     return spec
 
 
-def all_containers(spec: Doc) -> list[Doc]:
-    return [*spec.get("initContainers", []), *spec["containers"]]
+def pod_labels(workload: Doc) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def service_of(docs: list[Doc], workload: Doc) -> Doc:
+    """The one Service that routes to `workload`'s pods."""
+    found = [
+        d
+        for d in docs
+        if d["kind"] == "Service" and selects(d["spec"].get("selector", {}), pod_labels(workload))
+    ]
+    assert len(found) == 1, f"expected one Service for {workload['metadata']['name']}: {found}"
+    return found[0]
+
+
+def named(docs: list[Doc], kind: str, name: str) -> Doc:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
 
 
 def kvrc_container(spec: Doc) -> Doc:
@@ -113,18 +188,12 @@ def test_manifest_validates_against_kubernetes_schemas(path: Path, version: str)
 
 
 def test_every_shape_has_the_objects_the_issue_asks_for() -> None:
+    assert (
+        set(SHAPE_KINDS) == set(SHAPES) == {p.name for p in MANIFEST_DIR.iterdir()} - {"monitoring"}
+    )
     for shape in SHAPES:
         kinds = sorted(d["kind"] for d in shape_docs(shape))
-        assert kinds == sorted(
-            [
-                "ConfigMap",
-                "Deployment",
-                "NetworkPolicy",
-                "PodDisruptionBudget",
-                "Service",
-                "ServiceMonitor",
-            ]
-        ), f"{shape}: {kinds}"
+        assert kinds == sorted(SHAPE_KINDS[shape]), f"{shape}: {kinds}"
 
 
 @pytest.mark.parametrize(
@@ -132,6 +201,8 @@ def test_every_shape_has_the_objects_the_issue_asks_for() -> None:
     [
         # A typo the API server would reject (strict: unknown field).
         ("Deployment", lambda d: d["spec"].__setitem__("replica", 1)),
+        ("StatefulSet", lambda d: d["spec"].__setitem__("replica", 3)),
+        ("StatefulSet", lambda d: d["spec"]["volumeClaimTemplates"][0].__setitem__("spec", 1)),
         # A wrong type.
         ("Service", lambda d: d["spec"]["ports"][0].__setitem__("port", "fifty")),
         # CRD subset: an unknown scheme and an unknown field.
@@ -143,8 +214,10 @@ def test_every_shape_has_the_objects_the_issue_asks_for() -> None:
 )
 def test_validation_rejects_broken_manifests(kind: str, mutate: Any) -> None:
     # The schema checks above mean something only if they can fail.
-    docs = [*shape_docs("standalone"), *load_docs(ALERTS)]
-    doc = copy.deepcopy(one(docs, kind))
+    docs = [*shape_docs("standalone"), *shape_docs("replicated"), *load_docs(ALERTS)]
+    # The first of its kind; of the StatefulSets, Redis's (the one with a PVC template).
+    of_kind = [d for d in docs if d["kind"] == kind]
+    doc = copy.deepcopy(min(of_kind, key=lambda d: "volumeClaimTemplates" not in d["spec"]))
     validate_resource(doc, KUBERNETES_VERSIONS[-1])
     mutate(doc)
     with pytest.raises(jsonschema.ValidationError):
@@ -180,7 +253,7 @@ def test_metrics_port_is_declared_and_served(shape: str) -> None:
     metrics_ports = {p["name"]: p["containerPort"] for p in kvrc["ports"] if "metrics" in p["name"]}
     assert list(metrics_ports.values()) == [METRICS_PORT]
     # Service -> container port name -> ServiceMonitor endpoint, all the same port.
-    service = one(docs, "Service")
+    service = service_of(docs, kvrc_workload(docs))
     by_name = {p["name"]: p for p in service["spec"]["ports"]}
     monitor = one(docs, "ServiceMonitor")
     for endpoint in monitor["spec"]["endpoints"]:
@@ -192,23 +265,27 @@ def test_metrics_port_is_declared_and_served(shape: str) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_selectors_select(shape: str) -> None:
     docs = shape_docs(shape)
-    deployment = one(docs, "Deployment")
-    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    service = one(docs, "Service")
-
-    def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-        return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-    assert selects(deployment["spec"]["selector"]["matchLabels"], pod_labels)
-    assert selects(service["spec"]["selector"], pod_labels)
-    assert selects(one(docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], pod_labels)
-    assert selects(one(docs, "NetworkPolicy")["spec"]["podSelector"]["matchLabels"], pod_labels)
+    kvrc = kvrc_workload(docs)
+    service = service_of(docs, kvrc)
+    # Every workload selects its own pods and no other workload's.
+    for workload in workloads(docs):
+        for other in workloads(docs):
+            picks = selects(workload["spec"]["selector"]["matchLabels"], pod_labels(other))
+            assert picks == (workload is other), f"{shape}: {workload['metadata']['name']}"
+    # kvrc's pods are covered by a PDB and a NetworkPolicy; every one of those selects pods.
+    for kind, key in (("PodDisruptionBudget", "selector"), ("NetworkPolicy", "podSelector")):
+        selectors = [d["spec"][key]["matchLabels"] for d in docs if d["kind"] == kind]
+        assert any(selects(s, pod_labels(kvrc)) for s in selectors), f"{shape}: {kind}"
+        for selector in selectors:
+            assert any(selects(selector, pod_labels(w)) for w in workloads(docs)), selector
     monitor = one(docs, "ServiceMonitor")
     assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
-    # Every Service port points at a named container port of the pod.
-    port_names = {p["name"] for c in all_containers(pod_spec(docs)) for p in c.get("ports", [])}
-    for port in service["spec"]["ports"]:
-        assert port["targetPort"] in port_names, f"{shape}: {port}"
+    # Every Service port points at a named container port of the pods it selects.
+    for workload in workloads(docs):
+        spec = workload["spec"]["template"]["spec"]
+        port_names = {p["name"] for c in all_containers(spec) for p in c.get("ports", [])}
+        for port in service_of(docs, workload)["spec"]["ports"]:
+            assert port["targetPort"] in port_names, f"{shape}: {port}"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -257,6 +334,492 @@ def test_standalone_runs_one_coordinator_at_a_time() -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+def test_termination_grace_outlasts_kvrc_shutdown(shape: str) -> None:
+    # SIGTERM -> kvrc's --shutdown-grace-s for in-flight RPCs (+ 1 s for queued store
+    # appends): the kubelet's SIGKILL must come well after (twice that, at least).
+    spec = pod_spec(shape_docs(shape))
+    args = build_parser().parse_args(["serve", *kvrc_container(spec)["args"]])
+    assert spec["terminationGracePeriodSeconds"] >= 2 * (args.shutdown_grace_s + 1), shape
+
+
+# --- the replicated shape: N kvrc replicas over one Redis ---------------------------
+#
+# Each check is a function of the shape's documents, so that
+# test_replicated_checks_fail_on_broken_manifests can show it failing on a broken copy.
+
+REDIS_PORT = 6379
+STORE_SECRET = "kvrc-store"
+
+
+def replicated() -> list[Doc]:
+    return shape_docs("replicated")
+
+
+def redis_workload(docs: list[Doc]) -> Doc:
+    found = [
+        w
+        for w in workloads(docs)
+        if any(c["name"] == "redis" for c in w["spec"]["template"]["spec"]["containers"])
+    ]
+    assert len(found) == 1, f"expected one workload running redis, found {len(found)}"
+    return found[0]
+
+
+def container(workload: Doc, name: str) -> Doc:
+    found = [c for c in all_containers(workload["spec"]["template"]["spec"]) if c["name"] == name]
+    assert len(found) == 1, name
+    return found[0]
+
+
+def redis_conf(docs: list[Doc]) -> str:
+    """redis.conf from the ConfigMap Redis's pods mount."""
+    spec = redis_workload(docs)["spec"]["template"]["spec"]
+    names = [v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v]
+    assert len(names) == 1, names
+    text: str = named(docs, "ConfigMap", names[0])["data"]["redis.conf"]
+    return text
+
+
+def conf_value(conf: str, key: str) -> str | None:
+    values = [
+        line.split(None, 1)[1].strip() if len(line.split()) > 1 else ""
+        for line in conf.splitlines()
+        if line.split() and line.split()[0].lower() == key
+    ]
+    return values[-1] if values else None
+
+
+def secret_mounts(workload: Doc, name: str) -> dict[Path, str]:
+    """Mount path -> secret name, for the container `name`'s secret volumes."""
+    spec = workload["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    return {
+        Path(m["mountPath"]): secrets[m["name"]]
+        for m in container(workload, name).get("volumeMounts", [])
+        if m["name"] in secrets
+    }
+
+
+def is_secret_file(workload: Doc, name: str, path: str) -> bool:
+    """`path` is a file of the STORE_SECRET volume mounted in container `name`."""
+    spec = workload["spec"]["template"]["spec"]
+    for mount_path, secret in secret_mounts(workload, name).items():
+        if secret == STORE_SECRET and Path(path).parent == mount_path:
+            volume = next(
+                v
+                for v in spec["volumes"]
+                if "secret" in v
+                and any(
+                    m["name"] == v["name"] and Path(m["mountPath"]) == mount_path
+                    for m in container(workload, name)["volumeMounts"]
+                )
+            )
+            items = volume["secret"].get("items")
+            return items is None or Path(path).name in {i["path"] for i in items}
+    return False
+
+
+def walk(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) for every dict item and list element, depth first."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield f"{path}.{key}", item
+            yield from walk(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield f"{path}[{i}]", item
+            yield from walk(item, f"{path}[{i}]")
+
+
+def check_store_url_names_the_redis_service(docs: list[Doc]) -> None:
+    kvrc = kvrc_workload(docs)
+    args = container(kvrc, "kvrc")["args"]
+    store = parse_store(flag_value(args, "--store"))
+    assert store.kind == "redis", f"--store {store.url}: the replicas would not share anything"
+    # The host is the Redis Service's name (or its NAME.NAMESPACE.svc... form).
+    redis = redis_workload(docs)
+    service = service_of(docs, redis)
+    name = service["metadata"]["name"]
+    host = store.host.split(".")
+    assert host[0] == name and (len(host) == 1 or host[2:3] in ([], ["svc"])), store.host
+    port = next((p for p in service["spec"]["ports"] if p["port"] == store.port), None)
+    assert port is not None, f"{store.url}: Service {name} has no port {store.port}"
+    # ... whose target is the port Redis listens on.
+    redis_ports = {p["name"]: p["containerPort"] for p in container(redis, "redis")["ports"]}
+    target = port["targetPort"]
+    listens = int(conf_value(redis_conf(docs), "port") or REDIS_PORT)
+    assert redis_ports.get(target, target) == listens, f"{port} does not reach Redis's {listens}"
+
+
+def check_password_only_from_the_secret(docs: list[Doc]) -> None:
+    kvrc, redis = kvrc_workload(docs), redis_workload(docs)
+    # kvrc reads the password from the Secret's file, never from argv (parse_store
+    # refuses one in the URL) or an environment literal.
+    password_file = flag_value(container(kvrc, "kvrc")["args"], "--store-password-file")
+    assert is_secret_file(kvrc, "kvrc", password_file), f"{password_file}: not {STORE_SECRET}'s"
+    # Redis gets requirepass, and redis-cli its password, from that file only.
+    words = re.compile(
+        r'(requirepass|masterauth|REDISCLI_AUTH=|--pass\b|-a\b)\s*("?\$\(cat [^)]*\)"?|\S*)', re.I
+    )
+    sources = []
+    for where, value in walk(container(redis, "redis")):
+        for _key, source in words.findall(value) if isinstance(value, str) else ():
+            read = re.fullmatch(r'"?\$\(cat (/\S+)\)"?', source)
+            assert read, f"redis{where}: a password not read from a file: {value!r}"
+            assert is_secret_file(redis, "redis", read.group(1)), f"redis{where}: {read.group(1)}"
+            sources.append(where)
+    command = "\n".join(container(redis, "redis").get("command", []))
+    assert re.search(r"^\s*requirepass \$\(cat /", command, re.M), "Redis runs without a password"
+    assert len(sources) >= 2, "redis-cli in the probes must authenticate from the file too"
+    # Nowhere else: no password in a ConfigMap, no env literal, no Secret with data shipped,
+    # no reference to any other Secret.
+    for doc in docs:
+        if doc["kind"] == "ConfigMap":
+            for key, text in doc["data"].items():
+                assert not re.search(r"^\s*(requirepass|masterauth)\b", text, re.I | re.M), key
+        assert doc["kind"] != "Secret", "the Secret is created by hand, not shipped with a value"
+        for where, value in walk(doc):
+            if where.endswith(".env") and isinstance(value, list):
+                for env in value:
+                    looks = re.search(r"PASS|AUTH|SECRET|TOKEN", env["name"], re.I)
+                    assert not (looks and "value" in env), f"{where}: {env['name']} is a literal"
+            # Volumes (secretName), projected volumes (secret.name), env and envFrom.
+            if where.endswith((".secretName", ".secretKeyRef", ".secretRef", ".secret")):
+                name = value if isinstance(value, str) else value.get("name", STORE_SECRET)
+                assert name == STORE_SECRET, f"{where}: Secret {name}"
+
+
+def check_only_kvrc_reaches_redis(docs: list[Doc]) -> None:
+    kvrc, redis = kvrc_workload(docs), redis_workload(docs)
+    # Every policy whose podSelector picks Redis's pods ({} picks every pod) counts.
+    labels = pod_labels(redis)
+    policies = []
+    for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        selector = policy["spec"]["podSelector"]
+        assert "matchExpressions" not in selector, f"{policy['metadata']['name']}: unchecked"
+        if all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()):
+            policies.append(policy)
+    assert policies, "no NetworkPolicy selects the Redis pods: every pod may reach Redis"
+    assert any("Ingress" in p["spec"].get("policyTypes", ["Ingress"]) for p in policies), (
+        "no policy restricts ingress to Redis"
+    )
+    kvrc_selector = kvrc["spec"]["selector"]["matchLabels"]
+    for policy in policies:
+        # Policies add up: each one selecting Redis may admit kvrc's pods only.
+        for rule in policy["spec"].get("ingress", []):
+            assert rule.get("from"), f"{policy['metadata']['name']}: a rule without from admits all"
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, f"{peer}: not only this namespace's pods"
+                assert peer["podSelector"] == {"matchLabels": kvrc_selector}, peer
+            assert [p["port"] for p in rule.get("ports", [])] == [REDIS_PORT], rule
+
+
+def check_replicas_spread_with_one_disruption(docs: list[Doc]) -> None:
+    kvrc = kvrc_workload(docs)
+    replicas = kvrc["spec"]["replicas"]
+    assert replicas >= 2, f"replicas {replicas}: no failover"
+    # One voluntary disruption at a time (and not zero: node drains must proceed).
+    pdbs = [
+        d
+        for d in docs
+        if d["kind"] == "PodDisruptionBudget"
+        and selects(d["spec"]["selector"]["matchLabels"], pod_labels(kvrc))
+    ]
+    assert len(pdbs) == 1
+    budget = pdbs[0]["spec"]
+    unavailable = budget.get("maxUnavailable", replicas - budget.get("minAvailable", replicas))
+    assert unavailable == 1, f"{budget}: allows {unavailable} replicas down at once"
+    # One replica per node.
+    anti = kvrc["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    terms = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert any(
+        t["topologyKey"] == "kubernetes.io/hostname"
+        and selects(t["labelSelector"]["matchLabels"], pod_labels(kvrc))
+        for t in terms
+    ), terms
+    # Stable per-pod names (kvrc-0.kvrc, ...): a StatefulSet governed by a headless Service.
+    assert kvrc["kind"] == "StatefulSet"
+    service = service_of(docs, kvrc)
+    assert kvrc["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"].get("clusterIP") == "None", "a load-balanced Service splits engines"
+
+
+REPLICATED_CHECKS = {
+    "store_url": check_store_url_names_the_redis_service,
+    "password": check_password_only_from_the_secret,
+    "network_policy": check_only_kvrc_reaches_redis,
+    "replicas": check_replicas_spread_with_one_disruption,
+}
+
+
+@pytest.mark.parametrize("check", REPLICATED_CHECKS)
+def test_replicated_shape(check: str) -> None:
+    REPLICATED_CHECKS[check](replicated())
+
+
+def _kvrc_args(docs: list[Doc]) -> list[str]:
+    args: list[str] = container(kvrc_workload(docs), "kvrc")["args"]
+    return args
+
+
+def _set_flag(flag: str, value: str) -> Any:
+    return lambda docs: _kvrc_args(docs).__setitem__(_kvrc_args(docs).index(flag) + 1, value)
+
+
+def _redis(docs: list[Doc]) -> Doc:
+    return container(redis_workload(docs), "redis")
+
+
+def _policy(docs: list[Doc]) -> Doc:
+    spec: Doc = named(docs, "NetworkPolicy", "kvrc-redis")["spec"]
+    return spec
+
+
+def _kvrc_pdb(docs: list[Doc]) -> Doc:
+    spec: Doc = named(docs, "PodDisruptionBudget", "kvrc")["spec"]
+    return spec
+
+
+def _min_available_one(docs: list[Doc]) -> None:
+    _kvrc_pdb(docs).pop("maxUnavailable", None)
+    _kvrc_pdb(docs)["minAvailable"] = 1
+
+
+def _kvrc_volumes(docs: list[Doc]) -> list[Doc]:
+    volumes: list[Doc] = kvrc_workload(docs)["spec"]["template"]["spec"]["volumes"]
+    return volumes
+
+
+BREAKAGES: list[tuple[str, str, Any]] = [
+    ("store_url", "memory", _set_flag("--store", "memory")),
+    ("store_url", "another host", _set_flag("--store", "redis://redis:6379/0")),
+    ("store_url", "another port", _set_flag("--store", "redis://kvrc-redis:6380/0")),
+    ("store_url", "another ns form", _set_flag("--store", "redis://kvrc-redis.x.cluster:6379/0")),
+    (
+        "store_url",
+        "Service renamed",
+        lambda d: named(d, "Service", "kvrc-redis")["metadata"].__setitem__("name", "redis"),
+    ),
+    (
+        "store_url",
+        "Redis on another port",
+        lambda d: named(d, "ConfigMap", "kvrc-redis")["data"].__setitem__(
+            "redis.conf", "port 6380\n"
+        ),
+    ),
+    ("password", "file outside the Secret", _set_flag("--store-password-file", "/tmp/password")),
+    (
+        "password",
+        "env literal",
+        lambda d: container(kvrc_workload(d), "kvrc").__setitem__(
+            "env", [{"name": "KVRC_STORE_PASSWORD", "value": "hunter2"}]
+        ),
+    ),
+    (
+        "password",
+        "another Secret",
+        lambda d: next(v for v in _kvrc_volumes(d) if "secret" in v)["secret"].__setitem__(
+            "secretName", "other"
+        ),
+    ),
+    (
+        "password",
+        "requirepass in argv",
+        lambda d: _redis(d).__setitem__("command", ["redis-server", "--requirepass", "hunter2"]),
+    ),
+    (
+        "password",
+        "requirepass in the ConfigMap",
+        lambda d: named(d, "ConfigMap", "kvrc-redis")["data"].__setitem__(
+            "redis.conf", "requirepass hunter2\n"
+        ),
+    ),
+    (
+        "password",
+        "probe with a literal",
+        lambda d: _redis(d)["readinessProbe"]["exec"].__setitem__(
+            "command", ["redis-cli", "-a", "hunter2", "ping"]
+        ),
+    ),
+    (
+        "password",
+        "Redis without a password",
+        lambda d: _redis(d).__setitem__("command", ["redis-server", "/etc/redis/redis.conf"]),
+    ),
+    (
+        "password",
+        "a Secret shipped",
+        lambda d: d.append({"kind": "Secret", "metadata": {"name": STORE_SECRET}}),
+    ),
+    ("network_policy", "no policy", lambda d: d.remove(named(d, "NetworkPolicy", "kvrc-redis"))),
+    (
+        "network_policy",
+        "selects other pods",
+        lambda d: _policy(d)["podSelector"]["matchLabels"].__setitem__(
+            "app.kubernetes.io/component", "x"
+        ),
+    ),
+    ("network_policy", "admits all", lambda d: _policy(d)["ingress"][0].pop("from")),
+    (
+        "network_policy",
+        "admits every pod",
+        lambda d: _policy(d)["ingress"][0]["from"][0].__setitem__("podSelector", {}),
+    ),
+    (
+        "network_policy",
+        "admits engines",
+        lambda d: _policy(d)["ingress"][0]["from"].append(
+            {"podSelector": {"matchLabels": {"kvrc.io/client": "true"}}}
+        ),
+    ),
+    (
+        "network_policy",
+        "admits a namespace",
+        lambda d: _policy(d)["ingress"][0]["from"][0].__setitem__(
+            "namespaceSelector", {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+        ),
+    ),
+    (
+        "network_policy",
+        "a second policy admitting all",
+        lambda d: d.append(
+            {
+                "kind": "NetworkPolicy",
+                "metadata": {"name": "open"},
+                "spec": {"podSelector": {}, "ingress": [{}]},
+            }
+        ),
+    ),
+    ("network_policy", "egress only", lambda d: _policy(d).__setitem__("policyTypes", ["Egress"])),
+    ("replicas", "one replica", lambda d: kvrc_workload(d)["spec"].__setitem__("replicas", 1)),
+    ("replicas", "PDB allows two", lambda d: _kvrc_pdb(d).__setitem__("maxUnavailable", 2)),
+    ("replicas", "PDB minAvailable 1 of 3", _min_available_one),
+    ("replicas", "PDB blocks every drain", lambda d: _kvrc_pdb(d).__setitem__("maxUnavailable", 0)),
+    (
+        "replicas",
+        "no anti-affinity",
+        lambda d: kvrc_workload(d)["spec"]["template"]["spec"].pop("affinity"),
+    ),
+    (
+        "replicas",
+        "anti-affinity by zone only",
+        lambda d: kvrc_workload(d)["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ][0].__setitem__("topologyKey", "topology.kubernetes.io/zone"),
+    ),
+    (
+        "replicas",
+        "load-balanced Service",
+        lambda d: named(d, "Service", "kvrc")["spec"].pop("clusterIP"),
+    ),
+    ("replicas", "no governing Service", lambda d: kvrc_workload(d)["spec"].pop("serviceName")),
+]
+
+
+@pytest.mark.parametrize(
+    ("check", "mutate"),
+    [(check, mutate) for check, _, mutate in BREAKAGES],
+    ids=[f"{check}-{why}" for check, why, _ in BREAKAGES],
+)
+def test_replicated_checks_fail_on_broken_manifests(check: str, mutate: Any) -> None:
+    docs = copy.deepcopy(replicated())
+    mutate(docs)
+    with pytest.raises((AssertionError, KeyError, ConfigError)):
+        REPLICATED_CHECKS[check](docs)
+
+
+def test_redis_is_durable_pinned_and_locked_down() -> None:
+    docs = replicated()
+    redis = redis_workload(docs)
+    conf = redis_conf(docs)
+    assert conf_value(conf, "appendonly") == "yes", "a restart without AOF is a store loss"
+    # Never evict kvrc's keys (an evicted epoch is a store loss); a full Redis refuses writes.
+    assert conf_value(conf, "maxmemory-policy") == "noeviction"
+    # The append-only file lands on the PVC.
+    claims = {t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]}
+    mounts = {Path(m["mountPath"]): m["name"] for m in container(redis, "redis")["volumeMounts"]}
+    assert mounts.get(Path(conf_value(conf, "dir") or "/data")) in claims
+    assert redis["spec"]["replicas"] == 1, "kvrc supports one Redis primary"
+    # Pinned like kvrc's image: a version tag (or a digest), never latest.
+    for workload, name in ((redis, "redis"), (kvrc_workload(docs), "kvrc")):
+        image = container(workload, name)["image"]
+        assert re.search(r"(:\d+\.\d+\.\d+[\w.-]*|@sha256:[0-9a-f]{64})$", image), image
+    spec = redis["spec"]["template"]["spec"]
+    security = {**spec["securityContext"], **container(redis, "redis")["securityContext"]}
+    assert security["runAsNonRoot"] is True and security["runAsUser"] != 0
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert security["seccompProfile"]["type"] == "RuntimeDefault"
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(container(redis, "redis")["resources"][kind])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe in container(redis, "redis"), probe
+
+
+def test_redis_command_takes_requirepass_from_the_secret(tmp_path: Path) -> None:
+    """The manifest's own command and probe, run against a real redis-server.
+
+    Paths under /etc and /data are moved into tmp_path; the password file is the
+    Secret's as the kubelet mounts it.
+    """
+    require_redis_server()
+    docs = replicated()
+    redis = container(redis_workload(docs), "redis")
+    port = free_port()
+
+    def local(text: str) -> str:
+        return text.replace("/etc/", f"{tmp_path}/etc/").replace("/data", f"{tmp_path}/data")
+
+    (tmp_path / "etc" / "redis").mkdir(parents=True)
+    (tmp_path / "data").mkdir()
+    conf = re.sub(r"^port .*$", f"port {port}", redis_conf(docs), flags=re.M)
+    (tmp_path / "etc" / "redis" / "redis.conf").write_text(
+        local(conf).replace("* -::*", "127.0.0.1")
+    )
+    secret_dir = tmp_path / "etc" / "kvrc-store"
+    secret_dir.mkdir()
+    password = "c0ffee" * 8
+    (secret_dir / "password").write_text(password)
+    command = [local(a) for a in redis["command"]]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            assert process.poll() is None, process.stdout.read() if process.stdout else ""
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            assert time.monotonic() < deadline, "redis-server did not listen within 10 s"
+            time.sleep(0.02)
+
+        def client(password: str | None) -> redis_lib.Redis:
+            # No retries: a refused password must fail at once, not after backoffs.
+            return redis_lib.Redis(
+                port=port, password=password, socket_timeout=2, retry=Retry(NoBackoff(), 0)
+            )
+
+        assert client(password).config_get("appendonly") == {"appendonly": "yes"}
+        with pytest.raises(redis_lib.AuthenticationError):
+            client(None).ping()
+        with pytest.raises(redis_lib.AuthenticationError):
+            client("wrong").ping()
+        # `exec`: Redis is the container's process, and the password is in no argv or env.
+        proc = Path(f"/proc/{process.pid}")
+        assert "redis-server" in (proc / "cmdline").read_text()
+        for name in ("cmdline", "environ"):
+            assert password not in (proc / name).read_text(errors="replace"), name
+        # The readiness probe's command authenticates from the same file.
+        probe = [local(a) for a in redis["readinessProbe"]["exec"]["command"]]
+        probe[-1] = probe[-1].replace("redis-cli", f"redis-cli -p {port}")
+        assert subprocess.run(probe, timeout=10).returncode == 0
+        (secret_dir / "password").write_text("wrong")
+        assert subprocess.run(probe, timeout=10).returncode != 0
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 def test_profiles_configmap_is_mounted_and_loads(shape: str) -> None:
     docs = shape_docs(shape)
     spec = pod_spec(docs)
@@ -267,8 +830,7 @@ def test_profiles_configmap_is_mounted_and_loads(shape: str) -> None:
     profiles_path = Path(flag_value(args, "--profiles"))
     mount = next(m for m in kvrc["volumeMounts"] if profiles_path.parent == Path(m["mountPath"]))
     volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
-    configmap = one(docs, "ConfigMap")
-    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    configmap = named(docs, "ConfigMap", volume["configMap"]["name"])
     text = configmap["data"][profiles_path.name]
     profiles = parse_profiles(tomllib.loads(text), f"{shape} ConfigMap")
     assert profiles, f"{shape}: the ConfigMap declares no profile"
@@ -306,14 +868,24 @@ def test_flags_are_ones_kvrc_serve_accepts(tmp_path: Path) -> None:
     # The real parser and config builder: unknown flags and bad values both fail.
     profiles = tmp_path / "profiles.toml"
     profiles.write_text(one(shape_docs("standalone"), "ConfigMap")["data"]["profiles.toml"])
+    # The Secret's file, as the replicated shape mounts it (read when the config is built).
+    password = tmp_path / "password"
+    password.write_text("0123abcd\n")
     for where, args in kvrc_args_everywhere():
         if "--profiles" in args:
             args = [str(profiles) if a.endswith(".toml") else a for a in args]
+        if "--store-password-file" in args:
+            args = [*args]
+            args[args.index("--store-password-file") + 1] = str(password)
         parsed = build_parser().parse_args(["serve", *args])
         config = config_from_args(parsed)
         assert config.listen == f"0.0.0.0:{GRPC_PORT}", where
         assert config.metrics_port == METRICS_PORT, where
         assert config.reuse is False, f"{where}: reuse must ship off"
+        if where == "replicated":
+            assert config.store.kind == "redis" and config.store.password == "0123abcd"
+        else:
+            assert config.store.kind == "memory", where
 
 
 def test_parser_refuses_an_unknown_flag() -> None:
