@@ -15,16 +15,22 @@ the loaded tokens as cached.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm_harness import (
     BLOCK_SIZE,
+    REPO,
     Kvrc,
     VllmEngine,
     engines,
+    python_of_tests,
     random_prompt,
     reuse_on_kvrc,
     workdir,
@@ -93,6 +99,40 @@ def test_b_loads_the_prefix_that_a_holds(cluster: Cluster) -> None:
     a_stats = cluster.a.wait_stats("pins_released", before_a.get("pins_released", 0) + 1)
     assert a_stats["pins"] == before_a.get("pins", 0) + 1
     assert a_stats["pins_released"] == before_a.get("pins_released", 0) + 1
+
+
+def score(cluster: Cluster, tokens: list[int]) -> dict[str, dict[str, Any]]:
+    """`kvrc score` by token ids: kvrc hashes them as the engines declared (docs/score.md)."""
+    status = cluster.kvrc.status(python_of_tests())
+    model = status["child_engines"][0]["profile"]["model"]
+    command = [python_of_tests(), "-m", "coordinator", "score", "--target", cluster.kvrc.target]
+    command += ["--model", model, "--tokens", ",".join(map(str, tokens)), "--json"]
+    out = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        check=True,
+    ).stdout
+    return {e["child_engine_id"]: e for e in json.loads(out)["engines"]}
+
+
+def test_score_by_token_ids_finds_what_the_real_engine_published(cluster: Cluster) -> None:
+    # Both engines computed this prompt above: kvrc's own hashing of the token ids
+    # (the connector declares vLLM's algorithm and seed) must give the keys vLLM's
+    # KV events published, or nothing would match.
+    prompt = random_prompt(11, 320)
+    full_blocks = len(prompt) // BLOCK_SIZE
+    scores = score(cluster, prompt)
+    for name in ("engine-a", "engine-b"):
+        assert scores[name]["scored"] is True, scores[name]
+        assert scores[name]["prompt_blocks"] == full_blocks
+        assert scores[name]["local_matched_blocks"] >= full_blocks - 1, scores[name]
+    # Negative control: a prompt neither engine saw matches nothing.
+    unseen = score(cluster, random_prompt(99, 320))
+    assert {e["local_matched_blocks"] for e in unseen.values()} == {0}
 
 
 def test_a_local_hit_plus_a_remote_tail(cluster: Cluster) -> None:
