@@ -32,6 +32,7 @@ from clients.errors import InvalidArgumentError, from_rpc_error
 from clients.session import (
     ChildEngineState,
     EngineSession,
+    EngineStub,
     NullHandler,
     RegisterAck,
     ReuseInfo,
@@ -382,22 +383,18 @@ class LookupClient:
         *,
         channel: grpc.aio.Channel | None = None,
     ) -> None:
-        self._channels = target if isinstance(target, SessionChannels) else None
         if isinstance(target, SessionChannels):
             self._own = False
             self._channel: grpc.aio.Channel | None = None
+            self._stubs = EngineStub(target)
         else:
             self._own = channel is None
             self._channel = channel if channel is not None else connect(target)
-        self._stubs: tuple[grpc.aio.Channel, pb_grpc.EngineServiceAsyncStub] | None = None
+            self._stubs = EngineStub(self._channel)
 
     @property
     def _stub(self) -> pb_grpc.EngineServiceAsyncStub:
-        channel = self._channels.current() if self._channels is not None else self._channel
-        assert channel is not None
-        if self._stubs is None or self._stubs[0] is not channel:
-            self._stubs = (channel, pb_grpc.EngineServiceStub(channel))
-        return self._stubs[1]
+        return self._stubs.current()
 
     async def close(self) -> None:
         if self._own and self._channel is not None:

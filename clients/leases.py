@@ -36,6 +36,7 @@ import grpc
 from clients.errors import KvrcClientError, UnavailableError, from_rpc_error
 from clients.session import (
     EngineSession,
+    EngineStub,
     NullHandler,
     ReuseInfo,
     SessionChannels,
@@ -146,23 +147,17 @@ class LeaseClient:
     ) -> None:
         self.child_engine_id = child_engine_id
         self._own_channel = isinstance(target, (str, ChannelOptions))
-        self._channels = target if isinstance(target, SessionChannels) else None
         if isinstance(target, SessionChannels):
             self._channel: grpc.aio.Channel | None = None
-        elif isinstance(target, (str, ChannelOptions)):
-            self._channel = connect(target)
+            self._stubs = EngineStub(target)
         else:
-            self._channel = target
-        self._stubs: tuple[grpc.aio.Channel, pb_grpc.EngineServiceAsyncStub] | None = None
+            self._channel = connect(target) if isinstance(target, (str, ChannelOptions)) else target
+            self._stubs = EngineStub(self._channel)
         self._timeout_s = timeout_s
 
     @property
     def _stub(self) -> pb_grpc.EngineServiceAsyncStub:
-        channel = self._channels.current() if self._channels is not None else self._channel
-        assert channel is not None
-        if self._stubs is None or self._stubs[0] is not channel:
-            self._stubs = (channel, pb_grpc.EngineServiceStub(channel))
-        return self._stubs[1]
+        return self._stubs.current()
 
     async def close(self) -> None:
         if self._own_channel and self._channel is not None:

@@ -604,3 +604,19 @@ class SessionChannels:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close(None)
+
+
+class EngineStub:
+    """The `EngineService` stub of a fixed channel, or of the channel `SessionChannels`
+    is on at this moment (a new stub once the session moved to another replica)."""
+
+    def __init__(self, source: SessionChannels | grpc.aio.Channel) -> None:
+        self._source = source
+        self._made: tuple[grpc.aio.Channel, pb_grpc.EngineServiceAsyncStub] | None = None
+
+    def current(self) -> pb_grpc.EngineServiceAsyncStub:
+        source = self._source
+        channel = source.current() if isinstance(source, SessionChannels) else source
+        if self._made is None or self._made[0] is not channel:
+            self._made = (channel, pb_grpc.EngineServiceStub(channel))
+        return self._made[1]

@@ -86,18 +86,22 @@ class Kvrc:
             text: str = r.read().decode()
             return text
 
-    def status(self, python: str) -> dict[str, Any]:
+    def cli_json(self, python: str, command: str, *args: str) -> dict[str, Any]:
+        """`kvrc COMMAND --target <this kvrc> ARGS --json`, its document."""
         out = subprocess.run(
-            [python, "-m", "coordinator", "status", "--target", self.target, "--json"],
+            [python, "-m", "coordinator", command, "--target", self.target, *args, "--json"],
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=60,
             cwd=REPO,
             env=dict(os.environ, PYTHONPATH=str(REPO)),
             check=True,
         ).stdout
         result: dict[str, Any] = json.loads(out)
         return result
+
+    def status(self, python: str) -> dict[str, Any]:
+        return self.cli_json(python, "status")
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -15,9 +15,6 @@ the loaded tokens as cached.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +23,6 @@ from typing import Any
 import pytest
 from vllm_harness import (
     BLOCK_SIZE,
-    REPO,
     Kvrc,
     VllmEngine,
     engines,
@@ -103,20 +99,11 @@ def test_b_loads_the_prefix_that_a_holds(cluster: Cluster) -> None:
 
 def score(cluster: Cluster, tokens: list[int]) -> dict[str, dict[str, Any]]:
     """`kvrc score` by token ids: kvrc hashes them as the engines declared (docs/score.md)."""
-    status = cluster.kvrc.status(python_of_tests())
-    model = status["child_engines"][0]["profile"]["model"]
-    command = [python_of_tests(), "-m", "coordinator", "score", "--target", cluster.kvrc.target]
-    command += ["--model", model, "--tokens", ",".join(map(str, tokens)), "--json"]
-    out = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        check=True,
-    ).stdout
-    return {e["child_engine_id"]: e for e in json.loads(out)["engines"]}
+    python = python_of_tests()
+    model = cluster.kvrc.status(python)["child_engines"][0]["profile"]["model"]
+    tokens_arg = ",".join(map(str, tokens))
+    answer = cluster.kvrc.cli_json(python, "score", "--model", model, "--tokens", tokens_arg)
+    return {e["child_engine_id"]: e for e in answer["engines"]}
 
 
 def test_score_by_token_ids_finds_what_the_real_engine_published(cluster: Cluster) -> None:
