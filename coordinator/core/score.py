@@ -244,13 +244,18 @@ def score(
     # Scorable engines grouped by what their chain depends on: compatibility (the
     # inventory scope) and, for token ids, how they hash.
     groups: dict[tuple[str, HashConfig | None], list[ScoreEngine]] = {}
+    specs: dict[DeploymentProfile, HashConfig] = {}
     for e in engines:
         why = _unscorable(e, query.model)
         if why:
             out[e.child_engine_id] = EngineScore(e.child_engine_id, False, why, reuse=e.reuse)
             continue
         assert e.profile is not None
-        spec = hash_config(e.child_engine_id, e.profile) if query.token_ids is not None else None
+        spec = None
+        if query.token_ids is not None:  # engines of one profile hash alike: read it once
+            spec = specs.get(e.profile)
+            if spec is None:
+                spec = specs[e.profile] = hash_config(e.child_engine_id, e.profile)
         groups.setdefault((e.compatibility_hash, spec), []).append(e)
     chains: dict[HashConfig, tuple[BlockHash, ...]] = {}
     for (compat, spec), members in groups.items():
