@@ -275,6 +275,10 @@ class CostModel:
             safety_margin=self.config.safety_margin,
         )
 
+    def recompute_ms(self, requester: str, num_tokens: int) -> float:
+        """`predict(...).recompute_ms` without a link: what a local hit saves."""
+        return num_tokens * 1000.0 / self.prefill(requester).tokens_per_s
+
     def links(self) -> tuple[tuple[LinkKey, LinkEstimate], ...]:
         """Every measured link, least recently observed first (for `kvrc status`)."""
         return tuple((key, self.link(*key)) for key in self._links)

@@ -132,6 +132,11 @@ class SavingPredictor(Protocol):
         self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
     ) -> Prediction: ...
 
+    def recompute_ms(self, requester: str, num_tokens: int) -> float:
+        """`predict(...).recompute_ms` alone: a local hit needs no link (and is asked per
+        engine, so it stays cheap)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ScoreQuery:
@@ -333,11 +338,8 @@ def _priced(
     me = e.child_engine_id
     saving = 0.0
     if matched:
-        tokens = matched * block_size
-        fastest = by_tier[0][0] if by_tier else Tier.GPU
         # A local hit is prefill not run: its whole recompute time is saved.
-        blocks_bytes = matched * e.bytes_per_block
-        saving += predictor.predict(me, me, fastest, tokens, blocks_bytes).recompute_ms
+        saving += predictor.recompute_ms(me, matched * block_size)
     loadable = 0
     holder = ""
     holder_tier: Tier | None = None
