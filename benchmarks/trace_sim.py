@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Protocol
 
 from benchmarks.common import percentile
-from coordinator.core.cost_model import CostConfig, Prediction
+from coordinator.core.cost_model import CostConfig
 from coordinator.core.cost_model import CostModel as GateModel
 from kvrc.vocabulary import Tier
 
@@ -262,17 +262,6 @@ class LoadGate:
         self.cost = cost
         declared = cost.prefill_tokens_per_s
         self.model = GateModel(config, declared_prefill=lambda _requester: declared)
-
-    def predict(self, holder: EngineIndex, requester: EngineIndex, blocks: int) -> Prediction:
-        """As kvrc predicts a grant: the whole prefix of `blocks` against its recompute."""
-        c = self.cost
-        return self.model.predict(
-            engine_name(holder),
-            engine_name(requester),
-            Tier.GPU,
-            blocks * c.block_tokens,
-            blocks * c.block_bytes,
-        )
 
     def worthwhile(
         self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int

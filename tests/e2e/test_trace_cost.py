@@ -26,6 +26,7 @@ from benchmarks.trace_sim import (
     TraceSimulation,
     simulate,
 )
+from kvrc.vocabulary import Tier
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,7 +94,7 @@ def test_kvrc_cost_refuses_the_slow_pair_kvrc_kv_loads_over_and_takes_the_fast_o
     assert [(ld.request_index, ld.source_engine, ld.requester) for ld in cost.loads] == [(2, 0, 2)]
     assert cost.outcomes[2].ttft_ms == pytest.approx(4 * 0.0512 + 512)
     # ... and learned the fast pair from that load's outcome.
-    assert gate.model.link("prefill-0", "prefill-2", gate.predict(0, 2, 1).tier).samples == 1
+    assert gate.model.link("prefill-0", "prefill-2", Tier.GPU).samples == 1
 
 
 class _Holders:
