@@ -102,7 +102,8 @@ bench-zmq: $(STAMP)
 
 bench-trace: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_trace $(if $(TRACE),--trace $(TRACE)) $(if $(ENGINES),--engines $(ENGINES)) \
-	  $(if $(CAPACITY_TOKENS),--capacity-tokens $(CAPACITY_TOKENS)) $(if $(SPEEDUP),--speedup $(SPEEDUP))
+	  $(if $(CAPACITY_TOKENS),--capacity-tokens $(CAPACITY_TOKENS)) $(if $(SPEEDUP),--speedup $(SPEEDUP)) \
+	  $(if $(SLOW_PAIRS),--slow-pairs --no-service --search-budget-s 0)
 
 bench-load: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_load

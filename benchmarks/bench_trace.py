@@ -6,6 +6,13 @@
 What runs:
 - `local_rr`, `local_kv`, `upper_bound`: the pure simulator (`trace_sim`); they
   need no coordinator.
+- `kvrc_cost` and the static thresholds (`kvrc_kv` at each `min_blocks` of
+  `STATIC_MIN_BLOCKS`): the simulator with the in-process reference provider;
+  kvrc_cost's gate is the coordinator's own `CostModel` (`trace_sim.LoadGate`).
+  `kvrc_cost_ttft_vs_static` / `kvrc_cost_ttft_vs_local` compare its mean TTFT
+  with the best static threshold's and local_kv's (and `*_p99_*` the p99s).
+- `--slow-pairs`: instead of a trace file, the seeded slow-pairs trace and its
+  8-engine, two-group cluster (`benchmarks.slow_pairs`), generated at run time.
 - `kvrc_rr`, `kvrc_kv`: a real `python -m coordinator serve --reuse on` process
   and N simulated prefill engines in metadata-only mode, each a real session
   stream registering one rank part. Engines publish BlockStored/BlockRemoved
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 import tempfile
@@ -57,6 +65,8 @@ from benchmarks.common import (
     start_kvrc,
     write_result,
 )
+from benchmarks.slow_pairs import SLOW_PAIRS
+from benchmarks.slow_pairs import generate as generate_slow_pairs
 from benchmarks.trace_sim import (
     DEFAULT_CAPACITY_TOKENS,
     DEFAULT_ENGINES,
@@ -95,6 +105,7 @@ from clients.leases import (
 )
 from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
 from clients.transfer import TransferOutcome, TransferResult
+from coordinator.core.cost_model import CostConfig
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 from kvrc.vocabulary import Tier, TransferEndpoint
@@ -115,6 +126,8 @@ RELEASE_WAIT_S = 5.0
 # is far past any useful prefix). Event batches are cut by InventoryPublisher.
 MAX_CHAIN_BLOCKS = 4096
 LOOKUP_QUERIES_PER_CHECK = 64  # the coordinator's queries-per-Lookup limit
+# The static thresholds kvrc_cost is compared with (issue 25): kvrc_kv at each.
+STATIC_MIN_BLOCKS = (1, 4, 16, 64, 256)
 
 
 def block_hash(block: BlockId) -> bytes:
@@ -832,6 +845,27 @@ def trace_label(path: Path) -> str:
     return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
 
 
+def cost_comparison(
+    cost_mode: ModeResult, local: ModeResult, static: dict[int, ModeResult]
+) -> dict[str, Any]:
+    """kvrc_cost against local_kv and against the best static threshold.
+
+    The best static threshold is chosen per figure: the `min_blocks` with the lowest
+    mean TTFT for the mean ratio, the lowest p99 for the p99 ratio (ties: the
+    smaller threshold), so each ratio faces the strongest static setting."""
+    best_mean = min(static, key=lambda k: (static[k].ttft_mean_s, k))
+    best_p99 = min(static, key=lambda k: (static[k].ttft_p99_s, k))
+    return {
+        "kvrc_cost_ttft_vs_static": _ratio(cost_mode.ttft_mean_s, static[best_mean].ttft_mean_s),
+        "kvrc_cost_ttft_p99_vs_static": _ratio(cost_mode.ttft_p99_s, static[best_p99].ttft_p99_s),
+        "kvrc_cost_ttft_vs_local": _ratio(cost_mode.ttft_mean_s, local.ttft_mean_s),
+        "kvrc_cost_ttft_p99_vs_local": _ratio(cost_mode.ttft_p99_s, local.ttft_p99_s),
+        "best_static_min_blocks": best_mean,
+        "best_static_min_blocks_p99": best_p99,
+        "static_thresholds": {str(k): r.summary() for k, r in static.items()},
+    }
+
+
 def build_report(
     trace_path: Path,
     requests: Sequence[TraceRequest],
@@ -841,10 +875,12 @@ def build_report(
     max_sustained: float | None,
     steps: list[dict[str, Any]],
     config: dict[str, Any],
+    static: dict[int, ModeResult],
+    trace_name: str | None = None,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
-        "trace": trace_label(trace_path),
-        "trace_name": trace_path.stem,
+        "trace": trace_label(trace_path) if trace_name is None else f"generated: {trace_name}",
+        "trace_name": trace_path.stem if trace_name is None else trace_name,
         "requests": len(requests),
         "blocks": sum(len(r.block_ids) for r in requests),
         "best_possible_hit_ratio": best_possible_hit_ratio(requests),
@@ -855,6 +891,8 @@ def build_report(
     report["kvrc_kv_ttft_vs_local_kv"] = _ratio(
         results[Mode.KVRC_KV].ttft_mean_s, results[Mode.LOCAL_KV].ttft_mean_s
     )
+    report.update(cost_comparison(results[Mode.KVRC_COST], results[Mode.LOCAL_KV], static))
+    report["kvrc_cost_source"] = "reference provider, gate = coordinator.core.cost_model.CostModel"
     report["kvrc_rr_vs_local_rr"] = _ratio(
         results[Mode.KVRC_RR].hit_ratio, results[Mode.LOCAL_RR].hit_ratio
     )
@@ -913,6 +951,7 @@ _LINE_STYLES = {
     Mode.KVRC_RR: "-",
     Mode.LOCAL_KV: "-",
     Mode.KVRC_KV: "--",  # dashed and dotted: visible where they overlap upper_bound
+    Mode.KVRC_COST: "-.",
     Mode.UPPER_BOUND: ":",
 }
 
@@ -956,6 +995,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m benchmarks.bench_trace", description="Trace replay through kvrc."
     )
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument(
+        "--slow-pairs",
+        action="store_true",
+        help="replay the seeded slow-pairs trace and cluster instead (benchmarks/slow_pairs.py;"
+        " its engines, caches and links)",
+    )
     p.add_argument("--engines", type=int, default=DEFAULT_ENGINES)
     p.add_argument("--capacity-tokens", type=int, default=DEFAULT_CAPACITY_TOKENS)
     p.add_argument(
@@ -968,6 +1013,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-tokens-per-s", type=float, default=CostModel().prefill_tokens_per_s)
     p.add_argument("--load-ms-per-block", type=float, default=CostModel().load_ms_per_block)
     p.add_argument("--requests", type=int, default=0, help="replay only the first N (0 = all)")
+    cold = CostConfig()
+    p.add_argument(
+        "--cost-default-bandwidth-gbps",
+        type=float,
+        default=cold.default_bandwidth_bytes_per_s / 1e9,
+        help="kvrc_cost: a cold link's bandwidth, as kvrc serve's flag (%(default)s)",
+    )
+    p.add_argument(
+        "--cost-default-latency-ms",
+        type=float,
+        default=cold.default_latency_ms,
+        help="kvrc_cost: a cold link's latency, as kvrc serve's flag (%(default)s)",
+    )
     p.add_argument(
         "--search-budget-s",
         type=float,
@@ -993,26 +1051,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - started:6.1f} s] {msg}", flush=True)
 
-    try:
-        requests = load_trace(args.trace)
-    except (OSError, ValueError) as e:
-        print(f"bench_trace: {e}", file=sys.stderr)
-        return 2
+    trace_name: str | None = None
+    if args.slow_pairs:
+        # The trace and its cluster come together: the spec fixes engines, caches, links.
+        spec = SLOW_PAIRS
+        requests = generate_slow_pairs(spec)
+        trace_name = spec.name
+        args.engines, args.capacity_tokens = spec.engines, spec.capacity_tokens
+        cost = spec.cost()
+    else:
+        try:
+            requests = load_trace(args.trace)
+        except (OSError, ValueError) as e:
+            print(f"bench_trace: {e}", file=sys.stderr)
+            return 2
+        cost = CostModel(args.prefill_tokens_per_s, args.load_ms_per_block)
     if args.requests:
         requests = requests[: args.requests]
-    cost = CostModel(args.prefill_tokens_per_s, args.load_ms_per_block)
-    shape = {"engines": args.engines, "capacity_tokens": args.capacity_tokens, "cost": cost}
-    log(f"{len(requests)} requests from {args.trace}")
+    name = trace_name if trace_name is not None else args.trace.stem
+    log(f"{len(requests)} requests from {trace_name or args.trace}")
+
+    gate_config = CostConfig(
+        default_bandwidth_bytes_per_s=args.cost_default_bandwidth_gbps * 1e9,
+        default_latency_ms=args.cost_default_latency_ms,
+    )
+
+    def sim(mode: Mode, min_blocks: int = 1) -> ModeResult:
+        return simulate(
+            requests,
+            mode,
+            engines=args.engines,
+            capacity_tokens=args.capacity_tokens,
+            cost=cost,
+            min_blocks=min_blocks,
+            gate_config=gate_config if mode is Mode.KVRC_COST else None,
+        )
 
     results: dict[Mode, ModeResult] = {}
     reference: dict[Mode, ModeResult] = {}
     for mode in Mode:
-        res = simulate(requests, mode, **shape)  # type: ignore[arg-type]
-        (reference if mode.uses_kvrc else results)[mode] = res
+        res = sim(mode)
+        # kvrc_cost runs on the reference provider only (its gate is in-process).
+        (reference if mode in (Mode.KVRC_RR, Mode.KVRC_KV) else results)[mode] = res
         log(
             f"{mode.value:12s} (simulated) hit ratio {res.hit_ratio:.4f}, "
-            f"TTFT {res.ttft_mean_s:.3f} s"
+            f"TTFT {res.ttft_mean_s:.3f} s, p99 {res.ttft_p99_s:.3f} s"
         )
+    static = {k: sim(Mode.KVRC_KV, k) for k in STATIC_MIN_BLOCKS}
+    for k, res in static.items():
+        log(f"kvrc_kv min_blocks {k:3d}: TTFT {res.ttft_mean_s:.3f} s, p99 {res.ttft_p99_s:.3f} s")
 
     real: dict[Mode, RealRun] = {}
     steps: list[dict[str, Any]] = []
@@ -1066,22 +1153,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prefill_tokens_per_s": cost.prefill_tokens_per_s,
         "load_ms_per_block": cost.load_ms_per_block,
         "block_tokens": cost.block_tokens,
+        "kv_bytes_per_token": cost.kv_bytes_per_token,
+        "pairs": dataclasses.asdict(cost.pairs) if cost.pairs is not None else None,
+        "slow_pairs": dataclasses.asdict(SLOW_PAIRS) if args.slow_pairs else None,
+        # kvrc_cost's gate (cold links' defaults); every engine declares its prefill rate.
+        "cost_gate": dataclasses.asdict(gate_config),
+        "static_min_blocks": list(STATIC_MIN_BLOCKS),
         "lookup_p99_limit_ms": LOOKUP_P99_LIMIT_MS,
         "pace_slack": [PACE_SLACK, PACE_SLACK_S],
         "command": "python -m benchmarks.bench_trace "
         + " ".join(sys.argv[1:] if argv is None else argv),
     }
     report = build_report(
-        args.trace, requests, results, reference, real, max_sustained, steps, config
+        args.trace,
+        requests,
+        results,
+        reference,
+        real,
+        max_sustained,
+        steps,
+        config,
+        static,
+        trace_name,
     )
     report["max_sustained_speedup_by_coordinator_p99"] = max_by_coordinator
     report["wall_s"] = round(time.monotonic() - started, 1)
     # Others' work on a shared machine moves the wall-clock numbers: say how busy it was.
     report["load_average_1m"] = {"start": load_before, "end": os.getloadavg()[0]}
-    json_path = write_result(f"trace-{args.trace.stem}", report, results_dir=args.out)
-    png_path = args.out / f"trace-{args.trace.stem}.png"
+    json_path = write_result(f"trace-{name}", report, results_dir=args.out)
+    png_path = args.out / f"trace-{name}.png"
     try:
-        write_plot(png_path, args.trace.stem, requests, results)
+        write_plot(png_path, name, requests, results)
     except ImportError:
         print(
             f"bench_trace: wrote {json_path} but no plot: matplotlib is not installed "
@@ -1091,6 +1193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     log(f"wrote {json_path} and {png_path}")
     for key in (
+        "kvrc_cost_ttft_vs_static",
+        "kvrc_cost_ttft_p99_vs_static",
+        "kvrc_cost_ttft_vs_local",
+        "kvrc_cost_ttft_p99_vs_local",
+        "best_static_min_blocks",
         "kvrc_kv_ttft_vs_local_kv",
         "kvrc_rr_vs_local_rr",
         "kvrc_kv_vs_upper_bound",

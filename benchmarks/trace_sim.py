@@ -12,7 +12,10 @@ Cost model (`CostModel`, defaults from the Mooncake paper's setting):
 - an engine prefills `prefill_tokens_per_s` (10,000) uncached tokens per second,
   one request at a time, in arrival order (FIFO);
 - loading a block from another engine costs `load_ms_per_block` (8 ms: 512 tokens
-  x 320 KB per token at 20 GB/s); the source engine is not slowed by it;
+  x 320 KB per token at 20 GB/s) whatever the pair; with `pairs` (`PairLinks`:
+  engines in groups, one link within a group and one across) a load of n blocks
+  from h to r costs latency(h, r) + n x block bytes / bandwidth(h, r), the block's
+  bytes being `block_tokens` x `kv_bytes_per_token`. The source is not slowed;
 - uncached tokens = max(0, input_length - reused_blocks * 512);
 - TTFT = queueing (wait for the engine) + loading + prefill.
 
@@ -43,7 +46,12 @@ Modes (all on the same trace):
   where work is the prefill of what that engine would recompute; the
   strongest router without reuse;
 - `kvrc_kv`: cost-aware routing where work counts what the engine would
-  recompute and what it would load through kvrc;
+  recompute and what it would load through kvrc (holders of at least
+  `min_blocks`, the static threshold);
+- `kvrc_cost`: `kvrc_kv` where a load is granted only when kvrc's cost gate
+  (`LoadGate`: `coordinator.core.cost_model.CostModel` itself, fed with every
+  simulated load's bytes and duration) predicts it beats recomputing; routing
+  counts a holder only where the gate would grant its load;
 - `upper_bound`: one unbounded cache shared by every engine, reads are free and
   blocks are visible from dispatch; its hit ratio is the trace's best possible.
 
@@ -63,6 +71,9 @@ from pathlib import Path
 from typing import Protocol
 
 from benchmarks.common import percentile
+from coordinator.core.cost_model import CostConfig
+from coordinator.core.cost_model import CostModel as GateModel
+from kvrc.vocabulary import Tier
 
 BLOCK_TOKENS = 512
 DEFAULT_CAPACITY_TOKENS = 3_000_000
@@ -171,21 +182,113 @@ def best_possible_hit_ratio(requests: Sequence[TraceRequest]) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class Link:
+    bandwidth_bytes_per_s: float
+    latency_ms: float  # fixed, per load
+
+
+@dataclass(frozen=True, slots=True)
+class PairLinks:
+    """Per-pair links: each engine is in a group; one link within a group, one across."""
+
+    groups: tuple[int, ...]  # engine index -> its group
+    within: Link
+    across: Link
+
+    def __post_init__(self) -> None:
+        for link in (self.within, self.across):
+            if link.bandwidth_bytes_per_s <= 0 or link.latency_ms < 0:
+                raise ValueError("a link needs a positive bandwidth and a latency >= 0")
+
+    def link(self, source: EngineIndex, requester: EngineIndex) -> Link:
+        same = self.groups[source] == self.groups[requester]
+        return self.within if same else self.across
+
+
+@dataclass(frozen=True, slots=True)
 class CostModel:
     prefill_tokens_per_s: float = 10_000.0
+    # The routers' estimate of a load, one figure for every pair (a router does not
+    # know the links); also what a load costs, unless `pairs` sets per-pair links.
     load_ms_per_block: float = 8.0
     block_tokens: int = BLOCK_TOKENS
+    # What one token's KV weighs: the bytes a load moves (what kvrc's gate is told),
+    # and with `pairs` what sets its time. 320 KB matches the 8 ms default at ~20 GB/s.
+    kv_bytes_per_token: int = 320_000
+    pairs: PairLinks | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.load_ms_per_block < 0 or self.block_tokens < 1:
             raise ValueError("cost model needs a positive prefill rate and block size")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError("kv_bytes_per_token must be >= 1")
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_tokens * self.kv_bytes_per_token
 
     def prefill_ms(self, input_tokens: int, reused_blocks: int) -> float:
         uncached = max(0, input_tokens - reused_blocks * self.block_tokens)
         return uncached * 1000.0 / self.prefill_tokens_per_s
 
-    def load_ms(self, blocks: int) -> float:
+    def estimated_load_ms(self, blocks: int) -> float:
+        """What the cost-aware routers count for a load of `blocks` (any pair)."""
         return blocks * self.load_ms_per_block
+
+    def load_ms(self, blocks: int, source: EngineIndex, requester: EngineIndex) -> float:
+        """What a load of `blocks` from `source` to `requester` takes."""
+        if self.pairs is None:
+            return self.estimated_load_ms(blocks)  # one uniform link, no fixed latency
+        link = self.pairs.link(source, requester)
+        return link.latency_ms + blocks * self.block_bytes * 1000.0 / link.bandwidth_bytes_per_s
+
+
+def engine_name(engine: EngineIndex) -> str:
+    """The child engine id of a simulated engine (the service runs use the same)."""
+    return f"prefill-{engine}"
+
+
+class LoadGate:
+    """kvrc's load-or-recompute decision over the simulated cluster (I9-cost-gate).
+
+    The coordinator's own `CostModel` (not a copy of its arithmetic): cold links
+    start from `config`'s defaults, every engine's prefill rate is the declared one
+    (the simulator's, as a deployment profile would name it), and every completed
+    load is observed with its bytes and simulated duration, as a report would carry.
+    Deterministic: the model reads no clock.
+    """
+
+    def __init__(self, cost: CostModel, config: CostConfig | None = None) -> None:
+        self.cost = cost
+        declared = cost.prefill_tokens_per_s
+        self.model = GateModel(config, declared_prefill=lambda _requester: declared)
+
+    def worthwhile(
+        self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int
+    ) -> int | None:
+        """The fewest blocks in [floor, hinted] worth loading; None: not even `hinted`."""
+        return self.model.worthwhile_blocks(
+            engine_name(holder),
+            engine_name(requester),
+            Tier.GPU,
+            floor,
+            hinted,
+            block_tokens=self.cost.block_tokens,
+            bytes_per_block=self.cost.block_bytes,
+        )
+
+    def observe(
+        self, holder: EngineIndex, requester: EngineIndex, blocks: int, duration_ms: float
+    ) -> None:
+        # Whole microseconds, as TransferReport.duration_us; at least 1 (0 means unmeasured).
+        duration_us = max(1, round(duration_ms * 1000.0))
+        self.model.observe_transfer(
+            engine_name(holder),
+            engine_name(requester),
+            Tier.GPU,
+            blocks * self.cost.block_bytes,
+            duration_us,
+        )
 
 
 class Mode(enum.StrEnum):
@@ -193,15 +296,16 @@ class Mode(enum.StrEnum):
     KVRC_RR = "kvrc_rr"
     LOCAL_KV = "local_kv"
     KVRC_KV = "kvrc_kv"
+    KVRC_COST = "kvrc_cost"
     UPPER_BOUND = "upper_bound"
 
     @property
     def uses_kvrc(self) -> bool:
-        return self in (Mode.KVRC_RR, Mode.KVRC_KV)
+        return self in (Mode.KVRC_RR, Mode.KVRC_KV, Mode.KVRC_COST)
 
     @property
     def cost_aware(self) -> bool:
-        return self in (Mode.LOCAL_KV, Mode.KVRC_KV, Mode.UPPER_BOUND)
+        return self in (Mode.LOCAL_KV, Mode.KVRC_KV, Mode.KVRC_COST, Mode.UPPER_BOUND)
 
 
 # ---------------------------------------------------------------------------
@@ -267,10 +371,14 @@ class LocalReferenceProvider:
     """In-process view of every engine's published blocks, fed by the store/evict hooks.
 
     The reference the kvrc-backed provider is checked against; it picks the
-    holder with the longest prefix (lowest index on ties).
+    holder with the longest prefix (lowest index on ties). With a `gate` it grants
+    as kvrc's cost gate does: a holder whose hinted prefix is not worth loading is
+    skipped (the next one may be), and a pin shorter than the fewest blocks worth
+    loading is a miss (its pins released).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gate: LoadGate | None = None) -> None:
+        self.gate = gate
         self._holders: dict[BlockId, set[EngineIndex]] = {}
         self._side: HolderSide | None = None
         self._next_lease = 0
@@ -308,9 +416,20 @@ class LocalReferenceProvider:
         for cand in self.lookup(requester, chain, include_self=False, now_ms=now_ms):
             if cand.matched_blocks < min_blocks:
                 break
+            need = min_blocks
+            if self.gate is not None:
+                worthwhile = self.gate.worthwhile(
+                    cand.engine, requester, min_blocks, cand.matched_blocks
+                )
+                if worthwhile is None:
+                    continue  # this holder's link is too slow; another may still pay off
+                need = worthwhile
             self._next_lease += 1
             key = ("ref", self._next_lease)
             pinned = self._side.pin_prefix(cand.engine, key, chain[: cand.matched_blocks])
+            if self.gate is not None and pinned < need:
+                self._side.unpin(cand.engine, key)  # recompute_cheaper: the pins are released
+                return None
             return LoadGrant(key, cand.engine, pinned)
         return None
 
@@ -465,6 +584,7 @@ class ModeResult:
     hit_ratio: float
     ttft_mean_s: float
     ttft_p90_s: float
+    ttft_p99_s: float
     load_grants: int
     load_misses: int  # acquire answered a miss, or a pin too short to help
     cumulative_hit_ratio: tuple[float, ...]  # after each request, for the plot
@@ -478,6 +598,7 @@ class ModeResult:
             "blocks_total": self.blocks_total,
             "ttft_mean_s": self.ttft_mean_s,
             "ttft_p90_s": self.ttft_p90_s,
+            "ttft_p99_s": self.ttft_p99_s,
             "load_grants": self.load_grants,
             "load_misses": self.load_misses,
         }
@@ -516,16 +637,28 @@ class TraceSimulation:
         cost: CostModel | None = None,
         provider: ReuseProvider | None = None,
         pace: Callable[[float], None] | None = None,
+        min_blocks: int = 1,
+        gate: LoadGate | None = None,
     ) -> None:
         if engines < 1:
             raise ValueError("engines must be >= 1")
+        if min_blocks < 1:
+            raise ValueError("min_blocks must be >= 1")
         self.cost = cost if cost is not None else CostModel()
+        if self.cost.pairs is not None and len(self.cost.pairs.groups) != engines:
+            raise ValueError("the pair links name a group for every engine")
         capacity_blocks = capacity_tokens // self.cost.block_tokens
         if capacity_blocks < 1:
             raise ValueError("capacity_tokens must hold at least one block")
         if mode.uses_kvrc and provider is None:
             raise ValueError(f"mode {mode} needs a reuse provider")
+        if (mode is Mode.KVRC_COST) != (gate is not None):
+            raise ValueError("a load gate is what mode kvrc_cost needs, and only it")
         self.requests = requests
+        self.min_blocks = min_blocks
+        # kvrc_cost: the same gate the provider grants with, asked by the router
+        # (as a router asks kvrc's Score) and fed with every load's outcome.
+        self.gate = gate
         self.mode = mode
         self.provider = provider if mode.uses_kvrc else None
         self._pace = pace
@@ -591,12 +724,14 @@ class TraceSimulation:
                 remote = cands[0].matched_blocks if cands else 0
             return engine, remote
         chain = req.block_ids
-        best_other: list[Candidate] = []
+        holders: list[Candidate] = []
         if self.provider is not None:
-            # One lookup for every engine: the best holder, and the runner-up for the best.
-            best_other = self.provider.lookup(self._rr_next, chain, include_self=True, now_ms=now)[
-                :2
-            ]
+            # One lookup for every engine. kvrc_kv: the best holder, and the runner-up for
+            # the best; kvrc_cost: every holder, since a shorter one may be worth loading
+            # where the longest is not.
+            holders = self.provider.lookup(self._rr_next, chain, include_self=True, now_ms=now)
+            if self.gate is None:
+                holders = holders[:2]
             self._rr_next = (self._rr_next + 1) % n
         shared_hit = self._shared_prefix(chain) if self.mode is Mode.UPPER_BOUND else 0
         best: tuple[float, float, int] | None = None
@@ -606,9 +741,9 @@ class TraceSimulation:
                 local, remote = shared_hit, 0
             else:
                 local = eng.cache.local_prefix(chain)
-                remote = next((c.matched_blocks for c in best_other if c.engine != idx), 0)
+                remote = self._loadable(idx, local, holders)
             loaded = max(0, remote - local)
-            work = self.cost.load_ms(loaded) + self.cost.prefill_ms(
+            work = self.cost.estimated_load_ms(loaded) + self.cost.prefill_ms(
                 req.input_tokens, max(local, remote)
             )
             queue = max(0.0, eng.free_at_ms - now)
@@ -617,6 +752,21 @@ class TraceSimulation:
                 best = key
                 choice = (idx, remote)
         return choice
+
+    def _loadable(self, engine: EngineIndex, local: int, holders: Sequence[Candidate]) -> int:
+        """The match of the holder `engine` would load from (0: none would be granted)."""
+        floor = max(local + 1, self.min_blocks)
+        for c in holders:
+            if c.engine == engine:
+                continue
+            if self.gate is None:
+                # kvrc_kv: the best other holder, if it reaches the static threshold.
+                return c.matched_blocks if c.matched_blocks >= self.min_blocks else 0
+            if c.matched_blocks < floor:
+                break  # longest first: no later holder reaches the floor either
+            if self.gate.worthwhile(c.engine, engine, floor, c.matched_blocks) is not None:
+                return c.matched_blocks  # the holder kvrc's gate would grant
+        return 0
 
     def _shared_prefix(self, chain: Sequence[BlockId]) -> int:
         return prefix_length(chain, self._shared)
@@ -638,7 +788,7 @@ class TraceSimulation:
         grant: LoadGrant | None = None
         loaded = 0
         if self.provider is not None and remote_hint > local:
-            grant = self.provider.acquire(engine_idx, chain, local + 1, now)
+            grant = self.provider.acquire(engine_idx, chain, max(local + 1, self.min_blocks), now)
             if grant is None:
                 self._c.misses += 1
             elif grant.matched_blocks <= local:
@@ -660,7 +810,9 @@ class TraceSimulation:
         eng.cache.pin(run_key, chain)
         self.max_cache_blocks_seen = max(self.max_cache_blocks_seen, len(eng.cache))
 
-        load_end = start + self.cost.load_ms(loaded)
+        load_end = start + (
+            self.cost.load_ms(loaded, grant.source_engine, engine_idx) if grant else 0.0
+        )
         end = load_end + self.cost.prefill_ms(req.input_tokens, local + loaded)
         eng.free_at_ms = end
         if grant is not None:
@@ -675,7 +827,7 @@ class TraceSimulation:
                     load_end,
                 )
             )
-            self._push(load_end, _LOAD_END, _LoadEnd(grant, loaded))
+            self._push(load_end, _LOAD_END, _LoadEnd(grant, engine_idx, loaded, load_end - start))
         self._push(end, _FINISH, _Finish(engine_idx, run_key, tuple(retained), chain))
         self._record(
             req, engine_idx, local, loaded, grant.source_engine if grant else None, end - now
@@ -709,6 +861,11 @@ class TraceSimulation:
 
     def _load_end(self, end: _LoadEnd, now: float) -> None:
         assert self.provider is not None
+        if self.gate is not None:
+            # The outcome report: what moved and how long it took, per (holder, requester).
+            self.gate.observe(
+                end.grant.source_engine, end.requester, end.loaded_blocks, end.duration_ms
+            )
         self.provider.complete(end.grant, end.loaded_blocks, now)
         self.engines[end.grant.source_engine].cache.unpin(end.grant.lease_key)
 
@@ -759,6 +916,7 @@ class TraceSimulation:
             hit_ratio=(local_hit + loaded) / total if total else 0.0,
             ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
             ttft_p90_s=percentile(ttfts, 90) if ttfts else 0.0,
+            ttft_p99_s=percentile(ttfts, 99) if ttfts else 0.0,
             load_grants=c.grants,
             load_misses=c.misses,
             cumulative_hit_ratio=tuple(cumulative),
@@ -776,7 +934,9 @@ class _Finish:
 @dataclass(frozen=True, slots=True)
 class _LoadEnd:
     grant: LoadGrant
+    requester: EngineIndex
     loaded_blocks: int
+    duration_ms: float
 
 
 def simulate(
@@ -787,10 +947,18 @@ def simulate(
     capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
     cost: CostModel | None = None,
     provider: ReuseProvider | None = None,
+    min_blocks: int = 1,
+    gate_config: CostConfig | None = None,
 ) -> ModeResult:
-    """Replay `requests` in one mode; kvrc modes default to the local reference provider."""
+    """Replay `requests` in one mode; kvrc modes run on the local reference provider
+    unless one is given, kvrc_cost with a fresh gate (`gate_config`: its defaults)."""
+    gate: LoadGate | None = None
+    if mode is Mode.KVRC_COST:
+        if provider is not None:
+            raise ValueError("kvrc_cost runs on the reference provider and its own gate")
+        gate = LoadGate(cost if cost is not None else CostModel(), gate_config)
     if mode.uses_kvrc and provider is None:
-        provider = LocalReferenceProvider()
+        provider = LocalReferenceProvider(gate)
     sim = TraceSimulation(
         requests,
         mode,
@@ -798,6 +966,8 @@ def simulate(
         capacity_tokens=capacity_tokens,
         cost=cost,
         provider=provider,
+        min_blocks=min_blocks,
+        gate=gate,
     )
     return sim.run()
 

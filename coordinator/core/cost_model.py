@@ -279,6 +279,41 @@ class CostModel:
         """`predict(...).recompute_ms` without a link: what a local hit saves."""
         return num_tokens * 1000.0 / self.prefill(requester).tokens_per_s
 
+    def worthwhile_blocks(
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        floor: int,
+        hinted: int,
+        *,
+        block_tokens: int,
+        bytes_per_block: int,
+    ) -> int | None:
+        """The fewest blocks in [floor, hinted] worth loading (None: not even `hinted`).
+
+        With the gate off, `floor`. Load and recompute both grow linearly with the
+        blocks, so "worth loading" holds from some length on: a binary search finds it
+        (I9-cost-gate)."""
+        if not self.config.gate:
+            return floor
+
+        def worth(blocks: int) -> bool:
+            return self.predict(
+                holder, requester, tier, blocks * block_tokens, blocks * bytes_per_block
+            ).worth_loading
+
+        if not worth(hinted):
+            return None
+        low, high = floor, hinted
+        while low < high:
+            mid = (low + high) // 2
+            if worth(mid):
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
     def links(self) -> tuple[tuple[LinkKey, LinkEstimate], ...]:
         """Every measured link, least recently observed first (for `kvrc status`)."""
         return tuple((key, self.link(*key)) for key in self._links)

@@ -441,24 +441,6 @@ class Grants:
             requester.profile.block_size,
         )
 
-    def _worthwhile_blocks(self, context: _CostContext, floor: int, hinted: int) -> int | None:
-        """The fewest blocks in [floor, hinted] worth loading (None: not even `hinted`).
-
-        Load and recompute both grow linearly with the blocks, so "worth loading" holds
-        from some length on: a binary search finds it (I9-cost-gate)."""
-        if not self.cost.config.gate:
-            return floor
-        if not self._predict(context, hinted).worth_loading:
-            return None
-        low, high = floor, hinted
-        while low < high:
-            mid = (low + high) // 2
-            if self._predict(context, mid).worth_loading:
-                high = mid
-            else:
-                low = mid + 1
-        return low
-
     def _choose_holder(
         self, req: PrefixLoadRequest, requester: ChildEngineView, now_ms: int
     ) -> tuple[ChildEngineView, _CostContext, int] | _NoHolder:
@@ -485,7 +467,15 @@ class Grants:
             if view.compatibility_hash != requester.compatibility_hash:
                 continue  # never hand KV across layouts, whatever the index said
             context = self._cost_context(view, requester, candidate.tier)
-            worthwhile = self._worthwhile_blocks(context, min_blocks, candidate.matched_blocks)
+            worthwhile = self.cost.worthwhile_blocks(
+                context.holder,
+                context.requester,
+                context.tier,
+                min_blocks,
+                candidate.matched_blocks,
+                block_tokens=context.block_size,
+                bytes_per_block=context.bytes_per_block,
+            )
             if worthwhile is None:
                 # I9-cost-gate: this holder's link is too slow; another may still pay off.
                 prediction = self._predict(context, candidate.matched_blocks)

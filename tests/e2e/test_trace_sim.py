@@ -18,6 +18,7 @@ from benchmarks.trace_sim import (
     EngineCache,
     EngineIndex,
     HolderSide,
+    LoadGate,
     LoadGrant,
     LocalReferenceProvider,
     Mode,
@@ -358,12 +359,15 @@ def test_every_mode_stays_within_its_bounds(
         reqs.append(_req(i, t, blocks))
     best = best_possible_hit_ratio(reqs)
     for mode in Mode:
+        # kvrc_cost grants through a gate, which the router and the provider share.
+        gate = LoadGate(CostModel()) if mode is Mode.KVRC_COST else None
         sim = TraceSimulation(
             reqs,
             mode,
             engines=engines,
             capacity_tokens=512 * capacity,
-            provider=LocalReferenceProvider() if mode.uses_kvrc else None,
+            provider=LocalReferenceProvider(gate) if mode.uses_kvrc else None,
+            gate=gate,
         )
         r = sim.run()
         assert r.requests == len(reqs)
@@ -384,6 +388,8 @@ def test_shipped_trace_targets_with_the_reference_provider(shipped: list[TraceRe
     assert results[Mode.KVRC_KV].hit_ratio >= results[Mode.LOCAL_KV].hit_ratio
     assert results[Mode.KVRC_KV].ttft_mean_s < results[Mode.LOCAL_KV].ttft_mean_s
     assert results[Mode.KVRC_KV].hit_ratio >= 0.9 * results[Mode.UPPER_BOUND].hit_ratio
+    # Issue 25's target on every trace: the cost gate never loses to local-only routing.
+    assert results[Mode.KVRC_COST].ttft_mean_s <= results[Mode.LOCAL_KV].ttft_mean_s
     assert results[Mode.LOCAL_RR].blocks_loaded == results[Mode.LOCAL_KV].blocks_loaded == 0
     # Deterministic: the same replay gives the same numbers.
     assert simulate(shipped, Mode.KVRC_RR) == results[Mode.KVRC_RR]
