@@ -35,6 +35,7 @@ touch recency, so a Score caller cannot churn the table).
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -116,6 +117,35 @@ class LinkEstimate:
     bandwidth_bytes_per_s: float
     latency_ms: float
     samples: int  # 0: the cold defaults
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredLink:
+    """An operator's word on a class of links (profiles.toml `[[link]]`): the prior of
+    every (holder, requester) pair it matches until measurements move it. Patterns are
+    shell globs over child engine ids (`prefill-a-*`)."""
+
+    holders: tuple[str, ...]
+    requesters: tuple[str, ...]
+    bandwidth_bytes_per_s: float
+    latency_ms: float
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        where = f"link {self.name!r}" if self.name else "link"
+        if not self.holders or not self.requesters:
+            raise ValueError(f"{where}: holders and requesters each need at least one pattern")
+        if not (math.isfinite(self.bandwidth_bytes_per_s) and self.bandwidth_bytes_per_s > 0):
+            raise ValueError(
+                f"{where}: bandwidth must be positive, got {self.bandwidth_bytes_per_s!r}"
+            )
+        if not (math.isfinite(self.latency_ms) and 0 <= self.latency_ms <= 60_000):
+            raise ValueError(f"{where}: latency_ms must be in [0, 60000], got {self.latency_ms!r}")
+
+    def matches(self, holder: str, requester: str) -> bool:
+        return any(fnmatch.fnmatchcase(holder, p) for p in self.holders) and any(
+            fnmatch.fnmatchcase(requester, p) for p in self.requesters
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,9 +252,11 @@ class CostModel:
         self,
         config: CostConfig | None = None,
         declared_prefill: Callable[[str], float | None] = lambda _requester: None,
+        declared_links: Sequence[DeclaredLink] = (),
     ) -> None:
         self.config = config if config is not None else CostConfig()
         self._declared_prefill = declared_prefill
+        self._declared_links = tuple(declared_links)
         self._links: OrderedDict[LinkKey, _Link] = OrderedDict()
         self._prefill: OrderedDict[str, _Prefill] = OrderedDict()
 
@@ -240,10 +272,23 @@ class CostModel:
 
     def link(self, holder: str, requester: str, tier: Tier) -> LinkEstimate:
         state = self._links.get((holder, requester, tier))
-        cfg = self.config
+        bandwidth, latency = self._prior(holder, requester)
         if state is None:
-            return LinkEstimate(cfg.default_bandwidth_bytes_per_s, cfg.default_latency_ms, 0)
-        return state.estimate(cfg.default_latency_ms, cfg.default_bandwidth_bytes_per_s)
+            return LinkEstimate(bandwidth, latency, 0)
+        return state.estimate(latency, bandwidth)
+
+    def _prior(self, holder: str, requester: str) -> tuple[float, float]:
+        """(bandwidth B/s, latency ms) of a link before samples: declared, else default."""
+        declared = self._declared_link(holder, requester)
+        if declared is not None:
+            return declared.bandwidth_bytes_per_s, declared.latency_ms
+        return self.config.default_bandwidth_bytes_per_s, self.config.default_latency_ms
+
+    def _declared_link(self, holder: str, requester: str) -> DeclaredLink | None:
+        for link in self._declared_links:  # first match wins, as declared
+            if link.matches(holder, requester):
+                return link
+        return None
 
     def prefill(self, requester: str) -> PrefillEstimate:
         state = self._prefill.get(requester)

@@ -26,7 +26,7 @@ from coordinator.runtime.config import (
     STORE_PASSWORD_ENV,
     ConfigError,
     CoordinatorConfig,
-    load_profiles,
+    load_declarations,
     parse_store,
     read_store_password,
 )
@@ -341,7 +341,7 @@ def channel_options_from_args(args: argparse.Namespace) -> ChannelOptions:
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     from coordinator.edges.tls import tls_files_from_flags  # keeps the pure imports light
 
-    profiles = load_profiles(args.profiles) if args.profiles is not None else ()
+    profiles, links = load_declarations(args.profiles) if args.profiles is not None else ((), ())
     tls = tls_files_from_flags(args.tls_cert, args.tls_key, args.tls_client_ca)
     try:
         auth = load_auth_policy(args.auth_tokens) if args.auth_tokens is not None else None
@@ -384,6 +384,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         metrics_port=args.metrics_port,
         reuse=args.reuse,
         declared_profiles=profiles,
+        declared_links=links,
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         session_grace_ms=args.session_grace_ms,

@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from coordinator.core.auth import AuthPolicy
-from coordinator.core.cost_model import CostConfig
+from coordinator.core.cost_model import CostConfig, DeclaredLink
 from coordinator.core.errors import KvrcError
 from coordinator.core.leases import LeaseConfig
 from coordinator.core.profiles import DeclaredProfile, declared_profile
@@ -175,6 +175,8 @@ class CoordinatorConfig:
     metrics_port: int = 9400  # 0 = any free port; -1 = no metrics HTTP server
     reuse: bool = False  # I1-reuse-off: reuse is off by default
     declared_profiles: tuple[DeclaredProfile, ...] = ()
+    # The cost model's priors per class of link (profiles file `[[link]]`).
+    declared_links: tuple[DeclaredLink, ...] = ()
     heartbeat_interval_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
     # A closed stream removes the part at once (not READY); after this grace the
@@ -248,6 +250,11 @@ class CoordinatorConfig:
 
 def load_profiles(path: Path) -> tuple[DeclaredProfile, ...]:
     """Reads declared profiles from a .toml, .yaml or .yml file."""
+    return load_declarations(path)[0]
+
+
+def load_declarations(path: Path) -> tuple[tuple[DeclaredProfile, ...], tuple[DeclaredLink, ...]]:
+    """The profiles file's declared profiles and declared links (`[[link]]`)."""
     suffix = path.suffix.lower()
     try:
         text = path.read_text(encoding="utf-8")
@@ -270,7 +277,7 @@ def load_profiles(path: Path) -> tuple[DeclaredProfile, ...]:
             raise ConfigError(f"profiles file {path}: invalid YAML{line}") from None
     else:
         raise ConfigError(f"profiles file {path}: unknown extension (use .toml, .yaml or .yml)")
-    return parse_profiles(data, str(path))
+    return parse_profiles(data, str(path)), parse_links(data, str(path))
 
 
 def parse_profiles(data: object, source: str = "profiles") -> tuple[DeclaredProfile, ...]:
@@ -279,9 +286,11 @@ def parse_profiles(data: object, source: str = "profiles") -> tuple[DeclaredProf
         return ()
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: expected a table with a 'profile' list")
-    unknown = sorted(str(k) for k in data if k != "profile")
+    unknown = sorted(str(k) for k in data if k not in ("profile", "link"))
     if unknown:
-        raise ConfigError(f"{source}: unknown top-level key(s) {unknown} (expected 'profile')")
+        raise ConfigError(
+            f"{source}: unknown top-level key(s) {unknown} (expected 'profile' or 'link')"
+        )
     entries = data.get("profile", [])
     if not isinstance(entries, list):
         raise ConfigError(f"{source}: 'profile' must be a list of tables")
@@ -302,3 +311,58 @@ def parse_profiles(data: object, source: str = "profiles") -> tuple[DeclaredProf
         except KvrcError as e:
             raise ConfigError(f"{source}: {e.message}") from None
     return tuple(profiles)
+
+
+_LINK_KEYS = ("name", "holders", "requesters", "bandwidth_gbps", "latency_ms")
+
+
+def parse_links(data: object, source: str = "profiles") -> tuple[DeclaredLink, ...]:
+    """`[[link]]` tables: the cost model's prior for the pairs they match (first wins).
+
+    [[link]]
+    name = "across racks"
+    holders = ["prefill-a-*"]     # shell globs over child engine ids
+    requesters = ["prefill-b-*"]
+    bandwidth_gbps = 0.1
+    latency_ms = 5.0
+    """
+    if not isinstance(data, Mapping):
+        return ()
+    entries = data.get("link", [])
+    if not isinstance(entries, list):
+        raise ConfigError(f"{source}: 'link' must be a list of tables")
+    links: list[DeclaredLink] = []
+    for index, entry in enumerate(entries):
+        where = f"{source}: link #{index + 1}"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where} must be a table")
+        unknown = sorted(str(k) for k in entry if k not in _LINK_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown} (expected {list(_LINK_KEYS)})")
+        patterns: dict[str, tuple[str, ...]] = {}
+        for key in ("holders", "requesters"):
+            value = entry.get(key, ["*"])
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                raise ConfigError(f"{where}: {key} must be a list of non-empty glob strings")
+            patterns[key] = tuple(value)
+        numbers: dict[str, float] = {}
+        for key in ("bandwidth_gbps", "latency_ms"):
+            value = entry.get(key)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ConfigError(f"{where}: {key} must be a number, got {value!r}")
+            numbers[key] = float(value)
+        name = entry.get("name", "")
+        try:
+            links.append(
+                DeclaredLink(
+                    holders=patterns["holders"],
+                    requesters=patterns["requesters"],
+                    bandwidth_bytes_per_s=numbers["bandwidth_gbps"] * 1e9,
+                    latency_ms=numbers["latency_ms"],
+                    name=str(name),
+                )
+            )
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return tuple(links)

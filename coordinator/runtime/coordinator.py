@@ -246,7 +246,7 @@ class Coordinator:
             proven_gone=self.proven_gone,
             clock=self.clock,
             config=config.leases,
-            cost=CostModel(config.cost, self.declared_prefill),
+            cost=CostModel(config.cost, self.declared_prefill, config.declared_links),
         )
         self.inventory.set_leases_in_flight(self.leases.leases_in_flight)
         self.inventory.set_saving_predictor(self.leases.cost_model)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.cost_model import CostConfig, CostModel, kv_bytes_per_block
+from coordinator.core.cost_model import CostConfig, CostModel, DeclaredLink, kv_bytes_per_block
 from kvrc.vocabulary import KvRegion, Tier
 
 GPU = Tier.GPU
@@ -35,6 +35,42 @@ def test_a_cold_pair_predicts_from_the_defaults_and_the_declared_rate() -> None:
     declared = model.predict("h", "declared", GPU, num_tokens=8000, num_bytes=0)
     assert declared.prefill.source == "declared" and declared.recompute_ms == pytest.approx(2000)
     assert model.pair_count == 0  # predicting stores nothing
+
+
+def test_a_declared_link_is_the_prior_of_the_pairs_it_matches_first_match_winning() -> None:
+    across = DeclaredLink(("a-*",), ("b-*",), bandwidth_bytes_per_s=0.1e9, latency_ms=5.0)
+    anything = DeclaredLink(("*",), ("*",), bandwidth_bytes_per_s=2e9, latency_ms=0.5)
+    model = CostModel(declared_links=(across, anything))
+    cold = model.link("a-0", "b-3", GPU)
+    assert (cold.bandwidth_bytes_per_s, cold.latency_ms, cold.samples) == (0.1e9, 5.0, 0)
+    within = model.link("a-0", "a-1", GPU)  # not across: the catch-all, listed second
+    assert (within.bandwidth_bytes_per_s, within.latency_ms) == (2e9, 0.5)
+    # Without declarations the same pair is the config's fast default: a cold slow link
+    # would be granted its first load (the cold start the declaration avoids).
+    default = CostModel().link("a-0", "b-3", GPU)
+    assert default.bandwidth_bytes_per_s == CostConfig().default_bandwidth_bytes_per_s
+    slow = model.predict("a-0", "b-3", GPU, num_tokens=192, num_bytes=192 * 131072)
+    assert not slow.worth_loading
+    assert CostModel().predict("a-0", "b-3", GPU, 192, 192 * 131072).worth_loading
+    # Measurements then move the pair away from its declared prior.
+    for _ in range(30):
+        assert model.observe_transfer("a-0", "b-3", GPU, 64 << 20, 40_000)  # 1.7 GB/s
+    assert model.link("a-0", "b-3", GPU).bandwidth_bytes_per_s > 1e9
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"holders": ()}, {"bandwidth_bytes_per_s": 0.0}, {"latency_ms": -1.0}],
+)
+def test_bad_declared_links_are_refused(change: dict[str, object]) -> None:
+    good: dict[str, object] = {
+        "holders": ("a",),
+        "requesters": ("b",),
+        "bandwidth_bytes_per_s": 1e9,
+        "latency_ms": 1.0,
+    }
+    with pytest.raises(ValueError, match="link"):
+        DeclaredLink(**{**good, **change})  # type: ignore[arg-type]
 
 
 def test_the_ewma_fit_separates_latency_from_bandwidth() -> None:

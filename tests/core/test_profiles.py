@@ -19,7 +19,12 @@ from coordinator.core.profiles import (
     declared_profile,
     reuse_status,
 )
-from coordinator.runtime.config import ConfigError, load_profiles, parse_profiles
+from coordinator.runtime.config import (
+    ConfigError,
+    load_declarations,
+    load_profiles,
+    parse_profiles,
+)
 
 BASE = DeploymentProfile(
     model="meta-llama/Llama-3.1-8B",
@@ -156,6 +161,10 @@ def test_toml_and_yaml_files_load_the_same_profiles(tmp_path: Path) -> None:
         ("p.toml", "[[profile]]\nname='a'\nmodel='m'\n[[profile]]\nname='a'\nmodel='n'\n", "twice"),
         ("p.toml", "profiles = []\n", "unknown top-level key"),
         ("p.yaml", "profile: {name: a}\n", "must be a list"),
+        ("p.toml", "[[link]]\nbandwidth_gbps = 1\n", "latency_ms must be a number"),
+        ("p.toml", "[[link]]\nbandwidth_gbps = 0\nlatency_ms = 1\n", "bandwidth must be positive"),
+        ("p.toml", "[[link]]\nholders = 3\nbandwidth_gbps = 1\nlatency_ms = 1\n", "holders"),
+        ("p.toml", "[[link]]\nspeed = 1\n", "unknown key(s) ['speed']"),
     ],
 )
 def test_bad_profiles_files_give_one_clear_line(
@@ -173,3 +182,20 @@ def test_missing_file_and_empty_document(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_profiles(tmp_path / "absent.toml")
     assert parse_profiles(None) == ()
+
+
+def test_declared_links_load_beside_the_profiles(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(
+        TOML
+        + '[[link]]\nname = "across"\nholders = ["a-*"]\nrequesters = "b-*"\n'
+        + "bandwidth_gbps = 0.1\nlatency_ms = 5\n[[link]]\nbandwidth_gbps = 2\nlatency_ms = 0.5\n"
+    )
+    profiles, links = load_declarations(path)
+    assert [p.name for p in profiles] == ["llama-bf16", "any-fp8"]
+    assert [(k.name, k.holders, k.requesters) for k in links] == [
+        ("across", ("a-*",), ("b-*",)),
+        ("", ("*",), ("*",)),  # no patterns: every pair
+    ]
+    assert links[0].bandwidth_bytes_per_s == 0.1e9 and links[0].latency_ms == 5.0
+    assert links[0].matches("a-1", "b-2") and not links[0].matches("b-1", "a-2")
