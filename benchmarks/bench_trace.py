@@ -1027,6 +1027,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="kvrc_cost: a cold link's latency, as kvrc serve's flag (%(default)s)",
     )
     p.add_argument(
+        "--cold-links",
+        action="store_true",
+        help="kvrc_cost: do not declare the cluster's links to the gate (every link starts "
+        "from the cold defaults and is learnt from its first loads)",
+    )
+    p.add_argument(
         "--search-budget-s",
         type=float,
         default=240.0,
@@ -1076,6 +1082,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_latency_ms=args.cost_default_latency_ms,
     )
 
+    # kvrc_cost: the links are declared as an operator would ([[link]] in the profiles
+    # file), unless --cold-links; a trace without per-pair links has nothing to declare.
+    declared = cost.pairs.declared() if cost.pairs is not None and not args.cold_links else ()
+
     def sim(mode: Mode, min_blocks: int = 1) -> ModeResult:
         return simulate(
             requests,
@@ -1085,6 +1095,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cost=cost,
             min_blocks=min_blocks,
             gate_config=gate_config if mode is Mode.KVRC_COST else None,
+            declared_links=declared if mode is Mode.KVRC_COST else (),
         )
 
     results: dict[Mode, ModeResult] = {}
@@ -1158,6 +1169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "slow_pairs": dataclasses.asdict(SLOW_PAIRS) if args.slow_pairs else None,
         # kvrc_cost's gate (cold links' defaults); every engine declares its prefill rate.
         "cost_gate": dataclasses.asdict(gate_config),
+        "cost_gate_declared_links": [
+            {
+                "name": k.name,
+                "bandwidth_bytes_per_s": k.bandwidth_bytes_per_s,
+                "latency_ms": k.latency_ms,
+            }
+            for k in declared
+        ],
         "static_min_blocks": list(STATIC_MIN_BLOCKS),
         "lookup_p99_limit_ms": LOOKUP_P99_LIMIT_MS,
         "pace_slack": [PACE_SLACK, PACE_SLACK_S],

@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Protocol
 
 from benchmarks.common import percentile
-from coordinator.core.cost_model import CostConfig
+from coordinator.core.cost_model import CostConfig, DeclaredLink
 from coordinator.core.cost_model import CostModel as GateModel
 from kvrc.vocabulary import Tier
 
@@ -204,6 +204,24 @@ class PairLinks:
         same = self.groups[source] == self.groups[requester]
         return self.within if same else self.across
 
+    def declared(self) -> tuple[DeclaredLink, ...]:
+        """These links as an operator declares them to kvrc (profiles file `[[link]]`)."""
+        members: dict[int, list[str]] = {}
+        for engine, group in enumerate(self.groups):
+            members.setdefault(group, []).append(engine_name(engine))
+        return tuple(
+            DeclaredLink(
+                tuple(members[g]),
+                tuple(members[h]),
+                link.bandwidth_bytes_per_s,
+                link.latency_ms,
+                name=f"group {g} -> group {h}",
+            )
+            for g in sorted(members)
+            for h in sorted(members)
+            for link in (self.within if g == h else self.across,)
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
@@ -258,10 +276,17 @@ class LoadGate:
     Deterministic: the model reads no clock.
     """
 
-    def __init__(self, cost: CostModel, config: CostConfig | None = None) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        config: CostConfig | None = None,
+        declared_links: Sequence[DeclaredLink] = (),
+    ) -> None:
         self.cost = cost
         declared = cost.prefill_tokens_per_s
-        self.model = GateModel(config, declared_prefill=lambda _requester: declared)
+        self.model = GateModel(
+            config, declared_prefill=lambda _requester: declared, declared_links=declared_links
+        )
 
     def worthwhile(
         self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int
@@ -949,6 +974,7 @@ def simulate(
     provider: ReuseProvider | None = None,
     min_blocks: int = 1,
     gate_config: CostConfig | None = None,
+    declared_links: Sequence[DeclaredLink] = (),
 ) -> ModeResult:
     """Replay `requests` in one mode; kvrc modes run on the local reference provider
     unless one is given, kvrc_cost with a fresh gate (`gate_config`: its defaults)."""
@@ -956,7 +982,7 @@ def simulate(
     if mode is Mode.KVRC_COST:
         if provider is not None:
             raise ValueError("kvrc_cost runs on the reference provider and its own gate")
-        gate = LoadGate(cost if cost is not None else CostModel(), gate_config)
+        gate = LoadGate(cost if cost is not None else CostModel(), gate_config, declared_links)
     if mode.uses_kvrc and provider is None:
         provider = LocalReferenceProvider(gate)
     sim = TraceSimulation(

@@ -159,6 +159,21 @@ def test_a_cold_slow_pair_is_loaded_once_then_refused() -> None:
     assert (cost.outcomes[5].engine, cost.outcomes[5].loaded_blocks) == (1, 0)
     assert cost.outcomes[5].ttft_ms == pytest.approx(2560.0)
 
+    # Declared ([[link]], as the operator of this cluster would): the slow pair is
+    # refused from its first load, nothing has to be learnt the slow way.
+    gate = LoadGate(two, declared_links=two.pairs.declared() if two.pairs else ())
+    declared = TraceSimulation(
+        later,
+        Mode.KVRC_COST,
+        engines=2,
+        capacity_tokens=512 * 100,
+        cost=two,
+        provider=LocalReferenceProvider(gate),
+        gate=gate,
+    )
+    declared.run()
+    assert declared.loads == []
+
 
 def test_the_mode_and_the_gate_go_together() -> None:
     with pytest.raises(ValueError, match="gate"):
@@ -242,3 +257,6 @@ def test_bench_trace_slow_pairs_writes_the_cost_figures(tmp_path: Path) -> None:
         cost["ttft_p99_s"] / report["local_kv"]["ttft_p99_s"]
     )
     assert report["config"]["pairs"]["across"]["bandwidth_bytes_per_s"] == 0.1e9
+    # The cluster's links are declared to the gate, across and within both groups.
+    declared = report["config"]["cost_gate_declared_links"]
+    assert sorted(k["bandwidth_bytes_per_s"] for k in declared) == [0.1e9, 0.1e9, 2e9, 2e9]
