@@ -50,13 +50,15 @@ def block(i: int) -> bytes:
 
 
 class Replica:
-    def __init__(self, server: RedisServer, origin: str, *, load_snapshots: bool = True) -> None:
+    def __init__(
+        self, server: RedisServer, origin: str, *, load_snapshots: bool = True, every: int = 0
+    ) -> None:
         self.inventory = ReplicatedInventory(
             origin, max_entries_total=10_000_000, max_entries_per_engine=10_000_000
         )
         self.metrics = Metrics()
         config = StoreConfig(
-            kind="redis", host="127.0.0.1", port=server.port, snapshot_every_entries=0
+            kind="redis", host="127.0.0.1", port=server.port, snapshot_every_entries=every
         )
         self.store = RedisStore(
             config, self.inventory, SystemClock(), self.metrics, load_snapshots=load_snapshots
@@ -265,3 +267,22 @@ async def test_redis_bytes_per_membership(
     assert 8 <= per_snapshot <= 9
     assert per_stream >= 32
     assert a.inventory.stats().index_entries_by_tier[Tier.GPU] == n
+
+
+async def test_a_snapshot_is_written_by_itself_after_n_entries(
+    redis: aioredis.Redis, replicas: Callable[..., Any]
+) -> None:
+    a = await replicas("a", every=20)
+    b = await replicas("b", every=20)
+    a.inventory.add_engine("e", COMPAT)
+    for i in range(30):  # one log entry each: the writer is woken between them
+        ingest(a.inventory, "e", 64 * i, 64)
+        await wait_for(lambda: not a.inventory.outbox, "appended")
+    await wait_for(
+        lambda: a.snapshots("written") + b.snapshots("written") >= 1, "a snapshot written"
+    )
+    kept: Any = await redis.hget(SNAPSHOT_KEY, "id")
+    assert kept is not None
+    c = await replicas("c")
+    await settle(redis, a, c)
+    assert c.snapshots("loaded") == 1 and state(c.inventory) == state(a.inventory)
