@@ -48,6 +48,7 @@ from coordinator.runtime.config import StoreConfig
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.replication import (
     DEFAULT_SNAPSHOT_MAX_BYTES,
+    OP_HEARTBEAT,
     ReplicatedInventory,
     SnapshotIncompatible,
     decode_snapshot,
@@ -87,6 +88,9 @@ end
 redis.call('HSET', KEYS[1], 'id', ARGV[3], 'w', ARGV[4], 'd', ARGV[5])
 return 1
 """
+
+
+_HEARTBEAT_ENTRY = pack_ops([[OP_HEARTBEAT]])  # an entry of one heartbeat op
 
 
 def stream_id(value: str) -> tuple[int, int]:
@@ -369,12 +373,16 @@ class RedisStore:
                 for entry_id, fields in entries:
                     last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                     self._read_id = last_id
-                    self._entries_since_snapshot += 1
+                    data = fields.get(b"d")
+                    if data != _HEARTBEAT_ENTRY:  # an idle log makes no snapshot due
+                        self._entries_since_snapshot += 1
                     source = fields.get(b"o", b"")
                     if source == origin:
                         continue
                     try:
-                        ops = unpack_ops(fields[b"d"])
+                        if data is None:
+                            raise KeyError("d")
+                        ops = unpack_ops(data)
                     except (KeyError, ValueError, TypeError) as e:
                         log.warning("log entry %s skipped: %s", last_id, e)
                         continue

@@ -578,6 +578,7 @@ class ReplicatedInventory(Inventory):
 
 __all__ = [
     "DEFAULT_SNAPSHOT_MAX_BYTES",
+    "OP_HEARTBEAT",
     "ReplicatedInventory",
     "Snapshot",
     "SnapshotIncompatible",
