@@ -50,6 +50,7 @@ from coordinator.runtime.replication import (
     DEFAULT_SNAPSHOT_MAX_BYTES,
     OP_HEARTBEAT,
     ReplicatedInventory,
+    Snapshot,
     SnapshotIncompatible,
     decode_snapshot,
     encode_snapshot,
@@ -498,10 +499,19 @@ class RedisStore:
         )
         if not (force or due):
             return False
-        now = self._clock.monotonic_ms()
         wall = self._clock.wall_ms()
-        # Synchronous from here to the encoding: the view is the one at read_id.
-        data = encode_snapshot(self._inventory.snapshot(read_id, wall, now), now)
+        inventory = self._inventory
+        engines = []
+        for cid in inventory.engine_ids():
+            # One engine at a time, the event loop running between them (0.5 s of CPU
+            # a million memberships): each is then at or after read_id, which the tail
+            # makes exact (ReplicatedInventory.snapshot).
+            if inventory.has_engine(cid):
+                engines.append(inventory.snapshot_engine(cid, self._clock.monotonic_ms()))
+            await asyncio.sleep(0)
+        now = self._clock.monotonic_ms()
+        snapshot = Snapshot(read_id, inventory.origin, wall, tuple(engines))
+        data = encode_snapshot(snapshot, now)
         if len(data) > self._snapshot_max_bytes:
             log.warning(
                 "snapshot of %d bytes not written (the bound is %d)",

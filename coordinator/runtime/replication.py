@@ -525,11 +525,15 @@ class ReplicatedInventory(Inventory):
         and a loader that applies them again ends in the same state, since every op
         sets the state of what it names (store/remove a block, clear, dump, flags).
         """
-        engines = [
-            (self._remote.get(cid, self.origin), self.export_engine(cid, now_ms))
-            for cid in self.engine_ids()
-        ]
+        engines = [self.snapshot_engine(cid, now_ms) for cid in self.engine_ids()]
         return Snapshot(stream_id, self.origin, wall_ms, tuple(engines))
+
+    def snapshot_engine(self, child_engine_id: str, now_ms: int) -> tuple[str, EngineImage]:
+        """(origin, image) of one engine. A snapshot taken engine by engine while the log
+        moves on is still exact once the tail is applied, by the argument above: each
+        image is at or after the snapshot's `stream_id`."""
+        origin = self._remote.get(child_engine_id, self.origin)
+        return origin, self.export_engine(child_engine_id, now_ms)
 
     def load_snapshot(self, snapshot: Snapshot, now_ms: int) -> int:
         """Replaces the other replicas' engines with the snapshot's; returns engines loaded.

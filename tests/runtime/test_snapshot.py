@@ -238,9 +238,10 @@ def _run(inv: ReplicatedInventory, op: tuple[Any, ...], now_ms: int) -> None:
     st.lists(_op, max_size=30),
     st.lists(_op, max_size=30),
     st.booleans(),
+    st.integers(0, 4),
 )
 def test_snapshot_plus_tail_equals_the_whole_log(
-    before: list[tuple[Any, ...]], after: list[tuple[Any, ...]], origin_writes: bool
+    before: list[tuple[Any, ...]], after: list[tuple[Any, ...]], origin_writes: bool, early: int
 ) -> None:
     now_a, now_b, now_c = 1_000, 7_777_000, 42_000  # three hosts' monotonic clocks
     a, b = replica("a"), replica("b")
@@ -254,23 +255,37 @@ def test_snapshot_plus_tail_equals_the_whole_log(
         log.append(list(a.outbox))
         a.outbox.clear()
 
+    shipped = 0  # entries b has applied, each once
+
+    def catch_up() -> None:
+        nonlocal shipped
+        for entry in log[shipped:]:
+            ship(entry, "a", b, now_b)
+        shipped = len(log)
+
     for op in before:
         append() if op[0] == "ship" else _run(a, op, now_a)
     append()
-    for entry in log:
-        ship(entry, "a", b, now_b)
+    catch_up()
     covered = len(log)  # the snapshot's label: the last entry its writer has read
     # The origin writes with ops not appended yet (its engines ahead of the label), or
     # a reader writes exactly at the label.
+    # The first `early` engines are taken before more ops, the rest after (a writer
+    # that lets the event loop run between engines).
+    writer, now_w = (a, now_a) if origin_writes else (b, now_b)
+    taken = [writer.snapshot_engine(cid, now_w) for cid in writer.engine_ids()[:early]]
     for op in after[: len(after) // 2]:
         _run(a, op, now_a)
-    snap = a.snapshot("x", 0, now_a) if origin_writes else b.snapshot("x", 0, now_b)
-    data = encode_snapshot(snap, now_a if origin_writes else now_b)
+        if op[0] == "ship":
+            append()
+            catch_up()
+    names = {im.child_engine_id for _, im in taken}
+    taken += [writer.snapshot_engine(c, now_w) for c in writer.engine_ids() if c not in names]
+    data = encode_snapshot(Snapshot("x", writer.origin, 0, tuple(taken)), now_w)
     for op in after[len(after) // 2 :]:
         append() if op[0] == "ship" else _run(a, op, now_a)
     append()
-    for entry in log[covered:]:
-        ship(entry, "a", b, now_b)
+    catch_up()
     c = replica("c")
     c.load_snapshot(decode_snapshot(data, now_c), now_c)
     for entry in log[covered:]:
