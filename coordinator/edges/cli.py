@@ -27,7 +27,6 @@ from coordinator.runtime.config import (
     STORE_PASSWORD_ENV,
     ConfigError,
     CoordinatorConfig,
-    StoreConfig,
     load_profiles,
     parse_store,
     read_store_password,
@@ -208,14 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--store-snapshot-entries",
         type=int,
-        default=StoreConfig().snapshot_every_entries,
+        default=defaults.store.snapshot_every_entries,
         metavar="N",
         help="write a snapshot of the shared view after N log entries (0 = never; %(default)s)",
     )
     serve.add_argument(
         "--store-snapshot-interval-s",
         type=float,
-        default=StoreConfig().snapshot_interval_ms / 1000,
+        default=defaults.store.snapshot_interval_ms / 1000,
         metavar="S",
         help="... or S seconds after the newest snapshot, if the log moved (%(default)s)",
     )
