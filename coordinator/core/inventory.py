@@ -574,7 +574,15 @@ class Inventory:
         """Adds the engine of `image` with its state; returns entries dropped by the caps.
 
         The inverse of `export_engine` in a process with the same `key_probe()`.
+        Raises INVALID_ARGUMENT, changing nothing, for an image naming an unknown tier
+        or rank key.
         """
+        for _, tier, _ in image.index:
+            if tier not in _TIER_OF or tier not in _TIERS:
+                raise invalid(f"tier {tier} is not a known tier")
+        for rank_key, *_ in image.parts:
+            if rank_key not in image.rank_keys:
+                raise invalid(f"rank key {rank_key} is not one of the image's rank keys")
         self._add_engine(
             image.child_engine_id, image.compatibility_hash, image.publish_mode, image.rank_keys
         )
@@ -582,8 +590,6 @@ class Inventory:
         per_child = engine.mode is PublishMode.PER_CHILD_ENGINE
         acc = _Acc()
         for rank_key, group_idx, keys, tier_masks, expiries in image.parts:
-            if rank_key not in engine.parts:
-                raise invalid(f"rank key {rank_key} is not one of the image's rank keys")
             part = engine.parts[rank_key]
             for k, tiers, e in zip(keys, tier_masks, expiries, strict=True):
                 n = tiers.bit_count()
@@ -600,8 +606,6 @@ class Inventory:
                 engine.entries += n
                 self._entries_total += n
         for group_idx, tier, keys in image.index:
-            if tier not in _TIER_OF or tier not in _TIERS:
-                raise invalid(f"tier {tier} is not a known tier")
             index, es = self._scope_pair(engine, group_idx)
             for k in keys:
                 if index.by_tier[tier].get(k, 0) & engine.bit:

@@ -51,7 +51,6 @@ from coordinator.runtime.replication import (
     OP_HEARTBEAT,
     ReplicatedInventory,
     Snapshot,
-    SnapshotIncompatible,
     decode_snapshot,
     encode_snapshot,
     pack_ops,
@@ -407,32 +406,7 @@ class RedisStore:
         Returns True when the hard cap (MAXLEN) has cut past that point too: what was
         cut is lost to this replica until the engines' next dumps (docs/operations.md).
         """
-        start = "0-0"
-        if self._load_snapshots:
-            raw: Any = await self._reader_conn.hmget(SNAPSHOT_KEY, ["id", "d"])
-            if raw[0] is not None and raw[1] is not None:
-                now = self._clock.monotonic_ms()
-                try:
-                    snapshot = decode_snapshot(raw[1], now)
-                except SnapshotIncompatible as e:
-                    log.warning("snapshot %s not loaded: %s", raw[0].decode(), e)
-                    self._metrics.store_snapshots.labels(action="refused").inc()
-                except ValueError as e:
-                    log.warning("snapshot %s not loaded: %s", raw[0].decode(), e)
-                    self._metrics.store_snapshots.labels(action="refused").inc()
-                else:
-                    loaded = self._inventory.load_snapshot(snapshot, now)
-                    start = snapshot.stream_id
-                    self._note_snapshot(start)
-                    self._metrics.store_snapshots.labels(action="loaded").inc()
-                    log.info(
-                        "loaded snapshot %s of %s: %d child engine(s), %d membership(s)",
-                        start,
-                        snapshot.writer,
-                        loaded,
-                        snapshot.memberships,
-                    )
-                    self._on_applied()
+        start = await self._load_newest_snapshot() if self._load_snapshots else "0-0"
         # No snapshot (or not loadable): nothing but the retained log to go on.
         if start == "0-0" and self._inventory.drop_all_remote():
             self._on_applied()
@@ -449,6 +423,37 @@ class RedisStore:
         )
         self._metrics.store_snapshots.labels(action="gap").inc()
         return True
+
+    async def _load_newest_snapshot(self) -> str:
+        """Loads the newest snapshot; returns its id, or "0-0" when none could be loaded."""
+        raw: Any = await self._reader_conn.hmget(SNAPSHOT_KEY, ["id", "d"])
+        if raw[0] is None or raw[1] is None:
+            return "0-0"
+        now = self._clock.monotonic_ms()
+        refused = self._metrics.store_snapshots.labels(action="refused")
+        try:
+            snapshot = decode_snapshot(raw[1], now)
+        except ValueError as e:  # SnapshotIncompatible too: another PYTHONHASHSEED
+            log.warning("snapshot %s not loaded: %s", raw[0].decode(), e)
+            refused.inc()
+            return "0-0"
+        try:
+            loaded = self._inventory.load_snapshot(snapshot, now)
+        except Exception:  # following the log must go on without it
+            log.exception("snapshot %s not loaded", snapshot.stream_id)
+            refused.inc()
+            return "0-0"
+        self._note_snapshot(snapshot.stream_id)
+        self._metrics.store_snapshots.labels(action="loaded").inc()
+        log.info(
+            "loaded snapshot %s of %s: %d child engine(s), %d membership(s)",
+            snapshot.stream_id,
+            snapshot.writer,
+            loaded,
+            snapshot.memberships,
+        )
+        self._on_applied()
+        return snapshot.stream_id
 
     # --- writing snapshots ------------------------------------------------------------
 

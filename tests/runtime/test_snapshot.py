@@ -148,6 +148,10 @@ def test_a_malformed_or_foreign_snapshot_is_refused_and_nothing_is_loaded() -> N
         decode_snapshot(foreign, now_ms=0)
     with pytest.raises(ValueError, match="version"):
         decode_snapshot(msgpack.packb([99, *doc[1:]], use_bin_type=True), now_ms=0)
+    cut = msgpack.unpackb(good, raw=False)
+    cut[5][0][10] = [[0, b"\x01" * 16, b"\x01" * 8]]  # two keys, one expiry
+    with pytest.raises(ValueError, match="malformed"):
+        decode_snapshot(msgpack.packb(cut, use_bin_type=True), now_ms=0)
     doc[5][0][9][0][2] = b"\x01" * 7  # a key array cut short
     with pytest.raises(ValueError, match="malformed"):
         decode_snapshot(msgpack.packb(doc, use_bin_type=True), now_ms=0)
@@ -162,6 +166,14 @@ def test_an_image_with_an_unknown_rank_or_tier_is_refused() -> None:
                       ((0, 9, (1,)),), (), ())  # fmt: skip
     with pytest.raises(KvrcError):
         c.restore_engine(bad)
+    assert not c.has_engine("x")  # refused before anything was added
+    wrong_rank = EngineImage("y", COMPAT, PublishMode.PER_RANK_PART, RANKS, True, True, (), (),
+                             (), (), (((9, 9, 9), 0, (1,), (2,), (0,)),))  # fmt: skip
+    good = EngineImage("z", COMPAT, PublishMode.PER_CHILD_ENGINE, (), True, True, (), (),
+                       ((0, 1, (1, 2)),), (), ())  # fmt: skip
+    # A snapshot with a bad engine loads the others.
+    assert c.load_snapshot(Snapshot("1-0", "a", 0, (("a", wrong_rank), ("a", good))), 0) == 1
+    assert not c.has_engine("y") and c.engine_entries("z") == 2
 
 
 # --- the model: snapshot + tail == the whole log -----------------------------------------
