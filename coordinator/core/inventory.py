@@ -214,6 +214,41 @@ class InventoryStats:
     engines_resyncing: int  # a full dump is running
 
 
+@dataclass(frozen=True, slots=True)
+class EngineImage:
+    """One child engine's whole inventory state, as plain data (a replica's snapshot).
+
+    Block keys are this process's 60-bit keys (`_key`), so an image is meaningful
+    only to a process whose `key_probe()` is the same (the same PYTHONHASHSEED and
+    Python build); the snapshot codec checks that. Expiries are absolute ms on the
+    clock of the process that took the image.
+    """
+
+    child_engine_id: str
+    compatibility_hash: str
+    publish_mode: PublishMode
+    rank_keys: tuple[RankKey, ...]
+    ready: bool
+    serving: bool
+    stale: tuple[RankKey | None, ...]
+    dumping: tuple[RankKey | None, ...]
+    # (group_idx, tier, keys): the lookup index, tier by tier
+    index: tuple[tuple[int, int, tuple[int, ...]], ...]
+    # (group_idx, keys, expiries)
+    expiry: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+    # (rank key, group_idx, keys, tier bitmasks, expiries or 0): per-rank-part facts
+    parts: tuple[tuple[RankKey, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
+
+    @property
+    def memberships(self) -> int:
+        return sum(len(keys) for _, _, keys in self.index)
+
+
+def key_probe() -> int:
+    """This process's key of a fixed hash: equal probes mean equal block keys."""
+    return _key(b"kvrc-inventory-key-probe")
+
+
 class _EngineState(enum.Enum):
     READY = 0
     NOT_READY = 1
@@ -354,6 +389,17 @@ class Inventory:
         rank_keys: Sequence[RankKey] = (),
     ) -> None:
         """Add a child engine (not READY). Per-rank-part mode needs its rank keys."""
+        self._add_engine(child_engine_id, compatibility_hash, publish_mode, rank_keys)
+
+    def _add_engine(
+        self,
+        child_engine_id: str,
+        compatibility_hash: str,
+        publish_mode: PublishMode,
+        rank_keys: Sequence[RankKey],
+    ) -> None:
+        # Not overridable: a subclass that records add_engine (replication) restores
+        # an image without recording it.
         if not child_engine_id:
             raise invalid("child_engine_id must not be empty")
         if child_engine_id in self._engines:
@@ -471,6 +517,120 @@ class Inventory:
             engines_stale=c[_EngineState.STALE],
             engines_resyncing=c[_EngineState.RESYNCING],
         )
+
+    def engine_ids(self) -> list[str]:
+        return list(self._engines)
+
+    def export_engine(self, child_engine_id: str, now_ms: int) -> EngineImage:
+        """The engine's state as an `EngineImage`; expired entries are left out."""
+        engine = self._engine(child_engine_id)
+        index: list[tuple[int, int, tuple[int, ...]]] = []
+        expiry: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        bit = engine.bit
+        for group_idx, es in engine.scopes.items():
+            scope = engine.compat.scopes[group_idx]
+            live = [k for k in dict.fromkeys(es.keys) if not 0 < es.expiry.get(k, 0) <= now_ms]
+            for t in _TIERS:
+                d = scope.by_tier[t]
+                if d:
+                    keys = tuple(k for k in live if d.get(k, 0) & bit)
+                    if keys:
+                        index.append((group_idx, int(t), keys))
+            exp = [(k, e) for k, e in es.expiry.items() if e > now_ms]
+            if exp:
+                expiry.append((group_idx, tuple(k for k, _ in exp), tuple(e for _, e in exp)))
+        parts: list[tuple[RankKey, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+        for rank_key, part in engine.parts.items():
+            by_group: dict[int, list[tuple[int, int, int]]] = {}
+            for (group_idx, k), tiers in part.tiers.items():
+                e = part.expiry.get((group_idx, k), 0)
+                if not 0 < e <= now_ms:
+                    by_group.setdefault(group_idx, []).append((k, tiers, e))
+            for group_idx, facts in by_group.items():
+                parts.append(
+                    (
+                        rank_key,
+                        group_idx,
+                        tuple(f[0] for f in facts),
+                        tuple(f[1] for f in facts),
+                        tuple(f[2] for f in facts),
+                    )
+                )
+        return EngineImage(
+            engine.child_engine_id,
+            engine.compatibility_hash,
+            engine.mode,
+            tuple(engine.parts),
+            engine.ready,
+            engine.serving,
+            tuple(engine.stale),
+            tuple(engine.dumping),
+            tuple(index),
+            tuple(expiry),
+            tuple(parts),
+        )
+
+    def restore_engine(self, image: EngineImage) -> int:
+        """Adds the engine of `image` with its state; returns entries dropped by the caps.
+
+        The inverse of `export_engine` in a process with the same `key_probe()`.
+        Raises INVALID_ARGUMENT, changing nothing, for an image naming an unknown tier
+        or rank key.
+        """
+        for _, tier, _ in image.index:
+            if tier not in _TIER_OF or tier not in _TIERS:
+                raise invalid(f"tier {tier} is not a known tier")
+        for rank_key, *_ in image.parts:
+            if rank_key not in image.rank_keys:
+                raise invalid(f"rank key {rank_key} is not one of the image's rank keys")
+        self._add_engine(
+            image.child_engine_id, image.compatibility_hash, image.publish_mode, image.rank_keys
+        )
+        engine = self._engines[image.child_engine_id]
+        per_child = engine.mode is PublishMode.PER_CHILD_ENGINE
+        acc = _Acc()
+        for rank_key, group_idx, keys, tier_masks, expiries in image.parts:
+            part = engine.parts[rank_key]
+            for k, tiers, e in zip(keys, tier_masks, expiries, strict=True):
+                n = tiers.bit_count()
+                if engine.entries + n > self.max_entries_per_engine:
+                    acc.dropped_engine += n
+                    continue
+                if self._entries_total + n > self.max_entries_total:
+                    acc.dropped_total += n
+                    continue
+                part.tiers[(group_idx, k)] = tiers
+                if e:
+                    part.expiry[(group_idx, k)] = e
+                part.entries += n
+                engine.entries += n
+                self._entries_total += n
+        for group_idx, tier, keys in image.index:
+            index, es = self._scope_pair(engine, group_idx)
+            for k in keys:
+                if index.by_tier[tier].get(k, 0) & engine.bit:
+                    continue
+                if per_child:
+                    if not self._room(engine, acc):
+                        continue
+                    engine.entries += 1
+                    self._entries_total += 1
+                self._add_index_entry(engine, index, es, k, tier)
+        for group_idx, keys, expiries in image.expiry:
+            scope = engine.compat.scopes.get(group_idx)
+            own = engine.scopes.get(group_idx)
+            if scope is None or own is None:
+                continue
+            for k, e in zip(keys, expiries, strict=True):
+                # Only an entry in the index has an expiry (as after events).
+                if e > 0 and any(scope.by_tier[t].get(k, 0) & engine.bit for t in _TIERS):
+                    self._set_expiry(engine, scope, own, k, e)
+        engine.ready = image.ready
+        engine.serving = image.serving
+        engine.stale = set(image.stale)
+        engine.dumping = set(image.dumping)
+        self._refresh_state(engine)
+        return acc.dropped_engine + acc.dropped_total
 
     # ------------------------------------------------------------------ events
 

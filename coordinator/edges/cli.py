@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import logging
 import os
@@ -203,6 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--store-tls-ca", type=Path, metavar="FILE", help="PEM CA of the rediss:// server"
     )
+    serve.add_argument(
+        "--store-snapshot-entries",
+        type=int,
+        default=defaults.store.snapshot_every_entries,
+        metavar="N",
+        help="write a snapshot of the shared view after N log entries (0 = never; %(default)s)",
+    )
+    serve.add_argument(
+        "--store-snapshot-interval-s",
+        type=float,
+        default=defaults.store.snapshot_interval_ms / 1000,
+        metavar="S",
+        help="... or S seconds after the newest snapshot, if the log moved (%(default)s)",
+    )
     cost = defaults.cost
     serve.add_argument(
         "--cost-gate",
@@ -357,10 +372,22 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         raise ConfigError("--store-password-file needs a redis:// or rediss:// store")
     if args.store_tls_ca is not None and not args.store_tls_ca.is_file():
         raise ConfigError(f"--store-tls-ca {args.store_tls_ca}: no such file")
-    store = parse_store(
-        args.store,
-        password=read_store_password(args.store_password_file, os.environ),
-        tls_ca=args.store_tls_ca,
+    if args.store_snapshot_entries < 0:
+        raise ConfigError(
+            f"--store-snapshot-entries must be >= 0, got {args.store_snapshot_entries}"
+        )
+    if not args.store_snapshot_interval_s > 0:
+        raise ConfigError(
+            f"--store-snapshot-interval-s must be > 0, got {args.store_snapshot_interval_s}"
+        )
+    store = dataclasses.replace(
+        parse_store(
+            args.store,
+            password=read_store_password(args.store_password_file, os.environ),
+            tls_ca=args.store_tls_ca,
+        ),
+        snapshot_every_entries=args.store_snapshot_entries,
+        snapshot_interval_ms=max(1, round(args.store_snapshot_interval_s * 1000)),
     )
     leases = LeaseConfig(
         handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,

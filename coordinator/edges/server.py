@@ -10,6 +10,7 @@ the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import signal
 import socket
 import tempfile
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -192,6 +194,11 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     return 0
 
 
+def hash_seed_is_fixed(env: Mapping[str, str]) -> bool:
+    """Whether this interpreter was started with a fixed PYTHONHASHSEED (not random)."""
+    return env.get("PYTHONHASHSEED", "") not in ("", "random")
+
+
 def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, RedisStore | None]:
     """`--store memory`: today's coordinator. A Redis store: the replicated inventory."""
     if config.store.kind == "memory":
@@ -204,8 +211,17 @@ def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Red
         max_entries_per_engine=config.inventory_max_entries_per_engine,
     )
     coordinator = Coordinator(config, inventory=inventory)
+    store_config = config.store
+    if not hash_seed_is_fixed(os.environ) and store_config.snapshot_every_entries:
+        # Its block keys are this process's own: a snapshot of them would help no
+        # other replica, while its trimming would cut the log they read instead.
+        log.warning(
+            "PYTHONHASHSEED is not set: this replica writes no snapshots of the shared view "
+            "(set one secret value on every replica: docs/operations.md)"
+        )
+        store_config = dataclasses.replace(store_config, snapshot_every_entries=0)
     store = RedisStore(
-        config.store,
+        store_config,
         inventory,
         coordinator.clock,
         coordinator.metrics,

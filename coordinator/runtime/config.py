@@ -80,6 +80,10 @@ class StoreConfig:
     # repr=False: a password must never reach a log line or a traceback.
     password: str | None = field(default=None, repr=False)
     tls_ca: Path | None = None  # rediss:// with a private CA
+    # A snapshot of the shared view is written after this many log entries, or this
+    # long after the newest one, whichever comes first (redis_store.py). 0 = never.
+    snapshot_every_entries: int = 100_000
+    snapshot_interval_ms: int = 60_000
 
     @property
     def url(self) -> str:

@@ -107,6 +107,20 @@ class Metrics:
             "Times the shared store was found empty (restarted) or its log was lost.",
             registry=r,
         )
+        self.store_snapshots = Counter(
+            "kvrc_store_snapshots_total",
+            "Snapshots of the shared view, by action (written, loaded, stale, too_large, "
+            "refused, gap).",
+            ["action"],
+            registry=r,
+        )
+        self.store_snapshot_age = Gauge(
+            "kvrc_store_snapshot_age_seconds",
+            "Age of the newest snapshot in the shared store (its writer's wall clock against "
+            "this host's); -1 while there is none.",
+            registry=r,
+        )
+        self.store_snapshot_age.set(-1)
 
         # --- Inventory ---------------------------------------------------------
         self.inventory_entries = Gauge(

@@ -8,7 +8,15 @@ lookup never touches Redis.
 Keys share the hash tag `{kvrc}` so that a Redis Cluster slot could hold them all:
 
 - `{kvrc}:inventory`: the stream; entries `o` (origin replica) and `d` (packed ops),
-  trimmed with MAXLEN ~ so Redis memory stays bounded;
+  trimmed with MINID at the snapshot before the newest (so a new replica finds
+  everything after the newest snapshot, and one a snapshot interval behind still
+  follows), and with MAXLEN ~ on every append as the hard cap on Redis memory;
+- `{kvrc}:snapshot`: a hash, `id` (the last log entry the snapshot covers), `w` (its
+  writer's wall ms) and `d` (`encode_snapshot`), written together by one Lua
+  compare-and-set: a snapshot never replaces one with a newer id, nor one of
+  another epoch. A replica that starts loads it and reads the log after its id; so
+  does one whose read position was trimmed away (the entry it last read is older
+  than the stream's first);
 - `{kvrc}:epoch`: a random value set once (SET NX). A different or missing value
   means Redis restarted empty (no AOF) or was replaced: a store loss. Every replica
   then forgets the other replicas' engines, reads the new log from its start and
@@ -38,13 +46,23 @@ from redis.exceptions import RedisError
 from coordinator.runtime.clock import Clock
 from coordinator.runtime.config import StoreConfig
 from coordinator.runtime.metrics import Metrics
-from coordinator.runtime.replication import ReplicatedInventory, pack_ops, unpack_ops
+from coordinator.runtime.replication import (
+    DEFAULT_SNAPSHOT_MAX_BYTES,
+    OP_HEARTBEAT,
+    ReplicatedInventory,
+    Snapshot,
+    decode_snapshot,
+    encode_snapshot,
+    pack_ops,
+    unpack_ops,
+)
 
 log = logging.getLogger("kvrc.store")
 
 HASH_TAG = "{kvrc}"
 STREAM_KEY = f"{HASH_TAG}:inventory"
 EPOCH_KEY = f"{HASH_TAG}:epoch"
+SNAPSHOT_KEY = f"{HASH_TAG}:snapshot"
 OPS_PER_ENTRY = 512  # one XADD carries up to this many ops
 READ_COUNT = 256  # entries per XREAD
 READ_BLOCK_MS = 500
@@ -52,6 +70,33 @@ HEARTBEAT_MS = 500
 ORIGIN_TIMEOUT_MS = 5_000  # a replica silent this long: its engines leave the view
 STREAM_MAXLEN = 1_000_000  # entries kept (approximately): bounded Redis memory
 BACKOFF_MS = (50, 100, 250, 500, 1000)
+
+# KEYS: snapshot, epoch, stream. ARGV: id ms, id seq, id, wall ms, data, epoch.
+# Returns 1 written, 0 not newer than the one there, -1 another epoch (a store loss).
+# The stream is trimmed to the snapshot this one replaces: a replica up to one
+# snapshot interval behind still reads on, an older one reloads.
+_SNAPSHOT_CAS = """
+if redis.call('GET', KEYS[2]) ~= ARGV[6] then return -1 end
+local cur = redis.call('HGET', KEYS[1], 'id')
+if cur then
+  local ms, seq = string.match(cur, '^(%d+)-(%d+)$')
+  ms, seq = tonumber(ms), tonumber(seq)
+  local new_ms, new_seq = tonumber(ARGV[1]), tonumber(ARGV[2])
+  if ms > new_ms or (ms == new_ms and seq >= new_seq) then return 0 end
+  redis.call('XTRIM', KEYS[3], 'MINID', cur)
+end
+redis.call('HSET', KEYS[1], 'id', ARGV[3], 'w', ARGV[4], 'd', ARGV[5])
+return 1
+"""
+
+
+_HEARTBEAT_ENTRY = pack_ops([[OP_HEARTBEAT]])  # an entry of one heartbeat op
+
+
+def stream_id(value: str) -> tuple[int, int]:
+    """A stream entry id as a comparable pair."""
+    ms, _, seq = value.partition("-")
+    return (int(ms), int(seq or 0))
 
 
 def redis_client(config: StoreConfig, *, name: str) -> aioredis.Redis:
@@ -90,6 +135,8 @@ class RedisStore:
         on_store_lost: Callable[[], None] = lambda: None,
         stream_maxlen: int = STREAM_MAXLEN,
         origin_timeout_ms: int = ORIGIN_TIMEOUT_MS,
+        load_snapshots: bool = True,
+        snapshot_max_bytes: int = DEFAULT_SNAPSHOT_MAX_BYTES,
     ) -> None:
         self._config = config
         self._inventory = inventory
@@ -108,6 +155,15 @@ class RedisStore:
         self._reset_reader = False  # a store loss: read the new log from its start
         self._epoch_checks_after_failure = 0  # reset by every failure (see _fail)
         self._failures: dict[str, str] = {"start": "the shared store has not been reached yet"}
+        self._load_snapshots = load_snapshots  # False: read the retained log only (tests)
+        self._snapshot_max_bytes = snapshot_max_bytes
+        self._read_id: str | None = None  # the last log entry applied; None: not started
+        self._entries_since_snapshot = 0
+        self._snapshot_id_seen: str | None = None  # the newest snapshot's id, as last seen
+        self._snapshot_seen_ms = clock.monotonic_ms()
+        self._snapshot_due = asyncio.Event()
+        self._reading = asyncio.Event()
+        self._reading.set()
         self._m_out = metrics.store_ops.labels(direction="out")
         self._m_in = metrics.store_ops.labels(direction="in")
         inventory.on_record = self._wake.set
@@ -148,7 +204,7 @@ class RedisStore:
         """Starts following the log; an unreachable Redis is retried, failing closed."""
         await self._check_epoch()
         loop = asyncio.get_running_loop()
-        for coro in (self._writer(), self._reader(), self._health()):
+        for coro in (self._writer(), self._reader(), self._health(), self._snapshotter()):
             task = loop.create_task(coro)
             task.add_done_callback(_log_failure)
             self._tasks.append(task)
@@ -254,20 +310,44 @@ class RedisStore:
             if "rebuild" in self._failures and not inventory.outbox:
                 self._ok("rebuild")  # the reset and re-announcement are in the new log
 
+    # --- reading the log ---------------------------------------------------------------
+
+    @property
+    def read_position(self) -> str | None:
+        """The id of the last log entry this replica applied (None before the first read)."""
+        return self._read_id
+
+    def pause_reading(self) -> None:
+        """Stops applying the log, as a replica stalled by a pause or a partition would."""
+        self._reading.clear()
+
+    def resume_reading(self) -> None:
+        self._reading.set()
+
     async def _reader(self) -> None:
-        last_id = "0-0"  # a new replica reads the retained log from its start
         attempt = 0
         origin = self._inventory.origin.encode()
+        accept_trim = False  # the hard cap cut past the newest snapshot: read on from there
         while not self._closing:
-            if self._reset_reader:
-                self._reset_reader = False
-                last_id = "0-0"
-                if self._inventory.drop_all_remote():
-                    self._on_applied()
+            await self._reading.wait()
             try:
+                if self._reset_reader or self._read_id is None:
+                    if self._reset_reader:
+                        self._reset_reader = False
+                        # The log is gone (a store loss): its snapshot with it.
+                        self._read_id = "0-0"
+                        if self._inventory.drop_all_remote():
+                            self._on_applied()
+                    else:
+                        accept_trim = await self._bootstrap()
+                last_id = self._read_id
+                assert last_id is not None
                 reply: Any = await self._reader_conn.xread(
                     {STREAM_KEY: last_id}, count=READ_COUNT, block=READ_BLOCK_MS
                 )
+                # Read after the reply: an entry trimmed before this read is missing
+                # from it, and then the one read last is older than the first left.
+                first = await self._first_id() if reply else None
             except (RedisError, OSError) as e:
                 self._fail("read", _why(e))
                 await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
@@ -277,16 +357,32 @@ class RedisStore:
             self._ok("read")
             if self._reset_reader:
                 continue  # read from a log that is gone: start again from the new one
+            trimmed = first is not None and stream_id(first) > stream_id(last_id)
+            if trimmed and last_id != "0-0" and not accept_trim:
+                log.warning(
+                    "the log entry %s this replica read last was trimmed away: "
+                    "loading the newest snapshot",
+                    last_id,
+                )
+                self._read_id = None  # bootstrap again: snapshot, then the tail
+                continue
+            accept_trim = False
             applied = 0
             now = self._clock.monotonic_ms()
             for _stream, entries in reply or ():
                 for entry_id, fields in entries:
                     last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    self._read_id = last_id
+                    data = fields.get(b"d")
+                    if data != _HEARTBEAT_ENTRY:  # an idle log makes no snapshot due
+                        self._entries_since_snapshot += 1
                     source = fields.get(b"o", b"")
                     if source == origin:
                         continue
                     try:
-                        ops = unpack_ops(fields[b"d"])
+                        if data is None:
+                            raise KeyError("d")
+                        ops = unpack_ops(data)
                     except (KeyError, ValueError, TypeError) as e:
                         log.warning("log entry %s skipped: %s", last_id, e)
                         continue
@@ -294,6 +390,172 @@ class RedisStore:
             if applied:
                 self._m_in.inc(applied)
                 self._on_applied()
+            if self._snapshot_every and self._entries_since_snapshot >= self._snapshot_every:
+                self._snapshot_due.set()
+
+    async def _first_id(self) -> str | None:
+        rows: Any = await self._reader_conn.xrange(STREAM_KEY, "-", "+", count=1)
+        if not rows:
+            return None
+        entry_id = rows[0][0]
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    async def _bootstrap(self) -> bool:
+        """Where a replica starts reading: after the newest snapshot, loaded, or at the start.
+
+        Returns True when the hard cap (MAXLEN) has cut past that point too: what was
+        cut is lost to this replica until the engines' next dumps (docs/operations.md).
+        """
+        start = await self._load_newest_snapshot() if self._load_snapshots else "0-0"
+        # No snapshot (or not loadable): nothing but the retained log to go on.
+        if start == "0-0" and self._inventory.drop_all_remote():
+            self._on_applied()
+        self._read_id = start
+        first = await self._first_id()
+        if first is None or start == "0-0" or stream_id(first) <= stream_id(start):
+            return start == "0-0"  # from the start, whatever was trimmed is gone anyway
+        log.warning(
+            "the log was cut past snapshot %s (first entry %s, MAXLEN %d): what was cut is "
+            "missing until the engines' next dumps",
+            start,
+            first,
+            self._maxlen,
+        )
+        self._metrics.store_snapshots.labels(action="gap").inc()
+        return True
+
+    async def _load_newest_snapshot(self) -> str:
+        """Loads the newest snapshot; returns its id, or "0-0" when none could be loaded."""
+        raw: Any = await self._reader_conn.hmget(SNAPSHOT_KEY, ["id", "d"])
+        if raw[0] is None or raw[1] is None:
+            return "0-0"
+        now = self._clock.monotonic_ms()
+        refused = self._metrics.store_snapshots.labels(action="refused")
+        try:
+            snapshot = decode_snapshot(raw[1], now)
+        except ValueError as e:  # SnapshotIncompatible too: another PYTHONHASHSEED
+            log.warning("snapshot %s not loaded: %s", raw[0].decode(), e)
+            refused.inc()
+            return "0-0"
+        try:
+            loaded = self._inventory.load_snapshot(snapshot, now)
+        except Exception:  # following the log must go on without it
+            log.exception("snapshot %s not loaded", snapshot.stream_id)
+            refused.inc()
+            return "0-0"
+        self._note_snapshot(snapshot.stream_id)
+        self._metrics.store_snapshots.labels(action="loaded").inc()
+        log.info(
+            "loaded snapshot %s of %s: %d child engine(s), %d membership(s)",
+            snapshot.stream_id,
+            snapshot.writer,
+            loaded,
+            snapshot.memberships,
+        )
+        self._on_applied()
+        return snapshot.stream_id
+
+    # --- writing snapshots ------------------------------------------------------------
+
+    @property
+    def _snapshot_every(self) -> int:
+        return self._config.snapshot_every_entries
+
+    def _note_snapshot(self, snapshot_id: str) -> None:
+        if snapshot_id != self._snapshot_id_seen:
+            self._snapshot_id_seen = snapshot_id
+            self._snapshot_seen_ms = self._clock.monotonic_ms()
+            self._entries_since_snapshot = 0
+
+    async def _snapshotter(self) -> None:
+        if not self._snapshot_every:
+            return
+        interval = self._config.snapshot_interval_ms
+        while not self._closing:
+            await self._clock.wait(self._snapshot_due, min(interval, 5_000))
+            self._snapshot_due.clear()
+            try:
+                await self.write_snapshot(force=False)
+            except (RedisError, OSError) as e:
+                log.warning("snapshot not written: %s", _why(e))
+
+    async def write_snapshot(self, *, force: bool = True) -> bool:
+        """Writes this replica's view as the newest snapshot if it is due (or `force`).
+
+        Due: `snapshot_every_entries` log entries read since the newest snapshot, or
+        `snapshot_interval_ms` since it changed with entries read meanwhile. Any
+        replica may write; the compare-and-set keeps the newest. True when written.
+        """
+        raw: Any = await self._writer_conn.hmget(SNAPSHOT_KEY, ["id", "w"])
+        if raw[0] is not None:
+            self._note_snapshot(raw[0].decode())
+            age_s = (self._clock.wall_ms() - int(raw[1] or 0)) / 1000
+            self._metrics.store_snapshot_age.set(max(age_s, 0.0))
+        read_id = self._read_id
+        if read_id is None or read_id == "0-0" or self._failures:
+            return False  # nothing read yet, or not following the log
+        if self._snapshot_id_seen is not None and stream_id(self._snapshot_id_seen) >= stream_id(
+            read_id
+        ):
+            return False
+        waited = self._clock.monotonic_ms() - self._snapshot_seen_ms
+        due = self._entries_since_snapshot >= self._snapshot_every or (
+            waited >= self._config.snapshot_interval_ms and self._entries_since_snapshot > 0
+        )
+        if not (force or due):
+            return False
+        wall = self._clock.wall_ms()
+        inventory = self._inventory
+        engines = []
+        for cid in inventory.engine_ids():
+            # One engine at a time, the event loop running between them (0.5 s of CPU
+            # a million memberships): each is then at or after read_id, which the tail
+            # makes exact (ReplicatedInventory.snapshot).
+            if inventory.has_engine(cid):
+                engines.append(inventory.snapshot_engine(cid, self._clock.monotonic_ms()))
+            await asyncio.sleep(0)
+        now = self._clock.monotonic_ms()
+        snapshot = Snapshot(read_id, inventory.origin, wall, tuple(engines))
+        data = encode_snapshot(snapshot, now)
+        if len(data) > self._snapshot_max_bytes:
+            log.warning(
+                "snapshot of %d bytes not written (the bound is %d)",
+                len(data),
+                self._snapshot_max_bytes,
+            )
+            self._metrics.store_snapshots.labels(action="too_large").inc()
+            return False
+        epoch = self._epoch if isinstance(self._epoch, (bytes, str)) else ""
+        result = await put_snapshot(self._writer_conn, read_id, wall, data, epoch)
+        if result == 1:
+            self._note_snapshot(read_id)
+            self._metrics.store_snapshots.labels(action="written").inc()
+            self._metrics.store_snapshot_age.set(0)
+            log.info("wrote snapshot %s (%d bytes)", read_id, len(data))
+            return True
+        self._metrics.store_snapshots.labels(action="stale").inc()
+        return False
+
+
+async def put_snapshot(
+    conn: aioredis.Redis, read_id: str, wall_ms: int, data: bytes, epoch: bytes | str
+) -> int:
+    """The compare-and-set: 1 written, 0 an id as new or newer is there, -1 another epoch."""
+    ms, seq = stream_id(read_id)
+    result: Any = await conn.eval(
+        _SNAPSHOT_CAS,
+        3,
+        SNAPSHOT_KEY,
+        EPOCH_KEY,
+        STREAM_KEY,
+        ms,
+        seq,
+        read_id,
+        wall_ms,
+        data,
+        epoch,
+    )
+    return int(result)
 
 
 def _why(e: BaseException) -> str:
@@ -306,4 +568,13 @@ def _log_failure(task: asyncio.Task[None]) -> None:
         log.error("shared store task failed", exc_info=task.exception())
 
 
-__all__ = ["EPOCH_KEY", "HASH_TAG", "STREAM_KEY", "RedisStore", "redis_client"]
+__all__ = [
+    "EPOCH_KEY",
+    "HASH_TAG",
+    "SNAPSHOT_KEY",
+    "STREAM_KEY",
+    "RedisStore",
+    "put_snapshot",
+    "redis_client",
+    "stream_id",
+]

@@ -31,8 +31,11 @@ Decisions:
 from __future__ import annotations
 
 import logging
+import sys
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -46,7 +49,7 @@ from coordinator.core.events import (
     RankKey,
     Tier,
 )
-from coordinator.core.inventory import ApplyResult, Inventory
+from coordinator.core.inventory import ApplyResult, EngineImage, Inventory, key_probe
 from kvrc.vocabulary import PublishMode
 
 log = logging.getLogger("kvrc.replication")
@@ -139,6 +142,159 @@ def unpack_ops(data: bytes) -> list[Op]:
     if not isinstance(ops, list):
         raise ValueError("a log entry must hold a list of ops")
     return ops
+
+
+# --- snapshots: the whole replicated view at one log position -------------------------
+
+SNAPSHOT_VERSION = 1
+# A snapshot bigger than this is not written (Redis refuses values over its
+# proto-max-bulk-len, 512 MB by default): about 8 bytes per membership, so ~30 M.
+DEFAULT_SNAPSHOT_MAX_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Every engine a replica sees (its own and the others'), as of log entry `stream_id`.
+
+    Loading it and then reading the log after `stream_id` gives the view of a
+    replica that read the whole log (`ReplicatedInventory.load_snapshot`).
+    """
+
+    stream_id: str
+    writer: str  # the origin that wrote it
+    wall_ms: int  # the writer's wall clock when it was taken: its age, for a metric only
+    engines: tuple[tuple[str, EngineImage], ...]  # (origin, image)
+
+    @property
+    def memberships(self) -> int:
+        return sum(image.memberships for _, image in self.engines)
+
+
+def _u64(values: Sequence[int]) -> bytes:
+    a = array("Q", values)
+    if sys.byteorder == "big":  # the format is little-endian everywhere
+        a.byteswap()
+    return a.tobytes()
+
+
+def _from_u64(data: Any) -> tuple[int, ...]:
+    if not isinstance(data, bytes) or len(data) % 8:
+        raise ValueError("a packed key array must be bytes, 8 per value")
+    a = array("Q")
+    a.frombytes(data)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return tuple(a)
+
+
+def _left(expiries: Sequence[int], now_ms: int) -> bytes:
+    # Time left, as in the log: the loader adds it to its own monotonic clock.
+    return _u64([max(e - now_ms, 1) if e else 0 for e in expiries])
+
+
+def _at(data: Any, now_ms: int) -> tuple[int, ...]:
+    return tuple(now_ms + v if v else 0 for v in _from_u64(data))
+
+
+def _rank_out(rank: Any) -> list[int] | None:
+    return None if rank is None else list(rank)
+
+
+def encode_snapshot(snapshot: Snapshot, now_ms: int) -> bytes:
+    """msgpack; block keys as packed little-endian u64 arrays (8 bytes a membership)."""
+    engines = []
+    for origin, im in snapshot.engines:
+        engines.append(
+            [
+                origin,
+                im.child_engine_id,
+                im.compatibility_hash,
+                int(im.publish_mode),
+                [list(k) for k in im.rank_keys],
+                im.ready,
+                im.serving,
+                [_rank_out(k) for k in im.stale],
+                [_rank_out(k) for k in im.dumping],
+                [[g, t, _u64(keys)] for g, t, keys in im.index],
+                [[g, _u64(keys), _left(exp, now_ms)] for g, keys, exp in im.expiry],
+                [
+                    [list(r), g, _u64(keys), bytes(tiers), _left(exp, now_ms)]
+                    for r, g, keys, tiers, exp in im.parts
+                ],
+            ]
+        )
+    doc = [
+        SNAPSHOT_VERSION,
+        key_probe(),
+        snapshot.stream_id,
+        snapshot.writer,
+        snapshot.wall_ms,
+        engines,
+    ]
+    return msgpack.packb(doc, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+class SnapshotIncompatible(ValueError):
+    """Written by a process whose block keys differ (another PYTHONHASHSEED or Python)."""
+
+
+def decode_snapshot(data: bytes, now_ms: int) -> Snapshot:
+    """The loader's side of `encode_snapshot`; ValueError for anything malformed."""
+    try:
+        doc = msgpack.unpackb(data, raw=False, use_list=True)
+        version, probe, stream_id, writer, wall_ms, engines = doc
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise ValueError(f"not a kvrc snapshot: {e}") from e
+    if version != SNAPSHOT_VERSION:
+        raise ValueError(f"snapshot version {version!r}, this kvrc reads {SNAPSHOT_VERSION}")
+    if probe != key_probe():
+        raise SnapshotIncompatible(
+            "the snapshot's block keys come from another PYTHONHASHSEED (or Python build)"
+        )
+    out: list[tuple[str, EngineImage]] = []
+    try:
+        for item in engines:
+            (origin, cid, compat, mode, ranks, ready, serving, stale, dumping, index,
+             expiry, parts) = item  # fmt: skip
+            rank_keys = tuple(k for k in (_rank(r) for r in ranks) if k is not None)
+            image = EngineImage(
+                str(cid),
+                str(compat),
+                PublishMode(mode),
+                rank_keys,
+                bool(ready),
+                bool(serving),
+                tuple(_rank(r) for r in stale),
+                tuple(_rank(r) for r in dumping),
+                tuple((int(g), int(t), _from_u64(keys)) for g, t, keys in index),
+                tuple(_expiry(g, keys, exp, now_ms) for g, keys, exp in expiry),
+                tuple(_part(r, g, keys, tiers, exp, now_ms) for r, g, keys, tiers, exp in parts),
+            )
+            out.append((str(origin), image))
+    except (ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"malformed snapshot engine: {e}") from e
+    return Snapshot(str(stream_id), str(writer), int(wall_ms), tuple(out))
+
+
+def _expiry(
+    group: Any, keys: Any, exp: Any, now_ms: int
+) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    k, e = _from_u64(keys), _at(exp, now_ms)
+    if len(k) != len(e):
+        raise ValueError("an expiry table's keys and expiries differ in length")
+    return (int(group), k, e)
+
+
+def _part(
+    rank: Any, group: Any, keys: Any, tiers: Any, exp: Any, now_ms: int
+) -> tuple[RankKey, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    key = _rank(rank)
+    if key is None or not isinstance(tiers, bytes):
+        raise ValueError("a part fact needs a rank key and tier bytes")
+    k, e = _from_u64(keys), _at(exp, now_ms)
+    if not len(k) == len(tiers) == len(e):
+        raise ValueError("a part's keys, tiers and expiries differ in length")
+    return (key, int(group), k, tuple(tiers), e)
 
 
 class ReplicatedInventory(Inventory):
@@ -368,6 +524,50 @@ class ReplicatedInventory(Inventory):
             raise ValueError(f"unknown op tag {tag!r}")
         return True
 
+    # --- snapshots ------------------------------------------------------------------
+
+    def snapshot(self, stream_id: str, wall_ms: int, now_ms: int) -> Snapshot:
+        """Every engine of this view, labelled with the last log entry read (`stream_id`).
+
+        This replica's own engines may be ahead of `stream_id` (ops in its outbox or
+        appended but not read back yet): those ops are in the log after `stream_id`,
+        and a loader that applies them again ends in the same state, since every op
+        sets the state of what it names (store/remove a block, clear, dump, flags).
+        """
+        engines = [self.snapshot_engine(cid, now_ms) for cid in self.engine_ids()]
+        return Snapshot(stream_id, self.origin, wall_ms, tuple(engines))
+
+    def snapshot_engine(self, child_engine_id: str, now_ms: int) -> tuple[str, EngineImage]:
+        """(origin, image) of one engine. A snapshot taken engine by engine while the log
+        moves on is still exact once the tail is applied, by the argument above: each
+        image is at or after the snapshot's `stream_id`."""
+        origin = self._remote.get(child_engine_id, self.origin)
+        return origin, self.export_engine(child_engine_id, now_ms)
+
+    def load_snapshot(self, snapshot: Snapshot, now_ms: int) -> int:
+        """Replaces the other replicas' engines with the snapshot's; returns engines loaded.
+
+        This replica's own engines stay (first hand), and so do its own origin's
+        entries in the snapshot's place (a replica never applies its own ops).
+        """
+        self.drop_all_remote()
+        loaded = 0
+        for origin, image in snapshot.engines:
+            if origin == self.origin or image.child_engine_id in self._local:
+                continue
+            if self.has_engine(image.child_engine_id):
+                continue  # a malformed snapshot naming one engine twice
+            try:
+                self.restore_engine(image)
+            except KvrcError as e:  # written by a replica: a bug or a version skew
+                log.warning("snapshot engine %r skipped: %s", image.child_engine_id, e)
+                continue
+            self._remote[image.child_engine_id] = origin
+            # Liveness starts now, on this clock, as if the origin had just been heard.
+            self._origin_seen[origin] = now_ms
+            loaded += 1
+        return loaded
+
     def expire_silent_origins(self, now_ms: int, timeout_ms: int) -> int:
         """Drops the engines of origins not heard from within `timeout_ms`. Returns them."""
         silent = {o for o, seen in self._origin_seen.items() if now_ms - seen > timeout_ms}
@@ -394,9 +594,15 @@ class ReplicatedInventory(Inventory):
 
 
 __all__ = [
+    "DEFAULT_SNAPSHOT_MAX_BYTES",
+    "OP_HEARTBEAT",
     "ReplicatedInventory",
+    "Snapshot",
+    "SnapshotIncompatible",
     "decode_events",
+    "decode_snapshot",
     "encode_events",
+    "encode_snapshot",
     "pack_ops",
     "unpack_ops",
 ]

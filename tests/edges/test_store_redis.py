@@ -11,21 +11,25 @@ departures replicate; one EngineSession given both replicas' targets survives ki
 of the one it is on (it re-registers on the other, and its dump is the view there);
 kill -9 of Redis fails closed (no new grants, UNAVAILABLE with the reason, `kvrc
 status` and `kvrc_store_up` say so) and an empty restarted Redis is detected by its
-epoch and rebuilt from re-announcements; TLS with a password works; bad `--store`
-flags are one-line configuration errors.
+epoch and rebuilt from re-announcements; a replica started after the log was trimmed
+loads the snapshot (with the same PYTHONHASHSEED; another seed refuses it); TLS with a
+password works; bad `--store` flags are one-line configuration errors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import redis
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -59,6 +63,7 @@ from clients.leases import (
 )
 from clients.refengine.demo import child_process_env
 from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
+from coordinator.runtime.redis_store import STREAM_KEY
 from kvrc.v1 import kvrc_pb2 as pb
 
 PROFILES = '[[profile]]\nname = "test"\nmodel = "test-model"\n'
@@ -218,6 +223,49 @@ async def test_a_replica_that_starts_later_catches_up_from_the_log(
         with start_coordinator(*flags) as late:
             await engines.open(late.grpc_target, "req-late")
             await eventually_matched(late.grpc_target, "req-late", "holder-early", 5)
+
+
+async def test_a_replica_that_starts_after_trimming_loads_the_snapshot(
+    redis_server: RedisServer,
+    profiles_file: Path,
+    engines: Engines,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One PYTHONHASHSEED for the replicas (docs/operations.md, "Snapshot plus tail"); a
+    # snapshot after every entry read, so the log is trimmed past the holder's at once.
+    monkeypatch.setenv("PYTHONHASHSEED", "4242")
+    flags = replica_flags(profiles_file, redis_server.url, "--store-snapshot-entries", "1")
+    conn = redis.Redis(host="127.0.0.1", port=redis_server.port)
+
+    def holder_trimmed() -> bool:
+        entries: Any = conn.xrange(STREAM_KEY, "-", "+")
+        return not any(b"holder-snap" in fields[b"d"] for _, fields in entries)
+
+    with start_coordinator(*flags) as a:
+        holder = await engines.open(a.grpc_target, "holder-snap")
+        await holder.stored(CHAIN[:5])
+        filler = await engines.open(a.grpc_target, "filler-snap")
+        for i in range(50):  # later changes: each makes a snapshot, which trims the last
+            await filler.stored([bytes([0xF0, i]) * 4])
+            with contextlib.suppress(TimeoutError):
+                await wait_until(holder_trimmed, 0.3)
+                break
+        assert holder_trimmed(), "the holder's entries were never trimmed"
+        assert metric_value(a, "kvrc_store_snapshots_total", action="written") >= 2
+        with start_coordinator(*flags) as late:
+            await engines.open(late.grpc_target, "req-snap")
+            await eventually_matched(late.grpc_target, "req-snap", "holder-snap", 5)
+            assert metric_value(late, "kvrc_store_snapshots_total", action="loaded") == 1
+        # The negative control: another seed cannot read the snapshot's keys.
+        monkeypatch.setenv("PYTHONHASHSEED", "4343")
+        with start_coordinator(*flags) as other:
+            await wait_until(
+                lambda: metric_value(other, "kvrc_store_snapshots_total", action="refused") == 1,
+                10,
+            )
+            await engines.open(other.grpc_target, "req-other")
+            assert await matched(other.grpc_target, "req-other", "holder-snap") == 0
+    conn.close()
 
 
 async def test_kill_9_of_a_replica_its_engines_move_and_the_rest_leave_the_view(
@@ -491,6 +539,8 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
             "cannot read",
         ),
         (("--store-password-file", "/etc/hostname"), "needs a redis:// or rediss:// store"),
+        (("--store-snapshot-entries", "-1"), "--store-snapshot-entries must be >= 0"),
+        (("--store-snapshot-interval-s", "0"), "--store-snapshot-interval-s must be > 0"),
     ],
 )
 def test_bad_store_flags_are_one_line_configuration_errors(
