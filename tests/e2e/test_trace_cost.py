@@ -135,9 +135,8 @@ def test_a_cold_slow_pair_is_loaded_once_then_refused() -> None:
         _req(5, 54_000, [61, 62, 63, 64, 81]),  # doc B is on e0 only, and e0 is busy
     ]
     two = dataclasses.replace(COST, pairs=PairLinks((0, 1), PAIRS.within, PAIRS.across))
-    runs = {}
-    for mode in (Mode.KVRC_KV, Mode.KVRC_COST):
-        gate = LoadGate(two) if mode is Mode.KVRC_COST else None
+
+    def replay(mode: Mode, gate: LoadGate | None) -> TraceSimulation:
         sim = TraceSimulation(
             later,
             mode,
@@ -148,7 +147,10 @@ def test_a_cold_slow_pair_is_loaded_once_then_refused() -> None:
             gate=gate,
         )
         sim.run()
-        runs[mode] = sim
+        return sim
+
+    runs = {Mode.KVRC_KV: replay(Mode.KVRC_KV, None)}
+    runs[Mode.KVRC_COST] = replay(Mode.KVRC_COST, LoadGate(two))
     assert [(ld.request_index, ld.requester) for ld in runs[Mode.KVRC_KV].loads] == [
         (2, 1),
         (5, 1),
@@ -161,17 +163,8 @@ def test_a_cold_slow_pair_is_loaded_once_then_refused() -> None:
 
     # Declared ([[link]], as the operator of this cluster would): the slow pair is
     # refused from its first load, nothing has to be learnt the slow way.
-    gate = LoadGate(two, declared_links=two.pairs.declared() if two.pairs else ())
-    declared = TraceSimulation(
-        later,
-        Mode.KVRC_COST,
-        engines=2,
-        capacity_tokens=512 * 100,
-        cost=two,
-        provider=LocalReferenceProvider(gate),
-        gate=gate,
-    )
-    declared.run()
+    assert two.pairs is not None
+    declared = replay(Mode.KVRC_COST, LoadGate(two, declared_links=two.pairs.declared()))
     assert declared.loads == []
 
 
