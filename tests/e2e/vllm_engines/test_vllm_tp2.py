@@ -30,17 +30,23 @@ from vllm_harness import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 KV_BYTES_PER_TOKEN = 1024
+SLOW_S = 400  # one request may wait out the 120 s handoff wait and then recompute
 
 
 def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
     vllm_python: str, tiny_model: Path
 ) -> None:
     work = workdir("tp2")
-    # Four vLLM workers and two engine cores share the two cores here: heartbeats may
-    # lag and one rank's Mooncake read once took over 10 s (CI, 2026-12-03), so both
-    # bounds are generous. The test is about layouts, not speed.
+    # Four vLLM workers and two engine cores share the two cores here (load average
+    # about 10): in CI runs of 2026-12-03 one rank's Mooncake read took over 10 s, and
+    # once the prefill's publish came after the decode's 15 s handoff wait. Every bound
+    # is generous; the test is about layouts, not speed.
     kvrc = Kvrc(python_of_tests(), work, "--reuse", "off", "--heartbeat-timeout-ms", "60000")
-    extra = {"kvrc_target": kvrc.target, "transfer_timeout_ms": 60_000}
+    extra = {
+        "kvrc_target": kvrc.target,
+        "transfer_timeout_ms": 60_000,
+        "handoff_wait_ms": 120_000,
+    }
     try:
         prefill = VllmEngine(
             vllm_python,
@@ -71,13 +77,13 @@ def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
             for name in ("prefill-tp2", "decode-tp2"):
                 assert status[name]["ready"] is True
                 assert (status[name]["parts_present"], status[name]["parts_expected"]) == (2, 2)
-            reference = prefill.generate(prompt, max_tokens=16)["tokens"]
+            reference = prefill.generate(prompt, max_tokens=16, within_s=SLOW_S)["tokens"]
             first = prefill.generate(
-                prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+                prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, within_s=SLOW_S
             )
             params = first["kv_transfer_params"]
             assert params["tp_size"] == 2
-            out = decode.generate(prompt, max_tokens=16, kv_transfer_params=params)
+            out = decode.generate(prompt, max_tokens=16, kv_transfer_params=params, within_s=SLOW_S)
             assert out["tokens"] == reference
             stats = decode.wait_stats("handoff_loads")
             assert stats["handoff_tokens_loaded"] == len(prompt)
@@ -98,10 +104,16 @@ def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
             with engines(tp1):
                 # published once the peer is up (kvrc fails a READY handoff nobody takes in 120 s)
                 second = prefill.generate(
-                    prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+                    prompt,
+                    max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True},
+                    within_s=SLOW_S,
                 )
                 out = tp1.generate(
-                    prompt, max_tokens=16, kv_transfer_params=second["kv_transfer_params"]
+                    prompt,
+                    max_tokens=16,
+                    kv_transfer_params=second["kv_transfer_params"],
+                    within_s=SLOW_S,
                 )
                 assert out["tokens"] == reference  # recomputed
                 stats = tp1.wait_stats("handoff_load_failures")
