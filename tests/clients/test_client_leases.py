@@ -15,6 +15,7 @@ from harness import (
     start_coordinator,
     wait_until,
 )
+from lease_parts import Parts
 
 from clients.errors import (
     DeadlineExceededError,
@@ -32,7 +33,7 @@ from clients.leases import (
     PinRequestInfo,
     PrefixLoadGrant,
 )
-from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from clients.session import EngineSession
 from kvrc.v1 import kvrc_pb2 as pb
 
 
@@ -46,39 +47,10 @@ def kvrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProces
         yield coordinator
 
 
-class Parts:
-    """In-process rank parts (one per child engine), closed at the end of a test."""
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.sessions: list[EngineSession] = []
-        self.clients: list[LeaseClient] = []
-
-    async def part(
-        self, engine_id: str, handler: LeaseSessionHandler | None = None
-    ) -> tuple[EngineSession, LeaseClient]:
-        registration = RankPartRegistration(
-            engine_id=engine_id, profile=EngineProfile(model="m", block_size=16, reuse_opt_in=True)
-        )
-        handler = handler if handler is not None else LeaseSessionHandler()
-        session = EngineSession(self.target, registration, handler, reconnect=False)
-        handler.attach(session)
-        await session.start()
-        await session.wait_ready(5)
-        client = LeaseClient(self.target, engine_id, timeout_s=10)
-        self.sessions.append(session)
-        self.clients.append(client)
-        return session, client
-
-
 @pytest.fixture
 async def parts(kvrc: CoordinatorProcess) -> AsyncIterator[Parts]:
-    p = Parts(kvrc.grpc_target)
-    yield p
-    for client in p.clients:
-        await client.close()
-    for session in p.sessions:
-        await session.close()
+    async with Parts.open(kvrc.grpc_target) as p:
+        yield p
 
 
 def descriptor(block_ids: list[int]) -> pb.RankPartDescriptor:

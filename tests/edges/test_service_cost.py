@@ -23,11 +23,11 @@ from harness import (
     start_coordinator,
     wait_until,
 )
+from lease_parts import Parts
 
 from clients.hashing import hash_block_chain
 from clients.leases import (
     LeaseClient,
-    LeaseSessionHandler,
     Miss,
     PinAnswer,
     PinRequestInfo,
@@ -40,6 +40,7 @@ from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 from kvrc.vocabulary import PROTOCOL_VERSION, KvRegion, TransferEndpoint
 
 BLOCK_BYTES = 65536
+ENDPOINT = TransferEndpoint(regions=(KvRegion(0x1000, BLOCK_BYTES, 64),))
 BLOCKS = 8  # 128 tokens: 128 ms to recompute at the 1000 tokens/s declared below
 
 
@@ -56,37 +57,10 @@ def pin_all(info: PinRequestInfo) -> PinAnswer:
     return PinAnswer(n, pb.RankPartDescriptor(rank=pb.RankCoordinates(), block_ids=list(range(n))))
 
 
-class Parts:
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.sessions: list[EngineSession] = []
-        self.clients: list[LeaseClient] = []
-
-    async def part(self, engine_id: str) -> tuple[EngineSession, LeaseClient]:
-        registration = RankPartRegistration(
-            engine_id=engine_id,
-            profile=EngineProfile(model="m", block_size=16, reuse_opt_in=True),
-            endpoint=TransferEndpoint(regions=(KvRegion(0x1000, BLOCK_BYTES, 64),)),
-        )
-        handler = LeaseSessionHandler(pin=pin_all)
-        session = EngineSession(self.target, registration, handler, reconnect=False)
-        handler.attach(session)
-        await session.start()
-        await session.wait_ready(5)
-        client = LeaseClient(self.target, engine_id, timeout_s=10)
-        self.sessions.append(session)
-        self.clients.append(client)
-        return session, client
-
-
 @pytest.fixture
 async def parts(kvrc: CoordinatorProcess) -> AsyncIterator[Parts]:
-    p = Parts(kvrc.grpc_target)
-    yield p
-    for client in p.clients:
-        await client.close()
-    for session in p.sessions:
-        await session.close()
+    async with Parts.open(kvrc.grpc_target, pin=pin_all, endpoint=ENDPOINT) as p:
+        yield p
 
 
 async def store(session: EngineSession, hashes: list[bytes]) -> None:
