@@ -44,6 +44,10 @@ from coordinator.core.leases import (
     LeaseView,
     MissReason,
     Outcome,
+    SendAbort,
+    SendPin,
+    SendQuarantine,
+    SendRelease,
 )
 from coordinator.core.profiles import ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, Registry, grid_ranks
@@ -176,6 +180,9 @@ class CostObserved:
     actual_load_ms: float
     link_measured: bool  # the prediction came from measurements, not the cold defaults
 
+
+# The session messages of the lease flows (the rank part's session delivers them).
+LeaseOutbound = SendPin | SendRelease | SendAbort | SendQuarantine | DrainNotice
 
 GrantAction = (
     Action

@@ -318,14 +318,12 @@ class EngineService(pb_grpc.EngineServiceServicer):
         lease_id, pinned, descriptor, error = wire.pin_result_from_proto(
             message.pin_result, ref.rank, self._bounds
         )
-        self._coordinator.leases.on_pin_result(
-            ref.child_engine_id, ref.rank, lease_id, pinned, descriptor, error
-        )
+        self._coordinator.on_pin_result(ref, lease_id, pinned, descriptor, error)
 
     def _on_abort_ack(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
         lease_id = wire.check_id("abort_ack.lease_id", message.abort_ack.lease_id, self._bounds)
         ref = session.ref
-        self._coordinator.leases.on_abort_ack(ref.child_engine_id, ref.rank, lease_id)
+        self._coordinator.on_abort_ack(ref, lease_id)
 
     def _on_release_ack(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
         lease_id = wire.check_id("release_ack.lease_id", message.release_ack.lease_id, self._bounds)

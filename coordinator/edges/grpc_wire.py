@@ -58,9 +58,10 @@ from coordinator.runtime.coordinator import (
     StatusSnapshot,
 )
 from coordinator.runtime.inventory_flow import LookupQuery, LookupResult, LookupVerdict, ResyncOrder
+from coordinator.runtime.peers import PartCodec
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2 as pb
-from kvrc.vocabulary import PublishMode, TransferEndpoint, protocol_mismatch
+from kvrc.vocabulary import PROTOCOL_VERSION, PublishMode, TransferEndpoint, protocol_mismatch
 
 # Times: the core and the runtime keep monotonic ms; the protocol carries unix ms.
 # Each conversion reads both clocks at encoding time (coordinator/runtime/clock.py).
@@ -252,6 +253,31 @@ def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRe
         kv_events_endpoint=msg.kv_events_endpoint,
         kv_events_replay_endpoint=msg.kv_events_replay_endpoint,
         held_lease_ids=tuple(msg.held_lease_ids),
+    )
+
+
+def registration_to_proto(reg: RankPartRegistration) -> pb.Register:
+    """The inverse of `registration_from_proto` (held lease ids stay with the part's replica)."""
+    tp, pp, pcp = reg.rank
+    return pb.Register(
+        engine_id=reg.engine_id,
+        dp_rank=reg.dp_rank,
+        child_engine_id=reg.child_engine_id,
+        rank=pb.RankCoordinates(tp_rank=tp, pp_rank=pp, pcp_rank=pcp),
+        profile=profile_to_proto(reg.profile),
+        endpoint=reg.endpoint.to_proto(),
+        publish_mode=int(reg.publish_mode),  # type: ignore[arg-type]
+        kv_events_endpoint=reg.kv_events_endpoint,
+        kv_events_replay_endpoint=reg.kv_events_replay_endpoint,
+        protocol_version=PROTOCOL_VERSION,
+    )
+
+
+def part_codec(bounds: FieldBounds) -> PartCodec:
+    """Registrations between replicas as the wire's Register message, checked on the way in."""
+    return PartCodec(
+        encode=lambda reg: registration_to_proto(reg).SerializeToString(),
+        decode=lambda data: registration_from_proto(pb.Register.FromString(data), bounds),
     )
 
 

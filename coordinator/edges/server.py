@@ -31,10 +31,12 @@ from prometheus_client import start_http_server
 
 from coordinator.core.auth import describe as describe_auth
 from coordinator.edges.grpc_servicers import AdminService, EngineService, RouterService
+from coordinator.edges.grpc_wire import part_codec
 from coordinator.edges.tls import server_credentials
 from coordinator.edges.zmq_ingest import vllm_event_streams
 from coordinator.runtime.config import ConfigError, CoordinatorConfig, is_loopback_host
 from coordinator.runtime.coordinator import Coordinator
+from coordinator.runtime.peers import PeerLink
 from coordinator.runtime.redis_store import RedisStore
 from coordinator.runtime.replication import ReplicatedInventory
 from kvrc.v1 import kvrc_pb2 as pb
@@ -155,6 +157,8 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     await coordinator.start()
     if store is not None:
         await store.start()
+        if coordinator.peers is not None:
+            coordinator.peers.hello()  # the other replicas announce their parts to this one
     await server.start()
     if port_file is not None:
         write_port_file(port_file, grpc_port, metrics_port)
@@ -211,6 +215,12 @@ def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Red
         max_entries_per_engine=config.inventory_max_entries_per_engine,
     )
     coordinator = Coordinator(config, inventory=inventory)
+    # Holders and requesters on different replicas (coordinator/runtime/peers.py).
+    peers = PeerLink(
+        origin, inventory.record, part_codec(config.bounds), coordinator.clock.monotonic_ms
+    )
+    inventory.peers = peers
+    coordinator.attach_peers(peers)
     store_config = config.store
     if not hash_seed_is_fixed(os.environ) and store_config.snapshot_every_entries:
         # Its block keys are this process's own: a snapshot of them would help no

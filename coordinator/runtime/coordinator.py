@@ -58,6 +58,7 @@ from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.inventory_flow import InventoryFlow, ResyncOrder
 from coordinator.runtime.lease_flow import LeaseFlow, LeaseOutbound
 from coordinator.runtime.metrics import Metrics
+from coordinator.runtime.peers import PeerLink
 from kvrc import __version__
 from kvrc.ids import format_rank
 
@@ -264,6 +265,12 @@ class Coordinator:
         self._update_gauges()
         # A shared store says why it is unreachable here (coordinator/edges/server.py).
         self.store_unavailable: Callable[[], str | None] = lambda: None
+        # With a shared store: the other replicas' rank parts and lease messages (peers.py).
+        self.peers: PeerLink | None = None
+
+    def attach_peers(self, peers: PeerLink) -> None:
+        self.peers = peers
+        peers.attach(self)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -312,6 +319,7 @@ class Coordinator:
         now = self._clock_ms()
         session_id = f"s-{secrets.token_hex(8)}"
         incarnation = next(self._incarnations)
+        self._replace_remote_part(registration)
         try:
             result = self.registry.register(registration, session_id, incarnation, now)
         except KvrcError as e:
@@ -331,6 +339,8 @@ class Coordinator:
         if timer is not None:
             timer.cancel()  # came back within the grace period
         self.metrics.registrations.labels(result="ok").inc()
+        if self.peers is not None:
+            self.peers.part_registered(session_id, registration)
         self._update_gauges()
         view = result.view
         reuse = self.reuse_for(view)
@@ -363,6 +373,32 @@ class Coordinator:
             )
         return session
 
+    def on_pin_result(
+        self,
+        ref: PartRef,
+        lease_id: str,
+        pinned_blocks: int,
+        descriptor: bytes | None,
+        error_message: str,
+    ) -> None:
+        """A holder part's PinResult: to this replica's lease, or to the lease's owner."""
+        owner = self.peers.owner_of(lease_id) if self.peers is not None else None
+        if owner is not None and self.peers is not None:
+            self.peers.reply_pin_result(
+                owner, ref, lease_id, pinned_blocks, descriptor, error_message
+            )
+            return
+        self.leases.on_pin_result(
+            ref.child_engine_id, ref.rank, lease_id, pinned_blocks, descriptor, error_message
+        )
+
+    def on_abort_ack(self, ref: PartRef, lease_id: str) -> None:
+        owner = self.peers.owner_of(lease_id) if self.peers is not None else None
+        if owner is not None and self.peers is not None:
+            self.peers.reply_abort_ack(owner, ref, lease_id)
+            return
+        self.leases.on_abort_ack(ref.child_engine_id, ref.rank, lease_id)
+
     def heartbeat(self, session: Session) -> None:
         now = self._clock_ms()
         if self.registry.heartbeat(session.ref, now):
@@ -378,17 +414,22 @@ class Coordinator:
         if self._sessions.pop(session.session_id, None) is None:
             return
         self.metrics.sessions_closed.labels(reason=reason).inc()
-        removed = self.registry.remove(session.ref)
+        if self._part_removed(session.ref, reason) and self.peers is not None:
+            self.peers.part_left(session.ref)
+
+    def _part_removed(self, ref: PartRef, reason: str) -> bool:
+        """Removes a registered part (local or remote) and tells the listeners; False if gone."""
+        removed = self.registry.remove(ref)
         if removed is None:
-            return
+            return False
         self._update_gauges()
         view = removed.view
         log.info(
             "rank part removed (%s): %s rank %s session %s (%d/%d parts)",
             reason,
             view.child_engine_id,
-            format_rank(session.ref.rank),
-            session.session_id,
+            format_rank(ref.rank),
+            ref.session_id,
             view.parts_present,
             view.parts_expected,
         )
@@ -396,17 +437,99 @@ class Coordinator:
             self._readiness_changed(view, self.reuse_for(view))
         for listener in self._listeners:
             try:
-                listener.on_part_removed(session.ref.child_engine_id, session.ref.rank, reason)
+                listener.on_part_removed(ref.child_engine_id, ref.rank, reason)
             except Exception:  # one listener's bug must not keep the part registered
                 log.exception("part listener %r failed on removal", listener)
         if self._listeners and not self._shutting_down:
-            ref = session.ref
             old = self._take_gone_timer(ref)
             if old is not None:
                 old.cancel()
             self._gone_timers.setdefault(ref.child_engine_id, {})[ref.rank] = self.clock.call_later(
                 self.config.session_grace_ms, lambda: self._part_gone(ref)
             )
+        return True
+
+    # --- the other replicas' parts (PeerHost, coordinator/runtime/peers.py) ------------
+
+    def register_remote_part(
+        self, origin: str, session_id: str, registration: RankPartRegistration
+    ) -> bool:
+        if self._shutting_down:
+            return False
+        held = self.registry.session_of(registration.child_engine_id, registration.rank)
+        if held is not None and held in self._sessions:
+            return False  # a local session is first hand
+        if held is not None and self.peers is not None:
+            # It moved between two other replicas: the later registration (log order) wins.
+            self.peers.forget_session(held)
+            self.registry.remove(PartRef(registration.child_engine_id, registration.rank, held))
+        try:
+            result = self.registry.register(registration, session_id, 0, self._clock_ms())
+        except KvrcError as e:
+            log.warning(
+                "rank part %s rank %s of replica %s not registered here: %s",
+                registration.child_engine_id,
+                format_rank(registration.rank),
+                origin,
+                e.message,
+            )
+            return False
+        timer = self._take_gone_timer(
+            PartRef(registration.child_engine_id, registration.rank, session_id)
+        )
+        if timer is not None:
+            timer.cancel()  # it came back, on another replica
+        self._update_gauges()
+        log.info(
+            "rank part of replica %s registered: %s rank %s session %s",
+            origin,
+            registration.child_engine_id,
+            format_rank(registration.rank),
+            session_id,
+        )
+        if result.readiness_changed:
+            self._readiness_changed(result.view, self.reuse_for(result.view))
+        return True
+
+    def remove_remote_part(self, ref: PartRef, reason: str) -> bool:
+        return self._part_removed(ref, reason)
+
+    def deliver(self, ref: PartRef, message: LeaseOutbound) -> bool:
+        session = self._sessions.get(ref.session_id)
+        if session is None or session.ref != ref:
+            return False  # fenced: that session is not here any more
+        self._send(session, message)
+        return True
+
+    def remote_pin_result(
+        self,
+        ref: PartRef,
+        lease_id: str,
+        pinned_blocks: int,
+        descriptor: bytes | None,
+        error_message: str,
+    ) -> None:
+        if self.registry.session_of(ref.child_engine_id, ref.rank) != ref.session_id:
+            log.info("pin result of lease %s from a session that left dropped", lease_id)
+            return
+        self.leases.on_pin_result(
+            ref.child_engine_id, ref.rank, lease_id, pinned_blocks, descriptor, error_message
+        )
+
+    def remote_abort_ack(self, ref: PartRef, lease_id: str) -> None:
+        if self.registry.session_of(ref.child_engine_id, ref.rank) == ref.session_id:
+            self.leases.on_abort_ack(ref.child_engine_id, ref.rank, lease_id)
+
+    def local_parts(self) -> list[tuple[str, RankPartRegistration]]:
+        return [(sid, session.registration) for sid, session in self._sessions.items()]
+
+    def _replace_remote_part(self, registration: RankPartRegistration) -> None:
+        """A part registering here replaces its remote copy (it moved to this replica)."""
+        held = self.registry.session_of(registration.child_engine_id, registration.rank)
+        if held is None or held in self._sessions or self.peers is None:
+            return
+        self.peers.forget_session(held)
+        self.registry.remove(PartRef(registration.child_engine_id, registration.rank, held))
 
     # --- reads -----------------------------------------------------------------
 
@@ -459,12 +582,15 @@ class Coordinator:
             cost=self.cost_status(),
         )
 
-    def send_to_part(self, child_engine_id: str, rank: RankKey, message: Outbound) -> bool:
-        """Queues a message on the session of one rank part; False when it has none."""
+    def send_to_part(self, child_engine_id: str, rank: RankKey, message: LeaseOutbound) -> bool:
+        """Queues a lease message for one rank part (here, or on its replica); False: none."""
         session_id = self.registry.session_of(child_engine_id, rank)
-        session = self._sessions.get(session_id) if session_id is not None else None
-        if session is None:
+        if session_id is None:
             return False
+        session = self._sessions.get(session_id)
+        if session is None:
+            # A remote part: its replica delivers the message (peers.py).
+            return self.peers is not None and self.peers.send(session_id, message)
         self._send(session, message)
         return True
 

@@ -35,6 +35,7 @@ from coordinator.core.grants import (
     Grants,
     HandoffBeginFailed,
     HandoffBegun,
+    LeaseOutbound,
     PrefixLoadAnswer,
     PrefixLoadAnswered,
     PrefixLoadRequest,
@@ -88,9 +89,6 @@ DRAIN_ACK_GRACE_MS = 2_000
 _DRAIN_POLL_MS = 1_000
 
 _NON_TERMINAL = tuple(s for s in LeaseState if s not in TERMINAL_STATES)
-
-# The session messages of the lease flows.
-LeaseOutbound = SendPin | SendRelease | SendAbort | SendQuarantine | DrainNotice
 
 SendToPart = Callable[[str, RankKey, LeaseOutbound], bool]
 

@@ -50,6 +50,7 @@ from coordinator.core.events import (
     Tier,
 )
 from coordinator.core.inventory import ApplyResult, EngineImage, Inventory, key_probe
+from coordinator.runtime.peers import PEER_TAGS, PeerLink
 from kvrc.vocabulary import PublishMode
 
 log = logging.getLogger("kvrc.replication")
@@ -326,6 +327,12 @@ class ReplicatedInventory(Inventory):
         self._origin_seen: dict[str, int] = {}  # origin -> reader's monotonic ms
         # What was announced of each local engine: (compat, mode, ranks), (visible, serving).
         self._local: dict[str, tuple[Op, tuple[bool, bool]]] = {}
+        # Rank parts and lease messages across replicas share this log (peers.py).
+        self.peers: PeerLink | None = None
+
+    def record(self, op: Op) -> None:
+        """Appends an op of another module (coordinator/runtime/peers.py) to the outbox."""
+        self._record(op)
 
     # --- local changes (recorded after the core accepted them) -----------------------
 
@@ -449,6 +456,8 @@ class ReplicatedInventory(Inventory):
             self._record(list(op))
             if visible or serving:
                 self._record([OP_VISIBLE, child_engine_id, visible, serving])
+        if self.peers is not None:
+            self.peers.announce_local()
 
     # --- the other replicas' ops --------------------------------------------------------
 
@@ -481,7 +490,11 @@ class ReplicatedInventory(Inventory):
         if tag == OP_RESET:
             for cid in [c for c, o in self._remote.items() if o == origin]:
                 self._drop_remote(cid)
+            if self.peers is not None:
+                self.peers.origin_gone(origin, f"replica {origin} reset its state")
             return True
+        if tag in PEER_TAGS:
+            return self.peers.apply(origin, op) if self.peers is not None else False
         cid = str(op[1])
         if cid in self._local:
             return False  # a local engine wins (module doc)
@@ -566,6 +579,8 @@ class ReplicatedInventory(Inventory):
             # Liveness starts now, on this clock, as if the origin had just been heard.
             self._origin_seen[origin] = now_ms
             loaded += 1
+        if self.peers is not None:
+            self.peers.hello()  # parts are not in the snapshot: their replicas announce them
         return loaded
 
     def expire_silent_origins(self, now_ms: int, timeout_ms: int) -> int:
@@ -577,6 +592,8 @@ class ReplicatedInventory(Inventory):
             dropped += 1
         for origin in silent:
             del self._origin_seen[origin]
+            if self.peers is not None:
+                self.peers.origin_gone(origin, f"replica {origin} fell silent")
         return dropped
 
     def drop_all_remote(self) -> int:
@@ -585,6 +602,8 @@ class ReplicatedInventory(Inventory):
         for cid in list(self._remote):
             self._drop_remote(cid)
         self._origin_seen.clear()
+        if self.peers is not None:
+            self.peers.forget_all("the shared store was lost")
         return count
 
     def _drop_remote(self, child_engine_id: str) -> None:

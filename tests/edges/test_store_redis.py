@@ -90,6 +90,7 @@ def replica_flags(profiles: Path, store: str, *extra: str) -> tuple[str, ...]:
 class Engines:
     def __init__(self) -> None:
         self.sessions: list[EngineSession] = []
+        self.handlers: dict[str, LeaseSessionHandler] = {}
 
     async def open(
         self, target: str, engine_id: str, retained: list[StoredBlocks] | None = None
@@ -112,6 +113,7 @@ class Engines:
         handler.attach(session)
         await session.start()
         self.sessions.append(session)
+        self.handlers[engine_id] = handler
         await session.wait_ready(10)
         return publisher
 
@@ -197,6 +199,67 @@ async def test_inventory_ingested_on_one_replica_is_visible_on_the_others(
         await engines.sessions[0].close()
         await eventually_matched(b.grpc_target, "req-b", "holder-a", 0)
         await eventually_matched(c.grpc_target, "req-c", "holder-a", 0)
+
+
+async def _held(engines: Engines, engine_id: str) -> list[str]:
+    return list(engines.handlers[engine_id].held_lease_ids())
+
+
+async def test_a_holder_on_one_replica_lends_to_a_requester_on_another(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """The lease lives on the requester's replica; the pin, its answer and the release
+    travel through the log to the holder's session on the other replica (peers.py)."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with start_coordinator(*flags) as a, start_coordinator(*flags) as b:
+        holder = await engines.open(a.grpc_target, "holder-x")
+        await engines.open(b.grpc_target, "req-x")
+        await holder.stored(CHAIN[:8])
+        await eventually_matched(b.grpc_target, "req-x", "holder-x", 8)
+        # b knows the holder's parts (remote, READY) from the log.
+        remote = await child_engine_status(b.grpc_target, "holder-x")
+        assert remote is not None and remote.state.ready
+        async with LeaseClient(b.grpc_target, "req-x") as leases:
+            grant = await leases.request_prefix_load("cross-1", CHAIN[:8])
+            assert isinstance(grant, PrefixLoadGrant), grant
+            assert grant.source_child_engine_id == "holder-x"
+            assert grant.matched_blocks == 8
+            # The holder pinned it on a; the lease is b's alone.
+            assert await _held(engines, "holder-x") == [grant.lease_id]
+            assert grant.lease_id in {x.lease_id for x in (await get_status(b.grpc_target)).leases}
+            assert grant.lease_id not in {
+                x.lease_id for x in (await get_status(a.grpc_target)).leases
+            }
+            done = await leases.complete_prefix_load(
+                pb.TransferReport(
+                    lease_id=grant.lease_id,
+                    reporter_child_engine_id="req-x",
+                    outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+                    bytes_moved=8 * 4096,
+                    duration_us=2_000,
+                )
+            )
+            assert done.quiescent
+            # The release reached the holder's session on a: its pins ended.
+            await wait_until(
+                lambda: _held_is(engines, "holder-x", []), 10, what="release on replica a"
+            )
+        # Negative control: the holder leaves a; b proves it gone and stops granting from it.
+        await engines.sessions[0].close()
+        await wait_until(
+            lambda: _no_child(b.grpc_target, "holder-x"), 10, what="holder left b's registry"
+        )
+        async with LeaseClient(b.grpc_target, "req-x") as leases:
+            miss = await leases.request_prefix_load("cross-2", CHAIN[:8])
+            assert not isinstance(miss, PrefixLoadGrant)
+
+
+async def _held_is(engines: Engines, engine_id: str, expected: list[str]) -> bool:
+    return await _held(engines, engine_id) == expected
+
+
+async def _no_child(target: str, child_engine_id: str) -> bool:
+    return await child_engine_status(target, child_engine_id) is None
 
 
 async def test_the_memory_store_shares_nothing(profiles_file: Path, engines: Engines) -> None:
