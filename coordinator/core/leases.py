@@ -428,6 +428,15 @@ def flow_of_lease_id(lease_id: str) -> Flow | None:
     return None
 
 
+LEASE_OWNER_SEPARATOR = "@"
+
+
+def owner_of_lease_id(lease_id: str) -> str:
+    """The replica a lease id names as its owner ("" for an id without one)."""
+    _, sep, owner = lease_id.rpartition(LEASE_OWNER_SEPARATOR)
+    return owner if sep else ""
+
+
 class LeaseTable:
     """The in-memory lease store and both state machines.
 
@@ -436,10 +445,15 @@ class LeaseTable:
     """
 
     def __init__(
-        self, config: LeaseConfig | None = None, id_factory: Callable[[], str] | None = None
+        self,
+        config: LeaseConfig | None = None,
+        id_factory: Callable[[], str] | None = None,
+        id_owner: str = "",
     ) -> None:
         self._config = config if config is not None else LeaseConfig()
         self._new_id = id_factory if id_factory is not None else _default_ids
+        # With replicas, each id names the replica that owns it (`owner_of_lease_id`).
+        self._id_suffix = f"{LEASE_OWNER_SEPARATOR}{id_owner}" if id_owner else ""
         self._flow_ids = id_factory is None  # prefix ids with their flow (see flow_of_lease_id)
         self._leases: dict[str, _Lease] = {}
         self._by_request: dict[tuple[Flow, str, str], str] = {}
@@ -1368,7 +1382,7 @@ class LeaseTable:
         return tuple(sorted(grid))
 
     def _fresh_id(self, flow: Flow) -> str:
-        lease_id = self._new_id()
+        lease_id = self._new_id() + self._id_suffix
         if self._flow_ids:
             lease_id = _FLOW_ID_PREFIX[flow] + lease_id
         if not lease_id or lease_id in self._leases:

@@ -214,10 +214,14 @@ def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Red
         max_entries_total=config.inventory_max_entries_total,
         max_entries_per_engine=config.inventory_max_entries_per_engine,
     )
-    coordinator = Coordinator(config, inventory=inventory)
+    coordinator = Coordinator(config, inventory=inventory, lease_id_owner=origin)
     # Holders and requesters on different replicas (coordinator/runtime/peers.py).
     peers = PeerLink(
-        origin, inventory.record, part_codec(config.bounds), coordinator.clock.monotonic_ms
+        origin,
+        inventory.record,
+        part_codec(config.bounds),
+        coordinator.clock.monotonic_ms,
+        inventory.origin_alive,
     )
     inventory.peers = peers
     coordinator.attach_peers(peers)

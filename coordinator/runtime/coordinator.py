@@ -32,7 +32,7 @@ from coordinator.core.cost_model import (
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
 from coordinator.core.inventory import Inventory
-from coordinator.core.leases import LeaseView
+from coordinator.core.leases import LeaseTable, LeaseView
 from coordinator.core.profiles import (
     ReuseReason,
     ReuseStatus,
@@ -209,6 +209,7 @@ class Coordinator:
         metrics: Metrics | None = None,
         clock: Clock | None = None,
         inventory: Inventory | None = None,
+        lease_id_owner: str = "",
     ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
@@ -246,7 +247,7 @@ class Coordinator:
             reuse_for=self.reuse_for,
             proven_gone=self.proven_gone,
             clock=self.clock,
-            config=config.leases,
+            table=LeaseTable(config.leases, id_owner=lease_id_owner),
             cost=CostModel(config.cost, self.declared_prefill, config.declared_links),
         )
         self.inventory.set_leases_in_flight(self.leases.leases_in_flight)
@@ -366,11 +367,13 @@ class Coordinator:
         )
         if result.readiness_changed:
             self._readiness_changed(view, reuse, skip_session=session_id)
-        if registration.held_lease_ids:
+        held = registration.held_lease_ids
+        if held and self.peers is not None:
+            # Owned by a live replica: it keeps the lease; this part's answers reach it.
+            held = tuple(lease_id for lease_id in held if self.peers.owner_of(lease_id) is None)
+        if held:
             # Restart recovery: pins this part still holds (after the RegisterAck).
-            self.leases.recover_held(
-                view.child_engine_id, registration.rank, registration.held_lease_ids
-            )
+            self.leases.recover_held(view.child_engine_id, registration.rank, held)
         return session
 
     def on_pin_result(

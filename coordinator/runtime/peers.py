@@ -19,7 +19,11 @@ messages travel through the same ordered log as the inventory:
   left (monotonic clocks differ between hosts).
 - `OP_REPLY`: the holder's PinResult or AbortAck for a lease owned elsewhere,
   addressed to the owner, which applies it as if the holder's session were its
-  own. The holder's replica learns the owner from the `OP_SEND` it delivered.
+  own. Each lease id names its owner (`pl-<random>@<owner>`,
+  coordinator/core/leases.py `owner_of_lease_id`), so the holder's replica, or the
+  one it moved to, routes its answers without asking anybody. A holder that
+  re-announces a lease whose owner is alive leaves it to the owner; one whose
+  owner fell silent is rebuilt here, QUARANTINED, as after a restart.
 - `OP_HELLO`: a replica that starts (or reloads a snapshot) asks the others to
   announce their parts again (parts are not in the inventory snapshot).
 
@@ -34,13 +38,19 @@ on one replica) and drains (docs/operations.md).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from coordinator.core.grants import DrainNotice, LeaseOutbound
-from coordinator.core.leases import Flow, SendAbort, SendPin, SendQuarantine, SendRelease
+from coordinator.core.leases import (
+    Flow,
+    SendAbort,
+    SendPin,
+    SendQuarantine,
+    SendRelease,
+    owner_of_lease_id,
+)
 from coordinator.core.registry import PartRef, RankPartRegistration
 
 log = logging.getLogger("kvrc.peers")
@@ -55,9 +65,6 @@ PEER_TAGS = frozenset((OP_PART, OP_PART_LEFT, OP_SEND, OP_REPLY, OP_HELLO))
 # Replies of the holder's session that the owner needs (ReleaseAck is only logged).
 REPLY_PIN = "pin"
 REPLY_ABORT_ACK = "abort_ack"
-
-# Leases whose pin this replica delivered for another owner: the owner of each (LRU).
-MAX_FORWARDED_LEASES = 65_536
 
 Op = list[Any]
 
@@ -162,7 +169,7 @@ class PeerLink:
         record: Callable[[Op], None],
         codec: PartCodec,
         clock_ms: Callable[[], int],
-        max_forwarded_leases: int = MAX_FORWARDED_LEASES,
+        is_alive: Callable[[str], bool],
     ) -> None:
         self.origin = origin
         self._record = record
@@ -171,8 +178,7 @@ class PeerLink:
         self._host: PeerHost | None = None
         # Remote parts registered here: session id -> (origin, ref).
         self._remote: dict[str, tuple[str, PartRef]] = {}
-        self._forwarded: OrderedDict[str, str] = OrderedDict()  # lease id -> owner
-        self._max_forwarded = max_forwarded_leases
+        self._is_alive = is_alive  # an origin heard from lately (replication.py)
         self.sent = 0  # ops this replica wrote for its peers (tests, bench-cluster)
 
     def attach(self, host: PeerHost) -> None:
@@ -211,8 +217,11 @@ class PeerLink:
         return True
 
     def owner_of(self, lease_id: str) -> str | None:
-        """The replica that owns a lease this replica delivered a message of (else None)."""
-        return self._forwarded.get(lease_id)
+        """The live replica that owns a lease, when it is not this one (else None)."""
+        owner = owner_of_lease_id(lease_id)
+        if not owner or owner == self.origin or not self._is_alive(owner):
+            return None
+        return owner
 
     def reply_pin_result(
         self,
@@ -286,8 +295,6 @@ class PeerLink:
         if tag == OP_SEND:
             ref = _ref(op[2], op[3], op[4])
             message = decode_message(op[5], ref, self._clock_ms())
-            if not isinstance(message, DrainNotice):
-                self._note_owner(message.lease_id, origin)
             if not host.deliver(ref, message):
                 log.info(
                     "%s for %s rank %s from replica %s dropped: session %s is not here any more",
@@ -329,12 +336,6 @@ class PeerLink:
     def forget_session(self, session_id: str) -> None:
         """A local registration replaced this remote part (the engine moved here)."""
         self._remote.pop(session_id, None)
-
-    def _note_owner(self, lease_id: str, owner: str) -> None:
-        self._forwarded[lease_id] = owner
-        self._forwarded.move_to_end(lease_id)
-        while len(self._forwarded) > self._max_forwarded:
-            self._forwarded.popitem(last=False)
 
     @property
     def remote_parts(self) -> int:

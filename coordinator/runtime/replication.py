@@ -461,6 +461,10 @@ class ReplicatedInventory(Inventory):
 
     # --- the other replicas' ops --------------------------------------------------------
 
+    def origin_alive(self, origin: str) -> bool:
+        """Another replica heard from within the silence timeout (or this replica itself)."""
+        return origin == self.origin or origin in self._origin_seen
+
     def remote_engines(self) -> dict[str, str]:
         return dict(self._remote)
 
