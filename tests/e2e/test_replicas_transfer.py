@@ -1,0 +1,182 @@
+"""A prefix load across two kvrc replicas, with real engines and real Mooncake bytes.
+
+Two `kvrc serve --store redis://` processes over one real redis-server
+(tests/support/redis_env.py). The holder (reference engine p0, tp=1) registers with
+replica A, the requester (p1, tp=1) with replica B. B grants the load from A's
+holder: the pin, its answer and the release travel through the shared log
+(coordinator/runtime/peers.py), the bytes move engine to engine through Mooncake
+(tcp, loopback), and the test recomputes the expected blocks itself and compares
+digests. The negative control is the memory store: the same two processes without
+a shared store never lend across (the requester recomputes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import child_engine_status, get_status, wait_until
+from redis_env import RedisServer, start_redis
+
+from clients.kv_cache import KvCacheLayout
+from clients.refengine.channel import Channel
+from clients.refengine.compute import expected_blocks
+from clients.refengine.demo import BLOCK_SIZE, Cluster, EngineGroup
+from clients.refengine.options import EngineOptions
+
+pytestmark = pytest.mark.timeout(180)
+
+MOONCAKE_PORTS = "29500-29999"
+DEFAULTS = EngineOptions(role="prefill", engine_id="x", tp_rank=0, tp_size=1, target="")
+LAYOUT = KvCacheLayout(
+    num_layers=DEFAULTS.num_layers,
+    num_blocks=DEFAULTS.num_blocks,
+    block_size=BLOCK_SIZE,
+    num_kv_heads=DEFAULTS.num_kv_heads,
+    head_size=DEFAULTS.head_size,
+    dtype=DEFAULTS.kv_dtype,
+)
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 32000) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with start_redis() as server:
+        yield server
+
+
+class TwoReplicas:
+    def __init__(self, cluster: Cluster, target_a: str, target_b: str) -> None:
+        self.cluster = cluster
+        self.target_a = target_a
+        self.target_b = target_b
+
+
+def start_two(workdir: Path, store: str) -> tuple[TwoReplicas, dict[str, EngineGroup]]:
+    cluster = Cluster(workdir)
+    cluster.start_coordinator("--store", store)
+    target_a = cluster.target
+    extra = ["--mooncake-ports", MOONCAKE_PORTS]
+    groups = {g.engine_id: g for g in cluster.start_engines([("p0", "prefill", 1, extra)])}
+    cluster.start_coordinator("--store", store)  # replica B; the engines below use it
+    target_b = cluster.target
+    groups.update({g.engine_id: g for g in cluster.start_engines([("p1", "prefill", 1, extra)])})
+    return TwoReplicas(cluster, target_a, target_b), groups
+
+
+async def connect(groups: dict[str, EngineGroup]) -> dict[str, Channel]:
+    channels = {
+        name: await Channel.connect("127.0.0.1", g.control_port, name=name)
+        for name, g in groups.items()
+    }
+    for channel in channels.values():
+        await channel.call("ready", timeout_s=120.0, wait_s=100.0)
+    return channels
+
+
+async def call(channel: Channel, op: str, **args: Any) -> Any:
+    return await channel.call(op, timeout_s=90.0, **args)
+
+
+def expected_digests(chain: list[int], num_blocks: int) -> list[str]:
+    rows = expected_blocks(LAYOUT, chain, list(range(num_blocks)), tp_rank=0)
+    return [hashlib.sha256(bytes(row.reshape(-1).tolist())).hexdigest() for row in rows]
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+) -> Iterator[tuple[TwoReplicas, dict[str, EngineGroup]]]:
+    two, groups = start_two(Path(tmp_path_factory.mktemp("replicas")), redis_server.url)
+    try:
+        yield two, groups
+    finally:
+        two.cluster.stop()
+    for child in two.cluster.children:
+        if child.name.startswith("kvrc"):
+            assert "Traceback" not in child.stderr_path.read_text(errors="replace")
+
+
+@pytest.fixture
+async def engines(
+    replicas: tuple[TwoReplicas, dict[str, EngineGroup]],
+) -> AsyncIterator[dict[str, Channel]]:
+    channels = await connect(replicas[1])
+    yield channels
+    for channel in channels.values():
+        await channel.close()
+
+
+async def _holder_seen(target: str, holder: str) -> bool:
+    status = await child_engine_status(target, holder)
+    return status is not None and status.state.ready
+
+
+async def _no_open_leases(target: str) -> bool:
+    return not (await get_status(target)).leases
+
+
+async def test_a_load_granted_on_b_from_a_holder_on_a_is_bit_exact(
+    replicas: tuple[TwoReplicas, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    two, _ = replicas
+    prompt = tokens(11, 96)
+    first = await call(engines["p0"], "prefill", request_id="r-1", tokens=prompt, decode="")
+    assert first["blocks_recomputed"] == 96 // BLOCK_SIZE
+    # B knows p0 (a remote part, READY) and its blocks, both from the log.
+    await wait_until(lambda: _holder_seen(two.target_b, "p0"), timeout_s=15)
+    turn2 = prompt + tokens(12, 32)
+    loaded: dict[str, Any] = {}
+
+    async def load() -> bool:
+        loaded.update(
+            await call(engines["p1"], "prefill", request_id=f"r-2-{len(loaded)}", tokens=turn2)
+        )
+        return loaded["load"] == "loaded"
+
+    # The inventory reaches B a moment after the holder's ready: retry until it does.
+    for _ in range(20):
+        if await load():
+            break
+        await asyncio.sleep(0.25)
+    assert loaded["load"] == "loaded", loaded
+    assert loaded["source"] == "p0"
+    assert loaded["blocks_loaded"] == 96 // BLOCK_SIZE
+    assert loaded["mismatches"] == 0
+    digests = await call(engines["p1"], "digests", tokens=turn2)
+    assert digests[0] == expected_digests(turn2, len(digests[0]))
+    # Quiescence on both replicas: B ended the lease, A's holder got its release.
+    await wait_until(lambda: _no_open_leases(two.target_b), timeout_s=15)
+    await wait_until(lambda: _pinned_is(engines["p0"], 0), timeout_s=15)
+
+
+async def _pinned_is(engine: Channel, value: int) -> bool:
+    return bool((await call(engine, "stats"))["pinned_leases"] == value)
+
+
+async def test_without_a_shared_store_nothing_is_lent_across(
+    tmp_path: Path,
+) -> None:
+    """Negative control: the memory store keeps each replica's engines to itself."""
+    two, groups = start_two(tmp_path, "memory")
+    try:
+        channels = await connect(groups)
+        prompt = tokens(21, 96)
+        await call(channels["p0"], "prefill", request_id="m-1", tokens=prompt, decode="")
+        second = await call(channels["p1"], "prefill", request_id="m-2", tokens=prompt)
+        assert second["load"] != "loaded", second
+        assert second["blocks_recomputed"] == 96 // BLOCK_SIZE
+        assert not await _holder_seen(two.target_b, "p0")
+        for channel in channels.values():
+            await channel.close()
+    finally:
+        two.cluster.stop()
