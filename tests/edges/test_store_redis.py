@@ -18,6 +18,7 @@ password works; bad `--store` flags are one-line configuration errors.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import ipaddress
@@ -93,15 +94,16 @@ class Engines:
         self.handlers: dict[str, LeaseSessionHandler] = {}
 
     async def open(
-        self, target: str, engine_id: str, retained: list[StoredBlocks] | None = None
+        self, target: str | list[str], engine_id: str, retained: list[StoredBlocks] | None = None
     ) -> InventoryPublisher:
+        """One rank part; given a list of replicas, it reconnects (fails over) among them."""
         registration = RankPartRegistration(
             engine_id=engine_id,
             profile=EngineProfile(
                 model="test-model", block_size=16, kv_dtype="bfloat16", reuse_opt_in=True
             ),
         )
-        session = EngineSession(target, registration, reconnect=False)
+        session = EngineSession(target, registration, reconnect=not isinstance(target, str))
         # Its dump (a resync) resends `retained`, what the test says it still keeps.
         kept = retained if retained is not None else []
         publisher = InventoryPublisher(session, dump=lambda: list(kept))
@@ -252,6 +254,111 @@ async def test_a_holder_on_one_replica_lends_to_a_requester_on_another(
         async with LeaseClient(b.grpc_target, "req-x") as leases:
             miss = await leases.request_prefix_load("cross-2", CHAIN[:8])
             assert not isinstance(miss, PrefixLoadGrant)
+
+
+async def test_concurrent_loads_across_three_replicas_pin_exactly_once_each(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """Many loads of the same source blocks from two other replicas at once: one lease
+    each (no id twice), the holder's pin count equals the open leases of all replicas,
+    and each report takes exactly its own pin away."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with (
+        start_coordinator(*flags) as a,
+        start_coordinator(*flags) as b,
+        start_coordinator(*flags) as c,
+    ):
+        holder = await engines.open(a.grpc_target, "holder-n")
+        await engines.open(b.grpc_target, "req-nb")
+        await engines.open(c.grpc_target, "req-nc")
+        await holder.stored(CHAIN[:8])
+        await eventually_matched(b.grpc_target, "req-nb", "holder-n", 8)
+        await eventually_matched(c.grpc_target, "req-nc", "holder-n", 8)
+        async with (
+            LeaseClient(b.grpc_target, "req-nb") as on_b,
+            LeaseClient(c.grpc_target, "req-nc") as on_c,
+        ):
+            clients = [("req-nb", on_b), ("req-nc", on_c)]
+            answers = await asyncio.gather(
+                *(
+                    client.request_prefix_load(f"{name}-{i}", CHAIN[: 4 + i % 5])
+                    for i in range(12)
+                    for name, client in clients
+                )
+            )
+            grants = [g for g in answers if isinstance(g, PrefixLoadGrant)]
+            assert len(grants) == 24, answers
+            ids = [g.lease_id for g in grants]
+            assert len(set(ids)) == 24
+            open_b = {x.lease_id for x in (await get_status(b.grpc_target)).leases}
+            open_c = {x.lease_id for x in (await get_status(c.grpc_target)).leases}
+            assert not open_b & open_c and open_b | open_c == set(ids)
+            assert sorted(await _held(engines, "holder-n")) == sorted(ids)
+            # Reports from both replicas, interleaved: each ends exactly its own pin.
+            done, left = grants[::2], grants[1::2]
+            by_owner = {"req-nb": on_b, "req-nc": on_c}
+            owner_of = {g.lease_id: name for (name, _), g in zip(clients * 12, answers, strict=True)}
+            await asyncio.gather(
+                *(
+                    by_owner[owner_of[g.lease_id]].complete_prefix_load(
+                        pb.TransferReport(
+                            lease_id=g.lease_id,
+                            reporter_child_engine_id=owner_of[g.lease_id],
+                            outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+                        )
+                    )
+                    for g in done
+                )
+            )
+            expected = sorted(g.lease_id for g in left)
+            await wait_until(
+                lambda: _held_sorted_is(engines, "holder-n", expected), 10, what="12 released"
+            )
+
+
+async def test_kill_9_of_the_holders_replica_mid_lease_releases_nothing_early(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """The lease is b's; the holder's replica a dies under it. The holder fails over to
+    c, keeps its pin (c leaves the lease to its live owner b), and only the requester's
+    report, through b and then c, releases it."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with (
+        start_coordinator(*flags, check_exit=False) as a,
+        start_coordinator(*flags) as b,
+        start_coordinator(*flags) as c,
+    ):
+        holder = await engines.open([a.grpc_target, c.grpc_target], "holder-k9", [])
+        await engines.open(b.grpc_target, "req-k9")
+        await holder.stored(CHAIN[:8])
+        await eventually_matched(b.grpc_target, "req-k9", "holder-k9", 8)
+        async with LeaseClient(b.grpc_target, "req-k9") as leases:
+            grant = await leases.request_prefix_load("k9-1", CHAIN[:8])
+            assert isinstance(grant, PrefixLoadGrant), grant
+            assert await _held(engines, "holder-k9") == [grant.lease_id]
+            session = engines.sessions[0]
+            a.stop(signal.SIGKILL)
+            await wait_until(lambda: session.registrations == 2, 10, what="holder on c")
+            assert session.target == c.grpc_target
+            # Past a's silence (5 s) and the grace (2 s) on b's clock: nothing released,
+            # the lease still open on b, none rebuilt on c.
+            await asyncio.sleep(8)
+            assert await _held(engines, "holder-k9") == [grant.lease_id]
+            assert grant.lease_id in {x.lease_id for x in (await get_status(b.grpc_target)).leases}
+            assert not (await get_status(c.grpc_target)).leases
+            done = await leases.complete_prefix_load(
+                pb.TransferReport(
+                    lease_id=grant.lease_id,
+                    reporter_child_engine_id="req-k9",
+                    outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+                )
+            )
+            assert done.quiescent
+            await wait_until(lambda: _held_is(engines, "holder-k9", []), 10, what="release via c")
+
+
+async def _held_sorted_is(engines: Engines, engine_id: str, expected: list[str]) -> bool:
+    return sorted(await _held(engines, engine_id)) == expected
 
 
 async def _held_is(engines: Engines, engine_id: str, expected: list[str]) -> bool:
