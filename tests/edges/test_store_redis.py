@@ -297,7 +297,8 @@ async def test_concurrent_loads_across_three_replicas_pin_exactly_once_each(
             # Reports from both replicas, interleaved: each ends exactly its own pin.
             done, left = grants[::2], grants[1::2]
             by_owner = {"req-nb": on_b, "req-nc": on_c}
-            owner_of = {g.lease_id: name for (name, _), g in zip(clients * 12, answers, strict=True)}
+            pairs = zip(clients * 12, answers, strict=True)
+            owner_of = {g.lease_id: name for (name, _), g in pairs}
             await asyncio.gather(
                 *(
                     by_owner[owner_of[g.lease_id]].complete_prefix_load(
