@@ -136,16 +136,10 @@ async def test_a_load_granted_on_b_from_a_holder_on_a_is_bit_exact(
     await wait_until(lambda: _holder_seen(two.target_b, "p0"), timeout_s=15)
     turn2 = prompt + tokens(12, 32)
     loaded: dict[str, Any] = {}
-
-    async def load() -> bool:
-        loaded.update(
-            await call(engines["p1"], "prefill", request_id=f"r-2-{len(loaded)}", tokens=turn2)
-        )
-        return loaded["load"] == "loaded"
-
     # The inventory reaches B a moment after the holder's ready: retry until it does.
-    for _ in range(20):
-        if await load():
+    for attempt in range(20):
+        loaded = await call(engines["p1"], "prefill", request_id=f"r-2-{attempt}", tokens=turn2)
+        if loaded["load"] == "loaded":
             break
         await asyncio.sleep(0.25)
     assert loaded["load"] == "loaded", loaded
