@@ -215,16 +215,6 @@ def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Red
         max_entries_per_engine=config.inventory_max_entries_per_engine,
     )
     coordinator = Coordinator(config, inventory=inventory, lease_id_owner=origin)
-    # Holders and requesters on different replicas (coordinator/runtime/peers.py).
-    peers = PeerLink(
-        origin,
-        inventory.record,
-        part_codec(config.bounds),
-        coordinator.clock.monotonic_ms,
-        inventory.origin_alive,
-    )
-    inventory.peers = peers
-    coordinator.attach_peers(peers)
     store_config = config.store
     if not hash_seed_is_fixed(os.environ) and store_config.snapshot_every_entries:
         # Its block keys are this process's own: a snapshot of them would help no
@@ -247,6 +237,17 @@ def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Red
             ),
         ),
     )
+    # Holders and requesters on different replicas (coordinator/runtime/peers.py).
+    peers = PeerLink(
+        origin,
+        inventory.record,
+        part_codec(config.bounds),
+        coordinator.clock.monotonic_ms,
+        inventory.origin_alive,
+        claim=store.claim,
+    )
+    inventory.peers = peers
+    coordinator.attach_peers(peers)
     coordinator.leases.store_unavailable = store.unavailable_reason
     coordinator.store_unavailable = store.unavailable_reason
     log.info("replica %s of the shared store %s", origin, config.store.url)

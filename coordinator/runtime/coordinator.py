@@ -113,6 +113,7 @@ REASON_CLOSED = "closed"
 REASON_HEARTBEAT_TIMEOUT = "heartbeat_timeout"
 REASON_SHUTDOWN = "shutdown"
 REASON_ERROR = "error"
+REASON_FENCED = "fenced"  # the part registered again on another replica (peers.py)
 
 
 class Session:
@@ -320,10 +321,12 @@ class Coordinator:
         now = self._clock_ms()
         session_id = f"s-{secrets.token_hex(8)}"
         incarnation = next(self._incarnations)
-        self._replace_remote_part(registration)
+        displaced = self._replace_remote_part(registration)
         try:
             result = self.registry.register(registration, session_id, incarnation, now)
         except KvrcError as e:
+            if displaced and self.peers is not None:
+                self.peers.hello()  # the remote copy it would have replaced: hear of it again
             self.metrics.registrations.labels(result=e.code.value).inc()
             log.info(
                 "registration refused: %s rank %s: %s: %s",
@@ -341,7 +344,7 @@ class Coordinator:
             timer.cancel()  # came back within the grace period
         self.metrics.registrations.labels(result="ok").inc()
         if self.peers is not None:
-            self.peers.part_registered(session_id, registration)
+            self.peers.part_registered(session_id, registration, displaced)
         self._update_gauges()
         view = result.view
         reuse = self.reuse_for(view)
@@ -523,16 +526,31 @@ class Coordinator:
         if self.registry.session_of(ref.child_engine_id, ref.rank) == ref.session_id:
             self.leases.on_abort_ack(ref.child_engine_id, ref.rank, lease_id)
 
-    def local_parts(self) -> list[tuple[str, RankPartRegistration]]:
-        return [(sid, session.registration) for sid, session in self._sessions.items()]
+    def fence_local(self, session_id: str, reason: str) -> None:
+        session = self._sessions.get(session_id)
+        if session is None:
+            return
+        log.warning(
+            "session %s of %s rank %s fenced out: %s",
+            session_id,
+            session.ref.child_engine_id,
+            format_rank(session.ref.rank),
+            reason,
+        )
+        self.close_session(
+            session,
+            REASON_FENCED,
+            SessionEnd(ErrorCode.UNAVAILABLE, f"this rank part's session was {reason}"),
+        )
 
-    def _replace_remote_part(self, registration: RankPartRegistration) -> None:
+    def _replace_remote_part(self, registration: RankPartRegistration) -> bool:
         """A part registering here replaces its remote copy (it moved to this replica)."""
         held = self.registry.session_of(registration.child_engine_id, registration.rank)
         if held is None or held in self._sessions or self.peers is None:
-            return
+            return False
         self.peers.forget_session(held)
         self.registry.remove(PartRef(registration.child_engine_id, registration.rank, held))
+        return True
 
     # --- reads -----------------------------------------------------------------
 

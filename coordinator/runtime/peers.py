@@ -9,11 +9,17 @@ messages travel through the same ordered log as the inventory:
 
 - `OP_PART` / `OP_PART_LEFT`: a part registered here / its session closed here.
   Every other replica registers it as a remote part / removes it (and, after its
-  own `session_grace_ms`, may prove the engine gone, I6-quiescence). The session
-  id is the part's fencing token: a message names it, and a replica delivers a
-  message only to that very session. A part that moved to another replica has a
-  new session id, so a message meant for its old session is dropped, never
-  delivered to the wrong owner.
+  own `session_grace_ms`, may prove the engine gone, I6-quiescence).
+- **Fencing.** Each registration takes a fencing token from the store (one
+  counter, `INCR` in a Lua script that checks the store's epoch), and its
+  `OP_PART` carries it. For one rank part the highest token wins on every
+  replica: a replica that holds a session of the part with a lower token (a
+  zombie: the engine re-registered elsewhere, this stream has not timed out yet)
+  closes it, and an `OP_PART` with a lower token than one already seen is
+  ignored. So one session owns a rank part at a time. A message names the session
+  id it is for, and a replica delivers it only to that very session: one meant
+  for a session that moved or was fenced out is dropped, never delivered to the
+  wrong owner.
 - `OP_SEND`: a pin, release, abort, quarantine or drain message for a remote part,
   addressed to the replica that holds its session. Deadlines travel as the time
   left (monotonic clocks differ between hosts).
@@ -37,6 +43,7 @@ on one replica) and drains (docs/operations.md).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +59,7 @@ from coordinator.core.leases import (
     owner_of_lease_id,
 )
 from coordinator.core.registry import PartRef, RankPartRegistration
+from kvrc.vocabulary import RankKey
 
 log = logging.getLogger("kvrc.peers")
 
@@ -81,6 +89,36 @@ class PartCodec:
     decode: Callable[[bytes], RankPartRegistration]
 
 
+# claim(part key, session id, on_token) -> cancel: asks the store for a fencing token.
+Claim = Callable[[str, str, Callable[[int], None]], Callable[[], None]]
+
+
+def counter_claim() -> Claim:
+    """Tokens from a counter in this process (one replica, or tests without a store)."""
+    tokens = itertools.count(1)
+
+    def claim(
+        part_key: str, session_id: str, on_token: Callable[[int], None]
+    ) -> Callable[[], None]:
+        on_token(next(tokens))
+        return lambda: None
+
+    return claim
+
+
+def part_key(child_engine_id: str, rank: RankKey) -> str:
+    return f"{child_engine_id}|{rank[0]}.{rank[1]}.{rank[2]}"
+
+
+@dataclass(slots=True)
+class _LocalPart:
+    key: str
+    registration: RankPartRegistration
+    token: int | None = None  # None until the store answered the claim
+    cancel: Callable[[], None] = lambda: None
+    displaced: bool = False  # it replaced another replica's session of the part here
+
+
 class PeerHost(Protocol):
     """What the coordinator does for the ops of other replicas."""
 
@@ -106,8 +144,8 @@ class PeerHost(Protocol):
 
     def remote_abort_ack(self, ref: PartRef, lease_id: str) -> None: ...
 
-    def local_parts(self) -> list[tuple[str, RankPartRegistration]]:
-        """(session id, registration) of every part whose session is here."""
+    def fence_local(self, session_id: str, reason: str) -> None:
+        """Ends a local session that a registration with a higher token replaced."""
 
 
 def encode_message(message: LeaseOutbound, now_ms: int) -> list[Any]:
@@ -170,6 +208,7 @@ class PeerLink:
         codec: PartCodec,
         clock_ms: Callable[[], int],
         is_alive: Callable[[str], bool],
+        claim: Claim | None = None,
     ) -> None:
         self.origin = origin
         self._record = record
@@ -179,6 +218,11 @@ class PeerLink:
         # Remote parts registered here: session id -> (origin, ref).
         self._remote: dict[str, tuple[str, PartRef]] = {}
         self._is_alive = is_alive  # an origin heard from lately (replication.py)
+        self._claim = claim if claim is not None else counter_claim()
+        self._local: dict[str, _LocalPart] = {}  # session id -> this replica's part
+        # Per rank part, the highest fencing token seen anywhere, and its session id.
+        self._best: dict[str, tuple[int, str]] = {}
+        self.fenced = 0  # local sessions ended by a higher token (tests, status)
         self.sent = 0  # ops this replica wrote for its peers (tests, bench-cluster)
 
     def attach(self, host: PeerHost) -> None:
@@ -186,20 +230,67 @@ class PeerLink:
 
     # --- this replica's own changes and messages --------------------------------------
 
-    def part_registered(self, session_id: str, registration: RankPartRegistration) -> None:
-        self._write([OP_PART, session_id, self._codec.encode(registration)])
+    def part_registered(
+        self, session_id: str, registration: RankPartRegistration, displaced: bool = False
+    ) -> None:
+        """A part registered here: claims its fencing token, then announces it."""
+        key = part_key(registration.child_engine_id, registration.rank)
+        self._local[session_id] = part = _LocalPart(key, registration, displaced=displaced)
+        self._ask_token(session_id, part)
 
     def part_left(self, ref: PartRef) -> None:
+        part = self._local.pop(ref.session_id, None)
+        if part is None:
+            return
+        if part.token is None:
+            part.cancel()  # never announced: nothing to take back
+            if part.displaced:
+                self.hello()  # the session it replaced here may live on: hear of it again
+            return
+        if self._best.get(part.key, (0, ""))[1] == ref.session_id:
+            del self._best[part.key]
         self._write([OP_PART_LEFT, ref.child_engine_id, list(ref.rank), ref.session_id])
 
     def hello(self) -> None:
         self._write([OP_HELLO])
 
-    def announce_local(self) -> None:
-        """Announces every local part again (a hello, or a store that came back empty)."""
+    def announce_local(self, reclaim: bool = False) -> None:
+        """Announces every local part again: after a hello, or with new tokens after a
+        store loss (`reclaim`: the counter started again with the new store)."""
+        for session_id, part in list(self._local.items()):
+            if reclaim or part.token is None:
+                part.cancel()
+                part.token = None
+                self._ask_token(session_id, part)
+            else:
+                self._announce(session_id, part)
+
+    def _ask_token(self, session_id: str, part: _LocalPart) -> None:
+        part.cancel = self._claim(
+            part.key, session_id, lambda token: self._claimed(session_id, token)
+        )
+
+    def _claimed(self, session_id: str, token: int) -> None:
+        part = self._local.get(session_id)
+        if part is None:
+            return  # the session left meanwhile
+        part.token = token
+        if token < self._best.get(part.key, (0, ""))[0]:
+            # Registered again elsewhere since this claim was made: this one is stale.
+            self._fence(session_id, "registered again on another replica (a higher token)")
+            return
+        self._best[part.key] = (token, session_id)
+        self._announce(session_id, part)
+
+    def _announce(self, session_id: str, part: _LocalPart) -> None:
+        self._write([OP_PART, session_id, self._codec.encode(part.registration), part.token])
+
+    def _fence(self, session_id: str, reason: str) -> None:
+        """Ends a local zombie; its closing goes through `part_left` (the others hear it)."""
+        self.fenced += 1
         if self._host is not None:
-            for session_id, registration in self._host.local_parts():
-                self.part_registered(session_id, registration)
+            self._host.fence_local(session_id, reason)
+        self._local.pop(session_id, None)
 
     def origin_of(self, session_id: str) -> str | None:
         """The replica that holds a remote part's session (None: not a remote part)."""
@@ -272,11 +363,18 @@ class PeerLink:
             return False
         tag = op[0]
         if tag == OP_PART:
-            session_id = str(op[1])
+            session_id, token = str(op[1]), int(op[3])
             if session_id in self._remote:
                 return False  # an announcement again (after a hello)
             registration = self._codec.decode(bytes(op[2]))
             ref = PartRef(registration.child_engine_id, registration.rank, session_id)
+            key = part_key(ref.child_engine_id, ref.rank)
+            if token <= self._best.get(key, (0, ""))[0]:
+                return False  # a stale registration: a newer one owns the part
+            self._best[key] = (token, session_id)
+            for local_id, part in list(self._local.items()):
+                if part.key == key:  # a zombie here: the engine registered on `origin` since
+                    self._fence(local_id, f"registered again on replica {origin}")
             if not host.register_remote_part(origin, session_id, registration):
                 return False
             self._remote[session_id] = (origin, ref)
@@ -286,6 +384,7 @@ class PeerLink:
             if self._remote.get(ref.session_id, ("", None))[0] != origin:
                 return False
             del self._remote[ref.session_id]
+            self._forget_best(ref)
             return host.remove_remote_part(ref, f"its session on replica {origin} closed")
         if tag == OP_HELLO:
             self.announce_local()
@@ -324,6 +423,7 @@ class PeerLink:
         left = [(sid, ref) for sid, (o, ref) in self._remote.items() if o == origin]
         for session_id, ref in left:
             del self._remote[session_id]
+            self._forget_best(ref)
             if host is not None:
                 host.remove_remote_part(ref, reason)
         return len(left)
@@ -331,11 +431,20 @@ class PeerLink:
     def forget_all(self, reason: str) -> int:
         """A store loss: every remote part leaves (their replicas announce them again)."""
         origins = {o for o, _ in self._remote.values()}
-        return sum(self.origin_gone(o, reason) for o in origins)
+        left = sum(self.origin_gone(o, reason) for o in origins)
+        self._best.clear()  # the new store's counter starts again (announce_local reclaims)
+        return left
 
     def forget_session(self, session_id: str) -> None:
         """A local registration replaced this remote part (the engine moved here)."""
-        self._remote.pop(session_id, None)
+        entry = self._remote.pop(session_id, None)
+        if entry is not None:
+            self._forget_best(entry[1])
+
+    def _forget_best(self, ref: PartRef) -> None:
+        key = part_key(ref.child_engine_id, ref.rank)
+        if self._best.get(key, (0, ""))[1] == ref.session_id:
+            del self._best[key]
 
     @property
     def remote_parts(self) -> int:

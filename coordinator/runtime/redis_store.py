@@ -63,6 +63,7 @@ HASH_TAG = "{kvrc}"
 STREAM_KEY = f"{HASH_TAG}:inventory"
 EPOCH_KEY = f"{HASH_TAG}:epoch"
 SNAPSHOT_KEY = f"{HASH_TAG}:snapshot"
+FENCE_KEY = f"{HASH_TAG}:fence"
 OPS_PER_ENTRY = 512  # one XADD carries up to this many ops
 READ_COUNT = 256  # entries per XREAD
 READ_BLOCK_MS = 500
@@ -89,6 +90,14 @@ redis.call('HSET', KEYS[1], 'id', ARGV[3], 'w', ARGV[4], 'd', ARGV[5])
 return 1
 """
 
+
+# KEYS: fence counter, epoch. ARGV: epoch. A fencing token for one registration
+# (coordinator/runtime/peers.py), or -1 when the store is not the one this replica
+# knows (a store loss: the replica claims again once it has re-announced).
+_CLAIM = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+return redis.call('INCR', KEYS[1])
+"""
 
 _HEARTBEAT_ENTRY = pack_ops([[OP_HEARTBEAT]])  # an entry of one heartbeat op
 
@@ -224,6 +233,45 @@ class RedisStore:
         for conn in (self._writer_conn, self._reader_conn):
             with contextlib.suppress(RedisError, OSError):
                 await conn.aclose()
+
+    # --- fencing tokens (coordinator/runtime/peers.py) -------------------------------------
+
+    def claim(
+        self, part_key: str, session_id: str, on_token: Callable[[int], None]
+    ) -> Callable[[], None]:
+        """Asks for a fencing token in the background; returns how to cancel the ask."""
+        task = asyncio.get_running_loop().create_task(self._claim(on_token))
+        task.add_done_callback(_log_failure)
+
+        def cancel() -> None:
+            task.cancel()
+
+        return cancel
+
+    async def _claim(self, on_token: Callable[[int], None]) -> None:
+        attempt = 0
+        while not self._closing:
+            epoch = self._epoch if isinstance(self._epoch, (bytes, str)) else ""
+            try:
+                token = int(
+                    await self._writer_conn.eval(  # type: ignore[misc]
+                        _CLAIM, 2, FENCE_KEY, EPOCH_KEY, epoch
+                    )
+                )
+            except (RedisError, OSError) as e:
+                self._fail("claim", _why(e))
+                await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
+                attempt += 1
+                continue
+            self._ok("claim")
+            if token > 0:
+                on_token(token)
+                return
+            # Not the store this replica knew (or not checked yet): a loss found here
+            # re-announces every part with new claims, which cancels this one.
+            await self._check_epoch()
+            await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
+            attempt += 1
 
     # --- the epoch: an empty, restarted Redis is a store loss ------------------------------
 
