@@ -56,6 +56,7 @@ from coordinator.core.errors import (
     resource_exhausted,
 )
 from coordinator.core.events import BlockHash, RankKey
+from kvrc.ids import MAX_GRID_PARTS
 
 __all__ = [
     "TERMINAL_STATES",
@@ -140,7 +141,6 @@ class LeaseConfig:
     max_open_leases: int = 65_536  # non-terminal (incl. quarantined), both flows
     max_open_leases_per_engine: int = 4_096  # as source or target
     max_chain_blocks: int = 65_536
-    max_rank_parts: int = 1_024  # per child engine grid
     max_kv_transfer_params_bytes: int = 1 << 20
     max_pin_timeout_ms: int = 60_000
     max_transfer_ttl_ms: int = 600_000
@@ -1351,10 +1351,9 @@ class LeaseTable:
         grid = tuple(rank_keys)
         if not grid:
             raise invalid(f"{name} is empty: a child engine has at least one rank part")
-        if len(grid) > self._config.max_rank_parts:
+        if len(grid) > MAX_GRID_PARTS:
             raise invalid(
-                f"{name} has {len(grid)} rank parts, more than the limit "
-                f"{self._config.max_rank_parts}"
+                f"{name} has {len(grid)} rank parts, more than the limit {MAX_GRID_PARTS}"
             )
         for key in grid:
             if (
