@@ -307,6 +307,8 @@ class LeaseEnded:
     state: LeaseState
     quiescence_ms: int | None  # grant -> end; None if never granted
     lifetime_ms: int
+    # Source then targets: whose open leases this one left (a drain of them may be done).
+    child_engine_ids: tuple[str, ...]
 
 
 Action = (
@@ -1231,7 +1233,8 @@ class LeaseTable:
         lease.reason = reason
         lease.ended_ms = now_ms
         self._set_state(lease, state)
-        for engine in (lease.source_child_engine_id, *self._target_engines(lease)):
+        engines = (lease.source_child_engine_id, *self._target_engines(lease))
+        for engine in engines:
             ids = self._by_engine.get(engine)
             if ids is not None and lease.lease_id in ids:
                 ids.discard(lease.lease_id)
@@ -1244,7 +1247,14 @@ class LeaseTable:
         self._terminal[lease.lease_id] = now_ms
         quiescence = None if lease.granted_ms is None else now_ms - lease.granted_ms
         actions.append(
-            LeaseEnded(lease.lease_id, lease.flow, state, quiescence, now_ms - lease.created_ms)
+            LeaseEnded(
+                lease.lease_id,
+                lease.flow,
+                state,
+                quiescence,
+                now_ms - lease.created_ms,
+                engines,
+            )
         )
         if len(self._terminal) > self._config.max_terminal_leases:
             self._purge(now_ms)

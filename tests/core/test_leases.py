@@ -212,7 +212,9 @@ def test_release_waits_for_every_requester_part() -> None:
         (HOLD, k) for k in TP2
     ]
     ended = of(step.actions, LeaseEnded)
-    assert ended == [LeaseEnded(lease_id, Flow.PREFIX_LOAD, LeaseState.COMPLETED, 290, 300)]
+    assert ended == [
+        LeaseEnded(lease_id, Flow.PREFIX_LOAD, LeaseState.COMPLETED, 290, 300, (HOLD, REQ))
+    ]
     assert t.counts() == {}
 
 
