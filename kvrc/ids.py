@@ -8,6 +8,11 @@ from collections.abc import Iterator
 
 from kvrc.vocabulary import RankKey
 
+# The most rank parts (tp x pp x pcp) one child engine may have. Registration
+# refuses more, and the lease table holds grids up to it, so every READY engine
+# can hold a lease.
+MAX_GRID_PARTS = 4096
+
 _DP_SUFFIX = re.compile(r"^(?P<engine>.+)_dp(?P<rank>0|[1-9][0-9]*)$")
 
 

@@ -56,6 +56,7 @@ from coordinator.core.errors import (
     resource_exhausted,
 )
 from coordinator.core.events import BlockHash, RankKey
+from kvrc.ids import MAX_GRID_PARTS
 
 __all__ = [
     "TERMINAL_STATES",
@@ -140,7 +141,6 @@ class LeaseConfig:
     max_open_leases: int = 65_536  # non-terminal (incl. quarantined), both flows
     max_open_leases_per_engine: int = 4_096  # as source or target
     max_chain_blocks: int = 65_536
-    max_rank_parts: int = 1_024  # per child engine grid
     max_kv_transfer_params_bytes: int = 1 << 20
     max_pin_timeout_ms: int = 60_000
     max_transfer_ttl_ms: int = 600_000
@@ -307,6 +307,8 @@ class LeaseEnded:
     state: LeaseState
     quiescence_ms: int | None  # grant -> end; None if never granted
     lifetime_ms: int
+    # Source then targets: whose open leases this one left (a drain of them may be done).
+    child_engine_ids: tuple[str, ...]
 
 
 Action = (
@@ -1245,7 +1247,8 @@ class LeaseTable:
         lease.reason = reason
         lease.ended_ms = now_ms
         self._set_state(lease, state)
-        for engine in (lease.source_child_engine_id, *self._target_engines(lease)):
+        engines = (lease.source_child_engine_id, *self._target_engines(lease))
+        for engine in engines:
             ids = self._by_engine.get(engine)
             if ids is not None and lease.lease_id in ids:
                 ids.discard(lease.lease_id)
@@ -1258,7 +1261,14 @@ class LeaseTable:
         self._terminal[lease.lease_id] = now_ms
         quiescence = None if lease.granted_ms is None else now_ms - lease.granted_ms
         actions.append(
-            LeaseEnded(lease.lease_id, lease.flow, state, quiescence, now_ms - lease.created_ms)
+            LeaseEnded(
+                lease.lease_id,
+                lease.flow,
+                state,
+                quiescence,
+                now_ms - lease.created_ms,
+                engines,
+            )
         )
         if len(self._terminal) > self._config.max_terminal_leases:
             self._purge(now_ms)
@@ -1365,10 +1375,9 @@ class LeaseTable:
         grid = tuple(rank_keys)
         if not grid:
             raise invalid(f"{name} is empty: a child engine has at least one rank part")
-        if len(grid) > self._config.max_rank_parts:
+        if len(grid) > MAX_GRID_PARTS:
             raise invalid(
-                f"{name} has {len(grid)} rank parts, more than the limit "
-                f"{self._config.max_rank_parts}"
+                f"{name} has {len(grid)} rank parts, more than the limit {MAX_GRID_PARTS}"
             )
         for key in grid:
             if (

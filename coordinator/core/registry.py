@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from coordinator.core.errors import already_exists, failed_precondition, invalid, resource_exhausted
 from coordinator.core.profiles import LAYOUT_FIELDS, DeploymentProfile, compatibility_hash
-from kvrc.ids import child_engine_id, format_rank, rank_grid
+from kvrc.ids import MAX_GRID_PARTS, child_engine_id, format_rank, rank_grid
 from kvrc.vocabulary import PublishMode, RankKey, TransferEndpoint
 
 
@@ -93,16 +93,16 @@ def grid_ranks(profile: DeploymentProfile) -> Iterator[RankKey]:
     return rank_grid(profile.tp_size, profile.pp_size, profile.pcp_size)
 
 
-def check_registration_shape(reg: RankPartRegistration, max_grid_parts: int = 4096) -> None:
+def check_registration_shape(reg: RankPartRegistration) -> None:
     """Checks one registration on its own: ranks inside sizes, ids derived correctly."""
     p = reg.profile
     for name, size in (("tp_size", p.tp_size), ("pp_size", p.pp_size), ("pcp_size", p.pcp_size)):
         if size < 1:
             raise invalid(f"profile.parallel.{name} must be >= 1, got {size}")
-    if grid_size(p) > max_grid_parts:
+    if grid_size(p) > MAX_GRID_PARTS:
         raise invalid(
             f"profile.parallel: tp_size x pp_size x pcp_size = {grid_size(p)} rank parts "
-            f"exceeds the limit of {max_grid_parts}"
+            f"exceeds the limit of {MAX_GRID_PARTS}"
         )
     if p.dp_size < 1:
         raise invalid(f"profile.parallel.dp_size must be >= 1, got {p.dp_size}")
@@ -182,9 +182,8 @@ class _ChildEngine:
 class Registry:
     """All registered rank parts, grouped by child engine."""
 
-    def __init__(self, max_rank_parts: int = 65536, max_grid_parts: int = 4096) -> None:
+    def __init__(self, max_rank_parts: int = 65536) -> None:
         self._max_rank_parts = max_rank_parts
-        self._max_grid_parts = max_grid_parts
         self._children: dict[str, _ChildEngine] = {}
         self._num_parts = 0
 
@@ -195,7 +194,7 @@ class Registry:
     def register(
         self, reg: RankPartRegistration, session_id: str, incarnation: int, now_ms: int
     ) -> RegistrationResult:
-        check_registration_shape(reg, self._max_grid_parts)
+        check_registration_shape(reg)
         child = self._children.get(reg.child_engine_id)
         if child is not None:
             held = child.parts.get(reg.rank)

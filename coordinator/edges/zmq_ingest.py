@@ -16,7 +16,17 @@ Ordering (I7-ordered-streams in docs/invariants.md), per stream:
   SUB socket, is a batch already delivered by a replay: dropped as duplicate;
 - a gap (or a first frame above 0: late subscription) asks the replay endpoint
   for everything from the first missing sequence;
-- a malformed frame is counted and skipped; its events are lost, like a gap.
+- a live frame that does not decode (parts, sequence or payload) is counted,
+  logged at most once per 1000 and changes nothing: if it was a real batch, the
+  next frame shows the gap. A replayed batch that does not decode is lost.
+
+A replay runs off the live path, in a catch-up task: the SUB loop keeps reading
+(so the socket's queue never fills and drops frames behind our back) and parks
+the live frames that follow the gap, at most `max_pending_frames`, until the
+replayed batches are applied; then the parked ones go through the rules above
+in arrival order. A frame that finds the buffer full is dropped and counted
+(`result="overflow"`), as if lost on the wire: the next frame taken shows the
+gap and replays it, or the stream degrades when the publisher no longer has it.
 
 Degraded: when a gap cannot be filled (no replay endpoint, the replay starts
 after the sequence asked for because vLLM's buffer overran, no answer within
@@ -47,12 +57,13 @@ not possible and only the sequence rule applies.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,6 +139,8 @@ class ZmqStreamConfig:
     max_frame_bytes: int = 8 << 20
     max_replay_frames: int = 100_000
     rcv_hwm: int = 1000
+    # Live frames parked behind a running replay (the same bound as the socket queue).
+    max_pending_frames: int = 1000
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -144,8 +157,12 @@ class ZmqStreamConfig:
             raise invalid(f"block_size must be positive, got {self.block_size}")
         if not self.replay_timeout_s > 0 or not self.degraded_grace_s >= 0:
             raise invalid("replay_timeout_s must be > 0 and degraded_grace_s >= 0")
-        if min(self.max_frame_bytes, self.max_replay_frames, self.rcv_hwm) <= 0:
-            raise invalid("max_frame_bytes, max_replay_frames and rcv_hwm must be positive")
+        bounds = (self.max_frame_bytes, self.max_replay_frames, self.rcv_hwm)
+        if min(*bounds, self.max_pending_frames) <= 0:
+            raise invalid(
+                "max_frame_bytes, max_replay_frames, rcv_hwm and max_pending_frames "
+                "must be positive"
+            )
 
     @property
     def child_engine_id(self) -> str:
@@ -228,6 +245,9 @@ class ZmqStreamStatus:
     duplicate_frames: int
     replays: int
     degraded_until_s: float | None  # monotonic time the degraded hints are dropped at
+    received_frames: int  # read off the SUB socket, whatever became of them
+    pending_frames: int  # parked behind a running replay
+    overflowed_frames: int  # dropped: the parking buffer was full
 
 
 class _ReplayResult(enum.Enum):
@@ -258,6 +278,9 @@ class ZmqEventStream:
         self._sub: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        # The replay in flight and the live frames that wait for it, in arrival order.
+        self._catch_up: asyncio.Task[None] | None = None
+        self._pending: collections.deque[list[bytes]] = collections.deque()
         self.bound_endpoint: str | None = None  # the real address when kvrc binds
         self._closed = False
         self._monitor: zmq.asyncio.Socket | None = None
@@ -271,10 +294,14 @@ class ZmqEventStream:
         self._live_high: int | None = None  # last sequence seen on the SUB socket
         self._has_state = False  # this incarnation handed the sink something
         self._degraded_deadline: float | None = None
+        # Ends the grace on the event loop: a replay task can degrade the stream too.
+        self._grace_timer: asyncio.TimerHandle | None = None
         self._applied_batches = 0
         self._malformed = 0
         self._duplicates = 0
         self._replays = 0
+        self._received = 0
+        self._overflowed = 0
 
         m = metrics
         self._m_stored = m.block_events.labels(source=SOURCE, type="stored")
@@ -285,6 +312,7 @@ class ZmqEventStream:
         self._m_gap = m.event_batches.labels(source=SOURCE, result="gap")
         self._m_refused = m.event_batches.labels(source=SOURCE, result="refused")
         self._m_malformed = m.event_batches.labels(source=SOURCE, result="malformed")
+        self._m_overflow = m.event_batches.labels(source=SOURCE, result="overflow")
         m.zmq_streams.labels(state=StreamState.LIVE.value).inc()
 
     # --- lifecycle -------------------------------------------------------------
@@ -318,11 +346,16 @@ class ZmqEventStream:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._catch_up):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._catch_up = None
+        self._pending.clear()
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
         if self._sub is not None and self._monitor is not None:
             self._sub.disable_monitor()
         for sock in (self._monitor, self._sub, self._dealer):
@@ -345,6 +378,9 @@ class ZmqEventStream:
             duplicate_frames=self._duplicates,
             replays=self._replays,
             degraded_until_s=self._degraded_deadline,
+            received_frames=self._received,
+            pending_frames=len(self._pending),
+            overflowed_frames=self._overflowed,
         )
 
     # --- receive loop ------------------------------------------------------------
@@ -356,10 +392,7 @@ class ZmqEventStream:
         poller.register(monitor, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
         while True:
-            timeout_ms: int | None = None
-            if self._degraded_deadline is not None:
-                timeout_ms = max(0, int((self._degraded_deadline - self._clock()) * 1000) + 1)
-            ready = dict(await poller.poll(timeout_ms))
+            ready = dict(await poller.poll())
             if monitor in ready:
                 while True:
                     try:
@@ -376,56 +409,112 @@ class ZmqEventStream:
                         frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    try:
-                        await self._on_live(frames)
-                    except Exception:  # never let one frame stop the stream
-                        log.exception("zmq stream %s: frame handling failed", self.child_engine_id)
-            if self._degraded_deadline is not None and self._clock() >= self._degraded_deadline:
-                self._end_degraded_grace()
+                    self._receive(frames)
 
-    async def _on_live(self, frames: list[bytes]) -> None:
+    def _receive(self, frames: list[bytes]) -> None:
+        """One frame off the SUB socket: taken now, or parked behind a running replay."""
+        self._received += 1
+        if self._catch_up is None:
+            self._take(frames)
+        elif len(self._pending) < self.config.max_pending_frames:
+            self._pending.append(frames)
+        else:
+            # Lost as on the wire: the next frame taken shows the gap (module docstring).
+            self._overflowed += 1
+            self._m_overflow.inc()
+            if self._overflowed == 1 or self._overflowed % 1000 == 0:
+                log.warning(
+                    "zmq stream %s: %d live frame(s) dropped behind a slow replay (buffer of %d)",
+                    self.child_engine_id,
+                    self._overflowed,
+                    self.config.max_pending_frames,
+                )
+
+    def _take(self, frames: list[bytes]) -> None:
+        try:
+            replay = self._on_live(frames)
+        except Exception:  # never let one frame stop the stream
+            log.exception("zmq stream %s: frame handling failed", self.child_engine_id)
+            return
+        if replay is not None:
+            self._catch_up = asyncio.create_task(
+                self._run_catch_up(replay), name=f"zmq-replay-{self.child_engine_id}"
+            )
+
+    async def _run_catch_up(self, replay: Coroutine[None, None, None] | None) -> None:
+        """Runs replays, and the parked frames behind each, until none is parked."""
+        try:
+            while replay is not None:
+                try:
+                    await replay
+                except Exception:
+                    log.exception("zmq stream %s: replay failed", self.child_engine_id)
+                replay = None
+                # No await from here to the next replay: nothing is parked meanwhile.
+                while replay is None and self._pending:
+                    try:
+                        replay = self._on_live(self._pending.popleft())
+                    except Exception:
+                        log.exception("zmq stream %s: frame handling failed", self.child_engine_id)
+        finally:
+            self._catch_up = None
+
+    def _on_live(self, frames: list[bytes]) -> Coroutine[None, None, None] | None:
+        """Applies one live frame, or returns the replay that must run first."""
         if len(frames) != 3:
             self._count_malformed(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
-            return
+            return None
         try:
             seq = decode_sequence(frames[1])
+            # Before any sequence state moves: a frame that does not decode changes nothing.
+            decoded = decode_payload(frames[0], seq, frames[2])
         except MalformedFrame as exc:
             self._count_malformed(str(exc))
-            return
+            return None
         if self._live_high is not None and seq <= self._live_high:
             self._new_incarnation(
                 f"publisher restarted (sequence {seq} after {self._live_high})", restart=True
             )
         elif self._reconnected:
-            await self._check_same_publisher()
+            self._reconnected = False
+            # Taken again, first in line, once the check has run.
+            self._pending.appendleft(frames)
+            return self._check_same_publisher()
         self._reconnected = False
         self._live_high = seq
         applied = self._applied
         if applied is not None and seq <= applied:
             self._duplicates += 1
             self._m_duplicate.inc()
-            return
+            return None
         expected = 0 if applied is None else applied + 1
         if seq != expected and self._state is not StreamState.STALE:
             self._m_gap.inc()
-            had_state = self._has_state  # before the replay applies anything
-            lost = ""
-            if self._dealer is None:
-                lost = f"sequences {expected}..{seq - 1} missed, no replay endpoint"
-            else:
-                result = await self._replay(expected)
-                if result is _ReplayResult.OVERRUN:
-                    lost = f"replay from {expected} overran vLLM's buffer"
-                elif result is _ReplayResult.TIMEOUT:
-                    timeout = self.config.replay_timeout_s
-                    lost = f"replay from {expected} unanswered in {timeout}s"
-                elif self._applied is None or self._applied < seq - 1:
-                    lost = f"replay from {expected} ended before {seq}"
-            if lost:
-                self._events_lost(lost, had_state)
-            if self._applied is not None and seq <= self._applied:
-                return  # the replay delivered it
-        self._consume(frames[0], seq, frames[2])
+            if self._dealer is not None:
+                return self._fill_gap(expected, seq, frames[2], decoded)
+            self._events_lost(
+                f"sequences {expected}..{seq - 1} missed, no replay endpoint", self._has_state
+            )
+        self._apply(seq, frames[2], decoded)
+        return None
+
+    async def _fill_gap(
+        self, expected: int, seq: int, payload: bytes, decoded: DecodedBatch
+    ) -> None:
+        """Replays from `expected`, then applies live batch `seq` unless the replay did."""
+        had_state = self._has_state  # before the replay applies anything
+        result = await self._replay(expected)
+        lost = ""
+        if result is _ReplayResult.OVERRUN:
+            lost = f"replay from {expected} overran vLLM's buffer"
+        elif result is _ReplayResult.TIMEOUT:
+            lost = f"replay from {expected} unanswered in {self.config.replay_timeout_s}s"
+        elif self._applied is None or self._applied < seq - 1:
+            lost = f"replay from {expected} ended before {seq}"
+        if lost:
+            self._events_lost(lost, had_state)
+        if self._applied is None or seq > self._applied:
+            self._apply(seq, payload, decoded)
 
     async def _check_same_publisher(self) -> None:
         """After a reconnection: is the publisher the one whose batches we applied?
@@ -503,17 +592,23 @@ class ZmqEventStream:
     # --- applying ------------------------------------------------------------------
 
     def _consume(self, topic: bytes, seq: int, payload: bytes) -> None:
-        """Decode and hand over the batch with sequence `seq`; it is consumed either way."""
-        self._applied = seq
-        self._last_digest = hash(payload)
+        """Decode and hand over replayed batch `seq`; it is consumed either way."""
         try:
             decoded = decode_payload(topic, seq, payload)
         except MalformedFrame as exc:
+            self._applied = seq
+            self._last_digest = hash(payload)
             self._count_malformed(f"sequence {seq}: {exc}")
             self._events_lost(
                 f"malformed frame at sequence {seq}: its events are lost", self._has_state
             )
             return
+        self._apply(seq, payload, decoded)
+
+    def _apply(self, seq: int, payload: bytes, decoded: DecodedBatch) -> None:
+        """Hand over the decoded batch with sequence `seq`; it is consumed either way."""
+        self._applied = seq
+        self._last_digest = hash(payload)
         if self._state is StreamState.STALE:
             self._m_refused.inc()
             return
@@ -602,6 +697,27 @@ class ZmqEventStream:
         self._sink.mark_degraded(self.child_engine_id, why)
         if grace <= 0:
             self._end_degraded_grace()
+        else:
+            self._arm_grace_timer()
+
+    def _arm_grace_timer(self) -> None:
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+        assert self._degraded_deadline is not None
+        delay = max(0.0, self._degraded_deadline - self._clock())
+        self._grace_timer = asyncio.get_running_loop().call_later(delay, self._on_grace_timer)
+
+    def _on_grace_timer(self) -> None:
+        self._grace_timer = None
+        if self._closed or self._degraded_deadline is None:
+            return
+        if self._clock() < self._degraded_deadline:
+            self._arm_grace_timer()  # the injected clock runs behind the loop's
+            return
+        try:
+            self._end_degraded_grace()
+        except Exception:
+            log.exception("zmq stream %s: ending the degraded grace failed", self.child_engine_id)
 
     def _end_degraded_grace(self) -> None:
         """Drop the hints that may be phantoms; what follows is exact."""
@@ -625,6 +741,9 @@ class ZmqEventStream:
         self._reason = reason
         if state is not StreamState.DEGRADED:
             self._degraded_deadline = None
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
+                self._grace_timer = None
 
     def _count_malformed(self, why: str) -> None:
         self._malformed += 1

@@ -43,7 +43,6 @@ class FieldBounds:
     max_id_chars: int = 256
     max_string_chars: int = 4096  # model names, endpoints, reasons
     max_parallel_size: int = 1024  # each of tp/pp/pcp/dp/dcp
-    max_grid_parts: int = 4096  # tp x pp x pcp of one child engine
     max_metadata_bytes: int = 1 << 20  # opaque endpoint metadata, all fields together
     max_regions: int = 4096
     max_extra_entries: int = 64

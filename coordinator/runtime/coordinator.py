@@ -218,7 +218,7 @@ class Coordinator:
         self.clock: Clock = clock if clock is not None else SystemClock()
         self._clock_ms = self.clock.monotonic_ms
         clock_ms = self._clock_ms
-        self.registry = Registry(config.max_rank_parts, config.bounds.max_grid_parts)
+        self.registry = Registry(config.max_rank_parts)
         self._sessions: dict[str, Session] = {}
         self._listeners: list[PartListener] = []
         # Parts inside their grace period, per child engine: `proven_gone` is O(1).

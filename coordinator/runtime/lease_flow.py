@@ -85,7 +85,8 @@ log = logging.getLogger("kvrc.leases")
 
 # After a drain deadline aborted its leases, a waiting Drain gives the acks this long.
 DRAIN_ACK_GRACE_MS = 2_000
-# A waiting Drain re-checks at least this often.
+# A waiting Drain is woken by the end of its engines' leases, and re-checks at least
+# this often besides (a safety net, e.g. for a table replaced from the shared store).
 _DRAIN_POLL_MS = 1_000
 
 _NON_TERMINAL = tuple(s for s in LeaseState if s not in TERMINAL_STATES)
@@ -128,7 +129,9 @@ class LeaseFlow:
         # RPCs waiting for an answer that a later core call settles.
         self._answers: dict[str, list[asyncio.Future[PrefixLoadAnswer]]] = {}
         self._begins: dict[int, asyncio.Future[HandoffGrant]] = {}
-        self._drained = asyncio.Event()  # set (then replaced) when a drain may have finished
+        # Waiting Drains, by the child engines each waits on: a lease's end wakes only
+        # the drains of its own engines (entries leave with their waiter).
+        self._drain_waiters: dict[str, set[asyncio.Event]] = {}
         # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
         self.warming: Callable[[], ReuseStatus | None] = lambda: None
         # A shared store that is unreachable says why here (None: grants may go on).
@@ -161,7 +164,9 @@ class LeaseFlow:
                         KvrcError(ErrorCode.UNAVAILABLE, "the coordinator is shutting down")
                     )
         self._answers.clear()
-        self._wake_drains()
+        for waiters in self._drain_waiters.values():
+            for woken in waiters:
+                woken.set()
 
     # --- reads -----------------------------------------------------------------------
 
@@ -359,14 +364,31 @@ class LeaseFlow:
         children = step.child_engine_ids
         self._arm()
         if wait:
-            until = self.core.drain_deadline_ms(children) + DRAIN_ACK_GRACE_MS
-            while self.core.leases_remaining(children) and not self._closing:
-                left = until - self._clock.monotonic_ms()
-                if left <= 0:
-                    break
-                await self._clock.wait(self._drained, min(left, _DRAIN_POLL_MS))
+            await self._wait_drained(children)
         remaining = self.core.leases_remaining(children)
         return DrainResult(tuple(children), remaining, remaining == 0)
+
+    async def _wait_drained(self, children: Sequence[str]) -> None:
+        until = self.core.drain_deadline_ms(children) + DRAIN_ACK_GRACE_MS
+        woken = asyncio.Event()
+        for child in children:
+            self._drain_waiters.setdefault(child, set()).add(woken)
+        try:
+            while True:
+                woken.clear()  # before the check: an end after it sets it again
+                if not self.core.leases_remaining(children) or self._closing:
+                    return
+                left = until - self._clock.monotonic_ms()
+                if left <= 0:
+                    return
+                await self._clock.wait(woken, min(left, _DRAIN_POLL_MS))
+        finally:
+            for child in children:
+                waiters = self._drain_waiters.get(child)
+                if waiters is not None:
+                    waiters.discard(woken)
+                    if not waiters:
+                        del self._drain_waiters[child]
 
     # --- part listener -------------------------------------------------------------------
 
@@ -456,6 +478,9 @@ class LeaseFlow:
                     "%s lease %s quarantined: %s", action.flow.value, action.lease_id, action.reason
                 )
             elif isinstance(action, LeaseEnded):
+                for child in action.child_engine_ids:
+                    for woken in self._drain_waiters.get(child, ()):
+                        woken.set()
                 m.leases_ended.labels(flow=action.flow.value, state=action.state.name.lower()).inc()
                 if action.quiescence_ms is not None:
                     m.lease_quiescence_duration.labels(flow=action.flow.value).observe(
@@ -463,12 +488,7 @@ class LeaseFlow:
                     )
         if actions:
             self._update_gauge()
-            self._wake_drains()
             self._arm()
-
-    def _wake_drains(self) -> None:
-        self._drained.set()
-        self._drained = asyncio.Event()
 
     def _update_gauge(self) -> None:
         counts = self.table.counts()

@@ -139,7 +139,7 @@ class Metrics:
         self.event_batches = Counter(
             "kvrc_event_batches_total",
             "Event batches received, by source and result "
-            "(applied, duplicate, fenced, gap, refused, malformed).",
+            "(applied, duplicate, fenced, gap, refused, malformed, overflow).",
             ["source", "result"],
             registry=r,
         )

@@ -34,6 +34,7 @@ from coordinator.core.leases import (
     SendQuarantine,
     SendRelease,
 )
+from kvrc.ids import MAX_GRID_PARTS
 
 
 def table(**config: int) -> LeaseTable:
@@ -211,7 +212,9 @@ def test_release_waits_for_every_requester_part() -> None:
         (HOLD, k) for k in TP2
     ]
     ended = of(step.actions, LeaseEnded)
-    assert ended == [LeaseEnded(lease_id, Flow.PREFIX_LOAD, LeaseState.COMPLETED, 290, 300)]
+    assert ended == [
+        LeaseEnded(lease_id, Flow.PREFIX_LOAD, LeaseState.COMPLETED, 290, 300, (HOLD, REQ))
+    ]
     assert t.counts() == {}
 
 
@@ -420,11 +423,14 @@ def test_report_before_the_grant_is_refused() -> None:
         ({"holder_grid": ()}, ErrorCode.INVALID_ARGUMENT),
         ({"holder_grid": (TP2[0], TP2[0])}, ErrorCode.INVALID_ARGUMENT),
         ({"requester_grid": ((0, -1, 0),)}, ErrorCode.INVALID_ARGUMENT),
-        ({"requester_grid": tuple((i, 0, 0) for i in range(9))}, ErrorCode.INVALID_ARGUMENT),
+        (
+            {"requester_grid": tuple((i, 0, 0) for i in range(MAX_GRID_PARTS + 1))},
+            ErrorCode.INVALID_ARGUMENT,
+        ),
     ],
 )
 def test_bad_prefix_load_requests_are_refused(overrides: dict[str, Any], code: ErrorCode) -> None:
-    t = table(max_chain_blocks=16, max_rank_parts=8)
+    t = table(max_chain_blocks=16)
     open_load(t, "existing")
     refused(t, code, lambda: open_load(t, "r-bad", **overrides))
 

@@ -11,12 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.core.errors import ErrorCode, KvrcError
+from coordinator.core.leases import LeaseConfig, LeaseState, LeaseTable
 from coordinator.core.profiles import DeploymentProfile
 from coordinator.core.registry import (
     PartRef,
     RankPartRegistration,
     Registry,
+    grid_ranks,
 )
+from kvrc.ids import MAX_GRID_PARTS
 from kvrc.ids import child_engine_id as vllm_child_engine_id
 from kvrc.vocabulary import TransferEndpoint
 
@@ -176,11 +179,13 @@ def test_rank_outside_its_size_is_invalid(
 
 
 def test_grid_size_and_part_count_are_bounded() -> None:
-    r = Registry(max_rank_parts=2, max_grid_parts=16)
-    huge = dataclasses.replace(PROFILE, tp_size=8, pp_size=4)
+    r = Registry(max_rank_parts=2)
+    huge = dataclasses.replace(PROFILE, tp_size=64, pp_size=64, pcp_size=2)
     with pytest.raises(KvrcError) as e:
         r.register(reg(profile=huge), "s", 0, 0)
-    assert e.value.code == ErrorCode.INVALID_ARGUMENT and "32 rank parts" in e.value.message
+    assert e.value.code == ErrorCode.INVALID_ARGUMENT
+    assert e.value.message.startswith("profile.parallel")
+    assert f"8192 rank parts exceeds the limit of {MAX_GRID_PARTS}" in e.value.message
     r.register(reg(0, 0), "s0", 0, 0)
     r.register(reg(0, 1), "s1", 0, 0)
     with pytest.raises(KvrcError) as e:
@@ -275,3 +280,32 @@ def test_ready_iff_every_part_present(
             assert view.parts_expected == len(grid)
         assert r.readiness_counts() == ((1, 0) if ready else (0, 1) if present else (0, 0))
         was_ready = ready
+
+
+def test_an_engine_at_the_grid_limit_registers_and_holds_a_prefix_load_lease() -> None:
+    """The registry and the lease table share one limit: a READY engine can hold a lease."""
+    at_limit = dataclasses.replace(PROFILE, tp_size=64, pp_size=64, pcp_size=1)
+    grid = tuple(grid_ranks(at_limit))
+    assert len(grid) == MAX_GRID_PARTS
+    r = Registry()
+    for i, (tp, pp, _) in enumerate(grid):
+        r.register(reg(tp, pp, engine_id="holder", profile=at_limit), f"s{i}", 0, 0)
+    view = r.get("holder")
+    assert view is not None and view.ready
+    t = LeaseTable(LeaseConfig())
+    step = t.open_prefix_load(
+        request_id="r1",
+        requester_child_engine_id="requester",
+        requester_rank_keys=grid,
+        holder_child_engine_id="holder",
+        holder_rank_keys=tuple(part.registration.rank for part in view.parts),
+        block_hashes=(b"\x01" * 8,),
+        min_blocks=1,
+        pin_timeout_ms=500,
+        transfer_ttl_ms=5_000,
+        now_ms=0,
+    )
+    lease_id = step.view.lease_id
+    for key in grid:
+        t.on_pin_result(lease_id, "holder", key, 1, {"rank": key}, 10)
+    assert t.get(lease_id).state is LeaseState.ACTIVE

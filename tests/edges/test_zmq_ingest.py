@@ -9,10 +9,12 @@ is exercised in test_vllm_real.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -31,6 +33,7 @@ from zmq_wire import (
 
 from coordinator.core.errors import ErrorCode, KvrcError, invalid
 from coordinator.core.events import BlockStored, EventBatch
+from coordinator.core.vllm_events import MalformedFrame, decode_payload, decode_sequence
 from coordinator.edges.zmq_ingest import (
     StreamState,
     ZmqEventStream,
@@ -237,6 +240,60 @@ async def test_gap_without_a_replay_endpoint_degrades(
     assert rig.stream.status().degraded_until_s == until
 
 
+async def test_a_slow_replay_runs_off_the_live_path_and_keeps_the_order(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx, replay_timeout_s=60))
+    await rig.pub.publish(stored(0))
+    await wait_until(lambda: rig.sink.seqs() == [0], 5)
+    rig.pub.replay_gate = gate = asyncio.Event()  # replays wait for the gate
+    await rig.pub.publish(stored(1), send=False)  # lost on the wire
+    await rig.pub.publish(stored(2))  # shows the gap: a replay from 1 is asked for
+    await wait_until(lambda: rig.pub.replay_requests == [1], 5)
+    for h in range(3, 23):
+        await rig.pub.publish(stored(h))
+    # The replay is unanswered, yet the SUB loop read every live frame and parked it.
+    await wait_until(lambda: rig.stream.status().pending_frames == 20, 5)
+    status = rig.stream.status()
+    assert status.received_frames == 22 and rig.sink.seqs() == [0]
+    gate.set()
+    # Replayed (1, 2) first, then the parked ones in order; none applied twice.
+    await wait_until(lambda: rig.sink.seqs() == list(range(23)), 5)
+    status = rig.stream.status()
+    assert (status.state, status.pending_frames, status.duplicate_frames) == (
+        StreamState.LIVE,
+        0,
+        0,
+    )
+    assert rig.sink.held() == set(range(23))
+    assert value(rig.metrics, "kvrc_zmq_replays_total", result="complete") == 1
+
+
+async def test_frames_past_the_parking_buffer_are_lost_and_replayed_like_a_gap(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx, replay_timeout_s=60, max_pending_frames=4))
+    await rig.pub.publish(stored(0))
+    await wait_until(lambda: rig.sink.seqs() == [0], 5)
+    rig.pub.replay_gate = gate = asyncio.Event()
+    await rig.pub.publish(stored(1), send=False)
+    await rig.pub.publish(stored(2))
+    await wait_until(lambda: rig.pub.replay_requests == [1], 5)
+    for h in range(3, 13):  # 3..6 are parked, 7..12 find the buffer full
+        await rig.pub.publish(stored(h))
+    await wait_until(lambda: rig.stream.status().overflowed_frames == 6, 5)
+    assert rig.stream.status().pending_frames == 4
+    gate.set()
+    await wait_until(lambda: rig.sink.seqs() == list(range(7)), 5)
+    # The next frame taken shows the dropped ones as a gap and replays them.
+    await rig.pub.publish(stored(13))
+    await wait_until(lambda: rig.sink.seqs() == list(range(14)), 5)
+    assert rig.pub.replay_requests == [1, 7]
+    assert rig.sink.held() == set(range(14))
+    assert rig.stream.status().state is StreamState.LIVE
+    assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="overflow") == 6
+
+
 # --- restarts --------------------------------------------------------------------------
 
 
@@ -391,9 +448,100 @@ async def test_malformed_frames_are_counted_skipped_and_the_stream_continues(
     assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="malformed") == 3
     status = rig.stream.status()
     assert status.malformed_frames == 3
-    # The bad batch's events are lost, so its earlier entries are hints now.
+    # The bad frame changed nothing; batch 2 showed the gap, and the publisher
+    # never had a batch 1 to replay: earlier entries are hints now.
+    assert rig.pub.replay_requests == [1]
     assert status.state is StreamState.DEGRADED
-    assert "malformed" in status.reason
+    assert "overran" in status.reason
+
+
+def _decodes(frames: list[bytes]) -> bool:
+    if len(frames) != 3:
+        return False
+    try:
+        decode_payload(frames[0], decode_sequence(frames[1]), frames[2])
+    except MalformedFrame:
+        return False
+    return True
+
+
+_shapes = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)  # what msgpack can pack
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+_field = st.sampled_from(["type", "block_hashes", "block_size", "token_ids", "medium", "group_idx"])
+_tag = st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"])
+# vLLM's [ts, events, dp_rank] with events of the right tags and wrong fields.
+_near_batches = st.tuples(
+    st.floats(allow_nan=False),
+    st.lists(st.dictionaries(_field, _shapes | _tag, max_size=6), max_size=3),
+    _shapes,
+)
+# Random parts, or the right parts with a random sequence and a payload of random
+# bytes or of msgpack in the wrong shape.
+_bad_frames = st.lists(st.binary(max_size=48), min_size=1, max_size=5) | st.tuples(
+    st.binary(max_size=8),
+    st.binary(min_size=8, max_size=8),
+    st.binary(max_size=64)
+    | (_shapes | _near_batches).map(lambda x: msgpack.packb(x, use_bin_type=True)),
+).map(list)
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines += 1
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(garbage=st.lists(_bad_frames.filter(lambda f: not _decodes(f)), min_size=1, max_size=30))
+def test_frames_that_do_not_decode_are_counted_logged_once_and_change_nothing(
+    garbage: list[list[bytes]],
+) -> None:
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        rig = await start_rig(ctx)
+        warnings = _Warnings()
+        logging.getLogger("coordinator.edges.zmq_ingest").addHandler(warnings)
+        try:
+            await rig.pub.publish(stored(1))
+            await wait_until(lambda: rig.sink.seqs() == [0], 5)
+            before = rig.stream.status()
+            for frames in garbage:
+                await rig.pub.send_raw(frames)
+            await wait_until(lambda: rig.stream.status().received_frames == 1 + len(garbage), 5)
+            after = rig.stream.status()
+            assert after.malformed_frames == len(garbage)
+            bad = value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="malformed")
+            assert bad == len(garbage)
+            assert warnings.lines == 1  # the first; then one per 1000
+            assert (after.state, after.incarnation, after.last_sequence, after.replays) == (
+                before.state,
+                before.incarnation,
+                before.last_sequence,
+                before.replays,
+            )
+            assert rig.sink.held() == {1} and rig.sink.calls == [] and rig.sink.seqs() == [0]
+            assert rig.pub.replay_requests == []
+            await rig.pub.publish(stored(2))  # a valid frame still applies
+            await wait_until(lambda: rig.sink.seqs() == [0, 1], 5)
+            assert rig.sink.held() == {1, 2}
+        finally:
+            logging.getLogger("coordinator.edges.zmq_ingest").removeHandler(warnings)
+            await rig.stream.close()
+            await rig.pub.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize(

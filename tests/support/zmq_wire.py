@@ -120,6 +120,9 @@ class WirePublisher:
         self.buffer_steps = buffer_steps
         self.answer_replays = answer_replays
         self.replay_requests: list[int] = []
+        # A slow publisher: set to an unset Event, replays answer what the buffer held
+        # when asked, but only once the event is set.
+        self.replay_gate: asyncio.Event | None = None
         self.dp_rank = dp_rank
         self.next_seq = 0
         self._task = asyncio.create_task(self._serve_replays())
@@ -167,11 +170,13 @@ class WirePublisher:
             self.replay_requests.append(start_seq)
             if not self.answer_replays:
                 continue
-            for seq, payload in self.buffer:
-                if seq >= start_seq:
-                    await self.router.send_multipart(
-                        [client, b"", b"", seq.to_bytes(8, "big"), payload]
-                    )
+            held = [(seq, payload) for seq, payload in self.buffer if seq >= start_seq]
+            if self.replay_gate is not None:
+                await self.replay_gate.wait()
+            for seq, payload in held:
+                await self.router.send_multipart(
+                    [client, b"", b"", seq.to_bytes(8, "big"), payload]
+                )
             await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
 
     async def close(self) -> None:

@@ -1,0 +1,98 @@
+"""A lease change wakes only the waiters of that lease, never every waiter.
+
+Prefix-load and handoff waits are futures keyed by lease and token; a waiting Drain
+is keyed by the child engines it drains. A Drain's wake-ups are counted as the
+re-checks it makes (`Grants.leases_remaining`), on a manual clock that never moves,
+so no poll can wake anyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from manual_rig import CHAIN, drain_outbound, manual_coordinator, settle
+
+from coordinator.core.grants import (
+    BeginHandoffRequest,
+    PrefixLoadRequest,
+    PublishHandoffRequest,
+    TransferReport,
+)
+from coordinator.core.leases import Outcome, SendPin
+
+PREFILLS = [f"pre{i}" for i in range(8)]
+
+
+async def test_a_settled_prefix_load_answers_only_its_own_waiters() -> None:
+    async with manual_coordinator() as rig:
+        flow = rig.coordinator.leases
+        holder = rig.register("holder")
+        rig.register("req")
+        rig.store(holder)
+        drain_outbound(holder)
+
+        def ask(request_id: str) -> asyncio.Future[object]:
+            request = PrefixLoadRequest(request_id, "req", CHAIN, "", 1, 0, 2_000, 10_000)
+            return asyncio.ensure_future(flow.request_prefix_load(request))
+
+        waiting = {f"r{i}": ask(f"r{i}") for i in range(8)}
+        again = ask("r3")  # a repeat of an open request waits on the same lease
+        await settle()
+        pins = {m.lease_id: m for m in drain_outbound(holder) if isinstance(m, SendPin)}
+        assert len(pins) == 8 and not any(w.done() for w in [*waiting.values(), again])
+        lease = flow.table.find_prefix_load("req", "r3")
+        assert lease is not None
+
+        flow.on_pin_result("holder", (0, 0, 0), lease.lease_id, 8, b"d", "")
+        await settle()
+        # Exactly the two waiters of that lease were answered; the other seven still wait.
+        assert again.done() and waiting.pop("r3").done()
+        assert not any(w.done() for w in waiting.values())
+        for w in waiting.values():
+            w.cancel()
+        await settle()
+
+
+async def test_a_lease_end_wakes_only_the_drain_of_its_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with manual_coordinator() as rig:
+        flow = rig.coordinator.leases
+        rig.register("dec")
+        lease_ids = {}
+        for prefill in PREFILLS:
+            rig.register(prefill)
+            publish = PublishHandoffRequest("h", prefill, (0, 0, 0), b"d", b"p", None, 4)
+            flow.publish_handoff(publish)
+            grant = await flow.begin_handoff(BeginHandoffRequest("h", prefill, "dec", 5_000))
+            lease_ids[prefill] = grant.lease_id
+
+        checks: list[tuple[str, ...]] = []
+        leases_remaining = flow.core.leases_remaining
+
+        def counted(children: tuple[str, ...]) -> int:
+            checks.append(tuple(children))
+            return leases_remaining(children)
+
+        monkeypatch.setattr(flow.core, "leases_remaining", counted)
+        drains = {p: asyncio.ensure_future(flow.drain(p, 60_000, wait=True)) for p in PREFILLS}
+        await settle()
+        assert sorted(checks) == [(p,) for p in PREFILLS]  # one check each, then all wait
+        assert not any(d.done() for d in drains.values())
+
+        checks.clear()
+        report = TransferReport(lease_ids["pre3"], "dec", (0, 0, 0), Outcome.SUCCEEDED, 1, 1, "")
+        flow.complete_handoff(report)
+        await settle()
+        # pre3's drain woke once (its loop's check, then the result's count); no other did.
+        assert checks == [("pre3",), ("pre3",)]
+        result = drains.pop("pre3").result()
+        assert result.safe_to_stop and result.leases_remaining == 0
+        assert not any(d.done() for d in drains.values())
+
+        # Waiters that leave take their entries with them: memory follows the waiters.
+        for drain in drains.values():
+            drain.cancel()
+        await settle()
+        assert flow._drain_waiters == {}
