@@ -53,6 +53,13 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
+        self.rpc_malformed = Counter(
+            "kvrc_rpc_malformed_total",
+            "Requests whose bytes are not a valid protobuf message of their method's type "
+            "(refused with INVALID_ARGUMENT), by method.",
+            ["method"],
+            registry=r,
+        )
         self.rpc_duration = Histogram(
             "kvrc_rpc_duration_seconds",
             "Time to answer a unary RPC, by method.",
