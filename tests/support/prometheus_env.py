@@ -130,6 +130,17 @@ def metric_catalog(metrics: Metrics) -> dict[str, MetricFamily]:
     return catalog
 
 
+def samples_per_series(metrics: Metrics) -> dict[str, int]:
+    """Exported name -> lines one series writes: a histogram's buckets (+Inf too),
+    `_sum` and `_count`; 1 for the others (no `_created`: coordinator/runtime/metrics.py)."""
+    return {
+        name: len(collector._upper_bounds) + 2 if family.metric_type == "histogram" else 1
+        for collector, (name, family) in zip(
+            _collectors(metrics), metric_catalog(metrics).items(), strict=True
+        )
+    }
+
+
 def registry_family_names(registry: CollectorRegistry) -> frozenset[str]:
     """Exported family names as the registry itself reports them (collectors included)."""
     names = set()
