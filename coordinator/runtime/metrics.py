@@ -27,7 +27,7 @@ from prometheus_client import (
 
 from kvrc import __version__
 
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client leaves it untyped
 
 # Lookups and RPCs are sub-millisecond on the hot path.
 _FAST_BUCKETS = (
