@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -68,6 +68,24 @@ def _setup_logging(level: str, as_json: bool) -> None:
     root.setLevel(level)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line, naming --help, like every other kvrc error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _uint32(value: str) -> int:
+    """A protobuf uint32 flag: refused here, not by protobuf with a traceback."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if not 0 <= number < 1 << 32:
+        raise argparse.ArgumentTypeError(f"must be in [0, {(1 << 32) - 1}], got {number}")
+    return number
+
+
 def _on_off(value: str) -> bool:
     if value not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
@@ -75,7 +93,7 @@ def _on_off(value: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvrc",
         description="KV reuse coordinator",
         epilog="engine-side commands: 'kvrc engine' (a reference engine rank part) and "
@@ -291,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--lora-name", default="", help="the request's LoRA adapter name")
     score.add_argument("--lora-path", default="", help="the adapter's lora_path on the engines")
     score.add_argument("--cache-salt", default="", help="the request's cache_salt")
-    score.add_argument("--group-idx", type=int, default=0, help="KV-cache group (0)")
+    score.add_argument("--group-idx", type=_uint32, default=0, help="KV-cache group (0)")
     score.add_argument("--json", action="store_true", help="print one JSON document")
     score.add_argument("--timeout-s", type=float, default=5.0)
     _add_client_security(score)
@@ -304,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     drain.add_argument(
         "--timeout-ms",
-        type=int,
+        type=_uint32,
         default=0,
         help="then running leases are aborted (0 = the coordinator's default, 60000)",
     )
@@ -474,7 +492,7 @@ def status_document(response: pb.StatusResponse) -> dict[str, Any]:
                 "draining": state.draining,
                 "reuse": {
                     "enabled": state.reuse.enabled,
-                    "reason": pb.ReuseReason.Name(state.reuse.reason),
+                    "reason": _enum_name(pb.ReuseReason, state.reuse.reason),
                     "detail": state.reuse.detail,
                 },
                 "profile": {
@@ -527,7 +545,7 @@ def lease_document(lease: pb.LeaseStatus) -> dict[str, Any]:
     return {
         "lease_id": lease.lease_id,
         "flow": lease.flow,
-        "state": pb.LeaseState.Name(lease.state).removeprefix("LEASE_STATE_"),
+        "state": _enum_name(pb.LeaseState, lease.state, "LEASE_STATE_"),
         "source_child_engine_id": lease.source_child_engine_id,
         "target_child_engine_id": lease.target_child_engine_id,
         "deadline_unix_ms": lease.deadline_unix_ms,
@@ -538,10 +556,16 @@ def lease_document(lease: pb.LeaseStatus) -> dict[str, Any]:
     }
 
 
+def _enum_name(enum: Any, value: int, prefix: str = "") -> str:
+    """`value`'s name without `prefix`. A number this client does not know (a newer
+    coordinator's value, or a broken answer) is shown as such instead of failing."""
+    if value in enum.values():
+        return str(enum.Name(value)).removeprefix(prefix)
+    return f"{enum.DESCRIPTOR.name}({value})"
+
+
 def _tier_name(tier: int) -> str:
-    if tier in pb.Tier.values():
-        return pb.Tier.Name(tier).removeprefix("TIER_").lower()  # type: ignore[arg-type]
-    return f"tier({tier})"
+    return _enum_name(pb.Tier, tier, "TIER_").lower()
 
 
 def prediction_document(p: pb.CostPrediction) -> dict[str, Any]:
@@ -642,7 +666,9 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
                 s.engine_id,
                 "yes" if s.ready else "no",
                 f"{s.parts_present}/{s.parts_expected}",
-                "on" if s.reuse.enabled else pb.ReuseReason.Name(s.reuse.reason)[13:].lower(),
+                "on"
+                if s.reuse.enabled
+                else _enum_name(pb.ReuseReason, s.reuse.reason, "REUSE_REASON_").lower(),
                 f"{child.inventory_entries}{' (stale)' if s.stale else ''}",
                 s.not_ready_reason or "-",
             )
@@ -681,9 +707,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     try:
         response = fetch_status(channel_options_from_args(args), args.timeout_s)
     except grpc.RpcError as e:
-        code = e.code() if isinstance(e, grpc.Call) else None
-        details = e.details() if isinstance(e, grpc.Call) else str(e)
-        name = code.name if code is not None else "ERROR"
+        name, details = _rpc_error(e)
         print(
             f"kvrc status: cannot get status from {args.target} "
             f"({name} after {time.monotonic() - started:.1f} s): {details}",
@@ -708,7 +732,7 @@ def score_request_from_args(args: argparse.Namespace) -> pb.ScoreRequest:
             lora_name=args.lora_name,
             lora_path=args.lora_path,
             cache_salt=args.cache_salt,
-            group_idx=max(args.group_idx, 0),
+            group_idx=args.group_idx,
         ),
         candidate_child_engine_ids=[c for c in args.candidates.split(",") if c],
     )
@@ -745,7 +769,7 @@ def score_document(response: pb.ScoreResponse) -> dict[str, Any]:
                 "predicted_saving_ms": e.predicted_saving_ms,
                 "reuse": {
                     "enabled": e.reuse.enabled,
-                    "reason": pb.ReuseReason.Name(e.reuse.reason).removeprefix("REUSE_REASON_"),
+                    "reason": _enum_name(pb.ReuseReason, e.reuse.reason, "REUSE_REASON_"),
                     "detail": e.reuse.detail,
                 },
             }
@@ -807,19 +831,23 @@ def _cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rpc_error(e: grpc.RpcError) -> tuple[str, str]:
+    """The status name and its details on one line (grpc's own may span several)."""
+    if isinstance(e, grpc.Call):
+        code, details = e.code(), e.details() or ""
+        return code.name if code is not None else "ERROR", " ".join(details.split())
+    return "ERROR", " ".join(str(e).split())
+
+
 def _rpc_failed(command: str, target: str, e: grpc.RpcError) -> int:
-    code = e.code() if isinstance(e, grpc.Call) else None
-    details = e.details() if isinstance(e, grpc.Call) else str(e)
-    print(
-        f"kvrc {command}: {code.name if code is not None else 'ERROR'} from {target}: {details}",
-        file=sys.stderr,
-    )
+    name, details = _rpc_error(e)
+    print(f"kvrc {command}: {name} from {target}: {details}", file=sys.stderr)
     return EXIT_UNREACHABLE
 
 
 def _cmd_drain(args: argparse.Namespace) -> int:
     request = pb.DrainRequest(
-        child_engine_id=args.engine, timeout_ms=max(args.timeout_ms, 0), wait=args.wait
+        child_engine_id=args.engine, timeout_ms=args.timeout_ms, wait=args.wait
     )
     # A waiting drain lasts up to its timeout plus the abort acknowledgements.
     timeout_s = (args.timeout_ms or 60_000) / 1000 + 30 if args.wait else 10.0
@@ -855,7 +883,7 @@ def _cmd_quarantine_resolve(args: argparse.Namespace) -> int:
             response: pb.ResolveQuarantineResponse = stub.ResolveQuarantine(request, timeout=10.0)
     except grpc.RpcError as e:
         return _rpc_failed("quarantine resolve", args.target, e)
-    state = pb.LeaseState.Name(response.state).removeprefix("LEASE_STATE_")
+    state = _enum_name(pb.LeaseState, response.state, "LEASE_STATE_")
     if args.json:
         print(json.dumps({"lease_id": args.lease_id, "state": state}, sort_keys=True))
     else:

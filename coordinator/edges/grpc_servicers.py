@@ -2,7 +2,10 @@
 
 `KvrcError.code` maps onto a gRPC status in one place (`status_code`); every
 RPC is counted in `kvrc_rpc_requests_total{method,code}` and unary RPCs are
-timed in `kvrc_rpc_duration_seconds`, also in one place (`_Observed`).
+timed in `kvrc_rpc_duration_seconds`, also in one place (`_Observed`). Request
+bytes that are not valid protobuf are refused before any servicer runs
+(`add_services`): INVALID_ARGUMENT, `kvrc_rpc_malformed_total{method}`, one
+rate-limited log line.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.descriptor import MethodDescriptor
+from google.protobuf.message import Message
 
 from coordinator.core.auth import AuthDenied, AuthPolicy, DenyReason, Principal
 from coordinator.core.errors import ErrorCode, KvrcError, invalid
@@ -28,6 +33,7 @@ from coordinator.runtime.coordinator import (
     SessionEnd,
 )
 from coordinator.runtime.coordinator import Session as CoordinatorSession
+from coordinator.runtime.log_limit import RateLimitedLog
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -478,3 +484,112 @@ class RouterService(pb_grpc.RouterServiceServicer):
             return wire.score_response_to_proto(inventory.score(query))
 
         return await self._observed.unary("Score", context, call)
+
+
+# --- serving: the method handlers ------------------------------------------------------
+
+# One log line per method per interval however fast a peer sends garbage.
+MALFORMED_LOG_INTERVAL_MS = 10_000
+# The `method` label of a malformed request to a method this module does not serve.
+UNKNOWN_METHOD = "unknown"
+M = TypeVar("M", bound=Message)
+
+
+class _MalformedRequests:
+    """Requests that are not valid protobuf: counted, logged in one rate-limited line."""
+
+    def __init__(self, coordinator: Coordinator, methods: Iterable[str]) -> None:
+        counter = coordinator.metrics.rpc_malformed
+        # Every series exists from the start at 0, and no other one can appear.
+        self._counters = {m: counter.labels(method=m) for m in (*methods, UNKNOWN_METHOD)}
+        self._log = RateLimitedLog(log, coordinator.clock, MALFORMED_LOG_INTERVAL_MS)
+
+    def refuse(self, method: str, request: wire.MalformedRequest, context: Context) -> KvrcError:
+        """The INVALID_ARGUMENT the caller gets; nothing of the request reached the runtime."""
+        self._counters.get(method, self._counters[UNKNOWN_METHOD]).inc()
+        self._log.warning(method, "malformed request from %s: %s", context.peer(), request.message)
+        return invalid(request.message)
+
+
+class _CheckedRequests(AsyncIterator[M]):
+    """A stream's inbound messages: a malformed one raises, like any protocol violation."""
+
+    def __init__(
+        self,
+        requests: AsyncIterator[M | wire.MalformedRequest],
+        refuse: Callable[[wire.MalformedRequest], KvrcError],
+    ) -> None:
+        self._requests = requests
+        self._refuse = refuse
+
+    async def __anext__(self) -> M:
+        request = await anext(self._requests)
+        if isinstance(request, wire.MalformedRequest):
+            raise self._refuse(request)
+        return request
+
+
+def add_services(server: grpc.aio.Server, coordinator: Coordinator) -> None:
+    """Serves the kvrc.v1 services on `server` with request deserializers that never raise.
+
+    grpc's generated `add_*_to_server` parse with `FromString`, whose DecodeError
+    grpc answers UNKNOWN with a traceback in the log; here a malformed request
+    reaches `_MalformedRequests` instead and is answered INVALID_ARGUMENT.
+    """
+    servicers: tuple[Any, ...] = (
+        EngineService(coordinator),
+        AdminService(coordinator),
+        RouterService(coordinator),
+    )
+    services = [pb.DESCRIPTOR.services_by_name[type(s).__name__] for s in servicers]
+    malformed = _MalformedRequests(coordinator, (m.name for s in services for m in s.methods))
+    observed = _Observed(coordinator)
+    for servicer, service in zip(servicers, services, strict=True):
+        handlers = {
+            method.name: _method_handler(
+                getattr(servicer, method.name), method, service.full_name, observed, malformed
+            )
+            for method in service.methods
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+        )
+        server.add_registered_method_handlers(service.full_name, handlers)  # type: ignore[attr-defined]
+
+
+def _method_handler(
+    behavior: Callable[..., Any],
+    method: MethodDescriptor,
+    service_name: str,
+    observed: _Observed,
+    malformed: _MalformedRequests,
+) -> grpc.RpcMethodHandler[Any, Any]:
+    name = method.name
+    parse = wire.request_parser(getattr(pb, method.input_type.name), f"/{service_name}/{name}")
+    serialize = getattr(pb, method.output_type.name).SerializeToString
+    if method.client_streaming and method.server_streaming:
+        # An async generator function: grpc.aio would run a plain function in a thread.
+        async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            checked = _CheckedRequests(requests, lambda r: malformed.refuse(name, r, context))
+            async for response in behavior(checked, context):
+                yield response
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream, request_deserializer=parse, response_serializer=serialize
+        )
+    if method.client_streaming or method.server_streaming:
+        raise AssertionError(f"{name}: kvrc.v1 has unary and bidirectional methods only")
+
+    async def unary(request: Any, context: Context) -> Any:
+        if isinstance(request, wire.MalformedRequest):
+            refused = malformed.refuse(name, request, context)
+
+            async def refuse() -> Any:
+                raise refused
+
+            return await observed.unary(name, context, refuse)
+        return await behavior(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        unary, request_deserializer=parse, response_serializer=serialize
+    )

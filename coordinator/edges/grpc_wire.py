@@ -10,7 +10,11 @@ inside sizes, child-engine naming, consistency between parts) live in the core
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from google.protobuf.message import Message
 
 from coordinator.core import events as ev
 from coordinator.core import inventory as inv
@@ -72,6 +76,46 @@ def _expiry_from_unix(clock: Clock, expiry_unix_ms: int) -> int:
     if not expiry_unix_ms:
         return 0
     return max(from_unix_ms(clock, expiry_unix_ms), 1)
+
+
+# --- request bytes ------------------------------------------------------------
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """Request bytes that do not parse as their method's message type.
+
+    grpc hands this to the servicer layer in place of a message: a deserializer
+    that raised would answer UNKNOWN and log a traceback for every such call.
+    """
+
+    method_path: str  # /kvrc.v1.EngineService/Lookup
+    type_name: str  # kvrc.v1.LookupRequest
+    size: int
+    error: str
+
+    @property
+    def message(self) -> str:
+        """What the caller hears: enough to find the client that sent it."""
+        return (
+            f"request to {self.method_path} is not a valid {self.type_name} protobuf "
+            f"({self.size} bytes): {self.error}"
+        )
+
+
+def request_parser(cls: type[M], method_path: str) -> Callable[[bytes], M | MalformedRequest]:
+    """A grpc request deserializer for `cls` that never raises."""
+    type_name = cls.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> M | MalformedRequest:
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # any parser failure on hostile bytes: not a valid message
+            return MalformedRequest(method_path, type_name, len(data), str(e) or type(e).__name__)
+
+    return parse
 
 
 # --- validation helpers ------------------------------------------------------

@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from coordinator.core.auth import describe as describe_auth
-from coordinator.edges.grpc_servicers import AdminService, EngineService, RouterService
+from coordinator.edges.grpc_servicers import add_services
 from coordinator.edges.grpc_wire import part_codec
 from coordinator.edges.tls import server_credentials
 from coordinator.edges.zmq_ingest import vllm_event_streams
@@ -40,7 +40,6 @@ from coordinator.runtime.peers import PeerLink
 from coordinator.runtime.redis_store import RedisStore
 from coordinator.runtime.replication import ReplicatedInventory
 from kvrc.v1 import kvrc_pb2 as pb
-from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvrc.server")
 
@@ -111,9 +110,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     coordinator, store = _coordinator_with_store(config)
     coordinator.inventory.event_streams = vllm_event_streams(coordinator.metrics)
     server = grpc.aio.server(options=_server_options(config))
-    pb_grpc.add_EngineServiceServicer_to_server(EngineService(coordinator), server)
-    pb_grpc.add_AdminServiceServicer_to_server(AdminService(coordinator), server)
-    pb_grpc.add_RouterServiceServicer_to_server(RouterService(coordinator), server)
+    add_services(server, coordinator)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in SERVICE_NAMES:

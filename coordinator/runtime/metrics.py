@@ -7,13 +7,27 @@ one and a test keeps the two in step.
 
 Each `Metrics` owns its own `CollectorRegistry`, so tests can run several
 coordinators in one process.
+
+No `<name>_created` series: prometheus-client would export one next to every
+counter and histogram, half the series, and no dashboard or alert reads them.
+Dropped here, at import, so it holds for the server, the tests and any tool
+(prometheus-client's switch is process-wide and read at each scrape).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+)
 
 from kvrc import __version__
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client leaves it untyped
 
 # Lookups and RPCs are sub-millisecond on the hot path.
 _FAST_BUCKETS = (
@@ -51,6 +65,13 @@ class Metrics:
             "kvrc_rpc_requests_total",
             "RPCs answered, by method and gRPC status code.",
             ["method", "code"],
+            registry=r,
+        )
+        self.rpc_malformed = Counter(
+            "kvrc_rpc_malformed_total",
+            "Requests whose bytes are not a valid protobuf message of their method's type "
+            "(refused with INVALID_ARGUMENT), by method.",
+            ["method"],
             registry=r,
         )
         self.rpc_duration = Histogram(

@@ -209,8 +209,8 @@ def test_live_exposition_passes_promtool_and_uses_documented_label_values(
     documented = parse_metrics_doc(DOC_PATH.read_text())
     seen = 0
     for family in text_string_to_metric_families(exposition.decode()):
-        if not family.name.startswith("kvrc_") or family.name.endswith("_created"):
-            continue  # `_created` companions are documented as a convention, not listed
+        if not family.name.startswith("kvrc_"):
+            continue
         name = {"counter": family.name + "_total", "info": family.name + "_info"}.get(
             family.type, family.name
         )

@@ -17,7 +17,10 @@ Protobuf requests are generated field by field from the message descriptors
 `tests/fuzz_corpus/` keeps bad inputs that every run replays: each must be
 refused with the documented error. The live test sends generated requests to
 every RPC of a real coordinator and checks it never answers INTERNAL and stays
-healthy. Budget: `KVRC_FUZZ_EXAMPLES` examples per property (default 100);
+healthy; raw bytes that are not protobuf (generated, and `raw/` in the corpus)
+must be refused with INVALID_ARGUMENT on every RPC and the session stream, be
+counted in `kvrc_rpc_malformed_total{method}`, log no traceback and change no
+state. Budget: `KVRC_FUZZ_EXAMPLES` examples per property (default 100);
 the hypothesis profile "kvrc-fuzz" sets a per-example deadline.
 """
 
@@ -29,7 +32,7 @@ import os
 import re
 import tomllib
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,9 @@ import msgpack
 import pytest
 from google.protobuf import descriptor as pbd
 from google.protobuf.message import DecodeError, Message
+from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import CoordinatorProcess, start_coordinator
+from harness import CoordinatorProcess, get_status, metric_value, start_coordinator
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -528,8 +532,37 @@ def test_corpus_credentials(path: Path) -> None:
         parse_auth_policy(tomllib.loads(path.read_text()))
 
 
+def _request_types() -> list[tuple[str, type[Message]]]:
+    """(method path, request class) of every method kvrc serves."""
+    return [
+        (f"/{service.full_name}/{method.name}", getattr(pb, method.input_type.name))
+        for service in pb.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    ]
+
+
+@pytest.mark.parametrize("path", _corpus("raw"), ids=lambda p: p.name)
+def test_corpus_raw_is_malformed_for_every_request_type(path: Path) -> None:
+    data = path.read_bytes()
+    for method_path, cls in _request_types():
+        parsed = wire.request_parser(cls, method_path)(data)
+        assert isinstance(parsed, wire.MalformedRequest), (method_path, parsed)
+        assert parsed.message.startswith(
+            f"request to {method_path} is not a valid {cls.DESCRIPTOR.full_name} protobuf "
+            f"({len(data)} bytes): "
+        )
+
+
+def test_request_parser_passes_valid_messages_through() -> None:
+    for method_path, cls in _request_types():
+        assert wire.request_parser(cls, method_path)(b"") == cls()
+    report = pb.TransferReport(lease_id="l1", bytes_moved=7)
+    parse = wire.request_parser(pb.TransferReport, "/kvrc.v1.EngineService/CompleteHandoff")
+    assert parse(report.SerializeToString()) == report
+
+
 def test_corpus_is_not_empty() -> None:
-    for kind in ("wire", "vllm", "kv_params", "profiles", "auth"):
+    for kind in ("wire", "vllm", "kv_params", "profiles", "auth", "raw"):
         assert len(_corpus(kind)) >= 3, kind
 
 
@@ -556,6 +589,21 @@ def live() -> Iterator[tuple[CoordinatorProcess, grpc.Channel]]:
         grpc.insecure_channel(kvrc.grpc_target) as channel,
     ):
         yield kvrc, channel
+
+
+# A valid first session message: the fuzzed ones follow it.
+_REGISTER = pb.EngineMessage(
+    register=pb.Register(
+        engine_id="fuzz",
+        child_engine_id="fuzz",
+        profile=pb.DeploymentProfile(
+            model="m",
+            block_size=16,
+            parallel=pb.ParallelSizes(tp_size=1, pp_size=1, pcp_size=1, dp_size=1, dcp_size=1),
+        ),
+        protocol_version=PROTOCOL_VERSION,
+    )
+)
 
 
 def _unary_cases() -> list[tuple[str, str, type[Message], Callable[[Any], Any]]]:
@@ -633,18 +681,7 @@ def test_live_sessions_never_fail_internally(
 ) -> None:
     kvrc, channel = live
     stub = pb_grpc.EngineServiceStub(channel)
-    register = pb.EngineMessage(
-        register=pb.Register(
-            engine_id="fuzz",
-            child_engine_id="fuzz",
-            profile=pb.DeploymentProfile(
-                model="m",
-                block_size=16,
-                parallel=pb.ParallelSizes(tp_size=1, pp_size=1, pcp_size=1, dp_size=1, dcp_size=1),
-            ),
-            protocol_version=PROTOCOL_VERSION,
-        )
-    )
+    register = _REGISTER
 
     @settings(FUZZ, max_examples=max(EXAMPLES // 5, 10))
     @given(st.lists(message_of(pb.EngineMessage), min_size=1, max_size=4))
@@ -674,3 +711,112 @@ def _assert_healthy(kvrc: CoordinatorProcess, channel: grpc.Channel) -> None:
     )
     assert not [v for v in internal if float(v) > 0], "an RPC failed internally"
     assert "Traceback" not in kvrc.stderr_text()
+
+
+# --- raw bytes that are not protobuf, to a live coordinator ------------------------------------
+
+_RAW_EXAMPLES = 8  # per method: each example is one real RPC
+
+
+def _as_is(data: bytes) -> bytes:
+    """A (de)serializer that sends and returns the raw bytes."""
+    return data
+
+
+def not_protobuf(cls: type[Message]) -> st.SearchStrategy[bytes]:
+    """Bytes that fail to parse as `cls` (random bytes often parse, as unknown fields)."""
+
+    def fails(data: bytes) -> bool:
+        try:
+            cls.FromString(data)
+        except DecodeError:
+            return True
+        return False
+
+    corpus = [path.read_bytes() for path in _corpus("raw")]
+    return st.one_of(st.sampled_from(corpus), st.binary(min_size=1, max_size=200)).filter(fails)
+
+
+@pytest.fixture(scope="module")
+def quiet_kvrc() -> Iterator[CoordinatorProcess]:
+    """A coordinator of its own: nothing else moves its state while it is compared."""
+    with start_coordinator() as kvrc:
+        yield kvrc
+
+
+Send = Callable[[bytes], Awaitable[tuple[grpc.StatusCode, str]]]
+
+
+async def _check_refusal(
+    kvrc: CoordinatorProcess, method: str, cls: type[Message], send: Send, data: bytes
+) -> None:
+    """One raw request: refused, counted under its method, logged without a traceback,
+    and the coordinator's state is what it was."""
+    counted = metric_value(kvrc, "kvrc_rpc_malformed_total", method=method)
+    invalid = metric_value(kvrc, "kvrc_rpc_requests_total", method=method, code="INVALID_ARGUMENT")
+    before = await get_status(kvrc.grpc_target)
+    code, details = await send(data)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, code, details, data)
+    type_name = cls.DESCRIPTOR.full_name
+    assert details.startswith("request to /kvrc.v1.") and f"/{method} is not a valid " in details
+    assert f"not a valid {type_name} protobuf ({len(data)} bytes): " in details, details
+    assert metric_value(kvrc, "kvrc_rpc_malformed_total", method=method) == counted + 1
+    after = metric_value(kvrc, "kvrc_rpc_requests_total", method=method, code="INVALID_ARGUMENT")
+    assert after == invalid + 1
+    assert await get_status(kvrc.grpc_target) == before
+    stderr = kvrc.stderr_text()
+    assert "Traceback" not in stderr
+    # Rate limited to one line per method per interval: at least the first is there.
+    lines = [line for line in stderr.splitlines() if f"/{method} is not a valid " in line]
+    assert lines and all("malformed request from ipv4:127.0.0.1:" in line for line in lines)
+
+
+@pytest.mark.parametrize("case", _unary_cases(), ids=lambda c: c[1])
+@settings(FUZZ, max_examples=_RAW_EXAMPLES)
+@given(data=st.data())
+async def test_live_unary_rpcs_refuse_raw_bytes(
+    quiet_kvrc: CoordinatorProcess, case: tuple[str, str, type[Message], Any], data: st.DataObject
+) -> None:
+    service, method, cls, _ = case
+    path = f"/kvrc.v1.{service}/{method}"
+
+    async def send(raw: bytes) -> tuple[grpc.StatusCode, str]:
+        async with grpc.aio.insecure_channel(quiet_kvrc.grpc_target) as channel:
+            try:
+                await channel.unary_unary(path, _as_is, _as_is)(raw, timeout=5)
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    await _check_refusal(quiet_kvrc, method, cls, send, data.draw(not_protobuf(cls)))
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["first", "after_register"])
+@settings(FUZZ, max_examples=_RAW_EXAMPLES)
+@given(data=st.data())
+async def test_live_session_refuses_raw_bytes(
+    quiet_kvrc: CoordinatorProcess, registered: bool, data: st.DataObject
+) -> None:
+    """A malformed first or later message ends the stream with INVALID_ARGUMENT, as any
+    protocol violation does (the status is how the protocol tells a session it erred);
+    a part it had registered leaves with it."""
+
+    async def send(raw: bytes) -> tuple[grpc.StatusCode, str]:
+        async with grpc.aio.insecure_channel(quiet_kvrc.grpc_target) as channel:
+            session = channel.stream_stream("/kvrc.v1.EngineService/Session", _as_is, _as_is)
+            call: Any = session(timeout=5)  # type: ignore[call-arg]  # reader/writer mode
+            try:
+                if registered:
+                    await call.write(_REGISTER.SerializeToString())
+                    ack = pb.CoordinatorMessage.FromString(await call.read())
+                    assert ack.WhichOneof("message") == "register_ack"
+                await call.write(raw)
+                await call.done_writing()
+                while await call.read() is not EOF:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details() or ""
+            return await call.code(), await call.details()
+
+    raw = data.draw(not_protobuf(pb.EngineMessage))
+    await _check_refusal(quiet_kvrc, "Session", pb.EngineMessage, send, raw)

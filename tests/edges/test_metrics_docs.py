@@ -31,7 +31,7 @@ from prometheus_env import (
 
 from coordinator.core import event_streams, events, grants, leases
 from coordinator.core.errors import ErrorCode
-from coordinator.edges import zmq_ingest
+from coordinator.edges import grpc_servicers, zmq_ingest
 from coordinator.runtime import coordinator as service
 from coordinator.runtime import inventory_flow as inventory_service
 from coordinator.runtime import lease_flow as lease_service
@@ -124,6 +124,9 @@ def test_rpc_labels_list_every_method_and_status_code(
     # A refused registration is counted under the core's ErrorCode name.
     registrations = documented["kvrc_registrations_total"].labels["result"]
     assert registrations == {"ok"} | {c.value for c in ErrorCode}
+    # Malformed requests: the methods served, and one value for anything else.
+    malformed = documented["kvrc_rpc_malformed_total"].labels["method"]
+    assert malformed == methods | {grpc_servicers.UNKNOWN_METHOD}
     # Unary timings: every method but the long-lived Session stream.
     assert documented["kvrc_rpc_duration_seconds"].labels["method"] == methods - {"Session"}
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 from harness import free_port
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from coordinator.runtime.metrics import Metrics
@@ -128,6 +128,15 @@ def metric_catalog(metrics: Metrics) -> dict[str, MetricFamily]:
             )
         catalog[name] = MetricFamily(name, metric_type, label_names, collector._documentation)
     return catalog
+
+
+def samples_per_series(metrics: Metrics) -> dict[str, int]:
+    """Exported name -> lines one series writes: a histogram's buckets (+Inf too),
+    `_sum` and `_count`; 1 for the others (no `_created`: coordinator/runtime/metrics.py)."""
+    return {
+        name: len(collector._upper_bounds) + 2 if isinstance(collector, Histogram) else 1
+        for collector, name in zip(_collectors(metrics), metric_catalog(metrics), strict=True)
+    }
 
 
 def registry_family_names(registry: CollectorRegistry) -> frozenset[str]:

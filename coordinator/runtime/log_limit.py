@@ -1,0 +1,36 @@
+"""At most one log line per key per interval, for lines any peer can trigger at will.
+
+A client sending garbage in a loop must not fill the coordinator's log (or its
+disk): the first line of a key is logged, the next ones within `interval_ms`
+are only counted, and the next line logged says how many were left out.
+Keys must be few (a method name, never a peer): each one is remembered.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from coordinator.runtime.clock import Clock
+
+
+class RateLimitedLog:
+    def __init__(self, logger: logging.Logger, clock: Clock, interval_ms: int) -> None:
+        self._logger = logger
+        self._clock = clock
+        self._interval_ms = interval_ms
+        self._last_logged_ms: dict[str, int] = {}
+        self._left_out: dict[str, int] = {}
+
+    def warning(self, key: str, message: str, *args: object) -> None:
+        """Logs `message % args` as one line unless `key` logged one within the interval."""
+        now = self._clock.monotonic_ms()
+        last = self._last_logged_ms.get(key)
+        if last is not None and now - last < self._interval_ms:
+            self._left_out[key] = self._left_out.get(key, 0) + 1
+            return
+        self._last_logged_ms[key] = now
+        left_out = self._left_out.pop(key, 0)
+        if left_out:
+            message += " (%d more like it since the last such line, not logged)"
+            args = (*args, left_out)
+        self._logger.warning(message, *args)

@@ -1,0 +1,151 @@
+"""The admin commands on bad flags and bad answers: one line, a non-zero exit, no traceback.
+
+`kvrc status / score / drain / quarantine resolve` run in this process (a traceback
+would be an exception out of `main`) against a stand-in coordinator that answers
+every RPC with fixed bytes: bytes that are not protobuf, or a valid message with
+enum numbers this client does not know (what a newer coordinator may send).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from coordinator.edges import cli
+from kvrc.v1 import kvrc_pb2 as pb
+
+COMMANDS = [
+    ["status"],
+    ["status", "--json"],
+    ["score", "--model", "m", "--tokens", "1,2"],
+    ["score", "--model", "m", "--tokens", "1,2", "--json"],
+    ["drain", "e1"],
+    ["quarantine", "resolve", "l1"],
+]
+NOT_PROTOBUF = b"\x07\x80"
+
+
+def _answering(answers: dict[str, bytes]) -> Iterator[str]:
+    """A gRPC server on loopback that answers each method path with its bytes (any
+    other with `answers["*"]`); yields its target."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+
+    class AnyMethod(grpc.GenericRpcHandler):  # type: ignore[type-arg]  # generic in the stubs only
+        def service(self, details: Any) -> grpc.RpcMethodHandler[Any, Any]:
+            answer = answers.get(details.method, answers.get("*", b""))
+            return grpc.unary_unary_rpc_method_handler(lambda request, context: answer)
+
+    server.add_generic_rpc_handlers((AnyMethod(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+@pytest.fixture
+def garbage_target() -> Iterator[str]:
+    yield from _answering({"*": NOT_PROTOBUF})
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's way out; a console script exits with it
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_an_answer_that_is_not_protobuf_is_one_line_exit_1(
+    garbage_target: str, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run([*command, "--target", garbage_target], capsys)
+    assert code == cli.EXIT_UNREACHABLE
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"kvrc {command[0]}") and "INTERNAL" in lines[0], lines[0]
+
+
+def _unknown_enums() -> dict[str, bytes]:
+    """Valid answers whose enum fields carry numbers no kvrc.v1 enum defines."""
+    status = pb.StatusResponse()
+    child = status.child_engines.add()
+    child.state.child_engine_id = "e1"
+    child.state.reuse.reason = 99  # type: ignore[assignment]
+    status.leases.add(lease_id="l1").state = 77  # type: ignore[assignment]
+    score = pb.ScoreResponse()
+    engine = score.engines.add(child_engine_id="e1", holder_child_engine_id="h")
+    engine.holder_tier = 42  # type: ignore[assignment]
+    engine.reuse.reason = 98  # type: ignore[assignment]
+    engine.local_by_tier.add(tier=41, blocks=3)  # type: ignore[arg-type]
+    resolved = pb.ResolveQuarantineResponse(state=55)  # type: ignore[arg-type]
+    return {
+        "/kvrc.v1.AdminService/GetStatus": status.SerializeToString(),
+        "/kvrc.v1.RouterService/Score": score.SerializeToString(),
+        "/kvrc.v1.AdminService/ResolveQuarantine": resolved.SerializeToString(),
+        "/kvrc.v1.AdminService/Drain": pb.DrainResponse(safe_to_stop=True).SerializeToString(),
+    }
+
+
+@pytest.fixture(scope="module")
+def newer_target() -> Iterator[str]:
+    yield from _answering(_unknown_enums())
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_enum_numbers_this_client_does_not_know_are_shown_not_raised(
+    newer_target: str, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run([*command, "--target", newer_target], capsys)
+    assert (code, err) == (0, "")
+    shown = {
+        "status": ["reusereason(99)", "leasestate(77)"],
+        "score": ["reusereason(98)", "tier(42)", "tier(41)"]
+        if "--json" in command
+        else ["tier(41):3"],
+        "drain": ["safe to stop"],
+        "quarantine": ["leasestate(55)"],
+    }[command[0]]
+    for needle in shown:
+        assert needle in out.lower(), out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["drain", "e1", "--timeout-ms", "99999999999999999999"], "--timeout-ms: must be in"),
+        (["drain", "e1", "--timeout-ms", "-1"], "--timeout-ms: must be in [0, 4294967295]"),
+        (["drain", "e1", "--timeout-ms", "soon"], "--timeout-ms: expected an integer"),
+        (["score", "--model", "m", "--tokens", "1", "--group-idx", "1e99"], "--group-idx"),
+        (["score", "--tokens", "1"], "the following arguments are required: --model"),
+        (["status", "--timeout-s", "x"], "--timeout-s: invalid float value"),
+        (["quarantine"], "the following arguments are required"),
+        (["bogus"], "invalid choice: 'bogus'"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_malformed_flags_are_one_line_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run(argv, capsys)
+    assert code == cli.EXIT_CONFIG
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert needle in lines[0] and lines[0].endswith("--help')"), lines[0]
+
+
+def test_an_unusable_target_is_one_line_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    # grpc's own message for an empty target spans several lines.
+    code, _, err = _run(["status", "--target", "", "--timeout-s", "2"], capsys)
+    assert code == cli.EXIT_UNREACHABLE
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("kvrc status: cannot get status from ")
