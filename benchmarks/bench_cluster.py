@@ -1,26 +1,60 @@
-"""Cross-replica visibility of inventory events through a real Redis (issue 23).
+"""kvrc replicas over a real Redis (issue 23): visibility, lookups, grants, Redis commands.
 
     python -m benchmarks.bench_cluster [--seconds 4] [--rates 25000,50000,100000,200000]
+        [--window-s 2.5] [--rounds 3]
 
-Two replica processes, each with the runtime's own `ReplicatedInventory` and
-`RedisStore` (the code `kvrc serve --store redis://` runs), over one real
-`redis-server` started here on a free port. Replica A ingests block stores
-locally (the inventory core's `apply`, what a gRPC or ZMQ batch ends in) at a
-paced rate, 64 blocks a batch; its store appends them to the log. Replica B
-follows the log and applies every op to its own index. Visibility is the time
-from A's apply to the end of B's apply of the same batch (the first block hash
-carries A's `time.time_ns()`; both processes share this host's clock), so it
-includes A's writer, Redis, B's reader, the codec and B's core apply.
+Everything runs against one real `redis-server` started here on a free port
+(no persistence), in one run, so the figures share the machine's load.
 
-Per rate: achieved block events/s, visibility p50/p99. `ingest_events_per_s` is
-the highest achieved rate whose p99 is <= 10 ms (the issue's target: >= 100,000).
-Also measured: Redis bytes of the log per membership (the log is trimmed, so
-this bounds its memory per retained membership) and replica B's resident memory
-per membership (what a replica, or a sidecar with the whole index, needs).
+**Visibility.** Two replica processes, each with the runtime's own
+`ReplicatedInventory` and `RedisStore` (the code `kvrc serve --store redis://`
+runs). Replica A ingests block stores locally (the inventory core's `apply`, what
+a gRPC or ZMQ batch ends in) at a paced rate, 64 blocks a batch; its store
+appends them to the log. Replica B follows the log and applies every op to its
+own index. Visibility is the time from A's apply to the end of B's apply of the
+same batch (the first block hash carries A's `time.time_ns()`; both processes
+share this host's clock), so it includes A's writer, Redis, B's reader, the codec
+and B's core apply. Per rate: achieved block events/s, visibility p50/p99.
+`ingest_events_per_s` is the highest achieved rate whose p99 is <= 10 ms (the
+issue's target: >= 100,000). Also measured: Redis bytes of the log per membership
+(the log is trimmed, so this bounds its memory per retained membership) and
+replica B's resident memory per membership (what a replica, or a sidecar with the
+whole index, needs).
 
-Not measured here (see the report's `not_measured`): lookup scaling over 1 vs 3
-replicas, grant latency with the Redis store (grants are per replica in this
-increment), Redis ops per prefix load.
+**Real `kvrc serve` processes.** Then four of them: M with `--store memory` and
+replicas A, B, C with `--store redis://` on the same Redis. Four holder engines
+(`EngineSession` + `InventoryPublisher`) retain 16 chains of 32 blocks each, once
+on M and once on A (B and C see them through the log); each kvrc has one
+requester engine. The holders' `LeaseSessionHandler` pins whatever it is asked at
+once and answers a fake descriptor: no bytes move in this benchmark, a grant is
+the coordinator's work and the pin round trip only. Windows of `--window-s`
+seconds, `--rounds` of each, a different configuration first each round:
+
+* `lookup_rps_1`, `lookup_rps_3`: aggregate Lookup RPCs/s (raw request bytes, 64
+  distinct queries, half a whole chain, half only its first 8 blocks) from
+  `LOOKUP_CLIENTS` client processes with `LOOKUP_CONCURRENCY` calls in flight in
+  all, against A alone vs spread over A, B and C (the same clients and
+  concurrency). `lookup_rps_3_vs_1` is the scaling on this machine's `cores`: the
+  replicas, the clients and Redis share them, so 3x is not expected here.
+  `lookup_rps_memory` is M's, beside them.
+* `lookup_cpu_us_redis`, `lookup_cpu_us_memory`: CPU time (utime + stime from
+  /proc/<pid>/stat) of A resp. M per Lookup over its windows, same inventory,
+  same requests: lookups never touch Redis (target: redis <= 1.1 x memory).
+  `redis_calls_per_s_during_lookups` beside `redis_calls_per_s_idle` shows it.
+* `grant_ms_p99_redis`, `grant_ms_p99_memory`: p99 of RequestPrefixLoad (16
+  blocks) from the requester's call to its granted answer, one load at a time,
+  each then completed SUCCEEDED (so leases do not pile up): on M (holder and
+  requester on one kvrc) vs requested on B from the holder on A, where the pin
+  and its answer travel through the log (coordinator/runtime/peers.py). Target:
+  redis <= 3 x memory (`grant_redis_vs_memory`).
+* `redis_ops_per_prefix_load`: Redis commands (`INFO commandstats` deltas, INFO
+  itself left out) over the cross-replica loads, minus those over an idle window
+  of the same length just before (heartbeats every 500 ms, blocked XREADs),
+  per load; by command beside it. All three replicas follow the log, so each
+  entry costs every replica its XREAD (and the XRANGE that checks for trimming).
+
+`target` and `target_met` say which targets held. On this shared 2-core machine
+the load average before and after is kept: it explains noisy figures.
 """
 
 from __future__ import annotations
@@ -563,8 +597,10 @@ def _measure_replicas(redis_port: int, window_s: float, rounds: int) -> dict[str
                 )
             return uvloop.run(_measure_replicas_async(servers, redis_port, window_s, rounds))
         finally:
-            for server in servers.values():
+            for name, server in servers.items():
                 server.stop()
+                if "Traceback" in server.log_tail(100_000):  # a figure from a failing kvrc
+                    _log(f"kvrc {name} logged a traceback:\n{server.log_tail()}")
 
 
 def run(
