@@ -38,8 +38,10 @@ seconds, `--rounds` of each, a different configuration first each round:
   replicas, the clients and Redis share them, so 3x is not expected here.
   `lookup_rps_memory` is M's, beside them.
 * `lookup_cpu_us_redis`, `lookup_cpu_us_memory`: CPU time (utime + stime from
-  /proc/<pid>/stat) of A resp. M per Lookup over its windows, same inventory,
-  same requests: lookups never touch Redis (target: redis <= 1.1 x memory).
+  /proc/<pid>/stat) of A resp. M per Lookup, same inventory, same requests, from
+  windows that drive both at once (half the workers each), so that other load
+  on this shared machine weighs on both alike (`*_alone`: from the windows of one
+  kvrc at a time). Lookups never touch Redis (target: redis <= 1.1 x memory);
   `redis_calls_per_s_during_lookups` beside `redis_calls_per_s_idle` shows it.
 * `grant_ms_p99_redis`, `grant_ms_p99_memory`: p99 of RequestPrefixLoad (16
   blocks) from the requester's call to its granted answer, one load at a time,
@@ -269,15 +271,14 @@ def _lookup_requests(requester: str) -> list[bytes]:
 
 async def _lookup_calls(
     channels: dict[str, Any], by_target: dict[str, list[bytes]], concurrency: int, seconds: float
-) -> tuple[int, float]:
+) -> tuple[dict[str, int], float]:
     """`concurrency` workers spread over the targets (worker i on target i mod n) call
-    Lookup with raw bytes until `seconds` pass: (calls, elapsed s)."""
+    Lookup with raw bytes until `seconds` pass: (calls by target, elapsed s)."""
     targets = list(by_target)
-    done = 0
+    done = dict.fromkeys(targets, 0)
     deadline = time.perf_counter() + seconds
 
     async def worker(w: int) -> None:
-        nonlocal done
         target = targets[w % len(targets)]
         call = channels[target].unary_unary(LOOKUP_METHOD, None, None)  # bytes in, bytes out
         requests = by_target[target]
@@ -285,7 +286,7 @@ async def _lookup_calls(
         while time.perf_counter() < deadline:
             await call(requests[i % len(requests)])
             i += 1
-            done += 1
+            done[target] += 1
 
     started = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
@@ -401,23 +402,25 @@ class _Replicas:
                         raise RuntimeError(f"{server} never saw holder-{h}'s chains")
 
     async def lookup_window(self, servers: Sequence[str], seconds: float) -> dict[str, float]:
-        """Aggregate Lookups/s over `servers` and their CPU µs per Lookup."""
+        """Aggregate Lookups/s over `servers`, their CPU µs per Lookup all together
+        (`cpu_us`) and each one's (`cpu_us_<name>`), and Redis calls/s meanwhile."""
         by_target = {self.servers[s].target: _lookup_requests(self.requesters[s]) for s in servers}
-        pids = [self.servers[s].process.pid for s in servers]
-        cpu_before = sum(process_cpu_seconds(pid) for pid in pids)
+        cpu_before = {s: process_cpu_seconds(self.servers[s].process.pid) for s in servers}
         redis_before = _redis_calls(self.redis_port)
         for conn in self.clients:
             conn.send(("window", by_target, LOOKUP_CONCURRENCY // LOOKUP_CLIENTS, seconds))
         answers = [await asyncio.to_thread(conn.recv) for conn in self.clients]
-        cpu = sum(process_cpu_seconds(pid) for pid in pids) - cpu_before
+        cpu = {s: process_cpu_seconds(self.servers[s].process.pid) - cpu_before[s] for s in servers}
         redis_calls = sum(_calls_delta(_redis_calls(self.redis_port), redis_before).values())
-        done = sum(n for n, _ in answers)
+        done = {s: sum(calls[self.servers[s].target] for calls, _ in answers) for s in servers}
         elapsed = max(t for _, t in answers)
-        return {
-            "rps": done / elapsed,
-            "cpu_us": cpu / done * 1e6,
+        window = {
+            "rps": sum(done.values()) / elapsed,
+            "cpu_us": sum(cpu.values()) / sum(done.values()) * 1e6,
             "redis_calls_per_s": redis_calls / elapsed,
         }
+        window.update({f"cpu_us_{s}": cpu[s] / done[s] * 1e6 for s in servers})
+        return window
 
     async def grant_window(
         self, server: str, seconds: float, tag: str
@@ -497,13 +500,20 @@ async def _measure_replicas_async(
     replicas = _Replicas(servers, redis_port)
     await replicas.start()
     try:
-        configs = {"memory": ["memory"], "redis_1": ["a"], "redis_3": ["a", "b", "c"]}
+        # "paired": M and A at once, half the workers each, so that both CPU figures
+        # come from the same moments of this shared machine's load.
+        configs = {
+            "memory": ["memory"],
+            "redis_1": ["a"],
+            "redis_3": ["a", "b", "c"],
+            "paired": ["memory", "a"],
+        }
         for servers_of in configs.values():  # warm-up: connections, first-call paths
             await replicas.lookup_window(servers_of, 0.5)
         lookups: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
         for r in range(rounds):
             names = list(configs)
-            names = names[r % 3 :] + names[: r % 3]  # a different one first each round
+            names = names[r % len(names) :] + names[: r % len(names)]  # a new one first
             for name in names:
                 window = await replicas.lookup_window(configs[name], window_s)
                 lookups[name].append(window)
@@ -544,7 +554,7 @@ async def _measure_replicas_async(
         for k in sorted(set(load_calls) | set(idle_calls))
     }
     rps_1, rps_3 = median("redis_1", "rps"), median("redis_3", "rps")
-    cpu_redis, cpu_memory = median("redis_1", "cpu_us"), median("memory", "cpu_us")
+    cpu_redis, cpu_memory = median("paired", "cpu_us_a"), median("paired", "cpu_us_memory")
     p99_redis = percentile(grant_ms["redis"], 99)
     p99_memory = percentile(grant_ms["memory"], 99)
     idle_per_s = sum(idle_calls.values()) / (rounds * window_s)
@@ -561,6 +571,9 @@ async def _measure_replicas_async(
         "lookup_cpu_us_redis": round(cpu_redis, 1),
         "lookup_cpu_us_memory": round(cpu_memory, 1),
         "lookup_cpu_redis_vs_memory": round(cpu_redis / cpu_memory, 3),
+        # The same from the windows of one kvrc at a time, and the three replicas' sum.
+        "lookup_cpu_us_redis_alone": round(median("redis_1", "cpu_us"), 1),
+        "lookup_cpu_us_memory_alone": round(median("memory", "cpu_us"), 1),
         "lookup_cpu_us_redis_3": round(median("redis_3", "cpu_us"), 1),
         # Lookups never touch Redis: during them it sees only the background.
         "redis_calls_per_s_during_lookups": round(median("redis_3", "redis_calls_per_s"), 1),
