@@ -108,7 +108,8 @@ bench-trace: $(STAMP)
 bench-load: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_load
 
-# Two replicas over a real redis-server: cross-replica visibility by ingest rate.
+# Replicas over a real redis-server: visibility by ingest rate; lookups, CPU per lookup, grant p99
+# and Redis commands per prefix load against real `kvrc serve --store redis://` replicas.
 bench-cluster: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_cluster $(ARGS)
 

@@ -160,9 +160,15 @@ class KvrcServe:
 
 
 def start_kvrc(
-    workdir: Path, profiles_toml: str, *, metrics: bool = True, timeout_s: float = 30.0
+    workdir: Path,
+    profiles_toml: str,
+    *,
+    metrics: bool = True,
+    timeout_s: float = 30.0,
+    extra_args: Sequence[str] = (),
 ) -> KvrcServe:
-    """`kvrc serve` on ephemeral loopback ports with reuse on and these declared profiles.
+    """`kvrc serve` on ephemeral loopback ports with reuse on and these declared profiles,
+    plus `extra_args` (e.g. `--store redis://...`).
 
     Its output (WARNING and up) goes to `workdir/kvrc.log`; RuntimeError with the log's
     tail when it exits or writes no port file within `timeout_s`.
@@ -189,6 +195,7 @@ def start_kvrc(
         str(port_file),
         "--log-level",
         "WARNING",
+        *extra_args,
     ]
     with log.open("ab") as out:
         process = subprocess.Popen(
