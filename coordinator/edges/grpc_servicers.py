@@ -367,8 +367,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             self._gate.child_engine(
                 principal, req.prefill_child_engine_id, "prefill_child_engine_id"
             )
-            view, reported, expected = self._coordinator.leases.publish_handoff(req)
-            return wire.publish_response_to_proto(view, reported, expected)
+            return wire.publish_response_to_proto(await self._coordinator.publish_handoff(req))
 
         return await self._observed.unary("PublishHandoff", context, call)
 

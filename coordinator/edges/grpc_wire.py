@@ -57,6 +57,7 @@ from coordinator.runtime.coordinator import (
     CostStatus,
     HeartbeatReply,
     Outbound,
+    PublishOutcome,
     RegisterReply,
     StateUpdate,
     StatusSnapshot,
@@ -1001,14 +1002,12 @@ def complete_response_to_proto(view: LeaseView) -> pb.CompleteResponse:
     return pb.CompleteResponse(state=_lease_state(view.state), quiescent=view.quiescent)
 
 
-def publish_response_to_proto(
-    view: LeaseView, reported: int, expected: int
-) -> pb.PublishHandoffResponse:
+def publish_response_to_proto(outcome: PublishOutcome) -> pb.PublishHandoffResponse:
     return pb.PublishHandoffResponse(
-        state=_lease_state(view.state),
-        parts_reported=reported,
-        parts_expected=expected,
-        lease_id=view.lease_id,
+        state=_lease_state(outcome.state),
+        parts_reported=outcome.parts_reported,
+        parts_expected=outcome.parts_expected,
+        lease_id=outcome.lease_id,
     )
 
 

@@ -19,7 +19,7 @@ import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from coordinator.core.cost_model import (
     CostConfig,
@@ -31,8 +31,9 @@ from coordinator.core.cost_model import (
 )
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
+from coordinator.core.grants import PublishHandoffRequest
 from coordinator.core.inventory import Inventory
-from coordinator.core.leases import LeaseTable, LeaseView
+from coordinator.core.leases import LeaseState, LeaseTable, LeaseView
 from coordinator.core.profiles import (
     ReuseReason,
     ReuseStatus,
@@ -58,7 +59,12 @@ from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.inventory_flow import InventoryFlow, ResyncOrder
 from coordinator.runtime.lease_flow import LeaseFlow, LeaseOutbound
 from coordinator.runtime.metrics import Metrics
-from coordinator.runtime.peers import PeerLink
+from coordinator.runtime.peers import (
+    CALL_PUBLISH_HANDOFF,
+    PeerLink,
+    decode_publish,
+    encode_publish,
+)
 from kvrc import __version__
 from kvrc.ids import format_rank
 
@@ -169,6 +175,16 @@ class PartListener(Protocol):
 
     def on_part_gone(self, child_engine_id: str, rank: RankKey, session_id: str) -> None:
         """`session_grace_ms` after removal, the part has not come back: treat it as gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishOutcome:
+    """A PublishHandoff's answer, decided here or by the decode engine's replica."""
+
+    lease_id: str
+    state: LeaseState
+    parts_reported: int
+    parts_expected: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +322,8 @@ class Coordinator:
             for timer in timers.values():
                 timer.cancel()
         self._gone_timers.clear()
+        if self.peers is not None:
+            self.peers.fail_calls("the coordinator is shutting down")
         await self.inventory.close()
         await self.leases.shutdown()
 
@@ -404,6 +422,31 @@ class Coordinator:
             self.peers.reply_abort_ack(owner, ref, lease_id)
             return
         self.leases.on_abort_ack(ref.child_engine_id, ref.rank, lease_id)
+
+    async def publish_handoff(self, req: PublishHandoffRequest) -> PublishOutcome:
+        """A prefill part's publish; the decode engine's replica owns the handoff."""
+        owner = self._replica_of(req.decode_child_engine_id)
+        if owner is not None and self.peers is not None:
+            raw = await self.peers.call(owner, CALL_PUBLISH_HANDOFF, encode_publish(req))
+            lease_id, state, reported, expected = raw
+            return PublishOutcome(str(lease_id), LeaseState(state), int(reported), int(expected))
+        view, reported, expected = self.leases.publish_handoff(req)
+        return PublishOutcome(view.lease_id, view.state, reported, expected)
+
+    def run_call(self, kind: str, payload: Any) -> Any:
+        if kind != CALL_PUBLISH_HANDOFF:
+            raise KvrcError(ErrorCode.INVALID_ARGUMENT, f"unknown forwarded call {kind!r}")
+        view, reported, expected = self.leases.publish_handoff(decode_publish(payload))
+        return [view.lease_id, int(view.state), reported, expected]
+
+    def _replica_of(self, child_engine_id: str | None) -> str | None:
+        """The other replica that holds the engine's first part's session (None: here)."""
+        if child_engine_id is None or self.peers is None:
+            return None
+        parts = self.registry.parts_of(child_engine_id)
+        if not parts or any(p.session_id in self._sessions for p in parts):
+            return None
+        return self.peers.origin_of(min(parts, key=lambda p: p.rank).session_id)
 
     def heartbeat(self, session: Session) -> None:
         now = self._clock_ms()

@@ -32,6 +32,11 @@ messages travel through the same ordered log as the inventory:
   owner fell silent is rebuilt here, QUARANTINED, as after a restart.
 - `OP_HELLO`: a replica that starts (or reloads a snapshot) asks the others to
   announce their parts again (parts are not in the inventory snapshot).
+- `OP_CALL` / `OP_RESULT`: a request that only another replica can decide, and its
+  answer. Today one: a prefill part's PublishHandoff naming a decode engine whose
+  session is on another replica goes to that replica, which owns the handoff
+  (the decode begins, extends and completes it there). An owner that does not
+  answer in time makes the call UNAVAILABLE (the prefill publishes again).
 
 One order: every replica applies these ops in log order, so remote registrations
 and removals reach every replica in the same order, and a replica's messages to a
@@ -43,13 +48,15 @@ on one replica) and drains (docs/operations.md).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from coordinator.core.grants import DrainNotice, LeaseOutbound
+from coordinator.core.errors import ErrorCode, KvrcError
+from coordinator.core.grants import DrainNotice, LeaseOutbound, PublishHandoffRequest
 from coordinator.core.leases import (
     Flow,
     SendAbort,
@@ -68,7 +75,11 @@ OP_PART_LEFT = "L"
 OP_SEND = "M"
 OP_REPLY = "Y"
 OP_HELLO = "W"
-PEER_TAGS = frozenset((OP_PART, OP_PART_LEFT, OP_SEND, OP_REPLY, OP_HELLO))
+OP_CALL = "C"
+OP_RESULT = "Q"
+PEER_TAGS = frozenset((OP_PART, OP_PART_LEFT, OP_SEND, OP_REPLY, OP_HELLO, OP_CALL, OP_RESULT))
+CALL_PUBLISH_HANDOFF = "publish_handoff"
+DEFAULT_CALL_TIMEOUT_S = 5.0
 
 # Replies of the holder's session that the owner needs (ReleaseAck is only logged).
 REPLY_PIN = "pin"
@@ -147,6 +158,9 @@ class PeerHost(Protocol):
     def fence_local(self, session_id: str, reason: str) -> None:
         """Ends a local session that a registration with a higher token replaced."""
 
+    def run_call(self, kind: str, payload: Any) -> Any:
+        """Decides a request another replica forwarded (KvrcError: refused, as it would be)."""
+
 
 def encode_message(message: LeaseOutbound, now_ms: int) -> list[Any]:
     """A lease message as msgpack-ready data; a deadline becomes the time left (>= 1)."""
@@ -193,6 +207,32 @@ def decode_message(raw: list[Any], ref: PartRef, now_ms: int) -> LeaseOutbound:
     raise ValueError(f"unknown lease message kind {kind!r}")
 
 
+def encode_publish(req: PublishHandoffRequest) -> list[Any]:
+    return [
+        req.request_id,
+        req.prefill_child_engine_id,
+        list(req.rank_key),
+        req.descriptor,
+        req.kv_transfer_params,
+        req.decode_child_engine_id,
+        req.num_blocks,
+    ]
+
+
+def decode_publish(raw: list[Any]) -> PublishHandoffRequest:
+    request_id, prefill, rank, descriptor, params, decode, num_blocks = raw
+    tp, pp, pcp = rank
+    return PublishHandoffRequest(
+        str(request_id),
+        str(prefill),
+        (int(tp), int(pp), int(pcp)),
+        bytes(descriptor),
+        bytes(params),
+        None if decode is None else str(decode),
+        int(num_blocks),
+    )
+
+
 def _ref(cid: Any, rank: Any, session_id: Any) -> PartRef:
     tp, pp, pcp = rank
     return PartRef(str(cid), (int(tp), int(pp), int(pcp)), str(session_id))
@@ -223,6 +263,8 @@ class PeerLink:
         # Per rank part, the highest fencing token seen anywhere, and its session id.
         self._best: dict[str, tuple[int, str]] = {}
         self.fenced = 0  # local sessions ended by a higher token (tests, status)
+        self._calls: dict[str, asyncio.Future[Any]] = {}  # call id -> its answer
+        self._call_ids = itertools.count()
         self.sent = 0  # ops this replica wrote for its peers (tests, bench-cluster)
 
     def attach(self, host: PeerHost) -> None:
@@ -351,6 +393,30 @@ class PeerLink:
             ]
         )
 
+    async def call(
+        self, owner: str, kind: str, payload: Any, timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+    ) -> Any:
+        """Asks `owner` to decide a request; its answer, or its refusal raised here."""
+        call_id = f"{self.origin}/{next(self._call_ids)}"
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = answer
+        self._write([OP_CALL, owner, call_id, kind, payload])
+        try:
+            return await asyncio.wait_for(answer, timeout_s)
+        except TimeoutError:
+            raise KvrcError(
+                ErrorCode.UNAVAILABLE,
+                f"replica {owner} did not answer {kind} within {timeout_s:g} s: try again",
+            ) from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    def fail_calls(self, reason: str) -> None:
+        """Shutdown: every call waiting for another replica ends UNAVAILABLE."""
+        for answer in self._calls.values():
+            if not answer.done():
+                answer.set_exception(KvrcError(ErrorCode.UNAVAILABLE, reason))
+
     def _write(self, op: Op) -> None:
         self.sent += 1
         self._record(op)
@@ -391,6 +457,23 @@ class PeerLink:
             return True
         if op[1] != self.origin:
             return False  # addressed to another replica
+        if tag == OP_CALL:
+            _, _, call_id, kind, payload = op
+            try:
+                result: list[Any] = [True, host.run_call(str(kind), payload)]
+            except KvrcError as e:
+                result = [False, [e.code.value, e.message]]
+            self._write([OP_RESULT, origin, call_id, *result])
+            return True
+        if tag == OP_RESULT:
+            _, _, call_id, ok, value = op
+            answer = self._calls.get(str(call_id))
+            if answer is not None and not answer.done():
+                if ok:
+                    answer.set_result(value)
+                else:
+                    answer.set_exception(KvrcError(ErrorCode(value[0]), str(value[1])))
+            return True
         if tag == OP_SEND:
             ref = _ref(op[2], op[3], op[4])
             message = decode_message(op[5], ref, self._clock_ms())

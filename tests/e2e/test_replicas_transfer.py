@@ -66,7 +66,8 @@ def start_two(workdir: Path, store: str) -> tuple[TwoReplicas, dict[str, EngineG
     cluster.start_coordinator("--store", store)
     target_a = cluster.target
     extra = ["--mooncake-ports", MOONCAKE_PORTS]
-    groups = {g.engine_id: g for g in cluster.start_engines([("p0", "prefill", 1, extra)])}
+    on_a = [("p0", "prefill", 1, extra), ("d0", "decode", 1, extra)]
+    groups = {g.engine_id: g for g in cluster.start_engines(on_a)}
     cluster.start_coordinator("--store", store)  # replica B; the engines below use it
     target_b = cluster.target
     groups.update({g.engine_id: g for g in cluster.start_engines([("p1", "prefill", 1, extra)])})
@@ -151,6 +152,32 @@ async def test_a_load_granted_on_b_from_a_holder_on_a_is_bit_exact(
     # Quiescence on both replicas: B ended the lease, A's holder got its release.
     await wait_until(lambda: _no_open_leases(two.target_b), timeout_s=15)
     await wait_until(lambda: _pinned_is(engines["p0"], 0), timeout_s=15)
+
+
+async def test_a_handoff_published_on_b_for_a_decode_on_a_is_bit_exact(
+    replicas: tuple[TwoReplicas, dict[str, EngineGroup]], engines: dict[str, Channel]
+) -> None:
+    """p1 (on B) prefills for d0 (on A): B forwards the publish to A, which owns the
+    handoff; d0 begins it there and pulls p1's blocks; A's release reaches p1 via B."""
+    two, _ = replicas
+    prompt, output = tokens(31, 70), tokens(32, 30)
+    await wait_until(lambda: _holder_seen(two.target_b, "d0"), timeout_s=15)
+    pre = await call(engines["p1"], "prefill", request_id="h-1", tokens=prompt, decode="d0")
+    dec = await call(
+        engines["d0"], "decode", request_id="h-1", prefill="p1", prompt=prompt, output=output
+    )
+    await call(engines["p1"], "bind_handoff", request_id="h-1", lease_id=dec["lease_id"])
+    assert pre["blocks_recomputed"] > 0
+    assert dec["handoff"] == "pulled", dec
+    assert dec["mismatches"] == 0
+    digests = await call(engines["d0"], "digests", tokens=prompt + output)
+    assert digests[0] == expected_digests(prompt + output, len(digests[0]))
+    await wait_until(lambda: _no_open_leases(two.target_a), timeout_s=15)
+    await wait_until(lambda: _stat_is(engines["p1"], "handoffs_held", 0), timeout_s=15)
+
+
+async def _stat_is(engine: Channel, key: str, value: int) -> bool:
+    return bool((await call(engine, "stats"))[key] == value)
 
 
 async def _pinned_is(engine: Channel, value: int) -> bool:

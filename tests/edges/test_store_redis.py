@@ -358,6 +358,45 @@ async def test_kill_9_of_the_holders_replica_mid_lease_releases_nothing_early(
             await wait_until(lambda: _held_is(engines, "holder-k9", []), 10, what="release via c")
 
 
+async def test_a_zombie_session_is_fenced_out_by_a_newer_registration(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """The same rank part registers on b while its old stream on a is still open (a
+    partition that has not timed out): b's registration took the higher fencing token,
+    so a closes the old session, and every replica sends the part's pins to b's."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with (
+        start_coordinator(*flags) as a,
+        start_coordinator(*flags) as b,
+        start_coordinator(*flags) as c,
+    ):
+        await engines.open(c.grpc_target, "req-z")
+        zombie = await engines.open(a.grpc_target, "holder-z")
+        zombie_handler = engines.handlers["holder-z"]
+        await zombie.stored(CHAIN[:8])
+        await eventually_matched(c.grpc_target, "req-z", "holder-z", 8)
+        newer = await engines.open(b.grpc_target, "holder-z", [StoredBlocks(CHAIN[:8])])
+        await newer.send_dump()  # what it still keeps: b's view of it, then everybody's
+        await wait_until(
+            lambda: _metric_is(a, "kvrc_sessions_closed_total", 1, reason="fenced"),
+            10,
+            what="a fenced its old session",
+        )
+        assert engines.sessions[1].last_error is not None
+        assert engines.sessions[1].last_error.code == grpc.StatusCode.UNAVAILABLE
+        await eventually_matched(c.grpc_target, "req-z", "holder-z", 8)
+        async with LeaseClient(c.grpc_target, "req-z") as leases:
+            grant = await leases.request_prefix_load("z-1", CHAIN[:8])
+            assert isinstance(grant, PrefixLoadGrant), grant
+        assert await _held(engines, "holder-z") == [grant.lease_id]  # b's session pinned
+        assert list(zombie_handler.held_lease_ids()) == []  # never the fenced one
+        assert metric_value(b, "kvrc_sessions_closed_total", reason="fenced") == 0
+
+
+async def _metric_is(kvrc: CoordinatorProcess, name: str, value: float, **labels: str) -> bool:
+    return metric_value(kvrc, name, **labels) == value
+
+
 async def _held_sorted_is(engines: Engines, engine_id: str, expected: list[str]) -> bool:
     return sorted(await _held(engines, engine_id)) == expected
 
