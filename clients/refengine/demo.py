@@ -151,7 +151,8 @@ class Cluster:
         self.python = python
         self.engine_command = list(engine_command) or [python, "-m", "clients.cli", "engine"]
         self.children: list[Child] = []
-        self.coordinator: Child | None = None
+        self.coordinator: Child | None = None  # the one started last
+        self.coordinators: list[Child] = []  # every kvrc started (replicas)
         self.coordinator_args: tuple[str, ...] = ()
         self.grpc_port = 0
 
@@ -183,7 +184,7 @@ class Cluster:
         port_file = self.workdir / "ports.json"
         port_file.unlink(missing_ok=True)
         self.coordinator_args = extra
-        self.coordinator = self.spawn(
+        self.coordinator = coordinator = self.spawn(
             f"kvrc-{len(self.children)}",
             [
                 self.python, "-m", "coordinator", "serve",
@@ -205,6 +206,7 @@ class Cluster:
             time.sleep(0.05)
         time.sleep(0.05)  # the file is written at once; let the writer finish
         self.grpc_port = int(json.loads(port_file.read_text())["grpc_port"])
+        self.coordinators.append(coordinator)
 
     def restart_coordinator(self, timeout_s: float = 20.0) -> int:
         """Stop kvrc (SIGTERM) and start a new one on the same port; the old exit status."""
@@ -257,8 +259,9 @@ class Cluster:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every engine group, then kvrc; SIGKILL what is left. Idempotent."""
-        engines = [c for c in self.children if c is not self.coordinator]
-        ordered = engines + ([self.coordinator] if self.coordinator is not None else [])
+        kvrcs = [c for c in self.children if c in self.coordinators or c is self.coordinator]
+        engines = [c for c in self.children if c not in kvrcs]
+        ordered = engines + kvrcs
         for batch in (engines, ordered):
             for child in batch:
                 if child.process.poll() is None:
@@ -488,6 +491,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mooncake-ports", default=DEFAULT_MOONCAKE_PORTS)
     parser.add_argument("--keep-logs", type=Path, help="write process logs here (kept)")
     parser.add_argument("--quiet", action="store_true", help="no per-request progress lines")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="kvrc replicas (> 1 needs --store redis://...): prefill-1 on the second, "
+        "so its prefix loads and handoffs cross replicas",
+    )
+    parser.add_argument("--store", default="memory", help="kvrc's --store (memory | redis://)")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -511,16 +522,31 @@ def run_demo(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(text, flush=True)
 
+    if args.replicas < 1 or (args.replicas > 1 and args.store == "memory"):
+        print(
+            "kvrc demo: --replicas above 1 needs a shared store (--store redis://HOST:PORT/DB)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         say("starting kvrc (reuse on) ...")
-        cluster.start_coordinator()
-        say(f"kvrc serving on {cluster.target}; starting 3 engines x tp={args.tp} ...")
+        targets = []
+        for _ in range(args.replicas):
+            cluster.start_coordinator("--store", args.store)
+            targets.append(cluster.target)
+        say(f"kvrc serving on {', '.join(targets)}; starting 3 engines x tp={args.tp} ...")
         engine_extra = ["--mooncake-ports", args.mooncake_ports]
+
+        def on_replica(index: int) -> list[str]:
+            # Its own replica first, then the others to fail over to.
+            order = targets[index % len(targets) :] + targets[: index % len(targets)]
+            return [*engine_extra, "--target", ",".join(order)]
+
         groups = cluster.start_engines(
             [
-                ("prefill-0", "prefill", args.tp, engine_extra),
-                ("prefill-1", "prefill", args.tp, engine_extra),
-                ("decode-0", "decode", args.tp, engine_extra),
+                ("prefill-0", "prefill", args.tp, on_replica(0)),
+                ("prefill-1", "prefill", args.tp, on_replica(1)),
+                ("decode-0", "decode", args.tp, on_replica(0)),
             ]
         )
         workload = chat_workload(args.conversations, args.turns)
@@ -532,6 +558,7 @@ def run_demo(args: argparse.Namespace) -> int:
             drive(groups, workload, concurrency=args.concurrency, progress=not args.quiet)
         )
         doc = totals.document(time.monotonic() - started)
+        doc["replicas"] = args.replicas
         print(format_table(doc), flush=True)
         args.json_path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         say(f"wrote {args.json_path} in {doc['elapsed_s']} s")

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from redis_env import start_redis
 from waiting import wait_until_sync
 
 from clients.refengine.demo import RESULT_KEYS, child_process_env
@@ -130,3 +131,43 @@ def test_sigint_stops_every_process_of_the_demo(tmp_path: Path) -> None:
             demo.wait()
         for pid in processes_with(ports) + processes_with(str(tmp_path / "logs")):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_demo_over_two_replicas_and_redis_has_no_mismatch(tmp_path: Path) -> None:
+    """prefill-1 registers with the second replica: its prefix loads from decode-0 and
+    its handoffs to it cross replicas (through the shared log), bytes bit for bit."""
+    json_path = tmp_path / "demo-result.json"
+    with start_redis() as redis_server:
+        run = subprocess.run(
+            demo_argv(
+                "28500-28999",
+                json_path,
+                *("--conversations", "3", "--turns", "2", "--tp", "1", "--quiet"),
+                *("--replicas", "2", "--store", redis_server.url),
+            ),
+            cwd=tmp_path,
+            env=child_process_env(),
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
+    assert run.returncode == 0, run.stdout + run.stderr
+    doc = json.loads(json_path.read_text())
+    assert doc["replicas"] == 2
+    assert doc["requests"] == 6 and doc["handoffs"] == 6, doc
+    assert doc["mismatches"] == 0
+    assert doc["blocks_loaded"] > 0, doc
+    assert doc["handoff_failures"] == 0 and doc["load_failures"] == 0, doc
+
+
+def test_demo_refuses_replicas_without_a_shared_store(tmp_path: Path) -> None:
+    run = subprocess.run(
+        demo_argv("28500-28999", tmp_path / "x.json", "--replicas", "2"),
+        cwd=tmp_path,
+        env=child_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "needs a shared store" in run.stderr and "Traceback" not in run.stderr
