@@ -236,6 +236,8 @@ class Coordinator:
         clock_ms = self._clock_ms
         self.registry = Registry(config.max_rank_parts)
         self._sessions: dict[str, Session] = {}
+        # With a shared store: the other replicas' rank parts and lease messages (peers.py).
+        self.peers: PeerLink | None = None
         self._listeners: list[PartListener] = []
         # Parts inside their grace period, per child engine: `proven_gone` is O(1).
         self._gone_timers: dict[str, dict[RankKey, Timer]] = {}
@@ -283,8 +285,6 @@ class Coordinator:
         self._update_gauges()
         # A shared store says why it is unreachable here (coordinator/edges/server.py).
         self.store_unavailable: Callable[[], str | None] = lambda: None
-        # With a shared store: the other replicas' rank parts and lease messages (peers.py).
-        self.peers: PeerLink | None = None
 
     def attach_peers(self, peers: PeerLink) -> None:
         self.peers = peers
@@ -839,10 +839,16 @@ class Coordinator:
         self._known_written = known
 
     def _update_gauges(self) -> None:
-        ready, not_ready = self.registry.readiness_counts()
+        if self.peers is None:
+            ready, not_ready = self.registry.readiness_counts()
+        else:
+            # Only engines with a session here: a sum over the replicas counts each once.
+            local = {s.ref.child_engine_id for s in self._sessions.values()}
+            ready = sum(1 for cid in local if self.registry.is_ready(cid))
+            not_ready = len(local) - ready
         self.metrics.child_engines.labels(state="ready").set(ready)
         self.metrics.child_engines.labels(state="not_ready").set(not_ready)
-        self.metrics.rank_parts.set(self.registry.num_parts)
+        self.metrics.rank_parts.set(len(self._sessions))
 
     def _arm_watchdog(self) -> None:
         timeout = self.config.heartbeat_timeout_ms

@@ -70,6 +70,20 @@ OP_RESET = "R"
 OP_HEARTBEAT = "H"
 
 Op = list[Any]
+INVENTORY_TAGS = frozenset(
+    (
+        OP_ENGINE,
+        OP_VISIBLE,
+        OP_APPLY,
+        OP_DUMP_BEGIN,
+        OP_DUMP_END,
+        OP_CLEAR,
+        OP_STALE,
+        OP_REMOVE,
+        OP_RESET,
+        OP_HEARTBEAT,
+    )
+)
 
 # A store that cannot append keeps this many ops; past it the remote view is rebuilt
 # from a reset and re-announcement when the store returns (the outbox stays bounded).

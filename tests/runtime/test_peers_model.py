@@ -33,8 +33,8 @@ from coordinator.edges.grpc_wire import part_codec
 from coordinator.runtime.clock import ManualClock
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.coordinator import Coordinator, Session
-from coordinator.runtime.peers import PeerLink
-from coordinator.runtime.replication import ReplicatedInventory
+from coordinator.runtime.peers import PEER_TAGS, PeerLink
+from coordinator.runtime.replication import INVENTORY_TAGS, ReplicatedInventory
 
 REPLICAS = ("r0", "r1", "r2")
 PARTS = ("e0", "e1")  # child engines of one rank part each
@@ -201,6 +201,11 @@ class PeersMachine(RuleBasedStateMachine):
             if not self.claims and all(not r.inventory.outbox for r in self.replicas):
                 return
         raise AssertionError("the replicas did not settle")
+
+
+def test_peer_ops_and_inventory_ops_share_the_log_without_sharing_a_tag() -> None:
+    assert not PEER_TAGS & INVENTORY_TAGS
+    assert len(INVENTORY_TAGS) == 10 and len(PEER_TAGS) == 7
 
 
 TestPeers = PeersMachine.TestCase
