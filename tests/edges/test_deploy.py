@@ -37,11 +37,12 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import redis as redis_lib
 import yaml
-from harness import free_port
+from harness import CoordinatorProcess, free_port, metric_value, start_coordinator
 from prometheus_env import metric_catalog, promtool
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_env import require_redis_server
+from waiting import wait_until_sync
 
 from coordinator.edges.cli import build_parser, config_from_args
 from coordinator.edges.server import SERVICE_NAMES
@@ -1058,31 +1059,27 @@ def test_redis_is_durable_pinned_and_locked_down() -> None:
         assert probe in container(redis, "redis"), probe
 
 
-def test_redis_command_takes_requirepass_from_the_secret(tmp_path: Path) -> None:
-    """The manifest's own command and probe, run against a real redis-server.
+@contextlib.contextmanager
+def manifest_redis(tmp_path: Path, password: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """Redis run with the manifest's own command and redis.conf, on a free loopback port.
 
-    Paths under /etc and /data are moved into tmp_path; the password file is the
-    Secret's as the kubelet mounts it.
+    Paths under /etc and /data are moved into tmp_path (`local_path`); the password
+    file is the Secret's as the kubelet mounts it.
     """
     require_redis_server()
     docs = replicated()
     redis = container(redis_workload(docs), "redis")
     port = free_port()
-
-    def local(text: str) -> str:
-        return text.replace("/etc/", f"{tmp_path}/etc/").replace("/data", f"{tmp_path}/data")
-
     (tmp_path / "etc" / "redis").mkdir(parents=True)
     (tmp_path / "data").mkdir()
     conf = re.sub(r"^port .*$", f"port {port}", redis_conf(docs), flags=re.M)
     (tmp_path / "etc" / "redis" / "redis.conf").write_text(
-        local(conf).replace("* -::*", "127.0.0.1")
+        local_path(tmp_path, conf).replace("* -::*", "127.0.0.1")
     )
     secret_dir = tmp_path / "etc" / "kvrc-store"
     secret_dir.mkdir()
-    password = "c0ffee" * 8
     (secret_dir / "password").write_text(password)
-    command = [local(a) for a in redis["command"]]
+    command = [local_path(tmp_path, a) for a in redis["command"]]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 10
@@ -1092,6 +1089,22 @@ def test_redis_command_takes_requirepass_from_the_secret(tmp_path: Path) -> None
                 break
             assert time.monotonic() < deadline, "redis-server did not listen within 10 s"
             time.sleep(0.02)
+        yield process, port
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def local_path(tmp_path: Path, text: str) -> str:
+    return text.replace("/etc/", f"{tmp_path}/etc/").replace("/data", f"{tmp_path}/data")
+
+
+def test_redis_command_takes_requirepass_from_the_secret(tmp_path: Path) -> None:
+    """The manifest's own command and probe, run against a real redis-server."""
+    redis = container(redis_workload(replicated()), "redis")
+    password = "c0ffee" * 8
+    secret = tmp_path / "etc" / "kvrc-store" / "password"
+    with manifest_redis(tmp_path, password) as (process, port):
 
         def client(password: str | None) -> redis_lib.Redis:
             # No retries: a refused password must fail at once, not after backoffs.
@@ -1110,14 +1123,46 @@ def test_redis_command_takes_requirepass_from_the_secret(tmp_path: Path) -> None
         for name in ("cmdline", "environ"):
             assert password not in (proc / name).read_text(errors="replace"), name
         # The readiness probe's command authenticates from the same file.
-        probe = [local(a) for a in redis["readinessProbe"]["exec"]["command"]]
+        probe = [local_path(tmp_path, a) for a in redis["readinessProbe"]["exec"]["command"]]
         probe[-1] = probe[-1].replace("redis-cli", f"redis-cli -p {port}")
         assert subprocess.run(probe, timeout=10).returncode == 0
-        (secret_dir / "password").write_text("wrong")
+        secret.write_text("wrong")
         assert subprocess.run(probe, timeout=10).returncode != 0
-    finally:
-        process.terminate()
-        process.wait(10)
+
+
+def test_sidecar_shared_kvrc_joins_the_manifest_redis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sidecars with the manifest's flags reach the manifest's Redis with the Secret's file.
+
+    Only the listen addresses and the store's host and port are local (the Service
+    name is checked above); the password file, profiles and hash seed are the
+    manifest's, moved into tmp_path.
+    """
+    docs = shape_docs("sidecar-shared")
+    spec = pod_spec(docs)
+    args = list(kvrc_container(spec)["args"])
+    for flag in ("--listen", "--metrics-port"):  # the harness picks free ports
+        del args[args.index(flag) : args.index(flag) + 2]
+    profiles = Path(flag_value(args, "--profiles"))
+    password = "5eed" * 16
+    monkeypatch.setenv("PYTHONHASHSEED", "12345")  # the Secret's hash-seed
+    with manifest_redis(tmp_path, password) as (_, port):
+        args[args.index("--store") + 1] = f"redis://127.0.0.1:{port}/0"
+        args = [local_path(tmp_path, a) for a in args]
+        local_profiles = Path(local_path(tmp_path, str(profiles)))
+        local_profiles.parent.mkdir(parents=True)
+        local_profiles.write_text(named(docs, "ConfigMap", "kvrc-profiles")["data"][profiles.name])
+        with start_coordinator(*args) as a, start_coordinator(*args) as b:
+            for kvrc in (a, b):
+
+                def store_up(kvrc: CoordinatorProcess = kvrc) -> bool:
+                    return metric_value(kvrc, "kvrc_store_up") == 1
+
+                wait_until_sync(store_up, 20)
+                assert metric_value(kvrc, "kvrc_store_losses_total") == 0
+                # The password is in no argv.
+                assert password not in Path(f"/proc/{kvrc.process.pid}/cmdline").read_text()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
