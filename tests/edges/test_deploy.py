@@ -6,17 +6,22 @@ versions we support; the ServiceMonitor (a CRD) against the subset schema under
 deploy/schemas/. Beyond schemas: probes hit the gRPC port kvrc listens on, the
 flags are ones `kvrc serve` accepts, selectors select, the profiles file loads,
 and the Grafana dashboard only queries metrics kvrc exports (and covers them all).
-The replicated shape (N kvrc replicas over Redis) also gets checks of its own,
-each shown to fail on a broken copy of the manifests: the store URL names the
-Redis Service, the password comes only from the Secret, only kvrc pods reach
-Redis, replicas >= 2 with a PDB of one, and Redis takes requirepass from the
-Secret (run against a real redis-server).
+The shapes over Redis (replicated: N kvrc replicas; sidecar-shared: a kvrc
+sidecar per engine pod, both with deploy/kubernetes/redis) also get checks of
+their own, each shown to fail on a broken copy of the manifests: the store URL
+names the Redis Service, the password and the hash seed come only from the
+Secret, only kvrc-bearing pods reach Redis, replicas >= 2 with a PDB of one
+(replicated), engines reach each other's transfer ports (sidecar-shared), and
+Redis takes requirepass from the Secret (run against a real redis-server). The
+sidecar shapes are checked to run kvrc as a native sidecar that their engines
+reach on loopback only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import re
 import socket
@@ -32,11 +37,12 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import redis as redis_lib
 import yaml
-from harness import free_port
+from harness import CoordinatorProcess, free_port, metric_value, start_coordinator
 from prometheus_env import metric_catalog, promtool
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_env import require_redis_server
+from waiting import wait_until_sync
 
 from coordinator.edges.cli import build_parser, config_from_args
 from coordinator.edges.server import SERVICE_NAMES
@@ -46,8 +52,13 @@ from coordinator.runtime.metrics import Metrics
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 MANIFEST_DIR = DEPLOY / "kubernetes"
-SHAPES = ("standalone", "sidecar", "replicated")
-# The objects each shape ships (kinds, with repeats).
+SHAPES = ("standalone", "sidecar", "replicated", "sidecar-shared")
+# Shapes whose kvrc runs with --store redis://, over deploy/kubernetes/redis.
+STORE_SHAPES = ("replicated", "sidecar-shared")
+SIDECAR_SHAPES = ("sidecar", "sidecar-shared")
+# Directories a shape is applied with, besides its own (one Redis manifest for both).
+SHARED_DIRS = {shape: ("redis",) for shape in STORE_SHAPES}
+# The objects each shape ships, its shared directories' included (kinds, with repeats).
 SHAPE_KINDS = {
     "standalone": [
         "ConfigMap",
@@ -67,6 +78,11 @@ SHAPE_KINDS = {
     ],
 }
 SHAPE_KINDS["sidecar"] = SHAPE_KINDS["standalone"]
+SHAPE_KINDS["sidecar-shared"] = [
+    *SHAPE_KINDS["sidecar"],
+    # deploy/kubernetes/redis: redis.conf, Redis, kvrc-redis, its policy and PDB.
+    *["ConfigMap", "StatefulSet", "Service", "NetworkPolicy", "PodDisruptionBudget"],
+]
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 DASHBOARD = DEPLOY / "grafana" / "kvrc-dashboard.json"
 # Custom resources of the Prometheus operator: validated against subset schemas.
@@ -94,7 +110,11 @@ def load_docs(path: Path) -> list[Doc]:
 
 
 def shape_docs(shape: str) -> list[Doc]:
-    return [d for p in sorted((MANIFEST_DIR / shape).glob("*.yaml")) for d in load_docs(p)]
+    """What `kubectl apply -f` of the shape's directory and its shared ones creates."""
+    dirs = (shape, *SHARED_DIRS.get(shape, ()))
+    return [
+        d for s in dirs for p in sorted((MANIFEST_DIR / s).glob("*.yaml")) for d in load_docs(p)
+    ]
 
 
 def one(docs: list[Doc], kind: str) -> Doc:
@@ -186,9 +206,8 @@ def test_manifest_validates_against_kubernetes_schemas(path: Path, version: str)
 
 
 def test_every_shape_has_the_objects_the_issue_asks_for() -> None:
-    assert (
-        set(SHAPE_KINDS) == set(SHAPES) == {p.name for p in MANIFEST_DIR.iterdir()} - {"monitoring"}
-    )
+    shared = {"monitoring", *(d for dirs in SHARED_DIRS.values() for d in dirs)}
+    assert set(SHAPE_KINDS) == set(SHAPES) == {p.name for p in MANIFEST_DIR.iterdir()} - shared
     for shape in SHAPES:
         kinds = sorted(d["kind"] for d in shape_docs(shape))
         assert kinds == sorted(SHAPE_KINDS[shape]), f"{shape}: {kinds}"
@@ -304,26 +323,6 @@ def test_kvrc_container_is_locked_down_and_sized(shape: str) -> None:
         assert container["resources"]["requests"], f"{shape}/{container['name']}: no requests"
 
 
-def test_sidecar_is_native_and_engines_use_loopback() -> None:
-    spec = pod_spec(shape_docs("sidecar"))
-    kvrc = kvrc_container(spec)
-    assert kvrc in spec["initContainers"] and kvrc["restartPolicy"] == "Always"
-    engines = spec["containers"]
-    assert engines
-    for engine in engines:
-        env = {e["name"]: e.get("value") for e in engine["env"]}
-        assert env["KVRC_TARGET"] == f"127.0.0.1:{GRPC_PORT}"
-    # The sidecar's gRPC port is not published: only the pod's engines use it.
-    service = one(shape_docs("sidecar"), "Service")
-    assert GRPC_PORT not in {p["port"] for p in service["spec"]["ports"]}
-    ingress_ports = {
-        p["port"]
-        for rule in one(shape_docs("sidecar"), "NetworkPolicy")["spec"]["ingress"]
-        for p in rule["ports"]
-    }
-    assert GRPC_PORT not in ingress_ports
-
-
 def test_standalone_runs_one_coordinator_at_a_time() -> None:
     deployment = one(shape_docs("standalone"), "Deployment")
     # Two coordinators would split the engines between two in-memory views.
@@ -340,13 +339,15 @@ def test_termination_grace_outlasts_kvrc_shutdown(shape: str) -> None:
     assert spec["terminationGracePeriodSeconds"] >= 2 * (args.shutdown_grace_s + 1), shape
 
 
-# --- the replicated shape: N kvrc replicas over one Redis ---------------------------
+# --- shape checks: the sidecars, and the shapes over one Redis -------------------------
 #
 # Each check is a function of the shape's documents, so that
-# test_replicated_checks_fail_on_broken_manifests can show it failing on a broken copy.
+# test_shape_checks_fail_on_broken_manifests can show it failing on a broken copy.
 
 REDIS_PORT = 6379
 STORE_SECRET = "kvrc-store"
+# The label that admits a pod to Redis (deploy/kubernetes/redis's NetworkPolicy).
+STORE_CLIENT = {"kvrc.io/store-client": "true"}
 
 
 def replicated() -> list[Doc]:
@@ -501,15 +502,144 @@ def check_only_kvrc_reaches_redis(docs: list[Doc]) -> None:
     assert any("Ingress" in p["spec"].get("policyTypes", ["Ingress"]) for p in policies), (
         "no policy restricts ingress to Redis"
     )
-    kvrc_selector = kvrc["spec"]["selector"]["matchLabels"]
     for policy in policies:
-        # Policies add up: each one selecting Redis may admit kvrc's pods only.
+        # Policies add up: each one selecting Redis may admit kvrc's pods only, by the
+        # one label both store shapes give them.
         for rule in policy["spec"].get("ingress", []):
             assert rule.get("from"), f"{policy['metadata']['name']}: a rule without from admits all"
             for peer in rule["from"]:
                 assert set(peer) == {"podSelector"}, f"{peer}: not only this namespace's pods"
-                assert peer["podSelector"] == {"matchLabels": kvrc_selector}, peer
+                assert peer["podSelector"] == {"matchLabels": STORE_CLIENT}, peer
             assert [p["port"] for p in rule.get("ports", [])] == [REDIS_PORT], rule
+    assert selects(STORE_CLIENT, pod_labels(kvrc)), "kvrc's pods cannot reach Redis"
+    check_store_label_only_on_kvrc_pods(docs)
+
+
+def check_store_label_only_on_kvrc_pods(docs: list[Doc]) -> None:
+    """Every workload whose pods carry STORE_CLIENT runs kvrc over a Redis store."""
+    for workload in workloads(docs):
+        if not selects(STORE_CLIENT, pod_labels(workload)):
+            continue
+        name = workload["metadata"]["name"]
+        kvrc = [
+            c for c in all_containers(workload["spec"]["template"]["spec"]) if c["name"] == "kvrc"
+        ]
+        assert kvrc, f"{name}: admitted to Redis without running kvrc"
+        store = parse_store(flag_value(kvrc[0]["args"], "--store"))
+        assert store.kind == "redis", f"{name}: admitted to Redis, kvrc on {store.url}"
+
+
+HASH_SEED_ENV = {
+    "name": "PYTHONHASHSEED",
+    "valueFrom": {"secretKeyRef": {"name": STORE_SECRET, "key": "hash-seed", "optional": True}},
+}
+
+
+def check_hash_seed_from_the_secret(docs: list[Doc]) -> None:
+    # One seed for every kvrc of the store: snapshots hold block keys of it.
+    env = [e for e in container(kvrc_workload(docs), "kvrc").get("env", [])]
+    seeds = [e for e in env if e["name"] == "PYTHONHASHSEED"]
+    assert seeds == [HASH_SEED_ENV], f"PYTHONHASHSEED: {seeds}"
+
+
+def check_secret_only_in_kvrc(docs: list[Doc]) -> None:
+    # In a sidecar pod the engines share kvrc's network (the Redis policy admits
+    # them too): the password, in kvrc's container alone, is what keeps them out.
+    spec = pod_spec(docs)
+    store_volumes = {
+        v["name"] for v in spec["volumes"] if v.get("secret", {}).get("secretName") == STORE_SECRET
+    }
+    assert store_volumes, f"no volume of {STORE_SECRET}"
+    for c in all_containers(spec):
+        if c["name"] == "kvrc":
+            continue
+        mounted = {m["name"] for m in c.get("volumeMounts", [])} & store_volumes
+        assert not mounted, f"{c['name']} mounts {mounted}"
+        for where, value in walk({"env": c.get("env", []), "envFrom": c.get("envFrom", [])}):
+            if where.endswith((".secretKeyRef", ".secretRef")):
+                raise AssertionError(f"{c['name']}{where}: {value}")
+
+
+def engine_containers(spec: Doc) -> list[Doc]:
+    engines = [c for c in spec["containers"] if c["name"] != "kvrc"]
+    assert engines, "no engine container"
+    return engines
+
+
+def check_sidecar_is_native(docs: list[Doc]) -> None:
+    # Started, and its startup probe passed, before the engines; stopped after them.
+    spec = pod_spec(docs)
+    kvrc = kvrc_container(spec)
+    assert kvrc in spec.get("initContainers", []), "kvrc is not an init container"
+    assert kvrc.get("restartPolicy") == "Always", "a plain init container: the pod would hang"
+    assert "startupProbe" in kvrc, "the engines would start before kvrc serves"
+
+
+def check_engines_use_loopback(docs: list[Doc]) -> None:
+    for engine in engine_containers(pod_spec(docs)):
+        env = {e["name"]: e.get("value") for e in engine["env"]}
+        target = env.get("KVRC_TARGET")
+        assert target == f"127.0.0.1:{GRPC_PORT}", f"{engine['name']}: KVRC_TARGET {target}"
+
+
+def ingress_port_ranges(rule: Doc) -> list[tuple[int, int]]:
+    return [(p["port"], p.get("endPort", p["port"])) for p in rule["ports"]]
+
+
+def engine_policies(docs: list[Doc]) -> list[Doc]:
+    labels = pod_labels(kvrc_workload(docs))
+    return [
+        d
+        for d in docs
+        if d["kind"] == "NetworkPolicy" and selects(d["spec"]["podSelector"]["matchLabels"], labels)
+    ]
+
+
+def check_grpc_port_private(docs: list[Doc]) -> None:
+    # Only the pod's engines use the sidecar's gRPC port: not published, no pod admitted.
+    service = service_of(docs, kvrc_workload(docs))
+    assert GRPC_PORT not in {p["port"] for p in service["spec"]["ports"]}, "published"
+    grpc_names = {
+        p["name"]
+        for p in kvrc_container(pod_spec(docs))["ports"]
+        if p["containerPort"] == GRPC_PORT
+    }
+    assert not grpc_names & {p["targetPort"] for p in service["spec"]["ports"]}, "published"
+    policies = engine_policies(docs)
+    assert policies, "no NetworkPolicy: every pod reaches kvrc's gRPC port"
+    for policy in policies:
+        for rule in policy["spec"]["ingress"]:
+            assert rule.get("ports"), f"{rule}: a rule without ports admits gRPC too"
+            for low, high in ingress_port_ranges(rule):
+                assert not low <= GRPC_PORT <= high, f"{rule} admits {GRPC_PORT}"
+
+
+def check_engines_reach_each_other(docs: list[Doc]) -> None:
+    """The KV transfers between pods: advertised pod IPs, Mooncake ports admitted."""
+    kvrc = kvrc_workload(docs)
+    ranges = []
+    for engine in engine_containers(kvrc["spec"]["template"]["spec"]):
+        env = {e["name"]: e for e in engine["env"]}
+        # Peers read this engine's KV at VLLM_HOST_IP: 127.0.0.1 reaches no other pod.
+        host = env.get("VLLM_HOST_IP", {})
+        assert host.get("valueFrom") == {"fieldRef": {"fieldPath": "status.podIP"}}, host
+        ranges.append((int(env["MC_MIN_RPC_PORT"]["value"]), int(env["MC_MAX_RPC_PORT"]["value"])))
+    ranges.sort()
+    for (_, high), (low, _) in itertools.pairwise(ranges):
+        assert high < low, f"engines of one pod share Mooncake ports: {ranges}"
+    admitted = [
+        (low, high)
+        for policy in engine_policies(docs)
+        for rule in policy["spec"]["ingress"]
+        if any(
+            set(peer) == {"podSelector"}
+            and selects(peer["podSelector"].get("matchLabels", {}), pod_labels(kvrc))
+            for peer in rule.get("from", [])
+        )
+        for low, high in ingress_port_ranges(rule)
+    ]
+    for low, high in ranges:
+        assert any(a <= low and high <= b for a, b in admitted), f"{low}-{high} closed: {admitted}"
 
 
 def check_replicas_spread_with_one_disruption(docs: list[Doc]) -> None:
@@ -542,17 +672,41 @@ def check_replicas_spread_with_one_disruption(docs: list[Doc]) -> None:
     assert service["spec"].get("clusterIP") == "None", "a load-balanced Service splits engines"
 
 
-REPLICATED_CHECKS = {
-    "store_url": check_store_url_names_the_redis_service,
-    "password": check_password_only_from_the_secret,
-    "network_policy": check_only_kvrc_reaches_redis,
-    "replicas": check_replicas_spread_with_one_disruption,
+# check -> (function, the shapes it applies to)
+SHAPE_CHECKS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "store_url": (check_store_url_names_the_redis_service, STORE_SHAPES),
+    "password": (check_password_only_from_the_secret, STORE_SHAPES),
+    "hash_seed": (check_hash_seed_from_the_secret, STORE_SHAPES),
+    "network_policy": (check_only_kvrc_reaches_redis, STORE_SHAPES),
+    "replicas": (check_replicas_spread_with_one_disruption, ("replicated",)),
+    "secret_in_kvrc_only": (check_secret_only_in_kvrc, ("sidecar-shared",)),
+    "native_sidecar": (check_sidecar_is_native, SIDECAR_SHAPES),
+    "loopback": (check_engines_use_loopback, SIDECAR_SHAPES),
+    "grpc_private": (check_grpc_port_private, SIDECAR_SHAPES),
+    "transfers": (check_engines_reach_each_other, ("sidecar-shared",)),
 }
 
 
-@pytest.mark.parametrize("check", REPLICATED_CHECKS)
-def test_replicated_shape(check: str) -> None:
-    REPLICATED_CHECKS[check](replicated())
+@pytest.mark.parametrize(
+    ("check", "shape"), [(c, shape) for c, (_, shapes) in SHAPE_CHECKS.items() for shape in shapes]
+)
+def test_shape_checks(check: str, shape: str) -> None:
+    SHAPE_CHECKS[check][0](shape_docs(shape))
+
+
+def test_only_store_shapes_admit_their_pods_to_redis() -> None:
+    # Across every manifest: a pod that carries the label runs kvrc over the store.
+    docs = [d for p in manifest_files() for d in load_docs(p)]
+    check_store_label_only_on_kvrc_pods(docs)
+    labelled = {
+        w["metadata"]["name"] for w in workloads(docs) if selects(STORE_CLIENT, pod_labels(w))
+    }
+    assert labelled == {kvrc_workload(shape_docs(s))["metadata"]["name"] for s in STORE_SHAPES}
+    # ... and fails when a memory-store kvrc (the plain sidecar) carries it.
+    sidecar = copy.deepcopy(shape_docs("sidecar"))
+    pod_labels(kvrc_workload(sidecar)).update(STORE_CLIENT)
+    with pytest.raises(AssertionError):
+        check_store_label_only_on_kvrc_pods(sidecar)
 
 
 def _kvrc_args(docs: list[Doc]) -> list[str]:
@@ -586,6 +740,40 @@ def _min_available_one(docs: list[Doc]) -> None:
 def _kvrc_volumes(docs: list[Doc]) -> list[Doc]:
     volumes: list[Doc] = kvrc_workload(docs)["spec"]["template"]["spec"]["volumes"]
     return volumes
+
+
+def _kvrc_env(docs: list[Doc]) -> list[Doc]:
+    env: list[Doc] = container(kvrc_workload(docs), "kvrc")["env"]
+    return env
+
+
+def _seed(docs: list[Doc]) -> Doc:
+    return next(e for e in _kvrc_env(docs) if e["name"] == "PYTHONHASHSEED")
+
+
+def _engine(docs: list[Doc]) -> Doc:
+    return engine_containers(pod_spec(docs))[0]
+
+
+def _set_engine_env(name: str, value: str) -> Any:
+    def mutate(docs: list[Doc]) -> None:
+        env = _engine(docs)["env"]
+        env[:] = [e for e in env if e["name"] != name] + [{"name": name, "value": value}]
+
+    return mutate
+
+
+def _kvrc_to_containers(docs: list[Doc]) -> None:
+    spec = pod_spec(docs)
+    kvrc = kvrc_container(spec)
+    spec["initContainers"].remove(kvrc)
+    kvrc.pop("restartPolicy")
+    spec["containers"].insert(0, kvrc)
+
+
+def _engine_policy(docs: list[Doc]) -> Doc:
+    spec: Doc = named(docs, "NetworkPolicy", "llm-engine")["spec"]
+    return spec
 
 
 BREAKAGES: list[tuple[str, str, Any]] = [
@@ -711,19 +899,135 @@ BREAKAGES: list[tuple[str, str, Any]] = [
         lambda d: named(d, "Service", "kvrc")["spec"].pop("clusterIP"),
     ),
     ("replicas", "no governing Service", lambda d: kvrc_workload(d)["spec"].pop("serviceName")),
+    (
+        "network_policy",
+        "kvrc's pods unlabelled",
+        lambda d: pod_labels(kvrc_workload(d)).pop("kvrc.io/store-client"),
+    ),
+    (
+        "network_policy",
+        "Redis's pods labelled",
+        lambda d: pod_labels(redis_workload(d)).update(STORE_CLIENT),
+    ),
+    ("hash_seed", "none", lambda d: _kvrc_env(d).remove(_seed(d))),
+    ("hash_seed", "a literal", lambda d: _seed(d).update(value="42") or _seed(d).pop("valueFrom")),
+    (
+        "hash_seed",
+        "another key",
+        lambda d: _seed(d)["valueFrom"]["secretKeyRef"].update(key="seed"),
+    ),
+    (
+        "hash_seed",
+        "another Secret",
+        lambda d: _seed(d)["valueFrom"]["secretKeyRef"].update(name="other"),
+    ),
+    ("hash_seed", "twice", lambda d: _kvrc_env(d).append(copy.deepcopy(_seed(d)))),
+    (
+        "secret_in_kvrc_only",
+        "an engine mounts it",
+        lambda d: (
+            _engine(d)
+            .setdefault("volumeMounts", [])
+            .append({"name": "kvrc-store-password", "mountPath": "/etc/kvrc-store"})
+        ),
+    ),
+    (
+        "secret_in_kvrc_only",
+        "an engine's env from it",
+        lambda d: _engine(d)["env"].append(
+            {
+                "name": "KVRC_STORE_PASSWORD",
+                "valueFrom": {"secretKeyRef": {"name": STORE_SECRET, "key": "password"}},
+            }
+        ),
+    ),
+    (
+        "secret_in_kvrc_only",
+        "an engine's envFrom it",
+        lambda d: _engine(d).__setitem__("envFrom", [{"secretRef": {"name": STORE_SECRET}}]),
+    ),
+    (
+        "native_sidecar",
+        "a plain init container",
+        lambda d: kvrc_container(pod_spec(d)).pop("restartPolicy"),
+    ),
+    ("native_sidecar", "a regular container", _kvrc_to_containers),
+    (
+        "native_sidecar",
+        "no startup probe",
+        lambda d: kvrc_container(pod_spec(d)).pop("startupProbe"),
+    ),
+    ("loopback", "the Service's name", _set_engine_env("KVRC_TARGET", "kvrc:50051")),
+    ("loopback", "another port", _set_engine_env("KVRC_TARGET", "127.0.0.1:50052")),
+    ("loopback", "no target", lambda d: _engine(d).__setitem__("env", [])),
+    (
+        "grpc_private",
+        "Service publishes it",
+        lambda d: service_of(d, kvrc_workload(d))["spec"]["ports"].append(
+            {"name": "kvrc-grpc", "port": 50051, "targetPort": "kvrc-grpc"}
+        ),
+    ),
+    (
+        "grpc_private",
+        "Service targets it",
+        lambda d: service_of(d, kvrc_workload(d))["spec"]["ports"].append(
+            {"name": "x", "port": 80, "targetPort": "kvrc-grpc"}
+        ),
+    ),
+    (
+        "grpc_private",
+        "policy admits it",
+        lambda d: _engine_policy(d)["ingress"][0]["ports"].append({"port": GRPC_PORT}),
+    ),
+    (
+        "grpc_private",
+        "a range covers it",
+        lambda d: _engine_policy(d)["ingress"][0]["ports"].append(
+            {"port": 50000, "endPort": 50100}
+        ),
+    ),
+    (
+        "grpc_private",
+        "a rule without ports",
+        lambda d: _engine_policy(d)["ingress"][0].pop("ports"),
+    ),
+    ("grpc_private", "no policy", lambda d: d.remove(named(d, "NetworkPolicy", "llm-engine"))),
+    ("transfers", "engines advertise loopback", _set_engine_env("VLLM_HOST_IP", "127.0.0.1")),
+    ("transfers", "Mooncake ports closed", lambda d: _engine_policy(d)["ingress"].pop(1)),
+    (
+        "transfers",
+        "range too short",
+        lambda d: _engine_policy(d)["ingress"][1]["ports"][0].update(endPort=15499),
+    ),
+    (
+        "transfers",
+        "from other namespaces",
+        lambda d: _engine_policy(d)["ingress"][1]["from"][0].update(namespaceSelector={}),
+    ),
+    (
+        "transfers",
+        "from other pods only",
+        lambda d: _engine_policy(d)["ingress"][1]["from"][0].update(
+            podSelector={"matchLabels": {"app.kubernetes.io/name": "other"}}
+        ),
+    ),
+    ("transfers", "overlapping ranges", _set_engine_env("MC_MAX_RPC_PORT", "15500")),
 ]
 
 
-@pytest.mark.parametrize(
-    ("check", "mutate"),
-    [(check, mutate) for check, _, mutate in BREAKAGES],
-    ids=[f"{check}-{why}" for check, why, _ in BREAKAGES],
-)
-def test_replicated_checks_fail_on_broken_manifests(check: str, mutate: Any) -> None:
-    docs = copy.deepcopy(replicated())
+def _breakage_cases() -> Iterator[Any]:
+    for check, why, mutate in BREAKAGES:
+        for shape in SHAPE_CHECKS[check][1]:
+            yield pytest.param(check, shape, mutate, id=f"{check}-{shape}-{why}")
+
+
+@pytest.mark.parametrize(("check", "shape", "mutate"), list(_breakage_cases()))
+def test_shape_checks_fail_on_broken_manifests(check: str, shape: str, mutate: Any) -> None:
+    docs = copy.deepcopy(shape_docs(shape))
+    SHAPE_CHECKS[check][0](copy.deepcopy(docs))  # passes as shipped
     mutate(docs)
     with pytest.raises((AssertionError, KeyError, ConfigError)):
-        REPLICATED_CHECKS[check](docs)
+        SHAPE_CHECKS[check][0](docs)
 
 
 def test_redis_is_durable_pinned_and_locked_down() -> None:
@@ -755,31 +1059,27 @@ def test_redis_is_durable_pinned_and_locked_down() -> None:
         assert probe in container(redis, "redis"), probe
 
 
-def test_redis_command_takes_requirepass_from_the_secret(tmp_path: Path) -> None:
-    """The manifest's own command and probe, run against a real redis-server.
+@contextlib.contextmanager
+def manifest_redis(tmp_path: Path, password: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """Redis run with the manifest's own command and redis.conf, on a free loopback port.
 
-    Paths under /etc and /data are moved into tmp_path; the password file is the
-    Secret's as the kubelet mounts it.
+    Paths under /etc and /data are moved into tmp_path (`local_path`); the password
+    file is the Secret's as the kubelet mounts it.
     """
     require_redis_server()
     docs = replicated()
     redis = container(redis_workload(docs), "redis")
     port = free_port()
-
-    def local(text: str) -> str:
-        return text.replace("/etc/", f"{tmp_path}/etc/").replace("/data", f"{tmp_path}/data")
-
     (tmp_path / "etc" / "redis").mkdir(parents=True)
     (tmp_path / "data").mkdir()
     conf = re.sub(r"^port .*$", f"port {port}", redis_conf(docs), flags=re.M)
     (tmp_path / "etc" / "redis" / "redis.conf").write_text(
-        local(conf).replace("* -::*", "127.0.0.1")
+        local_path(tmp_path, conf).replace("* -::*", "127.0.0.1")
     )
     secret_dir = tmp_path / "etc" / "kvrc-store"
     secret_dir.mkdir()
-    password = "c0ffee" * 8
     (secret_dir / "password").write_text(password)
-    command = [local(a) for a in redis["command"]]
+    command = [local_path(tmp_path, a) for a in redis["command"]]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 10
@@ -789,6 +1089,22 @@ def test_redis_command_takes_requirepass_from_the_secret(tmp_path: Path) -> None
                 break
             assert time.monotonic() < deadline, "redis-server did not listen within 10 s"
             time.sleep(0.02)
+        yield process, port
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def local_path(tmp_path: Path, text: str) -> str:
+    return text.replace("/etc/", f"{tmp_path}/etc/").replace("/data", f"{tmp_path}/data")
+
+
+def test_redis_command_takes_requirepass_from_the_secret(tmp_path: Path) -> None:
+    """The manifest's own command and probe, run against a real redis-server."""
+    redis = container(redis_workload(replicated()), "redis")
+    password = "c0ffee" * 8
+    secret = tmp_path / "etc" / "kvrc-store" / "password"
+    with manifest_redis(tmp_path, password) as (process, port):
 
         def client(password: str | None) -> redis_lib.Redis:
             # No retries: a refused password must fail at once, not after backoffs.
@@ -807,14 +1123,46 @@ def test_redis_command_takes_requirepass_from_the_secret(tmp_path: Path) -> None
         for name in ("cmdline", "environ"):
             assert password not in (proc / name).read_text(errors="replace"), name
         # The readiness probe's command authenticates from the same file.
-        probe = [local(a) for a in redis["readinessProbe"]["exec"]["command"]]
+        probe = [local_path(tmp_path, a) for a in redis["readinessProbe"]["exec"]["command"]]
         probe[-1] = probe[-1].replace("redis-cli", f"redis-cli -p {port}")
         assert subprocess.run(probe, timeout=10).returncode == 0
-        (secret_dir / "password").write_text("wrong")
+        secret.write_text("wrong")
         assert subprocess.run(probe, timeout=10).returncode != 0
-    finally:
-        process.terminate()
-        process.wait(10)
+
+
+def test_sidecar_shared_kvrc_joins_the_manifest_redis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sidecars with the manifest's flags reach the manifest's Redis with the Secret's file.
+
+    Only the listen addresses and the store's host and port are local (the Service
+    name is checked above); the password file, profiles and hash seed are the
+    manifest's, moved into tmp_path.
+    """
+    docs = shape_docs("sidecar-shared")
+    spec = pod_spec(docs)
+    args = list(kvrc_container(spec)["args"])
+    for flag in ("--listen", "--metrics-port"):  # the harness picks free ports
+        del args[args.index(flag) : args.index(flag) + 2]
+    profiles = Path(flag_value(args, "--profiles"))
+    password = "5eed" * 16
+    monkeypatch.setenv("PYTHONHASHSEED", "12345")  # the Secret's hash-seed
+    with manifest_redis(tmp_path, password) as (_, port):
+        args[args.index("--store") + 1] = f"redis://127.0.0.1:{port}/0"
+        args = [local_path(tmp_path, a) for a in args]
+        local_profiles = Path(local_path(tmp_path, str(profiles)))
+        local_profiles.parent.mkdir(parents=True)
+        local_profiles.write_text(named(docs, "ConfigMap", "kvrc-profiles")["data"][profiles.name])
+        with start_coordinator(*args) as a, start_coordinator(*args) as b:
+            for kvrc in (a, b):
+
+                def store_up(kvrc: CoordinatorProcess = kvrc) -> bool:
+                    return metric_value(kvrc, "kvrc_store_up") == 1
+
+                wait_until_sync(store_up, 20)
+                assert metric_value(kvrc, "kvrc_store_losses_total") == 0
+                # The password is in no argv.
+                assert password not in Path(f"/proc/{kvrc.process.pid}/cmdline").read_text()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -880,7 +1228,7 @@ def test_flags_are_ones_kvrc_serve_accepts(tmp_path: Path) -> None:
         assert config.listen == f"0.0.0.0:{GRPC_PORT}", where
         assert config.metrics_port == METRICS_PORT, where
         assert config.reuse is False, f"{where}: reuse must ship off"
-        if where == "replicated":
+        if where in STORE_SHAPES:
             assert config.store.kind == "redis" and config.store.password == "0123abcd"
         else:
             assert config.store.kind == "memory", where
