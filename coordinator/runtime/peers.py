@@ -40,10 +40,9 @@ messages travel through the same ordered log as the inventory:
 
 One order: every replica applies these ops in log order, so remote registrations
 and removals reach every replica in the same order, and a replica's messages to a
-part follow that part's registration. A local session is first hand: a remote
-op for a part this replica holds locally is ignored. What stays per replica:
-each lease's table entry (its owner's), the cost estimates, handoffs (both sides
-on one replica) and drains (docs/operations.md).
+part follow that part's registration; the fencing token, not the log position,
+decides which registration of a part wins. What stays per replica: each lease's
+table entry (its owner's), the cost estimates and drains (docs/operations.md).
 """
 
 from __future__ import annotations
