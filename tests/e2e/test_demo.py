@@ -54,17 +54,18 @@ def demo_argv(ports: str, json_path: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def run_demo(
+    argv: list[str], cwd: Path, timeout_s: float = 200
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, cwd=cwd, env=child_process_env(), capture_output=True, text=True, timeout=timeout_s
+    )
+
+
 def test_demo_runs_end_to_end_with_no_mismatch_and_leaves_no_process(tmp_path: Path) -> None:
     ports = "28000-28499"
     json_path = tmp_path / "demo-result.json"
-    run = subprocess.run(
-        demo_argv(ports, json_path, "--conversations", "3", "--turns", "2"),
-        cwd=tmp_path,
-        env=child_process_env(),
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
+    run = run_demo(demo_argv(ports, json_path, "--conversations", "3", "--turns", "2"), tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     # Progress while it runs, then the table.
@@ -138,18 +139,14 @@ def test_demo_over_two_replicas_and_redis_has_no_mismatch(tmp_path: Path) -> Non
     its handoffs to it cross replicas (through the shared log), bytes bit for bit."""
     json_path = tmp_path / "demo-result.json"
     with start_redis() as redis_server:
-        run = subprocess.run(
+        run = run_demo(
             demo_argv(
                 "28500-28999",
                 json_path,
                 *("--conversations", "3", "--turns", "2", "--tp", "1", "--quiet"),
                 *("--replicas", "2", "--store", redis_server.url),
             ),
-            cwd=tmp_path,
-            env=child_process_env(),
-            capture_output=True,
-            text=True,
-            timeout=200,
+            tmp_path,
         )
     assert run.returncode == 0, run.stdout + run.stderr
     doc = json.loads(json_path.read_text())
@@ -161,13 +158,6 @@ def test_demo_over_two_replicas_and_redis_has_no_mismatch(tmp_path: Path) -> Non
 
 
 def test_demo_refuses_replicas_without_a_shared_store(tmp_path: Path) -> None:
-    run = subprocess.run(
-        demo_argv("28500-28999", tmp_path / "x.json", "--replicas", "2"),
-        cwd=tmp_path,
-        env=child_process_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_demo(demo_argv("28500-28999", tmp_path / "x.json", "--replicas", "2"), tmp_path, 60)
     assert run.returncode == 2
     assert "needs a shared store" in run.stderr and "Traceback" not in run.stderr
