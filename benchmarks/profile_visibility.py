@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import gc
 import multiprocessing
 import multiprocessing.connection
+import os
 import shutil
 import statistics
 import struct
@@ -103,6 +105,8 @@ async def _consumer(
     port: int, expect: int, freeze: bool, conn: multiprocessing.connection.Connection
 ) -> None:
     gcs = _gc_log()
+    cprofile = os.environ.get("KVRC_PROFILE_CPROFILE")  # a path: B's cProfile stats there
+    profiler = cProfile.Profile() if cprofile else None
     inv = _StampedInventory("bench-b", expect)
     store = RedisStore(
         StoreConfig(kind="redis", host="127.0.0.1", port=port), inv, SystemClock(), Metrics()
@@ -146,8 +150,13 @@ async def _consumer(
         freeze_startup_heap()
     await store.start()
     conn.send("ready")
+    if profiler is not None:
+        profiler.enable()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(inv.all_seen.wait(), 120)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(cprofile)
     tracked = len(gc.get_objects())
     await store.close()
     conn.send(
