@@ -149,19 +149,39 @@ async def _consumer(
     if freeze:
         freeze_startup_heap()
     await store.start()
+    stalls: list[tuple[int, int, int]] = []  # (start ns, end ns, CPU ns of this process)
+    watch = asyncio.get_running_loop().create_task(_watch_loop(stalls))
     conn.send("ready")
     if profiler is not None:
         profiler.enable()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(inv.all_seen.wait(), 120)
-    if profiler is not None:
+    if profiler is not None and cprofile:
         profiler.disable()
         profiler.dump_stats(cprofile)
     tracked = len(gc.get_objects())
+    watch.cancel()
     await store.close()
     conn.send(
-        {"batches": inv.batches, "calls": calls, "gc": gcs, "unpacks": unpacks, "tracked": tracked}
+        {
+            "batches": inv.batches,
+            "calls": calls,
+            "gc": gcs,
+            "unpacks": unpacks,
+            "tracked": tracked,
+            "stalls": stalls,
+        }
     )
+
+
+async def _watch_loop(stalls: list[tuple[int, int, int]]) -> None:
+    """Loop stalls over 3 ms: busy (CPU time ran on) or not scheduled (it did not)."""
+    while True:
+        t0, cpu0 = time.time_ns(), time.process_time_ns()
+        await asyncio.sleep(0.001)
+        t1 = time.time_ns()
+        if t1 - t0 > 4_000_000:  # 1 ms asked, 3 ms late
+            stalls.append((t0, t1, time.process_time_ns() - cpu0))
 
 
 def _consumer_main(
@@ -266,12 +286,14 @@ def profile(rate: int, seconds: float, freeze: bool) -> None:
 def _report(rate: int, produced: dict[str, Any], got: dict[str, Any]) -> None:
     rows = []  # (total, a_queue, xadd, to_read, b_wait, apply)
     slow_gc_a = slow_gc_b = 0
+    slow_spans: list[tuple[int, int, int]] = []  # (sent, XADD answered, B apply end)
     for sent, (read, apply0, apply1) in got["batches"].items():
         x0, x1 = produced["xadds"].get(sent, (sent, sent))
         row = [(apply1 - sent), (x0 - sent), (x1 - x0), (read - x1), (apply0 - read)]
         row.append(apply1 - apply0)
         rows.append([v / 1e6 for v in row])
         if row[0] / 1e6 > SLOW_MS:
+            slow_spans.append((sent, x1, apply1))
             slow_gc_a += _overlaps(produced["gc"], sent, x0)
             slow_gc_b += _overlaps(got["gc"], x1, apply1)
     total = [r[0] for r in rows]
@@ -301,6 +323,15 @@ def _report(rate: int, produced: dict[str, Any], got: dict[str, Any]) -> None:
     _gc_summary("A", produced["gc"])
     _gc_summary("B", got["gc"])
     print(f"  B objects tracked by the GC at the end: {got['tracked']}")
+    stalls = got["stalls"]
+    if stalls:
+        wall = sum(e - s for s, e, _ in stalls) / 1e6
+        cpu = sum(c for _, _, c in stalls) / 1e6
+        in_slow = sum(any(s < b[2] and e > b[0] for s, e, _ in stalls) for b in slow_spans)
+        print(
+            f"  B loop stalls > 3 ms: {len(stalls)}, {wall:.0f} ms in all, of which "
+            f"{cpu:.0f} ms on B's CPU; slow batches overlapping one: {in_slow} of {len(slow)}"
+        )
     by_call: dict[str, list[float]] = {}
     for name, t0, t1 in got["calls"]:
         by_call.setdefault(name, []).append((t1 - t0) / 1e6)
