@@ -53,7 +53,8 @@ seconds, `--rounds` of each, a different configuration first each round:
   itself left out) over the cross-replica loads, minus those over an idle window
   of the same length just before (heartbeats every 500 ms, blocked XREADs),
   per load; by command beside it. All three replicas follow the log, so each
-  entry costs every replica its XREAD (and the XRANGE that checks for trimming).
+  entry costs every replica its XREAD (and the XRANGE that checks for trimming,
+  pipelined behind it: one round trip).
 
 `target` and `target_met` say which targets held. On this shared 2-core machine
 the load average before and after is kept: it explains noisy figures.
