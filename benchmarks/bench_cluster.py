@@ -53,7 +53,8 @@ seconds, `--rounds` of each, a different configuration first each round:
   itself left out) over the cross-replica loads, minus those over an idle window
   of the same length just before (heartbeats every 500 ms, blocked XREADs),
   per load; by command beside it. All three replicas follow the log, so each
-  entry costs every replica its XREAD (and the XRANGE that checks for trimming).
+  entry costs every replica its XREAD (and the XRANGE that checks for trimming,
+  pipelined behind it: one round trip).
 
 `target` and `target_met` say which targets held. On this shared 2-core machine
 the load average before and after is kept: it explains noisy figures.
@@ -92,6 +93,7 @@ from benchmarks.common import (
 from coordinator.core.events import BlockStored
 from coordinator.runtime.clock import SystemClock
 from coordinator.runtime.config import StoreConfig
+from coordinator.runtime.gc_policy import freeze_startup_heap
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.redis_store import STREAM_KEY, RedisStore
 from coordinator.runtime.replication import OP_APPLY, Op, ReplicatedInventory
@@ -146,6 +148,7 @@ async def _consumer(port: int, expect: int, conn: multiprocessing.connection.Con
     store = RedisStore(
         StoreConfig(kind="redis", host="127.0.0.1", port=port), inv, SystemClock(), Metrics()
     )
+    freeze_startup_heap()  # as `kvrc serve` does before it starts
     rss_before = _rss_bytes()
     await store.start()
     conn.send("ready")
@@ -168,6 +171,7 @@ async def _producer(port: int, rate: int, seconds: float) -> dict[str, Any]:
     store = RedisStore(
         StoreConfig(kind="redis", host="127.0.0.1", port=port), inv, clock, Metrics()
     )
+    freeze_startup_heap()
     await store.start()
     inv.add_engine("engine-a", "compat")
     inv.set_ready("engine-a", True)

@@ -36,6 +36,7 @@ from coordinator.edges.tls import server_credentials
 from coordinator.edges.zmq_ingest import vllm_event_streams
 from coordinator.runtime.config import ConfigError, CoordinatorConfig, is_loopback_host
 from coordinator.runtime.coordinator import Coordinator
+from coordinator.runtime.gc_policy import freeze_startup_heap
 from coordinator.runtime.peers import PeerLink
 from coordinator.runtime.redis_store import RedisStore
 from coordinator.runtime.replication import ReplicatedInventory
@@ -151,6 +152,9 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    # Startup objects out of every later GC pass: a full pass over them stalled the
+    # loop for tens of ms (coordinator/runtime/gc_policy.py).
+    log.debug("froze %d startup objects out of GC passes", freeze_startup_heap())
     await coordinator.start()
     if store is not None:
         await store.start()

@@ -390,12 +390,7 @@ class RedisStore:
                         accept_trim = await self._bootstrap()
                 last_id = self._read_id
                 assert last_id is not None
-                reply: Any = await self._reader_conn.xread(
-                    {STREAM_KEY: last_id}, count=READ_COUNT, block=READ_BLOCK_MS
-                )
-                # Read after the reply: an entry trimmed before this read is missing
-                # from it, and then the one read last is older than the first left.
-                first = await self._first_id() if reply else None
+                reply, first = await self._read_after(last_id)
             except (RedisError, OSError) as e:
                 self._fail("read", _why(e))
                 await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
@@ -441,12 +436,25 @@ class RedisStore:
             if self._snapshot_every and self._entries_since_snapshot >= self._snapshot_every:
                 self._snapshot_due.set()
 
+    async def _read_after(self, last_id: str) -> tuple[Any, str | None]:
+        """The next entries after `last_id` (XREAD) and the stream's first id after them.
+
+        The first id is read after the reply, so that an entry trimmed before the read
+        (missing from the reply) shows as a first id newer than `last_id`. Both
+        commands go in one pipeline on one connection: Redis runs a client's commands
+        in order and holds the XRANGE until the blocked XREAD has answered, so the
+        check costs no round trip of its own (it used to be a second one after every
+        read, in the visibility path).
+        """
+        pipe: Any = self._reader_conn.pipeline(transaction=False)
+        pipe.xread({STREAM_KEY: last_id}, count=READ_COUNT, block=READ_BLOCK_MS)
+        pipe.xrange(STREAM_KEY, "-", "+", count=1)
+        reply, rows = await pipe.execute()
+        return reply, _first_of(rows) if reply else None
+
     async def _first_id(self) -> str | None:
         rows: Any = await self._reader_conn.xrange(STREAM_KEY, "-", "+", count=1)
-        if not rows:
-            return None
-        entry_id = rows[0][0]
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        return _first_of(rows)
 
     async def _bootstrap(self) -> bool:
         """Where a replica starts reading: after the newest snapshot, loaded, or at the start.
@@ -604,6 +612,14 @@ async def put_snapshot(
         epoch,
     )
     return int(result)
+
+
+def _first_of(rows: Any) -> str | None:
+    """The id of the first row of an XRANGE reply, or None for an empty stream."""
+    if not rows:
+        return None
+    entry_id = rows[0][0]
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
 
 def _why(e: BaseException) -> str:

@@ -293,3 +293,17 @@ def test_the_serving_flag_reaches_the_other_replica_and_old_ops_still_read() -> 
     assert c.match(Scope(COMPAT), CHAIN, ["x"], now_ms=0).matches["x"].matched_blocks == 0
     c.apply_remote("old", [["V", "x", False]], 0)
     assert c.match(Scope(COMPAT), CHAIN, ["x"], now_ms=0).matches == {}
+
+
+def test_every_op_tag_on_the_log_is_distinct() -> None:
+    """Replication ops and peer ops share one log and one tag space: a tag used twice
+    routes one kind of op to the other's handler (a replicated clear dropped as a call)."""
+    from coordinator.runtime import peers, replication
+
+    tags = [
+        value
+        for module in (replication, peers)
+        for name, value in vars(module).items()
+        if name.startswith("OP_") and isinstance(value, str)
+    ]
+    assert len(tags) == len(set(tags)), sorted(tags)

@@ -9,6 +9,8 @@ PYTHONHASHSEED across replicas), against a real `redis-server` on a free port
   snapshot and tails the log: its whole state equals that of a replica that read
   every entry; one with snapshot loading off (the negative control) misses the
   trimmed part;
+- the trim check, pipelined behind each blocked read, reads the stream's first id
+  after that read answered;
 - a replica whose read position was trimmed away while its reading was paused
   notices (the entry it read last is older than the stream's first) and recovers
   from the snapshot; with loading off it does not;
@@ -24,6 +26,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis import Redis as SyncRedis
 from redis_env import RedisServer, start_redis
 from waiting import wait_until
 
@@ -180,6 +183,25 @@ async def test_a_replica_started_after_trimming_loads_the_snapshot_and_tails_the
     # Without the snapshot the trimmed part is missing: "e" itself was announced there.
     assert state(blind.inventory) != expected
     assert not blind.inventory.has_engine("e") and blind.inventory.has_engine("late")
+
+
+async def test_the_trim_check_reads_the_first_id_after_the_blocked_read_answered(
+    server: RedisServer, redis: aioredis.Redis
+) -> None:
+    """The XRANGE pipelined behind a blocked XREAD (one round trip) runs after the XREAD
+    answered: a trim while the read blocked shows as a first id past the read position."""
+    replica = Replica(server, "r")  # not started: only its reader connection is used
+    read_id: Any = await redis.xadd(STREAM_KEY, {"o": "w", "d": b""})
+    read = asyncio.create_task(replica.store._read_after(read_id.decode()))
+    with SyncRedis(host="127.0.0.1", port=server.port) as probe:
+        blocked = lambda: int(probe.info("clients")["blocked_clients"]) >= 1  # noqa: E731
+        await wait_for(blocked, "the read blocks")
+    await redis.xtrim(STREAM_KEY, maxlen=0)  # the entry read last is gone
+    added: Any = await redis.xadd(STREAM_KEY, {"o": "w", "d": b""})  # wakes the read
+    reply, first = await read
+    assert reply[0][1][0][0] == added
+    assert first == added.decode()  # read after the trim, so the trim is seen
+    await replica.store.close(0)
 
 
 async def test_a_replica_whose_position_was_trimmed_while_paused_recovers(
