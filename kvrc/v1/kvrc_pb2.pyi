@@ -25,6 +25,8 @@ Conventions
     FAILED_PRECONDITION for a valid request the current state refuses,
     PERMISSION_DENIED for acting on another engine's state,
     RESOURCE_EXHAUSTED for bounds. A rejected request changes nothing.
+    A session the engine's input ends with INVALID_ARGUMENT first hears why in
+    band: one SessionError, the stream's last message (see SessionError).
   * Protocol versions: the package stays kvrc.v1 while changes are additive;
     `Register.protocol_version` names the revision a client speaks (the
     coordinator's is `kvrc.vocabulary.PROTOCOL_VERSION`). 0 (absent) is revision 1,
@@ -35,6 +37,8 @@ Conventions
          and the "recompute_cheaper" miss; LeaseStatus.prediction;
          StatusResponse.cost_model; RouterService.Score (routers do not register:
          a coordinator without Score answers UNIMPLEMENTED).
+    Additive members a client may ignore, added within a revision:
+      2: CoordinatorMessage.session_error (see SessionError).
 """
 
 from collections import abc as _abc
@@ -1195,6 +1199,44 @@ class DrainNotice(_message.Message):
 Global___DrainNotice: _TypeAlias = DrainNotice  # noqa: Y015
 
 @_typing.final
+class SessionError(_message.Message):
+    """The coordinator ends this session because of what the engine sent: a message
+    that does not parse as EngineMessage, or one that violates the protocol (a first
+    message other than Register, a Register that fails validation, a second Register,
+    an empty message, a malformed event batch, ...). It is the last message of the
+    stream; the stream then ends with the gRPC status it names, whose details are
+    `message` verbatim. The status alone can reach a client that is still writing as
+    INTERNAL ("Internal error from Core"); this message arrives as sent. Sent before
+    every INVALID_ARGUMENT ending of a session, and before no other ending.
+    Additive, so no protocol revision: a client that predates it sees an unknown
+    oneof member (no known field set) it can ignore, then the same status as before.
+    (kvrc's own clients before it took an unknown first message for a broken
+    coordinator: a refused Register surfaced there as INTERNAL.)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """the gRPC status code the stream ends with: 3 = INVALID_ARGUMENT"""
+    message: _builtins.str
+    """for people: what was wrong and where, e.g. the field"""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionError: _TypeAlias = SessionError  # noqa: Y015
+
+@_typing.final
 class CoordinatorMessage(_message.Message):
     """Coordinator -> engine."""
 
@@ -1209,6 +1251,7 @@ class CoordinatorMessage(_message.Message):
     QUARANTINE_NOTICE_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     DRAIN_NOTICE_FIELD_NUMBER: _builtins.int
+    SESSION_ERROR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def register_ack(self) -> Global___RegisterAck: ...
     @_builtins.property
@@ -1227,6 +1270,10 @@ class CoordinatorMessage(_message.Message):
     def state(self) -> Global___ChildEngineState: ...
     @_builtins.property
     def drain_notice(self) -> Global___DrainNotice: ...
+    @_builtins.property
+    def session_error(self) -> Global___SessionError:
+        """last message: the session ends with its status"""
+
     def __init__(
         self,
         *,
@@ -1239,12 +1286,13 @@ class CoordinatorMessage(_message.Message):
         quarantine_notice: Global___QuarantineNotice | None = ...,
         state: Global___ChildEngineState | None = ...,
         drain_notice: Global___DrainNotice | None = ...,
+        session_error: Global___SessionError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_request", b"abort_request", "drain_notice", b"drain_notice", "heartbeat_ack", b"heartbeat_ack", "message", b"message", "pin_request", b"pin_request", "quarantine_notice", b"quarantine_notice", "register_ack", b"register_ack", "release_request", b"release_request", "resync_request", b"resync_request", "state", b"state"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_request", b"abort_request", "drain_notice", b"drain_notice", "heartbeat_ack", b"heartbeat_ack", "message", b"message", "pin_request", b"pin_request", "quarantine_notice", b"quarantine_notice", "register_ack", b"register_ack", "release_request", b"release_request", "resync_request", b"resync_request", "session_error", b"session_error", "state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_request", b"abort_request", "drain_notice", b"drain_notice", "heartbeat_ack", b"heartbeat_ack", "message", b"message", "pin_request", b"pin_request", "quarantine_notice", b"quarantine_notice", "register_ack", b"register_ack", "release_request", b"release_request", "resync_request", b"resync_request", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_request", b"abort_request", "drain_notice", b"drain_notice", "heartbeat_ack", b"heartbeat_ack", "message", b"message", "pin_request", b"pin_request", "quarantine_notice", b"quarantine_notice", "register_ack", b"register_ack", "release_request", b"release_request", "resync_request", b"resync_request", "session_error", b"session_error", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["register_ack", "heartbeat_ack", "pin_request", "release_request", "abort_request", "resync_request", "quarantine_notice", "state", "drain_notice"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["register_ack", "heartbeat_ack", "pin_request", "release_request", "abort_request", "resync_request", "quarantine_notice", "state", "drain_notice", "session_error"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 

@@ -25,6 +25,8 @@ Conventions
     FAILED_PRECONDITION for a valid request the current state refuses,
     PERMISSION_DENIED for acting on another engine's state,
     RESOURCE_EXHAUSTED for bounds. A rejected request changes nothing.
+    A session the engine's input ends with INVALID_ARGUMENT first hears why in
+    band: one SessionError, the stream's last message (see SessionError).
   * Protocol versions: the package stays kvrc.v1 while changes are additive;
     `Register.protocol_version` names the revision a client speaks (the
     coordinator's is `kvrc.vocabulary.PROTOCOL_VERSION`). 0 (absent) is revision 1,
@@ -35,6 +37,8 @@ Conventions
          and the "recompute_cheaper" miss; LeaseStatus.prediction;
          StatusResponse.cost_model; RouterService.Score (routers do not register:
          a coordinator without Score answers UNIMPLEMENTED).
+    Additive members a client may ignore, added within a revision:
+      2: CoordinatorMessage.session_error (see SessionError).
 """
 
 from collections import abc as _abc
