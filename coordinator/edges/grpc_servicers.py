@@ -5,7 +5,9 @@ RPC is counted in `kvrc_rpc_requests_total{method,code}` and unary RPCs are
 timed in `kvrc_rpc_duration_seconds`, also in one place (`_Observed`). Request
 bytes that are not valid protobuf are refused before any servicer runs
 (`add_services`): INVALID_ARGUMENT, `kvrc_rpc_malformed_total{method}`, one
-rate-limited log line.
+rate-limited log line. A session that ends with INVALID_ARGUMENT (such bytes, or a
+message that breaks the protocol) hears it first as a `SessionError` message,
+the stream's last, then the status (`session_error`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ SessionMessageHandler = Callable[[CoordinatorSession, pb.EngineMessage], None]
 def status_code(code: ErrorCode) -> grpc.StatusCode:
     """ErrorCode names are gRPC status names."""
     return grpc.StatusCode[code.value]
+
+
+def session_error(code: grpc.StatusCode, message: str) -> pb.CoordinatorMessage:
+    """The last message of a session the engine's input ended (`SessionError`)."""
+    number: int = code.value[0]
+    return pb.CoordinatorMessage(session_error=pb.SessionError(code=number, message=message))
 
 
 async def _abort(context: Context, code: grpc.StatusCode, message: str) -> None:
@@ -192,32 +200,37 @@ class EngineService(pb_grpc.EngineServiceServicer):
         reader: asyncio.Task[None] | None = None
         failure = _Failure()
         try:
-            # Read Register before any refusal: a stream aborted while the client is
-            # still writing surfaces on the client as INTERNAL ("Internal error from
-            # Core") instead of the status sent, e.g. UNAUTHENTICATED.
             try:
-                first = await self._first_message(request_iterator)
-            except KvrcError:
-                self._gate.authenticate(context)  # an unauthenticated stream hears that
-                raise
-            principal = self._gate.authenticate(context)
-            session = await self._register(first, principal)
-            reader = asyncio.create_task(self._read(request_iterator, session, failure))
-            while True:
-                out = await session.next_outbound()
-                if isinstance(out, SessionEnd):
-                    if failure.code is not None:
-                        code = failure.code
-                        await _abort(context, code, failure.message)
-                    elif out.code is not None:
-                        code = status_code(out.code)
-                        await _abort(context, code, out.message)
+                # Read Register before any refusal: a stream aborted while the client is
+                # still writing surfaces on the client as INTERNAL ("Internal error from
+                # Core") instead of the status sent, e.g. UNAUTHENTICATED.
+                try:
+                    first = await self._first_message(request_iterator)
+                except KvrcError:
+                    self._gate.authenticate(context)  # an unauthenticated stream hears that
+                    raise
+                principal = self._gate.authenticate(context)
+                session = await self._register(first, principal)
+                reader = asyncio.create_task(self._read(request_iterator, session, failure))
+                while True:
+                    out = await session.next_outbound()
+                    if isinstance(out, SessionEnd):
+                        break
+                    yield wire.coordinator_message(out, self._coordinator.clock)
+                if failure.code is not None:
+                    code, message = failure.code, failure.message
+                elif out.code is not None:
+                    code, message = status_code(out.code), out.message
+                else:
                     return
-                yield wire.coordinator_message(out, self._coordinator.clock)
-        except KvrcError as e:
-            code = status_code(e.code)
-            self._observed.count_denied(e)
-            await _abort(context, code, e.message)
+            except KvrcError as e:
+                code, message = status_code(e.code), e.message
+                self._observed.count_denied(e)
+            # The one way a session ends with an error: the engine's own mistake
+            # (INVALID_ARGUMENT) is said in band first, then the status repeats it.
+            if code is grpc.StatusCode.INVALID_ARGUMENT:
+                yield session_error(code, message)
+            await _abort(context, code, message)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise

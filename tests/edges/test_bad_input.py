@@ -2,7 +2,9 @@
 
 Raw protobuf over a real session stream, so each case sends exactly what a
 buggy or hostile client could send. After every case GetStatus must be
-identical to the baseline, and the service must still accept good input.
+identical to the baseline, and the service must still accept good input. A
+session that ends with INVALID_ARGUMENT hears it first in band: one SessionError,
+the stream's last message, with the status's code and text (`run_session`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ def kvrc() -> Iterator[CoordinatorProcess]:
 
 
 async def run_session(target: str, messages: list[pb.EngineMessage]) -> tuple[grpc.StatusCode, str]:
-    """Sends `messages`, then reads until the coordinator ends the stream."""
+    """Sends `messages`, then reads until the coordinator ends the stream. An ending
+    with INVALID_ARGUMENT must come after exactly one SessionError, the stream's last
+    message, that says the same (the status alone can reach a client mangled)."""
+    replies: list[pb.CoordinatorMessage] = []
     async with grpc.aio.insecure_channel(
         target,
         options=[("grpc.max_send_message_length", 64 * MiB)],
@@ -66,11 +71,25 @@ async def run_session(target: str, messages: list[pb.EngineMessage]) -> tuple[gr
                 reply: Any = await call.read()
                 if reply is EOF:
                     break
-                if reply.WhichOneof("message") == "register_ack":
-                    continue  # accepted: the next message is the one under test
+                replies.append(reply)
+            code, details = await call.code(), await call.details()
         except grpc.aio.AioRpcError as e:
-            return e.code(), e.details() or ""
-        return await call.code(), await call.details()
+            code, details = e.code(), e.details() or ""
+    check_session_error(replies, code, details)
+    return code, details
+
+
+def check_session_error(
+    replies: list[pb.CoordinatorMessage], code: grpc.StatusCode, details: str
+) -> None:
+    errors = [r.session_error for r in replies if r.WhichOneof("message") == "session_error"]
+    if code is not grpc.StatusCode.INVALID_ARGUMENT:
+        assert errors == [], (code, errors)
+        return
+    assert replies and replies[-1].WhichOneof("message") == "session_error", replies
+    assert len(errors) == 1, errors
+    assert errors[0].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert errors[0].message == details, (errors[0].message, details)
 
 
 def _open(channel: grpc.aio.Channel) -> Any:

@@ -688,13 +688,20 @@ def test_live_sessions_never_fail_internally(
     def run(messages: list[pb.EngineMessage]) -> None:
         stream = [register, *messages] if registered else messages
         responses = stub.Session(iter(stream), timeout=5)
+        replies: list[pb.CoordinatorMessage] = []
         try:
-            for _ in responses:
-                pass  # the stream ends when our side ends or the server refuses
-            code = grpc.StatusCode.OK
+            # The stream ends when our side ends or the server refuses.
+            replies.extend(responses)
+            code, details = grpc.StatusCode.OK, ""
         except grpc.RpcError as e:
-            code = e.code()  # type: ignore[attr-defined]
+            code, details = e.code(), e.details()  # type: ignore[attr-defined]
         assert code in _OK_CODES, (code, messages)
+        said = [r.session_error for r in replies if r.HasField("session_error")]
+        if code is grpc.StatusCode.INVALID_ARGUMENT:  # a protocol error is said in band first
+            assert replies[-1].HasField("session_error") and len(said) == 1, replies
+            assert (said[0].code, said[0].message) == (code.value[0], details), (said, details)
+        else:
+            assert not said, (code, said)
 
     run()
     _assert_healthy(kvrc, channel)
@@ -798,10 +805,11 @@ async def test_live_session_refuses_raw_bytes(
     quiet_kvrc: CoordinatorProcess, registered: bool, data: st.DataObject
 ) -> None:
     """A malformed first or later message ends the stream with INVALID_ARGUMENT, as any
-    protocol violation does (the status is how the protocol tells a session it erred);
-    a part it had registered leaves with it."""
+    protocol violation does: first a SessionError message, the stream's last, that
+    says what the status then says; a part it had registered leaves with it."""
 
     async def send(raw: bytes) -> tuple[grpc.StatusCode, str]:
+        replies: list[pb.CoordinatorMessage] = []
         async with grpc.aio.insecure_channel(quiet_kvrc.grpc_target) as channel:
             session = channel.stream_stream("/kvrc.v1.EngineService/Session", _as_is, _as_is)
             call: Any = session(timeout=5)  # type: ignore[call-arg]  # reader/writer mode
@@ -812,11 +820,16 @@ async def test_live_session_refuses_raw_bytes(
                     assert ack.WhichOneof("message") == "register_ack"
                 await call.write(raw)
                 await call.done_writing()
-                while await call.read() is not EOF:
-                    pass
+                while (reply := await call.read()) is not EOF:
+                    replies.append(pb.CoordinatorMessage.FromString(reply))
+                code, details = await call.code(), await call.details()
             except grpc.aio.AioRpcError as e:
-                return e.code(), e.details() or ""
-            return await call.code(), await call.details()
+                code, details = e.code(), e.details() or ""
+        kinds = [r.WhichOneof("message") for r in replies]
+        assert kinds and kinds[-1] == "session_error" and kinds.count("session_error") == 1, kinds
+        said = replies[-1].session_error
+        assert (said.code, said.message) == (code.value[0], details), (said, code, details)
+        return code, details
 
     raw = data.draw(not_protobuf(pb.EngineMessage))
     await _check_refusal(quiet_kvrc, "Session", pb.EngineMessage, send, raw)
