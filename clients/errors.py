@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from kvrc.v1 import kvrc_pb2 as pb
+
 
 class KvrcClientError(Exception):
     """The coordinator answered with a non-OK status (or could not be reached)."""
@@ -70,6 +72,14 @@ _BY_CODE: dict[grpc.StatusCode, type[KvrcClientError]] = {
 
 def error_from_status(code: grpc.StatusCode, message: str) -> KvrcClientError:
     return _BY_CODE.get(code, KvrcClientError)(code, message)
+
+
+_BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def from_session_error(error: pb.SessionError) -> KvrcClientError:
+    """The typed exception for the coordinator's `SessionError`: why it ends the session."""
+    return error_from_status(_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN), error.message)
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError) -> KvrcClientError:

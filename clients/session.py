@@ -51,6 +51,7 @@ from clients.errors import (
     UnavailableError,
     error_from_status,
     from_rpc_error,
+    from_session_error,
 )
 from kvrc.credentials import ChannelOptions, connect, split_targets
 from kvrc.ids import child_engine_id
@@ -452,6 +453,9 @@ class EngineSession:
         if first is EOF or not isinstance(first, pb.CoordinatorMessage):
             code = await call.code()
             raise error_from_status(code, await call.details() or "stream ended")
+        if first.WhichOneof("message") == "session_error":
+            call.cancel()  # the status that follows repeats it
+            raise from_session_error(first.session_error)
         if first.WhichOneof("message") != "register_ack":
             call.cancel()
             raise error_from_status(
@@ -520,21 +524,35 @@ class EngineSession:
         return False
 
     async def _read(self, call: _Call) -> None:
+        # The coordinator's SessionError, when it ends the session for what this part
+        # sent: it says why even where the status that follows arrives mangled.
+        said: KvrcClientError | None = None
         try:
             while True:
                 message = await call.read()
                 if message is EOF or not isinstance(message, pb.CoordinatorMessage):
                     code = await call.code()
                     if code != grpc.StatusCode.OK:
-                        self.last_error = error_from_status(code, await call.details() or "")
+                        self.last_error = said or error_from_status(
+                            code, await call.details() or ""
+                        )
                     return
+                if message.WhichOneof("message") == "session_error":
+                    said = self.last_error = from_session_error(message.session_error)
+                    log.warning(
+                        "%s: the coordinator at %s ended the session: %s",
+                        self.registration.resolved_child_engine_id,
+                        self.target,
+                        said,
+                    )
+                    continue
                 try:
                     await self._dispatch(message)
                 except Exception:  # the engine's handler bug must not end the session
                     log.exception("session handler failed on %s", message.WhichOneof("message"))
         except grpc.aio.AioRpcError as e:
-            self.last_error = from_rpc_error(e)
-            if not self._closing:
+            self.last_error = said or from_rpc_error(e)
+            if not self._closing and said is None:
                 log.info("session with %s broke: %s", self.target, self.last_error)
 
     async def _dispatch(self, message: pb.CoordinatorMessage) -> None:

@@ -1,0 +1,65 @@
+"""clients/session.py against a real coordinator: a SessionError reaches the operator.
+
+When the coordinator ends a session for what the engine sent (INVALID_ARGUMENT), it
+says why in a `SessionError` message before the status. `EngineSession` raises (at
+`start()`) or records and logs (later) exactly that text, typed by its code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from harness import CoordinatorProcess, start_coordinator
+
+from clients.errors import InvalidArgumentError
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from kvrc.v1 import kvrc_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def kvrc() -> Iterator[CoordinatorProcess]:
+    with start_coordinator() as coordinator:
+        yield coordinator
+
+
+def registration(engine_id: str, block_size: int = 16) -> RankPartRegistration:
+    return RankPartRegistration(
+        engine_id=engine_id, profile=EngineProfile(model="m", block_size=block_size)
+    )
+
+
+async def test_a_refused_register_raises_the_coordinators_words(kvrc: CoordinatorProcess) -> None:
+    session = EngineSession(kvrc.grpc_target, registration("bad-block", 0), reconnect=False)
+    with pytest.raises(InvalidArgumentError) as raised:
+        await session.start()
+    assert raised.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "profile.block_size must be >= 1" in raised.value.message
+    await session.close()
+
+
+async def test_a_protocol_error_later_is_recorded_and_logged_with_its_text(
+    kvrc: CoordinatorProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    session = EngineSession(kvrc.grpc_target, registration("violator"), reconnect=False)
+    await session.start()
+    caplog.set_level(logging.WARNING, logger="kvrc.client")
+    try:
+        # An empty EngineMessage breaks the protocol: the coordinator ends the session.
+        await session._send(pb.EngineMessage())
+        for _ in range(200):
+            if session.last_error is not None and not session.connected:
+                break
+            await asyncio.sleep(0.025)
+        error = session.last_error
+        assert isinstance(error, InvalidArgumentError), error
+        assert "empty or unknown EngineMessage" in error.message
+        said = [r.getMessage() for r in caplog.records if "ended the session" in r.getMessage()]
+        assert len(said) == 1, said
+        assert "violator" in said[0] and "empty or unknown EngineMessage" in said[0]
+        assert kvrc.grpc_target in said[0]
+    finally:
+        await session.close()
