@@ -694,7 +694,7 @@ def test_live_sessions_never_fail_internally(
             replies.extend(responses)
             code, details = grpc.StatusCode.OK, ""
         except grpc.RpcError as e:
-            code, details = e.code(), e.details()  # type: ignore[attr-defined]
+            code, details = e.code(), e.details() or ""  # type: ignore[attr-defined]
         assert code in _OK_CODES, (code, messages)
         said = [r.session_error for r in replies if r.HasField("session_error")]
         if code is grpc.StatusCode.INVALID_ARGUMENT:  # a protocol error is said in band first
