@@ -8,7 +8,7 @@ PROTO_SRC := proto/kvrc/v1/kvrc.proto
 PYTEST_ARGS ?=
 
 .PHONY: help venv sysdeps proto proto-check serve demo test test-fast test-e2e lint typecheck check \
-        bench-index bench-transfer bench-cluster vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load clean
+        bench-index bench-transfer bench-cluster vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load soak clean
 
 help:
 	@echo "make demo   - run the demo cluster (kvrc + engines on loopback)"
@@ -112,6 +112,11 @@ bench-load: $(STAMP)
 # and Redis commands per prefix load against real `kvrc serve --store redis://` replicas.
 bench-cluster: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_cluster $(ARGS)
+
+# Mixed load under a seeded fault schedule, memory store then 2 replicas on Redis:
+# writes benchmarks/results/soak.json; ARGS="--minutes N" (10), "--seed S" replays.
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak --check $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
