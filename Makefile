@@ -37,6 +37,15 @@ sysdeps:
 	    echo "the shared-store tests need Debian's redis-server: sudo apt-get install --no-install-recommends redis-server"; exit 1; \
 	  fi; \
 	fi
+	@# Debian's faketime (libfaketime): the soak steps kvrc's wall clock with it.
+	@if ! ls /usr/lib/*/faketime/libfaketime.so.1 >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing faketime (for the soak's wall-clock steps)"; \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends faketime >/dev/null; \
+	  else \
+	    echo "the soak needs Debian's faketime: sudo apt-get install --no-install-recommends faketime"; exit 1; \
+	  fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory sysdeps

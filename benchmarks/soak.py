@@ -78,7 +78,8 @@ from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 DEFAULT_OUT = RESULTS_DIR / "soak.json"
-LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+# Debian's faketime package, any architecture.
+LIBFAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))), None)
 FAULT_FREE_SHARE = 0.25
 # Shorter than the defaults so a drain ends in seconds; the drain waits for all of them.
 KVRC_FLAGS = (
@@ -95,6 +96,7 @@ CONCURRENCY = 2
 LOOKUP_INTERVAL_S = 0.05
 EVENT_INTERVAL_S = 0.02
 POLL_INTERVAL_S = 2.0
+RECOVERY_WAIT_S = 60.0  # a fault after which no request completes this long: never recovered
 INSTANCE_WARMUP_S = 10.0  # a restarted kvrc's RSS and fds baseline is taken after this
 RSS_BOUND_MIN_MINUTES = 6.0  # a shorter run has no steady state to bound
 RSS_GROWTH_MAX = 0.10
@@ -275,6 +277,7 @@ ENGINES = (
 class StoreRun:
     def __init__(self, store: str, seconds: float, seed: int, workdir: Path, tp: int) -> None:
         self.pub: zmq.asyncio.Socket | None = None
+        self.request_done = asyncio.Event()
         self.faults_done = False
         self.store = store
         self.seconds = seconds
@@ -346,8 +349,10 @@ class StoreRun:
         return time.monotonic() - self.t0
 
     def setup(self) -> None:
-        if not LIBFAKETIME.exists():
-            raise SystemExit(f"{LIBFAKETIME} is missing: make sysdeps (Debian: faketime)")
+        if LIBFAKETIME is None:
+            raise SystemExit(
+                "libfaketime is missing: make sysdeps (Debian: apt-get install faketime)"
+            )
         self.t0 = time.monotonic()
         self.faketime_file.write_text("+0\n")
         if self.redis is not None:
@@ -427,6 +432,7 @@ class StoreRun:
             await asyncio.sleep(0.1)
             return
         self.requests += 1
+        self.request_done.set()
         self.mismatches += int(pre["mismatches"]) + int(dec["mismatches"])
         self.blocks_loaded += int(pre["blocks_loaded"])
         self.outcomes[f"load:{pre['load'].split(':')[0]}"] += 1
@@ -819,18 +825,57 @@ class StoreRun:
                     break
                 started = self.elapsed()
                 say(f"{self.store}: fault {kind} at {started:.0f} s")
+                failed_before = sum(self.failed_requests.values())
+                unavailable_before = self.client_codes["UNAVAILABLE"]
                 try:
                     detail = await getattr(self, f"fault_{kind}")()
                 except Exception as e:
                     detail = f"injection failed: {type(e).__name__}: {e}"
                     say(f"{self.store}: {kind}: {detail}")
+                took_s = self.elapsed() - started
+                recovered_s = await self._next_request_done(started)
                 self.faults.append(
-                    {"kind": kind, "at_s": round(started, 1), "detail": detail,
-                     "took_s": round(self.elapsed() - started, 1)}
-                )  # fmt: skip
+                    {
+                        "kind": kind,
+                        "at_s": round(started, 1),
+                        "detail": detail,
+                        "took_s": round(took_s, 1),
+                        # From the injection to the first request completed after it ended.
+                        "recovered_s": None if recovered_s is None else round(recovered_s, 1),
+                        "requests_failed": sum(self.failed_requests.values()) - failed_before,
+                        "lookups_unavailable": self.client_codes["UNAVAILABLE"]
+                        - unavailable_before,
+                    }
+                )
                 await asyncio.sleep(self.rng.uniform(1.0, 3.0))
             first_round = False
             self.rng.shuffle(kinds)
+
+    async def _next_request_done(self, started: float) -> float | None:
+        self.request_done.clear()
+        try:
+            await asyncio.wait_for(self.request_done.wait(), RECOVERY_WAIT_S)
+        except TimeoutError:
+            return None
+        return self.elapsed() - started
+
+    def effects_by_kind(self) -> dict[str, dict[str, Any]]:
+        """Per fault kind, what the load saw (docs/operations.md is written from this)."""
+        effects: dict[str, dict[str, Any]] = {}
+        for fault in self.faults:
+            e = effects.setdefault(
+                fault["kind"],
+                {"count": 0, "recovered_s_max": 0.0, "never_recovered": 0,
+                 "requests_failed": 0, "lookups_unavailable": 0},
+            )  # fmt: skip
+            e["count"] += 1
+            if fault["recovered_s"] is None:
+                e["never_recovered"] += 1
+            else:
+                e["recovered_s_max"] = max(e["recovered_s_max"], fault["recovered_s"])
+            e["requests_failed"] += fault["requests_failed"]
+            e["lookups_unavailable"] += fault["lookups_unavailable"]
+        return dict(sorted(effects.items()))
 
     # --- the run -------------------------------------------------------------
 
@@ -950,6 +995,7 @@ class StoreRun:
             "events_published": self.events_published,
             "faults_by_kind": dict(Counter(f["kind"] for f in self.faults)),
             "faults": self.faults,
+            "effects_by_kind": self.effects_by_kind(),
             "mismatches": self.mismatches,
             "early_releases": len(early),
             "early_release_leases": early[:20],

@@ -161,9 +161,7 @@ class Cluster:
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def spawn(
-        self, name: str, argv: Sequence[str], env: dict[str, str] | None = None
-    ) -> Child:
+    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
         """`env`: variables set on top of `child_process_env()` for this child."""
         stdout_path = self.workdir / f"{name}.out"
         stderr_path = self.workdir / f"{name}.err"

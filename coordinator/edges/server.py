@@ -60,6 +60,7 @@ def _quiet_http_errors(httpd: object, coordinator: Coordinator) -> None:
 
     httpd.handle_error = handle_error  # type: ignore[attr-defined]
 
+
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["EngineService"].full_name,
     pb.DESCRIPTOR.services_by_name["AdminService"].full_name,
