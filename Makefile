@@ -8,7 +8,7 @@ PROTO_SRC := proto/kvrc/v1/kvrc.proto
 PYTEST_ARGS ?=
 
 .PHONY: help venv sysdeps proto proto-check serve demo test test-fast test-e2e lint typecheck check \
-        bench-index bench-transfer bench-cluster vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load clean
+        bench-index bench-transfer bench-cluster vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load soak clean
 
 help:
 	@echo "make demo   - run the demo cluster (kvrc + engines on loopback)"
@@ -35,6 +35,15 @@ sysdeps:
 	    apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; \
 	  else \
 	    echo "the shared-store tests need Debian's redis-server: sudo apt-get install --no-install-recommends redis-server"; exit 1; \
+	  fi; \
+	fi
+	@# Debian's faketime (libfaketime): the soak steps kvrc's wall clock with it.
+	@if ! ls /usr/lib/*/faketime/libfaketime.so.1 >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing faketime (for the soak's wall-clock steps)"; \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends faketime >/dev/null; \
+	  else \
+	    echo "the soak needs Debian's faketime: sudo apt-get install --no-install-recommends faketime"; exit 1; \
 	  fi; \
 	fi
 
@@ -112,6 +121,11 @@ bench-load: $(STAMP)
 # and Redis commands per prefix load against real `kvrc serve --store redis://` replicas.
 bench-cluster: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_cluster $(ARGS)
+
+# Mixed load under a seeded fault schedule, memory store then 2 replicas on Redis:
+# writes benchmarks/results/soak.json; ARGS="--minutes N" (10), "--seed S" replays.
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak --check $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

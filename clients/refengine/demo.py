@@ -34,10 +34,10 @@ import argparse
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,11 +70,12 @@ kv_dtype = "bfloat16"
 """
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGKILL if the demo dies (even by SIGKILL)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _with_parent_death_signal(argv: Sequence[str]) -> list[str]:
+    """The child gets SIGKILL if the demo dies (even by SIGKILL): util-linux's setpriv
+    sets PR_SET_PDEATHSIG and execs. Not a preexec_fn: forking a process whose gRPC
+    threads are running (the soak restarts engines mid-load) crashed children."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else list(argv)
 
 
 def child_process_env() -> dict[str, str]:
@@ -160,25 +161,32 @@ class Cluster:
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def spawn(self, name: str, argv: Sequence[str]) -> Child:
+    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        """`env`: variables set on top of `child_process_env()` for this child."""
         stdout_path = self.workdir / f"{name}.out"
         stderr_path = self.workdir / f"{name}.err"
         with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
             process = subprocess.Popen(
-                list(argv),
+                _with_parent_death_signal(argv),
                 cwd=REPO,
-                env=child_process_env(),
+                env={**child_process_env(), **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,
                 start_new_session=True,  # its own process group: stopped as a whole
-                preexec_fn=_die_with_parent,
             )
         child = Child(name, process, stdout_path, stderr_path)
         self.children.append(child)
         return child
 
-    def start_coordinator(self, *extra: str, port: int = 0, timeout_s: float = 60.0) -> None:
+    def start_coordinator(
+        self,
+        *extra: str,
+        port: int = 0,
+        timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+    ) -> dict[str, int]:
+        """Start one kvrc; its bound ports (`grpc_port`, `metrics_port`)."""
         profiles = self.workdir / "profiles.toml"
         profiles.write_text(PROFILES_TOML)
         port_file = self.workdir / "ports.json"
@@ -196,6 +204,7 @@ class Cluster:
                 "--log-level", "WARNING",
                 *extra,
             ],
+            env,
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
@@ -205,8 +214,10 @@ class Cluster:
                 raise TimeoutError("kvrc did not start")
             time.sleep(0.05)
         time.sleep(0.05)  # the file is written at once; let the writer finish
-        self.grpc_port = int(json.loads(port_file.read_text())["grpc_port"])
+        ports = {k: int(v) for k, v in json.loads(port_file.read_text()).items()}
+        self.grpc_port = ports["grpc_port"]
         self.coordinators.append(coordinator)
+        return ports
 
     def restart_coordinator(self, timeout_s: float = 20.0) -> int:
         """Stop kvrc (SIGTERM) and start a new one on the same port; the old exit status."""

@@ -65,6 +65,7 @@ from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from clients.refengine.blocks import BlockPool, PoolExhaustedError, StoredBlock
 from clients.refengine.channel import Channel
 from clients.refengine.compute import expected_blocks, write_positions
+from clients.refengine.ledger import ReadLedger, ReleaseLedger
 from clients.refengine.options import EngineOptions, options_from_args
 from clients.refengine.pull_hook import NO_PULL_HOOK, PullContext, PullHook
 from clients.refengine.tasks import BackgroundTasks
@@ -145,6 +146,7 @@ class RankPart:
         self.executor = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="pull")
         self.in_flight = InFlightReads()
         self._reads_by_lease: dict[str, list[NativeRead]] = {}
+        self.read_ledger = ReadLedger()  # for checks from outside (the soak)
         # Pull calls still running per lease (an abort waits for them), and leases
         # aborted here (a pull not started yet must not start); bounded.
         self._pulls_running: dict[str, list[asyncio.Future[None]]] = {}
@@ -231,6 +233,8 @@ class RankPart:
             return None
         if op == "digest":
             return [self.block_digest(block_id) for block_id in args["block_ids"]]
+        if op == "read_ledger":
+            return self.read_ledger.document()
         raise ValueError(f"unknown command {op!r}")
 
     def block_digest(self, block_id: int) -> str:
@@ -304,6 +308,7 @@ class RankPart:
         )
         if result.native_read is not None:
             self._reads_by_lease.setdefault(lease_id, []).append(result.native_read)
+            self.read_ledger.read(lease_id, result.native_read)
         report = result.to_report(
             lease_id=lease_id,
             reporter_child_engine_id=self.options.child_engine_id,
@@ -524,6 +529,7 @@ class Leader:
         self._holds: dict[str, _HandoffHold] = {}  # lease id -> blocks held for a handoff
         self._hold_by_request: dict[str, _HandoffHold] = {}
         self._released_unbound: dict[str, None] = {}  # releases of handoffs not yet named
+        self.release_ledger = ReleaseLedger()  # for checks from outside (the soak)
         self._server: asyncio.Server | None = None
         # The sweep and the untaints of failed transfers: they end with the leader.
         self._tasks = BackgroundTasks(log)
@@ -640,9 +646,11 @@ class Leader:
         hold = self._holds.pop(lease_id, None)
         if lease_id in self._pin_deadlines:
             del self._pin_deadlines[lease_id]
+            self.release_ledger.released(lease_id)
             removed += self.pool.unpin(lease_id, now_ms())
         elif hold is not None:
             if self._hold_by_request.pop(hold.request_id, None) is not None:
+                self.release_ledger.released(lease_id)
                 removed += self.pool.release(hold.block_ids, now_ms())
         else:
             # Maybe a handoff we cannot name yet (bind_handoff names it); bounded.
@@ -680,6 +688,11 @@ class Leader:
             return self.stats()
         if op == "digests":
             return await self.digests(list(args["tokens"]))
+        if op == "ledger":
+            return {
+                "released_at": self.release_ledger.document(),
+                "quiet_at": await self._on_all("read_ledger"),
+            }
         raise ValueError(f"unknown driver request {op!r}")
 
     async def digests(self, tokens: list[int]) -> list[list[str]]:
@@ -973,6 +986,7 @@ class Leader:
             return
         for lease_id in [k for k, v in self._holds.items() if v is hold]:
             del self._holds[lease_id]
+            self.release_ledger.released(lease_id)
         self.pool.release(hold.block_ids, now_ms())
 
     async def decode(
@@ -1054,6 +1068,7 @@ class Leader:
                     if until <= now:
                         log.warning("pin %s never released; dropping it", lease_id)
                         del self._pin_deadlines[lease_id]
+                        self.release_ledger.released(lease_id)
                         removed += self.pool.unpin(lease_id, now)
                 for request_id, hold in list(self._hold_by_request.items()):
                     if hold.until_ms <= now:

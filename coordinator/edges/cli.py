@@ -171,6 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="an abort not acknowledged this long sends the lease to quarantine (%(default)s)",
     )
     serve.add_argument(
+        "--handoff-publish-timeout-ms",
+        type=int,
+        default=lease_defaults.handoff_publish_timeout_ms,
+        help="a handoff waiting for its prefill's publish this long fails (%(default)s)",
+    )
+    serve.add_argument(
+        "--handoff-ready-max-wait-ms",
+        type=int,
+        default=lease_defaults.handoff_ready_max_wait_ms,
+        help="a published handoff no decode began this long fails (%(default)s)",
+    )
+    serve.add_argument(
         "--tls-cert", type=Path, help="PEM server certificate (chain): TLS on the gRPC port"
     )
     serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
@@ -383,6 +395,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     for flag, value in (
         ("--handoff-heartbeat-timeout-ms", args.handoff_heartbeat_timeout_ms),
         ("--abort-timeout-ms", args.abort_timeout_ms),
+        ("--handoff-publish-timeout-ms", args.handoff_publish_timeout_ms),
+        ("--handoff-ready-max-wait-ms", args.handoff_ready_max_wait_ms),
     ):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1 ms, got {value}")
@@ -410,6 +424,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     leases = LeaseConfig(
         handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,
         abort_timeout_ms=args.abort_timeout_ms,
+        handoff_publish_timeout_ms=args.handoff_publish_timeout_ms,
+        handoff_ready_max_wait_ms=args.handoff_ready_max_wait_ms,
     )
     try:
         cost = CostConfig(

@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -37,12 +38,28 @@ from coordinator.edges.zmq_ingest import vllm_event_streams
 from coordinator.runtime.config import ConfigError, CoordinatorConfig, is_loopback_host
 from coordinator.runtime.coordinator import Coordinator
 from coordinator.runtime.gc_policy import freeze_startup_heap
+from coordinator.runtime.log_limit import RateLimitedLog
 from coordinator.runtime.peers import PeerLink
 from coordinator.runtime.redis_store import RedisStore
 from coordinator.runtime.replication import ReplicatedInventory
 from kvrc.v1 import kvrc_pb2 as pb
 
 log = logging.getLogger("kvrc.server")
+# One log line per interval for /metrics connections a client broke (I8-bad-input).
+HTTP_ERROR_LOG_INTERVAL_MS = 10_000
+
+
+def _quiet_http_errors(httpd: object, coordinator: Coordinator) -> None:
+    """A request that breaks the /metrics server's handler (junk, a 64 KiB path, a peer
+    that hangs up mid-answer) is one rate-limited line, not socketserver's traceback."""
+    limited = RateLimitedLog(log, coordinator.clock, HTTP_ERROR_LOG_INTERVAL_MS)
+
+    def handle_error(request: object, client_address: tuple[str, int]) -> None:
+        error = sys.exc_info()[1]
+        limited.warning("metrics", "/metrics request from %s failed: %r", client_address[0], error)
+
+    httpd.handle_error = handle_error  # type: ignore[attr-defined]
+
 
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["EngineService"].full_name,
@@ -146,6 +163,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
                 f"--metrics-port {config.metrics_port}: cannot bind on {host} ({e.strerror})"
             ) from None
         metrics_port = httpd.server_port
+        _quiet_http_errors(httpd, coordinator)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

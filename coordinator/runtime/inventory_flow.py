@@ -736,7 +736,7 @@ class InventoryFlow:
             return
         meta.zmq = stream
         task = asyncio.get_running_loop().create_task(stream.start())
-        task.add_done_callback(_log_failure)
+        task.add_done_callback(lambda t: _log_start_failure(cid, t))
 
     async def _stop_zmq(self, meta: _Meta) -> None:
         stream, meta.zmq = meta.zmq, None
@@ -871,6 +871,18 @@ class _ZmqSink:
 
     def mark_live(self, child_engine_id: str) -> None:
         """Nothing to undo: staleness ends with the new incarnation's drop."""
+
+
+def _log_start_failure(child_engine_id: str, task: asyncio.Task[None]) -> None:
+    """An endpoint kvrc cannot bind or reach is the engine's configuration: one line."""
+    if not task.cancelled() and isinstance(task.exception(), KvrcError):
+        log.warning(
+            "child engine %s: KV-event endpoint refused, not subscribing: %s",
+            child_engine_id,
+            task.exception(),
+        )
+        return
+    _log_failure(task)
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

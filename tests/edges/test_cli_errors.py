@@ -149,3 +149,22 @@ def test_an_unusable_target_is_one_line_exit_1(capsys: pytest.CaptureFixture[str
     assert code == cli.EXIT_UNREACHABLE
     assert len(err.splitlines()) == 1, err
     assert err.startswith("kvrc status: cannot get status from ")
+
+
+@pytest.mark.parametrize(
+    ("flag", "field"),
+    [
+        ("--handoff-publish-timeout-ms", "handoff_publish_timeout_ms"),
+        ("--handoff-ready-max-wait-ms", "handoff_ready_max_wait_ms"),
+    ],
+)
+def test_handoff_wait_flags_reach_the_lease_config_and_refuse_zero(flag: str, field: str) -> None:
+    from coordinator.runtime.config import ConfigError
+
+    parser = cli.build_parser()
+    config = cli.config_from_args(parser.parse_args(["serve", flag, "4321"]))
+    assert getattr(config.leases, field) == 4321
+    default = cli.config_from_args(parser.parse_args(["serve"]))
+    assert getattr(default.leases, field) != 4321  # the default is the core's
+    with pytest.raises(ConfigError, match=f"{flag} must be >= 1 ms, got 0"):
+        cli.config_from_args(parser.parse_args(["serve", flag, "0"]))
