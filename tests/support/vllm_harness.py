@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from harness import free_port, serve_command
 
-from clients.vllm.demo import api_server_command, engine_env
+from clients.vllm.demo import api_server_command, engine_env, warm_up
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DRIVER = Path(__file__).resolve().parent / "vllm_engine_driver.py"
@@ -183,7 +183,7 @@ class VllmEngine:
                 if line.startswith('{"'):
                     result.update(json.loads(line))
                     break
-                self.stdout_tail = [*self.stdout_tail[-40:], line]
+                self.stdout_tail = [*self.stdout_tail[-400:], line]
             done.set()
 
         reader = threading.Thread(target=read, daemon=True)
@@ -191,7 +191,8 @@ class VllmEngine:
         if not done.wait(within_s) or not result:
             raise AssertionError(
                 f"engine {self.name}: no answer within {within_s} s "
-                f"(exit {self.process.poll()}):\n{self.stderr_tail()}"
+                f"(exit {self.process.poll()}):\n{self.stderr_tail()}\n"
+                f"stdout (vLLM logs here):\n{''.join(self.stdout_tail)}"
             )
         return result
 
@@ -353,10 +354,12 @@ class OpenAiServer:
                 raise AssertionError(f"{self.name} exited:\n{self.log_path.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
+                    healthy = r.status == 200
             except OSError:
-                pass
+                healthy = False
+            if healthy:
+                warm_up(self.url)  # before any handoff (clients/vllm/demo.py WARM_UP_PROMPT)
+                return self
             if time.monotonic() > give_up:
                 raise AssertionError(f"{self.name} not ready in {within_s} s")
             time.sleep(0.5)
