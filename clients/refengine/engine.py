@@ -51,6 +51,7 @@ import torch
 
 from clients.errors import KvrcClientError
 from clients.hashing import hash_block_chain
+from clients.holds import HoldDeadlines, pin_hold_s
 from clients.inventory import (
     InventoryEvent,
     InventoryPublisher,
@@ -97,10 +98,9 @@ log = logging.getLogger("kvrc.refengine")
 
 RPC_TIMEOUT_S = 10.0
 SWEEP_INTERVAL_S = 0.5
-# A pin the coordinator never releases is dropped this long after its deadline,
-# so a lost release cannot leak blocks forever (the coordinator releases first).
-PIN_SAFETY_GRACE_MS = 60_000
-HANDOFF_SAFETY_MS = 300_000
+# A handoff the coordinator never releases is freed this long after its publish, so
+# a lost release cannot leak blocks forever (pins: clients/holds.py).
+HANDOFF_SAFETY_S = 300.0
 QUIET_POLL_S = 0.05
 
 
@@ -440,10 +440,15 @@ class RankPart:
         else:
             log.info("drain notice for %s (the leader stops new loads)", child_engine_id)
 
-    def _on_quarantine(self, lease_id: str, reason: str) -> None:
-        # Pins and tainted blocks already stay out of use until a release / quiet.
+    async def _on_quarantine(self, lease_id: str, reason: str) -> None:
+        # Tainted blocks already stay out of use until quiet; the leader stops the
+        # safety net of the lease's pins / handoff blocks (clients/holds.py).
         log.warning("lease %s quarantined: %s", lease_id, reason)
         emit("quarantined", lease_id=lease_id, reason=reason)
+        try:
+            await self._leader_call("quarantine", lease_id=lease_id)
+        except Exception:
+            log.exception("quarantine of %s not passed to the leader", lease_id)
 
 
 def _pull_reply(
@@ -510,7 +515,7 @@ class _PartState(NullHandler):
 class _HandoffHold:
     request_id: str
     block_ids: list[int]
-    until_ms: int
+    until: float  # time.monotonic(): the safety net frees it then, unless quarantined
 
 
 class Leader:
@@ -525,7 +530,8 @@ class Leader:
             self.all_connected.set()
         self.reuse_enabled = False
         self.draining = False  # a DrainNotice came: no new prefix loads from here on
-        self._pin_deadlines: dict[str, int] = {}
+        # Pins' safety nets; also what kvrc quarantined (never freed here, I6-quiescence).
+        self._pin_deadlines = HoldDeadlines()
         self._holds: dict[str, _HandoffHold] = {}  # lease id -> blocks held for a handoff
         self._hold_by_request: dict[str, _HandoffHold] = {}
         self._released_unbound: dict[str, None] = {}  # releases of handoffs not yet named
@@ -631,12 +637,14 @@ class Leader:
         if op == "pin":
             lease_id = str(args["lease_id"])
             block_ids = self.pool.pin(lease_id, [bytes(h) for h in args["hashes"]], now_ms())
-            deadline = int(args.get("deadline_ms") or 0) or now_ms() + 60_000
-            self._pin_deadlines[lease_id] = deadline + PIN_SAFETY_GRACE_MS
+            self._pin_deadlines.hold(lease_id, pin_hold_s(int(args.get("deadline_ms") or 0)))
             self.counters["pins"] += 1
             return list(block_ids)
         if op == "release":
             await self._release(str(args["lease_id"]))
+            return None
+        if op == "quarantine":
+            self._pin_deadlines.quarantine(str(args["lease_id"]))
             return None
         raise ValueError(f"unknown part request {op!r}")
 
@@ -644,8 +652,7 @@ class Leader:
         """A ReleaseRequest reached one of our parts: unpin, or free a handoff's blocks."""
         removed: list[bytes] = []
         hold = self._holds.pop(lease_id, None)
-        if lease_id in self._pin_deadlines:
-            del self._pin_deadlines[lease_id]
+        if self._pin_deadlines.discard(lease_id):
             self.release_ledger.released(lease_id)
             removed += self.pool.unpin(lease_id, now_ms())
         elif hold is not None:
@@ -841,13 +848,17 @@ class Leader:
         if hint.outcome is not LookupOutcome.HIT:
             info["load"] = f"miss ({hint.outcome.value})"
             return [], info
-        answer = await self.part.leases.request_prefix_load(
-            f"{request_id}/load",
-            hashes,
-            min_blocks=local_n + 1,
-            pin_timeout_ms=self.options.pin_timeout_ms,
-            transfer_timeout_ms=transfer_timeout_ms,
-        )
+        try:
+            answer = await self.part.leases.request_prefix_load(
+                f"{request_id}/load",
+                hashes,
+                min_blocks=local_n + 1,
+                pin_timeout_ms=self.options.pin_timeout_ms,
+                transfer_timeout_ms=transfer_timeout_ms,
+            )
+        except KvrcClientError as e:  # refused (e.g. reuse off): recompute
+            info["load"] = f"refused ({e.code.name.lower()})"
+            return [], info
         if isinstance(answer, Miss):
             info["load"] = f"miss ({answer.reason})"
             return [], info
@@ -945,7 +956,7 @@ class Leader:
                 "remote_engine_id": self.options.engine_id,
             }
         )
-        hold = _HandoffHold(request_id, held, now_ms() + HANDOFF_SAFETY_MS)
+        hold = _HandoffHold(request_id, held, time.monotonic() + HANDOFF_SAFETY_S)
         self._hold_by_request[request_id] = hold
         try:
             results = await self._on_all(
@@ -979,6 +990,13 @@ class Leader:
         if lease_id in self._released_unbound:  # the release came first
             del self._released_unbound[lease_id]
             await self._release(lease_id)
+
+    def _hold_quarantined(self, hold: _HandoffHold) -> bool:
+        return any(
+            self._pin_deadlines.is_quarantined(lease_id)
+            for lease_id, held in self._holds.items()
+            if held is hold
+        )
 
     def _drop_hold(self, request_id: str) -> None:
         hold = self._hold_by_request.pop(request_id, None)
@@ -1064,14 +1082,13 @@ class Leader:
             try:
                 now = now_ms()
                 removed = self.pool.expire(now)
-                for lease_id, until in list(self._pin_deadlines.items()):
-                    if until <= now:
-                        log.warning("pin %s never released; dropping it", lease_id)
-                        del self._pin_deadlines[lease_id]
-                        self.release_ledger.released(lease_id)
-                        removed += self.pool.unpin(lease_id, now)
+                for lease_id in self._pin_deadlines.overdue():
+                    log.warning("pin %s never released; dropping it", lease_id)
+                    self.release_ledger.released(lease_id)
+                    removed += self.pool.unpin(lease_id, now)
+                mono_now = time.monotonic()
                 for request_id, hold in list(self._hold_by_request.items()):
-                    if hold.until_ms <= now:
+                    if hold.until <= mono_now and not self._hold_quarantined(hold):
                         log.warning("handoff %s never released; freeing it", request_id)
                         self._drop_hold(request_id)
                 await self.publish((), removed)

@@ -13,7 +13,8 @@ Every public method of the KV cache manager and the block pool is wrapped in one
 re-entrant lock that pins and releases take too, so a pin never interleaves
 with an allocation, an eviction or a free. One pin per lease, whatever the
 number of rank parts asking; released once, at kvrc's ReleaseRequest (quiescence),
-or by a safety deadline long after the lease's own.
+or by a safety net long after the lease's own deadline, never once kvrc
+quarantined the lease (`clients/holds.py`).
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("kvrc.vllm.pool")
+from clients.holds import HoldDeadlines, pin_hold_s
 
-PIN_SAFETY_GRACE_S = 60.0
+log = logging.getLogger("kvrc.vllm.pool")
 
 
 def _lock_public_methods(obj: Any, lock: threading.RLock) -> None:
@@ -51,18 +50,13 @@ def _lock_public_methods(obj: Any, lock: threading.RLock) -> None:
         setattr(obj, name, locked)
 
 
-@dataclass
-class _Pin:
-    blocks: list[Any]
-    until: float
-
-
 class PoolPins:
     def __init__(self, key_of: Callable[[Any], bytes]) -> None:
         self.lock = threading.RLock()
         self._key_of = key_of
         self._pool: Any = None
-        self._pins: dict[str, _Pin] = {}
+        self._pins: dict[str, list[Any]] = {}  # lease id -> its pinned blocks
+        self._nets = HoldDeadlines()
         self._by_key: dict[bytes, bytes] = {}  # kvrc key -> vLLM BlockHash
 
     def bind(self, pool: Any, manager: Any = None) -> None:
@@ -107,7 +101,7 @@ class PoolPins:
         with self.lock:
             existing = self._pins.get(lease_id)
             if existing is not None:  # another rank part of this engine asked too
-                return [block.block_id for block in existing.blocks]
+                return [block.block_id for block in existing]
             if (
                 len(self._by_key) == 0
                 or keys[0] not in self._by_key
@@ -118,23 +112,32 @@ class PoolPins:
             if not blocks:
                 return []
             self._pool.touch(blocks)
-            left_s = max(0.0, deadline_unix_ms / 1000 - time.time()) if deadline_unix_ms else 60.0
-            self._pins[lease_id] = _Pin(blocks, time.monotonic() + left_s + PIN_SAFETY_GRACE_S)
+            self._pins[lease_id] = blocks
+            self._nets.hold(lease_id, pin_hold_s(deadline_unix_ms))
             return [block.block_id for block in blocks]
 
     def release(self, lease_id: str) -> bool:
         with self.lock:
-            pin = self._pins.pop(lease_id, None)
-            if pin is None:
+            blocks = self._pins.pop(lease_id, None)
+            self._nets.discard(lease_id)
+            if blocks is None:
                 return False
-            self._pool.free_blocks(pin.blocks)
+            self._pool.free_blocks(blocks)
             return True
+
+    def quarantine(self, lease_id: str) -> None:
+        """kvrc quarantined the lease: its pin stays until kvrc's release."""
+        with self.lock:
+            self._nets.quarantine(lease_id)
+
+    def is_quarantined(self, lease_id: str) -> bool:
+        with self.lock:
+            return self._nets.is_quarantined(lease_id)
 
     def expire(self) -> list[str]:
         """Pins whose release never came, dropped long after their deadline."""
-        now = time.monotonic()
         with self.lock:
-            late = [lease for lease, pin in self._pins.items() if pin.until <= now]
+            late = self._nets.overdue()
         for lease in late:
             log.warning("pin of lease %s never released; dropping it", lease)
             self.release(lease)

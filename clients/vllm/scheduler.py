@@ -166,6 +166,9 @@ class KvrcScheduler:
         if op == "hello":
             self._endpoints[int(args["tp_rank"])] = str(args["endpoint"])
             return True
+        if op == "quarantine":  # no safety net frees its pin or handoff (clients/holds.py)
+            self.pins.quarantine(str(args["lease_id"]))
+            return True
         raise ValueError(f"unknown worker request {op!r}")
 
     def _handoff_released(self, lease_id: str) -> bool:
@@ -223,6 +226,8 @@ class KvrcScheduler:
         )
 
     def _hold_expired(self, lease_id: str) -> None:
+        if self.pins.is_quarantined(lease_id):
+            return  # kept until kvrc's release (I6-quiescence)
         with self._lock:
             request_id = self._handoff_leases.pop(lease_id, None)
             if request_id is None:

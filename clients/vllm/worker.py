@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from clients.errors import DeadlineExceededError, KvrcClientError, UnavailableError
+from clients.holds import HoldDeadlines
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
 from clients.leases import LeaseClient, LeaseSessionHandler, PinAnswer, PinRequestInfo
 from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
@@ -228,6 +229,7 @@ class KvrcWorker:
         self._reads_by_lease: dict[str, list[NativeRead]] = {}
         self._pulls_running: dict[str, list[asyncio.Future[None]]] = {}
         self._held: dict[str, str] = {}  # handoff lease id -> prefill request id
+        self._quarantined = HoldDeadlines()  # only what kvrc quarantined (no nets here)
         self._released_early: dict[str, None] = {}
         self._handoff_of_request: dict[str, str] = {}
         self._scheduler_channel: Any = None
@@ -569,6 +571,8 @@ class KvrcWorker:
         )
 
     def _hold_expired(self, lease_id: str) -> None:
+        if self._quarantined.is_quarantined(lease_id):
+            return  # kept until kvrc's release (I6-quiescence)
         request_id = self._held.pop(lease_id, None)
         if request_id is not None:
             log.warning("handoff lease %s never released; freeing %s", lease_id, request_id)
@@ -638,9 +642,14 @@ class KvrcWorker:
         while len(self._released_early) > 4096:
             del self._released_early[next(iter(self._released_early))]
 
-    def _on_quarantine(self, lease_id: str, reason: str) -> None:
+    async def _on_quarantine(self, lease_id: str, reason: str) -> None:
         log.warning("lease %s quarantined: %s (its blocks stay out of use)", lease_id, reason)
         self.finished.count("quarantined")
+        self._quarantined.quarantine(lease_id)
+        try:  # the scheduler holds the pin: its safety net must not free it
+            await self._scheduler_call("quarantine", lease_id=lease_id)
+        except Exception as e:
+            log.warning("quarantine of %s not passed to the scheduler: %s", lease_id, e)
 
     # --- shutdown ------------------------------------------------------------------
 
