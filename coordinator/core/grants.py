@@ -337,11 +337,21 @@ class Grants:
         """Opens the lease and asks the holder's parts to pin (or misses at once).
 
         A repeat of an open request returns that lease; one whose answer is known
-        answers at once. FAILED_PRECONDITION (nothing changed) when the requester
+        answers at once, except a grant that ended (FAILED_PRECONDITION: its pins
+        are released). FAILED_PRECONDITION (nothing changed) when the requester
         may not load now, with the reason.
         """
         requester = self._registry.get(req.requester_child_engine_id)
         existing = self.table.find_prefix_load(req.requester_child_engine_id, req.request_id)
+        if existing is not None and existing.terminal and existing.prefix_load_grant is not None:
+            # I6-quiescence: its pins are released; handing out its blocks again would send
+            # a read to blocks the holder may already have reused.
+            raise failed_precondition(
+                f"request {req.request_id!r} of {req.requester_child_engine_id!r} already "
+                f"loaded through lease {existing.lease_id!r}, which ended "
+                f"({existing.state.name}) and released its pins: a new load needs a new "
+                "request id"
+            )
         if existing is not None:
             # The core checks that the repeat names the same chain (holder arguments unused).
             step = self.table.open_prefix_load(
