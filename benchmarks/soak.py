@@ -297,6 +297,7 @@ class StoreRun:
         self.phase = "fault_free"
         self.stopping = False
         self.burst = False
+        self.bursts = 0  # bursts so far: their workers get numbers of their own
         self.latency: dict[tuple[str, str], list[float]] = {}
         self.requests = 0
         self.failed_requests: Counter[str] = Counter()
@@ -798,9 +799,14 @@ class StoreRun:
 
     async def fault_burst(self) -> str:
         self.burst = True
+        self.bursts += 1
         until = time.monotonic() + 5.0
+        # Worker numbers unique over the run: they name the requests (a request id
+        # reused after its lease ended is refused, I6-quiescence).
         extra = [
-            asyncio.create_task(self._conversations(100 + n, lambda: time.monotonic() > until))
+            asyncio.create_task(
+                self._conversations(100 * self.bursts + n, lambda: time.monotonic() > until)
+            )
             for n in range(9 * CONCURRENCY)
         ]
         await asyncio.gather(*extra)
