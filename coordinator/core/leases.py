@@ -17,7 +17,10 @@ I6-quiescence, the rules this module keeps:
 - a deadline passing while the target is alive leads to `SendAbort` and a wait
   for every acknowledgement, never to a release; an abort that is never
   acknowledged, or any UNKNOWN outcome, ends in QUARANTINED (fail closed): the
-  source is told to keep the blocks out of use until an operator resolves it;
+  source is told to keep the blocks out of use. A live target's parts that owe
+  a proof (an UNKNOWN outcome, an abort not acknowledged) are sent an abort;
+  once each acknowledges it (its reads are quiet) the quarantine ends FAILED
+  with a release. Otherwise only an operator resolves it. Never on a timer;
 - a release is sent at most once per source rank part.
 
 Prefix-load pins: a holder part that never answered its PinRequest by the pin
@@ -887,7 +890,21 @@ class LeaseTable:
             lease.abort_pending.discard(rank_key)
             lease.abort_acked.add(rank_key)
             self._settle_if_quiescent(lease, now_ms, actions)
+        elif lease.state is LeaseState.QUARANTINED and rank_key in lease.abort_pending:
+            # The part's reads are quiet (I6-quiescence): the last proof owed ends it.
+            lease.abort_pending.discard(rank_key)
+            lease.abort_acked.add(rank_key)
+            self._end_quarantine_if_proven(lease, now_ms, actions)
         return LeaseStep(self._view(lease), tuple(actions))
+
+    def _end_quarantine_if_proven(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
+        if lease.abort_pending:
+            return
+        # A recovered lease also needs every target part's report (the first names it).
+        if lease.recovered and len(lease.outcomes) < len(lease.target_rank_keys):
+            return
+        text = "quarantine ended: every target part proved its reads quiet"
+        self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
 
     def resolve_quarantine(self, lease_id: str, now_ms: int) -> LeaseStep:
         """An operator proved the quarantined blocks quiet: release them."""
@@ -1064,10 +1081,10 @@ class LeaseTable:
         self._check_part(lease, reporter_child_engine_id, rank_key, source=False)
         if lease.recovered and lease.state is LeaseState.QUARANTINED:
             return self._report_recovered(lease, rank_key, outcome, now_ms)
-        if rank_key in lease.abort_acked:
-            return LeaseStep(self._view(lease), ())  # its abort ack already settled it
         if _earlier_outcome(lease, rank_key, outcome) is not None:
             return LeaseStep(self._view(lease), ())  # a repeat
+        if rank_key in lease.abort_acked:
+            return LeaseStep(self._view(lease), ())  # its abort ack already settled it
         if lease.state in (LeaseState.PINNING, LeaseState.WAITING_READY, LeaseState.READY):
             raise failed_precondition(
                 f"lease {lease.lease_id} is {lease.state.name}: nothing was granted to report on"
@@ -1104,15 +1121,21 @@ class LeaseTable:
     def _report_recovered(
         self, lease: _Lease, rank_key: RankKey, outcome: Outcome, now_ms: int
     ) -> LeaseStep:
-        _earlier_outcome(lease, rank_key, outcome)
+        if _earlier_outcome(lease, rank_key, outcome) is not None:
+            return LeaseStep(self._view(lease), ())  # a repeat
         lease.outcomes[rank_key] = outcome
         actions: list[Action] = []
         outcomes = lease.outcomes.values()
-        if len(lease.outcomes) == len(lease.target_rank_keys) and Outcome.UNKNOWN not in outcomes:
+        if outcome is Outcome.UNKNOWN:
+            # Its ack, once its reads are quiet, is the proof this part owes.
+            lease.reason = "recovered after a restart; a target part reported UNKNOWN"
+            lease.abort_pending.add(rank_key)
+            self._send_aborts(lease, [rank_key], lease.reason, actions)
+        elif len(lease.outcomes) == len(lease.target_rank_keys) and Outcome.UNKNOWN not in outcomes:
             # The target proved quiescence for every part: the holder may unpin.
             self._settle_if_quiescent(lease, now_ms, actions)
-        elif Outcome.UNKNOWN in outcomes:
-            lease.reason = "recovered after a restart; a target part reported UNKNOWN"
+        else:
+            self._end_quarantine_if_proven(lease, now_ms, actions)
         return LeaseStep(self._view(lease), tuple(actions))
 
     def _settle_if_quiescent(
@@ -1124,7 +1147,8 @@ class LeaseTable:
                 return
         outcomes = lease.outcomes.values()
         if Outcome.UNKNOWN in outcomes:
-            self._quarantine(lease, "a transfer part reported an UNKNOWN outcome", actions)
+            text = "a transfer part reported an UNKNOWN outcome"
+            self._quarantine(lease, text, actions, await_proofs=not target_gone)
         elif (
             not target_gone
             and all(o is Outcome.SUCCEEDED for o in outcomes)
@@ -1159,7 +1183,12 @@ class LeaseTable:
             for k in pending
         )
 
-    def _quarantine(self, lease: _Lease, reason: str, actions: list[Action]) -> None:
+    def _quarantine(
+        self, lease: _Lease, reason: str, actions: list[Action], *, await_proofs: bool
+    ) -> None:
+        """Fail closed. With `await_proofs` (the target is alive), every target part that
+        owes a proof of quiet reads (UNKNOWN outcome, or an abort still unacknowledged)
+        gets an abort: its ack is that proof (`on_abort_ack`)."""
         lease.reason = reason
         self._set_state(lease, LeaseState.QUARANTINED)
         actions.append(LeaseQuarantined(lease.lease_id, lease.flow, reason))
@@ -1167,6 +1196,17 @@ class LeaseTable:
             SendQuarantine(lease.source_child_engine_id, k, lease.lease_id, lease.flow, reason)
             for k in self._pinned_parts(lease)
         )
+        if not await_proofs:
+            lease.abort_pending.clear()  # nobody left to prove anything: an operator's call
+            return
+        unknown = [
+            k
+            for k in lease.target_rank_keys
+            if lease.outcomes.get(k) is Outcome.UNKNOWN and k not in lease.abort_acked
+        ]
+        lease.abort_pending.update(unknown)
+        if unknown:
+            self._send_aborts(lease, unknown, f"quarantined: {reason}", actions)
 
     def _expire(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
         state = lease.state
@@ -1183,7 +1223,8 @@ class LeaseTable:
             # The target is alive (else on_engine_gone would have run): abort, don't release.
             self._abort(lease, "lease deadline passed", now_ms, actions)
         elif state is LeaseState.ABORTING:
-            self._quarantine(lease, "abort not acknowledged in time", actions)
+            # A late ack still proves quiet: abort_pending stays awaited.
+            self._quarantine(lease, "abort not acknowledged in time", actions, await_proofs=True)
 
     def _source_gone(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
         # Its pins died with it: nobody to release, nothing to quarantine.

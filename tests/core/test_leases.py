@@ -247,6 +247,58 @@ def test_unknown_outcome_quarantines_until_an_operator_resolves() -> None:
     refused(t, ErrorCode.FAILED_PRECONDITION, lambda: t.resolve_quarantine(lease_id, T0))
 
 
+def test_an_unknown_part_proves_its_reads_quiet_with_an_abort_ack_and_the_quarantine_ends() -> None:
+    # I6-quiescence: the part that reported UNKNOWN is asked (an abort) to prove its
+    # reads quiet; its ack is that proof, and only then is the holder released.
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.UNKNOWN, T0 + 100)
+    step = t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.SUCCEEDED, T0 + 100)
+    assert step.view.state is LeaseState.QUARANTINED
+    assert [(a.child_engine_id, a.rank_key) for a in of(step.actions, SendAbort)] == [(REQ, TP2[0])]
+    # The control: an ack from the part that owes nothing, and time, change nothing.
+    assert t.on_abort_ack(lease_id, REQ, TP2[1], T0 + 200).actions == ()
+    assert t.tick(T0 + 10**9) == []
+    assert t.get(lease_id).state is LeaseState.QUARANTINED
+    proven = t.on_abort_ack(lease_id, REQ, TP2[0], T0 + 10**9)
+    assert proven.view.state is LeaseState.FAILED
+    assert [(a.child_engine_id, a.rank_key) for a in of(proven.actions, SendRelease)] == [
+        (HOLD, k) for k in TP2
+    ]
+    assert "proved its reads quiet" in proven.view.reason
+    # A repeated ack changes nothing; a report cannot change the UNKNOWN either.
+    assert t.on_abort_ack(lease_id, REQ, TP2[0], T0 + 10**9).actions == ()
+    refused(
+        t,
+        ErrorCode.FAILED_PRECONDITION,
+        lambda: t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.SUCCEEDED, T0 + 10**9),
+    )
+
+
+def test_a_late_abort_ack_ends_the_quarantine_it_caused() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.FAILED, T0 + 100)
+    t.tick(T0 + 10 + 5_000)  # ACTIVE -> ABORTING: TP2[1] is asked to stop
+    quarantined = t.tick(T0 + 10**8)  # never acknowledged in time
+    assert t.get(lease_id).state is LeaseState.QUARANTINED
+    assert of(quarantined, SendRelease) == [] and of(quarantined, SendAbort) == []
+    late = t.on_abort_ack(lease_id, REQ, TP2[1], T0 + 10**8 + 1)
+    assert late.view.state is LeaseState.FAILED and len(of(late.actions, SendRelease)) == 2
+
+
+def test_a_quarantine_whose_target_is_gone_waits_for_the_operator() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.UNKNOWN, T0 + 100)
+    t.tick(T0 + 10 + 5_000)  # TP2[1] is aborted
+    actions = t.on_engine_gone(REQ, T0 + 6_000)  # quarantined: nobody left to prove it
+    assert t.get(lease_id).state is LeaseState.QUARANTINED and of(actions, SendAbort) == []
+    assert t.on_abort_ack(lease_id, REQ, TP2[0], T0 + 7_000).actions == ()
+    assert t.on_abort_ack(lease_id, REQ, TP2[1], T0 + 7_000).actions == ()
+    assert t.get(lease_id).state is LeaseState.QUARANTINED
+
+
 def test_deadline_with_live_requester_aborts_and_releases_only_after_every_ack() -> None:
     t = table()
     lease_id = granted_load(t)

@@ -9,7 +9,8 @@ core told it to send, and checks after every step:
 
 - no release before quiescence (every target part reported or acknowledged an
   abort), proven death of the target, or an operator's resolution; never a
-  release while an UNKNOWN outcome stands unresolved;
+  release while an UNKNOWN outcome stands unproven (a part that reported UNKNOWN
+  proves its reads quiet only by acknowledging an abort sent to it);
 - a release at most once per source part, and only to parts that were asked
   to pin (prefix load) or that published (handoff);
 - no lease serves both flows (its flow never changes; the other flow's
@@ -98,7 +99,9 @@ class LeaseMachine(RuleBasedStateMachine):
         self.target_parts: dict[str, tuple[RankKey, ...]] = {}
         self.granted: set[str] = set()
         self.settled: dict[str, set[RankKey]] = {}
-        self.unknown: set[str] = set()
+        self.unknown: dict[str, set[RankKey]] = {}  # lease -> parts that reported UNKNOWN
+        self.abort_sent: set[tuple[str, RankKey]] = set()
+        self.proven: set[tuple[str, RankKey]] = set()  # acked an abort sent to it
         self.holding: dict[tuple[str, RankKey], int] = {}  # (lease, source part) -> step
         self.zero_pins: set[tuple[str, RankKey]] = set()
         self.releases: Counter[tuple[str, str, RankKey]] = Counter()
@@ -173,6 +176,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 assert (action.lease_id, action.rank_key) in self.holding
             elif isinstance(action, SendAbort):
                 assert action.child_engine_id == self.target[action.lease_id]
+                self.abort_sent.add((action.lease_id, action.rank_key))
             elif isinstance(action, LeaseGranted):
                 self.granted.add(action.lease_id)
             elif isinstance(action, LeaseQuarantined):
@@ -189,7 +193,8 @@ class LeaseMachine(RuleBasedStateMachine):
     def check_release_allowed(self, lid: str, *, resolving: str | None, gone: str | None) -> None:
         if resolving == lid:
             return
-        assert lid not in self.unknown, "released despite an UNKNOWN outcome"
+        unproven = {k for k in self.unknown.get(lid, ()) if (lid, k) not in self.proven}
+        assert not unproven, f"released despite an unproven UNKNOWN outcome of {unproven}"
         assert self.view(lid).state is not LeaseState.QUARANTINED
         if lid not in self.granted:
             return  # nothing was handed to a target: the pins only wait for nobody
@@ -483,7 +488,7 @@ class LeaseMachine(RuleBasedStateMachine):
             self.reported[(lid, rank)] = outcome
             self.settled[lid].add(rank)
             if outcome is Outcome.UNKNOWN:
-                self.unknown.add(lid)
+                self.unknown.setdefault(lid, set()).add(rank)
         self.apply(step.actions)  # type: ignore[attr-defined]
 
     @rule(which=indexes, part=indexes, anywhere=sometimes)
@@ -491,12 +496,21 @@ class LeaseMachine(RuleBasedStateMachine):
         candidates = sorted(lid for lid in self.target if lid in self.granted)
         if not candidates:
             return
-        lid = self.choose(candidates, which, anywhere, LeaseState.ABORTING)
-        parts = self.unsettled(self.target_parts[lid], self.settled[lid], anywhere)
-        rank = parts[part % len(parts)]
+        lid = self.choose(candidates, which, anywhere, LeaseState.ABORTING, LeaseState.QUARANTINED)
         before = self.view(lid)
+        if before.state is LeaseState.QUARANTINED and not anywhere:
+            # Mostly a part that owes a proof (it was sent an abort).
+            owing = [k for k in self.target_parts[lid] if (lid, k) in self.abort_sent]
+            parts: Sequence[RankKey] = owing or self.target_parts[lid]
+        else:
+            parts = self.unsettled(self.target_parts[lid], self.settled[lid], anywhere)
+        rank = parts[part % len(parts)]
         step = self.table.on_abort_ack(lid, self.target[lid], rank, self.now)
         if before.state is LeaseState.ABORTING:
+            self.settled[lid].add(rank)
+        if (lid, rank) in self.abort_sent:
+            # An ack to an abort it was sent: its reads are quiet (also a late one).
+            self.proven.add((lid, rank))
             self.settled[lid].add(rank)
         self.apply(step.actions)
 

@@ -42,6 +42,7 @@ from coordinator.core.leases import (
     LeaseStep,
     LeaseTable,
     Outcome,
+    SendAbort,
     SendQuarantine,
     SendRelease,
     flow_of_lease_id,
@@ -255,10 +256,31 @@ def test_an_unknown_outcome_keeps_a_recovered_lease_quarantined_until_an_operato
     step = t.complete_prefix_load(
         "pl-x3", "req", (0, 0, 0), Outcome.UNKNOWN, 5, reporter_rank_keys=GRID1
     )
-    assert step.view.state is LeaseState.QUARANTINED and step.actions == ()
+    # The part is asked to prove its reads quiet (an abort); until then, nothing else.
+    assert step.view.state is LeaseState.QUARANTINED
+    assert [(type(a), a.child_engine_id) for a in step.actions if isinstance(a, SendAbort)] == [
+        (SendAbort, "req")
+    ]
+    assert not [a for a in step.actions if isinstance(a, SendRelease)]
+    assert t.tick(10**12) == []
     resolved = t.resolve_quarantine("pl-x3", 10)
     assert resolved.view.state is LeaseState.RESOLVED
     assert [type(a) for a in resolved.actions if isinstance(a, SendRelease)] == [SendRelease]
+
+
+def test_a_recovered_lease_whose_unknown_part_acks_the_abort_is_released() -> None:
+    t = _table()
+    _recover(t, "pl-x6", grid=GRID1)
+    t.complete_prefix_load("pl-x6", "req", (0, 0, 0), Outcome.UNKNOWN, 5, reporter_rank_keys=GRID2)
+    assert t.get("pl-x6").state is LeaseState.QUARANTINED
+    # The control: the other part has not reported yet, so the ack alone is not enough.
+    assert t.on_abort_ack("pl-x6", "req", (0, 0, 0), 6).actions == ()
+    assert t.get("pl-x6").state is LeaseState.QUARANTINED
+    done = t.complete_prefix_load(
+        "pl-x6", "req", (1, 0, 0), Outcome.SUCCEEDED, 7, reporter_rank_keys=GRID2
+    )
+    assert done.view.state is LeaseState.FAILED
+    assert [a.child_engine_id for a in done.actions if isinstance(a, SendRelease)] == ["hold"]
 
 
 def test_bad_or_foreign_re_announcements_are_refused_and_change_nothing() -> None:

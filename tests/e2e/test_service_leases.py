@@ -145,7 +145,10 @@ def test_prefix_load_grants_the_shortest_pin_and_releases_at_quiescence(
     assert (last["state"], last["quiescent"]) == ("COMPLETED", True)
     for holder in (h0, h1):
         assert holder.event("release", grant["lease_id"])["reason"].startswith("quiescent")
-    assert load(r0, "q1", hashes, min_blocks=2)["lease_id"] == grant["lease_id"]  # not re-opened
+    # The ended grant is neither re-opened nor handed out again: its pins are gone (I6).
+    repeat = r0.command("request_load", request_id="q1", hashes=hashes, min_blocks=2)
+    assert (repeat["ok"], repeat["code"]) == (False, "FAILED_PRECONDITION"), repeat
+    assert grant["lease_id"] in repeat["message"], repeat
     assert lease_state(kvrc, grant["lease_id"]) is None
 
 
@@ -228,11 +231,15 @@ def test_lease_timeout_with_a_live_requester_aborts_then_releases_after_the_ack(
 def test_unknown_outcome_quarantines_until_resolved_by_rpc(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine]
 ) -> None:
-    holder, req, hashes = stored_pair(kvrc, engines, "uq", 3)
+    # The requester never proves its reads quiet (it never acknowledges an abort).
+    options = {"abort": "never"}
+    holder, req, hashes = stored_pair(kvrc, engines, "uq", 3, requester_options=options)
     grant = load(req, "u1", hashes)
     done = req.command("complete_load", lease_id=grant["lease_id"], outcome="UNKNOWN")
     assert (done["state"], done["quiescent"]) == ("QUARANTINED", False)
     holder.event("quarantine", grant["lease_id"])
+    req.event("abort", grant["lease_id"])  # asked for the proof, which never comes
+    assert not holder.has_event("release", grant["lease_id"], within_s=0.5)
     assert lease_state(kvrc, grant["lease_id"]) == "QUARANTINED"
     with grpc.insecure_channel(kvrc.grpc_target) as channel:
         admin = pb_grpc.AdminServiceStub(channel)
@@ -249,6 +256,25 @@ def test_unknown_outcome_quarantines_until_resolved_by_rpc(
         )
     assert resolved.state == pb.LEASE_STATE_RESOLVED
     assert "operator" in holder.event("release", grant["lease_id"])["reason"]
+
+
+def test_an_unknown_outcome_ends_when_the_requester_acks_the_abort_once_quiet(
+    kvrc: CoordinatorProcess, engines: list[LeaseEngine]
+) -> None:
+    # I6-quiescence: the UNKNOWN part's abort ack (sent once its reads are quiet) is the
+    # proof that ends the quarantine; the holder is released only after it.
+    options = {"abort": "delay:800"}
+    holder, req, hashes = stored_pair(kvrc, engines, "uk", 3, requester_options=options)
+    grant = load(req, "k1", hashes)
+    done = req.command("complete_load", lease_id=grant["lease_id"], outcome="UNKNOWN")
+    assert done["state"] == "QUARANTINED"
+    holder.event("quarantine", grant["lease_id"])
+    req.event("abort", grant["lease_id"])
+    assert not holder.has_event("release", grant["lease_id"], within_s=0.3)  # ack not sent yet
+    req.event("abort_acked", grant["lease_id"])  # printed just before the ack goes out
+    release = holder.event("release", grant["lease_id"])
+    assert "proved its reads quiet" in release["reason"], release
+    assert lease_state(kvrc, grant["lease_id"]) is None  # ended (FAILED), not open
 
 
 # --- gate, authority, bad input ------------------------------------------------------------
