@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +56,12 @@ MAX_HELD_ANNOUNCED = 4096
 # Reports are retried while the coordinator is unreachable or warming after a restart.
 _REPORT_RETRY_INITIAL_S = 0.05
 _REPORT_RETRY_MAX_S = 1.0
+# Terminal reports sent again after a re-registration (a restarted coordinator rebuilt
+# the lease from its holder's re-announcement and waits for them): the newest ones of
+# the last REPLAY_WINDOW_S (kvrc's longest transfer TTL), at most MAX_REPLAYED_REPORTS.
+MAX_REPLAYED_REPORTS = 256
+REPLAY_WINDOW_S = 600.0
+_QUIET_OUTCOMES = (pb.TRANSFER_OUTCOME_SUCCEEDED, pb.TRANSFER_OUTCOME_FAILED)
 
 __all__ = [
     "CompleteResult",
@@ -154,6 +162,9 @@ class LeaseClient:
             self._channel = connect(target) if isinstance(target, (str, ChannelOptions)) else target
             self._stubs = EngineStub(self._channel)
         self._timeout_s = timeout_s
+        # (lease id, rank) -> (monotonic time, RPC method, report): see replay_recent_reports.
+        self._recent: OrderedDict[tuple[str, int, int, int], tuple[float, str, pb.TransferReport]]
+        self._recent = OrderedDict()
 
     @property
     def _stub(self) -> pb_grpc.EngineServiceAsyncStub:
@@ -225,6 +236,46 @@ class LeaseClient:
         return CompleteResult(_state_name(reply.state), reply.quiescent)
 
     async def _report(self, method: str, report: pb.TransferReport) -> Any:
+        if report.outcome in _QUIET_OUTCOMES:
+            self._remember(method, report)
+        return await self._send_report(method, report)
+
+    def _remember(self, method: str, report: pb.TransferReport) -> None:
+        rank = report.rank
+        key = (report.lease_id, rank.tp_rank, rank.pp_rank, rank.pcp_rank)
+        again = pb.TransferReport()
+        again.CopyFrom(report)
+        again.ClearField("prefill")  # one prefill sample is one sample
+        self._recent.pop(key, None)
+        self._recent[key] = (time.monotonic(), method, again)
+        while len(self._recent) > MAX_REPLAYED_REPORTS:
+            self._recent.popitem(last=False)
+
+    async def replay_recent_reports(self) -> int:
+        """Sends this engine's recent SUCCEEDED / FAILED reports again; how many were taken.
+
+        After a coordinator restart a lease its holder re-announced is QUARANTINED until
+        every target part reports (docs/operations.md); a part that reported to the old
+        coordinator proves quiescence again this way. A report the coordinator no longer
+        knows, or already has, changes nothing there. Both outcomes promise quiet reads,
+        which stays true: replaying them can never release blocks early.
+        """
+        horizon = time.monotonic() - REPLAY_WINDOW_S
+        while self._recent and next(iter(self._recent.values()))[0] < horizon:
+            self._recent.popitem(last=False)
+        reports = [(method, report) for _, method, report in self._recent.values()]
+
+        async def send(method: str, report: pb.TransferReport) -> bool:
+            try:
+                await self._send_report(method, report)
+                return True
+            except KvrcClientError:
+                return False  # NOT_FOUND / FAILED_PRECONDITION: nothing waits for it
+
+        taken = await asyncio.gather(*(send(m, r) for m, r in reports))
+        return sum(taken)
+
+    async def _send_report(self, method: str, report: pb.TransferReport) -> Any:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
         delay = _REPORT_RETRY_INITIAL_S
@@ -434,6 +485,8 @@ class LeaseSessionHandler(SessionHandler):
         self._tasks: set[asyncio.Task[None]] = set()
         # Leases this part holds pins for until their ReleaseRequest (insertion order).
         self._held: dict[str, None] = {}
+        self._registrations = 0
+        self._reports: LeaseClient | None = None
 
     def held_lease_ids(self) -> Sequence[str]:
         """Re-announced at every (re-)registration: a restarted coordinator rebuilds these
@@ -454,13 +507,27 @@ class LeaseSessionHandler(SessionHandler):
     def attach(self, session: EngineSession) -> None:
         self._session = session
 
+    def replay_reports_of(self, client: LeaseClient) -> None:
+        """After each re-registration, `client`'s recent terminal reports are sent again
+        (`LeaseClient.replay_recent_reports`): a restarted coordinator may wait for them."""
+        self._reports = client
+
     def _require_session(self) -> EngineSession:
         if self._session is None:
             raise RuntimeError("LeaseSessionHandler.attach(session) was not called")
         return self._session
 
     async def on_registered(self, ack: Any) -> None:
+        self._registrations += 1
+        if self._registrations > 1 and self._reports is not None:
+            self._spawn(self._replay(self._reports))
         await self._inner.on_registered(ack)
+
+    @staticmethod
+    async def _replay(client: LeaseClient) -> None:
+        taken = await client.replay_recent_reports()
+        if taken:
+            log.info("re-registered: %d recent transfer reports sent again", taken)
 
     async def on_state(self, state: Any) -> None:
         await self._inner.on_state(state)

@@ -188,6 +188,7 @@ class RankPart:
         # To the replica this part is registered with, also after the session moved.
         self._channels = SessionChannels(self.session)
         self.leases = LeaseClient(self._channels, options.child_engine_id, timeout_s=RPC_TIMEOUT_S)
+        self.handler.replay_reports_of(self.leases)  # a restarted kvrc may wait for them
         self.lookups = LookupClient(self._channels)
 
     @property

@@ -321,6 +321,7 @@ class KvrcWorker:
         self.handler.attach(self.session)
         self._channel = connect(options)
         self.leases = LeaseClient(self._channel, self.child_engine_id, timeout_s=RPC_TIMEOUT_S)
+        self.handler.replay_reports_of(self.leases)  # a restarted kvrc may wait for them
         self._session_task = asyncio.create_task(self._keep_registering())
         self._hello_task = asyncio.create_task(self._say_hello())
 

@@ -291,6 +291,7 @@ async def main() -> int:
         await publisher.stored(chain(args.retain), num_tokens=16 * args.retain)
     emit({"event": "started", "child_engine_id": child})
     leases = LeaseClient(args.target, child, timeout_s=15.0)
+    handler.replay_reports_of(leases)  # as production engines do
     lookups = LookupClient(args.target)
 
     await serve_commands(lambda cmd: engine.run_command(cmd, leases, lookups, handler, child), emit)

@@ -196,6 +196,17 @@ class VllmEngine:
             )
         return result
 
+    def diagnosis(self, kvrc: Kvrc | None = None) -> str:
+        """What a failed assertion should show: counters, stderr, vLLM's log, kvrc's log."""
+        parts = [
+            f"engine {self.name} stats: {self.stats()}",
+            f"stderr:\n{self.stderr_tail()}",
+            f"stdout (vLLM logs here):\n{''.join(self.stdout_tail[-80:])}",
+        ]
+        if kvrc is not None:
+            parts.append(f"kvrc log:\n{kvrc.log()[-6000:]}")
+        return "\n".join(parts)
+
     def stderr_tail(self, n: int = 60) -> str:
         lines = self.stderr_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])

@@ -86,7 +86,8 @@ def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
             out = decode.generate(prompt, max_tokens=16, kv_transfer_params=params, within_s=SLOW_S)
             assert out["tokens"] == reference
             stats = decode.wait_stats("handoff_loads")
-            assert stats["handoff_tokens_loaded"] == len(prompt)
+            # Not loaded means recomputed (the same tokens): say why, from every log.
+            assert stats.get("handoff_tokens_loaded") == len(prompt), decode.diagnosis(kvrc)
             assert stats["workers_handoff_loads"] == 2  # one pull per rank part
             assert stats["workers_handoff_bytes"] == blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN
             assert stats.get("handoff_load_failures", 0) == 0
