@@ -57,8 +57,9 @@ MAX_HELD_ANNOUNCED = 4096
 _REPORT_RETRY_INITIAL_S = 0.05
 _REPORT_RETRY_MAX_S = 1.0
 # Terminal reports sent again after a re-registration (a restarted coordinator rebuilt
-# the lease from its holder's re-announcement and waits for them): the newest ones of
-# the last REPLAY_WINDOW_S (kvrc's longest transfer TTL), at most MAX_REPLAYED_REPORTS.
+# the lease from its holder's re-announcement and waits for them): those whose lease
+# had not ended when answered, of the last REPLAY_WINDOW_S (kvrc's longest transfer
+# TTL), at most MAX_REPLAYED_REPORTS.
 MAX_REPLAYED_REPORTS = 256
 REPLAY_WINDOW_S = 600.0
 _QUIET_OUTCOMES = (pb.TRANSFER_OUTCOME_SUCCEEDED, pb.TRANSFER_OUTCOME_FAILED)
@@ -236,11 +237,15 @@ class LeaseClient:
         return CompleteResult(_state_name(reply.state), reply.quiescent)
 
     async def _report(self, method: str, report: pb.TransferReport) -> Any:
-        if report.outcome in _QUIET_OUTCOMES:
-            self._remember(method, report)
-        return await self._send_report(method, report)
+        key = self._remember(method, report) if report.outcome in _QUIET_OUTCOMES else None
+        reply = await self._send_report(method, report)
+        if key is not None and reply.quiescent:
+            # The lease ended with this report and its release went out with the answer:
+            # nothing will wait for it again (kept only while other parts are awaited).
+            self._recent.pop(key, None)
+        return reply
 
-    def _remember(self, method: str, report: pb.TransferReport) -> None:
+    def _remember(self, method: str, report: pb.TransferReport) -> tuple[str, int, int, int]:
         rank = report.rank
         key = (report.lease_id, rank.tp_rank, rank.pp_rank, rank.pcp_rank)
         again = pb.TransferReport()
@@ -250,6 +255,7 @@ class LeaseClient:
         self._recent[key] = (time.monotonic(), method, again)
         while len(self._recent) > MAX_REPLAYED_REPORTS:
             self._recent.popitem(last=False)
+        return key
 
     async def replay_recent_reports(self) -> int:
         """Sends this engine's recent SUCCEEDED / FAILED reports again; how many were taken.

@@ -147,6 +147,31 @@ async def test_abort_is_acknowledged_only_after_the_engine_stopped(
     assert released == [grant.lease_id]
 
 
+async def test_only_reports_of_leases_still_open_are_kept_for_a_replay(
+    kvrc: CoordinatorProcess, parts: Parts
+) -> None:
+    # A report answered quiescent ended its lease (the release went out with the answer):
+    # replaying it after a re-registration would only load a restarting coordinator.
+    _, pre_client = await parts.part("r-pre", LeaseSessionHandler())
+    _, decode = await parts.part("r-dec", LeaseSessionHandler())
+    await pre_client.publish_handoff(
+        "h-r", descriptor=descriptor([1]), kv_transfer_params={}, num_blocks=1
+    )
+    grant = await decode.begin_handoff("h-r", "r-pre")
+    assert isinstance(grant, HandoffGrant)
+    report = pb.TransferReport(
+        lease_id=grant.lease_id,
+        reporter_child_engine_id="r-dec",
+        rank=pb.RankCoordinates(),
+        outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+    )
+    assert (await decode.complete_handoff(report)).quiescent
+    assert await decode.replay_recent_reports() == 0
+    # The control: the same report, remembered, is taken again (a repeat changes nothing).
+    decode._remember("CompleteHandoff", report)
+    assert await decode.replay_recent_reports() == 1
+
+
 async def test_keep_alive_extends_and_reports_a_refused_extension(
     kvrc: CoordinatorProcess, parts: Parts
 ) -> None:
