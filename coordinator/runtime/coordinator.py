@@ -305,6 +305,7 @@ class Coordinator:
     async def shutdown(self) -> None:
         """Ends every session (UNAVAILABLE: engines reconnect to the next coordinator)."""
         self._shutting_down = True
+        self.leases.close_to_changes()  # first: no lease may end into a closed session
         self._flush_state()  # the sessions closing below are not departures
         for handle in (self._state_timer, self._warmup_timer):
             if handle is not None:

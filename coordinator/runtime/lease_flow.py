@@ -151,6 +151,21 @@ class LeaseFlow:
     async def start(self) -> None:
         self._arm()
 
+    def close_to_changes(self) -> None:
+        """From now on every lease RPC answers UNAVAILABLE, changing nothing.
+
+        Called before the sessions end: a lease that ended after that would send its
+        release into a closed session, and the reporter, answered "quiescent", would not
+        tell the next coordinator, which rebuilds the holder's lease quarantined. Refused
+        here, the engines retry at the next coordinator (I6-quiescence)."""
+        self._closing = True
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise KvrcError(
+                ErrorCode.UNAVAILABLE, "the coordinator is shutting down: retry at the next one"
+            )
+
     async def shutdown(self) -> None:
         self._closing = True
         if self._timer is not None:
@@ -206,6 +221,7 @@ class LeaseFlow:
 
     async def request_prefix_load(self, req: PrefixLoadRequest) -> PrefixLoadAnswer:
         """One core call; a lease waiting for its pins is answered by the call that settles it."""
+        self._check_open()
         reason = self.store_unavailable()
         if reason is not None:
             # Fail closed: replicas that cannot reach the shared store grant nothing new.
@@ -216,8 +232,6 @@ class LeaseFlow:
         if step.answer is not None:
             self._execute(step.actions)
             return step.answer
-        if self._closing:
-            raise KvrcError(ErrorCode.UNAVAILABLE, "the coordinator is shutting down")
         assert step.lease_id is not None
         future: asyncio.Future[PrefixLoadAnswer] = asyncio.get_running_loop().create_future()
         self._answers.setdefault(step.lease_id, []).append(future)
@@ -232,6 +246,7 @@ class LeaseFlow:
                     del self._answers[step.lease_id]
 
     def complete_prefix_load(self, report: TransferReport) -> LeaseView:
+        self._check_open()
         return self._complete(report, Flow.PREFIX_LOAD)
 
     def on_pin_result(
@@ -264,12 +279,14 @@ class LeaseFlow:
 
     def publish_handoff(self, req: PublishHandoffRequest) -> tuple[LeaseView, int, int]:
         """Returns (view, parts reported, parts expected)."""
+        self._check_open()
         step = self.core.publish_handoff(req, self._clock.monotonic_ms())
         self._execute(step.actions)
         return step.view, step.parts_reported, step.parts_expected
 
     async def begin_handoff(self, req: BeginHandoffRequest) -> HandoffGrant:
         """Waits up to `wait_timeout_ms` for READY (DEADLINE_EXCEEDED after), then grants."""
+        self._check_open()
         started = self._clock.monotonic_ms()
         step = self.core.begin_handoff(req, started)
         self._execute(step.actions)
@@ -290,6 +307,7 @@ class LeaseFlow:
             self._metrics.handoff_wait.observe(waited_ms / 1000)
 
     def extend_handoff(self, lease_id: str, decode_child_engine_id: str) -> int:
+        self._check_open()
         deadline = self.core.extend_handoff(
             lease_id, decode_child_engine_id, self._clock.monotonic_ms()
         )
@@ -297,6 +315,7 @@ class LeaseFlow:
         return deadline
 
     def complete_handoff(self, report: TransferReport) -> LeaseView:
+        self._check_open()
         return self._complete(report, Flow.HANDOFF)
 
     # --- both flows ----------------------------------------------------------------------

@@ -114,7 +114,7 @@ def test_the_bounds_fail_on_each_kind_of_violation(tmp_path: Path) -> None:
         assert len(bad) == 1 and expected in bad[0], (change, bad)
     # Within the bounds, or a process that did not run to the end: no violation.
     fine = [{**process, "fds_end": 46, "rss_mb_end": 110.0},
-            {**process, "ended": "killed", "rss_mb_end": 500.0}]  # fmt: skip
+            {**process, "ended": "killed", "rss_mb_end": 500.0, "fds_end": 90}]  # fmt: skip
     assert violations({**clean, "kvrc_processes": fine}, check_rss=True) == []
     grown = {**clean, "kvrc_processes": [{**process, "rss_mb_end": 111.0}]}
     assert violations(grown, check_rss=False) == []  # the CI version leaves RSS out

@@ -1,0 +1,57 @@
+"""A coordinator that is shutting down changes no lease (I6-quiescence).
+
+Its sessions end first; a lease that ended after that would send the holder's
+release into a closed session, while the reporter, answered "quiescent", would
+never tell the next coordinator: the holder's re-announced lease would stay
+quarantined. So from the start of the shutdown every lease RPC answers
+UNAVAILABLE, changing nothing, and the engine retries at the next coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from manual_rig import CHAIN, drain_outbound, manual_coordinator, settle
+from test_cost_gate import register
+
+from coordinator.core.errors import ErrorCode, KvrcError
+from coordinator.core.grants import PrefixLoadRequest, TransferReport
+from coordinator.core.leases import LeaseState, Outcome, SendPin, SendRelease
+
+
+@pytest.mark.parametrize("closing", [False, True])
+async def test_a_report_during_the_shutdown_is_refused_and_changes_nothing(closing: bool) -> None:
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        register(rig, "r")
+        holder = register(rig, "h")
+        rig.store(holder)
+        request = PrefixLoadRequest("q1", "r", CHAIN, "", 1, 0, 2_000, 10_000)
+        task = asyncio.ensure_future(c.leases.request_prefix_load(request))
+        await settle()
+        pin = next(m for m in drain_outbound(holder) if isinstance(m, SendPin))
+        c.leases.on_pin_result("h", (0, 0, 0), pin.lease_id, len(CHAIN), b"d", "")
+        answer = await task
+        assert answer.view is not None and answer.view.prefix_load_grant is not None
+        report = TransferReport(pin.lease_id, "r", (0, 0, 0), Outcome.SUCCEEDED, 1, 0, "")
+        if not closing:  # the control: the same report ends the lease with a release
+            assert c.leases.complete_prefix_load(report).state is LeaseState.COMPLETED
+            assert [m for m in drain_outbound(holder) if isinstance(m, SendRelease)]
+            return
+        c.leases.close_to_changes()
+        before = c.status().leases
+        for call in (
+            lambda: c.leases.complete_prefix_load(report),
+            lambda: c.leases.extend_handoff("ho-x", "r"),
+        ):
+            with pytest.raises(KvrcError) as refused:
+                call()
+            assert refused.value.code is ErrorCode.UNAVAILABLE
+            assert "shutting down" in refused.value.message
+        with pytest.raises(KvrcError) as refused_load:
+            await c.leases.request_prefix_load(PrefixLoadRequest("q2", "r", CHAIN, "", 1, 0, 0, 0))
+        assert refused_load.value.code is ErrorCode.UNAVAILABLE
+        assert c.status().leases == before
+        assert c.leases.table.get(pin.lease_id).state is LeaseState.ACTIVE
+        assert not [m for m in drain_outbound(holder) if isinstance(m, (SendRelease, SendPin))]
