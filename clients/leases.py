@@ -58,10 +58,12 @@ _REPORT_RETRY_INITIAL_S = 0.05
 _REPORT_RETRY_MAX_S = 1.0
 # Terminal reports sent again after a re-registration (a restarted coordinator rebuilt
 # the lease from its holder's re-announcement and waits for them): those whose lease
-# had not ended when answered, of the last REPLAY_WINDOW_S (kvrc's longest transfer
-# TTL), at most MAX_REPLAYED_REPORTS.
-MAX_REPLAYED_REPORTS = 256
-REPLAY_WINDOW_S = 600.0
+# had not ended when answered, of the last REPLAY_WINDOW_S (the parts of one transfer
+# report within moments of each other), at most MAX_REPLAYED_REPORTS, REPLAY_CONCURRENCY
+# at a time. A lease half-reported longer ago than that is left to an operator.
+MAX_REPLAYED_REPORTS = 64
+REPLAY_WINDOW_S = 15.0
+REPLAY_CONCURRENCY = 8
 _QUIET_OUTCOMES = (pb.TRANSFER_OUTCOME_SUCCEEDED, pb.TRANSFER_OUTCOME_FAILED)
 
 __all__ = [
@@ -270,13 +272,16 @@ class LeaseClient:
         while self._recent and next(iter(self._recent.values()))[0] < horizon:
             self._recent.popitem(last=False)
         reports = [(method, report) for _, method, report in self._recent.values()]
+        self._recent.clear()  # sent once: a second re-registration does not repeat them
+        gate = asyncio.Semaphore(REPLAY_CONCURRENCY)
 
         async def send(method: str, report: pb.TransferReport) -> bool:
-            try:
-                await self._send_report(method, report)
-                return True
-            except KvrcClientError:
-                return False  # NOT_FOUND / FAILED_PRECONDITION: nothing waits for it
+            async with gate:
+                try:
+                    await self._send_report(method, report)
+                    return True
+                except KvrcClientError:
+                    return False  # NOT_FOUND / FAILED_PRECONDITION: nothing waits for it
 
         taken = await asyncio.gather(*(send(m, r) for m, r in reports))
         return sum(taken)
