@@ -36,7 +36,11 @@ What is checked (`--check` exits 1 when a bound fails; the RSS bound only
 without `--check`'s short runs, see `RSS_BOUND_MIN_MINUTES`): `mismatches` 0;
 `early_releases` 0, from the engines' own records (`clients/refengine/ledger.py`:
 a holder's release stamped before a requester's read of that lease went quiet);
-`leaked_leases_after_drain` 0; every quarantined lease resolved or expired;
+`leaked_leases_after_drain` 0; every quarantined lease resolved or expired: kvrc
+ends one itself once its target proves its reads quiet (docs/operations.md); after
+the drain the soak acts as the operator of the runbook and resolves those it can
+prove quiet from the engines' own ledgers (`quarantined_operator_resolved`), the
+rest count as `quarantined_unresolved`;
 `status_codes` (kvrc's own per-code RPC counts, every process) without INTERNAL
 or UNKNOWN, and no traceback in a kvrc log; per kvrc process RSS growth ≤ 10 %
 after warm-up and fds_end ≤ fds_start + 16, both for the processes that ran
@@ -578,6 +582,8 @@ class StoreRun:
                 doc = await channel.call("ledger", timeout_s=10.0)
             except Exception:
                 continue
+            if engine_id in self.down:
+                continue  # killed while answering: its last ledger is already settled
             for lease_id, t in doc["released_at"].items():
                 self.released_at.setdefault(lease_id, t)
             for rank, quiet in enumerate(doc["quiet_at"]):
@@ -645,6 +651,12 @@ class StoreRun:
                 os.kill(part.process.pid, signal.SIGKILL)
         for part in group.parts:
             await asyncio.to_thread(part.process.wait, 10)
+        # The reads its processes had in flight died with them: quiet from now on (the
+        # ledgers' clock is the machine's monotonic clock).
+        died = time.monotonic()
+        for key, quiet in self.quiet_at.items():
+            if key[0] == engine_id and quiet is None:
+                self.quiet_at[key] = died
         await self._restart_group(engine_id)
         return f"{engine_id} tp{rank}"
 
@@ -929,6 +941,7 @@ class StoreRun:
                 break
             await asyncio.sleep(0.5)
         await self._collect_ledgers()
+        await self._operator_resolves()
         final: dict[str, int] = {}
         for replica in self.replicas:
             status = await self._status(replica)
@@ -941,6 +954,53 @@ class StoreRun:
             self._scrape(replica.current)
             self._sample(replica.current, start=False)
         return {"open_by_replica": final}
+
+    def proven_quiet(self, lease_id: str) -> bool:
+        """An operator's proof that no read of `lease_id` can still land (the runbook in
+        docs/operations.md): every engine is up and answered its ledger, and no rank part
+        has a read of the lease that is not quiet. A part's ledger holds every read since
+        its process started; a killed process's reads died with it."""
+        if self.down:
+            return False
+        return all(
+            quiet is not None
+            for (_, _, read_lease), quiet in self.quiet_at.items()
+            if read_lease == lease_id
+        )
+
+    async def _operator_resolves(self) -> None:
+        """What an operator does after the drain: resolve each lease still quarantined
+        whose blocks are proven quiet; the rest stay, and count as unresolved."""
+        for replica in self.replicas:
+            status = await self._status(replica)
+            if status is None:
+                continue
+            for lease in status.leases:
+                if lease.state != pb.LEASE_STATE_QUARANTINED:
+                    continue
+                entry = self.quarantined.setdefault(
+                    lease.lease_id,
+                    {"lease_id": lease.lease_id, "seen_s": round(self.elapsed(), 1)},
+                )
+                entry["reason"] = lease.reason
+                if not self.proven_quiet(lease.lease_id):
+                    entry["operator"] = "not proven quiet: left quarantined"
+                    continue
+                note = "soak operator: no live rank part has a read of it in flight (ledgers)"
+                async with grpc.aio.insecure_channel(replica.target) as channel:
+                    try:
+                        await pb_grpc.AdminServiceStub(channel).ResolveQuarantine(
+                            pb.ResolveQuarantineRequest(
+                                lease_id=lease.lease_id,
+                                resolution=pb.QUARANTINE_RESOLUTION_RELEASE,
+                                operator_note=note,
+                            ),
+                            timeout=5.0,
+                        )
+                        entry["operator"] = "resolved: proven quiet from the engines' ledgers"
+                    except grpc.aio.AioRpcError as e:
+                        entry["operator"] = f"resolve failed: {e.code().name} {e.details()}"
+        await self._collect_ledgers()  # the releases it caused, for the early-release check
 
     def early_releases(self) -> list[dict[str, Any]]:
         early = []
@@ -1013,6 +1073,11 @@ class StoreRun:
             "leaked_leases_after_drain": sum(drain["open_by_replica"].values()),
             "quarantined": sorted(self.quarantined.values(), key=lambda q: q["lease_id"]),
             "quarantined_unresolved": len(unresolved),
+            # Of those quarantined, ended by the operator step (the rest ended by kvrc's
+            # own proof of quiet reads, or stayed: quarantined_unresolved).
+            "quarantined_operator_resolved": sum(
+                str(q.get("operator", "")).startswith("resolved") for q in self.quarantined.values()
+            ),
             "status_codes": dict(sorted(codes.items())),
             "client_status_codes": dict(sorted(self.client_codes.items())),
             "kvrc_tracebacks": tracebacks,

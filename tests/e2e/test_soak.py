@@ -91,6 +91,21 @@ def test_the_early_release_check_flags_a_release_before_the_read_went_quiet(
     assert early["still-reading"]["released_before_quiet_ms"] is None
 
 
+def test_the_operator_resolves_only_a_quarantine_proven_quiet(tmp_path: Path) -> None:
+    run = _planted(tmp_path)
+    run.quiet_at = {
+        ("decode-0", 0, "all-quiet"): 9.5,
+        ("decode-0", 1, "all-quiet"): 9.9,
+        ("decode-0", 0, "one-reading"): 9.0,
+        ("decode-0", 1, "one-reading"): None,  # a read that may still land
+    }
+    assert run.proven_quiet("all-quiet")
+    assert run.proven_quiet("never-read")  # no part ever read it
+    assert not run.proven_quiet("one-reading")
+    run.down.add("prefill-1")  # an engine whose ledger is not known now
+    assert not run.proven_quiet("all-quiet")
+
+
 def test_the_bounds_fail_on_each_kind_of_violation(tmp_path: Path) -> None:
     run = _planted(tmp_path)
     clean = run.document({"open_by_replica": {}})
