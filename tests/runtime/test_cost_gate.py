@@ -41,8 +41,10 @@ async def load(
     duration_us: int = 0,
     min_blocks: int = 1,
     prefill: tuple[int, int] = (0, 0),
+    report: bool = True,
 ) -> PrefixLoadAnswer:
-    """One prefix load by "r": the holder pins `pinned`; a grant is reported done."""
+    """One prefix load by "r": the holder pins `pinned`; a grant is reported done
+    (`report=False`: left ACTIVE)."""
     c = rig.coordinator
     request = PrefixLoadRequest(request_id, "r", CHAIN, "", min_blocks, 0, 2_000, 10_000)
     drain_outbound(holder)
@@ -54,7 +56,7 @@ async def load(
             holder.registration.child_engine_id, (0, 0, 0), pins[0].lease_id, pinned, b"d", ""
         )
     answer = await task
-    if answer.view is not None and answer.view.prefix_load_grant is not None:
+    if report and answer.view is not None and answer.view.prefix_load_grant is not None:
         c.leases.complete_prefix_load(
             TransferReport(
                 answer.view.lease_id,

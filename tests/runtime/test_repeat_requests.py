@@ -8,8 +8,6 @@ nothing.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from manual_rig import CHAIN, drain_outbound, manual_coordinator, settle
 from test_cost_gate import load, register
@@ -52,12 +50,7 @@ async def test_a_repeat_while_the_lease_is_open_answers_with_that_lease() -> Non
         holder = register(rig, "h")
         rig.store(holder)
         request = PrefixLoadRequest("q1", "r", CHAIN, "", 1, 0, 2_000, 10_000)
-        task = asyncio.ensure_future(c.leases.request_prefix_load(request))
-        await settle()
-        pins = [m for m in drain_outbound(holder) if isinstance(m, SendPin)]
-        assert len(pins) == 1
-        c.leases.on_pin_result("h", (0, 0, 0), pins[0].lease_id, len(CHAIN), b"d", "")
-        answer = await task
+        answer = await load(rig, holder, "q1", report=False)
         repeat = await c.leases.request_prefix_load(request)
         assert answer.view is not None and repeat.view is not None
         assert repeat.view.lease_id == answer.view.lease_id

@@ -9,11 +9,9 @@ UNAVAILABLE, changing nothing, and the engine retries at the next coordinator.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from manual_rig import CHAIN, drain_outbound, manual_coordinator, settle
-from test_cost_gate import register
+from manual_rig import CHAIN, drain_outbound, manual_coordinator
+from test_cost_gate import load, register
 
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.grants import PrefixLoadRequest, TransferReport
@@ -27,14 +25,10 @@ async def test_a_report_during_the_shutdown_is_refused_and_changes_nothing(closi
         register(rig, "r")
         holder = register(rig, "h")
         rig.store(holder)
-        request = PrefixLoadRequest("q1", "r", CHAIN, "", 1, 0, 2_000, 10_000)
-        task = asyncio.ensure_future(c.leases.request_prefix_load(request))
-        await settle()
-        pin = next(m for m in drain_outbound(holder) if isinstance(m, SendPin))
-        c.leases.on_pin_result("h", (0, 0, 0), pin.lease_id, len(CHAIN), b"d", "")
-        answer = await task
+        answer = await load(rig, holder, "q1", report=False)
         assert answer.view is not None and answer.view.prefix_load_grant is not None
-        report = TransferReport(pin.lease_id, "r", (0, 0, 0), Outcome.SUCCEEDED, 1, 0, "")
+        lease_id = answer.view.lease_id
+        report = TransferReport(lease_id, "r", (0, 0, 0), Outcome.SUCCEEDED, 1, 0, "")
         if not closing:  # the control: the same report ends the lease with a release
             assert c.leases.complete_prefix_load(report).state is LeaseState.COMPLETED
             assert [m for m in drain_outbound(holder) if isinstance(m, SendRelease)]
@@ -53,5 +47,5 @@ async def test_a_report_during_the_shutdown_is_refused_and_changes_nothing(closi
             await c.leases.request_prefix_load(PrefixLoadRequest("q2", "r", CHAIN, "", 1, 0, 0, 0))
         assert refused_load.value.code is ErrorCode.UNAVAILABLE
         assert c.status().leases == before
-        assert c.leases.table.get(pin.lease_id).state is LeaseState.ACTIVE
+        assert c.leases.table.get(lease_id).state is LeaseState.ACTIVE
         assert not [m for m in drain_outbound(holder) if isinstance(m, (SendRelease, SendPin))]
