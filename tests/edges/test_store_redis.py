@@ -382,6 +382,10 @@ async def test_a_zombie_session_is_fenced_out_by_a_newer_registration(
             10,
             what="a fenced its old session",
         )
+        # The client learns of the end when its reader sees it, a moment after a counted it.
+        await wait_until(
+            lambda: engines.sessions[1].last_error is not None, 10, what="the zombie's error"
+        )
         assert engines.sessions[1].last_error is not None
         assert engines.sessions[1].last_error.code == grpc.StatusCode.UNAVAILABLE
         await eventually_matched(c.grpc_target, "req-z", "holder-z", 8)
