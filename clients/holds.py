@@ -22,6 +22,8 @@ from collections import OrderedDict
 
 # A pin never released by kvrc is freed this long after its deadline.
 PIN_SAFETY_GRACE_S = 60.0
+# The deadline assumed for a PinRequest that names none.
+DEFAULT_PIN_TTL_S = 60.0
 # kvrc's longest transfer TTL (coordinator/core/leases.py, LeaseConfig.max_transfer_ttl_ms).
 MAX_PIN_TTL_S = 600.0
 # Quarantine notices remembered for holds that are not known here yet (bounded).
@@ -31,7 +33,7 @@ MAX_EARLY_QUARANTINES = 4096
 def pin_hold_s(deadline_unix_ms: int, *, now_unix_s: float | None = None) -> float:
     """How long to keep a pin whose release never comes, from now."""
     if not deadline_unix_ms:
-        return 60.0 + PIN_SAFETY_GRACE_S
+        return DEFAULT_PIN_TTL_S + PIN_SAFETY_GRACE_S
     now = time.time() if now_unix_s is None else now_unix_s
     left_s = min(max(0.0, deadline_unix_ms / 1000 - now), MAX_PIN_TTL_S)
     return left_s + PIN_SAFETY_GRACE_S
