@@ -21,6 +21,7 @@ A bad value fails engine start with one `KvrcConfigError` naming the field.
 | `handoff_hold_s` | 120 | a prefill frees a handoff's blocks after this even without a release |
 | `register_timeout_s` | 30 | a worker waits this long to register, then serves without kvrc |
 | `switch_interval_s` | 0.0005 | the process's GIL switch interval (kvrc's thread vs vLLM's loop) |
+| `stall_dump_s` | 0 (off) | a worker's kvrc thread stalled this long dumps all stacks to stderr |
 | `model_name` | the model path | the profile's model name (engines exchanging KV must agree) |
 | `stats_file` | none | the scheduler side writes its counters here as JSON (tests, demos) |
 | `test_faults` | false | tests only: honour a request's `kvrc_test_fault` |
@@ -79,6 +80,7 @@ class KvrcConnectorConfig:
     handoff_hold_s: float = 120.0
     register_timeout_s: float = 30.0
     switch_interval_s: float = 0.0005
+    stall_dump_s: float = 0.0
     model_name: str = ""
     stats_file: str = ""
     # Tests only: honour a request's `kvrc_test_fault` kv_transfer_param
@@ -128,6 +130,10 @@ class KvrcConnectorConfig:
         if not 0.00001 <= self.switch_interval_s <= 0.1:
             raise KvrcConfigError(
                 "switch_interval_s", f"must be in 0.00001..0.1, got {self.switch_interval_s}"
+            )
+        if not (self.stall_dump_s == 0 or 1 <= self.stall_dump_s <= 3600):
+            raise KvrcConfigError(
+                "stall_dump_s", f"must be 0 (off) or in 1..3600, got {self.stall_dump_s}"
             )
         if not 0 < self.register_timeout_s <= 600:
             raise KvrcConfigError(

@@ -9,11 +9,38 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import faulthandler
+import os
+import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def use_every_allowed_core() -> None:
+    """Let the calling thread (and the threads it starts) run on any core the process
+    may use.
+
+    vLLM's CPU workers bind every thread of a rank to that rank's compute core
+    (VLLM_CPU_OMP_THREADS_BIND), and a thread inherits its creator's binding: kvrc's
+    loop, gRPC's threads, the pull executor and Mooncake's transport would all share
+    the core that the rank's busy loop spins on. They are I/O, not compute; on a
+    loaded host, sharing that core stalled a worker's heartbeats past kvrc's timeout
+    (the tp2 test's CI runs). The kernel keeps the cgroup's cpuset: cores outside it
+    are dropped, not an error.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return  # not Linux: nothing binds threads this way
+    # 0: this thread. A cpuset that forbids it keeps the inherited binding.
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+
+_STALL_WATCH_LOCK = threading.Lock()
+_STALL_WATCH_TAKEN = False
 
 
 class BackgroundLoop:
@@ -23,8 +50,31 @@ class BackgroundLoop:
         self._thread.start()
 
     def _run(self) -> None:
+        use_every_allowed_core()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
+
+    def watch_for_stalls(self, stall_s: float) -> bool:
+        """Dump every thread's Python stack to stderr when this loop does not run for
+        `stall_s` (a C call holding the GIL, a blocking call on the loop).
+
+        faulthandler's watchdog is a C thread that needs no GIL, so the dump names the
+        thread that holds it. faulthandler has one such timer per process: the first
+        loop that asks gets it (False for the others).
+        """
+        global _STALL_WATCH_TAKEN
+        with _STALL_WATCH_LOCK:
+            if _STALL_WATCH_TAKEN:
+                return False
+            _STALL_WATCH_TAKEN = True
+
+        async def rearm() -> None:
+            while True:
+                faulthandler.dump_traceback_later(stall_s, repeat=False, file=sys.stderr)
+                await asyncio.sleep(stall_s / 4)
+
+        self.submit(rearm())
+        return True
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -42,6 +92,7 @@ class BackgroundLoop:
         self.loop.call_soon_threadsafe(fn, *args)
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        faulthandler.cancel_dump_traceback_later()
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout_s)

@@ -219,6 +219,8 @@ class KvrcWorker:
         self.finished = _Finished()
         self._idle_step = False
         self.loop = BackgroundLoop(f"kvrc-worker-tp{self.tp_rank}")
+        if config.stall_dump_s:
+            self.loop.watch_for_stalls(config.stall_dump_s)
         self.registered = threading.Event()
         self.registration_refused = threading.Event()
         self.refused = ""
@@ -243,13 +245,9 @@ class KvrcWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout, views, vllm_shape = describe_kv_caches(kv_caches, self.block_size)
-        self.engine = MooncakeTransferEngine(
-            MooncakeConfig(
-                local_hostname=self.config.hostname,
-                protocol=self.config.mooncake_protocol,
-                device_name=self.config.mooncake_device,
-            )
-        )
+        # Built on the loop thread, so Mooncake's transport threads inherit its
+        # binding to every allowed core, not this rank's compute core (loop.py).
+        self.engine = self.loop.run(self._new_transfer_engine(), timeout_s=60)
         self.cache = PagedKvCache.wrap(layout, views)
         self.endpoint = self.cache.register(self.engine)
         model = self.vllm_config.model_config
@@ -307,6 +305,15 @@ class KvrcWorker:
                 self.config.register_timeout_s,
             )
             self.finished.count("kvrc_unavailable")
+
+    async def _new_transfer_engine(self) -> MooncakeTransferEngine:
+        return MooncakeTransferEngine(
+            MooncakeConfig(
+                local_hostname=self.config.hostname,
+                protocol=self.config.mooncake_protocol,
+                device_name=self.config.mooncake_device,
+            )
+        )
 
     async def _start_session(self, registration: RankPartRegistration) -> None:
         self.handler = LeaseSessionHandler(

@@ -78,6 +78,7 @@ def test_a_bad_kvrc_target_list_names_the_field_and_the_problem(value: object, s
         ({"transfer_timeout_ms": "soon"}, "transfer_timeout_ms"),
         ({"kvrc_ca_cert": "/nonexistent.pem"}, "kvrc_ca_cert"),
         ({"nonsense": 1}, "nonsense"),
+        ({"stall_dump_s": 0.5}, "stall_dump_s"),
     ],
 )
 def test_a_bad_field_is_named(extra: dict[str, object], field: str) -> None:

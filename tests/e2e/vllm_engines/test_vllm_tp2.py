@@ -14,7 +14,9 @@ head of the two) and pulling its own slice from the matching prefill rank.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm_harness import (
@@ -31,6 +33,22 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 KV_BYTES_PER_TOKEN = 1024
 SLOW_S = 400  # one request may wait out the 120 s handoff wait and then recompute
+# The tp=1 peer recomputes the first prompt and must match the tp=2 output: with this
+# tiny random model tp=1 and tp=2 numerics agree on it (not on every prompt).
+PROMPT_SEEDS = (41, 42, 43)
+
+
+def _handoffs_ended(stats: dict[str, Any]) -> int:
+    return int(stats.get("handoff_loads", 0)) + int(stats.get("handoff_load_failures", 0))
+
+
+def _wait_handoff_ended(engine: VllmEngine, at_least: int) -> dict[str, Any]:
+    give_up = time.monotonic() + 30
+    while True:
+        stats = engine.stats()
+        if _handoffs_ended(stats) >= at_least or time.monotonic() > give_up:
+            return stats
+        time.sleep(0.1)
 
 
 def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
@@ -46,6 +64,7 @@ def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
         "kvrc_target": kvrc.target,
         "transfer_timeout_ms": 60_000,
         "handoff_wait_ms": 120_000,
+        "stall_dump_s": 20,  # a stalled kvrc thread leaves every stack in the stderr log
     }
     try:
         prefill = VllmEngine(
@@ -68,8 +87,6 @@ def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
             kv_role="kv_consumer",
             extra=extra,
         )
-        prompt = random_prompt(41, 300)
-        blocks = -(-len(prompt) // BLOCK_SIZE)
         with engines(prefill, decode):
             status = {
                 c["child_engine_id"]: c for c in kvrc.status(python_of_tests())["child_engines"]
@@ -77,35 +94,47 @@ def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
             for name in ("prefill-tp2", "decode-tp2"):
                 assert status[name]["ready"] is True
                 assert (status[name]["parts_present"], status[name]["parts_expected"]) == (2, 2)
-            # A first handoff (another prompt, outcome not asserted) opens the rank-to-rank
-            # Mooncake TCP sessions. In a CI run of 2026-12-04 that first read stalled for
-            # Mooncake's own 30 s transfer timeout under this load ("no transfer progress
-            # within 30s"); kvrc's connector recomputed it correctly.
-            warm = random_prompt(40, 100)
-            warm_params = prefill.generate(
-                warm, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, within_s=SLOW_S
-            )["kv_transfer_params"]
-            decode.generate(warm, max_tokens=1, kv_transfer_params=warm_params, within_s=SLOW_S)
-            before = decode.stats()
-            reference = prefill.generate(prompt, max_tokens=16, within_s=SLOW_S)["tokens"]
-            first = prefill.generate(
-                prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, within_s=SLOW_S
-            )
-            params = first["kv_transfer_params"]
-            assert params["tp_size"] == 2
-            out = decode.generate(prompt, max_tokens=16, kv_transfer_params=params, within_s=SLOW_S)
-            assert out["tokens"] == reference
-            loads = before.get("handoff_loads", 0) + 1
-            stats = decode.wait_stats("handoff_loads", at_least=loads)
-
-            def grew(key: str) -> int:
-                return int(stats.get(key, 0)) - int(before.get(key, 0))
-
-            # Not loaded means recomputed (the same tokens): say why, from every log.
-            assert grew("handoff_tokens_loaded") == len(prompt), decode.diagnosis(kvrc)
-            assert grew("workers_handoff_loads") == 2  # one pull per rank part
-            assert grew("workers_handoff_bytes") == blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN
-            assert grew("handoff_load_failures") == 0
+            # Up to three handoffs, each of a new prompt, until one loads. Under CI's load
+            # (four vLLM workers and two engine cores on two cores) a first rank-to-rank
+            # Mooncake read once stalled for Mooncake's own 30 s transfer timeout, and once
+            # both decode workers' heartbeats lapsed; kvrc's connector recomputed each time,
+            # with the same output. Every attempt's output is asserted; a load is required.
+            diagnoses: list[str] = []
+            for attempt, seed in enumerate(PROMPT_SEEDS):
+                prompt = random_prompt(seed, 300)
+                blocks = -(-len(prompt) // BLOCK_SIZE)
+                before = decode.stats()
+                reference = prefill.generate(prompt, max_tokens=16, within_s=SLOW_S)["tokens"]
+                if attempt == 0:
+                    tp1_prompt, tp1_reference = prompt, reference
+                first = prefill.generate(
+                    prompt,
+                    max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True},
+                    within_s=SLOW_S,
+                )
+                params = first["kv_transfer_params"]
+                assert params["tp_size"] == 2
+                out = decode.generate(
+                    prompt, max_tokens=16, kv_transfer_params=params, within_s=SLOW_S
+                )
+                assert out["tokens"] == reference  # loaded or recomputed: the same tokens
+                stats = _wait_handoff_ended(decode, _handoffs_ended(before) + 1)
+                grew = {
+                    k: int(v) - int(before.get(k, 0))
+                    for k, v in stats.items()
+                    if isinstance(v, int)  # counters, not the engine id
+                }
+                if grew.get("handoff_tokens_loaded") == len(prompt):
+                    break
+                # Not loaded means recomputed (the same tokens): say why, from every log.
+                diagnoses.append(f"attempt {attempt + 1}: {decode.diagnosis(kvrc)}")
+            else:
+                pytest.fail("no handoff of three loaded:\n" + "\n\n".join(diagnoses))
+            handoffs = attempt + 1
+            assert grew.get("workers_handoff_loads") == 2  # one pull per rank part
+            assert grew.get("workers_handoff_bytes") == blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN
+            assert grew.get("handoff_load_failures", 0) == 0
             decode.close()  # two engines at most: the tp=1 peer takes D's place
 
             tp1 = VllmEngine(
@@ -120,23 +149,24 @@ def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
             with engines(tp1):
                 # published once the peer is up (kvrc fails a READY handoff nobody takes in 120 s)
                 second = prefill.generate(
-                    prompt,
+                    tp1_prompt,
                     max_tokens=1,
                     kv_transfer_params={"do_remote_decode": True},
                     within_s=SLOW_S,
                 )
                 out = tp1.generate(
-                    prompt,
+                    tp1_prompt,
                     max_tokens=16,
                     kv_transfer_params=second["kv_transfer_params"],
                     within_s=SLOW_S,
                 )
-                assert out["tokens"] == reference  # recomputed
+                assert out["tokens"] == tp1_reference  # recomputed
                 stats = tp1.wait_stats("handoff_load_failures")
                 assert stats["handoff_load_failures"] == 1
                 assert stats["workers_handoff_refused"] == 1
                 assert stats.get("workers_handoff_bytes", 0) == 0  # refused before any byte moved
-            # The first (warm-up) handoff, the asserted one, the refused one.
-            assert prefill.wait_stats("handoffs_freed", 3)["handoffs_freed"] == 3
+            # Each handoff above, and the refused one.
+            freed = handoffs + 1
+            assert prefill.wait_stats("handoffs_freed", freed)["handoffs_freed"] == freed
     finally:
         kvrc.close()

@@ -1,0 +1,78 @@
+"""The vLLM connector's loop thread (clients/vllm/loop.py): its core binding and its stall dump.
+
+No vLLM needed: vLLM's CPU workers bind every thread of a rank to one core, which a
+test reproduces by binding the creating thread itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from clients.vllm.loop import BackgroundLoop
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def _affinity() -> set[int]:
+    return os.sched_getaffinity(0)
+
+
+def test_the_loop_thread_leaves_the_compute_core_its_creator_is_bound_to() -> None:
+    allowed = os.sched_getaffinity(0)
+    assert len(allowed) >= 2, "this test needs two cores to tell a binding from none"
+    compute_core = min(allowed)
+    seen: dict[str, set[int]] = {}
+
+    def rank_main() -> None:  # as a vLLM CPU worker's main thread after its binding
+        os.sched_setaffinity(0, {compute_core})
+        plain = threading.Thread(target=lambda: seen.update(plain=os.sched_getaffinity(0)))
+        plain.start()
+        plain.join()
+        loop = BackgroundLoop("kvrc-test")
+        try:
+            seen["loop"] = loop.run(_affinity(), timeout_s=10)
+        finally:
+            loop.stop()
+
+    rank = threading.Thread(target=rank_main)
+    rank.start()
+    rank.join()
+    assert seen["plain"] == {compute_core}  # control: a thread inherits its creator's binding
+    assert seen["loop"] == allowed
+
+
+_STALL = """
+import asyncio, time
+from clients.vllm.loop import BackgroundLoop
+
+async def block_the_loop():
+    time.sleep(2.5)  # a blocking call on the loop thread, as a GIL-holding C call would
+
+loop = BackgroundLoop("kvrc-test")
+assert loop.watch_for_stalls({stall_s})
+assert not BackgroundLoop("kvrc-other").watch_for_stalls(1.0)  # one timer per process
+time.sleep(0.3)
+loop.run(block_the_loop(), timeout_s=10)
+loop.stop()
+"""
+
+
+@pytest.mark.parametrize(("stall_s", "dumped"), [(1.0, True), (5.0, False)])
+def test_a_stalled_loop_dumps_every_threads_stack(stall_s: float, dumped: bool) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _STALL.format(stall_s=stall_s)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    # The dump names the frame that held the loop; a loop that ran in time dumps nothing.
+    assert ("block_the_loop" in done.stderr) is dumped, done.stderr
+    assert ("Timeout (0:00:01)!" in done.stderr) is dumped
