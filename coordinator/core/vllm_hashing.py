@@ -311,20 +311,59 @@ def _chain_cbor(
 
     `cbor2.dumps((parent, tokens, extra), canonical=True)` is the 3-array header,
     then each item's own encoding: the parent's byte-string header is the same for
-    every digest of one algorithm, and a list of ints encodes as the tuple does.
-    Encoding only the tokens in cbor2 saves a tuple and two items per block.
+    every digest of one algorithm, and the tokens are an array header followed by
+    each id's own encoding (`_token_encodings`), joined per block.
     """
     dumps = cbor2.dumps
     head = b"\x83" + dumps(parent)[: -len(parent)]
+    array_head = _cbor_head(4, bs)
     none_tail = dumps(None)
+    encoded = _token_encodings(ids[: num_blocks * bs])
+    join = b"".join
     out: list[bytes] = []
     append = out.append
     for i in range(num_blocks):
         start = i * bs
         tail = none_tail if extras is None else dumps(extras[i], canonical=True)
-        parent = digest(head + parent + dumps(ids[start : start + bs], canonical=True) + tail)
+        parent = digest(head + parent + array_head + join(encoded[start : start + bs]) + tail)
         append(parent)
     return out
+
+
+# Token id -> its CBOR encoding, filled as ids are met: a vocabulary's ids are few
+# (~32k-256k), so after warm-up a prompt's encodings are one C-level map. Bounded:
+# ids past the bound (random ids from a client) are encoded each time, not kept.
+_TOKEN_CBOR: dict[int, bytes] = {}
+_TOKEN_CBOR_MAX: Final = 1 << 18
+
+
+def _token_encodings(ids: list[int]) -> list[bytes]:
+    """Each id's canonical CBOR encoding (what cbor2 writes for it inside a list)."""
+    cache = _TOKEN_CBOR
+    out: list[bytes | None] = list(map(cache.get, ids))
+    if None in out:
+        for j, token in enumerate(ids):
+            if out[j] is None:
+                encoding = _cbor_head(0, token)
+                out[j] = encoding
+                if len(cache) < _TOKEN_CBOR_MAX:
+                    cache[token] = encoding
+    return out  # type: ignore[return-value]  # no None is left
+
+
+def _cbor_head(major: int, value: int) -> bytes:
+    """A CBOR item head in canonical (shortest) form: an unsigned int is major type 0
+    with the value itself, an array major type 4 with its length (RFC 8949, 3.1)."""
+    kind = major << 5
+    if value < 24:
+        return bytes((kind | value,))
+    if value < 0x100:
+        return bytes((kind | 24, value))
+    if value < 0x10000:
+        return bytes((kind | 25,)) + value.to_bytes(2, "big")
+    if value < 0x100000000:
+        return bytes((kind | 26,)) + value.to_bytes(4, "big")
+    return bytes((kind | 27,)) + value.to_bytes(8, "big")
 
 
 def _sha256_digest(data: bytes) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -17,12 +18,16 @@ from hypothesis import strategies as st
 
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.vllm_hashing import (
+    _TOKEN_CBOR,
+    _TOKEN_CBOR_MAX,
     ALGOS,
     MAX_TOKEN_ID,
     MAX_TOKENS,
     HashConfig,
     MmFeature,
     Seed,
+    _cbor_head,
+    _token_encodings,
     block_keys,
 )
 
@@ -226,3 +231,29 @@ def test_bad_prompts_are_refused_with_the_reason() -> None:
     overlapping = [MmFeature("a", 0, 8), MmFeature("b", 4, 8)]
     refused(lambda: block_keys([1] * 32, config, mm_features=overlapping), "sorted by offset")
     assert block_keys([], config) == [] and block_keys([1] * 15, config) == []
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(0, MAX_TOKEN_ID),
+            st.sampled_from([0, 23, 24, 255, 256, 65535, 65536, MAX_TOKEN_ID]),
+        ),
+        max_size=300,
+    )
+)
+def test_token_encodings_are_what_cbor2_writes(ids: list[int]) -> None:
+    """The hand-built CBOR of a block's tokens (the fast path) equals cbor2's, byte for
+    byte, at every width boundary; and twice in a row (the second from the cache)."""
+    for _ in range(2):
+        built = _cbor_head(4, len(ids)) + b"".join(_token_encodings(ids))
+        assert built == cbor2.dumps(ids, canonical=True)
+
+
+def test_the_token_encoding_cache_is_bounded() -> None:
+    start = len(_TOKEN_CBOR)
+    many = list(range(1 << 20, (1 << 20) + _TOKEN_CBOR_MAX + 1000))
+    built = _cbor_head(4, len(many)) + b"".join(_token_encodings(many))
+    assert built == cbor2.dumps(many, canonical=True)
+    assert start <= len(_TOKEN_CBOR) <= _TOKEN_CBOR_MAX
