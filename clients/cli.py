@@ -23,7 +23,7 @@ from clients.refengine.demo import add_demo_arguments  # torch-free
 from clients.refengine.options import add_engine_arguments  # torch-free
 from kvrc import __version__
 from kvrc.credentials import ChannelOptions, CredentialsError
-from kvrc.prompts import parse_block_hashes, parse_token_ids, read_token_ids
+from kvrc.prompts import parse_block_hashes, parse_mm_feature, parse_token_ids, read_token_ids
 
 EXIT_CONFIG = 2
 
@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--lora-name", default="")
     route.add_argument("--lora-path", default="")
     route.add_argument("--cache-salt", default="")
+    route.add_argument(
+        "--mm-feature",
+        action="append",
+        default=[],
+        metavar="ID:OFFSET:LENGTH",
+        help="a multimodal item of the token ids; repeat it, sorted by offset",
+    )
     route.add_argument("--json", action="store_true", help="print one JSON document")
     # The same client flags as `kvrc status` (coordinator/edges/cli.py); a router token.
     route.add_argument("--tls-ca", type=Path, help="PEM CA that signed kvrc's certificate")
@@ -91,6 +98,9 @@ def _cmd_route(args: argparse.Namespace) -> int:
             tokens = read_token_ids(args.tokens_file, "--tokens-file")
         else:
             hashes = parse_block_hashes(args.block_hashes, "--block-hashes")
+            if args.mm_feature:
+                raise ValueError("--mm-feature goes with --tokens or --tokens-file")
+        mm_features = [parse_mm_feature(text, "--mm-feature") for text in args.mm_feature]
     except ValueError as e:
         print(f"kvrc route: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -112,6 +122,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
                 lora_name=args.lora_name,
                 lora_path=args.lora_path,
                 cache_salt=args.cache_salt,
+                mm_features=mm_features,
                 timeout_s=5.0,
             )
             return route.child_engine_id, route.why, route.score is not None

@@ -85,10 +85,13 @@ class ScoreClient:
         lora_name: str = "",
         lora_path: str = "",
         cache_salt: str = "",
+        mm_features: Sequence[tuple[str, int, int]] = (),
         group_idx: int = 0,
         timeout_s: float | None = 5.0,
     ) -> ScoreResult:
-        """Exactly one of token_ids and block_hashes. Raises KvrcClientError subclasses."""
+        """Exactly one of token_ids and block_hashes. `mm_features`: the token ids'
+        multimodal items, (vLLM's identifier, offset, length) sorted by offset.
+        Raises KvrcClientError subclasses."""
         if (token_ids is None) == (block_hashes is None):
             raise InvalidArgumentError(
                 grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of token_ids and block_hashes"
@@ -105,6 +108,14 @@ class ScoreClient:
         )
         if token_ids is not None:
             request.token_ids.ids.extend(token_ids)
+            for identifier, offset, length in mm_features:
+                request.token_ids.mm_features.add(
+                    identifier=identifier, offset=offset, length=length
+                )
+        elif mm_features:
+            raise InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT, "mm_features go with token_ids"
+            )
         else:
             assert block_hashes is not None
             request.block_hashes.hashes.extend(block_hashes)
@@ -171,6 +182,7 @@ class ScoreRouter:
         lora_name: str = "",
         lora_path: str = "",
         cache_salt: str = "",
+        mm_features: Sequence[tuple[str, int, int]] = (),
         timeout_s: float | None = 1.0,
     ) -> Route:
         if not candidates:
@@ -184,6 +196,7 @@ class ScoreRouter:
                 lora_name=lora_name,
                 lora_path=lora_path,
                 cache_salt=cache_salt,
+                mm_features=mm_features,
                 timeout_s=timeout_s,
             )
         except KvrcClientError as e:

@@ -48,3 +48,21 @@ def parse_block_hashes(text: str, where: str) -> list[bytes]:
     if not hashes:
         raise ValueError(f"{where}: give at least one block hash")
     return hashes
+
+
+def parse_mm_feature(text: str, where: str) -> tuple[str, int, int]:
+    """`IDENTIFIER:OFFSET:LENGTH`, one multimodal item of the prompt (vLLM's identifier,
+    the item's first placeholder token, its placeholder tokens). The identifier may hold
+    colons itself: the last two fields are the numbers."""
+    identifier, _, numbers = text.strip().rpartition(":")
+    identifier, _, offset = identifier.rpartition(":")
+    try:
+        start, length = int(offset), int(numbers)
+    except ValueError:
+        raise ValueError(f"{where}: expected IDENTIFIER:OFFSET:LENGTH, got {text!r}") from None
+    if not identifier or start < 0 or length < 1 or start + length - 1 > MAX_TOKEN_ID:
+        raise ValueError(
+            f"{where}: expected IDENTIFIER:OFFSET:LENGTH with a non-empty identifier, "
+            f"OFFSET >= 0 and LENGTH >= 1, got {text!r}"
+        )
+    return identifier, start, length

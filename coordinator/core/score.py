@@ -30,7 +30,7 @@ from typing import Protocol
 from coordinator.core.errors import KvrcError, failed_precondition, invalid
 from coordinator.core.inventory import MAX_CANDIDATES, MAX_CHAIN_BLOCKS, Inventory, Scope
 from coordinator.core.profiles import DeploymentProfile, ReuseStatus
-from coordinator.core.vllm_hashing import HashConfig, Seed, block_keys
+from coordinator.core.vllm_hashing import MAX_MM_FEATURES, HashConfig, MmFeature, Seed, block_keys
 from kvrc.vocabulary import (
     PROFILE_EXTRA_HASH_ALGO,
     PROFILE_EXTRA_HASH_SEED,
@@ -95,6 +95,7 @@ class TokenHasher(Protocol):
         lora_name: str | None,
         lora_path: str | None,
         cache_salt: str | None,
+        mm_features: Sequence[MmFeature],
     ) -> Sequence[BlockHash]: ...
 
 
@@ -105,10 +106,16 @@ def vllm_block_keys(
     lora_name: str | None,
     lora_path: str | None,
     cache_salt: str | None,
+    mm_features: Sequence[MmFeature],
 ) -> Sequence[BlockHash]:
-    """vLLM 0.32.0's hashing (coordinator/core/vllm_hashing.py); text prompts only."""
+    """vLLM 0.32.0's hashing (coordinator/core/vllm_hashing.py)."""
     return block_keys(
-        token_ids, config, lora_name=lora_name, lora_path=lora_path, cache_salt=cache_salt
+        token_ids,
+        config,
+        lora_name=lora_name,
+        lora_path=lora_path,
+        cache_salt=cache_salt,
+        mm_features=mm_features,
     )
 
 
@@ -150,6 +157,8 @@ class ScoreQuery:
     cache_salt: str = ""
     group_idx: int = 0
     candidates: tuple[str, ...] = ()  # empty: every engine registered with `model`
+    # The prompt's multimodal items, sorted by offset (token ids only).
+    mm_features: tuple[MmFeature, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +208,12 @@ def check_query(query: ScoreQuery) -> None:
     if query.token_ids is not None and len(query.token_ids) > MAX_SCORE_TOKENS:
         raise invalid(
             f"token_ids has {len(query.token_ids)} tokens; the limit is {MAX_SCORE_TOKENS}"
+        )
+    if query.mm_features and query.token_ids is None:
+        raise invalid("mm_features come with token_ids (vLLM hashes them into those blocks)")
+    if len(query.mm_features) > MAX_MM_FEATURES:
+        raise invalid(
+            f"mm_features has {len(query.mm_features)} items; the limit is {MAX_MM_FEATURES}"
         )
     if query.block_hashes is not None and len(query.block_hashes) > MAX_SCORE_BLOCKS:
         raise invalid(
@@ -278,6 +293,7 @@ def score(
                     lora_name=query.lora_name or None,
                     lora_path=query.lora_path or None,
                     cache_salt=query.cache_salt or None,
+                    mm_features=query.mm_features,
                 )
                 # Prompts past the chain bound are scored on their first blocks.
                 hashed = chains[spec] = tuple(keys[:MAX_SCORE_BLOCKS])

@@ -33,7 +33,7 @@ from coordinator.runtime.config import (
 )
 from kvrc import __version__
 from kvrc.credentials import ChannelOptions, CredentialsError, connect_blocking
-from kvrc.prompts import parse_block_hashes, parse_token_ids, read_token_ids
+from kvrc.prompts import parse_block_hashes, parse_mm_feature, parse_token_ids, read_token_ids
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -321,6 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--lora-name", default="", help="the request's LoRA adapter name")
     score.add_argument("--lora-path", default="", help="the adapter's lora_path on the engines")
     score.add_argument("--cache-salt", default="", help="the request's cache_salt")
+    score.add_argument(
+        "--mm-feature",
+        action="append",
+        default=[],
+        metavar="ID:OFFSET:LENGTH",
+        help="a multimodal item of the token ids (vLLM's identifier, first placeholder "
+        "token, placeholder tokens); repeat it, sorted by offset",
+    )
     score.add_argument("--group-idx", type=_uint32, default=0, help="KV-cache group (0)")
     score.add_argument("--json", action="store_true", help="print one JSON document")
     score.add_argument("--timeout-s", type=float, default=5.0)
@@ -761,6 +769,11 @@ def score_request_from_args(args: argparse.Namespace) -> pb.ScoreRequest:
             request.block_hashes.hashes.extend(
                 parse_block_hashes(args.block_hashes, "--block-hashes")
             )
+            if args.mm_feature:
+                raise ValueError("--mm-feature goes with --tokens or --tokens-file")
+        for text in args.mm_feature:
+            identifier, offset, length = parse_mm_feature(text, "--mm-feature")
+            request.token_ids.mm_features.add(identifier=identifier, offset=offset, length=length)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return request

@@ -49,6 +49,7 @@ from coordinator.core.score import (
     ScoreAnswer,
     ScoreQuery,
 )
+from coordinator.core.vllm_hashing import MAX_MM_FEATURES, MmFeature
 from coordinator.edges.zmq_ingest import ZmqStreamConfig, publisher_host, subscriber_endpoint
 from coordinator.runtime.clock import Clock, from_unix_ms, to_unix_ms
 from coordinator.runtime.config import FieldBounds
@@ -700,6 +701,7 @@ def score_request_from_proto(msg: pb.ScoreRequest, bounds: FieldBounds) -> Score
     kind = msg.WhichOneof("prompt")
     token_ids: tuple[int, ...] | None = None
     hashes: tuple[bytes, ...] | None = None
+    mm_features: tuple[MmFeature, ...] = ()
     if kind == "token_ids":
         count = len(msg.token_ids.ids)
         if count > MAX_SCORE_TOKENS:
@@ -707,6 +709,7 @@ def score_request_from_proto(msg: pb.ScoreRequest, bounds: FieldBounds) -> Score
         if not count:
             raise invalid("token_ids is empty: send the prompt's token ids")
         token_ids = tuple(msg.token_ids.ids)
+        mm_features = _mm_features(msg.token_ids.mm_features, count, bounds)
     elif kind == "block_hashes":
         hashes = check_block_hashes("block_hashes", msg.block_hashes.hashes, MAX_SCORE_BLOCKS)
         if not hashes:
@@ -722,7 +725,40 @@ def score_request_from_proto(msg: pb.ScoreRequest, bounds: FieldBounds) -> Score
         cache_salt=salt,
         group_idx=group_idx,
         candidates=candidates,
+        mm_features=mm_features,
     )
+
+
+def _mm_features(
+    items: Sequence[pb.MultimodalFeature], num_tokens: int, bounds: FieldBounds
+) -> tuple[MmFeature, ...]:
+    """Each item inside the prompt, sorted by offset, not overlapping (as vLLM holds them)."""
+    if len(items) > MAX_MM_FEATURES:
+        raise invalid(
+            f"token_ids.mm_features has {len(items)} items; the limit is {MAX_MM_FEATURES}"
+        )
+    out: list[MmFeature] = []
+    end = 0
+    for i, item in enumerate(items):
+        where = f"token_ids.mm_features[{i}]"
+        identifier = check_text(f"{where}.identifier", item.identifier, bounds)
+        if not identifier:
+            raise invalid(f"{where}.identifier is empty: send the item's hash (vLLM's identifier)")
+        if item.length < 1:
+            raise invalid(f"{where}.length is 0: an item covers at least one placeholder token")
+        if item.offset + item.length > num_tokens:
+            raise invalid(
+                f"{where} covers tokens {item.offset}..{item.offset + item.length - 1}, past "
+                f"the prompt's {num_tokens} token ids"
+            )
+        if item.offset < end:
+            raise invalid(
+                f"{where} starts at {item.offset}, before the one before it ends ({end}): "
+                "send the items sorted by offset, not overlapping"
+            )
+        end = item.offset + item.length
+        out.append(MmFeature(identifier, item.offset, item.length))
+    return tuple(out)
 
 
 def score_response_to_proto(answer: ScoreAnswer) -> pb.ScoreResponse:

@@ -2437,22 +2437,62 @@ class TokenIds(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IDS_FIELD_NUMBER: _builtins.int
+    MM_FEATURES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the prompt, first token first (at most 65,536)"""
+
+    @_builtins.property
+    def mm_features(self) -> _containers.RepeatedCompositeFieldContainer[Global___MultimodalFeature]:
+        """The prompt's multimodal items (images, audio), as vLLM hashes them into the
+        blocks their placeholder tokens cover: sorted by offset, not overlapping,
+        each inside `ids` (at most 4,096).
+        """
 
     def __init__(
         self,
         *,
         ids: _abc.Iterable[_builtins.int] | None = ...,
+        mm_features: _abc.Iterable[Global___MultimodalFeature] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "mm_features", b"mm_features"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
+
+@_typing.final
+class MultimodalFeature(_message.Message):
+    """One multimodal item of a prompt: vLLM's MultiModalFeatureSpec.identifier (the
+    item's content hash, or its uuid) and its placeholder range in the token ids.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTIFIER_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    identifier: _builtins.str
+    offset: _builtins.int
+    """first placeholder token"""
+    length: _builtins.int
+    """placeholder tokens (at least 1)"""
+    def __init__(
+        self,
+        *,
+        identifier: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identifier", b"identifier", "length", b"length", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultimodalFeature: _TypeAlias = MultimodalFeature  # noqa: Y015
 
 @_typing.final
 class BlockHashes(_message.Message):

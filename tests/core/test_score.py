@@ -30,7 +30,7 @@ from coordinator.core.score import (
     hash_config,
     score,
 )
-from coordinator.core.vllm_hashing import HashConfig, block_keys
+from coordinator.core.vllm_hashing import MAX_MM_FEATURES, HashConfig, MmFeature, block_keys
 from kvrc.vocabulary import (
     PROFILE_EXTRA_HASH_ALGO,
     PROFILE_EXTRA_HASH_SEED,
@@ -379,6 +379,24 @@ def test_token_ids_are_hashed_with_the_engines_declared_configuration() -> None:
     assert by_id(score_tokens(inv, [other_seed]))["a"][0] == 0
 
 
+def test_multimodal_items_are_hashed_into_the_blocks_they_cover() -> None:
+    """An engine that cached an image prompt matches only a Score naming that image at
+    that place: another image, or the same one elsewhere, changes the blocks it covers
+    (and every later one); the blocks before it still match."""
+    config = hash_config("a", PROFILE)
+    image = (MmFeature("img-sha-1", 9, 6),)  # covers blocks 2 and 3 (block size 4)
+    inv = Inventory()
+    add(inv, "a")
+    store(inv, "a", block_keys(TOKENS, config, mm_features=image))
+    assert by_id(score_tokens(inv, [engine("a")], mm_features=image))["a"][0] == 7
+    other_image = (MmFeature("img-sha-2", 9, 6),)
+    assert by_id(score_tokens(inv, [engine("a")], mm_features=other_image))["a"][0] == 2
+    moved = (MmFeature("img-sha-1", 10, 6),)  # same block, another offset in it
+    assert by_id(score_tokens(inv, [engine("a")], mm_features=moved))["a"][0] == 2
+    # Negative control: without the image the prompt is text, and matches 2 blocks.
+    assert by_id(score_tokens(inv, [engine("a")]))["a"][0] == 2
+
+
 def test_engines_of_other_block_sizes_are_scored_in_their_own_scope() -> None:
     # b has blocks of 8 tokens: its own compatibility hash, its own chain of the prompt.
     inv = Inventory()
@@ -399,6 +417,7 @@ def test_engines_of_other_block_sizes_are_scored_in_their_own_scope() -> None:
         lora_name: str | None,
         lora_path: str | None,
         cache_salt: str | None,
+        mm_features: Sequence[MmFeature],
     ) -> list[bytes]:
         calls.append(config)
         return block_keys(token_ids, config)
@@ -474,6 +493,18 @@ def test_engines_without_a_seed_on_sha256_are_scored() -> None:
         ),
         (ScoreQuery(model="m", block_hashes=CHAIN, candidates=("a", "a")), "'a' twice"),
         (ScoreQuery(model="m"), "exactly one of"),
+        (
+            ScoreQuery(model="m", block_hashes=CHAIN, mm_features=(MmFeature("i", 0, 4),)),
+            "mm_features come with token_ids",
+        ),
+        (
+            ScoreQuery(
+                model="m",
+                token_ids=(1,) * 8,
+                mm_features=tuple(MmFeature("i", k, 1) for k in range(MAX_MM_FEATURES + 1)),
+            ),
+            "limit is 4096",
+        ),
         (ScoreQuery(model="", block_hashes=CHAIN), "scope.model is empty"),
     ],
 )

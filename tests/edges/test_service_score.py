@@ -24,7 +24,7 @@ from clients.errors import FailedPreconditionError
 from clients.inventory import InventoryPublisher, PublishingHandler
 from clients.router import ScoreClient, ScoreResult, ScoreRouter
 from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
-from coordinator.core.vllm_hashing import HashConfig, block_keys
+from coordinator.core.vllm_hashing import HashConfig, MmFeature, block_keys
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 from kvrc.vocabulary import PROFILE_EXTRA_HASH_ALGO, PROFILE_EXTRA_HASH_SEED, Tier
@@ -163,6 +163,41 @@ async def test_token_ids_are_hashed_as_the_engines_declare(
     assert "'tok-silent'" in e.value.message and "vllm_hash_seed" in e.value.message
 
 
+async def test_multimodal_items_reach_the_hashing_from_the_client_and_the_cli(
+    reuse_on: CoordinatorProcess, sessions: list[EngineSession], tmp_path: Path
+) -> None:
+    """An engine that cached an image prompt: Score matches it only when the request
+    names that image at its place; `kvrc score` and `kvrc route` carry it too."""
+    t = reuse_on.grpc_target
+    image = [("img-sha-1", 20, 30)]  # placeholders in blocks 1..3 (block size 16)
+    holder = await open_engine(sessions, t, "mm-holder", extra=HASHED)
+    keys = block_keys(
+        TOKENS, HashConfig("sha256_cbor", 16, "0"), mm_features=[MmFeature(*image[0])]
+    )
+    await holder.stored(keys)
+    asked = {"token_ids": TOKENS, "candidates": ["mm-holder"]}
+    await eventually(t, "mm-holder", 6, mm_features=image, **asked)
+    # Negative controls: as text, or with another image there, only block 0 matches.
+    assert local(await score(t, **asked))["mm-holder"][0] == 1
+    other = [("img-sha-2", 20, 30)]
+    assert local(await score(t, mm_features=other, **asked))["mm-holder"][0] == 1
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS))
+    args = ["score", "--target", t, "--model", MODEL, "--candidates", "mm-holder"]
+    out = _kvrc(*args, "--tokens-file", str(tokens), "--mm-feature", "img-sha-1:20:30", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["engines"][0]["local_matched_blocks"] == 6
+    bad = _kvrc(*args, "--tokens-file", str(tokens), "--mm-feature", "img:20")
+    assert bad.returncode == 2 and "--mm-feature: expected IDENTIFIER:OFFSET:LENGTH" in bad.stderr
+    route_args = ["route", "--target", t, "--model", MODEL, "--candidates", "mm-holder"]
+    routed = _kvrc_main(
+        *route_args, "--tokens-file", str(tokens), "--mm-feature", "img-sha-1:20:30", "--json"
+    )
+    assert routed.returncode == 0, routed.stderr
+    assert json.loads(routed.stdout)["child_engine_id"] == "mm-holder"
+    assert "6 local" in json.loads(routed.stdout)["why"]
+
+
 def _raw_score(target: str, request: pb.ScoreRequest) -> grpc.RpcError:
     with grpc.insecure_channel(target) as channel:
         try:
@@ -174,6 +209,13 @@ def _raw_score(target: str, request: pb.ScoreRequest) -> grpc.RpcError:
 
 def _scope() -> pb.ScoreScope:
     return pb.ScoreScope(model=MODEL)
+
+
+def _with_mm(*items: tuple[str, int, int]) -> pb.TokenIds:
+    ids = pb.TokenIds(ids=list(range(32)))
+    for identifier, offset, length in items:
+        ids.mm_features.add(identifier=identifier, offset=offset, length=length)
+    return ids
 
 
 BAD_REQUESTS = [
@@ -206,6 +248,26 @@ BAD_REQUESTS = [
     (
         pb.ScoreRequest(scope=pb.ScoreScope(), block_hashes=pb.BlockHashes(hashes=[b"h"])),
         "scope.model is empty",
+    ),
+    (
+        pb.ScoreRequest(scope=_scope(), token_ids=_with_mm(("", 0, 4))),
+        "token_ids.mm_features[0].identifier is empty",
+    ),
+    (
+        pb.ScoreRequest(scope=_scope(), token_ids=_with_mm(("img", 0, 0))),
+        "token_ids.mm_features[0].length is 0",
+    ),
+    (
+        pb.ScoreRequest(scope=_scope(), token_ids=_with_mm(("img", 30, 4))),
+        "token_ids.mm_features[0] covers tokens 30..33, past the prompt's 32 token ids",
+    ),
+    (
+        pb.ScoreRequest(scope=_scope(), token_ids=_with_mm(("a", 0, 8), ("b", 4, 8))),
+        "token_ids.mm_features[1] starts at 4, before the one before it ends (8)",
+    ),
+    (
+        pb.ScoreRequest(scope=_scope(), token_ids=_with_mm(*[("i", 0, 1)] * 4097)),
+        "token_ids.mm_features has 4097 items; the limit is 4096",
     ),
 ]
 
