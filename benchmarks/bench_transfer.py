@@ -33,6 +33,14 @@ flight, as a load stream has), so the coordinator's cost reads in bare RPCs.
 `requester_cpu_vs_raw` is the requester's CPU per kvrc load over the raw reader's
 per batch.
 
+All of it twice: tp=1 (the keys at the top level), then `tp2`, the same keys
+for a tp=2 layout: two rank parts per side, each holding half the KV heads (a
+32 KiB shard of each block) with its own Mooncake engine, the holder's parts
+registered as ranks 0 and 1 of one child engine, the requester's two parts
+reading their shards at once (threads standing in for the two rank processes),
+one grant per load and one report per part. `echo_server_cpu_us_per_call` is
+measured once, for both.
+
 Throughput is bytes / median seconds per batch, in GB/s (1e9 bytes). Every
 batch is checked: a block whose first bytes do not name its source block fails
 the run. Writes the JSON report (`benchmarks.common.write_json`).
@@ -44,6 +52,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import platform
 import random
@@ -122,21 +131,32 @@ class Batch:
 # --- the peer process -------------------------------------------------------------
 
 
-def serve_peer(kvrc_target: str | None = None) -> int:
-    """Allocate, tag and register the source cache; print its description; wait.
+def rank_layout(layout: KvCacheLayout, tp: int) -> KvCacheLayout:
+    """One rank part's shard of `layout` at tensor parallelism `tp` (its KV heads)."""
+    return dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads // tp)
 
-    With `kvrc_target` the peer is also the holder of a kvrc prefix load: it
-    registers as a rank part, publishes every block in the inventory, and
-    answers pins with the requested blocks' ids.
+
+def serve_peer(kvrc_target: str | None = None, tp: int = 1) -> int:
+    """Allocate, tag and register the source cache of each rank part; print each
+    part's description (one JSON line per rank, rank 0 first); wait.
+
+    With `kvrc_target` the peer is also the holder of a kvrc prefix load: each rank
+    part registers, rank 0 publishes every block in the inventory, and each part
+    answers pins with its own shard of the requested blocks.
     """
-    engine = MooncakeTransferEngine(MooncakeConfig())
-    cache = PagedKvCache(SOURCE_LAYOUT, device="cpu")
-    for block_id in range(SOURCE_LAYOUT.num_blocks):
-        _tag(cache, block_id, block_id)
-    endpoint = cache.register(engine)
+    endpoints = []
+    caches = []  # registered memory must outlive the wait
+    for _ in range(tp):
+        engine = MooncakeTransferEngine(MooncakeConfig())
+        cache = PagedKvCache(rank_layout(SOURCE_LAYOUT, tp), device="cpu")
+        for block_id in range(SOURCE_LAYOUT.num_blocks):
+            _tag(cache, block_id, block_id)
+        endpoints.append(cache.register(engine))
+        caches.append((engine, cache))
     if kvrc_target is not None:
-        return asyncio.run(_serve_holder(kvrc_target, endpoint))
-    print(endpoint.to_json(), flush=True)
+        return asyncio.run(_serve_holder(kvrc_target, endpoints))
+    for endpoint in endpoints:
+        print(endpoint.to_json(), flush=True)
     for line in sys.stdin:  # end of stdin (our parent died) also ends the peer
         if line.strip() == "exit":
             break
@@ -148,41 +168,59 @@ def block_hash(block_id: int) -> bytes:
     return b"bench-block" + block_id.to_bytes(4, "big")
 
 
-def _bench_registration(engine_id: str, endpoint: KvEndpointDescription) -> RankPartRegistration:
+def _bench_registration(
+    engine_id: str, endpoint: KvEndpointDescription, tp_rank: int = 0, tp_size: int = 1
+) -> RankPartRegistration:
     return RankPartRegistration(
         engine_id=engine_id,
         profile=EngineProfile(model="bench", block_size=16, kv_dtype="float16", reuse_opt_in=True),
         endpoint=endpoint_to_session(endpoint),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
     )
 
 
-async def _serve_holder(target: str, endpoint: KvEndpointDescription) -> int:
+async def _serve_holder(target: str, endpoints: Sequence[KvEndpointDescription]) -> int:
     ids = {block_hash(b): b for b in range(SOURCE_LAYOUT.num_blocks)}
+    tp = len(endpoints)
 
-    def pin(info: PinRequestInfo) -> PinAnswer:
-        block_ids = [ids[h] for h in info.block_hashes if h in ids]
-        if len(block_ids) != len(info.block_hashes):
-            return PinAnswer(0, error_message="unknown block")
-        return PinAnswer(len(block_ids), rank_part_descriptor(endpoint, block_ids, tp_rank=0))
+    def pin_of(endpoint: KvEndpointDescription, tp_rank: int) -> Callable[..., PinAnswer]:
+        def pin(info: PinRequestInfo) -> PinAnswer:
+            block_ids = [ids[h] for h in info.block_hashes if h in ids]
+            if len(block_ids) != len(info.block_hashes):
+                return PinAnswer(0, error_message="unknown block")
+            descriptor = rank_part_descriptor(endpoint, block_ids, tp_rank=tp_rank)
+            return PinAnswer(len(block_ids), descriptor)
 
-    handler = LeaseSessionHandler(pin=pin)
-    session = EngineSession(target, _bench_registration("bench-holder", endpoint), handler)
-    handler.attach(session)
-    ack = await session.start()
-    await session.send_event_batch(
-        kvrc_pb2.EventBatch(
-            incarnation=ack.incarnation,
-            sequence=0,
-            events=[
-                kvrc_pb2.InventoryEvent(
-                    stored=kvrc_pb2.BlockStored(block_hashes=list(ids), tier=kvrc_pb2.TIER_CPU)
+        return pin
+
+    sessions = []
+    for tp_rank, endpoint in enumerate(endpoints):
+        handler = LeaseSessionHandler(pin=pin_of(endpoint, tp_rank))
+        registration = _bench_registration("bench-holder", endpoint, tp_rank, tp)
+        session = EngineSession(target, registration, handler)
+        handler.attach(session)
+        ack = await session.start()
+        sessions.append(session)
+        if tp_rank == 0:  # one inventory per child engine
+            await session.send_event_batch(
+                kvrc_pb2.EventBatch(
+                    incarnation=ack.incarnation,
+                    sequence=0,
+                    events=[
+                        kvrc_pb2.InventoryEvent(
+                            stored=kvrc_pb2.BlockStored(
+                                block_hashes=list(ids), tier=kvrc_pb2.TIER_CPU
+                            )
+                        )
+                    ],
                 )
-            ],
-        )
-    )
-    print(endpoint.to_json(), flush=True)
+            )
+    for endpoint in endpoints:
+        print(endpoint.to_json(), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    await session.close()
+    for session in sessions:
+        await session.close()
     return 0
 
 
@@ -197,21 +235,31 @@ def _tag_of(cache: PagedKvCache, block_id: int) -> int:
 
 
 class PeerProcess:
-    def __init__(self, kvrc_target: str | None = None) -> None:
+    def __init__(self, kvrc_target: str | None = None, tp: int = 1) -> None:
         holder = ["--kvrc-target", kvrc_target] if kvrc_target is not None else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_transfer", "--serve-peer", *holder],
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.bench_transfer",
+                "--serve-peer",
+                "--tp",
+                str(tp),
+                *holder,
+            ],
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # Mooncake logs every connection at INFO
         )
         assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            self.close()
-            raise RuntimeError(f"benchmark peer exited with {self.process.returncode}")
-        self.endpoint = KvEndpointDescription.from_json(line)
+        self.endpoints: list[KvEndpointDescription] = []
+        for _ in range(tp):
+            line = self.process.stdout.readline()
+            if not line:
+                self.close()
+                raise RuntimeError(f"benchmark peer exited with {self.process.returncode}")
+            self.endpoints.append(KvEndpointDescription.from_json(line))
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -228,53 +276,77 @@ class PeerProcess:
 # --- the measured paths -------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """This process's rank parts (the requester side): a Mooncake engine and a KV cache
+    each. tp=2 stands for two rank processes: their reads run at once, on threads."""
+
+    engines: tuple[MooncakeTransferEngine, ...]
+    caches: tuple[PagedKvCache, ...]
+
+    @property
+    def tp(self) -> int:
+        return len(self.engines)
+
+
 def measure_raw(
-    engine: MooncakeTransferEngine,
-    local: PagedKvCache,
-    remote: KvEndpointDescription,
+    ranks: Ranks,
+    remotes: Sequence[KvEndpointDescription],
     batch: Batch,
+    executor: concurrent.futures.Executor,
 ) -> float:
-    """Seconds for one raw batch read: one entry per block, no plan, no executor."""
-    block_len = remote.layout.block_bytes
-    local_base = local.describe().regions[0].base_addr
-    remote_base = remote.regions[0].base_addr
-    local_addresses = [local_base + i * block_len for i in range(len(batch.remote_ids))]
-    remote_addresses = [remote_base + r * block_len for r in batch.remote_ids]
-    lengths = [block_len] * len(batch.remote_ids)
+    """Seconds for one raw batch read per rank part: one entry per block, no plan (tp=1:
+    on this thread; tp=2: both ranks' reads at once)."""
+
+    def read(rank: int) -> int:
+        remote = remotes[rank]
+        block_len = remote.layout.block_bytes
+        local_base = ranks.caches[rank].describe().regions[0].base_addr
+        remote_base = remote.regions[0].base_addr
+        local_addresses = [local_base + i * block_len for i in range(len(batch.remote_ids))]
+        remote_addresses = [remote_base + r * block_len for r in batch.remote_ids]
+        lengths = [block_len] * len(batch.remote_ids)
+        return ranks.engines[rank].read_batch(
+            remote.session_name, local_addresses, remote_addresses, lengths
+        )
+
     started = time.perf_counter()
-    return_code = engine.read_batch(remote.session_name, local_addresses, remote_addresses, lengths)
+    codes = [read(0)] if ranks.tp == 1 else list(executor.map(read, range(ranks.tp)))
     elapsed = time.perf_counter() - started
-    if return_code != 0:
-        raise RuntimeError(f"raw batch read returned {return_code}")
+    if any(codes):
+        raise RuntimeError(f"raw batch reads returned {codes}")
     return elapsed
 
 
 def measure_pull(
-    engine: MooncakeTransferEngine,
-    local: PagedKvCache,
-    remote: KvEndpointDescription,
+    ranks: Ranks,
+    remotes: Sequence[KvEndpointDescription],
     batch: Batch,
     loop: asyncio.AbstractEventLoop,
     executor: concurrent.futures.Executor,
 ) -> float:
-    """Seconds for plan + `pull` (executor thread, own deadline), as an engine runs it."""
+    """Seconds for plan + `pull` (executor thread, own deadline) of every rank part, as
+    engines run it."""
+
+    async def one(rank: int) -> None:
+        plan = TransferPlan.build(ranks.caches[rank].describe(), remotes[rank], batch.pairs)
+        result = await pull(ranks.engines[rank], plan, deadline_s=DEADLINE_S, executor=executor)
+        if result.outcome is not TransferOutcome.SUCCEEDED:
+            raise RuntimeError(f"pull failed: {result.error}")
 
     async def once() -> float:
         started = time.perf_counter()
-        plan = TransferPlan.build(local.describe(), remote, batch.pairs)
-        result = await pull(engine, plan, deadline_s=DEADLINE_S, executor=executor)
-        elapsed = time.perf_counter() - started
-        if result.outcome is not TransferOutcome.SUCCEEDED:
-            raise RuntimeError(f"pull failed: {result.error}")
-        return elapsed
+        await asyncio.gather(*(one(rank) for rank in range(ranks.tp)))
+        return time.perf_counter() - started
 
     return loop.run_until_complete(once())
 
 
 class KvrcPath:
-    """A live `kvrc serve`, the holder peer, and this process as the requester."""
+    """A live `kvrc serve`, the holder peer, and this process as the requester: one
+    session per rank part, one grant per load, one report per rank part."""
 
-    def __init__(self, local: PagedKvCache, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, ranks: Ranks, loop: asyncio.AbstractEventLoop) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrc-bench-")
         tmp = Path(self._tmp.name)
         try:
@@ -284,14 +356,19 @@ class KvrcPath:
             self._tmp.cleanup()
             raise
         self.target = self.server.target
-        self.peer = PeerProcess(self.target)
-        self.local = local
+        self.peer = PeerProcess(self.target, ranks.tp)
+        self.ranks = ranks
         self.loop = loop
-        self.session = EngineSession(
-            self.target, _bench_registration("bench-requester", local.describe())
-        )
+        self.sessions = [
+            EngineSession(
+                self.target,
+                _bench_registration("bench-requester", cache.describe(), rank, ranks.tp),
+            )
+            for rank, cache in enumerate(ranks.caches)
+        ]
         self.requests = 0
-        loop.run_until_complete(self.session.start())
+        for session in self.sessions:
+            loop.run_until_complete(session.start())
         self.client = loop.run_until_complete(self._client())  # its channel binds to `loop`
 
     async def _client(self) -> LeaseClient:
@@ -311,55 +388,51 @@ class KvrcPath:
         return grant
 
     async def _pull(
-        self,
-        engine: MooncakeTransferEngine,
-        batch: Batch,
-        grant: LeaseGrant,
-        executor: concurrent.futures.Executor,
-    ) -> kvrc_pb2.TransferReport:
-        plan = plan_rank_part_pull(
-            self.local.describe(),
-            list(range(len(batch.remote_ids))),
-            grant.source_parts,
-            tp_rank=0,
-            tp_size=1,
-        )
-        result = await pull(engine, plan, deadline_s=DEADLINE_S, executor=executor)
-        if result.outcome is not TransferOutcome.SUCCEEDED:
-            raise RuntimeError(f"kvrc path pull failed: {result.error}")
-        return result.to_report(
-            lease_id=grant.lease_id, reporter_child_engine_id="bench-requester", tp_rank=0
-        )
+        self, batch: Batch, grant: LeaseGrant, executor: concurrent.futures.Executor
+    ) -> list[kvrc_pb2.TransferReport]:
+        async def one(rank: int) -> kvrc_pb2.TransferReport:
+            plan = plan_rank_part_pull(
+                self.ranks.caches[rank].describe(),
+                list(range(len(batch.remote_ids))),
+                grant.source_parts,
+                tp_rank=rank,
+                tp_size=self.ranks.tp,
+            )
+            result = await pull(
+                self.ranks.engines[rank], plan, deadline_s=DEADLINE_S, executor=executor
+            )
+            if result.outcome is not TransferOutcome.SUCCEEDED:
+                raise RuntimeError(f"kvrc path pull failed: {result.error}")
+            return result.to_report(
+                lease_id=grant.lease_id, reporter_child_engine_id="bench-requester", tp_rank=rank
+            )
 
-    async def _complete(self, report: kvrc_pb2.TransferReport) -> None:
-        done = await self.client.complete_prefix_load(report)
-        if done.state != "COMPLETED":
-            raise RuntimeError(f"kvrc path report answered {done.state}")
+        return list(await asyncio.gather(*(one(rank) for rank in range(self.ranks.tp))))
 
-    def measure_serial(
-        self, engine: MooncakeTransferEngine, batch: Batch, executor: concurrent.futures.Executor
-    ) -> float:
+    async def _complete(self, reports: Sequence[kvrc_pb2.TransferReport]) -> None:
+        done = await asyncio.gather(*(self.client.complete_prefix_load(r) for r in reports))
+        # The last part's report ends the lease, whichever kvrc took last.
+        if not any(d.state == "COMPLETED" for d in done):
+            raise RuntimeError(f"kvrc path reports answered {[d.state for d in done]}")
+
+    def measure_serial(self, batch: Batch, executor: concurrent.futures.Executor) -> float:
         """Seconds for RequestPrefixLoad -> pull -> CompletePrefixLoad of one batch."""
 
         async def once() -> float:
             started = time.perf_counter()
             grant = await self._grant(batch)
-            await self._complete(await self._pull(engine, batch, grant, executor))
+            await self._complete(await self._pull(batch, grant, executor))
             return time.perf_counter() - started
 
         return self.loop.run_until_complete(once())
 
     def measure_stream(
-        self,
-        engine: MooncakeTransferEngine,
-        batch: Batch,
-        executor: concurrent.futures.Executor,
-        loads: int,
+        self, batch: Batch, executor: concurrent.futures.Executor, loads: int
     ) -> float:
         """Seconds per load over `loads` back-to-back loads of `batch`, pipelined.
 
-        Load i+1's grant is requested when load i's pull starts; load i's report
-        runs while load i+1 pulls. Every load's blocks are cleared before and
+        Load i+1's grant is requested when load i's pull starts; load i's reports
+        run while load i+1 pulls. Every load's blocks are cleared before and
         checked after its pull, inside the timed window.
         """
 
@@ -372,10 +445,10 @@ class KvrcPath:
                     grant = await next_grant
                     if i + 1 < loads:
                         next_grant = asyncio.ensure_future(self._grant(batch))
-                    check = _clear_and_check(self.local, batch)
-                    report = await self._pull(engine, batch, grant, executor)
+                    check = _clear_and_check(self.ranks, batch)
+                    parts = await self._pull(batch, grant, executor)
                     check()
-                    reports.append(asyncio.ensure_future(self._complete(report)))
+                    reports.append(asyncio.ensure_future(self._complete(parts)))
                 await asyncio.gather(*reports)
             finally:
                 pending: list[asyncio.Future[Any]] = [next_grant, *reports]
@@ -389,7 +462,8 @@ class KvrcPath:
     def close(self) -> None:
         if hasattr(self, "client"):
             self.loop.run_until_complete(self.client.close())
-            self.loop.run_until_complete(self.session.close())
+            for session in self.sessions:
+                self.loop.run_until_complete(session.close())
         if hasattr(self, "peer"):
             self.peer.close()
         self.server.stop()
@@ -504,32 +578,42 @@ def _block_tags(local: PagedKvCache, count: int) -> torch.Tensor:
     return layer.reshape(layer.shape[0], -1).view(torch.uint8)[:count, :8].view(torch.int64)
 
 
-def _clear_and_check(local: PagedKvCache, batch: Batch) -> Callable[[], None]:
-    """Mark the batch's local blocks as empty; the returned check fails unless each
-    then names its source block (vectorised: cheap enough to sit in a timed loop)."""
+def _clear_and_check(ranks: Ranks, batch: Batch) -> Callable[[], None]:
+    """Mark the batch's local blocks of every rank part as empty; the returned check
+    fails unless each then names its source block (vectorised: cheap enough to sit in
+    a timed loop)."""
     count = len(batch.remote_ids)
-    _block_tags(local, count).fill_(_CLEARED_TAG)
+    for local in ranks.caches:
+        _block_tags(local, count).fill_(_CLEARED_TAG)
     expected = torch.tensor(batch.remote_ids, dtype=torch.int64).reshape(count, 1)
 
     def check() -> None:
-        wrong = (_block_tags(local, count) != expected).nonzero()
-        if len(wrong):
-            i = int(wrong[0][0])
-            raise RuntimeError(
-                f"local block {i} holds block {_tag_of(local, i)}, expected {batch.remote_ids[i]}"
-            )
+        for rank, local in enumerate(ranks.caches):
+            wrong = (_block_tags(local, count) != expected).nonzero()
+            if len(wrong):
+                i = int(wrong[0][0])
+                raise RuntimeError(
+                    f"rank {rank}: local block {i} holds block {_tag_of(local, i)}, "
+                    f"expected {batch.remote_ids[i]}"
+                )
 
     return check
 
 
-def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
-    engine = MooncakeTransferEngine(MooncakeConfig())
-    local = PagedKvCache(LOCAL_LAYOUT, device="cpu")
-    local.register(engine)
-    peer = PeerProcess()
+def run(
+    repeats: int, warmup: int, with_kvrc: bool = True, tp: int = 1, echo_us: float | None = None
+) -> dict[str, Any]:
+    """Every figure for one layout; `echo_us` measured here when not given."""
+    layout = rank_layout(LOCAL_LAYOUT, tp)
+    engines = tuple(MooncakeTransferEngine(MooncakeConfig()) for _ in range(tp))
+    caches = tuple(PagedKvCache(layout, device="cpu") for _ in range(tp))
+    for engine, cache in zip(engines, caches, strict=True):
+        cache.register(engine)
+    ranks = Ranks(engines, caches)
+    peer = PeerProcess(tp=tp)
     loop = asyncio.new_event_loop()
-    executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-    kvrc_path = KvrcPath(local, loop) if with_kvrc else None
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=2 * tp)
+    kvrc_path = KvrcPath(ranks, loop) if with_kvrc else None
     rng = random.Random(20260)
     raw: dict[str, float] = {}
     pulled: dict[str, float] = {}
@@ -537,15 +621,16 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
     serial: dict[str, float | None] = {}
     raw_seconds: dict[str, list[float]] = {}
     cpu_ms: dict[str, dict[str, dict[str, float]]] = {"raw": {}, "kvrc": {}}
+    remotes = peer.endpoints
     try:
         for size in BATCH_SIZES:
             batch = Batch(tuple(rng.sample(range(SOURCE_LAYOUT.num_blocks), size)))
             for _ in range(warmup):
-                measure_raw(engine, local, peer.endpoint, batch)
-                measure_pull(engine, local, peer.endpoint, batch, loop, executor)
+                measure_raw(ranks, remotes, batch, executor)
+                measure_pull(ranks, remotes, batch, loop, executor)
                 if kvrc_path is not None:
-                    kvrc_path.measure_serial(engine, batch, executor)
-                    kvrc_path.measure_stream(engine, batch, executor, STREAM_LOADS)
+                    kvrc_path.measure_serial(batch, executor)
+                    kvrc_path.measure_stream(batch, executor, STREAM_LOADS)
             raw_runs: list[float] = []
             pull_runs: list[float] = []
             kvrc_runs: list[float] = []
@@ -563,21 +648,19 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
                 else None
             )
             for _ in range(repeats):  # interleaved, so drift hits both paths alike
-                check = _clear_and_check(local, batch)
+                check = _clear_and_check(ranks, batch)
                 with raw_cpu.window(1):
-                    raw_runs.append(measure_raw(engine, local, peer.endpoint, batch))
+                    raw_runs.append(measure_raw(ranks, remotes, batch, executor))
                 check()
-                check = _clear_and_check(local, batch)
-                pull_runs.append(measure_pull(engine, local, peer.endpoint, batch, loop, executor))
+                check = _clear_and_check(ranks, batch)
+                pull_runs.append(measure_pull(ranks, remotes, batch, loop, executor))
                 check()
                 if kvrc_path is not None and kvrc_cpu is not None:
-                    check = _clear_and_check(local, batch)
-                    serial_runs.append(kvrc_path.measure_serial(engine, batch, executor))
+                    check = _clear_and_check(ranks, batch)
+                    serial_runs.append(kvrc_path.measure_serial(batch, executor))
                     check()
                     with kvrc_cpu.window(STREAM_LOADS):
-                        kvrc_runs.append(
-                            kvrc_path.measure_stream(engine, batch, executor, STREAM_LOADS)
-                        )
+                        kvrc_runs.append(kvrc_path.measure_stream(batch, executor, STREAM_LOADS))
             key = str(size)
             raw[key] = round(_median_gbps(batch.total_bytes, raw_runs), 4)
             pulled[key] = round(_median_gbps(batch.total_bytes, pull_runs), 4)
@@ -590,37 +673,50 @@ def run(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
             if kvrc_cpu is not None:
                 cpu_ms["kvrc"][key] = kvrc_cpu.ms_per_batch()
             print(
-                f"{size:>5} blocks x 64 KiB: raw {raw[key]:.3f} GB/s, "
+                f"tp={tp} {size:>5} blocks x 64 KiB: raw {raw[key]:.3f} GB/s, "
                 f"pull {pulled[key]:.3f} GB/s ({pulled[key] / raw[key]:.2f} of raw), "
                 f"kvrc {kvrc[key]} GB/s (one load alone: {serial[key]} GB/s)",
                 flush=True,
             )
-        echo_us = echo_server_cpu_us(loop) if kvrc_path is not None else None
+        if echo_us is None and kvrc_path is not None:
+            echo_us = echo_server_cpu_us(loop)
     finally:
         if kvrc_path is not None:
             kvrc_path.close()
         peer.close()
         executor.shutdown(wait=True)
         loop.close()
-        local.unregister()
+        for cache in caches:
+            cache.unregister()
     return {
-        "benchmark": "transfer",
-        "transport": "mooncake tcp, loopback, two processes, CPU memory",
-        "block_bytes": BLOCK_BYTES,
-        "batch_sizes": list(BATCH_SIZES),
-        "layout": "scattered source blocks, one entry per block",
-        "repeats": repeats,
+        "tp": tp,
         "raw_gbps": raw,
         "pull_gbps": pulled,
         "pull_vs_raw": {key: round(pulled[key] / raw[key], 4) for key in raw},
         "kvrc_gbps": kvrc,
         "kvrc_vs_raw": _ratios(kvrc, raw),
-        "kvrc_loads_per_stream": STREAM_LOADS,
         "cpu_ms_per_batch": cpu_ms,
         **_cost_keys(cpu_ms, echo_us),
         "kvrc_serial_gbps": serial,
         "kvrc_serial_vs_raw": _ratios(serial, raw),
         "raw_seconds": raw_seconds,
+    }
+
+
+def report(repeats: int, warmup: int, with_kvrc: bool = True) -> dict[str, Any]:
+    """tp=1, then the same under `tp2` (two rank parts per side), one echo for both."""
+    tp1 = run(repeats, warmup, with_kvrc, tp=1)
+    tp2 = run(repeats, warmup, with_kvrc, tp=2, echo_us=tp1["echo_server_cpu_us_per_call"])
+    return {
+        "benchmark": "transfer",
+        "transport": "mooncake tcp, loopback, two processes, CPU memory",
+        "block_bytes": BLOCK_BYTES,
+        "batch_sizes": list(BATCH_SIZES),
+        "layout": "scattered source blocks, one entry per block (per rank part)",
+        "repeats": repeats,
+        "kvrc_loads_per_stream": STREAM_LOADS,
+        **{k: v for k, v in tp1.items() if k != "tp"},
+        "tp2": {k: v for k, v in tp2.items() if k not in ("tp", "echo_server_cpu_us_per_call")},
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -639,15 +735,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-kvrc", action="store_true", help="skip the kvrc lease path")
     parser.add_argument("--serve-peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kvrc-target", help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_peer:
-        return serve_peer(args.kvrc_target)
+        return serve_peer(args.kvrc_target, args.tp)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     # Quiet Mooncake's per-connection INFO logs in this process too.
     os.environ.setdefault("GLOG_minloglevel", "1")
-    report = run(args.repeats, args.warmup, with_kvrc=not args.no_kvrc)
-    write_json(args.out, report)
+    write_json(args.out, report(args.repeats, args.warmup, with_kvrc=not args.no_kvrc))
     print(f"wrote {args.out}")
     return 0
 
