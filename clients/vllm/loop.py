@@ -30,7 +30,8 @@ def use_every_allowed_core() -> None:
     the core that the rank's busy loop spins on. They are I/O, not compute; on a
     loaded host, sharing that core stalled a worker's heartbeats past kvrc's timeout
     (the tp2 test's CI runs). The kernel keeps the cgroup's cpuset: cores outside it
-    are dropped, not an error.
+    are dropped, not an error. The price, on a multi-socket host: these threads may
+    run on another NUMA node than the KV memory Mooncake's tcp transport copies.
     """
     if not hasattr(os, "sched_setaffinity"):
         return  # not Linux: nothing binds threads this way
@@ -47,6 +48,7 @@ class BackgroundLoop:
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._watching = False
         self._thread.start()
 
     def _run(self) -> None:
@@ -66,7 +68,7 @@ class BackgroundLoop:
         with _STALL_WATCH_LOCK:
             if _STALL_WATCH_TAKEN:
                 return False
-            _STALL_WATCH_TAKEN = True
+            _STALL_WATCH_TAKEN = self._watching = True
 
         async def rearm() -> None:
             while True:
@@ -92,10 +94,14 @@ class BackgroundLoop:
         self.loop.call_soon_threadsafe(fn, *args)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        faulthandler.cancel_dump_traceback_later()
+        global _STALL_WATCH_TAKEN
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout_s)
+        if self._watching:  # after the loop: nothing re-arms the timer now
+            faulthandler.cancel_dump_traceback_later()
+            with _STALL_WATCH_LOCK:
+                _STALL_WATCH_TAKEN = self._watching = False
 
 
 def control_socket_path(child_engine_id: str) -> str:
