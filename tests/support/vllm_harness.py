@@ -33,6 +33,10 @@ REPO = Path(__file__).resolve().parent.parent.parent
 DRIVER = Path(__file__).resolve().parent / "vllm_engine_driver.py"
 CONNECTOR_MODULE = "clients.vllm.connector"
 BLOCK_SIZE = 32
+# Every test engine's workers dump all their threads' stacks to their stderr log when
+# kvrc's thread there stalls this long (clients/vllm/loop.py): a failure's diagnosis
+# then says what held it.
+STALL_DUMP_S = 30
 
 
 def random_prompt(seed: int, length: int, vocab: int = 1000) -> list[int]:
@@ -146,7 +150,11 @@ class VllmEngine:
             "module": module,
             "tp": tp,
             "block_size": BLOCK_SIZE,
-            "extra": {"stats_file": str(self.stats_path), **(extra or {})},
+            "extra": {
+                "stats_file": str(self.stats_path),
+                "stall_dump_s": STALL_DUMP_S,
+                **(extra or {}),
+            },
             **spec_extra,
         }
         if kv_events:  # vLLM's ZMQ KV-event publisher, which kvrc subscribes to
@@ -344,7 +352,11 @@ class OpenAiServer:
             "kv_role": kv_role,
             "engine_id": name,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"stats_file": str(self.stats_path), **extra},
+            "kv_connector_extra_config": {
+                "stats_file": str(self.stats_path),
+                "stall_dump_s": STALL_DUMP_S,
+                **extra,
+            },
         }
         self.process = subprocess.Popen(
             api_server_command(python, model, port, kv, block_size=BLOCK_SIZE),

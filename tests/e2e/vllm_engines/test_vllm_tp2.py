@@ -64,7 +64,6 @@ def test_pd_between_tp2_engines_and_a_tp1_peer_is_refused(
         "kvrc_target": kvrc.target,
         "transfer_timeout_ms": 60_000,
         "handoff_wait_ms": 120_000,
-        "stall_dump_s": 20,  # a stalled kvrc thread leaves every stack in the stderr log
     }
     try:
         prefill = VllmEngine(
