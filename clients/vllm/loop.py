@@ -20,24 +20,39 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def use_every_allowed_core() -> None:
-    """Let the calling thread (and the threads it starts) run on any core the process
-    may use.
+def engine_cores() -> set[int] | None:
+    """The cores this engine as a whole was given: its parent process's affinity.
 
-    vLLM's CPU workers bind every thread of a rank to that rank's compute core
-    (VLLM_CPU_OMP_THREADS_BIND), and a thread inherits its creator's binding: kvrc's
-    loop, gRPC's threads, the pull executor and Mooncake's transport would all share
-    the core that the rank's busy loop spins on. They are I/O, not compute; on a
-    loaded host, sharing that core stalled a worker's heartbeats past kvrc's timeout
-    (the tp2 test's CI runs). The kernel keeps the cgroup's cpuset: cores outside it
-    are dropped, not an error. The price, on a multi-socket host: these threads may
-    run on another NUMA node than the KV memory Mooncake's tcp transport copies.
+    vLLM's CPU workers bind each thread of a rank to that rank's compute core
+    (VLLM_CPU_OMP_THREADS_BIND), so this process's own mask, once bound, says only
+    where its compute runs. The parent (vLLM's EngineCore, or the driver for an
+    in-process worker) is not bound that way but keeps whatever an operator set
+    (taskset, numactl, a cgroup cpuset). None when it cannot be read.
     """
-    if not hasattr(os, "sched_setaffinity"):
-        return  # not Linux: nothing binds threads this way
-    # 0: this thread. A cpuset that forbids it keeps the inherited binding.
-    with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        return os.sched_getaffinity(os.getppid())
+    except OSError:
+        return None
+
+
+def use_every_allowed_core() -> None:
+    """Let the calling thread (and the threads it starts) run on every core the engine
+    was given (`engine_cores`), not only on the rank's compute core.
+
+    A thread inherits its creator's binding: kvrc's loop, gRPC's threads, the pull
+    executor and Mooncake's transport would all share the core that the rank's busy
+    loop spins on. They are I/O, not compute; on a loaded host, sharing that core
+    stalled a worker's heartbeats past kvrc's timeout (the tp2 test's CI runs). The
+    price, on a multi-socket host: these threads may run on another NUMA node than
+    the KV memory Mooncake's tcp transport copies.
+    """
+    cores = engine_cores()
+    if not cores:
+        return  # not Linux, or unreadable: keep the inherited binding
+    with contextlib.suppress(OSError):  # 0: this thread only
+        os.sched_setaffinity(0, cores)
 
 
 _STALL_WATCH_LOCK = threading.Lock()
@@ -49,6 +64,7 @@ class BackgroundLoop:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._watching = False
+        self._watch_task: asyncio.Task[None] | None = None
         self._thread.start()
 
     def _run(self) -> None:
@@ -62,20 +78,28 @@ class BackgroundLoop:
 
         faulthandler's watchdog is a C thread that needs no GIL, so the dump names the
         thread that holds it. faulthandler has one such timer per process: the first
-        loop that asks gets it (False for the others).
+        loop that asks gets it (False for the others, and where stderr has no file
+        descriptor to write to).
         """
         global _STALL_WATCH_TAKEN
         with _STALL_WATCH_LOCK:
             if _STALL_WATCH_TAKEN:
                 return False
+            try:
+                faulthandler.dump_traceback_later(stall_s, repeat=False, file=sys.stderr)
+            except (AttributeError, OSError, ValueError):
+                return False  # e.g. stderr replaced by an object without fileno()
             _STALL_WATCH_TAKEN = self._watching = True
 
         async def rearm() -> None:
             while True:
-                faulthandler.dump_traceback_later(stall_s, repeat=False, file=sys.stderr)
                 await asyncio.sleep(stall_s / 4)
+                faulthandler.dump_traceback_later(stall_s, repeat=False, file=sys.stderr)
 
-        self.submit(rearm())
+        async def start() -> None:
+            self._watch_task = asyncio.get_running_loop().create_task(rearm())
+
+        self.run(start(), timeout_s=10)
         return True
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -96,12 +120,21 @@ class BackgroundLoop:
     def stop(self, timeout_s: float = 5.0) -> None:
         global _STALL_WATCH_TAKEN
         if self.loop.is_running():
+            if self._watch_task is not None:
+                with contextlib.suppress(TimeoutError, RuntimeError):
+                    self.run(self._end_watch(), timeout_s)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout_s)
-        if self._watching:  # after the loop: nothing re-arms the timer now
+        if self._watching and not self._thread.is_alive():  # nothing re-arms it now
             faulthandler.cancel_dump_traceback_later()
             with _STALL_WATCH_LOCK:
                 _STALL_WATCH_TAKEN = self._watching = False
+
+    async def _end_watch(self) -> None:
+        task, self._watch_task = self._watch_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def control_socket_path(child_engine_id: str) -> str:

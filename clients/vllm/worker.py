@@ -245,8 +245,8 @@ class KvrcWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout, views, vllm_shape = describe_kv_caches(kv_caches, self.block_size)
-        # Built on the loop thread, so Mooncake's transport threads inherit its
-        # binding to every allowed core, not this rank's compute core (loop.py).
+        # Built from the loop thread, so Mooncake's transport threads inherit its
+        # binding to every core the engine was given, not this rank's compute core.
         self.engine = self.loop.run(self._new_transfer_engine(), timeout_s=60)
         self.cache = PagedKvCache.wrap(layout, views)
         self.endpoint = self.cache.register(self.engine)
@@ -307,12 +307,15 @@ class KvrcWorker:
             self.finished.count("kvrc_unavailable")
 
     async def _new_transfer_engine(self) -> MooncakeTransferEngine:
-        return MooncakeTransferEngine(
-            MooncakeConfig(
-                local_hostname=self.config.hostname,
-                protocol=self.config.mooncake_protocol,
-                device_name=self.config.mooncake_device,
-            )
+        config = MooncakeConfig(
+            local_hostname=self.config.hostname,
+            protocol=self.config.mooncake_protocol,
+            device_name=self.config.mooncake_device,
+        )
+        # On a pull thread: started from the loop thread, it has its binding, and the
+        # loop (heartbeats) keeps running while Mooncake starts.
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, MooncakeTransferEngine, config
         )
 
     async def _start_session(self, registration: RankPartRegistration) -> None:

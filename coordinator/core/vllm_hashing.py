@@ -331,8 +331,9 @@ def _chain_cbor(
 
 
 # Token id -> its CBOR encoding, filled as ids are met: a vocabulary's ids are few
-# (~32k-256k), so after warm-up a prompt's encodings are one C-level map. Bounded:
-# ids past the bound (random ids from a client) are encoded each time, not kept.
+# and small (~32k-256k), so after warm-up a prompt's encodings are one C-level map.
+# Only ids below the bound are kept (at most that many entries, ~10 MB): larger ids
+# (random ones from a client) are encoded each time and cannot crowd out the vocabulary.
 _TOKEN_CBOR: dict[int, bytes] = {}
 _TOKEN_CBOR_MAX: Final = 1 << 18
 
@@ -346,7 +347,7 @@ def _token_encodings(ids: list[int]) -> list[bytes]:
             if out[j] is None:
                 encoding = _cbor_head(0, token)
                 out[j] = encoding
-                if len(cache) < _TOKEN_CBOR_MAX:
+                if token < _TOKEN_CBOR_MAX:
                     cache[token] = encoding
     return out  # type: ignore[return-value]  # no None is left
 

@@ -251,9 +251,13 @@ def test_token_encodings_are_what_cbor2_writes(ids: list[int]) -> None:
         assert built == cbor2.dumps(ids, canonical=True)
 
 
-def test_the_token_encoding_cache_is_bounded() -> None:
-    start = len(_TOKEN_CBOR)
-    many = list(range(1 << 20, (1 << 20) + _TOKEN_CBOR_MAX + 1000))
-    built = _cbor_head(4, len(many)) + b"".join(_token_encodings(many))
-    assert built == cbor2.dumps(many, canonical=True)
-    assert start <= len(_TOKEN_CBOR) <= _TOKEN_CBOR_MAX
+def test_the_token_encoding_cache_keeps_only_vocabulary_sized_ids() -> None:
+    """Ids past the bound (random ones from a client) are encoded, never kept: they
+    cannot grow the cache or crowd out the vocabulary's ids."""
+    large = list(range(_TOKEN_CBOR_MAX, _TOKEN_CBOR_MAX + 5000))
+    small = [_TOKEN_CBOR_MAX - 1, 7, 300]
+    built = _cbor_head(4, len(large + small)) + b"".join(_token_encodings(large + small))
+    assert built == cbor2.dumps(large + small, canonical=True)
+    assert not any(t in _TOKEN_CBOR for t in large)
+    assert all(t in _TOKEN_CBOR for t in small)  # control: small ids are kept
+    assert len(_TOKEN_CBOR) <= _TOKEN_CBOR_MAX
