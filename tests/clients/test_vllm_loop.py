@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.vllm.loop import BackgroundLoop
+from clients.vllm import loop as loop_module
+from clients.vllm.loop import BackgroundLoop, engine_cores
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,9 +48,32 @@ def test_the_loop_thread_leaves_the_compute_core_its_creator_is_bound_to() -> No
     assert seen["loop"] == allowed
 
 
+def test_without_a_readable_parent_the_inherited_binding_stays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A parent that is gone (or unreadable) gives no cores: the thread keeps what it
+    inherited rather than guessing (control: this process's parent is readable)."""
+    assert engine_cores() == os.sched_getaffinity(os.getppid())
+    monkeypatch.setattr(loop_module.os, "getppid", lambda: 2**22 + 12345)  # no such pid
+    assert engine_cores() is None
+    compute_core = min(os.sched_getaffinity(0))
+    seen: dict[str, set[int]] = {}
+
+    def bound() -> None:
+        os.sched_setaffinity(0, {compute_core})
+        loop_module.use_every_allowed_core()
+        seen["after"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=bound)
+    thread.start()
+    thread.join()
+    assert seen["after"] == {compute_core}
+
+
 _STALL = """
 import asyncio, time
-from clients.vllm.loop import BackgroundLoop
+from clients.vllm import loop as loop_module
+from clients.vllm.loop import BackgroundLoop, engine_cores
 
 async def block_the_loop():
     time.sleep(2.5)  # a blocking call on the loop thread, as a GIL-holding C call would
