@@ -54,7 +54,7 @@ def test_without_a_readable_parent_the_inherited_binding_stays(
     """A parent that is gone (or unreadable) gives no cores: the thread keeps what it
     inherited rather than guessing (control: this process's parent is readable)."""
     assert engine_cores() == os.sched_getaffinity(os.getppid())
-    monkeypatch.setattr(loop_module.os, "getppid", lambda: 2**22 + 12345)  # no such pid
+    monkeypatch.setattr(os, "getppid", lambda: 2**22 + 12345)  # no such pid
     assert engine_cores() is None
     compute_core = min(os.sched_getaffinity(0))
     seen: dict[str, set[int]] = {}
