@@ -77,9 +77,14 @@ def error_from_status(code: grpc.StatusCode, message: str) -> KvrcClientError:
 _BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def error_from_number(code: int, message: str) -> KvrcClientError:
+    """The typed exception for a status sent as its number (in band, on the session)."""
+    return error_from_status(_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN), message)
+
+
 def from_session_error(error: pb.SessionError) -> KvrcClientError:
     """The typed exception for the coordinator's `SessionError`: why it ends the session."""
-    return error_from_status(_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN), error.message)
+    return error_from_number(error.code, error.message)
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError) -> KvrcClientError:

@@ -147,7 +147,11 @@ class LeaseClient:
     """Lease RPCs of one child engine (any of its rank parts may use it).
 
     Given `SessionChannels`, each call goes to the replica the session is on at that
-    moment (leases are per replica); the caller closes those."""
+    moment (leases are per replica); the caller closes those. Given `session` (one of
+    this child engine's rank parts), prefix loads and their reports travel on that
+    session's stream instead (`EngineSession.call`, revision 3): the coordinator then
+    handles a load as stream messages only, no unary call, and the calls follow the
+    session to its replica. Handoffs stay unary RPCs on `target`."""
 
     def __init__(
         self,
@@ -155,8 +159,10 @@ class LeaseClient:
         child_engine_id: str,
         *,
         timeout_s: float = 30.0,
+        session: EngineSession | None = None,
     ) -> None:
         self.child_engine_id = child_engine_id
+        self._session = session
         self._own_channel = isinstance(target, (str, ChannelOptions))
         if isinstance(target, SessionChannels):
             self._channel: grpc.aio.Channel | None = None
@@ -215,7 +221,12 @@ class LeaseClient:
         )
         # The coordinator waits up to the pin timeout for the holder.
         timeout = self._timeout_s + (pin_timeout_ms or 2_000) / 1000
-        reply: pb.PrefixLoadGrant = await self._call(self._stub.RequestPrefixLoad, request, timeout)
+        reply: pb.PrefixLoadGrant
+        if self._session is not None:
+            answer = await self._session.call(pb.SessionCall(prefix_load=request), timeout)
+            reply = answer.prefix_load
+        else:
+            reply = await self._call(self._stub.RequestPrefixLoad, request, timeout)
         if reply.outcome == pb.GRANT_OUTCOME_GRANTED:
             return PrefixLoadGrant(
                 lease_id=reply.lease_id,
@@ -293,6 +304,10 @@ class LeaseClient:
         while True:
             left = deadline - loop.time()
             try:
+                if self._session is not None and method == "CompletePrefixLoad":
+                    call = pb.SessionCall(prefix_load_report=report)
+                    answer = await self._session.call(call, max(left, 0.1))
+                    return answer.prefix_load_report
                 # The stub on each try: after the session moved, a retry goes to the replica
                 # the holder re-announced the lease to.
                 return await self._call(getattr(self._stub, method), report, max(left, 0.1))

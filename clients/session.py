@@ -26,7 +26,9 @@ lookup clients channels that follow the session to its replica. (A DNS name with
 several addresses, "dns:///kvrc.internal:50051", is one target: grpc's pick_first
 chooses for each channel on its own, so a list is the form whose channels agree.)
 Coordinator requests (pin, release, abort, resync, quarantine, drain) and
-readiness changes go to the handler.
+readiness changes go to the handler. `call(...)` makes a request on the stream
+itself (revision 3: a prefix load and its report, `LeaseClient(..., session=...)`),
+which costs the coordinator fewer messages than the unary RPCs.
 Engines never touch protobuf for registration; later flows pass protobuf
 messages through for now.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import time
@@ -49,6 +52,7 @@ from clients.errors import (
     DeadlineExceededError,
     KvrcClientError,
     UnavailableError,
+    error_from_number,
     error_from_status,
     from_rpc_error,
     from_session_error,
@@ -305,6 +309,9 @@ class EngineSession:
         self.last_error: KvrcClientError | None = None
         self.registrations = 0  # 1 after start(), +1 per successful reconnect
         self.last_heartbeat_ack_ms = 0
+        # Calls made on the stream (`call`), by call id, until answered.
+        self._calls: dict[int, asyncio.Future[pb.CallAnswer]] = {}
+        self._call_ids = itertools.count(1)
 
     @property
     def target(self) -> str:
@@ -367,6 +374,7 @@ class EngineSession:
                 await self._runner
         if self._call is not None:
             self._call.cancel()
+        self._fail_calls("the session closed")
         if self._channel is not None:
             await self._channel.close(None)
 
@@ -415,6 +423,43 @@ class EngineSession:
 
     async def send_release_ack(self, lease_id: str) -> None:
         await self._send(pb.EngineMessage(release_ack=pb.ReleaseAck(lease_id=lease_id)))
+
+    async def call(self, call: pb.SessionCall, timeout_s: float) -> pb.CallAnswer:
+        """Makes `call` on the session stream and returns its answer (`code` 0).
+
+        Raises the typed KvrcClientError of a refused call; UnavailableError when the
+        session is not connected, or its stream ends before the answer (the coordinator
+        may or may not have taken the call: the caller decides whether to repeat it);
+        DeadlineExceededError after `timeout_s`. Sets `call.call_id`."""
+        call_id = next(self._call_ids)
+        call.call_id = call_id
+        answered: asyncio.Future[pb.CallAnswer] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = answered
+        try:
+            await self._send(pb.EngineMessage(call=call))
+            async with asyncio.timeout(timeout_s):
+                answer = await answered
+        except TimeoutError:
+            raise DeadlineExceededError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no answer to session call {call_id} within {timeout_s:g} s",
+            ) from None
+        finally:
+            self._calls.pop(call_id, None)
+        if answer.code:
+            raise error_from_number(answer.code, answer.message)
+        return answer
+
+    def _fail_calls(self, why: str) -> None:
+        calls, self._calls = self._calls, {}
+        for answered in calls.values():
+            if not answered.done():
+                answered.set_exception(
+                    UnavailableError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"{why} before the call was answered (the coordinator may have taken it)",
+                    )
+                )
 
     async def _send(self, message: pb.EngineMessage) -> None:
         call = self._call
@@ -494,6 +539,7 @@ class EngineSession:
             try:
                 await self._read(call)
             finally:
+                self._fail_calls("the session stream ended")
                 beats.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await beats
@@ -558,7 +604,11 @@ class EngineSession:
     async def _dispatch(self, message: pb.CoordinatorMessage) -> None:
         kind = message.WhichOneof("message")
         h = self.handler
-        if kind == "heartbeat_ack":
+        if kind == "call_answer":
+            answered = self._calls.get(message.call_answer.call_id)
+            if answered is not None and not answered.done():
+                answered.set_result(message.call_answer)
+        elif kind == "heartbeat_ack":
             self.last_heartbeat_ack_ms = message.heartbeat_ack.server_time_unix_ms
         elif kind == "state":
             state = ChildEngineState.from_proto(message.state)

@@ -16,7 +16,7 @@ from kvrc.v1 import kvrc_pb2 as pb
 
 # The protocol revision both sides speak (`Register.protocol_version`; the revisions are
 # listed in proto/kvrc/v1/kvrc.proto's header). A Register without the field is revision 1.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 def protocol_mismatch(client_version: int) -> str | None:

@@ -44,6 +44,8 @@ log = logging.getLogger("kvrc.servicer")
 Context = grpc.aio.ServicerContext[Any, Any]
 R = TypeVar("R")
 SessionMessageHandler = Callable[[CoordinatorSession, pb.EngineMessage], None]
+# Prefix loads one session may have waiting for their grant (SessionCall, revision 3).
+MAX_CALLS_IN_FLIGHT = 256
 
 
 def status_code(code: ErrorCode) -> grpc.StatusCode:
@@ -67,6 +69,17 @@ async def _abort(context: Context, code: grpc.StatusCode, message: str) -> None:
         raise  # the normal way out: grpc unwinds the handler with it
     except Exception as e:  # cygrpc's ExecuteBatchError: the call is already finished
         log.debug("session status %s not sent, the call is over: %r", code.name, e)
+
+
+def _own_child_engine(session: CoordinatorSession, child_engine_id: str, field: str) -> None:
+    """A session's calls act for its own child engine (its Register was authorized for it)."""
+    own = session.ref.child_engine_id
+    if child_engine_id != own:
+        raise KvrcError(
+            ErrorCode.PERMISSION_DENIED,
+            f"{field} {child_engine_id!r} is not this session's child engine {own!r}: a session "
+            "calls for its own child engine only (use the unary RPC for another)",
+        )
 
 
 class _Failure:
@@ -169,11 +182,15 @@ class _Observed:
             log.exception("%s failed", method)
             await context.abort(code, f"{method}: internal error (see the coordinator log)")
         finally:
-            timer = self._timers.get(method)
-            if timer is None:
-                timer = self._timers[method] = self._metrics.rpc_duration.labels(method=method)
-            timer.observe(time.perf_counter() - started)
-            self.count(method, code)
+            self.observe(method, started, code)
+
+    def observe(self, method: str, started: float, code: grpc.StatusCode) -> None:
+        """Times and counts one call (a unary RPC or a call on the session stream)."""
+        timer = self._timers.get(method)
+        if timer is None:
+            timer = self._timers[method] = self._metrics.rpc_duration.labels(method=method)
+        timer.observe(time.perf_counter() - started)
+        self.count(method, code)
 
 
 class EngineService(pb_grpc.EngineServiceServicer):
@@ -188,7 +205,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
             "pin_result": self._on_pin_result,
             "abort_ack": self._on_abort_ack,
             "release_ack": self._on_release_ack,
+            "call": self._on_call,
         }
+        # Per session id: its prefix loads waiting for their grant (SessionCall).
+        self._calls: dict[str, set[asyncio.Task[None]]] = {}
 
     # --- the session stream --------------------------------------------------------
 
@@ -245,6 +265,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 reader.cancel()
             if session is not None:
                 self._coordinator.close_session(session, REASON_CLOSED)
+                for task in self._calls.pop(session.session_id, ()):
+                    task.cancel()  # nobody reads the answer; the lease runs out as unary's would
             self._observed.count("Session", code)
 
     async def _first_message(self, requests: AsyncIterator[pb.EngineMessage]) -> pb.EngineMessage:
@@ -348,6 +370,130 @@ class EngineService(pb_grpc.EngineServiceServicer):
         lease_id = wire.check_id("release_ack.lease_id", message.release_ack.lease_id, self._bounds)
         ref = session.ref
         self._coordinator.leases.on_release_ack(ref.child_engine_id, ref.rank, lease_id)
+
+    # --- leases: calls on the session stream (revision 3) --------------------------------
+
+    def _on_call(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
+        """A SessionCall: the unary RPC's checks and flow, answered in band by one CallAnswer.
+
+        A refused call is answered with its status and the session goes on; only a call
+        that cannot be answered (no call_id) breaks the protocol and ends the session.
+        """
+        call = message.call
+        call_id = call.call_id
+        if call_id == 0:
+            raise invalid("call.call_id must not be 0: it names the call's CallAnswer")
+        started = time.perf_counter()
+        kind = call.WhichOneof("call")
+        if kind == "prefix_load_report":
+            self._report_call(session, call_id, call.prefix_load_report, started)
+            return
+        if kind != "prefix_load":
+            # Counted as a Session message (no method of its own to time it under).
+            self._observed.count("Session", grpc.StatusCode.INVALID_ARGUMENT)
+            unknown = pb.CallAnswer(
+                call_id=call_id,
+                code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                message=f"call {call_id}: no known call set (this coordinator takes "
+                "prefix_load and prefix_load_report)",
+            )
+            self._coordinator.reply(session, pb.CoordinatorMessage(call_answer=unknown))
+            return
+        pending = self._calls.setdefault(session.session_id, set())
+        if len(pending) >= MAX_CALLS_IN_FLIGHT:
+            refused = KvrcError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"call {call_id}: {MAX_CALLS_IN_FLIGHT} prefix loads of this session await "
+                "their grant already; wait for an answer first",
+            )
+            self._refuse_call(session, call_id, "RequestPrefixLoad", started, refused)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._prefix_load_call(session, call_id, call.prefix_load, started)
+        )
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    async def _prefix_load_call(
+        self,
+        session: CoordinatorSession,
+        call_id: int,
+        request: pb.PrefixLoadRequest,
+        started: float,
+    ) -> None:
+        method = "RequestPrefixLoad"
+        try:
+            req = wire.prefix_load_request_from_proto(request, self._bounds)
+            _own_child_engine(
+                session, req.requester_child_engine_id, "prefix_load.requester_child_engine_id"
+            )
+            answer = await self._coordinator.leases.request_prefix_load(req)
+            grant = wire.prefix_load_answer_to_proto(answer, self._coordinator.clock)
+        except KvrcError as e:
+            self._refuse_call(session, call_id, method, started, e)
+            return
+        except asyncio.CancelledError:
+            self._observed.observe(method, started, grpc.StatusCode.CANCELLED)
+            raise
+        except Exception:
+            log.exception("%s on the session stream failed", method)
+            internal = f"{method}: internal error (see the coordinator log)"
+            code = grpc.StatusCode.INTERNAL
+            self._answer_status(session, call_id, method, started, code, internal)
+            return
+        self._observed.observe(method, started, grpc.StatusCode.OK)
+        answer_message = pb.CallAnswer(call_id=call_id, prefix_load=grant)
+        self._coordinator.reply(session, pb.CoordinatorMessage(call_answer=answer_message))
+
+    def _report_call(
+        self,
+        session: CoordinatorSession,
+        call_id: int,
+        request: pb.TransferReport,
+        started: float,
+    ) -> None:
+        method = "CompletePrefixLoad"
+        try:
+            report = wire.transfer_report_from_proto(request, self._bounds)
+            _own_child_engine(
+                session,
+                report.reporter_child_engine_id,
+                "prefix_load_report.reporter_child_engine_id",
+            )
+            view = self._coordinator.leases.complete_prefix_load(report)
+        except KvrcError as e:
+            self._refuse_call(session, call_id, method, started, e)
+            return
+        self._observed.observe(method, started, grpc.StatusCode.OK)
+        response = wire.complete_response_to_proto(view)
+        answer_message = pb.CallAnswer(call_id=call_id, prefix_load_report=response)
+        self._coordinator.reply(session, pb.CoordinatorMessage(call_answer=answer_message))
+
+    def _refuse_call(
+        self,
+        session: CoordinatorSession,
+        call_id: int,
+        method: str,
+        started: float,
+        error: KvrcError,
+    ) -> None:
+        self._observed.count_denied(error)
+        code = status_code(error.code)
+        self._answer_status(session, call_id, method, started, code, error.message)
+
+    def _answer_status(
+        self,
+        session: CoordinatorSession,
+        call_id: int,
+        method: str,
+        started: float,
+        code: grpc.StatusCode,
+        message: str,
+    ) -> None:
+        self._observed.observe(method, started, code)
+        number: int = code.value[0]
+        refused = pb.CallAnswer(call_id=call_id, code=number, message=message)
+        self._coordinator.reply(session, pb.CoordinatorMessage(call_answer=refused))
 
     # --- leases: unary RPCs -----------------------------------------------------------
 

@@ -56,6 +56,7 @@ from coordinator.runtime.config import FieldBounds
 from coordinator.runtime.coordinator import (
     ChildEngineStatus,
     CostStatus,
+    EncodedReply,
     HeartbeatReply,
     Outbound,
     PublishOutcome,
@@ -380,6 +381,9 @@ def child_engine_state_to_proto(
 
 def coordinator_message(out: Outbound, clock: Clock) -> pb.CoordinatorMessage:
     """Encodes one outbound session message."""
+    if isinstance(out, EncodedReply):
+        assert isinstance(out.message, pb.CoordinatorMessage)
+        return out.message
     if isinstance(out, RegisterReply):
         return pb.CoordinatorMessage(
             register_ack=pb.RegisterAck(

@@ -102,8 +102,15 @@ class StateUpdate:
     draining: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class EncodedReply:
+    """A message the edge has already encoded: the answer to a call made on the stream."""
+
+    message: object
+
+
 # Every message the coordinator queues on a session (the lease edge's are LeaseOutbound).
-Outbound = RegisterReply | HeartbeatReply | StateUpdate | ResyncOrder | LeaseOutbound
+Outbound = RegisterReply | HeartbeatReply | StateUpdate | ResyncOrder | LeaseOutbound | EncodedReply
 
 
 @dataclass(frozen=True, slots=True)
@@ -686,6 +693,10 @@ class Coordinator:
                 listener.on_part_gone(ref.child_engine_id, ref.rank, ref.session_id)
             except Exception:
                 log.exception("part listener %r failed on gone", listener)
+
+    def reply(self, session: Session, message: object) -> None:
+        """Queues an answer the edge encoded on `session` (a full queue ends the session)."""
+        self._send(session, EncodedReply(message))
 
     def _send_to(self, session_id: str, message: Outbound) -> None:
         session = self._sessions.get(session_id)

@@ -37,6 +37,9 @@ Conventions
          and the "recompute_cheaper" miss; LeaseStatus.prediction;
          StatusResponse.cost_model; RouterService.Score (routers do not register:
          a coordinator without Score answers UNIMPLEMENTED).
+      3: EngineMessage.call and CoordinatorMessage.call_answer: RequestPrefixLoad and
+         CompletePrefixLoad on the session stream (SessionCall), fewer messages per
+         prefix load than the unary RPCs, which stay.
     Additive members a client may ignore, added within a revision:
       2: CoordinatorMessage.session_error (see SessionError).
 """
@@ -1007,6 +1010,7 @@ class EngineMessage(_message.Message):
     PIN_RESULT_FIELD_NUMBER: _builtins.int
     ABORT_ACK_FIELD_NUMBER: _builtins.int
     RELEASE_ACK_FIELD_NUMBER: _builtins.int
+    CALL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def register(self) -> Global___Register: ...
     @_builtins.property
@@ -1019,6 +1023,10 @@ class EngineMessage(_message.Message):
     def abort_ack(self) -> Global___AbortAck: ...
     @_builtins.property
     def release_ack(self) -> Global___ReleaseAck: ...
+    @_builtins.property
+    def call(self) -> Global___SessionCall:
+        """revision 3"""
+
     def __init__(
         self,
         *,
@@ -1028,16 +1036,59 @@ class EngineMessage(_message.Message):
         pin_result: Global___PinResult | None = ...,
         abort_ack: Global___AbortAck | None = ...,
         release_ack: Global___ReleaseAck | None = ...,
+        call: Global___SessionCall | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_ack", b"abort_ack", "events", b"events", "heartbeat", b"heartbeat", "message", b"message", "pin_result", b"pin_result", "register", b"register", "release_ack", b"release_ack"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_ack", b"abort_ack", "call", b"call", "events", b"events", "heartbeat", b"heartbeat", "message", b"message", "pin_result", b"pin_result", "register", b"register", "release_ack", b"release_ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_ack", b"abort_ack", "events", b"events", "heartbeat", b"heartbeat", "message", b"message", "pin_result", b"pin_result", "register", b"register", "release_ack", b"release_ack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_ack", b"abort_ack", "call", b"call", "events", b"events", "heartbeat", b"heartbeat", "message", b"message", "pin_result", b"pin_result", "register", b"register", "release_ack", b"release_ack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["register", "heartbeat", "events", "pin_result", "abort_ack", "release_ack"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["register", "heartbeat", "events", "pin_result", "abort_ack", "release_ack", "call"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___EngineMessage: _TypeAlias = EngineMessage  # noqa: Y015
+
+@_typing.final
+class SessionCall(_message.Message):
+    """A request made on the session stream instead of as a unary RPC (revision 3): the
+    same message and the same checks, answered by one CallAnswer with the same
+    call_id. The session's rank part acts for its own child engine only
+    (requester / reporter must be it: PERMISSION_DENIED otherwise). A refused call
+    is answered with its status; the session goes on. A session has at most
+    `max_calls_in_flight` (256) unanswered calls: more are answered RESOURCE_EXHAUSTED.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    PREFIX_LOAD_FIELD_NUMBER: _builtins.int
+    PREFIX_LOAD_REPORT_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """chosen by the engine, unique among its unanswered calls; not 0"""
+    @_builtins.property
+    def prefix_load(self) -> Global___PrefixLoadRequest:
+        """as RequestPrefixLoad"""
+
+    @_builtins.property
+    def prefix_load_report(self) -> Global___TransferReport:
+        """as CompletePrefixLoad"""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        prefix_load: Global___PrefixLoadRequest | None = ...,
+        prefix_load_report: Global___TransferReport | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "prefix_load", b"prefix_load", "prefix_load_report", b"prefix_load_report"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "call_id", b"call_id", "prefix_load", b"prefix_load", "prefix_load_report", b"prefix_load_report"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["prefix_load", "prefix_load_report"]  # noqa: Y015
+    _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
+
+Global___SessionCall: _TypeAlias = SessionCall  # noqa: Y015
 
 @_typing.final
 class PinRequest(_message.Message):
@@ -1252,6 +1303,7 @@ class CoordinatorMessage(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     DRAIN_NOTICE_FIELD_NUMBER: _builtins.int
     SESSION_ERROR_FIELD_NUMBER: _builtins.int
+    CALL_ANSWER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def register_ack(self) -> Global___RegisterAck: ...
     @_builtins.property
@@ -1274,6 +1326,10 @@ class CoordinatorMessage(_message.Message):
     def session_error(self) -> Global___SessionError:
         """last message: the session ends with its status"""
 
+    @_builtins.property
+    def call_answer(self) -> Global___CallAnswer:
+        """revision 3"""
+
     def __init__(
         self,
         *,
@@ -1287,16 +1343,58 @@ class CoordinatorMessage(_message.Message):
         state: Global___ChildEngineState | None = ...,
         drain_notice: Global___DrainNotice | None = ...,
         session_error: Global___SessionError | None = ...,
+        call_answer: Global___CallAnswer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_request", b"abort_request", "drain_notice", b"drain_notice", "heartbeat_ack", b"heartbeat_ack", "message", b"message", "pin_request", b"pin_request", "quarantine_notice", b"quarantine_notice", "register_ack", b"register_ack", "release_request", b"release_request", "resync_request", b"resync_request", "session_error", b"session_error", "state", b"state"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_request", b"abort_request", "call_answer", b"call_answer", "drain_notice", b"drain_notice", "heartbeat_ack", b"heartbeat_ack", "message", b"message", "pin_request", b"pin_request", "quarantine_notice", b"quarantine_notice", "register_ack", b"register_ack", "release_request", b"release_request", "resync_request", b"resync_request", "session_error", b"session_error", "state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_request", b"abort_request", "drain_notice", b"drain_notice", "heartbeat_ack", b"heartbeat_ack", "message", b"message", "pin_request", b"pin_request", "quarantine_notice", b"quarantine_notice", "register_ack", b"register_ack", "release_request", b"release_request", "resync_request", b"resync_request", "session_error", b"session_error", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_request", b"abort_request", "call_answer", b"call_answer", "drain_notice", b"drain_notice", "heartbeat_ack", b"heartbeat_ack", "message", b"message", "pin_request", b"pin_request", "quarantine_notice", b"quarantine_notice", "register_ack", b"register_ack", "release_request", b"release_request", "resync_request", b"resync_request", "session_error", b"session_error", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["register_ack", "heartbeat_ack", "pin_request", "release_request", "abort_request", "resync_request", "quarantine_notice", "state", "drain_notice", "session_error"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["register_ack", "heartbeat_ack", "pin_request", "release_request", "abort_request", "resync_request", "quarantine_notice", "state", "drain_notice", "session_error", "call_answer"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___CoordinatorMessage: _TypeAlias = CoordinatorMessage  # noqa: Y015
+
+@_typing.final
+class CallAnswer(_message.Message):
+    """The answer to one SessionCall: `code` 0 (OK) with the unary RPC's response, or the
+    status the unary RPC would have ended with.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    PREFIX_LOAD_FIELD_NUMBER: _builtins.int
+    PREFIX_LOAD_REPORT_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    code: _builtins.int
+    """a gRPC status code number; 0 is OK"""
+    message: _builtins.str
+    """for people, when code is not 0"""
+    @_builtins.property
+    def prefix_load(self) -> Global___PrefixLoadGrant: ...
+    @_builtins.property
+    def prefix_load_report(self) -> Global___CompleteResponse: ...
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        prefix_load: Global___PrefixLoadGrant | None = ...,
+        prefix_load_report: Global___CompleteResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "prefix_load", b"prefix_load", "prefix_load_report", b"prefix_load_report"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "call_id", b"call_id", "code", b"code", "message", b"message", "prefix_load", b"prefix_load", "prefix_load_report", b"prefix_load_report"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_answer: _TypeAlias = _typing.Literal["prefix_load", "prefix_load_report"]  # noqa: Y015
+    _WhichOneofArgType_answer: _TypeAlias = _typing.Literal["answer", b"answer"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_answer) -> _WhichOneofReturnType_answer | None: ...
+
+Global___CallAnswer: _TypeAlias = CallAnswer  # noqa: Y015
 
 @_typing.final
 class ReuseStatus(_message.Message):

@@ -37,6 +37,9 @@ Conventions
          and the "recompute_cheaper" miss; LeaseStatus.prediction;
          StatusResponse.cost_model; RouterService.Score (routers do not register:
          a coordinator without Score answers UNIMPLEMENTED).
+      3: EngineMessage.call and CoordinatorMessage.call_answer: RequestPrefixLoad and
+         CompletePrefixLoad on the session stream (SessionCall), fewer messages per
+         prefix load than the unary RPCs, which stay.
     Additive members a client may ignore, added within a revision:
       2: CoordinatorMessage.session_error (see SessionError).
 """

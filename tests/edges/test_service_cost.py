@@ -213,11 +213,21 @@ async def register_raw(target: str, register: pb.Register) -> tuple[grpc.StatusC
 @pytest.mark.parametrize(
     ("version", "needle"),
     [
-        (0, "client speaks kvrc protocol v1, this coordinator speaks v2; upgrade the kvrc client"),
-        (1, "client speaks kvrc protocol v1, this coordinator speaks v2"),
+        (
+            0,
+            f"client speaks kvrc protocol v1, this coordinator speaks v{PROTOCOL_VERSION}; "
+            "upgrade the kvrc client",
+        ),
+        (1, f"client speaks kvrc protocol v1, this coordinator speaks v{PROTOCOL_VERSION}"),
+        # The revision before this one (v2: no calls on the session stream).
+        (
+            PROTOCOL_VERSION - 1,
+            f"client speaks kvrc protocol v{PROTOCOL_VERSION - 1}, this coordinator speaks "
+            f"v{PROTOCOL_VERSION}; upgrade the kvrc client library",
+        ),
         (
             PROTOCOL_VERSION + 1,
-            f"v{PROTOCOL_VERSION + 1}, this coordinator speaks v2; upgrade this",
+            f"v{PROTOCOL_VERSION + 1}, this coordinator speaks v{PROTOCOL_VERSION}; upgrade this",
         ),
     ],
 )
