@@ -20,6 +20,11 @@ coalescing) it measures, interleaved repetition by repetition:
   next pull. Pulls never overlap (one batch on the wire at a time, as in `raw`),
   so only control-plane time that cannot hide behind a pull costs throughput.
   Timed from the first grant request to the last report's answer, per load.
+  The grant and the reports travel on the requester's session streams
+  (protocol revision 3, `LeaseClient(..., session=...)`);
+* `kvrc_unary`: the same stream of loads with the grant and the reports as unary
+  RPCs (every client before revision 3; the vLLM scheduler still), measured
+  interleaved with `kvrc`: its keys carry the `unary_` prefix;
 * `kvrc_serial`: the same three steps for one load with nothing overlapped:
   the latency an isolated request sees (grant + pull + report, end to end).
 
@@ -344,7 +349,12 @@ def measure_pull(
 
 class KvrcPath:
     """A live `kvrc serve`, the holder peer, and this process as the requester: one
-    session per rank part, one grant per load, one report per rank part."""
+    session per rank part, one grant per load, one report per rank part.
+
+    Grants and reports travel on the rank parts' session streams (protocol revision 3,
+    `LeaseClient(..., session=...)`: the grant on rank 0's, each part's report on its
+    own) or, with `unary=True`, as the unary RPCs RequestPrefixLoad and
+    CompletePrefixLoad (what every client did before revision 3)."""
 
     def __init__(self, ranks: Ranks, loop: asyncio.AbstractEventLoop) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrc-bench-")
@@ -369,14 +379,20 @@ class KvrcPath:
         self.requests = 0
         for session in self.sessions:
             loop.run_until_complete(session.start())
-        self.client = loop.run_until_complete(self._client())  # its channel binds to `loop`
+        # Their channels bind to `loop`: made inside it.
+        self.unary_client = loop.run_until_complete(self._client(None))
+        self.stream_clients = [loop.run_until_complete(self._client(s)) for s in self.sessions]
 
-    async def _client(self) -> LeaseClient:
-        return LeaseClient(self.target, "bench-requester")
+    async def _client(self, session: EngineSession | None) -> LeaseClient:
+        return LeaseClient(self.target, "bench-requester", session=session)
 
-    async def _grant(self, batch: Batch) -> LeaseGrant:
+    def _clients(self, unary: bool) -> list[LeaseClient]:
+        """The client of each rank part (the first one asks for the grants)."""
+        return [self.unary_client] * self.ranks.tp if unary else self.stream_clients
+
+    async def _grant(self, batch: Batch, unary: bool) -> LeaseGrant:
         self.requests += 1
-        grant = await self.client.request_prefix_load(
+        grant = await self._clients(unary)[0].request_prefix_load(
             f"bench-{self.requests}",
             [block_hash(b) for b in batch.remote_ids],
             min_blocks=len(batch.remote_ids),
@@ -409,8 +425,11 @@ class KvrcPath:
 
         return list(await asyncio.gather(*(one(rank) for rank in range(self.ranks.tp))))
 
-    async def _complete(self, reports: Sequence[kvrc_pb2.TransferReport]) -> None:
-        done = await asyncio.gather(*(self.client.complete_prefix_load(r) for r in reports))
+    async def _complete(self, reports: Sequence[kvrc_pb2.TransferReport], unary: bool) -> None:
+        clients = self._clients(unary)
+        done = await asyncio.gather(
+            *(client.complete_prefix_load(r) for client, r in zip(clients, reports, strict=True))
+        )
         # The last part's report ends the lease, whichever kvrc took last.
         if not any(d.state == "COMPLETED" for d in done):
             raise RuntimeError(f"kvrc path reports answered {[d.state for d in done]}")
@@ -420,14 +439,19 @@ class KvrcPath:
 
         async def once() -> float:
             started = time.perf_counter()
-            grant = await self._grant(batch)
-            await self._complete(await self._pull(batch, grant, executor))
+            grant = await self._grant(batch, unary=False)
+            await self._complete(await self._pull(batch, grant, executor), unary=False)
             return time.perf_counter() - started
 
         return self.loop.run_until_complete(once())
 
     def measure_stream(
-        self, batch: Batch, executor: concurrent.futures.Executor, loads: int
+        self,
+        batch: Batch,
+        executor: concurrent.futures.Executor,
+        loads: int,
+        *,
+        unary: bool = False,
     ) -> float:
         """Seconds per load over `loads` back-to-back loads of `batch`, pipelined.
 
@@ -438,17 +462,17 @@ class KvrcPath:
 
         async def stream() -> float:
             started = time.perf_counter()
-            next_grant = asyncio.ensure_future(self._grant(batch))
+            next_grant = asyncio.ensure_future(self._grant(batch, unary))
             reports: list[asyncio.Future[None]] = []
             try:
                 for i in range(loads):
                     grant = await next_grant
                     if i + 1 < loads:
-                        next_grant = asyncio.ensure_future(self._grant(batch))
+                        next_grant = asyncio.ensure_future(self._grant(batch, unary))
                     check = _clear_and_check(self.ranks, batch)
                     parts = await self._pull(batch, grant, executor)
                     check()
-                    reports.append(asyncio.ensure_future(self._complete(parts)))
+                    reports.append(asyncio.ensure_future(self._complete(parts, unary)))
                 await asyncio.gather(*reports)
             finally:
                 pending: list[asyncio.Future[Any]] = [next_grant, *reports]
@@ -460,8 +484,9 @@ class KvrcPath:
         return self.loop.run_until_complete(stream())
 
     def close(self) -> None:
-        if hasattr(self, "client"):
-            self.loop.run_until_complete(self.client.close())
+        if hasattr(self, "stream_clients"):
+            for client in (self.unary_client, *self.stream_clients):
+                self.loop.run_until_complete(client.close())
             for session in self.sessions:
                 self.loop.run_until_complete(session.close())
         if hasattr(self, "peer"):
@@ -539,13 +564,17 @@ def echo_server_cpu_us(loop: asyncio.AbstractEventLoop) -> float:
 
 
 def _cost_keys(
-    cpu_ms: dict[str, dict[str, dict[str, float]]], echo_us: float | None
+    cpu_ms: dict[str, dict[str, dict[str, float]]], echo_us: float | None, path: str = "kvrc"
 ) -> dict[str, Any]:
     """The coordinator's CPU per load against the echo's per call; the requester's against raw."""
-    kvrc_cpu = cpu_ms["kvrc"]
+    kvrc_cpu = cpu_ms[path]
     coordinator = {key: tally["coordinator"] for key, tally in kvrc_cpu.items()}
     return {
-        "echo_server_cpu_us_per_call": round(echo_us, 1) if echo_us else None,
+        **(
+            {"echo_server_cpu_us_per_call": round(echo_us, 1) if echo_us else None}
+            if path == "kvrc"
+            else {}
+        ),
         "coordinator_cpu_ms_per_load": coordinator,
         "coordinator_cpu_vs_echo": {
             key: round(ms * 1000 / echo_us, 3) if echo_us else None
@@ -618,9 +647,10 @@ def run(
     raw: dict[str, float] = {}
     pulled: dict[str, float] = {}
     kvrc: dict[str, float | None] = {}
+    kvrc_unary: dict[str, float | None] = {}
     serial: dict[str, float | None] = {}
     raw_seconds: dict[str, list[float]] = {}
-    cpu_ms: dict[str, dict[str, dict[str, float]]] = {"raw": {}, "kvrc": {}}
+    cpu_ms: dict[str, dict[str, dict[str, float]]] = {"raw": {}, "kvrc": {}, "kvrc_unary": {}}
     remotes = peer.endpoints
     try:
         for size in BATCH_SIZES:
@@ -631,22 +661,24 @@ def run(
                 if kvrc_path is not None:
                     kvrc_path.measure_serial(batch, executor)
                     kvrc_path.measure_stream(batch, executor, STREAM_LOADS)
+                    kvrc_path.measure_stream(batch, executor, STREAM_LOADS, unary=True)
             raw_runs: list[float] = []
             pull_runs: list[float] = []
             kvrc_runs: list[float] = []
+            unary_runs: list[float] = []
             serial_runs: list[float] = []
             raw_cpu = CpuTally({"requester": 0, "source": peer.process.pid})
-            kvrc_cpu = (
-                CpuTally(
-                    {
-                        "requester": 0,
-                        "holder": kvrc_path.peer.process.pid,
-                        "coordinator": kvrc_path.server.process.pid,
-                    }
-                )
+            kvrc_pids = (
+                {
+                    "requester": 0,
+                    "holder": kvrc_path.peer.process.pid,
+                    "coordinator": kvrc_path.server.process.pid,
+                }
                 if kvrc_path is not None
-                else None
+                else {}
             )
+            kvrc_cpu = CpuTally(kvrc_pids) if kvrc_path is not None else None
+            unary_cpu = CpuTally(kvrc_pids)
             for _ in range(repeats):  # interleaved, so drift hits both paths alike
                 check = _clear_and_check(ranks, batch)
                 with raw_cpu.window(1):
@@ -661,10 +693,17 @@ def run(
                     check()
                     with kvrc_cpu.window(STREAM_LOADS):
                         kvrc_runs.append(kvrc_path.measure_stream(batch, executor, STREAM_LOADS))
+                    with unary_cpu.window(STREAM_LOADS):
+                        unary_runs.append(
+                            kvrc_path.measure_stream(batch, executor, STREAM_LOADS, unary=True)
+                        )
             key = str(size)
             raw[key] = round(_median_gbps(batch.total_bytes, raw_runs), 4)
             pulled[key] = round(_median_gbps(batch.total_bytes, pull_runs), 4)
             kvrc[key] = round(_median_gbps(batch.total_bytes, kvrc_runs), 4) if kvrc_runs else None
+            kvrc_unary[key] = (
+                round(_median_gbps(batch.total_bytes, unary_runs), 4) if unary_runs else None
+            )
             serial[key] = (
                 round(_median_gbps(batch.total_bytes, serial_runs), 4) if serial_runs else None
             )
@@ -672,10 +711,12 @@ def run(
             cpu_ms["raw"][key] = raw_cpu.ms_per_batch()
             if kvrc_cpu is not None:
                 cpu_ms["kvrc"][key] = kvrc_cpu.ms_per_batch()
+                cpu_ms["kvrc_unary"][key] = unary_cpu.ms_per_batch()
             print(
                 f"tp={tp} {size:>5} blocks x 64 KiB: raw {raw[key]:.3f} GB/s, "
                 f"pull {pulled[key]:.3f} GB/s ({pulled[key] / raw[key]:.2f} of raw), "
-                f"kvrc {kvrc[key]} GB/s (one load alone: {serial[key]} GB/s)",
+                f"kvrc {kvrc[key]} GB/s (unary RPCs: {kvrc_unary[key]} GB/s; "
+                f"one load alone: {serial[key]} GB/s)",
                 flush=True,
             )
         if echo_us is None and kvrc_path is not None:
@@ -697,6 +738,10 @@ def run(
         "kvrc_vs_raw": _ratios(kvrc, raw),
         "cpu_ms_per_batch": cpu_ms,
         **_cost_keys(cpu_ms, echo_us),
+        # The same loads with grant and reports as unary RPCs (before revision 3).
+        "kvrc_unary_gbps": kvrc_unary,
+        "kvrc_unary_vs_raw": _ratios(kvrc_unary, raw),
+        **{f"unary_{k}": v for k, v in _cost_keys(cpu_ms, echo_us, "kvrc_unary").items()},
         "kvrc_serial_gbps": serial,
         "kvrc_serial_vs_raw": _ratios(serial, raw),
         "raw_seconds": raw_seconds,

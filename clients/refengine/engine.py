@@ -187,7 +187,10 @@ class RankPart:
         self.handler.attach(self.session)
         # To the replica this part is registered with, also after the session moved.
         self._channels = SessionChannels(self.session)
-        self.leases = LeaseClient(self._channels, options.child_engine_id, timeout_s=RPC_TIMEOUT_S)
+        # Prefix loads and their reports on this part's session stream (revision 3).
+        self.leases = LeaseClient(
+            self._channels, options.child_engine_id, timeout_s=RPC_TIMEOUT_S, session=self.session
+        )
         self.handler.replay_reports_of(self.leases)  # a restarted kvrc may wait for them
         self.lookups = LookupClient(self._channels)
 
