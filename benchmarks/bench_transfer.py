@@ -116,6 +116,10 @@ LOCAL_LAYOUT = KvCacheLayout(
 )
 DEADLINE_S = 30.0
 STREAM_LOADS = 8  # loads per timed kvrc stream
+# Control plane alone (grant + reports, no pull): rounds of loads, the two transports
+# alternating round by round.
+CONTROL_ROUNDS = 6
+CONTROL_LOADS = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -483,6 +487,32 @@ class KvrcPath:
 
         return self.loop.run_until_complete(stream())
 
+    def measure_control_plane(self, batch: Batch, loads: int, *, unary: bool) -> float:
+        """Seconds per load of grant + reports alone, one load at a time, no bytes moved.
+
+        The coordinator's CPU over these is its cost per load without a transfer's
+        CPU beside it on the host (what `coordinator_cpu_ms_per_load` carries)."""
+
+        async def run() -> float:
+            started = time.perf_counter()
+            for _ in range(loads):
+                grant = await self._grant(batch, unary)
+                reports = [
+                    kvrc_pb2.TransferReport(
+                        lease_id=grant.lease_id,
+                        reporter_child_engine_id="bench-requester",
+                        rank=kvrc_pb2.RankCoordinates(tp_rank=rank),
+                        outcome=kvrc_pb2.TRANSFER_OUTCOME_SUCCEEDED,
+                        bytes_moved=batch.total_bytes // self.ranks.tp,
+                        duration_us=1_000,
+                    )
+                    for rank in range(self.ranks.tp)
+                ]
+                await self._complete(reports, unary)
+            return (time.perf_counter() - started) / loads
+
+        return self.loop.run_until_complete(run())
+
     def close(self) -> None:
         if hasattr(self, "stream_clients"):
             for client in (self.unary_client, *self.stream_clients):
@@ -587,6 +617,60 @@ def _cost_keys(
     }
 
 
+def _control_plane(
+    path: KvrcPath, batch: Batch, pids: dict[str, int]
+) -> dict[str, dict[str, float]]:
+    """CPU ms per load (coordinator, requester, holder) and ms per load, per transport."""
+    tallies = {"session": CpuTally(pids), "unary": CpuTally(pids)}
+    seconds: dict[str, list[float]] = {"session": [], "unary": []}
+    path.measure_control_plane(batch, 10, unary=False)  # warm both
+    path.measure_control_plane(batch, 10, unary=True)
+    for i in range(CONTROL_ROUNDS):
+        order = ("session", "unary") if i % 2 == 0 else ("unary", "session")
+        for transport in order:
+            with tallies[transport].window(CONTROL_LOADS):
+                seconds[transport].append(
+                    path.measure_control_plane(batch, CONTROL_LOADS, unary=transport == "unary")
+                )
+    return {
+        transport: {
+            **tallies[transport].ms_per_batch(),
+            "ms_per_load": round(statistics.median(seconds[transport]) * 1000, 3),
+        }
+        for transport in tallies
+    }
+
+
+def _control_keys(
+    control: dict[str, dict[str, dict[str, float]]], echo_us: float | None
+) -> dict[str, Any]:
+    """The control plane's figures by transport, and the session stream's over the unary."""
+    by: dict[str, dict[str, dict[str, float | None]]] = {}
+    for key, transports in control.items():
+        for transport, figures in transports.items():
+            for name, value in figures.items():
+                by.setdefault(name, {}).setdefault(transport, {})[key] = value
+    coordinator = by.get("coordinator", {})
+    return {
+        "loads_per_transport": CONTROL_ROUNDS * CONTROL_LOADS,
+        "coordinator_cpu_ms_per_load": coordinator,
+        "requester_cpu_ms_per_load": by.get("requester", {}),
+        "holder_cpu_ms_per_load": by.get("holder", {}),
+        "ms_per_load": by.get("ms_per_load", {}),
+        "coordinator_cpu_vs_echo": {
+            transport: {
+                key: round(ms * 1000 / echo_us, 3) if echo_us and ms is not None else None
+                for key, ms in values.items()
+            }
+            for transport, values in coordinator.items()
+        },
+        "session_vs_unary_coordinator_cpu": {
+            key: round(ms / unary, 3) if ms and (unary := coordinator["unary"].get(key)) else None
+            for key, ms in coordinator.get("session", {}).items()
+        },
+    }
+
+
 def _ratios(measured: dict[str, float | None], raw: dict[str, float]) -> dict[str, float | None]:
     return {
         key: None if value is None else round(value / raw[key], 4)
@@ -651,6 +735,7 @@ def run(
     serial: dict[str, float | None] = {}
     raw_seconds: dict[str, list[float]] = {}
     cpu_ms: dict[str, dict[str, dict[str, float]]] = {"raw": {}, "kvrc": {}, "kvrc_unary": {}}
+    control: dict[str, dict[str, dict[str, float]]] = {}
     remotes = peer.endpoints
     try:
         for size in BATCH_SIZES:
@@ -698,6 +783,8 @@ def run(
                             kvrc_path.measure_stream(batch, executor, STREAM_LOADS, unary=True)
                         )
             key = str(size)
+            if kvrc_path is not None:
+                control[key] = _control_plane(kvrc_path, batch, kvrc_pids)
             raw[key] = round(_median_gbps(batch.total_bytes, raw_runs), 4)
             pulled[key] = round(_median_gbps(batch.total_bytes, pull_runs), 4)
             kvrc[key] = round(_median_gbps(batch.total_bytes, kvrc_runs), 4) if kvrc_runs else None
@@ -742,6 +829,7 @@ def run(
         "kvrc_unary_gbps": kvrc_unary,
         "kvrc_unary_vs_raw": _ratios(kvrc_unary, raw),
         **{f"unary_{k}": v for k, v in _cost_keys(cpu_ms, echo_us, "kvrc_unary").items()},
+        "control_plane": _control_keys(control, echo_us),
         "kvrc_serial_gbps": serial,
         "kvrc_serial_vs_raw": _ratios(serial, raw),
         "raw_seconds": raw_seconds,
