@@ -143,7 +143,6 @@ class LeaseFlow:
             for flow in Flow
             for state in _NON_TERMINAL
         }
-        self._gauge_values: dict[tuple[Flow, LeaseState], int] = {}
         self._update_gauge()
 
     # --- lifecycle -----------------------------------------------------------------
@@ -510,13 +509,10 @@ class LeaseFlow:
             self._arm()
 
     def _update_gauge(self) -> None:
-        counts = self.table.counts()
-        last = self._gauge_values
-        for key, child in self._gauge_children.items():
-            value = counts.get(key, 0)
-            if last.get(key) != value:
+        for key, value in self.table.take_changed_counts():
+            child = self._gauge_children.get(key)
+            if child is not None:
                 child.set(value)
-                last[key] = value
 
     def _arm(self) -> None:
         """One timer, at the core's next deadline (re-armed when that moves earlier)."""

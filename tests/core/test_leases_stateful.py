@@ -89,6 +89,8 @@ class LeaseMachine(RuleBasedStateMachine):
         super().__init__()
         counter = itertools.count()
         self.table = LeaseTable(CONFIG, id_factory=lambda: f"L{next(counter)}")
+        # What the kvrc_leases gauge shows: only the changed counts are ever read.
+        self.gauge: dict[tuple[Flow, LeaseState], int] = {}
         self.now = 1_000_000
         self.alive = set(NAMES)
         self.gone_at: dict[str, int] = {}  # engine -> step of its last proven death
@@ -678,6 +680,9 @@ class LeaseMachine(RuleBasedStateMachine):
         views = self.table.list_leases()
         listed = Counter((v.flow, v.state) for v in views)
         assert dict(listed) == self.table.counts()
+        # The gauge, fed only the changed counts, shows every count (zeros included).
+        self.gauge.update(self.table.take_changed_counts())
+        assert {k: n for k, n in self.gauge.items() if n} == self.table.counts()
         per_engine: Counter[str] = Counter()
         for v in views:
             per_engine[v.source_child_engine_id] += 1

@@ -28,7 +28,9 @@ from coordinator.runtime.lease_flow import LeaseFlow
 T = TypeVar("T")
 
 # Table reads the runtime may make after executing a step (the lease gauges, status).
-TABLE_READS = frozenset({"counts", "config", "list_leases", "open_counts_by_engine"})
+TABLE_READS = frozenset(
+    {"counts", "take_changed_counts", "config", "list_leases", "open_counts_by_engine"}
+)
 
 
 class Recorder:
