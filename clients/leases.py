@@ -485,7 +485,8 @@ class LeaseSessionHandler(SessionHandler):
     - AbortRequest: `abort(lease_id, reason)` runs in a task; AbortAck is sent
       only after it returns (the engine's native operations stopped). Blocks
       stay pinned until the ReleaseRequest.
-    - ReleaseRequest: `on_release(lease_id, reason)`, then ReleaseAck.
+    - ReleaseRequest: `on_release(lease_id, reason)` (no ReleaseAck: optional since
+      revision 3, and the coordinator acts on none).
     - QuarantineNotice: `on_quarantine(lease_id, reason)`: keep the blocks out of
       use until a ReleaseRequest follows the operator's resolution.
     """
@@ -600,8 +601,9 @@ class LeaseSessionHandler(SessionHandler):
     async def on_release_request(self, request: pb.ReleaseRequest) -> None:
         if self._on_release is not None:
             await _maybe_await(self._on_release(request.lease_id, request.reason))
+        # No ReleaseAck (revision 3): the lease ended when the release was sent and the
+        # coordinator only logged the ack; one message fewer per load on its loop.
         self._held.pop(request.lease_id, None)
-        await self._require_session().send_release_ack(request.lease_id)
 
     async def on_quarantine_notice(self, notice: pb.QuarantineNotice) -> None:
         if self._on_quarantine is not None:

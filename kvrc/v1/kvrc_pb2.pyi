@@ -39,7 +39,7 @@ Conventions
          a coordinator without Score answers UNIMPLEMENTED).
       3: EngineMessage.call and CoordinatorMessage.call_answer: RequestPrefixLoad and
          CompletePrefixLoad on the session stream (SessionCall), fewer messages per
-         prefix load than the unary RPCs, which stay.
+         prefix load than the unary RPCs, which stay; ReleaseAck optional.
     Additive members a client may ignore, added within a revision:
       2: CoordinatorMessage.session_error (see SessionError).
 """
@@ -979,7 +979,10 @@ Global___AbortAck: _TypeAlias = AbortAck  # noqa: Y015
 
 @_typing.final
 class ReleaseAck(_message.Message):
-    """A rank part confirms it released the pins of a lease."""
+    """A rank part confirms it released the pins of a lease. Optional: the lease ended
+    when the coordinator sent the ReleaseRequest, and it only logs an ack. kvrc's own
+    clients send none since revision 3 (one message fewer per load).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -39,7 +39,7 @@ Conventions
          a coordinator without Score answers UNIMPLEMENTED).
       3: EngineMessage.call and CoordinatorMessage.call_answer: RequestPrefixLoad and
          CompletePrefixLoad on the session stream (SessionCall), fewer messages per
-         prefix load than the unary RPCs, which stay.
+         prefix load than the unary RPCs, which stay; ReleaseAck optional.
     Additive members a client may ignore, added within a revision:
       2: CoordinatorMessage.session_error (see SessionError).
 """
