@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 from harness import (
     CoordinatorProcess,
-    child_engine_status,
     get_status,
     metric_value,
     start_coordinator,
     wait_until,
 )
-from lease_parts import Parts
+from lease_parts import Parts, store_blocks
 
 from clients.errors import (
     DeadlineExceededError,
@@ -33,7 +32,6 @@ from clients.leases import (
     PinRequestInfo,
     PrefixLoadGrant,
 )
-from clients.session import EngineSession
 from kvrc.v1 import kvrc_pb2 as pb
 
 
@@ -61,27 +59,6 @@ def descriptor(block_ids: list[int]) -> pb.RankPartDescriptor:
     )
 
 
-async def stored(session: EngineSession, hashes: list[bytes]) -> None:
-    assert session.ack is not None
-    await session.send_event_batch(
-        pb.EventBatch(
-            incarnation=session.ack.incarnation,
-            sequence=0,
-            events=[
-                pb.InventoryEvent(stored=pb.BlockStored(block_hashes=hashes, tier=pb.TIER_GPU))
-            ],
-        )
-    )
-
-    child = session.ack.state.child_engine_id
-
-    async def visible() -> bool:
-        state = await child_engine_status(session.target, child)
-        return state is not None and state.inventory_entries >= len(hashes)
-
-    await wait_until(visible, 5, what="the stored blocks in the coordinator's inventory")
-
-
 def hashes_of(name: str, n: int) -> list[bytes]:
     return hash_block_chain([ord(name[0])] * 16 * n, 16, seed=len(name))
 
@@ -105,7 +82,7 @@ async def test_failing_pin_callback_is_a_miss_and_the_session_lives_on(
     holder, _ = await parts.part("c-hold", LeaseSessionHandler(pin=pin))
     _, requester = await parts.part("c-req")
     chain = hashes_of("pin", 3)
-    await stored(holder, chain)
+    await store_blocks(holder, chain)
     answer = await requester.request_prefix_load("p1", chain, pin_timeout_ms=2000)
     assert isinstance(answer, Miss) and answer.reason == "short_pin"
     assert [c.block_hashes for c in calls] == [tuple(chain)]
@@ -236,7 +213,7 @@ async def test_foreign_and_malformed_pin_results_change_nothing(
     _, requester = await parts.part("f-req")
     intruder, _ = await parts.part("f-intruder")
     chain = hashes_of("foreign", 2)
-    await stored(holder, chain)
+    await store_blocks(holder, chain)
     load = asyncio.ensure_future(requester.request_prefix_load("f1", chain, pin_timeout_ms=5000))
     lease_id = (await asyncio.wait_for(asked.get(), 5)).lease_id
     # Another engine answering for the holder is ignored (counted as denied); its session goes

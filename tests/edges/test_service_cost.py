@@ -23,7 +23,7 @@ from harness import (
     start_coordinator,
     wait_until,
 )
-from lease_parts import Parts
+from lease_parts import Parts, store_blocks
 
 from clients.hashing import hash_block_chain
 from clients.leases import (
@@ -33,7 +33,7 @@ from clients.leases import (
     PinRequestInfo,
     PrefixLoadGrant,
 )
-from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from clients.session import EngineProfile, RankPartRegistration
 from coordinator.edges.cli import _status_text
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
@@ -61,26 +61,6 @@ def pin_all(info: PinRequestInfo) -> PinAnswer:
 async def parts(kvrc: CoordinatorProcess) -> AsyncIterator[Parts]:
     async with Parts.open(kvrc.grpc_target, pin=pin_all, endpoint=ENDPOINT) as p:
         yield p
-
-
-async def store(session: EngineSession, hashes: list[bytes]) -> None:
-    assert session.ack is not None
-    await session.send_event_batch(
-        pb.EventBatch(
-            incarnation=session.ack.incarnation,
-            sequence=0,
-            events=[
-                pb.InventoryEvent(stored=pb.BlockStored(block_hashes=hashes, tier=pb.TIER_GPU))
-            ],
-        )
-    )
-    child = session.ack.state.child_engine_id
-
-    async def visible() -> bool:
-        state = await child_engine_status(session.target, child)
-        return state is not None and state.inventory_entries >= len(hashes)
-
-    await wait_until(visible, 5, what="the stored blocks in the coordinator's inventory")
 
 
 # How long each holder's loads take (reported by the requester): the pairs' speeds.
@@ -114,8 +94,8 @@ async def test_a_slow_measured_pair_misses_recompute_cheaper_while_a_fast_pair_k
     _, requester = await parts.part("cost-req")
     _, other = await parts.part("cost-req2")
     chain = hash_block_chain([7] * 16 * BLOCKS, 16, seed=11)
-    await store(slow, chain)
-    await store(fast, chain[:4])  # a shorter match: the slow holder is the first choice
+    await store_blocks(slow, chain)
+    await store_blocks(fast, chain[:4])  # a shorter match: the slow holder is the first choice
 
     # Cold, the slow pair is granted (defaults lean towards loading); 400 ms per load
     # then makes it lose to a 128 ms recompute.
@@ -178,7 +158,7 @@ async def test_the_grant_carries_its_prediction(kvrc: CoordinatorProcess, parts:
     holder, _ = await parts.part("pred-hold")
     _, requester = await parts.part("pred-req")
     chain = hash_block_chain([9] * 16 * BLOCKS, 16, seed=12)
-    await store(holder, chain)
+    await store_blocks(holder, chain)
     raw = await requester._stub.RequestPrefixLoad(  # the wire answer itself
         pb.PrefixLoadRequest(
             request_id="p1",

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 from harness import CoordinatorProcess, get_status, metric_value, start_coordinator, wait_until
-from lease_parts import Parts
+from lease_parts import Parts, store_blocks
 from test_bad_input import good_register
 
 from clients.errors import (
@@ -75,29 +75,6 @@ def chain_of(name: str, blocks: int) -> list[bytes]:
     return hash_block_chain([sum(map(ord, name)) % 1000] * 16 * blocks, 16, seed=len(name))
 
 
-async def stored(kvrc: CoordinatorProcess, session: EngineSession, hashes: list[bytes]) -> None:
-    assert session.ack is not None
-    await session.send_event_batch(
-        pb.EventBatch(
-            incarnation=session.ack.incarnation,
-            sequence=0,
-            events=[
-                pb.InventoryEvent(stored=pb.BlockStored(block_hashes=hashes, tier=pb.TIER_GPU))
-            ],
-        )
-    )
-    child = session.ack.state.child_engine_id
-
-    async def visible() -> bool:
-        status = await get_status(kvrc.grpc_target)
-        return any(
-            c.state.child_engine_id == child and c.inventory_entries >= len(hashes)
-            for c in status.child_engines
-        )
-
-    await wait_until(visible, 5, what="the stored blocks in the coordinator's inventory")
-
-
 async def holder_and_requester(
     kvrc: CoordinatorProcess, parts: Parts, name: str, blocks: int = 4
 ) -> tuple[list[bytes], list[str], EngineSession, EngineSession]:
@@ -111,7 +88,7 @@ async def holder_and_requester(
     )
     requester, _ = await parts.part(f"{name}-req")
     chain = chain_of(name, blocks)
-    await stored(kvrc, holder, chain)
+    await store_blocks(holder, chain)
     return chain, released, holder, requester
 
 
@@ -272,7 +249,7 @@ async def test_calls_awaiting_a_grant_are_bounded_per_session(
     holder, _ = await parts.part("s-many-hold", LeaseSessionHandler(pin=pin_never))
     requester, _ = await parts.part("s-many-req")
     chain = chain_of("s-many", 2)
-    await stored(kvrc, holder, chain)
+    await store_blocks(holder, chain)
 
     def request(i: int) -> pb.SessionCall:
         return pb.SessionCall(

@@ -16,9 +16,33 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from harness import child_engine_status, wait_until
+
 from clients.leases import LeaseClient, LeaseSessionHandler, PinCallback
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.vocabulary import TransferEndpoint
+
+
+async def store_blocks(session: EngineSession, hashes: list[bytes]) -> None:
+    """Publishes `hashes` as stored on the GPU tier; returns once kvrc's inventory has them."""
+    assert session.ack is not None
+    await session.send_event_batch(
+        pb.EventBatch(
+            incarnation=session.ack.incarnation,
+            sequence=0,
+            events=[
+                pb.InventoryEvent(stored=pb.BlockStored(block_hashes=hashes, tier=pb.TIER_GPU))
+            ],
+        )
+    )
+    child = session.ack.state.child_engine_id
+
+    async def visible() -> bool:
+        state = await child_engine_status(session.target, child)
+        return state is not None and state.inventory_entries >= len(hashes)
+
+    await wait_until(visible, 5, what="the stored blocks in the coordinator's inventory")
 
 
 class Parts:
