@@ -429,21 +429,15 @@ class EngineService(pb_grpc.EngineServiceServicer):
             )
             answer = await self._coordinator.leases.request_prefix_load(req)
             grant = wire.prefix_load_answer_to_proto(answer, self._coordinator.clock)
-        except KvrcError as e:
-            self._refuse_call(session, call_id, method, started, e)
-            return
         except asyncio.CancelledError:
             self._observed.observe(method, started, grpc.StatusCode.CANCELLED)
             raise
-        except Exception:
-            log.exception("%s on the session stream failed", method)
-            internal = f"{method}: internal error (see the coordinator log)"
-            code = grpc.StatusCode.INTERNAL
-            self._answer_status(session, call_id, method, started, code, internal)
+        except Exception as e:
+            self._call_failed(session, call_id, method, started, e)
             return
-        self._observed.observe(method, started, grpc.StatusCode.OK)
-        answer_message = pb.CallAnswer(call_id=call_id, prefix_load=grant)
-        self._coordinator.reply(session, pb.CoordinatorMessage(call_answer=answer_message))
+        self._call_answered(
+            session, method, started, pb.CallAnswer(call_id=call_id, prefix_load=grant)
+        )
 
     def _report_call(
         self,
@@ -461,13 +455,35 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 "prefix_load_report.reporter_child_engine_id",
             )
             view = self._coordinator.leases.complete_prefix_load(report)
-        except KvrcError as e:
-            self._refuse_call(session, call_id, method, started, e)
+        except Exception as e:
+            self._call_failed(session, call_id, method, started, e)
             return
-        self._observed.observe(method, started, grpc.StatusCode.OK)
         response = wire.complete_response_to_proto(view)
-        answer_message = pb.CallAnswer(call_id=call_id, prefix_load_report=response)
-        self._coordinator.reply(session, pb.CoordinatorMessage(call_answer=answer_message))
+        answer = pb.CallAnswer(call_id=call_id, prefix_load_report=response)
+        self._call_answered(session, method, started, answer)
+
+    def _call_answered(
+        self, session: CoordinatorSession, method: str, started: float, answer: pb.CallAnswer
+    ) -> None:
+        self._observed.observe(method, started, grpc.StatusCode.OK)
+        self._coordinator.reply(session, pb.CoordinatorMessage(call_answer=answer))
+
+    def _call_failed(
+        self,
+        session: CoordinatorSession,
+        call_id: int,
+        method: str,
+        started: float,
+        error: Exception,
+    ) -> None:
+        """A refused call is answered with its status; any other failure INTERNAL, logged.
+        Either way the session goes on, as a unary RPC's failure leaves it."""
+        if isinstance(error, KvrcError):
+            self._refuse_call(session, call_id, method, started, error)
+            return
+        log.error("%s on the session stream failed", method, exc_info=error)
+        internal = f"{method}: internal error (see the coordinator log)"
+        self._answer_status(session, call_id, method, started, grpc.StatusCode.INTERNAL, internal)
 
     def _refuse_call(
         self,
