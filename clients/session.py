@@ -272,6 +272,10 @@ _Call = grpc.aio.StreamStreamCall[pb.EngineMessage, pb.CoordinatorMessage]
 Target = str | ChannelOptions
 # Worth trying the next replica; a refusal (AlreadyExists, ...) is the same on every one.
 _MOVE_ON = (UnavailableError, DeadlineExceededError)
+# Coordinator messages read ahead of the session's handler; a full inbox holds the reader,
+# so grpc's flow control, and then the coordinator's bounded queue, see a part that lags
+# (small: a handler that stops must not let the coordinator send on unchecked).
+INBOX_SIZE = 32
 
 
 class EngineSession:
@@ -436,8 +440,8 @@ class EngineSession:
         answered: asyncio.Future[pb.CallAnswer] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = answered
         try:
-            await self._send(pb.EngineMessage(call=call))
             async with asyncio.timeout(timeout_s):
+                await self._send(pb.EngineMessage(call=call))
                 answer = await answered
         except TimeoutError:
             raise DeadlineExceededError(
@@ -446,9 +450,18 @@ class EngineSession:
             ) from None
         finally:
             self._calls.pop(call_id, None)
+            if not answered.done():
+                answered.cancel()
+            elif not answered.cancelled():
+                answered.exception()  # retrieved: failed while the send failed too
         if answer.code:
             raise error_from_number(answer.code, answer.message)
         return answer
+
+    def _answered(self, answer: pb.CallAnswer) -> None:
+        waiting = self._calls.get(answer.call_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(answer)  # an answer after its call gave up is dropped
 
     def _fail_calls(self, why: str) -> None:
         calls, self._calls = self._calls, {}
@@ -535,10 +548,17 @@ class EngineSession:
         while True:
             call = self._call
             assert call is not None and self.ack is not None
+            # The handler runs in its own task, message after message in stream order, so
+            # that a call's answer is never read behind a slow pin or release callback.
+            inbox: asyncio.Queue[pb.CoordinatorMessage | None] = asyncio.Queue(INBOX_SIZE)
+            handling = asyncio.create_task(self._handle(inbox))
             beats = asyncio.create_task(self._heartbeats(call, self.ack.heartbeat_interval_ms))
             try:
-                await self._read(call)
+                await self._read(call, inbox)
+                await inbox.put(None)  # what was read is handled before registering again
+                await handling
             finally:
+                handling.cancel()
                 self._fail_calls("the session stream ended")
                 beats.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -569,7 +589,14 @@ class EngineSession:
             delay = min(delay * 2, self._backoff_max_s)
         return False
 
-    async def _read(self, call: _Call) -> None:
+    async def _handle(self, inbox: asyncio.Queue[pb.CoordinatorMessage | None]) -> None:
+        while (message := await inbox.get()) is not None:
+            try:
+                await self._dispatch(message)
+            except Exception:  # the engine's handler bug must not end the session
+                log.exception("session handler failed on %s", message.WhichOneof("message"))
+
+    async def _read(self, call: _Call, inbox: asyncio.Queue[pb.CoordinatorMessage | None]) -> None:
         # The coordinator's SessionError, when it ends the session for what this part
         # sent: it says why even where the status that follows arrives mangled.
         said: KvrcClientError | None = None
@@ -592,10 +619,10 @@ class EngineSession:
                         said,
                     )
                     continue
-                try:
-                    await self._dispatch(message)
-                except Exception:  # the engine's handler bug must not end the session
-                    log.exception("session handler failed on %s", message.WhichOneof("message"))
+                if message.WhichOneof("message") == "call_answer":
+                    self._answered(message.call_answer)
+                else:
+                    await inbox.put(message)  # a full inbox holds the reader: backpressure
         except grpc.aio.AioRpcError as e:
             self.last_error = said or from_rpc_error(e)
             if not self._closing and said is None:
@@ -604,11 +631,7 @@ class EngineSession:
     async def _dispatch(self, message: pb.CoordinatorMessage) -> None:
         kind = message.WhichOneof("message")
         h = self.handler
-        if kind == "call_answer":
-            answered = self._calls.get(message.call_answer.call_id)
-            if answered is not None and not answered.done():
-                answered.set_result(message.call_answer)
-        elif kind == "heartbeat_ack":
+        if kind == "heartbeat_ack":
             self.last_heartbeat_ack_ms = message.heartbeat_ack.server_time_unix_ms
         elif kind == "state":
             state = ChildEngineState.from_proto(message.state)

@@ -75,8 +75,8 @@ def _own_child_engine(session: CoordinatorSession, child_engine_id: str, field: 
     """A session's calls act for its own child engine (its Register was authorized for it)."""
     own = session.ref.child_engine_id
     if child_engine_id != own:
-        raise KvrcError(
-            ErrorCode.PERMISSION_DENIED,
+        raise AuthDenied(
+            DenyReason.FOREIGN_ENGINE,
             f"{field} {child_engine_id!r} is not this session's child engine {own!r}: a session "
             "calls for its own child engine only (use the unary RPC for another)",
         )
@@ -166,23 +166,26 @@ class _Observed:
         self._metrics.auth_denied.labels(reason=reason.value).inc()
 
     async def unary(self, method: str, context: Context, call: Callable[[], Awaitable[R]]) -> R:
+        # Counted before the answer leaves: a client that saw the status finds it counted.
         started = time.perf_counter()
-        code = grpc.StatusCode.OK
         try:
-            return await call()
+            result = await call()
         except KvrcError as e:
             code = status_code(e.code)
             self.count_denied(e)
+            self.observe(method, started, code)
             await context.abort(code, e.message)
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            self.observe(method, started, grpc.StatusCode.CANCELLED)
             raise
         except Exception:
-            code = grpc.StatusCode.INTERNAL
             log.exception("%s failed", method)
-            await context.abort(code, f"{method}: internal error (see the coordinator log)")
-        finally:
-            self.observe(method, started, code)
+            self.observe(method, started, grpc.StatusCode.INTERNAL)
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"{method}: internal error (see the coordinator log)"
+            )
+        self.observe(method, started, grpc.StatusCode.OK)
+        return result
 
     def observe(self, method: str, started: float, code: grpc.StatusCode) -> None:
         """Times and counts one call (a unary RPC or a call on the session stream)."""

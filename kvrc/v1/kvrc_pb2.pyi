@@ -1057,8 +1057,11 @@ class SessionCall(_message.Message):
     same message and the same checks, answered by one CallAnswer with the same
     call_id. The session's rank part acts for its own child engine only
     (requester / reporter must be it: PERMISSION_DENIED otherwise). A refused call
-    is answered with its status; the session goes on. A session has at most
-    `max_calls_in_flight` (256) unanswered calls: more are answered RESOURCE_EXHAUSTED.
+    is answered with its status; the session goes on. At most 256 prefix loads of one
+    session wait for their grant at a time: more are answered RESOURCE_EXHAUSTED. A
+    session that ends (or moves to another replica) drops the calls it has not been
+    answered: the client sees UNAVAILABLE, and a lease granted after that runs out
+    unused, as one whose unary caller went away does.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -143,7 +143,7 @@ async def test_refused_calls_get_the_unary_status_and_the_session_goes_on(
     kvrc: CoordinatorProcess, parts: Parts
 ) -> None:
     chain, _, _, requester = await holder_and_requester(kvrc, parts, "s-bad")
-    before = await get_status(kvrc.grpc_target)
+    before = await get_status(kvrc.grpc_target)  # this module's other tests end their leases
 
     async def both(request: pb.PrefixLoadRequest) -> tuple[KvrcClientError, KvrcClientError]:
         """The unary RPC's error and the stream call's, for the same request."""
@@ -181,7 +181,9 @@ async def test_refused_calls_get_the_unary_status_and_the_session_goes_on(
         unary, streamed = await both(request)
         assert isinstance(streamed, InvalidArgumentError), streamed
         assert (streamed.code, streamed.message) == (unary.code, unary.message)
-    # A session acts for its own child engine only.
+    # A session acts for its own child engine only (an identity refusal, so counted).
+    denied = metric_value(kvrc, "kvrc_auth_denied_total", reason="foreign_engine")
+    foreign_lease = metric_value(kvrc, "kvrc_auth_denied_total", reason="foreign_lease")
     other = pb.PrefixLoadRequest(
         request_id="b5", requester_child_engine_id="s-bad-hold", block_hashes=chain
     )
@@ -190,11 +192,15 @@ async def test_refused_calls_get_the_unary_status_and_the_session_goes_on(
     foreign = report("pl-nonexistent", "s-bad-hold")
     with pytest.raises(PermissionDeniedError, match="reporter_child_engine_id"):
         await requester.call(pb.SessionCall(prefix_load_report=foreign), 5)
+    assert metric_value(kvrc, "kvrc_auth_denied_total", reason="foreign_engine") == denied + 2
+    assert metric_value(kvrc, "kvrc_auth_denied_total", reason="foreign_lease") == foreign_lease
     # A call with nothing set is answered, not a broken session.
     with pytest.raises(InvalidArgumentError, match="no known call set"):
         await requester.call(pb.SessionCall(), 5)
     after = await get_status(kvrc.grpc_target)
-    assert list(after.leases) == list(before.leases)  # nothing changed
+    mine = [x for x in after.leases if "s-bad" in x.target_child_engine_id]
+    assert mine == []  # nothing changed
+    assert len(after.leases) == len(before.leases)
     # Negative control: the good request on the same session is granted.
     good = pb.PrefixLoadRequest(
         request_id="b6", requester_child_engine_id="s-bad-req", block_hashes=chain
@@ -243,8 +249,8 @@ async def test_calls_awaiting_a_grant_are_bounded_per_session(
     never = asyncio.Event()
 
     async def pin_never(info: PinRequestInfo) -> PinAnswer:
-        await never.wait()
-        raise AssertionError("unreachable")
+        await never.wait()  # set at the end: the holder then answers the leftovers
+        return PinAnswer(0)
 
     holder, _ = await parts.part("s-many-hold", LeaseSessionHandler(pin=pin_never))
     requester, _ = await parts.part("s-many-req")
@@ -257,7 +263,7 @@ async def test_calls_awaiting_a_grant_are_bounded_per_session(
                 request_id=f"w{i}",
                 requester_child_engine_id="s-many-req",
                 block_hashes=chain,
-                pin_timeout_ms=20_000,
+                pin_timeout_ms=60_000,  # the longest: none may end while the test runs
             )
         )
 
@@ -268,13 +274,14 @@ async def test_calls_awaiting_a_grant_are_bounded_per_session(
         return sum(1 for x in status.leases if x.target_child_engine_id == "s-many-req") == 256
 
     try:
-        await wait_until(all_pending, 20, what="256 leases waiting for their pins")
+        await wait_until(all_pending, 30, what="256 leases waiting for their pins")
         with pytest.raises(ResourceExhaustedError, match="256 prefix loads of this session"):
             await requester.call(request(256), 5)
         assert requester.connected and not any(t.done() for t in waiting)
     finally:
         # The session's end answers every waiting call UNAVAILABLE on the client.
         await requester.close(timeout_s=5)
+        never.set()
         results = await asyncio.gather(*waiting, return_exceptions=True)
         assert all(isinstance(r, UnavailableError) for r in results), results[:3]
 
@@ -298,3 +305,31 @@ async def test_a_handoff_lease_reported_as_a_prefix_load_on_the_stream_is_not_fo
     # Negative control: the handoff's own report ends it.
     done = await decode.complete_handoff(report(grant.lease_id, "s-ho-dec"))
     assert (done.state, done.quiescent) == ("COMPLETED", True)
+
+
+async def test_an_answer_is_not_held_behind_a_slow_pin_callback(
+    kvrc: CoordinatorProcess, parts: Parts
+) -> None:
+    """The part's handler blocks in a pin; its own call on the stream is answered anyway."""
+    pinning = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def pin_slowly(info: PinRequestInfo) -> PinAnswer:
+        pinning.set()
+        await go_on.wait()
+        return pin_all(info)
+
+    slow, _ = await parts.part("s-slow-hold", LeaseSessionHandler(pin=pin_slowly))
+    other_session, _ = await parts.part("s-slow-req")
+    chain = chain_of("s-slow", 2)
+    await store_blocks(slow, chain)
+    async with LeaseClient(DEAD_TARGET, "s-slow-req", timeout_s=20, session=other_session) as other:
+        waiting = asyncio.create_task(other.request_prefix_load("q1", chain, pin_timeout_ms=20_000))
+        await asyncio.wait_for(pinning.wait(), 10)  # the holder's handler is now blocked
+        async with LeaseClient(DEAD_TARGET, "s-slow-hold", timeout_s=5, session=slow) as own:
+            miss = await own.request_prefix_load("q2", chain_of("nobody", 2))
+        assert isinstance(miss, Miss) and miss.reason == "no_candidate"
+        assert not waiting.done()  # the pin really was still running
+        go_on.set()
+        grant = await asyncio.wait_for(waiting, 10)
+    assert isinstance(grant, PrefixLoadGrant)
