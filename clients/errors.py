@@ -48,6 +48,11 @@ class UnavailableError(KvrcClientError):
     pass
 
 
+class CallInterruptedError(UnavailableError):
+    """A call made on the session stream lost its stream before the answer: the
+    coordinator may have taken it (`EngineSession.call`)."""
+
+
 class UnauthenticatedError(KvrcClientError):
     pass
 

@@ -35,7 +35,12 @@ from typing import Any
 
 import grpc
 
-from clients.errors import KvrcClientError, UnavailableError, from_rpc_error
+from clients.errors import (
+    CallInterruptedError,
+    KvrcClientError,
+    UnavailableError,
+    from_rpc_error,
+)
 from clients.session import (
     EngineSession,
     EngineStub,
@@ -223,8 +228,7 @@ class LeaseClient:
         timeout = self._timeout_s + (pin_timeout_ms or 2_000) / 1000
         reply: pb.PrefixLoadGrant
         if self._session is not None:
-            answer = await self._session.call(pb.SessionCall(prefix_load=request), timeout)
-            reply = answer.prefix_load
+            reply = await self._prefix_load_on_session(self._session, request, timeout)
         else:
             reply = await self._call(self._stub.RequestPrefixLoad, request, timeout)
         if reply.outcome == pb.GRANT_OUTCOME_GRANTED:
@@ -240,6 +244,35 @@ class LeaseClient:
         reason, _, detail = reply.miss_reason.partition(": ")
         prediction = reply.prediction if reply.HasField("prediction") else None
         return Miss(reason, detail, reply.lease_id, ReuseInfo.from_proto(reply.reuse), prediction)
+
+    @staticmethod
+    async def _prefix_load_on_session(
+        session: EngineSession, request: pb.PrefixLoadRequest, timeout_s: float
+    ) -> pb.PrefixLoadGrant:
+        """The request on the session stream. One whose stream broke after it went out is
+        asked again, with the same request id, once the session is registered again: the
+        coordinator answers a repeat of an open request with that lease, so a blip does
+        not leave the holder's blocks pinned for a grant nobody reads. A session that is
+        not connected when asked is UNAVAILABLE at once (recompute), as a unary call is."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            try:
+                call = pb.SessionCall(prefix_load=request)
+                answer = await session.call(call, max(deadline - loop.time(), 0.1))
+                return answer.prefix_load
+            except CallInterruptedError:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise
+                try:
+                    await session.wait_ready(left)
+                except TimeoutError:
+                    raise UnavailableError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"the session stream broke during prefix load {request.request_id!r} "
+                        "and did not come back in time",
+                    ) from None
 
     async def complete_prefix_load(self, report: pb.TransferReport) -> CompleteResult:
         """One requester rank part's terminal outcome (`TransferResult.to_report(...)`).

@@ -49,6 +49,7 @@ import grpc
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
 from clients.errors import (
+    CallInterruptedError,
     DeadlineExceededError,
     KvrcClientError,
     UnavailableError,
@@ -432,9 +433,10 @@ class EngineSession:
         """Makes `call` on the session stream and returns its answer (`code` 0).
 
         Raises the typed KvrcClientError of a refused call; UnavailableError when the
-        session is not connected, or its stream ends before the answer (the coordinator
-        may or may not have taken the call: the caller decides whether to repeat it);
-        DeadlineExceededError after `timeout_s`. Sets `call.call_id`."""
+        session is not connected; CallInterruptedError (an UnavailableError) when its
+        stream ends before the answer (the coordinator may or may not have taken the
+        call: the caller decides whether to repeat it); DeadlineExceededError after
+        `timeout_s`. Sets `call.call_id`."""
         call_id = next(self._call_ids)
         call.call_id = call_id
         answered: asyncio.Future[pb.CallAnswer] = asyncio.get_running_loop().create_future()
@@ -468,7 +470,7 @@ class EngineSession:
         for answered in calls.values():
             if not answered.done():
                 answered.set_exception(
-                    UnavailableError(
+                    CallInterruptedError(
                         grpc.StatusCode.UNAVAILABLE,
                         f"{why} before the call was answered (the coordinator may have taken it)",
                     )
@@ -559,11 +561,11 @@ class EngineSession:
                 await handling
             finally:
                 handling.cancel()
+                self._ready.clear()  # first: a call failed below waits for the next registration
                 self._fail_calls("the session stream ended")
                 beats.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await beats
-            self._ready.clear()
             if self._closing or not self._reconnect:
                 return
             if not await self._reconnect_with_backoff():

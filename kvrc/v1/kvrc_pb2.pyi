@@ -1059,9 +1059,11 @@ class SessionCall(_message.Message):
     (requester / reporter must be it: PERMISSION_DENIED otherwise). A refused call
     is answered with its status; the session goes on. At most 256 prefix loads of one
     session wait for their grant at a time: more are answered RESOURCE_EXHAUSTED. A
-    session that ends (or moves to another replica) drops the calls it has not been
-    answered: the client sees UNAVAILABLE, and a lease granted after that runs out
-    unused, as one whose unary caller went away does.
+    session that ends (or moves to another replica) drops the calls it has not
+    answered: the client sees UNAVAILABLE. A prefix load repeated with the same
+    request_id once the session is back gets the same lease while it is open (kvrc's
+    LeaseClient does that); one nobody repeats runs out unused, as a lease whose unary
+    caller went away does.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

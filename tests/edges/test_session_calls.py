@@ -39,7 +39,7 @@ from clients.leases import (
     PinRequestInfo,
     PrefixLoadGrant,
 )
-from clients.session import EngineSession
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -333,3 +333,44 @@ async def test_an_answer_is_not_held_behind_a_slow_pin_callback(
         go_on.set()
         grant = await asyncio.wait_for(waiting, 10)
     assert isinstance(grant, PrefixLoadGrant)
+
+
+async def test_a_prefix_load_interrupted_by_a_session_blip_is_asked_again_for_the_same_lease(
+    kvrc: CoordinatorProcess, parts: Parts
+) -> None:
+    """The stream breaks while the grant waits for a slow pin: the client registers again
+    and repeats the request id, and gets the lease the holder pinned, not a second one."""
+    pinned: list[str] = []
+    go_on = asyncio.Event()
+
+    async def pin_slowly(info: PinRequestInfo) -> PinAnswer:
+        pinned.append(info.lease_id)
+        await go_on.wait()
+        return pin_all(info)
+
+    holder, _ = await parts.part("s-blip-hold", LeaseSessionHandler(pin=pin_slowly))
+    chain = chain_of("s-blip", 2)
+    await store_blocks(holder, chain)
+    registration = RankPartRegistration(
+        engine_id="s-blip-req", profile=EngineProfile(model="m", block_size=16, reuse_opt_in=True)
+    )
+    requester = EngineSession(kvrc.grpc_target, registration, backoff_initial_s=0.05)
+
+    async def silent(call: Any, interval_ms: int) -> None:
+        await asyncio.Event().wait()  # no heartbeats: kvrc ends this stream after 5 s
+
+    requester._heartbeats = silent  # type: ignore[method-assign]
+    await requester.start()
+    try:
+        async with LeaseClient(DEAD_TARGET, "s-blip-req", timeout_s=20, session=requester) as c:
+            asking = asyncio.create_task(c.request_prefix_load("b1", chain, pin_timeout_ms=20_000))
+            await wait_until(lambda: len(pinned) == 1, 10, what="the holder's pin")
+            # The blip: kvrc ends the silent stream; the session registers again.
+            await wait_until(lambda: requester.registrations == 2, 15, what="registering again")
+            go_on.set()
+            grant = await asyncio.wait_for(asking, 15)
+        assert isinstance(grant, PrefixLoadGrant)
+        assert grant.lease_id == pinned[0] and pinned == [grant.lease_id]  # one lease, not two
+    finally:
+        go_on.set()
+        await requester.close()
