@@ -66,7 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -600,20 +600,20 @@ def _cost_keys(
     kvrc_cpu = cpu_ms[path]
     coordinator = {key: tally["coordinator"] for key, tally in kvrc_cpu.items()}
     return {
-        **(
-            {"echo_server_cpu_us_per_call": round(echo_us, 1) if echo_us else None}
-            if path == "kvrc"
-            else {}
-        ),
         "coordinator_cpu_ms_per_load": coordinator,
-        "coordinator_cpu_vs_echo": {
-            key: round(ms * 1000 / echo_us, 3) if echo_us else None
-            for key, ms in coordinator.items()
-        },
+        "coordinator_cpu_vs_echo": _vs_echo(coordinator, echo_us),
         "requester_cpu_vs_raw": {
             key: round(tally["requester"] / cpu_ms["raw"][key]["requester"], 3)
             for key, tally in kvrc_cpu.items()
         },
+    }
+
+
+def _vs_echo(ms_by_key: Mapping[str, float | None], echo_us: float | None) -> dict[str, Any]:
+    """CPU ms per load in units of the echo's server CPU per call (None: not measured)."""
+    return {
+        key: round(ms * 1000 / echo_us, 3) if echo_us and ms is not None else None
+        for key, ms in ms_by_key.items()
     }
 
 
@@ -658,11 +658,7 @@ def _control_keys(
         "holder_cpu_ms_per_load": by.get("holder", {}),
         "ms_per_load": by.get("ms_per_load", {}),
         "coordinator_cpu_vs_echo": {
-            transport: {
-                key: round(ms * 1000 / echo_us, 3) if echo_us and ms is not None else None
-                for key, ms in values.items()
-            }
-            for transport, values in coordinator.items()
+            transport: _vs_echo(values, echo_us) for transport, values in coordinator.items()
         },
         "session_vs_unary_coordinator_cpu": {
             key: round(ms / unary, 3) if ms and (unary := coordinator["unary"].get(key)) else None
@@ -824,6 +820,7 @@ def run(
         "kvrc_gbps": kvrc,
         "kvrc_vs_raw": _ratios(kvrc, raw),
         "cpu_ms_per_batch": cpu_ms,
+        "echo_server_cpu_us_per_call": round(echo_us, 1) if echo_us else None,
         **_cost_keys(cpu_ms, echo_us),
         # The same loads with grant and reports as unary RPCs (before revision 3).
         "kvrc_unary_gbps": kvrc_unary,

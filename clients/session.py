@@ -426,9 +426,6 @@ class EngineSession:
     async def send_abort_ack(self, lease_id: str) -> None:
         await self._send(pb.EngineMessage(abort_ack=pb.AbortAck(lease_id=lease_id)))
 
-    async def send_release_ack(self, lease_id: str) -> None:
-        await self._send(pb.EngineMessage(release_ack=pb.ReleaseAck(lease_id=lease_id)))
-
     async def call(self, call: pb.SessionCall, timeout_s: float) -> pb.CallAnswer:
         """Makes `call` on the session stream and returns its answer (`code` 0).
 

@@ -170,22 +170,26 @@ class _Observed:
         started = time.perf_counter()
         try:
             result = await call()
-        except KvrcError as e:
-            code = status_code(e.code)
-            self.count_denied(e)
-            self.observe(method, started, code)
-            await context.abort(code, e.message)
         except asyncio.CancelledError:
             self.observe(method, started, grpc.StatusCode.CANCELLED)
             raise
-        except Exception:
-            log.exception("%s failed", method)
-            self.observe(method, started, grpc.StatusCode.INTERNAL)
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"{method}: internal error (see the coordinator log)"
-            )
+        except Exception as e:
+            await context.abort(*self.failed(method, started, e))
         self.observe(method, started, grpc.StatusCode.OK)
         return result
+
+    def failed(self, method: str, started: float, error: Exception) -> tuple[grpc.StatusCode, str]:
+        """The status a failed call answers with, counted: a refusal's own, or INTERNAL
+        (logged) for anything else. For unary RPCs and calls on the session stream alike."""
+        if isinstance(error, KvrcError):
+            code, message = status_code(error.code), error.message
+            self.count_denied(error)
+        else:
+            log.error("%s failed", method, exc_info=error)
+            code = grpc.StatusCode.INTERNAL
+            message = f"{method}: internal error (see the coordinator log)"
+        self.observe(method, started, code)
+        return code, message
 
     def observe(self, method: str, started: float, code: grpc.StatusCode) -> None:
         """Times and counts one call (a unary RPC or a call on the session stream)."""
@@ -393,14 +397,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
             return
         if kind != "prefix_load":
             # Counted as a Session message (no method of its own to time it under).
-            self._observed.count("Session", grpc.StatusCode.INVALID_ARGUMENT)
-            unknown = pb.CallAnswer(
-                call_id=call_id,
-                code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                message=f"call {call_id}: no known call set (this coordinator takes "
-                "prefix_load and prefix_load_report)",
-            )
-            self._coordinator.reply(session, pb.CoordinatorMessage(call_answer=unknown))
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            self._observed.count("Session", code)
+            why = f"call {call_id}: no known call set (this coordinator takes prefix_load and "
+            self._reply_status(session, call_id, code, why + "prefix_load_report)")
             return
         pending = self._calls.setdefault(session.session_id, set())
         if len(pending) >= MAX_CALLS_IN_FLIGHT:
@@ -409,7 +409,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 f"call {call_id}: {MAX_CALLS_IN_FLIGHT} prefix loads of this session await "
                 "their grant already; wait for an answer first",
             )
-            self._refuse_call(session, call_id, "RequestPrefixLoad", started, refused)
+            self._call_failed(session, call_id, "RequestPrefixLoad", started, refused)
             return
         task = asyncio.get_running_loop().create_task(
             self._prefix_load_call(session, call_id, call.prefix_load, started)
@@ -479,37 +479,13 @@ class EngineService(pb_grpc.EngineServiceServicer):
         started: float,
         error: Exception,
     ) -> None:
-        """A refused call is answered with its status; any other failure INTERNAL, logged.
-        Either way the session goes on, as a unary RPC's failure leaves it."""
-        if isinstance(error, KvrcError):
-            self._refuse_call(session, call_id, method, started, error)
-            return
-        log.error("%s on the session stream failed", method, exc_info=error)
-        internal = f"{method}: internal error (see the coordinator log)"
-        self._answer_status(session, call_id, method, started, grpc.StatusCode.INTERNAL, internal)
+        """Answered with the status the unary RPC would end with; the session goes on."""
+        code, message = self._observed.failed(method, started, error)
+        self._reply_status(session, call_id, code, message)
 
-    def _refuse_call(
-        self,
-        session: CoordinatorSession,
-        call_id: int,
-        method: str,
-        started: float,
-        error: KvrcError,
+    def _reply_status(
+        self, session: CoordinatorSession, call_id: int, code: grpc.StatusCode, message: str
     ) -> None:
-        self._observed.count_denied(error)
-        code = status_code(error.code)
-        self._answer_status(session, call_id, method, started, code, error.message)
-
-    def _answer_status(
-        self,
-        session: CoordinatorSession,
-        call_id: int,
-        method: str,
-        started: float,
-        code: grpc.StatusCode,
-        message: str,
-    ) -> None:
-        self._observed.observe(method, started, code)
         number: int = code.value[0]
         refused = pb.CallAnswer(call_id=call_id, code=number, message=message)
         self._coordinator.reply(session, pb.CoordinatorMessage(call_answer=refused))
