@@ -524,6 +524,10 @@ class Grants:
         )
         return self._settled(step.actions)
 
+    def refuse_by_store(self, lease_id: str, now_ms: int) -> tuple[GrantAction, ...]:
+        """The shared store did not record the lease: it misses, its pins never asked."""
+        return self._settled(self.table.refuse_by_store(lease_id, now_ms).actions)
+
     def complete(
         self, report: TransferReport, flow: Flow, now_ms: int, warming: ReuseStatus | None
     ) -> ReportStep:

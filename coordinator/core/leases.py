@@ -141,6 +141,9 @@ class MissReason(enum.Enum):
     DRAINING = "draining"  # holder or requester drained while pinning
     # I9-cost-gate: the pinned prefix is too short for a load to beat recomputing it.
     RECOMPUTE_CHEAPER = "recompute_cheaper"
+    # The shared store did not record the lease (unreachable, lost, or the id taken):
+    # its pins were never asked for (coordinator/runtime/lease_ledger.py).
+    STORE_REFUSED = "store_refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -678,6 +681,18 @@ class LeaseTable:
             self._miss(lease, MissReason.RECOMPUTE_CHEAPER, now_ms, actions)
         elif len(lease.pins) == len(lease.source_rank_keys):
             self._grant_prefix_load(lease, now_ms, actions)
+        return LeaseStep(self._view(lease), tuple(actions))
+
+    def refuse_by_store(self, lease_id: str, now_ms: int) -> LeaseStep:
+        """The shared store did not record a PINNING lease before its pins went out.
+
+        The runtime holds a lease's pin requests until the store has recorded it; refused,
+        the lease misses (`store_refused`) with no release, since no holder part was
+        asked to pin. A lease past PINNING is left alone (nothing changes)."""
+        lease = self._lookup_flow(lease_id, _PrefixLoad)
+        actions: list[Action] = []
+        if lease.state is LeaseState.PINNING and not lease.pins:
+            self._miss(lease, MissReason.STORE_REFUSED, now_ms, actions, release=False)
         return LeaseStep(self._view(lease), tuple(actions))
 
     def complete_prefix_load(

@@ -268,6 +268,7 @@ def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Red
     inventory.peers = peers
     coordinator.attach_peers(peers)
     coordinator.leases.store_unavailable = store.unavailable_reason
+    coordinator.leases.ledger = store.ledger
     coordinator.store_unavailable = store.unavailable_reason
     log.info("replica %s of the shared store %s", origin, config.store.url)
     return coordinator, store

@@ -64,6 +64,7 @@ from coordinator.core.leases import (
 from coordinator.core.profiles import ReuseStatus
 from coordinator.core.registry import ChildEngineView, Registry
 from coordinator.runtime.clock import Clock, Timer
+from coordinator.runtime.lease_ledger import LeaseLedger
 from coordinator.runtime.metrics import Metrics
 from kvrc.vocabulary import RankKey, Tier
 
@@ -136,6 +137,9 @@ class LeaseFlow:
         self.warming: Callable[[], ReuseStatus | None] = lambda: None
         # A shared store that is unreachable says why here (None: grants may go on).
         self.store_unavailable: Callable[[], str | None] = lambda: None
+        # With a shared store: the lease ledger (coordinator/runtime/lease_ledger.py) records
+        # every prefix load before its pins are asked for, and every later change of it.
+        self.ledger: LeaseLedger | None = None
         # The gauge's children, labelled once (labels() costs µs; _execute runs per step),
         # and the value last set on each, so only changed counts are written.
         self._gauge_children = {
@@ -457,8 +461,15 @@ class LeaseFlow:
 
     def _execute(self, actions: Sequence[GrantAction]) -> None:
         m = self._metrics
+        ledger = self.ledger
+        if ledger is not None:
+            # Records the prefix loads' changes; holds their pins until recorded.
+            ledger.observe(actions, self.table.get, self._pins_recorded)
         for action in actions:
-            if isinstance(action, SendPin | SendRelease | SendAbort | SendQuarantine | DrainNotice):
+            if isinstance(action, SendPin):
+                if ledger is None:
+                    self._send(action.child_engine_id, action.rank_key, action)
+            elif isinstance(action, SendRelease | SendAbort | SendQuarantine | DrainNotice):
                 self._send(action.child_engine_id, action.rank_key, action)
             elif isinstance(action, PrefixLoadAnswered):
                 for future in self._answers.pop(action.lease_id, ()):
@@ -507,6 +518,21 @@ class LeaseFlow:
         if actions:
             self._update_gauge()
             self._arm()
+
+    def _pins_recorded(self, lease_id: str, pins: Sequence[SendPin], ok: bool, why: str) -> None:
+        """The ledger answered a lease's open: its pins leave now, or it misses."""
+        try:
+            state = self.table.get(lease_id).state
+        except KvrcError:
+            state = None  # purged meanwhile
+        if state is not LeaseState.PINNING:
+            return  # ended meanwhile (its end follows in the ledger): nobody may pin now
+        if ok:
+            for pin in pins:
+                self._send(pin.child_engine_id, pin.rank_key, pin)
+            return
+        log.warning("prefix load %s not granted: %s", lease_id, why)
+        self._execute(self.core.refuse_by_store(lease_id, self._clock.monotonic_ms()))
 
     def _update_gauge(self) -> None:
         for key, value in self.table.take_changed_counts():

@@ -128,6 +128,13 @@ class Metrics:
             "Times the shared store was found empty (restarted) or its log was lost.",
             registry=r,
         )
+        self.store_lease_writes = Counter(
+            "kvrc_store_lease_writes_total",
+            "Writes to the shared store's lease ledger, by op (open, state, adopt, end, prune, "
+            "resync) and result (ok, refused, error).",
+            ["op", "result"],
+            registry=r,
+        )
         self.store_snapshots = Counter(
             "kvrc_store_snapshots_total",
             "Snapshots of the shared view, by action (written, loaded, stale, too_large, "
@@ -252,7 +259,7 @@ class Metrics:
             "kvrc_prefix_load_misses_total",
             "Prefix-load requests answered with a miss, by reason "
             "(no_candidate, short_pin, pin_timeout, holder_gone, below_min_blocks, draining, "
-            "recompute_cheaper).",
+            "recompute_cheaper, store_refused).",
             ["reason"],
             registry=r,
         )

@@ -45,6 +45,7 @@ from redis.exceptions import RedisError
 
 from coordinator.runtime.clock import Clock
 from coordinator.runtime.config import StoreConfig
+from coordinator.runtime.lease_ledger import OWNED_PREFIX, LeaseLedger
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.replication import (
     DEFAULT_SNAPSHOT_MAX_BYTES,
@@ -176,6 +177,16 @@ class RedisStore:
         self._m_out = metrics.store_ops.labels(direction="out")
         self._m_in = metrics.store_ops.labels(direction="in")
         inventory.on_record = self._wake.set
+        # Prefix-load leases and their pin counts, shared (coordinator/runtime/lease_ledger.py).
+        self.ledger = LeaseLedger(
+            self._writer_conn,
+            inventory.origin,
+            lambda: self._epoch,
+            metrics,
+            on_failure=lambda why: self._fail("lease ledger", why),
+            on_success=lambda: self._ok("lease ledger"),
+        )
+        inventory.on_origin_silent = self.ledger.forget_owner
         self._set_up_gauge()
 
     # --- health ---------------------------------------------------------------------
@@ -213,10 +224,17 @@ class RedisStore:
         """Starts following the log; an unreachable Redis is retried, failing closed."""
         await self._check_epoch()
         loop = asyncio.get_running_loop()
-        for coro in (self._writer(), self._reader(), self._health(), self._snapshotter()):
+        for coro in (
+            self._writer(),
+            self._reader(),
+            self._health(),
+            self._snapshotter(),
+            self._sweep_ledger(),
+        ):
             task = loop.create_task(coro)
             task.add_done_callback(_log_failure)
             self._tasks.append(task)
+        self.ledger.start()
         self._inventory.heartbeat()  # other replicas hear of this one at once
 
     async def close(self, flush_timeout_s: float = 1.0) -> None:
@@ -226,6 +244,7 @@ class RedisStore:
                 while self._inventory.outbox and "append" not in self._failures:
                     self._wake.set()
                     await asyncio.sleep(0.01)
+        await self.ledger.close(flush_timeout_s)
         self._closing = True
         for task in self._tasks:
             task.cancel()
@@ -300,6 +319,7 @@ class RedisStore:
         )
         self._metrics.store_losses.inc()
         self._reset_reader = True
+        self.ledger.store_lost()
         self._inventory.reannounce()
         try:
             self._on_store_lost()  # the holders re-announce their blocks (full dumps)
@@ -322,6 +342,26 @@ class RedisStore:
             if dropped:
                 log.info("%d child engine(s) of silent replicas left the view", dropped)
                 self._on_applied()
+
+    async def _sweep_ledger(self) -> None:
+        """Once, an origin timeout after the start: the ledger's records of replicas this
+        one never heard from (they died before it followed the log) are dropped, as those
+        of a replica seen falling silent are."""
+        await asyncio.sleep(self._origin_timeout_ms / 1000)
+        while not self._closing:
+            try:
+                owners = [
+                    key.decode()[len(OWNED_PREFIX) :]
+                    async for key in self._writer_conn.scan_iter(match=f"{OWNED_PREFIX}*")
+                ]
+            except (RedisError, OSError) as e:
+                self._fail("lease ledger", _why(e))
+                await asyncio.sleep(HEARTBEAT_MS / 1000)
+                continue
+            for owner in owners:
+                if not self._inventory.origin_alive(owner):
+                    self.ledger.forget_owner(owner)
+            return
 
     async def _writer(self) -> None:
         attempt = 0

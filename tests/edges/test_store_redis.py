@@ -24,6 +24,7 @@ import datetime
 import ipaddress
 import signal
 import subprocess
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ from clients.leases import (
 )
 from clients.refengine.demo import child_process_env
 from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
+from coordinator.runtime.lease_ledger import LEASE_PREFIX, PINS_PREFIX
 from coordinator.runtime.redis_store import STREAM_KEY
 from kvrc.v1 import kvrc_pb2 as pb
 
@@ -294,6 +296,12 @@ async def test_concurrent_loads_across_three_replicas_pin_exactly_once_each(
             open_c = {x.lease_id for x in (await get_status(c.grpc_target)).leases}
             assert not open_b & open_c and open_b | open_c == set(ids)
             assert sorted(await _held(engines, "holder-n")) == sorted(ids)
+            # The lease ledger in Redis says the same: every lease once, and each block's
+            # pin count is the number of leases naming it (grant i named 4 + i % 5 blocks).
+            named = Counter(b for g in grants for b in CHAIN[: g.matched_blocks])
+            await wait_until(
+                lambda: _ledger_is(redis_server, set(ids), named), 10, what="the ledger"
+            )
             # Reports from both replicas, interleaved: each ends exactly its own pin.
             done, left = grants[::2], grants[1::2]
             by_owner = {"req-nb": on_b, "req-nc": on_c}
@@ -315,6 +323,21 @@ async def test_concurrent_loads_across_three_replicas_pin_exactly_once_each(
             await wait_until(
                 lambda: _held_sorted_is(engines, "holder-n", expected), 10, what="12 released"
             )
+            named = Counter(b for g in left for b in CHAIN[: g.matched_blocks])
+            await wait_until(
+                lambda: _ledger_is(redis_server, set(expected), named), 10, what="the ledger"
+            )
+
+
+async def _ledger_is(server: RedisServer, lease_ids: set[str], pins: Counter[bytes]) -> bool:
+    """The lease ledger (coordinator/runtime/lease_ledger.py) holds exactly these leases,
+    and these pin counts over all holders."""
+    with redis.Redis(host="127.0.0.1", port=server.port) as r:
+        recorded = {k.decode()[len(LEASE_PREFIX) :] for k in r.scan_iter(match=f"{LEASE_PREFIX}*")}
+        counts: Counter[bytes] = Counter()
+        for key in r.scan_iter(match=f"{PINS_PREFIX}*"):
+            counts.update({b: int(n) for b, n in r.hgetall(key).items()})
+    return recorded == lease_ids and counts == pins
 
 
 async def test_kill_9_of_the_holders_replica_mid_lease_releases_nothing_early(

@@ -1,0 +1,614 @@
+"""The lease ledger: every replica's prefix-load leases and their pin counts, in Redis.
+
+With a shared store (coordinator/runtime/redis_store.py) the replica that owns a
+prefix load (the requester's, `pl-<random>@<owner>`) records the lease in Redis
+before its pin requests leave, and every later change of it, each change one Lua
+script (atomic; scripts run one at a time on the server):
+
+- `{kvrc}:lease:<lease id>`, a hash: `o` owner replica, `s` source (holder) child
+  engine, `t` target (requester), `st` state (`pinning`, `granted`, `quarantined`),
+  `b` the block hashes the lease names (msgpack): every requested block while
+  pinning, the granted prefix once granted;
+- `{kvrc}:pins:<source child engine>`, a hash: block hash -> the number of live
+  leases naming it (a field leaves at 0). Several leases on one block are legal;
+- `{kvrc}:owned:<owner>`, a set: the owner's live lease ids.
+
+What holds across replicas, checked by the scripts themselves:
+
+- **Lease ids are unique.** `open` refuses an id that another owner recorded (a
+  retry of the owner's own open is answered "already yours").
+- **One owner per lease.** Only the owner changes or ends its record (a fence):
+  another replica's write is refused and changes nothing.
+- **A block's pin count equals the number of live leases naming it**: `open` counts
+  the blocks, a grant trims the count to the granted prefix, `end` takes them all
+  away, and a re-sync replaces exactly the owner's own contributions.
+- **One store.** Every script first checks the store's epoch (`{kvrc}:epoch`): a
+  Redis that came back empty (a store loss) refuses them all until the replica has
+  seen the new epoch; then the replica writes its live leases again (`resync`).
+- **No grant names a block its holder reported gone**: the holder's own PinResult is
+  the proof (it pins only what it still has); the grant names at most what every
+  holder part pinned, and the ledger records exactly that prefix.
+
+The gate (I6-quiescence, fail closed): a lease's pin requests leave only once its
+`open` is recorded; refused (the id taken, the store unreachable or lost) the lease
+misses `store_refused` and no holder part was ever asked to pin. Later changes are
+queued in order behind it and retried while Redis is unreachable; nothing here
+ends or releases a lease, and no key carries a TTL (I6: no pin ends on a clock).
+Handoff leases are not recorded: they pin their own request's blocks, not blocks of
+the shared inventory, and stay in the decode replica's table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError
+
+from coordinator.core.leases import (
+    Flow,
+    LeaseEnded,
+    LeaseGranted,
+    LeaseQuarantined,
+    LeaseView,
+    SendPin,
+)
+from coordinator.runtime.metrics import Metrics
+
+log = logging.getLogger("kvrc.store")
+
+HASH_TAG = "{kvrc}"
+EPOCH_KEY = f"{HASH_TAG}:epoch"
+LEASE_PREFIX = f"{HASH_TAG}:lease:"
+PINS_PREFIX = f"{HASH_TAG}:pins:"
+OWNED_PREFIX = f"{HASH_TAG}:owned:"
+BATCH = 256  # ledger writes per pipeline (one round trip)
+BACKOFF_MS = (50, 100, 250, 500, 1000)
+
+PINNING = "pinning"
+GRANTED = "granted"
+QUARANTINED = "quarantined"
+
+# Script answers.
+OK = 1
+ALREADY_OURS = 2  # `open` retried after a write whose answer was lost
+UNKNOWN = 0  # `open`: the id is another owner's; others: no such lease
+EPOCH_CHANGED = -1
+NOT_OWNER = -2
+
+DECR_LUA = """
+local function decr(key, field)
+  if redis.call('HINCRBY', key, field, -1) <= 0 then redis.call('HDEL', key, field) end
+end
+"""
+
+# KEYS: lease, pins of its source, owned set of the owner, epoch.
+# ARGV: epoch, owner, lease id, source, target, state, mode, keep, blocks...
+# mode `new`: record a lease (0: the id is another owner's; 2: already ours).
+# mode `set`: record it whatever was there (a re-sync).
+# mode `state`: set its state; keep >= 0 trims its counted blocks to the first
+# `keep` (0: not recorded, e.g. pruned while this owner was silent).
+# mode `adopt`: `state`, and a record of another owner (one that fell silent) becomes
+# this owner's, blocks and all; a lease not recorded is recorded with the given
+# blocks. Reaches the old owner's set by a derived key (same hash tag).
+PUT_SCRIPT = (
+    DECR_LUA
+    + """
+if redis.call('GET', KEYS[4]) ~= ARGV[1] then return -1 end
+local old = redis.call('HMGET', KEYS[1], 'o', 'b')
+local mode = ARGV[7]
+if old[1] then
+  if old[1] ~= ARGV[2] then
+    if mode == 'new' then return 0 end
+    if mode ~= 'adopt' then return -2 end
+    -- A lease re-announced to this replica after its owner fell silent.
+    redis.call('SREM', '"""
+    + OWNED_PREFIX
+    + """' .. old[1], ARGV[3])
+    redis.call('HSET', KEYS[1], 'o', ARGV[2])
+    redis.call('SADD', KEYS[3], ARGV[3])
+  end
+  if mode == 'new' then return 2 end
+  if mode == 'state' or mode == 'adopt' then
+    local keep = tonumber(ARGV[8])
+    if keep >= 0 then
+      local blocks = cmsgpack.unpack(old[2])
+      if keep < #blocks then
+        local kept = {}
+        for i = 1, #blocks do
+          if i <= keep then kept[i] = blocks[i] else decr(KEYS[2], blocks[i]) end
+        end
+        redis.call('HSET', KEYS[1], 'b', cmsgpack.pack(kept))
+      end
+    end
+    redis.call('HSET', KEYS[1], 'st', ARGV[6])
+    return 1
+  end
+  for _, block in ipairs(cmsgpack.unpack(old[2])) do decr(KEYS[2], block) end
+elseif mode == 'state' then
+  return 0
+end
+local blocks = {}
+for i = 9, #ARGV do
+  blocks[#blocks + 1] = ARGV[i]
+  redis.call('HINCRBY', KEYS[2], ARGV[i], 1)
+end
+redis.call('HSET', KEYS[1], 'o', ARGV[2], 's', ARGV[4], 't', ARGV[5], 'st', ARGV[6],
+  'b', cmsgpack.pack(blocks))
+redis.call('SADD', KEYS[3], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: lease, pins of its source, owned set, epoch. ARGV: epoch, owner, lease id.
+END_SCRIPT = (
+    DECR_LUA
+    + """
+if redis.call('GET', KEYS[4]) ~= ARGV[1] then return -1 end
+local old = redis.call('HMGET', KEYS[1], 'o', 'b')
+if not old[1] then return 0 end
+if old[1] ~= ARGV[2] then return -2 end
+for _, block in ipairs(cmsgpack.unpack(old[2])) do decr(KEYS[2], block) end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[3], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: owned set, epoch. ARGV: epoch, owner, lease ids to keep...
+# Ends every lease of the owner not kept (a re-sync). The one script that reaches
+# keys it derives (each lease's record and its source's pins): all under the same
+# hash tag, so one Redis Cluster slot would still hold them.
+PRUNE_SCRIPT = (
+    DECR_LUA
+    + """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+local keep = {}
+for i = 3, #ARGV do keep[ARGV[i]] = true end
+local pruned = 0
+for _, lease_id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if not keep[lease_id] then
+    local key = '"""
+    + LEASE_PREFIX
+    + """' .. lease_id
+    local old = redis.call('HMGET', key, 'o', 'b', 's')
+    if old[1] == ARGV[2] then
+      for _, block in ipairs(cmsgpack.unpack(old[2])) do
+        decr('"""
+    + PINS_PREFIX
+    + """' .. old[3], block)
+      end
+      redis.call('DEL', key)
+    end
+    redis.call('SREM', KEYS[1], lease_id)
+    pruned = pruned + 1
+  end
+end
+return pruned
+"""
+)
+
+
+# Scripts run by their SHA1 (EVALSHA): the text travels once per Redis start.
+_SHA = {
+    script: hashlib.sha1(script.encode()).hexdigest()
+    for script in (PUT_SCRIPT, END_SCRIPT, PRUNE_SCRIPT)
+}
+
+
+def lease_key(lease_id: str) -> str:
+    return LEASE_PREFIX + lease_id
+
+
+def pins_key(source_child_engine_id: str) -> str:
+    return PINS_PREFIX + source_child_engine_id
+
+
+def owned_key(owner: str) -> str:
+    return OWNED_PREFIX + owner
+
+
+@dataclass(slots=True)
+class _Record:
+    """What this owner last wrote of one live lease (for a re-sync)."""
+
+    source_child_engine_id: str
+    target_child_engine_id: str
+    blocks: tuple[bytes, ...]
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    op: str  # open | state | adopt | end | prune
+    lease_id: str  # prune: the silent owner whose records go
+    source_child_engine_id: str
+    target_child_engine_id: str = ""
+    state: str = ""
+    keep: int = -1
+    blocks: tuple[bytes, ...] = ()
+    # `open` only: told whether the lease was recorded, and why not.
+    done: Callable[[bool, str], None] | None = None
+
+
+OpenDone = Callable[[bool, str], None]
+
+
+class LeaseLedger:
+    """One replica's writes to the lease ledger, in order, pipelined."""
+
+    def __init__(
+        self,
+        conn: aioredis.Redis,
+        owner: str,
+        epoch: Callable[[], object],
+        metrics: Metrics,
+        *,
+        on_failure: Callable[[str], None] = lambda why: None,
+        on_success: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._conn = conn
+        self.owner = owner
+        self._epoch = epoch
+        self._metrics = metrics
+        self._on_failure = on_failure
+        self._on_success = on_success
+        self._queue: deque[_Write] = deque()
+        self._live: dict[str, _Record] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._resync_needed = False
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self._scripts: dict[str, Any] = {}
+
+    # --- what the lease flow records -------------------------------------------------
+
+    def observe(
+        self,
+        actions: Sequence[object],
+        view_of: Callable[[str], LeaseView],
+        recorded: Callable[[str, Sequence[SendPin], bool, str], None],
+    ) -> None:
+        """Records what one core step did to prefix loads (handoffs are not recorded).
+
+        A new lease's pin requests are held: `recorded(lease_id, pins, ok, why)` gets them
+        once Redis answered its open, and sends them, or makes the lease miss."""
+        opening: dict[str, list[SendPin]] = {}
+        for action in actions:
+            if isinstance(action, SendPin):
+                held = opening.get(action.lease_id)
+                if held is None:
+                    held = opening[action.lease_id] = []
+                    self.open(
+                        action.lease_id,
+                        action.child_engine_id,
+                        action.requester_child_engine_id,
+                        action.block_hashes,
+                        functools.partial(recorded, action.lease_id, held),
+                    )
+                held.append(action)
+            elif (
+                not isinstance(action, LeaseGranted | LeaseQuarantined | LeaseEnded)
+                or action.flow is not Flow.PREFIX_LOAD
+            ):
+                continue
+            elif isinstance(action, LeaseGranted):
+                grant = view_of(action.lease_id).prefix_load_grant
+                assert grant is not None
+                self.granted(action.lease_id, grant.matched_blocks)
+            elif isinstance(action, LeaseQuarantined):
+                view = view_of(action.lease_id)
+                self.quarantined(
+                    action.lease_id, view.source_child_engine_id, view.target_child_engine_id or ""
+                )
+            else:
+                self.ended(action.lease_id)
+
+    def open(
+        self,
+        lease_id: str,
+        source_child_engine_id: str,
+        target_child_engine_id: str,
+        blocks: Sequence[bytes],
+        done: OpenDone,
+    ) -> None:
+        """Records a new lease; `done(recorded, why_not)` runs once Redis answered."""
+        self._push(
+            _Write(
+                "open",
+                lease_id,
+                source_child_engine_id,
+                target_child_engine_id,
+                PINNING,
+                -1,
+                tuple(blocks),
+                done,
+            )
+        )
+
+    def granted(self, lease_id: str, matched_blocks: int) -> None:
+        """The grant names the first `matched_blocks` blocks: the rest stop counting."""
+        record = self._live.get(lease_id)
+        if record is None:
+            return  # never recorded (refused): nothing to change
+        self._push(
+            _Write(
+                "state", lease_id, record.source_child_engine_id, state=GRANTED, keep=matched_blocks
+            )
+        )
+
+    def quarantined(
+        self, lease_id: str, source_child_engine_id: str, target_child_engine_id: str
+    ) -> None:
+        """Quarantined. One this replica did not open (re-announced by its holder after its
+        owner fell silent or restarted) is adopted: its record, if any, becomes this
+        replica's, else it is recorded here with no blocks (their hashes are unknown)."""
+        self._push(
+            _Write(
+                "state" if lease_id in self._live else "adopt",
+                lease_id,
+                source_child_engine_id,
+                target_child_engine_id,
+                QUARANTINED,
+            )
+        )
+
+    def ended(self, lease_id: str) -> None:
+        record = self._live.get(lease_id)
+        if record is None:
+            return
+        self._push(_Write("end", lease_id, record.source_child_engine_id))
+
+    def forget_owner(self, owner: str) -> None:
+        """A replica fell silent (no heartbeat in the log for the origin timeout, on this
+        replica's monotonic clock): its records leave the ledger. Its holders keep their
+        pins until their own pin deadlines; one re-announced to a replica is adopted there."""
+        if owner != self.owner:
+            self._push(_Write("prune", owner, ""))
+
+    def store_lost(self) -> None:
+        """Redis came back empty: write every live lease again once its epoch is known."""
+        self._resync_needed = True
+        self._idle.clear()
+        self._wake.set()
+
+    def live_lease_ids(self) -> list[str]:
+        return sorted(self._live)
+
+    async def flushed(self) -> None:
+        """Returns once every write queued so far has been answered (tests, shutdown)."""
+        while self._queue or self._resync_needed or not self._idle.is_set():
+            self._wake.set()
+            await self._idle.wait()
+            await asyncio.sleep(0)
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._writer())
+
+    async def close(self, flush_timeout_s: float = 1.0) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(flush_timeout_s):
+                await self.flushed()
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for write in self._queue:
+            if write.done is not None:
+                write.done(False, "the coordinator is shutting down")
+        self._queue.clear()
+
+    # --- the writer -------------------------------------------------------------------
+
+    def _push(self, write: _Write) -> None:
+        # The record follows the queue (what this owner means the ledger to say), so a
+        # re-sync writes the latest even while earlier writes wait for Redis.
+        if write.op == "open":
+            self._live[write.lease_id] = _Record(
+                write.source_child_engine_id,
+                write.target_child_engine_id,
+                write.blocks,
+                PINNING,
+            )
+        elif write.op in ("state", "adopt"):
+            record = self._live.get(write.lease_id)
+            if record is None:
+                record = self._live[write.lease_id] = _Record(
+                    write.source_child_engine_id, write.target_child_engine_id, (), write.state
+                )
+            record.state = write.state
+            if write.keep >= 0:
+                record.blocks = record.blocks[: write.keep]
+        elif write.op == "end":
+            self._live.pop(write.lease_id, None)
+        self._queue.append(write)
+        self._idle.clear()
+        self._wake.set()
+
+    async def _writer(self) -> None:
+        attempt = 0
+        while not self._closing:
+            if not self._queue and not self._resync_needed:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                epoch = self._epoch()
+                if not isinstance(epoch, (bytes, str)):
+                    raise RedisError("the shared store has not been reached yet")
+                if self._resync_needed:
+                    await self._resync(epoch)
+                    self._resync_needed = False
+                batch = [self._queue[i] for i in range(min(len(self._queue), BATCH))]
+                answers = await self._run(batch, epoch) if batch else []
+            except (RedisError, OSError) as e:
+                why = f"{type(e).__name__}: {e}"
+                self._on_failure(why)
+                self._fail_opens(f"the shared store is unreachable ({why})")
+                await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
+                attempt += 1
+                continue
+            attempt = 0
+            self._on_success()
+            for write, answer in zip(batch, answers, strict=True):
+                self._queue.popleft()
+                self._answered(write, int(answer))
+
+    async def _run(self, batch: Sequence[_Write], epoch: bytes | str) -> list[Any]:
+        """One pipeline of scripts (EVALSHA). Every write is idempotent (a repeated open is
+        "already ours", a repeated trim or end changes nothing), so a batch that met an
+        empty script cache (Redis restarted) is run again whole after loading them."""
+        for _ in range(2):
+            pipe: Any = self._conn.pipeline(transaction=False)
+            for write in batch:
+                keys = (
+                    lease_key(write.lease_id),
+                    pins_key(write.source_child_engine_id),
+                    owned_key(self.owner),
+                    EPOCH_KEY,
+                )
+                if write.op == "prune":
+                    owner = write.lease_id
+                    pipe.evalsha(_SHA[PRUNE_SCRIPT], 2, owned_key(owner), EPOCH_KEY, epoch, owner)
+                elif write.op == "end":
+                    pipe.evalsha(_SHA[END_SCRIPT], 4, *keys, epoch, self.owner, write.lease_id)
+                else:
+                    pipe.evalsha(
+                        _SHA[PUT_SCRIPT],
+                        4,
+                        *keys,
+                        epoch,
+                        self.owner,
+                        write.lease_id,
+                        write.source_child_engine_id,
+                        write.target_child_engine_id,
+                        write.state,
+                        "new" if write.op == "open" else write.op,
+                        write.keep,
+                        *write.blocks,
+                    )
+            answers: list[Any] = await pipe.execute(raise_on_error=False)
+            if not any(isinstance(a, NoScriptError) for a in answers):
+                break
+            await self._load_scripts()
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
+        return answers
+
+    async def _load_scripts(self) -> None:
+        for script in _SHA:
+            await self._conn.script_load(script)
+
+    def _answered(self, write: _Write, answer: int) -> None:
+        if write.op == "prune":
+            if answer > 0:
+                log.info(
+                    "lease ledger: %d lease(s) of silent replica %s dropped", answer, write.lease_id
+                )
+            self._metrics.store_lease_writes.labels(op="prune", result="ok").inc()
+            return
+        recorded = answer in (OK, ALREADY_OURS) or (write.op == "end" and answer == UNKNOWN)
+        self._metrics.store_lease_writes.labels(
+            op=write.op, result="ok" if recorded else "refused"
+        ).inc()
+        if answer == EPOCH_CHANGED or (
+            write.op == "state" and answer == UNKNOWN and write.lease_id in self._live
+        ):
+            # The store came back empty, or this replica's records were dropped while it
+            # was silent: its live leases are written again (from _live).
+            self._resync_needed = True
+        elif not recorded and write.op != "open":
+            log.warning(
+                "lease ledger: %s of lease %s refused (%s)",
+                write.op,
+                write.lease_id,
+                _ANSWER_TEXT.get(answer, answer),
+            )
+        if write.done is None:
+            return
+        if recorded:
+            write.done(True, "")
+            return
+        self._live.pop(write.lease_id, None)
+        write.done(False, f"the shared store did not record the lease: {_ANSWER_TEXT[answer]}")
+
+    def _fail_opens(self, why: str) -> None:
+        """Fail closed: opens waiting for an unreachable store are refused now, not later.
+
+        One whose write reached Redis before the error may have its record there: it is
+        replaced in the queue by its end, which takes the record away (or finds none)."""
+        kept: deque[_Write] = deque()
+        for write in self._queue:
+            if write.done is None:
+                kept.append(write)
+                continue
+            self._metrics.store_lease_writes.labels(op="open", result="error").inc()
+            self._live.pop(write.lease_id, None)
+            write.done(False, why)
+            kept.append(_Write("end", write.lease_id, write.source_child_engine_id))
+        self._queue = kept
+
+    async def _resync(self, epoch: bytes | str) -> None:
+        """Makes the ledger say what `_live` says: the owner's other records go, these are
+        written whole (mode `set`). The writes queued before it are in `_live` already."""
+        records = list(self._live.items())
+        covered = len(self._queue)
+        pipe: Any = self._conn.pipeline(transaction=False)
+        pipe.eval(
+            PRUNE_SCRIPT,
+            2,
+            owned_key(self.owner),
+            EPOCH_KEY,
+            epoch,
+            self.owner,
+            *(lease_id for lease_id, _ in records),
+        )
+        for lease_id, record in records:
+            pipe.eval(
+                PUT_SCRIPT,
+                4,
+                lease_key(lease_id),
+                pins_key(record.source_child_engine_id),
+                owned_key(self.owner),
+                EPOCH_KEY,
+                epoch,
+                self.owner,
+                lease_id,
+                record.source_child_engine_id,
+                record.target_child_engine_id,
+                record.state,
+                "set",
+                -1,
+                *record.blocks,
+            )
+        answers = [int(a) for a in await pipe.execute()]
+        if EPOCH_CHANGED in answers:
+            raise RedisError("the store's epoch is not the one this replica knows yet")
+        written = {lease_id: a for (lease_id, _), a in zip(records, answers[1:], strict=True)}
+        for _ in range(covered):
+            write = self._queue.popleft()
+            if write.done is not None:
+                self._answered(write, written.get(write.lease_id, UNKNOWN))
+        self._metrics.store_lease_writes.labels(op="resync", result="ok").inc()
+        log.info("lease ledger: %d live lease(s) of this replica written again", len(records))
+
+
+_ANSWER_TEXT = {
+    UNKNOWN: "the lease id is another replica's",
+    EPOCH_CHANGED: "the store came back empty (its epoch changed); re-syncing",
+    NOT_OWNER: "another replica owns this lease",
+}
