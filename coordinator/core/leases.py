@@ -452,8 +452,8 @@ def owner_of_lease_id(lease_id: str) -> str:
 class LeaseTable:
     """The in-memory lease store and both state machines.
 
-    A Redis-backed store can replace it behind the same methods (docs/architecture.md,
-    "Beyond one process").
+    With a shared store, the runtime also records every prefix load and its pin counts
+    in Redis from the actions this table returns (coordinator/runtime/lease_ledger.py).
     """
 
     def __init__(

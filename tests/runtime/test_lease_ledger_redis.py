@@ -35,7 +35,7 @@ from hypothesis.stateful import invariant, rule
 from lease_machine import CHAIN, ENGINES, LeaseMachine
 from redis_env import RedisServer, start_redis
 
-from coordinator.core.leases import Action, Flow, LeaseState, SendPin
+from coordinator.core.leases import Action, Flow, LeaseState, MissReason, SendPin
 from coordinator.runtime.lease_ledger import (
     END_SCRIPT,
     EPOCH_KEY,
@@ -57,6 +57,10 @@ def redis_server() -> Iterator[RedisServer]:
         _SERVER[:] = [server]
         yield server
         _SERVER.clear()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 STATE_WORD = {LeaseState.PINNING: "pinning", LeaseState.QUARANTINED: "quarantined"}
@@ -121,8 +125,7 @@ class LedgerMachine(LeaseMachine):
             if self.view(lease_id).state is LeaseState.PINNING:
                 step = self.table.refuse_by_store(lease_id, self.now)
                 assert self.view(lease_id).state is LeaseState.MISSED
-                assert self.view(lease_id).miss_reason is not None
-                assert self.view(lease_id).miss_reason.value == "store_refused"
+                assert self.view(lease_id).miss_reason is MissReason.STORE_REFUSED
                 event("a lease id another replica had: store_refused")
                 self.apply(step.actions)
 
@@ -132,7 +135,7 @@ class LedgerMachine(LeaseMachine):
     def another_replica_takes_the_next_id(self) -> None:
         """B records the id the table gives next: A's open of it must be refused."""
         next_id = f"L{self.ids_issued}"
-        done: list[bool] = []
+        done: list[tuple[bool, str]] = []
         self.other.open(next_id, "e0", "e1_dp0", CHAIN[:2], lambda ok, why: done.append((ok, why)))
         self.flush()
         assert done == [(True, "")]
@@ -205,14 +208,14 @@ class LedgerMachine(LeaseMachine):
     def redis_says_what_the_table_says(self) -> None:
         live = set(self.live_prefix_loads())
         # B's records are the ids it took; A's must be exactly the live ones.
-        owned_a = {m.decode() for m in self.sync.smembers(owned_key("A"))}
+        owned_a = {_text(m) for m in self.sync.smembers(owned_key("A"))}
         assert owned_a == live, owned_a ^ live
         expected_pins: dict[str, Counter[bytes]] = {}
         for key in self.sync.scan_iter(match=f"{LEASE_PREFIX}*".encode()):
-            lease_id = key.decode()[len(LEASE_PREFIX) :]
+            lease_id = _text(key)[len(LEASE_PREFIX) :]
             record = self.sync.hgetall(key)
             blocks = msgpack.unpackb(record[b"b"], raw=True)
-            source = record[b"s"].decode()
+            source = _text(record[b"s"])
             expected_pins.setdefault(source, Counter()).update(blocks)
             if record[b"o"] == b"B":
                 assert lease_id not in live or lease_id not in self.opened
