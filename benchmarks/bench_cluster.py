@@ -95,8 +95,9 @@ from coordinator.runtime.clock import SystemClock
 from coordinator.runtime.config import StoreConfig
 from coordinator.runtime.gc_policy import freeze_startup_heap
 from coordinator.runtime.metrics import Metrics
-from coordinator.runtime.redis_store import STREAM_KEY, RedisStore
+from coordinator.runtime.redis_store import RedisStore
 from coordinator.runtime.replication import OP_APPLY, Op, ReplicatedInventory
+from coordinator.runtime.store_keys import STREAM_KEY
 
 BLOCKS_PER_BATCH = 64
 TARGET_P99_MS = 10.0

@@ -62,16 +62,17 @@ from coordinator.core.leases import (
     SendPin,
 )
 from coordinator.runtime.metrics import Metrics
+from coordinator.runtime.store_keys import (
+    BACKOFF_MS,
+    EPOCH_KEY,
+    LEASE_PREFIX,
+    OWNED_PREFIX,
+    PINS_PREFIX,
+)
 
 log = logging.getLogger("kvrc.store")
 
-HASH_TAG = "{kvrc}"
-EPOCH_KEY = f"{HASH_TAG}:epoch"
-LEASE_PREFIX = f"{HASH_TAG}:lease:"
-PINS_PREFIX = f"{HASH_TAG}:pins:"
-OWNED_PREFIX = f"{HASH_TAG}:owned:"
 BATCH = 256  # ledger writes per pipeline (one round trip)
-BACKOFF_MS = (50, 100, 250, 500, 1000)
 
 PINNING = "pinning"
 GRANTED = "granted"
@@ -163,10 +164,11 @@ return 1
 """
 )
 
-# KEYS: owned set, epoch. ARGV: epoch, owner, lease ids to keep...
-# Ends every lease of the owner not kept (a re-sync). The one script that reaches
-# keys it derives (each lease's record and its source's pins): all under the same
-# hash tag, so one Redis Cluster slot would still hold them.
+# KEYS: owned set, epoch. ARGV: epoch, owner, lease ids to keep... Ends every record
+# of the owner not kept: a re-sync of its own, or another replica dropping a silent
+# owner's. The one script that reaches keys it derives (each lease's record and its
+# source's pins): all under the same hash tag, so one Redis Cluster slot would still
+# hold them.
 PRUNE_SCRIPT = (
     DECR_LUA
     + """
@@ -222,7 +224,7 @@ class _Record:
 
     source_child_engine_id: str
     target_child_engine_id: str
-    blocks: tuple[bytes, ...]
+    blocks: tuple[bytes, ...] | None  # None: adopted; the blocks Redis holds are kept
     state: str
 
 
@@ -370,14 +372,16 @@ class LeaseLedger:
         self._push(_Write("end", lease_id, record.source_child_engine_id))
 
     def forget_owner(self, owner: str) -> None:
-        """A replica fell silent (no heartbeat in the log for the origin timeout, on this
-        replica's monotonic clock): its records leave the ledger. Its holders keep their
-        pins until their own pin deadlines; one re-announced to a replica is adopted there."""
+        """A replica fell silent (coordinator/runtime/redis_store.py `_sweep_ledger`): its
+        records leave the ledger. Its holders keep their pins until their own pin
+        deadlines; a lease one re-announces to a replica is adopted there. (A replica
+        that was only stalled re-syncs when it notices: `RedisStore._health`.)"""
         if owner != self.owner:
             self._push(_Write("prune", owner, ""))
 
     def store_lost(self) -> None:
-        """Redis came back empty: write every live lease again once its epoch is known."""
+        """Redis came back empty, or this replica was silent long enough for others to
+        drop its records: every live lease is written again (once the epoch is known)."""
         self._resync_needed = True
         self._idle.clear()
         self._wake.set()
@@ -396,6 +400,7 @@ class LeaseLedger:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._writer())
+        self._task.add_done_callback(_log_failure)
 
     async def close(self, flush_timeout_s: float = 1.0) -> None:
         with contextlib.suppress(TimeoutError):
@@ -405,10 +410,11 @@ class LeaseLedger:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for write in self._queue:
+        pending, self._queue = self._queue, deque()
+        for write in pending:
             if write.done is not None:
-                write.done(False, "the coordinator is shutting down")
-        self._queue.clear()
+                self._live.pop(write.lease_id, None)
+                self._tell(write, False, "the coordinator is shutting down")
 
     # --- the writer -------------------------------------------------------------------
 
@@ -425,11 +431,12 @@ class LeaseLedger:
         elif write.op in ("state", "adopt"):
             record = self._live.get(write.lease_id)
             if record is None:
+                # Adopted: the blocks its record names are in Redis, not here.
                 record = self._live[write.lease_id] = _Record(
-                    write.source_child_engine_id, write.target_child_engine_id, (), write.state
+                    write.source_child_engine_id, write.target_child_engine_id, None, write.state
                 )
             record.state = write.state
-            if write.keep >= 0:
+            if write.keep >= 0 and record.blocks is not None:
                 record.blocks = record.blocks[: write.keep]
         elif write.op == "end":
             self._live.pop(write.lease_id, None)
@@ -450,8 +457,13 @@ class LeaseLedger:
                 if not isinstance(epoch, (bytes, str)):
                     raise RedisError("the shared store has not been reached yet")
                 if self._resync_needed:
-                    await self._resync(epoch)
+                    # Cleared first: a store loss found while this one runs asks again.
                     self._resync_needed = False
+                    try:
+                        await self._resync(epoch)
+                    except BaseException:
+                        self._resync_needed = True
+                        raise
                 batch = [self._queue[i] for i in range(min(len(self._queue), BATCH))]
                 answers = await self._run(batch, epoch) if batch else []
             except (RedisError, OSError) as e:
@@ -465,25 +477,28 @@ class LeaseLedger:
             self._on_success()
             for write, answer in zip(batch, answers, strict=True):
                 self._queue.popleft()
-                self._answered(write, int(answer))
+                self._answered(write, answer)
 
     async def _run(self, batch: Sequence[_Write], epoch: bytes | str) -> list[Any]:
         """One pipeline of scripts (EVALSHA). Every write is idempotent (a repeated open is
-        "already ours", a repeated trim or end changes nothing), so a batch that met an
-        empty script cache (Redis restarted) is run again whole after loading them."""
+        "already ours", a repeated trim, end or prune changes nothing), so a batch that
+        met an empty script cache (Redis restarted) is run again whole after loading
+        them. A write Redis failed alone (a script error, out of memory, read-only) is
+        answered with its exception; a lost connection raises."""
         for _ in range(2):
             pipe: Any = self._conn.pipeline(transaction=False)
             for write in batch:
+                if write.op == "prune":
+                    owner = write.lease_id
+                    pipe.evalsha(_SHA[PRUNE_SCRIPT], 2, owned_key(owner), EPOCH_KEY, epoch, owner)
+                    continue
                 keys = (
                     lease_key(write.lease_id),
                     pins_key(write.source_child_engine_id),
                     owned_key(self.owner),
                     EPOCH_KEY,
                 )
-                if write.op == "prune":
-                    owner = write.lease_id
-                    pipe.evalsha(_SHA[PRUNE_SCRIPT], 2, owned_key(owner), EPOCH_KEY, epoch, owner)
-                elif write.op == "end":
+                if write.op == "end":
                     pipe.evalsha(_SHA[END_SCRIPT], 4, *keys, epoch, self.owner, write.lease_id)
                 else:
                     pipe.evalsha(
@@ -502,31 +517,42 @@ class LeaseLedger:
                     )
             answers: list[Any] = await pipe.execute(raise_on_error=False)
             if not any(isinstance(a, NoScriptError) for a in answers):
-                break
+                return answers
             await self._load_scripts()
-        for answer in answers:
-            if isinstance(answer, Exception):
-                raise answer
         return answers
 
     async def _load_scripts(self) -> None:
         for script in _SHA:
             await self._conn.script_load(script)
 
-    def _answered(self, write: _Write, answer: int) -> None:
+    def _answered(self, write: _Write, answer: object) -> None:
+        if isinstance(answer, Exception):
+            # This write alone failed in Redis: an open misses; anything else is written
+            # again by a re-sync (which backs off while Redis keeps failing).
+            log.warning(
+                "lease ledger: %s of %s failed in Redis: %s", write.op, write.lease_id, answer
+            )
+            self._metrics.store_lease_writes.labels(op=write.op, result="error").inc()
+            if write.done is not None:
+                self._live.pop(write.lease_id, None)
+                self._tell(write, False, f"the shared store failed to record the lease: {answer}")
+            else:
+                self._resync_needed = True
+            return
+        code = int(answer)  # type: ignore[call-overload]
         if write.op == "prune":
-            if answer > 0:
+            if code > 0:
                 log.info(
-                    "lease ledger: %d lease(s) of silent replica %s dropped", answer, write.lease_id
+                    "lease ledger: %d lease(s) of silent replica %s dropped", code, write.lease_id
                 )
             self._metrics.store_lease_writes.labels(op="prune", result="ok").inc()
             return
-        recorded = answer in (OK, ALREADY_OURS) or (write.op == "end" and answer == UNKNOWN)
+        recorded = code in (OK, ALREADY_OURS) or (write.op == "end" and code == UNKNOWN)
         self._metrics.store_lease_writes.labels(
             op=write.op, result="ok" if recorded else "refused"
         ).inc()
-        if answer == EPOCH_CHANGED or (
-            write.op == "state" and answer == UNKNOWN and write.lease_id in self._live
+        if code == EPOCH_CHANGED or (
+            write.op == "state" and code == UNKNOWN and write.lease_id in self._live
         ):
             # The store came back empty, or this replica's records were dropped while it
             # was silent: its live leases are written again (from _live).
@@ -536,35 +562,55 @@ class LeaseLedger:
                 "lease ledger: %s of lease %s refused (%s)",
                 write.op,
                 write.lease_id,
-                _ANSWER_TEXT.get(answer, answer),
+                _ANSWER_TEXT.get(code, code),
             )
         if write.done is None:
             return
         if recorded:
-            write.done(True, "")
+            self._tell(write, True, "")
             return
         self._live.pop(write.lease_id, None)
-        write.done(False, f"the shared store did not record the lease: {_ANSWER_TEXT[answer]}")
+        self._tell(
+            write,
+            False,
+            f"the shared store did not record the lease: {_ANSWER_TEXT.get(code, code)}",
+        )
+
+    @staticmethod
+    def _tell(write: _Write, recorded: bool, why: str) -> None:
+        """Runs an open's callback; its failure is logged, never the writer's end."""
+        assert write.done is not None
+        try:
+            write.done(recorded, why)
+        except Exception:
+            log.exception("lease ledger: the answer to the open of %s failed", write.lease_id)
 
     def _fail_opens(self, why: str) -> None:
         """Fail closed: opens waiting for an unreachable store are refused now, not later.
 
         One whose write reached Redis before the error may have its record there: it is
-        replaced in the queue by its end, which takes the record away (or finds none)."""
-        kept: deque[_Write] = deque()
-        for write in self._queue:
+        replaced in the queue by its end, which takes the record away (or finds none).
+        The queue is swapped out first: a refusal ends its lease, which queues nothing
+        more for it (it left _live here) but may queue other writes."""
+        pending, self._queue = self._queue, deque()
+        refused: list[_Write] = []
+        for write in pending:
             if write.done is None:
-                kept.append(write)
+                self._queue.append(write)
                 continue
-            self._metrics.store_lease_writes.labels(op="open", result="error").inc()
             self._live.pop(write.lease_id, None)
-            write.done(False, why)
-            kept.append(_Write("end", write.lease_id, write.source_child_engine_id))
-        self._queue = kept
+            self._queue.append(_Write("end", write.lease_id, write.source_child_engine_id))
+            refused.append(write)
+        for write in refused:
+            self._metrics.store_lease_writes.labels(op="open", result="error").inc()
+            self._tell(write, False, why)
 
     async def _resync(self, epoch: bytes | str) -> None:
         """Makes the ledger say what `_live` says: the owner's other records go, these are
-        written whole (mode `set`). The writes queued before it are in `_live` already."""
+        written whole (mode `set`; an adopted one keeps the blocks Redis holds, mode
+        `adopt`). The opens,
+        state changes and ends queued before it are in `_live` already; prunes of
+        other owners and adoptions stay queued."""
         records = list(self._live.items())
         covered = len(self._queue)
         pipe: Any = self._conn.pipeline(transaction=False)
@@ -591,20 +637,29 @@ class LeaseLedger:
                 record.source_child_engine_id,
                 record.target_child_engine_id,
                 record.state,
-                "set",
+                "set" if record.blocks is not None else "adopt",
                 -1,
-                *record.blocks,
+                *(record.blocks or ()),
             )
         answers = [int(a) for a in await pipe.execute()]
         if EPOCH_CHANGED in answers:
             raise RedisError("the store's epoch is not the one this replica knows yet")
         written = {lease_id: a for (lease_id, _), a in zip(records, answers[1:], strict=True)}
+        kept: list[_Write] = []
         for _ in range(covered):
             write = self._queue.popleft()
-            if write.done is not None:
+            if write.op in ("prune", "adopt"):
+                kept.append(write)
+            elif write.done is not None:
                 self._answered(write, written.get(write.lease_id, UNKNOWN))
+        self._queue.extendleft(reversed(kept))
         self._metrics.store_lease_writes.labels(op="resync", result="ok").inc()
         log.info("lease ledger: %d live lease(s) of this replica written again", len(records))
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("lease ledger writer failed", exc_info=task.exception())
 
 
 _ANSWER_TEXT = {

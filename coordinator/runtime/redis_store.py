@@ -45,7 +45,7 @@ from redis.exceptions import RedisError
 
 from coordinator.runtime.clock import Clock
 from coordinator.runtime.config import StoreConfig
-from coordinator.runtime.lease_ledger import OWNED_PREFIX, LeaseLedger
+from coordinator.runtime.lease_ledger import LeaseLedger
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.replication import (
     DEFAULT_SNAPSHOT_MAX_BYTES,
@@ -57,21 +57,23 @@ from coordinator.runtime.replication import (
     pack_ops,
     unpack_ops,
 )
+from coordinator.runtime.store_keys import (
+    BACKOFF_MS,
+    EPOCH_KEY,
+    FENCE_KEY,
+    OWNED_PREFIX,
+    SNAPSHOT_KEY,
+    STREAM_KEY,
+)
 
 log = logging.getLogger("kvrc.store")
 
-HASH_TAG = "{kvrc}"
-STREAM_KEY = f"{HASH_TAG}:inventory"
-EPOCH_KEY = f"{HASH_TAG}:epoch"
-SNAPSHOT_KEY = f"{HASH_TAG}:snapshot"
-FENCE_KEY = f"{HASH_TAG}:fence"
 OPS_PER_ENTRY = 512  # one XADD carries up to this many ops
 READ_COUNT = 256  # entries per XREAD
 READ_BLOCK_MS = 500
 HEARTBEAT_MS = 500
 ORIGIN_TIMEOUT_MS = 5_000  # a replica silent this long: its engines leave the view
 STREAM_MAXLEN = 1_000_000  # entries kept (approximately): bounded Redis memory
-BACKOFF_MS = (50, 100, 250, 500, 1000)
 
 # KEYS: snapshot, epoch, stream. ARGV: id ms, id seq, id, wall ms, data, epoch.
 # Returns 1 written, 0 not newer than the one there, -1 another epoch (a store loss).
@@ -186,7 +188,11 @@ class RedisStore:
             on_failure=lambda why: self._fail("lease ledger", why),
             on_success=lambda: self._ok("lease ledger"),
         )
-        inventory.on_origin_silent = self.ledger.forget_owner
+        # Since when the reader has read the log without a failure or a pause (None: it
+        # has not): only a replica that follows the log may call another one silent.
+        self._read_ok_since_ms: int | None = None
+        # The last health tick that found the store healthy (None: none yet).
+        self._healthy_ms: int | None = None
         self._set_up_gauge()
 
     # --- health ---------------------------------------------------------------------
@@ -336,6 +342,7 @@ class RedisStore:
             await asyncio.sleep(HEARTBEAT_MS / 1000)
             await self._check_epoch()
             self._inventory.heartbeat()
+            self._resync_after_silence(self._clock.monotonic_ms())
             dropped = self._inventory.expire_silent_origins(
                 self._clock.monotonic_ms(), self._origin_timeout_ms
             )
@@ -343,25 +350,46 @@ class RedisStore:
                 log.info("%d child engine(s) of silent replicas left the view", dropped)
                 self._on_applied()
 
+    def _resync_after_silence(self, now_ms: int) -> None:
+        """This replica was unhealthy or stalled (a pause, a partition, Redis down) long
+        enough that the others may have called it silent and dropped its ledger
+        records: it writes its live leases again."""
+        if self._failures or not self._reading.is_set():
+            return
+        if (
+            self._healthy_ms is not None
+            and now_ms - self._healthy_ms > self._origin_timeout_ms // 2
+        ):
+            log.warning(
+                "this replica was unhealthy or stalled for %d ms: writing its live leases to the "
+                "lease ledger again",
+                now_ms - self._healthy_ms,
+            )
+            self.ledger.store_lost()
+        self._healthy_ms = now_ms
+
     async def _sweep_ledger(self) -> None:
-        """Once, an origin timeout after the start: the ledger's records of replicas this
-        one never heard from (they died before it followed the log) are dropped, as those
-        of a replica seen falling silent are."""
-        await asyncio.sleep(self._origin_timeout_ms / 1000)
+        """Every origin timeout: the ledger's records of replicas not heard from within it
+        are dropped (died, or stalled: one that comes back writes its own again). Only
+        while this replica has followed the log for a whole timeout without a failure
+        or a pause, so that its own outage never makes the others look silent."""
         while not self._closing:
+            await asyncio.sleep(self._origin_timeout_ms / 1000)
+            since = self._read_ok_since_ms
+            if since is None or self._clock.monotonic_ms() - since < self._origin_timeout_ms:
+                continue
             try:
                 owners = [
                     key.decode()[len(OWNED_PREFIX) :]
                     async for key in self._writer_conn.scan_iter(match=f"{OWNED_PREFIX}*")
                 ]
             except (RedisError, OSError) as e:
-                self._fail("lease ledger", _why(e))
-                await asyncio.sleep(HEARTBEAT_MS / 1000)
+                # Housekeeping: tried again next time, no reason to refuse grants meanwhile.
+                log.warning("lease ledger sweep failed: %s", _why(e))
                 continue
             for owner in owners:
                 if not self._inventory.origin_alive(owner):
                     self.ledger.forget_owner(owner)
-            return
 
     async def _writer(self) -> None:
         attempt = 0
@@ -408,6 +436,7 @@ class RedisStore:
     def pause_reading(self) -> None:
         """Stops applying the log, as a replica stalled by a pause or a partition would."""
         self._reading.clear()
+        self._read_ok_since_ms = None
 
     def resume_reading(self) -> None:
         self._reading.set()
@@ -433,11 +462,14 @@ class RedisStore:
                 reply, first = await self._read_after(last_id)
             except (RedisError, OSError) as e:
                 self._fail("read", _why(e))
+                self._read_ok_since_ms = None
                 await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
                 attempt += 1
                 continue
             attempt = 0
             self._ok("read")
+            if self._read_ok_since_ms is None and self._reading.is_set():
+                self._read_ok_since_ms = self._clock.monotonic_ms()
             if self._reset_reader:
                 continue  # read from a log that is gone: start again from the new one
             trimmed = first is not None and stream_id(first) > stream_id(last_id)
@@ -673,10 +705,6 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 
 
 __all__ = [
-    "EPOCH_KEY",
-    "HASH_TAG",
-    "SNAPSHOT_KEY",
-    "STREAM_KEY",
     "RedisStore",
     "put_snapshot",
     "redis_client",

@@ -343,8 +343,6 @@ class ReplicatedInventory(Inventory):
         self._local: dict[str, tuple[Op, tuple[bool, bool]]] = {}
         # Rank parts and lease messages across replicas share this log (peers.py).
         self.peers: PeerLink | None = None
-        # Told each origin that fell silent (the lease ledger drops its records).
-        self.on_origin_silent: Callable[[str], None] = lambda origin: None
 
     def record(self, op: Op) -> None:
         """Appends an op of another module (coordinator/runtime/peers.py) to the outbox."""
@@ -612,7 +610,6 @@ class ReplicatedInventory(Inventory):
             dropped += 1
         for origin in silent:
             del self._origin_seen[origin]
-            self.on_origin_silent(origin)
             if self.peers is not None:
                 self.peers.origin_gone(origin, f"replica {origin} fell silent")
         return dropped

@@ -65,8 +65,7 @@ from clients.leases import (
 )
 from clients.refengine.demo import child_process_env
 from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
-from coordinator.runtime.lease_ledger import LEASE_PREFIX, PINS_PREFIX
-from coordinator.runtime.redis_store import STREAM_KEY
+from coordinator.runtime.store_keys import LEASE_PREFIX, PINS_PREFIX, STREAM_KEY
 from kvrc.v1 import kvrc_pb2 as pb
 
 PROFILES = '[[profile]]\nname = "test"\nmodel = "test-model"\n'

@@ -38,8 +38,6 @@ from redis_env import RedisServer, start_redis
 from coordinator.core.leases import Action, Flow, LeaseState, MissReason, SendPin
 from coordinator.runtime.lease_ledger import (
     END_SCRIPT,
-    EPOCH_KEY,
-    LEASE_PREFIX,
     PUT_SCRIPT,
     LeaseLedger,
     lease_key,
@@ -47,6 +45,7 @@ from coordinator.runtime.lease_ledger import (
     pins_key,
 )
 from coordinator.runtime.metrics import Metrics
+from coordinator.runtime.store_keys import EPOCH_KEY, LEASE_PREFIX
 
 _SERVER: list[RedisServer] = []
 

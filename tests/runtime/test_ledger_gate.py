@@ -22,7 +22,8 @@ from redis_env import RedisServer, start_redis
 from coordinator.core.grants import PrefixLoadAnswer, PrefixLoadRequest, TransferReport
 from coordinator.core.leases import LeaseState, MissReason, Outcome, SendPin, SendRelease
 from coordinator.runtime.coordinator import Session
-from coordinator.runtime.lease_ledger import EPOCH_KEY, LeaseLedger, lease_key, pins_key
+from coordinator.runtime.lease_ledger import LeaseLedger, lease_key, pins_key
+from coordinator.runtime.store_keys import EPOCH_KEY
 
 
 @pytest.fixture

@@ -35,15 +35,9 @@ from coordinator.core.inventory import Scope
 from coordinator.runtime.clock import SystemClock
 from coordinator.runtime.config import StoreConfig
 from coordinator.runtime.metrics import Metrics
-from coordinator.runtime.redis_store import (
-    EPOCH_KEY,
-    SNAPSHOT_KEY,
-    STREAM_KEY,
-    RedisStore,
-    put_snapshot,
-    stream_id,
-)
+from coordinator.runtime.redis_store import RedisStore, put_snapshot, stream_id
 from coordinator.runtime.replication import ReplicatedInventory
+from coordinator.runtime.store_keys import EPOCH_KEY, SNAPSHOT_KEY, STREAM_KEY
 
 COMPAT = "compat-1"
 

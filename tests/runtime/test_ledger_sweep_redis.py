@@ -1,0 +1,96 @@
+"""Who drops a silent replica's lease-ledger records, and when (a real redis-server).
+
+Two `RedisStore`s (the runtime's, with its ledger) on one Redis, with a 2 s origin
+timeout. A's lease is in the ledger. While B's reader is paused (as a stalled or
+partitioned replica's would be), A looks silent to B, yet B drops nothing: only a
+replica that has followed the log for a whole timeout may call another one silent.
+Once A has really stopped and B reads again, B drops A's records and pin counts. A
+replica that was itself stalled writes its live leases again when it resumes.
+A machine without redis-server fails here (it does not skip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis
+from redis_env import RedisServer, start_redis
+from waiting import wait_until
+
+from coordinator.runtime.clock import SystemClock
+from coordinator.runtime.config import StoreConfig
+from coordinator.runtime.lease_ledger import lease_key, pins_key
+from coordinator.runtime.metrics import Metrics
+from coordinator.runtime.redis_store import RedisStore
+from coordinator.runtime.replication import ReplicatedInventory
+
+TIMEOUT_MS = 2_000  # above the 500 ms heartbeat, as in production (5 s)
+BLOCKS = (b"p" * 8, b"q" * 8)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with start_redis() as s:
+        yield s
+
+
+@pytest.fixture
+async def stores(server: RedisServer) -> AsyncIterator[dict[str, RedisStore]]:
+    made: dict[str, RedisStore] = {}
+    for origin in ("A", "B"):
+        inventory = ReplicatedInventory(origin, max_entries_total=1000, max_entries_per_engine=1000)
+        config = StoreConfig(kind="redis", host="127.0.0.1", port=server.port)
+        made[origin] = RedisStore(
+            config, inventory, SystemClock(), Metrics(), origin_timeout_ms=TIMEOUT_MS
+        )
+        await made[origin].start()
+    yield made
+    for store in made.values():
+        await store.close(0.2)
+
+
+def recorded(server: RedisServer, lease_id: str) -> bool:
+    with redis.Redis(host="127.0.0.1", port=server.port) as r:
+        return bool(r.exists(lease_key(lease_id))) and bool(r.hlen(pins_key("h")))
+
+
+async def test_a_paused_reader_drops_nothing_and_a_stopped_owner_is_dropped(
+    server: RedisServer, stores: dict[str, RedisStore]
+) -> None:
+    a, b = stores["A"], stores["B"]
+    opened: list[bool] = []
+    a.ledger.open("L1", "h", "r", BLOCKS, lambda ok, why: opened.append(ok))
+    await a.ledger.flushed()
+    assert opened == [True] and recorded(server, "L1")
+    b.pause_reading()
+    # Long enough for A to look silent to B several times over (B reads nothing).
+    await asyncio.sleep(2.5 * TIMEOUT_MS / 1000)
+    assert recorded(server, "L1"), "a replica that follows no log dropped a live owner"
+    await a.close(0.2)  # A really stops: its heartbeats end
+    b.resume_reading()
+    await wait_until(
+        lambda: not recorded(server, "L1"), 10, interval_s=0.05, what="A's records dropped"
+    )
+
+
+async def test_a_replica_that_was_stalled_writes_its_leases_again(
+    server: RedisServer, stores: dict[str, RedisStore]
+) -> None:
+    a, b = stores["A"], stores["B"]
+    a.ledger.open("L1", "h", "r", BLOCKS, lambda ok, why: None)
+    await a.ledger.flushed()
+    # B calls A silent while A is stalled (its health loop does not run), drops L1...
+    b.ledger.forget_owner("A")
+    await b.ledger.flushed()
+    assert not recorded(server, "L1")
+    # ...and A's first health tick after the stall, 10 timeouts late, notices the gap
+    # and writes L1 again (a tick on time would not: the control).
+    now = SystemClock().monotonic_ms()
+    a._resync_after_silence(now)
+    await a.ledger.flushed()
+    assert not recorded(server, "L1")
+    a._resync_after_silence(now + 10 * TIMEOUT_MS)
+    await a.ledger.flushed()
+    assert recorded(server, "L1")
