@@ -45,12 +45,22 @@ PYTHON = sys.executable
 ENGINE_PART_SCRIPT = REPO / "tests" / "support" / "engine_part.py"
 
 
+# Every port free_port handed out in this test process: the kernel may offer a port
+# again as soon as the probe closes, and two callers that bind later (a vLLM engine's
+# two ZMQ endpoints, two engines started together) must not get the same one.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port that was free a moment ago (for tests that restart on one port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A loopback port that was free a moment ago (for tests that restart on one port),
+    never one this process handed out before."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass
