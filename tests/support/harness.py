@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import re
 import signal
 import socket
@@ -45,22 +46,40 @@ PYTHON = sys.executable
 ENGINE_PART_SCRIPT = REPO / "tests" / "support" / "engine_part.py"
 
 
-# Every port free_port handed out in this test process: the kernel may offer a port
-# again as soon as the probe closes, and two callers that bind later (a vLLM engine's
-# two ZMQ endpoints, two engines started together) must not get the same one.
+# Every port free_port handed out in this test process: two callers that bind later
+# (a vLLM engine's two ZMQ endpoints, two engines started together) never get the same.
 _HANDED_OUT: set[int] = set()
+_RNG = random.Random()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for bind(0) and outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
-    """A loopback port that was free a moment ago (for tests that restart on one port),
-    never one this process handed out before."""
+    """A port free on every interface a moment ago (for servers started later, and tests
+    that restart on one port), never one this process handed out before.
+
+    Taken below the kernel's ephemeral range: a port from bind(0) was in that range,
+    and an engine that binds it 20 s later (vLLM's start-up) found it taken by some
+    outgoing connection meanwhile ("Address already in use")."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12_000)
     while True:
+        port = _RNG.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 @dataclass
