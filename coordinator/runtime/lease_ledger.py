@@ -68,6 +68,7 @@ from coordinator.runtime.store_keys import (
     LEASE_PREFIX,
     OWNED_PREFIX,
     PINS_PREFIX,
+    RESYNCS_PREFIX,
 )
 
 log = logging.getLogger("kvrc.store")
@@ -164,17 +165,24 @@ return 1
 """
 )
 
-# KEYS: owned set, epoch. ARGV: epoch, owner, lease ids to keep... Ends every record
-# of the owner not kept: a re-sync of its own, or another replica dropping a silent
-# owner's. The one script that reaches keys it derives (each lease's record and its
-# source's pins): all under the same hash tag, so one Redis Cluster slot would still
-# hold them.
+# KEYS: owned set, epoch, the owner's re-sync counter. ARGV: epoch, owner, who, lease
+# ids to keep... Ends every record of the owner not kept. who `own`: the owner's own
+# re-sync (counted). Otherwise another replica drops a silent owner's records, and
+# `who` is the owner's counter as the sweep read it: a re-sync since then (the owner
+# came back) refuses the prune (-3). The one script that reaches keys it derives
+# (each lease's record and its source's pins): all under the same hash tag, so one
+# Redis Cluster slot would still hold them.
 PRUNE_SCRIPT = (
     DECR_LUA
     + """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+if ARGV[3] == 'own' then
+  redis.call('INCR', KEYS[3])
+elseif (redis.call('GET', KEYS[3]) or '0') ~= ARGV[3] then
+  return -3
+end
 local keep = {}
-for i = 3, #ARGV do keep[ARGV[i]] = true end
+for i = 4, #ARGV do keep[ARGV[i]] = true end
 local pruned = 0
 for _, lease_id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if not keep[lease_id] then
@@ -216,6 +224,10 @@ def pins_key(source_child_engine_id: str) -> str:
 
 def owned_key(owner: str) -> str:
     return OWNED_PREFIX + owner
+
+
+def resyncs_key(owner: str) -> str:
+    return RESYNCS_PREFIX + owner
 
 
 @dataclass(slots=True)
@@ -265,6 +277,7 @@ class LeaseLedger:
         self._on_success = on_success
         self._queue: deque[_Write] = deque()
         self._live: dict[str, _Record] = {}
+        self._pending_prunes: set[str] = set()  # owners with a prune queued
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -371,13 +384,15 @@ class LeaseLedger:
             return
         self._push(_Write("end", lease_id, record.source_child_engine_id))
 
-    def forget_owner(self, owner: str) -> None:
+    def forget_owner(self, owner: str, resyncs: str) -> None:
         """A replica fell silent (coordinator/runtime/redis_store.py `_sweep_ledger`): its
-        records leave the ledger. Its holders keep their pins until their own pin
-        deadlines; a lease one re-announces to a replica is adopted there. (A replica
-        that was only stalled re-syncs when it notices: `RedisStore._health`.)"""
-        if owner != self.owner:
-            self._push(_Write("prune", owner, ""))
+        records leave the ledger, unless it re-synced since the sweep read its counter
+        (`resyncs`). Its holders keep their pins until their own pin deadlines; a lease
+        one re-announces to a replica is adopted there. (A replica that was only stalled
+        re-syncs when it notices: `RedisStore._health`.) One prune per owner waits."""
+        if owner != self.owner and owner not in self._pending_prunes:
+            self._pending_prunes.add(owner)
+            self._push(_Write("prune", owner, "", state=resyncs))
 
     def store_lost(self) -> None:
         """Redis came back empty, or this replica was silent long enough for others to
@@ -490,7 +505,16 @@ class LeaseLedger:
             for write in batch:
                 if write.op == "prune":
                     owner = write.lease_id
-                    pipe.evalsha(_SHA[PRUNE_SCRIPT], 2, owned_key(owner), EPOCH_KEY, epoch, owner)
+                    pipe.evalsha(
+                        _SHA[PRUNE_SCRIPT],
+                        3,
+                        owned_key(owner),
+                        EPOCH_KEY,
+                        resyncs_key(owner),
+                        epoch,
+                        owner,
+                        write.state,  # the owner's re-sync count as the sweep read it
+                    )
                     continue
                 keys = (
                     lease_key(write.lease_id),
@@ -533,7 +557,9 @@ class LeaseLedger:
                 "lease ledger: %s of %s failed in Redis: %s", write.op, write.lease_id, answer
             )
             self._metrics.store_lease_writes.labels(op=write.op, result="error").inc()
-            if write.done is not None:
+            if write.op == "prune":
+                self._pending_prunes.discard(write.lease_id)  # the next sweep asks again
+            elif write.done is not None:
                 self._live.pop(write.lease_id, None)
                 self._tell(write, False, f"the shared store failed to record the lease: {answer}")
             else:
@@ -541,11 +567,14 @@ class LeaseLedger:
             return
         code = int(answer)  # type: ignore[call-overload]
         if write.op == "prune":
+            self._pending_prunes.discard(write.lease_id)
             if code > 0:
                 log.info(
                     "lease ledger: %d lease(s) of silent replica %s dropped", code, write.lease_id
                 )
-            self._metrics.store_lease_writes.labels(op="prune", result="ok").inc()
+            self._metrics.store_lease_writes.labels(
+                op="prune", result="refused" if code < 0 else "ok"
+            ).inc()
             return
         recorded = code in (OK, ALREADY_OURS) or (write.op == "end" and code == UNKNOWN)
         self._metrics.store_lease_writes.labels(
@@ -609,18 +638,21 @@ class LeaseLedger:
         """Makes the ledger say what `_live` says: the owner's other records go, these are
         written whole (mode `set`; an adopted one keeps the blocks Redis holds, mode
         `adopt`). The opens,
-        state changes and ends queued before it are in `_live` already; prunes of
-        other owners and adoptions stay queued."""
+        state changes, adoptions and ends queued before it are in `_live` already (an
+        adoption kept after its lease ended would bring it back); prunes of other
+        owners stay queued."""
         records = list(self._live.items())
         covered = len(self._queue)
         pipe: Any = self._conn.pipeline(transaction=False)
         pipe.eval(
             PRUNE_SCRIPT,
-            2,
+            3,
             owned_key(self.owner),
             EPOCH_KEY,
+            resyncs_key(self.owner),
             epoch,
             self.owner,
+            "own",
             *(lease_id for lease_id, _ in records),
         )
         for lease_id, record in records:
@@ -648,7 +680,7 @@ class LeaseLedger:
         kept: list[_Write] = []
         for _ in range(covered):
             write = self._queue.popleft()
-            if write.op in ("prune", "adopt"):
+            if write.op == "prune":
                 kept.append(write)
             elif write.done is not None:
                 self._answered(write, written.get(write.lease_id, UNKNOWN))

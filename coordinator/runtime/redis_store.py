@@ -45,7 +45,7 @@ from redis.exceptions import RedisError
 
 from coordinator.runtime.clock import Clock
 from coordinator.runtime.config import StoreConfig
-from coordinator.runtime.lease_ledger import LeaseLedger
+from coordinator.runtime.lease_ledger import LeaseLedger, resyncs_key
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.replication import (
     DEFAULT_SNAPSHOT_MAX_BYTES,
@@ -325,6 +325,7 @@ class RedisStore:
         )
         self._metrics.store_losses.inc()
         self._reset_reader = True
+        self._read_ok_since_ms = None  # who is alive is read anew: no sweep before that
         self.ledger.store_lost()
         self._inventory.reannounce()
         try:
@@ -378,18 +379,24 @@ class RedisStore:
             since = self._read_ok_since_ms
             if since is None or self._clock.monotonic_ms() - since < self._origin_timeout_ms:
                 continue
+            if "lease ledger" in self._failures:
+                continue  # its writes fail: queue no prunes behind them
             try:
                 owners = [
                     key.decode()[len(OWNED_PREFIX) :]
                     async for key in self._writer_conn.scan_iter(match=f"{OWNED_PREFIX}*")
                 ]
+                silent = [o for o in owners if not self._inventory.origin_alive(o)]
+                # Each one's re-sync count now: a prune is refused if it re-syncs first.
+                counts = (
+                    await self._writer_conn.mget([resyncs_key(o) for o in silent]) if silent else []
+                )
             except (RedisError, OSError) as e:
                 # Housekeeping: tried again next time, no reason to refuse grants meanwhile.
                 log.warning("lease ledger sweep failed: %s", _why(e))
                 continue
-            for owner in owners:
-                if not self._inventory.origin_alive(owner):
-                    self.ledger.forget_owner(owner)
+            for owner, count in zip(silent, counts, strict=True):
+                self.ledger.forget_owner(owner, _text(count or b"0"))
 
     async def _writer(self) -> None:
         attempt = 0
@@ -456,6 +463,7 @@ class RedisStore:
                         if self._inventory.drop_all_remote():
                             self._on_applied()
                     else:
+                        self._read_ok_since_ms = None  # a snapshot's view: no sweep yet
                         accept_trim = await self._bootstrap()
                 last_id = self._read_id
                 assert last_id is not None
@@ -697,6 +705,10 @@ def _first_of(rows: Any) -> str | None:
 def _why(e: BaseException) -> str:
     text = str(e) or type(e).__name__
     return text.splitlines()[0][:200]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

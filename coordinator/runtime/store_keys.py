@@ -14,9 +14,11 @@ EPOCH_KEY = f"{HASH_TAG}:epoch"
 SNAPSHOT_KEY = f"{HASH_TAG}:snapshot"
 FENCE_KEY = f"{HASH_TAG}:fence"
 # The lease ledger (coordinator/runtime/lease_ledger.py): one record per lease, pin
-# counts per holder, the live lease ids per owner replica.
+# counts per holder, the live lease ids per owner replica, and how often each owner
+# re-synced (a prune decided before a re-sync of that owner is refused).
 LEASE_PREFIX = f"{HASH_TAG}:lease:"
 PINS_PREFIX = f"{HASH_TAG}:pins:"
 OWNED_PREFIX = f"{HASH_TAG}:owned:"
+RESYNCS_PREFIX = f"{HASH_TAG}:resyncs:"
 # Waits between tries while Redis does not answer.
 BACKOFF_MS = (50, 100, 250, 500, 1000)

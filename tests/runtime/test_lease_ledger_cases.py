@@ -2,7 +2,9 @@
 
 - An adopted lease (re-announced after its owner fell silent) keeps the blocks its
   record names through a later re-sync of its new owner.
-- A silent owner's prune queued before a re-sync still runs.
+- A silent owner's prune queued before a re-sync still runs; one decided before that
+  owner's own re-sync (it came back) is refused.
+- An adoption whose lease ended before a re-sync is not brought back by it.
 - One write Redis fails alone (here a key of the wrong type) refuses that open only;
   the others of the same pipeline are recorded, and the writer goes on.
 - Closing with an open still waiting (Redis hung) answers it refused, and raises nothing
@@ -21,7 +23,13 @@ import redis
 import redis.asyncio as aioredis
 from redis_env import RedisServer, start_redis
 
-from coordinator.runtime.lease_ledger import LeaseLedger, lease_key, owned_key, pins_key
+from coordinator.runtime.lease_ledger import (
+    LeaseLedger,
+    lease_key,
+    owned_key,
+    pins_key,
+    resyncs_key,
+)
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.store_keys import EPOCH_KEY
 
@@ -72,6 +80,11 @@ def pins(sync: redis.Redis, holder: str) -> dict[object, int]:
     return {b: int(n) for b, n in sync.hgetall(pins_key(holder)).items()}
 
 
+def resyncs(sync: redis.Redis, owner: str) -> str:
+    value = sync.get(resyncs_key(owner))
+    return "0" if value is None else bytes(value).decode()  # type: ignore[arg-type]
+
+
 async def test_an_adopted_lease_keeps_its_blocks_through_a_resync(
     conn: aioredis.Redis, sync: redis.Redis
 ) -> None:
@@ -103,7 +116,7 @@ async def test_a_prune_queued_before_a_resync_still_runs(
     answers = Answers()
     a.open("L1", "h", "r", BLOCKS, answers.to("L1"))
     await a.flushed()
-    b.forget_owner("A")
+    b.forget_owner("A", "0")
     b.store_lost()  # in one go: the re-sync runs first, the prune after it
     await b.flushed()
     assert pins(sync, "h") == {} and not sync.exists(lease_key("L1"))
@@ -157,3 +170,39 @@ async def test_closing_with_an_open_waiting_on_a_hung_redis_refuses_it(
     assert answers.got["L1"] == (False, "the coordinator is shutting down")
     assert answers.got["L2"] == (False, "the coordinator is shutting down")
     assert refused_inside
+
+
+async def test_a_prune_decided_before_the_owner_re_synced_is_refused(
+    conn: aioredis.Redis, sync: redis.Redis
+) -> None:
+    a, b = ledger(conn, "A"), ledger(conn, "B")
+    answers = Answers()
+    a.open("L1", "h", "r", BLOCKS, answers.to("L1"))
+    await a.flushed()
+    seen = resyncs(sync, "A")  # what B's sweep read
+    a.store_lost()  # A was stalled and came back: it re-syncs (its count moves on)
+    await a.flushed()
+    b.forget_owner("A", seen)
+    await b.flushed()
+    assert sync.exists(lease_key("L1")) and pins(sync, "h") == {x: 1 for x in BLOCKS}
+    b.forget_owner("A", resyncs(sync, "A"))  # the control: read after the re-sync
+    await b.flushed()
+    assert not sync.exists(lease_key("L1")) and pins(sync, "h") == {}
+    await a.close()
+    await b.close()
+
+
+async def test_an_adoption_whose_lease_ended_is_not_brought_back_by_a_resync(
+    conn: aioredis.Redis, sync: redis.Redis
+) -> None:
+    a, b = ledger(conn, "A"), ledger(conn, "B")
+    a.open("L1", "h", "r", BLOCKS, Answers().to("L1"))
+    await a.flushed()
+    # Queued together, before B's writer runs: adopted, ended, then a re-sync.
+    b.quarantined("L1", "h", "r")
+    b.ended("L1")
+    b.store_lost()
+    await b.flushed()
+    assert sync.smembers(owned_key("B")) == set(), "an ended lease came back to B"
+    await a.close()
+    await b.close()

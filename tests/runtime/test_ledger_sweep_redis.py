@@ -82,7 +82,7 @@ async def test_a_replica_that_was_stalled_writes_its_leases_again(
     a.ledger.open("L1", "h", "r", BLOCKS, lambda ok, why: None)
     await a.ledger.flushed()
     # B calls A silent while A is stalled (its health loop does not run), drops L1...
-    b.ledger.forget_owner("A")
+    b.ledger.forget_owner("A", "0")
     await b.ledger.flushed()
     assert not recorded(server, "L1")
     # ...and A's first health tick after the stall, 10 timeouts late, notices the gap
