@@ -120,7 +120,7 @@ async def refused_load(rig: Rig, holder: Session, request_id: str) -> PrefixLoad
 async def test_a_store_that_is_not_the_one_known_or_is_down_refuses_and_nobody_pins(
     gated: tuple[Rig, LeaseLedger, Epoch], redis_server: RedisServer
 ) -> None:
-    rig, _, epoch = gated
+    rig, ledger, epoch = gated
     holder = engines(rig)
     epoch.value = b"e0"  # this replica has not seen the store's new epoch yet
     await refused_load(rig, holder, "q1")
@@ -131,7 +131,8 @@ async def test_a_store_that_is_not_the_one_known_or_is_down_refuses_and_nobody_p
         "kvrc_prefix_load_misses_total", {"reason": "store_refused"}
     )
     assert misses == 1
-    epoch.value = b"e1"  # seen: grants go on
+    epoch.value = b"e1"  # seen: the ledger re-syncs (it was refused), then grants go on
+    await asyncio.wait_for(ledger.flushed(), 10)
     drain_outbound(holder)
     task = asyncio.ensure_future(rig.coordinator.leases.request_prefix_load(request("q2")))
     pin = (await pins_for(holder))[0]
