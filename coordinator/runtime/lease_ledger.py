@@ -11,7 +11,8 @@ script (atomic; scripts run one at a time on the server):
   pinning, the granted prefix once granted;
 - `{kvrc}:pins:<source child engine>`, a hash: block hash -> the number of live
   leases naming it (a field leaves at 0). Several leases on one block are legal;
-- `{kvrc}:owned:<owner>`, a set: the owner's live lease ids.
+- `{kvrc}:owned:<owner>`, a set: the owner's live lease ids; `{kvrc}:owners`, the
+  owners that have records (a silent one leaves it with its last record).
 
 What holds across replicas, checked by the scripts themselves:
 
@@ -67,6 +68,7 @@ from coordinator.runtime.store_keys import (
     EPOCH_KEY,
     LEASE_PREFIX,
     OWNED_PREFIX,
+    OWNERS_KEY,
     PINS_PREFIX,
     RESYNCS_PREFIX,
 )
@@ -92,7 +94,7 @@ local function decr(key, field)
 end
 """
 
-# KEYS: lease, pins of its source, owned set of the owner, epoch.
+# KEYS: lease, pins of its source, owned set of the owner, epoch, the set of owners.
 # ARGV: epoch, owner, lease id, source, target, state, mode, keep, blocks...
 # mode `new`: record a lease (0: the id is another owner's; 2: already ours).
 # mode `set`: record it whatever was there (a re-sync).
@@ -117,6 +119,7 @@ if old[1] then
     + """' .. old[1], ARGV[3])
     redis.call('HSET', KEYS[1], 'o', ARGV[2])
     redis.call('SADD', KEYS[3], ARGV[3])
+    redis.call('SADD', KEYS[5], ARGV[2])
   end
   if mode == 'new' then return 2 end
   if mode == 'state' or mode == 'adopt' then
@@ -146,6 +149,7 @@ end
 redis.call('HSET', KEYS[1], 'o', ARGV[2], 's', ARGV[4], 't', ARGV[5], 'st', ARGV[6],
   'b', cmsgpack.pack(blocks))
 redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('SADD', KEYS[5], ARGV[2])
 return 1
 """
 )
@@ -165,7 +169,8 @@ return 1
 """
 )
 
-# KEYS: owned set, epoch, the owner's re-sync counter. ARGV: epoch, owner, who, lease
+# KEYS: owned set, epoch, the owner's re-sync counter, the set of owners (a silent owner
+# left with no record leaves it). ARGV: epoch, owner, who, lease
 # ids to keep... Ends every record of the owner not kept. who `own`: the owner's own
 # re-sync (counted). Otherwise another replica drops a silent owner's records, and
 # `who` is the owner's counter as the sweep read it: a re-sync since then (the owner
@@ -201,6 +206,9 @@ for _, lease_id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     redis.call('SREM', KEYS[1], lease_id)
     pruned = pruned + 1
   end
+end
+if ARGV[3] ~= 'own' and redis.call('SCARD', KEYS[1]) == 0 then
+  redis.call('SREM', KEYS[4], ARGV[2])
 end
 return pruned
 """
@@ -507,10 +515,11 @@ class LeaseLedger:
                     owner = write.lease_id
                     pipe.evalsha(
                         _SHA[PRUNE_SCRIPT],
-                        3,
+                        4,
                         owned_key(owner),
                         EPOCH_KEY,
                         resyncs_key(owner),
+                        OWNERS_KEY,
                         epoch,
                         owner,
                         write.state,  # the owner's re-sync count as the sweep read it
@@ -527,8 +536,9 @@ class LeaseLedger:
                 else:
                     pipe.evalsha(
                         _SHA[PUT_SCRIPT],
-                        4,
+                        5,
                         *keys,
+                        OWNERS_KEY,
                         epoch,
                         self.owner,
                         write.lease_id,
@@ -646,10 +656,11 @@ class LeaseLedger:
         pipe: Any = self._conn.pipeline(transaction=False)
         pipe.eval(
             PRUNE_SCRIPT,
-            3,
+            4,
             owned_key(self.owner),
             EPOCH_KEY,
             resyncs_key(self.owner),
+            OWNERS_KEY,
             epoch,
             self.owner,
             "own",
@@ -658,11 +669,12 @@ class LeaseLedger:
         for lease_id, record in records:
             pipe.eval(
                 PUT_SCRIPT,
-                4,
+                5,
                 lease_key(lease_id),
                 pins_key(record.source_child_engine_id),
                 owned_key(self.owner),
                 EPOCH_KEY,
+                OWNERS_KEY,
                 epoch,
                 self.owner,
                 lease_id,

@@ -61,7 +61,7 @@ from coordinator.runtime.store_keys import (
     BACKOFF_MS,
     EPOCH_KEY,
     FENCE_KEY,
-    OWNED_PREFIX,
+    OWNERS_KEY,
     SNAPSHOT_KEY,
     STREAM_KEY,
 )
@@ -382,10 +382,7 @@ class RedisStore:
             if "lease ledger" in self._failures:
                 continue  # its writes fail: queue no prunes behind them
             try:
-                owners = [
-                    key.decode()[len(OWNED_PREFIX) :]
-                    async for key in self._writer_conn.scan_iter(match=f"{OWNED_PREFIX}*")
-                ]
+                owners = [_text(o) for o in await self._writer_conn.smembers(OWNERS_KEY)]
                 silent = [o for o in owners if not self._inventory.origin_alive(o)]
                 # Each one's re-sync count now: a prune is refused if it re-syncs first.
                 counts = (

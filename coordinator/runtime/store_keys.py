@@ -20,5 +20,6 @@ LEASE_PREFIX = f"{HASH_TAG}:lease:"
 PINS_PREFIX = f"{HASH_TAG}:pins:"
 OWNED_PREFIX = f"{HASH_TAG}:owned:"
 RESYNCS_PREFIX = f"{HASH_TAG}:resyncs:"
+OWNERS_KEY = f"{HASH_TAG}:owners"  # the replicas with records (the sweep reads it)
 # Waits between tries while Redis does not answer.
 BACKOFF_MS = (50, 100, 250, 500, 1000)

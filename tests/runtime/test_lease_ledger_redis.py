@@ -45,7 +45,7 @@ from coordinator.runtime.lease_ledger import (
     pins_key,
 )
 from coordinator.runtime.metrics import Metrics
-from coordinator.runtime.store_keys import EPOCH_KEY, LEASE_PREFIX
+from coordinator.runtime.store_keys import EPOCH_KEY, LEASE_PREFIX, OWNERS_KEY
 
 _SERVER: list[RedisServer] = []
 
@@ -164,15 +164,15 @@ class LedgerMachine(LeaseMachine):
         lease_id = live[which % len(live)]
         source = self.view(lease_id).source_child_engine_id
         before = self.ledger_dump()
-        keys = (lease_key(lease_id), pins_key(source), owned_key("B"), EPOCH_KEY)
+        keys = (lease_key(lease_id), pins_key(source), owned_key("B"), EPOCH_KEY, OWNERS_KEY)
         put = ("B", lease_id, source, "x", "granted")
         answers = [
-            self.sync.eval(PUT_SCRIPT, 4, *keys, self.epoch, *put, "new", -1, CHAIN[0]),
-            self.sync.eval(PUT_SCRIPT, 4, *keys, self.epoch, *put, "state", trim),
-            self.sync.eval(PUT_SCRIPT, 4, *keys, self.epoch, *put, "set", -1, CHAIN[0]),
-            self.sync.eval(END_SCRIPT, 4, *keys, self.epoch, "B", lease_id),
+            self.sync.eval(PUT_SCRIPT, 5, *keys, self.epoch, *put, "new", -1, CHAIN[0]),
+            self.sync.eval(PUT_SCRIPT, 5, *keys, self.epoch, *put, "state", trim),
+            self.sync.eval(PUT_SCRIPT, 5, *keys, self.epoch, *put, "set", -1, CHAIN[0]),
+            self.sync.eval(END_SCRIPT, 4, *keys[:4], self.epoch, "B", lease_id),
             # An old epoch (a replica that has not seen a store loss yet): refused too.
-            self.sync.eval(END_SCRIPT, 4, *keys, b"epoch-0", "A", lease_id),
+            self.sync.eval(END_SCRIPT, 4, *keys[:4], b"epoch-0", "A", lease_id),
         ]
         assert answers == [0, -2, -2, -2, -1], answers
         assert self.ledger_dump() == before, "a refused write changed the ledger"

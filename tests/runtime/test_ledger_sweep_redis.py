@@ -25,6 +25,7 @@ from coordinator.runtime.lease_ledger import lease_key, pins_key
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.redis_store import RedisStore
 from coordinator.runtime.replication import ReplicatedInventory
+from coordinator.runtime.store_keys import OWNERS_KEY
 
 TIMEOUT_MS = 2_000  # above the 500 ms heartbeat, as in production (5 s)
 BLOCKS = (b"p" * 8, b"q" * 8)
@@ -73,6 +74,8 @@ async def test_a_paused_reader_drops_nothing_and_a_stopped_owner_is_dropped(
     await wait_until(
         lambda: not recorded(server, "L1"), 10, interval_s=0.05, what="A's records dropped"
     )
+    with redis.Redis(host="127.0.0.1", port=server.port) as r:
+        assert r.smembers(OWNERS_KEY) == set(), "the silent owner is still listed"
 
 
 async def test_a_replica_that_was_stalled_writes_its_leases_again(
