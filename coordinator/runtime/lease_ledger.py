@@ -409,9 +409,6 @@ class LeaseLedger:
         self._idle.clear()
         self._wake.set()
 
-    def live_lease_ids(self) -> list[str]:
-        return sorted(self._live)
-
     async def flushed(self) -> None:
         """Returns once every write queued so far has been answered (tests, shutdown)."""
         while self._queue or self._resync_needed or not self._idle.is_set():
@@ -512,48 +509,65 @@ class LeaseLedger:
             pipe: Any = self._conn.pipeline(transaction=False)
             for write in batch:
                 if write.op == "prune":
-                    owner = write.lease_id
-                    pipe.evalsha(
-                        _SHA[PRUNE_SCRIPT],
-                        4,
-                        owned_key(owner),
+                    # write.state: the owner's re-sync count as the sweep read it.
+                    args = _prune_args(epoch, write.lease_id, write.state, ())
+                    pipe.evalsha(_SHA[PRUNE_SCRIPT], *args)
+                elif write.op == "end":
+                    keys = (
+                        lease_key(write.lease_id),
+                        pins_key(write.source_child_engine_id),
+                        owned_key(self.owner),
                         EPOCH_KEY,
-                        resyncs_key(owner),
-                        OWNERS_KEY,
-                        epoch,
-                        owner,
-                        write.state,  # the owner's re-sync count as the sweep read it
                     )
-                    continue
-                keys = (
-                    lease_key(write.lease_id),
-                    pins_key(write.source_child_engine_id),
-                    owned_key(self.owner),
-                    EPOCH_KEY,
-                )
-                if write.op == "end":
                     pipe.evalsha(_SHA[END_SCRIPT], 4, *keys, epoch, self.owner, write.lease_id)
                 else:
-                    pipe.evalsha(
-                        _SHA[PUT_SCRIPT],
-                        5,
-                        *keys,
-                        OWNERS_KEY,
+                    mode = "new" if write.op == "open" else write.op
+                    args = self._put_args(
                         epoch,
-                        self.owner,
                         write.lease_id,
                         write.source_child_engine_id,
                         write.target_child_engine_id,
                         write.state,
-                        "new" if write.op == "open" else write.op,
+                        mode,
                         write.keep,
-                        *write.blocks,
+                        write.blocks,
                     )
+                    pipe.evalsha(_SHA[PUT_SCRIPT], *args)
             answers: list[Any] = await pipe.execute(raise_on_error=False)
             if not any(isinstance(a, NoScriptError) for a in answers):
                 return answers
             await self._load_scripts()
         return answers
+
+    def _put_args(
+        self,
+        epoch: bytes | str,
+        lease_id: str,
+        source_child_engine_id: str,
+        target_child_engine_id: str,
+        state: str,
+        mode: str,
+        keep: int,
+        blocks: Sequence[bytes],
+    ) -> tuple[object, ...]:
+        """PUT_SCRIPT's key count, keys and arguments (see the script)."""
+        return (
+            5,
+            lease_key(lease_id),
+            pins_key(source_child_engine_id),
+            owned_key(self.owner),
+            EPOCH_KEY,
+            OWNERS_KEY,
+            epoch,
+            self.owner,
+            lease_id,
+            source_child_engine_id,
+            target_child_engine_id,
+            state,
+            mode,
+            keep,
+            *blocks,
+        )
 
     async def _load_scripts(self) -> None:
         for script in _SHA:
@@ -647,44 +661,25 @@ class LeaseLedger:
     async def _resync(self, epoch: bytes | str) -> None:
         """Makes the ledger say what `_live` says: the owner's other records go, these are
         written whole (mode `set`; an adopted one keeps the blocks Redis holds, mode
-        `adopt`). The opens,
-        state changes, adoptions and ends queued before it are in `_live` already (an
-        adoption kept after its lease ended would bring it back); prunes of other
-        owners stay queued."""
+        `adopt`). The opens, state changes, adoptions and ends queued before it are in
+        `_live` already (an adoption kept after its lease ended would bring it back);
+        prunes of other owners stay queued."""
         records = list(self._live.items())
         covered = len(self._queue)
         pipe: Any = self._conn.pipeline(transaction=False)
-        pipe.eval(
-            PRUNE_SCRIPT,
-            4,
-            owned_key(self.owner),
-            EPOCH_KEY,
-            resyncs_key(self.owner),
-            OWNERS_KEY,
-            epoch,
-            self.owner,
-            "own",
-            *(lease_id for lease_id, _ in records),
-        )
+        pipe.eval(PRUNE_SCRIPT, *_prune_args(epoch, self.owner, "own", [lid for lid, _ in records]))
         for lease_id, record in records:
-            pipe.eval(
-                PUT_SCRIPT,
-                5,
-                lease_key(lease_id),
-                pins_key(record.source_child_engine_id),
-                owned_key(self.owner),
-                EPOCH_KEY,
-                OWNERS_KEY,
+            args = self._put_args(
                 epoch,
-                self.owner,
                 lease_id,
                 record.source_child_engine_id,
                 record.target_child_engine_id,
                 record.state,
                 "set" if record.blocks is not None else "adopt",
                 -1,
-                *(record.blocks or ()),
+                record.blocks or (),
             )
+            pipe.eval(PUT_SCRIPT, *args)
         answers = [int(a) for a in await pipe.execute()]
         if EPOCH_CHANGED in answers:
             raise RedisError("the store's epoch is not the one this replica knows yet")
@@ -699,6 +694,14 @@ class LeaseLedger:
         self._queue.extendleft(reversed(kept))
         self._metrics.store_lease_writes.labels(op="resync", result="ok").inc()
         log.info("lease ledger: %d live lease(s) of this replica written again", len(records))
+
+
+def _prune_args(
+    epoch: bytes | str, owner: str, who: str, keep: Sequence[str]
+) -> tuple[object, ...]:
+    """PRUNE_SCRIPT's key count, keys and arguments (see the script)."""
+    keys = (owned_key(owner), EPOCH_KEY, resyncs_key(owner), OWNERS_KEY)
+    return (len(keys), *keys, epoch, owner, who, *keep)
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

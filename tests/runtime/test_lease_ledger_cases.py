@@ -59,6 +59,15 @@ async def conn(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
+@pytest.fixture
+async def ab(conn: aioredis.Redis) -> AsyncIterator[tuple[LeaseLedger, LeaseLedger]]:
+    """The ledgers of two replicas, "A" and "B", on one Redis."""
+    a, b = ledger(conn, "A"), ledger(conn, "B")
+    yield a, b
+    await a.close()
+    await b.close()
+
+
 def ledger(conn: aioredis.Redis, owner: str) -> LeaseLedger:
     made = LeaseLedger(conn, owner, lambda: b"e1", Metrics())
     made.start()
@@ -86,9 +95,9 @@ def resyncs(sync: redis.Redis, owner: str) -> str:
 
 
 async def test_an_adopted_lease_keeps_its_blocks_through_a_resync(
-    conn: aioredis.Redis, sync: redis.Redis
+    ab: tuple[LeaseLedger, LeaseLedger], sync: redis.Redis
 ) -> None:
-    a, b = ledger(conn, "A"), ledger(conn, "B")
+    a, b = ab
     answers = Answers()
     a.open("L1", "h", "r", BLOCKS[:2], answers.to("L1"))
     await a.flushed()
@@ -105,14 +114,12 @@ async def test_an_adopted_lease_keeps_its_blocks_through_a_resync(
     b.ended("L1")
     await b.flushed()
     assert pins(sync, "h") == {} and not sync.exists(lease_key("L1"))
-    await a.close()
-    await b.close()
 
 
 async def test_a_prune_queued_before_a_resync_still_runs(
-    conn: aioredis.Redis, sync: redis.Redis
+    ab: tuple[LeaseLedger, LeaseLedger], sync: redis.Redis
 ) -> None:
-    a, b = ledger(conn, "A"), ledger(conn, "B")
+    a, b = ab
     answers = Answers()
     a.open("L1", "h", "r", BLOCKS, answers.to("L1"))
     await a.flushed()
@@ -121,8 +128,6 @@ async def test_a_prune_queued_before_a_resync_still_runs(
     await b.flushed()
     assert pins(sync, "h") == {} and not sync.exists(lease_key("L1"))
     assert not sync.exists(owned_key("A"))
-    await a.close()
-    await b.close()
 
 
 async def test_a_write_redis_fails_alone_refuses_that_open_only(
@@ -173,9 +178,9 @@ async def test_closing_with_an_open_waiting_on_a_hung_redis_refuses_it(
 
 
 async def test_a_prune_decided_before_the_owner_re_synced_is_refused(
-    conn: aioredis.Redis, sync: redis.Redis
+    ab: tuple[LeaseLedger, LeaseLedger], sync: redis.Redis
 ) -> None:
-    a, b = ledger(conn, "A"), ledger(conn, "B")
+    a, b = ab
     answers = Answers()
     a.open("L1", "h", "r", BLOCKS, answers.to("L1"))
     await a.flushed()
@@ -188,14 +193,12 @@ async def test_a_prune_decided_before_the_owner_re_synced_is_refused(
     b.forget_owner("A", resyncs(sync, "A"))  # the control: read after the re-sync
     await b.flushed()
     assert not sync.exists(lease_key("L1")) and pins(sync, "h") == {}
-    await a.close()
-    await b.close()
 
 
 async def test_an_adoption_whose_lease_ended_is_not_brought_back_by_a_resync(
-    conn: aioredis.Redis, sync: redis.Redis
+    ab: tuple[LeaseLedger, LeaseLedger], sync: redis.Redis
 ) -> None:
-    a, b = ledger(conn, "A"), ledger(conn, "B")
+    a, b = ab
     a.open("L1", "h", "r", BLOCKS, Answers().to("L1"))
     await a.flushed()
     # Queued together, before B's writer runs: adopted, ended, then a re-sync.
@@ -204,5 +207,3 @@ async def test_an_adoption_whose_lease_ended_is_not_brought_back_by_a_resync(
     b.store_lost()
     await b.flushed()
     assert sync.smembers(owned_key("B")) == set(), "an ended lease came back to B"
-    await a.close()
-    await b.close()
