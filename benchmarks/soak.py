@@ -724,7 +724,12 @@ class StoreRun:
                                 await channel.unary_unary(path, _as_is, _as_is)(junk, timeout=5.0)
                             self.client_codes["malformed:OK"] += 1
                         except grpc.aio.AioRpcError as e:
-                            self.client_codes[f"malformed:{e.code().name}"] += 1
+                            if e.code() is grpc.StatusCode.UNAVAILABLE:
+                                # Not answered by kvrc's handlers: the replica was down or
+                                # stopping (a restart fault ran just before). Kept apart.
+                                self.client_codes["malformed_unreached"] += 1
+                            else:
+                                self.client_codes[f"malformed:{e.code().name}"] += 1
                         sent += 1
             # Not HTTP/2 at all.
             with contextlib.suppress(OSError):
