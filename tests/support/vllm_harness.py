@@ -320,6 +320,25 @@ def metric_sum(kvrc: Kvrc, name: str, **labels: str) -> float:
     return total
 
 
+def generate_published(
+    kvrc: Kvrc, engine: VllmEngine, prompt: list[int], within_s: float = 30.0, **kw: Any
+) -> dict[str, Any]:
+    """`engine.generate`, then wait until kvrc's inventory has grown by the prompt's full
+    blocks: the engine's KV events reach kvrc after the answer (no fixed sleep)."""
+    before = metric_sum(kvrc, "kvrc_inventory_entries")
+    out = engine.generate(prompt, **kw)
+    want = before + len(prompt) // BLOCK_SIZE
+    give_up = time.monotonic() + within_s
+    while (held := metric_sum(kvrc, "kvrc_inventory_entries")) < want:
+        if time.monotonic() > give_up:
+            raise AssertionError(
+                f"kvrc's inventory holds {held:.0f} entries {within_s} s after {engine.name} "
+                f"answered; {want:.0f} expected (its KV events did not arrive)"
+            )
+        time.sleep(0.05)
+    return out
+
+
 def open_leases(kvrc: Kvrc) -> float:
     return metric_sum(kvrc, "kvrc_leases")
 

@@ -29,6 +29,7 @@ from vllm_harness import (
     Kvrc,
     VllmEngine,
     engines,
+    generate_published,
     open_leases,
     random_prompt,
     reuse_on_kvrc,
@@ -112,8 +113,7 @@ def wait_until(predicate: Any, within_s: float, what: str) -> None:
 def test_late_writes_hold_the_blocks_until_the_read_is_quiet(cluster: Cluster) -> None:
     """(g): a holder under SIGSTOP during R's read."""
     prompt = random_prompt(21, 320)
-    reference = cluster.holder.generate(prompt, max_tokens=16)["tokens"]
-    time.sleep(1.5)  # kvrc ingests H's KV events
+    reference = generate_published(cluster.kvrc, cluster.holder, prompt, max_tokens=16)["tokens"]
     before = cluster.requester.stats()
 
     thread, box = generate_in_background(
@@ -157,8 +157,7 @@ def test_late_writes_hold_the_blocks_until_the_read_is_quiet(cluster: Cluster) -
 def test_holder_killed_mid_load_requester_recomputes(cluster: Cluster) -> None:
     """(c): kill -9 of the holder between the grant and R's read (the last test: H is gone)."""
     prompt = random_prompt(22, 320)
-    reference = cluster.holder.generate(prompt, max_tokens=16)["tokens"]
-    time.sleep(1.5)
+    reference = generate_published(cluster.kvrc, cluster.holder, prompt, max_tokens=16)["tokens"]
     before = cluster.requester.stats()
 
     thread, box = generate_in_background(
