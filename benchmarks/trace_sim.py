@@ -17,7 +17,12 @@ Cost model (`CostModel`, defaults from the Mooncake paper's setting):
   from h to r costs latency(h, r) + n x block bytes / bandwidth(h, r), the block's
   bytes being `block_tokens` x `kv_bytes_per_token`. The source is not slowed;
 - uncached tokens = max(0, input_length - reused_blocks * 512);
-- TTFT = queueing (wait for the engine) + loading + prefill.
+- a load runs on the link while the engine works through the requests queued
+  before it, as kvrc's vLLM connector loads (asynchronously: the request waits
+  in WAITING_FOR_REMOTE_KVS and the engine goes on); an engine's inbound link
+  carries one load at a time. The request's prefill starts once both its load
+  has ended and the engine is free;
+- TTFT = max(queueing, link wait + loading) + prefill.
 
 Cache model:
 - each engine has an LRU cache of `capacity_tokens // 512` blocks;
@@ -45,9 +50,11 @@ Modes (all on the same trace):
 - `local_kv`: cost-aware routing: the engine with the lowest queueing + work,
   where work is the prefill of what that engine would recompute; the
   strongest router without reuse;
-- `kvrc_kv`: cost-aware routing where work counts what the engine would
-  recompute and what it would load through kvrc (holders of at least
-  `min_blocks`, the static threshold);
+- `kvrc_kv`: cost-aware routing that counts what the engine would recompute and
+  what it would load through kvrc (holders of at least `min_blocks`, the static
+  threshold): the predicted TTFT, max(queueing, loading) + prefill, plus
+  `REPLICATION_CHARGE` x the load's time, the price of the copy a load adds
+  (it takes cache room from blocks that may be the cluster's only copy);
 - `kvrc_cost`: `kvrc_kv` where a load is granted only when kvrc's cost gate
   (`LoadGate`: `coordinator.core.cost_model.CostModel` itself, fed with every
   simulated load's bytes and duration) predicts it beats recomputing; routing
@@ -629,6 +636,13 @@ class ModeResult:
         }
 
 
+# The cost-aware routers with loads add this share of a load's time to its engine's
+# predicted TTFT: the copy takes cache room from blocks that may be the cluster's only
+# copy. Without it a router leaves a busy holder for any shorter queue (a load hides
+# behind the queue), copies every popular prefix everywhere and, where the caches
+# are full, thrashes them (docs/benchmarks.md, "The replication charge").
+REPLICATION_CHARGE = 0.5
+
 # Event kinds, in the order they run at equal virtual times: what finished by
 # time t is visible to what arrives at t.
 _LOAD_END = 0
@@ -639,7 +653,8 @@ _ARRIVAL = 2
 @dataclass(slots=True)
 class _Engine:
     cache: EngineCache
-    free_at_ms: float = 0.0
+    free_at_ms: float = 0.0  # the last queued request's prefill ends
+    link_free_at_ms: float = 0.0  # the last inbound load ends
 
 
 @dataclass(slots=True)
@@ -768,11 +783,13 @@ class TraceSimulation:
                 local = eng.cache.local_prefix(chain)
                 remote = self._loadable(idx, local, holders)
             loaded = max(0, remote - local)
-            work = self.cost.estimated_load_ms(loaded) + self.cost.prefill_ms(
-                req.input_tokens, max(local, remote)
-            )
-            queue = max(0.0, eng.free_at_ms - now)
-            key = (queue + work, eng.free_at_ms, idx)
+            prefill = self.cost.prefill_ms(req.input_tokens, max(local, remote))
+            ready = max(0.0, eng.free_at_ms - now)  # the queue ahead
+            if loaded:
+                load = self.cost.estimated_load_ms(loaded)
+                link_ready = max(0.0, eng.link_free_at_ms - now) + load
+                ready = max(ready, link_ready) + REPLICATION_CHARGE * load
+            key = (ready + prefill, eng.free_at_ms, idx)
             if best is None or key < best:
                 best = key
                 choice = (idx, remote)
@@ -835,10 +852,13 @@ class TraceSimulation:
         eng.cache.pin(run_key, chain)
         self.max_cache_blocks_seen = max(self.max_cache_blocks_seen, len(eng.cache))
 
-        load_end = start + (
-            self.cost.load_ms(loaded, grant.source_engine, engine_idx) if grant else 0.0
-        )
-        end = load_end + self.cost.prefill_ms(req.input_tokens, local + loaded)
+        load_start = load_end = now
+        if grant is not None:
+            load_start = max(now, eng.link_free_at_ms)
+            load_end = load_start + self.cost.load_ms(loaded, grant.source_engine, engine_idx)
+            eng.link_free_at_ms = load_end
+            start = max(start, load_end)
+        end = start + self.cost.prefill_ms(req.input_tokens, local + loaded)
         eng.free_at_ms = end
         if grant is not None:
             src = grant.source_engine
@@ -848,11 +868,12 @@ class TraceSimulation:
                     engine_idx,
                     src,
                     tuple(chain[local : local + loaded]),
-                    now,
+                    load_start,
                     load_end,
                 )
             )
-            self._push(load_end, _LOAD_END, _LoadEnd(grant, engine_idx, loaded, load_end - start))
+            duration = load_end - load_start
+            self._push(load_end, _LOAD_END, _LoadEnd(grant, engine_idx, loaded, duration))
         self._push(end, _FINISH, _Finish(engine_idx, run_key, tuple(retained), chain))
         self._record(
             req, engine_idx, local, loaded, grant.source_engine if grant else None, end - now

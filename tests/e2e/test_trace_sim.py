@@ -251,6 +251,48 @@ def test_cost_aware_routing_weighs_queueing_against_work() -> None:
     assert _ttfts(sim) == [512.0, 553.2, 51.2, 194.8]  # r3 waits 41.2 for r2
 
 
+def test_a_load_runs_behind_the_queue_and_the_inbound_link_takes_one_at_a_time() -> None:
+    """The connector loads asynchronously: a load overlaps the requests queued ahead of
+    it, and an engine's inbound link carries one load at a time."""
+    reqs = [
+        _req(0, 0, [1, 2, 3, 4]),  # rr -> e0: 204.8 ms, published at 204.8
+        _req(1, 1, range(10, 20)),  # rr -> e1: 512 ms, e1 busy until 513
+        _req(2, 250, [30]),  # rr -> e0: 250 .. 301.2
+        _req(3, 300, [1, 2, 5]),  # rr -> e1: loads [1, 2] over 300 .. 316, prefills at 513
+        _req(4, 301, [31]),  # rr -> e0: 301.2 .. 352.4
+        _req(5, 302, [1, 2, 3, 4, 6]),  # rr -> e1: [1, 2] local, [3, 4] after r3's load
+    ]
+    sim = TraceSimulation(
+        reqs, Mode.KVRC_RR, engines=2, capacity_tokens=512 * 100, provider=LocalReferenceProvider()
+    )
+    sim.run()
+    loads = [
+        (ld.requester, ld.source_engine, ld.blocks, ld.begin_ms, ld.end_ms) for ld in sim.loads
+    ]
+    assert loads == [(1, 0, (1, 2), 300.0, 316.0), (1, 0, (3, 4), 316.0, 332.0)]
+    # r3: 513 + 51.2 - 300 (a load that held the engine would add its 16 ms: 280.2).
+    assert _ttfts(sim) == [204.8, 512.0, 51.2, 264.2, 51.4, 313.4]
+
+
+def test_the_router_charges_a_load_for_the_copy_it_adds() -> None:
+    """A holder with a short queue keeps its prefix's requests: a load of 32 ms plus the
+    replication charge (16 ms) loses to a 40 ms queue, and wins against a 90 ms one."""
+    reqs = [
+        _req(0, 0, [1, 2, 3, 4]),  # e0 (tie: lowest index), published at 204.8
+        _req(1, 210, [1, 2, 3, 4, 40]),  # e0: local, 210 .. 261.2
+        _req(2, 221, [1, 2, 3, 4, 41]),  # e0: 40.2 + 51.2 < 32 + 16 + 51.2 on e1
+        _req(3, 222, [1, 2, 3, 4, 42]),  # e1: 32 + 16 + 51.2 < 90.4 + 51.2 on e0
+    ]
+    sim = TraceSimulation(
+        reqs, Mode.KVRC_KV, engines=2, capacity_tokens=512 * 100, provider=LocalReferenceProvider()
+    )
+    sim.run()
+    assert [o.engine for o in sim.outcomes] == [0, 0, 0, 1]
+    assert [(ld.requester, ld.source_engine, ld.blocks) for ld in sim.loads] == [
+        (1, 0, (1, 2, 3, 4))
+    ]
+
+
 # --- kvrc modes ----------------------------------------------------------------
 
 
