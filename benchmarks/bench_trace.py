@@ -71,6 +71,7 @@ from benchmarks.trace_sim import (
     DEFAULT_CAPACITY_TOKENS,
     DEFAULT_ENGINES,
     DEFAULT_TRACE,
+    REPLICATION_CHARGE,
     BlockId,
     Candidate,
     CostModel,
@@ -1165,6 +1166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_ms_per_block": cost.load_ms_per_block,
         "block_tokens": cost.block_tokens,
         "kv_bytes_per_token": cost.kv_bytes_per_token,
+        # The simulator's model: loads overlap the queue ahead; routers charge a copy.
+        "loads": "asynchronous, one at a time per inbound link",
+        "replication_charge": REPLICATION_CHARGE,
         "pairs": dataclasses.asdict(cost.pairs) if cost.pairs is not None else None,
         "slow_pairs": dataclasses.asdict(SLOW_PAIRS) if args.slow_pairs else None,
         # kvrc_cost's gate (cold links' defaults); every engine declares its prefill rate.
