@@ -315,7 +315,7 @@ def measure_raw(
         local_addresses = [local_base + i * block_len for i in range(len(batch.remote_ids))]
         remote_addresses = [remote_base + r * block_len for r in batch.remote_ids]
         lengths = [block_len] * len(batch.remote_ids)
-        return ranks.engines[rank].read_batch(
+        return ranks.engines[rank].read_batch_spinning(
             remote.session_name, local_addresses, remote_addresses, lengths
         )
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,13 @@ _DEFAULT_PORT_RANGE = (15000, 17000)
 # first imported; later changes have no effect. The lock serialises that import.
 _IMPORT_LOCK = threading.Lock()
 _imported_port_range: tuple[int, int] | None = None
+# Mooncake's wait for an async batch logs one INFO line per completed batch. Mooncake
+# reads its log level from MC_LOG_LEVEL when its library loads: kvrc sets WARNING unless
+# the operator chose a level. Where INFO is on, reads use the sync call (no pacing)
+# rather than write a line per read.
+_LOG_LEVEL_ENV = "MC_LOG_LEVEL"
+_QUIET_LOG_LEVELS = ("WARNING", "ERROR", "FATAL")
+_quiet_batch_wait = False
 
 
 class TransferEngineUnavailable(RuntimeError):
@@ -67,10 +75,15 @@ class MooncakeConfig:
     device_name: str = ""
     rpc_port_min: int | None = None
     rpc_port_max: int | None = None
+    # The share of a read's predicted time its thread sleeps before waiting (ReadPace);
+    # 0 waits at once, spinning a core for the whole read as Mooncake's sync read does.
+    read_sleep_share: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.local_hostname:
             raise ValueError("local_hostname must not be empty")
+        if not 0.0 <= self.read_sleep_share < 1.0:
+            raise ValueError(f"read_sleep_share must be in [0, 1), got {self.read_sleep_share}")
         if self.protocol not in ("tcp", "rdma", "nvlink", "efa", "cxl"):
             raise ValueError(f"unknown mooncake protocol {self.protocol!r}")
         if (self.rpc_port_min is None) != (self.rpc_port_max is None):
@@ -101,12 +114,16 @@ def _env_port_range() -> tuple[int, int]:
 
 def _load_transfer_engine_class(port_range: tuple[int, int] | None) -> tuple[Any, tuple[int, int]]:
     """Import Mooncake with `port_range` in force; return the class and the range in use."""
-    global _imported_port_range
+    global _imported_port_range, _quiet_batch_wait
     with _IMPORT_LOCK:
         first = _imported_port_range is None
-        if first and port_range is not None and "mooncake.engine" not in sys.modules:
-            os.environ[_PORT_MIN_ENV] = str(port_range[0])
-            os.environ[_PORT_MAX_ENV] = str(port_range[1])
+        if first and "mooncake.engine" not in sys.modules:
+            os.environ.setdefault(_LOG_LEVEL_ENV, "WARNING")
+            if port_range is not None:
+                os.environ[_PORT_MIN_ENV] = str(port_range[0])
+                os.environ[_PORT_MAX_ENV] = str(port_range[1])
+        if first:
+            _quiet_batch_wait = os.environ.get(_LOG_LEVEL_ENV, "") in _QUIET_LOG_LEVELS
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:  # missing shared libraries surface as ImportError too
@@ -124,6 +141,61 @@ def _load_transfer_engine_class(port_range: tuple[int, int] | None) -> tuple[Any
         return TransferEngine, _imported_port_range
 
 
+class ReadPace:
+    """How long to sleep before waiting on a batch read.
+
+    Mooncake's wait for a batch spins: the calling thread takes a whole core until
+    the batch is done (docs/mooncake.md). Where the reader, the source and their
+    transport threads share few cores, that spin takes the core the transfer
+    itself needs. So a read is submitted, the thread sleeps through `share` of
+    the time this engine's recent reads predict for its bytes, and only then
+    waits for the rest. Predictions shorter than `min_sleep_s` / `share` are not
+    worth a sleep (a short sleep oversleeps); no sleep exceeds `max_sleep_s`, so a
+    bad estimate costs a bounded delay. Only successful reads teach it; a wrong
+    estimate corrects itself, since a read that ends within its sleep pulls the
+    prediction down towards the sleep.
+    """
+
+    def __init__(
+        self,
+        share: float = 0.5,
+        min_sleep_s: float = 0.001,
+        max_sleep_s: float = 0.1,
+        alpha: float = 0.2,
+    ) -> None:
+        if not 0.0 <= share < 1.0:
+            raise ValueError("share must be in [0, 1)")
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError("alpha must be in (0, 1]")
+        self.share = share
+        self.min_sleep_s = min_sleep_s
+        self.max_sleep_s = max_sleep_s
+        self.alpha = alpha
+        self.seconds_per_byte: float | None = None  # None until a read succeeded
+
+    def sleep_s(self, nbytes: int) -> float:
+        """The sleep before waiting on a read of `nbytes` (0: wait at once)."""
+        if self.seconds_per_byte is None:
+            return 0.0
+        sleep = self.share * self.seconds_per_byte * nbytes
+        return 0.0 if sleep < self.min_sleep_s else min(sleep, self.max_sleep_s)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A read of `nbytes` that succeeded after `seconds`, from submission."""
+        if nbytes <= 0 or seconds < 0:
+            return
+        rate = seconds / nbytes
+        previous = self.seconds_per_byte
+        self.seconds_per_byte = (
+            rate if previous is None else previous + self.alpha * (rate - previous)
+        )
+
+
+# A submitted batch's id is its descriptor's address; 0 (and -1, as uint64) mean the
+# submission failed and nothing is in flight.
+_NO_BATCH = (0, 2**64 - 1)
+
+
 class MooncakeTransferEngine:
     """One initialized Mooncake transfer engine of one rank part.
 
@@ -132,7 +204,15 @@ class MooncakeTransferEngine:
     from an executor thread, never on an event loop.
     """
 
-    def __init__(self, config: MooncakeConfig) -> None:
+    def __init__(
+        self,
+        config: MooncakeConfig,
+        *,
+        pace: ReadPace | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.pace = pace if pace is not None else ReadPace(share=config.read_sleep_share)
+        self._sleep = sleep
         engine_class, self.port_range = _load_transfer_engine_class(config.port_range)
         self.config = config
         self._engine = engine_class()
@@ -177,9 +257,41 @@ class MooncakeTransferEngine:
     ) -> int:
         """Blocking batch read from a peer; 0 on success, negative on failure.
 
-        A negative code does not mean quiet: other entries of the batch may still
-        be landing (docs/mooncake.md). `clients.transfer.pull` handles that.
+        Submitted, then slept on (`ReadPace`), then waited for. Mooncake's timeout
+        counts from the submission, as for its sync read. A negative code does not
+        mean quiet: other entries of the batch may still be landing
+        (docs/mooncake.md). `clients.transfer.pull` handles that.
         """
+        if not _quiet_batch_wait:
+            return self.read_batch_spinning(
+                session_name, local_addresses, remote_addresses, lengths
+            )
+        nbytes = sum(lengths)
+        sleep_s = self.pace.sleep_s(nbytes)
+        submitted = time.perf_counter()
+        batch_id = int(
+            self._engine.batch_transfer_async_read(
+                session_name, list(local_addresses), list(remote_addresses), list(lengths)
+            )
+        )
+        if batch_id in _NO_BATCH:
+            return -1  # not submitted: nothing in flight
+        if sleep_s:
+            self._sleep(sleep_s)
+        return_code = int(self._engine.get_batch_transfer_status([batch_id]))
+        if return_code == 0:
+            self.pace.observe(nbytes, time.perf_counter() - submitted)
+        return return_code
+
+    def read_batch_spinning(
+        self,
+        session_name: str,
+        local_addresses: Sequence[int],
+        remote_addresses: Sequence[int],
+        lengths: Sequence[int],
+    ) -> int:
+        """Mooncake's own sync batch read, which spins from the start: the raw
+        baseline of `bench-transfer`, not for the client path."""
         return int(
             self._engine.batch_transfer_sync_read(
                 session_name, list(local_addresses), list(remote_addresses), list(lengths)

@@ -14,6 +14,7 @@ A bad value fails engine start with one `KvrcConfigError` naming the field.
 | `mooncake_protocol` | `tcp` | Mooncake transport: `tcp` here, `rdma` on RDMA hosts |
 | `mooncake_device` | `""` | Mooncake device name (RDMA NIC), empty for tcp |
 | `mooncake_hostname` | `$VLLM_HOST_IP` or `127.0.0.1` | address peers read this engine's KV at |
+| `mooncake_read_sleep_share` | 0.5 | a read sleeps this share of its predicted time first |
 | `lookup_timeout_ms` | 300 | longest the scheduler waits for Lookup + grant |
 | `pin_timeout_ms` | 1000 | how long kvrc waits for the holder's pin |
 | `transfer_timeout_ms` | 10000 | deadline of one Mooncake read |
@@ -73,6 +74,7 @@ class KvrcConnectorConfig:
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""
     mooncake_hostname: str = ""
+    mooncake_read_sleep_share: float = 0.5
     lookup_timeout_ms: int = 300
     pin_timeout_ms: int = 1000
     transfer_timeout_ms: int = 10_000
@@ -123,6 +125,11 @@ class KvrcConnectorConfig:
             value = getattr(self, name)
             if not low <= value <= high:
                 raise KvrcConfigError(name, f"must be in {low}..{high}, got {value}")
+        if not 0 <= self.mooncake_read_sleep_share < 1:
+            raise KvrcConfigError(
+                "mooncake_read_sleep_share",
+                f"must be in [0, 1), got {self.mooncake_read_sleep_share}",
+            )
         if not 1 <= self.handoff_hold_s <= 3600:
             raise KvrcConfigError(
                 "handoff_hold_s", f"must be in 1..3600, got {self.handoff_hold_s}"

@@ -311,6 +311,7 @@ class KvrcWorker:
             local_hostname=self.config.hostname,
             protocol=self.config.mooncake_protocol,
             device_name=self.config.mooncake_device,
+            read_sleep_share=self.config.mooncake_read_sleep_share,
         )
         # On a pull thread: started from the loop thread, it has its binding, and the
         # loop (heartbeats) keeps running while Mooncake starts.

@@ -37,6 +37,7 @@ from clients.kv_cache import (
 from clients.mooncake_engine import (
     MooncakeConfig,
     MooncakeTransferEngine,
+    ReadPace,
     TransferEngineUnavailable,
 )
 from clients.session import EngineProfile, RankPartRegistration
@@ -216,6 +217,118 @@ def test_missing_mooncake_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch)
 def test_bad_engine_configuration_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         MooncakeConfig(**kwargs)  # type: ignore[arg-type]
+
+
+# --- paced reads: sleep first, then Mooncake's spinning wait -----------------------------
+
+
+@pytest.fixture
+def paced() -> Iterator[tuple[MooncakeTransferEngine, PagedKvCache, list[float]]]:
+    """An engine whose sleeps are recorded instead of slept (and a cache it reads into)."""
+    slept: list[float] = []
+    engine = MooncakeTransferEngine(
+        MooncakeConfig(), pace=ReadPace(min_sleep_s=0.0), sleep=slept.append
+    )
+    cache = PagedKvCache(LOCAL_LAYOUT, device="cpu")
+    cache.register(engine)
+    yield engine, cache, slept
+    cache.unregister()
+
+
+async def test_a_paced_read_sleeps_its_share_of_the_prediction_and_lands_every_byte(
+    paced: tuple[MooncakeTransferEngine, PagedKvCache, list[float]],
+    executor: concurrent.futures.Executor,
+    peer: Peer,
+) -> None:
+    engine, cache, slept = paced
+    pairs = [(i, 30 + i) for i in range(12)]
+    plan = TransferPlan.build(cache.describe(), peer.endpoint, pairs, coalesce=False)
+    first = await pull(engine, plan, deadline_s=NEVER_HANG_S, executor=executor)
+    assert first.outcome is TransferOutcome.SUCCEEDED, first.error
+    assert slept == []  # nothing measured yet: it waits at once
+    learnt = engine.pace.seconds_per_byte
+    assert learnt is not None and learnt > 0
+    for layer in cache.layers:
+        layer.zero_()
+    second = await pull(engine, plan, deadline_s=NEVER_HANG_S, executor=executor)
+    assert second.outcome is TransferOutcome.SUCCEEDED, second.error
+    assert slept == [pytest.approx(0.5 * learnt * plan.total_bytes)]
+    assert_blocks_hold_pattern(cache, pairs)
+
+
+async def test_a_failed_paced_read_teaches_the_pace_nothing(
+    paced: tuple[MooncakeTransferEngine, PagedKvCache, list[float]],
+    executor: concurrent.futures.Executor,
+    peer: Peer,
+) -> None:
+    engine, cache, slept = paced
+    good = TransferPlan.build(cache.describe(), peer.endpoint, [(0, 1), (1, 2)])
+    assert (await pull(engine, good, deadline_s=NEVER_HANG_S, executor=executor)).outcome is (
+        TransferOutcome.SUCCEEDED
+    )
+    learnt = engine.pace.seconds_per_byte
+    region = peer.endpoint.regions[-1]
+    beyond = region.base_addr + region.num_blocks * region.block_len + (1 << 30)
+    bad = replace(good, remote_addresses=(beyond,) * good.num_entries)
+    failed = await pull(engine, bad, deadline_s=NEVER_HANG_S, executor=executor, settle_s=0.2)
+    assert failed.outcome is TransferOutcome.FAILED
+    assert engine.pace.seconds_per_byte == learnt
+    # Nothing listens there: the submission itself fails, before any sleep.
+    slept.clear()
+    code = engine.read_batch(
+        "127.0.0.1:1", good.local_addresses, good.remote_addresses, good.lengths
+    )
+    assert code < 0 and slept == []
+
+
+_QUIET_LOG_SCRIPT = """
+import json, sys
+import numpy as np
+from clients import mooncake_engine as me
+source = me.MooncakeTransferEngine(me.MooncakeConfig())
+reader = me.MooncakeTransferEngine(me.MooncakeConfig(), sleep=lambda s: None)
+if sys.argv[1] == "force":
+    me._quiet_batch_wait = True  # the negative control: pace whatever the log level
+src = np.arange(1 << 20, dtype=np.uint8)
+dst = np.zeros(1 << 20, dtype=np.uint8)
+source.register(src.ctypes.data, src.nbytes)
+reader.register(dst.ctypes.data, dst.nbytes)
+block = 1 << 16
+local = [dst.ctypes.data + i * block for i in range(16)]
+remote = [src.ctypes.data + i * block for i in range(16)]
+codes = [reader.read_batch(source.session_name, local, remote, [block] * 16) for _ in range(5)]
+assert codes == [0] * 5 and bytes(dst) == bytes(src), codes
+paced = reader.pace.seconds_per_byte is not None
+print(json.dumps({"quiet": me._quiet_batch_wait, "paced": paced}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("level", "mode", "quiet", "lines"),
+    [
+        (None, "plain", True, 0),  # kvrc sets WARNING, and reads are paced
+        ("INFO", "plain", False, 0),  # the operator's INFO: the sync read, no line per read
+        ("INFO", "force", True, 5),  # negative control: paced under INFO logs every read
+    ],
+)
+def test_paced_reads_write_no_log_line_per_read(
+    level: str | None, mode: str, quiet: bool, lines: int
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MC_LOG_LEVEL"}
+    if level is not None:
+        env["MC_LOG_LEVEL"] = level
+    done = subprocess.run(
+        [sys.executable, "-c", _QUIET_LOG_SCRIPT, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result == {"quiet": quiet, "paced": quiet}
+    assert done.stderr.count("Batch Transfer completed") == lines
 
 
 # --- pulls from a live peer ----------------------------------------------------------

@@ -79,6 +79,7 @@ def test_a_bad_kvrc_target_list_names_the_field_and_the_problem(value: object, s
         ({"kvrc_ca_cert": "/nonexistent.pem"}, "kvrc_ca_cert"),
         ({"nonsense": 1}, "nonsense"),
         ({"stall_dump_s": 0.5}, "stall_dump_s"),
+        ({"mooncake_read_sleep_share": 1.0}, "mooncake_read_sleep_share"),
     ],
 )
 def test_a_bad_field_is_named(extra: dict[str, object], field: str) -> None:
