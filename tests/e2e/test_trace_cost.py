@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -265,21 +266,10 @@ def test_kvrc_cost_does_not_thrash_full_caches_with_copies() -> None:
     requests = slow_pairs.generate(spec)
     cost = spec.cost()
     assert cost.pairs is not None
-    local = simulate(
-        requests,
-        Mode.LOCAL_KV,
-        engines=spec.engines,
-        capacity_tokens=spec.capacity_tokens,
-        cost=cost,
+    run = functools.partial(
+        simulate, requests, engines=spec.engines, capacity_tokens=spec.capacity_tokens, cost=cost
     )
-    gated = simulate(
-        requests,
-        Mode.KVRC_COST,
-        engines=spec.engines,
-        capacity_tokens=spec.capacity_tokens,
-        cost=cost,
-        gate_config=CostConfig(),
-        declared_links=cost.pairs.declared(),
-    )
+    local = run(Mode.LOCAL_KV)
+    gated = run(Mode.KVRC_COST, gate_config=CostConfig(), declared_links=cost.pairs.declared())
     assert gated.blocks_loaded > 0
     assert gated.ttft_mean_s <= local.ttft_mean_s
