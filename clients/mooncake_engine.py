@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,7 @@ _imported_port_range: tuple[int, int] | None = None
 # the operator chose a level. Where INFO is on, reads use the sync call (no pacing)
 # rather than write a line per read.
 _LOG_LEVEL_ENV = "MC_LOG_LEVEL"
-_QUIET_LOG_LEVELS = ("WARNING", "ERROR", "FATAL")
+_QUIET_LOG_LEVELS = ("WARNING", "ERROR")  # what Mooncake accepts above INFO
 _quiet_batch_wait = False
 
 
@@ -142,18 +143,24 @@ def _load_transfer_engine_class(port_range: tuple[int, int] | None) -> tuple[Any
 
 
 class ReadPace:
-    """How long to sleep before waiting on a batch read.
+    """How long to sleep before waiting on a batch read, per peer.
 
     Mooncake's wait for a batch spins: the calling thread takes a whole core until
     the batch is done (docs/mooncake.md). Where the reader, the source and their
     transport threads share few cores, that spin takes the core the transfer
     itself needs. So a read is submitted, the thread sleeps through `share` of
-    the time this engine's recent reads predict for its bytes, and only then
-    waits for the rest. Predictions shorter than `min_sleep_s` / `share` are not
-    worth a sleep (a short sleep oversleeps); no sleep exceeds `max_sleep_s`, so a
-    bad estimate costs a bounded delay. Only successful reads teach it; a wrong
-    estimate corrects itself, since a read that ends within its sleep pulls the
-    prediction down towards the sleep.
+    the time that the peer's recent reads predict for its bytes, and only then
+    waits for the rest.
+
+    - Predictions shorter than `min_sleep_s` / `share` are not slept on (a short
+      sleep oversleeps); no sleep exceeds `max_sleep_s`.
+    - A peer's first successful read teaches nothing: it also set up the
+      connection. Timing starts once the submission returned (which opens the
+      segment), and failed reads teach nothing either.
+    - A read whose wait returned within `oversleep_s` of its sleep ended during
+      the sleep: the sleep was too long by an unknown amount, so the estimate
+      halves (a slow first estimate recovers in a few reads, not dozens).
+    - At most `max_peers` peers are tracked, the least recently read dropped first.
     """
 
     def __init__(
@@ -162,37 +169,60 @@ class ReadPace:
         min_sleep_s: float = 0.001,
         max_sleep_s: float = 0.1,
         alpha: float = 0.2,
+        oversleep_s: float = 0.0002,
+        max_peers: int = 256,
     ) -> None:
         if not 0.0 <= share < 1.0:
             raise ValueError("share must be in [0, 1)")
         if not 0.0 < alpha <= 1.0:
             raise ValueError("alpha must be in (0, 1]")
+        if max_peers < 1:
+            raise ValueError("max_peers must be >= 1")
         self.share = share
         self.min_sleep_s = min_sleep_s
         self.max_sleep_s = max_sleep_s
         self.alpha = alpha
-        self.seconds_per_byte: float | None = None  # None until a read succeeded
+        self.oversleep_s = oversleep_s
+        self.max_peers = max_peers
+        # Per peer session: seconds per byte, None after its first (unlearnt) read.
+        self._per_byte: OrderedDict[str, float | None] = OrderedDict()
 
-    def sleep_s(self, nbytes: int) -> float:
-        """The sleep before waiting on a read of `nbytes` (0: wait at once)."""
-        if self.seconds_per_byte is None:
+    def seconds_per_byte(self, session_name: str) -> float | None:
+        return self._per_byte.get(session_name)
+
+    def sleep_s(self, session_name: str, nbytes: int) -> float:
+        """The sleep before waiting on a read of `nbytes` from this peer (0: at once)."""
+        per_byte = self._per_byte.get(session_name)
+        if per_byte is None:
             return 0.0
-        sleep = self.share * self.seconds_per_byte * nbytes
+        sleep = self.share * per_byte * nbytes
         return 0.0 if sleep < self.min_sleep_s else min(sleep, self.max_sleep_s)
 
-    def observe(self, nbytes: int, seconds: float) -> None:
-        """A read of `nbytes` that succeeded after `seconds`, from submission."""
-        if nbytes <= 0 or seconds < 0:
+    def observe(self, session_name: str, nbytes: int, slept_s: float, waited_s: float) -> None:
+        """A read of `nbytes` from this peer that succeeded: it slept `slept_s` after its
+        submission returned, then waited `waited_s` for the batch."""
+        if nbytes <= 0 or slept_s < 0 or waited_s < 0:
             return
-        rate = seconds / nbytes
-        previous = self.seconds_per_byte
-        self.seconds_per_byte = (
+        if session_name not in self._per_byte:
+            self._per_byte[session_name] = None  # the first read: connection set-up
+            while len(self._per_byte) > self.max_peers:
+                self._per_byte.popitem(last=False)
+            return
+        self._per_byte.move_to_end(session_name)
+        previous = self._per_byte[session_name]
+        if previous is not None and slept_s > 0 and waited_s < self.oversleep_s:
+            self._per_byte[session_name] = previous / 2  # it ended during the sleep
+            return
+        rate = (slept_s + waited_s) / nbytes
+        self._per_byte[session_name] = (
             rate if previous is None else previous + self.alpha * (rate - previous)
         )
 
 
 # A submitted batch's id is its descriptor's address; 0 (and -1, as uint64) mean the
-# submission failed and nothing is in flight.
+# submission failed. Not necessarily that nothing is in flight: Mooncake may have
+# handed some entries to a transport before another refused them, and then returns 0
+# with those entries running (docs/mooncake.md). The caller treats it as any failure.
 _NO_BATCH = (0, 2**64 - 1)
 
 
@@ -267,20 +297,20 @@ class MooncakeTransferEngine:
                 session_name, local_addresses, remote_addresses, lengths
             )
         nbytes = sum(lengths)
-        sleep_s = self.pace.sleep_s(nbytes)
-        submitted = time.perf_counter()
+        sleep_s = self.pace.sleep_s(session_name, nbytes)
         batch_id = int(
             self._engine.batch_transfer_async_read(
                 session_name, list(local_addresses), list(remote_addresses), list(lengths)
             )
         )
         if batch_id in _NO_BATCH:
-            return -1  # not submitted: nothing in flight
+            return -1  # a failed submission (see _NO_BATCH)
         if sleep_s:
             self._sleep(sleep_s)
+        waiting = time.perf_counter()
         return_code = int(self._engine.get_batch_transfer_status([batch_id]))
         if return_code == 0:
-            self.pace.observe(nbytes, time.perf_counter() - submitted)
+            self.pace.observe(session_name, nbytes, sleep_s, time.perf_counter() - waiting)
         return return_code
 
     def read_batch_spinning(

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from transfer_peer import block_pattern
 from waiting import wait_until
 
+from clients import mooncake_engine
 from clients.kv_cache import (
     IncompatibleLayoutError,
     KvCacheLayout,
@@ -222,63 +223,105 @@ def test_bad_engine_configuration_is_refused(kwargs: dict[str, object]) -> None:
 # --- paced reads: sleep first, then Mooncake's spinning wait -----------------------------
 
 
+class BindingSpy:
+    """The native engine with every call recorded (and, where set, an answer forced)."""
+
+    def __init__(self, inner: object, calls: list[str]) -> None:
+        self._inner, self._calls = inner, calls
+        self.forced: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self._inner, name)
+
+        def call(*args: object) -> object:
+            self._calls.append(name)
+            return self.forced[name] if name in self.forced else method(*args)
+
+        return call
+
+
 @pytest.fixture
-def paced() -> Iterator[tuple[MooncakeTransferEngine, PagedKvCache, list[float]]]:
-    """An engine whose sleeps are recorded instead of slept (and a cache it reads into)."""
-    slept: list[float] = []
+def paced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[MooncakeTransferEngine, PagedKvCache, list[str], BindingSpy]]:
+    """An engine whose sleeps and native calls are recorded (sleeps are not slept), reading
+    with pacing whatever MC_LOG_LEVEL this process started with."""
+    monkeypatch.setattr(mooncake_engine, "_quiet_batch_wait", True)
+    calls: list[str] = []
     engine = MooncakeTransferEngine(
-        MooncakeConfig(), pace=ReadPace(min_sleep_s=0.0), sleep=slept.append
+        MooncakeConfig(),
+        pace=ReadPace(min_sleep_s=0.0),
+        sleep=lambda seconds: calls.append(f"sleep {seconds:.9f}"),
     )
+    spy = BindingSpy(engine._engine, calls)
+    monkeypatch.setattr(engine, "_engine", spy)
     cache = PagedKvCache(LOCAL_LAYOUT, device="cpu")
     cache.register(engine)
-    yield engine, cache, slept
+    calls.clear()
+    yield engine, cache, calls, spy
     cache.unregister()
 
 
-async def test_a_paced_read_sleeps_its_share_of_the_prediction_and_lands_every_byte(
-    paced: tuple[MooncakeTransferEngine, PagedKvCache, list[float]],
+async def test_a_paced_read_sleeps_its_share_between_submission_and_wait(
+    paced: tuple[MooncakeTransferEngine, PagedKvCache, list[str], BindingSpy],
     executor: concurrent.futures.Executor,
     peer: Peer,
 ) -> None:
-    engine, cache, slept = paced
+    engine, cache, calls, _ = paced
+    session = peer.endpoint.session_name
     pairs = [(i, 30 + i) for i in range(12)]
     plan = TransferPlan.build(cache.describe(), peer.endpoint, pairs, coalesce=False)
-    first = await pull(engine, plan, deadline_s=NEVER_HANG_S, executor=executor)
-    assert first.outcome is TransferOutcome.SUCCEEDED, first.error
-    assert slept == []  # nothing measured yet: it waits at once
-    learnt = engine.pace.seconds_per_byte
+
+    async def read() -> None:
+        for layer in cache.layers:
+            layer.zero_()
+        calls.clear()
+        result = await pull(engine, plan, deadline_s=NEVER_HANG_S, executor=executor)
+        assert result.outcome is TransferOutcome.SUCCEEDED, result.error
+        assert_blocks_hold_pattern(cache, pairs)
+
+    await read()  # the peer's first read (connection set-up) teaches nothing
+    assert engine.pace.seconds_per_byte(session) is None
+    assert calls == ["batch_transfer_async_read", "get_batch_transfer_status"]
+    await read()
+    learnt = engine.pace.seconds_per_byte(session)
     assert learnt is not None and learnt > 0
-    for layer in cache.layers:
-        layer.zero_()
-    second = await pull(engine, plan, deadline_s=NEVER_HANG_S, executor=executor)
-    assert second.outcome is TransferOutcome.SUCCEEDED, second.error
-    assert slept == [pytest.approx(0.5 * learnt * plan.total_bytes)]
-    assert_blocks_hold_pattern(cache, pairs)
+    assert calls == ["batch_transfer_async_read", "get_batch_transfer_status"]
+    await read()
+    expected = engine.pace.share * learnt * plan.total_bytes
+    assert calls == [
+        "batch_transfer_async_read",
+        f"sleep {expected:.9f}",
+        "get_batch_transfer_status",
+    ]
 
 
 async def test_a_failed_paced_read_teaches_the_pace_nothing(
-    paced: tuple[MooncakeTransferEngine, PagedKvCache, list[float]],
+    paced: tuple[MooncakeTransferEngine, PagedKvCache, list[str], BindingSpy],
     executor: concurrent.futures.Executor,
     peer: Peer,
 ) -> None:
-    engine, cache, slept = paced
+    engine, cache, calls, spy = paced
+    session = peer.endpoint.session_name
     good = TransferPlan.build(cache.describe(), peer.endpoint, [(0, 1), (1, 2)])
-    assert (await pull(engine, good, deadline_s=NEVER_HANG_S, executor=executor)).outcome is (
-        TransferOutcome.SUCCEEDED
-    )
-    learnt = engine.pace.seconds_per_byte
+    for _ in range(2):
+        result = await pull(engine, good, deadline_s=NEVER_HANG_S, executor=executor)
+        assert result.outcome is TransferOutcome.SUCCEEDED
+    learnt = engine.pace.seconds_per_byte(session)
+    assert learnt is not None
     region = peer.endpoint.regions[-1]
     beyond = region.base_addr + region.num_blocks * region.block_len + (1 << 30)
     bad = replace(good, remote_addresses=(beyond,) * good.num_entries)
     failed = await pull(engine, bad, deadline_s=NEVER_HANG_S, executor=executor, settle_s=0.2)
     assert failed.outcome is TransferOutcome.FAILED
-    assert engine.pace.seconds_per_byte == learnt
-    # Nothing listens there: the submission itself fails, before any sleep.
-    slept.clear()
-    code = engine.read_batch(
-        "127.0.0.1:1", good.local_addresses, good.remote_addresses, good.lengths
-    )
-    assert code < 0 and slept == []
+    assert engine.pace.seconds_per_byte(session) == learnt
+    # A refused submission (0, or -1 as uint64) is a failure: no sleep, no wait.
+    for refused in (0, 2**64 - 1):
+        spy.forced["batch_transfer_async_read"] = refused
+        calls.clear()
+        code = engine.read_batch(session, good.local_addresses, good.remote_addresses, good.lengths)
+        assert code == -1
+        assert calls == ["batch_transfer_async_read"]
 
 
 _QUIET_LOG_SCRIPT = """
@@ -298,7 +341,7 @@ local = [dst.ctypes.data + i * block for i in range(16)]
 remote = [src.ctypes.data + i * block for i in range(16)]
 codes = [reader.read_batch(source.session_name, local, remote, [block] * 16) for _ in range(5)]
 assert codes == [0] * 5 and bytes(dst) == bytes(src), codes
-paced = reader.pace.seconds_per_byte is not None
+paced = reader.pace.seconds_per_byte(source.session_name) is not None
 print(json.dumps({"quiet": me._quiet_batch_wait, "paced": paced}))
 """
 
@@ -307,7 +350,9 @@ print(json.dumps({"quiet": me._quiet_batch_wait, "paced": paced}))
     ("level", "mode", "quiet", "lines"),
     [
         (None, "plain", True, 0),  # kvrc sets WARNING, and reads are paced
+        ("ERROR", "plain", True, 0),
         ("INFO", "plain", False, 0),  # the operator's INFO: the sync read, no line per read
+        ("FATAL", "plain", False, 0),  # not a level Mooncake knows: it logs INFO
         ("INFO", "force", True, 5),  # negative control: paced under INFO logs every read
     ],
 )
