@@ -21,7 +21,9 @@ Cost model (`CostModel`, defaults from the Mooncake paper's setting):
   before it, as kvrc's vLLM connector loads (asynchronously: the request waits
   in WAITING_FOR_REMOTE_KVS and the engine goes on); an engine's inbound link
   carries one load at a time. The request's prefill starts once both its load
-  has ended and the engine is free;
+  has ended and the engine is free. Prefill stays in arrival order, so a request
+  whose load outlasts the queue ahead holds the requests behind it (vLLM would
+  run them meanwhile): this penalises the kvrc modes;
 - TTFT = max(queueing, link wait + loading) + prefill.
 
 Cache model:

