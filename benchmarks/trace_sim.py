@@ -23,7 +23,8 @@ Cost model (`CostModel`, defaults from the Mooncake paper's setting):
   carries one load at a time. The request's prefill starts once both its load
   has ended and the engine is free. Prefill stays in arrival order, so a request
   whose load outlasts the queue ahead holds the requests behind it (vLLM would
-  run them meanwhile): this penalises the kvrc modes;
+  run them meanwhile): this penalises the kvrc modes, by at most 0.01 of
+  local_kv's mean TTFT where measured (docs/benchmarks.md, Model);
 - TTFT = max(queueing, link wait + loading) + prefill.
 
 Cache model:
