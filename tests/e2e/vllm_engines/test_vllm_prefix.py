@@ -15,7 +15,6 @@ the loaded tokens as cached.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from vllm_harness import (
     Kvrc,
     VllmEngine,
     engines,
+    generate_published,
     python_of_tests,
     random_prompt,
     reuse_on_kvrc,
@@ -67,15 +67,10 @@ def cluster(vllm_python: str, tiny_model: Path) -> Iterator[Cluster]:
         kvrc.close()
 
 
-def wait_for_inventory(seconds: float = 1.5) -> None:
-    """vLLM publishes KV events after the step; kvrc applies them within milliseconds."""
-    time.sleep(seconds)
-
-
 def test_b_loads_the_prefix_that_a_holds(cluster: Cluster) -> None:
     prompt = random_prompt(11, 320)  # 10 blocks; 9 loadable (vLLM computes the last token)
-    reference = cluster.a.generate(prompt, max_tokens=24)["tokens"]  # single engine
-    wait_for_inventory()
+    # Single engine; its KV events reach kvrc after the answer, so wait for them.
+    reference = generate_published(cluster.kvrc, cluster.a, prompt, max_tokens=24)["tokens"]
     before_b, before_a = cluster.b.stats(), cluster.a.stats()
 
     out = cluster.b.generate(prompt, max_tokens=24)
@@ -126,9 +121,9 @@ def test_a_local_hit_plus_a_remote_tail(cluster: Cluster) -> None:
     """B holds the first blocks itself; it loads only the blocks beyond its local hit."""
     shared = random_prompt(12, 128)
     prompt = shared + random_prompt(13, 192)  # 4 blocks B will hold, 10 in all
-    cluster.b.generate(shared + [7] * 40, max_tokens=4)  # B caches the 4 shared blocks
-    reference = cluster.a.generate(prompt, max_tokens=16)["tokens"]
-    wait_for_inventory()
+    # B caches the 4 shared blocks; then A computes all 10.
+    generate_published(cluster.kvrc, cluster.b, shared + [7] * 40, max_tokens=4)
+    reference = generate_published(cluster.kvrc, cluster.a, prompt, max_tokens=16)["tokens"]
     before = cluster.b.stats()
 
     out = cluster.b.generate(prompt, max_tokens=16)
@@ -144,8 +139,7 @@ def test_a_local_hit_plus_a_remote_tail(cluster: Cluster) -> None:
 def test_corrupted_prefix_load_changes_the_output(cluster: Cluster) -> None:
     """Negative control for the prefix path: wrong KV shows in the output."""
     prompt = random_prompt(14, 320)
-    reference = cluster.a.generate(prompt, max_tokens=24)["tokens"]
-    wait_for_inventory()
+    reference = generate_published(cluster.kvrc, cluster.a, prompt, max_tokens=24)["tokens"]
     before = cluster.b.stats()
     out = cluster.b.generate(
         prompt, max_tokens=24, kv_transfer_params={"kvrc_test_fault": "corrupt"}
