@@ -281,8 +281,10 @@ class LoadGate:
 
     The coordinator's own `CostModel` (not a copy of its arithmetic): cold links
     start from `config`'s defaults, every engine's prefill rate is the declared one
-    (the simulator's, as a deployment profile would name it), and every completed
-    load is observed with its bytes and simulated duration, as a report would carry.
+    (the simulator's, as a deployment profile would name it), every completed
+    load is observed with its bytes and simulated duration, as a report would carry,
+    and every granted load is open from its grant to its end (an unmeasured link's
+    open loads bound its predictions, as in the coordinator).
     Deterministic: the model reads no clock.
     """
 
@@ -299,7 +301,7 @@ class LoadGate:
         )
 
     def worthwhile(
-        self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int
+        self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int, now_ms: float
     ) -> int | None:
         """The fewest blocks in [floor, hinted] worth loading; None: not even `hinted`."""
         return self.model.worthwhile_blocks(
@@ -310,7 +312,29 @@ class LoadGate:
             hinted,
             block_tokens=self.cost.block_tokens,
             bytes_per_block=self.cost.block_bytes,
+            now_ms=int(now_ms),
         )
+
+    def started(
+        self,
+        lease_key: LeaseKey,
+        holder: EngineIndex,
+        requester: EngineIndex,
+        hinted: int,
+        now_ms: float,
+    ) -> None:
+        """A load was granted (kept while it runs if its link has no sample yet)."""
+        self.model.load_started(
+            str(lease_key),
+            engine_name(holder),
+            engine_name(requester),
+            Tier.GPU,
+            hinted * self.cost.block_bytes,
+            int(now_ms),
+        )
+
+    def ended(self, lease_key: LeaseKey) -> None:
+        self.model.load_ended(str(lease_key))
 
     def observe(
         self, holder: EngineIndex, requester: EngineIndex, blocks: int, duration_ms: float
@@ -454,7 +478,7 @@ class LocalReferenceProvider:
             need = min_blocks
             if self.gate is not None:
                 worthwhile = self.gate.worthwhile(
-                    cand.engine, requester, min_blocks, cand.matched_blocks
+                    cand.engine, requester, min_blocks, cand.matched_blocks, now_ms
                 )
                 if worthwhile is None:
                     continue  # this holder's link is too slow; another may still pay off
@@ -465,11 +489,14 @@ class LocalReferenceProvider:
             if self.gate is not None and pinned < need:
                 self._side.unpin(cand.engine, key)  # recompute_cheaper: the pins are released
                 return None
+            if self.gate is not None:
+                self.gate.started(key, cand.engine, requester, cand.matched_blocks, now_ms)
             return LoadGrant(key, cand.engine, pinned)
         return None
 
     def complete(self, grant: LoadGrant, loaded_blocks: int, now_ms: float) -> None:
-        return None
+        if self.gate is not None:
+            self.gate.ended(grant.lease_key)  # the lease ends
 
     def blocks_stored(
         self,
@@ -784,7 +811,7 @@ class TraceSimulation:
                 local, remote = shared_hit, 0
             else:
                 local = eng.cache.local_prefix(chain)
-                remote = self._loadable(idx, local, holders)
+                remote = self._loadable(idx, local, holders, now)
             loaded = max(0, remote - local)
             prefill = self.cost.prefill_ms(req.input_tokens, max(local, remote))
             ready = max(0.0, eng.free_at_ms - now)  # the queue ahead
@@ -798,7 +825,9 @@ class TraceSimulation:
                 choice = (idx, remote)
         return choice
 
-    def _loadable(self, engine: EngineIndex, local: int, holders: Sequence[Candidate]) -> int:
+    def _loadable(
+        self, engine: EngineIndex, local: int, holders: Sequence[Candidate], now: float
+    ) -> int:
         """The match of the holder `engine` would load from (0: none would be granted)."""
         floor = max(local + 1, self.min_blocks)
         for c in holders:
@@ -809,7 +838,7 @@ class TraceSimulation:
                 return c.matched_blocks if c.matched_blocks >= self.min_blocks else 0
             if c.matched_blocks < floor:
                 break  # longest first: no later holder reaches the floor either
-            if self.gate.worthwhile(c.engine, engine, floor, c.matched_blocks) is not None:
+            if self.gate.worthwhile(c.engine, engine, floor, c.matched_blocks, now) is not None:
                 return c.matched_blocks  # the holder kvrc's gate would grant
         return 0
 

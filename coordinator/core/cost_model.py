@@ -28,6 +28,19 @@ data's line by their weights, `(1 - alpha)^n` and `1 - (1 - alpha)^n` after `n`
 samples, so one outlier (a first transfer that also set up its connection) moves a
 cold link by `alpha` only.
 
+A link's first loads, while they run. Until a link has a sample the gate can only use
+its prior, and the first load's outcome arrives when it ends: over a slow link every
+load asked for meanwhile would be granted on the same prior. So the loads over a link
+without samples are kept while they are open (`load_started`, `load_ended`: the
+grants core calls them with the lease), and a prediction made at `now_ms` counts
+each one as a censored sample: a load of `x` bytes open for `t` ms is still running,
+so the link moves `x` bytes in more than `t - latency` ms, and its bandwidth is at
+most `x / (t - latency)`. Once `t` exceeds what the prior predicted for `x`, that bound
+replaces the prior's bandwidth. The clock starts at the request (the holder's pin
+included, a few ms), so the bound errs towards the slow side by that much; the byte
+count is the hinted prefix, at least what moves, which errs towards the fast side.
+Once the link has a sample the fit takes over and open loads no longer count.
+
 Bounds (counted, never timed): at most `max_pairs` links and `max_requesters`
 prefill estimates, each evicted least recently *observed* first (`predict` does not
 touch recency, so a Score caller cannot churn the table).
@@ -235,6 +248,13 @@ class _Link:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _OpenLoad:
+    link: LinkKey
+    started_ms: int
+    num_bytes: int
+
+
 @dataclass(slots=True)
 class _Prefill:
     ms_per_token: float
@@ -259,6 +279,10 @@ class CostModel:
         self._declared_links = tuple(declared_links)
         self._links: OrderedDict[LinkKey, _Link] = OrderedDict()
         self._prefill: OrderedDict[str, _Prefill] = OrderedDict()
+        # Open loads over links without samples, by lease id and by link (as many as
+        # there are open leases: the grants core ends each one with its lease).
+        self._first_loads: dict[str, _OpenLoad] = {}
+        self._first_by_link: dict[LinkKey, dict[str, _OpenLoad]] = {}
 
     # --- reads ---------------------------------------------------------------------
 
@@ -270,12 +294,27 @@ class CostModel:
     def requester_count(self) -> int:
         return len(self._prefill)
 
-    def link(self, holder: str, requester: str, tier: Tier) -> LinkEstimate:
-        state = self._links.get((holder, requester, tier))
+    @property
+    def open_first_loads(self) -> int:
+        return len(self._first_loads)
+
+    def link(
+        self, holder: str, requester: str, tier: Tier, now_ms: int | None = None
+    ) -> LinkEstimate:
+        """The link's estimate; with `now_ms`, an unmeasured link's open loads bound it."""
+        key = (holder, requester, tier)
+        state = self._links.get(key)
         bandwidth, latency = self._prior(holder, requester)
-        if state is None:
-            return LinkEstimate(bandwidth, latency, 0)
-        return state.estimate(latency, bandwidth)
+        if state is not None:
+            return state.estimate(latency, bandwidth)
+        open_loads = self._first_by_link.get(key) if now_ms is not None else None
+        if open_loads and now_ms is not None:
+            for load in open_loads.values():
+                # Still running after `elapsed` ms: at most num_bytes / (elapsed - latency).
+                transfer_ms = now_ms - load.started_ms - latency
+                if transfer_ms > load.num_bytes * 1000.0 / bandwidth:
+                    bandwidth = load.num_bytes * 1000.0 / transfer_ms
+        return LinkEstimate(bandwidth, latency, 0)
 
     def _prior(self, holder: str, requester: str) -> tuple[float, float]:
         """(bandwidth B/s, latency ms) of a link before samples: declared, else default."""
@@ -300,10 +339,17 @@ class CostModel:
         return PrefillEstimate(self.config.default_prefill_tokens_per_s, 0, "default")
 
     def predict(
-        self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        num_tokens: int,
+        num_bytes: int,
+        now_ms: int | None = None,
     ) -> Prediction:
-        """Predicted load and recompute of `num_tokens` tokens (`num_bytes` of KV) in ms."""
-        link = self.link(holder, requester, tier)
+        """Predicted load and recompute of `num_tokens` tokens (`num_bytes` of KV) in ms;
+        `now_ms`: counting the open first loads over the link (module docstring)."""
+        link = self.link(holder, requester, tier, now_ms)
         prefill = self.prefill(requester)
         load_ms = link.latency_ms + num_bytes * 1000.0 / link.bandwidth_bytes_per_s
         recompute_ms = num_tokens * 1000.0 / prefill.tokens_per_s
@@ -334,6 +380,7 @@ class CostModel:
         *,
         block_tokens: int,
         bytes_per_block: int,
+        now_ms: int | None = None,
     ) -> int | None:
         """The fewest blocks in [floor, hinted] worth loading (None: not even `hinted`).
 
@@ -345,7 +392,7 @@ class CostModel:
 
         def worth(blocks: int) -> bool:
             return self.predict(
-                holder, requester, tier, blocks * block_tokens, blocks * bytes_per_block
+                holder, requester, tier, blocks * block_tokens, blocks * bytes_per_block, now_ms
             ).worth_loading
 
         if not worth(hinted):
@@ -368,6 +415,33 @@ class CostModel:
         return tuple((requester, self.prefill(requester)) for requester in self._prefill)
 
     # --- observations --------------------------------------------------------------
+
+    def load_started(
+        self,
+        lease_id: str,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        num_bytes: int,
+        now_ms: int,
+    ) -> None:
+        """A load was asked for; kept until `load_ended` if its link has no sample yet."""
+        key = (holder, requester, tier)
+        if key in self._links or num_bytes <= 0 or lease_id in self._first_loads:
+            return
+        load = _OpenLoad(key, now_ms, num_bytes)
+        self._first_loads[lease_id] = load
+        self._first_by_link.setdefault(key, {})[lease_id] = load
+
+    def load_ended(self, lease_id: str) -> None:
+        """The lease ended (however); a lease that was never kept is fine."""
+        load = self._first_loads.pop(lease_id, None)
+        if load is None:
+            return
+        on_link = self._first_by_link[load.link]
+        del on_link[lease_id]
+        if not on_link:
+            del self._first_by_link[load.link]
 
     def observe_transfer(
         self, holder: str, requester: str, tier: Tier, num_bytes: int, duration_us: int

@@ -405,7 +405,7 @@ class Grants:
             return PrefixLoadStep(
                 None, PrefixLoadAnswer(None, choice.reason, detail, reuse, choice.refused), ()
             )
-        holder, context, worthwhile = choice
+        holder, context, worthwhile, hinted_blocks = choice
         step = self.table.open_prefix_load(
             request_id=req.request_id,
             requester_child_engine_id=req.requester_child_engine_id,
@@ -422,6 +422,15 @@ class Grants:
         )
         lease_id = step.view.lease_id
         self._cost_ctx[lease_id] = context
+        # An unmeasured link's open loads bound its next predictions (I9-cost-gate).
+        self.cost.load_started(
+            lease_id,
+            context.holder,
+            context.requester,
+            context.tier,
+            hinted_blocks * context.bytes_per_block,
+            now_ms,
+        )
         if step.view.state is LeaseState.PINNING:
             self._pinning.add(lease_id)
             return PrefixLoadStep(lease_id, None, self._settled(step.actions))
@@ -429,13 +438,14 @@ class Grants:
             lease_id, self._answer_of(step.view, reuse), self._settled(step.actions)
         )
 
-    def _predict(self, context: _CostContext, blocks: int) -> Prediction:
+    def _predict(self, context: _CostContext, blocks: int, now_ms: int | None = None) -> Prediction:
         return self.cost.predict(
             context.holder,
             context.requester,
             context.tier,
             blocks * context.block_size,
             blocks * context.bytes_per_block,
+            now_ms,
         )
 
     def _cost_context(
@@ -460,7 +470,9 @@ class Grants:
 
     def _choose_holder(
         self, req: PrefixLoadRequest, requester: ChildEngineView, now_ms: int
-    ) -> tuple[ChildEngineView, _CostContext, int] | _NoHolder:
+    ) -> tuple[ChildEngineView, _CostContext, int, int] | _NoHolder:
+        """The holder to ask, its cost context, the fewest blocks worth loading from it
+        and the blocks it was hinted to hold."""
         min_blocks = max(req.min_blocks, 1)
         # min_blocks 1: "below min_blocks" is told apart from "no candidate" here.
         answer = self._inventory.lookup(
@@ -492,14 +504,16 @@ class Grants:
                 candidate.matched_blocks,
                 block_tokens=context.block_size,
                 bytes_per_block=context.bytes_per_block,
+                now_ms=now_ms,
             )
             if worthwhile is None:
                 # I9-cost-gate: this holder's link is too slow; another may still pay off.
-                prediction = self._predict(context, candidate.matched_blocks)
+                prediction = self._predict(context, candidate.matched_blocks, now_ms)
                 if refused is None or prediction.saving_ms > refused.saving_ms:
                     refused = prediction
                 continue
-            return view, replace(context, worthwhile_blocks=worthwhile), worthwhile
+            context = replace(context, worthwhile_blocks=worthwhile)
+            return view, context, worthwhile, candidate.matched_blocks
         if refused is not None:
             return _NoHolder(MissReason.RECOMPUTE_CHEAPER.value, refused)
         return _NoHolder("below_min_blocks" if 0 < best < min_blocks else "no_candidate", None)
@@ -898,6 +912,7 @@ class Grants:
             if isinstance(action, LeaseEnded):
                 self._reported.pop(action.lease_id, None)
                 self._cost_ctx.pop(action.lease_id, None)
+                self.cost.load_ended(action.lease_id)
                 self._predictions.pop(action.lease_id, None)
                 self._measured.pop(action.lease_id, None)
         self.due_ms = self._next_deadline_ms()

@@ -237,3 +237,54 @@ def test_memory_is_a_few_hundred_bytes_per_link_and_churn_does_not_grow_it() -> 
     assert model.pair_count == 1000
     assert full / 1000 < 600, f"{full / 1000:.0f} bytes per link"
     assert churned < 1.5 * full, (full, churned)
+
+
+def test_an_unmeasured_links_open_load_bounds_its_bandwidth_once_it_outlasts_the_prior() -> None:
+    # Prior: 10 GB/s after 1 ms. A 1 GB load predicts 101 ms.
+    config = CostConfig(default_bandwidth_bytes_per_s=1e10, default_latency_ms=1.0)
+    model = CostModel(config, declared_prefill=lambda _r: 1e4)
+    model.load_started("lease-1", "h", "r", GPU, 1_000_000_000, now_ms=1000)
+    assert model.open_first_loads == 1
+
+    def bandwidth(now_ms: int | None) -> float:
+        return model.link("h", "r", GPU, now_ms).bandwidth_bytes_per_s
+
+    assert bandwidth(None) == 1e10  # without a clock: the prior
+    assert bandwidth(1000 + 50) == 1e10  # open for less than predicted: nothing learnt
+    # Open for 401 ms: 1 GB has not moved in 400 ms (after the latency): at most 2.5 GB/s.
+    assert bandwidth(1000 + 401) == pytest.approx(2.5e9)
+    later = model.predict("h", "r", GPU, num_tokens=1000, num_bytes=500_000_000, now_ms=3001)
+    assert later.link.bandwidth_bytes_per_s == pytest.approx(5e8)  # 1 GB, 2 s: 0.5 GB/s
+    assert later.load_ms == pytest.approx(1 + 1000) and not later.worth_loading
+    assert model.worthwhile_blocks(
+        "h", "r", GPU, 1, 4, block_tokens=250, bytes_per_block=125_000_000, now_ms=3001
+    ) is None  # fmt: skip
+    # Other links, and other tiers of the same pair, keep their prior.
+    assert model.link("h", "other", GPU, 3001).bandwidth_bytes_per_s == 1e10
+    assert model.link("h", "r", Tier.CPU, 3001).bandwidth_bytes_per_s == 1e10
+    # The lease ends: the bound goes with it.
+    model.load_ended("lease-1")
+    model.load_ended("lease-1")  # twice, or a lease never kept: fine
+    model.load_ended("never-kept")
+    assert model.open_first_loads == 0 and bandwidth(3001) == 1e10
+
+
+def test_open_loads_count_only_until_the_link_has_a_sample() -> None:
+    model = CostModel(CostConfig(default_bandwidth_bytes_per_s=1e10, default_latency_ms=1.0))
+    model.load_started("a", "h", "r", GPU, 1_000_000_000, now_ms=0)
+    assert model.link("h", "r", GPU, 10_000).bandwidth_bytes_per_s < 1.01e8  # 1 GB, 10 s
+    # The first report arrives (a fast link after all): the fit takes over.
+    feed(model, 1.0, 1e10, [1_000_000_000])
+    assert model.link("h", "r", GPU, 10_000) == model.link("h", "r", GPU)
+    # A measured link keeps no open loads.
+    model.load_started("b", "h", "r", GPU, 1_000_000_000, now_ms=0)
+    model.load_ended("a")
+    assert model.open_first_loads == 0
+
+
+def test_a_declared_link_is_bounded_by_its_open_loads_too() -> None:
+    declared = DeclaredLink(("h",), ("r*",), bandwidth_bytes_per_s=1e9, latency_ms=0.0)
+    model = CostModel(declared_links=[declared])
+    model.load_started("a", "h", "r1", GPU, 100_000_000, now_ms=0)
+    assert model.link("h", "r1", GPU, 100).bandwidth_bytes_per_s == 1e9  # as declared: 100 ms
+    assert model.link("h", "r1", GPU, 200).bandwidth_bytes_per_s == pytest.approx(5e8)

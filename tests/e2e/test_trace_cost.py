@@ -152,7 +152,9 @@ def test_a_cold_slow_pair_is_loaded_once_then_refused() -> None:
         return sim
 
     runs = {Mode.KVRC_KV: replay(Mode.KVRC_KV, None)}
-    runs[Mode.KVRC_COST] = replay(Mode.KVRC_COST, LoadGate(two))
+    cold = LoadGate(two)
+    runs[Mode.KVRC_COST] = replay(Mode.KVRC_COST, cold)
+    assert cold.model.open_first_loads == 0  # every load ended with its lease
     assert [(ld.request_index, ld.requester) for ld in runs[Mode.KVRC_KV].loads] == [
         (2, 1),
         (5, 1),
@@ -168,6 +170,22 @@ def test_a_cold_slow_pair_is_loaded_once_then_refused() -> None:
     assert two.pairs is not None
     declared = replay(Mode.KVRC_COST, LoadGate(two, declared_links=two.pairs.declared()))
     assert declared.loads == []
+
+
+def test_the_gate_counts_a_cold_pairs_open_load_until_it_ends() -> None:
+    # Cold (10 GB/s, 1 ms): 4 blocks predict 1.2 ms against 2,048 ms of recompute.
+    gate = LoadGate(COST)
+    assert gate.worthwhile(0, 1, 1, 4, 3000.0) == 1
+    gate.started(("ref", 1), 0, 1, 4, 3000.0)
+    assert gate.model.open_first_loads == 1
+    assert gate.worthwhile(0, 1, 1, 4, 3100.0) == 1  # open 100 ms: at most 20 MB/s, fine
+    # Open 3 s: the 2 MB take more than 3 s, beyond 2,048 ms / 1.5. Refused, on that
+    # pair only.
+    assert gate.worthwhile(0, 1, 1, 4, 6000.0) is None
+    assert gate.worthwhile(2, 1, 1, 4, 6000.0) == 1
+    gate.ended(("ref", 1))
+    assert gate.model.open_first_loads == 0
+    assert gate.worthwhile(0, 1, 1, 4, 6000.0) == 1
 
 
 def test_the_mode_and_the_gate_go_together() -> None:

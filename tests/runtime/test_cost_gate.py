@@ -193,3 +193,39 @@ async def test_predict_load_sizes_a_prediction_from_the_registered_engines() -> 
         assert p.saving_ms == p.recompute_ms - p.load_ms and p.recompute_ms == 128
         assert flow.predict_load("h", "nobody", Tier.GPU, 8) is None
         assert flow.cost_model.pair_count == 0 and not flow.open_leases()
+
+
+async def test_a_cold_links_first_load_still_open_past_its_prediction_refuses_the_next() -> None:
+    # Until the first report the cold link is only its prior (10 GB/s, 1 ms: 512 KiB in
+    # ~1 ms). A load still open after 200 ms says the link is far slower than that:
+    # a second load over it is refused before any pin. Counted on a manual clock.
+    async with manual_coordinator(cost=COST) as rig:
+        c = rig.coordinator
+        r = register(rig, "r")
+        slow = register(rig, "slow")
+        rig.store(slow)
+        first = await load(rig, slow, "s0", report=False)
+        assert granted(first) == "slow"
+        assert c.leases.core.cost.open_first_loads == 1
+        # Negative control: open for 10 ms, still within what a 128 ms recompute allows.
+        await rig.advance(10, r, slow)
+        early = await load(rig, slow, "s1", report=False)
+        assert granted(early) == "slow", early.miss_detail
+        await rig.advance(190, r, slow)  # s0 open for 200 ms, s1 for 190 ms
+        refused = await load(rig, slow, "s2")
+        assert refused.miss_reason == "recompute_cheaper" and refused.view is None
+        assert refused.prediction is not None and refused.prediction.link.samples == 0
+        assert refused.prediction.load_ms > 128 / COST.safety_margin
+        assert not [m for m in drain_outbound(slow) if isinstance(m, SendPin)]
+        # The first report is fast after all: the fit takes over and grants resume.
+        for answer in (first, early):
+            assert answer.view is not None
+            c.leases.complete_prefix_load(
+                TransferReport(
+                    answer.view.lease_id, "r", (0, 0, 0), Outcome.SUCCEEDED,
+                    CHAIN_BYTES, 2_000, "", 0, 0,
+                )
+            )  # fmt: skip
+        await settle()
+        assert c.leases.core.cost.open_first_loads == 0  # ended with their leases
+        assert granted(await load(rig, slow, "s3", duration_us=2_000)) == "slow"
