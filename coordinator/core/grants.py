@@ -244,6 +244,7 @@ class _CostContext:
     bytes_per_block: int
     block_size: int
     worthwhile_blocks: int = 1  # the fewest blocks worth loading, as of the request
+    requested_ms: int | None = None  # when it was asked for: the grant's prediction is as of then
 
 
 @dataclass
@@ -512,7 +513,7 @@ class Grants:
                 if refused is None or prediction.saving_ms > refused.saving_ms:
                     refused = prediction
                 continue
-            context = replace(context, worthwhile_blocks=worthwhile)
+            context = replace(context, worthwhile_blocks=worthwhile, requested_ms=now_ms)
             return view, context, worthwhile, candidate.matched_blocks
         if refused is not None:
             return _NoHolder(MissReason.RECOMPUTE_CHEAPER.value, refused)
@@ -945,7 +946,7 @@ class Grants:
         if grant is not None:
             prediction = self._predictions.get(view.lease_id)
             if prediction is None and context is not None:
-                prediction = self._predict(context, grant.matched_blocks)
+                prediction = self._predict(context, grant.matched_blocks, context.requested_ms)
                 if not view.terminal:
                     self._predictions[view.lease_id] = prediction
             return PrefixLoadAnswer(view, "", "", reuse, prediction)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from manual_rig import CHAIN, PROFILE, Rig, drain_outbound, manual_coordinator, settle
 
 from coordinator.core.cost_model import CostConfig
@@ -211,6 +212,10 @@ async def test_a_cold_links_first_load_still_open_past_its_prediction_refuses_th
         await rig.advance(10, r, slow)
         early = await load(rig, slow, "s1", report=False)
         assert granted(early) == "slow", early.miss_detail
+        # Granted on the bound as of its request (s0: 512 KiB not moved in 10 - 1 ms), and
+        # it carries that prediction: 10 ms, not the prior's 1.05 ms.
+        assert early.prediction is not None and early.prediction.link.samples == 0
+        assert early.prediction.load_ms == pytest.approx(10.0)
         await rig.advance(190, r, slow)  # s0 open for 200 ms, s1 for 190 ms
         refused = await load(rig, slow, "s2")
         assert refused.miss_reason == "recompute_cheaper" and refused.view is None
