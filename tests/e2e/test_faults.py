@@ -417,7 +417,14 @@ async def test_kvrc_kill_at_each_step(tmp_path: Path, flow: str, step: str) -> N
             # The part that reported to the dead coordinator sent its report again after
             # re-registering (LeaseClient.replay_recent_reports): alone it proves only its
             # own reads quiet, so the lease waits; the other part's report completes it.
+            async def replayed() -> bool:  # its first report names the recovered lease's target
+                lease = find_lease(await _status(second.grpc_target), lease_id)
+                return lease is not None and lease.target_child_engine_id != ""
+
+            await wait_until(replayed, 15, what="the replayed report of the part that reported")
             await asyncio.sleep(0.5)  # kept: no release may come with half the proof
+            lease = find_lease(await _status(second.grpc_target), lease_id)
+            assert lease is not None and lease.state == pb.LEASE_STATE_QUARANTINED
             assert holder.events("release", lease_id) == []
             report_t = time.time()
             done = await asyncio.to_thread(
