@@ -43,7 +43,8 @@ prove quiet from the engines' own ledgers (`quarantined_operator_resolved`), the
 rest count as `quarantined_unresolved`;
 `status_codes` (kvrc's own per-code RPC counts, every process) without INTERNAL
 or UNKNOWN, and no traceback in a kvrc log; per kvrc process RSS growth ≤ 10 %
-after warm-up and fds_end ≤ fds_start + 16, both for the processes that ran
+after warm-up and fds_end ≤ fds_start + 16 (+ 4 per client connection it gained:
+engines moved over from a killed replica), both for the processes that ran
 through the drain (a process killed or restarted mid-load was last sampled under
 load, holding the sessions it took over).
 """
@@ -107,6 +108,9 @@ INSTANCE_WARMUP_S = 10.0  # a restarted kvrc's RSS and fds baseline is taken aft
 RSS_BOUND_MIN_MINUTES = 6.0  # a shorter run has no steady state to bound
 RSS_GROWTH_MAX = 0.10
 FDS_SLACK = 16
+# fds a client engine part brings to the replica it moves to: its session's connection
+# and its KV-event subscription (a ZMQ socket: its connection and the socket's own fds).
+FDS_PER_CLIENT = 4
 OPEN_STATES = (
     pb.LEASE_STATE_PINNING,
     pb.LEASE_STATE_WAITING_READY,
@@ -167,6 +171,31 @@ def _proc_rss_mb(pid: int) -> float | None:
 def _proc_fds(pid: int) -> int | None:
     with contextlib.suppress(OSError):
         return len(os.listdir(f"/proc/{pid}/fd"))
+    return None
+
+
+def _proc_clients(pid: int, port: int) -> int | None:
+    """Established TCP connections into `pid` on its `port`: its clients' sessions.
+
+    A replica that took over a killed one's engines holds their connections at the
+    end; they are the clients', not a leak, so the fd bound counts fds net of them.
+    """
+    inodes: set[str] = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        count = 0
+        for table in ("tcp", "tcp6"):
+            with contextlib.suppress(OSError):
+                for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                    cols = row.split()  # sl local remote st ... inode (column 9)
+                    local_port = int(cols[1].rsplit(":", 1)[1], 16)
+                    if local_port == port and cols[3] == "01" and cols[9] in inodes:
+                        count += 1
+        return count
     return None
 
 
@@ -241,6 +270,8 @@ class KvrcInstance:
     fds_start: int | None = None
     rss_mb_end: float | None = None
     fds_end: int | None = None
+    clients_start: int | None = None  # _proc_clients at each sample
+    clients_end: int | None = None
     codes: dict[str, float] = field(default_factory=dict)  # last scrape, by code
     ended: str = ""
 
@@ -569,10 +600,13 @@ class StoreRun:
 
     def _sample(self, instance: KvrcInstance, *, start: bool) -> None:
         rss, fds = _proc_rss_mb(instance.pid), _proc_fds(instance.pid)
+        clients = _proc_clients(instance.pid, instance.grpc_port)
         if start:
             instance.rss_mb_start, instance.fds_start = rss, fds
+            instance.clients_start = clients
         elif rss is not None:
             instance.rss_mb_end, instance.fds_end = rss, fds
+            instance.clients_end = clients
 
     async def _collect_ledgers(self) -> None:
         for engine_id, channel in list(self.channels.items()):
@@ -1040,6 +1074,8 @@ class StoreRun:
                         "rss_mb_end": instance.rss_mb_end,
                         "fds_start": instance.fds_start,
                         "fds_end": instance.fds_end,
+                        "clients_start": instance.clients_start,
+                        "clients_end": instance.clients_end,
                     }
                 )
         latency = {
@@ -1115,9 +1151,17 @@ def violations(doc: dict[str, Any], *, check_rss: bool) -> list[str]:
     for p in doc["kvrc_processes"]:
         # "After the drain": only a process that lived through it has such a sample; one
         # killed or restarted mid-load was last sampled under load (sessions it took over).
+        # A replica that took over a killed one's engines holds what they bring (their
+        # sessions, their event subscriptions): no leak, so each gained client
+        # connection allows FDS_PER_CLIENT more. A leak per request still shows (hundreds).
         fds_known = p["fds_start"] is not None and p["fds_end"] is not None
-        if fds_known and p["ended"] is None and p["fds_end"] > p["fds_start"] + FDS_SLACK:
-            bad.append(f"{p['name']} pid {p['pid']}: fds {p['fds_start']} -> {p['fds_end']}")
+        gained = max(0, (p.get("clients_end") or 0) - (p.get("clients_start") or 0))
+        allowed = FDS_SLACK + FDS_PER_CLIENT * gained
+        if fds_known and p["ended"] is None and p["fds_end"] > p["fds_start"] + allowed:
+            bad.append(
+                f"{p['name']} pid {p['pid']}: fds {p['fds_start']} -> {p['fds_end']}"
+                f" ({gained:+d} client connections)"
+            )
         lived = check_rss and p["rss_mb_start"] and p["rss_mb_end"] and p["ended"] is None
         if lived and p["rss_mb_end"] > p["rss_mb_start"] * (1 + RSS_GROWTH_MAX):
             bad.append(

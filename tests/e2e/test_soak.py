@@ -64,6 +64,7 @@ def test_two_minute_soak_over_both_stores_meets_every_bound(tmp_path: Path) -> N
         assert probes == {"malformed:INVALID_ARGUMENT"}, store_run["client_status_codes"]
         for process in store_run["kvrc_processes"]:
             assert process["fds_end"] is not None, process
+            assert process["clients_end"] is not None, process  # the fd bound nets them out
         assert store_run["violations"] == []
     assert doc["runs"][1]["replicas"] == 2
 
@@ -128,6 +129,12 @@ def test_the_bounds_fail_on_each_kind_of_violation(tmp_path: Path) -> None:
         bad = violations({**clean, **change}, check_rss=True)
         assert len(bad) == 1 and expected in bad[0], (change, bad)
     # Within the bounds, or a process that did not run to the end: no violation.
+    # Engines moved in from a killed replica bring their fds (4 per client connection):
+    # 24 more fds with 2 more client connections is within the bound, with 1 it is not.
+    moved = {**process, "fds_end": 54, "clients_start": 2, "clients_end": 4}
+    assert violations({**clean, "kvrc_processes": [moved]}, check_rss=True) == []
+    short = violations({**clean, "kvrc_processes": [{**moved, "clients_end": 3}]}, check_rss=True)
+    assert len(short) == 1 and "fds 30 -> 54 (+1 client connections)" in short[0], short
     fine = [{**process, "fds_end": 46, "rss_mb_end": 110.0},
             {**process, "ended": "killed", "rss_mb_end": 500.0, "fds_end": 90}]  # fmt: skip
     assert violations({**clean, "kvrc_processes": fine}, check_rss=True) == []
