@@ -74,6 +74,11 @@ READ_BLOCK_MS = 500
 HEARTBEAT_MS = 500
 ORIGIN_TIMEOUT_MS = 5_000  # a replica silent this long: its engines leave the view
 STREAM_MAXLEN = 1_000_000  # entries kept (approximately): bounded Redis memory
+# Connections per pool, at most: a burst (every engine of a killed replica registering
+# here at once, each claiming a fencing token) waits for one instead of opening one per
+# caller and keeping them all, idle, for the life of the process.
+WRITER_CONNECTIONS = 8
+READER_CONNECTIONS = 4  # one blocks in XREAD; the snapshot reads use another
 
 # KEYS: snapshot, epoch, stream. ARGV: id ms, id seq, id, wall ms, data, epoch.
 # Returns 1 written, 0 not newer than the one there, -1 another epoch (a store loss).
@@ -111,8 +116,13 @@ def stream_id(value: str) -> tuple[int, int]:
     return (int(ms), int(seq or 0))
 
 
-def redis_client(config: StoreConfig, *, name: str) -> aioredis.Redis:
-    """One connection pool to the store; timeouts so that a partition is noticed."""
+def redis_client(config: StoreConfig, *, name: str, max_connections: int) -> aioredis.Redis:
+    """One bounded connection pool to the store; timeouts so that a partition is noticed.
+
+    A caller finding every connection busy waits for one, up to the socket timeout,
+    and then fails as an unreachable store does (RedisError: retried with backoff).
+    """
+    socket_timeout_s = READ_BLOCK_MS / 1000 + 2.0
     kwargs: dict[str, Any] = {
         "host": config.host,
         "port": config.port,
@@ -121,16 +131,19 @@ def redis_client(config: StoreConfig, *, name: str) -> aioredis.Redis:
         "password": config.password,
         "socket_connect_timeout": 1.0,
         # Above the XREAD block, so a blocked read is not mistaken for a dead server.
-        "socket_timeout": READ_BLOCK_MS / 1000 + 2.0,
+        "socket_timeout": socket_timeout_s,
         "client_name": name,
         "protocol": 2,
     }
     if config.tls:
-        kwargs["ssl"] = True
+        kwargs["connection_class"] = aioredis.SSLConnection
         kwargs["ssl_cert_reqs"] = ssl.CERT_REQUIRED
         if config.tls_ca is not None:
             kwargs["ssl_ca_certs"] = str(config.tls_ca)
-    return aioredis.Redis(**kwargs)
+    pool = aioredis.BlockingConnectionPool(
+        max_connections=max_connections, timeout=socket_timeout_s, **kwargs
+    )
+    return aioredis.Redis.from_pool(pool)  # closing the client closes its pool
 
 
 class RedisStore:
@@ -158,8 +171,12 @@ class RedisStore:
         self._on_store_lost = on_store_lost
         self._maxlen = stream_maxlen
         self._origin_timeout_ms = origin_timeout_ms
-        self._writer_conn = redis_client(config, name=f"kvrc-{inventory.origin}-w")
-        self._reader_conn = redis_client(config, name=f"kvrc-{inventory.origin}-r")
+        self._writer_conn = redis_client(
+            config, name=f"kvrc-{inventory.origin}-w", max_connections=WRITER_CONNECTIONS
+        )
+        self._reader_conn = redis_client(
+            config, name=f"kvrc-{inventory.origin}-r", max_connections=READER_CONNECTIONS
+        )
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
