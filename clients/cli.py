@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID:OFFSET:LENGTH",
         help="a multimodal item of the token ids; repeat it, sorted by offset",
     )
+    route.add_argument(
+        "--timeout-s",
+        type=float,
+        default=5.0,
+        help="the Score call's deadline (default 5); past it the first candidate is routed",
+    )
     route.add_argument("--json", action="store_true", help="print one JSON document")
     # The same client flags as `kvrc status` (coordinator/edges/cli.py); a router token.
     route.add_argument("--tls-ca", type=Path, help="PEM CA that signed kvrc's certificate")
@@ -123,7 +129,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
                 lora_path=args.lora_path,
                 cache_salt=args.cache_salt,
                 mm_features=mm_features,
-                timeout_s=5.0,
+                timeout_s=args.timeout_s,
             )
             return route.child_engine_id, route.why, route.score is not None
 

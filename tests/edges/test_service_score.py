@@ -190,6 +190,7 @@ async def test_multimodal_items_reach_the_hashing_from_the_client_and_the_cli(
     bad = _kvrc(*args, "--tokens-file", str(tokens), "--mm-feature", "img:20")
     assert bad.returncode == 2 and "--mm-feature: expected IDENTIFIER:OFFSET:LENGTH" in bad.stderr
     route_args = ["route", "--target", t, "--model", MODEL, "--candidates", "mm-holder"]
+    route_args += ["--timeout-s", "60"]
     routed = _kvrc_main(
         *route_args, "--tokens-file", str(tokens), "--mm-feature", "img-sha-1:20:30", "--json"
     )
@@ -328,14 +329,22 @@ async def test_kvrc_score_and_kvrc_route(
     bad = _kvrc(*args, "--tokens", "1,x")
     assert bad.returncode == 2 and "--tokens: token ids must be integers" in bad.stderr
     # kvrc route: the engine side of the command, through the dispatcher (kvrc/cli.py).
+    # A generous deadline: a loaded CI host once took over the default 5 s (routed unscored).
     route_args = ["route", "--target", t, "--model", MODEL, "--candidates", "cli-ghost,cli-p0"]
+    route_args += ["--timeout-s", "60"]
     routed = _kvrc_main(*route_args, "--block-hashes", hexes, "--json")
     assert routed.returncode == 0, routed.stderr
     assert json.loads(routed.stdout) | {"why": ""} == {
         "child_engine_id": "cli-p0",
         "by_score": True,
         "why": "",
-    }
+    }, routed.stdout
+    # Past the deadline Score is not waited for: the first candidate, unscored, and why.
+    late = _kvrc_main(*route_args, "--block-hashes", hexes, "--json", "--timeout-s", "0.000001")
+    assert late.returncode == 0, late.stderr
+    late_doc = json.loads(late.stdout)
+    assert (late_doc["child_engine_id"], late_doc["by_score"]) == ("cli-ghost", False), late_doc
+    assert "DEADLINE_EXCEEDED" in late_doc["why"], late_doc
     bad_route = _kvrc_main(*route_args, "--block-hashes", "zz")
     assert bad_route.returncode == 2 and "--block-hashes: expected hex" in bad_route.stderr
 
