@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PROTO_SRC := proto/kvrc/v1/kvrc.proto
 PYTEST_ARGS ?=
+# xdist workers for `make test` (tests/conftest.py orders the work units); 0 runs serially.
+TEST_WORKERS ?= 2
 
 .PHONY: help venv sysdeps proto proto-check serve demo test test-fast test-e2e lint typecheck check \
         bench-index bench-transfer bench-cluster vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load soak clean
@@ -78,7 +80,7 @@ demo: $(STAMP)
 	$(BIN)/kvrc demo $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The fast subset: no Mooncake transfers, no Prometheus, no fault scenarios with engine
 # processes (those are tests/e2e). $(wildcard) leaves out a folder that does not exist yet.

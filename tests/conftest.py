@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from harness import REPO, CommandProcess, CoordinatorProcess, start_coordinator
@@ -27,6 +27,38 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
         if any(path.is_relative_to(p) for p in VLLM_TESTS):
             item.add_marker(pytest.mark.vllm)
+
+
+# `make test` runs the suite on two xdist workers. The soak and every vLLM test are
+# one work unit, run first on one worker: each of them loads both cores of a 2-core
+# host (no more than two vLLM engines at once), so they run one after the other,
+# while the other worker takes the rest, one unit per test file (a module's
+# fixtures are set up once).
+HEAVY_UNIT = "soak+vllm"
+SOAK = TESTS / "e2e" / "test_soak.py"
+
+
+def _work_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    resolved = (REPO / path).resolve()
+    if resolved == SOAK or any(resolved.is_relative_to(p) for p in VLLM_TESTS):
+        return HEAVY_UNIT
+    return path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling  # only under xdist (-n)
+
+    class HeavyFirstScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if HEAVY_UNIT in self.workqueue:
+                self.workqueue.move_to_end(HEAVY_UNIT, last=False)
+            super()._assign_work_unit(node)
+
+    return HeavyFirstScheduling(config, log)
 
 
 @pytest.fixture

@@ -202,8 +202,10 @@ def api_server_command(
     return command
 
 
-def engine_env(core: str, workdir: Path) -> dict[str, str]:
-    """A vLLM child's environment: offline, one core (or `0|1` at tp=2), caches in `workdir`."""
+def engine_env(core: str, workdir: Path, cache_root: Path | None = None) -> dict[str, str]:
+    """A vLLM child's environment: offline, one core (or `0|1` at tp=2), caches in
+    `cache_root` (default `workdir`). vLLM caches its model-class inspection there; a
+    cold cache costs every start a subprocess that imports the model (15 s on a slow host)."""
     env = dict(os.environ)
     env.update(
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
@@ -214,7 +216,7 @@ def engine_env(core: str, workdir: Path) -> dict[str, str]:
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_HOST_IP="127.0.0.1",
         VLLM_CPU_OMP_THREADS_BIND=core,
-        VLLM_CACHE_ROOT=str(workdir / "vllm-cache"),
+        VLLM_CACHE_ROOT=str(cache_root or workdir / "vllm-cache"),
         VLLM_SERVER_DEV_MODE="1",
     )
     return env

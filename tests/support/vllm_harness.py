@@ -3,8 +3,18 @@
 * `Kvrc`: `python -m coordinator serve` on 127.0.0.1 (a free port, reuse on or off);
 * `VllmEngine`: `vllm_engine_driver.py` in the vLLM venv, one core
   (`VLLM_CPU_OMP_THREADS_BIND`), eager, 1 GiB of KV cache, loopback only; each in
-  its own process group, killed as a group on close (vLLM spawns an EngineCore
-  and, with tp > 1, workers).
+  its own process group, killed as a group on close.
+
+Process layout: with `split_processes` (and always at tp > 1) an engine runs as
+vLLM serves, an EngineCore process and worker processes beside the driver, each
+importing vLLM again; without it, everything runs in the driver's process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, vLLM's in-process engine), which starts in a
+quarter of the time here. In-process, the engine steps only inside `generate`:
+tests that need an idle engine to keep stepping (a prefill freeing its blocks once
+the decode has pulled them) split. The P/D, tp=2 and OpenAI-server tests run the
+split layout; the prefix-load, pin, fault and config tests run in-process, where
+the connector's scheduler and worker halves share one process (pins run on the
+connector's own thread either way, clients/vllm/pool.py).
 
 No more than two engines run at once (a 2-core machine).
 """
@@ -37,6 +47,8 @@ BLOCK_SIZE = 32
 # kvrc's thread there stalls this long (clients/vllm/loop.py): a failure's diagnosis
 # then says what held it.
 STALL_DUMP_S = 30
+# One vLLM cache for every test engine (engine_env): model-class inspection is cached there.
+VLLM_CACHE_ROOT = REPO / ".cache" / "vllm-root"
 
 
 def random_prompt(seed: int, length: int, vocab: int = 1000) -> list[int]:
@@ -136,6 +148,7 @@ class VllmEngine:
         module: str | None = CONNECTOR_MODULE,
         env_extra: dict[str, str] | None = None,
         kv_events: bool = False,
+        split_processes: bool = False,
         **spec_extra: Any,
     ) -> None:
         self.name = name
@@ -167,7 +180,11 @@ class VllmEngine:
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
-            env={**engine_env(cores, workdir), **(env_extra or {})},
+            env={
+                **engine_env(cores, workdir, VLLM_CACHE_ROOT),
+                **({} if split_processes or tp > 1 else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+                **(env_extra or {}),
+            },
             cwd=workdir,
             start_new_session=True,
         )
@@ -382,7 +399,7 @@ class OpenAiServer:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=engine_env(cores, workdir),
+            env=engine_env(cores, workdir, VLLM_CACHE_ROOT),
             cwd=workdir,
             start_new_session=True,
         )

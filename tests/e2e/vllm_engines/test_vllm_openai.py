@@ -51,7 +51,9 @@ def client_disconnects_mid_load(
         **body,
         "prompt": prompt,
         "stream": True,
-        "kv_transfer_params": {"kvrc_test_fault": "delay-before-pull=4"},
+        # Long enough for the hang-up to reach D's engine while the load waits, also on
+        # a loaded host (4 s was not, with the rest of the suite running beside it).
+        "kv_transfer_params": {"kvrc_test_fault": "delay-before-pull=15"},
     }
     host, port = proxy_url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)

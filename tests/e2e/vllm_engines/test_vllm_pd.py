@@ -57,6 +57,7 @@ def pair(vllm_python: str, tiny_model: Path) -> Iterator[Pair]:
             cores="0",
             kv_role="kv_producer",
             extra=extra,
+            split_processes=True,  # the prefill frees its blocks while idle (vllm_harness)
         )
         decode = VllmEngine(
             vllm_python,
@@ -66,6 +67,7 @@ def pair(vllm_python: str, tiny_model: Path) -> Iterator[Pair]:
             cores="1",
             kv_role="kv_consumer",
             extra=extra,
+            split_processes=True,  # the prefill frees its blocks while idle (vllm_harness)
         )
         with engines(prefill, decode):
             yield Pair(kvrc, prefill, decode)
