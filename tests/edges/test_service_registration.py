@@ -6,6 +6,7 @@ A real `kvrc serve` subprocess on loopback; rank parts are real processes
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import signal
@@ -224,7 +225,10 @@ async def test_endpoint_metadata_round_trips_byte_for_byte(
     # The same bytes through `kvrc status --json` (base64 there).
     import base64
 
-    out = subprocess.run(  # noqa: ASYNC221  (a short CLI run; nothing else is on the loop)
+    # In a thread: the session's heartbeats run on this loop, and a CLI start on a loaded
+    # host outlasted the heartbeat timeout (the engine left the view before it answered).
+    out = await asyncio.to_thread(
+        subprocess.run,
         [sys.executable, "-m", "coordinator", "status", "--target", target, "--json"],
         cwd=REPO,
         capture_output=True,
