@@ -8,6 +8,7 @@ malformed request; `kvrc score` runs as a subprocess.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import subprocess
@@ -184,14 +185,16 @@ async def test_multimodal_items_reach_the_hashing_from_the_client_and_the_cli(
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
     args = ["score", "--target", t, "--model", MODEL, "--candidates", "mm-holder"]
-    out = _kvrc(*args, "--tokens-file", str(tokens), "--mm-feature", "img-sha-1:20:30", "--json")
+    out = await _kvrc(
+        *args, "--tokens-file", str(tokens), "--mm-feature", "img-sha-1:20:30", "--json"
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["engines"][0]["local_matched_blocks"] == 6
-    bad = _kvrc(*args, "--tokens-file", str(tokens), "--mm-feature", "img:20")
+    bad = await _kvrc(*args, "--tokens-file", str(tokens), "--mm-feature", "img:20")
     assert bad.returncode == 2 and "--mm-feature: expected IDENTIFIER:OFFSET:LENGTH" in bad.stderr
     route_args = ["route", "--target", t, "--model", MODEL, "--candidates", "mm-holder"]
     route_args += ["--timeout-s", "60"]
-    routed = _kvrc_main(
+    routed = await _kvrc_main(
         *route_args, "--tokens-file", str(tokens), "--mm-feature", "img-sha-1:20:30", "--json"
     )
     assert routed.returncode == 0, routed.stderr
@@ -284,15 +287,20 @@ def test_bad_requests_are_invalid_argument_naming_the_limit(reuse_on: Coordinato
     assert after - before == len(BAD_REQUESTS)
 
 
-def _kvrc_main(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvrc", *args], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+# In a thread: the tests' engine sessions heartbeat on the event loop, and a CLI start
+# on a loaded host outlasted kvrc's heartbeat timeout (the engine left the view).
+async def _kvrc_main(*args: str) -> subprocess.CompletedProcess[str]:
+    return await _cli("kvrc", *args)
 
 
-def _kvrc(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "coordinator", *args],
+async def _kvrc(*args: str) -> subprocess.CompletedProcess[str]:
+    return await _cli("coordinator", *args)
+
+
+async def _cli(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", module, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -309,7 +317,7 @@ async def test_kvrc_score_and_kvrc_route(
     await eventually(t, "cli-p0", 5, block_hashes=CHAIN, candidates=["cli-p0"])
     hexes = ",".join(h.hex() for h in CHAIN)
     args = ["score", "--target", t, "--model", MODEL, "--candidates", "cli-p0,cli-ghost"]
-    out = _kvrc(*args, "--block-hashes", hexes, "--json")
+    out = await _kvrc(*args, "--block-hashes", hexes, "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     engines = {e["child_engine_id"]: e for e in doc["engines"]}
@@ -319,20 +327,20 @@ async def test_kvrc_score_and_kvrc_route(
         "scored": False,
         "detail": "not a registered child engine",
     }
-    table = _kvrc(*args, "--block-hashes", hexes)
+    table = await _kvrc(*args, "--block-hashes", hexes)
     assert table.returncode == 0, table.stderr
     assert "CHILD ENGINE" in table.stdout and "gpu:5" in table.stdout
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
-    refused = _kvrc(*args, "--tokens-file", str(tokens))
+    refused = await _kvrc(*args, "--tokens-file", str(tokens))
     assert refused.returncode == 1 and "FAILED_PRECONDITION" in refused.stderr
-    bad = _kvrc(*args, "--tokens", "1,x")
+    bad = await _kvrc(*args, "--tokens", "1,x")
     assert bad.returncode == 2 and "--tokens: token ids must be integers" in bad.stderr
     # kvrc route: the engine side of the command, through the dispatcher (kvrc/cli.py).
     # A generous deadline: a loaded CI host once took over the default 5 s (routed unscored).
     route_args = ["route", "--target", t, "--model", MODEL, "--candidates", "cli-ghost,cli-p0"]
     route_args += ["--timeout-s", "60"]
-    routed = _kvrc_main(*route_args, "--block-hashes", hexes, "--json")
+    routed = await _kvrc_main(*route_args, "--block-hashes", hexes, "--json")
     assert routed.returncode == 0, routed.stderr
     assert json.loads(routed.stdout) | {"why": ""} == {
         "child_engine_id": "cli-p0",
@@ -340,12 +348,14 @@ async def test_kvrc_score_and_kvrc_route(
         "why": "",
     }, routed.stdout
     # Past the deadline Score is not waited for: the first candidate, unscored, and why.
-    late = _kvrc_main(*route_args, "--block-hashes", hexes, "--json", "--timeout-s", "0.000001")
+    late = await _kvrc_main(
+        *route_args, "--block-hashes", hexes, "--json", "--timeout-s", "0.000001"
+    )
     assert late.returncode == 0, late.stderr
     late_doc = json.loads(late.stdout)
     assert (late_doc["child_engine_id"], late_doc["by_score"]) == ("cli-ghost", False), late_doc
     assert "DEADLINE_EXCEEDED" in late_doc["why"], late_doc
-    bad_route = _kvrc_main(*route_args, "--block-hashes", "zz")
+    bad_route = await _kvrc_main(*route_args, "--block-hashes", "zz")
     assert bad_route.returncode == 2 and "--block-hashes: expected hex" in bad_route.stderr
 
 

@@ -626,7 +626,7 @@ async def test_redis_killed_fails_closed_and_an_empty_restart_is_rebuilt(
             # Nothing granted before is touched: the first lease is still open.
             status_a = await get_status(a.grpc_target)
             assert grant.lease_id in {x.lease_id for x in status_a.leases}
-            assert "UNAVAILABLE" in _status_text(a)
+            assert "UNAVAILABLE" in await _status_text(a)
             # Lookups stay local and keep answering (hints, I4-advisory).
             assert await matched(b.grpc_target, "req-kb", "holder-k") == 8
 
@@ -643,8 +643,10 @@ async def test_redis_killed_fails_closed_and_an_empty_restart_is_rebuilt(
             assert isinstance(again, PrefixLoadGrant), again
 
 
-def _status_text(kvrc: CoordinatorProcess) -> str:
-    done = subprocess.run(
+async def _status_text(kvrc: CoordinatorProcess) -> str:
+    # In a thread: the test's sessions heartbeat on the event loop meanwhile.
+    done = await asyncio.to_thread(
+        subprocess.run,
         [PYTHON, "-m", "coordinator", "status", "--target", kvrc.grpc_target],
         cwd=REPO,
         env=child_process_env(),
