@@ -315,6 +315,19 @@ class LoadGate:
             now_ms=int(now_ms),
         )
 
+    def reach(self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int) -> int:
+        """The most of the `hinted` blocks a load may cover: all, or a probe's worth over
+        a link neither measured nor declared (I9-cost-gate)."""
+        probe = self.model.probe_ceiling(
+            engine_name(holder),
+            engine_name(requester),
+            Tier.GPU,
+            floor,
+            hinted,
+            bytes_per_block=self.cost.block_bytes,
+        )
+        return hinted if probe is None else probe
+
     def started(
         self,
         lease_key: LeaseKey,
@@ -476,21 +489,21 @@ class LocalReferenceProvider:
             if cand.matched_blocks < min_blocks:
                 break
             need = min_blocks
+            reach = cand.matched_blocks
             if self.gate is not None:
-                worthwhile = self.gate.worthwhile(
-                    cand.engine, requester, min_blocks, cand.matched_blocks, now_ms
-                )
+                reach = self.gate.reach(cand.engine, requester, min_blocks, reach)
+                worthwhile = self.gate.worthwhile(cand.engine, requester, min_blocks, reach, now_ms)
                 if worthwhile is None:
                     continue  # this holder's link is too slow; another may still pay off
                 need = worthwhile
             self._next_lease += 1
             key = ("ref", self._next_lease)
-            pinned = self._side.pin_prefix(cand.engine, key, chain[: cand.matched_blocks])
+            pinned = self._side.pin_prefix(cand.engine, key, chain[:reach])
             if self.gate is not None and pinned < need:
                 self._side.unpin(cand.engine, key)  # recompute_cheaper: the pins are released
                 return None
             if self.gate is not None:
-                self.gate.started(key, cand.engine, requester, cand.matched_blocks, now_ms)
+                self.gate.started(key, cand.engine, requester, reach, now_ms)
             return LoadGrant(key, cand.engine, pinned)
         return None
 
@@ -838,8 +851,9 @@ class TraceSimulation:
                 return c.matched_blocks if c.matched_blocks >= self.min_blocks else 0
             if c.matched_blocks < floor:
                 break  # longest first: no later holder reaches the floor either
-            if self.gate.worthwhile(c.engine, engine, floor, c.matched_blocks, now) is not None:
-                return c.matched_blocks  # the holder kvrc's gate would grant
+            reach = self.gate.reach(c.engine, engine, floor, c.matched_blocks)
+            if self.gate.worthwhile(c.engine, engine, floor, reach, now) is not None:
+                return reach  # the holder kvrc's gate would grant (a probe: its reach)
         return 0
 
     def _shared_prefix(self, chain: Sequence[BlockId]) -> int:

@@ -41,6 +41,13 @@ included, a few ms), so the bound errs towards the slow side by that much; the b
 count is the hinted prefix, at least what moves, which errs towards the fast side.
 Once the link has a sample the fit takes over and open loads no longer count.
 
+Probes. The cold defaults lean towards loading, so the first load over a slow link is
+granted; whole, it can cost seconds. A link with no sample that no `[[link]]` declares
+therefore loads at most `probe_bytes` (whole blocks, at least one, and never fewer than
+the request's min_blocks; a holder whose block size is unknown is not probed): the
+requester recomputes the rest, and the probe's outcome is the link's first sample. A
+declared link is trusted as declared; a measured one is decided by its fit.
+
 Bounds (counted, never timed): at most `max_pairs` links and `max_requesters`
 prefill estimates, each evicted least recently *observed* first (`predict` does not
 touch recency, so a Score caller cannot churn the table).
@@ -57,6 +64,7 @@ from dataclasses import dataclass
 from kvrc.vocabulary import KvRegion, Tier
 
 __all__ = [
+    "MIB",
     "CostConfig",
     "CostModel",
     "LinkEstimate",
@@ -66,6 +74,7 @@ __all__ = [
     "kv_bytes_per_block",
 ]
 
+MIB = 1024 * 1024
 # Sizes whose squared coefficient of variation is below this cannot separate latency
 # from bandwidth (they are "one size").
 MIN_SPREAD = 0.01
@@ -104,6 +113,10 @@ class CostConfig:
     default_latency_ms: float = 1.0
     default_prefill_tokens_per_s: float = 1000.0
     alpha: float = 0.2  # weight of each new sample in the EWMAs
+    # A link neither measured nor declared loads at most this many bytes (whole blocks,
+    # at least one, never below the request's min_blocks): a probe, so that a slow link
+    # the optimistic defaults let through costs one short load. 0: no probes.
+    probe_bytes: int = 64 * MIB
 
     def __post_init__(self) -> None:
         # (name, value, lowest allowed, whether the lowest is allowed, highest allowed)
@@ -123,6 +136,8 @@ class CostConfig:
         for name, count in (("max_pairs", self.max_pairs), ("max_requesters", self.max_requesters)):
             if type(count) is not int or count < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {count!r}")
+        if type(self.probe_bytes) is not int or not 0 <= self.probe_bytes <= 1 << 40:
+            raise ValueError(f"probe_bytes must be an int in [0, 2^40], got {self.probe_bytes!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,6 +384,29 @@ class CostModel:
     def recompute_ms(self, requester: str, num_tokens: int) -> float:
         """`predict(...).recompute_ms` without a link: what a local hit saves."""
         return num_tokens * 1000.0 / self.prefill(requester).tokens_per_s
+
+    def probe_ceiling(
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        floor: int,
+        hinted: int,
+        *,
+        bytes_per_block: int,
+    ) -> int | None:
+        """None: the link is measured or declared (or the block's size is unknown), a load
+        may cover all `hinted` blocks. Otherwise the load is a probe (module docstring)
+        and covers at most the blocks returned: `probe_bytes` worth (at least one), never
+        below `floor` (the request's min_blocks), never above `hinted`."""
+        cfg = self.config
+        if not cfg.gate or cfg.probe_bytes <= 0 or bytes_per_block <= 0:
+            return None  # (a block of unknown size cannot be sized into a probe)
+        if (holder, requester, tier) in self._links:
+            return None
+        if self._declared_link(holder, requester) is not None:
+            return None  # the operator's word stands in for a measurement
+        return min(hinted, max(floor, 1, cfg.probe_bytes // bytes_per_block))
 
     def worthwhile_blocks(
         self,

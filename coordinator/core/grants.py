@@ -245,6 +245,7 @@ class _CostContext:
     block_size: int
     worthwhile_blocks: int = 1  # the fewest blocks worth loading, as of the request
     requested_ms: int | None = None  # when it was asked for: the grant's prediction is as of then
+    probe_blocks: int = 0  # > 0: a probe of a cold link, the holder asked for this many
 
 
 @dataclass
@@ -406,7 +407,7 @@ class Grants:
             return PrefixLoadStep(
                 None, PrefixLoadAnswer(None, choice.reason, detail, reuse, choice.refused), ()
             )
-        holder, context, worthwhile, hinted_blocks = choice
+        holder, context, worthwhile, ceiling = choice
         step = self.table.open_prefix_load(
             request_id=req.request_id,
             requester_child_engine_id=req.requester_child_engine_id,
@@ -420,6 +421,7 @@ class Grants:
             now_ms=now_ms,
             group_idx=req.group_idx,
             worthwhile_blocks=worthwhile,
+            pin_blocks=context.probe_blocks,
         )
         lease_id = step.view.lease_id
         self._cost_ctx[lease_id] = context
@@ -429,7 +431,7 @@ class Grants:
             context.holder,
             context.requester,
             context.tier,
-            hinted_blocks * context.bytes_per_block,
+            ceiling * context.bytes_per_block,
             now_ms,
         )
         if step.view.state is LeaseState.PINNING:
@@ -473,7 +475,7 @@ class Grants:
         self, req: PrefixLoadRequest, requester: ChildEngineView, now_ms: int
     ) -> tuple[ChildEngineView, _CostContext, int, int] | _NoHolder:
         """The holder to ask, its cost context, the fewest blocks worth loading from it
-        and the blocks it was hinted to hold."""
+        and the most it may load (the blocks it was hinted to hold, or a probe's worth)."""
         min_blocks = max(req.min_blocks, 1)
         # min_blocks 1: "below min_blocks" is told apart from "no candidate" here.
         answer = self._inventory.lookup(
@@ -497,24 +499,39 @@ class Grants:
             if view.compatibility_hash != requester.compatibility_hash:
                 continue  # never hand KV across layouts, whatever the index said
             context = self._cost_context(view, requester, candidate.tier)
-            worthwhile = self.cost.worthwhile_blocks(
+            # I9-cost-gate: a link neither measured nor declared is probed, not trusted.
+            probe = self.cost.probe_ceiling(
                 context.holder,
                 context.requester,
                 context.tier,
                 min_blocks,
                 candidate.matched_blocks,
+                bytes_per_block=context.bytes_per_block,
+            )
+            ceiling = candidate.matched_blocks if probe is None else probe
+            worthwhile = self.cost.worthwhile_blocks(
+                context.holder,
+                context.requester,
+                context.tier,
+                min_blocks,
+                ceiling,
                 block_tokens=context.block_size,
                 bytes_per_block=context.bytes_per_block,
                 now_ms=now_ms,
             )
             if worthwhile is None:
                 # I9-cost-gate: this holder's link is too slow; another may still pay off.
-                prediction = self._predict(context, candidate.matched_blocks, now_ms)
+                prediction = self._predict(context, ceiling, now_ms)
                 if refused is None or prediction.saving_ms > refused.saving_ms:
                     refused = prediction
                 continue
-            context = replace(context, worthwhile_blocks=worthwhile, requested_ms=now_ms)
-            return view, context, worthwhile, candidate.matched_blocks
+            context = replace(
+                context,
+                worthwhile_blocks=worthwhile,
+                requested_ms=now_ms,
+                probe_blocks=probe or 0,
+            )
+            return view, context, worthwhile, ceiling
         if refused is not None:
             return _NoHolder(MissReason.RECOMPUTE_CHEAPER.value, refused)
         return _NoHolder("below_min_blocks" if 0 < best < min_blocks else "no_candidate", None)

@@ -386,6 +386,7 @@ class _PrefixLoad(_Lease):
     block_hashes: tuple[BlockHash, ...] = ()
     min_blocks: int = 1
     worthwhile_blocks: int = 1  # the cost gate's floor (I9-cost-gate); >= min_blocks
+    pin_blocks: int = 0  # the holder pins at most this many chain blocks (a probe caps it)
     group_idx: int = 0
     pin_deadline_ms: int = 0
     transfer_ttl_ms: int = 0
@@ -564,13 +565,16 @@ class LeaseTable:
         now_ms: int,
         group_idx: int = 0,
         worthwhile_blocks: int = 1,
+        pin_blocks: int = 0,
     ) -> LeaseStep:
         """Open a prefix-load lease and ask every holder part to pin.
 
         Repeating a request id of this requester returns its lease unchanged
         (the holder arguments are then ignored: the first choice stands).
         `worthwhile_blocks` is the cost gate's floor (I9-cost-gate): a pin at or above
-        `min_blocks` but below it misses as RECOMPUTE_CHEAPER.
+        `min_blocks` but below it misses as RECOMPUTE_CHEAPER. `pin_blocks` (0: the
+        whole chain) asks the holder for the chain's first blocks only: a probe of a
+        cold link (I9-cost-gate).
         """
         cfg = self._config
         _check_id("request_id", request_id)
@@ -607,6 +611,12 @@ class LeaseTable:
         _check_duration("transfer_ttl_ms", transfer_ttl_ms, cfg.max_transfer_ttl_ms)
         if type(group_idx) is not int or group_idx < 0:
             raise invalid(f"group_idx must be an int >= 0, got {group_idx!r}")
+        pin_blocks = pin_blocks or len(chain)
+        if type(pin_blocks) is not int or not max(min_blocks, 1) <= pin_blocks <= len(chain):
+            raise invalid(
+                f"pin_blocks must be between min_blocks ({min_blocks}) and {len(chain)}, "
+                f"got {pin_blocks!r}"
+            )
         self._check_capacity((requester_child_engine_id, holder_child_engine_id))
         lease_id = self._fresh_id(Flow.PREFIX_LOAD)
 
@@ -623,6 +633,7 @@ class LeaseTable:
             block_hashes=chain,
             min_blocks=max(min_blocks, 1),  # zero blocks is always a miss
             worthwhile_blocks=max(worthwhile_blocks, min_blocks, 1),
+            pin_blocks=pin_blocks,
             group_idx=group_idx,
             pin_deadline_ms=now_ms + pin_timeout_ms,
             transfer_ttl_ms=transfer_ttl_ms,
@@ -633,7 +644,7 @@ class LeaseTable:
                 child_engine_id=holder_child_engine_id,
                 rank_key=rank_key,
                 lease_id=lease_id,
-                block_hashes=chain,
+                block_hashes=chain[:pin_blocks],
                 requester_child_engine_id=requester_child_engine_id,
                 deadline_ms=lease.pin_deadline_ms + transfer_ttl_ms,
                 group_idx=group_idx,
@@ -654,10 +665,11 @@ class LeaseTable:
         """A holder part's answer: how many chain blocks it pinned (0 = a miss)."""
         lease = self._lookup_flow(lease_id, _PrefixLoad)
         self._check_part(lease, holder_child_engine_id, rank_key, source=True)
-        if type(pinned_blocks) is not int or not 0 <= pinned_blocks <= len(lease.block_hashes):
+        asked = lease.pin_blocks or len(lease.block_hashes)
+        if type(pinned_blocks) is not int or not 0 <= pinned_blocks <= asked:
             raise invalid(
-                f"pinned_blocks must be between 0 and the chain length "
-                f"{len(lease.block_hashes)}, got {pinned_blocks!r}"
+                f"pinned_blocks must be between 0 and the {asked} blocks the pin asked for, "
+                f"got {pinned_blocks!r}"
             )
         previous = lease.pins.get(rank_key)
         if previous is not None:
@@ -1068,6 +1080,12 @@ class LeaseTable:
         lease.granted_ms = now_ms
         lease.deadline_ms = now_ms + lease.transfer_ttl_ms
         lease.reason = f"granted {lease.matched_blocks} blocks"
+        if 0 < lease.pin_blocks < len(lease.block_hashes):
+            # I9-cost-gate: the rest is recomputed; this load's outcome measures the link.
+            lease.reason += (
+                f" (a probe: {lease.pin_blocks} of the chain's {len(lease.block_hashes)} "
+                "blocks asked for, the link is neither measured nor declared)"
+            )
         self._set_state(lease, LeaseState.ACTIVE)
         actions.append(LeaseGranted(lease.lease_id, Flow.PREFIX_LOAD, now_ms - lease.created_ms))
 

@@ -144,6 +144,19 @@ class SavingPredictor(Protocol):
         engine, so it stays cheap)."""
         ...
 
+    def probe_ceiling(
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        floor: int,
+        hinted: int,
+        *,
+        bytes_per_block: int,
+    ) -> int | None:
+        """None: a load may cover all `hinted` blocks; else the most a probe covers."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ScoreQuery:
@@ -363,7 +376,13 @@ def _priced(
         best = holders[0] if holders else None
         # Only a longer prefix than the engine's own is loadable (never from itself).
         if best is not None and best[0] != me and best[1] > matched:
-            holder, loadable, holder_tier = best[0], best[1] - matched, best[2]
+            # A cold, undeclared link is granted a probe only (I9-cost-gate), asked for
+            # as a prefix load asks: at least one block past the engine's own.
+            probe = predictor.probe_ceiling(
+                best[0], me, best[2], matched + 1, best[1], bytes_per_block=e.bytes_per_block
+            )
+            reach = best[1] if probe is None else probe
+            holder, loadable, holder_tier = best[0], reach - matched, best[2]
             tokens = loadable * block_size
             p = predictor.predict(holder, me, best[2], tokens, loadable * e.bytes_per_block)
             # Credited exactly when a grant would be made for it (I9-cost-gate: load x

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import grpc
 
 from coordinator.core.auth import AuthConfigError, load_auth_policy
-from coordinator.core.cost_model import CostConfig
+from coordinator.core.cost_model import MIB, CostConfig
 from coordinator.core.leases import LeaseConfig
 from coordinator.runtime.config import (
     STORE_PASSWORD_ENV,
@@ -288,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a requester's prefill rate before it reports one, unless its declared profile "
         "names prefill_tokens_per_s (%(default)s)",
     )
+    serve.add_argument(
+        "--cost-probe-mib",
+        type=int,
+        default=cost.probe_bytes // MIB,
+        help="a load over a link neither measured nor declared ([[link]]) moves at most "
+        "this many MiB, the rest is recomputed: a probe that measures the link; 0: no "
+        "probes (%(default)s)",
+    )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-json", action="store_true", help="one JSON document per log line")
@@ -444,6 +452,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
             default_bandwidth_bytes_per_s=args.cost_default_bandwidth_gbps * 1e9,
             default_latency_ms=args.cost_default_latency_ms,
             default_prefill_tokens_per_s=args.cost_default_prefill_tokens_per_s,
+            probe_bytes=args.cost_probe_mib * MIB,
         )
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
@@ -480,6 +489,7 @@ _COST_FLAGS = {
     "default_bandwidth_bytes_per_s": "--cost-default-bandwidth-gbps",
     "default_latency_ms": "--cost-default-latency-ms",
     "default_prefill_tokens_per_s": "--cost-default-prefill-tokens-per-s",
+    "probe_bytes": "--cost-probe-mib",
 }
 
 
@@ -616,6 +626,7 @@ def cost_model_document(cost: pb.CostModelStatus) -> dict[str, Any]:
         "gate": cost.gate,
         "safety_margin": cost.safety_margin,
         "max_pairs": cost.max_pairs,
+        "probe_bytes": cost.probe_bytes,
         "defaults": {
             "bandwidth_bytes_per_s": cost.default_bandwidth_bytes_per_s,
             "latency_ms": cost.default_latency_ms,
@@ -649,7 +660,12 @@ def _cost_lines(cost: pb.CostModelStatus) -> list[str]:
         f"cost gate {'on' if cost.gate else 'off'}: load x {cost.safety_margin:g} < recompute; "
         f"{len(cost.links)}/{cost.max_pairs} measured link(s); cold defaults "
         f"{cost.default_bandwidth_bytes_per_s / 1e9:g} GB/s + {cost.default_latency_ms:g} ms, "
-        f"{cost.default_prefill_tokens_per_s:g} tokens/s"
+        f"{cost.default_prefill_tokens_per_s:g} tokens/s; "
+        + (
+            f"probes of {cost.probe_bytes / MIB:g} MiB over links neither measured nor declared"
+            if cost.probe_bytes
+            else "no probes"
+        )
     ]
     for link in cost.links:
         lines.append(

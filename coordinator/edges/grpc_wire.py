@@ -469,6 +469,7 @@ def _cost_status(cost: CostStatus) -> pb.CostModelStatus:
         default_bandwidth_bytes_per_s=cfg.default_bandwidth_bytes_per_s,
         default_latency_ms=cfg.default_latency_ms,
         default_prefill_tokens_per_s=cfg.default_prefill_tokens_per_s,
+        probe_bytes=cfg.probe_bytes,
     )
 
 

@@ -2398,6 +2398,7 @@ class CostModelStatus(_message.Message):
     DEFAULT_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     DEFAULT_LATENCY_MS_FIELD_NUMBER: _builtins.int
     DEFAULT_PREFILL_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    PROBE_BYTES_FIELD_NUMBER: _builtins.int
     gate: _builtins.bool
     """loads are granted only when predicted to beat recomputing"""
     safety_margin: _builtins.float
@@ -2405,6 +2406,8 @@ class CostModelStatus(_message.Message):
     default_bandwidth_bytes_per_s: _builtins.float
     default_latency_ms: _builtins.float
     default_prefill_tokens_per_s: _builtins.float
+    probe_bytes: _builtins.int
+    """A link neither measured nor declared loads at most this many bytes (a probe); 0: off."""
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCost]:
         """measured links, least recently measured first"""
@@ -2424,10 +2427,11 @@ class CostModelStatus(_message.Message):
         default_bandwidth_bytes_per_s: _builtins.float = ...,
         default_latency_ms: _builtins.float = ...,
         default_prefill_tokens_per_s: _builtins.float = ...,
+        probe_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_bandwidth_bytes_per_s", b"default_bandwidth_bytes_per_s", "default_latency_ms", b"default_latency_ms", "default_prefill_tokens_per_s", b"default_prefill_tokens_per_s", "gate", b"gate", "links", b"links", "max_pairs", b"max_pairs", "prefill_rates", b"prefill_rates", "safety_margin", b"safety_margin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_bandwidth_bytes_per_s", b"default_bandwidth_bytes_per_s", "default_latency_ms", b"default_latency_ms", "default_prefill_tokens_per_s", b"default_prefill_tokens_per_s", "gate", b"gate", "links", b"links", "max_pairs", b"max_pairs", "prefill_rates", b"prefill_rates", "probe_bytes", b"probe_bytes", "safety_margin", b"safety_margin"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

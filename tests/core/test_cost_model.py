@@ -211,6 +211,8 @@ def test_bytes_per_block_come_from_regions_then_from_the_layout() -> None:
         {"default_bandwidth_bytes_per_s": float("inf")},
         {"max_pairs": 0},
         {"alpha": 0.0},
+        {"probe_bytes": -1},
+        {"probe_bytes": 1.5},
     ],
 )
 def test_bad_cost_settings_are_refused_naming_the_setting(change: dict[str, float]) -> None:
@@ -288,3 +290,30 @@ def test_a_declared_link_is_bounded_by_its_open_loads_too() -> None:
     model.load_started("a", "h", "r1", GPU, 100_000_000, now_ms=0)
     assert model.link("h", "r1", GPU, 100).bandwidth_bytes_per_s == 1e9  # as declared: 100 ms
     assert model.link("h", "r1", GPU, 200).bandwidth_bytes_per_s == pytest.approx(5e8)
+
+
+def test_a_link_neither_measured_nor_declared_is_probed_with_a_short_load() -> None:
+    mib = 1 << 20
+    model = CostModel(CostConfig(probe_bytes=64 * mib))
+
+    def ceiling(
+        holder: str = "h", floor: int = 1, hinted: int = 20, per_block: int = 16 * mib
+    ) -> int | None:
+        return model.probe_ceiling(holder, "r", GPU, floor, hinted, bytes_per_block=per_block)
+
+    assert ceiling() == 4  # 64 MiB of 16 MiB blocks
+    assert ceiling(per_block=100 * mib) == 1  # at least one block
+    assert ceiling(per_block=0) is None  # size unknown: nothing to size a probe by
+    assert ceiling(floor=6) == 6  # never below the request's min_blocks
+    assert ceiling(hinted=3) == 3  # never above what the holder was hinted to hold
+    # Its first outcome is the link's first sample: from then on the fit decides.
+    feed(model, 1.0, 1e9, [64 * mib])
+    assert ceiling() is None
+    assert ceiling(holder="other") == 4  # a sample is per link
+    # A declared link is trusted as declared; no probes with the gate off or probe_bytes 0.
+    declared = DeclaredLink(("h",), ("r",), bandwidth_bytes_per_s=1e9, latency_ms=1.0)
+    assert CostModel(declared_links=[declared]).probe_ceiling(
+        "h", "r", GPU, 1, 20, bytes_per_block=mib
+    ) is None  # fmt: skip
+    for config in (CostConfig(gate=False), CostConfig(probe_bytes=0)):
+        assert CostModel(config).probe_ceiling("h", "r", GPU, 1, 20, bytes_per_block=mib) is None

@@ -67,6 +67,18 @@ class NoLinks:
     def recompute_ms(self, requester: str, num_tokens: int) -> float:
         return float(num_tokens)
 
+    def probe_ceiling(
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        floor: int,
+        hinted: int,
+        *,
+        bytes_per_block: int,
+    ) -> int | None:
+        return None  # every link counts as measured
+
 
 RATE = NoLinks()
 PROFILE = DeploymentProfile(
@@ -338,6 +350,25 @@ def test_with_the_cost_model_a_load_counts_exactly_when_a_grant_would_be_made() 
         assert model.predict("b", "a", Tier.GPU, 32, 8000).worth_loading is credited
         saving = by_saving(run(inv, [a], predictor=model))["a"]
         assert saving == pytest.approx(8 + (32 - 9 if credited else 0)), margin
+
+
+def test_over_a_cold_undeclared_link_only_a_probe_is_loadable_until_it_is_measured() -> None:
+    # Score credits what a grant would load (I9-cost-gate): over a link neither measured
+    # nor declared, a probe of probe_bytes (5 blocks of 1000 bytes from the chain's
+    # start, so 3 past the engine's own 2), not the holder's 8 more.
+    inv = Inventory()
+    add(inv, "a")
+    add(inv, "b")
+    store(inv, "a", CHAIN[:2])
+    store(inv, "b", CHAIN[:10])
+    a = replace(engine("a"), bytes_per_block=1000)
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=1000.0, probe_bytes=5000))
+    (probed,) = run(inv, [a], predictor=model).engines
+    assert (probed.loadable_blocks, probed.holder_child_engine_id) == (3, "b")
+    model.observe_transfer("b", "a", Tier.GPU, 5000, 1000)
+    (measured,) = run(inv, [a], predictor=model).engines
+    assert measured.loadable_blocks == 8
+    assert measured.predicted_saving_ms > probed.predicted_saving_ms
 
 
 def by_saving(answer: ScoreAnswer) -> dict[str, float]:

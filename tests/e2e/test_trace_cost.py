@@ -297,3 +297,25 @@ def test_the_replication_charge_keeps_kvrc_cost_near_local_kv_where_caches_are_f
     gated = run(Mode.KVRC_COST, gate_config=CostConfig(), declared_links=cost.pairs.declared())
     assert gated.blocks_loaded > 0
     assert gated.ttft_mean_s <= within * local.ttft_mean_s
+
+
+def test_probes_keep_a_cold_clusters_slow_links_from_costing_whole_loads() -> None:
+    # Nothing declared: every link starts from the optimistic defaults. A cold link's
+    # first load is a probe of probe_bytes (one 64 MiB block here), so a cross-group
+    # pair costs one short load before its measurement refuses it; without probes each
+    # first cross-group load moves a whole document at 0.1 GB/s (seconds). Model TTFTs,
+    # deterministic.
+    spec = dataclasses.replace(slow_pairs.SLOW_PAIRS, requests=1000)
+    run = functools.partial(
+        simulate,
+        slow_pairs.generate(spec),
+        engines=spec.engines,
+        capacity_tokens=spec.capacity_tokens,
+        cost=spec.cost(),
+    )
+    local = run(Mode.LOCAL_KV).ttft_mean_s
+    probed = run(Mode.KVRC_COST)
+    whole = run(Mode.KVRC_COST, gate_config=CostConfig(probe_bytes=0))
+    assert probed.ttft_mean_s < 1.15 * local, (probed.ttft_mean_s, local)
+    assert whole.ttft_mean_s > 5 * local, (whole.ttft_mean_s, local)  # the control
+    assert probed.blocks_loaded < whole.blocks_loaded

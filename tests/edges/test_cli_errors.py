@@ -168,3 +168,17 @@ def test_handoff_wait_flags_reach_the_lease_config_and_refuse_zero(flag: str, fi
     assert getattr(default.leases, field) != 4321  # the default is the core's
     with pytest.raises(ConfigError, match=f"{flag} must be >= 1 ms, got 0"):
         cli.config_from_args(parser.parse_args(["serve", flag, "0"]))
+
+
+def test_the_probe_flag_reaches_the_cost_config_in_mib_and_refuses_a_negative() -> None:
+    from coordinator.runtime.config import ConfigError
+
+    parser = cli.build_parser()
+    config = cli.config_from_args(parser.parse_args(["serve", "--cost-probe-mib", "3"]))
+    assert config.cost.probe_bytes == 3 << 20
+    default = cli.config_from_args(parser.parse_args(["serve"]))
+    assert default.cost.probe_bytes == 64 << 20
+    off = cli.config_from_args(parser.parse_args(["serve", "--cost-probe-mib", "0"]))
+    assert off.cost.probe_bytes == 0
+    with pytest.raises(ConfigError, match="--cost-probe-mib: probe_bytes must be"):
+        cli.config_from_args(parser.parse_args(["serve", "--cost-probe-mib", "-1"]))

@@ -150,8 +150,10 @@ async def test_a_slow_measured_pair_misses_recompute_cheaper_while_a_fast_pair_k
     assert links[("cost-fast", "cost-req")].samples >= 3
     rates = {r.child_engine_id: r for r in status.cost_model.prefill_rates}
     assert rates["cost-req"].source == "declared" and rates["cost-req"].tokens_per_s == 1000
+    assert status.cost_model.probe_bytes == 64 << 20  # the default: probes of 64 MiB
     text = _status_text(kvrc.grpc_target, status)
     assert "cost gate on" in text and "link cost-slow -> cost-req (gpu)" in text
+    assert "probes of 64 MiB over links neither measured nor declared" in text
 
 
 async def test_the_grant_carries_its_prediction(kvrc: CoordinatorProcess, parts: Parts) -> None:

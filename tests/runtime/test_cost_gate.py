@@ -14,7 +14,7 @@ import asyncio
 import pytest
 from manual_rig import CHAIN, PROFILE, Rig, drain_outbound, manual_coordinator, settle
 
-from coordinator.core.cost_model import CostConfig
+from coordinator.core.cost_model import CostConfig, DeclaredLink
 from coordinator.core.grants import PrefixLoadAnswer, PrefixLoadRequest, TransferReport
 from coordinator.core.leases import Outcome, SendPin, SendRelease
 from coordinator.core.registry import RankPartRegistration
@@ -53,6 +53,7 @@ async def load(
     await settle()
     pins = [m for m in drain_outbound(holder) if isinstance(m, SendPin)]
     if pins:
+        pinned = min(pinned, len(pins[0].block_hashes))  # a holder pins what it is asked for
         c.leases.on_pin_result(
             holder.registration.child_engine_id, (0, 0, 0), pins[0].lease_id, pinned, b"d", ""
         )
@@ -234,3 +235,52 @@ async def test_a_cold_links_first_load_still_open_past_its_prediction_refuses_th
         await settle()
         assert c.leases.core.cost.open_first_loads == 0  # ended with their leases
         assert granted(await load(rig, slow, "s3", duration_us=2_000)) == "slow"
+
+
+async def pin_asked(rig: Rig, holder: Session, request_id: str) -> tuple[int, PrefixLoadAnswer]:
+    """One prefix load by "r" whose holder pins all it is asked for, reported done: the
+    number of chain blocks the pin asked for, and the answer."""
+    c = rig.coordinator
+    drain_outbound(holder)
+    request = PrefixLoadRequest(request_id, "r", CHAIN, "", 1, 0, 2_000, 10_000)
+    task = asyncio.ensure_future(c.leases.request_prefix_load(request))
+    await settle()
+    (pin,) = [m for m in drain_outbound(holder) if isinstance(m, SendPin)]
+    child = holder.registration.child_engine_id
+    c.leases.on_pin_result(child, (0, 0, 0), pin.lease_id, len(pin.block_hashes), b"", "")
+    answer = await task
+    assert answer.view is not None and answer.view.prefix_load_grant is not None
+    c.leases.complete_prefix_load(
+        TransferReport(
+            answer.view.lease_id, "r", (0, 0, 0), Outcome.SUCCEEDED,
+            BLOCK_BYTES * len(pin.block_hashes), 1_000, "", 0, 0,
+        )
+    )  # fmt: skip
+    await settle()
+    return len(pin.block_hashes), answer
+
+
+async def test_a_cold_undeclared_links_first_load_is_a_probe_of_probe_bytes() -> None:
+    # 2 blocks' worth of probe: the holder is asked to pin the chain's first 2 blocks only,
+    # the grant says why, and the probe's report is the link's first sample, after which
+    # the whole chain is asked for. A declared link is trusted at once (the control).
+    probing = CostConfig(default_prefill_tokens_per_s=1000.0, probe_bytes=2 * BLOCK_BYTES)
+    async with manual_coordinator(cost=probing) as rig:
+        register(rig, "r")
+        cold = register(rig, "cold")
+        rig.store(cold)
+        blocks, probe = await pin_asked(rig, cold, "p0")
+        assert blocks == 2 and probe.view is not None
+        grant = probe.view.prefix_load_grant
+        assert grant is not None and grant.matched_blocks == 2
+        assert "a probe: 2 of the chain's 8 blocks" in probe.view.reason
+        assert probe.prediction is not None and probe.prediction.num_bytes == 2 * BLOCK_BYTES
+        blocks, full = await pin_asked(rig, cold, "p1")  # measured now: the whole chain
+        assert blocks == len(CHAIN) and full.view is not None and "probe" not in full.view.reason
+    declared = DeclaredLink(("known",), ("r",), bandwidth_bytes_per_s=1e10, latency_ms=1.0)
+    async with manual_coordinator(cost=probing, declared_links=(declared,)) as rig:
+        register(rig, "r")
+        known = register(rig, "known")
+        rig.store(known)
+        blocks, trusted = await pin_asked(rig, known, "d0")
+        assert blocks == len(CHAIN) and granted(trusted) == "known"
