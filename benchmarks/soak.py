@@ -168,35 +168,32 @@ def _proc_rss_mb(pid: int) -> float | None:
     return None
 
 
-def _proc_fds(pid: int) -> int | None:
-    with contextlib.suppress(OSError):
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    return None
-
-
-def _proc_clients(pid: int, port: int) -> int | None:
-    """Established TCP connections into `pid` on its `port`: its clients' sessions.
+def _proc_fds_and_clients(pid: int, port: int) -> tuple[int | None, int | None]:
+    """Open fds of `pid`, and its established TCP connections on its `port`: its
+    clients' sessions (one listing of /proc/PID/fd for both).
 
     A replica that took over a killed one's engines holds their connections at the
     end; they are the clients', not a leak, so the fd bound counts fds net of them.
     """
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None, None
     inodes: set[str] = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        count = 0
-        for table in ("tcp", "tcp6"):
-            with contextlib.suppress(OSError):
-                for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-                    cols = row.split()  # sl local remote st ... inode (column 9)
-                    local_port = int(cols[1].rsplit(":", 1)[1], 16)
-                    if local_port == port and cols[3] == "01" and cols[9] in inodes:
-                        count += 1
-        return count
-    return None
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                cols = row.split()  # sl local remote st ... inode (column 9)
+                local_port = int(cols[1].rsplit(":", 1)[1], 16)
+                if local_port == port and cols[3] == "01" and cols[9] in inodes:
+                    count += 1
+    return len(fds), count
 
 
 # ---------------------------------------------------------------------------
@@ -270,7 +267,7 @@ class KvrcInstance:
     fds_start: int | None = None
     rss_mb_end: float | None = None
     fds_end: int | None = None
-    clients_start: int | None = None  # _proc_clients at each sample
+    clients_start: int | None = None  # _proc_fds_and_clients at each sample
     clients_end: int | None = None
     codes: dict[str, float] = field(default_factory=dict)  # last scrape, by code
     ended: str = ""
@@ -599,8 +596,8 @@ class StoreRun:
         instance.codes = codes
 
     def _sample(self, instance: KvrcInstance, *, start: bool) -> None:
-        rss, fds = _proc_rss_mb(instance.pid), _proc_fds(instance.pid)
-        clients = _proc_clients(instance.pid, instance.grpc_port)
+        rss = _proc_rss_mb(instance.pid)
+        fds, clients = _proc_fds_and_clients(instance.pid, instance.grpc_port)
         if start:
             instance.rss_mb_start, instance.fds_start = rss, fds
             instance.clients_start = clients

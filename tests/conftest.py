@@ -19,13 +19,18 @@ TESTS = Path(__file__).resolve().parent
 VLLM_TESTS = (TESTS / "e2e" / "test_vllm_real.py", TESTS / "e2e" / "vllm_engines")
 
 
+def _is_vllm_test(path: Path) -> bool:
+    """A test that starts real vLLM engines (`path` resolved)."""
+    return any(path.is_relative_to(p) for p in VLLM_TESTS)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/e2e is `e2e`; vLLM's own tests are `vllm` (see pyproject.toml)."""
     for item in items:
         path = item.path.resolve()
         if path.is_relative_to(TESTS / "e2e"):
             item.add_marker(pytest.mark.e2e)
-        if any(path.is_relative_to(p) for p in VLLM_TESTS):
+        if _is_vllm_test(path):
             item.add_marker(pytest.mark.vllm)
 
 
@@ -41,7 +46,7 @@ SOAK = TESTS / "e2e" / "test_soak.py"
 def _work_unit(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     resolved = (REPO / path).resolve()
-    if resolved == SOAK or any(resolved.is_relative_to(p) for p in VLLM_TESTS):
+    if resolved == SOAK or _is_vllm_test(resolved):
         return HEAVY_UNIT
     return path
 

@@ -13,9 +13,7 @@ engines compute over their cache blocks.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-import random
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -23,40 +21,19 @@ from typing import Any
 
 import pytest
 from harness import get_status, wait_until
+from refengine_blocks import DEFAULTS, assert_blocks_exact, layout_for, tokens
 from refengine_faults import PullFaults
 
 from clients.hashing import hash_block_chain
 from clients.inventory import LookupClient
-from clients.kv_cache import KvCacheLayout
 from clients.refengine.channel import Channel
-from clients.refengine.compute import expected_blocks
 from clients.refengine.demo import BLOCK_SIZE, Cluster, EngineGroup
-from clients.refengine.options import EngineOptions
 from kvrc.v1 import kvrc_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
 
 MOONCAKE_PORTS = "27000-27999"
-DEFAULTS = EngineOptions(role="prefill", engine_id="x", tp_rank=0, tp_size=1, target="")
-
-
-def layout_for(tp_size: int) -> KvCacheLayout:
-    return KvCacheLayout(
-        num_layers=DEFAULTS.num_layers,
-        num_blocks=DEFAULTS.num_blocks,
-        block_size=BLOCK_SIZE,
-        num_kv_heads=DEFAULTS.num_kv_heads // tp_size,
-        head_size=DEFAULTS.head_size,
-        dtype=DEFAULTS.kv_dtype,
-    )
-
-
 BLOCK_BYTES_TP2 = layout_for(2).block_bytes * layout_for(2).num_layers  # one part, all layers
-
-
-def tokens(seed: int, count: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 32000) for _ in range(count)]
 
 
 def blocks_of(num_tokens: int) -> int:
@@ -137,24 +114,6 @@ async def handoff(
     )
     await call(engines[prefill], "bind_handoff", request_id=request_id, lease_id=dec["lease_id"])
     return pre, dec
-
-
-def expected_digests(chain: list[int], num_blocks: int, tp_size: int) -> list[list[str]]:
-    layout = layout_for(tp_size)
-    out = []
-    for rank in range(tp_size):
-        rows = expected_blocks(layout, chain, list(range(num_blocks)), tp_rank=rank)
-        out.append([hashlib.sha256(bytes(row.reshape(-1).tolist())).hexdigest() for row in rows])
-    return out
-
-
-async def assert_blocks_exact(engine: Channel, chain: list[int], tp_size: int = 2) -> int:
-    """The engine's cached blocks of `chain` equal the test's own recomputation."""
-    digests = await call(engine, "digests", tokens=chain)
-    num_blocks = len(digests[0])
-    assert num_blocks > 0
-    assert digests == expected_digests(chain, num_blocks, tp_size)
-    return num_blocks
 
 
 async def no_open_leases(target: str) -> bool:

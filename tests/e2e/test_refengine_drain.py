@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 from harness import REPO, wait_until
+from refengine_blocks import tokens
 
 from clients.refengine.channel import Channel
 from clients.refengine.demo import BLOCK_SIZE, Cluster, EngineGroup, child_process_env
@@ -37,11 +37,6 @@ TOKENS = {
     "p1": "p1-token-0123456789abcdef",
     "admin": "admin-token-0123456789abcdef",
 }
-
-
-def tokens(seed: int, count: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 32000) for _ in range(count)]
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,6 @@ a shared store never lend across (the requester recomputes).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,30 +20,14 @@ from typing import Any
 import pytest
 from harness import child_engine_status, get_status, wait_until
 from redis_env import RedisServer, start_redis
+from refengine_blocks import expected_digests, tokens
 
-from clients.kv_cache import KvCacheLayout
 from clients.refengine.channel import Channel
-from clients.refengine.compute import expected_blocks
 from clients.refengine.demo import BLOCK_SIZE, Cluster, EngineGroup
-from clients.refengine.options import EngineOptions
 
 pytestmark = pytest.mark.timeout(180)
 
 MOONCAKE_PORTS = "29500-29999"
-DEFAULTS = EngineOptions(role="prefill", engine_id="x", tp_rank=0, tp_size=1, target="")
-LAYOUT = KvCacheLayout(
-    num_layers=DEFAULTS.num_layers,
-    num_blocks=DEFAULTS.num_blocks,
-    block_size=BLOCK_SIZE,
-    num_kv_heads=DEFAULTS.num_kv_heads,
-    head_size=DEFAULTS.head_size,
-    dtype=DEFAULTS.kv_dtype,
-)
-
-
-def tokens(seed: int, count: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 32000) for _ in range(count)]
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +68,6 @@ async def connect(groups: dict[str, EngineGroup]) -> dict[str, Channel]:
 
 async def call(channel: Channel, op: str, **args: Any) -> Any:
     return await channel.call(op, timeout_s=90.0, **args)
-
-
-def expected_digests(chain: list[int], num_blocks: int) -> list[str]:
-    rows = expected_blocks(LAYOUT, chain, list(range(num_blocks)), tp_rank=0)
-    return [hashlib.sha256(bytes(row.reshape(-1).tolist())).hexdigest() for row in rows]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +125,7 @@ async def test_a_load_granted_on_b_from_a_holder_on_a_is_bit_exact(
     assert loaded["blocks_loaded"] == 96 // BLOCK_SIZE
     assert loaded["mismatches"] == 0
     digests = await call(engines["p1"], "digests", tokens=turn2)
-    assert digests[0] == expected_digests(turn2, len(digests[0]))
+    assert digests == expected_digests(turn2, len(digests[0]), tp_size=1)
     # Quiescence on both replicas: B ended the lease, A's holder got its release.
     await wait_until(lambda: _no_open_leases(two.target_b), timeout_s=15)
     await wait_until(lambda: _pinned_is(engines["p0"], 0), timeout_s=15)
@@ -171,7 +148,7 @@ async def test_a_handoff_published_on_b_for_a_decode_on_a_is_bit_exact(
     assert dec["handoff"] == "pulled", dec
     assert dec["mismatches"] == 0
     digests = await call(engines["d0"], "digests", tokens=prompt + output)
-    assert digests[0] == expected_digests(prompt + output, len(digests[0]))
+    assert digests == expected_digests(prompt + output, len(digests[0]), tp_size=1)
     await wait_until(lambda: _no_open_leases(two.target_a), timeout_s=15)
     await wait_until(lambda: _stat_is(engines["p1"], "handoffs_held", 0), timeout_s=15)
 

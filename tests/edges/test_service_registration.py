@@ -6,22 +6,19 @@ A real `kvrc serve` subprocess on loopback; rank parts are real processes
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 from harness import (
-    REPO,
     CoordinatorProcess,
     child_engine_status,
     free_port,
+    run_cli,
     start_coordinator,
     start_engine_part,
     wait_until,
@@ -225,17 +222,8 @@ async def test_endpoint_metadata_round_trips_byte_for_byte(
     # The same bytes through `kvrc status --json` (base64 there).
     import base64
 
-    # In a thread: the session's heartbeats run on this loop, and a CLI start on a loaded
-    # host outlasted the heartbeat timeout (the engine left the view before it answered).
-    out = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "coordinator", "status", "--target", target, "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    )
+    out = await run_cli("coordinator", "status", "--target", target, "--json")
+    assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     (meta,) = [c for c in doc["child_engines"] if c["child_engine_id"] == "meta"]
     endpoint_doc = meta["parts"][0]["endpoint"]

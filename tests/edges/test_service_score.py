@@ -8,18 +8,22 @@ malformed request; `kvrc score` runs as a subprocess.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from harness import REPO, CoordinatorProcess, metric_value, start_coordinator, wait_until
+from harness import (
+    CoordinatorProcess,
+    metric_value,
+    run_cli,
+    start_coordinator,
+    wait_until,
+)
 
 from clients.errors import FailedPreconditionError
 from clients.inventory import InventoryPublisher, PublishingHandler
@@ -287,25 +291,12 @@ def test_bad_requests_are_invalid_argument_naming_the_limit(reuse_on: Coordinato
     assert after - before == len(BAD_REQUESTS)
 
 
-# In a thread: the tests' engine sessions heartbeat on the event loop, and a CLI start
-# on a loaded host outlasted kvrc's heartbeat timeout (the engine left the view).
 async def _kvrc_main(*args: str) -> subprocess.CompletedProcess[str]:
-    return await _cli("kvrc", *args)
+    return await run_cli("kvrc", *args)
 
 
 async def _kvrc(*args: str) -> subprocess.CompletedProcess[str]:
-    return await _cli("coordinator", *args)
-
-
-async def _cli(module: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return await run_cli("coordinator", *args)
 
 
 async def test_kvrc_score_and_kvrc_route(

@@ -43,6 +43,7 @@ from harness import (
     child_engine_status,
     get_status,
     metric_value,
+    run_cli,
     start_coordinator,
     wait_until,
 )
@@ -644,16 +645,7 @@ async def test_redis_killed_fails_closed_and_an_empty_restart_is_rebuilt(
 
 
 async def _status_text(kvrc: CoordinatorProcess) -> str:
-    # In a thread: the test's sessions heartbeat on the event loop meanwhile.
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [PYTHON, "-m", "coordinator", "status", "--target", kvrc.grpc_target],
-        cwd=REPO,
-        env=child_process_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = await run_cli("coordinator", "status", "--target", kvrc.grpc_target)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

@@ -300,6 +300,26 @@ def start_engine_part(
 # --- async helpers for tests that talk gRPC in-process --------------------------------
 
 
+async def run_cli(
+    module: str, *args: str, timeout_s: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    """`python -m <module> <args>` (the `kvrc` or `coordinator` CLI), output captured.
+
+    In a thread: an async test's engine sessions heartbeat on its event loop, and a CLI
+    start on a loaded host outlasted kvrc's heartbeat timeout (the engine left the view)."""
+    import asyncio
+
+    return await asyncio.to_thread(
+        subprocess.run,
+        [PYTHON, "-m", module, *args],
+        cwd=REPO,
+        env=child_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
 async def get_status(target: str, timeout_s: float = 5.0) -> Any:
     """AdminService.GetStatus over a fresh channel (a kvrc.v1 StatusResponse)."""
     import grpc
