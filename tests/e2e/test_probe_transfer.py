@@ -33,7 +33,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     c = Cluster(Path(tmp_path_factory.mktemp("probe")))
     try:
         c.start_coordinator("--cost-probe-mib", "1")
-        extra = ["--mooncake-ports", "28000-28499"]
+        extra = ["--mooncake-ports", "26000-26499"]
         groups: list[EngineGroup] = c.start_engines(
             [("p0", "prefill", 1, extra), ("p1", "prefill", 1, extra)]
         )

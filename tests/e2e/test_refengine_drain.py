@@ -31,7 +31,7 @@ from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(150)
 
-MOONCAKE_PORTS = "28600-28899"
+MOONCAKE_PORTS = "26500-26999"
 TOKENS = {
     "p0": "p0-token-0123456789abcdef",
     "p1": "p1-token-0123456789abcdef",
