@@ -179,6 +179,7 @@ class CostObserved:
     predicted_load_ms: float
     actual_load_ms: float
     link_measured: bool  # the prediction came from measurements, not the cold defaults
+    probe: bool = False  # a probe of a link neither measured nor declared (I9-cost-gate)
 
 
 # The session messages of the lease flows (the rank part's session delivers them).
@@ -630,6 +631,7 @@ class Grants:
                     prediction.load_ms,
                     measured.duration_us / 1000.0,
                     prediction.link.samples > 0,
+                    context.probe_blocks > 0,
                 )
             )
         self.cost.observe_transfer(

@@ -484,6 +484,8 @@ class LeaseFlow:
                 if failed is not None and not failed.done():
                     failed.set_exception(KvrcError(action.code, action.message))
             elif isinstance(action, CostObserved):
+                if action.probe:
+                    m.cost_probes.inc()
                 if action.predicted_load_ms > 0:
                     m.cost_prediction_error.labels(
                         link="measured" if action.link_measured else "default"

@@ -263,6 +263,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.cost_probes = Counter(
+            "kvrc_cost_probes_total",
+            "Completed probes: prefix loads over a link neither measured nor declared, "
+            "capped at --cost-probe-mib, each outcome a measurement of its link.",
+            registry=r,
+        )
         self.cost_prediction_error = Histogram(
             "kvrc_cost_prediction_error_ratio",
             "Completed prefix loads: the measured transfer over the cost model's prediction "

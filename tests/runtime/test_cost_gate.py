@@ -275,8 +275,11 @@ async def test_a_cold_undeclared_links_first_load_is_a_probe_of_probe_bytes() ->
         assert grant is not None and grant.matched_blocks == 2
         assert "a probe: 2 of the chain's 8 blocks" in probe.view.reason
         assert probe.prediction is not None and probe.prediction.num_bytes == 2 * BLOCK_BYTES
+        probes = rig.coordinator.metrics.registry.get_sample_value
+        assert probes("kvrc_cost_probes_total") == 1
         blocks, full = await pin_asked(rig, cold, "p1")  # measured now: the whole chain
         assert blocks == len(CHAIN) and full.view is not None and "probe" not in full.view.reason
+        assert probes("kvrc_cost_probes_total") == 1
     declared = DeclaredLink(("known",), ("r",), bandwidth_bytes_per_s=1e10, latency_ms=1.0)
     async with manual_coordinator(cost=probing, declared_links=(declared,)) as rig:
         register(rig, "r")
@@ -284,3 +287,4 @@ async def test_a_cold_undeclared_links_first_load_is_a_probe_of_probe_bytes() ->
         rig.store(known)
         blocks, trusted = await pin_asked(rig, known, "d0")
         assert blocks == len(CHAIN) and granted(trusted) == "known"
+        assert rig.coordinator.metrics.registry.get_sample_value("kvrc_cost_probes_total") == 0
