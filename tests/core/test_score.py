@@ -317,12 +317,18 @@ def test_expired_blocks_are_misses() -> None:
     assert after.engines[0].local_matched_blocks == 0
 
 
-def test_the_predictor_seam_credits_loads_only_when_they_beat_the_recompute() -> None:
+def a_holds_2_b_holds_10() -> Inventory:
+    """Engine a holds the chain's first 2 blocks, b its first 10: a may load 8 more from b."""
     inv = Inventory()
     add(inv, "a")
     add(inv, "b")
     store(inv, "a", CHAIN[:2])
     store(inv, "b", CHAIN[:10])
+    return inv
+
+
+def test_the_predictor_seam_credits_loads_only_when_they_beat_the_recompute() -> None:
+    inv = a_holds_2_b_holds_10()
     no_links = by_saving(run(inv, [engine("a")]))
     cheap = by_saving(run(inv, [engine("a")], predictor=NoLinks(0.5)))
     assert no_links["a"] == pytest.approx(2 * 4)  # local tokens at 1 token/ms, no load
@@ -332,11 +338,7 @@ def test_the_predictor_seam_credits_loads_only_when_they_beat_the_recompute() ->
 def test_with_the_cost_model_a_load_counts_exactly_when_a_grant_would_be_made() -> None:
     # 1000 tokens/s, 1 ms + 1 MB/s: 8 loadable blocks of 4 tokens and 1000 bytes each
     # recompute in 32 ms and load in 9 ms; the margin decides (I9-cost-gate).
-    inv = Inventory()
-    add(inv, "a")
-    add(inv, "b")
-    store(inv, "a", CHAIN[:2])
-    store(inv, "b", CHAIN[:10])
+    inv = a_holds_2_b_holds_10()
     a = replace(engine("a"), bytes_per_block=1000)
     for margin, credited in ((3.0, True), (4.0, False)):
         model = CostModel(
@@ -356,11 +358,7 @@ def test_over_a_cold_undeclared_link_only_a_probe_is_loadable_until_it_is_measur
     # Score credits what a grant would load (I9-cost-gate): over a link neither measured
     # nor declared, a probe of probe_bytes (5 blocks of 1000 bytes from the chain's
     # start, so 3 past the engine's own 2), not the holder's 8 more.
-    inv = Inventory()
-    add(inv, "a")
-    add(inv, "b")
-    store(inv, "a", CHAIN[:2])
-    store(inv, "b", CHAIN[:10])
+    inv = a_holds_2_b_holds_10()
     a = replace(engine("a"), bytes_per_block=1000)
     model = CostModel(CostConfig(default_prefill_tokens_per_s=1000.0, probe_bytes=5000))
     (probed,) = run(inv, [a], predictor=model).engines
