@@ -41,6 +41,7 @@ from harness import (
     REPO,
     CoordinatorProcess,
     child_engine_status,
+    coordinator_off_loop,
     get_status,
     metric_value,
     run_cli,
@@ -457,7 +458,7 @@ async def test_a_replica_that_starts_later_catches_up_from_the_log(
     with start_coordinator(*flags) as a:
         holder = await engines.open(a.grpc_target, "holder-early")
         await holder.stored(CHAIN[:5])
-        with start_coordinator(*flags) as late:
+        async with coordinator_off_loop(*flags) as late:  # the holder heartbeats meanwhile
             await engines.open(late.grpc_target, "req-late")
             await eventually_matched(late.grpc_target, "req-late", "holder-early", 5)
 
@@ -489,13 +490,13 @@ async def test_a_replica_that_starts_after_trimming_loads_the_snapshot(
                 break
         assert holder_trimmed(), "the holder's entries were never trimmed"
         assert metric_value(a, "kvrc_store_snapshots_total", action="written") >= 2
-        with start_coordinator(*flags) as late:
+        async with coordinator_off_loop(*flags) as late:  # the holder heartbeats meanwhile
             await engines.open(late.grpc_target, "req-snap")
             await eventually_matched(late.grpc_target, "req-snap", "holder-snap", 5)
             assert metric_value(late, "kvrc_store_snapshots_total", action="loaded") == 1
         # The negative control: another seed cannot read the snapshot's keys.
         monkeypatch.setenv("PYTHONHASHSEED", "4343")
-        with start_coordinator(*flags) as other:
+        async with coordinator_off_loop(*flags) as other:
             await wait_until(
                 lambda: metric_value(other, "kvrc_store_snapshots_total", action="refused") == 1,
                 10,

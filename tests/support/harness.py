@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -202,6 +202,27 @@ def start_coordinator(
         if check_exit:
             assert "Traceback" not in text, f"coordinator stderr has a traceback:\n{text}"
             assert process.returncode == 0, f"coordinator exited {process.returncode}:\n{text}"
+
+
+@contextlib.asynccontextmanager
+async def coordinator_off_loop(
+    *extra_args: str, **options: Any
+) -> AsyncIterator[CoordinatorProcess]:
+    """`start_coordinator`, started and stopped in a thread: for an async test that
+    starts (or stops) a coordinator while its engine sessions heartbeat on its loop. A
+    start on a loaded host can outlast kvrc's heartbeat timeout (5 s); run on the loop
+    it would stall those heartbeats, and their coordinator would drop the engines."""
+    import asyncio
+
+    manager = start_coordinator(*extra_args, **options)
+    kvrc = await asyncio.to_thread(manager.__enter__)
+    try:
+        yield kvrc
+    except BaseException as e:
+        if not await asyncio.to_thread(manager.__exit__, type(e), e, e.__traceback__):
+            raise
+    else:
+        await asyncio.to_thread(manager.__exit__, None, None, None)
 
 
 def metric_value(kvrc: CoordinatorProcess, name: str, **labels: str) -> float:
