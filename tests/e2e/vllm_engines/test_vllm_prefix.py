@@ -1,5 +1,8 @@
 """Prefix loads between two real vLLM engines through kvrc (reuse on), tp=1, one core each.
 
+kvrc probes a link neither measured nor declared with 1 MiB (`--cost-probe-mib 1`):
+the first test's load is such a probe, shorter than what the holder could lend.
+
 Engine A (core 0) and engine B (core 1) both run KvrcConnector with `reuse: true`
 and vLLM's own ZMQ KV-event publisher, which kvrc ingests: the inventory holds
 vLLM's block hashes (the 64-bit int form of vLLM's KV events), and B's lookup
@@ -35,6 +38,8 @@ from vllm_harness import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 KV_BYTES_PER_TOKEN = 1024
+# kvrc probes a link neither measured nor declared with 1 MiB: 32 blocks of 32 tokens.
+PROBE_BLOCKS = (1 << 20) // (BLOCK_SIZE * KV_BYTES_PER_TOKEN)
 
 
 class Cluster:
@@ -45,7 +50,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(vllm_python: str, tiny_model: Path) -> Iterator[Cluster]:
     work = workdir("prefix")
-    kvrc = reuse_on_kvrc(work)
+    kvrc = reuse_on_kvrc(work, "--cost-probe-mib", "1")
     extra = {"kvrc_target": kvrc.target, "reuse": True, "min_blocks": 2, "test_faults": True}
 
     def engine(name: str, core: str) -> VllmEngine:
@@ -65,6 +70,32 @@ def cluster(vllm_python: str, tiny_model: Path) -> Iterator[Cluster]:
             yield Cluster(kvrc, a, b)
     finally:
         kvrc.close()
+
+
+def links_measured(cluster: Cluster) -> set[tuple[str, str]]:
+    cost = cluster.kvrc.status(python_of_tests())["cost_model"]
+    return {(x["holder_child_engine_id"], x["requester_child_engine_id"]) for x in cost["links"]}
+
+
+def test_a_cold_links_first_load_is_a_probe_and_vllm_computes_the_rest(cluster: Cluster) -> None:
+    """First in the module: no load has used B -> A yet (the other tests load A -> B,
+    and the local-hit test B -> A only after this one). A 48-block prompt that B holds:
+    A's load over the cold link is a probe of 32 blocks, not the 47 B could lend, and
+    vLLM computes the rest; the output is B's own."""
+    assert ("engine-b", "engine-a") not in links_measured(cluster), "not the link's first load"
+    prompt = random_prompt(15, 48 * BLOCK_SIZE)
+    reference = generate_published(cluster.kvrc, cluster.b, prompt, max_tokens=16)["tokens"]
+    before = cluster.a.stats()
+
+    out = cluster.a.generate(prompt, max_tokens=16)
+
+    assert out["tokens"] == reference
+    stats = cluster.a.wait_stats("prefix_load_loads", before.get("prefix_load_loads", 0) + 1)
+    loaded = stats["prefix_load_tokens_loaded"] - before.get("prefix_load_tokens_loaded", 0)
+    assert loaded == PROBE_BLOCKS * BLOCK_SIZE, stats  # not (48 - 1) blocks
+    moved = stats["workers_prefix_load_bytes"] - before.get("workers_prefix_load_bytes", 0)
+    assert moved == PROBE_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_TOKEN
+    assert ("engine-b", "engine-a") in links_measured(cluster)  # the probe measured it
 
 
 def test_b_loads_the_prefix_that_a_holds(cluster: Cluster) -> None:
