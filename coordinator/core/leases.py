@@ -386,7 +386,7 @@ class _PrefixLoad(_Lease):
     block_hashes: tuple[BlockHash, ...] = ()
     min_blocks: int = 1
     worthwhile_blocks: int = 1  # the cost gate's floor (I9-cost-gate); >= min_blocks
-    pin_blocks: int = 0  # the holder pins at most this many chain blocks (a probe caps it)
+    pin_blocks: int = 0  # > 0: a probe, the holder pins at most this many chain blocks
     group_idx: int = 0
     pin_deadline_ms: int = 0
     transfer_ttl_ms: int = 0
@@ -611,11 +611,12 @@ class LeaseTable:
         _check_duration("transfer_ttl_ms", transfer_ttl_ms, cfg.max_transfer_ttl_ms)
         if type(group_idx) is not int or group_idx < 0:
             raise invalid(f"group_idx must be an int >= 0, got {group_idx!r}")
-        pin_blocks = pin_blocks or len(chain)
-        if type(pin_blocks) is not int or not max(min_blocks, 1) <= pin_blocks <= len(chain):
+        if type(pin_blocks) is not int or (
+            pin_blocks and not max(min_blocks, 1) <= pin_blocks <= len(chain)
+        ):
             raise invalid(
-                f"pin_blocks must be between min_blocks ({min_blocks}) and {len(chain)}, "
-                f"got {pin_blocks!r}"
+                f"pin_blocks must be 0 (the whole chain) or between min_blocks ({min_blocks}) "
+                f"and {len(chain)}, got {pin_blocks!r}"
             )
         self._check_capacity((requester_child_engine_id, holder_child_engine_id))
         lease_id = self._fresh_id(Flow.PREFIX_LOAD)
@@ -644,7 +645,7 @@ class LeaseTable:
                 child_engine_id=holder_child_engine_id,
                 rank_key=rank_key,
                 lease_id=lease_id,
-                block_hashes=chain[:pin_blocks],
+                block_hashes=chain[: pin_blocks or len(chain)],
                 requester_child_engine_id=requester_child_engine_id,
                 deadline_ms=lease.pin_deadline_ms + transfer_ttl_ms,
                 group_idx=group_idx,
@@ -1080,7 +1081,7 @@ class LeaseTable:
         lease.granted_ms = now_ms
         lease.deadline_ms = now_ms + lease.transfer_ttl_ms
         lease.reason = f"granted {lease.matched_blocks} blocks"
-        if 0 < lease.pin_blocks < len(lease.block_hashes):
+        if lease.pin_blocks:
             # I9-cost-gate: the rest is recomputed; this load's outcome measures the link.
             lease.reason += (
                 f" (a probe: {lease.pin_blocks} of the chain's {len(lease.block_hashes)} "
