@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from harness import child_engine_status, get_status, wait_until
 from redis_env import RedisServer, start_redis
-from refengine_blocks import expected_digests, tokens
+from refengine_blocks import assert_blocks_exact, tokens
 
 from clients.refengine.channel import Channel
 from clients.refengine.demo import BLOCK_SIZE, Cluster, EngineGroup
@@ -124,8 +124,7 @@ async def test_a_load_granted_on_b_from_a_holder_on_a_is_bit_exact(
     assert loaded["source"] == "p0"
     assert loaded["blocks_loaded"] == 96 // BLOCK_SIZE
     assert loaded["mismatches"] == 0
-    digests = await call(engines["p1"], "digests", tokens=turn2)
-    assert digests == expected_digests(turn2, len(digests[0]), tp_size=1)
+    await assert_blocks_exact(engines["p1"], turn2, tp_size=1)
     # Quiescence on both replicas: B ended the lease, A's holder got its release.
     await wait_until(lambda: _no_open_leases(two.target_b), timeout_s=15)
     await wait_until(lambda: _pinned_is(engines["p0"], 0), timeout_s=15)
@@ -147,8 +146,7 @@ async def test_a_handoff_published_on_b_for_a_decode_on_a_is_bit_exact(
     assert pre["blocks_recomputed"] > 0
     assert dec["handoff"] == "pulled", dec
     assert dec["mismatches"] == 0
-    digests = await call(engines["d0"], "digests", tokens=prompt + output)
-    assert digests == expected_digests(prompt + output, len(digests[0]), tp_size=1)
+    await assert_blocks_exact(engines["d0"], prompt + output, tp_size=1)
     await wait_until(lambda: _no_open_leases(two.target_a), timeout_s=15)
     await wait_until(lambda: _stat_is(engines["p1"], "handoffs_held", 0), timeout_s=15)
 
