@@ -11,6 +11,7 @@ import base64
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -290,11 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--cost-probe-mib",
-        type=int,
-        default=cost.probe_bytes // MIB,
+        type=float,
+        default=cost.probe_bytes / MIB,
         help="a load over a link neither measured nor declared ([[link]]) moves at most "
-        "this many MiB, the rest is recomputed: a probe that measures the link; 0: no "
-        "probes (%(default)s)",
+        "this many MiB (fractions allowed; at least one block), the rest is recomputed: a "
+        "probe that measures the link; 0: no probes (%(default)g)",
     )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -452,7 +453,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
             default_bandwidth_bytes_per_s=args.cost_default_bandwidth_gbps * 1e9,
             default_latency_ms=args.cost_default_latency_ms,
             default_prefill_tokens_per_s=args.cost_default_prefill_tokens_per_s,
-            probe_bytes=args.cost_probe_mib * MIB,
+            probe_bytes=_probe_bytes(args.cost_probe_mib),
         )
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
@@ -480,6 +481,14 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         store=store,
         cost=cost,
     )
+
+
+def _probe_bytes(mib: float) -> int:
+    """MiB to whole bytes, rounded up: any positive probe stays a probe (of one block
+    at least) rather than rounding to 0, which turns probes off."""
+    if not (math.isfinite(mib) and mib >= 0):
+        raise ValueError(f"probe_bytes must be a finite number of MiB, 0 or more, got {mib}")
+    return math.ceil(mib * MIB)
 
 
 _COST_FLAGS = {

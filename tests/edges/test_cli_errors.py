@@ -180,5 +180,13 @@ def test_the_probe_flag_reaches_the_cost_config_in_mib_and_refuses_a_negative() 
     assert default.cost.probe_bytes == 64 << 20
     off = cli.config_from_args(parser.parse_args(["serve", "--cost-probe-mib", "0"]))
     assert off.cost.probe_bytes == 0
+    # Fractions of a MiB, rounded up to whole bytes: a tiny probe is still a probe.
+    quarter = cli.config_from_args(parser.parse_args(["serve", "--cost-probe-mib", "0.25"]))
+    assert quarter.cost.probe_bytes == 1 << 18
+    tiny = cli.config_from_args(parser.parse_args(["serve", "--cost-probe-mib", "1e-9"]))
+    assert tiny.cost.probe_bytes == 1
     with pytest.raises(ConfigError, match="--cost-probe-mib: probe_bytes must be"):
         cli.config_from_args(parser.parse_args(["serve", "--cost-probe-mib", "-1"]))
+    for bad in ("nan", "inf", "-1e-9"):
+        with pytest.raises(ConfigError, match=r"--cost-probe-mib: .*finite number of MiB"):
+            cli.config_from_args(parser.parse_args(["serve", f"--cost-probe-mib={bad}"]))
