@@ -203,6 +203,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     if store is not None:
         await store.close()  # after the sessions ended: their departures reach the log
     await server.stop(config.shutdown_grace_s)
+    await _let_stragglers_finish(_STRAGGLER_WAIT_S)
     if httpd is not None:
         # The /metrics server notices a shutdown only at its next 0.5 s poll; nothing
         # waits for it (its thread is a daemon): the process exits right after this.
@@ -215,6 +216,23 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
         threading.Thread(target=stop_metrics, name="kvrc-metrics-stop", daemon=True).start()
     log.info("stopped")
     return 0
+
+
+# grpc.aio can return from stop() while an RPC's task is still unwinding a
+# cancellation (a Watch the client just cancelled). The event loop's teardown would
+# cancel that task again, and grpc logs it as "Exception not handled" with a traceback.
+_STRAGGLER_WAIT_S = 1.0
+
+
+async def _let_stragglers_finish(timeout_s: float) -> None:
+    """Give tasks still running after the server stopped a few loop turns to end on
+    their own; none is left in the common case, and the wait is bounded."""
+    current = asyncio.current_task()
+    left = [t for t in asyncio.all_tasks() if t is not current]
+    if left:
+        _, pending = await asyncio.wait(left, timeout=timeout_s)
+        if pending:
+            log.debug("%d task(s) still running at exit", len(pending))
 
 
 def hash_seed_is_fixed(env: Mapping[str, str]) -> bool:

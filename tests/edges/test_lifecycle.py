@@ -179,3 +179,26 @@ def test_busy_port_and_bad_flags_exit_nonzero_with_one_line() -> None:
     out = _serve("--listen", "127.0.0.1:0", "--heartbeat-timeout-ms", "10")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "heartbeat timeout" in out.stderr
+
+
+async def test_shutdown_lets_tasks_still_unwinding_finish_and_does_not_wait_forever() -> None:
+    """grpc.aio can return from stop() while a cancelled RPC's task is still unwinding;
+    the loop's teardown would cancel it again and grpc would log a traceback (a fresh CI
+    host once caught a health Watch so). kvrc's exit waits for such tasks, bounded."""
+    from coordinator.edges.server import _let_stragglers_finish
+
+    steps: list[int] = []
+
+    async def unwinding() -> None:
+        for step in range(5):
+            await asyncio.sleep(0)
+            steps.append(step)
+
+    task = asyncio.create_task(unwinding())
+    await _let_stragglers_finish(30.0)
+    assert task.done() and steps == [0, 1, 2, 3, 4]
+    # A task that never ends is left to the loop's teardown: the wait is bounded.
+    forever = asyncio.create_task(asyncio.Event().wait())
+    await _let_stragglers_finish(0.05)
+    assert not forever.done()
+    forever.cancel()
