@@ -161,9 +161,10 @@ async def test_keep_alive_extends_and_reports_a_refused_extension(
     assert grant.kv_transfer_params_bytes == b"raw" and grant.kv_transfer_params == {}
     assert grant.heartbeat_interval_ms == 300
     async with dec.keep_alive(grant) as keep:
-        # Kept sleep: the scenario is outliving the 900 ms heartbeat timeout on keep-alives.
-        await asyncio.sleep(1.5)
-        assert keep.extensions >= 3 and keep.error is None
+        # The scenario is outliving the 900 ms heartbeat timeout on keep-alives: five
+        # extensions 300 ms apart span 1.2 s at least, however slow the host.
+        await wait_until(lambda: keep.extensions >= 5 or keep.error is not None, timeout_s=30)
+        assert keep.extensions >= 5 and keep.error is None
         assert await lease_state(kvrc, grant.lease_id) == "LEASE_STATE_ACTIVE"
         report = pb.TransferReport(
             lease_id=grant.lease_id,
