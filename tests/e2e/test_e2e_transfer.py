@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from harness import get_status, wait_until
-from refengine_blocks import DEFAULTS, assert_blocks_exact, layout_for, tokens
+from refengine_blocks import DEFAULTS, assert_blocks_exact, call, connect, layout_for, tokens
 from refengine_faults import PullFaults
 
 from clients.hashing import hash_block_chain
@@ -78,19 +78,10 @@ async def engines(
     cluster: tuple[Cluster, dict[str, EngineGroup]],
 ) -> AsyncIterator[dict[str, Channel]]:
     _, groups = cluster
-    channels = {
-        name: await Channel.connect("127.0.0.1", g.control_port, name=name)
-        for name, g in groups.items()
-    }
-    for channel in channels.values():
-        await channel.call("ready", timeout_s=120.0, wait_s=100.0)
+    channels = await connect(groups)
     yield channels
     for channel in channels.values():
         await channel.close()
-
-
-async def call(channel: Channel, op: str, **args: Any) -> Any:
-    return await channel.call(op, timeout_s=90.0, **args)
 
 
 async def handoff(

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from harness import get_status
-from refengine_blocks import assert_blocks_exact, tokens
+from refengine_blocks import assert_blocks_exact, call, connect, tokens
 
 from clients.refengine.channel import Channel
 from clients.refengine.demo import BLOCK_SIZE, Cluster, EngineGroup
@@ -29,7 +29,9 @@ PREFIX_BLOCKS = 48
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, dict[str, int]]]:
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Cluster, dict[str, EngineGroup]]]:
     c = Cluster(Path(tmp_path_factory.mktemp("probe")))
     try:
         c.start_coordinator("--cost-probe-mib", "1")
@@ -37,7 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
         groups: list[EngineGroup] = c.start_engines(
             [("p0", "prefill", 1, extra), ("p1", "prefill", 1, extra)]
         )
-        yield c, {g.engine_id: g.control_port for g in groups}
+        yield c, {g.engine_id: g for g in groups}
     finally:
         c.stop()
     assert c.coordinator is not None
@@ -45,24 +47,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
 
 
 @pytest.fixture
-async def engines(cluster: tuple[Cluster, dict[str, int]]) -> AsyncIterator[dict[str, Channel]]:
-    _, ports = cluster
-    channels = {
-        name: await Channel.connect("127.0.0.1", port, name=name) for name, port in ports.items()
-    }
-    for channel in channels.values():
-        await channel.call("ready", timeout_s=120.0, wait_s=100.0)
+async def engines(
+    cluster: tuple[Cluster, dict[str, EngineGroup]],
+) -> AsyncIterator[dict[str, Channel]]:
+    channels = await connect(cluster[1])
     yield channels
     for channel in channels.values():
         await channel.close()
 
 
 async def prefill(engine: Channel, request_id: str, prompt: list[int]) -> Any:
-    return await engine.call("prefill", timeout_s=90.0, request_id=request_id, tokens=prompt)
+    return await call(engine, "prefill", request_id=request_id, tokens=prompt)
 
 
 async def test_a_cold_links_first_load_is_a_probe_and_the_next_loads_the_whole_prefix(
-    cluster: tuple[Cluster, dict[str, int]], engines: dict[str, Channel]
+    cluster: tuple[Cluster, dict[str, EngineGroup]], engines: dict[str, Channel]
 ) -> None:
     kvrc, _ = cluster
     p0, p1 = engines["p0"], engines["p1"]
@@ -71,11 +70,11 @@ async def test_a_cold_links_first_load_is_a_probe_and_the_next_loads_the_whole_p
     computed = await prefill(p0, "probe-0", [*first, *tokens(2, tail)])
     assert computed["blocks_loaded"] == 0
 
-    probe = await prefill(p1, "probe-1", [*first, *tokens(3, tail)])
+    prompt = [*first, *tokens(3, tail)]
+    probe = await prefill(p1, "probe-1", prompt)
     assert probe["load"] == "loaded" and probe["source"] == "p0", probe
     assert probe["blocks_loaded"] == PROBE_BLOCKS  # the probe, not the 48 blocks p0 holds
     assert probe["mismatches"] == 0
-    prompt = [*first, *tokens(3, tail)]
     assert await assert_blocks_exact(p1, prompt, tp_size=1) == len(prompt) // BLOCK_SIZE
 
     # Measured now: a second prefix over the same link loads whole.

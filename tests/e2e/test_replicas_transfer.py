@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from harness import child_engine_status, get_status, wait_until
 from redis_env import RedisServer, start_redis
-from refengine_blocks import assert_blocks_exact, tokens
+from refengine_blocks import assert_blocks_exact, call, connect, tokens
 
 from clients.refengine.channel import Channel
 from clients.refengine.demo import BLOCK_SIZE, Cluster, EngineGroup
@@ -54,20 +54,6 @@ def start_two(workdir: Path, store: str) -> tuple[TwoReplicas, dict[str, EngineG
     target_b = cluster.target
     groups.update({g.engine_id: g for g in cluster.start_engines([("p1", "prefill", 1, extra)])})
     return TwoReplicas(cluster, target_a, target_b), groups
-
-
-async def connect(groups: dict[str, EngineGroup]) -> dict[str, Channel]:
-    channels = {
-        name: await Channel.connect("127.0.0.1", g.control_port, name=name)
-        for name, g in groups.items()
-    }
-    for channel in channels.values():
-        await channel.call("ready", timeout_s=120.0, wait_s=100.0)
-    return channels
-
-
-async def call(channel: Channel, op: str, **args: Any) -> Any:
-    return await channel.call(op, timeout_s=90.0, **args)
 
 
 @pytest.fixture(scope="module")

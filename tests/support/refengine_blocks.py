@@ -1,23 +1,41 @@
-"""What a reference engine's cache must hold, computed by the test itself.
+"""Talking to real reference engines, and what their caches must hold.
 
-Tests with real reference engines (clients/refengine) check KV from outside: each
-engine returns sha256 digests of its cached blocks (`digests`), and these helpers
-recompute the expected bytes with the engine's own default layout.
+Tests with real reference engines (clients/refengine) drive them over their control
+channels (`connect`, `call`) and check KV from outside: each engine returns sha256
+digests of its cached blocks (`digests`), and these helpers recompute the expected
+bytes with the engine's own default layout.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Mapping
 from typing import Any
 
 from clients.kv_cache import KvCacheLayout
 from clients.refengine.channel import Channel
 from clients.refengine.compute import expected_blocks
-from clients.refengine.demo import BLOCK_SIZE
+from clients.refengine.demo import BLOCK_SIZE, EngineGroup
 from clients.refengine.options import EngineOptions
 
 DEFAULTS = EngineOptions(role="prefill", engine_id="x", tp_rank=0, tp_size=1, target="")
+
+
+async def connect(groups: Mapping[str, EngineGroup]) -> dict[str, Channel]:
+    """A control channel to each engine, by engine id, once every rank part is ready."""
+    channels = {
+        name: await Channel.connect("127.0.0.1", g.control_port, name=name)
+        for name, g in groups.items()
+    }
+    for channel in channels.values():
+        await channel.call("ready", timeout_s=120.0, wait_s=100.0)
+    return channels
+
+
+async def call(channel: Channel, op: str, **args: Any) -> Any:
+    """One control op, with the generous timeout a loaded host needs."""
+    return await channel.call(op, timeout_s=90.0, **args)
 
 
 def tokens(seed: int, count: int) -> list[int]:
@@ -50,7 +68,7 @@ def expected_digests(chain: list[int], num_blocks: int, tp_size: int) -> list[li
 
 async def assert_blocks_exact(engine: Channel, chain: list[int], tp_size: int = 2) -> int:
     """The engine's cached blocks of `chain` equal the test's own recomputation; how many."""
-    digests: Any = await engine.call("digests", timeout_s=90.0, tokens=chain)
+    digests = await call(engine, "digests", tokens=chain)
     num_blocks = len(digests[0])
     assert num_blocks > 0
     assert digests == expected_digests(chain, num_blocks, tp_size)
