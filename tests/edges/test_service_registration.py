@@ -33,7 +33,10 @@ from clients.errors import (
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from kvrc.vocabulary import TransferEndpoint
 
-HEARTBEAT_TIMEOUT_MS = 1000
+# Short enough for the frozen-part test to wait it out, long enough that a part process
+# stalled on a loaded CI host keeps its session: at 1 s a fresh-clone run once dropped
+# (and re-registered) the grid test's first part before the fourth one came.
+HEARTBEAT_TIMEOUT_MS = 3000
 
 PROFILE = EngineProfile(model="test-model", block_size=16, kv_dtype="bfloat16")
 
