@@ -48,6 +48,12 @@ the request's min_blocks; a holder whose block size is unknown is not probed): t
 requester recomputes the rest, and the probe's outcome is the link's first sample. A
 declared link is trusted as declared; a measured one is decided by its fit.
 
+The reverse link. Most fabrics are symmetric, so a link that no `[[link]]` declares
+takes its reverse's estimate (requester -> holder, the same tier) as its prior once the
+reverse has a sample, and is not probed (`reverse_prior`): each pair then costs one
+probe, not two. An asymmetric link is trusted once this way; its open loads still
+bound it while the first one runs, and its own first sample corrects it.
+
 Bounds (counted, never timed): at most `max_pairs` links and `max_requesters`
 prefill estimates, each evicted least recently *observed* first (`predict` does not
 touch recency, so a Score caller cannot churn the table).
@@ -117,6 +123,8 @@ class CostConfig:
     # at least one, never below the request's min_blocks): a probe, so that a slow link
     # the optimistic defaults let through costs one short load. 0: no probes.
     probe_bytes: int = 64 * MIB
+    # An undeclared link takes its measured reverse as its prior and is not probed.
+    reverse_prior: bool = True
 
     def __post_init__(self) -> None:
         # (name, value, lowest allowed, whether the lowest is allowed, highest allowed)
@@ -138,13 +146,16 @@ class CostConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {count!r}")
         if type(self.probe_bytes) is not int or not 0 <= self.probe_bytes <= 1 << 40:
             raise ValueError(f"probe_bytes must be an int in [0, 2^40], got {self.probe_bytes!r}")
+        if not isinstance(self.reverse_prior, bool):
+            raise ValueError(f"reverse_prior must be a bool, got {self.reverse_prior!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class LinkEstimate:
     bandwidth_bytes_per_s: float
     latency_ms: float
-    samples: int  # 0: the cold defaults
+    samples: int  # 0: the prior alone
+    prior: str = "default"  # what it starts from: "declared", "reverse" or "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +222,8 @@ class Prediction:
     def describe(self) -> str:
         """The decision and its inputs, one line (grant reasons, miss details, status)."""
         verdict = "<" if self.worth_loading else ">="
-        link = f"{self.link.samples} sample(s)" if self.link.samples else "cold: defaults"
+        samples = self.link.samples
+        link = f"{samples} sample(s)" if samples else f"cold: {_PRIOR_TEXT[self.link.prior]}"
         return (
             f"load {self.load_ms:.2f} ms x {self.safety_margin:g} {verdict} recompute "
             f"{self.recompute_ms:.2f} ms ({self.num_bytes} bytes over "
@@ -220,6 +232,13 @@ class Prediction:
             f"{self.link.latency_ms:.3g} ms, {link}; {self.num_tokens} tokens at "
             f"{self.prefill.tokens_per_s:.4g} tokens/s, {self.prefill.source})"
         )
+
+
+_PRIOR_TEXT = {
+    "default": "defaults",
+    "declared": "declared",
+    "reverse": "the reverse link's estimate",
+}
 
 
 class _Link:
@@ -240,7 +259,9 @@ class _Link:
         self.sxy = keep * self.sxy + alpha * x * y
         self.samples += 1
 
-    def estimate(self, prior_latency_ms: float, prior_bandwidth: float) -> LinkEstimate:
+    def estimate(
+        self, prior_latency_ms: float, prior_bandwidth: float, prior: str = "default"
+    ) -> LinkEstimate:
         # The data's own line: (latency ms, ms per byte).
         mx, my = self.sx / self.sw, self.sy / self.sw
         var = self.sxx / self.sw - mx * mx
@@ -260,6 +281,7 @@ class _Link:
             bandwidth if bandwidth is not None else MAX_BANDWIDTH_BYTES_PER_S,
             latency,
             self.samples,
+            prior,
         )
 
 
@@ -319,9 +341,9 @@ class CostModel:
         """The link's estimate; with `now_ms`, an unmeasured link's open loads bound it."""
         key = (holder, requester, tier)
         state = self._links.get(key)
-        bandwidth, latency = self._prior(holder, requester)
+        bandwidth, latency, prior = self._prior(holder, requester, tier)
         if state is not None:
-            return state.estimate(latency, bandwidth)
+            return state.estimate(latency, bandwidth, prior)
         open_loads = self._first_by_link.get(key) if now_ms is not None else None
         if open_loads and now_ms is not None:
             for load in open_loads.values():
@@ -329,14 +351,32 @@ class CostModel:
                 transfer_ms = now_ms - load.started_ms - latency
                 if transfer_ms > load.num_bytes * 1000.0 / bandwidth:
                     bandwidth = load.num_bytes * 1000.0 / transfer_ms
-        return LinkEstimate(bandwidth, latency, 0)
+        return LinkEstimate(bandwidth, latency, 0, prior)
 
-    def _prior(self, holder: str, requester: str) -> tuple[float, float]:
-        """(bandwidth B/s, latency ms) of a link before samples: declared, else default."""
+    def _prior(self, holder: str, requester: str, tier: Tier) -> tuple[float, float, str]:
+        """(bandwidth B/s, latency ms, source) of a link before samples: declared, else
+        its measured reverse's estimate, else the defaults."""
         declared = self._declared_link(holder, requester)
         if declared is not None:
-            return declared.bandwidth_bytes_per_s, declared.latency_ms
-        return self.config.default_bandwidth_bytes_per_s, self.config.default_latency_ms
+            return declared.bandwidth_bytes_per_s, declared.latency_ms, "declared"
+        reverse = self._measured_reverse(holder, requester, tier)
+        if reverse is not None:
+            # The reverse blends with its own declared-or-default prior (never with this
+            # link: no recursion).
+            back = self._declared_link(requester, holder)
+            cfg = self.config
+            estimate = (
+                reverse.estimate(cfg.default_latency_ms, cfg.default_bandwidth_bytes_per_s)
+                if back is None
+                else reverse.estimate(back.latency_ms, back.bandwidth_bytes_per_s)
+            )
+            return estimate.bandwidth_bytes_per_s, estimate.latency_ms, "reverse"
+        return self.config.default_bandwidth_bytes_per_s, self.config.default_latency_ms, "default"
+
+    def _measured_reverse(self, holder: str, requester: str, tier: Tier) -> _Link | None:
+        if not self.config.reverse_prior:
+            return None
+        return self._links.get((requester, holder, tier))
 
     def _declared_link(self, holder: str, requester: str) -> DeclaredLink | None:
         for link in self._declared_links:  # first match wins, as declared
@@ -395,10 +435,11 @@ class CostModel:
         *,
         bytes_per_block: int,
     ) -> int | None:
-        """None: the link is measured or declared (or the block's size is unknown), a load
-        may cover all `hinted` blocks. Otherwise the load is a probe (module docstring)
-        and covers at most the blocks returned: `probe_bytes` worth (at least one), never
-        below `floor` (the request's min_blocks), never above `hinted`."""
+        """None: the link, or its reverse, is measured, or it is declared (or the block's
+        size is unknown): a load may cover all `hinted` blocks. Otherwise the load is a
+        probe (module docstring) and covers at most the blocks returned: `probe_bytes`
+        worth (at least one), never below `floor` (the request's min_blocks), never above
+        `hinted`."""
         cfg = self.config
         if not cfg.gate or cfg.probe_bytes <= 0 or bytes_per_block <= 0:
             return None  # (a block of unknown size cannot be sized into a probe)
@@ -406,6 +447,8 @@ class CostModel:
             return None
         if self._declared_link(holder, requester) is not None:
             return None  # the operator's word stands in for a measurement
+        if self._measured_reverse(holder, requester, tier) is not None:
+            return None  # so does the reverse's (module docstring)
         return min(hinted, max(floor, 1, cfg.probe_bytes // bytes_per_block))
 
     def worthwhile_blocks(

@@ -297,6 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
         "this many MiB (fractions allowed; at least one block), the rest is recomputed: a "
         "probe that measures the link; 0: no probes (%(default)g)",
     )
+    serve.add_argument(
+        "--cost-reverse-prior",
+        type=_on_off,
+        default=cost.reverse_prior,
+        metavar="{off,on}",
+        help="a link that no [[link]] declares starts from its measured reverse (the same "
+        "pair the other way) and is not probed; off: each direction is probed on its own "
+        "(default on)",
+    )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-json", action="store_true", help="one JSON document per log line")
@@ -454,6 +463,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
             default_latency_ms=args.cost_default_latency_ms,
             default_prefill_tokens_per_s=args.cost_default_prefill_tokens_per_s,
             probe_bytes=_probe_bytes(args.cost_probe_mib),
+            reverse_prior=args.cost_reverse_prior,
         )
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
@@ -624,6 +634,7 @@ def prediction_document(p: pb.CostPrediction) -> dict[str, Any]:
         "bandwidth_bytes_per_s": p.bandwidth_bytes_per_s,
         "latency_ms": p.latency_ms,
         "link_samples": p.link_samples,
+        "link_prior": p.link_prior,
         "prefill_tokens_per_s": p.prefill_tokens_per_s,
         "prefill_source": p.prefill_source,
         "detail": p.detail,
@@ -636,6 +647,7 @@ def cost_model_document(cost: pb.CostModelStatus) -> dict[str, Any]:
         "safety_margin": cost.safety_margin,
         "max_pairs": cost.max_pairs,
         "probe_bytes": cost.probe_bytes,
+        "reverse_prior": cost.reverse_prior,
         "defaults": {
             "bandwidth_bytes_per_s": cost.default_bandwidth_bytes_per_s,
             "latency_ms": cost.default_latency_ms,
@@ -675,6 +687,7 @@ def _cost_lines(cost: pb.CostModelStatus) -> list[str]:
             if cost.probe_bytes
             else "no probes"
         )
+        + ("; a measured reverse is an unmeasured link's prior" if cost.reverse_prior else "")
     ]
     for link in cost.links:
         lines.append(

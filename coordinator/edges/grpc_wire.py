@@ -470,6 +470,7 @@ def _cost_status(cost: CostStatus) -> pb.CostModelStatus:
         default_latency_ms=cfg.default_latency_ms,
         default_prefill_tokens_per_s=cfg.default_prefill_tokens_per_s,
         probe_bytes=cfg.probe_bytes,
+        reverse_prior=cfg.reverse_prior,
     )
 
 
@@ -994,6 +995,7 @@ def prediction_to_proto(prediction: Prediction) -> pb.CostPrediction:
         bandwidth_bytes_per_s=prediction.link.bandwidth_bytes_per_s,
         latency_ms=prediction.link.latency_ms,
         link_samples=prediction.link.samples,
+        link_prior=prediction.link.prior,
         prefill_tokens_per_s=prediction.prefill.tokens_per_s,
         prefill_source=prediction.prefill.source,
         detail=prediction.describe(),

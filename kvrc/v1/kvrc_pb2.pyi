@@ -1705,6 +1705,7 @@ class CostPrediction(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     PREFILL_SOURCE_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    LINK_PRIOR_FIELD_NUMBER: _builtins.int
     load_ms: _builtins.float
     """latency_ms + num_bytes / bandwidth"""
     recompute_ms: _builtins.float
@@ -1720,12 +1721,16 @@ class CostPrediction(_message.Message):
     bandwidth_bytes_per_s: _builtins.float
     latency_ms: _builtins.float
     link_samples: _builtins.int
-    """transfers measured on this link; 0 = cold defaults"""
+    """transfers measured on this link; 0 = its prior alone"""
     prefill_tokens_per_s: _builtins.float
     prefill_source: _builtins.str
     """"measured", "declared" (profiles file) or "default" """
     detail: _builtins.str
     """the decision and its inputs, one line for people"""
+    link_prior: _builtins.str
+    """What the link's estimate starts from: "declared" ([[link]]), "reverse" (the same
+    pair's measured link the other way) or "default" (--cost-default-*).
+    """
     def __init__(
         self,
         *,
@@ -1743,10 +1748,11 @@ class CostPrediction(_message.Message):
         prefill_tokens_per_s: _builtins.float = ...,
         prefill_source: _builtins.str = ...,
         detail: _builtins.str = ...,
+        link_prior: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "detail", b"detail", "holder_child_engine_id", b"holder_child_engine_id", "latency_ms", b"latency_ms", "link_samples", b"link_samples", "load_ms", b"load_ms", "num_bytes", b"num_bytes", "num_tokens", b"num_tokens", "prefill_source", b"prefill_source", "prefill_tokens_per_s", b"prefill_tokens_per_s", "recompute_ms", b"recompute_ms", "safety_margin", b"safety_margin", "tier", b"tier", "worth_loading", b"worth_loading"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "detail", b"detail", "holder_child_engine_id", b"holder_child_engine_id", "latency_ms", b"latency_ms", "link_prior", b"link_prior", "link_samples", b"link_samples", "load_ms", b"load_ms", "num_bytes", b"num_bytes", "num_tokens", b"num_tokens", "prefill_source", b"prefill_source", "prefill_tokens_per_s", b"prefill_tokens_per_s", "recompute_ms", b"recompute_ms", "safety_margin", b"safety_margin", "tier", b"tier", "worth_loading", b"worth_loading"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2399,6 +2405,7 @@ class CostModelStatus(_message.Message):
     DEFAULT_LATENCY_MS_FIELD_NUMBER: _builtins.int
     DEFAULT_PREFILL_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     PROBE_BYTES_FIELD_NUMBER: _builtins.int
+    REVERSE_PRIOR_FIELD_NUMBER: _builtins.int
     gate: _builtins.bool
     """loads are granted only when predicted to beat recomputing"""
     safety_margin: _builtins.float
@@ -2408,6 +2415,8 @@ class CostModelStatus(_message.Message):
     default_prefill_tokens_per_s: _builtins.float
     probe_bytes: _builtins.int
     """A link neither measured nor declared loads at most this many bytes (a probe); 0: off."""
+    reverse_prior: _builtins.bool
+    """An undeclared link starts from its measured reverse, and is not probed."""
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCost]:
         """measured links, least recently measured first"""
@@ -2428,10 +2437,11 @@ class CostModelStatus(_message.Message):
         default_latency_ms: _builtins.float = ...,
         default_prefill_tokens_per_s: _builtins.float = ...,
         probe_bytes: _builtins.int = ...,
+        reverse_prior: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_bandwidth_bytes_per_s", b"default_bandwidth_bytes_per_s", "default_latency_ms", b"default_latency_ms", "default_prefill_tokens_per_s", b"default_prefill_tokens_per_s", "gate", b"gate", "links", b"links", "max_pairs", b"max_pairs", "prefill_rates", b"prefill_rates", "probe_bytes", b"probe_bytes", "safety_margin", b"safety_margin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_bandwidth_bytes_per_s", b"default_bandwidth_bytes_per_s", "default_latency_ms", b"default_latency_ms", "default_prefill_tokens_per_s", b"default_prefill_tokens_per_s", "gate", b"gate", "links", b"links", "max_pairs", b"max_pairs", "prefill_rates", b"prefill_rates", "probe_bytes", b"probe_bytes", "reverse_prior", b"reverse_prior", "safety_margin", b"safety_margin"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -213,6 +213,7 @@ def test_bytes_per_block_come_from_regions_then_from_the_layout() -> None:
         {"alpha": 0.0},
         {"probe_bytes": -1},
         {"probe_bytes": 1.5},
+        {"reverse_prior": 1},
     ],
 )
 def test_bad_cost_settings_are_refused_naming_the_setting(change: dict[str, float]) -> None:
@@ -317,3 +318,57 @@ def test_a_link_neither_measured_nor_declared_is_probed_with_a_short_load() -> N
     ) is None  # fmt: skip
     for config in (CostConfig(gate=False), CostConfig(probe_bytes=0)):
         assert CostModel(config).probe_ceiling("h", "r", GPU, 1, 20, bytes_per_block=mib) is None
+
+
+def test_an_undeclared_link_starts_from_its_measured_reverse_and_is_not_probed() -> None:
+    mib = 1 << 20
+    # The defaults are fast (10 GB/s); r -> h is measured slow: 0.1 GB/s after 5 ms.
+    model = CostModel(CostConfig(probe_bytes=64 * mib))
+    for size in (16 * mib, 64 * mib, 256 * mib) * 10:
+        assert model.observe_transfer("r", "h", GPU, size, round((5 + size / 1e5) * 1000))
+    back = model.link("r", "h", GPU)
+    forward = model.link("h", "r", GPU)
+    assert (forward.samples, forward.prior) == (0, "reverse")
+    assert forward.bandwidth_bytes_per_s == pytest.approx(back.bandwidth_bytes_per_s)
+    assert forward.bandwidth_bytes_per_s == pytest.approx(1e8, rel=0.05)
+    assert forward.latency_ms == pytest.approx(back.latency_ms)
+    # So a whole load over h -> r is refused at once (no probe asked for), where the
+    # defaults alone would grant it.
+    assert model.probe_ceiling("h", "r", GPU, 1, 20, bytes_per_block=16 * mib) is None
+    p = model.predict("h", "r", GPU, num_tokens=20 * 128, num_bytes=20 * 16 * mib)
+    assert not p.worth_loading and "the reverse link's estimate" in p.describe()
+    # Only the same pair, the same tier: another requester and the CPU tier stay cold.
+    assert model.link("h", "other", GPU).prior == "default"
+    assert model.link("h", "r", Tier.CPU).prior == "default"
+    assert model.probe_ceiling("h", "r", Tier.CPU, 1, 20, bytes_per_block=16 * mib) == 4
+    # The negative control: with reverse_prior off, h -> r is cold and probed.
+    off = CostModel(CostConfig(probe_bytes=64 * mib, reverse_prior=False))
+    off.observe_transfer("r", "h", GPU, 64 * mib, 676_000)
+    assert off.link("h", "r", GPU).prior == "default"
+    assert (
+        off.link("h", "r", GPU).bandwidth_bytes_per_s == CostConfig().default_bandwidth_bytes_per_s
+    )
+    assert off.probe_ceiling("h", "r", GPU, 1, 20, bytes_per_block=16 * mib) == 4
+
+
+def test_a_declared_link_outranks_the_reverse_and_an_asymmetric_link_is_corrected() -> None:
+    mib = 1 << 20
+    declared = DeclaredLink(("h",), ("r",), bandwidth_bytes_per_s=2e9, latency_ms=0.5)
+    model = CostModel(declared_links=[declared])
+    model.observe_transfer("r", "h", GPU, 64 * mib, 676_000)  # the reverse: slow
+    link = model.link("h", "r", GPU)
+    assert (link.prior, link.bandwidth_bytes_per_s, link.latency_ms) == ("declared", 2e9, 0.5)
+    # Asymmetric: r -> h slow, h -> r fast. h -> r starts slow (the reverse), its open
+    # load still bounds it, and its own samples move it to what it is.
+    model = CostModel()
+    for _ in range(20):
+        model.observe_transfer("r", "h", GPU, 64 * mib, 676_000)  # ~0.1 GB/s
+    model.load_started("a", "h", "r", GPU, 64 * mib, now_ms=0)
+    reverse_prior = model.link("h", "r", GPU, 0).bandwidth_bytes_per_s
+    assert reverse_prior < 1.1e8
+    assert model.link("h", "r", GPU, 2_000).bandwidth_bytes_per_s < reverse_prior  # open 2 s
+    model.load_ended("a")
+    for _ in range(20):
+        model.observe_transfer("h", "r", GPU, 64 * mib, 34_000)  # ~2 GB/s
+    assert model.link("h", "r", GPU).bandwidth_bytes_per_s > 1.5e9
+    assert model.link("r", "h", GPU).bandwidth_bytes_per_s < 1.1e8  # each direction its own

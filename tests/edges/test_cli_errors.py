@@ -190,3 +190,7 @@ def test_the_probe_flag_reaches_the_cost_config_in_mib_and_refuses_a_negative() 
     for bad in ("nan", "inf", "-1e-9"):
         with pytest.raises(ConfigError, match=r"--cost-probe-mib: .*finite number of MiB"):
             cli.config_from_args(parser.parse_args(["serve", f"--cost-probe-mib={bad}"]))
+    # The reverse prior: on by default, off by flag.
+    assert default.cost.reverse_prior is True
+    symmetric_off = parser.parse_args(["serve", "--cost-reverse-prior", "off"])
+    assert cli.config_from_args(symmetric_off).cost.reverse_prior is False

@@ -154,6 +154,8 @@ async def test_a_slow_measured_pair_misses_recompute_cheaper_while_a_fast_pair_k
     text = _status_text(kvrc.grpc_target, status)
     assert "cost gate on" in text and "link cost-slow -> cost-req (gpu)" in text
     assert "probes of 64 MiB over links neither measured nor declared" in text
+    assert status.cost_model.reverse_prior  # the default
+    assert "a measured reverse is an unmeasured link's prior" in text
 
 
 async def test_the_grant_carries_its_prediction(kvrc: CoordinatorProcess, parts: Parts) -> None:
@@ -175,6 +177,7 @@ async def test_the_grant_carries_its_prediction(kvrc: CoordinatorProcess, parts:
     assert p.worth_loading and p.num_tokens == 16 * BLOCKS and p.num_bytes == BLOCK_BYTES * BLOCKS
     assert p.recompute_ms == pytest.approx(128.0) and p.prefill_source == "declared"
     assert p.link_samples == 0 and p.holder_child_engine_id == "pred-hold"
+    assert p.link_prior == "default" and "cold: defaults" in p.detail
     status = await get_status(kvrc.grpc_target)
     (lease,) = [x for x in status.leases if x.lease_id == raw.lease_id]
     assert lease.prediction.detail == p.detail

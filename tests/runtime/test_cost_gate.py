@@ -237,12 +237,14 @@ async def test_a_cold_links_first_load_still_open_past_its_prediction_refuses_th
         assert granted(await load(rig, slow, "s3", duration_us=2_000)) == "slow"
 
 
-async def pin_asked(rig: Rig, holder: Session, request_id: str) -> tuple[int, PrefixLoadAnswer]:
-    """One prefix load by "r" whose holder pins all it is asked for, reported done: the
-    number of chain blocks the pin asked for, and the answer."""
+async def pin_asked(
+    rig: Rig, holder: Session, request_id: str, requester: str = "r"
+) -> tuple[int, PrefixLoadAnswer]:
+    """One prefix load by `requester` whose holder pins all it is asked for, reported
+    done: the number of chain blocks the pin asked for, and the answer."""
     c = rig.coordinator
     drain_outbound(holder)
-    request = PrefixLoadRequest(request_id, "r", CHAIN, "", 1, 0, 2_000, 10_000)
+    request = PrefixLoadRequest(request_id, requester, CHAIN, "", 1, 0, 2_000, 10_000)
     task = asyncio.ensure_future(c.leases.request_prefix_load(request))
     await settle()
     (pin,) = [m for m in drain_outbound(holder) if isinstance(m, SendPin)]
@@ -252,7 +254,7 @@ async def pin_asked(rig: Rig, holder: Session, request_id: str) -> tuple[int, Pr
     assert answer.view is not None and answer.view.prefix_load_grant is not None
     c.leases.complete_prefix_load(
         TransferReport(
-            answer.view.lease_id, "r", (0, 0, 0), Outcome.SUCCEEDED,
+            answer.view.lease_id, requester, (0, 0, 0), Outcome.SUCCEEDED,
             BLOCK_BYTES * len(pin.block_hashes), 1_000, "", 0, 0,
         )
     )  # fmt: skip
@@ -288,3 +290,31 @@ async def test_a_cold_undeclared_links_first_load_is_a_probe_of_probe_bytes() ->
         blocks, trusted = await pin_asked(rig, known, "d0")
         assert blocks == len(CHAIN) and granted(trusted) == "known"
         assert rig.coordinator.metrics.registry.get_sample_value("kvrc_cost_probes_total") == 0
+
+
+@pytest.mark.parametrize("reverse_prior", [True, False])
+async def test_a_probed_links_reverse_is_not_probed_again(reverse_prior: bool) -> None:
+    # cold -> r is probed (2 of 8 blocks) and measured; then r -> cold, the same pair the
+    # other way, starts from that measurement and is asked for whole. With reverse_prior
+    # off (the control) it is probed on its own.
+    probing = CostConfig(
+        default_prefill_tokens_per_s=1000.0,
+        probe_bytes=2 * BLOCK_BYTES,
+        reverse_prior=reverse_prior,
+    )
+    async with manual_coordinator(cost=probing) as rig:
+        r = register(rig, "r")
+        cold = register(rig, "cold")
+        rig.store(cold)
+        rig.store(r)
+        blocks, _ = await pin_asked(rig, cold, "p0")
+        assert blocks == 2
+        blocks, back = await pin_asked(rig, r, "p1", requester="cold")
+        assert back.prediction is not None and back.view is not None
+        probes = rig.coordinator.metrics.registry.get_sample_value("kvrc_cost_probes_total")
+        if reverse_prior:
+            assert blocks == len(CHAIN) and "probe" not in back.view.reason
+            assert back.prediction.link.prior == "reverse" and probes == 1
+        else:
+            assert blocks == 2 and "a probe: 2 of the chain's 8 blocks" in back.view.reason
+            assert back.prediction.link.prior == "default" and probes == 2
