@@ -319,3 +319,22 @@ def test_probes_keep_a_cold_clusters_slow_links_from_costing_whole_loads() -> No
     assert probed.ttft_mean_s < 1.15 * local, (probed.ttft_mean_s, local)
     assert whole.ttft_mean_s > 5 * local, (whole.ttft_mean_s, local)  # the control
     assert probed.blocks_loaded < whole.blocks_loaded
+
+
+def test_a_measured_reverse_spares_a_cold_clusters_second_probe_per_pair() -> None:
+    # Nothing declared. Once one direction of a pair is measured, the other starts from
+    # it (--cost-reverse-prior): a cross-group pair costs one probe, not two, and a
+    # within-group pair's second direction loads whole at once. The control probes each
+    # direction. Model TTFTs, deterministic (1.040x and 1.093x local_kv here).
+    spec = dataclasses.replace(slow_pairs.SLOW_PAIRS, requests=1000)
+    run = functools.partial(
+        simulate,
+        slow_pairs.generate(spec),
+        engines=spec.engines,
+        capacity_tokens=spec.capacity_tokens,
+        cost=spec.cost(),
+    )
+    reverse = run(Mode.KVRC_COST)
+    each_way = run(Mode.KVRC_COST, gate_config=CostConfig(reverse_prior=False))
+    assert reverse.ttft_mean_s < 0.97 * each_way.ttft_mean_s, (reverse, each_way)
+    assert reverse.blocks_loaded > each_way.blocks_loaded  # whole loads, not probes
