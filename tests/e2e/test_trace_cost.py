@@ -299,20 +299,25 @@ def test_the_replication_charge_keeps_kvrc_cost_near_local_kv_where_caches_are_f
     assert gated.ttft_mean_s <= within * local.ttft_mean_s
 
 
-def test_probes_keep_a_cold_clusters_slow_links_from_costing_whole_loads() -> None:
-    # Nothing declared: every link starts from the optimistic defaults. A cold link's
-    # first load is a probe of probe_bytes (one 64 MiB block here), so a cross-group
-    # pair costs one short load before its measurement refuses it; without probes each
-    # first cross-group load moves a whole document at 0.1 GB/s (seconds). Model TTFTs,
-    # deterministic.
-    spec = dataclasses.replace(slow_pairs.SLOW_PAIRS, requests=1000)
-    run = functools.partial(
+def _slow_pairs_first(requests: int) -> functools.partial[ModeResult]:
+    """`simulate` over the slow-pairs trace's first `requests`, nothing declared."""
+    spec = dataclasses.replace(slow_pairs.SLOW_PAIRS, requests=requests)
+    return functools.partial(
         simulate,
         slow_pairs.generate(spec),
         engines=spec.engines,
         capacity_tokens=spec.capacity_tokens,
         cost=spec.cost(),
     )
+
+
+def test_probes_keep_a_cold_clusters_slow_links_from_costing_whole_loads() -> None:
+    # Nothing declared: every link starts from the optimistic defaults. A cold link's
+    # first load is a probe of probe_bytes (one 64 MiB block here), so a cross-group
+    # pair costs one short load before its measurement refuses it; without probes each
+    # first cross-group load moves a whole document at 0.1 GB/s (seconds). Model TTFTs,
+    # deterministic.
+    run = _slow_pairs_first(1000)
     local = run(Mode.LOCAL_KV).ttft_mean_s
     probed = run(Mode.KVRC_COST)
     whole = run(Mode.KVRC_COST, gate_config=CostConfig(probe_bytes=0))
@@ -326,14 +331,7 @@ def test_a_measured_reverse_spares_a_cold_clusters_second_probe_per_pair() -> No
     # it (--cost-reverse-prior): a cross-group pair costs one probe, not two, and a
     # within-group pair's second direction loads whole at once. The control probes each
     # direction. Model TTFTs, deterministic (1.040x and 1.093x local_kv here).
-    spec = dataclasses.replace(slow_pairs.SLOW_PAIRS, requests=1000)
-    run = functools.partial(
-        simulate,
-        slow_pairs.generate(spec),
-        engines=spec.engines,
-        capacity_tokens=spec.capacity_tokens,
-        cost=spec.cost(),
-    )
+    run = _slow_pairs_first(1000)
     reverse = run(Mode.KVRC_COST)
     each_way = run(Mode.KVRC_COST, gate_config=CostConfig(reverse_prior=False))
     assert reverse.ttft_mean_s < 0.97 * each_way.ttft_mean_s, (reverse, each_way)
