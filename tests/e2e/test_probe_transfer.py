@@ -6,7 +6,8 @@ so a probe is 16 blocks. The first load over the p0 -> p1 link is a probe: p1 lo
 the first 16 blocks of a 48-block prefix through Mooncake and recomputes the rest, and
 its cache equals the test's own recomputation block for block (a probe must not leave
 a seam between what was loaded and what was computed). The probe's report is the
-link's first sample: the next load over the link moves the whole prefix.
+link's first sample: the next load over the link moves the whole prefix. So does the
+first load the other way, p1 -> p0: its reverse is measured (`--cost-reverse-prior`).
 """
 
 from __future__ import annotations
@@ -82,8 +83,19 @@ async def test_a_cold_links_first_load_is_a_probe_and_the_next_loads_the_whole_p
     await prefill(p0, "whole-0", [*second, *tokens(5, tail)])
     whole = await prefill(p1, "whole-1", [*second, *tokens(6, tail)])
     assert whole["load"] == "loaded" and whole["blocks_loaded"] == PREFIX_BLOCKS, whole
+
+    # The same pair the other way, p1 -> p0, has no sample of its own, but its reverse
+    # is measured (--cost-reverse-prior, on by default): not probed, loaded whole.
+    third = tokens(7, PREFIX_BLOCKS * BLOCK_SIZE)
+    await prefill(p1, "back-1", [*third, *tokens(8, tail)])
+    back_prompt = [*third, *tokens(9, tail)]
+    back = await prefill(p0, "back-0", back_prompt)
+    assert back["load"] == "loaded" and back["source"] == "p1", back
+    assert back["blocks_loaded"] == PREFIX_BLOCKS, back
+    assert await assert_blocks_exact(p0, back_prompt, tp_size=1) == len(back_prompt) // BLOCK_SIZE
     status = await get_status(kvrc.target)
     links = {
         (x.holder_child_engine_id, x.requester_child_engine_id) for x in status.cost_model.links
     }
-    assert ("p0", "p1") in links and status.cost_model.probe_bytes == 1 << 20
+    assert {("p0", "p1"), ("p1", "p0")} <= links
+    assert status.cost_model.probe_bytes == 1 << 20 and status.cost_model.reverse_prior
