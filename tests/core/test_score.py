@@ -367,6 +367,16 @@ def test_over_a_cold_undeclared_link_only_a_probe_is_loadable_until_it_is_measur
     (measured,) = run(inv, [a], predictor=model).engines
     assert measured.loadable_blocks == 8
     assert measured.predicted_saving_ms > probed.predicted_saving_ms
+    # Measured the other way only (a -> b), b -> a is credited in full: its reverse is its
+    # prior (--cost-reverse-prior); with that off, a probe again.
+    for reverse_prior, loadable in ((True, 8), (False, 3)):
+        config = CostConfig(
+            default_prefill_tokens_per_s=1000.0, probe_bytes=5000, reverse_prior=reverse_prior
+        )
+        model = CostModel(config)
+        model.observe_transfer("a", "b", Tier.GPU, 5000, 1000)
+        (one_way,) = run(inv, [a], predictor=model).engines
+        assert one_way.loadable_blocks == loadable, reverse_prior
 
 
 def by_saving(answer: ScoreAnswer) -> dict[str, float]:
