@@ -1028,6 +1028,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="kvrc_cost: a cold link's latency, as kvrc serve's flag (%(default)s)",
     )
     p.add_argument(
+        "--cost-reverse-prior",
+        choices=("on", "off"),
+        default="on" if cold.reverse_prior else "off",
+        help="kvrc_cost: an undeclared link starts from its measured reverse and is not "
+        "probed, as kvrc serve's flag (%(default)s)",
+    )
+    p.add_argument(
         "--cold-links",
         action="store_true",
         help="kvrc_cost: do not declare the cluster's links to the gate (every link starts "
@@ -1081,6 +1088,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gate_config = CostConfig(
         default_bandwidth_bytes_per_s=args.cost_default_bandwidth_gbps * 1e9,
         default_latency_ms=args.cost_default_latency_ms,
+        reverse_prior=args.cost_reverse_prior == "on",
     )
 
     # kvrc_cost: the links are declared as an operator would ([[link]] in the profiles

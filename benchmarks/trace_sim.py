@@ -317,7 +317,7 @@ class LoadGate:
 
     def reach(self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int) -> int:
         """The most of the `hinted` blocks a load may cover: all, or a probe's worth over
-        a link neither measured nor declared (I9-cost-gate)."""
+        a link neither measured (either way) nor declared (I9-cost-gate)."""
         probe = self.model.probe_ceiling(
             engine_name(holder),
             engine_name(requester),

@@ -119,7 +119,7 @@ class CostConfig:
     default_latency_ms: float = 1.0
     default_prefill_tokens_per_s: float = 1000.0
     alpha: float = 0.2  # weight of each new sample in the EWMAs
-    # A link neither measured nor declared loads at most this many bytes (whole blocks,
+    # A link neither measured (either way) nor declared loads at most this many bytes (whole blocks,
     # at least one, never below the request's min_blocks): a probe, so that a slow link
     # the optimistic defaults let through costs one short load. 0: no probes.
     probe_bytes: int = 64 * MIB
@@ -242,13 +242,28 @@ _PRIOR_TEXT = {
 
 
 class _Link:
-    """The EWMA sums of one link's least-squares fit (see the module docstring)."""
+    """The EWMA sums of one link's least-squares fit (see the module docstring), and the
+    prior it blends with: the link's prior when its first sample came, kept, so that a
+    measured link never moves with another link's samples (its reverse's) or evictions."""
 
-    __slots__ = ("samples", "sw", "sx", "sxx", "sxy", "sy")
+    __slots__ = (
+        "prior",
+        "prior_bandwidth",
+        "prior_latency_ms",
+        "samples",
+        "sw",
+        "sx",
+        "sxx",
+        "sxy",
+        "sy",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, prior_bandwidth: float, prior_latency_ms: float, prior: str) -> None:
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.samples = 0
+        self.prior_bandwidth = prior_bandwidth
+        self.prior_latency_ms = prior_latency_ms
+        self.prior = prior
 
     def add(self, x: float, y: float, alpha: float) -> None:
         keep = 1.0 - alpha
@@ -259,9 +274,8 @@ class _Link:
         self.sxy = keep * self.sxy + alpha * x * y
         self.samples += 1
 
-    def estimate(
-        self, prior_latency_ms: float, prior_bandwidth: float, prior: str = "default"
-    ) -> LinkEstimate:
+    def estimate(self) -> LinkEstimate:
+        prior_latency_ms, prior_bandwidth = self.prior_latency_ms, self.prior_bandwidth
         # The data's own line: (latency ms, ms per byte).
         mx, my = self.sx / self.sw, self.sy / self.sw
         var = self.sxx / self.sw - mx * mx
@@ -281,7 +295,7 @@ class _Link:
             bandwidth if bandwidth is not None else MAX_BANDWIDTH_BYTES_PER_S,
             latency,
             self.samples,
-            prior,
+            self.prior,
         )
 
 
@@ -341,9 +355,9 @@ class CostModel:
         """The link's estimate; with `now_ms`, an unmeasured link's open loads bound it."""
         key = (holder, requester, tier)
         state = self._links.get(key)
-        bandwidth, latency, prior = self._prior(holder, requester, tier)
         if state is not None:
-            return state.estimate(latency, bandwidth, prior)
+            return state.estimate()
+        bandwidth, latency, prior = self._prior(holder, requester, tier)
         open_loads = self._first_by_link.get(key) if now_ms is not None else None
         if open_loads and now_ms is not None:
             for load in open_loads.values():
@@ -361,15 +375,7 @@ class CostModel:
             return declared.bandwidth_bytes_per_s, declared.latency_ms, "declared"
         reverse = self._measured_reverse(holder, requester, tier)
         if reverse is not None:
-            # The reverse blends with its own declared-or-default prior (never with this
-            # link: no recursion).
-            back = self._declared_link(requester, holder)
-            cfg = self.config
-            estimate = (
-                reverse.estimate(cfg.default_latency_ms, cfg.default_bandwidth_bytes_per_s)
-                if back is None
-                else reverse.estimate(back.latency_ms, back.bandwidth_bytes_per_s)
-            )
+            estimate = reverse.estimate()  # (its prior is its own, kept: no recursion)
             return estimate.bandwidth_bytes_per_s, estimate.latency_ms, "reverse"
         return self.config.default_bandwidth_bytes_per_s, self.config.default_latency_ms, "default"
 
@@ -534,7 +540,7 @@ class CostModel:
         state = self._links.get(key)
         if state is None:
             cfg = self.config
-            state = _Link()
+            state = _Link(*self._prior(holder, requester, tier))
             self._links[key] = state
             while len(self._links) > cfg.max_pairs:
                 self._links.popitem(last=False)

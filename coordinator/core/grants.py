@@ -178,8 +178,10 @@ class CostObserved:
     lease_id: str
     predicted_load_ms: float
     actual_load_ms: float
-    link_measured: bool  # the prediction came from measurements, not the cold defaults
-    probe: bool = False  # a probe of a link neither measured nor declared (I9-cost-gate)
+    # "measured": the prediction came from the link's samples; else its prior alone:
+    # "declared", "reverse" (its measured reverse) or "default" (LinkEstimate.prior).
+    link_basis: str
+    probe: bool = False  # a probe of a cold link (I9-cost-gate)
 
 
 # The session messages of the lease flows (the rank part's session delivers them).
@@ -500,7 +502,8 @@ class Grants:
             if view.compatibility_hash != requester.compatibility_hash:
                 continue  # never hand KV across layouts, whatever the index said
             context = self._cost_context(view, requester, candidate.tier)
-            # I9-cost-gate: a link neither measured nor declared is probed, not trusted.
+            # I9-cost-gate: a link neither measured (either way) nor declared is probed,
+            # not trusted.
             probe = self.cost.probe_ceiling(
                 context.holder,
                 context.requester,
@@ -630,7 +633,7 @@ class Grants:
                     report.lease_id,
                     prediction.load_ms,
                     measured.duration_us / 1000.0,
-                    prediction.link.samples > 0,
+                    "measured" if prediction.link.samples > 0 else prediction.link.prior,
                     context.probe_blocks > 0,
                 )
             )

@@ -376,8 +376,9 @@ def _priced(
         best = holders[0] if holders else None
         # Only a longer prefix than the engine's own is loadable (never from itself).
         if best is not None and best[0] != me and best[1] > matched:
-            # A cold, undeclared link is granted a probe only (I9-cost-gate), asked for
-            # as a prefix load asks: at least one block past the engine's own.
+            # A cold, undeclared link with no measured reverse is granted a probe only
+            # (I9-cost-gate), asked for as a prefix load asks: at least one block past
+            # the engine's own.
             probe = predictor.probe_ceiling(
                 best[0], me, best[2], matched + 1, best[1], bytes_per_block=e.bytes_per_block
             )

@@ -293,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cost-probe-mib",
         type=float,
         default=cost.probe_bytes / MIB,
-        help="a load over a link neither measured nor declared ([[link]]) moves at most "
-        "this many MiB (fractions allowed; at least one block), the rest is recomputed: a "
+        help="a load over a link neither measured (either way) nor declared ([[link]]) moves "
+        "at most this many MiB (fractions allowed; at least one block), the rest is recomputed: a "
         "probe that measures the link; 0: no probes (%(default)g)",
     )
     serve.add_argument(
@@ -683,11 +683,12 @@ def _cost_lines(cost: pb.CostModelStatus) -> list[str]:
         f"{cost.default_bandwidth_bytes_per_s / 1e9:g} GB/s + {cost.default_latency_ms:g} ms, "
         f"{cost.default_prefill_tokens_per_s:g} tokens/s; "
         + (
-            f"probes of {cost.probe_bytes / MIB:g} MiB over links neither measured nor declared"
+            f"probes of {cost.probe_bytes / MIB:g} MiB over links neither measured (either "
+            "way) nor declared"
             if cost.probe_bytes
             else "no probes"
         )
-        + ("; a measured reverse is an unmeasured link's prior" if cost.reverse_prior else "")
+        + ("; an undeclared link starts from its measured reverse" if cost.reverse_prior else "")
     ]
     for link in cost.links:
         lines.append(

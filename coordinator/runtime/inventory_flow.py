@@ -843,10 +843,11 @@ def _bytes_per_block(view: ChildEngineView) -> int:
 
 def _cost_basis(config: CoordinatorConfig) -> str:
     c = config.cost
+    reverse = "a link's measured reverse, else " if c.reverse_prior else ""
     return (
         "cost model (docs/cost_model.md): local matches at the engine's prefill rate; "
         f"a load counts when load x {c.safety_margin:g} < recompute; measured links and "
-        f"rates, else declared, else {c.default_prefill_tokens_per_s:g} tokens/s and "
+        f"rates, else declared, else {reverse}{c.default_prefill_tokens_per_s:g} tokens/s and "
         f"{c.default_bandwidth_bytes_per_s / 1e9:g} GB/s + {c.default_latency_ms:g} ms"
     )
 

@@ -487,9 +487,9 @@ class LeaseFlow:
                 if action.probe:
                     m.cost_probes.inc()
                 if action.predicted_load_ms > 0:
-                    m.cost_prediction_error.labels(
-                        link="measured" if action.link_measured else "default"
-                    ).observe(action.actual_load_ms / action.predicted_load_ms)
+                    m.cost_prediction_error.labels(link=action.link_basis).observe(
+                        action.actual_load_ms / action.predicted_load_ms
+                    )
             elif isinstance(action, DrainDeadlinePassed):
                 log.info("drain deadline of %s passed: aborting its leases", action.child_engine_id)
             elif isinstance(action, LeaseGranted):

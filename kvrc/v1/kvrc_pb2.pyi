@@ -2414,7 +2414,7 @@ class CostModelStatus(_message.Message):
     default_latency_ms: _builtins.float
     default_prefill_tokens_per_s: _builtins.float
     probe_bytes: _builtins.int
-    """A link neither measured nor declared loads at most this many bytes (a probe); 0: off."""
+    """A link neither measured (either way) nor declared loads at most this many bytes (a probe); 0: off."""
     reverse_prior: _builtins.bool
     """An undeclared link starts from its measured reverse, and is not probed."""
     @_builtins.property

@@ -34,7 +34,7 @@ from clients.leases import (
     PrefixLoadGrant,
 )
 from clients.session import EngineProfile, RankPartRegistration
-from coordinator.edges.cli import _status_text
+from coordinator.edges.cli import _status_text, cost_model_document, prediction_document
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 from kvrc.vocabulary import PROTOCOL_VERSION, KvRegion, TransferEndpoint
@@ -64,7 +64,13 @@ async def parts(kvrc: CoordinatorProcess) -> AsyncIterator[Parts]:
 
 
 # How long each holder's loads take (reported by the requester): the pairs' speeds.
-SPEED_US = {"cost-slow": 400_000, "cost-fast": 1_000, "pred-hold": 1_000}
+SPEED_US = {
+    "cost-slow": 400_000,
+    "cost-fast": 1_000,
+    "pred-hold": 1_000,
+    "rev-a": 1_000,
+    "rev-b": 1_000,
+}
 
 
 async def load(
@@ -153,9 +159,9 @@ async def test_a_slow_measured_pair_misses_recompute_cheaper_while_a_fast_pair_k
     assert status.cost_model.probe_bytes == 64 << 20  # the default: probes of 64 MiB
     text = _status_text(kvrc.grpc_target, status)
     assert "cost gate on" in text and "link cost-slow -> cost-req (gpu)" in text
-    assert "probes of 64 MiB over links neither measured nor declared" in text
+    assert "probes of 64 MiB over links neither measured (either way) nor declared" in text
     assert status.cost_model.reverse_prior  # the default
-    assert "a measured reverse is an unmeasured link's prior" in text
+    assert "an undeclared link starts from its measured reverse" in text
 
 
 async def test_the_grant_carries_its_prediction(kvrc: CoordinatorProcess, parts: Parts) -> None:
@@ -181,6 +187,46 @@ async def test_the_grant_carries_its_prediction(kvrc: CoordinatorProcess, parts:
     status = await get_status(kvrc.grpc_target)
     (lease,) = [x for x in status.leases if x.lease_id == raw.lease_id]
     assert lease.prediction.detail == p.detail
+
+
+async def test_a_pairs_second_direction_starts_from_the_first(
+    kvrc: CoordinatorProcess, parts: Parts
+) -> None:
+    # rev-b -> rev-a is measured first; rev-a -> rev-b then stands on it (the reverse
+    # prior), as the prediction and kvrc status --json say.
+    a, from_a = await parts.part("rev-a")
+    b, from_b = await parts.part("rev-b")
+    chain = hash_block_chain([5] * 16 * BLOCKS, 16, seed=13)
+    await store_blocks(b, chain)
+    first = await load(from_a, "rev-1", chain)
+    assert isinstance(first, PrefixLoadGrant) and first.source_child_engine_id == "rev-b"
+    assert first.prediction is not None and first.prediction.link_prior == "default"
+    other = hash_block_chain([6] * 16 * BLOCKS, 16, seed=14)
+    await store_blocks(a, other)
+    back = await from_b.request_prefix_load("rev-2", other, pin_timeout_ms=2000)
+    assert isinstance(back, PrefixLoadGrant) and back.source_child_engine_id == "rev-a"
+    assert back.prediction is not None and back.prediction.link_samples == 0
+    assert back.prediction.link_prior == "reverse"
+    assert "cold: the reverse link's estimate" in back.prediction.detail
+    status = await get_status(kvrc.grpc_target)
+    (lease,) = [x for x in status.leases if x.lease_id == back.lease_id]
+    assert prediction_document(lease.prediction)["link_prior"] == "reverse"
+    assert cost_model_document(status.cost_model)["reverse_prior"] is True
+    await from_b.complete_prefix_load(
+        pb.TransferReport(
+            lease_id=back.lease_id,
+            reporter_child_engine_id=from_b.child_engine_id,
+            rank=pb.RankCoordinates(),
+            outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+            bytes_moved=BLOCK_BYTES * back.matched_blocks,
+            duration_us=1_000,
+        )
+    )
+    await wait_until(
+        lambda: metric_value(kvrc, "kvrc_cost_prediction_error_ratio_count", link="reverse") == 1,
+        5,
+        what="the load's prediction error counted under link=reverse",
+    )
 
 
 async def register_raw(target: str, register: pb.Register) -> tuple[grpc.StatusCode, str]:
