@@ -79,17 +79,22 @@ async def load(
     """A prefix load; a grant is reported done, as long as its holder's speed."""
     answer = await requester.request_prefix_load(request_id, chain, pin_timeout_ms=2000)
     if isinstance(answer, PrefixLoadGrant):
-        await requester.complete_prefix_load(
-            pb.TransferReport(
-                lease_id=answer.lease_id,
-                reporter_child_engine_id=requester.child_engine_id,
-                rank=pb.RankCoordinates(),
-                outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
-                bytes_moved=BLOCK_BYTES * answer.matched_blocks,
-                duration_us=SPEED_US[answer.source_child_engine_id],
-            )
-        )
+        await report_done(requester, answer)
     return answer
+
+
+async def report_done(requester: LeaseClient, grant: PrefixLoadGrant) -> None:
+    """The grant's load completed, as long as its holder's speed."""
+    await requester.complete_prefix_load(
+        pb.TransferReport(
+            lease_id=grant.lease_id,
+            reporter_child_engine_id=requester.child_engine_id,
+            rank=pb.RankCoordinates(),
+            outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+            bytes_moved=BLOCK_BYTES * grant.matched_blocks,
+            duration_us=SPEED_US[grant.source_child_engine_id],
+        )
+    )
 
 
 async def test_a_slow_measured_pair_misses_recompute_cheaper_while_a_fast_pair_keeps_its_grants(
@@ -212,16 +217,7 @@ async def test_a_pairs_second_direction_starts_from_the_first(
     (lease,) = [x for x in status.leases if x.lease_id == back.lease_id]
     assert prediction_document(lease.prediction)["link_prior"] == "reverse"
     assert cost_model_document(status.cost_model)["reverse_prior"] is True
-    await from_b.complete_prefix_load(
-        pb.TransferReport(
-            lease_id=back.lease_id,
-            reporter_child_engine_id=from_b.child_engine_id,
-            rank=pb.RankCoordinates(),
-            outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
-            bytes_moved=BLOCK_BYTES * back.matched_blocks,
-            duration_us=1_000,
-        )
-    )
+    await report_done(from_b, back)
     await wait_until(
         lambda: metric_value(kvrc, "kvrc_cost_prediction_error_ratio_count", link="reverse") == 1,
         5,
