@@ -51,8 +51,11 @@ declared link is trusted as declared; a measured one is decided by its fit.
 The reverse link. Most fabrics are symmetric, so a link that no `[[link]]` declares
 takes its reverse's estimate (requester -> holder, the same tier) as its prior once the
 reverse has a sample, and is not probed (`reverse_prior`): each pair then costs one
-probe, not two. An asymmetric link is trusted once this way; its open loads still
-bound it while the first one runs, and its own first sample corrects it.
+probe, not two. An asymmetric pair is misjudged on the reverse's word: the slow
+direction's first load is granted (its open load bounds it, its first sample refuses
+the next), and the fast direction is refused, like any link measured slow, and never
+measured (docs/cost_model.md, "The reverse link"). A link keeps the prior it had at its
+first sample, so a measured link never moves with its reverse.
 
 Bounds (counted, never timed): at most `max_pairs` links and `max_requesters`
 prefill estimates, each evicted least recently *observed* first (`predict` does not
@@ -451,10 +454,8 @@ class CostModel:
             return None  # (a block of unknown size cannot be sized into a probe)
         if (holder, requester, tier) in self._links:
             return None
-        if self._declared_link(holder, requester) is not None:
-            return None  # the operator's word stands in for a measurement
-        if self._measured_reverse(holder, requester, tier) is not None:
-            return None  # so does the reverse's (module docstring)
+        if self._prior(holder, requester, tier)[2] != "default":
+            return None  # the operator's word, or the reverse's, stands in for a measurement
         return min(hinted, max(floor, 1, cfg.probe_bytes // bytes_per_block))
 
     def worthwhile_blocks(
