@@ -300,11 +300,13 @@ class LoadGate:
             config, declared_prefill=lambda _requester: declared, declared_links=declared_links
         )
 
-    def worthwhile(
+    def plan(
         self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int, now_ms: float
-    ) -> int | None:
-        """The fewest blocks in [floor, hinted] worth loading; None: not even `hinted`."""
-        return self.model.worthwhile_blocks(
+    ) -> tuple[int, int] | None:
+        """(the fewest blocks worth loading, the most a load may cover: all `hinted`, or
+        a probe's worth), as the coordinator's grant decides them (I9-cost-gate); None:
+        not worth loading."""
+        plan = self.model.plan(
             engine_name(holder),
             engine_name(requester),
             Tier.GPU,
@@ -314,19 +316,17 @@ class LoadGate:
             bytes_per_block=self.cost.block_bytes,
             now_ms=int(now_ms),
         )
-
-    def reach(self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int) -> int:
-        """The most of the `hinted` blocks a load may cover: all, or a probe's worth over
-        a link neither measured (either way) nor declared (I9-cost-gate)."""
-        probe = self.model.probe_ceiling(
+        worthwhile = self.model.worthwhile_blocks(
             engine_name(holder),
             engine_name(requester),
             Tier.GPU,
             floor,
-            hinted,
+            plan.ceiling,
+            block_tokens=self.cost.block_tokens,
             bytes_per_block=self.cost.block_bytes,
+            link=plan.link,
         )
-        return hinted if probe is None else probe
+        return None if worthwhile is None else (worthwhile, plan.ceiling)
 
     def started(
         self,
@@ -350,7 +350,12 @@ class LoadGate:
         self.model.load_ended(str(lease_key))
 
     def observe(
-        self, holder: EngineIndex, requester: EngineIndex, blocks: int, duration_ms: float
+        self,
+        holder: EngineIndex,
+        requester: EngineIndex,
+        blocks: int,
+        duration_ms: float,
+        now_ms: float,
     ) -> None:
         # Whole microseconds, as TransferReport.duration_us; at least 1 (0 means unmeasured).
         duration_us = max(1, round(duration_ms * 1000.0))
@@ -360,6 +365,7 @@ class LoadGate:
             Tier.GPU,
             blocks * self.cost.block_bytes,
             duration_us,
+            int(now_ms),
         )
 
 
@@ -491,11 +497,10 @@ class LocalReferenceProvider:
             need = min_blocks
             reach = cand.matched_blocks
             if self.gate is not None:
-                reach = self.gate.reach(cand.engine, requester, min_blocks, reach)
-                worthwhile = self.gate.worthwhile(cand.engine, requester, min_blocks, reach, now_ms)
-                if worthwhile is None:
+                plan = self.gate.plan(cand.engine, requester, min_blocks, reach, now_ms)
+                if plan is None:
                     continue  # this holder's link is too slow; another may still pay off
-                need = worthwhile
+                need, reach = plan
             self._next_lease += 1
             key = ("ref", self._next_lease)
             pinned = self._side.pin_prefix(cand.engine, key, chain[:reach])
@@ -851,9 +856,9 @@ class TraceSimulation:
                 return c.matched_blocks if c.matched_blocks >= self.min_blocks else 0
             if c.matched_blocks < floor:
                 break  # longest first: no later holder reaches the floor either
-            reach = self.gate.reach(c.engine, engine, floor, c.matched_blocks)
-            if self.gate.worthwhile(c.engine, engine, floor, reach, now) is not None:
-                return reach  # the holder kvrc's gate would grant (a probe: its reach)
+            plan = self.gate.plan(c.engine, engine, floor, c.matched_blocks, now)
+            if plan is not None:
+                return plan[1]  # the holder kvrc's gate would grant (a probe: its reach)
         return 0
 
     def _shared_prefix(self, chain: Sequence[BlockId]) -> int:
@@ -956,7 +961,7 @@ class TraceSimulation:
         if self.gate is not None:
             # The outcome report: what moved and how long it took, per (holder, requester).
             self.gate.observe(
-                end.grant.source_engine, end.requester, end.loaded_blocks, end.duration_ms
+                end.grant.source_engine, end.requester, end.loaded_blocks, end.duration_ms, now
             )
         self.provider.complete(end.grant, end.loaded_blocks, now)
         self.engines[end.grant.source_engine].cache.unpin(end.grant.lease_key)

@@ -1,7 +1,8 @@
 """Load or recompute: the measured cost of a prefix load against the requester's prefill.
 
 Pure and synchronous like the rest of the core: no I/O, no clock. Nothing here reads
-time; a transfer's duration and a prefill's duration arrive as reported numbers.
+time; a transfer's duration and a prefill's duration arrive as reported numbers, and
+the caller's `now_ms` (open loads, a fit's age) is passed in.
 
 What it keeps (I9-cost-gate in docs/invariants.md; the model is docs/cost_model.md):
 
@@ -46,16 +47,28 @@ granted; whole, it can cost seconds. A link with no sample that no `[[link]]` de
 therefore loads at most `probe_bytes` (whole blocks, at least one, and never fewer than
 the request's min_blocks; a holder whose block size is unknown is not probed): the
 requester recomputes the rest, and the probe's outcome is the link's first sample. A
-declared link is trusted as declared; a measured one is decided by its fit.
+declared link is trusted as declared; a measured one is decided by its fit (`plan`).
 
-The reverse link. Most fabrics are symmetric, so a link that no `[[link]]` declares
-takes its reverse's estimate (requester -> holder, the same tier) as its prior once the
-reverse has a sample, and is not probed (`reverse_prior`): each pair then costs one
-probe, not two. An asymmetric pair is misjudged on the reverse's word: the slow
-direction's first load is granted (its open load bounds it, its first sample refuses
-the next), and the fast direction is refused, like any link measured slow, and never
-measured (docs/cost_model.md, "The reverse link"). A link keeps the prior it had at its
-first sample, so a measured link never moves with its reverse.
+Stand-ins. Two estimates may stand in for a link's own fit, each only as far as
+sparing a probe: while it says the load pays, the load is granted whole on its word;
+when it says it does not, the link is probed as if it had no stand-in (priced on the
+defaults). A stand-in may spare a probe, never forbid one, so no link is refused for
+good on another estimate's word.
+
+- The reverse link (`reverse_prior`). Most fabrics are symmetric, so a link that no
+  `[[link]]` declares stands on its reverse's fresh fit (requester -> holder, the same
+  tier): each pair then costs one probe, not two. On an asymmetric pair the slow
+  direction's first load is granted on the fast reverse's word (its open load bounds
+  it, its first sample refuses the next); the fast direction, refused by a slow
+  reverse, is probed (docs/cost_model.md, "The reverse link").
+- The link's own stale fit. A fit is trusted for `measurement_ttl_s` after its last
+  sample; then it is re-learnt: from its next sample on, a new fit from the declared
+  or default line. Until then the old estimate stands in, so a fast link idle for a
+  while is not probed again, and a link refused as slow gets a probe once its fit has
+  expired: a refusal is never forever (a link that got faster is found).
+
+A fit never blends with a stand-in (its prior is declared or the defaults), so a
+measured link never moves with its reverse's samples or evictions.
 
 Bounds (counted, never timed): at most `max_pairs` links and `max_requesters`
 prefill estimates, each evicted least recently *observed* first (`predict` does not
@@ -78,6 +91,7 @@ __all__ = [
     "CostModel",
     "LinkEstimate",
     "LinkKey",
+    "LoadPlan",
     "Prediction",
     "PrefillEstimate",
     "kv_bytes_per_block",
@@ -122,12 +136,17 @@ class CostConfig:
     default_latency_ms: float = 1.0
     default_prefill_tokens_per_s: float = 1000.0
     alpha: float = 0.2  # weight of each new sample in the EWMAs
-    # A link neither measured (either way) nor declared loads at most this many bytes (whole blocks,
-    # at least one, never below the request's min_blocks): a probe, so that a slow link
-    # the optimistic defaults let through costs one short load. 0: no probes.
+    # A link without a fresh fit or a declaration loads at most this many bytes (whole
+    # blocks, at least one, never below the request's min_blocks), unless a stand-in says
+    # the whole load pays: a probe, so that a slow link the optimistic defaults let
+    # through costs one short load. 0: no probes.
     probe_bytes: int = 64 * MIB
-    # An undeclared link takes its measured reverse as its prior and is not probed.
+    # An undeclared link takes its measured reverse as its prior: a probe is spared when
+    # the reverse says the load pays (never forbidden when it says it does not).
     reverse_prior: bool = True
+    # A link's fit is trusted this long after its last sample; then it is re-learnt (its
+    # old estimate may still spare a probe, never forbid one). 0: never.
+    measurement_ttl_s: float = 300.0
 
     def __post_init__(self) -> None:
         # (name, value, lowest allowed, whether the lowest is allowed, highest allowed)
@@ -137,6 +156,7 @@ class CostConfig:
             ("default_latency_ms", self.default_latency_ms, 0.0, True, 60_000.0),
             ("default_prefill_tokens_per_s", self.default_prefill_tokens_per_s, 0.0, False, 1e9),
             ("alpha", self.alpha, 0.0, False, 1.0),
+            ("measurement_ttl_s", self.measurement_ttl_s, 0.0, True, 7 * 86400.0),
         )
         for name, value, low, closed, high in checks:
             number = isinstance(value, int | float) and not isinstance(value, bool)
@@ -158,7 +178,9 @@ class LinkEstimate:
     bandwidth_bytes_per_s: float
     latency_ms: float
     samples: int  # 0: the prior alone
-    prior: str = "default"  # what it starts from: "declared", "reverse" or "default"
+    # What it starts from: "declared" or "default"; before its (fresh) samples also
+    # "stale" (its own fit, older than measurement_ttl_s) or "reverse".
+    prior: str = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,16 +262,27 @@ class Prediction:
 _PRIOR_TEXT = {
     "default": "defaults",
     "declared": "declared",
+    "stale": "its own expired measurement",
     "reverse": "the reverse link's estimate",
 }
 
 
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """How far a load over one link may reach, and the estimate it is priced with."""
+
+    link: LinkEstimate
+    ceiling: int  # the most blocks it may cover: the hinted ones, or a probe's worth
+    probe: bool  # the ceiling is a probe's: the load measures the link (I9-cost-gate)
+
+
 class _Link:
-    """The EWMA sums of one link's least-squares fit (see the module docstring), and the
-    prior it blends with: the link's prior when its first sample came, kept, so that a
-    measured link never moves with another link's samples (its reverse's) or evictions."""
+    """The EWMA sums of one link's least-squares fit (see the module docstring), the
+    prior it blends with (declared or the defaults, never another link's estimate, so a
+    measured link never moves with its reverse) and when its last sample came."""
 
     __slots__ = (
+        "last_sample_ms",
         "prior",
         "prior_bandwidth",
         "prior_latency_ms",
@@ -264,6 +297,7 @@ class _Link:
     def __init__(self, prior_bandwidth: float, prior_latency_ms: float, prior: str) -> None:
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.samples = 0
+        self.last_sample_ms: int | None = None
         self.prior_bandwidth = prior_bandwidth
         self.prior_latency_ms = prior_latency_ms
         self.prior = prior
@@ -353,14 +387,23 @@ class CostModel:
         return len(self._first_loads)
 
     def link(
-        self, holder: str, requester: str, tier: Tier, now_ms: int | None = None
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        now_ms: int | None = None,
+        *,
+        stand_ins: bool = True,
     ) -> LinkEstimate:
-        """The link's estimate; with `now_ms`, an unmeasured link's open loads bound it."""
+        """The link's estimate. With `now_ms`, a fit older than `measurement_ttl_s` is no
+        fit, and a link without one is bounded by its open loads. `stand_ins=False`: no
+        stand-in (its stale fit, its reverse) for a link without a fresh fit: what a
+        probe is priced on."""
         key = (holder, requester, tier)
-        state = self._links.get(key)
+        state = self._fresh(key, now_ms)
         if state is not None:
             return state.estimate()
-        bandwidth, latency, prior = self._prior(holder, requester, tier)
+        bandwidth, latency, prior = self._prior(key, now_ms, stand_ins=stand_ins)
         open_loads = self._first_by_link.get(key) if now_ms is not None else None
         if open_loads and now_ms is not None:
             for load in open_loads.values():
@@ -370,22 +413,35 @@ class CostModel:
                     bandwidth = load.num_bytes * 1000.0 / transfer_ms
         return LinkEstimate(bandwidth, latency, 0, prior)
 
-    def _prior(self, holder: str, requester: str, tier: Tier) -> tuple[float, float, str]:
-        """(bandwidth B/s, latency ms, source) of a link before samples: declared, else
-        its measured reverse's estimate, else the defaults."""
+    def _fresh(self, key: LinkKey, now_ms: int | None) -> _Link | None:
+        """The link's fit, if it is still trusted at `now_ms` (without a clock: always)."""
+        state = self._links.get(key)
+        if state is None or now_ms is None or state.last_sample_ms is None:
+            return state
+        ttl_ms = self.config.measurement_ttl_s * 1000.0
+        if ttl_ms > 0 and now_ms - state.last_sample_ms >= ttl_ms:
+            return None
+        return state
+
+    def _prior(
+        self, key: LinkKey, now_ms: int | None, *, stand_ins: bool = True
+    ) -> tuple[float, float, str]:
+        """(bandwidth B/s, latency ms, source) of a link without a fresh fit: declared,
+        else (`stand_ins`) its own stale fit, else its fresh reverse, else the defaults."""
+        holder, requester, tier = key
         declared = self._declared_link(holder, requester)
         if declared is not None:
             return declared.bandwidth_bytes_per_s, declared.latency_ms, "declared"
-        reverse = self._measured_reverse(holder, requester, tier)
-        if reverse is not None:
-            estimate = reverse.estimate()  # (its prior is its own, kept: no recursion)
-            return estimate.bandwidth_bytes_per_s, estimate.latency_ms, "reverse"
+        if stand_ins:
+            stale = self._links.get(key)  # (a fresh one never gets here)
+            if stale is not None:
+                estimate = stale.estimate()
+                return estimate.bandwidth_bytes_per_s, estimate.latency_ms, "stale"
+            reverse = self._fresh((requester, holder, tier), now_ms)
+            if reverse is not None and self.config.reverse_prior:
+                estimate = reverse.estimate()  # (its prior is declared or default: no recursion)
+                return estimate.bandwidth_bytes_per_s, estimate.latency_ms, "reverse"
         return self.config.default_bandwidth_bytes_per_s, self.config.default_latency_ms, "default"
-
-    def _measured_reverse(self, holder: str, requester: str, tier: Tier) -> _Link | None:
-        if not self.config.reverse_prior:
-            return None
-        return self._links.get((requester, holder, tier))
 
     def _declared_link(self, holder: str, requester: str) -> DeclaredLink | None:
         for link in self._declared_links:  # first match wins, as declared
@@ -410,10 +466,14 @@ class CostModel:
         num_tokens: int,
         num_bytes: int,
         now_ms: int | None = None,
+        *,
+        link: LinkEstimate | None = None,
     ) -> Prediction:
         """Predicted load and recompute of `num_tokens` tokens (`num_bytes` of KV) in ms;
-        `now_ms`: counting the open first loads over the link (module docstring)."""
-        link = self.link(holder, requester, tier, now_ms)
+        `now_ms`: as `link` sees it (module docstring); `link`: priced on this estimate
+        (a `LoadPlan`'s) instead."""
+        if link is None:
+            link = self.link(holder, requester, tier, now_ms)
         prefill = self.prefill(requester)
         load_ms = link.latency_ms + num_bytes * 1000.0 / link.bandwidth_bytes_per_s
         recompute_ms = num_tokens * 1000.0 / prefill.tokens_per_s
@@ -434,7 +494,7 @@ class CostModel:
         """`predict(...).recompute_ms` without a link: what a local hit saves."""
         return num_tokens * 1000.0 / self.prefill(requester).tokens_per_s
 
-    def probe_ceiling(
+    def plan(
         self,
         holder: str,
         requester: str,
@@ -442,21 +502,41 @@ class CostModel:
         floor: int,
         hinted: int,
         *,
+        block_tokens: int,
         bytes_per_block: int,
-    ) -> int | None:
-        """None: the link, or its reverse, is measured, or it is declared (or the block's
-        size is unknown): a load may cover all `hinted` blocks. Otherwise the load is a
-        probe (module docstring) and covers at most the blocks returned: `probe_bytes`
-        worth (at least one), never below `floor` (the request's min_blocks), never above
-        `hinted`."""
+        have: int = 0,
+        now_ms: int | None = None,
+    ) -> LoadPlan:
+        """How far a load of the `hinted` blocks (the requester holds the first `have`)
+        may reach, and what it is priced on (I9-cost-gate; module docstring, "Probes"):
+
+        - a fresh fit or a declared link: all `hinted`, on its estimate;
+        - neither, with no stand-in: a probe, on the defaults;
+        - a stand-in (the link's stale fit, its fresh reverse): all `hinted` on its word
+          when it says the load pays; else a probe, on the defaults. A stand-in may
+          spare a probe, never forbid one.
+
+        A probe covers at most `probe_bytes` worth (whole blocks, at least one), never
+        below `floor` (the request's min_blocks), never above `hinted`. No probes with
+        the gate off, `probe_bytes` 0 or a block of unknown size."""
+        link = self.link(holder, requester, tier, now_ms)
         cfg = self.config
-        if not cfg.gate or cfg.probe_bytes <= 0 or bytes_per_block <= 0:
-            return None  # (a block of unknown size cannot be sized into a probe)
-        if (holder, requester, tier) in self._links:
-            return None
-        if self._prior(holder, requester, tier)[2] != "default":
-            return None  # the operator's word, or the reverse's, stands in for a measurement
-        return min(hinted, max(floor, 1, cfg.probe_bytes // bytes_per_block))
+        if (
+            not cfg.gate
+            or cfg.probe_bytes <= 0
+            or bytes_per_block <= 0
+            or link.samples
+            or link.prior == "declared"
+        ):
+            return LoadPlan(link, hinted, False)
+        if link.prior != "default":
+            blocks = hinted - have
+            if self.predict(
+                holder, requester, tier, blocks * block_tokens, blocks * bytes_per_block, link=link
+            ).worth_loading:
+                return LoadPlan(link, hinted, False)
+            link = self.link(holder, requester, tier, now_ms, stand_ins=False)
+        return LoadPlan(link, min(hinted, max(floor, 1, cfg.probe_bytes // bytes_per_block)), True)
 
     def worthwhile_blocks(
         self,
@@ -469,18 +549,25 @@ class CostModel:
         block_tokens: int,
         bytes_per_block: int,
         now_ms: int | None = None,
+        link: LinkEstimate | None = None,
     ) -> int | None:
-        """The fewest blocks in [floor, hinted] worth loading (None: not even `hinted`).
+        """The fewest blocks in [floor, hinted] worth loading (None: not even `hinted`);
+        `link`: priced on this estimate (a `LoadPlan`'s). With the gate off, `floor`.
 
-        With the gate off, `floor`. Load and recompute both grow linearly with the
-        blocks, so "worth loading" holds from some length on: a binary search finds it
-        (I9-cost-gate)."""
+        Load and recompute both grow linearly with the blocks, so "worth loading" holds
+        from some length on: a binary search finds it (I9-cost-gate)."""
         if not self.config.gate:
             return floor
 
         def worth(blocks: int) -> bool:
             return self.predict(
-                holder, requester, tier, blocks * block_tokens, blocks * bytes_per_block, now_ms
+                holder,
+                requester,
+                tier,
+                blocks * block_tokens,
+                blocks * bytes_per_block,
+                now_ms,
+                link=link,
             ).worth_loading
 
         if not worth(hinted):
@@ -494,9 +581,21 @@ class CostModel:
                 low = mid + 1
         return low
 
-    def links(self) -> tuple[tuple[LinkKey, LinkEstimate], ...]:
-        """Every measured link, least recently observed first (for `kvrc status`)."""
-        return tuple((key, self.link(*key)) for key in self._links)
+    def links(
+        self, now_ms: int | None = None
+    ) -> tuple[tuple[LinkKey, LinkEstimate, int | None], ...]:
+        """Every measured link with its fit's age at `now_ms` in ms (None: unknown), least
+        recently observed first (for `kvrc status`; an expired fit is listed as it was)."""
+        return tuple(
+            (
+                key,
+                state.estimate(),
+                None
+                if now_ms is None or state.last_sample_ms is None
+                else now_ms - state.last_sample_ms,
+            )
+            for key, state in self._links.items()
+        )
 
     def prefill_rates(self) -> tuple[tuple[str, PrefillEstimate], ...]:
         """Every requester with measured prefill samples, least recently observed first."""
@@ -513,9 +612,9 @@ class CostModel:
         num_bytes: int,
         now_ms: int,
     ) -> None:
-        """A load was asked for; kept until `load_ended` if its link has no sample yet."""
+        """A load was asked for; kept until `load_ended` if its link has no fresh fit."""
         key = (holder, requester, tier)
-        if key in self._links or num_bytes <= 0 or lease_id in self._first_loads:
+        if self._fresh(key, now_ms) is not None or num_bytes <= 0 or lease_id in self._first_loads:
             return
         load = _OpenLoad(key, now_ms, num_bytes)
         self._first_loads[lease_id] = load
@@ -532,22 +631,31 @@ class CostModel:
             del self._first_by_link[load.link]
 
     def observe_transfer(
-        self, holder: str, requester: str, tier: Tier, num_bytes: int, duration_us: int
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        num_bytes: int,
+        duration_us: int,
+        now_ms: int | None = None,
     ) -> bool:
-        """One whole load's outcome: its bytes and how long it took. False: not usable."""
+        """One whole load's outcome: its bytes and how long it took, reported at `now_ms`
+        (without a clock, the link's fit never expires). False: not usable."""
         if num_bytes <= 0 or duration_us <= 0:
             return False  # an unmeasured (0) report says nothing about the link
         key = (holder, requester, tier)
-        state = self._links.get(key)
+        state = self._fresh(key, now_ms)
         if state is None:
-            cfg = self.config
-            state = _Link(*self._prior(holder, requester, tier))
+            # A new fit, or one past measurement_ttl_s re-learnt: from the declared or the
+            # default line, not a stand-in (a fit of its own is what the samples make).
+            state = _Link(*self._prior(key, now_ms, stand_ins=False))
             self._links[key] = state
-            while len(self._links) > cfg.max_pairs:
-                self._links.popitem(last=False)
-        else:
-            self._links.move_to_end(key)
+        self._links.move_to_end(key)
+        while len(self._links) > self.config.max_pairs:
+            self._links.popitem(last=False)
         state.add(float(num_bytes), duration_us / 1000.0, self.config.alpha)
+        if now_ms is not None:
+            state.last_sample_ms = now_ms
         return True
 
     def observe_prefill(self, requester: str, num_tokens: int, duration_us: int) -> bool:

@@ -30,7 +30,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.core.cost_model import CostModel, Prediction, kv_bytes_per_block
+from coordinator.core.cost_model import CostModel, LinkEstimate, Prediction, kv_bytes_per_block
 from coordinator.core.errors import ErrorCode, KvrcError, failed_precondition, not_found
 from coordinator.core.inventory import MAX_CANDIDATES, Inventory, Scope
 from coordinator.core.leases import (
@@ -249,6 +249,7 @@ class _CostContext:
     worthwhile_blocks: int = 1  # the fewest blocks worth loading, as of the request
     requested_ms: int | None = None  # when it was asked for: the grant's prediction is as of then
     probe_blocks: int = 0  # > 0: a probe of a cold link, the holder asked for this many
+    link: LinkEstimate | None = None  # what the load is priced on (its LoadPlan's)
 
 
 @dataclass
@@ -452,6 +453,7 @@ class Grants:
             blocks * context.block_size,
             blocks * context.bytes_per_block,
             now_ms,
+            link=context.link,
         )
 
     def _cost_context(
@@ -502,17 +504,20 @@ class Grants:
             if view.compatibility_hash != requester.compatibility_hash:
                 continue  # never hand KV across layouts, whatever the index said
             context = self._cost_context(view, requester, candidate.tier)
-            # I9-cost-gate: a link neither measured (either way) nor declared is probed,
-            # not trusted.
-            probe = self.cost.probe_ceiling(
+            # I9-cost-gate: a link without a fresh fit or a declaration is probed, not
+            # trusted (a stand-in may spare the probe, never forbid it).
+            plan = self.cost.plan(
                 context.holder,
                 context.requester,
                 context.tier,
                 min_blocks,
                 candidate.matched_blocks,
+                block_tokens=context.block_size,
                 bytes_per_block=context.bytes_per_block,
+                now_ms=now_ms,
             )
-            ceiling = candidate.matched_blocks if probe is None else probe
+            ceiling = plan.ceiling
+            context = replace(context, link=plan.link)
             worthwhile = self.cost.worthwhile_blocks(
                 context.holder,
                 context.requester,
@@ -521,7 +526,7 @@ class Grants:
                 ceiling,
                 block_tokens=context.block_size,
                 bytes_per_block=context.bytes_per_block,
-                now_ms=now_ms,
+                link=plan.link,
             )
             if worthwhile is None:
                 # I9-cost-gate: this holder's link is too slow; another may still pay off.
@@ -533,7 +538,7 @@ class Grants:
                 context,
                 worthwhile_blocks=worthwhile,
                 requested_ms=now_ms,
-                probe_blocks=probe or 0,
+                probe_blocks=ceiling if plan.probe else 0,
             )
             return view, context, worthwhile, ceiling
         if refused is not None:
@@ -606,10 +611,10 @@ class Grants:
                 report.prefill_tokens,
                 report.prefill_duration_us,
             )
-            self._measure(report, actions)
+            self._measure(report, actions, now_ms)
         return ReportStep(step.view, first, self._settled(actions))
 
-    def _measure(self, report: TransferReport, actions: list[GrantAction]) -> None:
+    def _measure(self, report: TransferReport, actions: list[GrantAction], now_ms: int) -> None:
         """Adds one part's first report; at COMPLETED the whole load is one sample."""
         measured = self._measured.setdefault(report.lease_id, _Measured())
         if report.outcome is Outcome.SUCCEEDED:
@@ -643,6 +648,7 @@ class Grants:
             context.tier,
             measured.bytes_moved,
             measured.duration_us,
+            now_ms,
         )
 
     def predict_load(

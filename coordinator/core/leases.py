@@ -1085,7 +1085,8 @@ class LeaseTable:
             # I9-cost-gate: the rest is recomputed; this load's outcome measures the link.
             lease.reason += (
                 f" (a probe: {lease.pin_blocks} of the chain's {len(lease.block_hashes)} "
-                "blocks asked for, the link is neither measured (either way) nor declared)"
+                "blocks asked for, the link has no fresh fit, no declaration, and no stand-in "
+                "that says the whole load pays)"
             )
         self._set_state(lease, LeaseState.ACTIVE)
         actions.append(LeaseGranted(lease.lease_id, Flow.PREFIX_LOAD, now_ms - lease.created_ms))

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from coordinator.core.cost_model import LinkEstimate, LoadPlan
 from coordinator.core.errors import KvrcError, failed_precondition, invalid
 from coordinator.core.inventory import MAX_CANDIDATES, MAX_CHAIN_BLOCKS, Inventory, Scope
 from coordinator.core.profiles import DeploymentProfile, ReuseStatus
@@ -136,15 +137,25 @@ class SavingPredictor(Protocol):
     """The cost model's seam: the predicted load and recompute time of `num_tokens`."""
 
     def predict(
-        self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
-    ) -> Prediction: ...
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        num_tokens: int,
+        num_bytes: int,
+        now_ms: int | None = None,
+        *,
+        link: LinkEstimate | None = None,
+    ) -> Prediction:
+        """`link`: priced on this estimate (a `LoadPlan`'s)."""
+        ...
 
     def recompute_ms(self, requester: str, num_tokens: int) -> float:
         """`predict(...).recompute_ms` alone: a local hit needs no link (and is asked per
         engine, so it stays cheap)."""
         ...
 
-    def probe_ceiling(
+    def plan(
         self,
         holder: str,
         requester: str,
@@ -152,9 +163,12 @@ class SavingPredictor(Protocol):
         floor: int,
         hinted: int,
         *,
+        block_tokens: int,
         bytes_per_block: int,
-    ) -> int | None:
-        """None: a load may cover all `hinted` blocks; else the most a probe covers."""
+        have: int = 0,
+        now_ms: int | None = None,
+    ) -> LoadPlan:
+        """How far a load may reach (all `hinted`, or a probe's worth) and its pricing."""
         ...
 
 
@@ -338,7 +352,7 @@ def score(
                 )
                 continue
             out[e.child_engine_id] = _priced(
-                e, len(chain), m.matched_blocks, m.by_tier, holders, predictor
+                e, len(chain), m.matched_blocks, m.by_tier, holders, predictor, now_ms
             )
     ranked = tuple(sorted(out.values(), key=rank_key))
     return ScoreAnswer(ranked, reuse.enabled, reuse.detail, prediction_basis, work)
@@ -361,6 +375,7 @@ def _priced(
     by_tier: tuple[tuple[Tier, int], ...],
     holders: tuple[tuple[str, int, Tier], ...],
     predictor: SavingPredictor,
+    now_ms: int,
 ) -> EngineScore:
     assert e.profile is not None
     block_size = e.profile.block_size
@@ -376,16 +391,25 @@ def _priced(
         best = holders[0] if holders else None
         # Only a longer prefix than the engine's own is loadable (never from itself).
         if best is not None and best[0] != me and best[1] > matched:
-            # A cold, undeclared link with no measured reverse is granted a probe only
-            # (I9-cost-gate), asked for as a prefix load asks: at least one block past
-            # the engine's own.
-            probe = predictor.probe_ceiling(
-                best[0], me, best[2], matched + 1, best[1], bytes_per_block=e.bytes_per_block
+            # A link without a fresh fit or a declaration is granted a probe only, unless
+            # a stand-in says the load pays (I9-cost-gate), asked for as a prefix load
+            # asks: at least one block past the engine's own.
+            plan = predictor.plan(
+                best[0],
+                me,
+                best[2],
+                matched + 1,
+                best[1],
+                block_tokens=block_size,
+                bytes_per_block=e.bytes_per_block,
+                have=matched,
+                now_ms=now_ms,
             )
-            reach = best[1] if probe is None else probe
-            holder, loadable, holder_tier = best[0], reach - matched, best[2]
+            holder, loadable, holder_tier = best[0], plan.ceiling - matched, best[2]
             tokens = loadable * block_size
-            p = predictor.predict(holder, me, best[2], tokens, loadable * e.bytes_per_block)
+            p = predictor.predict(
+                holder, me, best[2], tokens, loadable * e.bytes_per_block, link=plan.link
+            )
             # Credited exactly when a grant would be made for it (I9-cost-gate: load x
             # margin < recompute); it then saves what it beats the recompute by.
             if p.worth_loading:

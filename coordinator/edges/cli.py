@@ -293,8 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--cost-probe-mib",
         type=float,
         default=cost.probe_bytes / MIB,
-        help="a load over a link neither measured (either way) nor declared ([[link]]) moves "
-        "at most this many MiB (fractions allowed; at least one block), the rest is recomputed: a "
+        help="a load over a link without a fresh fit or a declaration ([[link]]) moves "
+        "at most this many MiB (unless its reverse or its expired fit says the whole load "
+        "pays) (fractions allowed; at least one block), the rest is recomputed: a "
         "probe that measures the link; 0: no probes (%(default)g)",
     )
     serve.add_argument(
@@ -302,9 +303,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=_on_off,
         default=cost.reverse_prior,
         metavar="{off,on}",
-        help="a link that no [[link]] declares starts from its measured reverse (the same "
-        "pair the other way) and is not probed; off: each direction is probed on its own "
+        help="a link that no [[link]] declares, without a fit of its own, stands on its "
+        "measured reverse (the same pair the other way): the reverse spares it a probe when "
+        "it says the load pays, never forbids one; off: each direction is probed on its own "
         "(default on)",
+    )
+    serve.add_argument(
+        "--cost-measurement-ttl-s",
+        type=float,
+        default=cost.measurement_ttl_s,
+        help="a link's measured fit is trusted this long after its last sample, then "
+        "re-learnt: a link refused as slow is probed again (a refusal is never for good), "
+        "and one idle for longer stands on its old fit until its next load; 0: for ever "
+        "(%(default)g)",
     )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -464,6 +475,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
             default_prefill_tokens_per_s=args.cost_default_prefill_tokens_per_s,
             probe_bytes=_probe_bytes(args.cost_probe_mib),
             reverse_prior=args.cost_reverse_prior,
+            measurement_ttl_s=args.cost_measurement_ttl_s,
         )
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
@@ -509,6 +521,7 @@ _COST_FLAGS = {
     "default_latency_ms": "--cost-default-latency-ms",
     "default_prefill_tokens_per_s": "--cost-default-prefill-tokens-per-s",
     "probe_bytes": "--cost-probe-mib",
+    "measurement_ttl_s": "--cost-measurement-ttl-s",
 }
 
 
@@ -648,6 +661,7 @@ def cost_model_document(cost: pb.CostModelStatus) -> dict[str, Any]:
         "max_pairs": cost.max_pairs,
         "probe_bytes": cost.probe_bytes,
         "reverse_prior": cost.reverse_prior,
+        "measurement_ttl_s": cost.measurement_ttl_s,
         "defaults": {
             "bandwidth_bytes_per_s": cost.default_bandwidth_bytes_per_s,
             "latency_ms": cost.default_latency_ms,
@@ -661,6 +675,8 @@ def cost_model_document(cost: pb.CostModelStatus) -> dict[str, Any]:
                 "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
                 "latency_ms": link.latency_ms,
                 "samples": link.samples,
+                "age_ms": link.age_ms if link.age_ms >= 0 else None,
+                "expired": _expired(cost, link),
             }
             for link in cost.links
         ],
@@ -676,6 +692,12 @@ def cost_model_document(cost: pb.CostModelStatus) -> dict[str, Any]:
     }
 
 
+def _expired(cost: pb.CostModelStatus, link: pb.LinkCost) -> bool:
+    """Past --cost-measurement-ttl-s: the fit only stands in until its next sample."""
+    ttl_ms = cost.measurement_ttl_s * 1000
+    return ttl_ms > 0 and link.age_ms >= ttl_ms
+
+
 def _cost_lines(cost: pb.CostModelStatus) -> list[str]:
     lines = [
         f"cost gate {'on' if cost.gate else 'off'}: load x {cost.safety_margin:g} < recompute; "
@@ -683,18 +705,28 @@ def _cost_lines(cost: pb.CostModelStatus) -> list[str]:
         f"{cost.default_bandwidth_bytes_per_s / 1e9:g} GB/s + {cost.default_latency_ms:g} ms, "
         f"{cost.default_prefill_tokens_per_s:g} tokens/s; "
         + (
-            f"probes of {cost.probe_bytes / MIB:g} MiB over links neither measured (either "
-            "way) nor declared"
+            f"probes of {cost.probe_bytes / MIB:g} MiB over links without a fresh fit or a "
+            "declaration"
             if cost.probe_bytes
             else "no probes"
         )
         + ("; an undeclared link starts from its measured reverse" if cost.reverse_prior else "")
+        + (
+            f"; a fit is re-learnt {cost.measurement_ttl_s:g} s after its last sample"
+            if cost.measurement_ttl_s > 0
+            else "; fits never expire"
+        )
     ]
     for link in cost.links:
+        age = ""
+        if link.age_ms >= 0:
+            age = f", last {link.age_ms / 1000:.3g} s ago"
+            if _expired(cost, link):
+                age += " (expired: re-learnt from its next sample)"
         lines.append(
             f"  link {link.holder_child_engine_id} -> {link.requester_child_engine_id} "
             f"({_tier_name(link.tier)}): {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s + "
-            f"{link.latency_ms:.3g} ms, {link.samples} sample(s)"
+            f"{link.latency_ms:.3g} ms, {link.samples} sample(s){age}"
         )
     for rate in cost.prefill_rates:
         lines.append(

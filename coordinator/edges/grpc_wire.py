@@ -454,8 +454,9 @@ def _cost_status(cost: CostStatus) -> pb.CostModelStatus:
                 bandwidth_bytes_per_s=estimate.bandwidth_bytes_per_s,
                 latency_ms=estimate.latency_ms,
                 samples=estimate.samples,
+                age_ms=-1 if age_ms is None else age_ms,
             )
-            for (holder, requester, tier), estimate in cost.links
+            for (holder, requester, tier), estimate, age_ms in cost.links
         ],
         prefill_rates=[
             pb.PrefillRate(
@@ -471,6 +472,7 @@ def _cost_status(cost: CostStatus) -> pb.CostModelStatus:
         default_prefill_tokens_per_s=cfg.default_prefill_tokens_per_s,
         probe_bytes=cfg.probe_bytes,
         reverse_prior=cfg.reverse_prior,
+        measurement_ttl_s=cfg.measurement_ttl_s,
     )
 
 

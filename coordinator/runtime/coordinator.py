@@ -220,7 +220,8 @@ class StatusSnapshot:
 @dataclass(frozen=True, slots=True)
 class CostStatus:
     config: CostConfig
-    links: tuple[tuple[LinkKey, LinkEstimate], ...]  # measured, least recently first
+    # Measured, least recently first, each with its fit's age in ms (None: unknown).
+    links: tuple[tuple[LinkKey, LinkEstimate, int | None], ...]
     prefill_rates: tuple[tuple[str, PrefillEstimate], ...]
     # The prediction each open, granted prefix load was granted on.
     decisions: tuple[tuple[str, Prediction], ...] = ()
@@ -626,7 +627,9 @@ class Coordinator:
             prediction = self.leases.cost_decision(view.lease_id)
             if prediction is not None:
                 decisions.append((view.lease_id, prediction))
-        return CostStatus(model.config, model.links(), tuple(rates), tuple(decisions))
+        return CostStatus(
+            model.config, model.links(self._clock_ms()), tuple(rates), tuple(decisions)
+        )
 
     def status(self) -> StatusSnapshot:
         children = []

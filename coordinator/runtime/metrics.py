@@ -265,15 +265,16 @@ class Metrics:
         )
         self.cost_probes = Counter(
             "kvrc_cost_probes_total",
-            "Completed probes: prefix loads over a link neither measured (either way) nor "
-            "declared, capped at --cost-probe-mib, each outcome a measurement of its link.",
+            "Completed probes: prefix loads over a link without a fresh fit or a declaration "
+            "(unless its reverse or its expired fit says the whole load pays), capped at "
+            "--cost-probe-mib, each outcome a measurement of its link.",
             registry=r,
         )
         self.cost_prediction_error = Histogram(
             "kvrc_cost_prediction_error_ratio",
             "Completed prefix loads: the measured transfer over the cost model's prediction "
             "(1 = exact, above 1 = slower than predicted), by what the prediction stood on: "
-            "measured, or the prior alone (declared, reverse, default).",
+            "measured, or the prior alone (declared, stale, reverse, default).",
             ["link"],
             buckets=_RATIO_BUCKETS,
             registry=r,

@@ -1728,8 +1728,10 @@ class CostPrediction(_message.Message):
     detail: _builtins.str
     """the decision and its inputs, one line for people"""
     link_prior: _builtins.str
-    """What the link's estimate starts from: "declared" ([[link]]), "reverse" (the same
-    pair's measured link the other way) or "default" (--cost-default-*).
+    """What a link without a fresh fit (link_samples 0) is priced on: "declared"
+    ([[link]]), "stale" (its own fit, past measurement_ttl_s), "reverse" (the same
+    pair's fit the other way) or "default" (--cost-default-*); a measured link's
+    prior is "declared" or "default".
     """
     def __init__(
         self,
@@ -2339,12 +2341,17 @@ class LinkCost(_message.Message):
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     LATENCY_MS_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    AGE_MS_FIELD_NUMBER: _builtins.int
     holder_child_engine_id: _builtins.str
     requester_child_engine_id: _builtins.str
     tier: Global___Tier.ValueType
     bandwidth_bytes_per_s: _builtins.float
     latency_ms: _builtins.float
     samples: _builtins.int
+    age_ms: _builtins.int
+    """Since its last sample; -1: unknown. Past CostModelStatus.measurement_ttl_s the fit
+    is re-learnt (until its next sample it only stands in: it may spare a probe).
+    """
     def __init__(
         self,
         *,
@@ -2354,10 +2361,11 @@ class LinkCost(_message.Message):
         bandwidth_bytes_per_s: _builtins.float = ...,
         latency_ms: _builtins.float = ...,
         samples: _builtins.int = ...,
+        age_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "holder_child_engine_id", b"holder_child_engine_id", "latency_ms", b"latency_ms", "requester_child_engine_id", b"requester_child_engine_id", "samples", b"samples", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "bandwidth_bytes_per_s", b"bandwidth_bytes_per_s", "holder_child_engine_id", b"holder_child_engine_id", "latency_ms", b"latency_ms", "requester_child_engine_id", b"requester_child_engine_id", "samples", b"samples", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2406,6 +2414,7 @@ class CostModelStatus(_message.Message):
     DEFAULT_PREFILL_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     PROBE_BYTES_FIELD_NUMBER: _builtins.int
     REVERSE_PRIOR_FIELD_NUMBER: _builtins.int
+    MEASUREMENT_TTL_S_FIELD_NUMBER: _builtins.int
     gate: _builtins.bool
     """loads are granted only when predicted to beat recomputing"""
     safety_margin: _builtins.float
@@ -2414,9 +2423,15 @@ class CostModelStatus(_message.Message):
     default_latency_ms: _builtins.float
     default_prefill_tokens_per_s: _builtins.float
     probe_bytes: _builtins.int
-    """A link neither measured (either way) nor declared loads at most this many bytes (a probe); 0: off."""
+    """A link without a fresh fit or a declaration loads at most this many bytes (a probe),
+    unless a stand-in says the whole load pays; 0: off.
+    """
     reverse_prior: _builtins.bool
-    """An undeclared link starts from its measured reverse, and is not probed."""
+    """An undeclared link without a fresh fit stands on its measured reverse: the reverse
+    may spare it a probe, never forbid one.
+    """
+    measurement_ttl_s: _builtins.float
+    """A link's fit is trusted this long after its last sample; 0: for ever."""
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCost]:
         """measured links, least recently measured first"""
@@ -2438,10 +2453,11 @@ class CostModelStatus(_message.Message):
         default_prefill_tokens_per_s: _builtins.float = ...,
         probe_bytes: _builtins.int = ...,
         reverse_prior: _builtins.bool = ...,
+        measurement_ttl_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_bandwidth_bytes_per_s", b"default_bandwidth_bytes_per_s", "default_latency_ms", b"default_latency_ms", "default_prefill_tokens_per_s", b"default_prefill_tokens_per_s", "gate", b"gate", "links", b"links", "max_pairs", b"max_pairs", "prefill_rates", b"prefill_rates", "probe_bytes", b"probe_bytes", "reverse_prior", b"reverse_prior", "safety_margin", b"safety_margin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_bandwidth_bytes_per_s", b"default_bandwidth_bytes_per_s", "default_latency_ms", b"default_latency_ms", "default_prefill_tokens_per_s", b"default_prefill_tokens_per_s", "gate", b"gate", "links", b"links", "max_pairs", b"max_pairs", "measurement_ttl_s", b"measurement_ttl_s", "prefill_rates", b"prefill_rates", "probe_bytes", b"probe_bytes", "reverse_prior", b"reverse_prior", "safety_margin", b"safety_margin"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import tracemalloc
 
@@ -10,10 +11,41 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.cost_model import CostConfig, CostModel, DeclaredLink, kv_bytes_per_block
+from coordinator.core.cost_model import (
+    CostConfig,
+    CostModel,
+    DeclaredLink,
+    LoadPlan,
+    kv_bytes_per_block,
+)
 from kvrc.vocabulary import KvRegion, Tier
 
 GPU = Tier.GPU
+
+
+def probe(
+    model: CostModel,
+    holder: str = "h",
+    requester: str = "r",
+    tier: Tier = GPU,
+    floor: int = 1,
+    hinted: int = 20,
+    per_block: int = 16 << 20,
+    now_ms: int | None = None,
+) -> int | None:
+    """The blocks a load over the link may cover when it is a probe; None: not a probe."""
+    plan = model.plan(
+        holder,
+        requester,
+        tier,
+        floor,
+        hinted,
+        block_tokens=128,
+        bytes_per_block=per_block,
+        now_ms=now_ms,
+    )
+    assert plan.ceiling == (plan.ceiling if plan.probe else hinted)
+    return plan.ceiling if plan.probe else None
 
 
 def feed(model: CostModel, latency_ms: float, bandwidth: float, sizes: list[int]) -> None:
@@ -131,15 +163,15 @@ def test_links_and_prefill_rates_are_bounded_by_count_least_recently_observed_fi
         model.observe_transfer(f"h{i}", "r", GPU, 1 << 20, 1000)
         model.observe_prefill(f"r{i}", 100, 1000)
     assert model.pair_count == 8 and model.requester_count == 4
-    kept = [key[0] for key, _ in model.links()]
+    kept = [key[0] for key, _, _ in model.links()]
     assert kept == [f"h{i}" for i in range(92, 100)]
     assert model.link("h0", "r", GPU).samples == 0  # evicted: back to the defaults
     # Observing an old pair again makes it the most recent; predicting does not.
     model.observe_transfer("h92", "r", GPU, 1 << 20, 1000)
     model.predict("h93", "r", GPU, 1, 1)
     model.observe_transfer("new", "r", GPU, 1 << 20, 1000)
-    assert [key[0] for key, _ in model.links()][-2:] == ["h92", "new"]
-    assert "h93" not in {key[0] for key, _ in model.links()}
+    assert [key[0] for key, _, _ in model.links()][-2:] == ["h92", "new"]
+    assert "h93" not in {key[0] for key, _, _ in model.links()}
 
 
 def test_the_decision_boundary_is_strict_and_scaled_by_the_margin() -> None:
@@ -300,7 +332,7 @@ def test_a_link_neither_measured_nor_declared_is_probed_with_a_short_load() -> N
     def ceiling(
         holder: str = "h", floor: int = 1, hinted: int = 20, per_block: int = 16 * mib
     ) -> int | None:
-        return model.probe_ceiling(holder, "r", GPU, floor, hinted, bytes_per_block=per_block)
+        return probe(model, holder, floor=floor, hinted=hinted, per_block=per_block)
 
     assert ceiling() == 4  # 64 MiB of 16 MiB blocks
     assert ceiling(per_block=100 * mib) == 1  # at least one block
@@ -313,14 +345,12 @@ def test_a_link_neither_measured_nor_declared_is_probed_with_a_short_load() -> N
     assert ceiling(holder="other") == 4  # a sample is per link
     # A declared link is trusted as declared; no probes with the gate off or probe_bytes 0.
     declared = DeclaredLink(("h",), ("r",), bandwidth_bytes_per_s=1e9, latency_ms=1.0)
-    assert CostModel(declared_links=[declared]).probe_ceiling(
-        "h", "r", GPU, 1, 20, bytes_per_block=mib
-    ) is None  # fmt: skip
+    assert probe(CostModel(declared_links=[declared]), per_block=mib) is None
     for config in (CostConfig(gate=False), CostConfig(probe_bytes=0)):
-        assert CostModel(config).probe_ceiling("h", "r", GPU, 1, 20, bytes_per_block=mib) is None
+        assert probe(CostModel(config), per_block=mib) is None
 
 
-def test_an_undeclared_link_starts_from_its_measured_reverse_and_is_not_probed() -> None:
+def test_an_undeclared_link_stands_on_its_measured_reverse() -> None:
     mib = 1 << 20
     # The defaults are fast (10 GB/s); r -> h is measured slow: 0.1 GB/s after 5 ms.
     model = CostModel(CostConfig(probe_bytes=64 * mib))
@@ -332,15 +362,14 @@ def test_an_undeclared_link_starts_from_its_measured_reverse_and_is_not_probed()
     assert forward.bandwidth_bytes_per_s == pytest.approx(back.bandwidth_bytes_per_s)
     assert forward.bandwidth_bytes_per_s == pytest.approx(1e8, rel=0.05)
     assert forward.latency_ms == pytest.approx(back.latency_ms)
-    # So a whole load over h -> r is refused at once (no probe asked for), where the
-    # defaults alone would grant it.
-    assert model.probe_ceiling("h", "r", GPU, 1, 20, bytes_per_block=16 * mib) is None
+    # So the reverse says a whole load over h -> r does not pay, where the defaults
+    # alone would grant it.
     p = model.predict("h", "r", GPU, num_tokens=20 * 128, num_bytes=20 * 16 * mib)
     assert not p.worth_loading and "the reverse link's estimate" in p.describe()
     # Only the same pair, the same tier: another requester and the CPU tier stay cold.
     assert model.link("h", "other", GPU).prior == "default"
     assert model.link("h", "r", Tier.CPU).prior == "default"
-    assert model.probe_ceiling("h", "r", Tier.CPU, 1, 20, bytes_per_block=16 * mib) == 4
+    assert probe(model, tier=Tier.CPU) == 4
     # The negative control: with reverse_prior off, h -> r is cold and probed.
     off = CostModel(CostConfig(probe_bytes=64 * mib, reverse_prior=False))
     off.observe_transfer("r", "h", GPU, 64 * mib, 676_000)
@@ -348,7 +377,7 @@ def test_an_undeclared_link_starts_from_its_measured_reverse_and_is_not_probed()
     assert (
         off.link("h", "r", GPU).bandwidth_bytes_per_s == CostConfig().default_bandwidth_bytes_per_s
     )
-    assert off.probe_ceiling("h", "r", GPU, 1, 20, bytes_per_block=16 * mib) == 4
+    assert probe(off) == 4
 
 
 def test_a_declared_link_outranks_the_reverse() -> None:
@@ -366,9 +395,28 @@ FAST_US, SLOW_US = 34_000, 676_000
 
 
 def worthwhile(
-    model: CostModel, holder: str, requester: str, now_ms: int | None = None
+    model: CostModel,
+    holder: str,
+    requester: str,
+    now_ms: int | None = None,
+    link: LoadPlan | None = None,
 ) -> int | None:
+    """The fewest of 12 blocks worth loading (on `link`'s pricing and reach if given)."""
     return model.worthwhile_blocks(
+        holder,
+        requester,
+        GPU,
+        1,
+        12 if link is None else link.ceiling,
+        block_tokens=512,
+        bytes_per_block=BLOCK,
+        now_ms=now_ms,
+        link=None if link is None else link.link,
+    )
+
+
+def plan_of(model: CostModel, holder: str, requester: str, now_ms: int | None = None) -> LoadPlan:
+    return model.plan(
         holder, requester, GPU, 1, 12, block_tokens=512, bytes_per_block=BLOCK, now_ms=now_ms
     )
 
@@ -379,7 +427,7 @@ def test_an_asymmetric_pair_through_the_gate() -> None:
     # open load bounds it while it runs, and its own first sample refuses it.
     model = CostModel(rate)
     model.observe_transfer("r", "h", GPU, BLOCK, FAST_US)
-    assert model.probe_ceiling("h", "r", GPU, 1, 12, bytes_per_block=BLOCK) is None
+    assert not plan_of(model, "h", "r").probe
     assert worthwhile(model, "h", "r") is not None
     model.load_started("a", "h", "r", GPU, 12 * BLOCK, now_ms=0)
     assert worthwhile(model, "h", "r", now_ms=60_000) is None  # 12 blocks, open for 60 s
@@ -387,28 +435,34 @@ def test_an_asymmetric_pair_through_the_gate() -> None:
     assert model.observe_transfer("h", "r", GPU, 12 * BLOCK, 12 * SLOW_US)
     assert worthwhile(model, "h", "r") is None
     assert model.link("h", "r", GPU).bandwidth_bytes_per_s < 0.5e9  # one sample: most of the way
-    # The reverse is the slow one: the fast direction is refused on its word before any
-    # load, so nothing measures it (docs/cost_model.md, "The reverse link"); with the
-    # reverse prior off it is probed instead, and its probe measures it.
+    # The reverse is the slow one: its word would refuse the fast direction, so the fast
+    # direction is probed as if it had no reverse (a stand-in may spare a probe, never
+    # forbid one), and its probe measures it: from then on it loads whole.
     model = CostModel(rate)
     model.observe_transfer("r", "h", GPU, BLOCK, SLOW_US)
-    assert worthwhile(model, "h", "r") is None
-    assert "cold: the reverse link's estimate" in model.predict(
-        "h", "r", GPU, 512, BLOCK
-    ).describe()  # fmt: skip
+    assert worthwhile(model, "h", "r") is None  # the reverse's word alone: refused
+    plan = plan_of(model, "h", "r")
+    assert (plan.probe, plan.ceiling, plan.link.prior) == (True, 1, "default")
+    assert worthwhile(model, "h", "r", link=plan) == 1
+    model.observe_transfer("h", "r", GPU, BLOCK, FAST_US)
+    assert not plan_of(model, "h", "r").probe and worthwhile(model, "h", "r") is not None
+    assert model.link("h", "r", GPU).prior == "default"  # its fit stands on its own samples
+    # The same with the reverse prior off: probed, never on the reverse's word.
     off = CostModel(dataclasses.replace(rate, reverse_prior=False))
     off.observe_transfer("r", "h", GPU, BLOCK, SLOW_US)
-    assert off.probe_ceiling("h", "r", GPU, 1, 12, bytes_per_block=BLOCK) == 1
+    assert probe(off, hinted=12, per_block=BLOCK) == 1
     assert worthwhile(off, "h", "r") is not None
 
 
 def test_a_measured_link_keeps_its_own_prior_whatever_its_reverse_does() -> None:
-    # h -> r's first sample came while r -> h said 2 GB/s: that prior stays with h -> r.
+    # h -> r's first load stood on r -> h (2 GB/s); its fit blends with the defaults, not
+    # with r -> h.
     model = CostModel(CostConfig(max_pairs=2))
     model.observe_transfer("r", "h", GPU, BLOCK, FAST_US)
+    assert model.link("h", "r", GPU).prior == "reverse"
     model.observe_transfer("h", "r", GPU, BLOCK, FAST_US)
     kept = model.link("h", "r", GPU)
-    assert kept.prior == "reverse"
+    assert kept.prior == "default"
     for _ in range(10):  # the reverse turns slow: h -> r does not move
         model.observe_transfer("r", "h", GPU, BLOCK, SLOW_US)
     assert model.link("h", "r", GPU) == kept
@@ -416,7 +470,7 @@ def test_a_measured_link_keeps_its_own_prior_whatever_its_reverse_does() -> None
     model.observe_transfer("h", "r", GPU, BLOCK, FAST_US)
     kept = model.link("h", "r", GPU)
     model.observe_transfer("x", "y", GPU, BLOCK, FAST_US)
-    assert [key[:2] for key, _ in model.links()] == [("h", "r"), ("x", "y")]
+    assert [key[:2] for key, _, _ in model.links()] == [("h", "r"), ("x", "y")]
     assert model.link("h", "r", GPU) == kept
 
 
@@ -427,7 +481,80 @@ def test_reading_a_cold_link_through_its_reverse_leaves_the_lru_alone() -> None:
     assert model.link("h", "r", GPU).prior == "reverse"
     model.predict("h", "r", GPU, 512, BLOCK)
     worthwhile(model, "h", "r")
-    assert [key[:2] for key, _ in model.links()] == [("r", "h"), ("x", "y")]
+    assert [key[:2] for key, _, _ in model.links()] == [("r", "h"), ("x", "y")]
     # So the next link evicts r -> h, and h -> r is cold again.
     model.observe_transfer("y", "z", GPU, BLOCK, FAST_US)
     assert model.link("h", "r", GPU).prior == "default"
+
+
+def test_a_fit_expires_after_the_ttl_and_a_link_refused_as_slow_is_probed_again() -> None:
+    rate = CostConfig(default_prefill_tokens_per_s=8000.0, measurement_ttl_s=300.0)
+    model = CostModel(rate)
+    ttl_ms = 300_000
+    model.observe_transfer("h", "r", GPU, BLOCK, SLOW_US, now_ms=0)
+    # Fresh: refused on its fit, no probe (a probe now would learn nothing new).
+    plan = plan_of(model, "h", "r", now_ms=ttl_ms - 1)
+    assert not plan.probe and worthwhile(model, "h", "r", link=plan) is None
+    assert model.links(ttl_ms - 1)[0][2] == ttl_ms - 1  # its age, for `kvrc status`
+    # Expired: its old fit stands in, says the load does not pay, so the link is probed
+    # on the defaults (a refusal is never for good) ...
+    plan = plan_of(model, "h", "r", now_ms=ttl_ms)
+    assert (plan.probe, plan.ceiling, plan.link.prior) == (True, 1, "default")
+    assert "its own expired measurement" in model.predict(
+        "h", "r", GPU, 512, BLOCK, now_ms=ttl_ms
+    ).describe()  # fmt: skip
+    assert worthwhile(model, "h", "r", link=plan) == 1
+    # ... and the probe is an open first load, which bounds the next ones.
+    model.load_started("p", "h", "r", GPU, BLOCK, now_ms=ttl_ms)
+    assert model.open_first_loads == 1
+    assert (
+        worthwhile(model, "h", "r", ttl_ms + 60_000, plan_of(model, "h", "r", ttl_ms + 60_000))
+        is None
+    )
+    # The link got faster: the probe's sample starts a new fit, and whole loads follow.
+    model.observe_transfer("h", "r", GPU, BLOCK, FAST_US, now_ms=ttl_ms + 40)
+    model.load_ended("p")
+    fresh = model.link("h", "r", GPU, ttl_ms + 41)
+    assert (fresh.samples, fresh.prior) == (1, "default")
+    assert not plan_of(model, "h", "r", ttl_ms + 41).probe
+    assert worthwhile(model, "h", "r", ttl_ms + 41) is not None
+    # The negative control: with fits that never expire, the slow link stays refused
+    # and is never probed again.
+    never = CostModel(dataclasses.replace(rate, measurement_ttl_s=0.0))
+    never.observe_transfer("h", "r", GPU, BLOCK, SLOW_US, now_ms=0)
+    plan = plan_of(never, "h", "r", now_ms=100 * ttl_ms)
+    assert not plan.probe and worthwhile(never, "h", "r", link=plan) is None
+
+
+def test_an_idle_fast_link_stands_on_its_expired_fit_and_is_not_probed() -> None:
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=8000.0, measurement_ttl_s=60.0))
+    model.observe_transfer("h", "r", GPU, BLOCK, FAST_US, now_ms=0)
+    later = 3_600_000
+    plan = plan_of(model, "h", "r", now_ms=later)
+    assert (plan.probe, plan.ceiling, plan.link.prior) == (False, 12, "stale")
+    assert worthwhile(model, "h", "r", link=plan) is not None
+    # A load over it is an open first load (its fit no longer bounds it) ...
+    model.load_started("a", "h", "r", GPU, 12 * BLOCK, now_ms=later)
+    assert model.open_first_loads == 1
+    # ... and its sample starts the fit again from the defaults: one sample, not two.
+    model.observe_transfer("h", "r", GPU, 12 * BLOCK, 12 * FAST_US, now_ms=later + 400)
+    assert model.link("h", "r", GPU, later + 400).samples == 1
+    # Without a clock nothing expires (what `kvrc status` reads the estimate as).
+    assert model.link("h", "r", GPU).samples == 1
+
+
+def test_an_expired_fit_is_not_a_reverse_and_a_reverse_never_outranks_a_stale_fit() -> None:
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=8000.0, measurement_ttl_s=60.0))
+    model.observe_transfer("r", "h", GPU, BLOCK, SLOW_US, now_ms=0)
+    assert model.link("h", "r", GPU, 59_999).prior == "reverse"
+    assert model.link("h", "r", GPU, 60_000).prior == "default"  # the reverse expired
+    # h -> r's own (stale) fit outranks r -> h's fresh one.
+    model.observe_transfer("h", "r", GPU, BLOCK, FAST_US, now_ms=0)
+    model.observe_transfer("r", "h", GPU, BLOCK, SLOW_US, now_ms=100_000)
+    assert model.link("h", "r", GPU, 100_000).prior == "stale"
+
+
+def test_the_ttl_is_checked() -> None:
+    for bad in (-1.0, math.inf, math.nan, 8 * 86400.0):
+        with pytest.raises(ValueError, match="measurement_ttl_s"):
+            CostConfig(measurement_ttl_s=bad)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.cost_model import CostConfig, CostModel
+from coordinator.core.cost_model import CostConfig, CostModel, LinkEstimate, LoadPlan
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import BlockRemoved, BlockStored
 from coordinator.core.inventory import Inventory, Scope
@@ -60,14 +60,22 @@ class NoLinks:
     load_ms_per_token: float = math.inf
 
     def predict(
-        self, holder: str, requester: str, tier: Tier, num_tokens: int, num_bytes: int
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        num_tokens: int,
+        num_bytes: int,
+        now_ms: int | None = None,
+        *,
+        link: LinkEstimate | None = None,
     ) -> Guess:
         return Guess(num_tokens * self.load_ms_per_token, float(num_tokens))
 
     def recompute_ms(self, requester: str, num_tokens: int) -> float:
         return float(num_tokens)
 
-    def probe_ceiling(
+    def plan(
         self,
         holder: str,
         requester: str,
@@ -75,9 +83,12 @@ class NoLinks:
         floor: int,
         hinted: int,
         *,
+        block_tokens: int,
         bytes_per_block: int,
-    ) -> int | None:
-        return None  # every link counts as measured
+        have: int = 0,
+        now_ms: int | None = None,
+    ) -> LoadPlan:
+        return LoadPlan(LinkEstimate(1e9, 0.0, 1), hinted, False)  # every link measured
 
 
 RATE = NoLinks()
@@ -377,6 +388,14 @@ def test_over_a_cold_undeclared_link_only_a_probe_is_loadable_until_it_is_measur
         model.observe_transfer("a", "b", Tier.GPU, 5000, 1000)
         (one_way,) = run(inv, [a], predictor=model).engines
         assert one_way.loadable_blocks == loadable, reverse_prior
+    # Measured slow the other way: the reverse does not forbid b -> a, it is credited a
+    # probe (as the grant would make), not nothing.
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=1000.0, probe_bytes=5000))
+    model.observe_transfer("a", "b", Tier.GPU, 5000, 10_000_000)  # 10 s for 5 blocks
+    assert model.link("b", "a", Tier.GPU).prior == "reverse"
+    (slow_back,) = run(inv, [a], predictor=model).engines
+    assert (slow_back.loadable_blocks, slow_back.holder_child_engine_id) == (3, "b")
+    assert slow_back.predicted_saving_ms > model.recompute_ms("a", 2 * 4)  # > the local hit
 
 
 def by_saving(answer: ScoreAnswer) -> dict[str, float]:

@@ -57,7 +57,7 @@ TINY = [
 
 def _measured_slow_gate() -> LoadGate:
     gate = LoadGate(COST)
-    gate.observe(0, 1, 4, 4 * SLOW_BLOCK_MS)  # one measured load over the slow pair
+    gate.observe(0, 1, 4, 4 * SLOW_BLOCK_MS, 0.0)  # one measured load over the slow pair
     return gate
 
 
@@ -175,17 +175,17 @@ def test_a_cold_slow_pair_is_loaded_once_then_refused() -> None:
 def test_the_gate_counts_a_cold_pairs_open_load_until_it_ends() -> None:
     # Cold (10 GB/s, 1 ms): 4 blocks predict 1.2 ms against 2,048 ms of recompute.
     gate = LoadGate(COST)
-    assert gate.worthwhile(0, 1, 1, 4, 3000.0) == 1
+    assert gate.plan(0, 1, 1, 4, 3000.0) == (1, 4)
     gate.started(("ref", 1), 0, 1, 4, 3000.0)
     assert gate.model.open_first_loads == 1
-    assert gate.worthwhile(0, 1, 1, 4, 3100.0) == 1  # open 100 ms: at most 20 MB/s, fine
+    assert gate.plan(0, 1, 1, 4, 3100.0) == (1, 4)  # open 100 ms: at most 20 MB/s, fine
     # Open 3 s: the 2 MB take more than 3 s, beyond 2,048 ms / 1.5. Refused, on that
     # pair only.
-    assert gate.worthwhile(0, 1, 1, 4, 6000.0) is None
-    assert gate.worthwhile(2, 1, 1, 4, 6000.0) == 1
+    assert gate.plan(0, 1, 1, 4, 6000.0) is None
+    assert gate.plan(2, 1, 1, 4, 6000.0) == (1, 4)
     gate.ended(("ref", 1))
     assert gate.model.open_first_loads == 0
-    assert gate.worthwhile(0, 1, 1, 4, 6000.0) == 1
+    assert gate.plan(0, 1, 1, 4, 6000.0) == (1, 4)
 
 
 def test_the_mode_and_the_gate_go_together() -> None:

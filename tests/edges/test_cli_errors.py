@@ -194,3 +194,10 @@ def test_the_probe_flag_reaches_the_cost_config_in_mib_and_refuses_a_negative() 
     assert default.cost.reverse_prior is True
     symmetric_off = parser.parse_args(["serve", "--cost-reverse-prior", "off"])
     assert cli.config_from_args(symmetric_off).cost.reverse_prior is False
+    # A fit's lifetime: 300 s by default, 0 for ever, never negative.
+    assert default.cost.measurement_ttl_s == 300.0
+    forever = parser.parse_args(["serve", "--cost-measurement-ttl-s", "0"])
+    assert cli.config_from_args(forever).cost.measurement_ttl_s == 0.0
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(ConfigError, match=r"--cost-measurement-ttl-s: measurement_ttl_s must"):
+            cli.config_from_args(parser.parse_args(["serve", f"--cost-measurement-ttl-s={bad}"]))

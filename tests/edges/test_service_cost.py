@@ -159,12 +159,15 @@ async def test_a_slow_measured_pair_misses_recompute_cheaper_while_a_fast_pair_k
     }
     assert links[("cost-slow", "cost-req")].samples >= 2
     assert links[("cost-fast", "cost-req")].samples >= 3
+    assert 0 <= links[("cost-slow", "cost-req")].age_ms < 300_000  # fresh (300 s TTL)
+    assert status.cost_model.measurement_ttl_s == 300.0
     rates = {r.child_engine_id: r for r in status.cost_model.prefill_rates}
     assert rates["cost-req"].source == "declared" and rates["cost-req"].tokens_per_s == 1000
     assert status.cost_model.probe_bytes == 64 << 20  # the default: probes of 64 MiB
     text = _status_text(kvrc.grpc_target, status)
     assert "cost gate on" in text and "link cost-slow -> cost-req (gpu)" in text
-    assert "probes of 64 MiB over links neither measured (either way) nor declared" in text
+    assert "probes of 64 MiB over links without a fresh fit or a declaration" in text
+    assert "a fit is re-learnt 300 s after its last sample" in text
     assert status.cost_model.reverse_prior  # the default
     assert "an undeclared link starts from its measured reverse" in text
 

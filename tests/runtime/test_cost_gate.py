@@ -10,6 +10,7 @@ the prediction-error histogram.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from manual_rig import CHAIN, PROFILE, Rig, drain_outbound, manual_coordinator, settle
@@ -43,11 +44,12 @@ async def load(
     min_blocks: int = 1,
     prefill: tuple[int, int] = (0, 0),
     report: bool = True,
+    requester: str = "r",
 ) -> PrefixLoadAnswer:
-    """One prefix load by "r": the holder pins `pinned`; a grant is reported done
-    (`report=False`: left ACTIVE)."""
+    """One prefix load by `requester`: the holder pins `pinned` (at most what it is asked
+    for); a grant is reported done (`report=False`: left ACTIVE)."""
     c = rig.coordinator
-    request = PrefixLoadRequest(request_id, "r", CHAIN, "", min_blocks, 0, 2_000, 10_000)
+    request = PrefixLoadRequest(request_id, requester, CHAIN, "", min_blocks, 0, 2_000, 10_000)
     drain_outbound(holder)
     task = asyncio.ensure_future(c.leases.request_prefix_load(request))
     await settle()
@@ -62,7 +64,7 @@ async def load(
         c.leases.complete_prefix_load(
             TransferReport(
                 answer.view.lease_id,
-                "r",
+                requester,
                 (0, 0, 0),
                 Outcome.SUCCEEDED,
                 BLOCK_BYTES * pinned,
@@ -108,7 +110,7 @@ async def test_a_slow_measured_link_stops_getting_grants_and_a_fast_one_keeps_th
             assert granted(answer) == "fast", answer.miss_detail
         status = c.status().cost
         assert status is not None
-        links = {key: estimate for key, estimate in status.links}
+        links = {key: estimate for key, estimate, _age_ms in status.links}
         assert (
             links[("slow", "r", Tier.GPU)].latency_ms
             + CHAIN_BYTES / (links[("slow", "r", Tier.GPU)].bandwidth_bytes_per_s / 1000)
@@ -318,3 +320,55 @@ async def test_a_probed_links_reverse_is_not_probed_again(reverse_prior: bool) -
         else:
             assert blocks == 2 and "a probe: 2 of the chain's 8 blocks" in back.view.reason
             assert back.prediction.link.prior == "default" and probes == 2
+
+
+# A probe of 2 of the chain's 8 blocks; a recompute of the chain is 128 ms.
+PROBING = CostConfig(default_prefill_tokens_per_s=1000.0, probe_bytes=2 * BLOCK_BYTES)
+
+
+async def test_a_slow_reverse_spares_no_probe_and_the_fast_direction_is_measured() -> None:
+    # r -> h is measured slow first. h -> r, cold, would be refused on its reverse's
+    # word and never measured; it is probed instead (priced on the defaults), found
+    # fast, and then loads the whole chain.
+    async with manual_coordinator(cost=PROBING) as rig:
+        r, h = register(rig, "r"), register(rig, "h")
+        rig.store(r)
+        rig.store(h)
+        back = await load(rig, r, "b0", requester="h", duration_us=400_000)
+        assert granted(back) == "r" and back.view is not None and "a probe" in back.view.reason
+        assert (await load(rig, r, "b1", requester="h")).miss_reason == "recompute_cheaper"
+        forward = await load(rig, h, "f0", duration_us=1_000)
+        assert granted(forward) == "h", forward.miss_detail
+        assert (
+            forward.view is not None and "a probe: 2 of the chain's 8 blocks" in forward.view.reason
+        )
+        assert forward.prediction is not None and forward.prediction.link.prior == "default"
+        whole = await load(rig, h, "f1", duration_us=1_000)
+        assert whole.view is not None and whole.view.prefix_load_grant is not None
+        assert whole.view.prefix_load_grant.matched_blocks == len(CHAIN)
+        assert whole.prediction is not None and whole.prediction.link.samples == 1
+
+
+@pytest.mark.parametrize("ttl_s", [60.0, 0.0])
+async def test_a_link_refused_as_slow_is_probed_again_once_its_fit_expires(ttl_s: float) -> None:
+    # ttl 0 (fits never expire) is the control: the link stays refused for good.
+    config = dataclasses.replace(PROBING, measurement_ttl_s=ttl_s)
+    async with manual_coordinator(cost=config) as rig:
+        r, slow = register(rig, "r"), register(rig, "slow")
+        rig.store(slow)
+        assert granted(await load(rig, slow, "s0", duration_us=400_000)) == "slow"  # a probe
+        assert (await load(rig, slow, "s1")).miss_reason == "recompute_cheaper"
+        await rig.advance(60_000, r, slow)
+        status = rig.coordinator.status().cost
+        assert status is not None
+        ((_key, _estimate, age_ms),) = status.links
+        assert age_ms is not None and age_ms >= 60_000
+        again = await load(rig, slow, "s2", duration_us=1_000)  # the link got faster
+        if not ttl_s:
+            assert again.miss_reason == "recompute_cheaper"
+            return
+        assert granted(again) == "slow", again.miss_detail
+        assert again.view is not None and "a probe: 2 of the chain's 8 blocks" in again.view.reason
+        whole = await load(rig, slow, "s3", duration_us=1_000)
+        assert whole.view is not None and whole.view.prefix_load_grant is not None
+        assert whole.view.prefix_load_grant.matched_blocks == len(CHAIN)
