@@ -1031,8 +1031,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--cost-reverse-prior",
         choices=("on", "off"),
         default="on" if cold.reverse_prior else "off",
-        help="kvrc_cost: an undeclared link starts from its measured reverse and is not "
-        "probed, as kvrc serve's flag (%(default)s)",
+        help="kvrc_cost: an undeclared link stands on its measured reverse (no probe while "
+        "the reverse says the load pays), as kvrc serve's flag (%(default)s)",
+    )
+    p.add_argument(
+        "--cost-measurement-ttl-s",
+        type=float,
+        default=cold.measurement_ttl_s,
+        help="kvrc_cost: a link's fit is re-learnt this long (simulated) after its last "
+        "sample, as kvrc serve's flag; 0: never (%(default)s)",
     )
     p.add_argument(
         "--cold-links",
@@ -1089,6 +1096,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_bandwidth_bytes_per_s=args.cost_default_bandwidth_gbps * 1e9,
         default_latency_ms=args.cost_default_latency_ms,
         reverse_prior=args.cost_reverse_prior == "on",
+        measurement_ttl_s=args.cost_measurement_ttl_s,
     )
 
     # kvrc_cost: the links are declared as an operator would ([[link]] in the profiles

@@ -14,6 +14,8 @@ import pytest
 from harness import REPO, CoordinatorProcess, free_port, start_coordinator
 
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from coordinator.edges.cli import _cost_lines, cost_model_document
+from kvrc.v1 import kvrc_pb2 as pb
 
 
 def _kvrc_status(*args: str) -> subprocess.CompletedProcess[str]:
@@ -88,3 +90,41 @@ def test_status_of_unreachable_target_is_one_line_exit_1() -> None:
     assert len(lines) == 1 and lines[0].startswith(f"kvrc status: cannot get status from {target}")
     assert "UNAVAILABLE" in lines[0]
     assert out.stdout == ""
+
+
+def test_a_links_age_shows_and_an_expired_fit_says_so() -> None:
+    # The rendering alone (the live age is tested in test_service_cost): one link fresh,
+    # one past the TTL, one whose age the coordinator does not know.
+    def link(holder: str, age_ms: int) -> pb.LinkCost:
+        return pb.LinkCost(
+            holder_child_engine_id=holder,
+            requester_child_engine_id="r",
+            bandwidth_bytes_per_s=1e9,
+            latency_ms=1.0,
+            samples=3,
+            age_ms=age_ms,
+        )
+
+    cost = pb.CostModelStatus(
+        gate=True,
+        safety_margin=1.5,
+        max_pairs=8,
+        links=[link("fresh", 5_000), link("old", 301_000), link("unknown", -1)],
+        measurement_ttl_s=300.0,
+    )
+    lines = _cost_lines(cost)
+    assert "a fit is re-learnt 300 s after its last sample" in lines[0]
+    fresh, old, unknown = lines[1:4]
+    assert "last 5 s ago" in fresh and "expired" not in fresh
+    assert "last 301 s ago (expired: re-learnt from its next sample)" in old
+    assert "ago" not in unknown
+    doc = cost_model_document(cost)
+    assert [(x["age_ms"], x["expired"]) for x in doc["links"]] == [
+        (5_000, False),
+        (301_000, True),
+        (None, False),
+    ]
+    # TTL 0: fits never expire, however old.
+    cost.measurement_ttl_s = 0.0
+    assert "fits never expire" in _cost_lines(cost)[0]
+    assert "expired" not in _cost_lines(cost)[2]
