@@ -24,10 +24,12 @@ barely differ (squared coefficient of variation below `MIN_SPREAD`) cannot: then
 latency stays the default one (at most the mean measured duration) and the slope takes
 the rest, so the prediction at the measured size is the measured one. A fit that comes
 out non-physical (negative slope or latency, from noise) is treated the same way.
-The cold defaults are a prior that fades: the estimate blends the prior line and the
-data's line by their weights, `(1 - alpha)^n` and `1 - (1 - alpha)^n` after `n`
-samples, so one outlier (a first transfer that also set up its connection) moves a
-cold link by `alpha` only.
+A guessed prior (the cold defaults, a declaration) fades: the estimate blends the
+prior line and the data's line by their weights, `(1 - alpha)^n` and
+`1 - (1 - alpha)^n` after `n` samples, so one outlier (a first transfer that also set
+up its connection) moves a cold link by `alpha` only; the price is that a link only a
+few times too slow lets a few whole loads through before its fit refuses it. A fit
+that starts from a stand-in (below) does not blend: its samples alone decide.
 
 A link's first loads, while they run. Until a link has a sample the gate can only use
 its prior, and the first load's outcome arrives when it ends: over a slow link every
@@ -62,13 +64,16 @@ good on another estimate's word.
   it, its first sample refuses the next); the fast direction, refused by a slow
   reverse, is probed (docs/cost_model.md, "The reverse link").
 - The link's own stale fit. A fit is trusted for `measurement_ttl_s` after its last
-  sample; then it is re-learnt: from its next sample on, a new fit from the declared
-  or default line. Until then the old estimate stands in, so a fast link idle for a
-  while is not probed again, and a link refused as slow gets a probe once its fit has
-  expired: a refusal is never forever (a link that got faster is found).
+  sample; then it is re-learnt: its next sample starts a new fit. Until then the old
+  estimate stands in, so a fast link idle for a while is not probed again, and a link
+  refused as slow gets a probe once its fit has expired: a refusal is never forever
+  (a link that got faster is found, and one still slow is refused at once again).
 
-A fit never blends with a stand-in (its prior is declared or the defaults), so a
-measured link never moves with its reverse's samples or evictions.
+A fit that starts while a stand-in stands is decided by its own samples alone, not
+blended with the stand-in: the stand-in is a measurement of another direction or of
+another time, and the load was made to check it. The stand-in's line is copied into
+the fit (its latency splits a fit of one size), so a measured link never moves with
+its reverse's samples or evictions.
 
 Bounds (counted, never timed): at most `max_pairs` links and `max_requesters`
 prefill estimates, each evicted least recently *observed* first (`predict` does not
@@ -259,6 +264,8 @@ class Prediction:
         )
 
 
+_STAND_INS = ("stale", "reverse")  # priors that were measurements (module docstring)
+
 _PRIOR_TEXT = {
     "default": "defaults",
     "declared": "declared",
@@ -278,8 +285,8 @@ class LoadPlan:
 
 class _Link:
     """The EWMA sums of one link's least-squares fit (see the module docstring), the
-    prior it blends with (declared or the defaults, never another link's estimate, so a
-    measured link never moves with its reverse) and when its last sample came."""
+    prior it started from (kept: a measured link never moves with its reverse) and when
+    its last sample came."""
 
     __slots__ = (
         "last_sample_ms",
@@ -323,8 +330,10 @@ class _Link:
             # latency (at most what was measured) and let the slope explain the rest.
             latency = min(prior_latency_ms, my)
             slope = (my - latency) / mx if mx > 0 else 0.0
-        # Blend with the prior by its remaining weight: sw is exactly 1 - (1 - alpha)^n.
-        data = self.sw
+        # Blend with a guess (the defaults, a declaration) by its remaining weight: sw is
+        # exactly 1 - (1 - alpha)^n. A stand-in's line was measured, and the load that
+        # this fit starts from was made to check it: the samples alone decide.
+        data = 1.0 if self.prior in _STAND_INS else self.sw
         latency = (1 - data) * prior_latency_ms + data * latency
         slope = (1 - data) * 1000.0 / prior_bandwidth + data * slope
         bandwidth = 1000.0 / slope if slope > 1000.0 / MAX_BANDWIDTH_BYTES_PER_S else None
@@ -504,11 +513,10 @@ class CostModel:
         *,
         block_tokens: int,
         bytes_per_block: int,
-        have: int = 0,
         now_ms: int | None = None,
     ) -> LoadPlan:
-        """How far a load of the `hinted` blocks (the requester holds the first `have`)
-        may reach, and what it is priced on (I9-cost-gate; module docstring, "Probes"):
+        """How far a load of the chain's first `hinted` blocks may reach, and what it is
+        priced on (I9-cost-gate; module docstring, "Probes"):
 
         - a fresh fit or a declared link: all `hinted`, on its estimate;
         - neither, with no stand-in: a probe, on the defaults;
@@ -530,9 +538,8 @@ class CostModel:
         ):
             return LoadPlan(link, hinted, False)
         if link.prior != "default":
-            blocks = hinted - have
             if self.predict(
-                holder, requester, tier, blocks * block_tokens, blocks * bytes_per_block, link=link
+                holder, requester, tier, hinted * block_tokens, hinted * bytes_per_block, link=link
             ).worth_loading:
                 return LoadPlan(link, hinted, False)
             link = self.link(holder, requester, tier, now_ms, stand_ins=False)
@@ -640,15 +647,16 @@ class CostModel:
         now_ms: int | None = None,
     ) -> bool:
         """One whole load's outcome: its bytes and how long it took, reported at `now_ms`
-        (without a clock, the link's fit never expires). False: not usable."""
+        (None: unknown, and the fit's age stays what it was: a link only ever observed
+        without a clock never expires). False: not usable."""
         if num_bytes <= 0 or duration_us <= 0:
             return False  # an unmeasured (0) report says nothing about the link
         key = (holder, requester, tier)
         state = self._fresh(key, now_ms)
         if state is None:
-            # A new fit, or one past measurement_ttl_s re-learnt: from the declared or the
-            # default line, not a stand-in (a fit of its own is what the samples make).
-            state = _Link(*self._prior(key, now_ms, stand_ins=False))
+            # A new fit, or one past measurement_ttl_s re-learnt, from the link's prior
+            # now: blended with a guess, or (a stand-in) decided by its samples alone.
+            state = _Link(*self._prior(key, now_ms))
             self._links[key] = state
         self._links.move_to_end(key)
         while len(self._links) > self.config.max_pairs:

@@ -165,7 +165,6 @@ class SavingPredictor(Protocol):
         *,
         block_tokens: int,
         bytes_per_block: int,
-        have: int = 0,
         now_ms: int | None = None,
     ) -> LoadPlan:
         """How far a load may reach (all `hinted`, or a probe's worth) and its pricing."""
@@ -392,8 +391,9 @@ def _priced(
         # Only a longer prefix than the engine's own is loadable (never from itself).
         if best is not None and best[0] != me and best[1] > matched:
             # A link without a fresh fit or a declaration is granted a probe only, unless
-            # a stand-in says the load pays (I9-cost-gate), asked for as a prefix load
-            # asks: at least one block past the engine's own.
+            # a stand-in says the load pays (I9-cost-gate): the grant's plan (over the
+            # chain from its start, as a grant sees it), asked for as a prefix load asks:
+            # at least one block past the engine's own. Credited: the blocks past those.
             plan = predictor.plan(
                 best[0],
                 me,
@@ -402,7 +402,6 @@ def _priced(
                 best[1],
                 block_tokens=block_size,
                 bytes_per_block=e.bytes_per_block,
-                have=matched,
                 now_ms=now_ms,
             )
             holder, loadable, holder_tier = best[0], plan.ceiling - matched, best[2]

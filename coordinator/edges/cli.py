@@ -710,7 +710,11 @@ def _cost_lines(cost: pb.CostModelStatus) -> list[str]:
             if cost.probe_bytes
             else "no probes"
         )
-        + ("; an undeclared link starts from its measured reverse" if cost.reverse_prior else "")
+        + (
+            "; an undeclared link stands on its measured reverse (which may spare a probe)"
+            if cost.reverse_prior
+            else ""
+        )
         + (
             f"; a fit is re-learnt {cost.measurement_ttl_s:g} s after its last sample"
             if cost.measurement_ttl_s > 0

@@ -434,7 +434,9 @@ def test_an_asymmetric_pair_through_the_gate() -> None:
     model.load_ended("a")
     assert model.observe_transfer("h", "r", GPU, 12 * BLOCK, 12 * SLOW_US)
     assert worthwhile(model, "h", "r") is None
-    assert model.link("h", "r", GPU).bandwidth_bytes_per_s < 0.5e9  # one sample: most of the way
+    # Its fit started from the reverse (a measurement): the sample alone decides, 0.1 GB/s
+    # at once, not a blend with the reverse's 2 GB/s.
+    assert model.link("h", "r", GPU).bandwidth_bytes_per_s < 0.101e9
     # The reverse is the slow one: its word would refuse the fast direction, so the fast
     # direction is probed as if it had no reverse (a stand-in may spare a probe, never
     # forbid one), and its probe measures it: from then on it loads whole.
@@ -446,7 +448,8 @@ def test_an_asymmetric_pair_through_the_gate() -> None:
     assert worthwhile(model, "h", "r", link=plan) == 1
     model.observe_transfer("h", "r", GPU, BLOCK, FAST_US)
     assert not plan_of(model, "h", "r").probe and worthwhile(model, "h", "r") is not None
-    assert model.link("h", "r", GPU).prior == "default"  # its fit stands on its own samples
+    fast = model.link("h", "r", GPU)  # its sample alone: 2 GB/s, not the slow reverse's line
+    assert fast.prior == "reverse" and fast.bandwidth_bytes_per_s > 1.9e9
     # The same with the reverse prior off: probed, never on the reverse's word.
     off = CostModel(dataclasses.replace(rate, reverse_prior=False))
     off.observe_transfer("r", "h", GPU, BLOCK, SLOW_US)
@@ -455,14 +458,14 @@ def test_an_asymmetric_pair_through_the_gate() -> None:
 
 
 def test_a_measured_link_keeps_its_own_prior_whatever_its_reverse_does() -> None:
-    # h -> r's first load stood on r -> h (2 GB/s); its fit blends with the defaults, not
-    # with r -> h.
+    # h -> r's first load stood on r -> h (2 GB/s): that prior is copied into h -> r's fit,
+    # which its own samples then decide.
     model = CostModel(CostConfig(max_pairs=2))
     model.observe_transfer("r", "h", GPU, BLOCK, FAST_US)
     assert model.link("h", "r", GPU).prior == "reverse"
     model.observe_transfer("h", "r", GPU, BLOCK, FAST_US)
     kept = model.link("h", "r", GPU)
-    assert kept.prior == "default"
+    assert kept.prior == "reverse"
     for _ in range(10):  # the reverse turns slow: h -> r does not move
         model.observe_transfer("r", "h", GPU, BLOCK, SLOW_US)
     assert model.link("h", "r", GPU) == kept
@@ -515,7 +518,7 @@ def test_a_fit_expires_after_the_ttl_and_a_link_refused_as_slow_is_probed_again(
     model.observe_transfer("h", "r", GPU, BLOCK, FAST_US, now_ms=ttl_ms + 40)
     model.load_ended("p")
     fresh = model.link("h", "r", GPU, ttl_ms + 41)
-    assert (fresh.samples, fresh.prior) == (1, "default")
+    assert (fresh.samples, fresh.prior) == (1, "stale") and fresh.bandwidth_bytes_per_s > 1.9e9
     assert not plan_of(model, "h", "r", ttl_ms + 41).probe
     assert worthwhile(model, "h", "r", ttl_ms + 41) is not None
     # The negative control: with fits that never expire, the slow link stays refused
@@ -558,3 +561,25 @@ def test_the_ttl_is_checked() -> None:
     for bad in (-1.0, math.inf, math.nan, 8 * 86400.0):
         with pytest.raises(ValueError, match="measurement_ttl_s"):
             CostConfig(measurement_ttl_s=bad)
+
+
+def test_a_link_still_slow_at_expiry_costs_one_probe_not_whole_loads() -> None:
+    # 84 ms a block against 64 to recompute: too slow (with the 1.5 margin), but not by
+    # so much that one sample blended with the fast defaults (0.2 of it) would refuse.
+    # A re-learnt fit starts from its stale line, a measurement, so the probe's sample
+    # alone decides: refused again at once, one probe per TTL and no whole load.
+    mid_us = 84_000
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=8000.0, measurement_ttl_s=60.0))
+    for t in range(3):
+        model.observe_transfer("h", "r", GPU, BLOCK, mid_us, now_ms=t)
+    assert worthwhile(model, "h", "r", 10) is None
+    plan = plan_of(model, "h", "r", 60_010)
+    assert plan.probe and worthwhile(model, "h", "r", link=plan) == 1
+    model.observe_transfer("h", "r", GPU, BLOCK, mid_us, now_ms=60_100)
+    after = plan_of(model, "h", "r", 60_101)
+    assert not after.probe and worthwhile(model, "h", "r", link=after) is None
+    # The control: a cold link (no stand-in) blends its first sample with the defaults,
+    # and the same sample lets whole loads through (docs/cost_model.md, "Probes").
+    cold = CostModel(CostConfig(default_prefill_tokens_per_s=8000.0))
+    cold.observe_transfer("h", "r", GPU, BLOCK, mid_us, now_ms=0)
+    assert worthwhile(cold, "h", "r", 1) is not None

@@ -85,7 +85,6 @@ class NoLinks:
         *,
         block_tokens: int,
         bytes_per_block: int,
-        have: int = 0,
         now_ms: int | None = None,
     ) -> LoadPlan:
         return LoadPlan(LinkEstimate(1e9, 0.0, 1), hinted, False)  # every link measured

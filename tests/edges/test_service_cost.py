@@ -169,7 +169,7 @@ async def test_a_slow_measured_pair_misses_recompute_cheaper_while_a_fast_pair_k
     assert "probes of 64 MiB over links without a fresh fit or a declaration" in text
     assert "a fit is re-learnt 300 s after its last sample" in text
     assert status.cost_model.reverse_prior  # the default
-    assert "an undeclared link starts from its measured reverse" in text
+    assert "an undeclared link stands on its measured reverse (which may spare a probe)" in text
 
 
 async def test_the_grant_carries_its_prediction(kvrc: CoordinatorProcess, parts: Parts) -> None:
