@@ -397,6 +397,26 @@ def test_over_a_cold_undeclared_link_only_a_probe_is_loadable_until_it_is_measur
     assert slow_back.predicted_saving_ms > model.recompute_ms("a", 2 * 4)  # > the local hit
 
 
+def test_score_reaches_as_far_as_the_grant_would_over_a_high_latency_reverse() -> None:
+    # b -> a stands on a -> b: 24 ms of latency, bandwidth to spare. A grant plans over
+    # the chain from its start (10 blocks, 40 ms of recompute at 1 token/ms: 24 x 1.5
+    # < 40, whole on the reverse's word). Score plans the same way, so it reports the
+    # grant's reach (8 past a's own 2), not a probe, which the 8 blocks alone (32 ms)
+    # would have asked for; their load is not worth it (36 > 32), so nothing is credited
+    # for it beyond the local hit.
+    inv = a_holds_2_b_holds_10()
+    a = replace(engine("a"), bytes_per_block=1000)
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=1000.0, probe_bytes=5000))
+    for _ in range(20):
+        model.observe_transfer("a", "b", Tier.GPU, 1000, 24_001)
+        model.observe_transfer("a", "b", Tier.GPU, 100_000, 24_100)
+    grant = model.plan("b", "a", Tier.GPU, 3, 10, block_tokens=4, bytes_per_block=1000)
+    assert not grant.probe and grant.ceiling == 10 and grant.link.prior == "reverse"
+    (scored,) = run(inv, [a], predictor=model).engines
+    assert (scored.loadable_blocks, scored.holder_child_engine_id) == (8, "b")
+    assert scored.predicted_saving_ms == pytest.approx(model.recompute_ms("a", 2 * 4))
+
+
 def by_saving(answer: ScoreAnswer) -> dict[str, float]:
     return {e.child_engine_id: e.predicted_saving_ms for e in answer.engines}
 
