@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Protocol
 
 from benchmarks.common import percentile
-from coordinator.core.cost_model import CostConfig, DeclaredLink
+from coordinator.core.cost_model import CostConfig, DeclaredLink, LinkEstimate, LoadPlan
 from coordinator.core.cost_model import CostModel as GateModel
 from kvrc.vocabulary import Tier
 
@@ -302,10 +302,10 @@ class LoadGate:
 
     def plan(
         self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int, now_ms: float
-    ) -> tuple[int, int] | None:
-        """(the fewest blocks worth loading, the most a load may cover: all `hinted`, or
-        a probe's worth), as the coordinator's grant decides them (I9-cost-gate); None:
-        not worth loading."""
+    ) -> tuple[int, LoadPlan] | None:
+        """(the fewest blocks worth loading, the plan: the most a load may cover, all
+        `hinted` or a probe's worth, and what it stood on), as the coordinator's grant
+        decides them (I9-cost-gate); None: not worth loading."""
         plan = self.model.plan(
             engine_name(holder),
             engine_name(requester),
@@ -326,7 +326,7 @@ class LoadGate:
             bytes_per_block=self.cost.block_bytes,
             link=plan.link,
         )
-        return None if worthwhile is None else (worthwhile, plan.ceiling)
+        return None if worthwhile is None else (worthwhile, plan)
 
     def started(
         self,
@@ -335,8 +335,10 @@ class LoadGate:
         requester: EngineIndex,
         hinted: int,
         now_ms: float,
+        stand_in: LinkEstimate | None = None,
     ) -> None:
-        """A load was granted (kept while it runs if its link has no sample yet)."""
+        """A load was granted (kept while it runs if its link has no fresh fit, with the
+        stand-in its plan stood on)."""
         self.model.load_started(
             str(lease_key),
             engine_name(holder),
@@ -344,6 +346,7 @@ class LoadGate:
             Tier.GPU,
             hinted * self.cost.block_bytes,
             int(now_ms),
+            stand_in,
         )
 
     def ended(self, lease_key: LeaseKey) -> None:
@@ -356,7 +359,9 @@ class LoadGate:
         blocks: int,
         duration_ms: float,
         now_ms: float,
+        lease_key: LeaseKey | None = None,
     ) -> None:
+        """The load `lease_key`'s outcome, before it ends (`ended`)."""
         # Whole microseconds, as TransferReport.duration_us; at least 1 (0 means unmeasured).
         duration_us = max(1, round(duration_ms * 1000.0))
         self.model.observe_transfer(
@@ -366,6 +371,7 @@ class LoadGate:
             blocks * self.cost.block_bytes,
             duration_us,
             int(now_ms),
+            None if lease_key is None else str(lease_key),
         )
 
 
@@ -497,10 +503,11 @@ class LocalReferenceProvider:
             need = min_blocks
             reach = cand.matched_blocks
             if self.gate is not None:
-                plan = self.gate.plan(cand.engine, requester, min_blocks, reach, now_ms)
-                if plan is None:
+                planned = self.gate.plan(cand.engine, requester, min_blocks, reach, now_ms)
+                if planned is None:
                     continue  # this holder's link is too slow; another may still pay off
-                need, reach = plan
+                need, plan = planned
+                reach = plan.ceiling
             self._next_lease += 1
             key = ("ref", self._next_lease)
             pinned = self._side.pin_prefix(cand.engine, key, chain[:reach])
@@ -508,7 +515,7 @@ class LocalReferenceProvider:
                 self._side.unpin(cand.engine, key)  # recompute_cheaper: the pins are released
                 return None
             if self.gate is not None:
-                self.gate.started(key, cand.engine, requester, reach, now_ms)
+                self.gate.started(key, cand.engine, requester, reach, now_ms, plan.stand_in)
             return LoadGrant(key, cand.engine, pinned)
         return None
 
@@ -856,9 +863,9 @@ class TraceSimulation:
                 return c.matched_blocks if c.matched_blocks >= self.min_blocks else 0
             if c.matched_blocks < floor:
                 break  # longest first: no later holder reaches the floor either
-            plan = self.gate.plan(c.engine, engine, floor, c.matched_blocks, now)
-            if plan is not None:
-                return plan[1]  # the holder kvrc's gate would grant (a probe: its reach)
+            planned = self.gate.plan(c.engine, engine, floor, c.matched_blocks, now)
+            if planned is not None:
+                return planned[1].ceiling  # the holder kvrc's gate would grant (a probe: its reach)
         return 0
 
     def _shared_prefix(self, chain: Sequence[BlockId]) -> int:
@@ -961,7 +968,12 @@ class TraceSimulation:
         if self.gate is not None:
             # The outcome report: what moved and how long it took, per (holder, requester).
             self.gate.observe(
-                end.grant.source_engine, end.requester, end.loaded_blocks, end.duration_ms, now
+                end.grant.source_engine,
+                end.requester,
+                end.loaded_blocks,
+                end.duration_ms,
+                now,
+                end.grant.lease_key,
             )
         self.provider.complete(end.grant, end.loaded_blocks, now)
         self.engines[end.grant.source_engine].cache.unpin(end.grant.lease_key)

@@ -21,15 +21,18 @@ weight `alpha`, so old samples fade and a link that degrades is followed within 
 samples (about `1 / alpha`). The fitted line's intercept is the latency and its slope
 the inverse bandwidth: transfers of different sizes tell the two apart. Sizes that
 barely differ (squared coefficient of variation below `MIN_SPREAD`) cannot: then the
-latency stays the default one (at most the mean measured duration) and the slope takes
-the rest, so the prediction at the measured size is the measured one. A fit that comes
+latency stays the prior's (at most the mean measured duration) and the slope takes the
+rest, or, for a fit started on a stand-in, the stand-in's line keeps its shape and is
+scaled to the measurement; either way the prediction at the measured size is the
+measured one. A fit that comes
 out non-physical (negative slope or latency, from noise) is treated the same way.
 A guessed prior (the cold defaults, a declaration) fades: the estimate blends the
 prior line and the data's line by their weights, `(1 - alpha)^n` and
 `1 - (1 - alpha)^n` after `n` samples, so one outlier (a first transfer that also set
 up its connection) moves a cold link by `alpha` only; the price is that a link only a
 few times too slow lets a few whole loads through before its fit refuses it. A fit
-that starts from a stand-in (below) does not blend: its samples alone decide.
+started by a load planned on a stand-in (below) does not blend: its samples alone
+decide.
 
 A link's first loads, while they run. Until a link has a sample the gate can only use
 its prior, and the first load's outcome arrives when it ends: over a slow link every
@@ -69,11 +72,14 @@ good on another estimate's word.
   refused as slow gets a probe once its fit has expired: a refusal is never forever
   (a link that got faster is found, and one still slow is refused at once again).
 
-A fit that starts while a stand-in stands is decided by its own samples alone, not
-blended with the stand-in: the stand-in is a measurement of another direction or of
-another time, and the load was made to check it. The stand-in's line is copied into
-the fit (its latency splits a fit of one size), so a measured link never moves with
-its reverse's samples or evictions.
+A fit started by a load that was planned on a stand-in (`LoadPlan.stand_in`, kept
+with the open load and named by `observe_transfer(lease_id=...)`) is decided by its
+own samples alone, not blended: the stand-in is a measurement of another direction or
+of another time, and the load was made to check it. The stand-in's line is copied
+into the fit (its shape for a fit of one size), so a measured link never moves with
+its reverse's samples or evictions. It is the plan's stand-in, not whatever stands at
+the report: two cold directions probed together blend alike whichever reports
+first, and a reverse that leaves the LRU mid-load changes nothing.
 
 Bounds (counted, never timed): at most `max_pairs` links and `max_requesters`
 prefill estimates, each evicted least recently *observed* first (`predict` does not
@@ -183,8 +189,8 @@ class LinkEstimate:
     bandwidth_bytes_per_s: float
     latency_ms: float
     samples: int  # 0: the prior alone
-    # What it starts from: "declared" or "default"; before its (fresh) samples also
-    # "stale" (its own fit, older than measurement_ttl_s) or "reverse".
+    # What it starts from: "declared", "default", "stale" (its own fit, older than
+    # measurement_ttl_s) or "reverse"; a fit started on a stand-in keeps its label.
     prior: str = "default"
 
 
@@ -281,6 +287,10 @@ class LoadPlan:
     link: LinkEstimate
     ceiling: int  # the most blocks it may cover: the hinted ones, or a probe's worth
     probe: bool  # the ceiling is a probe's: the load measures the link (I9-cost-gate)
+    # The stand-in that stood (its word granted the load, or refused it and the load is
+    # a probe): the link's fit, if this load starts one, is decided by its samples
+    # alone (`load_started` keeps it with the load).
+    stand_in: LinkEstimate | None = None
 
 
 class _Link:
@@ -326,10 +336,17 @@ class _Link:
         slope = (self.sxy / self.sw - mx * my) / var if var > MIN_SPREAD * mx * mx else 0.0
         latency = my - slope * mx
         if slope <= 0 or not 0 <= latency <= my:
-            # One size (or noise): the sizes cannot separate the two. Keep the default
-            # latency (at most what was measured) and let the slope explain the rest.
-            latency = min(prior_latency_ms, my)
-            slope = (my - latency) / mx if mx > 0 else 0.0
+            # One size (or noise): the sizes cannot separate the two.
+            if self.prior in _STAND_INS:
+                # A measured line: keep its shape, scaled to the measured duration
+                # (exact if the link has not changed; always physical).
+                scale = my / (prior_latency_ms + mx * 1000.0 / prior_bandwidth)
+                latency, slope = prior_latency_ms * scale, 1000.0 / prior_bandwidth * scale
+            else:
+                # A guess: keep its latency (at most what was measured), and let the
+                # slope explain the rest.
+                latency = min(prior_latency_ms, my)
+                slope = (my - latency) / mx if mx > 0 else 0.0
         # Blend with a guess (the defaults, a declaration) by its remaining weight: sw is
         # exactly 1 - (1 - alpha)^n. A stand-in's line was measured, and the load that
         # this fit starts from was made to check it: the samples alone decide.
@@ -350,6 +367,7 @@ class _OpenLoad:
     link: LinkKey
     started_ms: int
     num_bytes: int
+    stand_in: LinkEstimate | None  # its plan's (LoadPlan.stand_in)
 
 
 @dataclass(slots=True)
@@ -448,7 +466,7 @@ class CostModel:
                 return estimate.bandwidth_bytes_per_s, estimate.latency_ms, "stale"
             reverse = self._fresh((requester, holder, tier), now_ms)
             if reverse is not None and self.config.reverse_prior:
-                estimate = reverse.estimate()  # (its prior is declared or default: no recursion)
+                estimate = reverse.estimate()  # (its own fit: it reads no other link)
                 return estimate.bandwidth_bytes_per_s, estimate.latency_ms, "reverse"
         return self.config.default_bandwidth_bytes_per_s, self.config.default_latency_ms, "default"
 
@@ -528,6 +546,7 @@ class CostModel:
         below `floor` (the request's min_blocks), never above `hinted`. No probes with
         the gate off, `probe_bytes` 0 or a block of unknown size."""
         link = self.link(holder, requester, tier, now_ms)
+        stand_in = link if link.prior in _STAND_INS else None
         cfg = self.config
         if (
             not cfg.gate
@@ -536,14 +555,15 @@ class CostModel:
             or link.samples
             or link.prior == "declared"
         ):
-            return LoadPlan(link, hinted, False)
-        if link.prior != "default":
+            return LoadPlan(link, hinted, False, stand_in)
+        if stand_in is not None:
             if self.predict(
                 holder, requester, tier, hinted * block_tokens, hinted * bytes_per_block, link=link
             ).worth_loading:
-                return LoadPlan(link, hinted, False)
+                return LoadPlan(link, hinted, False, stand_in)
             link = self.link(holder, requester, tier, now_ms, stand_ins=False)
-        return LoadPlan(link, min(hinted, max(floor, 1, cfg.probe_bytes // bytes_per_block)), True)
+        ceiling = min(hinted, max(floor, 1, cfg.probe_bytes // bytes_per_block))
+        return LoadPlan(link, ceiling, True, stand_in)
 
     def worthwhile_blocks(
         self,
@@ -618,12 +638,14 @@ class CostModel:
         tier: Tier,
         num_bytes: int,
         now_ms: int,
+        stand_in: LinkEstimate | None = None,
     ) -> None:
-        """A load was asked for; kept until `load_ended` if its link has no fresh fit."""
+        """A load was asked for; kept until `load_ended` if its link has no fresh fit,
+        with the stand-in its plan stood on (`LoadPlan.stand_in`)."""
         key = (holder, requester, tier)
         if self._fresh(key, now_ms) is not None or num_bytes <= 0 or lease_id in self._first_loads:
             return
-        load = _OpenLoad(key, now_ms, num_bytes)
+        load = _OpenLoad(key, now_ms, num_bytes, stand_in)
         self._first_loads[lease_id] = load
         self._first_by_link.setdefault(key, {})[lease_id] = load
 
@@ -645,18 +667,27 @@ class CostModel:
         num_bytes: int,
         duration_us: int,
         now_ms: int | None = None,
+        lease_id: str | None = None,
     ) -> bool:
         """One whole load's outcome: its bytes and how long it took, reported at `now_ms`
         (None: unknown, and the fit's age stays what it was: a link only ever observed
-        without a clock never expires). False: not usable."""
+        without a clock never expires), for the load `lease_id` (before `load_ended`).
+        False: not usable."""
         if num_bytes <= 0 or duration_us <= 0:
             return False  # an unmeasured (0) report says nothing about the link
         key = (holder, requester, tier)
         state = self._fresh(key, now_ms)
         if state is None:
-            # A new fit, or one past measurement_ttl_s re-learnt, from the link's prior
-            # now: blended with a guess, or (a stand-in) decided by its samples alone.
-            state = _Link(*self._prior(key, now_ms))
+            # A new fit, or one past measurement_ttl_s re-learnt. If the load's plan stood
+            # on a stand-in, the fit starts from that line and its samples alone decide;
+            # else from the guess (declared, defaults), blended. The plan's stand-in, not
+            # today's: the reverse may have expired or left the LRU since.
+            load = self._first_loads.get(lease_id) if lease_id is not None else None
+            stand_in = load.stand_in if load is not None and load.link == key else None
+            if stand_in is not None:
+                state = _Link(stand_in.bandwidth_bytes_per_s, stand_in.latency_ms, stand_in.prior)
+            else:
+                state = _Link(*self._prior(key, now_ms, stand_ins=False))
             self._links[key] = state
         self._links.move_to_end(key)
         while len(self._links) > self.config.max_pairs:

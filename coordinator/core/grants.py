@@ -250,6 +250,7 @@ class _CostContext:
     requested_ms: int | None = None  # when it was asked for: the grant's prediction is as of then
     probe_blocks: int = 0  # > 0: a probe of a cold link, the holder asked for this many
     link: LinkEstimate | None = None  # what the load is priced on (its LoadPlan's)
+    stand_in: LinkEstimate | None = None  # the stand-in its plan stood on (LoadPlan's)
 
 
 @dataclass
@@ -437,6 +438,7 @@ class Grants:
             context.tier,
             ceiling * context.bytes_per_block,
             now_ms,
+            context.stand_in,
         )
         if step.view.state is LeaseState.PINNING:
             self._pinning.add(lease_id)
@@ -517,7 +519,7 @@ class Grants:
                 now_ms=now_ms,
             )
             ceiling = plan.ceiling
-            context = replace(context, link=plan.link)
+            context = replace(context, link=plan.link, stand_in=plan.stand_in)
             worthwhile = self.cost.worthwhile_blocks(
                 context.holder,
                 context.requester,
@@ -649,6 +651,7 @@ class Grants:
             measured.bytes_moved,
             measured.duration_us,
             now_ms,
+            report.lease_id,
         )
 
     def predict_load(

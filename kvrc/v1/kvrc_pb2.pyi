@@ -1730,8 +1730,8 @@ class CostPrediction(_message.Message):
     link_prior: _builtins.str
     """What a link without a fresh fit (link_samples 0) is priced on: "declared"
     ([[link]]), "stale" (its own fit, past measurement_ttl_s), "reverse" (the same
-    pair's fit the other way) or "default" (--cost-default-*); a measured link's
-    prior is "declared" or "default".
+    pair's fit the other way) or "default" (--cost-default-*). A measured link keeps
+    the label of what its fit started from.
     """
     def __init__(
         self,

@@ -428,12 +428,11 @@ def test_an_asymmetric_pair_through_the_gate() -> None:
     # open load bounds it while it runs, and its own first sample refuses it.
     model = CostModel(rate)
     model.observe_transfer("r", "h", GPU, BLOCK, FAST_US)
-    assert not plan_of(model, "h", "r").probe
     assert worthwhile(model, "h", "r") is not None
-    model.load_started("a", "h", "r", GPU, 12 * BLOCK, now_ms=0)
+    assert not _started(model, "a", "h", "r", now_ms=0).probe
     assert worthwhile(model, "h", "r", now_ms=60_000) is None  # 12 blocks, open for 60 s
+    assert model.observe_transfer("h", "r", GPU, 12 * BLOCK, 12 * SLOW_US, lease_id="a")
     model.load_ended("a")
-    assert model.observe_transfer("h", "r", GPU, 12 * BLOCK, 12 * SLOW_US)
     assert worthwhile(model, "h", "r") is None
     # Its fit started from the reverse (a measurement): the sample alone decides, 0.1 GB/s
     # at once, not a blend with the reverse's 2 GB/s.
@@ -444,10 +443,10 @@ def test_an_asymmetric_pair_through_the_gate() -> None:
     model = CostModel(rate)
     model.observe_transfer("r", "h", GPU, BLOCK, SLOW_US)
     assert worthwhile(model, "h", "r") is None  # the reverse's word alone: refused
-    plan = plan_of(model, "h", "r")
+    plan = _started(model, "p", "h", "r", now_ms=0)
     assert (plan.probe, plan.ceiling, plan.link.prior) == (True, 1, "default")
     assert worthwhile(model, "h", "r", link=plan) == 1
-    model.observe_transfer("h", "r", GPU, BLOCK, FAST_US)
+    model.observe_transfer("h", "r", GPU, BLOCK, FAST_US, lease_id="p")
     assert not plan_of(model, "h", "r").probe and worthwhile(model, "h", "r") is not None
     fast = model.link("h", "r", GPU)  # its sample alone: 2 GB/s, not the slow reverse's line
     assert fast.prior == "reverse" and fast.bandwidth_bytes_per_s > 1.9e9
@@ -464,7 +463,8 @@ def test_a_measured_link_keeps_its_own_prior_whatever_its_reverse_does() -> None
     model = CostModel(CostConfig(max_pairs=2))
     model.observe_transfer("r", "h", GPU, BLOCK, FAST_US)
     assert model.link("h", "r", GPU).prior == "reverse"
-    model.observe_transfer("h", "r", GPU, BLOCK, FAST_US)
+    _started(model, "a", "h", "r", now_ms=0)
+    model.observe_transfer("h", "r", GPU, BLOCK, FAST_US, lease_id="a")
     kept = model.link("h", "r", GPU)
     assert kept.prior == "reverse"
     for _ in range(10):  # the reverse turns slow: h -> r does not move
@@ -509,14 +509,14 @@ def test_a_fit_expires_after_the_ttl_and_a_link_refused_as_slow_is_probed_again(
     ).describe()  # fmt: skip
     assert worthwhile(model, "h", "r", link=plan) == 1
     # ... and the probe is an open first load, which bounds the next ones.
-    model.load_started("p", "h", "r", GPU, BLOCK, now_ms=ttl_ms)
+    model.load_started("p", "h", "r", GPU, BLOCK, now_ms=ttl_ms, stand_in=plan.stand_in)
     assert model.open_first_loads == 1
     assert (
         worthwhile(model, "h", "r", ttl_ms + 60_000, plan_of(model, "h", "r", ttl_ms + 60_000))
         is None
     )
     # The link got faster: the probe's sample starts a new fit, and whole loads follow.
-    model.observe_transfer("h", "r", GPU, BLOCK, FAST_US, now_ms=ttl_ms + 40)
+    model.observe_transfer("h", "r", GPU, BLOCK, FAST_US, now_ms=ttl_ms + 40, lease_id="p")
     model.load_ended("p")
     fresh = model.link("h", "r", GPU, ttl_ms + 41)
     assert (fresh.samples, fresh.prior) == (1, "stale") and fresh.bandwidth_bytes_per_s > 1.9e9
@@ -538,10 +538,12 @@ def test_an_idle_fast_link_stands_on_its_expired_fit_and_is_not_probed() -> None
     assert (plan.probe, plan.ceiling, plan.link.prior) == (False, 12, "stale")
     assert worthwhile(model, "h", "r", link=plan) is not None
     # A load over it is an open first load (its fit no longer bounds it) ...
-    model.load_started("a", "h", "r", GPU, 12 * BLOCK, now_ms=later)
+    model.load_started("a", "h", "r", GPU, 12 * BLOCK, now_ms=later, stand_in=plan.stand_in)
     assert model.open_first_loads == 1
     # ... and its sample starts the fit again from the defaults: one sample, not two.
-    model.observe_transfer("h", "r", GPU, 12 * BLOCK, 12 * FAST_US, now_ms=later + 400)
+    model.observe_transfer(
+        "h", "r", GPU, 12 * BLOCK, 12 * FAST_US, now_ms=later + 400, lease_id="a"
+    )
     assert model.link("h", "r", GPU, later + 400).samples == 1
     # Without a clock nothing expires (what `kvrc status` reads the estimate as).
     assert model.link("h", "r", GPU).samples == 1
@@ -574,9 +576,9 @@ def test_a_link_still_slow_at_expiry_costs_one_probe_not_whole_loads() -> None:
     for t in range(3):
         model.observe_transfer("h", "r", GPU, BLOCK, mid_us, now_ms=t)
     assert worthwhile(model, "h", "r", 10) is None
-    plan = plan_of(model, "h", "r", 60_010)
+    plan = _started(model, "p", "h", "r", 60_010)
     assert plan.probe and worthwhile(model, "h", "r", link=plan) == 1
-    model.observe_transfer("h", "r", GPU, BLOCK, mid_us, now_ms=60_100)
+    model.observe_transfer("h", "r", GPU, BLOCK, mid_us, now_ms=60_100, lease_id="p")
     after = plan_of(model, "h", "r", 60_101)
     assert not after.probe and worthwhile(model, "h", "r", link=after) is None
     # The control: a cold link (no stand-in) blends its first sample with the defaults,
@@ -584,3 +586,57 @@ def test_a_link_still_slow_at_expiry_costs_one_probe_not_whole_loads() -> None:
     cold = CostModel(CostConfig(default_prefill_tokens_per_s=8000.0))
     cold.observe_transfer("h", "r", GPU, BLOCK, mid_us, now_ms=0)
     assert worthwhile(cold, "h", "r", 1) is not None
+
+
+def _started(model: CostModel, lease: str, holder: str, requester: str, now_ms: int) -> LoadPlan:
+    """Plans a 12-block load over holder -> requester and opens it as the grant would."""
+    plan = plan_of(model, holder, requester, now_ms)
+    model.load_started(
+        lease, holder, requester, GPU, plan.ceiling * BLOCK, now_ms, stand_in=plan.stand_in
+    )
+    return plan
+
+
+def test_a_fit_of_one_size_on_a_stand_in_keeps_its_shape_and_stays_physical() -> None:
+    # r -> h: 24 ms of latency and a fast wire (two sizes tell them apart). h -> r's first
+    # load stands on it; its one sample, 64 MiB in 20 ms, is faster than that latency.
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=8000.0))
+    for _ in range(20):
+        model.observe_transfer("r", "h", GPU, 1 << 20, 24_100)
+        model.observe_transfer("r", "h", GPU, 256 << 20, 50_000)
+    plan = _started(model, "a", "h", "r", now_ms=0)
+    assert plan.stand_in is not None and plan.stand_in.prior == "reverse" and not plan.probe
+    assert model.observe_transfer("h", "r", GPU, BLOCK, 20_000, now_ms=20, lease_id="a")
+    fit = model.link("h", "r", GPU, 21)
+    # The reverse's line scaled to the sample: it passes through it, latency and
+    # bandwidth both finite and positive (not 20 ms of latency and an infinite wire).
+    assert model.predict("h", "r", GPU, 512, BLOCK, link=fit).load_ms == pytest.approx(20.0)
+    assert 0 < fit.latency_ms < 20 and fit.bandwidth_bytes_per_s < 1e11
+    big = model.predict("h", "r", GPU, 512 * 100, 100 * BLOCK, link=fit).load_ms
+    assert big > 100  # 100 blocks are not predicted at the cost of one
+
+
+def test_a_fit_starts_from_what_its_load_was_planned_on_not_what_stands_at_its_report() -> None:
+    # Warm-up: a -> b and b -> a both probed cold (no stand-in at planning), each with
+    # the same slow first sample (a connection set up). Whichever reports second finds
+    # the other measured, but both blend with the defaults alike.
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=8000.0))
+    for lease, (holder, requester) in (("ab", ("a", "b")), ("ba", ("b", "a"))):
+        assert _started(model, lease, holder, requester, now_ms=0).stand_in is None
+    model.observe_transfer("a", "b", GPU, BLOCK, 60_000, now_ms=60, lease_id="ab")
+    model.observe_transfer("b", "a", GPU, BLOCK, 60_000, now_ms=61, lease_id="ba")
+    ab, ba = model.link("a", "b", GPU), model.link("b", "a", GPU)
+    assert (ab.prior, ba.prior) == ("default", "default")
+    assert ab.bandwidth_bytes_per_s == pytest.approx(ba.bandwidth_bytes_per_s)
+    # A whole load granted on a fast reverse's word whose reverse leaves the LRU before
+    # the report: the fit still starts from the reverse, and its slow sample decides.
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=8000.0, max_pairs=2))
+    model.observe_transfer("r", "h", GPU, BLOCK, FAST_US, now_ms=0)
+    plan = _started(model, "w", "h", "r", now_ms=1)
+    assert plan.stand_in is not None and not plan.probe
+    model.observe_transfer("x", "y", GPU, BLOCK, FAST_US, now_ms=2)
+    model.observe_transfer("y", "z", GPU, BLOCK, FAST_US, now_ms=3)  # r -> h evicted
+    assert model.link("r", "h", GPU).samples == 0
+    model.observe_transfer("h", "r", GPU, 12 * BLOCK, 12 * SLOW_US, now_ms=8_200, lease_id="w")
+    assert model.link("h", "r", GPU).prior == "reverse"
+    assert worthwhile(model, "h", "r", 8_201) is None  # refused after that one load
