@@ -63,11 +63,14 @@ _REPORT_RETRY_INITIAL_S = 0.05
 _REPORT_RETRY_MAX_S = 1.0
 # Terminal reports sent again after a re-registration (a restarted coordinator rebuilt
 # the lease from its holder's re-announcement and waits for them): those whose lease
-# had not ended when answered, of the last REPLAY_WINDOW_S (the parts of one transfer
-# report within moments of each other), at most MAX_REPLAYED_REPORTS, REPLAY_CONCURRENCY
-# at a time. A lease half-reported longer ago than that is left to an operator.
+# had not ended when answered, of the last REPLAY_WINDOW_S, at most MAX_REPLAYED_REPORTS,
+# REPLAY_CONCURRENCY at a time. The window spans the report, the coordinator's death and
+# restart (a supervisor's restart, the state file, warm-up) and this engine's reconnect
+# backoff: a minute, not the moments between one transfer's part reports (15 s lost
+# reports on a loaded host). The count bounds the memory. A lease half-reported longer
+# ago than that is left to its AbortRequests, or an operator.
 MAX_REPLAYED_REPORTS = 64
-REPLAY_WINDOW_S = 15.0
+REPLAY_WINDOW_S = 60.0
 REPLAY_CONCURRENCY = 8
 _QUIET_OUTCOMES = (pb.TRANSFER_OUTCOME_SUCCEEDED, pb.TRANSFER_OUTCOME_FAILED)
 
