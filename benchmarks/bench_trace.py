@@ -421,7 +421,12 @@ class KvrcProvider:
         ]
 
     def acquire(
-        self, requester: EngineIndex, chain: Sequence[BlockId], min_blocks: int, now_ms: float
+        self,
+        requester: EngineIndex,
+        chain: Sequence[BlockId],
+        min_blocks: int,
+        now_ms: float,
+        local_blocks: int = 0,
     ) -> LoadGrant | None:
         self._next_request += 1
         leases = self._links[requester].leases
@@ -434,6 +439,7 @@ class KvrcProvider:
                     f"load-{self._next_request}",
                     hashes,
                     min_blocks=min_blocks,
+                    local_blocks=min(local_blocks, len(hashes) - 1),
                     pin_timeout_ms=5_000,
                     transfer_timeout_ms=60_000,
                 )

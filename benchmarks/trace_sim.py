@@ -301,7 +301,13 @@ class LoadGate:
         )
 
     def plan(
-        self, holder: EngineIndex, requester: EngineIndex, floor: int, hinted: int, now_ms: float
+        self,
+        holder: EngineIndex,
+        requester: EngineIndex,
+        floor: int,
+        hinted: int,
+        now_ms: float,
+        have: int = 0,
     ) -> tuple[int, LoadPlan] | None:
         """(the fewest blocks worth loading, the plan: the most a load may cover, all
         `hinted` or a probe's worth, and what it stood on), as the coordinator's grant
@@ -314,6 +320,7 @@ class LoadGate:
             hinted,
             block_tokens=self.cost.block_tokens,
             bytes_per_block=self.cost.block_bytes,
+            have=have,
             now_ms=int(now_ms),
         )
         worthwhile = self.model.worthwhile_blocks(
@@ -325,6 +332,7 @@ class LoadGate:
             block_tokens=self.cost.block_tokens,
             bytes_per_block=self.cost.block_bytes,
             link=plan.link,
+            have=have,
         )
         return None if worthwhile is None else (worthwhile, plan)
 
@@ -333,18 +341,18 @@ class LoadGate:
         lease_key: LeaseKey,
         holder: EngineIndex,
         requester: EngineIndex,
-        hinted: int,
+        moves: int,
         now_ms: float,
         stand_in: LinkEstimate | None = None,
     ) -> None:
-        """A load was granted (kept while it runs if its link has no fresh fit, with the
-        stand-in its plan stood on)."""
+        """A load of `moves` blocks was granted (kept while it runs if its link has no
+        fresh fit, with the stand-in its plan stood on)."""
         self.model.load_started(
             str(lease_key),
             engine_name(holder),
             engine_name(requester),
             Tier.GPU,
-            hinted * self.cost.block_bytes,
+            moves * self.cost.block_bytes,
             int(now_ms),
             stand_in,
         )
@@ -431,9 +439,15 @@ class ReuseProvider(Protocol):
         """Holders of a prefix of `chain`, longest first (at least the best two)."""
 
     def acquire(
-        self, requester: EngineIndex, chain: Sequence[BlockId], min_blocks: int, now_ms: float
+        self,
+        requester: EngineIndex,
+        chain: Sequence[BlockId],
+        min_blocks: int,
+        now_ms: float,
+        local_blocks: int = 0,
     ) -> LoadGrant | None:
-        """Pick a holder of >= min_blocks, have it pin; None is a miss (recompute)."""
+        """Pick a holder of >= min_blocks, have it pin; None is a miss (recompute). The
+        requester holds the chain's first `local_blocks` and loads only the rest."""
 
     def complete(self, grant: LoadGrant, loaded_blocks: int, now_ms: float) -> None:
         """The load ended; when this returns the holder may unpin."""
@@ -494,7 +508,12 @@ class LocalReferenceProvider:
         return [Candidate(e, m) for e, m in sorted(matched.items(), key=lambda em: (-em[1], em[0]))]
 
     def acquire(
-        self, requester: EngineIndex, chain: Sequence[BlockId], min_blocks: int, now_ms: float
+        self,
+        requester: EngineIndex,
+        chain: Sequence[BlockId],
+        min_blocks: int,
+        now_ms: float,
+        local_blocks: int = 0,
     ) -> LoadGrant | None:
         assert self._side is not None, "bind() first"
         for cand in self.lookup(requester, chain, include_self=False, now_ms=now_ms):
@@ -503,7 +522,9 @@ class LocalReferenceProvider:
             need = min_blocks
             reach = cand.matched_blocks
             if self.gate is not None:
-                planned = self.gate.plan(cand.engine, requester, min_blocks, reach, now_ms)
+                planned = self.gate.plan(
+                    cand.engine, requester, min_blocks, reach, now_ms, local_blocks
+                )
                 if planned is None:
                     continue  # this holder's link is too slow; another may still pay off
                 need, plan = planned
@@ -515,7 +536,8 @@ class LocalReferenceProvider:
                 self._side.unpin(cand.engine, key)  # recompute_cheaper: the pins are released
                 return None
             if self.gate is not None:
-                self.gate.started(key, cand.engine, requester, reach, now_ms, plan.stand_in)
+                moves = max(reach - local_blocks, 0)
+                self.gate.started(key, cand.engine, requester, moves, now_ms, plan.stand_in)
             return LoadGrant(key, cand.engine, pinned)
         return None
 
@@ -863,7 +885,7 @@ class TraceSimulation:
                 return c.matched_blocks if c.matched_blocks >= self.min_blocks else 0
             if c.matched_blocks < floor:
                 break  # longest first: no later holder reaches the floor either
-            planned = self.gate.plan(c.engine, engine, floor, c.matched_blocks, now)
+            planned = self.gate.plan(c.engine, engine, floor, c.matched_blocks, now, local)
             if planned is not None:
                 return planned[1].ceiling  # the holder kvrc's gate would grant (a probe: its reach)
         return 0
@@ -888,7 +910,9 @@ class TraceSimulation:
         grant: LoadGrant | None = None
         loaded = 0
         if self.provider is not None and remote_hint > local:
-            grant = self.provider.acquire(engine_idx, chain, max(local + 1, self.min_blocks), now)
+            grant = self.provider.acquire(
+                engine_idx, chain, max(local + 1, self.min_blocks), now, local
+            )
             if grant is None:
                 self._c.misses += 1
             elif grant.matched_blocks <= local:

@@ -215,8 +215,12 @@ class LeaseClient:
         pin_timeout_ms: int = 0,
         transfer_timeout_ms: int = 0,
         compatibility_hash: str = "",
+        local_blocks: int = 0,
     ) -> PrefixLoadGrant | Miss:
-        """A grant, or a Miss (recompute). Raises FailedPreconditionError when reuse is off."""
+        """A grant, or a Miss (recompute). Raises FailedPreconditionError when reuse is off.
+
+        `local_blocks`: this engine already holds the chain's first blocks and moves
+        only the rest, so the coordinator's cost gate prices only the rest."""
         request = pb.PrefixLoadRequest(
             request_id=request_id,
             requester_child_engine_id=self.child_engine_id,
@@ -226,6 +230,7 @@ class LeaseClient:
             group_idx=group_idx,
             pin_timeout_ms=pin_timeout_ms,
             transfer_timeout_ms=transfer_timeout_ms,
+            local_blocks=local_blocks,
         )
         # The coordinator waits up to the pin timeout for the holder.
         timeout = self._timeout_s + (pin_timeout_ms or 2_000) / 1000

@@ -857,6 +857,7 @@ class Leader:
                 f"{request_id}/load",
                 hashes,
                 min_blocks=local_n + 1,
+                local_blocks=local_n,  # it pulls the rest (skip=local_n): priced as such
                 pin_timeout_ms=self.options.pin_timeout_ms,
                 transfer_timeout_ms=transfer_timeout_ms,
             )

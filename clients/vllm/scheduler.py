@@ -343,6 +343,7 @@ class KvrcScheduler:
             f"{request_id}/load",
             hashes,
             min_blocks=want,
+            local_blocks=local_blocks,  # the load moves the rest; the gate prices the rest
             pin_timeout_ms=self.config.pin_timeout_ms,
             transfer_timeout_ms=self.config.transfer_timeout_ms,
         )

@@ -531,10 +531,13 @@ class CostModel:
         *,
         block_tokens: int,
         bytes_per_block: int,
+        have: int = 0,
         now_ms: int | None = None,
     ) -> LoadPlan:
         """How far a load of the chain's first `hinted` blocks may reach, and what it is
-        priced on (I9-cost-gate; module docstring, "Probes"):
+        priced on (I9-cost-gate; module docstring, "Probes"). The requester holds the
+        first `have` and moves only the rest, so only the rest is priced, and a probe
+        moves `probe_bytes` past them:
 
         - a fresh fit or a declared link: all `hinted`, on its estimate;
         - neither, with no stand-in: a probe, on the defaults;
@@ -557,12 +560,13 @@ class CostModel:
         ):
             return LoadPlan(link, hinted, False, stand_in)
         if stand_in is not None:
+            moved = hinted - have
             if self.predict(
-                holder, requester, tier, hinted * block_tokens, hinted * bytes_per_block, link=link
+                holder, requester, tier, moved * block_tokens, moved * bytes_per_block, link=link
             ).worth_loading:
                 return LoadPlan(link, hinted, False, stand_in)
             link = self.link(holder, requester, tier, now_ms, stand_ins=False)
-        ceiling = min(hinted, max(floor, 1, cfg.probe_bytes // bytes_per_block))
+        ceiling = min(hinted, max(floor, have + max(1, cfg.probe_bytes // bytes_per_block)))
         return LoadPlan(link, ceiling, True, stand_in)
 
     def worthwhile_blocks(
@@ -577,9 +581,12 @@ class CostModel:
         bytes_per_block: int,
         now_ms: int | None = None,
         link: LinkEstimate | None = None,
+        have: int = 0,
     ) -> int | None:
-        """The fewest blocks in [floor, hinted] worth loading (None: not even `hinted`);
-        `link`: priced on this estimate (a `LoadPlan`'s). With the gate off, `floor`.
+        """The fewest blocks in [floor, hinted] worth loading (None: not even `hinted`),
+        counted from the chain's start, of which the requester holds the first `have`
+        (only the rest is priced); `link`: priced on this estimate (a `LoadPlan`'s).
+        With the gate off, `floor`.
 
         Load and recompute both grow linearly with the blocks, so "worth loading" holds
         from some length on: a binary search finds it (I9-cost-gate)."""
@@ -587,12 +594,13 @@ class CostModel:
             return floor
 
         def worth(blocks: int) -> bool:
+            moved = max(blocks - have, 0)
             return self.predict(
                 holder,
                 requester,
                 tier,
-                blocks * block_tokens,
-                blocks * bytes_per_block,
+                moved * block_tokens,
+                moved * bytes_per_block,
                 now_ms,
                 link=link,
             ).worth_loading

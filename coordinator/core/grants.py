@@ -74,6 +74,9 @@ class PrefixLoadRequest:
     group_idx: int
     pin_timeout_ms: int  # 0 = DEFAULT_PIN_TIMEOUT_MS
     transfer_timeout_ms: int  # 0 = DEFAULT_TRANSFER_TIMEOUT_MS
+    # The requester holds the chain's first local_blocks and moves only the rest: the
+    # cost gate prices the rest (I9-cost-gate). 0: the whole chain.
+    local_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +254,7 @@ class _CostContext:
     probe_blocks: int = 0  # > 0: a probe of a cold link, the holder asked for this many
     link: LinkEstimate | None = None  # what the load is priced on (its LoadPlan's)
     stand_in: LinkEstimate | None = None  # the stand-in its plan stood on (LoadPlan's)
+    have: int = 0  # the chain's first blocks the requester holds: not moved, not priced
 
 
 @dataclass
@@ -436,7 +440,7 @@ class Grants:
             context.holder,
             context.requester,
             context.tier,
-            ceiling * context.bytes_per_block,
+            max(ceiling - context.have, 0) * context.bytes_per_block,  # what moves
             now_ms,
             context.stand_in,
         )
@@ -448,12 +452,14 @@ class Grants:
         )
 
     def _predict(self, context: _CostContext, blocks: int, now_ms: int | None = None) -> Prediction:
+        """Loading the chain's first `blocks`, of which only those past `have` move."""
+        moved = max(blocks - context.have, 0)
         return self.cost.predict(
             context.holder,
             context.requester,
             context.tier,
-            blocks * context.block_size,
-            blocks * context.bytes_per_block,
+            moved * context.block_size,
+            moved * context.bytes_per_block,
             now_ms,
             link=context.link,
         )
@@ -505,7 +511,9 @@ class Grants:
                 continue
             if view.compatibility_hash != requester.compatibility_hash:
                 continue  # never hand KV across layouts, whatever the index said
-            context = self._cost_context(view, requester, candidate.tier)
+            context = replace(
+                self._cost_context(view, requester, candidate.tier), have=req.local_blocks
+            )
             # I9-cost-gate: a link without a fresh fit or a declaration is probed, not
             # trusted (a stand-in may spare the probe, never forbid it).
             plan = self.cost.plan(
@@ -516,6 +524,7 @@ class Grants:
                 candidate.matched_blocks,
                 block_tokens=context.block_size,
                 bytes_per_block=context.bytes_per_block,
+                have=context.have,
                 now_ms=now_ms,
             )
             ceiling = plan.ceiling
@@ -529,6 +538,7 @@ class Grants:
                 block_tokens=context.block_size,
                 bytes_per_block=context.bytes_per_block,
                 link=plan.link,
+                have=context.have,
             )
             if worthwhile is None:
                 # I9-cost-gate: this holder's link is too slow; another may still pay off.

@@ -165,9 +165,11 @@ class SavingPredictor(Protocol):
         *,
         block_tokens: int,
         bytes_per_block: int,
+        have: int = 0,
         now_ms: int | None = None,
     ) -> LoadPlan:
-        """How far a load may reach (all `hinted`, or a probe's worth) and its pricing."""
+        """How far a load may reach (all `hinted`, or a probe's worth) and its pricing;
+        the requester holds the first `have` blocks, which are not priced."""
         ...
 
 
@@ -391,9 +393,9 @@ def _priced(
         # Only a longer prefix than the engine's own is loadable (never from itself).
         if best is not None and best[0] != me and best[1] > matched:
             # A link without a fresh fit or a declaration is granted a probe only, unless
-            # a stand-in says the load pays (I9-cost-gate): the grant's plan (over the
-            # chain from its start, as a grant sees it), asked for as a prefix load asks:
-            # at least one block past the engine's own. Credited: the blocks past those.
+            # a stand-in says the load pays (I9-cost-gate): the grant's plan for a load
+            # asked for as an engine asks (at least one block past its own, which it
+            # names as `local_blocks` and does not move), the blocks past its own priced.
             plan = predictor.plan(
                 best[0],
                 me,
@@ -402,6 +404,7 @@ def _priced(
                 best[1],
                 block_tokens=block_size,
                 bytes_per_block=e.bytes_per_block,
+                have=matched,
                 now_ms=now_ms,
             )
             holder, loadable, holder_tier = best[0], plan.ceiling - matched, best[2]

@@ -840,6 +840,11 @@ def prefix_load_request_from_proto(
         raise invalid("block_hashes is empty: a prefix load needs at least one block")
     if msg.min_blocks > len(chain):
         raise invalid(f"min_blocks {msg.min_blocks} exceeds the chain's {len(chain)} blocks")
+    if msg.local_blocks >= len(chain):
+        raise invalid(
+            f"local_blocks {msg.local_blocks} leaves nothing to load of the chain's "
+            f"{len(chain)} blocks: send the blocks past the ones the requester holds"
+        )
     if msg.compatibility_hash:
         check_id("compatibility_hash", msg.compatibility_hash, bounds)
     return PrefixLoadRequest(
@@ -853,6 +858,7 @@ def prefix_load_request_from_proto(
         group_idx=_group("group_idx", msg.group_idx),
         pin_timeout_ms=_duration("pin_timeout_ms", msg.pin_timeout_ms, 60_000),
         transfer_timeout_ms=_duration("transfer_timeout_ms", msg.transfer_timeout_ms),
+        local_blocks=msg.local_blocks,
     )
 
 

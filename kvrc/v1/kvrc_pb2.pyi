@@ -1649,6 +1649,7 @@ class PrefixLoadRequest(_message.Message):
     GROUP_IDX_FIELD_NUMBER: _builtins.int
     PIN_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     TRANSFER_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    LOCAL_BLOCKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """idempotency key, unique per requester"""
     requester_child_engine_id: _builtins.str
@@ -1660,6 +1661,11 @@ class PrefixLoadRequest(_message.Message):
     """how long to wait for the holder's pin"""
     transfer_timeout_ms: _builtins.int
     """lease TTL once granted"""
+    local_blocks: _builtins.int
+    """The requester already holds the chain's first local_blocks blocks and moves only
+    the rest: the cost gate prices the rest (docs/cost_model.md). 0: prices the whole
+    chain (clients before this field). Less than the chain's length.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -1673,10 +1679,11 @@ class PrefixLoadRequest(_message.Message):
         group_idx: _builtins.int = ...,
         pin_timeout_ms: _builtins.int = ...,
         transfer_timeout_ms: _builtins.int = ...,
+        local_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "compatibility_hash", b"compatibility_hash", "group_idx", b"group_idx", "min_blocks", b"min_blocks", "pin_timeout_ms", b"pin_timeout_ms", "request_id", b"request_id", "requester_child_engine_id", b"requester_child_engine_id", "transfer_timeout_ms", b"transfer_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "compatibility_hash", b"compatibility_hash", "group_idx", b"group_idx", "local_blocks", b"local_blocks", "min_blocks", b"min_blocks", "pin_timeout_ms", b"pin_timeout_ms", "request_id", b"request_id", "requester_child_engine_id", b"requester_child_engine_id", "transfer_timeout_ms", b"transfer_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

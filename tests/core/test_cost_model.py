@@ -640,3 +640,23 @@ def test_a_fit_starts_from_what_its_load_was_planned_on_not_what_stands_at_its_r
     model.observe_transfer("h", "r", GPU, 12 * BLOCK, 12 * SLOW_US, now_ms=8_200, lease_id="w")
     assert model.link("h", "r", GPU).prior == "reverse"
     assert worthwhile(model, "h", "r", 8_201) is None  # refused after that one load
+
+
+def test_the_requesters_own_blocks_are_neither_priced_nor_probed() -> None:
+    # A declared link of 5 ms latency and a fast wire; 4 ms to recompute a block. Past
+    # 9 blocks the requester holds, one block moves: 5 x 1.5 > 4, refused. Priced over
+    # all 10 (what a request without local_blocks gets), the latency looked cheap.
+    declared = DeclaredLink(("h",), ("r",), bandwidth_bytes_per_s=1e12, latency_ms=5.0)
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=1000.0), declared_links=[declared])
+
+    def fewest(have: int) -> int | None:
+        return model.worthwhile_blocks(
+            "h", "r", GPU, 10, 10, block_tokens=4, bytes_per_block=1000, have=have
+        )
+
+    assert fewest(9) is None and fewest(0) == 10
+    # A probe moves probe_bytes past what the requester holds (2 blocks here).
+    cold = CostModel(CostConfig(probe_bytes=2000))
+    plan = cold.plan("h", "r", GPU, 7, 10, block_tokens=4, bytes_per_block=1000, have=6)
+    assert (plan.probe, plan.ceiling) == (True, 8)
+    assert cold.plan("h", "r", GPU, 1, 10, block_tokens=4, bytes_per_block=1000).ceiling == 2

@@ -85,6 +85,7 @@ class NoLinks:
         *,
         block_tokens: int,
         bytes_per_block: int,
+        have: int = 0,
         now_ms: int | None = None,
     ) -> LoadPlan:
         return LoadPlan(LinkEstimate(1e9, 0.0, 1), hinted, False)  # every link measured
@@ -366,20 +367,20 @@ def test_with_the_cost_model_a_load_counts_exactly_when_a_grant_would_be_made() 
 
 def test_over_a_cold_undeclared_link_only_a_probe_is_loadable_until_it_is_measured() -> None:
     # Score credits what a grant would load (I9-cost-gate): over a link neither measured
-    # nor declared, a probe of probe_bytes (5 blocks of 1000 bytes from the chain's
-    # start, so 3 past the engine's own 2), not the holder's 8 more.
+    # nor declared, a probe of probe_bytes (5 blocks of 1000 bytes past the engine's
+    # own 2, which it does not move), not the holder's 8 more.
     inv = a_holds_2_b_holds_10()
     a = replace(engine("a"), bytes_per_block=1000)
     model = CostModel(CostConfig(default_prefill_tokens_per_s=1000.0, probe_bytes=5000))
     (probed,) = run(inv, [a], predictor=model).engines
-    assert (probed.loadable_blocks, probed.holder_child_engine_id) == (3, "b")
+    assert (probed.loadable_blocks, probed.holder_child_engine_id) == (5, "b")
     model.observe_transfer("b", "a", Tier.GPU, 5000, 1000)
     (measured,) = run(inv, [a], predictor=model).engines
     assert measured.loadable_blocks == 8
     assert measured.predicted_saving_ms > probed.predicted_saving_ms
     # Measured the other way only (a -> b), b -> a is credited in full: its reverse is its
     # prior (--cost-reverse-prior); with that off, a probe again.
-    for reverse_prior, loadable in ((True, 8), (False, 3)):
+    for reverse_prior, loadable in ((True, 8), (False, 5)):
         config = CostConfig(
             default_prefill_tokens_per_s=1000.0, probe_bytes=5000, reverse_prior=reverse_prior
         )
@@ -393,28 +394,29 @@ def test_over_a_cold_undeclared_link_only_a_probe_is_loadable_until_it_is_measur
     model.observe_transfer("a", "b", Tier.GPU, 5000, 10_000_000)  # 10 s for 5 blocks
     assert model.link("b", "a", Tier.GPU).prior == "reverse"
     (slow_back,) = run(inv, [a], predictor=model).engines
-    assert (slow_back.loadable_blocks, slow_back.holder_child_engine_id) == (3, "b")
+    assert (slow_back.loadable_blocks, slow_back.holder_child_engine_id) == (5, "b")
     assert slow_back.predicted_saving_ms > model.recompute_ms("a", 2 * 4)  # > the local hit
 
 
 def test_score_reaches_as_far_as_the_grant_would_over_a_high_latency_reverse() -> None:
-    # b -> a stands on a -> b: 24 ms of latency, bandwidth to spare. A grant plans over
-    # the chain from its start (10 blocks, 40 ms of recompute at 1 token/ms: 24 x 1.5
-    # < 40, whole on the reverse's word). Score plans the same way, so it reports the
-    # grant's reach (8 past a's own 2), not a probe, which the 8 blocks alone (32 ms)
-    # would have asked for; their load is not worth it (36 > 32), so nothing is credited
-    # for it beyond the local hit.
+    # b -> a stands on a -> b: 24 ms of latency, bandwidth to spare. a holds 2 blocks and
+    # would move 8 (32 ms of recompute at 1 token/ms): 24 x 1.5 = 36 > 32, so the reverse
+    # does not spare the probe, of 5 blocks past a's own. A grant for a request that
+    # names a's 2 blocks (local_blocks) plans exactly so, and Score reports its reach.
     inv = a_holds_2_b_holds_10()
     a = replace(engine("a"), bytes_per_block=1000)
     model = CostModel(CostConfig(default_prefill_tokens_per_s=1000.0, probe_bytes=5000))
     for _ in range(20):
         model.observe_transfer("a", "b", Tier.GPU, 1000, 24_001)
         model.observe_transfer("a", "b", Tier.GPU, 100_000, 24_100)
-    grant = model.plan("b", "a", Tier.GPU, 3, 10, block_tokens=4, bytes_per_block=1000)
-    assert not grant.probe and grant.ceiling == 10 and grant.link.prior == "reverse"
+    grant = model.plan("b", "a", Tier.GPU, 3, 10, block_tokens=4, bytes_per_block=1000, have=2)
+    assert grant.probe and grant.ceiling == 7 and grant.link.prior == "default"
     (scored,) = run(inv, [a], predictor=model).engines
-    assert (scored.loadable_blocks, scored.holder_child_engine_id) == (8, "b")
-    assert scored.predicted_saving_ms == pytest.approx(model.recompute_ms("a", 2 * 4))
+    assert (scored.loadable_blocks, scored.holder_child_engine_id) == (5, "b")
+    # The control: priced over the whole chain (a client that does not name its own
+    # blocks), the 10 blocks' 40 ms would let the reverse's word load them whole.
+    whole = model.plan("b", "a", Tier.GPU, 3, 10, block_tokens=4, bytes_per_block=1000)
+    assert not whole.probe and whole.ceiling == 10
 
 
 def by_saving(answer: ScoreAnswer) -> dict[str, float]:

@@ -325,6 +325,8 @@ def test_reuse_gate_and_bad_input_get_statuses_and_change_nothing(
                              block_hashes=[b"\x01"], min_blocks=2),
         pb.PrefixLoadRequest(request_id="t", requester_child_engine_id="req-bad",
                              block_hashes=[b"\x01"], pin_timeout_ms=10_000_000),
+        pb.PrefixLoadRequest(request_id="l", requester_child_engine_id="req-bad",
+                             block_hashes=[b"\x01", b"\x02"], local_blocks=2),
     ]  # fmt: skip
     with grpc.insecure_channel(kvrc.grpc_target) as channel:
         stub = pb_grpc.EngineServiceStub(channel)

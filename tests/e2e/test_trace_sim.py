@@ -339,10 +339,15 @@ class StaleCheckingProvider:
         return self.inner.lookup(requester, chain, include_self, now_ms)
 
     def acquire(
-        self, requester: EngineIndex, chain: Sequence[BlockId], min_blocks: int, now_ms: float
+        self,
+        requester: EngineIndex,
+        chain: Sequence[BlockId],
+        min_blocks: int,
+        now_ms: float,
+        local_blocks: int = 0,
     ) -> LoadGrant | None:
         hinted = self.inner.lookup(requester, chain, False, now_ms)
-        grant = self.inner.acquire(requester, chain, min_blocks, now_ms)
+        grant = self.inner.acquire(requester, chain, min_blocks, now_ms, local_blocks)
         if grant is not None:
             if hinted and grant.matched_blocks < hinted[0].matched_blocks:
                 self.short_pins += 1

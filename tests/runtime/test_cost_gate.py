@@ -45,11 +45,14 @@ async def load(
     prefill: tuple[int, int] = (0, 0),
     report: bool = True,
     requester: str = "r",
+    local_blocks: int = 0,
 ) -> PrefixLoadAnswer:
     """One prefix load by `requester`: the holder pins `pinned` (at most what it is asked
     for); a grant is reported done (`report=False`: left ACTIVE)."""
     c = rig.coordinator
-    request = PrefixLoadRequest(request_id, requester, CHAIN, "", min_blocks, 0, 2_000, 10_000)
+    request = PrefixLoadRequest(
+        request_id, requester, CHAIN, "", min_blocks, 0, 2_000, 10_000, local_blocks
+    )
     drain_outbound(holder)
     task = asyncio.ensure_future(c.leases.request_prefix_load(request))
     await settle()
@@ -372,3 +375,20 @@ async def test_a_link_refused_as_slow_is_probed_again_once_its_fit_expires(ttl_s
         whole = await load(rig, slow, "s3", duration_us=1_000)
         assert whole.view is not None and whole.view.prefix_load_grant is not None
         assert whole.view.prefix_load_grant.matched_blocks == len(CHAIN)
+
+
+async def test_the_blocks_the_requester_holds_are_not_priced() -> None:
+    # A declared link of 30 ms latency; 16 ms to recompute a block. The whole chain (8
+    # blocks, 128 ms) pays; the 2 blocks past a requester's 6 (32 ms) do not: 45 > 32.
+    declared = DeclaredLink(("lat",), ("r",), bandwidth_bytes_per_s=1e12, latency_ms=30.0)
+    async with manual_coordinator(cost=COST, declared_links=(declared,)) as rig:
+        register(rig, "r")
+        holder = register(rig, "lat")
+        rig.store(holder)
+        whole = await load(rig, holder, "w")
+        assert granted(whole) == "lat" and whole.prediction is not None
+        assert whole.prediction.num_tokens == 16 * len(CHAIN)
+        tail = await load(rig, holder, "t", min_blocks=7, local_blocks=6)
+        assert tail.miss_reason == "recompute_cheaper", tail
+        assert tail.prediction is not None and tail.prediction.num_tokens == 16 * 2
+        assert "recompute 32.00 ms" in tail.miss_detail
