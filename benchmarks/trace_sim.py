@@ -312,7 +312,7 @@ class LoadGate:
         """(the fewest blocks worth loading, the plan: the most a load may cover, all
         `hinted` or a probe's worth, and what it stood on), as the coordinator's grant
         decides them (I9-cost-gate); None: not worth loading."""
-        plan = self.model.plan(
+        plan, worthwhile = self.model.grantable(
             engine_name(holder),
             engine_name(requester),
             Tier.GPU,
@@ -322,17 +322,6 @@ class LoadGate:
             bytes_per_block=self.cost.block_bytes,
             have=have,
             now_ms=int(now_ms),
-        )
-        worthwhile = self.model.worthwhile_blocks(
-            engine_name(holder),
-            engine_name(requester),
-            Tier.GPU,
-            floor,
-            plan.ceiling,
-            block_tokens=self.cost.block_tokens,
-            bytes_per_block=self.cost.block_bytes,
-            link=plan.link,
-            have=have,
         )
         return None if worthwhile is None else (worthwhile, plan)
 

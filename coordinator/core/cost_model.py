@@ -569,6 +569,45 @@ class CostModel:
         ceiling = min(hinted, max(floor, have + max(1, cfg.probe_bytes // bytes_per_block)))
         return LoadPlan(link, ceiling, True, stand_in)
 
+    def grantable(
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        floor: int,
+        hinted: int,
+        *,
+        block_tokens: int,
+        bytes_per_block: int,
+        have: int = 0,
+        now_ms: int | None = None,
+    ) -> tuple[LoadPlan, int | None]:
+        """What a grant decides: the `plan`, and the fewest of its blocks worth loading
+        on its pricing (`worthwhile_blocks`; None: not even its ceiling)."""
+        plan = self.plan(
+            holder,
+            requester,
+            tier,
+            floor,
+            hinted,
+            block_tokens=block_tokens,
+            bytes_per_block=bytes_per_block,
+            have=have,
+            now_ms=now_ms,
+        )
+        worthwhile = self.worthwhile_blocks(
+            holder,
+            requester,
+            tier,
+            floor,
+            plan.ceiling,
+            block_tokens=block_tokens,
+            bytes_per_block=bytes_per_block,
+            link=plan.link,
+            have=have,
+        )
+        return plan, worthwhile
+
     def worthwhile_blocks(
         self,
         holder: str,

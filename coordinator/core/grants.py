@@ -30,7 +30,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.core.cost_model import CostModel, LinkEstimate, Prediction, kv_bytes_per_block
+from coordinator.core.cost_model import CostModel, LoadPlan, Prediction, kv_bytes_per_block
 from coordinator.core.errors import ErrorCode, KvrcError, failed_precondition, not_found
 from coordinator.core.inventory import MAX_CANDIDATES, Inventory, Scope
 from coordinator.core.leases import (
@@ -181,8 +181,8 @@ class CostObserved:
     lease_id: str
     predicted_load_ms: float
     actual_load_ms: float
-    # "measured": the prediction came from the link's samples; else its prior alone:
-    # "declared", "reverse" (its measured reverse) or "default" (LinkEstimate.prior).
+    # "measured": the prediction came from the link's fresh fit; else its prior alone:
+    # "declared", "stale", "reverse" or "default" (LinkEstimate.prior).
     link_basis: str
     probe: bool = False  # a probe of a cold link (I9-cost-gate)
 
@@ -251,10 +251,13 @@ class _CostContext:
     block_size: int
     worthwhile_blocks: int = 1  # the fewest blocks worth loading, as of the request
     requested_ms: int | None = None  # when it was asked for: the grant's prediction is as of then
-    probe_blocks: int = 0  # > 0: a probe of a cold link, the holder asked for this many
-    link: LinkEstimate | None = None  # what the load is priced on (its LoadPlan's)
-    stand_in: LinkEstimate | None = None  # the stand-in its plan stood on (LoadPlan's)
     have: int = 0  # the chain's first blocks the requester holds: not moved, not priced
+    plan: LoadPlan | None = None  # its reach, pricing and stand-in (None: not planned)
+
+    @property
+    def probe_blocks(self) -> int:
+        """> 0: a probe of a cold link, the holder asked for this many."""
+        return self.plan.ceiling if self.plan is not None and self.plan.probe else 0
 
 
 @dataclass
@@ -442,7 +445,7 @@ class Grants:
             context.tier,
             max(ceiling - context.have, 0) * context.bytes_per_block,  # what moves
             now_ms,
-            context.stand_in,
+            context.plan.stand_in if context.plan is not None else None,
         )
         if step.view.state is LeaseState.PINNING:
             self._pinning.add(lease_id)
@@ -461,7 +464,7 @@ class Grants:
             moved * context.block_size,
             moved * context.bytes_per_block,
             now_ms,
-            link=context.link,
+            link=context.plan.link if context.plan is not None else None,
         )
 
     def _cost_context(
@@ -516,7 +519,7 @@ class Grants:
             )
             # I9-cost-gate: a link without a fresh fit or a declaration is probed, not
             # trusted (a stand-in may spare the probe, never forbid it).
-            plan = self.cost.plan(
+            plan, worthwhile = self.cost.grantable(
                 context.holder,
                 context.requester,
                 context.tier,
@@ -528,30 +531,14 @@ class Grants:
                 now_ms=now_ms,
             )
             ceiling = plan.ceiling
-            context = replace(context, link=plan.link, stand_in=plan.stand_in)
-            worthwhile = self.cost.worthwhile_blocks(
-                context.holder,
-                context.requester,
-                context.tier,
-                min_blocks,
-                ceiling,
-                block_tokens=context.block_size,
-                bytes_per_block=context.bytes_per_block,
-                link=plan.link,
-                have=context.have,
-            )
+            context = replace(context, plan=plan)
             if worthwhile is None:
                 # I9-cost-gate: this holder's link is too slow; another may still pay off.
                 prediction = self._predict(context, ceiling, now_ms)
                 if refused is None or prediction.saving_ms > refused.saving_ms:
                     refused = prediction
                 continue
-            context = replace(
-                context,
-                worthwhile_blocks=worthwhile,
-                requested_ms=now_ms,
-                probe_blocks=ceiling if plan.probe else 0,
-            )
+            context = replace(context, worthwhile_blocks=worthwhile, requested_ms=now_ms)
             return view, context, worthwhile, ceiling
         if refused is not None:
             return _NoHolder(MissReason.RECOMPUTE_CHEAPER.value, refused)
