@@ -328,6 +328,15 @@ class Grants:
     def is_draining(self, child_engine_id: str) -> bool:
         return child_engine_id in self._draining
 
+    def may_lend(self, holder_child_engine_id: str, compatibility_hash: str) -> bool:
+        """May a prefix load of a requester of `compatibility_hash` be asked of this
+        holder: registered, READY, not draining, and of the same compatibility (never
+        hand KV across layouts, whatever the index said). Grants and Score ask it."""
+        if holder_child_engine_id in self._draining:
+            return False
+        view = self._registry.get(holder_child_engine_id)
+        return view is not None and view.ready and view.compatibility_hash == compatibility_hash
+
     def leases_remaining(self, child_engine_ids: Iterable[str]) -> int:
         return len({v.lease_id for c in child_engine_ids for v in self.table.leases_of(c)})
 
@@ -507,13 +516,12 @@ class Grants:
         refused: Prediction | None = None
         for candidate in answer.candidates:
             best = max(best, candidate.matched_blocks)
-            if candidate.matched_blocks < min_blocks or self.is_draining(candidate.child_engine_id):
+            if candidate.matched_blocks < min_blocks or not self.may_lend(
+                candidate.child_engine_id, requester.compatibility_hash
+            ):
                 continue
             view = self._registry.get(candidate.child_engine_id)
-            if view is None or not view.ready:
-                continue
-            if view.compatibility_hash != requester.compatibility_hash:
-                continue  # never hand KV across layouts, whatever the index said
+            assert view is not None  # may_lend: registered
             context = replace(
                 self._cost_context(view, requester, candidate.tier), have=req.local_blocks
             )

@@ -4,8 +4,9 @@ Pure and synchronous (no I/O, no clock: `now_ms` is an argument). `score` is the
 one core call of a `Score` RPC: it hashes token ids (through the `TokenHasher`
 seam) once per distinct hash configuration, walks the inventory once per
 compatibility scope for the engines' own prefixes (`Inventory.match`), asks the
-same ranking a prefix load uses for the best holder (`Inventory.lookup`, top
-one), and prices each engine's match through the `SavingPredictor` seam. Work
+same ranking a prefix load uses for the holders (`Inventory.lookup`), takes the
+first one a grant would take (`may_lend`: READY, not draining; then the cost
+gate), and prices each engine's match through the `SavingPredictor` seam. Work
 per request is O(prompt blocks x distinct scopes + engines scored), counted in
 `ScoreAnswer.work`, never O(blocks x engines).
 
@@ -23,7 +24,7 @@ Two seams:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,11 +45,18 @@ from kvrc.vocabulary import (
 MAX_SCORE_TOKENS = 65_536  # token ids in one request (256 KiB packed)
 MAX_SCORE_BLOCKS = MAX_CHAIN_BLOCKS  # block hashes in one request; token ids: scored blocks
 MAX_SCORE_CANDIDATES = MAX_CANDIDATES  # candidate child engines in one request
-# The top holder only: when it is the engine itself nobody holds more than its own
-# match, so there is nothing to load either way.
-_HOLDERS = 1
 
 _NO_LEASES: Mapping[str, int] = {}
+# (holder, compatibility hash) -> may a prefix load be asked of it (Grants.may_lend).
+MayLend = Callable[[str, str], bool]
+# Holders priced per engine at most: a grant walks every candidate, but Score prices
+# up to 64 engines, so it stops early. Past these it names no saving, which a grant
+# may still make: an understatement, never a promise (I4-advisory).
+HOLDERS_PRICED = 4
+
+
+def _any_holder(holder_child_engine_id: str, compatibility_hash: str) -> bool:
+    return True
 
 
 def hash_config(child_engine_id: str, profile: DeploymentProfile) -> HashConfig:
@@ -198,6 +206,7 @@ class ScoreEngine:
     compatibility_hash: str = ""
     ready: bool = False
     reuse: ReuseStatus | None = None  # may it load prefixes (the reuse gate)
+    draining: bool = False  # `kvrc drain`: no new requests, loads or handoffs
     # KV bytes of one block, the same at any holder of its compatibility hash (same
     # layout); 0: unknown, a load then costs the link's latency alone.
     bytes_per_block: int = 0
@@ -281,11 +290,14 @@ def score(
     prediction_basis: str,
     hasher: TokenHasher = vllm_block_keys,
     leases_in_flight: Mapping[str, int] = _NO_LEASES,
+    may_lend: MayLend = _any_holder,
 ) -> ScoreAnswer:
     """Scores `engines` for `query` (see the module doc). Raises, changing nothing:
     INVALID_ARGUMENT beyond the bounds, FAILED_PRECONDITION for token ids whose
     hashing an engine has not declared. `reuse` is the coordinator's gate (switch,
-    warm-up): closed, only local matches count (I1-reuse-off)."""
+    warm-up): closed, only local matches count (I1-reuse-off). `may_lend`: the
+    grants' own holder check (Grants.may_lend), so Score names the holder a prefix
+    load would be granted from."""
     check_query(query)
     work = len(engines)
     out: dict[str, EngineScore] = {}
@@ -314,33 +326,39 @@ def score(
             assert query.token_ids is not None
             hashed = chains.get(spec)
             if hashed is None:
-                work += len(query.token_ids)
+                # Prompts past the chain bound are scored on their first blocks: only
+                # those are hashed.
+                tokens = query.token_ids[: MAX_SCORE_BLOCKS * spec.block_size]
+                work += len(tokens)
                 keys = hasher(
-                    query.token_ids,
+                    tokens,
                     spec,
                     lora_name=query.lora_name or None,
                     lora_path=query.lora_path or None,
                     cache_salt=query.cache_salt or None,
                     mm_features=query.mm_features,
                 )
-                # Prompts past the chain bound are scored on their first blocks.
-                hashed = chains[spec] = tuple(keys[:MAX_SCORE_BLOCKS])
+                hashed = chains[spec] = tuple(keys)
             chain = hashed
         scope = Scope(compat, query.group_idx)
         local = inventory.match(scope, chain, [e.child_engine_id for e in members], now_ms=now_ms)
         work += local.work
         holders: tuple[tuple[str, int, Tier], ...] = ()
         if reuse.enabled and any(e.reuse is not None and e.reuse.enabled for e in members):
+            # In the grants' order (longest, faster tier, fewer leases, id), only those a
+            # grant may ask (Grants.may_lend).
             answer = inventory.lookup(
                 scope,
                 chain,
                 now_ms=now_ms,
-                max_candidates=_HOLDERS,
+                max_candidates=MAX_CANDIDATES,
                 leases_in_flight=leases_in_flight,
             )
             work += len(chain) + len(answer.candidates)
             holders = tuple(
-                (c.child_engine_id, c.matched_blocks, c.tier) for c in answer.candidates
+                (c.child_engine_id, c.matched_blocks, c.tier)
+                for c in answer.candidates
+                if may_lend(c.child_engine_id, compat)
             )
         for e in members:
             m = local.matches.get(e.child_engine_id)
@@ -352,9 +370,11 @@ def score(
                     reuse=e.reuse,
                 )
                 continue
-            out[e.child_engine_id] = _priced(
+            priced, plans = _priced(
                 e, len(chain), m.matched_blocks, m.by_tier, holders, predictor, now_ms
             )
+            out[e.child_engine_id] = priced
+            work += plans
     ranked = tuple(sorted(out.values(), key=rank_key))
     return ScoreAnswer(ranked, reuse.enabled, reuse.detail, prediction_basis, work)
 
@@ -366,6 +386,8 @@ def _unscorable(e: ScoreEngine, model: str) -> str:
         return f"serves model {e.profile.model!r}, not {model!r}"
     if not e.ready:
         return "not READY (a rank part of its grid is missing)"
+    if e.draining:
+        return "draining (kvrc drain): no new requests or prefix loads"
     return ""
 
 
@@ -377,7 +399,8 @@ def _priced(
     holders: tuple[tuple[str, int, Tier], ...],
     predictor: SavingPredictor,
     now_ms: int,
-) -> EngineScore:
+) -> tuple[EngineScore, int]:
+    """The engine's score, and how many holders were priced for it (work)."""
     assert e.profile is not None
     block_size = e.profile.block_size
     me = e.child_engine_id
@@ -385,38 +408,45 @@ def _priced(
     if matched:
         # A local hit is prefill not run: its whole recompute time is saved.
         saving += predictor.recompute_ms(me, matched * block_size)
-    loadable = 0
+    loadable = plans = 0
     holder = ""
     holder_tier: Tier | None = None
     if e.reuse is not None and e.reuse.enabled:
-        best = holders[0] if holders else None
-        # Only a longer prefix than the engine's own is loadable (never from itself).
-        if best is not None and best[0] != me and best[1] > matched:
-            # A link without a fresh fit or a declaration is granted a probe only, unless
-            # a stand-in says the load pays (I9-cost-gate): the grant's plan for a load
-            # asked for as an engine asks (at least one block past its own, which it
-            # names as `local_blocks` and does not move), the blocks past its own priced.
+        # The holder a grant would take: the first, in the lookup's order, with more
+        # than the engine's own match whose load the cost gate grants (I9-cost-gate);
+        # when none pays, the first such holder, named with no saving. A link without a
+        # fresh fit or a declaration is planned as a probe unless a stand-in says the
+        # load pays: the grant's plan for a load asked for as an engine asks (at least
+        # one block past its own, which it names as `local_blocks` and does not move).
+        for cid, blocks, tier in holders:
+            if cid == me:
+                continue
+            if blocks <= matched or plans == HOLDERS_PRICED:
+                break  # longest first: only a longer prefix than its own is loadable
+            plans += 1
             plan = predictor.plan(
-                best[0],
+                cid,
                 me,
-                best[2],
+                tier,
                 matched + 1,
-                best[1],
+                blocks,
                 block_tokens=block_size,
                 bytes_per_block=e.bytes_per_block,
                 have=matched,
                 now_ms=now_ms,
             )
-            holder, loadable, holder_tier = best[0], plan.ceiling - matched, best[2]
-            tokens = loadable * block_size
+            moved = plan.ceiling - matched
             p = predictor.predict(
-                holder, me, best[2], tokens, loadable * e.bytes_per_block, link=plan.link
+                cid, me, tier, moved * block_size, moved * e.bytes_per_block, link=plan.link
             )
-            # Credited exactly when a grant would be made for it (I9-cost-gate: load x
-            # margin < recompute); it then saves what it beats the recompute by.
+            if not holder or p.worth_loading:
+                holder, loadable, holder_tier = cid, moved, tier
             if p.worth_loading:
+                # Credited exactly when a grant would be made for it (load x margin <
+                # recompute); it then saves what it beats the recompute by.
                 saving += p.recompute_ms - p.load_ms
-    return EngineScore(
+                break
+    priced = EngineScore(
         me,
         True,
         "",
@@ -429,13 +459,16 @@ def _priced(
         predicted_saving_ms=saving,
         reuse=e.reuse,
     )
+    return priced, plans
 
 
 __all__ = [
+    "HOLDERS_PRICED",
     "MAX_SCORE_BLOCKS",
     "MAX_SCORE_CANDIDATES",
     "MAX_SCORE_TOKENS",
     "EngineScore",
+    "MayLend",
     "Prediction",
     "SavingPredictor",
     "ScoreAnswer",

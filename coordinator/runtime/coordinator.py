@@ -277,7 +277,9 @@ class Coordinator:
             table=LeaseTable(config.leases, id_owner=lease_id_owner),
             cost=CostModel(config.cost, self.declared_prefill, config.declared_links),
         )
-        self.inventory.set_leases_in_flight(self.leases.leases_in_flight)
+        self.inventory.set_lease_side(
+            self.leases.leases_in_flight, self.leases.may_lend, self.leases.is_draining
+        )
         self.inventory.set_saving_predictor(self.leases.cost_model)
         self.add_part_listener(self.leases)
         # Restart recovery (coordinator/core/recovery.py): warm-up and the known engines.

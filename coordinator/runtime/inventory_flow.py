@@ -65,6 +65,7 @@ from coordinator.core.inventory import (
 from coordinator.core.profiles import ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, RankPartRegistration, Registry, grid_ranks
 from coordinator.core.score import (
+    MayLend,
     SavingPredictor,
     ScoreAnswer,
     ScoreEngine,
@@ -254,7 +255,11 @@ class InventoryFlow:
         # Engines' own KV-event publishers (None: ingest over the session stream only).
         self.event_streams: EventStreamFactory | None = None
         self._stopping: set[asyncio.Task[None]] = set()  # ZMQ subscribers being closed
+        # The lease side (set_lease_side): open leases per engine (lookups rank by
+        # them), the grants' holder check and the drain set (Score asks both).
         self._leases_in_flight: Callable[[], Mapping[str, int]] = lambda: _NO_LEASES
+        self._may_lend: MayLend = lambda holder, compatibility_hash: True
+        self._is_draining: Callable[[str], bool] = lambda child_engine_id: False
         # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
         self.warming: Callable[[], ReuseStatus | None] = lambda: None
         # The service pushes a child engine's state when its staleness changes.
@@ -309,9 +314,17 @@ class InventoryFlow:
         """Score prices matches with the cost model that prefix-load grants use."""
         self.saving_predictor = predictor
 
-    def set_leases_in_flight(self, provider: Callable[[], Mapping[str, int]]) -> None:
-        """The lease side tells lookups how many leases each holder has in flight."""
-        self._leases_in_flight = provider
+    def set_lease_side(
+        self,
+        leases_in_flight: Callable[[], Mapping[str, int]],
+        may_lend: MayLend,
+        is_draining: Callable[[str], bool],
+    ) -> None:
+        """The lease side: how many leases each holder has in flight (lookups rank by
+        it), which holders a grant may ask and which engines drain (Score)."""
+        self._leases_in_flight = leases_in_flight
+        self._may_lend = may_lend
+        self._is_draining = is_draining
 
     # --- registration and departure (called by Coordinator) -------------------------
 
@@ -644,7 +657,8 @@ class InventoryFlow:
                 view.profile,
                 view.compatibility_hash,
                 view.ready,
-                self.reuse_gate(cid),
+                self._score_reuse_gate(view),
+                self._is_draining(cid),
                 _bytes_per_block(view),
             )
             for cid, view in views
@@ -662,6 +676,7 @@ class InventoryFlow:
                 prediction_basis=self.prediction_basis,
                 hasher=self.token_hasher,
                 leases_in_flight=self._leases_in_flight(),
+                may_lend=self._may_lend,
             )
         except KvrcError:
             self.count_score_refused()
@@ -676,6 +691,18 @@ class InventoryFlow:
             outcome = ScoreOutcome.MISS
         self._m_scores[outcome].inc()
         return answer
+
+    def _score_reuse_gate(self, view: ChildEngineView) -> ReuseStatus:
+        """`reuse_gate`, also for an engine registered on another replica (its parts
+        are in the registry, not in `_meta`): every replica scores it alike."""
+        if view.child_engine_id in self._meta:
+            return self.reuse_gate(view.child_engine_id)
+        if not self._config.reuse:
+            return _DISABLED
+        warming = self.warming()
+        if warming is not None:
+            return warming
+        return self._reuse_for(view) if view.ready else _NOT_READY
 
     def count_score_refused(self) -> None:
         self._m_scores[ScoreOutcome.REFUSED].inc()

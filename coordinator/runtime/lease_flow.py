@@ -204,6 +204,10 @@ class LeaseFlow:
     def is_draining(self, child_engine_id: str) -> bool:
         return self.core.is_draining(child_engine_id)
 
+    def may_lend(self, holder_child_engine_id: str, compatibility_hash: str) -> bool:
+        """The grants' holder check (READY, not draining, same compatibility): Score's."""
+        return self.core.may_lend(holder_child_engine_id, compatibility_hash)
+
     @property
     def cost_model(self) -> CostModel:
         """The cost model (I9-cost-gate): `predict(...)` for Score, estimates for status."""

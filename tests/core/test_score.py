@@ -19,9 +19,11 @@ from hypothesis import strategies as st
 from coordinator.core.cost_model import CostConfig, CostModel, LinkEstimate, LoadPlan
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import BlockRemoved, BlockStored
-from coordinator.core.inventory import Inventory, Scope
+from coordinator.core.inventory import MAX_CANDIDATES, Inventory, Scope
 from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
 from coordinator.core.score import (
+    HOLDERS_PRICED,
+    MAX_SCORE_BLOCKS,
     MAX_SCORE_CANDIDATES,
     MAX_SCORE_TOKENS,
     ScoreAnswer,
@@ -269,6 +271,137 @@ def test_local_by_tier_loadable_and_the_holder_is_never_the_engine_itself() -> N
     assert (b.local_matched_blocks, b.loadable_blocks, b.holder_child_engine_id) == (10, 0, "")
     assert [e.child_engine_id for e in answer.engines] == ["b", "a"]
     assert answer.reuse_enabled and a.prompt_blocks == len(CHAIN)
+
+
+@dataclass(frozen=True)
+class SlowFrom(NoLinks):
+    """Loads pay (half a recompute) except from `slow` holders (never)."""
+
+    slow: frozenset[str] = frozenset()
+
+    def predict(
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        num_tokens: int,
+        num_bytes: int,
+        now_ms: int | None = None,
+        *,
+        link: LinkEstimate | None = None,
+    ) -> Guess:
+        rate = math.inf if holder in self.slow else 0.5
+        return Guess(num_tokens * rate, float(num_tokens))
+
+
+def test_score_names_the_holder_a_grant_would_take_past_those_it_may_not_ask() -> None:
+    inv = Inventory()
+    for cid in ("a", "h1", "h2", "h3"):
+        add(inv, cid)
+    store(inv, "h1", CHAIN[:10])
+    store(inv, "h2", CHAIN[:9])
+    store(inv, "h3", CHAIN[:8])
+    fast = SlowFrom()
+
+    def scored(**kw: object) -> tuple[int, str, float]:
+        query = ScoreQuery(model="m", block_hashes=CHAIN)
+        answer = score(
+            inv,
+            query,
+            [engine("a")],
+            now_ms=0,
+            reuse=ON,
+            predictor=fast,
+            prediction_basis="",
+            **kw,  # type: ignore[arg-type]
+        )
+        a = answer.engines[0]
+        return a.loadable_blocks, a.holder_child_engine_id, a.predicted_saving_ms
+
+    # Control: every holder may be asked, the longest is named.
+    assert scored() == (10, "h1", 20.0)
+    # h1 draining or not READY (Grants.may_lend says no): the next one, as a grant does.
+    assert scored(may_lend=lambda holder, compat: holder != "h1") == (9, "h2", 18.0)
+    # The check is asked with the requester's compatibility.
+    assert scored(may_lend=lambda holder, compat: compat != COMPAT) == (0, "", 0.0)
+
+
+def test_a_holder_the_cost_gate_refuses_is_passed_for_the_next_that_pays() -> None:
+    inv = Inventory()
+    for cid in ("a", "h1", "h2"):
+        add(inv, cid)
+    store(inv, "h1", CHAIN[:10])
+    store(inv, "h2", CHAIN[:9])
+    a = run(inv, [engine("a")], predictor=SlowFrom(slow=frozenset({"h1"}))).engines[0]
+    # The grant skips h1's slow link for h2 (Grants._choose_holder); so does Score.
+    assert (a.loadable_blocks, a.holder_child_engine_id, a.predicted_saving_ms) == (9, "h2", 18.0)
+    # When no holder pays, the first is named with no saving (the old answer).
+    a = run(inv, [engine("a")], predictor=SlowFrom(slow=frozenset({"h1", "h2"}))).engines[0]
+    assert (a.loadable_blocks, a.holder_child_engine_id, a.predicted_saving_ms) == (10, "h1", 0.0)
+
+
+def test_a_draining_engine_is_not_scored() -> None:
+    inv = Inventory()
+    add(inv, "a")
+    store(inv, "a", CHAIN[:4])
+    draining = replace(engine("a"), draining=True)
+    (a,) = run(inv, [draining]).engines
+    assert not a.scored and "draining" in a.detail and a.local_matched_blocks == 0
+    # Control: the same engine not draining is scored with its match.
+    (a,) = run(inv, [engine("a")]).engines
+    assert a.scored and a.local_matched_blocks == 4
+
+
+def test_a_prompt_past_the_scored_blocks_is_hashed_only_that_far() -> None:
+    seen: list[int] = []
+
+    def counting(
+        token_ids: Sequence[int],
+        config: HashConfig,
+        *,
+        lora_name: str | None,
+        lora_path: str | None,
+        cache_salt: str | None,
+        mm_features: Sequence[MmFeature],
+    ) -> Sequence[bytes]:
+        seen.append(len(token_ids))
+        return block_keys(
+            token_ids,
+            config,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+        )
+
+    inv = Inventory()
+    add(inv, "a")
+    query = ScoreQuery(model="m", token_ids=tuple(range(MAX_SCORE_TOKENS)))
+    answer = score(
+        inv,
+        query,
+        [engine("a", block_size=1)],
+        now_ms=0,
+        reuse=ON,
+        predictor=RATE,
+        prediction_basis="",
+        hasher=counting,
+    )
+    # 65,536 tokens at block size 1 are 65,536 blocks; 4,096 are scored, and hashed.
+    assert seen == [MAX_SCORE_BLOCKS] and answer.engines[0].prompt_blocks == MAX_SCORE_BLOCKS
+    # Control: at block size 16 the whole prompt is within the bound and hashed.
+    seen.clear()
+    score(
+        inv,
+        query,
+        [engine("a", block_size=16)],
+        now_ms=0,
+        reuse=ON,
+        predictor=RATE,
+        prediction_basis="",
+        hasher=counting,
+    )
+    assert seen == [MAX_SCORE_TOKENS]
 
 
 def test_reuse_off_counts_local_matches_only_and_says_so() -> None:
@@ -610,11 +743,13 @@ def work_with(total_engines: int, blocks: int = 400, asked: int = 2) -> int:
 def test_work_is_blocks_plus_candidates_not_blocks_times_engines() -> None:
     few, many = work_with(3), work_with(60)
     # Two walks (own prefixes, then the holders' ranking) over at most 400 blocks, plus
-    # the engines asked and their drop points: the 58 engines not asked add nothing.
-    assert few == many
-    assert many <= 2 * 400 + 16
-    # 38 more engines asked cost a few steps each, not another walk each.
-    assert work_with(60, asked=40) - many <= 4 * 38
+    # the engines asked, their drop points and the holders ranked (at most
+    # MAX_CANDIDATES): the 57 more holders cost a step each, not a walk each.
+    assert many - few == 57
+    assert many <= 2 * 400 + 16 + MAX_CANDIDATES
+    # 38 more engines asked cost a few steps each, not another walk each: with loads
+    # that never pay, each prices at most HOLDERS_PRICED holders.
+    assert work_with(60, asked=40) - many <= (4 + HOLDERS_PRICED) * 38
     # Negative control for the counter: a longer chain costs more.
     assert work_with(3, 800) > few
 

@@ -25,6 +25,7 @@ from harness import (
     start_coordinator,
     wait_until,
 )
+from redis_env import start_redis
 
 from clients.errors import FailedPreconditionError
 from clients.inventory import InventoryPublisher, PublishingHandler
@@ -373,6 +374,63 @@ async def test_reuse_off_answers_local_matches_only_and_says_so(
         assert local(result) == {"off-b": (8, 0, ""), "off-a": (2, 0, "")}
         assert not result.reuse_enabled and "--reuse on" in result.reuse_detail
         assert all(e.reuse.reason == "DISABLED_BY_COORDINATOR" for e in result.engines)
+        for session in sessions:
+            await session.close()
+
+
+async def test_a_drained_engine_is_neither_scored_nor_named_as_holder(
+    reuse_on: CoordinatorProcess, sessions: list[EngineSession]
+) -> None:
+    t = reuse_on.grpc_target
+    held = await open_engine(sessions, t, "drain-held")
+    near = await open_engine(sessions, t, "drain-near")
+    await open_engine(sessions, t, "drain-empty")
+    await held.stored(CHAIN[:10])
+    await near.stored(CHAIN[:3])
+    ids = ["drain-held", "drain-near", "drain-empty"]
+    before = await eventually(t, "drain-near", 3, block_hashes=CHAIN, candidates=ids)
+    # Control: before the drain the holder lends to both others.
+    assert local(before)["drain-near"] == (3, 7, "drain-held")
+    async with grpc.aio.insecure_channel(t) as channel:
+        await pb_grpc.AdminServiceStub(channel).Drain(
+            pb.DrainRequest(child_engine_id="drain-held", timeout_ms=60_000)
+        )
+    after = await score(t, block_hashes=CHAIN, candidates=ids)
+    by_id = {e.child_engine_id: e for e in after.engines}
+    # No grant would be asked of it or for it, so Score promises none (and a router
+    # sends it nothing new).
+    assert not by_id["drain-held"].scored and "draining" in by_id["drain-held"].detail
+    assert local(after)["drain-near"] == (3, 0, "")
+    assert local(after)["drain-empty"] == (0, 3, "drain-near")
+    async with ScoreClient(t) as client:
+        route = await ScoreRouter(client, MODEL).route(ids, block_hashes=CHAIN)
+    assert route.child_engine_id == "drain-near"
+
+
+async def test_every_replica_scores_an_engine_alike(
+    tmp_path: Path, sessions: list[EngineSession]
+) -> None:
+    path = tmp_path / "profiles.toml"
+    path.write_text(PROFILES)
+    args = ("--reuse", "on", "--profiles", str(path))
+    with (
+        start_redis() as redis,
+        start_coordinator(*args, "--store", redis.url) as a,
+        start_coordinator(*args, "--store", redis.url) as b,
+    ):
+        on_a = await open_engine(sessions, a.grpc_target, "rep-a")
+        on_b = await open_engine(sessions, b.grpc_target, "rep-b")
+        await on_a.stored(CHAIN[:3])
+        await on_b.stored(CHAIN[:8])
+        ids = ["rep-a", "rep-b"]
+        for r in (a, b):  # both engines' blocks have reached both replicas
+            await eventually(r.grpc_target, "rep-a", 3, block_hashes=CHAIN, candidates=ids)
+            await eventually(r.grpc_target, "rep-b", 8, block_hashes=CHAIN, candidates=ids)
+        answers = [await score(r.grpc_target, block_hashes=CHAIN, candidates=ids) for r in (a, b)]
+        # rep-b's parts are on b, yet a gates its reuse from its profile as b does.
+        for result in answers:
+            assert local(result) == {"rep-a": (3, 5, "rep-b"), "rep-b": (8, 0, "")}
+            assert all(e.reuse.enabled for e in result.engines)
         for session in sessions:
             await session.close()
 

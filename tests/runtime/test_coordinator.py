@@ -126,7 +126,7 @@ async def test_facade_ranks_fewer_leases_first_and_best_holder() -> None:
             ("idle", 0),
             ("busy", 3),
         ]
-        facade.set_leases_in_flight(lambda: {"idle": 5})
+        facade.set_lease_side(lambda: {"idle": 5}, lambda h, c: True, lambda c: False)
         best, _ = facade.best_holder("req", CHAIN)
         assert best is not None and best.child_engine_id == "busy"
         # Below the recompute threshold: no holder.
