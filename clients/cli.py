@@ -23,7 +23,14 @@ from clients.refengine.demo import add_demo_arguments  # torch-free
 from clients.refengine.options import add_engine_arguments  # torch-free
 from kvrc import __version__
 from kvrc.credentials import ChannelOptions, CredentialsError
-from kvrc.prompts import parse_block_hashes, parse_mm_feature, parse_token_ids, read_token_ids
+from kvrc.prompts import (
+    parse_block_hashes,
+    parse_mm_feature,
+    parse_token_ids,
+    read_token_ids,
+    timeout_seconds,
+    wire_text,
+)
 
 EXIT_CONFIG = 2
 
@@ -41,20 +48,28 @@ def build_parser() -> argparse.ArgumentParser:
     route = commands.add_parser(
         "route", help="pick the prefill engine that holds most of a prompt (kvrc's Score)"
     )
-    route.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
-    route.add_argument("--model", required=True, help="the model the candidates serve")
     route.add_argument(
-        "--candidates", required=True, help="candidate child engine ids, comma-separated"
+        "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
+    )
+    route.add_argument(
+        "--model", type=wire_text, required=True, help="the model the candidates serve"
+    )
+    route.add_argument(
+        "--candidates",
+        type=wire_text,
+        required=True,
+        help="candidate child engine ids, comma-separated",
     )
     prompt = route.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--tokens", help="token ids, comma-separated: 1,2,3")
     prompt.add_argument("--tokens-file", type=Path, help="a file of token ids")
     prompt.add_argument("--block-hashes", help="block hashes in hex, comma-separated")
-    route.add_argument("--lora-name", default="")
-    route.add_argument("--lora-path", default="")
-    route.add_argument("--cache-salt", default="")
+    route.add_argument("--lora-name", type=wire_text, default="")
+    route.add_argument("--lora-path", type=wire_text, default="")
+    route.add_argument("--cache-salt", type=wire_text, default="")
     route.add_argument(
         "--mm-feature",
+        type=wire_text,
         action="append",
         default=[],
         metavar="ID:OFFSET:LENGTH",
@@ -62,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     route.add_argument(
         "--timeout-s",
-        type=float,
+        type=timeout_seconds,
         default=5.0,
         help="the Score call's deadline (default 5); past it the first candidate is routed",
     )

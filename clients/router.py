@@ -203,7 +203,14 @@ class ScoreRouter:
             return Route(candidates[0], None, f"Score failed ({e.code.name}): {e.message}")
         best = pick(result.engines, candidates)
         if best is None:
-            return Route(candidates[0], None, "no candidate holds any of the prompt")
+            # Nothing cached: the first candidate kvrc could score (registered, READY,
+            # not draining), not one it has just ruled out.
+            scored = {s.child_engine_id: s for s in result.engines if s.scored}
+            first = next((c for c in candidates if c in scored), None)
+            if first is not None:
+                return Route(first, scored[first], "no candidate holds any of the prompt")
+            why = "; ".join(f"{s.child_engine_id}: {s.detail}" for s in result.engines)
+            return Route(candidates[0], None, f"kvrc scored no candidate ({why})")
         return Route(
             best.child_engine_id,
             best,

@@ -2,15 +2,42 @@
 
 Both sides' CLIs take a prompt as token ids (`1,2,3`, or a JSON list in a file) or
 as block hashes in hex; the parsing is defined once here. ValueError carries a
-one-line message naming the flag.
+one-line message naming the flag. `wire_text` and `timeout_seconds` are the
+argparse types of both sides' client flags: refused at parsing, in one line, not
+by protobuf or gRPC with a traceback or a misleading DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 from pathlib import Path
 
 MAX_TOKEN_ID = (1 << 32) - 1
+MAX_TIMEOUT_S = 86_400.0  # a day: far past any call, within gRPC's deadline range
+
+
+def wire_text(value: str) -> str:
+    """Text sent in a protobuf string field, which must be valid UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not valid UTF-8 text") from None
+    return value
+
+
+def timeout_seconds(value: str) -> float:
+    """A call's deadline in seconds: finite and in (0, MAX_TIMEOUT_S]."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, got {value}"
+        )
+    return seconds
 
 
 def parse_token_ids(text: str, where: str) -> list[int]:

@@ -34,7 +34,14 @@ from coordinator.runtime.config import (
 )
 from kvrc import __version__
 from kvrc.credentials import ChannelOptions, CredentialsError, connect_blocking
-from kvrc.prompts import parse_block_hashes, parse_mm_feature, parse_token_ids, read_token_ids
+from kvrc.prompts import (
+    parse_block_hashes,
+    parse_mm_feature,
+    parse_token_ids,
+    read_token_ids,
+    timeout_seconds,
+    wire_text,
+)
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -323,17 +330,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_cmd_serve)
 
     status = commands.add_parser("status", help="show engines, rank parts and readiness")
-    status.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    status.add_argument(
+        "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
+    )
     status.add_argument("--json", action="store_true", help="print one JSON document")
-    status.add_argument("--timeout-s", type=float, default=5.0)
+    status.add_argument("--timeout-s", type=timeout_seconds, default=5.0)
     _add_client_security(status)
     status.set_defaults(func=_cmd_status)
 
     score = commands.add_parser(
         "score", help="how much of a prompt each child engine holds (the router's Score)"
     )
-    score.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
-    score.add_argument("--model", required=True, help="the model whose engines to score")
+    score.add_argument(
+        "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
+    )
+    score.add_argument(
+        "--model", type=wire_text, required=True, help="the model whose engines to score"
+    )
     prompt = score.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--tokens", help="token ids, comma-separated: 1,2,3")
     prompt.add_argument(
@@ -345,13 +358,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-hashes", help="the chain's block hashes in hex, comma-separated (first first)"
     )
     score.add_argument(
-        "--candidates", default="", help="child engine ids, comma-separated (default: all)"
+        "--candidates",
+        type=wire_text,
+        default="",
+        help="child engine ids, comma-separated (default: all)",
     )
-    score.add_argument("--lora-name", default="", help="the request's LoRA adapter name")
-    score.add_argument("--lora-path", default="", help="the adapter's lora_path on the engines")
-    score.add_argument("--cache-salt", default="", help="the request's cache_salt")
+    score.add_argument(
+        "--lora-name", type=wire_text, default="", help="the request's LoRA adapter name"
+    )
+    score.add_argument(
+        "--lora-path", type=wire_text, default="", help="the adapter's lora_path on the engines"
+    )
+    score.add_argument("--cache-salt", type=wire_text, default="", help="the request's cache_salt")
     score.add_argument(
         "--mm-feature",
+        type=wire_text,
         action="append",
         default=[],
         metavar="ID:OFFSET:LENGTH",
@@ -360,15 +381,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     score.add_argument("--group-idx", type=_uint32, default=0, help="KV-cache group (0)")
     score.add_argument("--json", action="store_true", help="print one JSON document")
-    score.add_argument("--timeout-s", type=float, default=5.0)
+    score.add_argument("--timeout-s", type=timeout_seconds, default=5.0)
     _add_client_security(score)
     score.set_defaults(func=_cmd_score)
 
     drain = commands.add_parser(
         "drain", help="stop new grants from/to an engine; report when it is safe to stop"
     )
-    drain.add_argument("engine", metavar="ENGINE", help="a child engine id or an engine id")
-    drain.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    drain.add_argument(
+        "engine", type=wire_text, metavar="ENGINE", help="a child engine id or an engine id"
+    )
+    drain.add_argument(
+        "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
+    )
     drain.add_argument(
         "--timeout-ms",
         type=_uint32,
@@ -385,9 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
     resolve = q_commands.add_parser(
         "resolve", help="an operator proved the blocks quiet: release the quarantined lease"
     )
-    resolve.add_argument("lease_id", metavar="LEASE_ID")
-    resolve.add_argument("--note", default="", help="why it is safe (logged by the coordinator)")
-    resolve.add_argument("--target", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    resolve.add_argument("lease_id", type=wire_text, metavar="LEASE_ID")
+    resolve.add_argument(
+        "--note", type=wire_text, default="", help="why it is safe (logged by the coordinator)"
+    )
+    resolve.add_argument(
+        "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
+    )
     resolve.add_argument("--json", action="store_true", help="print one JSON document")
     _add_client_security(resolve)
     resolve.set_defaults(func=_cmd_quarantine_resolve)

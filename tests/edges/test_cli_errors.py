@@ -126,7 +126,17 @@ def test_enum_numbers_this_client_does_not_know_are_shown_not_raised(
         (["drain", "e1", "--timeout-ms", "soon"], "--timeout-ms: expected an integer"),
         (["score", "--model", "m", "--tokens", "1", "--group-idx", "1e99"], "--group-idx"),
         (["score", "--tokens", "1"], "the following arguments are required: --model"),
-        (["status", "--timeout-s", "x"], "--timeout-s: invalid float value"),
+        (["status", "--timeout-s", "x"], "--timeout-s: expected seconds, got 'x'"),
+        # Deadlines gRPC cannot take were a DEADLINE_EXCEEDED blamed on kvrc.
+        (["status", "--timeout-s", "nan"], "--timeout-s: must be more than 0"),
+        (["score", "--model", "m", "--tokens", "1", "--timeout-s", "-1"], "--timeout-s: must"),
+        (["score", "--model", "m", "--tokens", "1", "--timeout-s", "1e300"], "at most 86400"),
+        # Text protobuf cannot encode (a lone surrogate from a non-UTF-8 argv) was a
+        # UnicodeEncodeError traceback.
+        (["score", "--model", "\udcff", "--tokens", "1"], "--model: '\\udcff' is not valid"),
+        (["score", "--model", "m", "--tokens", "1", "--candidates", "a\udcff"], "--candidates"),
+        (["score", "--model", "m", "--tokens", "1", "--mm-feature", "\udcff:0:1"], "UTF-8"),
+        (["drain", "e\udcff"], "ENGINE: 'e\\udcff' is not valid UTF-8 text"),
         (["quarantine"], "the following arguments are required"),
         (["bogus"], "invalid choice: 'bogus'"),
     ],
@@ -201,3 +211,24 @@ def test_the_probe_flag_reaches_the_cost_config_in_mib_and_refuses_a_negative() 
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(ConfigError, match=r"--cost-measurement-ttl-s: measurement_ttl_s must"):
             cli.config_from_args(parser.parse_args(["serve", f"--cost-measurement-ttl-s={bad}"]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--model", "\udcff"], "--model: '\\udcff' is not valid UTF-8 text"),
+        (["--model", "m", "--lora-name", "\udcff"], "--lora-name"),
+        (["--model", "m", "--timeout-s", "inf"], "--timeout-s: must be more than 0"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_kvrc_route_refuses_the_same_flags_in_one_line(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from clients import cli as engine_cli  # `kvrc route` is the engine side's
+
+    with pytest.raises(SystemExit) as exit_:
+        engine_cli.main(["route", "--candidates", "a", "--tokens", "1", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert needle in err[-1], err

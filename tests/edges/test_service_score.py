@@ -147,9 +147,15 @@ async def test_router_picks_the_engine_that_holds_the_prefix_and_not_after_it_is
         await eventually(t, "route-p1", 0, block_hashes=CHAIN, candidates=candidates)
         route = await router.route(candidates, block_hashes=CHAIN)
         assert route.child_engine_id == "route-p0", route
-        # Nothing held anywhere: the first candidate, saying why.
-        nothing = await router.route(candidates[::-1], block_hashes=(b"\x01" * 8,))
-        assert (nothing.child_engine_id, nothing.score) == ("route-p2", None)
+        # Nothing held anywhere: the first candidate Score scored, saying why; not one
+        # it has just ruled out (not registered).
+        nothing = await router.route(["route-gone", *candidates[::-1]], block_hashes=(b"\x01" * 8,))
+        assert nothing.child_engine_id == "route-p2" and nothing.score is not None
+        assert "no candidate holds" in nothing.why
+        # Control: with no candidate scored, the first one, saying what Score said.
+        ghost = await router.route(["route-gone", "route-gone-2"], block_hashes=CHAIN)
+        assert (ghost.child_engine_id, ghost.score) == ("route-gone", None)
+        assert "not a registered child engine" in ghost.why
     assert metric_value(reuse_on, "kvrc_score_requests_total", outcome="hit") >= 2
     assert metric_value(reuse_on, "kvrc_score_duration_seconds_count") >= 3
 
