@@ -69,14 +69,15 @@ class PoolPins:
     def bound(self) -> bool:
         return self._pool is not None
 
-    def _refresh_keys(self) -> None:
+    def _keys_of(self, cached: list[Any]) -> dict[bytes, bytes]:
+        """kvrc key -> vLLM BlockHash for a snapshot of the pool's cached block hashes."""
         from vllm.v1.core.kv_cache_utils import get_block_hash  # type: ignore[import-not-found]
 
         by_key: dict[bytes, bytes] = {}
-        for key_with_group in list(self._pool.cached_block_hash_to_block._cache):
+        for key_with_group in cached:
             block_hash = get_block_hash(key_with_group)
             by_key[self._key_of(block_hash)] = block_hash
-        self._by_key = by_key
+        return by_key
 
     def _find(self, keys: Sequence[bytes]) -> list[Any]:
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # type: ignore[import-not-found]
@@ -102,12 +103,26 @@ class PoolPins:
             existing = self._pins.get(lease_id)
             if existing is not None:  # another rank part of this engine asked too
                 return [block.block_id for block in existing]
+            cached: list[Any] | None = None
             if (
                 len(self._by_key) == 0
                 or keys[0] not in self._by_key
                 or keys[-1] not in self._by_key
             ):
-                self._refresh_keys()
+                # One C-level copy of the keys under the lock; converting them (Python,
+                # per block: a second or more for a million cached blocks) runs outside
+                # it, so vLLM's scheduler is not held meanwhile.
+                cached = list(self._pool.cached_block_hash_to_block._cache)
+        if cached is not None:
+            by_key = self._keys_of(cached)
+        with self.lock:
+            if cached is not None:
+                # Advisory: a block evicted since the copy is not found by `_find`,
+                # which looks each one up in the pool again under the lock.
+                self._by_key = by_key
+            existing = self._pins.get(lease_id)
+            if existing is not None:
+                return [block.block_id for block in existing]
             blocks = self._find(keys)
             if not blocks:
                 return []

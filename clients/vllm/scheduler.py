@@ -8,7 +8,7 @@ own block pool when kvrc asks (see `pool.py`). The workers do the per-rank work
 (publish, pull, report), driven by the step's metadata.
 
 The scheduler never waits on kvrc for longer than `lookup_timeout_ms`; past it,
-it does no load.
+it does no load, and new requests skip kvrc for a while (`LookupBreaker`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from clients.errors import KvrcClientError
+from clients.errors import DeadlineExceededError, KvrcClientError, UnavailableError
 from clients.inventory import LookupClient, LookupOutcome
 from clients.leases import HandoffGrant, HandoffKeepAlive, LeaseClient, Miss, PrefixLoadGrant
 from clients.vllm.config import KvrcConnectorConfig
@@ -34,6 +34,7 @@ from clients.vllm.metadata import KvrcConnectorMetadata, KvrcWorkerMetadata, Loa
 from clients.vllm.pool import PoolPins
 from kvrc.credentials import connect
 from kvrc.kv_params import encode_kv_transfer_params
+from kvrc.vocabulary import MAX_CHAIN_BLOCKS
 
 log = logging.getLogger("kvrc.vllm.scheduler")
 
@@ -46,6 +47,15 @@ GRANT_WAIT_S = 0.01
 RELEASE_WAIT_S = 0.02
 # kv_transfer_params keys kvrc adds (vLLM's own keys keep their meaning)
 KVRC_MARK = "kvrc_handoff"
+# A prefix grant with less than this left before its deadline is not pulled (recompute):
+# kvrc is about to abort the lease, and the read would run past it.
+MIN_PULL_S = 0.05
+# The lookup breaker's backoff: after a lookup times out or kvrc is unavailable, new
+# requests skip kvrc (recompute) this long, doubling while the next try fails.
+BREAKER_BASE_S = 1.0
+BREAKER_MAX_S = 30.0
+# At most one "unencodable kv_transfer_params" warning per this many seconds.
+PARAMS_WARN_INTERVAL_S = 1.0
 
 
 def block_hash_key(block_hash: Any) -> bytes:
@@ -82,13 +92,49 @@ class _Recv:
     started: float = field(default_factory=time.monotonic)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Prefix:
     """A prefix load decided in get_num_new_matched_tokens, waiting for its blocks."""
 
     grant: PrefixLoadGrant
     local_blocks: int  # blocks of the local prefix-cache hit
     load_blocks: int  # blocks to load after them
+
+
+class LookupBreaker:
+    """Skips kvrc lookups for a while after one timed out or found kvrc unavailable.
+
+    A frozen or unreachable kvrc would otherwise hold the EngineCore thread for
+    lookup_timeout_ms on every new request. Open: lookups are skipped (recompute)
+    until the backoff ends; the next lookup then tries kvrc again, which closes the
+    breaker or opens it for twice as long (up to `max_s`).
+    """
+
+    def __init__(self, base_s: float = BREAKER_BASE_S, max_s: float = BREAKER_MAX_S) -> None:
+        self.base_s = base_s
+        self.max_s = max_s
+        self.is_open = False
+        self.backoff_s = 0.0
+        self._until = 0.0
+
+    def allows(self, now: float) -> bool:
+        return now >= self._until
+
+    def failed(self, now: float) -> bool:
+        """A lookup failed; True when this opened the breaker (it was closed)."""
+        opened = not self.is_open
+        self.backoff_s = self.base_s if opened else min(self.backoff_s * 2, self.max_s)
+        self._until = now + self.backoff_s
+        self.is_open = True
+        return opened
+
+    def succeeded(self) -> bool:
+        """kvrc answered; True when this closed the breaker."""
+        closed = self.is_open
+        self.is_open = False
+        self.backoff_s = 0.0
+        self._until = 0.0
+        return closed
 
 
 class KvrcScheduler:
@@ -117,6 +163,8 @@ class KvrcScheduler:
         self._released_early: dict[str, None] = {}
         self._held_new: list[str] = []
         self.counters: Counter[str] = Counter()
+        self.breaker = LookupBreaker()
+        self._params_warned_at = 0.0
         self.pins = PoolPins(block_hash_key)
         self.loop.run(self._connect(), timeout_s=10)
         self.loop.run(self._serve_workers(), timeout_s=10)
@@ -280,20 +328,21 @@ class KvrcScheduler:
     def _prefix_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """One Lookup + grant, bounded by lookup_timeout_ms; 0 = recompute."""
         request_id = request.request_id
-        if request_id in self._prefix_decided:
-            decided = self._prefix.get(request_id)
-            if decided is None:
-                return 0
-            return max(
-                0,
-                (decided.local_blocks + decided.load_blocks) * self.block_size
-                - num_computed_tokens,
-            )
-        prompt_len = len(request.prompt_token_ids or ())
-        # Never the last prompt token (vLLM must compute one), whole blocks only.
-        usable_blocks = min(len(request.block_hashes), (prompt_len - 1) // self.block_size)
         local_blocks = num_computed_tokens // self.block_size
+        if request_id in self._prefix_decided:
+            return self._prefix_again(request_id, local_blocks, num_computed_tokens)
+        prompt_len = len(request.prompt_token_ids or ())
+        # Never the last prompt token (vLLM must compute one), whole blocks only, and no
+        # more than kvrc takes in one chain (MAX_CHAIN_BLOCKS: a long prompt reuses its
+        # first blocks, where a longer chain would be INVALID_ARGUMENT).
+        usable_blocks = min(
+            len(request.block_hashes), (prompt_len - 1) // self.block_size, MAX_CHAIN_BLOCKS
+        )
         if usable_blocks - local_blocks < self.config.min_blocks:
+            self._decide(request_id, 0)
+            return 0
+        if not self.breaker.allows(time.monotonic()):
+            self._count("prefix_lookups_skipped")  # kvrc timed out or was down just now
             self._decide(request_id, 0)
             return 0
         hashes = [block_hash_key(h) for h in request.block_hashes[:usable_blocks]]
@@ -304,11 +353,20 @@ class KvrcScheduler:
             # Past the deadline: no load. A grant that still comes is given back.
             self._count("prefix_lookup_timeouts")
             future.add_done_callback(self._abandon_late)
+            self._lookup_failed(f"no answer within {self.config.lookup_timeout_ms} ms")
             answer = None
-        except Exception as e:  # kvrc down: recompute, say so
+        except (UnavailableError, DeadlineExceededError) as e:  # kvrc down: recompute
+            log.debug("prefix lookup for %s failed: %s", request_id, e)
+            self._count("prefix_lookup_errors")
+            self._lookup_failed(str(e))
+            answer = None
+        except Exception as e:  # kvrc answered with an error: recompute, say so
             log.warning("prefix lookup for %s failed: %s", request_id, e)
             self._count("prefix_lookup_errors")
             answer = None
+        else:
+            if self.breaker.succeeded():
+                log.info("kvrc answers lookups again: prefix lookups resume")
         if not isinstance(answer, PrefixLoadGrant):
             if answer is not None:
                 self._count(f"prefix_miss_{answer}")
@@ -324,6 +382,46 @@ class KvrcScheduler:
         self._decide(request_id, load_blocks * self.block_size)
         self._count("prefix_grants")
         return load_blocks * self.block_size
+
+    def _prefix_again(self, request_id: str, local_blocks: int, num_computed_tokens: int) -> int:
+        """vLLM asks again for a request it could not allocate blocks for (no new Lookup).
+
+        Its local prefix-cache hit may have changed meanwhile (evicted under the same
+        memory pressure, or computed by another request). The pending load is rebased on
+        the new hit rather than abandoned: the holder pinned the chain from block 0
+        (the source descriptors list it all; the worker skips `local_blocks` of them), so
+        the same lease, pin and reports serve any local hit below its end, and kvrc's
+        lease accounting does not change. A hit that leaves fewer than min_blocks to
+        load gives the grant back as unused, as any abandoned grant.
+        """
+        decided = self._prefix.get(request_id)
+        if decided is None:
+            return 0
+        if local_blocks != decided.local_blocks:
+            end = decided.local_blocks + decided.load_blocks
+            if end - local_blocks < self.config.min_blocks:
+                del self._prefix[request_id]
+                self._abandon(decided.grant, "the local hit grew past the load")
+                self._decide(request_id, 0)
+                self._count("prefix_grants_abandoned_on_requery")
+                return 0
+            decided = replace(decided, local_blocks=local_blocks, load_blocks=end - local_blocks)
+            self._prefix[request_id] = decided
+            self._decide(request_id, decided.load_blocks * self.block_size)
+            self._count("prefix_loads_rebased")
+        return max(
+            0, (decided.local_blocks + decided.load_blocks) * self.block_size - num_computed_tokens
+        )
+
+    def _lookup_failed(self, why: str) -> None:
+        if self.breaker.failed(time.monotonic()):
+            log.warning(
+                "kvrc lookup failed (%s): new requests recompute without asking kvrc for "
+                "%.0f s and longer while it keeps failing (until it answers again)",
+                why,
+                self.breaker.backoff_s,
+            )
+            self._count("lookup_breaker_opened")
 
     def _decide(self, request_id: str, tokens: int) -> None:
         self._prefix_decided[request_id] = tokens
@@ -491,8 +589,27 @@ class KvrcScheduler:
                 continue
             recv.lease_id = grant.lease_id
             trace("dispatched", recv.request_id)
-            deadline_s = max(0.05, (grant.deadline_unix_ms - time.time() * 1000) / 1000)
-            deadline_s = min(deadline_s, self.config.transfer_timeout_ms / 1000)
+            left_s = (grant.deadline_unix_ms - time.time() * 1000) / 1000
+            if recv.flow == "prefix_load" and left_s < MIN_PULL_S:
+                # The grant waited (vLLM had no blocks for it) until its lease expired:
+                # kvrc aborts it, and the holder's pin may already be gone. No read:
+                # every block is a load error, vLLM recomputes (I6-quiescence).
+                self._count("prefix_grants_expired_before_dispatch")
+                self._abandon(grant, "its deadline passed before vLLM allocated its blocks")
+                meta.loads.append(
+                    LoadSpec(
+                        recv.request_id,
+                        recv.flow,
+                        grant.lease_id,
+                        [],
+                        0,
+                        recv.local_block_ids,
+                        0.0,
+                        "the grant's deadline passed before its blocks were allocated",
+                    )
+                )
+                continue
+            deadline_s = min(left_s, self.config.transfer_timeout_ms / 1000)
             if recv.flow == "handoff":
                 deadline_s = self.config.transfer_timeout_ms / 1000
                 recv.keepalive = self.leases.keep_alive(grant)
@@ -588,7 +705,14 @@ class KvrcScheduler:
         )
         out[KVRC_MARK] = True
         decode = str(params.get("kvrc_decode_engine_id") or "")
-        spec = PublishSpec(request_id, handoff_id, blocks, decode, encode_kv_transfer_params(out))
+        try:
+            encoded = encode_kv_transfer_params(out)
+        except (ValueError, TypeError, RecursionError) as e:
+            # The client's own params (too deep, too big, a lone surrogate): raised here it
+            # would end the EngineCore. No handoff: vLLM frees the blocks as usual.
+            self._params_unencodable(request_id, e)
+            return False, None
+        spec = PublishSpec(request_id, handoff_id, blocks, decode, encoded)
         with self._lock:
             self._sending[request_id] = time.monotonic()
             if len(self._endpoints) == self.tp_size:
@@ -598,6 +722,20 @@ class KvrcScheduler:
         self._count("handoffs_offered")
         trace("handoff_offered", request_id)
         return True, out
+
+    def _params_unencodable(self, request_id: str, error: Exception) -> None:
+        self._count("handoff_params_unencodable")
+        now = time.monotonic()
+        if now - self._params_warned_at < PARAMS_WARN_INTERVAL_S:
+            return  # counted; one line a second is enough to find the client
+        self._params_warned_at = now
+        log.warning(
+            "request %s: its kv_transfer_params cannot be sent to kvrc (%s); no remote "
+            "decode, the decode recomputes (%d such request(s) so far)",
+            request_id,
+            error,
+            self.counters["handoff_params_unencodable"],
+        )
 
     def has_pending_push_work(self) -> bool:
         return bool(self._sending or self._publishes)

@@ -123,6 +123,8 @@ def describe_kv_caches(
 
 # The longest an idle step's get_finished waits for a running pull to end.
 IDLE_LOAD_WAIT_S = 0.01
+# Leases kvrc aborted, remembered so that a load dispatched later never reads them.
+MAX_ABORTED_LEASES = 65536
 
 
 class _Finished:
@@ -230,6 +232,7 @@ class KvrcWorker:
         self._started_loads: dict[str, None] = {}
         self._reads_by_lease: dict[str, list[NativeRead]] = {}
         self._pulls_running: dict[str, list[asyncio.Future[None]]] = {}
+        self._aborted: dict[str, None] = {}  # lease ids, oldest first (MAX_ABORTED_LEASES)
         self._held: dict[str, str] = {}  # handoff lease id -> prefill request id
         self._quarantined = HoldDeadlines()  # only what kvrc quarantined (no nets here)
         self._released_early: dict[str, None] = {}
@@ -364,9 +367,11 @@ class KvrcWorker:
                 self.finished.count("kvrc_unavailable")
             except KvrcClientError as e:
                 # Refused (a layout mismatch, a duplicate rank part, ...): say so, loudly.
+                # Within register_timeout_s the engine's start fails (register_kv_caches);
+                # later, the worker serves without kvrc (docs/vllm.md, "kvrc down").
                 self.refused = str(e)
                 log.error(
-                    "kvrc refused %s tp%d: %s; serving without kvrc",
+                    "kvrc refused %s tp%d: %s; not retrying",
                     self.child_engine_id,
                     self.tp_rank,
                     e,
@@ -435,6 +440,10 @@ class KvrcWorker:
     async def _pull_and_report(self, spec: LoadSpec) -> tuple[bool, str]:
         if spec.error:
             return False, f"FAILED: {spec.error}"
+        if spec.lease_id in self._aborted:
+            return self._refuse_aborted(spec)
+        # Registered before any await (both run on this loop's thread): an abort from
+        # now on waits for this pull; one that came before was recorded, refused above.
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pulls_running.setdefault(spec.lease_id, []).append(done)
         try:
@@ -507,6 +516,19 @@ class KvrcWorker:
         self._forget_quiet_reads()
         ok = result.outcome is TransferOutcome.SUCCEEDED
         return ok, result.outcome.value if ok else f"{result.outcome.value}: {result.error}"
+
+    def _refuse_aborted(self, spec: LoadSpec) -> tuple[bool, str]:
+        """kvrc aborted the lease before this load read anything: the holder may have
+        unpinned the blocks, so nothing is read and vLLM recomputes (I6-quiescence).
+        No report: kvrc ended the lease when this worker acknowledged the abort."""
+        log.warning(
+            "%s of %s: lease %s was aborted by kvrc before the read; recomputing",
+            spec.flow,
+            spec.request_id,
+            spec.lease_id,
+        )
+        self.finished.count(f"{spec.flow}_aborted_before_read")
+        return False, "FAILED: the lease was aborted by kvrc before the read"
 
     def _corrupt(self, block_ids: list[int]) -> None:
         assert self.cache is not None
@@ -635,7 +657,14 @@ class KvrcWorker:
         return PinAnswer(len(block_ids), descriptor)
 
     async def _abort(self, lease_id: str, reason: str) -> None:
-        """Resolves only once no read of the lease can still land (then kvrc gets the ack)."""
+        """Resolves only once no read of the lease can still land (then kvrc gets the ack).
+
+        The lease is recorded first, before any await: a load of it not yet running
+        (its grant still waiting for vLLM's blocks, or submitted to this loop but not
+        started) then never reads (`_pull_and_report`)."""
+        self._aborted[lease_id] = None
+        while len(self._aborted) > MAX_ABORTED_LEASES:
+            del self._aborted[next(iter(self._aborted))]
         for running in list(self._pulls_running.get(lease_id, [])):
             await asyncio.shield(running)
         for read in list(self._reads_by_lease.get(lease_id, [])):

