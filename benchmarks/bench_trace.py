@@ -109,7 +109,7 @@ from clients.transfer import TransferOutcome, TransferResult
 from coordinator.core.cost_model import CostConfig
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
-from kvrc.vocabulary import Tier, TransferEndpoint
+from kvrc.vocabulary import MAX_CHAIN_BLOCKS, Tier, TransferEndpoint
 
 T = TypeVar("T")
 
@@ -123,9 +123,9 @@ PACE_SLACK_S = 1.0
 MODEL = "mooncake-trace-sim"
 RPC_TIMEOUT_S = 10.0
 RELEASE_WAIT_S = 5.0
-# Chains beyond the coordinator's limit are looked up by their head (2M tokens
-# is far past any useful prefix). Event batches are cut by InventoryPublisher.
-MAX_CHAIN_BLOCKS = 4096
+# Chains beyond the coordinator's limit (kvrc.vocabulary.MAX_CHAIN_BLOCKS) are looked
+# up by their head (2M tokens is far past any useful prefix). Event batches are cut by
+# InventoryPublisher.
 LOOKUP_QUERIES_PER_CHECK = 64  # the coordinator's queries-per-Lookup limit
 # The static thresholds kvrc_cost is compared with (issue 25): kvrc_kv at each.
 STATIC_MIN_BLOCKS = (1, 4, 16, 64, 256)

@@ -42,14 +42,11 @@ from clients.session import (
 from kvrc.credentials import ChannelOptions, connect
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
-from kvrc.vocabulary import Tier
+from kvrc.vocabulary import MAX_BLOCKS_PER_BATCH, MAX_CHAIN_BLOCKS, MAX_EVENTS_PER_BATCH, Tier
 
 log = logging.getLogger("kvrc.client.inventory")
 
-# The coordinator's limits (coordinator/core/inventory.py); batches are cut below them.
-MAX_EVENTS_PER_BATCH = 1024
-MAX_BLOCKS_PER_BATCH = 8192
-MAX_CHAIN_BLOCKS = 4096
+# The coordinator's limits (kvrc/vocabulary.py); batches are cut below them.
 MAX_QUERIES_PER_LOOKUP = 64
 
 

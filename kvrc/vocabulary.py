@@ -18,6 +18,12 @@ from kvrc.v1 import kvrc_pb2 as pb
 # listed in proto/kvrc/v1/kvrc.proto's header). A Register without the field is revision 1.
 PROTOCOL_VERSION = 3
 
+# Wire limits both sides share: the coordinator refuses more (INVALID_ARGUMENT,
+# I8-bad-input), and the engine library cuts its batches and chains below them.
+MAX_CHAIN_BLOCKS = 4096  # block hashes in one chain (events, Lookup, RequestPrefixLoad)
+MAX_EVENTS_PER_BATCH = 1024
+MAX_BLOCKS_PER_BATCH = 8192
+
 
 def protocol_mismatch(client_version: int) -> str | None:
     """Why a client of `client_version` (0 = absent = 1) may not register, or None."""

@@ -99,12 +99,10 @@ from coordinator.core.events import (
     RankKey,
     Tier,
 )
-from kvrc.vocabulary import PublishMode
+from kvrc.vocabulary import MAX_CHAIN_BLOCKS, PublishMode
 
-# Wire-level limits (checked by coordinator/edges/grpc_wire.py; the core checks chains).
-MAX_CHAIN_BLOCKS = 4096
-MAX_EVENTS_PER_BATCH = 1024
-MAX_BLOCKS_PER_BATCH = 8192
+# Wire-level limits (kvrc/vocabulary.py) are checked by coordinator/edges/grpc_wire.py;
+# the core checks chains.
 MAX_BLOCK_HASH_BYTES = 64
 MAX_QUERIES_PER_LOOKUP = 64
 MAX_CANDIDATES = 64

@@ -30,10 +30,11 @@ from typing import Protocol
 
 from coordinator.core.cost_model import LinkEstimate, LoadPlan
 from coordinator.core.errors import KvrcError, failed_precondition, invalid
-from coordinator.core.inventory import MAX_CANDIDATES, MAX_CHAIN_BLOCKS, Inventory, Scope
+from coordinator.core.inventory import MAX_CANDIDATES, Inventory, Scope
 from coordinator.core.profiles import DeploymentProfile, ReuseStatus
 from coordinator.core.vllm_hashing import MAX_MM_FEATURES, HashConfig, MmFeature, Seed, block_keys
 from kvrc.vocabulary import (
+    MAX_CHAIN_BLOCKS,
     PROFILE_EXTRA_HASH_ALGO,
     PROFILE_EXTRA_HASH_SEED,
     PROFILE_EXTRA_INT_HASHES,

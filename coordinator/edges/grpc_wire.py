@@ -68,7 +68,15 @@ from coordinator.runtime.inventory_flow import LookupQuery, LookupResult, Lookup
 from coordinator.runtime.peers import PartCodec
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2 as pb
-from kvrc.vocabulary import PROTOCOL_VERSION, PublishMode, TransferEndpoint, protocol_mismatch
+from kvrc.vocabulary import (
+    MAX_BLOCKS_PER_BATCH,
+    MAX_CHAIN_BLOCKS,
+    MAX_EVENTS_PER_BATCH,
+    PROTOCOL_VERSION,
+    PublishMode,
+    TransferEndpoint,
+    protocol_mismatch,
+)
 
 # Times: the core and the runtime keep monotonic ms; the protocol carries unix ms.
 # Each conversion reads both clocks at encoding time (coordinator/runtime/clock.py).
@@ -544,7 +552,7 @@ def check_block_hashes(field: str, hashes: Sequence[bytes], limit: int) -> tuple
 
 def event_batch_from_proto(msg: pb.EventBatch, clock: Clock) -> ev.EventBatch:
     """Validates a whole batch before anything of it is applied (INVALID_ARGUMENT)."""
-    check_count("events.events", len(msg.events), inv.MAX_EVENTS_PER_BATCH)
+    check_count("events.events", len(msg.events), MAX_EVENTS_PER_BATCH)
     events: list[ev.InventoryEvent] = []
     blocks = 0
     for i, event in enumerate(msg.events):
@@ -553,7 +561,7 @@ def event_batch_from_proto(msg: pb.EventBatch, clock: Clock) -> ev.EventBatch:
         if kind == "stored":
             st = event.stored
             hashes = check_block_hashes(
-                f"{where}.stored.block_hashes", st.block_hashes, inv.MAX_CHAIN_BLOCKS
+                f"{where}.stored.block_hashes", st.block_hashes, MAX_CHAIN_BLOCKS
             )
             if not hashes:
                 raise invalid(f"{where}.stored.block_hashes is empty")
@@ -577,7 +585,7 @@ def event_batch_from_proto(msg: pb.EventBatch, clock: Clock) -> ev.EventBatch:
         elif kind == "removed":
             rm = event.removed
             hashes = check_block_hashes(
-                f"{where}.removed.block_hashes", rm.block_hashes, inv.MAX_CHAIN_BLOCKS
+                f"{where}.removed.block_hashes", rm.block_hashes, MAX_CHAIN_BLOCKS
             )
             blocks += len(hashes)
             events.append(
@@ -591,10 +599,9 @@ def event_batch_from_proto(msg: pb.EventBatch, clock: Clock) -> ev.EventBatch:
             events.append(ev.AllBlocksCleared())
         else:
             raise invalid(f"{where} has no event set (stored, removed or cleared)")
-        if blocks > inv.MAX_BLOCKS_PER_BATCH:
+        if blocks > MAX_BLOCKS_PER_BATCH:
             raise invalid(
-                f"events carry more than {inv.MAX_BLOCKS_PER_BATCH} block hashes in one batch; "
-                "split it"
+                f"events carry more than {MAX_BLOCKS_PER_BATCH} block hashes in one batch; split it"
             )
     return ev.EventBatch(
         incarnation=msg.incarnation,
@@ -615,15 +622,13 @@ def lookup_request_from_proto(
     check_count("queries", n, inv.MAX_QUERIES_PER_LOOKUP)
     queries = []
     for i, q in enumerate(msg.queries):
-        hashes = check_block_hashes(
-            f"queries[{i}].block_hashes", q.block_hashes, inv.MAX_CHAIN_BLOCKS
-        )
+        hashes = check_block_hashes(f"queries[{i}].block_hashes", q.block_hashes, MAX_CHAIN_BLOCKS)
         if q.max_candidates > inv.MAX_CANDIDATES:
             raise invalid(
                 f"queries[{i}].max_candidates {q.max_candidates} exceeds {inv.MAX_CANDIDATES}"
             )
-        if q.min_blocks > inv.MAX_CHAIN_BLOCKS:
-            raise invalid(f"queries[{i}].min_blocks {q.min_blocks} exceeds {inv.MAX_CHAIN_BLOCKS}")
+        if q.min_blocks > MAX_CHAIN_BLOCKS:
+            raise invalid(f"queries[{i}].min_blocks {q.min_blocks} exceeds {MAX_CHAIN_BLOCKS}")
         queries.append(
             LookupQuery(
                 block_hashes=hashes,
@@ -835,7 +840,7 @@ def _descriptor_to_proto(part: SourcePart) -> pb.RankPartDescriptor:
 def prefix_load_request_from_proto(
     msg: pb.PrefixLoadRequest, bounds: FieldBounds
 ) -> PrefixLoadRequest:
-    chain = check_block_hashes("block_hashes", msg.block_hashes, inv.MAX_CHAIN_BLOCKS)
+    chain = check_block_hashes("block_hashes", msg.block_hashes, MAX_CHAIN_BLOCKS)
     if not chain:
         raise invalid("block_hashes is empty: a prefix load needs at least one block")
     if msg.min_blocks > len(chain):
@@ -908,8 +913,8 @@ def publish_handoff_from_proto(
             f"kv_transfer_params are {len(msg.kv_transfer_params)} bytes; the limit is "
             f"{MAX_KV_TRANSFER_PARAMS_BYTES}"
         )
-    if msg.num_blocks > inv.MAX_CHAIN_BLOCKS * 16:
-        raise invalid(f"num_blocks {msg.num_blocks} exceeds {inv.MAX_CHAIN_BLOCKS * 16}")
+    if msg.num_blocks > MAX_CHAIN_BLOCKS * 16:
+        raise invalid(f"num_blocks {msg.num_blocks} exceeds {MAX_CHAIN_BLOCKS * 16}")
     decode = msg.decode_child_engine_id
     return PublishHandoffRequest(
         request_id=check_id("request_id", msg.request_id, bounds),

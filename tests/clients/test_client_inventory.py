@@ -21,7 +21,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clients.inventory import (
-    MAX_CHAIN_BLOCKS,
     AllCleared,
     InventoryEvent,
     InventoryPublisher,
@@ -31,7 +30,7 @@ from clients.inventory import (
     chunk_events,
 )
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
-from kvrc.vocabulary import Tier
+from kvrc.vocabulary import MAX_CHAIN_BLOCKS, Tier
 
 
 def hs(tag: int, n: int) -> tuple[bytes, ...]:

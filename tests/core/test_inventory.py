@@ -13,13 +13,12 @@ import pytest
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from coordinator.core.inventory import (
-    MAX_CHAIN_BLOCKS,
     Candidate,
     Inventory,
     LookupOutcome,
     Scope,
 )
-from kvrc.vocabulary import PublishMode
+from kvrc.vocabulary import MAX_CHAIN_BLOCKS, PublishMode
 
 A = "compat-a"
 B = "compat-b"
