@@ -95,3 +95,22 @@ def from_session_error(error: pb.SessionError) -> KvrcClientError:
 def from_rpc_error(error: grpc.aio.AioRpcError) -> KvrcClientError:
     """The typed exception for a failed call."""
     return error_from_status(error.code(), error.details() or "")
+
+
+# A call that failed with one of these may still have taken effect at the coordinator:
+# the answer was lost, not necessarily the request.
+_OUTCOME_UNKNOWN = frozenset(
+    {
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    }
+)
+
+
+def outcome_unknown(error: BaseException) -> bool:
+    """Whether a failed call may have been taken anyway (anything but a kvrc refusal):
+    what it was to protect, a handoff's blocks for one, is then kept as if it had."""
+    return not isinstance(error, KvrcClientError) or error.code in _OUTCOME_UNKNOWN

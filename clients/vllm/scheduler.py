@@ -25,7 +25,12 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from clients.errors import DeadlineExceededError, KvrcClientError, UnavailableError
+from clients.errors import (
+    DeadlineExceededError,
+    KvrcClientError,
+    UnavailableError,
+    outcome_unknown,
+)
 from clients.inventory import LookupClient, LookupOutcome
 from clients.leases import HandoffGrant, HandoffKeepAlive, LeaseClient, Miss, PrefixLoadGrant
 from clients.vllm.config import KvrcConnectorConfig
@@ -249,14 +254,35 @@ class KvrcScheduler:
                 decode_child_engine_id=spec.decode_child_engine_id,
             )
 
-        try:
-            results = await asyncio.gather(*(one(rank) for rank in range(self.tp_size)))
-        except Exception as e:
-            log.warning("handoff %s not published: %s; freeing its blocks", spec.handoff_id, e)
+        answers = await asyncio.gather(
+            *(one(rank) for rank in range(self.tp_size)), return_exceptions=True
+        )
+        failures = [a for a in answers if isinstance(a, BaseException)]
+        if failures:
             self._count("handoff_publish_failures")
-            with self._lock:
-                self._free_now.append(spec.request_id)
+            if all(not outcome_unknown(e) for e in failures):
+                # kvrc refused a part: the handoff never goes READY, no decode reads.
+                log.warning(
+                    "handoff %s not published: %s; freeing its blocks", spec.handoff_id, failures[0]
+                )
+                with self._lock:
+                    self._free_now.append(spec.request_id)
+                return
+            # kvrc may have recorded every part (only the answer was lost): a decode may
+            # be granted these blocks, so they are held as a published handoff's are,
+            # without its lease id to learn a release by (I6-quiescence).
+            log.warning(
+                "handoff %s: publish outcome unknown (%s); holding its blocks %.0f s",
+                spec.handoff_id,
+                next(e for e in failures if outcome_unknown(e)),
+                self.config.handoff_hold_s,
+            )
+            self._count("handoff_publish_unknown")
+            asyncio.get_running_loop().call_later(
+                self.config.handoff_hold_s, self._free_unknown_publish, spec.request_id
+            )
             return
+        results = [a for a in answers if not isinstance(a, BaseException)]
         trace("published", spec.request_id)
         self._count("handoffs_published")
         lease_id = next((r.lease_id for r in results if r.lease_id), "")
@@ -272,6 +298,11 @@ class KvrcScheduler:
         asyncio.get_running_loop().call_later(
             self.config.handoff_hold_s, self._hold_expired, lease_id
         )
+
+    def _free_unknown_publish(self, request_id: str) -> None:
+        with self._lock:
+            self._free_now.append(request_id)
+        log.info("handoff of %s (publish outcome unknown) freed after its hold", request_id)
 
     def _hold_expired(self, lease_id: str) -> None:
         if self.pins.is_quarantined(lease_id):

@@ -31,7 +31,12 @@ from typing import Any
 
 import torch
 
-from clients.errors import DeadlineExceededError, KvrcClientError, UnavailableError
+from clients.errors import (
+    DeadlineExceededError,
+    KvrcClientError,
+    UnavailableError,
+    outcome_unknown,
+)
 from clients.holds import HoldDeadlines
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
 from clients.leases import LeaseClient, LeaseSessionHandler, PinAnswer, PinRequestInfo
@@ -581,8 +586,23 @@ class KvrcWorker:
                 decode_child_engine_id=spec.decode_child_engine_id,
             )
         except KvrcClientError as e:
-            log.warning("handoff %s not published: %s; freeing its blocks", spec.handoff_id, e)
             self.finished.count("handoff_publish_failures")
+            if outcome_unknown(e):
+                # kvrc may have recorded the part (only the answer was lost): a decode
+                # may be granted these blocks, so they are held as a published
+                # handoff's are, without its lease id (I6-quiescence).
+                log.warning(
+                    "handoff %s: publish outcome unknown (%s); holding its blocks %.0f s",
+                    spec.handoff_id,
+                    e,
+                    self.config.handoff_hold_s,
+                )
+                self.finished.count("handoff_publish_unknown")
+                asyncio.get_running_loop().call_later(
+                    self.config.handoff_hold_s, self.finished.add_sending, spec.request_id
+                )
+                return
+            log.warning("handoff %s not published: %s; freeing its blocks", spec.handoff_id, e)
             self.finished.add_sending(spec.request_id)
             return
         self.finished.count("handoffs_published")

@@ -14,6 +14,7 @@ the real vLLM is importable; so does the block pool a holder's pins take (`_Pool
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 import importlib.util
@@ -29,12 +30,19 @@ from collections.abc import Iterator
 from types import SimpleNamespace as NS
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from harness import CoordinatorProcess, start_coordinator
 from test_transfer import LAYOUT, LOCAL_LAYOUT, PEER_SEED, Peer
 from transfer_peer import block_pattern
 
+from clients.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    KvrcClientError,
+    UnavailableError,
+)
 from clients.kv_cache import PagedKvCache
 from clients.leases import PrefixLoadGrant
 from clients.session import ReuseInfo
@@ -522,3 +530,69 @@ def test_a_pin_rebuilds_its_key_map_without_holding_the_pool_lock(vllm_side: Any
     assert free_while_converting == [True]
     assert pool.touched == [list(range(8))]
     assert pins.release("lease-1")
+
+
+# --- a publish whose outcome is unknown keeps the handoff's blocks ----------------------------
+
+
+def _publish_fails(error: Exception) -> Any:
+    async def publish_handoff(*_: Any, **__: Any) -> Any:
+        raise error
+
+    return publish_handoff
+
+
+@pytest.mark.parametrize(
+    ("error", "held"),
+    [
+        (DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time"), True),
+        (UnavailableError(grpc.StatusCode.UNAVAILABLE, "connection reset"), True),
+        # Control: a refusal means kvrc recorded nothing, so no decode can be granted them.
+        (InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, "bad descriptor"), False),
+    ],
+    ids=["deadline", "unavailable", "refused"],
+)
+def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
+    vllm_side: Any, kvrc_server: CoordinatorProcess, worker: Any, error: Exception, held: bool
+) -> None:
+    """kvrc may have recorded every part and a decode may read the blocks (I6-quiescence):
+    only a refusal frees them at once; otherwise they are held for handoff_hold_s."""
+    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    try:
+        made.config = dataclasses.replace(made.config, handoff_hold_s=1.0)
+        made._endpoints[0] = worker.endpoint.to_json()
+        made.leases.publish_handoff = _publish_fails(error)
+        spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], "", b"")
+        made.loop.run(made._publish_all(spec), timeout_s=10)
+        assert made.counters["handoff_publish_failures"] == 1
+        assert (made._free_now == []) is held
+        if held:
+            time.sleep(1.5)  # the hold ends: freed as a published handoff would be
+            assert made._free_now == ["req-p"]
+    finally:
+        made.shutdown()
+
+
+@pytest.mark.parametrize(("code", "held"), [("DEADLINE_EXCEEDED", True), ("NOT_FOUND", False)])
+def test_a_worker_keeps_a_part_whose_publish_may_have_been_taken(
+    clean_worker: Any, code: str, held: bool
+) -> None:
+    worker = clean_worker
+    status = getattr(grpc.StatusCode, code)
+    before = (worker.leases, worker.config)
+    worker.leases = NS(publish_handoff=_publish_fails(KvrcClientError(status, "lost")))
+    worker.config = dataclasses.replace(worker.config, handoff_hold_s=1.0)
+    worker.registered.set()
+    try:
+        spec = NS(request_id="req-w", handoff_id="handoff-w", block_ids=[1], kv_transfer_params=b"")
+        spec.decode_child_engine_id = ""
+        worker.loop.run(worker._publish(spec), timeout_s=10)
+        sending, _ = worker.finished.take()
+        assert ("req-w" in sending) is not held
+        if held:
+            time.sleep(1.5)
+            sending, _ = worker.finished.take()
+            assert "req-w" in sending
+    finally:
+        worker.leases, worker.config = before
+        worker.registered.clear()
