@@ -57,9 +57,11 @@ class Guess:
 
 @dataclass(frozen=True)
 class NoLinks:
-    """Recompute at 1 token per ms (savings read as token counts); loads never pay."""
+    """Recompute at 1 token per ms (savings read as token counts); loads never pay
+    (`load_ms_per_token`: at that rate, except from `slow` holders)."""
 
     load_ms_per_token: float = math.inf
+    slow: frozenset[str] = frozenset()
 
     def predict(
         self,
@@ -72,7 +74,8 @@ class NoLinks:
         *,
         link: LinkEstimate | None = None,
     ) -> Guess:
-        return Guess(num_tokens * self.load_ms_per_token, float(num_tokens))
+        rate = math.inf if holder in self.slow else self.load_ms_per_token
+        return Guess(num_tokens * rate, float(num_tokens))
 
     def recompute_ms(self, requester: str, num_tokens: int) -> float:
         return float(num_tokens)
@@ -273,25 +276,9 @@ def test_local_by_tier_loadable_and_the_holder_is_never_the_engine_itself() -> N
     assert answer.reuse_enabled and a.prompt_blocks == len(CHAIN)
 
 
-@dataclass(frozen=True)
-class SlowFrom(NoLinks):
-    """Loads pay (half a recompute) except from `slow` holders (never)."""
-
-    slow: frozenset[str] = frozenset()
-
-    def predict(
-        self,
-        holder: str,
-        requester: str,
-        tier: Tier,
-        num_tokens: int,
-        num_bytes: int,
-        now_ms: int | None = None,
-        *,
-        link: LinkEstimate | None = None,
-    ) -> Guess:
-        rate = math.inf if holder in self.slow else 0.5
-        return Guess(num_tokens * rate, float(num_tokens))
+def slow_from(*holders: str) -> NoLinks:
+    """Loads pay (half a recompute) except from `holders` (never)."""
+    return NoLinks(0.5, slow=frozenset(holders))
 
 
 def test_score_names_the_holder_a_grant_would_take_past_those_it_may_not_ask() -> None:
@@ -301,7 +288,7 @@ def test_score_names_the_holder_a_grant_would_take_past_those_it_may_not_ask() -
     store(inv, "h1", CHAIN[:10])
     store(inv, "h2", CHAIN[:9])
     store(inv, "h3", CHAIN[:8])
-    fast = SlowFrom()
+    fast = slow_from()
 
     def scored(**kw: object) -> tuple[int, str, float]:
         query = ScoreQuery(model="m", block_hashes=CHAIN)
@@ -332,11 +319,11 @@ def test_a_holder_the_cost_gate_refuses_is_passed_for_the_next_that_pays() -> No
         add(inv, cid)
     store(inv, "h1", CHAIN[:10])
     store(inv, "h2", CHAIN[:9])
-    a = run(inv, [engine("a")], predictor=SlowFrom(slow=frozenset({"h1"}))).engines[0]
+    a = run(inv, [engine("a")], predictor=slow_from("h1")).engines[0]
     # The grant skips h1's slow link for h2 (Grants._choose_holder); so does Score.
     assert (a.loadable_blocks, a.holder_child_engine_id, a.predicted_saving_ms) == (9, "h2", 18.0)
     # When no holder pays, the first is named with no saving (the old answer).
-    a = run(inv, [engine("a")], predictor=SlowFrom(slow=frozenset({"h1", "h2"}))).engines[0]
+    a = run(inv, [engine("a")], predictor=slow_from("h1", "h2")).engines[0]
     assert (a.loadable_blocks, a.holder_child_engine_id, a.predicted_saving_ms) == (10, "h1", 0.0)
 
 
