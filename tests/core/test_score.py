@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import given, settings
@@ -31,6 +31,7 @@ from coordinator.core.score import (
     ScoreQuery,
     hash_config,
     score,
+    vllm_block_keys,
 )
 from coordinator.core.vllm_hashing import MAX_MM_FEATURES, HashConfig, MmFeature, block_keys
 from kvrc.vocabulary import (
@@ -339,10 +340,15 @@ def test_a_draining_engine_is_not_scored() -> None:
     assert a.scored and a.local_matched_blocks == 4
 
 
-def test_a_prompt_past_the_scored_blocks_is_hashed_only_that_far() -> None:
-    seen: list[int] = []
+@dataclass
+class CountingHasher:
+    """vLLM's hashing (`vllm_block_keys`), recording each call's configuration and
+    how many token ids it hashed."""
 
-    def counting(
+    calls: list[tuple[HashConfig, int]] = field(default_factory=list)
+
+    def __call__(
+        self,
         token_ids: Sequence[int],
         config: HashConfig,
         *,
@@ -351,8 +357,8 @@ def test_a_prompt_past_the_scored_blocks_is_hashed_only_that_far() -> None:
         cache_salt: str | None,
         mm_features: Sequence[MmFeature],
     ) -> Sequence[bytes]:
-        seen.append(len(token_ids))
-        return block_keys(
+        self.calls.append((config, len(token_ids)))
+        return vllm_block_keys(
             token_ids,
             config,
             lora_name=lora_name,
@@ -361,6 +367,9 @@ def test_a_prompt_past_the_scored_blocks_is_hashed_only_that_far() -> None:
             mm_features=mm_features,
         )
 
+
+def test_a_prompt_past_the_scored_blocks_is_hashed_only_that_far() -> None:
+    counting = CountingHasher()
     inv = Inventory()
     add(inv, "a")
     query = ScoreQuery(model="m", token_ids=tuple(range(MAX_SCORE_TOKENS)))
@@ -375,9 +384,10 @@ def test_a_prompt_past_the_scored_blocks_is_hashed_only_that_far() -> None:
         hasher=counting,
     )
     # 65,536 tokens at block size 1 are 65,536 blocks; 4,096 are scored, and hashed.
-    assert seen == [MAX_SCORE_BLOCKS] and answer.engines[0].prompt_blocks == MAX_SCORE_BLOCKS
+    assert [n for _, n in counting.calls] == [MAX_SCORE_BLOCKS]
+    assert answer.engines[0].prompt_blocks == MAX_SCORE_BLOCKS
     # Control: at block size 16 the whole prompt is within the bound and hashed.
-    seen.clear()
+    counting.calls.clear()
     score(
         inv,
         query,
@@ -388,7 +398,7 @@ def test_a_prompt_past_the_scored_blocks_is_hashed_only_that_far() -> None:
         prediction_basis="",
         hasher=counting,
     )
-    assert seen == [MAX_SCORE_TOKENS]
+    assert [n for _, n in counting.calls] == [MAX_SCORE_TOKENS]
 
 
 def test_reuse_off_counts_local_matches_only_and_says_so() -> None:
@@ -607,20 +617,7 @@ def test_engines_of_other_block_sizes_are_scored_in_their_own_scope() -> None:
     inv.apply("b", [BlockStored(tuple(block_keys(TOKENS, config_b)[:2]), None, 16)])
     b = ScoreEngine("b", replace(PROFILE, block_size=8), "compat-b", True, OFF)
     add(inv, "a2")
-    calls: list[HashConfig] = []
-
-    def counting(
-        token_ids: Sequence[int],
-        config: HashConfig,
-        *,
-        lora_name: str | None,
-        lora_path: str | None,
-        cache_salt: str | None,
-        mm_features: Sequence[MmFeature],
-    ) -> list[bytes]:
-        calls.append(config)
-        return block_keys(token_ids, config)
-
+    counting = CountingHasher()
     answer = score(
         inv,
         token_query(),
@@ -634,7 +631,7 @@ def test_engines_of_other_block_sizes_are_scored_in_their_own_scope() -> None:
     got = {e.child_engine_id: (e.prompt_blocks, e.local_matched_blocks) for e in answer.engines}
     assert got == {"a": (7, 7), "b": (3, 2), "a2": (7, 0)}
     # Hashed once per configuration, not once per engine.
-    assert sorted(c.block_size for c in calls) == [4, 8]
+    assert sorted(c.block_size for c, _ in counting.calls) == [4, 8]
 
 
 @pytest.mark.parametrize(
