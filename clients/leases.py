@@ -75,6 +75,7 @@ REPLAY_CONCURRENCY = 8
 _QUIET_OUTCOMES = (pb.TRANSFER_OUTCOME_SUCCEEDED, pb.TRANSFER_OUTCOME_FAILED)
 
 __all__ = [
+    "HANDOFF_ENDED_STATES",
     "CompleteResult",
     "HandoffGrant",
     "HandoffKeepAlive",
@@ -134,6 +135,16 @@ class PublishResult:
     parts_reported: int
     parts_expected: int
     lease_id: str  # names this handoff in the prefill's ReleaseRequest
+
+    @property
+    def ended(self) -> bool:
+        """The handoff ended before this part published: no ReleaseRequest will come,
+        so the part frees its blocks now and does not announce them as held."""
+        return self.state in HANDOFF_ENDED_STATES
+
+
+# Terminal lease states a PublishHandoff may answer with.
+HANDOFF_ENDED_STATES = frozenset({"COMPLETED", "FAILED", "RESOLVED", "MISSED"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,14 @@ from clients.inventory import (
     StoredBlocks,
 )
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
-from clients.leases import LeaseClient, LeaseSessionHandler, Miss, PinAnswer, PinRequestInfo
+from clients.leases import (
+    HANDOFF_ENDED_STATES,
+    LeaseClient,
+    LeaseSessionHandler,
+    Miss,
+    PinAnswer,
+    PinRequestInfo,
+)
 from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from clients.refengine.blocks import BlockPool, PoolExhaustedError, StoredBlock
 from clients.refengine.channel import Channel
@@ -389,7 +396,9 @@ class RankPart:
         )
         # The lease id lets the leader match the prefill's ReleaseRequest to this request,
         # and this part re-announces the held blocks if kvrc restarts before the release.
-        if published.lease_id:
+        # An ended handoff gets no release: announced as held, a restarted kvrc would
+        # rebuild it as a quarantined lease nobody ends (and a drain would never finish).
+        if published.lease_id and not published.ended:
             self.handler.track_held(published.lease_id)
         return {"state": published.state, "lease_id": published.lease_id}
 
@@ -975,7 +984,7 @@ class Leader:
             self._drop_hold(request_id)
             raise
         states = {r["state"] for r in results}
-        if states & {"COMPLETED", "FAILED", "RESOLVED", "MISSED"}:
+        if states & HANDOFF_ENDED_STATES:
             # Ended before we published: no release will come; free now.
             self._drop_hold(request_id)
         elif lease_id := next((r["lease_id"] for r in results if r["lease_id"]), ""):

@@ -286,7 +286,7 @@ class KvrcScheduler:
         trace("published", spec.request_id)
         self._count("handoffs_published")
         lease_id = next((r.lease_id for r in results if r.lease_id), "")
-        ended = {r.state for r in results} & {"COMPLETED", "FAILED", "RESOLVED", "MISSED"}
+        ended = any(r.ended for r in results)
         with self._lock:
             released_first = lease_id in self._released_early  # kvrc was quicker than us
             self._released_early.pop(lease_id, None)

@@ -607,10 +607,7 @@ class KvrcWorker:
             return
         self.finished.count("handoffs_published")
         trace("worker_published", spec.request_id)
-        if (
-            published.state in ("COMPLETED", "FAILED", "RESOLVED", "MISSED")
-            or not published.lease_id
-        ):
+        if published.ended or not published.lease_id:
             self.finished.add_sending(spec.request_id)
             return
         lease_id = published.lease_id

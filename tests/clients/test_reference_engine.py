@@ -513,3 +513,24 @@ def test_engine_target_takes_several_replicas_and_refuses_a_bad_list() -> None:
     assert target_help is not None and "comma-separated" in target_help
     with pytest.raises(ValueError, match="'a:1' is listed twice"):
         options_from_args(parser.parse_args([*base, "--target", "a:1,a:1"]))
+
+
+@pytest.mark.parametrize(
+    ("state", "ended"),
+    [("WAITING_READY", False), ("READY", False), ("ACTIVE", False)]
+    + [(s, True) for s in ("COMPLETED", "FAILED", "RESOLVED", "MISSED")],
+)
+def test_a_publish_answered_with_an_ended_handoff_is_not_announced_as_held(
+    state: str, ended: bool
+) -> None:
+    """A part that publishes after its handoff ended gets the lease id and no release
+    will come: announced as held, a restarted kvrc would rebuild it as a quarantined
+    lease that nobody ends (the reference engine and the vLLM worker ask `ended`)."""
+    from clients.leases import LeaseSessionHandler, PublishResult
+
+    published = PublishResult(state, 1, 2, "ho-1")
+    assert published.ended is ended
+    handler = LeaseSessionHandler()
+    if published.lease_id and not published.ended:  # RankPart.publish_handoff's rule
+        handler.track_held(published.lease_id)
+    assert (list(handler.held_lease_ids()) == []) is ended
