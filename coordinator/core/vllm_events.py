@@ -40,7 +40,13 @@ from coordinator.core.events import (
     InventoryEvent,
     Tier,
 )
-from coordinator.core.inventory import MAX_BLOCK_HASH_BYTES
+from coordinator.core.inventory import MAX_BLOCK_HASH_BYTES, MAX_GROUP_IDX
+
+# What one frame may carry. A vLLM step publishes tens to a few thousand block hashes;
+# these bound the work one frame costs the event loop (decode and apply, ~3 us a hash)
+# to a fraction of a second whatever the publisher sends (I8-bad-input).
+MAX_FRAME_EVENTS = 65_536
+MAX_FRAME_BLOCKS = 65_536
 
 # vLLM's replay end marker: seq = -1 as signed 8 bytes.
 END_SEQ = b"\xff" * 8
@@ -110,11 +116,13 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise MalformedFrame(f"payload is not msgpack: {exc}") from None
     ts, raw_events, dp_rank = _split_batch(batch)
+    if len(raw_events) > MAX_FRAME_EVENTS:
+        raise MalformedFrame(f"{len(raw_events)} events in one frame; at most {MAX_FRAME_EVENTS}")
 
     events: list[InventoryEvent] = []
     block_sizes: set[int] = set()
     lora_names: set[str] = set()
-    stored = cleared = unknown = 0
+    stored = cleared = unknown = blocks = 0
     # vLLM emits one BlockRemoved per evicted block. A run of them with the same
     # medium and group becomes one event (removals commute): far fewer objects
     # here and one loop instead of many in the inventory core.
@@ -150,6 +158,9 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
                     raise MalformedFrame(
                         f"block_hashes must be an array, got {type(hashes).__name__}"
                     )
+                blocks += len(hashes)
+                if blocks > MAX_FRAME_BLOCKS:
+                    raise _too_many_blocks()
                 if key != run_key:
                     if run_key is not None:
                         events.append(_removed_run(run, run_key, run_start))
@@ -165,6 +176,9 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
                 else:
                     ev, block_size, lora_name = _stored_from_array(raw)
                 stored += len(ev.block_hashes)
+                blocks += len(ev.block_hashes)
+                if blocks > MAX_FRAME_BLOCKS:
+                    raise _too_many_blocks()
                 block_sizes.add(block_size)
                 lora_names.add(lora_name)
                 events.append(ev)
@@ -265,9 +279,13 @@ def _optional_hash(raw: object) -> BlockHash | None:
 def _group(raw: object) -> int:
     if raw is None:
         return 0
-    if type(raw) is not int or raw < 0:
-        raise MalformedFrame(f"group_idx must be a non-negative int, got {raw!r}")
+    if type(raw) is not int or not 0 <= raw <= MAX_GROUP_IDX:
+        raise MalformedFrame(f"group_idx must be an int in 0..{MAX_GROUP_IDX}, got {raw!r}")
     return raw
+
+
+def _too_many_blocks() -> MalformedFrame:
+    return MalformedFrame(f"more than {MAX_FRAME_BLOCKS} block hashes in one frame")
 
 
 def _lora_name(raw: object) -> str:

@@ -655,7 +655,7 @@ class _MalformedRequests:
         counter = coordinator.metrics.rpc_malformed
         # Every series exists from the start at 0, and no other one can appear.
         self._counters = {m: counter.labels(method=m) for m in (*methods, UNKNOWN_METHOD)}
-        self._log = RateLimitedLog(log, coordinator.clock, MALFORMED_LOG_INTERVAL_MS)
+        self._log = RateLimitedLog(log, coordinator.clock.monotonic_ms, MALFORMED_LOG_INTERVAL_MS)
 
     def refuse(self, method: str, request: wire.MalformedRequest, context: Context) -> KvrcError:
         """The INVALID_ARGUMENT the caller gets; nothing of the request reached the runtime."""

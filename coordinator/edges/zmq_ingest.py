@@ -80,6 +80,7 @@ from coordinator.core.vllm_events import (
     decode_payload,
     decode_sequence,
 )
+from coordinator.runtime.log_limit import RateLimitedLog
 from coordinator.runtime.metrics import Metrics
 from kvrc.ids import child_engine_id
 
@@ -88,8 +89,13 @@ log = logging.getLogger(__name__)
 SOURCE = "zmq"
 # tcp://host:port; groups: host, port.
 _TCP_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
-# Frames drained per wake-up before yielding to the event loop.
+# Frames drained per wake-up before yielding to the event loop, and the bytes: a burst
+# of large frames yields early, so sessions and RPCs are served between them.
 _BURST = 256
+_BURST_BYTES = 1 << 20
+# Per stream, at most one line per kind of loss (refused batch, loss while degraded,
+# restart) in this long: a publisher sending garbage in a loop must not fill the log.
+_LOSS_LOG_INTERVAL_MS = 10_000
 
 
 class EventSink(Protocol):
@@ -136,7 +142,8 @@ class ZmqStreamConfig:
     # Bounds what a publisher can make kvrc hold: at most rcv_hwm frames queued per
     # connected publisher, each at most max_frame_bytes (a vLLM step is ~10-100 KiB;
     # a larger frame drops that connection). A replay reads at most max_replay_frames.
-    max_frame_bytes: int = 8 << 20
+    # Within a frame, vllm_events bounds the events and block hashes.
+    max_frame_bytes: int = 4 << 20
     max_replay_frames: int = 100_000
     rcv_hwm: int = 1000
     # Live frames parked behind a running replay (the same bound as the socket queue).
@@ -273,6 +280,7 @@ class ZmqEventStream:
         self._sink = sink
         self._metrics = metrics
         self._clock = clock
+        self._losses = RateLimitedLog(log, lambda: int(clock() * 1000), _LOSS_LOG_INTERVAL_MS)
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.asyncio.Context()
         self._sub: zmq.asyncio.Socket | None = None
@@ -404,12 +412,16 @@ class ZmqEventStream:
                 self._reconnected = self._applied is not None
             if sub in ready:
                 # Drain a burst without going back to the loop for each frame.
+                burst_bytes = 0
                 for _ in range(_BURST):
                     try:
                         frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._receive(frames)
+                    burst_bytes += sum(len(f) for f in frames)
+                    if burst_bytes > _BURST_BYTES:
+                        break
 
     def _receive(self, frames: list[bytes]) -> None:
         """One frame off the SUB socket: taken now, or parked behind a running replay."""
@@ -625,8 +637,12 @@ class ZmqEventStream:
         except KvrcError as exc:
             # The core refused the batch and changed nothing: its events are lost.
             self._m_refused.inc()
-            log.warning(
-                "zmq stream %s: batch %d refused: %s", self.child_engine_id, seq, exc.message
+            self._losses.warning(
+                "refused",
+                "zmq stream %s: batch %d refused: %s",
+                self.child_engine_id,
+                seq,
+                exc.message,
             )
             self._events_lost(f"batch {seq} refused: {exc.message}", self._has_state)
             return
@@ -667,7 +683,9 @@ class ZmqEventStream:
     # --- state changes -----------------------------------------------------------------
 
     def _new_incarnation(self, why: str, *, restart: bool) -> None:
-        log.warning("zmq stream %s: %s; new incarnation", self.child_engine_id, why)
+        self._losses.warning(
+            "incarnation", "zmq stream %s: %s; new incarnation", self.child_engine_id, why
+        )
         if restart:
             self._metrics.zmq_publisher_restarts.inc()
         self._sink.drop_engine_inventory(self.child_engine_id)
@@ -684,7 +702,9 @@ class ZmqEventStream:
             return
         if self._state is StreamState.DEGRADED:
             # Further losses do not extend the grace: the bound on a hint's age holds.
-            log.warning("zmq stream %s: %s (already degraded)", self.child_engine_id, why)
+            self._losses.warning(
+                "degraded", "zmq stream %s: %s (already degraded)", self.child_engine_id, why
+            )
             return
         log.warning(
             "zmq stream %s degraded: %s; its entries stay hints for at most %.1fs",

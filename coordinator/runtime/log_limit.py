@@ -9,21 +9,22 @@ Keys must be few (a method name, never a peer): each one is remembered.
 from __future__ import annotations
 
 import logging
-
-from coordinator.runtime.clock import Clock
+from collections.abc import Callable
 
 
 class RateLimitedLog:
-    def __init__(self, logger: logging.Logger, clock: Clock, interval_ms: int) -> None:
+    """`now_ms`: a monotonic clock in ms (`Clock.monotonic_ms`, or the caller's own)."""
+
+    def __init__(self, logger: logging.Logger, now_ms: Callable[[], int], interval_ms: int) -> None:
         self._logger = logger
-        self._clock = clock
+        self._now_ms = now_ms
         self._interval_ms = interval_ms
         self._last_logged_ms: dict[str, int] = {}
         self._left_out: dict[str, int] = {}
 
     def warning(self, key: str, message: str, *args: object) -> None:
         """Logs `message % args` as one line unless `key` logged one within the interval."""
-        now = self._clock.monotonic_ms()
+        now = self._now_ms()
         last = self._last_logged_ms.get(key)
         if last is not None and now - last < self._interval_ms:
             self._left_out[key] = self._left_out.get(key, 0) + 1

@@ -21,6 +21,8 @@ from coordinator.core.events import (
     Tier,
 )
 from coordinator.core.vllm_events import (
+    MAX_FRAME_BLOCKS,
+    MAX_FRAME_EVENTS,
     DecodedBatch,
     MalformedFrame,
     decode_frame,
@@ -286,6 +288,12 @@ def test_map_encoded_batch_and_topic_are_accepted() -> None:
         (frame([1.0, [stored_map([1], token_ids=3)]]), "token_ids"),
         (frame([1.0, [stored_map([1], medium=3)]]), "medium"),
         (frame([1.0, [stored_map([1], group_idx=-2)]]), "group_idx"),
+        # Past the inventory's groups: refused per frame, not per batch downstream.
+        (frame([1.0, [stored_map([1], group_idx=1024)]]), "group_idx must be an int in 0..1023"),
+        (
+            frame([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "group_idx": 5000}]]),
+            "0..1023",
+        ),
         (frame([1.0, [stored_map([1], lora_name=5)]]), "lora_name"),
     ],
 )
@@ -323,3 +331,20 @@ json_like = st.recursive(
 def test_arbitrary_msgpack_events_decode_or_raise_malformed_only(events: list[Any]) -> None:
     with contextlib.suppress(MalformedFrame):
         decode_frame(frame([1.0, events, 0]))
+
+
+def test_a_frame_is_bounded_in_events_and_block_hashes() -> None:
+    """One frame's decode and apply cost the event loop a bounded time (I8-bad-input):
+    an 8 MiB frame held ~900,000 hashes, seconds of work."""
+    removed = {"type": "BlockRemoved", "block_hashes": list(range(1, 4097))}
+    at_bound = frame([1.0, [removed] * (MAX_FRAME_BLOCKS // 4096)])
+    assert decode_frame(at_bound).removed_blocks == MAX_FRAME_BLOCKS  # control: at the bound
+    over = frame([1.0, [removed] * (MAX_FRAME_BLOCKS // 4096) + [stored_map([1])]])
+    with pytest.raises(MalformedFrame, match=f"more than {MAX_FRAME_BLOCKS} block hashes"):
+        decode_frame(over)
+    stored_over = frame([1.0, [stored_map(list(range(1, MAX_FRAME_BLOCKS + 2)))]])
+    with pytest.raises(MalformedFrame, match="block hashes in one frame"):
+        decode_frame(stored_over)
+    with pytest.raises(MalformedFrame, match=f"at most {MAX_FRAME_EVENTS}"):
+        decode_frame(frame([1.0, [CLEARED_MAP] * (MAX_FRAME_EVENTS + 1)]))
+    assert decode_frame(frame([1.0, [CLEARED_MAP] * MAX_FRAME_EVENTS])).cleared == MAX_FRAME_EVENTS

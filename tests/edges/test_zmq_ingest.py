@@ -240,6 +240,28 @@ async def test_gap_without_a_replay_endpoint_degrades(
     assert rig.stream.status().degraded_until_s == until
 
 
+async def test_losses_a_publisher_repeats_are_one_warning_per_kind_not_one_per_frame(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    rigs.append(rig := await start_rig(ctx, replay=False, degraded_grace_s=60))
+    warnings = _Warnings()
+    logger = logging.getLogger("coordinator.edges.zmq_ingest")
+    logger.addHandler(warnings)
+    try:
+        await rig.pub.publish(stored(1))
+        await wait_until(lambda: rig.sink.seqs() == [0], 5)
+        # 30 gaps, no replay endpoint: the first degrades the stream (one line), each
+        # later one is a loss while degraded: one more line, then only counted.
+        for k in range(30):
+            await rig.pub.publish(stored(100 + 2 * k), send=False)
+            await rig.pub.publish(stored(101 + 2 * k))
+        await wait_until(lambda: len(rig.sink.seqs()) == 31, 5)
+        assert rig.stream.status().state is StreamState.DEGRADED
+        assert warnings.lines == 2, warnings.lines
+    finally:
+        logger.removeHandler(warnings)
+
+
 async def test_a_slow_replay_runs_off_the_live_path_and_keeps_the_order(
     ctx: zmq.asyncio.Context, rigs: list[Rig]
 ) -> None:
@@ -591,12 +613,13 @@ async def test_child_engine_id_carries_the_dp_rank(
 
 
 class RefusingSink(RecordingSink):
-    """Refuses what the inventory core refuses (a group index past its bound)."""
+    """Refuses a batch as the inventory core refuses one (INVALID_ARGUMENT): here any
+    with a block of group 7 (the decoder already refuses a group past the core's bound)."""
 
     def apply(self, child_engine_id: str, batch: EventBatch) -> None:
         for ev in batch.events:
-            if isinstance(ev, BlockStored) and ev.group_idx > 1023:
-                raise invalid(f"group_idx {ev.group_idx} is outside 0..1023")
+            if isinstance(ev, BlockStored) and ev.group_idx == 7:
+                raise invalid("group_idx 7 is refused here")
         super().apply(child_engine_id, batch)
 
 
@@ -608,7 +631,7 @@ async def test_a_batch_the_core_refuses_is_counted_and_the_stream_continues(
     rig.stream._sink = sink  # the same stream, a sink that refuses like the core
     await rig.pub.publish(stored(1))
     await wait_until(lambda: sink.seqs() == [0], 5)
-    await rig.pub.publish({**stored(2), "group_idx": 5000})
+    await rig.pub.publish({**stored(2), "group_idx": 7})
     await rig.pub.publish(stored(3))
     await wait_until(lambda: sink.seqs() == [0, 2], 5)
     assert sink.held() == {1, 3}

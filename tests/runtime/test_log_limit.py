@@ -20,7 +20,7 @@ def test_one_line_per_key_per_interval_then_the_count_of_the_rest(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     clock = ManualClock(monotonic_ms=0)
-    limited = RateLimitedLog(logging.getLogger(LOGGER), clock, interval_ms=1_000)
+    limited = RateLimitedLog(logging.getLogger(LOGGER), clock.monotonic_ms, interval_ms=1_000)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for i in range(5):
             limited.warning("Lookup", "bad %d", i)
