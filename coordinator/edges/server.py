@@ -52,7 +52,7 @@ HTTP_ERROR_LOG_INTERVAL_MS = 10_000
 def _quiet_http_errors(httpd: object, coordinator: Coordinator) -> None:
     """A request that breaks the /metrics server's handler (junk, a 64 KiB path, a peer
     that hangs up mid-answer) is one rate-limited line, not socketserver's traceback."""
-    limited = RateLimitedLog(log, coordinator.clock, HTTP_ERROR_LOG_INTERVAL_MS)
+    limited = RateLimitedLog(log, coordinator.clock.monotonic_ms, HTTP_ERROR_LOG_INTERVAL_MS)
 
     def handle_error(request: object, client_address: tuple[str, int]) -> None:
         error = sys.exc_info()[1]
@@ -267,12 +267,7 @@ def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Red
         coordinator.clock,
         coordinator.metrics,
         on_applied=coordinator.inventory.refresh_gauges,
-        on_store_lost=lambda: log.info(
-            "asked %d publishing part(s) for a full dump",
-            coordinator.inventory.request_full_dumps(
-                f"the shared store {config.store.url} came back empty: resend your inventory"
-            ),
-        ),
+        request_full_dumps=coordinator.inventory.request_full_dumps,
     )
     # Holders and requesters on different replicas (coordinator/runtime/peers.py).
     peers = PeerLink(

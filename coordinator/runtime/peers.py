@@ -31,7 +31,10 @@ messages travel through the same ordered log as the inventory:
   re-announces a lease whose owner is alive leaves it to the owner; one whose
   owner fell silent is rebuilt here, QUARANTINED, as after a restart.
 - `OP_HELLO`: a replica that starts (or reloads a snapshot) asks the others to
-  announce their parts again (parts are not in the inventory snapshot).
+  announce their parts again (parts are not in the inventory snapshot). With a
+  replica's name (`[OP_HELLO, origin]`), only that one, which this replica had
+  called silent and hears again: it announces its engines and parts and asks its
+  engines for full dumps (replication.py `ReplicatedInventory.apply_remote`).
 - `OP_CALL` / `OP_RESULT`: a request that only another replica can decide, and its
   answer. Today one: a prefill part's PublishHandoff naming a decode engine whose
   session is on another replica goes to that replica, which owns the handoff
@@ -77,6 +80,10 @@ OP_HELLO = "W"
 OP_CALL = "K"  # not "C": that is replication.OP_CLEAR (one tag space, one log)
 OP_RESULT = "Q"
 PEER_TAGS = frozenset((OP_PART, OP_PART_LEFT, OP_SEND, OP_REPLY, OP_HELLO, OP_CALL, OP_RESULT))
+# Lease messages and call answers: what an outbox reset must not drop (replication.py,
+# `ReplicatedInventory.reannounce`). A release lost there leaves a live holder pinned.
+# Not OP_CALL: its caller gives up after DEFAULT_CALL_TIMEOUT_S and asks again.
+MESSAGE_TAGS = frozenset((OP_SEND, OP_REPLY, OP_RESULT))
 CALL_PUBLISH_HANDOFF = "publish_handoff"
 DEFAULT_CALL_TIMEOUT_S = 5.0
 
@@ -298,6 +305,12 @@ class PeerLink:
     def announce_local(self, reclaim: bool = False) -> None:
         """Announces every local part again: after a hello, or with new tokens after a
         store loss (`reclaim`: the counter started again with the new store)."""
+        if reclaim:
+            # The old tokens of these parts mean nothing in the new store: a new token,
+            # lower than its own old one, must not fence the part it was claimed for.
+            for key, (_, session_id) in list(self._best.items()):
+                if session_id in self._local:
+                    del self._best[key]
         for session_id, part in list(self._local.items()):
             if reclaim or part.token is None:
                 part.cancel()
@@ -452,6 +465,8 @@ class PeerLink:
             self._forget_best(ref)
             return host.remove_remote_part(ref, f"its session on replica {origin} closed")
         if tag == OP_HELLO:
+            if len(op) > 1 and op[1] != self.origin:
+                return False  # asked of another replica (replication.py handles ours)
             self.announce_local()
             return True
         if op[1] != self.origin:

@@ -157,7 +157,7 @@ class RedisStore:
         metrics: Metrics,
         *,
         on_applied: Callable[[], None] = lambda: None,
-        on_store_lost: Callable[[], None] = lambda: None,
+        request_full_dumps: Callable[[str], object] = lambda why: None,
         stream_maxlen: int = STREAM_MAXLEN,
         origin_timeout_ms: int = ORIGIN_TIMEOUT_MS,
         load_snapshots: bool = True,
@@ -168,7 +168,10 @@ class RedisStore:
         self._clock = clock
         self._metrics = metrics
         self._on_applied = on_applied
-        self._on_store_lost = on_store_lost
+        # Asks this replica's engines to send their whole inventory again (the reason
+        # goes to them): after a store loss, an outbox overflow or a long silence of
+        # this replica, the others' view of them may lack what they published.
+        self._request_full_dumps = request_full_dumps
         self._maxlen = stream_maxlen
         self._origin_timeout_ms = origin_timeout_ms
         self._writer_conn = redis_client(
@@ -196,6 +199,9 @@ class RedisStore:
         self._m_out = metrics.store_ops.labels(direction="out")
         self._m_in = metrics.store_ops.labels(direction="in")
         inventory.on_record = self._wake.set
+        inventory.on_asked_to_announce = lambda asker: self._dumps(
+            f"replica {asker} had called this replica silent"
+        )
         # Prefix-load leases and their pin counts, shared (coordinator/runtime/lease_ledger.py).
         self.ledger = LeaseLedger(
             self._writer_conn,
@@ -343,15 +349,23 @@ class RedisStore:
         self._metrics.store_losses.inc()
         self._reset_reader = True
         self._read_ok_since_ms = None  # who is alive is read anew: no sweep before that
+        self._healthy_ms = None  # everything is re-announced here: no re-sync on top
         self.ledger.store_lost()
-        self._inventory.reannounce()
-        try:
-            self._on_store_lost()  # the holders re-announce their blocks (full dumps)
-        except Exception:  # the rebuild must go on without it
-            log.exception("full dumps after the store loss not requested")
+        # New tokens (reclaim): the new store's fencing counter started again, and a part
+        # announced with its old, higher token would outrank a later failover elsewhere.
+        self._inventory.reannounce(reclaim=True)
+        self._dumps(f"the shared store {self._config.url} came back empty")
         self._failures["rebuild"] = "it came back empty; the view is being rebuilt"
         self._set_up_gauge()
         self._wake.set()
+
+    def _dumps(self, why: str) -> None:
+        try:
+            count = self._request_full_dumps(f"{why}: resend your inventory")
+        except Exception:  # the rebuild must go on without them
+            log.exception("full dumps not requested (%s)", why)
+            return
+        log.info("asked %s publishing part(s) for a full dump: %s", count, why)
 
     # --- tasks ---------------------------------------------------------------------------
 
@@ -361,30 +375,52 @@ class RedisStore:
             await self._check_epoch()
             self._inventory.heartbeat()
             self._resync_after_silence(self._clock.monotonic_ms())
-            dropped = self._inventory.expire_silent_origins(
-                self._clock.monotonic_ms(), self._origin_timeout_ms
-            )
-            if dropped:
-                log.info("%d child engine(s) of silent replicas left the view", dropped)
-                self._on_applied()
+            self._expire_silent(self._clock.monotonic_ms())
+
+    def _expire_silent(self, now_ms: int) -> None:
+        """Drops the engines and parts of replicas not heard from for the origin timeout,
+        judged only while this replica follows the log itself: a replica that cannot
+        read (Redis down, reading paused, a failure) hears nobody, and calling every
+        other replica silent then would drop their engines and parts, and a lease's
+        holder there would look proven gone (I6-quiescence) while it lives."""
+        since = self._read_ok_since_ms
+        if since is None or self._failures:
+            return
+        dropped = self._inventory.expire_silent_origins(now_ms, self._origin_timeout_ms, since)
+        if dropped:
+            log.info("%d child engine(s) of silent replicas left the view", dropped)
+            self._on_applied()
 
     def _resync_after_silence(self, now_ms: int) -> None:
         """This replica was unhealthy or stalled (a pause, a partition, Redis down) long
         enough that the others may have called it silent and dropped its ledger
-        records: it writes its live leases again."""
+        records: it writes its live leases again.
+
+        How a replica the others called silent comes back, and why no more is needed:
+        1. nobody calls another silent while it cannot read itself (`_expire_silent`),
+           so an outage of Redis, which every replica sees, drops nothing anywhere;
+        2. a stall of this replica's own (its event loop paused: no failure to see)
+           restarts its count of the others' silence from now: it heard nobody
+           while stalled, and their ops since are still to be read;
+        3. a replica that did call this one silent (it was cut off alone, or stalled)
+           asks it to announce its engines and parts, and have them dump, when it
+           hears it again (replication.py, a hello naming it): only the replica
+           that dropped something asks, so a blip nobody took for silence costs no
+           dumps. The threshold here is half the others' timeout, as before."""
         if self._failures or not self._reading.is_set():
             return
-        if (
-            self._healthy_ms is not None
-            and now_ms - self._healthy_ms > self._origin_timeout_ms // 2
-        ):
-            log.warning(
-                "this replica was unhealthy or stalled for %d ms: writing its live leases to the "
-                "lease ledger again",
-                now_ms - self._healthy_ms,
-            )
-            self.ledger.store_lost()
+        gap = None if self._healthy_ms is None else now_ms - self._healthy_ms
         self._healthy_ms = now_ms
+        if gap is None or gap <= self._origin_timeout_ms // 2:
+            return
+        log.warning(
+            "this replica was unhealthy or stalled for %d ms: writing its live leases to the "
+            "lease ledger again",
+            gap,
+        )
+        if self._read_ok_since_ms is not None:
+            self._read_ok_since_ms = now_ms  # 2. above
+        self.ledger.store_lost()
 
     async def _sweep_ledger(self) -> None:
         """Every origin timeout: the ledger's records of replicas not heard from within it
@@ -421,7 +457,26 @@ class RedisStore:
                 await self._wake.wait()
                 continue
             if inventory.outbox_overflowed:
+                try:
+                    # Rebuild once the store answers: dumps asked for while it is down
+                    # would only overflow the outbox again.
+                    await self._writer_conn.ping()
+                except (RedisError, OSError) as e:
+                    self._fail("append", _why(e))
+                    await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
+                    attempt += 1
+                    continue
+                log.warning(
+                    "shared store %s: more than %d ops or %d bytes queued: resetting this "
+                    "replica's part of the shared view and asking its engines for full dumps",
+                    self._config.url,
+                    inventory.outbox_limit,
+                    inventory.outbox_max_bytes,
+                )
                 inventory.reannounce()
+                # The reset drops this origin's engines everywhere: their blocks come back
+                # with the dumps (the store-loss path does the same).
+                self._dumps("this replica's queue of changes for the shared store overflowed")
             count = min(len(inventory.outbox), OPS_PER_ENTRY)
             ops = [inventory.outbox[i] for i in range(count)]
             generation = inventory.generation
@@ -441,8 +496,7 @@ class RedisStore:
             self._ok("append")
             if inventory.generation != generation:
                 continue  # the outbox was replaced meanwhile (a reset): these ops are not in it
-            for _ in range(count):
-                inventory.outbox.popleft()
+            inventory.take_sent(count)
             self._m_out.inc(count)
             if "rebuild" in self._failures and not inventory.outbox:
                 self._ok("rebuild")  # the reset and re-announcement are in the new log
@@ -621,13 +675,22 @@ class RedisStore:
         if not self._snapshot_every:
             return
         interval = self._config.snapshot_interval_ms
+        failing = False  # one warning per run of failures, not one per tick
         while not self._closing:
             await self._clock.wait(self._snapshot_due, min(interval, 5_000))
             self._snapshot_due.clear()
+            if self._failures:
+                continue  # not following the log (write_snapshot would refuse anyway)
             try:
                 await self.write_snapshot(force=False)
             except (RedisError, OSError) as e:
-                log.warning("snapshot not written: %s", _why(e))
+                if not failing:
+                    log.warning("snapshot not written: %s", _why(e))
+                failing = True
+                continue
+            if failing:
+                log.info("snapshots are written again")
+                failing = False
 
     async def write_snapshot(self, *, force: bool = True) -> bool:
         """Writes this replica's view as the newest snapshot if it is due (or `force`).

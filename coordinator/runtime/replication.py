@@ -25,7 +25,15 @@ Decisions:
   inventory is advisory (I4-advisory), a forgotten block is a miss, never a
   wrong grant (a grant needs the holder's session, which the registry checks).
 - An origin that starts again, or that lost ops while the store was down, sends
-  a reset first, then re-announces its engines.
+  a reset first, then re-announces its engines. Lease messages queued meanwhile
+  (peers.MESSAGE_TAGS) survive the reset: they follow the re-announcement.
+- A replica that called an origin silent and then hears it again (it was only
+  stalled or cut off) asks it, with a hello naming it, to announce its engines
+  and parts again and to have its engines dump (`announce_local_again`, no
+  reset: another replica that kept them ignores the repeat). Asked by the one
+  that dropped them: an origin cannot know who called it silent, and asking
+  for dumps after every stall of its own would cost a dump of every engine
+  after each Redis blip that nobody took for silence.
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ from coordinator.core.events import (
     Tier,
 )
 from coordinator.core.inventory import ApplyResult, EngineImage, Inventory, key_probe
-from coordinator.runtime.peers import PEER_TAGS, PeerLink
+from coordinator.runtime.peers import MESSAGE_TAGS, PEER_TAGS, PeerLink
+from coordinator.runtime.peers import OP_HELLO as PEER_HELLO  # not OP_: one tag, one module
 from kvrc.vocabulary import PublishMode
 
 log = logging.getLogger("kvrc.replication")
@@ -85,9 +94,17 @@ INVENTORY_TAGS = frozenset(
     )
 )
 
-# A store that cannot append keeps this many ops; past it the remote view is rebuilt
-# from a reset and re-announcement when the store returns (the outbox stays bounded).
+# A store that cannot append keeps this many ops, and at most this many bytes of them
+# (msgpack, as appended: a 256-block store op is 9-15 KB, so the op count alone let
+# the outbox grow past the pod's memory limit); past either the remote view is rebuilt
+# from a reset, a re-announcement and full dumps when the store returns.
 DEFAULT_OUTBOX_LIMIT = 1_000_000
+DEFAULT_OUTBOX_MAX_BYTES = 128 * 1024 * 1024
+# Asked to announce again by several replicas at once (each called it silent): one
+# announcement (and one round of dumps) serves every request inside this window.
+REANNOUNCE_WINDOW_MS = 1_000
+# Origins called silent that are remembered, to be asked to announce again if heard.
+EXPIRED_ORIGINS_KEPT = 1_024
 
 
 def _rank(value: Any) -> RankKey | None:
@@ -150,6 +167,11 @@ def decode_events(raw: Sequence[Any], now_ms: int) -> tuple[InventoryEvent, ...]
 
 def pack_ops(ops: Sequence[Op]) -> bytes:
     return msgpack.packb(ops, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _packed_size(op: Op) -> int:
+    """The bytes one op takes in a log entry (the entry adds a 1-3 byte list header)."""
+    return len(msgpack.packb(op, use_bin_type=True))
 
 
 def unpack_ops(data: bytes) -> list[Op]:
@@ -327,6 +349,7 @@ class ReplicatedInventory(Inventory):
         max_entries_total: int,
         max_entries_per_engine: int,
         outbox_limit: int = DEFAULT_OUTBOX_LIMIT,
+        outbox_max_bytes: int = DEFAULT_OUTBOX_MAX_BYTES,
     ) -> None:
         super().__init__(
             max_entries_total=max_entries_total, max_entries_per_engine=max_entries_per_engine
@@ -334,11 +357,22 @@ class ReplicatedInventory(Inventory):
         self.origin = origin
         self.outbox: deque[Op] = deque()
         self.outbox_limit = outbox_limit
+        self.outbox_max_bytes = outbox_max_bytes
+        self.outbox_bytes = 0  # packed size of the ops in `outbox`
+        self._sizes: deque[int] = deque()  # each op's packed size, in outbox order
         self.outbox_overflowed = False  # ops were lost: reset and re-announce next
+        # Lease messages kept across an overflow, re-queued after the re-announcement.
+        self._kept: list[Op] = []
+        self._kept_bytes = 0
         self.generation = 0  # bumped whenever the outbox is replaced (the writer checks it)
         self.on_record: Callable[[], None] = lambda: None  # wakes the store's writer
         self._remote: dict[str, str] = {}  # child engine -> origin replica
         self._origin_seen: dict[str, int] = {}  # origin -> reader's monotonic ms
+        self._expired: dict[str, None] = {}  # origins called silent, oldest first
+        # Asked to announce again (another replica had called this one silent): the store
+        # asks this replica's engines for full dumps, naming who asked.
+        self.on_asked_to_announce: Callable[[str], None] = lambda asker: None
+        self._announced_on_request_ms: int | None = None
         # What was announced of each local engine: (compat, mode, ranks), (visible, serving).
         self._local: dict[str, tuple[Op, tuple[bool, bool]]] = {}
         # Rank parts and lease messages across replicas share this log (peers.py).
@@ -351,13 +385,48 @@ class ReplicatedInventory(Inventory):
     # --- local changes (recorded after the core accepted them) -----------------------
 
     def _record(self, op: Op) -> None:
-        if len(self.outbox) >= self.outbox_limit:
-            self.outbox.clear()
-            self.outbox_overflowed = True
-            self.generation += 1
+        size = _packed_size(op)
+        if not self.outbox:  # drained (or cleared by a test): the count starts again
+            self.outbox_bytes = 0
+            self._sizes.clear()
+        if not self.outbox_overflowed and (
+            len(self.outbox) >= self.outbox_limit
+            or self.outbox_bytes + size > self.outbox_max_bytes
+        ):
+            self._overflow()
         if not self.outbox_overflowed:
             self.outbox.append(op)
+            self._sizes.append(size)
+            self.outbox_bytes += size
+        elif op[0] in MESSAGE_TAGS:
+            self._keep(op, size)
         self.on_record()
+
+    def _overflow(self) -> None:
+        """The outbox is full: its inventory ops go (a reset replaces them), its lease
+        messages stay (a release lost here would leave a live holder pinned)."""
+        for queued in self.outbox:
+            if queued[0] in MESSAGE_TAGS:
+                self._keep(queued, _packed_size(queued))
+        self.outbox.clear()
+        self._sizes.clear()
+        self.outbox_bytes = 0
+        self.outbox_overflowed = True
+        self.generation += 1
+
+    def _keep(self, op: Op, size: int) -> None:
+        if self._kept_bytes + size > self.outbox_max_bytes:
+            # Bounded too: that lease times out instead (aborted or quarantined, I6-quiescence).
+            log.warning("lease message %r dropped: the outbox is full", op[:2])
+            return
+        self._kept.append(op)
+        self._kept_bytes += size
+
+    def take_sent(self, count: int) -> None:
+        """The first `count` ops of the outbox are in the log: they leave it."""
+        for _ in range(count):
+            self.outbox.popleft()
+            self.outbox_bytes -= self._sizes.popleft() if self._sizes else 0
 
     def add_engine(
         self,
@@ -456,22 +525,54 @@ class ReplicatedInventory(Inventory):
     def heartbeat(self) -> None:
         self._record([OP_HEARTBEAT])
 
-    def reannounce(self) -> None:
+    def reannounce(self, *, reclaim: bool = False) -> None:
         """After lost ops (or a new, empty store): reset this origin, announce its engines.
 
-        The engines' entries come back with their next events; a block whose store
-        event was lost is a miss on the other replicas meanwhile (I4-advisory).
+        The engines' entries come back with their next events and the full dumps the
+        store asks for; a block whose store event was lost is a miss on the other
+        replicas meanwhile (I4-advisory). Lease messages that were queued (or kept
+        over an overflow) are queued again after the re-announcement: a release must
+        reach its holder (I6-quiescence). `reclaim`: the store is new, its fencing
+        counter started again, so every part takes a new token (peers.py).
         """
+        kept = [op for op in self.outbox if op[0] in MESSAGE_TAGS] + self._kept
         self.outbox.clear()
+        self._sizes.clear()
+        self.outbox_bytes = 0
+        self._kept = []
+        self._kept_bytes = 0
         self.outbox_overflowed = False
         self.generation += 1
         self._record([OP_RESET])
+        self._announce_engines()
+        if self.peers is not None:
+            self.peers.announce_local(reclaim=reclaim)
+        for op in kept:
+            self._record(op)
+
+    def _asked_to_announce(self, asker: str, now_ms: int) -> None:
+        last = self._announced_on_request_ms
+        if last is not None and 0 <= now_ms - last < REANNOUNCE_WINDOW_MS:
+            return  # one announcement serves every replica that asked meanwhile
+        self._announced_on_request_ms = now_ms
+        log.warning("replica %s had called this one silent: announcing its engines again", asker)
+        self.announce_local_again()
+        self.on_asked_to_announce(asker)
+
+    def announce_local_again(self) -> None:
+        """Another replica called this one silent (nothing it queued was lost): its
+        engines and parts again, no reset. The replica that asked takes them back
+        (their blocks with the full dumps the store asks for); one that did not
+        drop them already holds them and ignores the repeat."""
+        self._announce_engines()
+        if self.peers is not None:
+            self.peers.announce_local()
+
+    def _announce_engines(self) -> None:
         for child_engine_id, (op, (visible, serving)) in self._local.items():
             self._record(list(op))
             if visible or serving:
                 self._record([OP_VISIBLE, child_engine_id, visible, serving])
-        if self.peers is not None:
-            self.peers.announce_local()
 
     # --- the other replicas' ops --------------------------------------------------------
 
@@ -491,6 +592,14 @@ class ReplicatedInventory(Inventory):
         """
         if origin == self.origin:
             return 0
+        if origin not in self._origin_seen and origin in self._expired:
+            del self._expired[origin]
+            # Called silent here, yet alive: its engines and parts left this view and
+            # nothing re-announces them by itself (its later ops name engines unknown here).
+            log.info(
+                "replica %s, called silent here, is heard again: asking it to announce", origin
+            )
+            self._record([PEER_HELLO, origin])
         self._origin_seen[origin] = now_ms
         applied = 0
         for op in ops:
@@ -510,6 +619,9 @@ class ReplicatedInventory(Inventory):
                 self._drop_remote(cid)
             if self.peers is not None:
                 self.peers.origin_gone(origin, f"replica {origin} reset its state")
+            return True
+        if tag == PEER_HELLO and len(op) > 1 and op[1] == self.origin:
+            self._asked_to_announce(origin, now_ms)
             return True
         if tag in PEER_TAGS:
             return self.peers.apply(origin, op) if self.peers is not None else False
@@ -601,15 +713,30 @@ class ReplicatedInventory(Inventory):
             self.peers.hello()  # parts are not in the snapshot: their replicas announce them
         return loaded
 
-    def expire_silent_origins(self, now_ms: int, timeout_ms: int) -> int:
-        """Drops the engines of origins not heard from within `timeout_ms`. Returns them."""
-        silent = {o for o, seen in self._origin_seen.items() if now_ms - seen > timeout_ms}
+    def expire_silent_origins(
+        self, now_ms: int, timeout_ms: int, following_since_ms: int = 0
+    ) -> int:
+        """Drops the engines of origins not heard from within `timeout_ms`. Returns them.
+
+        `following_since_ms`: since when this replica has read the log without a gap
+        (a failure, a pause, a stall of its own). Silence before it proves nothing
+        (this replica could not have heard anybody), so an origin's silence counts
+        from the later of its last op and that instant.
+        """
+        silent = {
+            o
+            for o, seen in self._origin_seen.items()
+            if now_ms - max(seen, following_since_ms) > timeout_ms
+        }
         dropped = 0
         for cid in [c for c, o in self._remote.items() if o in silent]:
             self._drop_remote(cid)
             dropped += 1
         for origin in silent:
             del self._origin_seen[origin]
+            self._expired[origin] = None
+            while len(self._expired) > EXPIRED_ORIGINS_KEPT:
+                del self._expired[next(iter(self._expired))]
             if self.peers is not None:
                 self.peers.origin_gone(origin, f"replica {origin} fell silent")
         return dropped
@@ -620,6 +747,7 @@ class ReplicatedInventory(Inventory):
         for cid in list(self._remote):
             self._drop_remote(cid)
         self._origin_seen.clear()
+        self._expired.clear()  # every replica re-announces after a store loss anyway
         if self.peers is not None:
             self.peers.forget_all("the shared store was lost")
         return count
@@ -631,6 +759,8 @@ class ReplicatedInventory(Inventory):
 
 
 __all__ = [
+    "DEFAULT_OUTBOX_LIMIT",
+    "DEFAULT_OUTBOX_MAX_BYTES",
     "DEFAULT_SNAPSHOT_MAX_BYTES",
     "OP_HEARTBEAT",
     "ReplicatedInventory",

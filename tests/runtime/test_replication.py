@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -147,6 +148,30 @@ def test_reset_and_silent_origins_drop_that_origins_engines_only() -> None:
     assert b.remote_engines() == {"ec": "c"}
 
 
+def test_an_origin_called_silent_and_heard_again_is_asked_to_announce_again() -> None:
+    a, b, c = replica("a"), replica("b"), replica("c")
+    asked: list[str] = []
+    a.on_asked_to_announce = asked.append
+    ready_engine(a, "ea")
+    a.apply("ea", [BlockStored(CHAIN[:2], None, 32)], now_ms=0)
+    ship(a, b, c, now_ms=1_000)
+    b.outbox.clear()
+    assert b.expire_silent_origins(9_000, 5_000) == 1  # a was only cut off from b
+    a.heartbeat()
+    ship(a, b, c, now_ms=9_500)
+    assert list(b.outbox) == [["W", "a"]]  # b heard a again: a hello naming a
+    ship(b, a, c, now_ms=9_600)
+    assert asked == ["b"] and list(c.outbox) == []  # c, which kept a, is not asked
+    ship(a, b, c, now_ms=9_700)  # a's engine again, no reset: c keeps its entries
+    assert b.remote_engines() == {"ea": "a"} and b.is_visible("ea")
+    assert c.engine_entries("ea") == 2
+    a.outbox.clear()
+    a.apply_remote("x", [["W", "a"]], 9_800)  # another ask inside the window: no repeat
+    assert asked == ["b"] and list(a.outbox) == []
+    a.apply_remote("x", [["W", "a"]], 10_700)
+    assert asked == ["b", "x"] and [op[0] for op in a.outbox] == ["E", "V"]
+
+
 def test_a_bad_op_is_skipped_and_the_rest_of_the_entry_applies() -> None:
     a, b = replica("a"), replica("b")
     ready_engine(a, "ok")
@@ -180,6 +205,58 @@ def test_a_full_outbox_turns_into_a_reset_and_re_announcement() -> None:
     assert [op[0] for op in a.outbox] == ["R", "E", "V"]
     ship(a, b)
     assert b.remote_engines() == {"e": "a"} and b.is_visible("e")
+
+
+def packed(ops: Sequence[list[Any]]) -> int:
+    """What the ops take in a log entry, counted one by one (less the entry's header)."""
+    return sum(len(msgpack.packb(op, use_bin_type=True)) for op in ops)
+
+
+def test_the_outbox_is_bounded_by_its_packed_bytes() -> None:
+    """The bound counts bytes as appended (msgpack), not ops: a few big store ops
+    overflow it long before the op count would."""
+    bound = 20_000
+    a = ReplicatedInventory(
+        "a", max_entries_total=100_000, max_entries_per_engine=100_000, outbox_max_bytes=bound
+    )
+    ready_engine(a, "e")
+    big = [bytes([i % 256, i // 256]) * 16 for i in range(256)]  # one 256-block op: ~9 KB
+    for i in range(0, 256, 64):
+        a.apply("e", [BlockStored(tuple(big[i : i + 64]), None, 1024)], now_ms=0)
+        assert a.outbox_bytes == packed(a.outbox) <= bound
+    assert not a.outbox_overflowed
+    a.outbox.clear()
+    for _ in range(3):  # 3 x ~9 KB > 20 KB: overflows at the third, 3 ops in all
+        a.apply("e", [BlockStored(tuple(big), None, 4096)], now_ms=0)
+        assert a.outbox_bytes == packed(a.outbox) <= bound
+    assert a.outbox_overflowed and len(a.outbox) < 3
+    a.reannounce()
+    assert not a.outbox_overflowed and a.outbox_bytes == packed(a.outbox)
+
+
+RELEASE = ["M", "b", "h", [0, 0, 0], "s-1", ["release", "pl-1@a", 1, "succeeded"]]
+ANSWER = ["Q", "b", "b/1", True, None]
+
+
+def test_lease_messages_outlive_a_reset_and_follow_the_re_announcement() -> None:
+    """A store loss or an overflow resets the outbox: a release queued there must still
+    reach its holder (I6-quiescence), after the re-announcement."""
+    a = replica("a")
+    ready_engine(a, "e")
+    a.record(list(RELEASE))
+    a.apply("e", [BlockStored(CHAIN[:1], None, 16)], now_ms=0)
+    a.reannounce()  # a store loss
+    assert [op[0] for op in a.outbox] == ["R", "E", "V", "M"]
+    assert a.outbox[-1] == RELEASE
+    b = replica("b", limit=5)  # an overflow: kept from the outbox and after it
+    ready_engine(b, "e")
+    b.record(list(RELEASE))
+    for i in range(6):
+        b.apply("e", [BlockStored(CHAIN[i : i + 1], CHAIN[i - 1] if i else None, 16)], now_ms=0)
+    b.record(list(ANSWER))
+    assert b.outbox_overflowed
+    b.reannounce()
+    assert [op[0] for op in b.outbox] == ["R", "E", "V", "M", "Q"]
 
 
 # --- the model: both replicas answer alike -------------------------------------------------

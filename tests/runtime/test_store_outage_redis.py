@@ -1,0 +1,294 @@
+"""Replicas through store outages, silences and losses (a real redis-server).
+
+Each replica here is what `kvrc serve --store redis://` wires (coordinator/edges/
+server.py): a `Coordinator` with its `ReplicatedInventory`, `PeerLink` and
+`RedisStore`, in this process, minus gRPC, with a 2 s origin timeout (5 s in
+production) and a 300 ms session grace. What is proved:
+
+- Redis unreachable past the origin timeout (SIGSTOP: nothing lost): no replica
+  calls another silent, so no engine, rank part or holder is dropped (a holder
+  proven gone would end its leases FAILED with no release, I6-quiescence), and the
+  view follows on afterwards;
+- a replica the others did call silent (its appends failed while they read on)
+  announces its engines and parts again, and asks its engines for full dumps;
+- a release queued while Redis was down reaches its holder after Redis came back
+  empty (a store loss resets the outbox);
+- after a store loss the parts take new fencing tokens, so a later failover wins
+  on every replica;
+- an outbox overflow asks for full dumps; a failing store logs one snapshot
+  warning per outage, not one per tick.
+
+A machine without redis-server fails here (it does not skip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+from redis_env import RedisServer, start_redis
+from waiting import wait_until
+
+from coordinator.core.events import BlockStored
+from coordinator.core.leases import Flow, SendRelease
+from coordinator.core.profiles import DeploymentProfile
+from coordinator.core.registry import RankPartRegistration
+from coordinator.edges.grpc_wire import part_codec
+from coordinator.runtime.config import CoordinatorConfig, StoreConfig
+from coordinator.runtime.coordinator import Coordinator, Session
+from coordinator.runtime.peers import PeerLink
+from coordinator.runtime.redis_store import RedisStore
+from coordinator.runtime.replication import ReplicatedInventory
+
+TIMEOUT_MS = 2_000  # the origin timeout: above the 500 ms heartbeat, as in production
+CONFIG = CoordinatorConfig(session_grace_ms=300)
+RANK = (0, 0, 0)
+
+
+def block(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def registration(engine: str) -> RankPartRegistration:
+    return RankPartRegistration(
+        engine_id=engine,
+        dp_rank=0,
+        child_engine_id=engine,
+        rank=RANK,
+        profile=DeploymentProfile(model="m", block_size=16),
+    )
+
+
+class Node:
+    """One replica as server.py wires it, without gRPC."""
+
+    def __init__(self, server: RedisServer, origin: str, **store: Any) -> None:
+        self.origin = origin
+        self.inventory = ReplicatedInventory(
+            origin,
+            max_entries_total=100_000,
+            max_entries_per_engine=100_000,
+            **store.pop("inventory", {}),
+        )
+        self.coordinator = Coordinator(CONFIG, inventory=self.inventory, lease_id_owner=origin)
+        self.dumps: list[str] = []  # the reasons full dumps were asked for
+        config = StoreConfig(
+            kind="redis",
+            host="127.0.0.1",
+            port=server.port,
+            snapshot_every_entries=store.pop("snapshot_every_entries", 0),
+            snapshot_interval_ms=store.pop("snapshot_interval_ms", 60_000),
+        )
+        self.store = RedisStore(
+            config,
+            self.inventory,
+            self.coordinator.clock,
+            self.coordinator.metrics,
+            origin_timeout_ms=TIMEOUT_MS,
+            request_full_dumps=self.dumps.append,
+            load_snapshots=False,
+        )
+        self.peers = PeerLink(
+            origin,
+            self.inventory.record,
+            part_codec(CONFIG.bounds),
+            self.coordinator.clock.monotonic_ms,
+            self.inventory.origin_alive,
+            claim=self.store.claim,
+        )
+        self.inventory.peers = self.peers
+        self.coordinator.attach_peers(self.peers)
+
+    def store_blocks(self, engine: str, start: int, count: int) -> None:
+        hashes = tuple(block(i) for i in range(start, start + count))
+        now = self.coordinator.clock.monotonic_ms()
+        self.inventory.apply(engine, [BlockStored(hashes, None, 16 * count)], now_ms=now)
+
+    def holds(self, engine: str) -> int:
+        """Blocks of `engine` in this replica's view (0: not there at all)."""
+        return self.inventory.engine_entries(engine) if self.inventory.has_engine(engine) else 0
+
+    def part(self, engine: str) -> str | None:
+        return self.coordinator.registry.session_of(engine, RANK)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with start_redis() as s:
+        yield s
+
+
+@pytest.fixture
+async def nodes(server: RedisServer) -> AsyncIterator[Callable[..., Awaitable[Node]]]:
+    started: list[Node] = []
+
+    async def start(origin: str, **store: Any) -> Node:
+        node = Node(server, origin, **store)
+        await node.store.start()
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        await node.store.close(0.2)
+
+
+async def eventually(cond: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
+    await wait_until(cond, timeout_s, interval_s=0.02, what=what)
+
+
+async def holder_seen(a: Node, b: Node, engine: str, blocks: int) -> Session:
+    session = a.coordinator.open_session(registration(engine))
+    a.store_blocks(engine, 0, blocks)
+    await eventually(
+        lambda: b.holds(engine) == blocks and b.part(engine) == session.session_id,
+        f"{b.origin} sees {engine} of {a.origin}",
+    )
+    return session
+
+
+def losses(node: Node) -> float:
+    return float(node.coordinator.metrics.store_losses._value.get())
+
+
+def queued(session: Session) -> list[Any]:
+    return list(session._queue._queue)  # type: ignore[attr-defined]
+
+
+async def test_an_outage_past_the_origin_timeout_drops_no_engine_part_or_holder(
+    server: RedisServer, nodes: Callable[..., Awaitable[Node]]
+) -> None:
+    a, b = await nodes("A"), await nodes("B")
+    await holder_seen(a, b, "h", 8)
+    assert server.process is not None
+    server.process.send_signal(signal.SIGSTOP)  # unreachable, nothing lost
+    try:
+        # Past the origin timeout plus the session grace, and past the 2.5 s socket
+        # timeout that delays the first failure: B's health ticks ran meanwhile.
+        for _ in range(int(2.5 * TIMEOUT_MS / 100)):
+            await asyncio.sleep(0.1)
+            assert b.holds("h") == 8, "B dropped A's engine while it could read nothing"
+            assert b.part("h") is not None, "B dropped A's rank part while it could read nothing"
+        assert b.store.unavailable_reason() is not None
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+    await eventually(lambda: b.store.unavailable_reason() is None, "B healthy again")
+    # Another origin timeout after the recovery: nobody was called silent meanwhile.
+    for _ in range(int(1.5 * TIMEOUT_MS / 100)):
+        await asyncio.sleep(0.1)
+        assert b.holds("h") == 8 and b.part("h") is not None
+    assert not b.coordinator.proven_gone("h")
+    a.store_blocks("h", 8, 2)  # the view follows on
+    await eventually(lambda: b.holds("h") == 10, "B sees A's new blocks")
+
+
+async def test_a_replica_called_silent_announces_its_engines_and_parts_again(
+    nodes: Callable[..., Awaitable[Node]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = await nodes("A"), await nodes("B")
+    session = await holder_seen(a, b, "h", 8)
+
+    async def partitioned(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("partitioned (test)")
+
+    # A's appends fail (a partition of A alone, or A stalled) while B reads on: B calls
+    # A silent and drops its engine and part, as it should.
+    with monkeypatch.context() as patch:
+        patch.setattr(a.store._writer_conn, "xadd", partitioned)
+        await eventually(lambda: b.holds("h") == 0 and b.part("h") is None, "B calls A silent")
+    # A's queue is appended again: A notices its own silence and announces again.
+    await eventually(
+        lambda: b.part("h") == session.session_id and b.inventory.has_engine("h"),
+        "B hears of A's engine and part again",
+    )
+    assert [why for why in a.dumps if "had called this replica silent" in why], a.dumps
+    a.store_blocks("h", 8, 2)  # later ops apply (an unknown engine's were ignored)
+    await eventually(lambda: b.holds("h") == 2, "B sees A's new blocks")
+
+
+async def test_a_release_queued_while_the_store_was_lost_reaches_its_holder(
+    server: RedisServer, nodes: Callable[..., Awaitable[Node]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = await nodes("A"), await nodes("B")
+    session = await holder_seen(a, b, "h", 4)
+    server.kill()
+    # The lease's owner (B) ends it while Redis is down: the release waits in B's outbox.
+    release = SendRelease("h", RANK, "pl-1@B", Flow.PREFIX_LOAD, "succeeded")
+    assert b.peers.send(session.session_id, release)
+    await asyncio.sleep(0.3)
+    # B's epoch check (every 500 ms) notices the loss before its writer's next retry
+    # (backing off up to 1 s) appends the release: made certain here.
+    real_xadd = b.store._writer_conn.xadd
+
+    async def after_the_loss(*args: Any, **kwargs: Any) -> Any:
+        if not losses(b):
+            raise ConnectionError("not yet (test)")
+        return await real_xadd(*args, **kwargs)
+
+    monkeypatch.setattr(b.store._writer_conn, "xadd", after_the_loss)
+    server.restart()  # empty: a store loss, B's outbox is reset and re-announced
+    await eventually(lambda: release in queued(session), "the holder got its release")
+
+
+async def test_after_a_store_loss_parts_take_new_tokens_and_a_later_failover_wins(
+    server: RedisServer, nodes: Callable[..., Awaitable[Node]]
+) -> None:
+    a, b, c = await nodes("A"), await nodes("B"), await nodes("C")
+    for engine in ("x", "y", "z"):  # tokens 1-3: the holder's is higher than a new store's
+        await holder_seen(a, c, engine, 1)
+    old = await holder_seen(a, c, "h", 1)
+    server.restart()  # empty: the fencing counter starts again
+    await eventually(
+        lambda: all(losses(n) and n.store.unavailable_reason() is None for n in (a, b, c)),
+        "every replica counted the loss and is healthy again",
+    )
+    await eventually(lambda: c.part("h") == old.session_id, "C hears of the holder again")
+    # A dies (kill -9: no departures) and the holder fails over to B. C takes B's
+    # registration at once: its token is above the one A re-announced after the loss.
+    await a.store.close(0)
+    moved = b.coordinator.open_session(registration("h"))
+    # Within the origin timeout: not merely once A's silence dropped its parts on C.
+    await eventually(
+        lambda: c.part("h") == moved.session_id,
+        "C follows the failover",
+        timeout_s=0.75 * TIMEOUT_MS / 1000,
+    )
+
+
+async def test_an_outbox_overflow_asks_for_full_dumps_and_the_view_is_rebuilt(
+    server: RedisServer, nodes: Callable[..., Awaitable[Node]]
+) -> None:
+    a = await nodes("A", inventory={"outbox_max_bytes": 64 * 1024})
+    b = await nodes("B")
+    await holder_seen(a, b, "h", 8)
+    assert server.process is not None
+    server.process.send_signal(signal.SIGSTOP)
+    try:
+        await eventually(lambda: a.store.unavailable_reason() is not None, "A sees the outage")
+        for i in range(40):  # ~140 KB of ops: past the bound
+            a.store_blocks("h", 1_000 + 100 * i, 100)
+        assert a.inventory.outbox_overflowed
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+    await eventually(lambda: any("overflowed" in why for why in a.dumps), "full dumps asked")
+    # The reset drops A's engine on B; the re-announcement brings it back (blocks: the dumps).
+    await eventually(lambda: b.part("h") is not None and b.inventory.has_engine("h"), "back")
+
+
+async def test_a_failing_store_logs_one_snapshot_warning_per_outage(
+    server: RedisServer,
+    nodes: Callable[..., Awaitable[Node]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a = await nodes("A", snapshot_every_entries=1, snapshot_interval_ms=50)
+    a.inventory.heartbeat()
+    await eventually(lambda: a.store.read_position not in (None, "0-0"), "A reads")
+    caplog.set_level(logging.INFO, logger="kvrc.store")
+    server.kill()
+    await asyncio.sleep(1.5)  # 30 snapshot ticks
+    lines = [r for r in caplog.records if "snapshot not written" in r.getMessage()]
+    assert len(lines) <= 1, [r.getMessage() for r in lines]
