@@ -58,6 +58,8 @@ log = logging.getLogger("kvrc.client.leases")
 
 # The coordinator accepts this many held lease ids in one Register (FieldBounds).
 MAX_HELD_ANNOUNCED = 4096
+# Abort acks that found the session down, kept to send after it reconnects (oldest dropped).
+MAX_UNSENT_ABORT_ACKS = 1024
 # Reports are retried while the coordinator is unreachable or warming after a restart.
 _REPORT_RETRY_INITIAL_S = 0.05
 _REPORT_RETRY_MAX_S = 1.0
@@ -566,6 +568,9 @@ class LeaseSessionHandler(SessionHandler):
         self._held: dict[str, None] = {}
         self._registrations = 0
         self._reports: LeaseClient | None = None
+        # Acks whose send found the session down: the proof a quarantine waits for, so
+        # they go after the next registration instead of being lost (insertion order).
+        self._unsent_acks: OrderedDict[str, None] = OrderedDict()
 
     def held_lease_ids(self) -> Sequence[str]:
         """Re-announced at every (re-)registration: a restarted coordinator rebuilds these
@@ -600,7 +605,20 @@ class LeaseSessionHandler(SessionHandler):
         self._registrations += 1
         if self._registrations > 1 and self._reports is not None:
             self._spawn(self._replay(self._reports))
+        if self._unsent_acks:
+            self._spawn(self._send_kept_acks())
         await self._inner.on_registered(ack)
+
+    def unsent_abort_acks(self) -> Sequence[str]:
+        """Lease ids whose AbortAck waits for the session to reconnect."""
+        return list(self._unsent_acks)
+
+    async def _send_kept_acks(self) -> None:
+        kept, self._unsent_acks = list(self._unsent_acks), OrderedDict()
+        for lease_id in kept:
+            await self._send_abort_ack(lease_id)
+        if kept:
+            log.info("re-registered: %d kept abort ack(s) sent", len(kept))
 
     @staticmethod
     async def _replay(client: LeaseClient) -> None:
@@ -648,7 +666,20 @@ class LeaseSessionHandler(SessionHandler):
     async def _abort_then_ack(self, lease_id: str, reason: str) -> None:
         if self._abort is not None:
             await self._abort(lease_id, reason)  # no ack unless the engine proves it stopped
-        await self._require_session().send_abort_ack(lease_id)
+        await self._send_abort_ack(lease_id)
+
+    async def _send_abort_ack(self, lease_id: str) -> None:
+        try:
+            await self._require_session().send_abort_ack(lease_id)
+        except UnavailableError as e:
+            # Between sessions: keep it for the next registration (a coordinator that
+            # no longer waits for it logs and ignores it).
+            self._unsent_acks[lease_id] = None
+            self._unsent_acks.move_to_end(lease_id)
+            while len(self._unsent_acks) > MAX_UNSENT_ABORT_ACKS:
+                dropped, _ = self._unsent_acks.popitem(last=False)
+                log.warning("abort ack of lease %s dropped: too many kept unsent", dropped)
+            log.info("abort ack of lease %s kept until the session is back: %s", lease_id, e)
 
     async def on_release_request(self, request: pb.ReleaseRequest) -> None:
         if self._on_release is not None:

@@ -864,6 +864,12 @@ class Grants:
         )
         return step.view, self._settled(step.actions)
 
+    def on_part_registered(
+        self, child_engine_id: str, rank_key: RankKey
+    ) -> tuple[GrantAction, ...]:
+        """A rank part (re-)registered: the aborts it still owes an ack for, sent again."""
+        return self._settled(self.table.resend_owed_aborts(child_engine_id, rank_key))
+
     def tick(self, now_ms: int) -> tuple[GrantAction, ...]:
         """Fires due lease timers, drain deadlines and begin waits."""
         actions: list[GrantAction] = list(self.table.tick(now_ms))

@@ -21,6 +21,12 @@ I6-quiescence, the rules this module keeps:
   a proof (an UNKNOWN outcome, an abort not acknowledged) are sent an abort;
   once each acknowledges it (its reads are quiet) the quarantine ends FAILED
   with a release. Otherwise only an operator resolves it. Never on a timer;
+- a source declared gone may be alive (its session was down past the grace):
+  its release is still decided, at once if nothing was read, else once every
+  target part still reading proved its reads quiet, so that a source that comes
+  back and re-announces the lease gets it (`recover_held`);
+- a target part that re-registers is asked again for every abort ack it owes
+  (`resend_owed_aborts`): an abort or its ack may have been lost with its stream;
 - a release is sent at most once per source rank part.
 
 Prefix-load pins: a holder part that never answered its PinRequest by the pin
@@ -121,6 +127,8 @@ class LeaseState(enum.IntEnum):
 TERMINAL_STATES = frozenset(
     {LeaseState.COMPLETED, LeaseState.FAILED, LeaseState.RESOLVED, LeaseState.MISSED}
 )
+# Open states in which target parts in `abort_pending` owe the ack of an abort.
+_AWAITING_ACKS = frozenset({LeaseState.ABORTING, LeaseState.QUARANTINED})
 
 
 class Outcome(enum.IntEnum):
@@ -375,6 +383,10 @@ class _Lease:
     released: set[RankKey] = field(default_factory=set)
     # Rebuilt from a holder's re-announcement after a coordinator restart (recover_held).
     recovered: bool = False
+    # Ended because its source was declared gone while the target may still read: the
+    # source may be alive (a blip past the grace) and come back pinning, so its release
+    # is decided once every part in `abort_pending` proved its reads quiet (_source_gone).
+    awaiting_quiet: bool = False
 
     @property
     def flow(self) -> Flow:
@@ -479,6 +491,9 @@ class LeaseTable:
         # (flow, state) counts changed since `take_changed_counts` (the gauge reads only those).
         self._counts_changed: set[tuple[Flow, LeaseState]] = set()
         self._terminal: OrderedDict[str, int] = OrderedDict()  # lease id -> ended_ms
+        # Ended leases awaiting their target's proofs before a release (`awaiting_quiet`),
+        # by target engine: its re-registration re-asks, its proven death settles them.
+        self._awaiting: dict[str, set[str]] = {}
         self._timers: list[tuple[int, int, str]] = []  # (due_ms, seq, lease id), lazy
         self._timer_seq = 0
 
@@ -936,7 +951,33 @@ class LeaseTable:
             lease.abort_pending.discard(rank_key)
             lease.abort_acked.add(rank_key)
             self._end_quarantine_if_proven(lease, now_ms, actions)
+        elif lease.awaiting_quiet and rank_key in lease.abort_pending:
+            # Ended with its source gone: the last proof decides the source's release.
+            lease.abort_pending.discard(rank_key)
+            lease.abort_acked.add(rank_key)
+            self._release_once_quiet(lease, actions)
         return LeaseStep(self._view(lease), tuple(actions))
+
+    def resend_owed_aborts(self, child_engine_id: str, rank_key: RankKey) -> list[Action]:
+        """A target part (re-)registered: ask it again for every proof it still owes.
+
+        An AbortRequest sent while it was between sessions was dropped, and its ack may
+        have been lost with the old stream: without this a live target's quarantine (or
+        a gone source's release) would wait for an operator (I6-quiescence)."""
+        ids = set(self._by_engine.get(child_engine_id, ())) | self._awaiting.get(
+            child_engine_id, set()
+        )
+        actions: list[Action] = []
+        for lease_id in sorted(ids):
+            lease = self._leases[lease_id]
+            if (
+                lease.target_child_engine_id == child_engine_id
+                and rank_key in lease.abort_pending
+                and (lease.awaiting_quiet or lease.state in _AWAITING_ACKS)
+            ):
+                reason = f"asked again after re-registering: {lease.reason}"
+                actions.append(SendAbort(child_engine_id, rank_key, lease_id, lease.flow, reason))
+        return actions
 
     def _end_quarantine_if_proven(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
         if lease.abort_pending:
@@ -979,7 +1020,10 @@ class LeaseTable:
 
         A lease this table still knows (the session broke, kvrc did not restart)
         changes nothing, except that a part whose release was already decided
-        gets it again (the first may have been lost with the old stream).
+        gets it again (the first may have been lost with the old stream). That
+        includes a source declared gone that was alive all along: its release is
+        decided at once if nothing was read, else once the target proved its reads
+        quiet (`_source_gone`).
         """
         _check_id("held lease id", lease_id)
         _check_id("holder_child_engine_id", holder_child_engine_id)
@@ -1057,6 +1101,20 @@ class LeaseTable:
                 self._source_gone(lease, now_ms, actions)
             else:
                 self._target_gone(lease, now_ms, actions)
+        for lease_id in sorted(self._awaiting.get(child_engine_id, ())):
+            # Ended with its source gone, and now its target too: nothing reads any more,
+            # unless a part's UNKNOWN outcome stands unproven (fail closed, as in
+            # `_settle_if_quiescent`): then no release is decided.
+            lease = self._leases[lease_id]
+            unproven = any(
+                lease.outcomes.get(k) is Outcome.UNKNOWN and k not in lease.abort_acked
+                for k in lease.target_rank_keys
+            )
+            lease.abort_pending.clear()
+            if unproven:
+                self._stop_awaiting(lease)
+            else:
+                self._release_once_quiet(lease, actions)
         return actions
 
     def abort_engine(self, child_engine_id: str, now_ms: int) -> list[Action]:
@@ -1133,11 +1191,23 @@ class LeaseTable:
             return LeaseStep(self._view(lease), ())  # a repeat
         if rank_key in lease.abort_acked:
             return LeaseStep(self._view(lease), ())  # its abort ack already settled it
+        actions: list[Action] = []
+        owing = rank_key in lease.abort_pending
+        if owing and (lease.awaiting_quiet or lease.state is LeaseState.QUARANTINED):
+            # A part asked for a proof reports instead: SUCCEEDED or FAILED is one (its
+            # reads ended), UNKNOWN is not (it still owes the abort's ack).
+            lease.outcomes[rank_key] = outcome
+            if outcome is not Outcome.UNKNOWN:
+                lease.abort_pending.discard(rank_key)
+                if lease.awaiting_quiet:
+                    self._release_once_quiet(lease, actions)
+                else:
+                    self._end_quarantine_if_proven(lease, now_ms, actions)
+            return LeaseStep(self._view(lease), tuple(actions))
         if lease.state in (LeaseState.PINNING, LeaseState.WAITING_READY, LeaseState.READY):
             raise failed_precondition(
                 f"lease {lease.lease_id} is {lease.state.name}: nothing was granted to report on"
             )
-        actions: list[Action] = []
         if lease.state in (LeaseState.ACTIVE, LeaseState.ABORTING):
             lease.outcomes[rank_key] = outcome
             lease.abort_pending.discard(rank_key)
@@ -1225,11 +1295,7 @@ class LeaseTable:
         lease: _Lease, pending: list[RankKey], reason: str, actions: list[Action]
     ) -> None:
         actions.append(LeaseAborting(lease.lease_id, lease.flow, reason))
-        assert lease.target_child_engine_id is not None
-        actions.extend(
-            SendAbort(lease.target_child_engine_id, k, lease.lease_id, lease.flow, reason)
-            for k in pending
-        )
+        actions.extend(_abort_messages(lease, pending, reason))
 
     def _quarantine(
         self, lease: _Lease, reason: str, actions: list[Action], *, await_proofs: bool
@@ -1247,14 +1313,15 @@ class LeaseTable:
         if not await_proofs:
             lease.abort_pending.clear()  # nobody left to prove anything: an operator's call
             return
-        unknown = [
+        lease.abort_pending.update(
             k
             for k in lease.target_rank_keys
             if lease.outcomes.get(k) is Outcome.UNKNOWN and k not in lease.abort_acked
-        ]
-        lease.abort_pending.update(unknown)
-        if unknown:
-            self._send_aborts(lease, unknown, f"quarantined: {reason}", actions)
+        )
+        # Also the parts whose abort went unacknowledged: it (or its ack) may have been lost.
+        owing = sorted(lease.abort_pending)
+        if owing:
+            self._send_aborts(lease, owing, f"quarantined: {reason}", actions)
 
     def _expire(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
         state = lease.state
@@ -1275,18 +1342,60 @@ class LeaseTable:
             self._quarantine(lease, "abort not acknowledged in time", actions, await_proofs=True)
 
     def _source_gone(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
-        # Its pins died with it: nobody to release, nothing to quarantine.
+        # "Proven gone" is a session closed past the grace: the process may be alive (a
+        # blip) and come back still pinning. Record its release as decided wherever that
+        # is safe, so that `recover_held` re-sends it to a source that re-announces.
         text = f"{_SOURCE_WORD[lease.flow]} engine gone"
-        if lease.state is LeaseState.PINNING:
+        state = lease.state
+        if state is LeaseState.PINNING:
             assert isinstance(lease, _PrefixLoad)
-            self._miss(lease, MissReason.HOLDER_GONE, now_ms, actions, release=False)
+            # Nothing was granted, so nothing was read: the release is safe now.
+            self._miss(lease, MissReason.HOLDER_GONE, now_ms, actions)
             return
-        if lease.state is LeaseState.ACTIVE:
-            # Tell the target to stop reading from a dead peer (ABORTING: already told).
-            pending = [k for k in lease.target_rank_keys if k not in lease.outcomes]
-            if pending:
-                self._send_aborts(lease, pending, text, actions)
+        if state in (LeaseState.WAITING_READY, LeaseState.READY):
+            # A handoff nobody began: nothing was read either.
+            self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
+            return
+        if state not in (LeaseState.ACTIVE, LeaseState.ABORTING):
+            # QUARANTINED: no proof to wait for is certain; fail closed (operator's call).
+            self._end(lease, LeaseState.FAILED, text, now_ms, actions)
+            return
+        # The target may still read (I6-quiescence): each part not yet proven quiet is
+        # told to stop, and the release waits for its proof (`_release_once_quiet`).
+        owing = [
+            k
+            for k in lease.target_rank_keys
+            if k not in lease.abort_acked and lease.outcomes.get(k) in (None, Outcome.UNKNOWN)
+        ]
+        untold = [k for k in owing if k not in lease.abort_pending]
+        if untold:
+            if state is LeaseState.ACTIVE:
+                self._send_aborts(lease, untold, text, actions)
+            else:  # ABORTING: already counted once
+                actions.extend(_abort_messages(lease, untold, text))
+        lease.abort_pending = set(owing)
         self._end(lease, LeaseState.FAILED, text, now_ms, actions)
+        assert owing, "an ACTIVE or ABORTING lease has a part not yet settled"
+        assert lease.target_child_engine_id is not None
+        lease.awaiting_quiet = True
+        self._awaiting.setdefault(lease.target_child_engine_id, set()).add(lease.lease_id)
+
+    def _release_once_quiet(self, lease: _Lease, actions: list[Action]) -> None:
+        """An ended lease whose source was declared gone: release once no read can land."""
+        if lease.abort_pending:
+            return
+        self._stop_awaiting(lease)
+        word = _TARGET_WORD[lease.flow]
+        self._release(lease, f"ended ({lease.reason}); the {word} proved its reads quiet", actions)
+
+    def _stop_awaiting(self, lease: _Lease) -> None:
+        lease.awaiting_quiet = False
+        target = lease.target_child_engine_id
+        if target is not None and target in self._awaiting:
+            waiting = self._awaiting[target]
+            waiting.discard(lease.lease_id)
+            if not waiting:
+                del self._awaiting[target]
 
     def _target_gone(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
         text = f"{_TARGET_WORD[lease.flow]} engine gone"
@@ -1443,6 +1552,8 @@ class LeaseTable:
                 break
             del self._terminal[lease_id]
             lease = self._leases.pop(lease_id)
+            if lease.awaiting_quiet:
+                self._stop_awaiting(lease)  # a source still pinning re-announces it quarantined
             if lease.recovered:
                 continue  # never indexed by request id
             owner = (
@@ -1582,6 +1693,12 @@ class LeaseTable:
             handoff_grant=handoff_grant,
             miss_reason=miss_reason,
         )
+
+
+def _abort_messages(lease: _Lease, parts: Sequence[RankKey], reason: str) -> list[SendAbort]:
+    assert lease.target_child_engine_id is not None
+    target = lease.target_child_engine_id
+    return [SendAbort(target, k, lease.lease_id, lease.flow, reason) for k in parts]
 
 
 def _check_id(name: str, value: str) -> None:

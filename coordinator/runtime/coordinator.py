@@ -406,6 +406,8 @@ class Coordinator:
         if held:
             # Restart recovery: pins this part still holds (after the RegisterAck).
             self.leases.recover_held(view.child_engine_id, registration.rank, held)
+        # Aborts sent while it was between sessions were dropped: they go again.
+        self.leases.on_part_registered(view.child_engine_id, registration.rank)
         return session
 
     def on_pin_result(

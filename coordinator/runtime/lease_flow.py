@@ -361,6 +361,19 @@ class LeaseFlow:
                 )
             self._execute(actions)
 
+    def on_part_registered(self, child_engine_id: str, rank_key: RankKey) -> None:
+        """A rank part (re-)registered (after its RegisterReply): an abort sent while it was
+        between sessions was dropped, so every abort it still owes an ack for goes again."""
+        actions = self.core.on_part_registered(child_engine_id, rank_key)
+        if actions:
+            log.info(
+                "%s rank %s re-registered: %d abort(s) it owes an ack for sent again",
+                child_engine_id,
+                rank_key,
+                len(actions),
+            )
+        self._execute(actions)
+
     def on_release_ack(self, child_engine_id: str, rank_key: RankKey, lease_id: str) -> None:
         # The release already ended the lease (fail closed is on the holder's side now).
         log.debug(
@@ -521,9 +534,10 @@ class LeaseFlow:
                     m.lease_quiescence_duration.labels(flow=action.flow.value).observe(
                         action.quiescence_ms / 1000
                     )
-        if actions:
-            self._update_gauge()
-            self._arm()
+        # Also with no actions: a step may still change counts (a first-part publish admits
+        # a WAITING_READY handoff) and add a deadline (its publish timeout).
+        self._update_gauge()
+        self._arm()
 
     def _pins_recorded(self, lease_id: str, pins: Sequence[SendPin], ok: bool, why: str) -> None:
         """The ledger answered a lease's open: its pins leave now, or it misses."""

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from harness import (
     CoordinatorProcess,
@@ -16,11 +17,13 @@ from harness import (
 )
 from lease_parts import Parts, store_blocks
 
+from clients import leases as client_leases
 from clients.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     NotFoundError,
     PermissionDeniedError,
+    UnavailableError,
 )
 from clients.hashing import hash_block_chain
 from clients.leases import (
@@ -122,6 +125,37 @@ async def test_abort_is_acknowledged_only_after_the_engine_stopped(
     stopped.set()
     await wait_until(lambda: bool(released), timeout_s=5)
     assert released == [grant.lease_id]
+
+
+class FlakySession:
+    """The part of an EngineSession the handler acks aborts with; `up` says if connected."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.acks: list[str] = []
+
+    async def send_abort_ack(self, lease_id: str) -> None:
+        if not self.up:
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the session is not connected")
+        self.acks.append(lease_id)
+
+
+async def test_an_abort_ack_that_finds_the_session_down_is_sent_after_it_reconnects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(client_leases, "MAX_UNSENT_ABORT_ACKS", 2)
+    handler = LeaseSessionHandler()
+    session = FlakySession()
+    handler.attach(session)  # type: ignore[arg-type]
+    for lease_id in ("L1", "L2", "L3"):  # the stream broke while the reads were stopping
+        await handler.on_abort_request(pb.AbortRequest(lease_id=lease_id, reason="deadline"))
+    await wait_until(lambda: len(handler.unsent_abort_acks()) == 2, timeout_s=5)
+    assert handler.unsent_abort_acks() == ["L2", "L3"]  # bounded: the oldest went
+    session.up = True
+    await handler.on_registered(None)  # reconnected: the kept acks go now
+    await wait_until(lambda: session.acks == ["L2", "L3"], timeout_s=5)
+    assert handler.unsent_abort_acks() == []
+    await handler.aclose()
 
 
 async def test_only_reports_of_leases_still_open_are_kept_for_a_replay(

@@ -282,7 +282,9 @@ def test_a_late_abort_ack_ends_the_quarantine_it_caused() -> None:
     t.tick(T0 + 10 + 5_000)  # ACTIVE -> ABORTING: TP2[1] is asked to stop
     quarantined = t.tick(T0 + 10**8)  # never acknowledged in time
     assert t.get(lease_id).state is LeaseState.QUARANTINED
-    assert of(quarantined, SendRelease) == [] and of(quarantined, SendAbort) == []
+    assert of(quarantined, SendRelease) == []
+    # The abort (or its ack) may have been lost: the part that owes the ack is asked again.
+    assert [a.rank_key for a in of(quarantined, SendAbort)] == [TP2[1]]
     late = t.on_abort_ack(lease_id, REQ, TP2[1], T0 + 10**8 + 1)
     assert late.view.state is LeaseState.FAILED and len(of(late.actions, SendRelease)) == 2
 
@@ -358,14 +360,33 @@ def test_requester_gone_while_pinning_releases_the_holder() -> None:
     assert len(of(actions, SendRelease)) == 2
 
 
-def test_holder_gone_before_answering_is_a_miss_without_release() -> None:
+def reannounce(t: LeaseTable, lease_id: str, part: RankKey, source: str = HOLD) -> list[Any]:
+    """A source part back after being declared gone re-announces the lease: what it gets."""
+    step = t.recover_held(
+        lease_id=lease_id,
+        holder_child_engine_id=source,
+        holder_rank_keys=TP2,
+        rank_key=part,
+        now_ms=T0 + 10**6,
+    )
+    got = []
+    for a in step.actions:
+        assert isinstance(a, SendRelease | SendQuarantine)
+        got.append((type(a).__name__, a.rank_key))
+    return got
+
+
+def test_holder_gone_before_answering_is_a_miss_and_its_release_is_decided() -> None:
     t = table()
     lease_id = open_load(t)
     actions = t.on_engine_gone(HOLD, T0 + 100)
     view = t.get(lease_id)
     assert view.state is LeaseState.MISSED and view.miss_reason is MissReason.HOLDER_GONE
-    assert of(actions, SendRelease) == []
     assert of(actions, LeaseMissed)[0].reason is MissReason.HOLDER_GONE
+    # "Gone" may be a blip past the grace: nothing was read, so its release is decided
+    # now, and a holder that comes back still pinning gets it again.
+    assert [a.rank_key for a in of(actions, SendRelease)] == list(TP2)
+    assert reannounce(t, lease_id, TP2[1]) == [("SendRelease", TP2[1])]
 
 
 def test_holder_gone_mid_transfer_fails_and_tells_the_requester_to_stop() -> None:
@@ -376,9 +397,102 @@ def test_holder_gone_mid_transfer_fails_and_tells_the_requester_to_stop() -> Non
     assert t.get(lease_id).state is LeaseState.FAILED
     assert of(actions, SendRelease) == []
     assert [a.rank_key for a in of(actions, SendAbort)] == [TP2[1]]
-    # The requester's later report changes nothing.
+    # A holder back meanwhile keeps its pins: TP2[1] may still read (I6-quiescence).
+    assert reannounce(t, lease_id, TP2[0]) == []
+    # The requester's report proves its reads quiet: the release is decided then.
     late = t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.FAILED, T0 + 300)
-    assert late.actions == () and late.view.state is LeaseState.FAILED
+    assert late.view.state is LeaseState.FAILED
+    assert [a.rank_key for a in of(late.actions, SendRelease)] == list(TP2)
+    assert reannounce(t, lease_id, TP2[0]) == [("SendRelease", TP2[0])]
+
+
+def test_a_holder_declared_gone_is_released_only_once_every_read_is_proven_quiet() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.UNKNOWN, T0 + 100)
+    t.tick(T0 + 10 + 5_000)  # quarantined: TP2[0] owes an ack (TP2[1] still reading)
+    t.on_abort_ack(lease_id, REQ, TP2[0], T0 + 5_100)
+    t.tick(T0 + 10 + 6_000)
+    lease2 = granted_load(t, "r2")
+    t.complete_prefix_load(lease2, REQ, TP2[1], Outcome.UNKNOWN, T0 + 6_100)
+    actions = t.on_engine_gone(HOLD, T0 + 6_200)
+    # lease2: the UNKNOWN part and the silent one are both asked to stop; nothing released.
+    assert sorted(a.rank_key for a in of(actions, SendAbort) if a.lease_id == lease2) == list(TP2)
+    assert of(actions, SendRelease) == [] and t.get(lease2).state is LeaseState.FAILED
+    assert t.complete_prefix_load(lease2, REQ, TP2[0], Outcome.UNKNOWN, T0 + 6_300).actions == ()
+    assert t.on_abort_ack(lease2, REQ, TP2[1], T0 + 6_400).actions == ()  # TP2[0] still owes
+    done = t.on_abort_ack(lease2, REQ, TP2[0], T0 + 6_500)
+    assert [(a.lease_id, a.rank_key) for a in of(done.actions, SendRelease)] == [
+        (lease2, k) for k in TP2
+    ]
+    assert t.on_abort_ack(lease2, REQ, TP2[0], T0 + 6_600).actions == ()  # once
+
+
+def test_a_gone_holders_release_is_decided_when_its_requester_is_gone_too() -> None:
+    t = table()
+    quiet, unknown = granted_load(t, "r1"), granted_load(t, "r2")
+    t.complete_prefix_load(unknown, REQ, TP2[0], Outcome.UNKNOWN, T0 + 100)
+    t.on_engine_gone(HOLD, T0 + 200)
+    actions = t.on_engine_gone(REQ, T0 + 300)
+    # Nothing reads any more; an UNKNOWN outcome never proven stays closed (no release).
+    assert {(a.lease_id, a.rank_key) for a in of(actions, SendRelease)} == {(quiet, k) for k in TP2}
+    assert reannounce(t, unknown, TP2[0]) == []
+    assert t.resend_owed_aborts(REQ, TP2[1]) == []
+
+
+def test_a_prefill_declared_gone_before_the_begin_gets_its_release() -> None:
+    t = table()
+    waiting = publish(t, TP2[0], "d0", "h1").view.lease_id
+    ready = publish_all(t, "h2")
+    actions = t.on_engine_gone(PRE, T0 + 100)
+    assert {(a.lease_id, a.rank_key) for a in of(actions, SendRelease)} == {
+        (waiting, TP2[0]),
+        (ready, TP2[0]),
+        (ready, TP2[1]),
+    }
+    assert reannounce(t, ready, TP2[1], source=PRE) == [("SendRelease", TP2[1])]
+
+
+def test_a_failed_report_of_a_part_that_owes_an_ack_ends_the_quarantine() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.FAILED, T0 + 100)
+    t.tick(T0 + 10 + 5_000)
+    t.tick(T0 + 10**8)  # the abort to TP2[1] was lost: quarantined
+    # Its FAILED report says its reads ended: the proof it owed, like the ack.
+    step = t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.FAILED, T0 + 10**8 + 1)
+    assert step.view.state is LeaseState.FAILED and len(of(step.actions, SendRelease)) == 2
+
+
+def test_a_re_registered_target_part_is_asked_again_for_every_ack_it_owes() -> None:
+    t = table()
+    aborting, quarantined, quiet = (granted_load(t, f"r{i}") for i in range(3))
+    gone_holder = open_load(t, "r3", holder="holder-x")
+    for key in TP2:
+        t.on_pin_result(gone_holder, "holder-x", key, 8, {"desc": key}, T0 + 10)
+    t.complete_prefix_load(quarantined, REQ, TP2[1], Outcome.UNKNOWN, T0 + 100)
+    t.complete_prefix_load(quarantined, REQ, TP2[0], Outcome.SUCCEEDED, T0 + 100)
+    for key in TP2:
+        t.complete_prefix_load(quiet, REQ, key, Outcome.SUCCEEDED, T0 + 100)
+    t.tick(T0 + 10 + 5_000)  # `aborting` and `gone_holder`: both parts asked to stop
+    t.on_abort_ack(aborting, REQ, TP2[0], T0 + 5_100)
+    t.on_engine_gone("holder-x", T0 + 5_200)  # `gone_holder` ends; its release awaits acks
+    t.on_abort_ack(gone_holder, REQ, TP2[0], T0 + 5_300)
+    states = [t.get(lid).state for lid in (aborting, quarantined, gone_holder)]
+    assert states == [LeaseState.ABORTING, LeaseState.QUARANTINED, LeaseState.FAILED]
+    # The part that acked, or owes nothing, is asked nothing; a source part owes no ack.
+    assert t.resend_owed_aborts(REQ, TP2[0]) == []
+    assert t.resend_owed_aborts(HOLD, TP2[1]) == []
+    again = of(t.resend_owed_aborts(REQ, TP2[1]), SendAbort)
+    assert again == t.resend_owed_aborts(REQ, TP2[1])  # aborts only, and nothing changed
+    assert sorted((a.lease_id, a.child_engine_id, a.rank_key) for a in again) == sorted(
+        (lid, REQ, TP2[1]) for lid in (aborting, quarantined, gone_holder)
+    )
+    # Its ack then ends each: the release of the gone holder is decided with the last one.
+    done = t.on_abort_ack(gone_holder, REQ, TP2[1], T0 + 5_400)
+    assert [(a.child_engine_id, a.rank_key) for a in of(done.actions, SendRelease)] == [
+        ("holder-x", k) for k in TP2
+    ]
 
 
 def test_same_request_id_returns_the_same_lease_even_after_it_ended() -> None:

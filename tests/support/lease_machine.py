@@ -15,7 +15,11 @@ core told it to send, and checks after every step:
   release while an UNKNOWN outcome stands unproven (a part that reported UNKNOWN
   proves its reads quiet only by acknowledging an abort sent to it);
 - a release at most once per source part, and only to parts that were asked
-  to pin (prefix load) or that published (handoff);
+  to pin (prefix load) or that published (handoff); to a source declared gone
+  only for a lease nothing was read from (its pins, if it is alive after all);
+- a source part that re-announces a lease gets its release again once it was
+  decided, and a target part that re-registers is asked again only for the
+  abort acks it still owes;
 - no lease serves both flows (its flow never changes; the other flow's
   methods do not know it);
 - every lease ends in exactly one terminal state, announced once, and never
@@ -86,6 +90,14 @@ def pick(seq: Sequence[str], index: int) -> str:
     return seq[index % len(seq)]
 
 
+def pick_rank(seq: Sequence[RankKey], index: int) -> RankKey:
+    return seq[index % len(seq)]
+
+
+def pick_key(seq: Sequence[tuple[str, RankKey]], index: int) -> tuple[str, RankKey]:
+    return seq[index % len(seq)]
+
+
 class LeaseMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -120,6 +132,11 @@ class LeaseMachine(RuleBasedStateMachine):
         self.chain_len: dict[str, int] = {}
         self.answered: dict[str, set[RankKey]] = {}
         self.reported: dict[tuple[str, RankKey], Outcome] = {}
+        # Target parts still prove their reads quiet (a report, an ack) after a lease stopped
+        # running: quarantined, or ended by its source's death mid-read (`source_died`),
+        # unless the core stopped waiting for proofs (`proofs_closed`: nobody left to ask).
+        self.source_died: set[str] = set()
+        self.proofs_closed: set[str] = set()
 
     # ---------------------------------------------------------------- helpers
 
@@ -178,7 +195,11 @@ class LeaseMachine(RuleBasedStateMachine):
                 assert (lid, action.rank_key) in self.holding, (
                     "release of a part that holds nothing"
                 )
-                assert action.child_engine_id != gone, "release sent to a dead engine"
+                # A source declared gone may be alive (a blip past the grace): its release
+                # is decided, but only where nothing was read.
+                assert action.child_engine_id != gone or lid not in self.granted, (
+                    "release to a dead source of a granted lease"
+                )
                 self.check_release_allowed(lid, resolving=resolving, gone=gone)
             elif isinstance(action, SendQuarantine):
                 assert action.child_engine_id == self.source[action.lease_id]
@@ -493,11 +514,19 @@ class LeaseMachine(RuleBasedStateMachine):
         if step is None:
             return
         live = before.state in (LeaseState.ACTIVE, LeaseState.ABORTING)
-        if live and rank not in self.settled[lid]:
+        # A part that owes a proof (quarantined with its target alive, or its source
+        # declared gone mid-read) still reports: SUCCEEDED or FAILED is that proof.
+        owes = lid not in self.proofs_closed and (
+            before.state is LeaseState.QUARANTINED or lid in self.source_died
+        )
+        if (live or owes) and rank not in self.settled[lid]:
             self.reported[(lid, rank)] = outcome
-            self.settled[lid].add(rank)
             if outcome is Outcome.UNKNOWN:
                 self.unknown.setdefault(lid, set()).add(rank)
+                if live:
+                    self.settled[lid].add(rank)
+            else:
+                self.settled[lid].add(rank)
         self.apply(step.actions)  # type: ignore[attr-defined]
 
     @rule(which=indexes, part=indexes, anywhere=sometimes)
@@ -522,6 +551,57 @@ class LeaseMachine(RuleBasedStateMachine):
             self.proven.add((lid, rank))
             self.settled[lid].add(rank)
         self.apply(step.actions)
+
+    @rule(which=engine_names, part=indexes)
+    def re_register(self, which: str, part: int) -> None:
+        """A target part's session comes back: only the acks it still owes are asked for."""
+        if which not in self.alive:
+            return
+        rank = pick_rank(ENGINES[which], part)
+        actions = self.table.resend_owed_aborts(which, rank)
+        for action in actions:
+            assert isinstance(action, SendAbort)
+            lid = action.lease_id
+            assert (action.child_engine_id, action.rank_key) == (which, rank)
+            assert self.target[lid] == which
+            assert (lid, rank) in self.abort_sent and (lid, rank) not in self.proven
+            assert rank not in self.settled[lid] or rank in self.unknown.get(lid, ())
+        if actions:
+            event("re-registered target part asked again for an ack")
+        self.apply(actions)
+
+    @rule(which=indexes, part=indexes)
+    def reannounce(self, which: int, part: int) -> None:
+        """A source part re-announces a lease it was asked to pin or published."""
+        held = sorted(key for key in self.holding if self.source[key[0]] in self.alive)
+        # Mostly one whose source was declared gone while it held (then came back).
+        back = [
+            key for key in held if self.gone_at.get(self.source[key[0]], -1) >= self.holding[key]
+        ]
+        if not held:
+            return
+        lid, rank = pick_key(back if back and which % 4 else held, which * 64 + part)
+        source = self.source[lid]
+        before = self.view(lid)
+        step = self.table.recover_held(
+            lease_id=lid,
+            holder_child_engine_id=source,
+            holder_rank_keys=ENGINES[source],
+            rank_key=rank,
+            now_ms=self.now,
+        )
+        assert step.view == before, "a re-announcement changed a lease kvrc knows"
+        kinds = [type(a) for a in step.actions]
+        if before.state in TERMINAL_STATES:
+            # Its release again, once decided (the first may have been lost).
+            decided = self.releases[(lid, source, rank)] > 0
+            assert kinds == ([SendRelease] if decided else []), (lid, rank, kinds)
+            if decided and self.gone_at.get(source, -1) >= self.holding[(lid, rank)]:
+                event("re-announced by a source declared gone: released again")
+        elif before.state is LeaseState.QUARANTINED:
+            assert kinds == [SendQuarantine]
+        else:
+            assert kinds == []
 
     @rule(which=indexes, dec=indexes, outcome=mostly_succeeded)
     def progress(self, which: int, dec: int, outcome: Outcome) -> None:
@@ -582,6 +662,15 @@ class LeaseMachine(RuleBasedStateMachine):
             return
         self.alive.discard(which)
         self.gone_at[which] = self.step_no + 1
+        running = (LeaseState.ACTIVE, LeaseState.ABORTING)
+        for lid in self.leases():
+            state = self.view(lid).state
+            if self.target.get(lid) == which and (state in running or lid in self.source_died):
+                self.proofs_closed.add(lid)  # quarantined or released: nobody left to ask
+            if self.source[lid] == which and state in running:
+                self.source_died.add(lid)
+            elif self.source[lid] == which and state is LeaseState.QUARANTINED:
+                self.proofs_closed.add(lid)  # ends FAILED, fail closed
         self.apply(self.table.on_engine_gone(which, self.now), gone=which)
         # Nothing of a dead engine stays open, except quarantines it was the target of.
         for view in self.table.leases_of(which):

@@ -1,0 +1,109 @@
+"""Engines whose session broke and came back, over the runtime on a manual clock.
+
+A session down longer than `session_grace_ms` makes its engine "proven gone", but the
+process may be alive (a network blip with the client's reconnect backoff): a holder
+back still pinning must get its release once that is safe (I6-quiescence), and a
+target part back must be asked again for every abort it owes an ack for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from manual_rig import CHAIN, PROFILE, Rig, drain_outbound, manual_coordinator, settle
+
+from coordinator.core.grants import PrefixLoadRequest, PublishHandoffRequest, TransferReport
+from coordinator.core.leases import Flow, LeaseState, Outcome, SendAbort, SendPin, SendRelease
+from coordinator.core.registry import RankPartRegistration
+from coordinator.runtime.coordinator import Session
+
+RANK = (0, 0, 0)
+
+
+async def granted_load(rig: Rig, holder: Session) -> str:
+    c = rig.coordinator
+    task = asyncio.ensure_future(
+        c.leases.request_prefix_load(PrefixLoadRequest("q1", "r", CHAIN, "", 1, 0, 2_000, 10_000))
+    )
+    await settle()
+    pin = next(m for m in drain_outbound(holder) if isinstance(m, SendPin))
+    c.leases.on_pin_result("h", RANK, pin.lease_id, 8, b"d", "")
+    answer = await task
+    assert answer.view is not None and answer.view.state is LeaseState.ACTIVE
+    return answer.view.lease_id
+
+
+def sent(session: Session, kind: type[SendAbort | SendRelease]) -> list[str]:
+    return [m.lease_id for m in drain_outbound(session) if isinstance(m, kind)]
+
+
+def holder_back(rig: Rig, lease_id: str) -> Session:
+    reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_lease_ids=(lease_id,))
+    return rig.coordinator.open_session(reg)
+
+
+async def test_a_holder_back_after_its_grace_gets_its_release_once_the_reads_are_quiet() -> None:
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        holder, requester = rig.register("h"), rig.register("r")
+        rig.store(holder)
+        drain_outbound(holder)
+        lease_id = await granted_load(rig, holder)
+        c.close_session(holder, "closed")  # the holder's stream breaks...
+        await rig.advance(2_500, requester)  # ...and it reconnects after the grace
+        assert c.leases.table.get(lease_id).state is LeaseState.FAILED
+        assert sent(requester, SendAbort) == [lease_id]  # told to stop reading
+        # Back and re-announcing while the requester may still read: it keeps its pins.
+        holder = holder_back(rig, lease_id)
+        await settle()
+        assert sent(holder, SendRelease) == []
+        # The requester's ack proves its reads quiet: the release reaches the holder.
+        c.leases.on_abort_ack("r", RANK, lease_id)
+        assert sent(holder, SendRelease) == [lease_id]
+        # Its stream breaks again before it read the release: it re-announces, gets it again.
+        c.close_session(holder, "closed")
+        holder = holder_back(rig, lease_id)
+        await settle()
+        assert sent(holder, SendRelease) == [lease_id]
+
+
+async def test_a_requester_back_from_a_blip_is_asked_again_for_the_abort_it_owes() -> None:
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        holder, requester = rig.register("h"), rig.register("r")
+        rig.store(holder)
+        drain_outbound(holder)
+        lease_id = await granted_load(rig, holder)
+        c.close_session(requester, "closed")  # the requester's session blips
+        report = TransferReport(lease_id, "r", RANK, Outcome.UNKNOWN, 0, 0, "read timed out")
+        assert c.leases.complete_prefix_load(report).state is LeaseState.QUARANTINED
+        await rig.advance(500, holder)  # the quarantine's abort found no session
+        requester = rig.register("r")  # back within the grace: alive
+        await settle()
+        assert sent(requester, SendAbort) == [lease_id]
+        drain_outbound(holder)
+        c.leases.on_abort_ack("r", RANK, lease_id)  # its reads are quiet
+        assert c.leases.table.get(lease_id).state is LeaseState.FAILED
+        assert sent(holder, SendRelease) == [lease_id]
+
+
+async def test_the_leases_gauge_counts_a_handoff_waiting_for_its_parts() -> None:
+    tp2 = replace(PROFILE, tp_size=2)
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        ranks = ((0, 0, 0), (1, 0, 0))
+        parts = [c.open_session(RankPartRegistration("p", 0, "p", r, tp2)) for r in ranks]
+        decode = rig.register("d")
+        gauge = c.metrics.leases.labels(flow="handoff", state="waiting_ready")
+        # The first part's publish admits the lease with no action to execute.
+        out = await c.publish_handoff(PublishHandoffRequest("q", "p", ranks[0], b"x", b"", "d", 1))
+        assert out.state is LeaseState.WAITING_READY
+        assert c.leases.table.counts() == {(Flow.HANDOFF, LeaseState.WAITING_READY): 1}
+        assert gauge._value.get() == 1
+        # Its publish timeout is armed too: the lease ends, and the gauge follows.
+        await rig.advance(
+            c.leases.table.config.handoff_publish_timeout_ms + 1_000, *parts, decode, step_ms=5_000
+        )
+        assert c.leases.table.get(out.lease_id).state is LeaseState.FAILED
+        assert gauge._value.get() == 0
