@@ -158,6 +158,10 @@ class MissReason(enum.Enum):
 class LeaseConfig:
     max_open_leases: int = 65_536  # non-terminal (incl. quarantined), both flows
     max_open_leases_per_engine: int = 4_096  # as source or target
+    # Rebuilt from re-announced held ids (`recover_held`), open at once: a quarter of
+    # max_open_leases, so ids an engine re-announces (after a restart, or made up) can
+    # never take the table from live grants (I8-bad-input).
+    max_recovered_leases: int = 16_384
     max_chain_blocks: int = 65_536
     max_kv_transfer_params_bytes: int = 1 << 20
     max_pin_timeout_ms: int = 60_000
@@ -491,6 +495,7 @@ class LeaseTable:
         # (flow, state) counts changed since `take_changed_counts` (the gauge reads only those).
         self._counts_changed: set[tuple[Flow, LeaseState]] = set()
         self._terminal: OrderedDict[str, int] = OrderedDict()  # lease id -> ended_ms
+        self._recovered_open = 0  # open leases rebuilt by `recover_held`
         # Ended leases awaiting their target's proofs before a release (`awaiting_quiet`),
         # by target engine: its re-registration re-asks, its proven death settles them.
         self._awaiting: dict[str, set[str]] = {}
@@ -1063,6 +1068,11 @@ class LeaseTable:
             raise invalid(
                 f"held lease id {lease_id!r} is not one kvrc issues (no 'pl-' or 'ho-' prefix)"
             )
+        if self._recovered_open >= self._config.max_recovered_leases:
+            raise resource_exhausted(
+                f"{self._config.max_recovered_leases} recovered leases are open, the limit: "
+                f"held lease {lease_id} is not rebuilt (resolve the quarantined ones)"
+            )
         self._check_capacity((holder_child_engine_id,))
         kind: type[_Lease] = _PrefixLoad if flow is Flow.PREFIX_LOAD else _Handoff
         lease = kind(
@@ -1456,6 +1466,8 @@ class LeaseTable:
                     del self._by_engine[engine]
                     del self._open_by_engine[engine]
         del self._open_ids[lease.lease_id]
+        if lease.recovered:
+            self._recovered_open -= 1
         self._terminal[lease.lease_id] = now_ms
         quiescence = None if lease.granted_ms is None else now_ms - lease.granted_ms
         actions.append(
@@ -1486,6 +1498,8 @@ class LeaseTable:
     def _admit(self, lease: _Lease, key: tuple[Flow, str, str] | None) -> None:
         self._leases[lease.lease_id] = lease
         self._open_ids[lease.lease_id] = None
+        if lease.recovered:
+            self._recovered_open += 1
         if key is not None:
             self._by_request[key] = lease.lease_id
         count_key = (lease.flow, lease.state)

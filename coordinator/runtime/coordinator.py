@@ -13,11 +13,12 @@ without bound (I8-bad-input).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -132,7 +133,7 @@ REASON_FENCED = "fenced"  # the part registered again on another replica (peers.
 class Session:
     """One registered rank part's stream: its identity and its outbound queue."""
 
-    __slots__ = ("_ended", "_limit", "_queue", "incarnation", "ref", "registration")
+    __slots__ = ("_ended", "_limit", "_queue", "_registering", "incarnation", "ref", "registration")
 
     def __init__(
         self, registration: RankPartRegistration, ref: PartRef, incarnation: int, limit: int
@@ -143,6 +144,7 @@ class Session:
         self._limit = limit
         self._queue: asyncio.Queue[Outbound | SessionEnd] = asyncio.Queue()
         self._ended = False
+        self._registering = False
 
     @property
     def session_id(self) -> str:
@@ -157,9 +159,23 @@ class Session:
         if self._ended:
             return True  # dropped: nobody reads an ended session
         if self._queue.qsize() >= self._limit:
-            return False
+            if not self._registering:
+                return False
+            # The registration's own answers (one per held lease it names, one per abort
+            # it owes: both bounded) always fit; the room stays for them to be read.
+            self._limit += 1
         self._queue.put_nowait(message)
         return True
+
+    @contextlib.contextmanager
+    def registering(self) -> Iterator[None]:
+        """While the Register's own answers are queued (RegisterAck, recovery notices,
+        aborts owed): a part holding more leases than the queue's bound still registers."""
+        self._registering = True
+        try:
+            yield
+        finally:
+            self._registering = False
 
     def end(self, end: SessionEnd) -> None:
         """Discards what is still queued and leaves only the end marker."""
@@ -403,11 +419,12 @@ class Coordinator:
         if held and self.peers is not None:
             # Owned by a live replica: it keeps the lease; this part's answers reach it.
             held = tuple(lease_id for lease_id in held if self.peers.owner_of(lease_id) is None)
-        if held:
-            # Restart recovery: pins this part still holds (after the RegisterAck).
-            self.leases.recover_held(view.child_engine_id, registration.rank, held)
-        # Aborts sent while it was between sessions were dropped: they go again.
-        self.leases.on_part_registered(view.child_engine_id, registration.rank)
+        with session.registering():
+            if held:
+                # Restart recovery: pins this part still holds (after the RegisterAck).
+                self.leases.recover_held(view.child_engine_id, registration.rank, held)
+            # Aborts sent while it was between sessions were dropped: they go again.
+            self.leases.on_part_registered(view.child_engine_id, registration.rank)
         return session
 
     def on_pin_result(

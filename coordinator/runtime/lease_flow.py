@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from coordinator.core.cost_model import CostModel, Prediction
@@ -133,6 +134,8 @@ class LeaseFlow:
         # Waiting Drains, by the child engines each waits on: a lease's end wakes only
         # the drains of its own engines (entries leave with their waiter).
         self._drain_waiters: dict[str, set[asyncio.Event]] = {}
+        # Recovery sums up its quarantines in one line per Register (`recover_held`).
+        self._quarantine_log_muted = False
         # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
         self.warming: Callable[[], ReuseStatus | None] = lambda: None
         # A shared store that is unreachable says why here (None: grants may go on).
@@ -341,6 +344,10 @@ class LeaseFlow:
         Unknown ones are rebuilt QUARANTINED (coordinator/core/leases.py `recover_held`); a
         bad or foreign id is logged, counted when foreign, and skipped: the session goes on.
         """
+        # One line per Register, however many ids it names (a part may name thousands).
+        states: Counter[str] = Counter()
+        refused: Counter[str] = Counter()
+        first_refusal = ""
         for lease_id in lease_ids:
             try:
                 view, actions = self.core.recover_held(
@@ -349,17 +356,25 @@ class LeaseFlow:
             except KvrcError as e:
                 if e.code is ErrorCode.PERMISSION_DENIED:
                     self._metrics.auth_denied.labels(reason="foreign_lease").inc()
-                log.warning("held lease %r of %s not recovered: %s", lease_id, child_engine_id, e)
+                refused[e.code.value] += 1
+                first_refusal = first_refusal or f"{lease_id!r}: {e}"
                 continue
             if actions:
-                log.warning(
-                    "lease %s re-announced by %s rank %s: %s",
-                    lease_id,
-                    child_engine_id,
-                    rank_key,
-                    view.state.name,
-                )
-            self._execute(actions)
+                states[view.state.name] += 1
+            self._quarantine_log_muted = True  # summed up below
+            try:
+                self._execute(actions)
+            finally:
+                self._quarantine_log_muted = False
+        if states or refused:
+            log.warning(
+                "held leases re-announced by %s rank %s: %s; not recovered: %s%s",
+                child_engine_id,
+                rank_key,
+                ", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "none",
+                ", ".join(f"{n} {code}" for code, n in sorted(refused.items())) or "none",
+                f" (first: {first_refusal})" if first_refusal else "",
+            )
 
     def on_part_registered(self, child_engine_id: str, rank_key: RankKey) -> None:
         """A rank part (re-)registered (after its RegisterReply): an abort sent while it was
@@ -522,9 +537,13 @@ class LeaseFlow:
                 )
             elif isinstance(action, LeaseQuarantined):
                 m.lease_quarantines.labels(flow=action.flow.value).inc()
-                log.warning(
-                    "%s lease %s quarantined: %s", action.flow.value, action.lease_id, action.reason
-                )
+                if not self._quarantine_log_muted:
+                    log.warning(
+                        "%s lease %s quarantined: %s",
+                        action.flow.value,
+                        action.lease_id,
+                        action.reason,
+                    )
             elif isinstance(action, LeaseEnded):
                 for child in action.child_engine_ids:
                     for woken in self._drain_waiters.get(child, ()):

@@ -945,3 +945,28 @@ def test_open_counts_per_engine_are_kept_per_change_not_rebuilt() -> None:
     assert counts.writes == 2  # the requester's count and the holder's removal
     assert "holder-7" not in view and view[REQ] == len(holders) - 1
     assert counts.walks == 0
+
+
+def test_recovered_leases_are_bounded_and_never_take_the_table_from_live_grants() -> None:
+    """Held ids a part re-announces are rebuilt QUARANTINED; made-up ones, from engines
+    whose credential allows many child engines, must not fill the table (I8-bad-input)."""
+    t = table(max_recovered_leases=3, max_open_leases=8)
+
+    def recover(lease_id: str, holder: str) -> Any:
+        return t.recover_held(
+            lease_id=lease_id,
+            holder_child_engine_id=holder,
+            holder_rank_keys=TP2,
+            rank_key=TP2[0],
+            now_ms=T0,
+        )
+
+    for i in range(3):
+        assert recover(f"pl-{i}", f"h{i}").view.state is LeaseState.QUARANTINED
+    e = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: recover("pl-x", "h9"))
+    assert "3 recovered leases are open" in e.message
+    # Live grants still find room.
+    assert t.get(open_load(t)).state is LeaseState.PINNING
+    # One recovered lease resolved by the operator: another may be rebuilt.
+    t.resolve_quarantine("pl-0", T0 + 1)
+    assert recover("pl-y", "h9").view.state is LeaseState.QUARANTINED

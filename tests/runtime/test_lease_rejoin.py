@@ -107,3 +107,38 @@ async def test_the_leases_gauge_counts_a_handoff_waiting_for_its_parts() -> None
         )
         assert c.leases.table.get(out.lease_id).state is LeaseState.FAILED
         assert gauge._value.get() == 0
+
+
+async def test_a_part_naming_more_held_leases_than_its_queue_holds_still_registers(
+    caplog: object,
+) -> None:
+    """After a restart a part re-announces every lease it holds: each is answered on its
+    stream, so more of them than `session_queue_size` closed the new session before the
+    part read anything, on every retry (I8-bad-input's bounds must fit together)."""
+    import logging
+
+    import pytest
+
+    assert isinstance(caplog, pytest.LogCaptureFixture)
+    held = tuple(f"pl-{i:032x}" for i in range(40))
+    async with manual_coordinator(session_queue_size=16) as rig:
+        caplog.set_level(logging.WARNING)
+        reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_lease_ids=held)
+        session = rig.coordinator.open_session(reg)
+        await settle()
+        assert not session.ended
+        out = drain_outbound(session)
+        assert len(out) == 1 + len(held)  # the RegisterAck and one notice per lease
+        assert [v.state for v in rig.coordinator.leases.open_leases()] == [
+            LeaseState.QUARANTINED
+        ] * len(held)
+        # One log line for the Register, not two per lease.
+        lines = [r for r in caplog.records if "re-announced" in r.getMessage()]
+        assert len(lines) == 1 and "40 QUARANTINED" in lines[0].getMessage()
+        assert not [r for r in caplog.records if "quarantined:" in r.getMessage()]
+        # Control: past the registration the queue's bound holds again.
+        for _ in range(16 + len(held) + 1):
+            if not session.offer(out[0]):  # type: ignore[arg-type]
+                break
+        else:
+            raise AssertionError("the queue never filled")
