@@ -25,7 +25,7 @@ import concurrent.futures
 import enum
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -362,6 +362,7 @@ async def pull(
     settle_s: float = DEFAULT_SETTLE_S,
     wait_settle: bool = True,
     in_flight: InFlightReads | None = None,
+    on_submit: Callable[[NativeRead], None] | None = None,
 ) -> TransferResult:
     """Run `plan` as one batch read in `executor`, bounded by `deadline_s`.
 
@@ -377,7 +378,9 @@ async def pull(
     Never raises for a transfer failure; raises ValueError, before anything
     runs, for a plan writing into blocks `in_flight` still lists as tainted.
     Pass the rank part's `InFlightReads` so that a cancelled caller cannot lose
-    track of a native read. The executor must have a thread per concurrent
+    track of a native read, and `on_submit` to file the read under its lease as soon
+    as it runs: an abort's ack then waits for it even if this call is cancelled before
+    it returns (I6-quiescence). The executor must have a thread per concurrent
     pull: a frozen peer holds a thread for up to a minute.
     """
     if deadline_s <= 0:
@@ -398,6 +401,8 @@ async def pull(
     native_read = NativeRead(future, plan.local_block_ids, settle_s)
     if in_flight is not None:
         in_flight.add(native_read)
+    if on_submit is not None:
+        on_submit(native_read)
     try:
         # shield: a timeout or a cancelled caller must not lose the native call's result.
         native = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline_s)

@@ -310,16 +310,21 @@ class RankPart:
             # kvrc aborted the lease before our read started: it never starts.
             await self.report(flow, lease_id, TransferOutcome.FAILED, "aborted before the read")
             return _pull_reply("FAILED", error="aborted before the read started")
+
+        def submitted(read: NativeRead) -> None:
+            # Filed before the read is awaited: a pull cancelled mid-read (a follower's
+            # leader channel closing) still leaves it where an abort waits (I6-quiescence).
+            self._reads_by_lease.setdefault(lease_id, []).append(read)
+            self.read_ledger.read(lease_id, read)
+
         result = await pull(
             self.transfer_engine,
             plan,
             deadline_s=deadline_s,
             executor=self.executor,
             in_flight=self.in_flight,
+            on_submit=submitted,
         )
-        if result.native_read is not None:
-            self._reads_by_lease.setdefault(lease_id, []).append(result.native_read)
-            self.read_ledger.read(lease_id, result.native_read)
         report = result.to_report(
             lease_id=lease_id,
             reporter_child_engine_id=self.options.child_engine_id,

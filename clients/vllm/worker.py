@@ -485,15 +485,19 @@ class KvrcWorker:
         fault, _, value = spec.test_fault.partition("=")
         if fault == "delay-before-pull":
             await asyncio.sleep(min(float(value), 60.0))
+
+        def submitted(read: NativeRead) -> None:
+            # Filed as it starts, so an abort waits for it even if this task is cancelled.
+            self._reads_by_lease.setdefault(spec.lease_id, []).append(read)
+
         result = await pull(
             self.engine,
             plan,
             deadline_s=max(0.05, spec.deadline_s),
             executor=self.executor,
             in_flight=self.in_flight,
+            on_submit=submitted,
         )
-        if result.native_read is not None:
-            self._reads_by_lease.setdefault(spec.lease_id, []).append(result.native_read)
         if result.outcome is TransferOutcome.SUCCEEDED:
             if fault == "corrupt":
                 self._corrupt(spec.local_block_ids)

@@ -44,6 +44,7 @@ from clients.mooncake_engine import (
 from clients.session import EngineProfile, RankPartRegistration
 from clients.transfer import (
     InFlightReads,
+    NativeRead,
     TransferOutcome,
     TransferPlan,
     TransferResult,
@@ -729,6 +730,30 @@ async def test_taint_lasts_until_the_call_returns_and_then_settles(
     assert not first.is_quiet() and in_flight.tainted_block_ids() == frozenset({0, 1})
     assert await in_flight.wait_all_quiet(timeout_s=NEVER_HANG_S)
     assert first.is_quiet() and len(in_flight) == 0 and in_flight.tainted_block_ids() == set()
+
+
+async def test_a_pull_cancelled_mid_read_has_already_filed_its_read(
+    executor: concurrent.futures.Executor, local: PagedKvCache, peer: Peer
+) -> None:
+    """A rank part files each read under its lease through `on_submit`, before `pull`
+    awaits it: a pull cancelled mid-read (a follower's leader channel closing) must not
+    take the read with it, or an abort is acknowledged while bytes can still land
+    (I6-quiescence)."""
+    plan = TransferPlan.build(local.describe(), peer.endpoint, [(3, 3), (4, 4)])
+    reader = ScriptedReader(0)  # a read from a frozen peer: returns only when released
+    filed: list[NativeRead] = []
+    task = asyncio.create_task(
+        pull(reader, plan, deadline_s=30, executor=executor, on_submit=filed.append)
+    )
+    await wait_until(lambda: bool(filed), NEVER_HANG_S, what="the read submitted")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The caller is gone; the read it filed is still running, and not quiet until it returns.
+    [read] = filed
+    assert not read.is_quiet() and read.local_block_ids == (3, 4)
+    reader.release.set()
+    assert await read.wait_quiet(timeout_s=NEVER_HANG_S)
 
 
 # --- plans (pure) ---------------------------------------------------------------
