@@ -34,6 +34,14 @@ async def granted_load(rig: Rig, holder: Session) -> str:
     return answer.view.lease_id
 
 
+async def load_in_flight(rig: Rig) -> tuple[Session, Session, str]:
+    """Holder `h` and requester `r` registered, and a prefix load from h to r granted."""
+    holder, requester = rig.register("h"), rig.register("r")
+    rig.store(holder)
+    drain_outbound(holder)
+    return holder, requester, await granted_load(rig, holder)
+
+
 def sent(session: Session, kind: type[SendAbort | SendRelease]) -> list[str]:
     return [m.lease_id for m in drain_outbound(session) if isinstance(m, kind)]
 
@@ -46,10 +54,7 @@ def holder_back(rig: Rig, lease_id: str) -> Session:
 async def test_a_holder_back_after_its_grace_gets_its_release_once_the_reads_are_quiet() -> None:
     async with manual_coordinator() as rig:
         c = rig.coordinator
-        holder, requester = rig.register("h"), rig.register("r")
-        rig.store(holder)
-        drain_outbound(holder)
-        lease_id = await granted_load(rig, holder)
+        holder, requester, lease_id = await load_in_flight(rig)
         c.close_session(holder, "closed")  # the holder's stream breaks...
         await rig.advance(2_500, requester)  # ...and it reconnects after the grace
         assert c.leases.table.get(lease_id).state is LeaseState.FAILED
@@ -71,10 +76,7 @@ async def test_a_holder_back_after_its_grace_gets_its_release_once_the_reads_are
 async def test_a_requester_back_from_a_blip_is_asked_again_for_the_abort_it_owes() -> None:
     async with manual_coordinator() as rig:
         c = rig.coordinator
-        holder, requester = rig.register("h"), rig.register("r")
-        rig.store(holder)
-        drain_outbound(holder)
-        lease_id = await granted_load(rig, holder)
+        holder, requester, lease_id = await load_in_flight(rig)
         c.close_session(requester, "closed")  # the requester's session blips
         report = TransferReport(lease_id, "r", RANK, Outcome.UNKNOWN, 0, 0, "read timed out")
         assert c.leases.complete_prefix_load(report).state is LeaseState.QUARANTINED
