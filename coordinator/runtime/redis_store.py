@@ -478,12 +478,11 @@ class RedisStore:
                 # with the dumps (the store-loss path does the same).
                 self._dumps("this replica's queue of changes for the shared store overflowed")
             count = min(len(inventory.outbox), OPS_PER_ENTRY)
-            ops = [inventory.outbox[i] for i in range(count)]
             generation = inventory.generation
             try:
                 await self._writer_conn.xadd(
                     STREAM_KEY,
-                    {"o": inventory.origin, "d": pack_ops(ops)},
+                    {"o": inventory.origin, "d": inventory.entry(count)},
                     maxlen=self._maxlen,
                     approximate=True,
                 )

@@ -38,6 +38,7 @@ Decisions:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from array import array
@@ -169,9 +170,19 @@ def pack_ops(ops: Sequence[Op]) -> bytes:
     return msgpack.packb(ops, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def _packed_size(op: Op) -> int:
-    """The bytes one op takes in a log entry (the entry adds a 1-3 byte list header)."""
-    return len(msgpack.packb(op, use_bin_type=True))
+def _pack_op(op: Op) -> bytes:
+    """One op as it goes into a log entry; an entry is an array header and its ops'
+    bytes (`ReplicatedInventory.entry`): each op is packed once, when recorded."""
+    return msgpack.packb(op, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _array_header(count: int) -> bytes:
+    """msgpack's array header for `count` items (fixarray, array 16, array 32)."""
+    if count < 16:
+        return bytes((0x90 | count,))
+    if count < 1 << 16:
+        return b"\xdc" + count.to_bytes(2, "big")
+    return b"\xdd" + count.to_bytes(4, "big")
 
 
 def unpack_ops(data: bytes) -> list[Op]:
@@ -359,7 +370,7 @@ class ReplicatedInventory(Inventory):
         self.outbox_limit = outbox_limit
         self.outbox_max_bytes = outbox_max_bytes
         self.outbox_bytes = 0  # packed size of the ops in `outbox`
-        self._sizes: deque[int] = deque()  # each op's packed size, in outbox order
+        self._packed: deque[bytes] = deque()  # each op packed, in outbox order
         self.outbox_overflowed = False  # ops were lost: reset and re-announce next
         # Lease messages kept across an overflow, re-queued after the re-announcement.
         self._kept: list[Op] = []
@@ -385,10 +396,11 @@ class ReplicatedInventory(Inventory):
     # --- local changes (recorded after the core accepted them) -----------------------
 
     def _record(self, op: Op) -> None:
-        size = _packed_size(op)
+        packed = _pack_op(op)
+        size = len(packed)
         if not self.outbox:  # drained (or cleared by a test): the count starts again
             self.outbox_bytes = 0
-            self._sizes.clear()
+            self._packed.clear()
         if not self.outbox_overflowed and (
             len(self.outbox) >= self.outbox_limit
             or self.outbox_bytes + size > self.outbox_max_bytes
@@ -396,7 +408,7 @@ class ReplicatedInventory(Inventory):
             self._overflow()
         if not self.outbox_overflowed:
             self.outbox.append(op)
-            self._sizes.append(size)
+            self._packed.append(packed)
             self.outbox_bytes += size
         elif op[0] in MESSAGE_TAGS:
             self._keep(op, size)
@@ -407,9 +419,9 @@ class ReplicatedInventory(Inventory):
         messages stay (a release lost here would leave a live holder pinned)."""
         for queued in self.outbox:
             if queued[0] in MESSAGE_TAGS:
-                self._keep(queued, _packed_size(queued))
+                self._keep(queued, len(_pack_op(queued)))
         self.outbox.clear()
-        self._sizes.clear()
+        self._packed.clear()
         self.outbox_bytes = 0
         self.outbox_overflowed = True
         self.generation += 1
@@ -422,11 +434,16 @@ class ReplicatedInventory(Inventory):
         self._kept.append(op)
         self._kept_bytes += size
 
+    def entry(self, count: int) -> bytes:
+        """The first `count` ops of the outbox as one log entry: the bytes `pack_ops`
+        gives for them, from each op's bytes packed when it was recorded."""
+        return _array_header(count) + b"".join(itertools.islice(self._packed, count))
+
     def take_sent(self, count: int) -> None:
         """The first `count` ops of the outbox are in the log: they leave it."""
         for _ in range(count):
             self.outbox.popleft()
-            self.outbox_bytes -= self._sizes.popleft() if self._sizes else 0
+            self.outbox_bytes -= len(self._packed.popleft()) if self._packed else 0
 
     def add_engine(
         self,
@@ -537,7 +554,7 @@ class ReplicatedInventory(Inventory):
         """
         kept = [op for op in self.outbox if op[0] in MESSAGE_TAGS] + self._kept
         self.outbox.clear()
-        self._sizes.clear()
+        self._packed.clear()
         self.outbox_bytes = 0
         self._kept = []
         self._kept_bytes = 0

@@ -234,6 +234,22 @@ def test_the_outbox_is_bounded_by_its_packed_bytes() -> None:
     assert not a.outbox_overflowed and a.outbox_bytes == packed(a.outbox)
 
 
+@pytest.mark.parametrize("count", [1, 15, 16, 300])
+def test_a_log_entry_is_the_ops_packed_once_each_when_recorded(count: int) -> None:
+    """The writer sends each op as packed when it was recorded (no second packing): the
+    entry must be, byte for byte, what packing the ops together gives."""
+    a = replica("a")
+    ready_engine(a, "e")
+    a.outbox.clear()
+    for i in range(count):
+        a.apply("e", [BlockStored((bytes([i % 256, i // 256]) * 16,), None, 16)], now_ms=0)
+    ops = list(a.outbox)
+    for n in {1, min(15, len(ops)), len(ops)}:
+        assert a.entry(n) == pack_ops(ops[:n])
+    a.take_sent(len(ops) - 1)
+    assert a.entry(1) == pack_ops(ops[-1:]) and a.outbox_bytes == packed(ops[-1:])
+
+
 RELEASE = ["M", "b", "h", [0, 0, 0], "s-1", ["release", "pl-1@a", 1, "succeeded"]]
 ANSWER = ["Q", "b", "b/1", True, None]
 
