@@ -177,6 +177,10 @@ class AuthPolicy:
     def __repr__(self) -> str:
         return f"AuthPolicy({len(self._tokens)} token(s), {len(self._identities)} identity(ies))"
 
+    def has_identities(self) -> bool:
+        """Entries matched by a client certificate's name (they need mutual TLS)."""
+        return bool(self._identities)
+
     # --- authentication --------------------------------------------------------
 
     def authenticate(self, token: str | None, cert: CertIdentity) -> Principal:

@@ -328,6 +328,10 @@ class Grants:
     def is_draining(self, child_engine_id: str) -> bool:
         return child_engine_id in self._draining
 
+    def draining_count(self) -> int:
+        """Child engines drained here (until they leave): `kvrc_child_engines{state="draining"}`."""
+        return len(self._draining)
+
     def may_lend(self, holder_child_engine_id: str, compatibility_hash: str) -> bool:
         """May a prefix load of a requester of `compatibility_hash` be asked of this
         holder: registered, READY, not draining, and of the same compatibility (never
@@ -912,13 +916,17 @@ class Grants:
         timeout = timeout_ms or DEFAULT_DRAIN_TIMEOUT_MS
         actions: list[GrantAction] = []
         for child in children:
-            if child in self._draining:
-                continue
-            self._draining[child] = now_ms + timeout
+            deadline = now_ms + timeout
+            running = self._draining.get(child)
+            if running is not None and running <= deadline:
+                continue  # already draining, to an earlier deadline: it stands
+            # A new drain, or one asked again with a shorter timeout: the earlier
+            # deadline wins (an operator who shortens it gets the answer in time).
+            self._draining[child] = deadline
             view = self._registry.get(child)
             if view is not None:
                 for part in view.parts:
-                    actions.append(DrainNotice(child, part.registration.rank, now_ms + timeout))
+                    actions.append(DrainNotice(child, part.registration.rank, deadline))
         return DrainStep(tuple(children), self._settled(actions))
 
     def drain_deadline_ms(self, child_engine_ids: Iterable[str]) -> int:

@@ -558,7 +558,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.edges.server import serve  # keeps `kvrc status` light
 
     _setup_logging(args.log_level, args.log_json)
-    return serve(config_from_args(args), args.port_file)
+    config = config_from_args(args)
+    port_dir = args.port_file.parent if args.port_file is not None else None
+    if port_dir is not None and not (port_dir.is_dir() and os.access(port_dir, os.W_OK)):
+        # Written once serving: refused now, in one line, rather than with a traceback then.
+        raise ConfigError(f"--port-file {args.port_file}: {port_dir} is not a writable directory")
+    return serve(config, args.port_file)
 
 
 # --- status --------------------------------------------------------------------

@@ -17,6 +17,7 @@ YAML: `profile: [{name: ..., model: ..., ...}]`. A bad file raises
 from __future__ import annotations
 
 import ipaddress
+import math
 import tomllib
 import urllib.parse
 from collections.abc import Mapping
@@ -235,12 +236,27 @@ class CoordinatorConfig:
                 f"resync retry must satisfy 1 <= initial ({self.resync_retry_initial_ms} ms) "
                 f"<= max ({self.resync_retry_max_ms} ms) <= 3600000"
             )
-        if self.shutdown_grace_s < 0:
-            raise ConfigError(f"shutdown grace must be >= 0 s, got {self.shutdown_grace_s}")
+        if not (math.isfinite(self.shutdown_grace_s) and 0 <= self.shutdown_grace_s <= 3600):
+            raise ConfigError(f"shutdown grace must be 0..3600 s, got {self.shutdown_grace_s}")
+        if self.session_queue_size < 1:
+            # 0 queues nothing, not even the RegisterAck: no engine could ever register.
+            raise ConfigError(f"session queue size must be >= 1, got {self.session_queue_size}")
+        if self.session_grace_ms < 0:
+            raise ConfigError(f"session grace must be >= 0 ms, got {self.session_grace_ms}")
         if self.inventory_max_entries_total < 0 or self.inventory_max_entries_per_engine < 0:
             raise ConfigError("inventory entry caps must be >= 0")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port must be in 0..65535 (or -1), got {self.metrics_port}")
+        if (
+            self.auth is not None
+            and self.auth.has_identities()
+            and (self.tls is None or self.tls.client_ca is None)
+        ):
+            # Without mutual TLS no peer has a certificate name: every identity is dead.
+            raise ConfigError(
+                "--auth-tokens lists [[identity]] entries (certificate names): they need "
+                "mutual TLS (--tls-client-ca, with --tls-cert and --tls-key)"
+            )
         if self.auth is not None and self.tls is None:
             host = self.listen.rpartition(":")[0].strip("[]")
             if not is_loopback_host(host):

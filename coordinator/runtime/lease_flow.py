@@ -136,6 +136,8 @@ class LeaseFlow:
         self._drain_waiters: dict[str, set[asyncio.Event]] = {}
         # Recovery sums up its quarantines in one line per Register (`recover_held`).
         self._quarantine_log_muted = False
+        self._m_draining = metrics.child_engines.labels(state="draining")
+        self._m_draining.set(0)
         # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
         self.warming: Callable[[], ReuseStatus | None] = lambda: None
         # A shared store that is unreachable says why here (None: grants may go on).
@@ -556,6 +558,7 @@ class LeaseFlow:
         # Also with no actions: a step may still change counts (a first-part publish admits
         # a WAITING_READY handoff) and add a deadline (its publish timeout).
         self._update_gauge()
+        self._m_draining.set(self.core.draining_count())  # a drain starts or its engine leaves
         self._arm()
 
     def _pins_recorded(self, lease_id: str, pins: Sequence[SendPin], ok: bool, why: str) -> None:

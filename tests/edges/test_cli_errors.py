@@ -232,3 +232,26 @@ def test_kvrc_route_refuses_the_same_flags_in_one_line(
     assert exit_.value.code == 2
     err = capsys.readouterr().err.splitlines()
     assert needle in err[-1], err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--session-queue-size", "0"], "session queue size must be >= 1, got 0"),
+        (["--session-grace-ms", "-5"], "session grace must be >= 0 ms"),
+        (["--shutdown-grace-s", "nan"], "shutdown grace must be 0..3600 s, got nan"),
+        (["--shutdown-grace-s", "inf"], "shutdown grace must be 0..3600 s, got inf"),
+        (["--port-file", "/nonexistent-dir/kvrc/ports.json"], "is not a writable directory"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_serve_refuses_settings_that_start_but_cannot_work(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each of these used to start: no engine could register (queue 0), SIGTERM ended in a
+    traceback (nan), or the port file failed with a traceback once serving."""
+    code, _, err = _run(
+        ["serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1", *flags], capsys
+    )
+    assert code == cli.EXIT_CONFIG, err
+    assert says in err and len(err.strip().splitlines()) == 1, err

@@ -339,6 +339,15 @@ def test_termination_grace_outlasts_kvrc_shutdown(shape: str) -> None:
     assert spec["terminationGracePeriodSeconds"] >= 2 * (args.shutdown_grace_s + 1), shape
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_restarted_coordinator_warms_up_before_it_lends(shape: str) -> None:
+    # deploy/README.md promises reuse off while kvrc_warming is 1 after a restart; with
+    # neither --state-file nor --warmup-ms kvrc never warms (docs/operations.md).
+    spec = pod_spec(shape_docs(shape))
+    args = build_parser().parse_args(["serve", *kvrc_container(spec)["args"]])
+    assert args.warmup_ms is not None and args.warmup_ms >= 5_000, shape
+
+
 # --- shape checks: the sidecars, and the shapes over one Redis -------------------------
 #
 # Each check is a function of the shape's documents, so that

@@ -349,3 +349,21 @@ async def test_plaintext_default_is_unchanged() -> None:
         status = await get_status(kvrc.grpc_target)
         assert status.child_engines == []
     assert "tls off, auth off" in kvrc.stderr_text()
+
+
+def test_identities_without_mutual_tls_are_refused_in_one_line(pki: Pki, tmp_path: Path) -> None:
+    """An [[identity]] matches a client certificate's name; without --tls-client-ca no
+    client has one, so the server would start and refuse every engine."""
+    creds = tmp_path / "ident.toml"
+    creds.write_text('[[identity]]\nname = "decode"\ncn = "e1"\nengine_ids = ["e1"]\n')
+    for args in ((), pki.serve_flags()):
+        done = _serve("--auth-tokens", str(creds), *args)
+        assert done.returncode == 2, (args, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "need mutual TLS (--tls-client-ca" in lines[0], done.stderr
+    # Control: with mutual TLS the same file is a working configuration.
+    config = CoordinatorConfig(
+        auth=load_auth_policy(creds),
+        tls=TlsFiles(pki.server.cert, pki.server.key, pki.ca.files.cert),
+    )
+    assert config.auth is not None and config.auth.has_identities()

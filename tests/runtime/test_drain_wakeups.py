@@ -96,3 +96,34 @@ async def test_a_lease_end_wakes_only_the_drain_of_its_engine(
             drain.cancel()
         await settle()
         assert flow._drain_waiters == {}
+
+
+async def test_a_drain_asked_again_with_a_shorter_timeout_ends_by_it_and_is_counted() -> None:
+    """`kvrc drain --wait --timeout-ms` run again with a shorter timeout waited out the
+    first drain's deadline, past its own gRPC deadline (DEADLINE_EXCEEDED); and the
+    `kvrc_child_engines{state="draining"}` series the docs list was never set."""
+
+    def draining() -> float | None:
+        return rig.coordinator.metrics.registry.get_sample_value(
+            "kvrc_child_engines", {"state": "draining"}
+        )
+
+    async with manual_coordinator() as rig:
+        flow = rig.coordinator.leases
+        rig.register("dec")
+        pre = rig.register("pre")
+        assert draining() == 0
+        flow.publish_handoff(PublishHandoffRequest("h", "pre", (0, 0, 0), b"d", b"p", None, 4))
+        await flow.begin_handoff(BeginHandoffRequest("h", "pre", "dec", 5_000))
+        first = await flow.drain("pre", 600_000, wait=False)
+        assert not first.safe_to_stop and draining() == 1
+        long_deadline = flow.core.drain_deadline_ms(["pre"])
+        again = asyncio.ensure_future(flow.drain("pre", 1_000, wait=True))
+        await settle()
+        assert flow.core.drain_deadline_ms(["pre"]) < long_deadline  # the shorter one stands
+        # Control: a longer timeout asked later does not extend it.
+        await flow.drain("pre", 900_000, wait=False)
+        assert flow.core.drain_deadline_ms(["pre"]) < long_deadline
+        await rig.advance(4_000, pre)  # its deadline and the acks' grace: the wait answers
+        assert again.done() and not again.result().safe_to_stop
+        assert draining() == 1
