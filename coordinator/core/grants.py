@@ -175,6 +175,14 @@ class DrainDeadlinePassed:
 
 
 @dataclass(frozen=True, slots=True)
+class DrainingChanged:
+    """Child engines drained here, now (a drain began, or a drained engine left):
+    `kvrc_child_engines{state="draining"}`."""
+
+    draining: int
+
+
+@dataclass(frozen=True, slots=True)
 class CostObserved:
     """A completed prefix load's predicted and measured transfer (the error histogram)."""
 
@@ -197,6 +205,7 @@ GrantAction = (
     | HandoffBegun
     | HandoffBeginFailed
     | DrainDeadlinePassed
+    | DrainingChanged
     | CostObserved
 )
 
@@ -327,10 +336,6 @@ class Grants:
 
     def is_draining(self, child_engine_id: str) -> bool:
         return child_engine_id in self._draining
-
-    def draining_count(self) -> int:
-        """Child engines drained here (until they leave): `kvrc_child_engines{state="draining"}`."""
-        return len(self._draining)
 
     def may_lend(self, holder_child_engine_id: str, compatibility_hash: str) -> bool:
         """May a prefix load of a requester of `compatibility_hash` be asked of this
@@ -889,7 +894,8 @@ class Grants:
     def on_engine_gone(self, child_engine_id: str, now_ms: int) -> tuple[GrantAction, ...]:
         """The child engine is proven gone (I6-quiescence): its leases may end without reports."""
         actions: list[GrantAction] = list(self.table.on_engine_gone(child_engine_id, now_ms))
-        self._draining.pop(child_engine_id, None)
+        if self._draining.pop(child_engine_id, None) is not None:
+            actions.append(DrainingChanged(len(self._draining)))
         self._drain_aborted.discard(child_engine_id)
         self._retry_ended_begins(now_ms, actions)
         return self._settled(actions)
@@ -922,6 +928,8 @@ class Grants:
                 continue  # already draining, to an earlier deadline: it stands
             # A new drain, or one asked again with a shorter timeout: the earlier
             # deadline wins (an operator who shortens it gets the answer in time).
+            if running is None:
+                actions.append(DrainingChanged(len(self._draining) + 1))
             self._draining[child] = deadline
             view = self._registry.get(child)
             if view is not None:

@@ -30,6 +30,7 @@ from coordinator.core.grants import (
     BeginHandoffRequest,
     CostObserved,
     DrainDeadlinePassed,
+    DrainingChanged,
     DrainNotice,
     DrainResult,
     GrantAction,
@@ -524,6 +525,8 @@ class LeaseFlow:
                     m.cost_prediction_error.labels(link=action.link_basis).observe(
                         action.actual_load_ms / action.predicted_load_ms
                     )
+            elif isinstance(action, DrainingChanged):
+                self._m_draining.set(action.draining)
             elif isinstance(action, DrainDeadlinePassed):
                 log.info("drain deadline of %s passed: aborting its leases", action.child_engine_id)
             elif isinstance(action, LeaseGranted):
@@ -558,7 +561,6 @@ class LeaseFlow:
         # Also with no actions: a step may still change counts (a first-part publish admits
         # a WAITING_READY handoff) and add a deadline (its publish timeout).
         self._update_gauge()
-        self._m_draining.set(self.core.draining_count())  # a drain starts or its engine leaves
         self._arm()
 
     def _pins_recorded(self, lease_id: str, pins: Sequence[SendPin], ok: bool, why: str) -> None:
