@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from clients.errors import InvalidArgumentError, from_rpc_error
+from clients.errors import InvalidArgumentError, UnavailableError, from_rpc_error
 from clients.session import (
     ChildEngineState,
     EngineSession,
@@ -188,8 +188,15 @@ class InventoryPublisher:
     # --- publishing ------------------------------------------------------------------
 
     async def publish(self, events: Sequence[InventoryEvent]) -> int:
-        """Sends the events in order, in as many batches as the limits need; returns batches."""
+        """Sends the events in order, in as many batches as the limits need; returns batches.
+
+        Raises UnavailableError at once while the session is not connected, and when a
+        write breaks it (each write is bounded by the session's write timeout): callers
+        do not queue up behind a frozen coordinator. Nothing is lost for good: after the
+        re-registration the dump replaces the stream's state."""
+        self._require_connected()
         async with self._lock:
+            self._require_connected()  # the stream broke while this waited for the lock
             sent = 0
             for batch in chunk_events(events, self._max_events, self._max_blocks):
                 await self._send(batch)
@@ -249,6 +256,14 @@ class InventoryPublisher:
         self._spawn_dump("resync")
 
     # --- internals ------------------------------------------------------------------------
+
+    def _require_connected(self) -> None:
+        # Before start() `_send` says so (RuntimeError): a bug, not an outage.
+        if self.session.ack is not None and not self.session.connected:
+            raise UnavailableError(
+                grpc.StatusCode.UNAVAILABLE,
+                "the session is not connected (the dump after re-registration catches up)",
+            )
 
     def _sync_incarnation(self, incarnation: int) -> None:
         if incarnation != self._incarnation:

@@ -658,7 +658,14 @@ class LeaseSessionHandler(SessionHandler):
             result.descriptor.CopyFrom(answer.descriptor)
         if answer.pinned_blocks > 0:
             self._held[request.lease_id] = None  # until its ReleaseRequest
-        await session.send_pin_result(result)
+        try:
+            await session.send_pin_result(result)
+        except UnavailableError as e:
+            # The session broke while the engine pinned (a kvrc restart, say): that grant
+            # died with it; the lease stays held and is re-announced on re-registration.
+            log.info(
+                "pin result of lease %s not sent (the session is down): %s", request.lease_id, e
+            )
 
     async def on_abort_request(self, request: pb.AbortRequest) -> None:
         self._spawn(self._abort_then_ack(request.lease_id, request.reason))

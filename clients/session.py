@@ -14,17 +14,20 @@
 `start()` registers and returns the `RegisterAck`; the session then sends
 heartbeats at the interval the coordinator asked for. When the stream breaks
 (coordinator restart, heartbeat timeout) it reconnects with exponential
-backoff and jitter and registers again. Given several targets (kvrc replicas
-sharing one `--store`: a list, or "a:50051,b:50051"), `start()` tries each in
-turn; a broken session reconnects to the same replica first and moves to the
-next one, round robin, only when that replica cannot be reached (UNAVAILABLE,
-no RegisterAck in time), so that the rank parts of one child engine, given
-the same list, stay on one replica. Every registration re-announces in full
-(held leases; `InventoryPublisher` then sends its dump), so the replica it
-lands on learns the engine's state. `SessionChannels(session)` gives lease and
-lookup clients channels that follow the session to its replica. (A DNS name with
-several addresses, "dns:///kvrc.internal:50051", is one target: grpc's pick_first
-chooses for each channel on its own, so a list is the form whose channels agree.)
+backoff and jitter and registers again. A coordinator that goes silent (frozen,
+partitioned: nothing heard for the RegisterAck's heartbeat timeout) or a write
+that does not complete within the write timeout breaks the stream the same way.
+Given several targets (kvrc replicas sharing one `--store`: a list, or
+"a:50051,b:50051"), `start()` tries each in turn; a broken session reconnects to the
+same replica first and moves to the next one, round robin, only when that replica
+cannot be reached (UNAVAILABLE, no RegisterAck in time), so that the rank parts of
+one child engine, given the same list, stay on one replica. Every registration
+re-announces in full (held leases; `InventoryPublisher` then sends its dump), so the
+replica it lands on learns the engine's state. `SessionChannels(session)` gives
+lease and lookup clients channels that follow the session to its replica. (A DNS
+name with several addresses, "dns:///kvrc.internal:50051", is one target: grpc's
+pick_first chooses for each channel on its own, so a list is the form whose channels
+agree.)
 Coordinator requests (pin, release, abort, resync, quarantine, drain) and
 readiness changes go to the handler. `call(...)` makes a request on the stream
 itself (revision 3: a prefix load and its report, `LeaseClient(..., session=...)`),
@@ -58,7 +61,14 @@ from clients.errors import (
     from_rpc_error,
     from_session_error,
 )
-from kvrc.credentials import ChannelOptions, connect, split_targets
+from kvrc.credentials import (
+    SESSION_KEEPALIVE,
+    ChannelOptions,
+    CredentialsError,
+    connect,
+    reconnect_backoff_options,
+    split_targets,
+)
 from kvrc.ids import child_engine_id
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
@@ -277,6 +287,8 @@ _MOVE_ON = (UnavailableError, DeadlineExceededError)
 # so grpc's flow control, and then the coordinator's bounded queue, see a part that lags
 # (small: a handler that stops must not let the coordinator send on unchecked).
 INBOX_SIZE = 32
+# Write timeout when the RegisterAck names no heartbeat timeout.
+DEFAULT_WRITE_TIMEOUT_S = 10.0
 
 
 class EngineSession:
@@ -290,7 +302,13 @@ class EngineSession:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
         register_timeout_s: float = 10.0,
+        silence_timeout_s: float | None = None,
+        write_timeout_s: float | None = None,
     ) -> None:
+        """`silence_timeout_s`: nothing heard from the coordinator for this long breaks the
+        stream; `write_timeout_s`: a write (flow control full against a frozen coordinator)
+        that takes longer breaks it. Both default to the RegisterAck's heartbeat timeout:
+        by then the coordinator has dropped this part anyway."""
         # A bare "host:port" is plaintext; ChannelOptions add TLS and a token.
         self._plain = isinstance(target, str) or (
             not isinstance(target, ChannelOptions) and all(isinstance(t, str) for t in target)
@@ -303,8 +321,11 @@ class EngineSession:
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._register_timeout_s = register_timeout_s
+        self._silence_timeout_s = silence_timeout_s
+        self._write_timeout_s = write_timeout_s
         self._channel: grpc.aio.Channel | None = None
         self._call: _Call | None = None
+        self._broken: _Call | None = None  # the call `_break` ended (said once)
         self._write_lock = asyncio.Lock()
         self._runner: asyncio.Task[None] | None = None
         self._closing = False
@@ -337,6 +358,24 @@ class EngineSession:
     def connected(self) -> bool:
         return self._call is not None and not self._call.done()
 
+    @property
+    def silence_timeout_s(self) -> float | None:
+        """Silence from the coordinator that breaks the stream (None: no limit)."""
+        if self._silence_timeout_s is not None:
+            return self._silence_timeout_s
+        if self.ack is not None and self.ack.heartbeat_timeout_ms > 0:
+            return self.ack.heartbeat_timeout_ms / 1000
+        return None
+
+    @property
+    def write_timeout_s(self) -> float:
+        """How long one write (with its wait for the write lock) may take."""
+        if self._write_timeout_s is not None:
+            return self._write_timeout_s
+        if self.ack is not None and self.ack.heartbeat_timeout_ms > 0:
+            return self.ack.heartbeat_timeout_ms / 1000
+        return DEFAULT_WRITE_TIMEOUT_S
+
     # --- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> RegisterAck:
@@ -346,7 +385,7 @@ class EngineSession:
         for tried in range(len(self.targets)):
             if tried:
                 self._next_target()
-            self._channel = connect(self.targets[self._index])
+            self._channel = self._new_channel()
             try:
                 ack = await self._connect()
                 break
@@ -363,16 +402,31 @@ class EngineSession:
         return ack
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Ends the session cleanly: the coordinator removes this rank part at once."""
+        """Ends the session cleanly: the coordinator removes this rank part at once.
+
+        Within about `timeout_s`: a write stuck against a frozen coordinator is not
+        waited for (the call is cancelled; the part then leaves at its heartbeat timeout)."""
         self._closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         call = self._call
         if call is not None and not call.done():
-            with contextlib.suppress(Exception):
-                async with self._write_lock:
-                    await call.done_writing()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    async with self._write_lock:
+                        await call.done_writing()
+            except TimeoutError:
+                call.cancel()
+            except asyncio.CancelledError:
+                if not _cancelled_locally(call):
+                    raise
+            except Exception:  # the stream broke meanwhile: nothing to end
+                pass
         if self._runner is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(self._runner), timeout_s)
+                await asyncio.wait_for(
+                    asyncio.shield(self._runner), max(deadline - loop.time(), 0.0)
+                )
             except TimeoutError:
                 self._runner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -399,7 +453,8 @@ class EngineSession:
         )
 
     async def _move_on(self) -> None:
-        """Next target, on a fresh channel (the old one may keep trying a dead replica)."""
+        """Next target, on a fresh channel (the old one may keep trying a dead replica);
+        `_connect` makes the channel."""
         if len(self.targets) < 2:
             return  # one target: its channel reconnects by itself
         if self._call is not None:
@@ -407,7 +462,13 @@ class EngineSession:
             self._call = None
         await self._drop_channel()
         self._next_target()
-        self._channel = connect(self.targets[self._index])
+
+    def _new_channel(self) -> grpc.aio.Channel:
+        # Keepalive pings find a dead connection with no write waiting; the channel's own
+        # reconnect backoff stays within the session's, so that a kvrc that is back is
+        # reached within about backoff_max_s (grpc's default grows to 120 s).
+        backoff = reconnect_backoff_options(round(self._backoff_max_s * 1000))
+        return connect(self.targets[self._index], (*SESSION_KEEPALIVE, *backoff))
 
     async def wait_ready(self, timeout_s: float | None = None) -> ChildEngineState:
         """Waits until the child engine is READY (all rank parts registered)."""
@@ -477,9 +538,29 @@ class EngineSession:
         call = self._call
         if call is None or call.done():
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the session is not connected")
+        await self._write(call, message)
+
+    async def _write(self, call: _Call, message: pb.EngineMessage) -> None:
+        """One write on `call`, bounded: a write that waits out the write timeout (flow
+        control full against a frozen coordinator) breaks the stream, as a read error does,
+        instead of holding the write lock, and every writer behind it, for ever."""
+        timeout_s = self.write_timeout_s
         try:
-            async with self._write_lock:
-                await call.write(message)
+            async with asyncio.timeout(timeout_s):
+                async with self._write_lock:
+                    await call.write(message)
+        except TimeoutError:
+            self._break(call, f"a write to the coordinator did not complete in {timeout_s:g} s")
+            raise UnavailableError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the session write timed out after {timeout_s:g} s (reconnecting)",
+            ) from None
+        except asyncio.CancelledError:
+            if not _cancelled_locally(call):
+                raise
+            raise UnavailableError(
+                grpc.StatusCode.UNAVAILABLE, "the session stream was cancelled"
+            ) from None
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e) from None
         except asyncio.InvalidStateError:
@@ -487,18 +568,37 @@ class EngineSession:
                 grpc.StatusCode.UNAVAILABLE, "the session stream ended"
             ) from None
 
+    def _break(self, call: _Call, why: str) -> None:
+        """Ends a stream that is alive to grpc but not to us; the runner reconnects.
+        (A timed-out read or write may have cancelled the call already.)"""
+        if self._broken is call:
+            return  # several writers timed out on the same stuck stream
+        self._broken = call
+        if not self._closing:
+            self.last_error = UnavailableError(grpc.StatusCode.UNAVAILABLE, why)
+            log.warning(
+                "%s: session with %s broken: %s; reconnecting",
+                self.registration.resolved_child_engine_id,
+                self.target,
+                why,
+            )
+        call.cancel()
+
     # --- internals ---------------------------------------------------------------------
 
-    async def _connect(self) -> RegisterAck:
-        assert self._channel is not None
+    async def _connect(self, reconnecting: bool = False) -> RegisterAck:
+        if self._channel is None:  # after _move_on; CredentialsError when it cannot be made
+            self._channel = self._new_channel()
         stub = pb_grpc.EngineServiceStub(self._channel)
         call: _Call = stub.Session()  # type: ignore[call-arg]  # grpc-stubs predate the optional iterator
         try:
             held = getattr(self.handler, "held_lease_ids", None)
             held_ids: Sequence[str] = held() if callable(held) else ()
             register = self.registration.to_proto(held_ids)
-            await call.write(pb.EngineMessage(register=register))
-            first = await asyncio.wait_for(call.read(), self._register_timeout_s)
+            # The Register write too: it can wait on a frozen replica's flow control.
+            async with asyncio.timeout(self._register_timeout_s):
+                await call.write(pb.EngineMessage(register=register))
+                first = await call.read()
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e) from None
         except TimeoutError:
@@ -533,7 +633,13 @@ class EngineSession:
             ack.state.parts_present,
             ack.state.parts_expected,
         )
-        await self.handler.on_registered(ack)
+        try:
+            await self.handler.on_registered(ack)
+        except Exception:
+            if not reconnecting:
+                raise  # start(): the engine sees its own bug
+            # Registered all the same: the engine's handler bug must not end the session.
+            log.exception("session handler failed on registered")
         return ack
 
     def _set_state(self, state: ChildEngineState) -> None:
@@ -578,13 +684,16 @@ class EngineSession:
             if self._closing:
                 break
             try:
-                await self._connect()
+                await self._connect(reconnecting=True)
                 return True
             except KvrcClientError as e:
                 self.last_error = e
                 log.info("reconnect to %s failed (%s); retrying", self.target, e.code.name)
                 if isinstance(e, _MOVE_ON):
                     await self._move_on()
+            except CredentialsError as e:  # a token file being rotated, say: try again
+                log.warning("reconnect to %s: %s; retrying", self.target, e)
+                await self._move_on()  # another replica may be reachable meanwhile
             delay = min(delay * 2, self._backoff_max_s)
         return False
 
@@ -599,9 +708,17 @@ class EngineSession:
         # The coordinator's SessionError, when it ends the session for what this part
         # sent: it says why even where the status that follows arrives mangled.
         said: KvrcClientError | None = None
+        silence_s = self.silence_timeout_s
         try:
             while True:
-                message = await call.read()
+                try:
+                    # The coordinator answers every heartbeat: silence means it is frozen
+                    # or cut off, which grpc alone may not notice for a long time.
+                    async with asyncio.timeout(silence_s):
+                        message = await call.read()
+                except TimeoutError:
+                    self._break(call, f"nothing heard from the coordinator for {silence_s:g} s")
+                    return
                 if message is EOF or not isinstance(message, pb.CoordinatorMessage):
                     code = await call.code()
                     if code != grpc.StatusCode.OK:
@@ -626,6 +743,10 @@ class EngineSession:
             self.last_error = said or from_rpc_error(e)
             if not self._closing and said is None:
                 log.info("session with %s broke: %s", self.target, self.last_error)
+        except asyncio.CancelledError:
+            if not _cancelled_locally(call):
+                raise
+            # _break (a stuck write) or close() cancelled the call: the stream ended.
 
     async def _dispatch(self, message: pb.CoordinatorMessage) -> None:
         kind = message.WhichOneof("message")
@@ -653,14 +774,20 @@ class EngineSession:
 
     async def _heartbeats(self, call: _Call, interval_ms: int) -> None:
         interval_s = max(interval_ms, 10) / 1000
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        with contextlib.suppress(KvrcClientError):  # the stream ended (or was broken)
             while not call.done():
                 await asyncio.sleep(interval_s)
                 if self._closing:
                     return
                 beat = pb.Heartbeat(client_time_unix_ms=time.time_ns() // 1_000_000)
-                async with self._write_lock:
-                    await call.write(pb.EngineMessage(heartbeat=beat))
+                await self._write(call, pb.EngineMessage(heartbeat=beat))
+
+
+def _cancelled_locally(call: _Call) -> bool:
+    """grpc raises CancelledError from a read or write on a call cancelled here; that ends
+    the stream, unlike a cancellation of the awaiting task itself."""
+    task = asyncio.current_task()
+    return call.cancelled() and (task is None or task.cancelling() == 0)
 
 
 class SessionChannels:

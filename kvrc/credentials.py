@@ -35,11 +35,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 __all__ = [
+    "SESSION_KEEPALIVE",
     "ChannelOptions",
     "CredentialsError",
     "connect",
     "connect_blocking",
     "parse_targets",
+    "reconnect_backoff_options",
     "split_targets",
 ]
 
@@ -319,14 +321,56 @@ def _bearer_interceptors(token: str) -> list[_AioBearer]:
     ]
 
 
+# grpc's own reconnect backoff starts at 1 s and grows to 120 s: a channel that saw kvrc
+# down for a minute would wait up to 2 minutes after it is back, whatever the client's
+# own backoff says. Every channel made here reconnects at most this far apart.
+DEFAULT_RECONNECT_BACKOFF_MAX_MS = 2000
+RECONNECT_BACKOFF_INITIAL_MS = 100
+
+# HTTP/2 keepalive for long-lived session streams: a frozen or partitioned kvrc (no
+# PING ack) breaks the connection even while no write is waiting. kvrc permits a ping
+# every 5 s (coordinator/edges/server.py); 10 s keeps clear of its ping strikes.
+SESSION_KEEPALIVE: tuple[tuple[str, Any], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),  # between sessions too
+    ("grpc.http2.max_pings_without_data", 0),  # no cap: heartbeats are sparse data
+)
+
+
+def reconnect_backoff_options(
+    max_ms: int = DEFAULT_RECONNECT_BACKOFF_MAX_MS,
+) -> tuple[tuple[str, Any], ...]:
+    """grpc channel options bounding the channel's reconnect backoff to `max_ms`."""
+    max_ms = max(int(max_ms), 1)
+    return (
+        ("grpc.initial_reconnect_backoff_ms", min(RECONNECT_BACKOFF_INITIAL_MS, max_ms)),
+        ("grpc.max_reconnect_backoff_ms", max_ms),
+    )
+
+
+def _channel_options(
+    opts: ChannelOptions, grpc_options: Sequence[tuple[str, Any]] = ()
+) -> list[tuple[str, Any]]:
+    """Defaults, then the caller's, then the target's own options: one value per name
+    (a repeated channel arg is ambiguous in grpc), the last given winning."""
+    merged = dict(reconnect_backoff_options())
+    merged.update(grpc_options)
+    merged.update(opts.all_grpc_options())
+    return list(merged.items())
+
+
 def connect(
     target: str | ChannelOptions, grpc_options: Sequence[tuple[str, Any]] = ()
 ) -> grpc.aio.Channel:
-    """An asyncio channel to kvrc: plaintext for a bare target, else as `ChannelOptions` say."""
+    """An asyncio channel to kvrc: plaintext for a bare target, else as `ChannelOptions` say.
+
+    `grpc_options` (e.g. `SESSION_KEEPALIVE`) add to or replace the defaults (a reconnect
+    backoff of at most 2 s); the target's own `ChannelOptions.grpc_options` win over both."""
     opts = _as_options(target)
     token = opts.bearer_token()
     interceptors: Any = _bearer_interceptors(token) if token is not None else None
-    options = [*opts.all_grpc_options(), *grpc_options]
+    options = _channel_options(opts, grpc_options)
     if opts.secure:
         return grpc.aio.secure_channel(
             _grpc_target(opts.target),
@@ -368,7 +412,7 @@ def connect_blocking(target: str | ChannelOptions) -> grpc.Channel:
     """A blocking channel (unary calls) with the same options; close it when done."""
     opts = _as_options(target)
     token = opts.bearer_token()
-    options = opts.all_grpc_options()
+    options = _channel_options(opts)
     if opts.secure:
         channel = grpc.secure_channel(
             _grpc_target(opts.target), opts.channel_credentials(), options

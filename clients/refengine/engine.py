@@ -529,6 +529,38 @@ class _PartState(NullHandler):
 # ---------------------------------------------------------------------------
 
 
+class UnsentEventsLog:
+    """Inventory batches not sent while kvrc is down: one WARNING when the outage starts,
+    then one per `every_s` with a count while it lasts, and an INFO when events flow
+    again; not a WARNING per request."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_s = every_s
+        self.unsent = 0  # in this outage
+        self._unlogged = 0
+        self._logged_at = 0.0
+
+    def failed(self, error: Exception) -> None:
+        self.unsent += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if self.unsent == 1 or now - self._logged_at >= self.every_s:
+            # Nothing is lost for good: the dump after re-registration replaces the stream.
+            log.warning(
+                "inventory events not sent (%d batches since the last warning; the dump "
+                "after re-registration recovers them): %s",
+                self._unlogged,
+                error,
+            )
+            self._unlogged = 0
+            self._logged_at = now
+
+    def sent(self) -> None:
+        if self.unsent:
+            log.info("inventory events sent again; %d batches were not sent", self.unsent)
+            self.unsent = self._unlogged = 0
+
+
 @dataclasses.dataclass
 class _HandoffHold:
     request_id: str
@@ -542,6 +574,7 @@ class Leader:
         self.options = part.options
         self.pool = BlockPool(part.layout.num_blocks)
         self.publisher = InventoryPublisher(part.session, dump=self._dump_events)
+        self.unsent_events = UnsentEventsLog()
         self.followers: dict[int, Channel] = {}
         self.all_connected = asyncio.Event()
         if self.options.tp_size == 1:
@@ -646,8 +679,11 @@ class Leader:
         try:
             await self.publisher.publish(events)
         except (KvrcClientError, RuntimeError) as e:
-            # A lost batch shows as a gap: the coordinator asks for a full dump.
-            log.warning("inventory events not sent: %s", e)
+            # The session is down (or broke on this write): no sequence gap is made, the
+            # batch is simply not numbered; the dump after re-registration recovers it.
+            self.unsent_events.failed(e)
+        else:
+            self.unsent_events.sent()
 
     # --- requests from rank parts (pins, releases) --------------------------------
 

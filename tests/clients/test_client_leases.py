@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from clients.leases import (
     PinRequestInfo,
     PrefixLoadGrant,
 )
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from kvrc.v1 import kvrc_pb2 as pb
 
 
@@ -273,3 +275,41 @@ async def test_foreign_and_malformed_pin_results_change_nothing(
     grant = await load
     assert isinstance(grant, PrefixLoadGrant) and grant.matched_blocks == 2
     assert [list(p.block_ids) for p in grant.source_parts] == [[4, 5]]
+
+
+async def test_a_pin_result_that_finds_the_session_gone_is_logged_once_and_kept_held(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pinned = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def pin(info: PinRequestInfo) -> PinAnswer:
+        pinned.set()
+        await answer.wait()  # the engine pins while kvrc goes away
+        return PinAnswer(1, descriptor=descriptor([3]))
+
+    handler = LeaseSessionHandler(pin=pin)
+    with start_coordinator() as own:
+        session = EngineSession(
+            own.grpc_target,
+            RankPartRegistration(engine_id="pin-gone", profile=EngineProfile("m", 16)),
+            handler,
+            reconnect=False,
+        )
+        handler.attach(session)
+        await session.start()
+        request = pb.PinRequest(lease_id="pl-gone", block_hashes=[b"x" * 32])
+        pinning = asyncio.create_task(handler.on_pin_request(request))
+        await asyncio.wait_for(pinned.wait(), 5)
+        own.stop()  # a kvrc restart: the session ends while the engine pins
+    await wait_until(lambda: not session.connected, 5, what="the session ended")
+    caplog.set_level(logging.INFO, logger="kvrc.client")
+    caplog.clear()
+    answer.set()
+    await asyncio.wait_for(pinning, 5)  # before: UnavailableError (an ERROR with a traceback)
+    said = [r for r in caplog.records if "pl-gone" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO], said
+    assert said[0].exc_info is None
+    assert list(handler.held_lease_ids()) == ["pl-gone"]  # re-announced on re-registration
+    await session.close()
+    await handler.aclose()
