@@ -297,6 +297,8 @@ async def test_inventory_lookups_and_a_handoff_reach_prometheus(tmp_path: Path) 
                 HOLDER_GPU_BLOCKS + HOLDER_CPU_BLOCKS,
             )
             await expect('kvrc_event_batches_total{source="grpc",result="applied"}', 2)
+            # The manifest's --warmup-ms: reuse opens once the restart warm-up is over.
+            await expect("kvrc_warming", 0)
 
             # Three lookups: a 5-block hit, a miss, and the same 5 blocks below min_blocks=6.
             prompt = [*gpu_chain[:5], b"not-retained"]
