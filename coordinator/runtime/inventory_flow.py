@@ -544,19 +544,23 @@ class InventoryFlow:
 
     # --- lookup ----------------------------------------------------------------
 
-    def reuse_gate(self, requester_child_engine_id: str) -> ReuseStatus:
-        """I1-reuse-off, then the requester's readiness: why reuse is (not) open to it."""
+    def reuse_gate(
+        self, requester_child_engine_id: str, view: ChildEngineView | None = None
+    ) -> ReuseStatus:
+        """I1-reuse-off, then the requester's readiness: why reuse is (not) open to it.
+        `view`: its registry view, for an engine registered on another replica (its
+        parts are in the registry, not in `_meta`): every replica gates it alike."""
         if not self._config.reuse:
             return _DISABLED
         warming = self.warming()
         if warming is not None:
             return warming
         meta = self._meta.get(requester_child_engine_id)
-        if meta is None:
+        if meta is not None:
+            return meta.reuse if meta.ready else _NOT_READY
+        if view is None:
             return _UNKNOWN
-        if not meta.ready:
-            return _NOT_READY
-        return meta.reuse
+        return self._reuse_for(view) if view.ready else _NOT_READY
 
     def lookup_many(
         self,
@@ -657,7 +661,7 @@ class InventoryFlow:
                 view.profile,
                 view.compatibility_hash,
                 view.ready,
-                self._score_reuse_gate(view),
+                self.reuse_gate(cid, view),
                 self._is_draining(cid),
                 _bytes_per_block(view),
             )
@@ -691,18 +695,6 @@ class InventoryFlow:
             outcome = ScoreOutcome.MISS
         self._m_scores[outcome].inc()
         return answer
-
-    def _score_reuse_gate(self, view: ChildEngineView) -> ReuseStatus:
-        """`reuse_gate`, also for an engine registered on another replica (its parts
-        are in the registry, not in `_meta`): every replica scores it alike."""
-        if view.child_engine_id in self._meta:
-            return self.reuse_gate(view.child_engine_id)
-        if not self._config.reuse:
-            return _DISABLED
-        warming = self.warming()
-        if warming is not None:
-            return warming
-        return self._reuse_for(view) if view.ready else _NOT_READY
 
     def count_score_refused(self) -> None:
         self._m_scores[ScoreOutcome.REFUSED].inc()
