@@ -361,6 +361,17 @@ async def child_engine_status(target: str, child_engine_id: str) -> Any | None:
     return None
 
 
+def without_heartbeat_times(status: Any) -> Any:
+    """`status` (a StatusResponse or ChildEngineStatus) with its parts' heartbeat times
+    zeroed: they move with every heartbeat, so a check that a refused call changed
+    nothing compares everything else."""
+    children = status.child_engines if hasattr(status, "child_engines") else [status]
+    for child in children:
+        for rank_part in child.parts:
+            rank_part.last_heartbeat_unix_ms = 0
+    return status
+
+
 def find_lease(status: Any, lease_id: str) -> Any | None:
     """The LeaseStatus of `lease_id` in a StatusResponse, or None when it is not listed."""
     return next((lease for lease in status.leases if lease.lease_id == lease_id), None)
