@@ -95,6 +95,10 @@ class _Recv:
     dispatched: bool = False
     keepalive: HandoffKeepAlive | None = None
     started: float = field(default_factory=time.monotonic)
+    # A worker's failed outcome, kept until every worker has reported the load: with
+    # tp > 1 the workers may finish in different steps, and vLLM lists the request in
+    # finished_recving only in the last one's.
+    failure: str = ""
 
 
 @dataclass(frozen=True)
@@ -672,6 +676,11 @@ class KvrcScheduler:
             outcomes = worker_meta.outcomes
             for key, value in worker_meta.counters.items():
                 self.counters[f"workers_{key}"] += value
+        with self._lock:
+            for request_id, outcome in outcomes.items():
+                pending = self._recv.get(request_id)
+                if pending is not None and outcome != "SUCCEEDED" and not pending.failure:
+                    pending.failure = outcome
         for request_id in output.finished_recving or ():
             trace("finished_recving", request_id)
             with self._lock:
@@ -680,7 +689,7 @@ class KvrcScheduler:
                 continue
             if recv.keepalive is not None:
                 self.loop.submit(recv.keepalive.stop())
-            outcome = outcomes.get(request_id, "SUCCEEDED")
+            outcome = recv.failure or "SUCCEEDED"
             if outcome == "SUCCEEDED":
                 self.counters[f"{recv.flow}_loads"] += 1
                 self.counters[f"{recv.flow}_tokens_loaded"] += recv.num_tokens

@@ -209,6 +209,39 @@ def test_a_prefix_grant_at_or_past_its_deadline_is_recomputed_not_pulled(
         assert scheduler.counters["prefix_grants_expired_before_dispatch"] == 1
 
 
+@pytest.mark.parametrize(
+    ("steps", "failed"),
+    [
+        # tp=2: the worker that failed finishes a step before the one that read its half
+        ([({"r1": "FAILED: read"}, set()), ({"r1": "SUCCEEDED"}, {"r1"})], True),
+        ([({"r1": "SUCCEEDED"}, set()), ({"r1": "FAILED: read"}, {"r1"})], True),
+        ([({"r1": "FAILED: read"}, {"r1"})], True),
+        # controls: every worker read its part
+        ([({"r1": "SUCCEEDED"}, set()), ({"r1": "SUCCEEDED"}, {"r1"})], False),
+        ([({}, set()), ({"r1": "SUCCEEDED"}, {"r1"})], False),
+    ],
+)
+def test_a_load_that_failed_on_any_worker_counts_as_failed(
+    vllm_side: Any, scheduler: Any, steps: list[tuple[dict[str, str], set[str]]], failed: bool
+) -> None:
+    """vLLM lists a load in finished_recving once every worker has reported it, but each
+    step's worker metadata carries only that step's outcomes."""
+    _kvrc_grants(scheduler, _grant(matched=6, deadline_in_s=30))
+    request = _request("r1", 7)
+    tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, _blocks(7), tokens)
+    scheduler.build_connector_meta(NS(total_num_scheduled_tokens=0))
+    for outcomes, finished in steps:
+        meta = vllm_side.metadata.KvrcWorkerMetadata({}, outcomes)
+        scheduler.update_connector_output(
+            NS(kv_connector_worker_meta=meta, finished_recving=finished, finished_sending=())
+        )
+    assert "r1" not in scheduler._recv
+    assert scheduler.counters["prefix_load_load_failures"] == int(failed)
+    assert scheduler.counters["prefix_load_loads"] == int(not failed)
+    assert scheduler.counters["prefix_load_tokens_recomputed"] == (6 * BS if failed else 0)
+
+
 # --- 2. vLLM asks again with another local hit -------------------------------------------
 
 
