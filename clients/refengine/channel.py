@@ -19,6 +19,8 @@ from typing import Any
 
 import msgpack
 
+from clients.errors import KvrcClientError, error_from_number
+
 log = logging.getLogger("kvrc.refengine.channel")
 
 MAX_FRAME_BYTES = 64 << 20
@@ -122,7 +124,7 @@ class Channel:
                         if message.get("ok"):
                             future.set_result(message.get("result"))
                         else:
-                            future.set_exception(ChannelError(str(message.get("error"))))
+                            future.set_exception(_remote_error(message))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except Exception:  # a malformed frame: close, so the other side sees EOF at once
@@ -144,6 +146,11 @@ class Channel:
         except Exception as exc:
             log.debug("%s: %s failed", self.name, message.get("op"), exc_info=True)
             reply = {"id": request_id, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            if isinstance(exc, KvrcClientError):
+                # kvrc's status crosses too: whether a call it failed may still have
+                # taken effect decides what the caller keeps (clients.errors.outcome_unknown).
+                reply["status"] = exc.code.value[0]
+                reply["error"] = exc.message
         with contextlib.suppress(ConnectionError, RuntimeError):
             await self._send(reply)
 
@@ -151,3 +158,11 @@ class Channel:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(ChannelError(f"{self.name}: the other side went away"))
+
+
+def _remote_error(reply: dict[str, Any]) -> Exception:
+    """A failed reply as an exception: kvrc's own error type where one failed remotely."""
+    status = reply.get("status")
+    if isinstance(status, int):
+        return error_from_number(status, str(reply.get("error")))
+    return ChannelError(str(reply.get("error")))

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from clients.errors import KvrcClientError
+from clients.errors import KvrcClientError, outcome_unknown
 from clients.hashing import hash_block_chain
 from clients.holds import HoldDeadlines, pin_hold_s
 from clients.inventory import (
@@ -602,6 +602,7 @@ class Leader:
                 "handoff_failures",
                 "pins",
                 "loads_skipped_draining",
+                "handoff_publish_outcome_unknown",
             ),
             0,
         )
@@ -794,6 +795,13 @@ class Leader:
             calls.append(self.followers[rank].call(op, timeout_s=120.0, **args))
         return list(await asyncio.gather(*calls))
 
+    async def _on_all_settled(self, op: str, **args: Any) -> list[Any]:
+        """`_on_all`, waiting for every part: each one's result or its exception."""
+        calls: list[Awaitable[Any]] = [self.part.handle(op, args)]
+        for rank in range(1, self.options.tp_size):
+            calls.append(self.followers[rank].call(op, timeout_s=120.0, **args))
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
     async def _pull_all(self, **args: Any) -> list[dict[str, Any]]:
         """Every part pulls its slice; then, if all succeeded, every part verifies it.
 
@@ -864,7 +872,9 @@ class Leader:
             self.counters["blocks_local"] += len(local)
             self.counters["blocks_recomputed"] += len(held) - computed_from
             if decode:
-                result["handoff"] = await self._publish_handoff(request_id, held, decode)
+                # The handoff's hold owns the blocks from here, whatever its publish does.
+                blocks, held = held, []
+                result["handoff"] = await self._publish_handoff(request_id, blocks, decode)
             else:
                 await self.publish((), self.pool.release(held, now_ms()))
             held = []
@@ -1014,22 +1024,38 @@ class Leader:
         hold = _HandoffHold(request_id, held, time.monotonic() + HANDOFF_SAFETY_S)
         self._hold_by_request[request_id] = hold
         try:
-            results = await self._on_all(
+            answers = await self._on_all_settled(
                 "publish_handoff",
                 request_id=request_id,
                 block_ids=held,
                 decode_child_engine_id=decode,
                 kv_transfer_params=params,
             )
-        except Exception:
+        except BaseException:
             self._drop_hold(request_id)
             raise
+        results = [a for a in answers if not isinstance(a, BaseException)]
+        failures = [a for a in answers if isinstance(a, BaseException)]
         states = {r["state"] for r in results}
-        if states & HANDOFF_ENDED_STATES:
-            # Ended before we published: no release will come; free now.
+        if states & HANDOFF_ENDED_STATES or (
+            failures and not any(outcome_unknown(e) for e in failures)
+        ):
+            # Ended before we published, or kvrc refused it: no release will come.
             self._drop_hold(request_id)
         elif lease_id := next((r["lease_id"] for r in results if r["lease_id"]), ""):
             await self.bind_handoff(request_id, lease_id)
+        if failures:
+            if request_id in self._hold_by_request:
+                # kvrc may have recorded every part, and a decode may read the blocks
+                # (I6-quiescence): held until a release or the safety net.
+                self.counters["handoff_publish_outcome_unknown"] += 1
+                log.warning(
+                    "handoff %s: publish outcome unknown (%s); holding its blocks %.0f s",
+                    request_id,
+                    next(e for e in failures if outcome_unknown(e)),
+                    HANDOFF_SAFETY_S,
+                )
+            raise failures[0]
         return {"states": sorted(states)}
 
     async def bind_handoff(self, request_id: str, lease_id: str) -> None:

@@ -14,8 +14,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace as NS
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from hypothesis import given, settings
@@ -24,6 +26,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from refengine_faults import FaultHook, PullFaults, parse_faults
 from waiting import wait_until
 
+from clients.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    KvrcClientError,
+    NotFoundError,
+    outcome_unknown,
+)
 from clients.hashing import hash_block_chain
 from clients.kv_cache import (
     KvCacheLayout,
@@ -35,7 +44,7 @@ from clients.refengine.blocks import BlockPool, PoolExhaustedError
 from clients.refengine.channel import Channel, ChannelError
 from clients.refengine.compute import expected_blocks, kv_values, write_positions
 from clients.refengine.engine import Leader, _pull_reply
-from clients.refengine.options import add_engine_arguments, options_from_args
+from clients.refengine.options import EngineOptions, add_engine_arguments, options_from_args
 from clients.refengine.pull_hook import NO_PULL_HOOK, PullContext
 from clients.refengine.tasks import BackgroundTasks
 from clients.transfer import TransferPlan
@@ -319,6 +328,31 @@ async def test_channel_calls_both_ways_and_carries_bytes_and_int_keys() -> None:
         assert [r["i"] for r in replies] == list(range(20))
 
 
+@pytest.mark.parametrize(
+    ("raised", "unknown"),
+    [(DeadlineExceededError, True), (NotFoundError, False), (FailedPreconditionError, False)],
+)
+async def test_channel_carries_kvrcs_status_of_a_remote_failure(
+    raised: type[KvrcClientError], unknown: bool
+) -> None:
+    """A follower's failed kvrc call reaches the leader with its status: whether that
+    call may still have taken effect decides what the leader keeps."""
+    code = {
+        DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+        NotFoundError: grpc.StatusCode.NOT_FOUND,
+        FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
+    }[raised]
+
+    async def fail(op: str, args: dict[str, Any]) -> Any:
+        raise raised(code, "no handoff 'h'")
+
+    async with channel_pair(None, fail) as (a, _):
+        with pytest.raises(raised) as e:
+            await a.call("publish_handoff", timeout_s=5)
+    assert e.value.code == code and e.value.message == "no handoff 'h'"
+    assert outcome_unknown(e.value) is unknown
+
+
 async def test_channel_peer_going_away_fails_pending_calls_at_once() -> None:
     gate, arrived = asyncio.Event(), asyncio.Event()
 
@@ -534,3 +568,78 @@ def test_a_publish_answered_with_an_ended_handoff_is_not_announced_as_held(
     if published.lease_id and not published.ended:  # RankPart.publish_handoff's rule
         handler.track_held(published.lease_id)
     assert (list(handler.held_lease_ids()) == []) is ended
+
+
+# --- a handoff's publish that failed ------------------------------------------------------
+
+_READY = {"state": "READY", "lease_id": "ho-1"}
+_DEADLINE = DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
+_REFUSED = NotFoundError(grpc.StatusCode.NOT_FOUND, "unknown decode engine")
+
+
+def _leader_with_stand_in_parts(answers: list[Any]) -> Leader:
+    """A prefill Leader whose two rank parts are stood in (`_on_all`): compute does
+    nothing; each part's publish answers `answers[rank]` (a result or an exception)."""
+    options = EngineOptions(role="prefill", engine_id="p", tp_rank=0, tp_size=2, target="x:1")
+    leader = Leader(NS(options=options, session=None, layout=NS(num_blocks=8)))  # type: ignore[arg-type]
+
+    async def on_all(op: str, **args: Any) -> list[Any]:
+        if op != "publish_handoff":
+            return [None, None]
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return list(answers)
+
+    async def settled(op: str, **args: Any) -> list[Any]:
+        assert op == "publish_handoff"
+        return list(answers)
+
+    async def no_load(*args: Any) -> tuple[list[int], dict[str, Any]]:
+        return [], {}
+
+    async def no_events(*args: Any) -> None:
+        return None
+
+    leader._on_all = on_all  # type: ignore[method-assign]
+    leader._on_all_settled = settled  # type: ignore[method-assign]
+    leader._prefix_load = no_load  # type: ignore[method-assign,assignment]
+    leader.publish = no_events  # type: ignore[method-assign,assignment]
+    return leader
+
+
+def _referenced(leader: Leader) -> int:
+    return sum(1 for block in leader.pool._blocks if block.refs > 0)
+
+
+@pytest.mark.parametrize(
+    ("answers", "raised", "held"),
+    [
+        ([_READY, _READY], None, True),  # control: published, held until the release
+        # kvrc may have recorded this part (an answer lost), or a follower died
+        # after its publish: a decode may read the blocks (I6-quiescence)
+        ([_DEADLINE, _READY], DeadlineExceededError, True),
+        ([_READY, ChannelError("follower: the other side went away")], ChannelError, True),
+        # refused: no release will come; freed once (not twice)
+        ([_REFUSED, _REFUSED], NotFoundError, False),
+        ([_READY, _REFUSED], NotFoundError, False),
+    ],
+)
+async def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
+    answers: list[Any], raised: type[Exception] | None, held: bool
+) -> None:
+    leader = _leader_with_stand_in_parts(answers)
+    tokens = list(range(3 * 16))
+    if raised is None:
+        await leader.prefill("r1", tokens, "d")
+    else:
+        with pytest.raises(raised):
+            await leader.prefill("r1", tokens, "d")
+    assert _referenced(leader) == (3 if held else 0)
+    assert leader.counters.get("handoff_publish_outcome_unknown", 0) == int(
+        held and raised is not None
+    )
+    if held:  # kvrc's release (or the safety net) frees them, once
+        await leader._release("ho-1")
+        assert _referenced(leader) == 0
+        assert list(leader.release_ledger.document()) == ["ho-1"]
