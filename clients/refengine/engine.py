@@ -1031,6 +1031,8 @@ class Leader:
                 decode_child_engine_id=decode,
                 kv_transfer_params=params,
             )
+        except asyncio.CancelledError:
+            raise  # mid-publish: kvrc may have it; the hold's safety net frees the blocks
         except BaseException:
             self._drop_hold(request_id)
             raise
