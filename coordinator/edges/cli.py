@@ -25,6 +25,11 @@ from coordinator.core.auth import AuthConfigError, load_auth_policy
 from coordinator.core.cost_model import MIB, CostConfig
 from coordinator.core.leases import LeaseConfig
 from coordinator.runtime.config import (
+    DEFAULT_ORIGIN_TIMEOUT_MS,
+    DEFAULT_OUTBOX_MAX_BYTES,
+    MAX_ORIGIN_TIMEOUT_MS,
+    MIN_ORIGIN_TIMEOUT_MS,
+    MIN_OUTBOX_MAX_BYTES,
     STORE_PASSWORD_ENV,
     ConfigError,
     CoordinatorConfig,
@@ -256,6 +261,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="... or S seconds after the newest snapshot, if the log moved (%(default)s)",
     )
+    # Default None, so that one given without a Redis store is refused.
+    serve.add_argument(
+        "--store-origin-timeout-ms",
+        type=int,
+        metavar="N",
+        help="another replica silent (no heartbeat in the log) this long leaves this "
+        f"replica's view with its engines and parts (default {DEFAULT_ORIGIN_TIMEOUT_MS}, "
+        f"{MIN_ORIGIN_TIMEOUT_MS}..{MAX_ORIGIN_TIMEOUT_MS})",
+    )
+    serve.add_argument(
+        "--store-outbox-max-bytes",
+        type=int,
+        metavar="N",
+        help="bytes of ops queued while Redis cannot be reached; past it this replica's "
+        f"part of the view is rebuilt from full dumps (default {DEFAULT_OUTBOX_MAX_BYTES}, "
+        f"at least {MIN_OUTBOX_MAX_BYTES})",
+    )
     cost = defaults.cost
     serve.add_argument(
         "--cost-gate",
@@ -466,8 +488,29 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     ):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1 ms, got {value}")
-    if args.store == "memory" and args.store_password_file is not None:
-        raise ConfigError("--store-password-file needs a redis:// or rediss:// store")
+    for flag, given in (
+        ("--store-password-file", args.store_password_file),
+        ("--store-origin-timeout-ms", args.store_origin_timeout_ms),
+        ("--store-outbox-max-bytes", args.store_outbox_max_bytes),
+    ):
+        if args.store == "memory" and given is not None:
+            raise ConfigError(f"{flag} needs a redis:// or rediss:// store")
+    origin_timeout_ms = args.store_origin_timeout_ms
+    if origin_timeout_ms is None:
+        origin_timeout_ms = DEFAULT_ORIGIN_TIMEOUT_MS
+    elif not MIN_ORIGIN_TIMEOUT_MS <= origin_timeout_ms <= MAX_ORIGIN_TIMEOUT_MS:
+        raise ConfigError(
+            f"--store-origin-timeout-ms must be {MIN_ORIGIN_TIMEOUT_MS}..{MAX_ORIGIN_TIMEOUT_MS}"
+            f" ms (at least two of the store's heartbeats), got {origin_timeout_ms}"
+        )
+    outbox = args.store_outbox_max_bytes
+    if outbox is None:
+        outbox = DEFAULT_OUTBOX_MAX_BYTES
+    elif outbox < MIN_OUTBOX_MAX_BYTES:
+        raise ConfigError(
+            f"--store-outbox-max-bytes must be >= {MIN_OUTBOX_MAX_BYTES} (16 MiB: one "
+            f"engine message's ops must fit), got {outbox}"
+        )
     if args.store_tls_ca is not None and not args.store_tls_ca.is_file():
         raise ConfigError(f"--store-tls-ca {args.store_tls_ca}: no such file")
     if args.store_snapshot_entries < 0:
@@ -486,6 +529,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         ),
         snapshot_every_entries=args.store_snapshot_entries,
         snapshot_interval_ms=max(1, round(args.store_snapshot_interval_s * 1000)),
+        origin_timeout_ms=origin_timeout_ms,
+        outbox_max_bytes=outbox,
     )
     leases = LeaseConfig(
         handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,

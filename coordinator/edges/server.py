@@ -250,6 +250,7 @@ def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Red
         origin,
         max_entries_total=config.inventory_max_entries_total,
         max_entries_per_engine=config.inventory_max_entries_per_engine,
+        outbox_max_bytes=config.store.outbox_max_bytes,
     )
     coordinator = Coordinator(config, inventory=inventory, lease_id_owner=origin)
     store_config = config.store

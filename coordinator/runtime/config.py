@@ -61,6 +61,17 @@ class TlsFiles:
 
 # Where the password of a `redis://` / `rediss://` store may come from (never argv).
 STORE_PASSWORD_ENV = "KVRC_STORE_PASSWORD"
+# Each replica appends a heartbeat op this often (redis_store.py). The origin timeout
+# spans two at least: below that a replica whose heartbeat is merely late looks silent.
+STORE_HEARTBEAT_MS = 500
+DEFAULT_ORIGIN_TIMEOUT_MS = 5_000
+MIN_ORIGIN_TIMEOUT_MS = 2 * STORE_HEARTBEAT_MS
+MAX_ORIGIN_TIMEOUT_MS = 3_600_000  # an hour: a dead replica lingers no longer
+# The outbox's byte bound (replication.py). At least one gRPC message (16 MiB): below
+# it the ops of one large engine message could overflow the outbox on their own, with
+# Redis up, and every overflow costs a reset and full dumps.
+DEFAULT_OUTBOX_MAX_BYTES = 128 * 1024 * 1024
+MIN_OUTBOX_MAX_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +95,11 @@ class StoreConfig:
     # long after the newest one, whichever comes first (redis_store.py). 0 = never.
     snapshot_every_entries: int = 100_000
     snapshot_interval_ms: int = 60_000
+    # Another replica not heard from this long (its heartbeats in the log, on this
+    # replica's monotonic clock) leaves this replica's view, engines and parts.
+    origin_timeout_ms: int = DEFAULT_ORIGIN_TIMEOUT_MS
+    # The byte bound on ops queued for the log while Redis cannot be reached (replication.py).
+    outbox_max_bytes: int = DEFAULT_OUTBOX_MAX_BYTES
 
     @property
     def url(self) -> str:

@@ -44,7 +44,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from coordinator.runtime.clock import Clock
-from coordinator.runtime.config import StoreConfig
+from coordinator.runtime.config import STORE_HEARTBEAT_MS, StoreConfig
 from coordinator.runtime.lease_ledger import LeaseLedger, resyncs_key
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.replication import (
@@ -71,8 +71,6 @@ log = logging.getLogger("kvrc.store")
 OPS_PER_ENTRY = 512  # one XADD carries up to this many ops
 READ_COUNT = 256  # entries per XREAD
 READ_BLOCK_MS = 500
-HEARTBEAT_MS = 500
-ORIGIN_TIMEOUT_MS = 5_000  # a replica silent this long: its engines leave the view
 STREAM_MAXLEN = 1_000_000  # entries kept (approximately): bounded Redis memory
 # Connections per pool, at most: a burst (every engine of a killed replica registering
 # here at once, each claiming a fencing token) waits for one instead of opening one per
@@ -159,7 +157,6 @@ class RedisStore:
         on_applied: Callable[[], None] = lambda: None,
         request_full_dumps: Callable[[str], object] = lambda why: None,
         stream_maxlen: int = STREAM_MAXLEN,
-        origin_timeout_ms: int = ORIGIN_TIMEOUT_MS,
         load_snapshots: bool = True,
         snapshot_max_bytes: int = DEFAULT_SNAPSHOT_MAX_BYTES,
     ) -> None:
@@ -173,7 +170,7 @@ class RedisStore:
         # this replica, the others' view of them may lack what they published.
         self._request_full_dumps = request_full_dumps
         self._maxlen = stream_maxlen
-        self._origin_timeout_ms = origin_timeout_ms
+        self._origin_timeout_ms = config.origin_timeout_ms
         self._writer_conn = redis_client(
             config, name=f"kvrc-{inventory.origin}-w", max_connections=WRITER_CONNECTIONS
         )
@@ -371,7 +368,7 @@ class RedisStore:
 
     async def _health(self) -> None:
         while not self._closing:
-            await asyncio.sleep(HEARTBEAT_MS / 1000)
+            await asyncio.sleep(STORE_HEARTBEAT_MS / 1000)
             await self._check_epoch()
             self._inventory.heartbeat()
             self._resync_after_silence(self._clock.monotonic_ms())

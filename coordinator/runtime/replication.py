@@ -59,6 +59,7 @@ from coordinator.core.events import (
     Tier,
 )
 from coordinator.core.inventory import ApplyResult, EngineImage, Inventory, key_probe
+from coordinator.runtime.config import DEFAULT_OUTBOX_MAX_BYTES
 from coordinator.runtime.peers import MESSAGE_TAGS, PEER_TAGS, PeerLink
 from coordinator.runtime.peers import OP_HELLO as PEER_HELLO  # not OP_: one tag, one module
 from kvrc.vocabulary import PublishMode
@@ -99,8 +100,8 @@ INVENTORY_TAGS = frozenset(
 # (msgpack, as appended: a 256-block store op is 9-15 KB, so the op count alone let
 # the outbox grow past the pod's memory limit); past either the remote view is rebuilt
 # from a reset, a re-announcement and full dumps when the store returns.
+# The byte bound is `kvrc serve --store-outbox-max-bytes` (its default in config.py).
 DEFAULT_OUTBOX_LIMIT = 1_000_000
-DEFAULT_OUTBOX_MAX_BYTES = 128 * 1024 * 1024
 # Asked to announce again by several replicas at once (each called it silent): one
 # announcement (and one round of dumps) serves every request inside this window.
 REANNOUNCE_WINDOW_MS = 1_000
@@ -777,7 +778,6 @@ class ReplicatedInventory(Inventory):
 
 __all__ = [
     "DEFAULT_OUTBOX_LIMIT",
-    "DEFAULT_OUTBOX_MAX_BYTES",
     "DEFAULT_SNAPSHOT_MAX_BYTES",
     "OP_HEARTBEAT",
     "ReplicatedInventory",

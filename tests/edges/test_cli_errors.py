@@ -255,3 +255,30 @@ def test_serve_refuses_settings_that_start_but_cannot_work(
     )
     assert code == cli.EXIT_CONFIG, err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+async def test_the_store_knobs_reach_the_redis_store_and_its_inventory() -> None:
+    """--store-origin-timeout-ms / --store-outbox-max-bytes travel in the StoreConfig, as
+    the URL does, to the store and the replicated inventory that `kvrc serve` builds;
+    without them the defaults stand."""
+    from coordinator.edges.server import _coordinator_with_store
+    from coordinator.runtime.config import DEFAULT_ORIGIN_TIMEOUT_MS, DEFAULT_OUTBOX_MAX_BYTES
+    from coordinator.runtime.replication import ReplicatedInventory
+
+    parser = cli.build_parser()
+    url = ["serve", "--store", "redis://127.0.0.1:1/0"]
+    flags = ["--store-origin-timeout-ms", "2000", "--store-outbox-max-bytes", str(32 << 20)]
+    for argv, timeout_ms, outbox in (
+        (url + flags, 2000, 32 << 20),
+        (url, DEFAULT_ORIGIN_TIMEOUT_MS, DEFAULT_OUTBOX_MAX_BYTES),
+    ):
+        config = cli.config_from_args(parser.parse_args(argv))
+        coordinator, store = _coordinator_with_store(config)  # connects on start only
+        assert store is not None
+        try:
+            assert isinstance(coordinator.inventory.inventory, ReplicatedInventory)
+            assert coordinator.inventory.inventory.outbox_max_bytes == outbox
+            assert store._origin_timeout_ms == timeout_ms
+        finally:
+            await store.close(0)  # never started: nothing to flush
+    assert DEFAULT_ORIGIN_TIMEOUT_MS == 5_000 and DEFAULT_OUTBOX_MAX_BYTES == 128 << 20

@@ -778,6 +778,36 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         (("--store-password-file", "/etc/hostname"), "needs a redis:// or rediss:// store"),
         (("--store-snapshot-entries", "-1"), "--store-snapshot-entries must be >= 0"),
         (("--store-snapshot-interval-s", "0"), "--store-snapshot-interval-s must be > 0"),
+        (("--store-origin-timeout-ms", "2000"), "--store-origin-timeout-ms needs a redis://"),
+        (("--store-outbox-max-bytes", "1"), "--store-outbox-max-bytes needs a redis://"),
+        (
+            ("--store", "redis://127.0.0.1/0", "--store-origin-timeout-ms", "0"),
+            "--store-origin-timeout-ms must be 1000..3600000 ms",
+        ),
+        (
+            ("--store", "redis://127.0.0.1/0", "--store-origin-timeout-ms", "-5"),
+            "--store-origin-timeout-ms must be 1000..3600000 ms",
+        ),
+        (
+            ("--store", "redis://127.0.0.1/0", "--store-origin-timeout-ms", "999"),
+            "at least two of the store's heartbeats), got 999",
+        ),
+        (
+            ("--store", "redis://127.0.0.1/0", "--store-origin-timeout-ms", "3600001"),
+            "--store-origin-timeout-ms must be 1000..3600000 ms",
+        ),
+        (
+            ("--store", "redis://127.0.0.1/0", "--store-outbox-max-bytes", "0"),
+            "--store-outbox-max-bytes must be >= 16777216",
+        ),
+        (
+            ("--store", "redis://127.0.0.1/0", "--store-outbox-max-bytes", "-1"),
+            "--store-outbox-max-bytes must be >= 16777216",
+        ),
+        (
+            ("--store", "redis://127.0.0.1/0", "--store-outbox-max-bytes", "16777215"),
+            "got 16777215",
+        ),
     ],
 )
 def test_bad_store_flags_are_one_line_configuration_errors(

@@ -42,10 +42,10 @@ async def stores(server: RedisServer) -> AsyncIterator[dict[str, RedisStore]]:
     made: dict[str, RedisStore] = {}
     for origin in ("A", "B"):
         inventory = ReplicatedInventory(origin, max_entries_total=1000, max_entries_per_engine=1000)
-        config = StoreConfig(kind="redis", host="127.0.0.1", port=server.port)
-        made[origin] = RedisStore(
-            config, inventory, SystemClock(), Metrics(), origin_timeout_ms=TIMEOUT_MS
+        config = StoreConfig(
+            kind="redis", host="127.0.0.1", port=server.port, origin_timeout_ms=TIMEOUT_MS
         )
+        made[origin] = RedisStore(config, inventory, SystemClock(), Metrics())
         await made[origin].start()
     yield made
     for store in made.values():

@@ -82,13 +82,13 @@ class Node:
             port=server.port,
             snapshot_every_entries=store.pop("snapshot_every_entries", 0),
             snapshot_interval_ms=store.pop("snapshot_interval_ms", 60_000),
+            origin_timeout_ms=TIMEOUT_MS,
         )
         self.store = RedisStore(
             config,
             self.inventory,
             self.coordinator.clock,
             self.coordinator.metrics,
-            origin_timeout_ms=TIMEOUT_MS,
             request_full_dumps=self.dumps.append,
             load_snapshots=False,
         )
