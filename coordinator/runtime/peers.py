@@ -9,7 +9,9 @@ messages travel through the same ordered log as the inventory:
 
 - `OP_PART` / `OP_PART_LEFT`: a part registered here / its session closed here.
   Every other replica registers it as a remote part / removes it (and, after its
-  own `session_grace_ms`, may prove the engine gone, I6-quiescence).
+  own `session_grace_ms`, may prove the engine gone, I6-quiescence). A replica that
+  owns a lease the part owes an abort ack for asks it again, as for a part that
+  registers there (I6-quiescence).
 - **Fencing.** Each registration takes a fencing token from the store (one
   counter, `INCR` in a Lua script that checks the store's epoch), and its
   `OP_PART` carries it. For one rank part the highest token wins on every
@@ -136,8 +138,17 @@ class _LocalPart:
     displaced: bool = False  # it replaced another replica's session of the part here
 
 
+class OwedAborts(Protocol):
+    def on_part_registered(self, child_engine_id: str, rank_key: RankKey) -> None:
+        """A rank part (re-)registered: the aborts it owes an ack for go again."""
+
+
 class PeerHost(Protocol):
     """What the coordinator does for the ops of other replicas."""
+
+    @property
+    def leases(self) -> OwedAborts:
+        """This replica's lease flow (coordinator/runtime/lease_flow.py)."""
 
     def register_remote_part(
         self, origin: str, session_id: str, registration: RankPartRegistration
@@ -456,6 +467,10 @@ class PeerLink:
             if not host.register_remote_part(origin, session_id, registration):
                 return False
             self._remote[session_id] = (origin, ref)
+            # Aborts it owes this replica's leases were dropped while it was between
+            # sessions, or their acks lost with the old stream: they go again, to its
+            # session on `origin`, as to a part re-registering here (I6-quiescence).
+            host.leases.on_part_registered(ref.child_engine_id, ref.rank)
             return True
         if tag == OP_PART_LEFT:
             ref = _ref(op[1], op[2], op[3])

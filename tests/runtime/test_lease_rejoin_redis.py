@@ -1,0 +1,180 @@
+"""A target part that re-registers on another replica is asked again for the aborts it
+owes the lease's owner (a real redis-server).
+
+Each replica is what `kvrc serve --store redis://` wires (coordinator/edges/server.py):
+a `Coordinator` with its `ReplicatedInventory`, `PeerLink`, `RedisStore` and lease
+ledger, in this process, minus gRPC. A prefix load's lease lives on its requester's
+replica (A). An abort sent while the requester was between sessions is dropped, and an
+ack may be lost with a broken stream, so a part that re-registers is asked again for
+every ack it owes (I6-quiescence, tests/runtime/test_lease_rejoin.py on one replica).
+Here it re-registers on B: A learns of it from B's `OP_PART` in the log and routes the
+abort to B, which delivers it to the new session; the ack travels back to A, which ends
+the quarantine and releases the holder. Without this, the quarantine waited for an
+operator although the requester was alive and could prove its reads quiet.
+
+A machine without redis-server fails here (it does not skip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import pytest
+from manual_rig import drain_outbound
+from redis_env import RedisServer, start_redis
+from waiting import wait_until
+
+from coordinator.core.events import BlockStored, EventBatch
+from coordinator.core.grants import PrefixLoadRequest, TransferReport
+from coordinator.core.leases import LeaseState, Outcome, SendAbort, SendPin, SendRelease
+from coordinator.core.profiles import DeploymentProfile, declared_profile
+from coordinator.core.registry import RankPartRegistration
+from coordinator.edges.grpc_wire import part_codec
+from coordinator.runtime.config import CoordinatorConfig, StoreConfig
+from coordinator.runtime.coordinator import Coordinator, Session
+from coordinator.runtime.peers import PeerLink
+from coordinator.runtime.redis_store import RedisStore
+from coordinator.runtime.replication import ReplicatedInventory
+
+RANK = (0, 0, 0)
+CHAIN = tuple(bytes([0xD0, i]) * 8 for i in range(8))
+PROFILE = DeploymentProfile(model="m", block_size=16, reuse_opt_in=True)
+# A session grace far above this test: the requester stays "alive" on A throughout, so
+# only the abort it owes (never a proof that it is gone) can end the quarantine.
+CONFIG = CoordinatorConfig(
+    reuse=True,
+    declared_profiles=(declared_profile("t", {"model": "m"}),),
+    metrics_port=-1,
+    session_grace_ms=60_000,
+)
+
+
+class Node:
+    """One replica as server.py wires it, without gRPC."""
+
+    def __init__(self, server: RedisServer, origin: str) -> None:
+        self.origin = origin
+        self.inventory = ReplicatedInventory(
+            origin, max_entries_total=100_000, max_entries_per_engine=100_000
+        )
+        self.coordinator = Coordinator(CONFIG, inventory=self.inventory, lease_id_owner=origin)
+        config = StoreConfig(
+            kind="redis", host="127.0.0.1", port=server.port, snapshot_every_entries=0
+        )
+        self.store = RedisStore(
+            config,
+            self.inventory,
+            self.coordinator.clock,
+            self.coordinator.metrics,
+            load_snapshots=False,
+        )
+        self.peers = PeerLink(
+            origin,
+            self.inventory.record,
+            part_codec(CONFIG.bounds),
+            self.coordinator.clock.monotonic_ms,
+            self.inventory.origin_alive,
+            claim=self.store.claim,
+        )
+        self.inventory.peers = self.peers
+        self.coordinator.attach_peers(self.peers)
+        leases = self.coordinator.leases
+        leases.store_unavailable = self.store.unavailable_reason
+        leases.ledger = self.store.ledger
+
+    def register(self, engine: str) -> Session:
+        reg = RankPartRegistration(engine, 0, engine, RANK, PROFILE)
+        return self.coordinator.open_session(reg)
+
+    def store_chain(self, session: Session) -> None:
+        self.coordinator.inventory.ingest(
+            session.registration.child_engine_id,
+            RANK,
+            session.session_id,
+            session.incarnation,
+            EventBatch(session.incarnation, 0, (BlockStored(CHAIN, None, 16 * len(CHAIN)),)),
+        )
+
+    def part(self, engine: str) -> str | None:
+        return self.coordinator.registry.session_of(engine, RANK)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with start_redis() as s:
+        yield s
+
+
+@pytest.fixture
+async def nodes(server: RedisServer) -> AsyncIterator[Callable[[str], Awaitable[Node]]]:
+    started: list[Node] = []
+
+    async def start(origin: str) -> Node:
+        node = Node(server, origin)
+        await node.coordinator.start()
+        await node.store.start()
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        await node.coordinator.shutdown()
+        await node.store.close(0.2)
+
+
+class Outbox:
+    """What one session was sent so far (the engine's side of its stream), kept."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.seen: list[object] = []
+
+    def of(self, kind: type[SendPin | SendAbort | SendRelease]) -> list[str]:
+        self.seen += drain_outbound(self.session)
+        return [m.lease_id for m in self.seen if isinstance(m, kind)]
+
+
+async def eventually(cond: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
+    await wait_until(cond, timeout_s, interval_s=0.01, what=what)
+
+
+async def quarantined_load(a: Node, holder: Outbox) -> str:
+    """A load from holder h to requester r, both on A, granted; then r's session breaks
+    and its report is UNKNOWN: QUARANTINED, the abort it owes went nowhere."""
+    c = a.coordinator
+    requester = a.register("r")
+    task = asyncio.ensure_future(
+        c.leases.request_prefix_load(PrefixLoadRequest("q1", "r", CHAIN, "", 1, 0, 10_000, 60_000))
+    )
+    await eventually(lambda: bool(holder.of(SendPin)), "the holder is asked to pin")
+    lease_id = holder.of(SendPin)[0]
+    c.leases.on_pin_result("h", RANK, lease_id, len(CHAIN), b"d", "")
+    answer = await asyncio.wait_for(task, 10)
+    assert answer.view is not None and answer.view.state is LeaseState.ACTIVE
+    c.close_session(requester, "closed")  # the requester's stream breaks
+    report = TransferReport(lease_id, "r", RANK, Outcome.UNKNOWN, 0, 0, "read timed out")
+    assert c.leases.complete_prefix_load(report).state is LeaseState.QUARANTINED
+    return lease_id
+
+
+async def test_a_requester_back_on_another_replica_is_asked_again_for_the_abort_it_owes(
+    nodes: Callable[[str], Awaitable[Node]],
+) -> None:
+    a, b = await nodes("A"), await nodes("B")
+    holder = Outbox(a.register("h"))
+    a.store_chain(holder.session)
+    lease_id = await quarantined_load(a, holder)
+    # Back on B, whose lease table knows nothing of A's lease: only A can ask it.
+    moved = Outbox(b.register("r"))
+    await eventually(lambda: a.part("r") == moved.session.session_id, "A hears of r on B")
+    await eventually(lambda: moved.of(SendAbort) == [lease_id], "the abort reaches r on B")
+    # Its stream on B breaks too and it registers there again: asked once more.
+    b.coordinator.close_session(moved.session, "closed")
+    again = Outbox(b.register("r"))
+    await eventually(lambda: again.of(SendAbort) == [lease_id], "asked again on B")
+    assert holder.of(SendRelease) == []  # quarantined: the holder keeps its blocks
+    # The ack, on B, reaches the owner: the reads are proven quiet, the holder released.
+    b.coordinator.on_abort_ack(again.session.ref, lease_id)
+    await eventually(lambda: holder.of(SendRelease) == [lease_id], "the holder's release")
+    assert a.coordinator.leases.table.get(lease_id).state is LeaseState.FAILED
