@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clients.errors import KvrcClientError
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "kvrc/reference"
 BLOCK_SIZE = 16
@@ -577,7 +579,7 @@ def run_demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("kvrc demo: interrupted; stopping every process", file=sys.stderr, flush=True)
         return 130
-    except (RuntimeError, TimeoutError, OSError) as e:
+    except (RuntimeError, TimeoutError, OSError, KvrcClientError) as e:
         print(f"kvrc demo: failed: {e}", file=sys.stderr, flush=True)
         for child in cluster.children:
             if child.process.poll() not in (None, 0):

@@ -108,6 +108,9 @@ SWEEP_INTERVAL_S = 0.5
 # A handoff the coordinator never releases is freed this long after its publish, so
 # a lost release cannot leak blocks forever (pins: clients/holds.py).
 HANDOFF_SAFETY_S = 300.0
+# A publish whose outcome is unknown is sent again after these waits, until an answer
+# names the handoff's lease (Leader._publish_again).
+PUBLISH_RETRY_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 QUIET_POLL_S = 0.05
 
 
@@ -872,9 +875,10 @@ class Leader:
             self.counters["blocks_local"] += len(local)
             self.counters["blocks_recomputed"] += len(held) - computed_from
             if decode:
+                params = self._handoff_params(request_id)
                 # The handoff's hold owns the blocks from here, whatever its publish does.
                 blocks, held = held, []
-                result["handoff"] = await self._publish_handoff(request_id, blocks, decode)
+                result["handoff"] = await self._publish_handoff(request_id, blocks, decode, params)
             else:
                 await self.publish((), self.pool.release(held, now_ms()))
             held = []
@@ -1009,10 +1013,8 @@ class Leader:
 
         self._tasks.spawn(untaint(), name=f"untaint {len(block_ids)} block(s)")
 
-    async def _publish_handoff(
-        self, request_id: str, held: list[int], decode: str
-    ) -> dict[str, Any]:
-        params = encode_kv_transfer_params(
+    def _handoff_params(self, request_id: str) -> bytes:
+        return encode_kv_transfer_params(
             {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -1021,21 +1023,48 @@ class Leader:
                 "remote_engine_id": self.options.engine_id,
             }
         )
+
+    async def _publish_handoff(
+        self, request_id: str, held: list[int], decode: str, params: bytes
+    ) -> dict[str, Any]:
         hold = _HandoffHold(request_id, held, time.monotonic() + HANDOFF_SAFETY_S)
         self._hold_by_request[request_id] = hold
+        args: dict[str, Any] = {
+            "request_id": request_id,
+            "block_ids": held,
+            "decode_child_engine_id": decode,
+            "kv_transfer_params": params,
+        }
         try:
-            answers = await self._on_all_settled(
-                "publish_handoff",
-                request_id=request_id,
-                block_ids=held,
-                decode_child_engine_id=decode,
-                kv_transfer_params=params,
-            )
+            answers = await self._on_all_settled("publish_handoff", **args)
         except asyncio.CancelledError:
             raise  # mid-publish: kvrc may have it; the hold's safety net frees the blocks
         except BaseException:
             self._drop_hold(request_id)
             raise
+        states, failures = await self._settle_publish(request_id, answers)
+        if failures:
+            if request_id in self._hold_by_request:
+                # kvrc may have recorded every part, and a decode may read the blocks
+                # (I6-quiescence): held until kvrc's release or the safety net.
+                self.counters["handoff_publish_outcome_unknown"] += 1
+                log.warning(
+                    "handoff %s: publish outcome unknown (%s); holding its blocks",
+                    request_id,
+                    next(e for e in failures if outcome_unknown(e)),
+                )
+                if not self._hold_bound(hold):
+                    self._tasks.spawn(
+                        self._publish_again(request_id, args), name=f"publish {request_id} again"
+                    )
+            raise failures[0]
+        return {"states": sorted(states)}
+
+    async def _settle_publish(
+        self, request_id: str, answers: list[Any]
+    ) -> tuple[set[str], list[BaseException]]:
+        """Drops or binds the handoff's hold by its parts' answers to a publish: their
+        states, and the failures (each part's exception)."""
         results = [a for a in answers if not isinstance(a, BaseException)]
         failures = [a for a in answers if isinstance(a, BaseException)]
         states = {r["state"] for r in results}
@@ -1046,19 +1075,20 @@ class Leader:
             self._drop_hold(request_id)
         elif lease_id := next((r["lease_id"] for r in results if r["lease_id"]), ""):
             await self.bind_handoff(request_id, lease_id)
-        if failures:
-            if request_id in self._hold_by_request:
-                # kvrc may have recorded every part, and a decode may read the blocks
-                # (I6-quiescence): held until a release or the safety net.
-                self.counters["handoff_publish_outcome_unknown"] += 1
-                log.warning(
-                    "handoff %s: publish outcome unknown (%s); holding its blocks %.0f s",
-                    request_id,
-                    next(e for e in failures if outcome_unknown(e)),
-                    HANDOFF_SAFETY_S,
-                )
-            raise failures[0]
-        return {"states": sorted(states)}
+        return states, failures
+
+    async def _publish_again(self, request_id: str, args: dict[str, Any]) -> None:
+        """A publish whose outcome stayed unknown, sent again until an answer names its
+        lease (kvrc answers a repeat with the handoff's state and lease id) or ends it:
+        then kvrc's release, or quarantine, reaches the hold. Else the safety net."""
+        for delay_s in PUBLISH_RETRY_DELAYS_S:
+            await asyncio.sleep(delay_s)
+            hold = self._hold_by_request.get(request_id)
+            if hold is None or self._hold_bound(hold):
+                return
+            await self._settle_publish(
+                request_id, await self._on_all_settled("publish_handoff", **args)
+            )
 
     async def bind_handoff(self, request_id: str, lease_id: str) -> None:
         """Name the lease of a published handoff (the decode learned it from its grant).
@@ -1073,6 +1103,9 @@ class Leader:
         if lease_id in self._released_unbound:  # the release came first
             del self._released_unbound[lease_id]
             await self._release(lease_id)
+
+    def _hold_bound(self, hold: _HandoffHold) -> bool:
+        return any(held is hold for held in self._holds.values())
 
     def _hold_quarantined(self, hold: _HandoffHold) -> bool:
         return any(

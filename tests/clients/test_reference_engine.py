@@ -577,23 +577,27 @@ _DEADLINE = DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer"
 _REFUSED = NotFoundError(grpc.StatusCode.NOT_FOUND, "unknown decode engine")
 
 
-def _leader_with_stand_in_parts(answers: list[Any]) -> Leader:
+def _leader_with_stand_in_parts(*rounds: list[Any]) -> tuple[Leader, list[str]]:
     """A prefill Leader whose two rank parts are stood in (`_on_all`): compute does
-    nothing; each part's publish answers `answers[rank]` (a result or an exception)."""
+    nothing; the n-th publish is answered by `rounds[n]` (the last one repeats), each
+    part's answer at its rank (a result or an exception). Also: the publishes made."""
     options = EngineOptions(role="prefill", engine_id="p", tp_rank=0, tp_size=2, target="x:1")
     leader = Leader(NS(options=options, session=None, layout=NS(num_blocks=8)))  # type: ignore[arg-type]
+    published: list[str] = []
+
+    async def settled(op: str, **args: Any) -> list[Any]:
+        assert op == "publish_handoff"
+        published.append(args["request_id"])
+        return list(rounds[min(len(published), len(rounds)) - 1])
 
     async def on_all(op: str, **args: Any) -> list[Any]:
         if op != "publish_handoff":
             return [None, None]
+        answers = await settled(op, **args)
         for answer in answers:
             if isinstance(answer, BaseException):
                 raise answer
-        return list(answers)
-
-    async def settled(op: str, **args: Any) -> list[Any]:
-        assert op == "publish_handoff"
-        return list(answers)
+        return answers
 
     async def no_load(*args: Any) -> tuple[list[int], dict[str, Any]]:
         return [], {}
@@ -605,7 +609,7 @@ def _leader_with_stand_in_parts(answers: list[Any]) -> Leader:
     leader._on_all_settled = settled  # type: ignore[method-assign]
     leader._prefix_load = no_load  # type: ignore[method-assign,assignment]
     leader.publish = no_events  # type: ignore[method-assign,assignment]
-    return leader
+    return leader, published
 
 
 def _referenced(leader: Leader) -> int:
@@ -628,7 +632,7 @@ def _referenced(leader: Leader) -> int:
 async def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
     answers: list[Any], raised: type[Exception] | None, held: bool
 ) -> None:
-    leader = _leader_with_stand_in_parts(answers)
+    leader, _ = _leader_with_stand_in_parts(answers)
     tokens = list(range(3 * 16))
     if raised is None:
         await leader.prefill("r1", tokens, "d")
@@ -643,3 +647,70 @@ async def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
         await leader._release("ho-1")
         assert _referenced(leader) == 0
         assert list(leader.release_ledger.document()) == ["ho-1"]
+    await leader._tasks.aclose()
+
+
+_ENDED = {"state": "COMPLETED", "lease_id": "ho-1"}
+
+
+@pytest.mark.parametrize(
+    ("again", "outcome"),
+    [
+        ([_READY, _READY], "bound"),  # kvrc had it: its release now reaches the hold
+        ([_ENDED, _ENDED], "freed"),  # it ended meanwhile: no release will come
+        ([_DEADLINE, _DEADLINE], "held"),  # still unknown: the safety net frees it
+    ],
+)
+async def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_named(
+    monkeypatch: pytest.MonkeyPatch, again: list[Any], outcome: str
+) -> None:
+    """With every part's answer lost, no lease id names the hold: kvrc's release (and
+    a quarantine) could not reach it. A repeat publish is answered with the handoff's
+    state and lease id."""
+    from clients.refengine import engine
+
+    monkeypatch.setattr(engine, "PUBLISH_RETRY_DELAYS_S", (0.0, 0.0))
+    leader, published = _leader_with_stand_in_parts([_DEADLINE, _DEADLINE], again)
+    with pytest.raises(DeadlineExceededError):
+        await leader.prefill("r1", list(range(3 * 16)), "d")
+    assert leader._holds == {} and _referenced(leader) == 3
+    if outcome == "bound":
+        await wait_until(lambda: "ho-1" in leader._holds, 5, what="the hold named")
+        await leader._release("ho-1")
+        assert _referenced(leader) == 0 and published == ["r1", "r1"]
+    elif outcome == "freed":
+        await wait_until(lambda: _referenced(leader) == 0, 5, what="the ended handoff freed")
+        assert published == ["r1", "r1"]
+    else:
+        await wait_until(lambda: len(published) == 3, 5, what="both repeats")
+        await asyncio.sleep(0.05)
+        assert leader._holds == {} and _referenced(leader) == 3 and len(published) == 3
+    await leader._tasks.aclose()
+
+
+async def test_a_handoff_that_cannot_be_published_gives_its_blocks_back() -> None:
+    """Its kv_transfer_params over kvrc's limit: nothing to hold, nothing leaked."""
+    leader, published = _leader_with_stand_in_parts([_READY, _READY])
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        await leader.prefill("r" * (1 << 20), list(range(3 * 16)), "d")
+    assert _referenced(leader) == 0 and published == [] and leader._hold_by_request == {}
+
+
+async def test_every_parts_publish_answer_is_waited_for_and_kept() -> None:
+    """The leader's own part fails, its follower (over a real channel) publishes: both
+    answers come back, so the follower's lease id can name the hold."""
+
+    async def follower(op: str, args: dict[str, Any]) -> Any:
+        await asyncio.sleep(0.05)  # answers after the leader's own part failed
+        return {**_READY, "rank": 1}
+
+    async def own_part(op: str, args: dict[str, Any]) -> Any:
+        raise _DEADLINE
+
+    options = EngineOptions(role="prefill", engine_id="p", tp_rank=0, tp_size=2, target="x:1")
+    part = NS(options=options, session=None, layout=NS(num_blocks=8), handle=own_part)
+    leader = Leader(part)  # type: ignore[arg-type]
+    async with channel_pair(None, follower) as (to_follower, _):
+        leader.followers[1] = to_follower
+        answers = await leader._on_all_settled("publish_handoff", request_id="r1")
+    assert answers[0] is _DEADLINE and answers[1] == {**_READY, "rank": 1}
