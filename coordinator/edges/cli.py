@@ -501,7 +501,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     elif not MIN_ORIGIN_TIMEOUT_MS <= origin_timeout_ms <= MAX_ORIGIN_TIMEOUT_MS:
         raise ConfigError(
             f"--store-origin-timeout-ms must be {MIN_ORIGIN_TIMEOUT_MS}..{MAX_ORIGIN_TIMEOUT_MS}"
-            f" ms (at least two of the store's heartbeats), got {origin_timeout_ms}"
+            f" ms (at least four of the store's heartbeats), got {origin_timeout_ms}"
         )
     outbox = args.store_outbox_max_bytes
     if outbox is None:

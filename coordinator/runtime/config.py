@@ -62,10 +62,13 @@ class TlsFiles:
 # Where the password of a `redis://` / `rediss://` store may come from (never argv).
 STORE_PASSWORD_ENV = "KVRC_STORE_PASSWORD"
 # Each replica appends a heartbeat op this often (redis_store.py). The origin timeout
-# spans two at least: below that a replica whose heartbeat is merely late looks silent.
+# spans four at least: a replica whose own ticks are more than half of it apart takes
+# itself for stalled (and re-syncs, calling nobody silent), and a tick is a heartbeat
+# plus a Redis round trip, so half of it must be well above one tick (at 1,000 ms
+# nearly every tick counted as a stall, and no dead replica ever left the view).
 STORE_HEARTBEAT_MS = 500
 DEFAULT_ORIGIN_TIMEOUT_MS = 5_000
-MIN_ORIGIN_TIMEOUT_MS = 2 * STORE_HEARTBEAT_MS
+MIN_ORIGIN_TIMEOUT_MS = 4 * STORE_HEARTBEAT_MS
 MAX_ORIGIN_TIMEOUT_MS = 3_600_000  # an hour: a dead replica lingers no longer
 # The outbox's byte bound (replication.py). At least one gRPC message (16 MiB): below
 # it the ops of one large engine message could overflow the outbox on their own, with

@@ -782,19 +782,19 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         (("--store-outbox-max-bytes", "1"), "--store-outbox-max-bytes needs a redis://"),
         (
             ("--store", "redis://127.0.0.1/0", "--store-origin-timeout-ms", "0"),
-            "--store-origin-timeout-ms must be 1000..3600000 ms",
+            "--store-origin-timeout-ms must be 2000..3600000 ms",
         ),
         (
             ("--store", "redis://127.0.0.1/0", "--store-origin-timeout-ms", "-5"),
-            "--store-origin-timeout-ms must be 1000..3600000 ms",
+            "--store-origin-timeout-ms must be 2000..3600000 ms",
         ),
         (
-            ("--store", "redis://127.0.0.1/0", "--store-origin-timeout-ms", "999"),
-            "at least two of the store's heartbeats), got 999",
+            ("--store", "redis://127.0.0.1/0", "--store-origin-timeout-ms", "1999"),
+            "at least four of the store's heartbeats), got 1999",
         ),
         (
             ("--store", "redis://127.0.0.1/0", "--store-origin-timeout-ms", "3600001"),
-            "--store-origin-timeout-ms must be 1000..3600000 ms",
+            "--store-origin-timeout-ms must be 2000..3600000 ms",
         ),
         (
             ("--store", "redis://127.0.0.1/0", "--store-outbox-max-bytes", "0"),
