@@ -189,11 +189,14 @@ async def test_a_redis_outage_past_the_origin_timeout_drops_nothing(
         # silent meanwhile.
         await holds_for(1.5 * TIMEOUT_MS / 1000, a_keeps_the_holder)
         assert metric_value(a, "kvrc_store_losses_total") == 0  # stopped, not lost
+        # Not even for a moment (the holder's session id would survive a quick return).
+        assert "silent replicas left the view" not in a.stderr_text()
 
         # --- the flag took effect: B silent, A (3 s) drops it, C (60 s) does not --------
         b.process.send_signal(signal.SIGSTOP)
         try:
             await wait_until(lambda: holder_gone(a), 30, what="A calls B silent")
+            assert "silent replicas left the view" in a.stderr_text()  # the log line's control
 
             async def c_keeps_the_holder() -> None:
                 seen = await holder_seen(c, "req-c")
