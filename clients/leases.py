@@ -78,6 +78,7 @@ _QUIET_OUTCOMES = (pb.TRANSFER_OUTCOME_SUCCEEDED, pb.TRANSFER_OUTCOME_FAILED)
 
 __all__ = [
     "HANDOFF_ENDED_STATES",
+    "PUBLISH_RETRY_DELAYS_S",
     "CompleteResult",
     "HandoffGrant",
     "HandoffKeepAlive",
@@ -147,6 +148,10 @@ class PublishResult:
 
 # Terminal lease states a PublishHandoff may answer with.
 HANDOFF_ENDED_STATES = frozenset({"COMPLETED", "FAILED", "RESOLVED", "MISSED"})
+# A handoff publish whose outcome is unknown (clients.errors.outcome_unknown) is sent
+# again after these waits: kvrc answers a repeat with the handoff's state and lease id,
+# which a release or a quarantine needs to reach the held blocks (I6-quiescence).
+PUBLISH_RETRY_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,7 @@ from clients.inventory import (
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
 from clients.leases import (
     HANDOFF_ENDED_STATES,
+    PUBLISH_RETRY_DELAYS_S,
     LeaseClient,
     LeaseSessionHandler,
     Miss,
@@ -108,9 +109,6 @@ SWEEP_INTERVAL_S = 0.5
 # A handoff the coordinator never releases is freed this long after its publish, so
 # a lost release cannot leak blocks forever (pins: clients/holds.py).
 HANDOFF_SAFETY_S = 300.0
-# A publish whose outcome is unknown is sent again after these waits, until an answer
-# names the handoff's lease (Leader._publish_again).
-PUBLISH_RETRY_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 QUIET_POLL_S = 0.05
 
 

@@ -32,7 +32,14 @@ from clients.errors import (
     outcome_unknown,
 )
 from clients.inventory import LookupClient, LookupOutcome
-from clients.leases import HandoffGrant, HandoffKeepAlive, LeaseClient, Miss, PrefixLoadGrant
+from clients.leases import (
+    PUBLISH_RETRY_DELAYS_S,
+    HandoffGrant,
+    HandoffKeepAlive,
+    LeaseClient,
+    Miss,
+    PrefixLoadGrant,
+)
 from clients.vllm.config import KvrcConnectorConfig
 from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
 from clients.vllm.metadata import KvrcConnectorMetadata, KvrcWorkerMetadata, LoadSpec, PublishSpec
@@ -258,13 +265,22 @@ class KvrcScheduler:
                 decode_child_engine_id=spec.decode_child_engine_id,
             )
 
-        answers = await asyncio.gather(
-            *(one(rank) for rank in range(self.tp_size)), return_exceptions=True
-        )
-        failures = [a for a in answers if isinstance(a, BaseException)]
-        if failures:
-            self._count("handoff_publish_failures")
-            if all(not outcome_unknown(e) for e in failures):
+        loop = asyncio.get_running_loop()
+        hold_ends = loop.time() + self.config.handoff_hold_s
+        answers: list[Any] = []
+        failures: list[BaseException] = []
+        for attempt, delay_s in enumerate((0.0, *PUBLISH_RETRY_DELAYS_S)):
+            if attempt:
+                if loop.time() + delay_s >= hold_ends:
+                    break
+                await asyncio.sleep(delay_s)
+            answers = await asyncio.gather(
+                *(one(rank) for rank in range(self.tp_size)), return_exceptions=True
+            )
+            failures = [a for a in answers if isinstance(a, BaseException)]
+            if failures and attempt == 0:
+                self._count("handoff_publish_failures")
+            if failures and all(not outcome_unknown(e) for e in failures):
                 # kvrc refused a part: the handoff never goes READY, no decode reads.
                 log.warning(
                     "handoff %s not published: %s; freeing its blocks", spec.handoff_id, failures[0]
@@ -272,21 +288,24 @@ class KvrcScheduler:
                 with self._lock:
                     self._free_now.append(spec.request_id)
                 return
-            # kvrc may have recorded every part (only the answer was lost): a decode may
-            # be granted these blocks, so they are held as a published handoff's are,
-            # without its lease id to learn a release by (I6-quiescence).
-            log.warning(
-                "handoff %s: publish outcome unknown (%s); holding its blocks %.0f s",
-                spec.handoff_id,
-                next(e for e in failures if outcome_unknown(e)),
-                self.config.handoff_hold_s,
-            )
-            self._count("handoff_publish_unknown")
-            asyncio.get_running_loop().call_later(
-                self.config.handoff_hold_s, self._free_unknown_publish, spec.request_id
-            )
-            return
+            if not failures or any(a.lease_id for a in answers if not isinstance(a, BaseException)):
+                break  # every part answered, or one answer names the lease
+            if attempt == 0:
+                # kvrc may have recorded every part (only the answer was lost): a decode
+                # may be granted these blocks, so they are held as a published handoff's
+                # are, and the publish goes again until an answer names its lease
+                # (I6-quiescence).
+                log.warning(
+                    "handoff %s: publish outcome unknown (%s); holding its blocks",
+                    spec.handoff_id,
+                    next(e for e in failures if outcome_unknown(e)),
+                )
+                self._count("handoff_publish_unknown")
         results = [a for a in answers if not isinstance(a, BaseException)]
+        if not any(r.lease_id for r in results) and failures:
+            # never named: the hold's time is all it gets
+            loop.call_at(hold_ends, self._free_unknown_publish, spec.request_id)
+            return
         trace("published", spec.request_id)
         self._count("handoffs_published")
         lease_id = next((r.lease_id for r in results if r.lease_id), "")

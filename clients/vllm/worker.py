@@ -39,7 +39,14 @@ from clients.errors import (
 )
 from clients.holds import HoldDeadlines
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
-from clients.leases import LeaseClient, LeaseSessionHandler, PinAnswer, PinRequestInfo
+from clients.leases import (
+    PUBLISH_RETRY_DELAYS_S,
+    LeaseClient,
+    LeaseSessionHandler,
+    PinAnswer,
+    PinRequestInfo,
+    PublishResult,
+)
 from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from clients.session import (
     ChildEngineState,
@@ -579,35 +586,39 @@ class KvrcWorker:
             self.finished.count("handoff_publish_failures")
             self.finished.add_sending(spec.request_id)
             return
-        try:
-            published = await self.leases.publish_handoff(
-                spec.handoff_id,
-                descriptor=rank_part_descriptor(
-                    self.endpoint, spec.block_ids, tp_rank=self.tp_rank
-                ),
-                kv_transfer_params=spec.kv_transfer_params,
-                num_blocks=len(spec.block_ids),
-                decode_child_engine_id=spec.decode_child_engine_id,
-            )
-        except KvrcClientError as e:
-            self.finished.count("handoff_publish_failures")
-            if outcome_unknown(e):
-                # kvrc may have recorded the part (only the answer was lost): a decode
-                # may be granted these blocks, so they are held as a published
-                # handoff's are, without its lease id (I6-quiescence).
-                log.warning(
-                    "handoff %s: publish outcome unknown (%s); holding its blocks %.0f s",
-                    spec.handoff_id,
-                    e,
-                    self.config.handoff_hold_s,
-                )
-                self.finished.count("handoff_publish_unknown")
-                asyncio.get_running_loop().call_later(
-                    self.config.handoff_hold_s, self.finished.add_sending, spec.request_id
-                )
-                return
-            log.warning("handoff %s not published: %s; freeing its blocks", spec.handoff_id, e)
-            self.finished.add_sending(spec.request_id)
+        loop = asyncio.get_running_loop()
+        hold_ends = loop.time() + self.config.handoff_hold_s
+        published = None
+        for attempt, delay_s in enumerate((0.0, *PUBLISH_RETRY_DELAYS_S)):
+            if attempt:
+                if loop.time() + delay_s >= hold_ends:
+                    break
+                await asyncio.sleep(delay_s)
+            try:
+                published = await self._publish_part(spec)
+                break
+            except KvrcClientError as e:
+                if attempt == 0:
+                    self.finished.count("handoff_publish_failures")
+                if not outcome_unknown(e):
+                    log.warning(
+                        "handoff %s not published: %s; freeing its blocks", spec.handoff_id, e
+                    )
+                    self.finished.add_sending(spec.request_id)
+                    return
+                if attempt == 0:
+                    # kvrc may have recorded the part (only the answer was lost): a
+                    # decode may be granted these blocks, so they are held as a
+                    # published handoff's are, and the publish goes again until an
+                    # answer names its lease (I6-quiescence).
+                    log.warning(
+                        "handoff %s: publish outcome unknown (%s); holding its blocks",
+                        spec.handoff_id,
+                        e,
+                    )
+                    self.finished.count("handoff_publish_unknown")
+        if published is None:  # never answered: the hold's time is all it gets
+            loop.call_at(hold_ends, self.finished.add_sending, spec.request_id)
             return
         self.finished.count("handoffs_published")
         trace("worker_published", spec.request_id)
@@ -623,6 +634,16 @@ class KvrcWorker:
         self._held[lease_id] = spec.request_id
         asyncio.get_running_loop().call_later(
             self.config.handoff_hold_s, self._hold_expired, lease_id
+        )
+
+    async def _publish_part(self, spec: PublishSpec) -> PublishResult:
+        assert self.leases is not None
+        return await self.leases.publish_handoff(
+            spec.handoff_id,
+            descriptor=rank_part_descriptor(self.endpoint, spec.block_ids, tp_rank=self.tp_rank),
+            kv_transfer_params=spec.kv_transfer_params,
+            num_blocks=len(spec.block_ids),
+            decode_child_engine_id=spec.decode_child_engine_id,
         )
 
     def _hold_expired(self, lease_id: str) -> None:

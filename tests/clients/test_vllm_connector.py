@@ -606,6 +606,72 @@ def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
         made.shutdown()
 
 
+def _publish_answers_second_time(error: Exception) -> Any:
+    """kvrc's PublishHandoff: the first answer is lost (`error`); a repeat is answered
+    with the handoff's state and lease id, as kvrc answers a repeat publish."""
+    from clients.leases import PublishResult
+
+    calls: list[int] = []
+
+    async def publish_handoff(*_: Any, **__: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise error
+        return PublishResult("READY", 1, 1, "ho-again")
+
+    return publish_handoff
+
+
+_LOST = DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time")
+
+
+def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_named(
+    vllm_side: Any, kvrc_server: CoordinatorProcess, worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held without its lease id, the blocks could not be freed by kvrc's release nor kept
+    through a quarantine (only handoff_hold_s ended the hold): the repeat names it."""
+    monkeypatch.setattr(vllm_side.scheduler, "PUBLISH_RETRY_DELAYS_S", (0.05,), raising=False)
+    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    try:
+        made.config = dataclasses.replace(made.config, handoff_hold_s=30.0)
+        made._endpoints[0] = worker.endpoint.to_json()
+        made.leases.publish_handoff = _publish_answers_second_time(_LOST)
+        spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], "", b"")
+        made.loop.run(made._publish_all(spec), timeout_s=10)
+        assert made.counters["handoff_publish_unknown"] == 1
+        assert made._handoff_leases == {"ho-again": "req-p"} and made._free_now == []
+        assert made.counters["handoffs_published"] == 1
+    finally:
+        made.shutdown()
+
+
+def test_a_worker_sends_a_publish_of_unknown_outcome_again_until_its_lease_is_named(
+    clean_worker: Any, vllm_side: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = clean_worker
+    monkeypatch.setattr(vllm_side.worker, "PUBLISH_RETRY_DELAYS_S", (0.05,), raising=False)
+    before = (worker.leases, worker.config)
+    from clients.leases import LeaseSessionHandler
+
+    worker.leases = NS(publish_handoff=_publish_answers_second_time(_LOST))
+    worker.config = dataclasses.replace(worker.config, handoff_hold_s=30.0)
+    worker.handler = LeaseSessionHandler()  # what registration sets up
+    worker.registered.set()
+    try:
+        spec = NS(request_id="req-w", handoff_id="handoff-w", block_ids=[1], kv_transfer_params=b"")
+        spec.decode_child_engine_id = ""
+        worker.loop.run(worker._publish(spec), timeout_s=10)
+        assert worker._held == {"ho-again": "req-w"}
+        assert "ho-again" in worker.handler.held_lease_ids()  # re-announced after a restart
+        sending, _ = worker.finished.take()
+        assert "req-w" not in sending
+    finally:
+        worker._held.pop("ho-again", None)
+        del worker.handler
+        worker.leases, worker.config = before
+        worker.registered.clear()
+
+
 @pytest.mark.parametrize(("code", "held"), [("DEADLINE_EXCEEDED", True), ("NOT_FOUND", False)])
 def test_a_worker_keeps_a_part_whose_publish_may_have_been_taken(
     clean_worker: Any, code: str, held: bool
