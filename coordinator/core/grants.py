@@ -38,6 +38,7 @@ from coordinator.core.leases import (
     Flow,
     HandoffGrant,
     LeaseEnded,
+    LeaseQuarantined,
     LeaseState,
     LeaseStep,
     LeaseTable,
@@ -620,22 +621,34 @@ class Grants:
                 first = True
         actions: list[GrantAction] = list(step.actions)
         if flow is Flow.PREFIX_LOAD and first:
-            # The table checked that the reporter is this lease's requester, so a rate
-            # sample is only ever the reporter's own; a repeated report adds nothing.
-            self.cost.observe_prefill(
-                report.reporter_child_engine_id,
-                report.prefill_tokens,
-                report.prefill_duration_us,
-            )
+            if len(self._reported[report.lease_id]) == 1:
+                # The table checked that the reporter is this lease's requester, so a rate
+                # sample is only ever the reporter's own; one per load, as its parts
+                # prefill the same tokens side by side (per part, tp=8 weighed 8 samples).
+                self.cost.observe_prefill(
+                    report.reporter_child_engine_id,
+                    report.prefill_tokens,
+                    report.prefill_duration_us,
+                )
             self._measure(report, actions, now_ms)
         return ReportStep(step.view, first, self._settled(actions))
 
     def _measure(self, report: TransferReport, actions: list[GrantAction], now_ms: int) -> None:
         """Adds one part's first report; at COMPLETED the whole load is one sample."""
         measured = self._measured.setdefault(report.lease_id, _Measured())
+        context = self._cost_ctx.get(report.lease_id)
+        prediction = self._predictions.get(report.lease_id)
         if report.outcome is Outcome.SUCCEEDED:
+            # A report cannot move more than the load asked for, nor take longer than
+            # since it was asked for: one absurd report would otherwise steer the fit
+            # for many loads (I9-cost-gate).
             measured.bytes_moved += report.bytes_moved
-            measured.duration_us = max(measured.duration_us, report.duration_us)
+            if prediction is not None:
+                measured.bytes_moved = min(measured.bytes_moved, prediction.num_bytes)
+            duration_us = report.duration_us
+            if context is not None and context.requested_ms is not None:
+                duration_us = min(duration_us, max(now_ms - context.requested_ms, 0) * 1000)
+            measured.duration_us = max(measured.duration_us, duration_us)
             measured.succeeded += 1
         ended = any(
             isinstance(a, LeaseEnded)
@@ -643,8 +656,6 @@ class Grants:
             and a.state is LeaseState.COMPLETED
             for a in actions
         )
-        context = self._cost_ctx.get(report.lease_id)
-        prediction = self._predictions.get(report.lease_id)
         if not ended or context is None or measured.duration_us <= 0:
             return
         # One sample per load: its parts pull in parallel, so the slowest one is the load.
@@ -666,6 +677,30 @@ class Grants:
             measured.duration_us,
             now_ms,
             report.lease_id,
+        )
+
+    def _learn_failed(self, ended: LeaseEnded) -> None:
+        """A granted prefix load that failed after running past its prediction: the link
+        moved its bytes no faster than that (a censored sample). Without it a link whose
+        loads always time out would be granted on its prior for ever (I9-cost-gate). A
+        load that failed sooner says nothing about the link's speed."""
+        if ended.flow is not Flow.PREFIX_LOAD or ended.state is not LeaseState.FAILED:
+            return
+        context = self._cost_ctx.get(ended.lease_id)
+        prediction = self._predictions.get(ended.lease_id)
+        ran_ms = ended.quiescence_ms
+        if context is None or prediction is None or ran_ms is None:
+            return
+        if prediction.num_bytes <= 0 or ran_ms <= prediction.load_ms:
+            return
+        self.cost.observe_transfer(
+            context.holder,
+            context.requester,
+            context.tier,
+            prediction.num_bytes,
+            ran_ms * 1000,
+            ended.ended_ms,
+            ended.lease_id,
         )
 
     def predict_load(
@@ -968,7 +1003,13 @@ class Grants:
                 reuse = self._reuse_for(req_view) if req_view is not None else _NOT_REGISTERED
                 out.append(PrefixLoadAnswered(lease_id, self._answer_of(view, reuse)))
         for action in actions:
-            if isinstance(action, LeaseEnded):
+            if isinstance(action, LeaseQuarantined):
+                # Its read hangs: it no longer bounds the link's next predictions (that
+                # bound shrinks for ever, and would refuse even a probe until the
+                # quarantine ends); its end teaches the link instead (`_learn_failed`).
+                self.cost.load_ended(action.lease_id)
+            elif isinstance(action, LeaseEnded):
+                self._learn_failed(action)
                 self._reported.pop(action.lease_id, None)
                 self._cost_ctx.pop(action.lease_id, None)
                 self.cost.load_ended(action.lease_id)

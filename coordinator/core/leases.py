@@ -331,6 +331,7 @@ class LeaseEnded:
     lifetime_ms: int
     # Source then targets: whose open leases this one left (a drain of them may be done).
     child_engine_ids: tuple[str, ...]
+    ended_ms: int
 
 
 Action = (
@@ -1478,6 +1479,7 @@ class LeaseTable:
                 quiescence,
                 now_ms - lease.created_ms,
                 engines,
+                now_ms,
             )
         )
         if len(self._terminal) > self._config.max_terminal_leases:

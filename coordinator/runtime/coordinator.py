@@ -642,7 +642,8 @@ class Coordinator:
         measured = dict(model.prefill_rates())
         registered = [v.child_engine_id for v in self.registry.views()]
         rates = [(c, model.prefill(c)) for c in registered]
-        rates += [(c, e) for c, e in measured.items() if c not in set(registered)]
+        known = set(registered)  # once, not per measured requester
+        rates += [(c, e) for c, e in measured.items() if c not in known]
         decisions = []
         for view in self.leases.open_leases():
             prediction = self.leases.cost_decision(view.lease_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import pytest
 from manual_rig import CHAIN, PROFILE, Rig, drain_outbound, manual_coordinator, settle
@@ -64,6 +65,7 @@ async def load(
         )
     answer = await task
     if report and answer.view is not None and answer.view.prefix_load_grant is not None:
+        rig.clock.advance(-(-duration_us // 1000))  # the read took that long
         c.leases.complete_prefix_load(
             TransferReport(
                 answer.view.lease_id,
@@ -257,6 +259,7 @@ async def pin_asked(
     c.leases.on_pin_result(child, (0, 0, 0), pin.lease_id, len(pin.block_hashes), b"", "")
     answer = await task
     assert answer.view is not None and answer.view.prefix_load_grant is not None
+    rig.clock.advance(1)  # the read took 1 ms
     c.leases.complete_prefix_load(
         TransferReport(
             answer.view.lease_id, requester, (0, 0, 0), Outcome.SUCCEEDED,
@@ -392,3 +395,123 @@ async def test_the_blocks_the_requester_holds_are_not_priced() -> None:
         assert tail.miss_reason == "recompute_cheaper", tail
         assert tail.prediction is not None and tail.prediction.num_tokens == 16 * 2
         assert "recompute 32.00 ms" in tail.miss_detail
+
+
+# --- what failed, quarantined or absurd loads teach the link (I9-cost-gate) ------------
+
+
+def report(rig: Rig, answer: PrefixLoadAnswer, outcome: Outcome, **kw: int) -> None:
+    """The requester's one part reports its load."""
+    assert answer.view is not None
+    values = {"bytes_moved": 0, "duration_us": 0, "rank": 0, **kw}
+    rig.coordinator.leases.complete_prefix_load(
+        TransferReport(
+            answer.view.lease_id, answer.view.target_child_engine_id or "r",
+            (values["rank"], 0, 0), outcome, values["bytes_moved"], values["duration_us"],
+            "", 0, 0,
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("ran_ms", "learnt"), [(5_000, True), (0, False)])
+async def test_a_load_that_failed_after_running_past_its_prediction_teaches_its_link(
+    ran_ms: int, learnt: bool
+) -> None:
+    """Loads that always time out used to be granted again and again on the prior: only
+    a COMPLETED load was a sample. One that failed quickly (the control) says nothing
+    about the link's speed."""
+    async with manual_coordinator(cost=COST) as rig:
+        r, h = register(rig, "r"), register(rig, "h")
+        rig.store(h)
+        first = await load(rig, h, "f0", report=False)
+        assert granted(first) == "h"
+        await rig.advance(ran_ms, r, h)
+        report(rig, first, Outcome.FAILED)
+        second = await load(rig, h, "f1")
+        assert (second.miss_reason == "recompute_cheaper") is learnt, second.miss_detail
+        if not learnt:
+            assert granted(second) == "h"
+
+
+async def test_a_quarantined_load_does_not_lock_its_link_out() -> None:
+    """A load whose read hangs (its outcome UNKNOWN, then quarantined) bounded its cold
+    link's predictions while open: the bound shrank for ever, and the pair was refused
+    every load, a probe included, until an operator resolved the quarantine."""
+    async with manual_coordinator(cost=COST) as rig:
+        c = rig.coordinator
+        r, h = register(rig, "r"), register(rig, "h")
+        rig.store(h)
+        hung = await load(rig, h, "q0", report=False)
+        assert granted(hung) == "h"
+        report(rig, hung, Outcome.UNKNOWN)
+        assert hung.view is not None
+        await rig.advance(70_000, r, h)  # past the abort timeout: quarantined
+        states = {v.lease_id: v.state.name for v in c.leases.open_leases()}
+        assert states.get(hung.view.lease_id) == "QUARANTINED", states
+        again = await load(rig, h, "q1")
+        assert granted(again) == "h", again.miss_detail
+
+
+@pytest.mark.parametrize(
+    ("bytes_moved", "duration_us"), [(1 << 40, 1_000), (CHAIN_BYTES, 4_295_000_000)]
+)
+async def test_a_report_cannot_claim_more_bytes_or_time_than_its_load_had(
+    bytes_moved: int, duration_us: int
+) -> None:
+    """One absurd report steered the fit for many loads: 2**40 bytes in 1 ms made the
+    link look a thousand times faster than any load could show, 4,295 s reported 1 ms
+    after the grant made it look too slow to load from."""
+    async with manual_coordinator(cost=COST) as rig:
+        c = rig.coordinator
+        register(rig, "r")
+        h = register(rig, "h")
+        rig.store(h)
+        model = c.leases.cost_model
+        samples: list[tuple[int, int]] = []
+        observe = model.observe_transfer
+
+        def recorded(*args: Any, **kw: Any) -> bool:  # what the model is taught
+            samples.append((args[3], args[4]))
+            return observe(*args, **kw)
+
+        model.observe_transfer = recorded  # type: ignore[method-assign]
+        first = await load(rig, h, "a0", report=False)
+        rig.clock.advance(1)
+        report(rig, first, Outcome.SUCCEEDED, bytes_moved=bytes_moved, duration_us=duration_us)
+        # At most the chain, in at most the 1 ms since it was asked for.
+        assert samples == [(min(bytes_moved, CHAIN_BYTES), min(duration_us, 1_000))]
+        assert granted(await load(rig, h, "a1", duration_us=1_000)) == "h"
+
+
+async def test_a_loads_prefill_sample_counts_once_whatever_its_parts() -> None:
+    """Each requester part's report used to add the same prefill as one more sample."""
+    tp2 = dataclasses.replace(PROFILE, tp_size=2)
+    endpoint = TransferEndpoint(regions=(KvRegion(0x1000, BLOCK_BYTES, 64),))
+    async with manual_coordinator(cost=COST) as rig:
+        c = rig.coordinator
+        sessions = {
+            (child, rank): c.open_session(
+                RankPartRegistration(child, 0, child, (rank, 0, 0), tp2, endpoint)
+            )
+            for child in ("r", "h")
+            for rank in (0, 1)
+        }
+        rig.store(sessions["h", 0])
+        rig.store(sessions["h", 1])
+        request = PrefixLoadRequest("p0", "r", CHAIN, "", 1, 0, 2_000, 10_000)
+        task = asyncio.ensure_future(c.leases.request_prefix_load(request))
+        await settle()
+        for rank in (0, 1):
+            for pin in [m for m in drain_outbound(sessions["h", rank]) if isinstance(m, SendPin)]:
+                c.leases.on_pin_result("h", (rank, 0, 0), pin.lease_id, len(CHAIN), b"d", "")
+        answer = await task
+        assert granted(answer) == "h" and answer.view is not None
+        rig.clock.advance(1)
+        for rank in (0, 1):
+            c.leases.complete_prefix_load(
+                TransferReport(
+                    answer.view.lease_id, "r", (rank, 0, 0), Outcome.SUCCEEDED,
+                    CHAIN_BYTES // 2, 1_000, "", 1000, 10_000,
+                )
+            )  # fmt: skip
+        assert c.leases.cost_model.prefill("r").samples == 1
