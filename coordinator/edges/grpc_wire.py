@@ -82,11 +82,17 @@ from kvrc.vocabulary import (
 # Each conversion reads both clocks at encoding time (coordinator/runtime/clock.py).
 
 
+# The latest expiry kept (some 146 million years): an engine's larger one (up to
+# 2**64 - 1) overflowed uint64 once converted back for a Lookup answer after the wall
+# clock moved, which failed every requester's Lookup naming that holder (I8-bad-input).
+MAX_EXPIRY_UNIX_MS = 1 << 62
+
+
 def _expiry_from_unix(clock: Clock, expiry_unix_ms: int) -> int:
     """An engine's expiry (unix ms, 0 = none) on the monotonic clock (at least 1: not none)."""
     if not expiry_unix_ms:
         return 0
-    return max(from_unix_ms(clock, expiry_unix_ms), 1)
+    return max(from_unix_ms(clock, min(expiry_unix_ms, MAX_EXPIRY_UNIX_MS)), 1)
 
 
 # --- request bytes ------------------------------------------------------------
