@@ -755,7 +755,17 @@ class InventoryFlow:
             return
         meta.zmq = stream
         task = asyncio.get_running_loop().create_task(stream.start())
-        task.add_done_callback(lambda t: _log_start_failure(cid, t))
+        task.add_done_callback(lambda t: self._zmq_start_ended(cid, meta, stream, t))
+
+    @staticmethod
+    def _zmq_start_ended(
+        cid: str, meta: _Meta, stream: EventStream, task: asyncio.Task[None]
+    ) -> None:
+        if not task.cancelled() and task.exception() is not None and meta.zmq is stream:
+            # The next registration of one of its parts tries again (the endpoint's port
+            # may be free by then); kept, it was never retried while a part stayed.
+            meta.zmq = None
+        _log_start_failure(cid, task)
 
     async def _stop_zmq(self, meta: _Meta) -> None:
         stream, meta.zmq = meta.zmq, None

@@ -1,0 +1,60 @@
+"""A KV-event subscription that failed to start is tried again at the engine's next part
+registration (coordinator/runtime/inventory_flow.py).
+
+Real ZMQ sockets on loopback: kvrc binds the endpoint (no '*': vLLM connects), and
+the port is first held by another socket, as just after the engine's previous
+stream closed. The rig's clock is manual; the sockets are not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import zmq
+import zmq.asyncio
+from manual_rig import PROFILE, manual_coordinator, settle
+from waiting import wait_until
+
+from coordinator.core.registry import RankPartRegistration
+from coordinator.edges.zmq_ingest import vllm_event_streams
+from kvrc.vocabulary import TransferEndpoint
+
+
+async def test_a_subscription_that_failed_to_start_is_tried_again() -> None:
+    context = zmq.asyncio.Context()
+    blocker = context.socket(zmq.PULL)
+    blocker.bind("tcp://127.0.0.1:0")
+    endpoint = blocker.getsockopt_string(zmq.LAST_ENDPOINT)
+    tp2 = dataclasses.replace(PROFILE, tp_size=2)
+    try:
+        async with manual_coordinator() as rig:
+            c = rig.coordinator
+            c.inventory.event_streams = vllm_event_streams(c.metrics)
+            first = RankPartRegistration(
+                "e",
+                0,
+                "e",
+                (0, 0, 0),
+                tp2,
+                TransferEndpoint(backend="mooncake", session_name="127.0.0.1:1"),
+                kv_events_endpoint=endpoint,
+            )
+            rank0 = c.open_session(first)
+            c.open_session(dataclasses.replace(first, rank=(1, 0, 0)))  # stays registered
+            meta = c.inventory._meta["e"]
+            # The port is taken: the start fails, and nothing is subscribed.
+            await wait_until(lambda: meta.zmq is None, 5, what="the failed start forgotten")
+            blocker.close(0)
+            await asyncio.sleep(0.1)  # the port is free now
+            c.close_session(rank0, "closed")
+            await settle()
+            c.open_session(first)  # rank 0 comes back: the subscription is tried again
+            await settle()
+            stream = meta.zmq
+            assert stream is not None
+            await asyncio.sleep(0.3)
+            assert meta.zmq is stream  # started this time: kept
+    finally:
+        blocker.close(0)
+        context.destroy(linger=0)
