@@ -533,13 +533,22 @@ class ZmqEventStream:
 
         Replays from the last applied sequence and compares that batch's bytes:
         another publisher (a restart that already numbered past us) answers with
-        other bytes, or nothing. Any later batches the replay brings are applied.
+        other bytes, or nothing. Any later batches the replay brings are applied. A
+        buffer that no longer holds that batch cannot tell: a new incarnation (the
+        view is rebuilt from what the publisher replays), never phantoms.
         """
         if self._dealer is None or self._applied is None or self._last_digest is None:
             return  # cannot tell; the sequence rule still catches most restarts
-        if await self._replay(self._applied, verify_digest=self._last_digest) is None:
+        result = await self._replay(self._applied, verify_digest=self._last_digest)
+        if result is None:
             self._new_incarnation(
                 f"publisher reconnected without batch {self._applied} it had sent", restart=True
+            )
+        elif result is _ReplayResult.TIMEOUT:
+            # Unverified, and what it sent while we were away is unknown.
+            self._events_lost(
+                f"replay after reconnecting unanswered in {self.config.replay_timeout_s}s",
+                self._has_state,
             )
 
     def _events_lost(self, why: str, had_state: bool) -> None:
@@ -584,11 +593,16 @@ class ZmqEventStream:
                 continue
             if first:
                 first = False
-                if seq != start_seq:
-                    result = _ReplayResult.OVERRUN
-                elif verify_digest is not None and hash(payload) != verify_digest:
+                if verify_digest is not None and (
+                    seq != start_seq or hash(payload) != verify_digest
+                ):
+                    # Another publisher, or ours with the batch gone from its buffer:
+                    # either way it cannot be verified, and applying the rest on top of
+                    # what we hold could keep blocks it no longer has.
                     self._reset_dealer()  # the rest of this answer is not wanted
                     return None
+                if seq != start_seq:
+                    result = _ReplayResult.OVERRUN
             if self._applied is not None and seq <= self._applied:
                 continue
             self._consume(topic, seq, payload)

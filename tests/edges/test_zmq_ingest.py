@@ -391,6 +391,49 @@ async def test_reconnection_to_the_same_publisher_keeps_the_incarnation(
     assert ("drop", ENGINE) not in rig.sink.calls
 
 
+async def test_a_restart_whose_buffer_no_longer_holds_our_last_batch_is_a_new_incarnation(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """The restarted publisher numbered past us and its buffer starts after our last
+    sequence: the check cannot compare bytes. Taken as the same publisher, the dead
+    process's blocks stayed held under its batches for as long as the engine ran."""
+    rigs.append(rig := await start_rig(ctx, publisher={"buffer_steps": 3}))
+    for h in (1, 2, 3, 4, 5):
+        await rig.pub.publish(stored(h))
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2, 3, 4], 5)
+    await rig.pub.restart_process()
+    for h in range(40, 50):  # seqs 0..9 while kvrc reconnects; the buffer keeps 7..9
+        await rig.pub.publish(stored(h), send=False)
+    await rig.pub.wait_subscribed()
+    await rig.pub.publish(stored(50))
+    await wait_until(lambda: 50 in rig.sink.held(), 5)
+    assert not {1, 2, 3, 4, 5} & rig.sink.held()
+    assert ("drop", ENGINE) in rig.sink.calls
+    assert rig.stream.status().incarnation == 1
+
+
+async def test_a_blip_past_the_publishers_buffer_leaves_no_phantom(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """Same publisher, but its buffer overran during the blip: the removal lost with it
+    left a phantom, and the stream stayed LIVE (no grace bounding its age)."""
+    rigs.append(rig := await start_rig(ctx, publisher={"buffer_steps": 3}))
+    for h in (1, 2, 3):
+        await rig.pub.publish(stored(h))
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2], 5)
+    buffer, next_seq = rig.pub.buffer, rig.pub.next_seq
+    await rig.pub.restart_process()
+    rig.pub.buffer, rig.pub.next_seq = buffer, next_seq  # only the connection dropped
+    await rig.pub.publish(removed(1), send=False)  # lost during the blip
+    for h in (10, 11, 12, 13):  # the buffer keeps the last 3 only
+        await rig.pub.publish(stored(h), send=False)
+    await rig.pub.wait_subscribed()
+    await rig.pub.publish(stored(14))
+    await wait_until(lambda: 14 in rig.sink.held(), 5)
+    assert 1 not in rig.sink.held()
+    assert {12, 13, 14} <= rig.sink.held()  # what the buffer still had
+
+
 # Scenario steps: ("sent", hashes to store, hashes to remove), ("lost", ...), ("restart",).
 step = st.one_of(
     st.tuples(
