@@ -42,7 +42,14 @@ from clients.session import (
 from kvrc.credentials import ChannelOptions, connect
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
-from kvrc.vocabulary import MAX_BLOCKS_PER_BATCH, MAX_CHAIN_BLOCKS, MAX_EVENTS_PER_BATCH, Tier
+from kvrc.vocabulary import (
+    MAX_BLOCK_HASH_BYTES,
+    MAX_BLOCKS_PER_BATCH,
+    MAX_CHAIN_BLOCKS,
+    MAX_EVENTS_PER_BATCH,
+    MAX_GROUP_IDX,
+    Tier,
+)
 
 log = logging.getLogger("kvrc.client.inventory")
 
@@ -80,6 +87,35 @@ def _blocks(event: InventoryEvent) -> int:
     return 0 if isinstance(event, AllCleared) else len(event.block_hashes)
 
 
+def _checked(event: InventoryEvent) -> InventoryEvent | None:
+    """The event as kvrc will take it; None: nothing to say (no blocks). What kvrc would
+    refuse raises here, before anything is sent: refused there, it ends the rank part's
+    session, and the dump after re-registration would end the next one (I8-bad-input)."""
+    if isinstance(event, AllCleared):
+        return event
+    if not event.block_hashes:
+        return None
+    kind = "stored" if isinstance(event, StoredBlocks) else "removed"
+    bad = next((h for h in event.block_hashes if not 0 < len(h) <= MAX_BLOCK_HASH_BYTES), None)
+    if bad is not None:
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{kind} block hash of {len(bad)} bytes; block hashes are 1..{MAX_BLOCK_HASH_BYTES}",
+        )
+    if isinstance(event, StoredBlocks) and len(event.parent_block_hash) > MAX_BLOCK_HASH_BYTES:
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"parent block hash of {len(event.parent_block_hash)} bytes; the limit is "
+            f"{MAX_BLOCK_HASH_BYTES}",
+        )
+    if not 0 <= event.group_idx <= MAX_GROUP_IDX:
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{kind} group_idx {event.group_idx} is outside 0..{MAX_GROUP_IDX}",
+        )
+    return event
+
+
 def _split(event: InventoryEvent, limit: int) -> Iterator[InventoryEvent]:
     """Cuts an event into pieces of at most `limit` hashes (a stored chain stays chained)."""
     if isinstance(event, AllCleared) or len(event.block_hashes) <= limit:
@@ -112,7 +148,10 @@ def chunk_events(
         raise ValueError("batch limits must be >= 1")
     batch: list[InventoryEvent] = []
     blocks = 0
-    for event in events:
+    for given in events:
+        event = _checked(given)
+        if event is None:
+            continue
         for piece in _split(event, min(max_blocks, MAX_CHAIN_BLOCKS)):
             n = _blocks(piece)
             if batch and (len(batch) >= max_events or blocks + n > max_blocks):
@@ -195,13 +234,13 @@ class InventoryPublisher:
         do not queue up behind a frozen coordinator. Nothing is lost for good: after the
         re-registration the dump replaces the stream's state."""
         self._require_connected()
+        # Every event checked before any is sent (`_checked`).
+        batches = list(chunk_events(events, self._max_events, self._max_blocks))
         async with self._lock:
             self._require_connected()  # the stream broke while this waited for the lock
-            sent = 0
-            for batch in chunk_events(events, self._max_events, self._max_blocks):
+            for batch in batches:
                 await self._send(batch)
-                sent += 1
-            return sent
+            return len(batches)
 
     async def stored(
         self,

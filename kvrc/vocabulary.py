@@ -23,6 +23,8 @@ PROTOCOL_VERSION = 3
 MAX_CHAIN_BLOCKS = 4096  # block hashes in one chain (events, Lookup, RequestPrefixLoad)
 MAX_EVENTS_PER_BATCH = 1024
 MAX_BLOCKS_PER_BATCH = 8192
+MAX_BLOCK_HASH_BYTES = 64  # a block hash (or a parent's) is 1..64 bytes
+MAX_GROUP_IDX = 1023  # a KV-cache group index (vLLM's hybrid models)
 
 
 def protocol_mismatch(client_version: int) -> str | None:

@@ -99,15 +99,13 @@ from coordinator.core.events import (
     RankKey,
     Tier,
 )
-from kvrc.vocabulary import MAX_CHAIN_BLOCKS, PublishMode
+from kvrc.vocabulary import MAX_CHAIN_BLOCKS, MAX_GROUP_IDX, PublishMode
 
 # Wire-level limits (kvrc/vocabulary.py) are checked by coordinator/edges/grpc_wire.py;
 # the core checks chains.
-MAX_BLOCK_HASH_BYTES = 64
 MAX_QUERIES_PER_LOOKUP = 64
 MAX_CANDIDATES = 64
 DEFAULT_MAX_CANDIDATES = 4
-MAX_GROUP_IDX = 1023
 
 DEFAULT_MAX_ENTRIES_TOTAL = 50_000_000
 DEFAULT_MAX_ENTRIES_PER_ENGINE = 5_000_000

@@ -40,7 +40,7 @@ from coordinator.core.events import (
     InventoryEvent,
     Tier,
 )
-from coordinator.core.inventory import MAX_BLOCK_HASH_BYTES, MAX_GROUP_IDX
+from kvrc.vocabulary import MAX_BLOCK_HASH_BYTES, MAX_GROUP_IDX
 
 # What one frame may carry. A vLLM step publishes tens to a few thousand block hashes;
 # these bound the work one frame costs the event loop (decode and apply, ~3 us a hash)

@@ -69,9 +69,11 @@ from coordinator.runtime.peers import PartCodec
 from kvrc import __version__
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.vocabulary import (
+    MAX_BLOCK_HASH_BYTES,
     MAX_BLOCKS_PER_BATCH,
     MAX_CHAIN_BLOCKS,
     MAX_EVENTS_PER_BATCH,
+    MAX_GROUP_IDX,
     PROTOCOL_VERSION,
     PublishMode,
     TransferEndpoint,
@@ -528,8 +530,8 @@ def _tier(field: str, value: int) -> ev.Tier:
 
 
 def _group(field: str, value: int) -> int:
-    if value > inv.MAX_GROUP_IDX:
-        raise invalid(f"{field}: group_idx {value} exceeds {inv.MAX_GROUP_IDX}")
+    if value > MAX_GROUP_IDX:
+        raise invalid(f"{field}: group_idx {value} exceeds {MAX_GROUP_IDX}")
     return value
 
 
@@ -546,12 +548,12 @@ def check_block_hashes(field: str, hashes: Sequence[bytes], limit: int) -> tuple
         if 0 in distinct:
             i = next(i for i, h in enumerate(copied) if not h)
             raise invalid(f"{field}[{i}] is empty (block hashes are 1..64 bytes)")
-        if max(distinct) > inv.MAX_BLOCK_HASH_BYTES:
+        if max(distinct) > MAX_BLOCK_HASH_BYTES:
             lengths = [len(h) for h in copied]
-            i = next(i for i, n in enumerate(lengths) if n > inv.MAX_BLOCK_HASH_BYTES)
+            i = next(i for i, n in enumerate(lengths) if n > MAX_BLOCK_HASH_BYTES)
             raise invalid(
                 f"{field}[{i}] is {lengths[i]} bytes; block hashes are 1.."
-                f"{inv.MAX_BLOCK_HASH_BYTES} bytes"
+                f"{MAX_BLOCK_HASH_BYTES} bytes"
             )
     return copied
 
@@ -572,10 +574,10 @@ def event_batch_from_proto(msg: pb.EventBatch, clock: Clock) -> ev.EventBatch:
             if not hashes:
                 raise invalid(f"{where}.stored.block_hashes is empty")
             parent = bytes(st.parent_block_hash)
-            if len(parent) > inv.MAX_BLOCK_HASH_BYTES:
+            if len(parent) > MAX_BLOCK_HASH_BYTES:
                 raise invalid(
                     f"{where}.stored.parent_block_hash is {len(parent)} bytes; the limit is "
-                    f"{inv.MAX_BLOCK_HASH_BYTES}"
+                    f"{MAX_BLOCK_HASH_BYTES}"
                 )
             blocks += len(hashes)
             events.append(

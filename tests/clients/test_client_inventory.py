@@ -8,6 +8,7 @@ no duplicate, no fence) and must land in the inventory.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from harness import (
@@ -20,6 +21,7 @@ from harness import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from clients.errors import InvalidArgumentError
 from clients.inventory import (
     AllCleared,
     InventoryEvent,
@@ -179,6 +181,49 @@ async def test_an_empty_dump_still_replaces_the_state(
         return await entries(t, "pub-b") == 0
 
     await wait_until(empty, 10)
+
+
+@pytest.mark.parametrize(
+    ("event", "refused"),
+    [
+        (StoredBlocks(()), ""),  # nothing to say: not sent
+        (RemovedBlocks(()), ""),
+        (StoredBlocks((b"x" * 65,)), "block hashes are 1..64"),
+        (StoredBlocks((b"",)), "block hashes are 1..64"),
+        (StoredBlocks(hs(4, 2), parent_block_hash=b"p" * 65), "parent block hash of 65"),
+        (StoredBlocks(hs(4, 2), group_idx=1024), "group_idx 1024 is outside 0..1023"),
+    ],
+)
+async def test_what_kvrc_would_refuse_is_refused_here_and_the_session_stays(
+    kvrc_on: CoordinatorProcess, sessions: list[EngineSession], event: Any, refused: str
+) -> None:
+    """Sent, kvrc refused it by ending the rank part's session; the dump after the
+    re-registration sent it again and ended the next one: the part flapped."""
+    t = kvrc_on.grpc_target
+    retained = [StoredBlocks(hs(5, 3)), event]
+    session = EngineSession(
+        t, RankPartRegistration(f"pub-x{abs(hash(repr(event))) % 10**6}", EngineProfile("m", 16))
+    )
+    publisher = InventoryPublisher(session, dump=lambda: retained)
+    session.handler = PublishingHandler(publisher)
+    await session.start()
+    sessions.append(session)
+    if refused:
+        with pytest.raises(InvalidArgumentError, match=refused):
+            await publisher.publish([StoredBlocks(hs(6, 2)), event])
+        assert publisher.next_sequence == 0  # nothing of it was sent
+        with pytest.raises(InvalidArgumentError):
+            await publisher.send_dump()
+    else:
+        assert await publisher.publish([event]) == 0
+        assert await publisher.send_dump() == 1  # the empty event left out
+        cid = session.registration.resolved_child_engine_id
+
+        async def three() -> bool:
+            return await entries(t, cid) == 3
+
+        await wait_until(three, 10)
+    assert session.connected and session.registrations == 1
 
 
 async def test_numbering_restarts_and_a_dump_follows_a_re_registration(
