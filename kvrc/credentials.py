@@ -20,13 +20,16 @@ first target only (grpc takes one host name per channel).
 
 A token travels as gRPC metadata `authorization: Bearer <token>`; it is read
 from its file when a channel is made, and never appears in a `repr()`, a log
-line or an error message.
+line or an error message. It goes over TLS, or in plaintext to a loopback
+address only: `connect` refuses (CredentialsError) a token for a plaintext
+channel to any other host.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -89,7 +92,22 @@ class ChannelOptions:
         if self.client_cert is not None and self.client_key is not None:
             cert = _read_pem(self.client_cert, "client_cert")
             key = _read_pem(self.client_key, "client_key")
+            _check_key_pair(self.client_cert, self.client_key)
         return grpc.ssl_channel_credentials(root, key, cert)
+
+    def check_token_transport(self) -> None:
+        """CredentialsError when a token would cross a network in plaintext.
+
+        kvrc refuses --auth-tokens on a plaintext non-loopback address; a client must
+        not send its token to one either (anyone on the path could replay it)."""
+        if self.secure or (self.token is None and self.token_file is None):
+            return
+        if not _target_is_loopback(self.target):
+            raise CredentialsError(
+                f"kvrc target {self.target}: a bearer token goes over plaintext to loopback "
+                "addresses only; use TLS to reach this host (ca_cert or tls=True; the CLI's "
+                "--tls-ca, the vLLM connector's kvrc_ca_cert or kvrc_tls)"
+            )
 
     def bearer_token(self) -> str | None:
         if self.token is not None:
@@ -121,6 +139,78 @@ def _check_token(token: str, where: str) -> str:
     if not (token.isascii() and token.isprintable()) or " " in token:
         raise CredentialsError(f"{where}: a token is printable ASCII without spaces")
     return token
+
+
+class _EncryptedKey(Exception):
+    """Raised by the passphrase callback: an encrypted key asked for a passphrase."""
+
+
+def _no_passphrase() -> bytes:
+    # Without a callback OpenSSL prompts on the terminal (blocking a service under a tty).
+    raise _EncryptedKey
+
+
+def _check_key_pair(cert: Path, key: Path) -> None:
+    """The client key opens without a passphrase and matches its certificate; grpc would
+    only say UNAVAILABLE ("Failed to create security handshaker") at every connection."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key, password=_no_passphrase)
+    except _EncryptedKey:
+        raise CredentialsError(
+            f"client_key {key}: encrypted private keys are not supported "
+            "(decrypt it, keep it readable only by this client)"
+        ) from None
+    except ssl.SSLError as e:
+        # ssl's reason (e.g. KEY_VALUES_MISMATCH) names no key material.
+        raise CredentialsError(
+            f"client_cert {cert}, client_key {key}: not a usable certificate and private key "
+            f"({e.reason or 'unreadable'})"
+        ) from None
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or type(e).__name__
+        raise CredentialsError(
+            f"client_cert {cert}, client_key {key}: not a usable certificate and private key "
+            f"({reason})"
+        ) from None
+
+
+def _loopback_host(host: str) -> bool:
+    """coordinator.runtime.config.is_loopback_host, mirrored (kvrc does not import the
+    coordinator): the rule the server applies to its own --listen address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _address_host(address: str) -> str:
+    """The host of "host:port", "[v6]:port", a bare host or a bare IPv6 address."""
+    if address.startswith("["):
+        return address[1:].partition("]")[0]
+    host, sep, _ = address.rpartition(":")
+    if not sep or ":" in host:  # no port, or an IPv6 address without brackets
+        return address
+    return host
+
+
+def _target_is_loopback(target: str) -> bool:
+    """Every address `target` names is on this host (grpc target syntax, or a list)."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True  # a unix socket never leaves the host
+    if target.startswith(("ipv4:", "ipv6:")):
+        addresses = target.partition(":")[2].split(",")
+    elif target.startswith("dns:"):
+        rest = target.removeprefix("dns:")
+        if rest.startswith("//"):  # dns://[authority]/host:port
+            rest = rest[2:].partition("/")[2]
+        addresses = [rest]
+    elif "://" in target:
+        return False  # a scheme not parsed here: assume it leaves the host
+    else:
+        addresses = target.split(",")
+    return all(_loopback_host(_address_host(a.strip())) for a in addresses)
 
 
 def _read_pem(path: Path, what: str) -> bytes:
@@ -368,6 +458,9 @@ def connect(
     `grpc_options` (e.g. `SESSION_KEEPALIVE`) add to or replace the defaults (a reconnect
     backoff of at most 2 s); the target's own `ChannelOptions.grpc_options` win over both."""
     opts = _as_options(target)
+    # Interceptors add the token to any channel (grpc's own call credentials would refuse
+    # a plaintext one): check the transport here, before the token is read.
+    opts.check_token_transport()
     token = opts.bearer_token()
     interceptors: Any = _bearer_interceptors(token) if token is not None else None
     options = _channel_options(opts, grpc_options)
@@ -411,6 +504,7 @@ class _SyncBearer(_SyncUnaryUnary):
 def connect_blocking(target: str | ChannelOptions) -> grpc.Channel:
     """A blocking channel (unary calls) with the same options; close it when done."""
     opts = _as_options(target)
+    opts.check_token_transport()  # as in connect(): the interceptor would send it anywhere
     token = opts.bearer_token()
     options = _channel_options(opts)
     if opts.secure:

@@ -30,7 +30,8 @@ to the `engine_id`s it may act for and to roles:
 Only SHA-256 digests of tokens are kept in memory; a presented token is hashed
 and compared with `hmac.compare_digest` against every entry (no early exit).
 A child engine belongs to engine E when it is E itself or `E_dp<N>` (vLLM's
-naming), or when the registry says so. Refusals are `AuthDenied` (a
+naming), or when the registry says so; a file where one credential's engine id
+is `E_dp<N>` of another credential's E is refused at load. Refusals are `AuthDenied` (a
 `KvrcError`) carrying the `DenyReason` that labels `kvrc_auth_denied_total`;
 their messages name the credential by its `name`, never by its secret.
 """
@@ -54,6 +55,7 @@ MAX_ENTRIES = 100_000
 _HEX_SHA256 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9._:@/+-]{1,128}")
 _DP_SUFFIX = re.compile(r"_dp[0-9]+")
+_DP_CHILD = re.compile(r"(.+)_dp[0-9]+")  # E_dp<N>: the engine E it would belong to
 
 
 class AuthConfigError(Exception):
@@ -361,7 +363,35 @@ def parse_auth_policy(data: Mapping[str, object], source: str = "auth tokens") -
             raise AuthConfigError(f"{where} ({principal.name}): the same identity is listed twice")
         seen_ids.add((cn, uri))
         identities.append(_IdentityEntry(principal, cn, uri))
+    principals = [t.principal for t in tokens] + [i.principal for i in identities]
+    _refuse_overlapping_engines(principals, source)
     return AuthPolicy(tokens, identities)
+
+
+def _refuse_overlapping_engines(principals: Sequence[Principal], source: str) -> None:
+    """Refuse engine ids of one credential that are DP children (`E_dp<N>`) of another's.
+
+    A credential for E acts for every unregistered `E_dp<N>` (child_engine_belongs_to),
+    so E's credential would also cover the other credential's engine whenever it is not
+    registered: the two bindings overlap, and neither says which one was meant."""
+    owners: dict[str, set[str]] = {}
+    for principal in principals:
+        for engine_id in principal.engine_ids:
+            owners.setdefault(engine_id, set()).add(principal.name)
+    for principal in principals:
+        for engine_id in sorted(principal.engine_ids):
+            match = _DP_CHILD.fullmatch(engine_id)
+            if match is None:
+                continue
+            parent = match.group(1)
+            others = sorted(owners.get(parent, set()) - {principal.name})
+            if others:
+                raise AuthConfigError(
+                    f"{source}: engine id {engine_id!r} of credential {principal.name!r} "
+                    f"overlaps engine {parent!r} of credential {others[0]!r}: a credential "
+                    f"for {parent} also acts for {parent}_dp<N> (vLLM's data-parallel "
+                    "children); rename one engine, or bind both to one credential"
+                )
 
 
 def _entries(data: Mapping[str, object], key: str, source: str) -> list[Mapping[str, object]]:

@@ -5,7 +5,9 @@ RPC is counted in `kvrc_rpc_requests_total{method,code}` and unary RPCs are
 timed in `kvrc_rpc_duration_seconds`, also in one place (`_Observed`). Request
 bytes that are not valid protobuf are refused before any servicer runs
 (`add_services`): INVALID_ARGUMENT, `kvrc_rpc_malformed_total{method}`, one
-rate-limited log line. A session that ends with INVALID_ARGUMENT (such bytes, or a
+rate-limited log line; with --auth-tokens the caller's credentials are checked
+first, so an unauthenticated caller hears UNAUTHENTICATED and is neither counted
+as malformed nor logged. A session that ends with INVALID_ARGUMENT (such bytes, or a
 message that breaks the protocol) hears it first as a `SessionError` message,
 the stream's last, then the status (`session_error`).
 """
@@ -234,9 +236,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 try:
                     first = await self._first_message(request_iterator)
                 except KvrcError:
-                    self._gate.authenticate(context)  # an unauthenticated stream hears that
+                    self._authenticate(context)  # an unauthenticated stream hears that
                     raise
-                principal = self._gate.authenticate(context)
+                principal = self._authenticate(context)
                 session = await self._register(first, principal)
                 reader = asyncio.create_task(self._read(request_iterator, session, failure))
                 while True:
@@ -275,6 +277,14 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 for task in self._calls.pop(session.session_id, ()):
                     task.cancel()  # nobody reads the answer; the lease runs out as unary's would
             self._observed.count("Session", code)
+
+    def _authenticate(self, context: Context) -> Principal | None:
+        """The session's caller; a refusal is a refused registration too (counted)."""
+        try:
+            return self._gate.authenticate(context)
+        except KvrcError as e:
+            self._coordinator.metrics.registrations.labels(result=e.code.value).inc()
+            raise
 
     async def _first_message(self, requests: AsyncIterator[pb.EngineMessage]) -> pb.EngineMessage:
         # A stream that never registers would hold resources: bound the wait.
@@ -697,10 +707,11 @@ def add_services(server: grpc.aio.Server, coordinator: Coordinator) -> None:
     services = [pb.DESCRIPTOR.services_by_name[type(s).__name__] for s in servicers]
     malformed = _MalformedRequests(coordinator, (m.name for s in services for m in s.methods))
     observed = _Observed(coordinator)
+    gate = _Gate(coordinator)
     for servicer, service in zip(servicers, services, strict=True):
         handlers = {
             method.name: _method_handler(
-                getattr(servicer, method.name), method, service.full_name, observed, malformed
+                getattr(servicer, method.name), method, service.full_name, observed, malformed, gate
             )
             for method in service.methods
         }
@@ -716,14 +727,22 @@ def _method_handler(
     service_name: str,
     observed: _Observed,
     malformed: _MalformedRequests,
+    gate: _Gate,
 ) -> grpc.RpcMethodHandler[Any, Any]:
     name = method.name
+
+    def refuse_malformed(request: wire.MalformedRequest, context: Context) -> KvrcError:
+        # Credentials first (docs/security.md): an anonymous caller's garbage is
+        # UNAUTHENTICATED, neither counted as malformed nor logged with its peer.
+        gate.authenticate(context)
+        return malformed.refuse(name, request, context)
+
     parse = wire.request_parser(getattr(pb, method.input_type.name), f"/{service_name}/{name}")
     serialize = getattr(pb, method.output_type.name).SerializeToString
     if method.client_streaming and method.server_streaming:
         # An async generator function: grpc.aio would run a plain function in a thread.
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            checked = _CheckedRequests(requests, lambda r: malformed.refuse(name, r, context))
+            checked = _CheckedRequests(requests, lambda r: refuse_malformed(r, context))
             async for response in behavior(checked, context):
                 yield response
 
@@ -735,10 +754,9 @@ def _method_handler(
 
     async def unary(request: Any, context: Context) -> Any:
         if isinstance(request, wire.MalformedRequest):
-            refused = malformed.refuse(name, request, context)
 
             async def refuse() -> Any:
-                raise refused
+                raise refuse_malformed(request, context)
 
             return await observed.unary(name, context, refuse)
         return await behavior(request, context)

@@ -52,17 +52,38 @@ def _read(flag: str, path: Path) -> bytes:
     return data
 
 
+class _EncryptedKey(Exception):
+    """Raised by the passphrase callback: the key is encrypted."""
+
+
+def _no_passphrase() -> bytes:
+    # Without a callback OpenSSL prompts on the terminal: a service would block under a
+    # tty, or fail with a traceback without one. kvrc takes no passphrase.
+    raise _EncryptedKey
+
+
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     """Checked credentials: the key matches the certificate, the CA file parses."""
     cert = _read("--tls-cert", tls.cert)
     key = _read("--tls-key", tls.key)
     check = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        check.load_cert_chain(tls.cert, tls.key)
+        check.load_cert_chain(tls.cert, tls.key, password=_no_passphrase)
+    except _EncryptedKey:
+        raise ConfigError(
+            f"--tls-key {tls.key}: encrypted private keys are not supported "
+            "(decrypt it, keep it readable only by kvrc)"
+        ) from None
     except ssl.SSLError as e:
         # ssl's reason (e.g. KEY_VALUES_MISMATCH) names no key material.
         raise ConfigError(
-            f"--tls-cert/--tls-key: not a usable certificate and private key ({e.reason})"
+            "--tls-cert/--tls-key: not a usable certificate and private key "
+            f"({e.reason or 'unreadable'})"
+        ) from None
+    except (OSError, ValueError) as e:  # e.g. a file replaced or removed since it was read
+        reason = getattr(e, "strerror", None) or type(e).__name__
+        raise ConfigError(
+            f"--tls-cert/--tls-key: not a usable certificate and private key ({reason})"
         ) from None
     ca = None
     if tls.client_ca is not None:

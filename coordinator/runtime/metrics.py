@@ -100,7 +100,8 @@ class Metrics:
         )
         self.sessions_closed = Counter(
             "kvrc_sessions_closed_total",
-            "Rank-part sessions removed, by reason (closed, heartbeat_timeout, shutdown, error).",
+            "Rank-part sessions removed, by reason "
+            "(closed, heartbeat_timeout, shutdown, error, fenced).",
             ["reason"],
             registry=r,
         )
@@ -318,7 +319,7 @@ class Metrics:
         self.auth_denied = Counter(
             "kvrc_auth_denied_total",
             "Requests refused for identity reasons, by reason "
-            "(unauthenticated, foreign_engine, foreign_lease, not_admin).",
+            "(unauthenticated, foreign_engine, foreign_lease, not_admin, not_router).",
             ["reason"],
             registry=r,
         )

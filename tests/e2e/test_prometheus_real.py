@@ -347,7 +347,7 @@ def check_flow_panels(prom: PrometheusServer) -> None:
         return lambda result: {s["metric"].get(name, "") for s in result}
 
     expectations = [
-        (panel("sum by (tier) (kvrc_inventory_entries"), "tier", {"gpu", "cpu"}),
+        (panel("max by (tier) (kvrc_inventory_entries"), "tier", {"gpu", "cpu"}),
         (panel("sum by (outcome) (rate(kvrc_lookups_total"), "outcome", {"hit", "miss"}),
         (panel("sum by (flow, state) (rate(kvrc_leases_ended_total"), "flow", {"handoff"}),
         (panel("sum by (flow) (rate(kvrc_transfer_bytes_total"), "flow", {"handoff"}),

@@ -20,8 +20,9 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import PYTHON, REPO, CoordinatorProcess, start_coordinator
+from harness import PYTHON, REPO, CoordinatorProcess, metric_value, start_coordinator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -206,7 +207,7 @@ def test_bad_credentials_files_are_refused_without_echoing_secrets(
 
 def test_deny_reasons_are_the_documented_metric_labels() -> None:
     doc = (REPO / "docs" / "metrics.md").read_text()
-    row = next(line for line in doc.splitlines() if "`kvrc_auth_denied_total`" in line)
+    row = next(line for line in doc.splitlines() if line.startswith("| `kvrc_auth_denied_total`"))
     documented = set(re.findall(r"`([a-z_]+)`", row.split("|")[3])) - {"reason"}
     assert documented == {r.value for r in DenyReason}
 
@@ -532,3 +533,186 @@ def test_cli_uses_a_token_file(kvrc: CoordinatorProcess, tmp_path: Path) -> None
     assert missing.returncode == 2 and "cannot read" in missing.stderr
     for done in (ok, refused, not_admin, missing):
         assert TOKENS["reader"] not in done.stdout + done.stderr
+
+
+# --- bytes that are not protobuf: credentials first ----------------------------------
+
+
+_UNARY_PATHS = [
+    f"/{service.full_name}/{method.name}"
+    for service in pb.DESCRIPTOR.services_by_name.values()
+    for method in service.methods
+    if not method.client_streaming
+]
+_SESSION_PATH = "/kvrc.v1.EngineService/Session"
+_GARBAGE = b"\xff\xff\xff"  # a field with a truncated varint: not protobuf
+
+
+def _as_is(data: bytes) -> bytes:
+    return data
+
+
+def _raw_options(kvrc: CoordinatorProcess, who: str | None) -> ChannelOptions:
+    token = "tok-wrong-0123456789abcdef" if who == "wrong" else TOKENS[who] if who else None
+    return ChannelOptions(kvrc.grpc_target, token=token)
+
+
+async def _raw_unary(options: ChannelOptions, path: str) -> tuple[grpc.StatusCode, str]:
+    async with connect(options) as channel:
+        try:
+            await channel.unary_unary(path, _as_is, _as_is)(_GARBAGE, timeout=5)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+async def _raw_session(options: ChannelOptions) -> grpc.StatusCode:
+    async with connect(options) as channel:
+        call: Any = channel.stream_stream(_SESSION_PATH, _as_is, _as_is)(timeout=5)  # type: ignore[call-arg]
+        try:
+            await call.write(_GARBAGE)
+            await call.done_writing()
+            while await call.read() is not EOF:
+                pass
+            code: grpc.StatusCode = await call.code()
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+    return code
+
+
+def _malformed_counts(kvrc: CoordinatorProcess) -> dict[str, float]:
+    methods = [p.rpartition("/")[2] for p in (*_UNARY_PATHS, _SESSION_PATH)]
+    return {m: metric_value(kvrc, "kvrc_rpc_malformed_total", method=m) for m in methods}
+
+
+async def test_garbage_from_callers_without_credentials_is_unauthenticated(
+    kvrc: CoordinatorProcess,
+) -> None:
+    """docs/security.md: credentials are checked before the request is read, so bytes
+    that are not protobuf get UNAUTHENTICATED too, neither counted nor logged as
+    malformed (an anonymous flood cannot fill the log or tell what kvrc parses)."""
+    malformed_before = _malformed_counts(kvrc)
+    denied_before = _denied_counts(kvrc)["unauthenticated"]
+    logged_before = kvrc.stderr_text().count("malformed request from")
+    for who in (None, "wrong"):
+        for path in _UNARY_PATHS:
+            code, details = await _raw_unary(_raw_options(kvrc, who), path)
+            assert code == grpc.StatusCode.UNAUTHENTICATED, (who, path, code, details)
+            assert "protobuf" not in details
+        assert await _raw_session(_raw_options(kvrc, who)) == grpc.StatusCode.UNAUTHENTICATED
+    assert _malformed_counts(kvrc) == malformed_before
+    refused = 2 * (len(_UNARY_PATHS) + 1)
+    assert _denied_counts(kvrc)["unauthenticated"] - denied_before == refused
+    assert kvrc.stderr_text().count("malformed request from") == logged_before
+    # Control: a caller with a valid credential still hears what is wrong with its bytes.
+    code, details = await _raw_unary(
+        _raw_options(kvrc, "reader"), "/kvrc.v1.AdminService/GetStatus"
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "protobuf" in details
+    assert await _raw_session(_raw_options(kvrc, "prefill")) == grpc.StatusCode.INVALID_ARGUMENT
+    after = _malformed_counts(kvrc)
+    assert after["GetStatus"] == malformed_before["GetStatus"] + 1
+    assert after["Session"] == malformed_before["Session"] + 1
+
+
+async def test_unauthenticated_registrations_are_counted(kvrc: CoordinatorProcess) -> None:
+    """kvrc_registrations_total{result="UNAUTHENTICATED"} (docs/metrics.md) counts every
+    Session stream refused for its credentials: none, a wrong token, or garbage first."""
+
+    def refused() -> float:
+        return metric_value(kvrc, "kvrc_registrations_total", result="UNAUTHENTICATED")
+
+    before = refused()
+    for who in (None, "wrong"):
+        with pytest.raises(KvrcClientError) as e:
+            await EngineSession(
+                _raw_options(kvrc, who), _registration("p"), reconnect=False
+            ).start()
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert await _raw_session(_raw_options(kvrc, None)) == grpc.StatusCode.UNAUTHENTICATED
+    assert refused() - before == 3
+    # A refusal after authentication keeps its own result.
+    foreign = metric_value(kvrc, "kvrc_registrations_total", result="PERMISSION_DENIED")
+    with pytest.raises(PermissionDeniedError):
+        await EngineSession(_options(kvrc, "intruder"), _registration("p"), reconnect=False).start()
+    assert metric_value(kvrc, "kvrc_registrations_total", result="PERMISSION_DENIED") == foreign + 1
+    assert refused() - before == 3
+
+
+# --- overlapping engine ids: E on one credential, E_dp<N> on another ---------------------
+
+
+def _entry(kind: str, name: str, engine_ids: list[str], secret: str) -> str:
+    key = "token" if kind == "token" else "cn"
+    return f"[[{kind}]]\nname = '{name}'\n{key} = '{secret}'\nengine_ids = {engine_ids!r}\n"
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        _entry("token", "p-cred", ["p"], "0123456789abcdefX")
+        + _entry("token", "p0-cred", ["p_dp0"], "0123456789abcdefY"),
+        # Order does not matter, nor other engine ids next to them.
+        _entry("token", "p12-cred", ["q", "p_dp12"], "0123456789abcdefX")
+        + _entry("token", "p-cred", ["p"], "0123456789abcdefY"),
+        # A certificate identity and a token overlap the same way.
+        _entry("token", "p-cred", ["p"], "0123456789abcdefX")
+        + _entry("identity", "p3-cert", ["p_dp3"], "p3"),
+    ],
+    ids=["token-token", "reversed", "token-identity"],
+)
+def test_overlapping_engine_ids_on_two_credentials_are_refused(
+    tmp_path: Path, document: str
+) -> None:
+    path = tmp_path / "auth.toml"
+    path.write_text(document)
+    with pytest.raises(AuthConfigError) as e:
+        load_auth_policy(path)
+    message = str(e.value)
+    assert "overlaps engine 'p'" in message and "\n" not in message, message
+    assert "0123456789abcdef" not in message
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        # One credential for both: it acts for p_dp0 either way.
+        _entry("token", "p-cred", ["p", "p_dp0"], "0123456789abcdefX"),
+        # Not a DP child of p.
+        _entry("token", "p-cred", ["p"], "0123456789abcdefX")
+        + _entry("token", "o-cred", ["pp_dp0", "p_dpx", "p_dp", "p_dp0x"], "0123456789abcdefY"),
+        # Two DP children, two credentials: neither covers the other.
+        _entry("token", "a-cred", ["p_dp0"], "0123456789abcdefX")
+        + _entry("token", "b-cred", ["p_dp1"], "0123456789abcdefY"),
+        # Two credentials for the same engine (a token being rotated).
+        _entry("token", "old", ["p"], "0123456789abcdefX")
+        + _entry("token", "new", ["p"], "0123456789abcdefY"),
+    ],
+    ids=["one-credential", "not-a-dp-child", "two-dp-children", "rotation"],
+)
+def test_engine_ids_that_do_not_overlap_load(tmp_path: Path, document: str) -> None:
+    path = tmp_path / "auth.toml"
+    path.write_text(document)
+    load_auth_policy(path)
+
+
+def test_serve_refuses_overlapping_engine_ids_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "auth.toml"
+    path.write_text(
+        _entry("token", "p-cred", ["p"], "0123456789abcdefX")
+        + _entry("token", "p0-cred", ["p_dp0"], "0123456789abcdefY")
+    )
+    serve = [PYTHON, "-m", "coordinator", "serve", "--listen", "127.0.0.1:0"]
+    done = subprocess.run(
+        [*serve, "--metrics-port", "-1", "--auth-tokens", str(path)],
+        cwd=REPO,
+        env=child_process_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'p_dp0' of credential 'p0-cred' overlaps engine 'p'" in lines[0]
+    assert "0123456789abcdef" not in done.stderr

@@ -293,3 +293,24 @@ def test_flow_values_defined_in_code_match_the_doc(
     # Misses come from the core (MissReason) and from choosing a holder.
     no_holder = set(grants._NO_HOLDER_DETAIL)
     assert misses == {r.value for r in leases.MissReason} | no_holder
+
+
+def test_help_texts_list_every_documented_label_value(
+    documented: dict[str, DocumentedMetric], catalog: dict[str, MetricFamily]
+) -> None:
+    # "by reason (a, b, c)" in a HELP string: what `curl /metrics` users read must name
+    # the same values the doc lists, not a stale subset.
+    checked = 0
+    for name, family in catalog.items():
+        for label, listed in re.findall(r"\b(\w+) \(([^()]*)\)", family.help_text):
+            values = [v.strip() for v in listed.split(",")]
+            if label not in family.label_names or not all(
+                re.fullmatch(r"[a-z_]+", v) for v in values
+            ):
+                continue  # prose in parentheses, not a list of values
+            checked += 1
+            assert set(values) == documented[name].labels[label], (
+                f"{name}: HELP lists {label} values {sorted(values)}, "
+                f"docs/metrics.md {sorted(documented[name].labels[label])}"
+            )
+    assert checked >= 10  # the pattern still matches kvrc's HELP strings

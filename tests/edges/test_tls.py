@@ -26,7 +26,7 @@ from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from coordinator.core.auth import load_auth_policy
 from coordinator.edges.tls import server_credentials, tls_files_from_flags
 from coordinator.runtime.config import ConfigError, CoordinatorConfig, TlsFiles
-from kvrc.credentials import ChannelOptions, CredentialsError, connect
+from kvrc.credentials import ChannelOptions, CredentialsError, connect, connect_blocking
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -367,3 +367,112 @@ def test_identities_without_mutual_tls_are_refused_in_one_line(pki: Pki, tmp_pat
         tls=TlsFiles(pki.server.cert, pki.server.key, pki.ca.files.cert),
     )
     assert config.auth is not None and config.auth.has_identities()
+
+
+# --- encrypted private keys: refused in one line, never a passphrase prompt ---------------
+
+
+def _encrypted_copies(issued: Issued, directory: Path) -> dict[str, Path]:
+    """`issued`'s key under a passphrase, as PKCS#8 and as OpenSSL's traditional PEM
+    ("Proc-Type: 4,ENCRYPTED", what `openssl ec -aes256` writes)."""
+    key = serialization.load_pem_private_key(issued.key.read_bytes(), password=None)
+    directory.mkdir(parents=True, exist_ok=True)
+    copies = {}
+    for name, form in (
+        ("pkcs8", serialization.PrivateFormat.PKCS8),
+        ("traditional", serialization.PrivateFormat.TraditionalOpenSSL),
+    ):
+        path = directory / f"{name}.key"
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                form,
+                serialization.BestAvailableEncryption(b"correct horse"),
+            )
+        )
+        copies[name] = path
+    assert b"ENCRYPTED" in copies["traditional"].read_bytes()
+    return copies
+
+
+def _without_a_terminal(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m coordinator ARGS` with stdin closed and no controlling terminal: an
+    OpenSSL passphrase prompt would read EOF (a traceback) instead of blocking the test."""
+    return subprocess.run(
+        [PYTHON, "-m", "coordinator", *args],
+        cwd=REPO,
+        env=child_process_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize("form", ["pkcs8", "traditional"])
+def test_an_encrypted_server_key_is_refused_in_one_line(
+    pki: Pki, tmp_path: Path, form: str
+) -> None:
+    key = _encrypted_copies(pki.server, tmp_path)[form]
+    tls = ("--tls-cert", str(pki.server.cert), "--tls-key", str(key))
+    done = _without_a_terminal("serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1", *tls)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"--tls-key {key}: encrypted private keys are not supported" in lines[0]
+    assert "PRIVATE KEY" not in done.stderr and "pass phrase" not in done.stderr
+    with pytest.raises(ConfigError, match="encrypted private keys are not supported"):
+        server_credentials(TlsFiles(pki.server.cert, key))
+
+
+def test_a_client_key_is_checked_when_the_channel_is_made(pki: Pki, tmp_path: Path) -> None:
+    """grpc would take an encrypted or mismatching client key and fail every handshake
+    with UNAVAILABLE ("Failed to create security handshaker"): say what is wrong."""
+    encrypted = _encrypted_copies(pki.engine, tmp_path)
+    with start_coordinator(*pki.serve_flags(mutual=True)) as kvrc:
+
+        def with_key(key: Path) -> ChannelOptions:
+            return ChannelOptions(
+                kvrc.grpc_target,
+                ca_cert=pki.ca.files.cert,
+                client_cert=pki.engine.cert,
+                client_key=key,
+            )
+
+        for key in encrypted.values():
+            with pytest.raises(CredentialsError, match="encrypted private keys are not"):
+                connect_blocking(with_key(key))
+        with pytest.raises(CredentialsError, match="not a usable certificate and private key"):
+            connect_blocking(with_key(pki.other_engine.key))
+        # The CLI's --tls-key: a configuration error (exit 2, one line), not UNAVAILABLE.
+        ca = ("--tls-ca", str(pki.ca.files.cert))
+        cert = ("--tls-cert", str(pki.engine.cert))
+        key_flag = ("--tls-key", str(encrypted["traditional"]))
+        done = _without_a_terminal("status", "--target", kvrc.grpc_target, *ca, *cert, *key_flag)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "encrypted private keys are not supported" in lines[0]
+        # Control: the engine's own key still works.
+        with connect_blocking(with_key(pki.engine.key)) as channel:
+            stub = pb_grpc.AdminServiceStub(channel)
+            assert stub.GetStatus(pb.StatusRequest(), timeout=5).version
+
+
+async def test_connect_refuses_an_encrypted_or_mismatching_client_key(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """The asyncio channel (engines) checks the key as the blocking one (the CLI) does."""
+
+    def with_key(key: Path) -> ChannelOptions:
+        return ChannelOptions(
+            "127.0.0.1:1", ca_cert=pki.ca.files.cert, client_cert=pki.engine.cert, client_key=key
+        )
+
+    for key in _encrypted_copies(pki.engine, tmp_path).values():
+        with pytest.raises(CredentialsError, match="encrypted private keys are not supported"):
+            connect(with_key(key))
+    with pytest.raises(CredentialsError, match="not a usable certificate and private key"):
+        connect(with_key(pki.other_engine.key))
+    async with connect(with_key(pki.engine.key)):
+        pass  # the engine's own pair is fine (a channel connects lazily)

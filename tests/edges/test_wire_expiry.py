@@ -24,7 +24,9 @@ async def test_an_expiry_at_the_top_of_uint64_leaves_lookups_answering(
         c = rig.coordinator
         holder = rig.register("holder")
         rig.register("req")
-        stored = pb.BlockStored(block_hashes=list(CHAIN), expiry_unix_ms=expiry_unix_ms, tier=1)
+        stored = pb.BlockStored(
+            block_hashes=list(CHAIN), expiry_unix_ms=expiry_unix_ms, tier=pb.Tier.ValueType(1)
+        )
         message = pb.EventBatch(
             incarnation=holder.incarnation, sequence=0, events=[pb.InventoryEvent(stored=stored)]
         )
