@@ -174,9 +174,9 @@ def _check_key_pair(cert: Path, key: Path) -> None:
         ) from None
 
 
-def _loopback_host(host: str) -> bool:
-    """coordinator.runtime.config.is_loopback_host, mirrored (kvrc does not import the
-    coordinator): the rule the server applies to its own --listen address."""
+def is_loopback_host(host: str) -> bool:
+    """ "localhost" or a loopback IP: the one rule for what stays on this host (the
+    server's --listen address, a client's target for a bearer token)."""
     if host == "localhost":
         return True
     try:
@@ -210,7 +210,7 @@ def _target_is_loopback(target: str) -> bool:
         return False  # a scheme not parsed here: assume it leaves the host
     else:
         addresses = target.split(",")
-    return all(_loopback_host(_address_host(a.strip())) for a in addresses)
+    return all(is_loopback_host(_address_host(a.strip())) for a in addresses)
 
 
 def _read_pem(path: Path, what: str) -> bytes:

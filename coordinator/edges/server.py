@@ -35,13 +35,14 @@ from coordinator.edges.grpc_servicers import add_services
 from coordinator.edges.grpc_wire import part_codec
 from coordinator.edges.tls import server_credentials
 from coordinator.edges.zmq_ingest import vllm_event_streams
-from coordinator.runtime.config import ConfigError, CoordinatorConfig, is_loopback_host
+from coordinator.runtime.config import ConfigError, CoordinatorConfig
 from coordinator.runtime.coordinator import Coordinator
 from coordinator.runtime.gc_policy import freeze_startup_heap
 from coordinator.runtime.log_limit import RateLimitedLog
 from coordinator.runtime.peers import PeerLink
 from coordinator.runtime.redis_store import RedisStore
 from coordinator.runtime.replication import ReplicatedInventory
+from kvrc.credentials import is_loopback_host
 from kvrc.v1 import kvrc_pb2 as pb
 
 log = logging.getLogger("kvrc.server")

@@ -16,7 +16,6 @@ YAML: `profile: [{name: ..., model: ..., ...}]`. A bad file raises
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import tomllib
 import urllib.parse
@@ -31,6 +30,7 @@ from coordinator.core.cost_model import CostConfig, DeclaredLink
 from coordinator.core.errors import KvrcError
 from coordinator.core.leases import LeaseConfig
 from coordinator.core.profiles import DeclaredProfile, declared_profile
+from kvrc.credentials import is_loopback_host
 
 
 class ConfigError(Exception):
@@ -181,15 +181,6 @@ def read_store_password(path: Path | None, env: Mapping[str, str]) -> str | None
             raise ConfigError(f"--store-password-file {path}: the file is empty")
         return password
     return env.get(STORE_PASSWORD_ENV) or None
-
-
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from harness import PYTHON, REPO
+from harness import run_cli_detached
 
 from clients.inventory import LookupClient
 from clients.leases import LeaseClient
-from clients.refengine.demo import child_process_env
 from clients.router import ScoreClient
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from clients.vllm.config import KvrcConnectorConfig
@@ -153,15 +151,7 @@ def test_the_cli_refuses_a_token_file_in_plaintext_off_the_host(
     token_file.write_text(TOKEN + "\n")
     flags = ("--target", listener.network_target, "--token-file", str(token_file))
     for command in (["status"], ["drain", "e"], ["score", "--model", "m", "--tokens", "1,2"]):
-        done = subprocess.run(
-            [PYTHON, "-m", "coordinator", *command, *flags],
-            cwd=REPO,
-            env=child_process_env(),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = run_cli_detached("coordinator", *command, *flags)
         assert done.returncode == 2, (command, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1, done.stderr

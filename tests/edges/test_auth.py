@@ -22,7 +22,14 @@ import grpc
 import pytest
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import PYTHON, REPO, CoordinatorProcess, metric_value, start_coordinator
+from harness import (
+    PYTHON,
+    REPO,
+    CoordinatorProcess,
+    metric_value,
+    run_cli_detached,
+    start_coordinator,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -702,16 +709,10 @@ def test_serve_refuses_overlapping_engine_ids_in_one_line(tmp_path: Path) -> Non
         _entry("token", "p-cred", ["p"], "0123456789abcdefX")
         + _entry("token", "p0-cred", ["p_dp0"], "0123456789abcdefY")
     )
-    serve = [PYTHON, "-m", "coordinator", "serve", "--listen", "127.0.0.1:0"]
-    done = subprocess.run(
-        [*serve, "--metrics-port", "-1", "--auth-tokens", str(path)],
-        cwd=REPO,
-        env=child_process_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_cli_detached(
+        "coordinator", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
+        "--auth-tokens", str(path),
+    )  # fmt: skip
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "'p_dp0' of credential 'p0-cred' overlaps engine 'p'" in lines[0]

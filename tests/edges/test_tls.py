@@ -18,7 +18,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from harness import PYTHON, REPO, get_status, start_coordinator
+from harness import PYTHON, REPO, get_status, run_cli_detached, start_coordinator
 
 from clients.errors import KvrcClientError, PermissionDeniedError
 from clients.refengine.demo import child_process_env
@@ -395,28 +395,15 @@ def _encrypted_copies(issued: Issued, directory: Path) -> dict[str, Path]:
     return copies
 
 
-def _without_a_terminal(*args: str) -> subprocess.CompletedProcess[str]:
-    """`python -m coordinator ARGS` with stdin closed and no controlling terminal: an
-    OpenSSL passphrase prompt would read EOF (a traceback) instead of blocking the test."""
-    return subprocess.run(
-        [PYTHON, "-m", "coordinator", *args],
-        cwd=REPO,
-        env=child_process_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        start_new_session=True,
-    )
-
-
 @pytest.mark.parametrize("form", ["pkcs8", "traditional"])
 def test_an_encrypted_server_key_is_refused_in_one_line(
     pki: Pki, tmp_path: Path, form: str
 ) -> None:
     key = _encrypted_copies(pki.server, tmp_path)[form]
     tls = ("--tls-cert", str(pki.server.cert), "--tls-key", str(key))
-    done = _without_a_terminal("serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1", *tls)
+    done = run_cli_detached(
+        "coordinator", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1", *tls
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -449,7 +436,9 @@ def test_a_client_key_is_checked_when_the_channel_is_made(pki: Pki, tmp_path: Pa
         ca = ("--tls-ca", str(pki.ca.files.cert))
         cert = ("--tls-cert", str(pki.engine.cert))
         key_flag = ("--tls-key", str(encrypted["traditional"]))
-        done = _without_a_terminal("status", "--target", kvrc.grpc_target, *ca, *cert, *key_flag)
+        done = run_cli_detached(
+            "coordinator", "status", "--target", kvrc.grpc_target, *ca, *cert, *key_flag
+        )
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "encrypted private keys are not supported" in lines[0]

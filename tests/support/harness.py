@@ -321,6 +321,23 @@ def start_engine_part(
 # --- async helpers for tests that talk gRPC in-process --------------------------------
 
 
+def run_cli_detached(
+    module: str, *args: str, timeout_s: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    """`python -m <module> <args>`, output captured, with stdin closed and no controlling
+    terminal: a prompt (an OpenSSL passphrase) reads EOF instead of blocking the test."""
+    return subprocess.run(
+        [PYTHON, "-m", module, *args],
+        cwd=REPO,
+        env=child_process_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        start_new_session=True,
+    )
+
+
 async def run_cli(
     module: str, *args: str, timeout_s: float = 60.0
 ) -> subprocess.CompletedProcess[str]:
