@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -34,9 +35,11 @@ from coordinator.core.cost_model import CostModel, LoadPlan, Prediction, kv_byte
 from coordinator.core.errors import ErrorCode, KvrcError, failed_precondition, not_found
 from coordinator.core.inventory import MAX_CANDIDATES, Inventory, Scope
 from coordinator.core.leases import (
+    DEADLINE_PASSED,
     Action,
     Flow,
     HandoffGrant,
+    LeaseAborting,
     LeaseEnded,
     LeaseQuarantined,
     LeaseState,
@@ -323,6 +326,9 @@ class Grants:
         self._cost_ctx: dict[str, _CostContext] = {}  # per open prefix-load lease
         self._predictions: dict[str, Prediction] = {}  # per open lease, once answered
         self._measured: dict[str, _Measured] = {}
+        self._timed_out: set[str] = set()  # open leases kvrc aborted at their deadline
+        # Links whose last load(s) timed out, and how many in a row (at most max_pairs).
+        self._timeouts_in_a_row: OrderedDict[tuple[str, str, Tier], int] = OrderedDict()
         self._draining: dict[str, int] = {}  # child engine -> drain deadline (ms)
         self._drain_aborted: set[str] = set()
         self._pinning: set[str] = set()  # prefix loads whose answer someone waits for
@@ -669,6 +675,7 @@ class Grants:
                     context.probe_blocks > 0,
                 )
             )
+        self._timeouts_in_a_row.pop((context.holder, context.requester, context.tier), None)
         self.cost.observe_transfer(
             context.holder,
             context.requester,
@@ -680,11 +687,14 @@ class Grants:
         )
 
     def _learn_failed(self, ended: LeaseEnded) -> None:
-        """A granted prefix load that failed after running past its prediction: the link
-        moved its bytes no faster than that (a censored sample). Without it a link whose
-        loads always time out would be granted on its prior for ever (I9-cost-gate). A
-        load that failed sooner says nothing about the link's speed."""
-        if ended.flow is not Flow.PREFIX_LOAD or ended.state is not LeaseState.FAILED:
+        """Granted prefix loads that kvrc aborted when their transfer deadline passed,
+        twice in a row over one link: it moved their bytes no faster than that (a
+        censored sample). Without it a link whose loads always time out was granted on
+        its prior for ever (I9-cost-gate). One timeout alone (a requester's hiccup) and
+        a load that failed otherwise (a holder killed, a refused connection) say nothing
+        about the link's speed: with the fit's weight on each sample, one such sample
+        would refuse the pair until the fit expires."""
+        if ended.lease_id not in self._timed_out or ended.state is not LeaseState.FAILED:
             return
         context = self._cost_ctx.get(ended.lease_id)
         prediction = self._predictions.get(ended.lease_id)
@@ -692,6 +702,13 @@ class Grants:
         if context is None or prediction is None or ran_ms is None:
             return
         if prediction.num_bytes <= 0 or ran_ms <= prediction.load_ms:
+            return
+        link = (context.holder, context.requester, context.tier)
+        in_a_row = self._timeouts_in_a_row.pop(link, 0) + 1
+        if in_a_row < 2:
+            self._timeouts_in_a_row[link] = in_a_row
+            while len(self._timeouts_in_a_row) > self.cost.config.max_pairs:
+                self._timeouts_in_a_row.popitem(last=False)
             return
         self.cost.observe_transfer(
             context.holder,
@@ -1003,13 +1020,16 @@ class Grants:
                 reuse = self._reuse_for(req_view) if req_view is not None else _NOT_REGISTERED
                 out.append(PrefixLoadAnswered(lease_id, self._answer_of(view, reuse)))
         for action in actions:
-            if isinstance(action, LeaseQuarantined):
+            if isinstance(action, LeaseAborting) and action.reason == DEADLINE_PASSED:
+                self._timed_out.add(action.lease_id)
+            elif isinstance(action, LeaseQuarantined):
                 # Its read hangs: it no longer bounds the link's next predictions (that
                 # bound shrinks for ever, and would refuse even a probe until the
                 # quarantine ends); its end teaches the link instead (`_learn_failed`).
                 self.cost.load_ended(action.lease_id)
             elif isinstance(action, LeaseEnded):
                 self._learn_failed(action)
+                self._timed_out.discard(action.lease_id)
                 self._reported.pop(action.lease_id, None)
                 self._cost_ctx.pop(action.lease_id, None)
                 self.cost.load_ended(action.lease_id)

@@ -68,6 +68,7 @@ from coordinator.core.events import BlockHash, RankKey
 from kvrc.ids import MAX_GRID_PARTS
 
 __all__ = [
+    "DEADLINE_PASSED",
     "TERMINAL_STATES",
     "Action",
     "Flow",
@@ -304,6 +305,10 @@ class LeaseMissed:
     requester_child_engine_id: str
     request_id: str
     reason: MissReason
+
+
+# Why a lease is aborted when its transfer deadline passes (`LeaseAborting.reason`).
+DEADLINE_PASSED = "lease deadline passed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1347,7 +1352,7 @@ class LeaseTable:
             self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
         elif state is LeaseState.ACTIVE:
             # The target is alive (else on_engine_gone would have run): abort, don't release.
-            self._abort(lease, "lease deadline passed", now_ms, actions)
+            self._abort(lease, DEADLINE_PASSED, now_ms, actions)
         elif state is LeaseState.ABORTING:
             # A late ack still proves quiet: abort_pending stays awaited.
             self._quarantine(lease, "abort not acknowledged in time", actions, await_proofs=True)

@@ -55,7 +55,11 @@ def cluster(
     c = Cluster(workdir, engine_command=pull_faults.engine_command())
     try:
         # A frozen source must outlive its freeze in kvrc's view (see the freeze test).
-        c.start_coordinator("--heartbeat-timeout-ms", "15000")
+        # These tests time loads out on purpose: with the cost gate on, two timeouts in a
+        # row teach the p0->p1 link that loading loses (I9-cost-gate), and the tests
+        # after them would recompute instead of loading (tests/runtime/test_cost_gate.py
+        # covers that).
+        c.start_coordinator("--heartbeat-timeout-ms", "15000", "--cost-gate", "off")
         extra = ["--mooncake-ports", MOONCAKE_PORTS]
         groups = c.start_engines(
             [

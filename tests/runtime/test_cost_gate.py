@@ -18,7 +18,7 @@ from manual_rig import CHAIN, PROFILE, Rig, drain_outbound, manual_coordinator, 
 
 from coordinator.core.cost_model import CostConfig, DeclaredLink
 from coordinator.core.grants import PrefixLoadAnswer, PrefixLoadRequest, TransferReport
-from coordinator.core.leases import Outcome, SendPin, SendRelease
+from coordinator.core.leases import Outcome, SendAbort, SendPin, SendRelease
 from coordinator.core.registry import RankPartRegistration
 from coordinator.runtime.coordinator import Session
 from kvrc.vocabulary import KvRegion, Tier, TransferEndpoint
@@ -413,24 +413,33 @@ def report(rig: Rig, answer: PrefixLoadAnswer, outcome: Outcome, **kw: int) -> N
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(("ran_ms", "learnt"), [(5_000, True), (0, False)])
-async def test_a_load_that_failed_after_running_past_its_prediction_teaches_its_link(
-    ran_ms: int, learnt: bool
+@pytest.mark.parametrize(("timeouts", "learnt"), [(2, True), (1, False), (0, False)])
+async def test_loads_kvrc_aborted_at_their_deadline_teach_their_link(
+    timeouts: int, learnt: bool
 ) -> None:
     """Loads that always time out used to be granted again and again on the prior: only
-    a COMPLETED load was a sample. One that failed quickly (the control) says nothing
-    about the link's speed."""
+    a COMPLETED load was a sample. Two deadline aborts in a row teach the link; one (a
+    requester's hiccup) does not, nor does a load that failed otherwise (a FAILED report
+    5 s in, as when its holder died: the `timeouts == 0` control)."""
     async with manual_coordinator(cost=COST) as rig:
         r, h = register(rig, "r"), register(rig, "h")
         rig.store(h)
-        first = await load(rig, h, "f0", report=False)
-        assert granted(first) == "h"
-        await rig.advance(ran_ms, r, h)
-        report(rig, first, Outcome.FAILED)
-        second = await load(rig, h, "f1")
-        assert (second.miss_reason == "recompute_cheaper") is learnt, second.miss_detail
+        for i in range(max(timeouts, 1)):
+            first = await load(rig, h, f"f{i}", report=False)
+            assert granted(first) == "h" and first.view is not None
+            if timeouts:
+                await rig.advance(10_500, r, h)  # past the load's 10 s transfer deadline
+                aborts = [m for m in drain_outbound(r) if isinstance(m, SendAbort)]
+                assert [a.lease_id for a in aborts] == [first.view.lease_id]
+                rig.coordinator.leases.on_abort_ack("r", (0, 0, 0), first.view.lease_id)
+            else:
+                await rig.advance(5_000, r, h)
+                report(rig, first, Outcome.FAILED)
+            await settle()
+        after = await load(rig, h, "after")
+        assert (after.miss_reason == "recompute_cheaper") is learnt, after.miss_detail
         if not learnt:
-            assert granted(second) == "h"
+            assert granted(after) == "h"
 
 
 async def test_a_quarantined_load_does_not_lock_its_link_out() -> None:
