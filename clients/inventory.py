@@ -96,8 +96,9 @@ def _checked(event: InventoryEvent) -> InventoryEvent | None:
     if not event.block_hashes:
         return None
     kind = "stored" if isinstance(event, StoredBlocks) else "removed"
-    bad = next((h for h in event.block_hashes if not 0 < len(h) <= MAX_BLOCK_HASH_BYTES), None)
-    if bad is not None:
+    lengths = {*map(len, event.block_hashes)}  # C-level; usually one length
+    if min(lengths) < 1 or max(lengths) > MAX_BLOCK_HASH_BYTES:
+        bad = next(h for h in event.block_hashes if not 0 < len(h) <= MAX_BLOCK_HASH_BYTES)
         raise InvalidArgumentError(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{kind} block hash of {len(bad)} bytes; block hashes are 1..{MAX_BLOCK_HASH_BYTES}",

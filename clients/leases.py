@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +89,7 @@ __all__ = [
     "PinRequestInfo",
     "PrefixLoadGrant",
     "PublishResult",
+    "publish_attempts",
 ]
 
 
@@ -152,6 +153,19 @@ HANDOFF_ENDED_STATES = frozenset({"COMPLETED", "FAILED", "RESOLVED", "MISSED"})
 # again after these waits: kvrc answers a repeat with the handoff's state and lease id,
 # which a release or a quarantine needs to reach the held blocks (I6-quiescence).
 PUBLISH_RETRY_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+async def publish_attempts(hold_ends: float) -> AsyncIterator[int]:
+    """A handoff publish's attempts, numbered: the first at once, then one after each of
+    `PUBLISH_RETRY_DELAYS_S` that starts before `hold_ends` (the event loop's time the
+    blocks' hold ends). The caller stops once an answer settles the publish."""
+    loop = asyncio.get_running_loop()
+    yield 0
+    for attempt, delay_s in enumerate(PUBLISH_RETRY_DELAYS_S, start=1):
+        if loop.time() + delay_s >= hold_ends:
+            return
+        await asyncio.sleep(delay_s)
+        yield attempt
 
 
 @dataclass(frozen=True, slots=True)

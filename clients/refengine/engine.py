@@ -63,12 +63,12 @@ from clients.inventory import (
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
 from clients.leases import (
     HANDOFF_ENDED_STATES,
-    PUBLISH_RETRY_DELAYS_S,
     LeaseClient,
     LeaseSessionHandler,
     Miss,
     PinAnswer,
     PinRequestInfo,
+    publish_attempts,
 )
 from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from clients.refengine.blocks import BlockPool, PoolExhaustedError, StoredBlock
@@ -789,19 +789,20 @@ class Leader:
             "draining": self.draining,
         }
 
-    async def _on_all(self, op: str, **args: Any) -> list[Any]:
-        """Run one command on every rank part (tp rank order); the first error raises."""
+    def _calls(self, op: str, args: dict[str, Any]) -> list[Awaitable[Any]]:
+        """One command for every rank part, in tp rank order."""
         calls: list[Awaitable[Any]] = [self.part.handle(op, args)]
         for rank in range(1, self.options.tp_size):
             calls.append(self.followers[rank].call(op, timeout_s=120.0, **args))
-        return list(await asyncio.gather(*calls))
+        return calls
+
+    async def _on_all(self, op: str, **args: Any) -> list[Any]:
+        """Run one command on every rank part (tp rank order); the first error raises."""
+        return list(await asyncio.gather(*self._calls(op, args)))
 
     async def _on_all_settled(self, op: str, **args: Any) -> list[Any]:
         """`_on_all`, waiting for every part: each one's result or its exception."""
-        calls: list[Awaitable[Any]] = [self.part.handle(op, args)]
-        for rank in range(1, self.options.tp_size):
-            calls.append(self.followers[rank].call(op, timeout_s=120.0, **args))
-        return list(await asyncio.gather(*calls, return_exceptions=True))
+        return list(await asyncio.gather(*self._calls(op, args), return_exceptions=True))
 
     async def _pull_all(self, **args: Any) -> list[dict[str, Any]]:
         """Every part pulls its slice; then, if all succeeded, every part verifies it.
@@ -1079,8 +1080,15 @@ class Leader:
         """A publish whose outcome stayed unknown, sent again until an answer names its
         lease (kvrc answers a repeat with the handoff's state and lease id) or ends it:
         then kvrc's release, or quarantine, reaches the hold. Else the safety net."""
-        for delay_s in PUBLISH_RETRY_DELAYS_S:
-            await asyncio.sleep(delay_s)
+        hold = self._hold_by_request.get(request_id)
+        if hold is None:
+            return
+        loop = asyncio.get_running_loop()
+        # Both monotonic: the hold's end on the event loop's clock.
+        hold_ends = loop.time() + hold.until - time.monotonic()
+        async for attempt in publish_attempts(hold_ends):
+            if attempt == 0:
+                continue  # the first publish was the caller's
             hold = self._hold_by_request.get(request_id)
             if hold is None or self._hold_bound(hold):
                 return

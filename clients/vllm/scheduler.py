@@ -33,12 +33,12 @@ from clients.errors import (
 )
 from clients.inventory import LookupClient, LookupOutcome
 from clients.leases import (
-    PUBLISH_RETRY_DELAYS_S,
     HandoffGrant,
     HandoffKeepAlive,
     LeaseClient,
     Miss,
     PrefixLoadGrant,
+    publish_attempts,
 )
 from clients.vllm.config import KvrcConnectorConfig
 from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
@@ -269,11 +269,7 @@ class KvrcScheduler:
         hold_ends = loop.time() + self.config.handoff_hold_s
         answers: list[Any] = []
         failures: list[BaseException] = []
-        for attempt, delay_s in enumerate((0.0, *PUBLISH_RETRY_DELAYS_S)):
-            if attempt:
-                if loop.time() + delay_s >= hold_ends:
-                    break
-                await asyncio.sleep(delay_s)
+        async for attempt in publish_attempts(hold_ends):
             answers = await asyncio.gather(
                 *(one(rank) for rank in range(self.tp_size)), return_exceptions=True
             )

@@ -40,12 +40,12 @@ from clients.errors import (
 from clients.holds import HoldDeadlines
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
 from clients.leases import (
-    PUBLISH_RETRY_DELAYS_S,
     LeaseClient,
     LeaseSessionHandler,
     PinAnswer,
     PinRequestInfo,
     PublishResult,
+    publish_attempts,
 )
 from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from clients.session import (
@@ -589,11 +589,7 @@ class KvrcWorker:
         loop = asyncio.get_running_loop()
         hold_ends = loop.time() + self.config.handoff_hold_s
         published = None
-        for attempt, delay_s in enumerate((0.0, *PUBLISH_RETRY_DELAYS_S)):
-            if attempt:
-                if loop.time() + delay_s >= hold_ends:
-                    break
-                await asyncio.sleep(delay_s)
+        async for attempt in publish_attempts(hold_ends):
             try:
                 published = await self._publish_part(spec)
                 break

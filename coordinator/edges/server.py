@@ -126,7 +126,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
             "use --tls-cert/--tls-key and --auth-tokens (docs/security.md)",
             config.listen,
         )
-    coordinator, store = _coordinator_with_store(config)
+    coordinator, store = coordinator_with_store(config)
     coordinator.inventory.event_streams = vllm_event_streams(coordinator.metrics)
     server = grpc.aio.server(options=_server_options(config))
     add_services(server, coordinator)
@@ -241,7 +241,7 @@ def hash_seed_is_fixed(env: Mapping[str, str]) -> bool:
     return env.get("PYTHONHASHSEED", "") not in ("", "random")
 
 
-def _coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, RedisStore | None]:
+def coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, RedisStore | None]:
     """`--store memory`: today's coordinator. A Redis store: the replicated inventory."""
     if config.store.kind == "memory":
         return Coordinator(config), None

@@ -667,9 +667,7 @@ async def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_nam
     """With every part's answer lost, no lease id names the hold: kvrc's release (and
     a quarantine) could not reach it. A repeat publish is answered with the handoff's
     state and lease id."""
-    from clients.refengine import engine
-
-    monkeypatch.setattr(engine, "PUBLISH_RETRY_DELAYS_S", (0.0, 0.0))
+    monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.0, 0.0))
     leader, published = _leader_with_stand_in_parts([_DEADLINE, _DEADLINE], again)
     with pytest.raises(DeadlineExceededError):
         await leader.prefill("r1", list(range(3 * 16)), "d")

@@ -630,7 +630,7 @@ def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_named(
 ) -> None:
     """Held without its lease id, the blocks could not be freed by kvrc's release nor kept
     through a quarantine (only handoff_hold_s ended the hold): the repeat names it."""
-    monkeypatch.setattr(vllm_side.scheduler, "PUBLISH_RETRY_DELAYS_S", (0.05,), raising=False)
+    monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.05,))
     made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
     try:
         made.config = dataclasses.replace(made.config, handoff_hold_s=30.0)
@@ -649,7 +649,7 @@ def test_a_worker_sends_a_publish_of_unknown_outcome_again_until_its_lease_is_na
     clean_worker: Any, vllm_side: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker = clean_worker
-    monkeypatch.setattr(vllm_side.worker, "PUBLISH_RETRY_DELAYS_S", (0.05,), raising=False)
+    monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.05,))
     before = (worker.leases, worker.config)
     from clients.leases import LeaseSessionHandler
 

@@ -28,7 +28,7 @@ import asyncio
 import functools
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,14 +58,6 @@ HOLDER = "holder-b"
 def redis_server() -> Iterator[RedisServer]:
     with start_redis() as server:
         yield server
-
-
-@pytest.fixture
-async def sessions() -> AsyncIterator[list[EngineSession]]:
-    opened: list[EngineSession] = []
-    yield opened
-    for session in opened:
-        await session.close()
 
 
 async def open_engine(

@@ -261,7 +261,7 @@ async def test_the_store_knobs_reach_the_redis_store_and_its_inventory() -> None
     """--store-origin-timeout-ms / --store-outbox-max-bytes travel in the StoreConfig, as
     the URL does, to the store and the replicated inventory that `kvrc serve` builds;
     without them the defaults stand."""
-    from coordinator.edges.server import _coordinator_with_store
+    from coordinator.edges.server import coordinator_with_store
     from coordinator.runtime.config import DEFAULT_ORIGIN_TIMEOUT_MS, DEFAULT_OUTBOX_MAX_BYTES
     from coordinator.runtime.replication import ReplicatedInventory
 
@@ -273,7 +273,7 @@ async def test_the_store_knobs_reach_the_redis_store_and_its_inventory() -> None
         (url, DEFAULT_ORIGIN_TIMEOUT_MS, DEFAULT_OUTBOX_MAX_BYTES),
     ):
         config = cli.config_from_args(parser.parse_args(argv))
-        coordinator, store = _coordinator_with_store(config)  # connects on start only
+        coordinator, store = coordinator_with_store(config)  # connects on start only
         assert store is not None
         try:
             assert isinstance(coordinator.inventory.inventory, ReplicatedInventory)

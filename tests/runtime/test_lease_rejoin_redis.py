@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import replace
 
 import pytest
 from manual_rig import drain_outbound
@@ -30,12 +31,9 @@ from coordinator.core.grants import PrefixLoadRequest, TransferReport
 from coordinator.core.leases import LeaseState, Outcome, SendAbort, SendPin, SendRelease
 from coordinator.core.profiles import DeploymentProfile, declared_profile
 from coordinator.core.registry import RankPartRegistration
-from coordinator.edges.grpc_wire import part_codec
+from coordinator.edges.server import coordinator_with_store
 from coordinator.runtime.config import CoordinatorConfig, StoreConfig
-from coordinator.runtime.coordinator import Coordinator, Session
-from coordinator.runtime.peers import PeerLink
-from coordinator.runtime.redis_store import RedisStore
-from coordinator.runtime.replication import ReplicatedInventory
+from coordinator.runtime.coordinator import Session
 
 RANK = (0, 0, 0)
 CHAIN = tuple(bytes([0xD0, i]) * 8 for i in range(8))
@@ -51,37 +49,15 @@ CONFIG = CoordinatorConfig(
 
 
 class Node:
-    """One replica as server.py wires it, without gRPC."""
+    """One replica as `kvrc serve` wires it (`coordinator_with_store`), without gRPC."""
 
-    def __init__(self, server: RedisServer, origin: str) -> None:
-        self.origin = origin
-        self.inventory = ReplicatedInventory(
-            origin, max_entries_total=100_000, max_entries_per_engine=100_000
-        )
-        self.coordinator = Coordinator(CONFIG, inventory=self.inventory, lease_id_owner=origin)
-        config = StoreConfig(
+    def __init__(self, server: RedisServer) -> None:
+        store = StoreConfig(
             kind="redis", host="127.0.0.1", port=server.port, snapshot_every_entries=0
         )
-        self.store = RedisStore(
-            config,
-            self.inventory,
-            self.coordinator.clock,
-            self.coordinator.metrics,
-            load_snapshots=False,
-        )
-        self.peers = PeerLink(
-            origin,
-            self.inventory.record,
-            part_codec(CONFIG.bounds),
-            self.coordinator.clock.monotonic_ms,
-            self.inventory.origin_alive,
-            claim=self.store.claim,
-        )
-        self.inventory.peers = self.peers
-        self.coordinator.attach_peers(self.peers)
-        leases = self.coordinator.leases
-        leases.store_unavailable = self.store.unavailable_reason
-        leases.ledger = self.store.ledger
+        coordinator, redis_store = coordinator_with_store(replace(CONFIG, store=store))
+        assert redis_store is not None
+        self.coordinator, self.store = coordinator, redis_store
 
     def register(self, engine: str) -> Session:
         reg = RankPartRegistration(engine, 0, engine, RANK, PROFILE)
@@ -107,11 +83,11 @@ def server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-async def nodes(server: RedisServer) -> AsyncIterator[Callable[[str], Awaitable[Node]]]:
+async def nodes(server: RedisServer) -> AsyncIterator[Callable[[], Awaitable[Node]]]:
     started: list[Node] = []
 
-    async def start(origin: str) -> Node:
-        node = Node(server, origin)
+    async def start() -> Node:
+        node = Node(server)
         await node.coordinator.start()
         await node.store.start()
         started.append(node)
@@ -159,9 +135,9 @@ async def quarantined_load(a: Node, holder: Outbox) -> str:
 
 
 async def test_a_requester_back_on_another_replica_is_asked_again_for_the_abort_it_owes(
-    nodes: Callable[[str], Awaitable[Node]],
+    nodes: Callable[[], Awaitable[Node]],
 ) -> None:
-    a, b = await nodes("A"), await nodes("B")
+    a, b = await nodes(), await nodes()  # replicas A and B
     holder = Outbox(a.register("h"))
     a.store_chain(holder.session)
     lease_id = await quarantined_load(a, holder)
