@@ -605,9 +605,10 @@ class StoreRun:
             instance.rss_mb_end, instance.fds_end = rss, fds
             instance.clients_end = clients
 
-    async def _collect_ledgers(self) -> None:
+    async def _collect_ledgers(self, only: str | None = None) -> None:
+        """Every live engine's ledger (`only`: that engine's)."""
         for engine_id, channel in list(self.channels.items()):
-            if engine_id in self.down:
+            if engine_id in self.down or (only is not None and engine_id != only):
                 continue
             try:
                 doc = await channel.call("ledger", timeout_s=10.0)
@@ -674,10 +675,15 @@ class StoreRun:
         engine_id = self.rng.choice([s.engine_id for s in ENGINES])
         group = self.groups[engine_id]
         rank = self.rng.randrange(len(group.parts))
-        # Its ledger as of now: a read in flight at the last periodic scrape may have gone
-        # quiet since, and a release after that is not early; taken as quiet only at the
-        # kill (below), it was flagged as one (a false early release, seed 1065848252).
-        await self._collect_ledgers()
+        # Its ledger as of now, and only its own. A read still in flight then ends at
+        # some moment between this scrape and the process's death, which its lost ledger
+        # cannot tell: it is taken as quiet from the scrape on, so only a release before
+        # the scrape (while the read was provably in flight) counts as early. Stamped at
+        # the kill instead, a read that went quiet just after the scrape, and was
+        # reported and released before the kill, counted as an early release (seeds
+        # 1065848252, 1270037072, 739565844).
+        scraped = time.monotonic()  # the ledger is read after this (same monotonic clock)
+        await self._collect_ledgers(only=engine_id)
         self.down.add(engine_id)
         os.kill(group.parts[rank].process.pid, signal.SIGKILL)
         await asyncio.sleep(0.3)
@@ -686,12 +692,9 @@ class StoreRun:
                 os.kill(part.process.pid, signal.SIGKILL)
         for part in group.parts:
             await asyncio.to_thread(part.process.wait, 10)
-        # The reads its processes had in flight died with them: quiet from now on (the
-        # ledgers' clock is the machine's monotonic clock).
-        died = time.monotonic()
         for key, quiet in self.quiet_at.items():
             if key[0] == engine_id and quiet is None:
-                self.quiet_at[key] = died
+                self.quiet_at[key] = scraped
         await self._restart_group(engine_id)
         return f"{engine_id} tp{rank}"
 
