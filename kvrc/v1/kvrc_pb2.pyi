@@ -42,6 +42,10 @@ Conventions
          prefix load than the unary RPCs, which stay; ReleaseAck optional.
     Additive members a client may ignore, added within a revision:
       2: CoordinatorMessage.session_error (see SessionError).
+      3: Register.held_leases (each held lease with the requester its holder
+         knows; a coordinator that reads it lets only that requester report on
+         the lease it rebuilds); StatusRequest.max_leases and
+         StatusResponse.leases_total (a bounded lease list).
 """
 
 from collections import abc as _abc
@@ -640,6 +644,7 @@ class Register(_message.Message):
     KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _builtins.int
     HELD_LEASE_IDS_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
+    HELD_LEASES_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     dp_rank: _builtins.int
     child_engine_id: _builtins.str
@@ -661,7 +666,15 @@ class Register(_message.Message):
     @_builtins.property
     def held_lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Set when reconnecting after a coordinator restart: the leases this rank
-        part still holds pins for (restart recovery).
+        part still holds pins for (restart recovery). Clients that know each lease's
+        requester send `held_leases` instead; a lease may appear in one of the two.
+        """
+
+    @_builtins.property
+    def held_leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldLease]:
+        """As held_lease_ids, each with the requester the holder knows (restart recovery):
+        a rebuilt lease with a named requester takes reports from that engine only.
+        At most as many as held_lease_ids may carry, counted together.
         """
 
     def __init__(
@@ -678,14 +691,43 @@ class Register(_message.Message):
         kv_events_replay_endpoint: _builtins.str = ...,
         held_lease_ids: _abc.Iterable[_builtins.str] | None = ...,
         protocol_version: _builtins.int = ...,
+        held_leases: _abc.Iterable[Global___HeldLease] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "profile", b"profile", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engine_id", b"child_engine_id", "dp_rank", b"dp_rank", "endpoint", b"endpoint", "engine_id", b"engine_id", "held_lease_ids", b"held_lease_ids", "kv_events_endpoint", b"kv_events_endpoint", "kv_events_replay_endpoint", b"kv_events_replay_endpoint", "profile", b"profile", "protocol_version", b"protocol_version", "publish_mode", b"publish_mode", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engine_id", b"child_engine_id", "dp_rank", b"dp_rank", "endpoint", b"endpoint", "engine_id", b"engine_id", "held_lease_ids", b"held_lease_ids", "held_leases", b"held_leases", "kv_events_endpoint", b"kv_events_endpoint", "kv_events_replay_endpoint", b"kv_events_replay_endpoint", "profile", b"profile", "protocol_version", b"protocol_version", "publish_mode", b"publish_mode", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Register: _TypeAlias = Register  # noqa: Y015
+
+@_typing.final
+class HeldLease(_message.Message):
+    """A lease a rank part still holds pins for, and who reads them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    REQUESTER_CHILD_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    requester_child_engine_id: _builtins.str
+    """The PinRequest's requester (a prefix load), or the decode engine the handoff
+    was published for; "" = unknown (an unreserved handoff): the first engine to
+    report on the rebuilt lease becomes its requester.
+    """
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+        requester_child_engine_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "requester_child_engine_id", b"requester_child_engine_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldLease: _TypeAlias = HeldLease  # noqa: Y015
 
 @_typing.final
 class RegisterAck(_message.Message):
@@ -2217,12 +2259,19 @@ Global___ResolveQuarantineResponse: _TypeAlias = ResolveQuarantineResponse  # no
 class StatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    MAX_LEASES_FIELD_NUMBER: _builtins.int
+    max_leases: _builtins.int
+    """List at most this many leases (quarantined first, then by deadline); 0 = 1,000.
+    At most 100,000. StatusResponse.leases_total counts them all.
+    """
     def __init__(
         self,
+        *,
+        max_leases: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_leases", b"max_leases"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2305,6 +2354,10 @@ class LeaseStatus(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     PREDICTION_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
+    """With authentication on, a caller without the admin role sees only the id's
+    first 8 characters after its prefix ("pl-1a2b3c4d..."): enough to find it in
+    the logs, not enough to act on it.
+    """
     flow: _builtins.str
     """"prefix_load" or "handoff" """
     state: Global___LeaseState.ValueType
@@ -2484,6 +2537,7 @@ class StatusResponse(_message.Message):
     STORE_UNAVAILABLE_REASON_FIELD_NUMBER: _builtins.int
     REMOTE_CHILD_ENGINES_FIELD_NUMBER: _builtins.int
     COST_MODEL_FIELD_NUMBER: _builtins.int
+    LEASES_TOTAL_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     reuse_enabled: _builtins.bool
     warming: _builtins.bool
@@ -2494,6 +2548,10 @@ class StatusResponse(_message.Message):
     """Empty while the store is reachable; else why not (no new prefix-load grants)."""
     remote_child_engines: _builtins.int
     """Child engines of other replicas in this replica's index (a shared store only)."""
+    leases_total: _builtins.int
+    """Every open lease (in flight and quarantined); `leases` lists at most
+    StatusRequest.max_leases of them.
+    """
     @_builtins.property
     def child_engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChildEngineStatus]: ...
     @_builtins.property
@@ -2517,10 +2575,11 @@ class StatusResponse(_message.Message):
         store_unavailable_reason: _builtins.str = ...,
         remote_child_engines: _builtins.int = ...,
         cost_model: Global___CostModelStatus | None = ...,
+        leases_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cost_model", b"cost_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engines", b"child_engines", "cost_model", b"cost_model", "inventory_entries", b"inventory_entries", "leases", b"leases", "remote_child_engines", b"remote_child_engines", "reuse_enabled", b"reuse_enabled", "store", b"store", "store_unavailable_reason", b"store_unavailable_reason", "version", b"version", "warming", b"warming"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engines", b"child_engines", "cost_model", b"cost_model", "inventory_entries", b"inventory_entries", "leases", b"leases", "leases_total", b"leases_total", "remote_child_engines", b"remote_child_engines", "reuse_enabled", b"reuse_enabled", "store", b"store", "store_unavailable_reason", b"store_unavailable_reason", "version", b"version", "warming", b"warming"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

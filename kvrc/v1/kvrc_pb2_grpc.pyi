@@ -42,6 +42,10 @@ Conventions
          prefix load than the unary RPCs, which stay; ReleaseAck optional.
     Additive members a client may ignore, added within a revision:
       2: CoordinatorMessage.session_error (see SessionError).
+      3: Register.held_leases (each held lease with the requester its holder
+         knows; a coordinator that reads it lets only that requester report on
+         the lease it rebuilds); StatusRequest.max_leases and
+         StatusResponse.leases_total (a bounded lease list).
 """
 
 from collections import abc as _abc
