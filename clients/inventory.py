@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -377,8 +377,8 @@ class PublishingHandler(NullHandler):
     async def on_drain_notice(self, notice: pb.DrainNotice) -> None:
         await self.inner.on_drain_notice(notice)
 
-    def held_lease_ids(self) -> Sequence[str]:
-        return self.inner.held_lease_ids()  # restart recovery: the inner lease handler's
+    def held_leases(self) -> Mapping[str, str]:
+        return self.inner.held_leases()  # restart recovery: the inner lease handler's
 
 
 # --- lookup -------------------------------------------------------------------------------

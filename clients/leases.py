@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -583,26 +583,28 @@ class LeaseSessionHandler(SessionHandler):
         self._inner: SessionHandler = inner if inner is not None else NullHandler()
         self._session: EngineSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        # Leases this part holds pins for until their ReleaseRequest (insertion order).
-        self._held: dict[str, None] = {}
+        # Leases this part holds pins for until their ReleaseRequest (insertion order),
+        # each with its requester as far as this part knows ("" = unknown).
+        self._held: dict[str, str] = {}
         self._registrations = 0
         self._reports: LeaseClient | None = None
         # Acks whose send found the session down: the proof a quarantine waits for, so
         # they go after the next registration instead of being lost (insertion order).
         self._unsent_acks: OrderedDict[str, None] = OrderedDict()
 
-    def held_lease_ids(self) -> Sequence[str]:
-        """Re-announced at every (re-)registration: a restarted coordinator rebuilds these
-        leases as quarantined instead of forgetting pins (at most MAX_HELD_ANNOUNCED)."""
-        ids = list(self._held)
-        if len(ids) > MAX_HELD_ANNOUNCED:
-            log.warning("%d held leases; announcing the newest %d", len(ids), MAX_HELD_ANNOUNCED)
-            ids = ids[-MAX_HELD_ANNOUNCED:]
-        return ids
+    def held_leases(self) -> Mapping[str, str]:
+        """Re-announced at every (re-)registration, each with its requester: a restarted
+        coordinator rebuilds these leases as quarantined instead of forgetting pins, and
+        takes reports on each from its requester only (at most MAX_HELD_ANNOUNCED)."""
+        if len(self._held) <= MAX_HELD_ANNOUNCED:
+            return dict(self._held)
+        log.warning("%d held leases; announcing the newest %d", len(self._held), MAX_HELD_ANNOUNCED)
+        return dict(list(self._held.items())[-MAX_HELD_ANNOUNCED:])
 
-    def track_held(self, lease_id: str) -> None:
-        """An engine that holds blocks for a lease it learned elsewhere (e.g. a handoff)."""
-        self._held[lease_id] = None
+    def track_held(self, lease_id: str, requester_child_engine_id: str = "") -> None:
+        """An engine that holds blocks for a lease it learned elsewhere (a handoff: its
+        reserved decode engine is the requester; "" when unreserved)."""
+        self._held[lease_id] = requester_child_engine_id
 
     def untrack_held(self, lease_id: str) -> None:
         self._held.pop(lease_id, None)
@@ -676,7 +678,8 @@ class LeaseSessionHandler(SessionHandler):
         if answer.descriptor is not None:
             result.descriptor.CopyFrom(answer.descriptor)
         if answer.pinned_blocks > 0:
-            self._held[request.lease_id] = None  # until its ReleaseRequest
+            # Until its ReleaseRequest.
+            self._held[request.lease_id] = request.requester_child_engine_id
         try:
             await session.send_pin_result(result)
         except UnavailableError as e:

@@ -44,7 +44,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -125,7 +125,8 @@ class RankPartRegistration:
     def resolved_child_engine_id(self) -> str:
         return self.child_engine_id or child_engine_id(self.engine_id, self.dp_rank, self.dp_size)
 
-    def to_proto(self, held_lease_ids: Sequence[str] = ()) -> pb.Register:
+    def to_proto(self, held_leases: Mapping[str, str] | None = None) -> pb.Register:
+        """`held_leases`: lease id -> its requester ("" = unknown), for restart recovery."""
         p = self.profile
         return pb.Register(
             engine_id=self.engine_id,
@@ -162,7 +163,10 @@ class RankPartRegistration:
             publish_mode=pb.PublishMode.ValueType(self.publish_mode),
             kv_events_endpoint=self.kv_events_endpoint,
             kv_events_replay_endpoint=self.kv_events_replay_endpoint,
-            held_lease_ids=list(held_lease_ids),
+            held_leases=[
+                pb.HeldLease(lease_id=lease_id, requester_child_engine_id=requester)
+                for lease_id, requester in (held_leases or {}).items()
+            ],
             protocol_version=PROTOCOL_VERSION,
         )
 
@@ -268,10 +272,11 @@ class SessionHandler(Protocol):
     async def on_drain_notice(self, notice: pb.DrainNotice) -> None:
         return None
 
-    def held_lease_ids(self) -> Sequence[str]:
-        """Leases this rank part still holds pins for, re-announced on every registration
-        so that a restarted coordinator rebuilds them (restart recovery)."""
-        return ()
+    def held_leases(self) -> Mapping[str, str]:
+        """Leases this rank part still holds pins for, each with its requester ("" =
+        unknown), re-announced on every registration so that a restarted coordinator
+        rebuilds them (restart recovery)."""
+        return {}
 
 
 class NullHandler(SessionHandler):
@@ -592,9 +597,7 @@ class EngineSession:
         stub = pb_grpc.EngineServiceStub(self._channel)
         call: _Call = stub.Session()  # type: ignore[call-arg]  # grpc-stubs predate the optional iterator
         try:
-            held = getattr(self.handler, "held_lease_ids", None)
-            held_ids: Sequence[str] = held() if callable(held) else ()
-            register = self.registration.to_proto(held_ids)
+            register = self.registration.to_proto(self.handler.held_leases())
             # The Register write too: it can wait on a frozen replica's flow control.
             async with asyncio.timeout(self._register_timeout_s):
                 await call.write(pb.EngineMessage(register=register))

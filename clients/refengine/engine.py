@@ -405,7 +405,7 @@ class RankPart:
         # An ended handoff gets no release: announced as held, a restarted kvrc would
         # rebuild it as a quarantined lease nobody ends (and a drain would never finish).
         if published.lease_id and not published.ended:
-            self.handler.track_held(published.lease_id)
+            self.handler.track_held(published.lease_id, decode_child_engine_id)
         return {"state": published.state, "lease_id": published.lease_id}
 
     async def wait_quiet(self, block_ids: Sequence[int]) -> None:

@@ -54,8 +54,9 @@ class KvrcConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     publishes: list[PublishSpec] = field(default_factory=list)
     # prefill requests whose handoff's blocks are freed now (released, failed, expired)
     free_now: list[str] = field(default_factory=list)
-    # handoff leases the scheduler side published: re-announced after a kvrc restart
-    held: list[str] = field(default_factory=list)
+    # handoff leases the scheduler side published, each with its reserved decode engine
+    # ("" = unreserved): re-announced after a kvrc restart
+    held: list[tuple[str, str]] = field(default_factory=list)
     # nothing is scheduled this step: the workers may wait for their running pulls
     idle_step: bool = False
 

@@ -177,7 +177,7 @@ class KvrcScheduler:
         self._endpoints: dict[int, str] = {}  # tp rank -> KvEndpointDescription JSON
         self._handoff_leases: dict[str, str] = {}
         self._released_early: dict[str, None] = {}
-        self._held_new: list[str] = []
+        self._held_new: list[tuple[str, str]] = []  # (lease id, reserved decode or "")
         self.counters: Counter[str] = Counter()
         self.breaker = LookupBreaker()
         self._params_warned_at = 0.0
@@ -313,7 +313,7 @@ class KvrcScheduler:
                 self._free_now.append(spec.request_id)
                 return
             self._handoff_leases[lease_id] = spec.request_id
-            self._held_new.append(lease_id)
+            self._held_new.append((lease_id, spec.decode_child_engine_id))
         asyncio.get_running_loop().call_later(
             self.config.handoff_hold_s, self._hold_expired, lease_id
         )

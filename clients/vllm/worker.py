@@ -421,8 +421,8 @@ class KvrcWorker:
             self.loop.submit(self._publish(publish))
         for request_id in meta.free_now:
             self.finished.add_sending(request_id)
-        for lease_id in meta.held:
-            self.handler.track_held(lease_id)
+        for lease_id, decode_child_engine_id in meta.held:
+            self.handler.track_held(lease_id, decode_child_engine_id)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         if self._idle_step:
@@ -622,7 +622,7 @@ class KvrcWorker:
             self.finished.add_sending(spec.request_id)
             return
         lease_id = published.lease_id
-        self.handler.track_held(lease_id)
+        self.handler.track_held(lease_id, spec.decode_child_engine_id)
         if lease_id in self._released_early:
             del self._released_early[lease_id]
             self._free_handoff(lease_id, spec.request_id, "released before the publish returned")

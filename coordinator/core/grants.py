@@ -910,9 +910,15 @@ class Grants:
         return step.view, self._settled(step.actions)
 
     def recover_held(
-        self, child_engine_id: str, rank_key: RankKey, lease_id: str, now_ms: int
+        self,
+        child_engine_id: str,
+        rank_key: RankKey,
+        lease_id: str,
+        now_ms: int,
+        requester_child_engine_id: str = "",
     ) -> tuple[LeaseView, tuple[GrantAction, ...]]:
-        """One re-announced held lease (restart recovery); KvrcError when refused."""
+        """One re-announced held lease (restart recovery), with the requester its holder
+        names ("" = unknown); KvrcError when refused."""
         keys = self._grid_of(child_engine_id)
         if not keys:
             raise not_found(f"{child_engine_id!r} is not registered")
@@ -922,6 +928,7 @@ class Grants:
             holder_rank_keys=keys,
             rank_key=rank_key,
             now_ms=now_ms,
+            requester_child_engine_id=requester_child_engine_id,
         )
         return step.view, self._settled(step.actions)
 

@@ -393,6 +393,9 @@ class _Lease:
     released: set[RankKey] = field(default_factory=set)
     # Rebuilt from a holder's re-announcement after a coordinator restart (recover_held).
     recovered: bool = False
+    # A recovered lease's requester as its holder named it ("" = unknown): only that
+    # engine may report on it and become its target (_bind_recovered_target).
+    named_target: str = ""
     # Ended because its source was declared gone while the target may still read: the
     # source may be alive (a blip past the grace) and come back pinning, so its release
     # is decided once every part in `abort_pending` proved its reads quiet (_source_gone).
@@ -446,7 +449,7 @@ def _default_ids() -> str:
 
 
 # Default lease ids carry their flow, so a lease a holder re-announces after a
-# coordinator restart (`Register.held_lease_ids`) is rebuilt in the right flow.
+# coordinator restart (`Register.held_leases`) is rebuilt in the right flow.
 _FLOW_ID_PREFIX = {Flow.PREFIX_LOAD: "pl-", Flow.HANDOFF: "ho-"}
 
 RECOVERED_REASON = (
@@ -1019,15 +1022,19 @@ class LeaseTable:
         holder_rank_keys: Sequence[RankKey],
         rank_key: RankKey,
         now_ms: int,
+        requester_child_engine_id: str = "",
     ) -> LeaseStep:
-        """A source part (re-)registers saying it still holds pins for `lease_id`.
+        """A source part (re-)registers saying it still holds pins for `lease_id`, read by
+        `requester_child_engine_id` as far as the holder knows ("" = unknown).
 
         After a coordinator restart the lease's record is gone and its outcome is
         unknown: it is rebuilt QUARANTINED (fail closed) with this engine as its
         source, and the part is told so. It is released only when every part of
         the target engine reports SUCCEEDED or FAILED for it (the target proves
         quiescence; the first report names the target), or when an operator
-        resolves it. Never released on a timer.
+        resolves it. Never released on a timer. A requester the holder names is the
+        only engine whose reports count (an unnamed one: the first to report), so no
+        other engine can end a rebuilt lease while the real requester may still read.
 
         A lease this table still knows (the session broke, kvrc did not restart)
         changes nothing, except that a part whose release was already decided
@@ -1038,6 +1045,13 @@ class LeaseTable:
         """
         _check_id("held lease id", lease_id)
         _check_id("holder_child_engine_id", holder_child_engine_id)
+        if requester_child_engine_id:
+            _check_id("requester_child_engine_id", requester_child_engine_id)
+            if requester_child_engine_id == holder_child_engine_id:
+                raise invalid(
+                    f"held lease {lease_id}: {holder_child_engine_id!r} names itself as the "
+                    "requester; a lease's holder never reads its own blocks"
+                )
         grid = self._check_grid("holder_rank_keys", holder_rank_keys)
         if rank_key not in grid:
             raise permission_denied(
@@ -1063,6 +1077,13 @@ class LeaseTable:
                         )
                     )
             elif existing.state is LeaseState.QUARANTINED:
+                if (
+                    existing.recovered
+                    and existing.target_child_engine_id is None
+                    and not existing.named_target
+                ):
+                    # Another part of the holder named no requester (an older client).
+                    existing.named_target = requester_child_engine_id
                 actions.append(
                     SendQuarantine(
                         holder_child_engine_id, rank_key, lease_id, existing.flow, existing.reason
@@ -1092,6 +1113,7 @@ class LeaseTable:
             target_rank_keys=(),
             reason=RECOVERED_REASON,
             recovered=True,
+            named_target=requester_child_engine_id,
         )
         self._admit(lease, None)  # no request id: never indexed by request
         quarantined = LeaseQuarantined(lease_id, flow, RECOVERED_REASON)
@@ -1239,6 +1261,11 @@ class LeaseTable:
         if reporter == lease.source_child_engine_id:
             raise permission_denied(
                 f"{reporter!r} holds lease {lease.lease_id}; only its target may report on it"
+            )
+        if lease.named_target and reporter != lease.named_target:
+            raise permission_denied(
+                f"{reporter!r} is not the requester of recovered lease {lease.lease_id}: its "
+                f"holder names {lease.named_target!r}"
             )
         if not reporter_rank_keys:
             raise failed_precondition(

@@ -5,7 +5,7 @@ and feeds this module.
 
 A restarted kvrc knows no engines: its inventory and leases lived in memory.
 Engines reconnect, re-register, resend a full inventory dump and re-announce
-the leases they still hold pins for (`Register.held_lease_ids`). Until its view
+the leases they still hold pins for (`Register.held_leases`). Until its view
 is back, kvrc is *warming*: lookups answer `REUSE_REASON_WARMING` and prefix
 loads are refused (FAILED_PRECONDITION), so no engine recomputes a plan from a
 half-rebuilt inventory. Decode handoffs are not gated (they need no inventory).

@@ -20,6 +20,15 @@ from kvrc.vocabulary import PublishMode, RankKey, TransferEndpoint
 
 
 @dataclass(frozen=True, slots=True)
+class HeldLease:
+    """A lease a registering part still holds pins for (restart recovery), and the
+    requester its holder knows ("" = unknown: an unreserved handoff)."""
+
+    lease_id: str
+    requester_child_engine_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class RankPartRegistration:
     engine_id: str
     dp_rank: int
@@ -30,7 +39,7 @@ class RankPartRegistration:
     publish_mode: PublishMode = PublishMode.PER_CHILD_ENGINE
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
-    held_lease_ids: tuple[str, ...] = ()
+    held_leases: tuple[HeldLease, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

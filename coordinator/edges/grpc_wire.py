@@ -41,7 +41,7 @@ from coordinator.core.leases import (
     SourcePart,
 )
 from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
-from coordinator.core.registry import ChildEngineView, RankPartRegistration
+from coordinator.core.registry import ChildEngineView, HeldLease, RankPartRegistration
 from coordinator.core.score import (
     MAX_SCORE_BLOCKS,
     MAX_SCORE_CANDIDATES,
@@ -295,9 +295,7 @@ def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRe
     profile = profile_from_proto(msg.profile, bounds)
     check_text("kv_events_endpoint", msg.kv_events_endpoint, bounds)
     check_text("kv_events_replay_endpoint", msg.kv_events_replay_endpoint, bounds)
-    check_count("held_lease_ids", len(msg.held_lease_ids), bounds.max_held_leases)
-    for lease_id in msg.held_lease_ids:
-        check_id("held_lease_ids[]", lease_id, bounds)
+    held = _held_leases_from_proto(msg, bounds)
     endpoint = endpoint_from_proto(msg.endpoint, bounds)
     _check_kv_events_endpoint(
         "kv_events_endpoint", msg.kv_events_endpoint, engine_id, msg, endpoint
@@ -315,8 +313,28 @@ def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRe
         publish_mode=publish_mode_from_proto(msg.publish_mode),
         kv_events_endpoint=msg.kv_events_endpoint,
         kv_events_replay_endpoint=msg.kv_events_replay_endpoint,
-        held_lease_ids=tuple(msg.held_lease_ids),
+        held_leases=held,
     )
+
+
+def _held_leases_from_proto(msg: pb.Register, bounds: FieldBounds) -> tuple[HeldLease, ...]:
+    """`held_leases` (with requesters) and the older `held_lease_ids`, counted together; a
+    lease named twice keeps its first mention."""
+    check_count(
+        "held_leases + held_lease_ids",
+        len(msg.held_leases) + len(msg.held_lease_ids),
+        bounds.max_held_leases,
+    )
+    held: dict[str, HeldLease] = {}
+    for entry in msg.held_leases:
+        lease_id = check_id("held_leases[].lease_id", entry.lease_id, bounds)
+        requester = entry.requester_child_engine_id
+        if requester:
+            check_id("held_leases[].requester_child_engine_id", requester, bounds)
+        held.setdefault(lease_id, HeldLease(lease_id, requester))
+    for lease_id in msg.held_lease_ids:
+        held.setdefault(lease_id, HeldLease(check_id("held_lease_ids[]", lease_id, bounds)))
+    return tuple(held.values())
 
 
 def registration_to_proto(reg: RankPartRegistration) -> pb.Register:

@@ -415,10 +415,11 @@ class Coordinator:
         )
         if result.readiness_changed:
             self._readiness_changed(view, reuse, skip_session=session_id)
-        held = registration.held_lease_ids
+        held = registration.held_leases
         if held and self.peers is not None:
             # Owned by a live replica: it keeps the lease; this part's answers reach it.
-            held = tuple(lease_id for lease_id in held if self.peers.owner_of(lease_id) is None)
+            peers = self.peers
+            held = tuple(h for h in held if peers.owner_of(h.lease_id) is None)
         with session.registering():
             if held:
                 # Restart recovery: pins this part still holds (after the RegisterAck).

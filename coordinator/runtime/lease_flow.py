@@ -64,7 +64,7 @@ from coordinator.core.leases import (
     SendRelease,
 )
 from coordinator.core.profiles import ReuseStatus
-from coordinator.core.registry import ChildEngineView, Registry
+from coordinator.core.registry import ChildEngineView, HeldLease, Registry
 from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.lease_ledger import LeaseLedger
 from coordinator.runtime.metrics import Metrics
@@ -340,9 +340,9 @@ class LeaseFlow:
         )
 
     def recover_held(
-        self, child_engine_id: str, rank_key: RankKey, lease_ids: Iterable[str]
+        self, child_engine_id: str, rank_key: RankKey, held: Iterable[HeldLease]
     ) -> None:
-        """A registering part's `held_lease_ids`: leases it still holds pins for (restart recovery).
+        """A registering part's held leases: leases it still holds pins for (restart recovery).
 
         Unknown ones are rebuilt QUARANTINED (coordinator/core/leases.py `recover_held`); a
         bad or foreign id is logged, counted when foreign, and skipped: the session goes on.
@@ -351,10 +351,15 @@ class LeaseFlow:
         states: Counter[str] = Counter()
         refused: Counter[str] = Counter()
         first_refusal = ""
-        for lease_id in lease_ids:
+        for entry in held:
+            lease_id = entry.lease_id
             try:
                 view, actions = self.core.recover_held(
-                    child_engine_id, rank_key, lease_id, self._clock.monotonic_ms()
+                    child_engine_id,
+                    rank_key,
+                    lease_id,
+                    self._clock.monotonic_ms(),
+                    entry.requester_child_engine_id,
                 )
             except KvrcError as e:
                 if e.code is ErrorCode.PERMISSION_DENIED:

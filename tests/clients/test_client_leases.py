@@ -298,7 +298,9 @@ async def test_a_pin_result_that_finds_the_session_gone_is_logged_once_and_kept_
         )
         handler.attach(session)
         await session.start()
-        request = pb.PinRequest(lease_id="pl-gone", block_hashes=[b"x" * 32])
+        request = pb.PinRequest(
+            lease_id="pl-gone", block_hashes=[b"x" * 32], requester_child_engine_id="req-0"
+        )
         pinning = asyncio.create_task(handler.on_pin_request(request))
         await asyncio.wait_for(pinned.wait(), 5)
         own.stop()  # a kvrc restart: the session ends while the engine pins
@@ -310,6 +312,9 @@ async def test_a_pin_result_that_finds_the_session_gone_is_logged_once_and_kept_
     said = [r for r in caplog.records if "pl-gone" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO], said
     assert said[0].exc_info is None
-    assert list(handler.held_lease_ids()) == ["pl-gone"]  # re-announced on re-registration
+    # Re-announced on re-registration, with the requester only it may report for.
+    assert handler.held_leases() == {"pl-gone": "req-0"}
+    held = session.registration.to_proto(handler.held_leases()).held_leases
+    assert [(h.lease_id, h.requester_child_engine_id) for h in held] == [("pl-gone", "req-0")]
     await session.close()
     await handler.aclose()

@@ -567,7 +567,7 @@ def test_a_publish_answered_with_an_ended_handoff_is_not_announced_as_held(
     handler = LeaseSessionHandler()
     if published.lease_id and not published.ended:  # RankPart.publish_handoff's rule
         handler.track_held(published.lease_id)
-    assert (list(handler.held_lease_ids()) == []) is ended
+    assert (list(handler.held_leases()) == []) is ended
 
 
 # --- a handoff's publish that failed ------------------------------------------------------

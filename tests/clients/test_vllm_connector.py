@@ -662,7 +662,7 @@ def test_a_worker_sends_a_publish_of_unknown_outcome_again_until_its_lease_is_na
         spec.decode_child_engine_id = ""
         worker.loop.run(worker._publish(spec), timeout_s=10)
         assert worker._held == {"ho-again": "req-w"}
-        assert "ho-again" in worker.handler.held_lease_ids()  # re-announced after a restart
+        assert "ho-again" in worker.handler.held_leases()  # re-announced after a restart
         sending, _ = worker.finished.take()
         assert "req-w" not in sending
     finally:

@@ -183,6 +183,7 @@ def _recover(
     holder: str = "hold",
     grid: tuple[RankKey, ...] = GRID1,
     now: int = 0,
+    requester: str = "",
 ) -> LeaseStep:
     """One holder part re-announces `lease_id` at (re-)registration."""
     return t.recover_held(
@@ -191,6 +192,7 @@ def _recover(
         holder_rank_keys=grid,
         rank_key=rank_key,
         now_ms=now,
+        requester_child_engine_id=requester,
     )
 
 
@@ -316,6 +318,46 @@ def test_bad_or_foreign_re_announcements_are_refused_and_change_nothing() -> Non
     assert t.get("pl-x4").target_child_engine_id is None
 
 
+def test_a_recovered_lease_takes_reports_only_from_the_requester_its_holder_names() -> None:
+    t = _table()
+    _recover(t, "pl-n1", requester="req")
+    # Another engine cannot become the target and end it while the requester may read.
+    for stranger in ("other", "hold"):
+        with pytest.raises(KvrcError) as e:
+            t.complete_prefix_load(
+                "pl-n1", stranger, (0, 0, 0), Outcome.SUCCEEDED, 1, reporter_rank_keys=GRID1
+            )
+        assert e.value.code is ErrorCode.PERMISSION_DENIED
+    lease = t.get("pl-n1")
+    assert lease.state is LeaseState.QUARANTINED and lease.target_child_engine_id is None
+    done = t.complete_prefix_load(
+        "pl-n1", "req", (0, 0, 0), Outcome.SUCCEEDED, 2, reporter_rank_keys=GRID1
+    )
+    assert done.view.state is LeaseState.COMPLETED and done.view.target_child_engine_id == "req"
+    assert [a.child_engine_id for a in done.actions if isinstance(a, SendRelease)] == ["hold"]
+
+
+def test_a_later_part_names_the_requester_an_earlier_one_did_not() -> None:
+    t = _table()
+    _recover(t, "ho-n2", holder="pre", grid=GRID2)  # an older client: no requester
+    _recover(t, "ho-n2", rank_key=(1, 0, 0), holder="pre", grid=GRID2, requester="dec")
+    with pytest.raises(KvrcError) as e:
+        t.complete_handoff("ho-n2", "other", (0, 0, 0), Outcome.SUCCEEDED, 3, GRID1)
+    assert e.value.code is ErrorCode.PERMISSION_DENIED
+    # A third part naming someone else changes nothing: the first name stands.
+    _recover(t, "ho-n2", holder="pre", grid=GRID2, requester="other")
+    step = t.complete_handoff("ho-n2", "dec", (0, 0, 0), Outcome.SUCCEEDED, 4, GRID1)
+    assert step.view.target_child_engine_id == "dec"
+
+
+def test_a_holder_naming_itself_as_the_requester_is_refused() -> None:
+    t = _table()
+    with pytest.raises(KvrcError) as e:
+        _recover(t, "pl-n3", requester="hold")
+    assert e.value.code is ErrorCode.INVALID_ARGUMENT and "names itself" in e.value.message
+    assert t.list_leases() == []
+
+
 def test_a_recovered_lease_whose_holder_is_gone_ends_without_a_release() -> None:
     t = _table()
     _recover(t, "pl-x6")
@@ -431,6 +473,49 @@ async def test_restart_mid_transfer_recovers_pins_inventory_and_warms_up(tmp_pat
         doc = json.loads(state.read_text())
         assert {e["child_engine_id"] for e in doc["child_engines"]} == {"holder", "requester"}
         assert second.process.poll() is None
+
+
+async def test_after_a_restart_only_the_named_requester_can_end_a_recovered_lease(
+    tmp_path: Path,
+) -> None:
+    # A third engine that learned the lease id (from GetStatus, say) reports SUCCEEDED
+    # first: before Register.held_leases it became the rebuilt lease's target and the
+    # holder released blocks the real requester was still reading.
+    port, state = free_port(), tmp_path / "kvrc-state.json"
+    with ExitStack() as stack:
+        first = stack.enter_context(_kvrc(port, state))
+        target = first.grpc_target
+        holder = FaultEngine(target, "holder", retain=4, reuse_opt_in=True)
+        requester = FaultEngine(target, "requester", reuse_opt_in=True)
+        bystander = FaultEngine(target, "bystander", reuse_opt_in=True)
+        for engine in (holder, requester, bystander):
+            stack.callback(engine.stop)
+        await wait_until(
+            lambda: asyncio.to_thread(lambda: requester.command("lookup", n=4)["outcome"] == "HIT"),
+            10,
+            what="inventory",
+        )
+        grant = requester.command("request_load", n=4, transfer_timeout_ms=60_000)
+        lease_id = grant["lease_id"]
+        holder.event("pinned", lease_id)
+        first.stop(signal.SIGKILL)
+        second = stack.enter_context(_kvrc(port, state, "--warmup-ms", "500"))
+        holder.event("quarantine", lease_id)  # rebuilt from the holder's re-announcement
+        await wait_until(lambda: bystander.registrations() >= 2, 10, what="bystander back")
+
+        refused = bystander.command("complete_load", lease_id=lease_id, outcome="SUCCEEDED")
+        assert not refused["ok"] and refused["code"] == "PERMISSION_DENIED", refused
+        assert "requester" in refused["message"]
+        lease = find_lease(await get_status(second.grpc_target), lease_id)
+        assert lease is not None and lease.state == pb.LEASE_STATE_QUARANTINED
+        assert lease.target_child_engine_id == ""  # nobody bound
+        assert holder.events("release", lease_id) == []
+
+        await wait_until(lambda: requester.registrations() >= 2, 10, what="requester back")
+        reported_at = time.time()
+        done = requester.command("complete_load", lease_id=lease_id, outcome="SUCCEEDED")
+        assert done["ok"] and done["state"] == "COMPLETED", done
+        assert holder.event("release", lease_id)["t"] >= reported_at
 
 
 async def test_warm_up_ends_early_when_every_known_engine_is_back(tmp_path: Path) -> None:

@@ -110,6 +110,14 @@ def _set(path: str, value: object) -> Callable[[pb.Register], None]:
     return change
 
 
+def _held(*leases: pb.HeldLease, ids: int = 0) -> Callable[[pb.Register], None]:
+    def change(reg: pb.Register) -> None:
+        reg.held_leases.extend(leases)
+        reg.held_lease_ids.extend(f"pl-{i}" for i in range(ids))
+
+    return change
+
+
 REGISTER_CASES: list[tuple[str, Callable[[pb.Register], None], str]] = [
     ("empty engine_id", _set("engine_id", ""), "engine_id is empty"),
     ("empty child_engine_id", _set("child_engine_id", ""), "child_engine_id is empty"),
@@ -149,6 +157,21 @@ REGISTER_CASES: list[tuple[str, Callable[[pb.Register], None], str]] = [
         "oversized model name",
         _set("profile.model", "m" * 5000),
         "profile.model is 5000 characters",
+    ),
+    (
+        "bad held lease requester",
+        _held(pb.HeldLease(lease_id="pl-1", requester_child_engine_id="r\n")),
+        "held_leases[].requester_child_engine_id must be printable ASCII",
+    ),
+    (
+        "held lease without an id",
+        _held(pb.HeldLease(requester_child_engine_id="req")),
+        "held_leases[].lease_id is empty",
+    ),
+    (
+        "too many held leases, counted together",
+        _held(*(pb.HeldLease(lease_id=f"pl-h{i}") for i in range(1500)), ids=3000),
+        "held_leases + held_lease_ids has 4500 entries; the limit is 4096",
     ),
     (
         "too many extra entries",

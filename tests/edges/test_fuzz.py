@@ -191,6 +191,10 @@ WIRE_DECODERS: dict[str, tuple[type[Message], Callable[[Any], object]]] = {
         pb.Register,
         lambda m: wire.registration_from_proto(_speaking_this_protocol(m), BOUNDS),
     ),
+    "_held_leases_from_proto": (
+        pb.Register,
+        lambda m: wire._held_leases_from_proto(m, BOUNDS),
+    ),
     "profile_from_proto": (pb.DeploymentProfile, lambda m: wire.profile_from_proto(m, BOUNDS)),
     "endpoint_from_proto": (pb.TransferEndpoint, lambda m: wire.endpoint_from_proto(m, BOUNDS)),
     "event_batch_from_proto": (

@@ -207,7 +207,7 @@ async def test_inventory_ingested_on_one_replica_is_visible_on_the_others(
 
 
 async def _held(engines: Engines, engine_id: str) -> list[str]:
-    return list(engines.handlers[engine_id].held_lease_ids())
+    return list(engines.handlers[engine_id].held_leases())
 
 
 async def test_a_holder_on_one_replica_lends_to_a_requester_on_another(
@@ -417,7 +417,7 @@ async def test_a_zombie_session_is_fenced_out_by_a_newer_registration(
             grant = await leases.request_prefix_load("z-1", CHAIN[:8])
             assert isinstance(grant, PrefixLoadGrant), grant
         assert await _held(engines, "holder-z") == [grant.lease_id]  # b's session pinned
-        assert list(zombie_handler.held_lease_ids()) == []  # never the fenced one
+        assert list(zombie_handler.held_leases()) == []  # never the fenced one
         assert metric_value(b, "kvrc_sessions_closed_total", reason="fenced") == 0
 
 

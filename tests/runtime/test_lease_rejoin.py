@@ -15,7 +15,7 @@ from manual_rig import CHAIN, PROFILE, Rig, drain_outbound, manual_coordinator, 
 
 from coordinator.core.grants import PrefixLoadRequest, PublishHandoffRequest, TransferReport
 from coordinator.core.leases import Flow, LeaseState, Outcome, SendAbort, SendPin, SendRelease
-from coordinator.core.registry import RankPartRegistration
+from coordinator.core.registry import HeldLease, RankPartRegistration
 from coordinator.runtime.coordinator import Session
 
 RANK = (0, 0, 0)
@@ -47,7 +47,7 @@ def sent(session: Session, kind: type[SendAbort | SendRelease]) -> list[str]:
 
 
 def holder_back(rig: Rig, lease_id: str) -> Session:
-    reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_lease_ids=(lease_id,))
+    reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_leases=(HeldLease(lease_id),))
     return rig.coordinator.open_session(reg)
 
 
@@ -125,7 +125,9 @@ async def test_a_part_naming_more_held_leases_than_its_queue_holds_still_registe
     held = tuple(f"pl-{i:032x}" for i in range(40))
     async with manual_coordinator(session_queue_size=16) as rig:
         caplog.set_level(logging.WARNING)
-        reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_lease_ids=held)
+        reg = RankPartRegistration(
+            "h", 0, "h", RANK, PROFILE, held_leases=tuple(map(HeldLease, held))
+        )
         session = rig.coordinator.open_session(reg)
         await settle()
         assert not session.ended

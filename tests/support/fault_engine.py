@@ -5,7 +5,7 @@
 
 Unlike tests/lease_engine.py this part reconnects (exponential backoff) when its
 session breaks, re-registers with the leases it still holds pins for
-(`Register.held_lease_ids`) and resends its full inventory dump, the way a
+(`Register.held_leases`) and resends its full inventory dump, the way a
 production engine built on `clients/` does. It retains the first `--retain`
 blocks of the shared test chain (`chain(n)`), published at start and dumped at
 every re-registration.
@@ -101,7 +101,7 @@ class _Inner(SessionHandler):
                 "event": "registered",
                 "child_engine_id": ack.state.child_engine_id,
                 "incarnation": ack.incarnation,
-                "held": list(self.leases.held_lease_ids()),
+                "held": list(self.leases.held_leases()),
                 "reuse": ack.reuse.reason,
             }
         )
@@ -234,7 +234,7 @@ class Engine:
             handler.track_held(cmd["lease_id"])
             return {}
         if op == "held":
-            return {"held": list(handler.held_lease_ids())}
+            return {"held": list(handler.held_leases())}
         raise ValueError(f"unknown op {op!r}")
 
 
