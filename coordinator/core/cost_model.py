@@ -11,7 +11,10 @@ What it keeps (I9-cost-gate in docs/invariants.md; the model is docs/cost_model.
   outcomes (`observe_transfer`: bytes moved, duration);
 - per requester child engine: a prefill rate (tokens/s), from the rate samples its
   reports carry (`observe_prefill`), else the rate its declared profile names, else
-  the coordinator's default.
+  the coordinator's default. A measured rate expires like a fit (below): past
+  `measurement_ttl_s` since its last sample the declared (or default) rate applies
+  again, and the next sample starts a new estimate from it (an engine's speed
+  changes with its GPU, its configuration, a restart).
 
 Separating latency from bandwidth. A transfer of `x` bytes taking `y` ms is modelled as
 `y = latency_ms + x * 1000 / bandwidth`: a straight line over (bytes, duration) pairs.
@@ -156,7 +159,8 @@ class CostConfig:
     # the reverse says the load pays (never forbidden when it says it does not).
     reverse_prior: bool = True
     # A link's fit is trusted this long after its last sample; then it is re-learnt (its
-    # old estimate may still spare a probe, never forbid one). 0: never.
+    # old estimate may still spare a probe, never forbid one). A measured prefill rate
+    # likewise: then the declared (or default) rate applies until new samples. 0: never.
     measurement_ttl_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -374,6 +378,7 @@ class _OpenLoad:
 class _Prefill:
     ms_per_token: float
     samples: int
+    last_sample_ms: int | None = None  # None: never observed with a clock
 
 
 class CostModel:
@@ -443,12 +448,17 @@ class CostModel:
     def _fresh(self, key: LinkKey, now_ms: int | None) -> _Link | None:
         """The link's fit, if it is still trusted at `now_ms` (without a clock: always)."""
         state = self._links.get(key)
-        if state is None or now_ms is None or state.last_sample_ms is None:
-            return state
-        ttl_ms = self.config.measurement_ttl_s * 1000.0
-        if ttl_ms > 0 and now_ms - state.last_sample_ms >= ttl_ms:
+        if state is None or self._expired(state.last_sample_ms, now_ms):
             return None
         return state
+
+    def _expired(self, last_sample_ms: int | None, now_ms: int | None) -> bool:
+        """A measurement (a fit, a prefill rate) is past `measurement_ttl_s` at `now_ms`
+        (without a clock, or one never observed with one: never)."""
+        if now_ms is None or last_sample_ms is None:
+            return False
+        ttl_ms = self.config.measurement_ttl_s * 1000.0
+        return ttl_ms > 0 and now_ms - last_sample_ms >= ttl_ms
 
     def _prior(
         self, key: LinkKey, now_ms: int | None, *, stand_ins: bool = True
@@ -476,10 +486,16 @@ class CostModel:
                 return link
         return None
 
-    def prefill(self, requester: str) -> PrefillEstimate:
+    def prefill(self, requester: str, now_ms: int | None = None) -> PrefillEstimate:
+        """The requester's prefill rate: measured, unless its last sample is older than
+        `measurement_ttl_s` at `now_ms` (without a clock: never), else declared, else
+        the default."""
         state = self._prefill.get(requester)
-        if state is not None:
+        if state is not None and not self._expired(state.last_sample_ms, now_ms):
             return PrefillEstimate(1000.0 / state.ms_per_token, state.samples, "measured")
+        return self._unmeasured_prefill(requester)
+
+    def _unmeasured_prefill(self, requester: str) -> PrefillEstimate:
         declared = self._declared_prefill(requester)
         if declared is not None:
             return PrefillEstimate(declared, 0, "declared")
@@ -501,7 +517,7 @@ class CostModel:
         (a `LoadPlan`'s) instead."""
         if link is None:
             link = self.link(holder, requester, tier, now_ms)
-        prefill = self.prefill(requester)
+        prefill = self.prefill(requester, now_ms)
         load_ms = link.latency_ms + num_bytes * 1000.0 / link.bandwidth_bytes_per_s
         recompute_ms = num_tokens * 1000.0 / prefill.tokens_per_s
         return Prediction(
@@ -517,9 +533,9 @@ class CostModel:
             safety_margin=self.config.safety_margin,
         )
 
-    def recompute_ms(self, requester: str, num_tokens: int) -> float:
+    def recompute_ms(self, requester: str, num_tokens: int, now_ms: int | None = None) -> float:
         """`predict(...).recompute_ms` without a link: what a local hit saves."""
-        return num_tokens * 1000.0 / self.prefill(requester).tokens_per_s
+        return num_tokens * 1000.0 / self.prefill(requester, now_ms).tokens_per_s
 
     def plan(
         self,
@@ -562,7 +578,13 @@ class CostModel:
         if stand_in is not None:
             moved = hinted - have
             if self.predict(
-                holder, requester, tier, moved * block_tokens, moved * bytes_per_block, link=link
+                holder,
+                requester,
+                tier,
+                moved * block_tokens,
+                moved * bytes_per_block,
+                now_ms,
+                link=link,
             ).worth_loading:
                 return LoadPlan(link, hinted, False, stand_in)
             link = self.link(holder, requester, tier, now_ms, stand_ins=False)
@@ -603,6 +625,7 @@ class CostModel:
             plan.ceiling,
             block_tokens=block_tokens,
             bytes_per_block=bytes_per_block,
+            now_ms=now_ms,
             link=plan.link,
             have=have,
         )
@@ -671,9 +694,11 @@ class CostModel:
             for key, state in self._links.items()
         )
 
-    def prefill_rates(self) -> tuple[tuple[str, PrefillEstimate], ...]:
-        """Every requester with measured prefill samples, least recently observed first."""
-        return tuple((requester, self.prefill(requester)) for requester in self._prefill)
+    def prefill_rates(self, now_ms: int | None = None) -> tuple[tuple[str, PrefillEstimate], ...]:
+        """Every requester with measured prefill samples, least recently observed first,
+        each as its rate stands at `now_ms` (an expired measurement: the declared or
+        default rate, never "measured"; for `kvrc status`)."""
+        return tuple((requester, self.prefill(requester, now_ms)) for requester in self._prefill)
 
     # --- observations --------------------------------------------------------------
 
@@ -744,24 +769,30 @@ class CostModel:
             state.last_sample_ms = now_ms
         return True
 
-    def observe_prefill(self, requester: str, num_tokens: int, duration_us: int) -> bool:
-        """One prefill the requester computed: tokens and how long. False: not usable."""
+    def observe_prefill(
+        self, requester: str, num_tokens: int, duration_us: int, now_ms: int | None = None
+    ) -> bool:
+        """One prefill the requester computed: tokens and how long, reported at `now_ms`
+        (None: unknown, and the estimate's age stays what it was). False: not usable."""
         if num_tokens <= 0 or duration_us <= 0:
             return False
         sample = duration_us / 1000.0 / num_tokens
         state = self._prefill.get(requester)
-        if state is None:
-            # The first sample starts from the declared (or default) rate and moves it.
-            prior = 1000.0 / self.prefill(requester).tokens_per_s
+        if state is None or self._expired(state.last_sample_ms, now_ms):
+            # The first sample, or the first past measurement_ttl_s, starts from the
+            # declared (or default) rate and moves it: an expired rate is forgotten, as an
+            # expired fit's samples are (the engine may have changed since).
+            prior = 1000.0 / self._unmeasured_prefill(requester).tokens_per_s
             state = _Prefill(prior, 0)
             self._prefill[requester] = state
-            while len(self._prefill) > self.config.max_requesters:
-                self._prefill.popitem(last=False)
-        else:
-            self._prefill.move_to_end(requester)
+        self._prefill.move_to_end(requester)
+        while len(self._prefill) > self.config.max_requesters:
+            self._prefill.popitem(last=False)
         alpha = self.config.alpha
         state.ms_per_token = (1.0 - alpha) * state.ms_per_token + alpha * sample
         state.samples += 1
+        if now_ms is not None:
+            state.last_sample_ms = now_ms
         return True
 
 

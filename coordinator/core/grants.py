@@ -280,6 +280,9 @@ class _Measured:
     bytes_moved: int = 0
     duration_us: int = 0
     succeeded: int = 0
+    # The longest a part ran before it reported FAILED on its own (0: none, or none
+    # measured): a lower bound on the load's time (`_learn_failed`).
+    failed_us: int = 0
 
 
 @dataclass
@@ -326,9 +329,10 @@ class Grants:
         self._cost_ctx: dict[str, _CostContext] = {}  # per open prefix-load lease
         self._predictions: dict[str, Prediction] = {}  # per open lease, once answered
         self._measured: dict[str, _Measured] = {}
-        self._timed_out: set[str] = set()  # open leases kvrc aborted at their deadline
-        # Links whose last load(s) timed out, and how many in a row (at most max_pairs).
-        self._timeouts_in_a_row: OrderedDict[tuple[str, str, Tier], int] = OrderedDict()
+        self._aborted: dict[str, str] = {}  # open leases kvrc aborted, and why
+        # Links whose last load(s) failed slow (`_learn_failed`), and how many in a row
+        # (at most max_pairs).
+        self._failed_in_a_row: OrderedDict[tuple[str, str, Tier], int] = OrderedDict()
         self._draining: dict[str, int] = {}  # child engine -> drain deadline (ms)
         self._drain_aborted: set[str] = set()
         self._pinning: set[str] = set()  # prefix loads whose answer someone waits for
@@ -635,6 +639,7 @@ class Grants:
                     report.reporter_child_engine_id,
                     report.prefill_tokens,
                     report.prefill_duration_us,
+                    now_ms,
                 )
             self._measure(report, actions, now_ms)
         return ReportStep(step.view, first, self._settled(actions))
@@ -644,18 +649,23 @@ class Grants:
         measured = self._measured.setdefault(report.lease_id, _Measured())
         context = self._cost_ctx.get(report.lease_id)
         prediction = self._predictions.get(report.lease_id)
+        # A report cannot move more than the load asked for, nor take longer than since
+        # it was asked for: one absurd report would otherwise steer the fit for many
+        # loads (I9-cost-gate).
+        duration_us = report.duration_us
+        if context is not None and context.requested_ms is not None:
+            duration_us = min(duration_us, max(now_ms - context.requested_ms, 0) * 1000)
         if report.outcome is Outcome.SUCCEEDED:
-            # A report cannot move more than the load asked for, nor take longer than
-            # since it was asked for: one absurd report would otherwise steer the fit
-            # for many loads (I9-cost-gate).
             measured.bytes_moved += report.bytes_moved
             if prediction is not None:
                 measured.bytes_moved = min(measured.bytes_moved, prediction.num_bytes)
-            duration_us = report.duration_us
-            if context is not None and context.requested_ms is not None:
-                duration_us = min(duration_us, max(now_ms - context.requested_ms, 0) * 1000)
             measured.duration_us = max(measured.duration_us, duration_us)
             measured.succeeded += 1
+        elif report.outcome is Outcome.FAILED and report.lease_id not in self._aborted:
+            # The requester gave up on its own (its transfer timeout, an error): the load
+            # took at least this long. A part told to stop by kvrc ran as long as kvrc
+            # let it, which says nothing about the link.
+            measured.failed_us = max(measured.failed_us, duration_us)
         ended = any(
             isinstance(a, LeaseEnded)
             and a.lease_id == report.lease_id
@@ -675,7 +685,7 @@ class Grants:
                     context.probe_blocks > 0,
                 )
             )
-        self._timeouts_in_a_row.pop((context.holder, context.requester, context.tier), None)
+        self._failed_in_a_row.pop((context.holder, context.requester, context.tier), None)
         self.cost.observe_transfer(
             context.holder,
             context.requester,
@@ -687,35 +697,46 @@ class Grants:
         )
 
     def _learn_failed(self, ended: LeaseEnded) -> None:
-        """Granted prefix loads that kvrc aborted when their transfer deadline passed,
-        twice in a row over one link: it moved their bytes no faster than that (a
-        censored sample). Without it a link whose loads always time out was granted on
-        its prior for ever (I9-cost-gate). One timeout alone (a requester's hiccup) and
-        a load that failed otherwise (a holder killed, a refused connection) say nothing
-        about the link's speed: with the fit's weight on each sample, one such sample
-        would refuse the pair until the fit expires."""
-        if ended.lease_id not in self._timed_out or ended.state is not LeaseState.FAILED:
+        """A granted prefix load that failed slow, twice in a row over one link: it
+        moved its bytes no faster than it ran (a censored sample). It ran from its grant
+        to its end when kvrc aborted it at its transfer deadline, else at least as long
+        as a part that reported FAILED on its own said (its transfer timeout, shorter
+        than kvrc's deadline, fired). Without it a link whose loads always time out was
+        granted on its prior for ever (I9-cost-gate). One such failure alone (a
+        hiccup), one no slower than predicted, one without a duration, one kvrc aborted
+        for another reason, and one whose holder is gone or not ready when it ends (a
+        holder killed) say nothing about the link's speed: with the fit's weight on each
+        sample, one such sample would refuse the pair until the fit expires."""
+        if ended.state is not LeaseState.FAILED:
             return
         context = self._cost_ctx.get(ended.lease_id)
         prediction = self._predictions.get(ended.lease_id)
-        ran_ms = ended.quiescence_ms
-        if context is None or prediction is None or ran_ms is None:
+        if context is None or prediction is None or prediction.num_bytes <= 0:
             return
-        if prediction.num_bytes <= 0 or ran_ms <= prediction.load_ms:
+        reason = self._aborted.get(ended.lease_id)
+        measured = self._measured.get(ended.lease_id)
+        if reason == DEADLINE_PASSED and ended.quiescence_ms is not None:
+            ran_us = ended.quiescence_ms * 1000
+        elif reason is None and measured is not None and measured.failed_us > 0:
+            ran_us = max(measured.failed_us, measured.duration_us)  # the slowest part
+        else:
+            return
+        holder = self._registry.get(context.holder)
+        if ran_us <= prediction.load_ms * 1000 or holder is None or not holder.ready:
             return
         link = (context.holder, context.requester, context.tier)
-        in_a_row = self._timeouts_in_a_row.pop(link, 0) + 1
+        in_a_row = self._failed_in_a_row.pop(link, 0) + 1
         if in_a_row < 2:
-            self._timeouts_in_a_row[link] = in_a_row
-            while len(self._timeouts_in_a_row) > self.cost.config.max_pairs:
-                self._timeouts_in_a_row.popitem(last=False)
+            self._failed_in_a_row[link] = in_a_row
+            while len(self._failed_in_a_row) > self.cost.config.max_pairs:
+                self._failed_in_a_row.popitem(last=False)
             return
         self.cost.observe_transfer(
             context.holder,
             context.requester,
             context.tier,
             prediction.num_bytes,
-            ran_ms * 1000,
+            ran_us,
             ended.ended_ms,
             ended.lease_id,
         )
@@ -726,8 +747,10 @@ class Grants:
         requester_child_engine_id: str,
         tier: Tier,
         num_blocks: int,
+        now_ms: int,
     ) -> Prediction | None:
-        """Loading `num_blocks` from the holder against recomputing them (read-only).
+        """Loading `num_blocks` from the holder against recomputing them (read-only), as
+        of `now_ms` (a fit or a prefill rate past its TTL no longer counts as measured).
 
         The bytes come from the holder's registered regions (or profile), the tokens from
         the requester's block size, as for a grant. None: either engine is not registered.
@@ -736,7 +759,7 @@ class Grants:
         requester = self._registry.get(requester_child_engine_id)
         if holder is None or requester is None:
             return None
-        return self._predict(self._cost_context(holder, requester, tier), num_blocks)
+        return self._predict(self._cost_context(holder, requester, tier), num_blocks, now_ms)
 
     def cost_decision(self, lease_id: str) -> Prediction | None:
         """The prediction an open prefix-load lease was granted with (for `kvrc status`)."""
@@ -1027,8 +1050,8 @@ class Grants:
                 reuse = self._reuse_for(req_view) if req_view is not None else _NOT_REGISTERED
                 out.append(PrefixLoadAnswered(lease_id, self._answer_of(view, reuse)))
         for action in actions:
-            if isinstance(action, LeaseAborting) and action.reason == DEADLINE_PASSED:
-                self._timed_out.add(action.lease_id)
+            if isinstance(action, LeaseAborting):
+                self._aborted.setdefault(action.lease_id, action.reason)  # the first reason
             elif isinstance(action, LeaseQuarantined):
                 # Its read hangs: it no longer bounds the link's next predictions (that
                 # bound shrinks for ever, and would refuse even a probe until the
@@ -1036,7 +1059,7 @@ class Grants:
                 self.cost.load_ended(action.lease_id)
             elif isinstance(action, LeaseEnded):
                 self._learn_failed(action)
-                self._timed_out.discard(action.lease_id)
+                self._aborted.pop(action.lease_id, None)
                 self._reported.pop(action.lease_id, None)
                 self._cost_ctx.pop(action.lease_id, None)
                 self.cost.load_ended(action.lease_id)

@@ -159,7 +159,7 @@ class SavingPredictor(Protocol):
         """`link`: priced on this estimate (a `LoadPlan`'s)."""
         ...
 
-    def recompute_ms(self, requester: str, num_tokens: int) -> float:
+    def recompute_ms(self, requester: str, num_tokens: int, now_ms: int | None = None) -> float:
         """`predict(...).recompute_ms` alone: a local hit needs no link (and is asked per
         engine, so it stays cheap)."""
         ...
@@ -408,7 +408,7 @@ def _priced(
     saving = 0.0
     if matched:
         # A local hit is prefill not run: its whole recompute time is saved.
-        saving += predictor.recompute_ms(me, matched * block_size)
+        saving += predictor.recompute_ms(me, matched * block_size, now_ms)
     loadable = plans = 0
     holder = ""
     holder_tier: Tier | None = None
@@ -438,7 +438,13 @@ def _priced(
             )
             moved = plan.ceiling - matched
             p = predictor.predict(
-                cid, me, tier, moved * block_size, moved * e.bytes_per_block, link=plan.link
+                cid,
+                me,
+                tier,
+                moved * block_size,
+                moved * e.bytes_per_block,
+                now_ms,
+                link=plan.link,
             )
             if not holder or p.worth_loading:
                 holder, loadable, holder_tier = cid, moved, tier

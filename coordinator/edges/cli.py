@@ -343,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=cost.measurement_ttl_s,
         help="a link's measured fit is trusted this long after its last sample, then "
         "re-learnt: a link refused as slow is probed again (a refusal is never for good), "
-        "and one idle for longer stands on its old fit until its next load; 0: for ever "
+        "and one idle for longer stands on its old fit until its next load; a measured "
+        "prefill rate is dropped as long after its last sample (the declared or default "
+        "rate applies again); 0: for ever "
         "(%(default)g)",
     )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")

@@ -640,9 +640,9 @@ class Coordinator:
 
     def cost_status(self) -> CostStatus:
         model = self.leases.cost_model
-        measured = dict(model.prefill_rates())
+        measured = dict(model.prefill_rates(now_ms := self._clock_ms()))
         registered = [v.child_engine_id for v in self.registry.views()]
-        rates = [(c, model.prefill(c)) for c in registered]
+        rates = [(c, model.prefill(c, now_ms)) for c in registered]
         known = set(registered)  # once, not per measured requester
         rates += [(c, e) for c, e in measured.items() if c not in known]
         decisions = []

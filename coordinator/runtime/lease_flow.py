@@ -227,7 +227,11 @@ class LeaseFlow:
     ) -> Prediction | None:
         """Predicted load vs recompute of `blocks` blocks (Score's TTFT saving: `saving_ms`)."""
         return self.core.predict_load(
-            holder_child_engine_id, requester_child_engine_id, tier, blocks
+            holder_child_engine_id,
+            requester_child_engine_id,
+            tier,
+            blocks,
+            self._clock.monotonic_ms(),
         )
 
     # --- prefix load -------------------------------------------------------------------

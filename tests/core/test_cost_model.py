@@ -158,6 +158,52 @@ def test_measured_prefill_rates_replace_the_declared_one() -> None:
     assert estimate.tokens_per_s == pytest.approx(8000, rel=0.01)
 
 
+def test_a_measured_prefill_rate_expires_and_the_declared_one_applies_again() -> None:
+    """A measured rate never expired and outranked the declared one: an engine whose
+    speed changed (a new GPU, a restart) kept its old rate for ever."""
+    model = CostModel(CostConfig(measurement_ttl_s=60.0), declared_prefill=lambda _r: 1000.0)
+    for t in range(40):
+        model.observe_prefill("r", 100_000, 1_000_000, now_ms=t)  # 100,000 tokens/s
+    assert model.prefill("r", 60_038).source == "measured"
+    expired = model.prefill("r", 60_039)  # 60 s after its last sample
+    assert (expired.source, expired.samples, expired.tokens_per_s) == ("declared", 0, 1000.0)
+    assert model.recompute_ms("r", 1000, 60_039) == pytest.approx(1000.0)
+    assert model.predict("h", "r", GPU, 1000, 1, now_ms=60_039).prefill.source == "declared"
+    assert model.prefill_rates(60_039) == (("r", expired),)  # `kvrc status`: not "measured"
+    # The grant's decision too: a 50 ms link loses to the measured rate, and pays again
+    # against the declared one once the measurement expired.
+    link = DeclaredLink(("h",), ("r",), bandwidth_bytes_per_s=1e10, latency_ms=50.0)
+    gated = CostModel(
+        CostConfig(measurement_ttl_s=60.0),
+        declared_prefill=lambda _r: 1000.0,
+        declared_links=[link],
+    )
+    for t in range(40):
+        gated.observe_prefill("r", 100_000, 1_000_000, now_ms=t)
+
+    def fewest(now_ms: int) -> int | None:
+        return gated.grantable(
+            "h", "r", GPU, 1, 8, block_tokens=128, bytes_per_block=1 << 20, now_ms=now_ms
+        )[1]
+
+    assert fewest(1_000) is None and fewest(60_039) is not None
+    # The next sample starts a new estimate from the declared rate: the old samples
+    # are forgotten (as an expired fit's are), so one sample moves it by alpha.
+    model.observe_prefill("r", 2000, 1_000_000, now_ms=60_039)  # 2000 tokens/s
+    relearnt = model.prefill("r", 60_040)
+    assert (relearnt.source, relearnt.samples) == ("measured", 1)
+    assert relearnt.tokens_per_s == pytest.approx(1000.0 / (0.8 * 1.0 + 0.2 * 0.5))
+    # Nothing declared: the default applies; without a clock (or a TTL of 0) nothing
+    # expires (the negative controls).
+    bare = CostModel(CostConfig(measurement_ttl_s=60.0, default_prefill_tokens_per_s=500.0))
+    bare.observe_prefill("r", 8000, 1_000_000, now_ms=0)
+    assert bare.prefill("r", 60_000).source == "default"
+    assert bare.prefill("r").source == "measured"
+    never = CostModel(CostConfig(measurement_ttl_s=0.0))
+    never.observe_prefill("r", 8000, 1_000_000, now_ms=0)
+    assert never.prefill("r", 10**9).source == "measured"
+
+
 def test_links_and_prefill_rates_are_bounded_by_count_least_recently_observed_first() -> None:
     model = CostModel(CostConfig(max_pairs=8, max_requesters=4))
     for i in range(100):

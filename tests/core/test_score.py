@@ -78,7 +78,7 @@ class NoLinks:
         rate = math.inf if holder in self.slow else self.load_ms_per_token
         return Guess(num_tokens * rate, float(num_tokens))
 
-    def recompute_ms(self, requester: str, num_tokens: int) -> float:
+    def recompute_ms(self, requester: str, num_tokens: int, now_ms: int | None = None) -> float:
         return float(num_tokens)
 
     def plan(
@@ -133,6 +133,7 @@ def run(
     *,
     reuse: ReuseStatus = ON,
     predictor: object = RATE,
+    now_ms: int = 0,
     **kw: object,
 ) -> ScoreAnswer:
     query = ScoreQuery(model="m", block_hashes=hashes, **kw)  # type: ignore[arg-type]
@@ -140,7 +141,7 @@ def run(
         inv,
         query,
         engines,
-        now_ms=0,
+        now_ms=now_ms,
         reuse=reuse,
         predictor=predictor,  # type: ignore[arg-type]
         prediction_basis="test",
@@ -493,6 +494,20 @@ def test_with_the_cost_model_a_load_counts_exactly_when_a_grant_would_be_made() 
         assert model.predict("b", "a", Tier.GPU, 32, 8000).worth_loading is credited
         saving = by_saving(run(inv, [a], predictor=model))["a"]
         assert saving == pytest.approx(8 + (32 - 9 if credited else 0)), margin
+
+
+def test_a_local_hit_is_priced_at_the_prefill_rate_in_force_at_the_call() -> None:
+    # A measured rate expires after the measurement TTL (the declared one applies again):
+    # Score prices at the call's time, as the grant does, not at the last rate seen.
+    inv = Inventory()
+    add(inv, "a")
+    store(inv, "a", CHAIN[:2])  # 8 tokens
+    model = CostModel(CostConfig(measurement_ttl_s=60.0), declared_prefill=lambda _r: 1000.0)
+    for t in range(40):
+        model.observe_prefill("a", 100_000, 1_000_000, now_ms=t)  # 100,000 tokens/s
+    fresh = by_saving(run(inv, [engine("a")], predictor=model, now_ms=1_000))["a"]
+    expired = by_saving(run(inv, [engine("a")], predictor=model, now_ms=60_039))["a"]
+    assert fresh < 0.1 and expired == pytest.approx(8.0)  # 8 tokens at ~100,000 and 1,000/s
 
 
 def test_over_a_cold_undeclared_link_only_a_probe_is_loadable_until_it_is_measured() -> None:

@@ -190,6 +190,32 @@ async def test_measured_prefill_rates_move_the_decision() -> None:
         assert answer.prediction is not None and answer.prediction.prefill.source == "measured"
 
 
+async def test_a_measured_prefill_rate_expires_in_the_decision_and_in_status() -> None:
+    """A measured rate never expired: an engine that got slower (or a stale sample)
+    kept refusing loads, and `kvrc status` showed the rate as "measured" for ever."""
+    cost = CostConfig(
+        default_latency_ms=50.0, default_prefill_tokens_per_s=1000.0, measurement_ttl_s=60.0
+    )
+    async with manual_coordinator(cost=cost) as rig:
+        c = rig.coordinator
+        r = register(rig, "r")
+        holder = register(rig, "h")
+        rig.store(holder)
+        for i in range(20):
+            answer = await load(rig, holder, f"b{i}", prefill=(1000, 10_000))  # 100k tokens/s
+            if answer.miss_reason:
+                break
+        assert answer.miss_reason == "recompute_cheaper"
+        await rig.advance(60_000, r, holder)
+        status = c.status().cost
+        assert status is not None
+        rates = dict(status.prefill_rates)
+        assert (rates["r"].source, rates["r"].tokens_per_s) == ("default", 1000.0)
+        again = await load(rig, holder, "after")
+        assert granted(again) == "h", again.miss_detail
+        assert again.prediction is not None and again.prediction.prefill.source == "default"
+
+
 async def test_predict_load_sizes_a_prediction_from_the_registered_engines() -> None:
     # What the Score API asks: no lease, no pin, nothing changes.
     async with manual_coordinator(cost=COST) as rig:
@@ -202,6 +228,23 @@ async def test_predict_load_sizes_a_prediction_from_the_registered_engines() -> 
         assert p.saving_ms == p.recompute_ms - p.load_ms and p.recompute_ms == 128
         assert flow.predict_load("h", "nobody", Tier.GPU, 8) is None
         assert flow.cost_model.pair_count == 0 and not flow.open_leases()
+
+
+async def test_predict_load_sees_a_fit_past_its_ttl_as_stale() -> None:
+    """`predict_load` priced without the clock: a fit past its TTL still counted as
+    measured there, while the grant made for the same load saw it as stale."""
+    config = dataclasses.replace(COST, measurement_ttl_s=60.0)
+    async with manual_coordinator(cost=config) as rig:
+        r, h = register(rig, "r"), register(rig, "h")
+        rig.store(h)
+        assert granted(await load(rig, h, "a", duration_us=2_000)) == "h"
+        flow = rig.coordinator.leases
+        fresh = flow.predict_load("h", "r", Tier.GPU, 8)
+        assert fresh is not None and fresh.link.samples == 1
+        await rig.advance(60_000, r, h)
+        stale = flow.predict_load("h", "r", Tier.GPU, 8)
+        assert stale is not None
+        assert (stale.link.samples, stale.link.prior) == (0, "stale")
 
 
 async def test_a_cold_links_first_load_still_open_past_its_prediction_refuses_the_next() -> None:
@@ -440,6 +483,54 @@ async def test_loads_kvrc_aborted_at_their_deadline_teach_their_link(
         assert (after.miss_reason == "recompute_cheaper") is learnt, after.miss_detail
         if not learnt:
             assert granted(after) == "h"
+
+
+@pytest.mark.parametrize(
+    ("failures", "duration_us", "learnt"),
+    [(2, 5_000_000, True), (1, 5_000_000, False), (2, 0, False), (2, 500, False)],
+)
+async def test_loads_the_requester_gave_up_on_teach_their_link(
+    failures: int, duration_us: int, learnt: bool
+) -> None:
+    """A requester whose own transfer timeout (shorter than kvrc's deadline) fired
+    reported FAILED and taught nothing: the link kept being granted. Two such reports
+    in a row, each past its prediction, teach it a censored sample, as two deadline
+    aborts do; one (a hiccup), or ones without a duration or no slower than predicted
+    (0.5 ms against ~1 ms), do not."""
+    async with manual_coordinator(cost=COST) as rig:
+        r, h = register(rig, "r"), register(rig, "h")
+        rig.store(h)
+        for i in range(failures):
+            first = await load(rig, h, f"f{i}", report=False)
+            assert granted(first) == "h"
+            await rig.advance(-(-duration_us // 1000), r, h)  # it ran that long
+            report(rig, first, Outcome.FAILED, duration_us=duration_us)
+            await settle()
+        after = await load(rig, h, "after")
+        assert (after.miss_reason == "recompute_cheaper") is learnt, after.miss_detail
+        if not learnt:
+            assert granted(after) == "h"
+
+
+async def test_failed_loads_of_a_holder_that_died_teach_nothing() -> None:
+    """The same two slow FAILED reports, each after its holder's session closed (a
+    holder killed): they say nothing of the link, and its restart loads again."""
+    async with manual_coordinator(cost=COST) as rig:
+        c = rig.coordinator
+        r = register(rig, "r")
+        for i in range(2):
+            h = register(rig, "h")
+            rig.store(h)
+            first = await load(rig, h, f"k{i}", report=False)
+            assert granted(first) == "h"
+            await rig.advance(5_000, r, h)
+            c.close_session(h, "killed")
+            report(rig, first, Outcome.FAILED, duration_us=5_000_000)
+            await settle()
+        h = register(rig, "h")
+        rig.store(h)
+        after = await load(rig, h, "after")
+        assert granted(after) == "h", after.miss_detail
 
 
 async def test_a_quarantined_load_does_not_lock_its_link_out() -> None:
