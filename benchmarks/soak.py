@@ -81,6 +81,8 @@ from clients.hashing import hash_block_chain
 from clients.refengine.channel import Channel
 from clients.refengine.demo import BLOCK_SIZE, Child, Cluster, EngineGroup
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from coordinator.edges.cli import STATUS_MAX_RECEIVE_BYTES
+from coordinator.runtime.coordinator import MAX_STATUS_LEASES
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
@@ -623,13 +625,20 @@ class StoreRun:
                     self.quiet_at[(engine_id, rank, lease_id)] = t
 
     async def _status(self, replica: Replica) -> pb.StatusResponse | None:
-        async with grpc.aio.insecure_channel(replica.target) as channel:
+        # Every open lease, not the default 1,000 (the counts below read the list).
+        options = [("grpc.max_receive_message_length", STATUS_MAX_RECEIVE_BYTES)]
+        async with grpc.aio.insecure_channel(replica.target, options=options) as channel:
             try:
-                return await pb_grpc.AdminServiceStub(channel).GetStatus(
-                    pb.StatusRequest(), timeout=5.0
+                status = await pb_grpc.AdminServiceStub(channel).GetStatus(
+                    pb.StatusRequest(max_leases=MAX_STATUS_LEASES), timeout=5.0
                 )
             except grpc.aio.AioRpcError:
                 return None
+        if status.leases_total > len(status.leases):
+            raise RuntimeError(
+                f"{replica.target}: {status.leases_total} open leases, more than status lists"
+            )
+        return status
 
     async def _note_quarantine(self) -> dict[str, int]:
         """Quarantined leases seen on any replica; open leases per replica."""

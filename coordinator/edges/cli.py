@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cost-default-bandwidth-gbps",
         type=float,
         default=cost.default_bandwidth_bytes_per_s / 1e9,
-        help="an unmeasured link's bandwidth, GB/s (%(default)s)",
+        help="an unmeasured link's bandwidth in gigabytes per second (GB/s: bytes, not "
+        "Gb/s; 10 = 80 Gbit/s) (%(default)s)",
     )
     serve.add_argument(
         "--cost-default-latency-ms",
@@ -358,6 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
     )
     status.add_argument("--json", action="store_true", help="print one JSON document")
+    status.add_argument(
+        "--max-leases",
+        type=_uint32,
+        default=0,
+        metavar="N",
+        help="list at most N open leases, quarantined first, then by deadline (default: "
+        "the coordinator's, 1,000; it refuses more than 10,000); the total is always shown",
+    )
     status.add_argument("--timeout-s", type=timeout_seconds, default=5.0)
     _add_client_security(status)
     status.set_defaults(func=_cmd_status)
@@ -678,6 +687,7 @@ def status_document(response: pb.StatusResponse) -> dict[str, Any]:
         "inventory_entries": response.inventory_entries,
         "child_engines": children,
         "leases": [lease_document(lease) for lease in response.leases],
+        "leases_total": _leases_total(response),
         "cost_model": cost_model_document(response.cost_model),
         "store": {
             "url": response.store or "memory",
@@ -861,9 +871,15 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
         # The gate decides prefix loads only; with reuse off there is nothing to show.
         lines.extend(_cost_lines(response.cost_model))
     quarantined = sum(1 for x in response.leases if x.state == pb.LEASE_STATE_QUARANTINED)
-    lines.append(
-        f"{len(response.leases)} lease(s) in flight or quarantined ({quarantined} quarantined)"
-    )
+    shown, total = len(response.leases), _leases_total(response)
+    if shown < total:
+        lines.append(
+            f"{total} lease(s) in flight or quarantined; {shown} of {total} leases shown, "
+            f"quarantined first, then by deadline ({quarantined} quarantined shown; "
+            "--max-leases N for more)"
+        )
+    else:
+        lines.append(f"{total} lease(s) in flight or quarantined ({quarantined} quarantined)")
     for lease in response.leases:
         doc = lease_document(lease)
         lines.append(
@@ -875,17 +891,34 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
     return "\n".join(lines)
 
 
-def fetch_status(target: str | ChannelOptions, timeout_s: float) -> pb.StatusResponse:
-    with connect_blocking(target) as channel:
+def _leases_total(response: pb.StatusResponse) -> int:
+    # A coordinator older than leases_total answers 0 there and lists every lease.
+    return max(response.leases_total, len(response.leases))
+
+
+# The largest status answer (10,000 leases of ~0.6 KB, StatusRequest.max_leases at its
+# limit) is far above grpc's default 4 MiB receive limit.
+STATUS_MAX_RECEIVE_BYTES = 64 * MIB
+
+
+def fetch_status(
+    target: str | ChannelOptions, timeout_s: float, max_leases: int = 0
+) -> pb.StatusResponse:
+    """GetStatus listing at most `max_leases` leases (0: the coordinator's default)."""
+    opts = target if isinstance(target, ChannelOptions) else ChannelOptions(target)
+    receive = (("grpc.max_receive_message_length", STATUS_MAX_RECEIVE_BYTES),)
+    opts = dataclasses.replace(opts, grpc_options=(*opts.grpc_options, *receive))
+    with connect_blocking(opts) as channel:
         stub = pb_grpc.AdminServiceStub(channel)
-        response: pb.StatusResponse = stub.GetStatus(pb.StatusRequest(), timeout=timeout_s)
+        request = pb.StatusRequest(max_leases=max_leases)
+        response: pb.StatusResponse = stub.GetStatus(request, timeout=timeout_s)
         return response
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
-        response = fetch_status(channel_options_from_args(args), args.timeout_s)
+        response = fetch_status(channel_options_from_args(args), args.timeout_s, args.max_leases)
     except grpc.RpcError as e:
         name, details = _rpc_error(e)
         print(

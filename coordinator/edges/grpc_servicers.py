@@ -24,7 +24,7 @@ import grpc
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
 
-from coordinator.core.auth import AuthDenied, AuthPolicy, DenyReason, Principal
+from coordinator.core.auth import AuthDenied, AuthPolicy, DenyReason, Principal, Role
 from coordinator.core.errors import ErrorCode, KvrcError, invalid
 from coordinator.core.grants import TransferReport
 from coordinator.core.leases import LeaseView
@@ -599,8 +599,16 @@ class AdminService(pb_grpc.AdminServiceServicer):
     async def GetStatus(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
         async def call() -> pb.StatusResponse:
             # Status shows endpoints and memory layout of every engine: read role.
-            self._gate.read(self._gate.authenticate(context), "GetStatus")
-            return wire.status_to_proto(self._coordinator.status(), self._coordinator.clock)
+            principal = self._gate.authenticate(context)
+            self._gate.read(principal, "GetStatus")
+            max_leases = wire.status_request_from_proto(request)
+            # Lease ids let an engine act on a lease: whole only for admins (or auth off).
+            full_ids = principal is None or Role.ADMIN in principal.roles
+            return wire.status_to_proto(
+                self._coordinator.status(max_leases),
+                self._coordinator.clock,
+                full_lease_ids=full_ids,
+            )
 
         return await self._observed.unary("GetStatus", context, call)
 

@@ -39,6 +39,7 @@ from coordinator.core.leases import (
     SendQuarantine,
     SendRelease,
     SourcePart,
+    flow_of_lease_id,
 )
 from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, HeldLease, RankPartRegistration
@@ -54,6 +55,8 @@ from coordinator.edges.zmq_ingest import ZmqStreamConfig, publisher_host, subscr
 from coordinator.runtime.clock import Clock, from_unix_ms, to_unix_ms
 from coordinator.runtime.config import FieldBounds
 from coordinator.runtime.coordinator import (
+    DEFAULT_STATUS_LEASES,
+    MAX_STATUS_LEASES,
     ChildEngineStatus,
     CostStatus,
     EncodedReply,
@@ -451,11 +454,26 @@ def coordinator_message(out: Outbound, clock: Clock) -> pb.CoordinatorMessage:
     raise TypeError(f"no encoding for outbound message {type(out).__name__}")
 
 
-def status_to_proto(snapshot: StatusSnapshot, clock: Clock) -> pb.StatusResponse:
+def status_request_from_proto(msg: pb.StatusRequest) -> int:
+    """How many leases to list (0 asks for the default)."""
+    if msg.max_leases > MAX_STATUS_LEASES:
+        raise invalid(
+            f"max_leases is {msg.max_leases}; the limit is {MAX_STATUS_LEASES:,} (0 = the "
+            f"default, {DEFAULT_STATUS_LEASES:,}): ask for fewer; leases_total counts them all"
+        )
+    return msg.max_leases or DEFAULT_STATUS_LEASES
+
+
+def status_to_proto(
+    snapshot: StatusSnapshot, clock: Clock, *, full_lease_ids: bool
+) -> pb.StatusResponse:
+    """`full_lease_ids` False: each id shortened (`shortened_lease_id`), for non-admins."""
     decisions = dict(snapshot.cost.decisions) if snapshot.cost is not None else {}
     leases = []
     for view in snapshot.leases:
         lease = lease_status_to_proto(view, clock)
+        if not full_lease_ids:
+            lease.lease_id = shortened_lease_id(view.lease_id)
         prediction = decisions.get(view.lease_id)
         if prediction is not None:
             lease.prediction.CopyFrom(prediction_to_proto(prediction))
@@ -467,6 +485,7 @@ def status_to_proto(snapshot: StatusSnapshot, clock: Clock) -> pb.StatusResponse
         child_engines=[_child_engine_status(c, clock) for c in snapshot.child_engines],
         inventory_entries=snapshot.inventory_entries,
         leases=leases,
+        leases_total=snapshot.leases_total,
         store=snapshot.store,
         store_unavailable_reason=snapshot.store_unavailable_reason,
         remote_child_engines=snapshot.remote_child_engines,
@@ -1099,6 +1118,19 @@ def drain_response_to_proto(result: DrainResult) -> pb.DrainResponse:
         leases_remaining=result.leases_remaining,
         safe_to_stop=result.safe_to_stop,
     )
+
+
+# A lease id is what an engine reports on a lease with (and, after a restart, the first
+# reporter on a rebuilt lease may become its requester): a reader gets enough to find it
+# in the logs, not enough to act on it.
+SHOWN_LEASE_ID_CHARS = 8
+
+
+def shortened_lease_id(lease_id: str) -> str:
+    """A non-admin's view of a lease id: its kvrc prefix ("pl-" or "ho-", each ending at the
+    id's first '-'), 8 characters and "..." ("pl-1a2b3c4d..."); another id: its first 8."""
+    start = lease_id.index("-") + 1 if flow_of_lease_id(lease_id) is not None else 0
+    return lease_id[: start + SHOWN_LEASE_ID_CHARS] + "..."
 
 
 def lease_status_to_proto(view: LeaseView, clock: Clock) -> pb.LeaseStatus:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import logging
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -219,6 +220,12 @@ class ChildEngineStatus:
     draining: bool = False
 
 
+# StatusRequest.max_leases: 0 asks for the default. A status answer stays bounded
+# (every open lease listed outgrew a client's 4 MiB receive limit past ~6,800).
+DEFAULT_STATUS_LEASES = 1_000
+MAX_STATUS_LEASES = 10_000  # ~6 MB of answer: well inside the server's 16 MiB send limit
+
+
 @dataclass(frozen=True, slots=True)
 class StatusSnapshot:
     version: str
@@ -226,7 +233,9 @@ class StatusSnapshot:
     warming: bool
     child_engines: tuple[ChildEngineStatus, ...]
     inventory_entries: int = 0
-    leases: tuple[LeaseView, ...] = ()  # in flight and quarantined
+    # In flight and quarantined, at most the max_leases asked for (`status_leases`).
+    leases: tuple[LeaseView, ...] = ()
+    leases_total: int = 0  # every open lease, listed or not
     store: str = "memory"  # the shared store's URL, without credentials
     store_unavailable_reason: str = ""  # "" while the store is reachable
     remote_child_engines: int = 0  # other replicas' engines in this replica's index
@@ -241,6 +250,17 @@ class CostStatus:
     prefill_rates: tuple[tuple[str, PrefillEstimate], ...]
     # The prediction each open, granted prefix load was granted on.
     decisions: tuple[tuple[str, Prediction], ...] = ()
+
+
+def status_leases(leases: Sequence[LeaseView], max_leases: int) -> tuple[LeaseView, ...]:
+    """The `max_leases` an operator needs first: quarantined ones (they wait for a human),
+    then the soonest deadlines (none last); ties keep `leases`' order. O(n log k)."""
+
+    def urgency(view: LeaseView) -> tuple[bool, bool, int]:
+        deadline = view.deadline_ms
+        return (view.state is not LeaseState.QUARANTINED, deadline is None, deadline or 0)
+
+    return tuple(heapq.nsmallest(max_leases, leases, key=urgency))
 
 
 class Coordinator:
@@ -654,7 +674,8 @@ class Coordinator:
             model.config, model.links(self._clock_ms()), tuple(rates), tuple(decisions)
         )
 
-    def status(self) -> StatusSnapshot:
+    def status(self, max_leases: int = DEFAULT_STATUS_LEASES) -> StatusSnapshot:
+        """At most `max_leases` open leases (`status_leases`); `leases_total` counts all."""
         children = []
         for view in self.registry.views():
             inv = self.inventory.engine_status(view.child_engine_id)
@@ -667,13 +688,15 @@ class Coordinator:
                     self.leases.is_draining(view.child_engine_id),
                 )
             )
+        open_leases = self.leases.open_leases()
         return StatusSnapshot(
             version=__version__,
             reuse_enabled=self.config.reuse,
             warming=self.warming_status() is not None,
             child_engines=tuple(children),
             inventory_entries=self.inventory.entries_total(),
-            leases=tuple(self.leases.open_leases()),
+            leases=status_leases(open_leases, max_leases),
+            leases_total=len(open_leases),
             store=self.config.store.url,
             store_unavailable_reason=self.store_unavailable() or "",
             remote_child_engines=self.inventory.remote_engine_count(),

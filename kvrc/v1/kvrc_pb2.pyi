@@ -2262,7 +2262,7 @@ class StatusRequest(_message.Message):
     MAX_LEASES_FIELD_NUMBER: _builtins.int
     max_leases: _builtins.int
     """List at most this many leases (quarantined first, then by deadline); 0 = 1,000.
-    At most 100,000. StatusResponse.leases_total counts them all.
+    At most 10,000. StatusResponse.leases_total counts them all.
     """
     def __init__(
         self,

@@ -237,6 +237,7 @@ WIRE_DECODERS: dict[str, tuple[type[Message], Callable[[Any], object]]] = {
         pb.ResolveQuarantineRequest,
         lambda m: wire.resolve_quarantine_from_proto(m, BOUNDS),
     ),
+    "status_request_from_proto": (pb.StatusRequest, wire.status_request_from_proto),
     "publish_mode_from_proto": (
         pb.Register,
         lambda m: wire.publish_mode_from_proto(m.publish_mode),
