@@ -59,7 +59,10 @@ class EngineOptions:
             )
         if self.tp_rank > 0 and not self.leader:
             raise ValueError("a rank part other than tp rank 0 needs --leader HOST:PORT")
-        split_targets(self.coordinator)  # a CredentialsError or a bad list (ValueError) now
+        # A CredentialsError or a bad list (ValueError) now, before the KV is made:
+        # a token for a plaintext off-host target too (the same check as connect()).
+        split_targets(self.coordinator)
+        self.coordinator.check_token_transport()
 
     @property
     def coordinator(self) -> ChannelOptions:

@@ -8,7 +8,7 @@ A bad value fails engine start with one `KvrcConfigError` naming the field.
 | `kvrc_tls` | false | TLS with the system CAs |
 | `kvrc_ca_cert`, `kvrc_client_cert`, `kvrc_client_key` | none | PEM paths (mutual TLS) |
 | `kvrc_server_name` | none | certificate name to check instead of the target host |
-| `kvrc_token_file` | none | bearer token file (kvrc's per-engine identity) |
+| `kvrc_token_file` | none | bearer token file (needs TLS, or a loopback `kvrc_target`) |
 | `reuse` | false | opt this engine into prefix loads (kvrc must have reuse on, too) |
 | `min_blocks` | 2 | a prefix load must bring at least this many blocks |
 | `mooncake_protocol` | `tcp` | Mooncake transport: `tcp` here, `rdma` on RDMA hosts |
@@ -153,7 +153,9 @@ class KvrcConnectorConfig:
         if bool(self.kvrc_client_cert) != bool(self.kvrc_client_key):
             raise KvrcConfigError("kvrc_client_key", "a client certificate needs its key")
         try:
-            self.channel_options()
+            # A token for a plaintext off-host target: refused now, at engine start, not
+            # at the first channel (the same check and message as connect()).
+            self.channel_options().check_token_transport()
         except ValueError as e:
             raise KvrcConfigError("kvrc_target", str(e)) from None
 

@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "--prefill",
                 a,
                 "--decode",
-                b,
+                f"{b}=demo-b",  # B's kvrc child engine id: the handoffs are reserved for it
                 "--port",
                 "0",
                 "--port-file",

@@ -1,23 +1,34 @@
 """A small P/D proxy for vLLM's OpenAI server, in the style of vLLM's disaggregated examples.
 
-    python -m clients.vllm.proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
-        --port 8000
+    python -m clients.vllm.proxy --prefill http://127.0.0.1:8100 \\
+        --decode http://127.0.0.1:8200=decode-0 --port 8000
+
+`--decode URL=CHILD_ENGINE_ID` names the kvrc child engine id that decode engine
+registers with (its `kv_transfer_config.engine_id`; `<engine_id>_dp<rank>` with
+several DP ranks): the proxy then reserves each handoff for it. A bare
+`--decode URL` still works, unreserved (a startup warning says so): any engine
+credential that knows the prefill's id and the request id could begin such a
+handoff (docs/security.md).
 
 For each `POST /v1/completions` or `/v1/chat/completions`:
 
-1. the request goes to the prefill engine with `max_tokens=1` (and
-   `max_completion_tokens=1`), `stream=false` and
-   `kv_transfer_params={"do_remote_decode": true}`;
+1. the proxy picks the decode engine first (round robin), then sends the request
+   to the prefill engine with `max_tokens=1` (and `max_completion_tokens=1`),
+   `stream=false` and `kv_transfer_params={"do_remote_decode": true}`, plus
+   `"kvrc_decode_engine_id": CHILD_ENGINE_ID` when that decode engine has one
+   (KvrcConnector publishes the handoff reserved for it: only that engine may
+   begin it);
 2. the prefill's answer carries `kv_transfer_params` (KvrcConnector's: vLLM's
    Mooncake/NIXL field names plus kvrc's); the original request goes to the
-   decode engine with those params (over any `kv_transfer_params` the client sent,
-   whose other fields pass through), and the decode's answer, streamed or not, is
-   passed through unchanged. A client that disconnects closes the decode request,
-   which vLLM's server aborts.
+   picked decode engine with those params (over any `kv_transfer_params` the
+   client sent, whose other fields pass through), and the decode's answer,
+   streamed or not, is passed through unchanged. A client that disconnects
+   closes the decode request, which vLLM's server aborts.
 
 If the prefill fails, the request still goes to the decode engine without
-params (it computes the prompt itself). `GET /healthz` answers 200. Needs
-aiohttp (in every vLLM install). Several engines per side: round robin.
+params (it computes the prompt itself). `GET /healthz` answers 200; `GET /stats`
+the counters. Needs aiohttp (in every vLLM install). Several engines per side:
+round robin.
 """
 
 from __future__ import annotations
@@ -29,20 +40,72 @@ import json
 import logging
 import signal
 import sys
+import urllib.parse
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import ClientSession, ClientTimeout, web  # type: ignore[import-not-found]
 
 log = logging.getLogger("kvrc.vllm.proxy")
 
 
+# kvrc's own bound on a child engine id (coordinator/core/leases.py `_check_id`).
+MAX_CHILD_ENGINE_ID_CHARS = 256
+
+
+class DecodeEngine(NamedTuple):
+    url: str  # base URL, no trailing slash
+    child_engine_id: str | None  # kvrc's id of it: handoffs are reserved for it; None: not
+
+
+def engine_url(text: str) -> str:
+    """An engine's base URL, http(s)://HOST[:PORT][/PATH], without a trailing slash."""
+    try:
+        url = urllib.parse.urlsplit(text)
+        url.port  # noqa: B018  # ValueError for a bad port
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL: {e}") from None
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an engine URL: give http(s)://HOST:PORT, e.g. http://127.0.0.1:8200"
+        )
+    if url.query or url.fragment:
+        raise argparse.ArgumentTypeError(f"{text!r}: an engine URL has no ?query or #fragment")
+    return text.rstrip("/")
+
+
+def decode_engine(text: str) -> DecodeEngine:
+    """`URL=CHILD_ENGINE_ID` (handoffs reserved for it) or a bare `URL` (unreserved)."""
+    url, sep, child = text.partition("=")
+    if not sep:
+        return DecodeEngine(engine_url(text), None)
+    child = child.strip()
+    if not child:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the child engine id after '=' is empty; give URL=CHILD_ENGINE_ID "
+            "(the decode's kvrc engine id), or the bare URL for unreserved handoffs"
+        )
+    if len(child) > MAX_CHILD_ENGINE_ID_CHARS or not child.isprintable() or " " in child:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a child engine id is 1..{MAX_CHILD_ENGINE_ID_CHARS} printable "
+            "characters without spaces"
+        )
+    return DecodeEngine(engine_url(url), child)
+
+
 class PdProxy:
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str | DecodeEngine]) -> None:
         self._prefill = itertools.cycle([p.rstrip("/") for p in prefill])
-        self._decode = itertools.cycle([d.rstrip("/") for d in decode])
+        self._decode = itertools.cycle(
+            [d if isinstance(d, DecodeEngine) else decode_engine(d) for d in decode]
+        )
         self._session: ClientSession | None = None
-        self.counters = {"requests": 0, "handoffs": 0, "prefill_failures": 0}
+        self.counters = {
+            "requests": 0,
+            "handoffs": 0,
+            "handoffs_reserved": 0,  # of `handoffs`: reserved for their decode engine
+            "prefill_failures": 0,
+        }
 
     async def start(self, app: web.Application) -> None:
         self._session = ClientSession(timeout=ClientTimeout(total=600))
@@ -73,10 +136,13 @@ class PdProxy:
         self.counters["requests"] += 1
         client_params = body.get("kv_transfer_params")
         path = request.path
+        # The decode engine first: the prefill publishes the handoff reserved for it.
+        decode = next(self._decode)
+        to_prefill: dict[str, Any] = {"do_remote_decode": True}
+        if decode.child_engine_id is not None:
+            to_prefill["kvrc_decode_engine_id"] = decode.child_engine_id
         prefill_body = dict(body)
-        prefill_body.update(
-            stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-        )
+        prefill_body.update(stream=False, max_tokens=1, kv_transfer_params=to_prefill)
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         prefill_body.pop("stream_options", None)
@@ -91,11 +157,13 @@ class PdProxy:
             log.warning("prefill failed: %s", e)
         if params:
             self.counters["handoffs"] += 1
+            if decode.child_engine_id is not None:
+                self.counters["handoffs_reserved"] += 1
             passed = client_params if isinstance(client_params, dict) else {}
             body = {**body, "kv_transfer_params": {**passed, **params}}
         else:
             self.counters["prefill_failures"] += 1
-        async with self._session.post(next(self._decode) + path, json=body) as reply:
+        async with self._session.post(decode.url + path, json=body) as reply:
             response = web.StreamResponse(status=reply.status)
             response.content_type = reply.content_type
             await response.prepare(request)
@@ -110,13 +178,30 @@ class PdProxy:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clients.vllm.proxy")
-    parser.add_argument("--prefill", action="append", required=True, help="prefill base URL")
-    parser.add_argument("--decode", action="append", required=True, help="decode base URL")
+    parser.add_argument(
+        "--prefill", action="append", required=True, type=engine_url, help="prefill base URL"
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        type=decode_engine,
+        metavar="URL[=CHILD_ENGINE_ID]",
+        help="decode base URL and the kvrc child engine id it registers with: each handoff "
+        "is reserved for it (a bare URL: unreserved handoffs)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--port-file", help="write the bound port here as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    unreserved = [d.url for d in args.decode if d.child_engine_id is None]
+    if unreserved:
+        log.warning(
+            "handoffs to %s are unreserved (any engine credential could begin them): "
+            "give --decode URL=CHILD_ENGINE_ID to reserve them",
+            ", ".join(unreserved),
+        )
 
     async def serve() -> None:
         # A client that disconnects cancels its handler, which closes the decode request.

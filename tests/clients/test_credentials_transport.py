@@ -22,9 +22,10 @@ from harness import run_cli_detached
 
 from clients.inventory import LookupClient
 from clients.leases import LeaseClient
+from clients.refengine.options import EngineOptions
 from clients.router import ScoreClient
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
-from clients.vllm.config import KvrcConnectorConfig
+from clients.vllm.config import KvrcConfigError, KvrcConnectorConfig
 from kvrc.credentials import ChannelOptions, CredentialsError, connect, connect_blocking
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
@@ -134,13 +135,16 @@ async def test_no_client_path_sends_a_token_in_plaintext_off_the_host(
     # Replicas: one off-host target in the list is enough to refuse the channel.
     with pytest.raises(CredentialsError):
         connect(ChannelOptions(f"{listener.loopback_target},{target}", token=TOKEN))
-    # The vLLM connector's options end in the same check (its worker and scheduler
-    # connect with them).
-    config = KvrcConnectorConfig.from_extra(
-        {"kvrc_target": target, "kvrc_token_file": str(token_file)}
-    )
-    with pytest.raises(CredentialsError):
-        connect(config.channel_options())
+    # The vLLM connector's config and the reference engine's options refuse it when they
+    # are read, with the same message (at engine start, not at the first channel).
+    with pytest.raises(KvrcConfigError) as config_refused:
+        KvrcConnectorConfig.from_extra({"kvrc_target": target, "kvrc_token_file": str(token_file)})
+    _refusal_names(target, config_refused.value)
+    with pytest.raises(CredentialsError) as e:
+        EngineOptions(
+            role="decode", engine_id="e", tp_rank=0, tp_size=1, target=target, token_file=token_file
+        )
+    _refusal_names(target, e.value)
     assert listener.spy.authorizations == []
 
 

@@ -48,7 +48,7 @@ from clients.refengine.options import EngineOptions, add_engine_arguments, optio
 from clients.refengine.pull_hook import NO_PULL_HOOK, PullContext
 from clients.refengine.tasks import BackgroundTasks
 from clients.transfer import TransferPlan
-from kvrc.credentials import split_targets
+from kvrc.credentials import ChannelOptions, CredentialsError, split_targets
 
 LAYOUT = KvCacheLayout(
     num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16"
@@ -547,6 +547,37 @@ def test_engine_target_takes_several_replicas_and_refuses_a_bad_list() -> None:
     assert target_help is not None and "comma-separated" in target_help
     with pytest.raises(ValueError, match="'a:1' is listed twice"):
         options_from_args(parser.parse_args([*base, "--target", "a:1,a:1"]))
+
+
+@pytest.mark.parametrize(
+    ("flags", "refused"),
+    [
+        (["--target", "10.0.0.5:50051"], True),
+        (["--target", "kvrc.llm.svc:50051"], True),
+        (["--target", "127.0.0.1:1,10.0.0.5:2"], True),  # one off-host replica is enough
+        (["--target", "127.0.0.1:50051"], False),
+        (["--target", "localhost:1,[::1]:2"], False),
+        (["--target", "10.0.0.5:50051", "--tls-ca", "/ca.pem"], False),
+    ],
+)
+def test_engine_options_refuse_a_token_in_plaintext_off_the_host_when_read(
+    flags: list[str], refused: bool
+) -> None:
+    """When the options are read (before the KV is made), not at the first
+    channel: connect()'s own check and one-line message (kvrc/credentials.py)."""
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--role", "decode", "--engine-id", "d", "--token-file", "/t", *flags])
+    if not refused:
+        assert options_from_args(args).coordinator.token_file == Path("/t")
+        return
+    with pytest.raises(CredentialsError) as caught:
+        options_from_args(args)
+    with pytest.raises(CredentialsError) as same:
+        ChannelOptions(args.target, token_file=Path("/t")).check_token_transport()
+    assert str(caught.value) == str(same.value)
+    assert args.target in str(caught.value) and "TLS" in str(caught.value)
+    assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
@@ -10,6 +12,7 @@ from clients.vllm.config import KvrcConfigError, KvrcConnectorConfig, hash_decla
 from coordinator.core.profiles import DeploymentProfile
 from coordinator.core.score import hash_config
 from coordinator.core.vllm_hashing import HashConfig, Seed
+from kvrc.credentials import ChannelOptions, CredentialsError
 
 
 def test_defaults_are_sensible_and_reuse_is_off() -> None:
@@ -37,7 +40,9 @@ def test_values_are_coerced() -> None:
     ],
 )
 def test_kvrc_target_takes_a_list_or_a_comma_separated_string(value: object) -> None:
-    config = KvrcConnectorConfig.from_extra({"kvrc_target": value, "kvrc_token_file": __file__})
+    config = KvrcConnectorConfig.from_extra(
+        {"kvrc_target": value, "kvrc_token_file": __file__, "kvrc_tls": True}
+    )
     assert config.kvrc_target == "kvrc-0:50051,kvrc-1:50051"
     assert config.kvrc_targets == ("kvrc-0:50051", "kvrc-1:50051")
     # One ChannelOptions carries them all; EngineSession splits it, credentials on each.
@@ -87,6 +92,42 @@ def test_a_bad_field_is_named(extra: dict[str, object], field: str) -> None:
         KvrcConnectorConfig.from_extra(extra)
     assert caught.value.field == field
     assert f"kv_connector_extra_config.{field}:" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["10.0.0.5:50051", "kvrc.llm.svc:50051", "127.0.0.1:50051,10.0.0.5:50051"],
+)
+def test_a_token_for_a_plaintext_off_host_target_is_refused_when_the_config_is_read(
+    target: str,
+) -> None:
+    """When the config is read (engine start), not at the first channel: connect()'s
+    own check and message."""
+    with pytest.raises(KvrcConfigError) as caught:
+        KvrcConnectorConfig.from_extra({"kvrc_target": target, "kvrc_token_file": __file__})
+    assert caught.value.field == "kvrc_target"
+    with pytest.raises(CredentialsError) as same:
+        ChannelOptions(target, token_file=Path(__file__)).check_token_transport()
+    assert (
+        str(caught.value) == f"KvrcConnector: kv_connector_extra_config.kvrc_target: {same.value}"
+    )
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"kvrc_target": "127.0.0.1:50051"},  # loopback: the sidecar default
+        {"kvrc_target": "localhost:1,[::1]:2"},
+        {"kvrc_target": "10.0.0.5:50051", "kvrc_tls": True},
+        {"kvrc_target": "kvrc.llm.svc:50051", "kvrc_ca_cert": __file__},
+    ],
+)
+def test_a_token_over_loopback_or_tls_is_accepted(extra: dict[str, object]) -> None:
+    config = KvrcConnectorConfig.from_extra({**extra, "kvrc_token_file": __file__})
+    assert config.channel_options().token_file == Path(__file__)
+    # Without a token, plaintext off the host stays allowed (nothing secret goes).
+    KvrcConnectorConfig.from_extra({"kvrc_target": "10.0.0.5:50051"})
 
 
 def test_supported_vllm_versions() -> None:

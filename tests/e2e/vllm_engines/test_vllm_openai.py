@@ -1,25 +1,33 @@
 """vLLM's OpenAI server with KvrcConnector, behind the P/D proxy (item 7).
 
 Two `python -m vllm.entrypoints.openai.api_server` processes (prefill on core 0,
-decode on core 1), kvrc, and `clients.vllm.proxy`. A completion through the
-proxy, plain and streamed, equals the prefill server's own single-engine
-completion; the decode server's connector counters (`handoff_tokens_loaded`)
-show the prompt's KV was loaded, and the proxy's `/stats` counts the handoffs.
+decode on core 1), kvrc, and `clients.vllm.proxy --decode URL=CHILD_ENGINE_ID`. A
+completion through the proxy, plain and streamed, equals the prefill server's own
+single-engine completion; the decode server's connector counters
+(`handoff_tokens_loaded`) show the prompt's KV was loaded, and the proxy's `/stats`
+counts the handoffs, each reserved for the decode engine. A second proxy whose
+decode URL is a stand-in that keeps the request shows kvrc holding that
+reservation: the handoff's target is the decode engine before it begins, another
+registered engine's begin is refused (PERMISSION_DENIED), the decode's is not.
 """
 
 from __future__ import annotations
 
 import http.client
+import http.server
 import json
 import socket
 import subprocess
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness import free_port
+from lease_engine import LeaseEngine
 from vllm_harness import (
     REPO,
     Kvrc,
@@ -105,6 +113,125 @@ def vllm_gauge(server: OpenAiServer, name: str) -> float:
     )
 
 
+def start_proxy(
+    vllm_python: str, work: Path, name: str, prefill: str, decode: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`clients.vllm.proxy` in the vLLM venv, and its URL once it listens."""
+    port_file = work / f"{name}-port.json"
+    proxy = subprocess.Popen(
+        [
+            vllm_python,
+            "-m",
+            "clients.vllm.proxy",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+        ],
+        cwd=REPO,
+        env=engine_env("0", work),
+        stdout=subprocess.DEVNULL,
+        stderr=open(work / f"{name}.log", "wb"),  # noqa: SIM115 - the child keeps it
+        start_new_session=True,
+    )
+    give_up = time.monotonic() + 30
+    while not port_file.is_file() or not port_file.read_text().endswith("}"):
+        assert time.monotonic() < give_up and proxy.poll() is None, f"{name} did not start"
+        time.sleep(0.1)
+    return proxy, f"http://127.0.0.1:{json.loads(port_file.read_text())['port']}"
+
+
+class KeptDecode(http.server.ThreadingHTTPServer):
+    """Stands in for the decode's URL: keeps each request body it is sent, answers 503.
+    The prefill's handoff then stays READY, not begun, for the test to look at."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        kept = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                kept.bodies.append(json.loads(self.rfile.read(length)))
+                self.send_error(503, "kept by the test")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def kvrc_holds_the_reservation(
+    vllm_python: str,
+    work: Path,
+    kvrc: Kvrc,
+    prefill: OpenAiServer,
+    decode: OpenAiServer,
+    body: dict[str, Any],
+    reference: str,
+) -> None:
+    """The proxy's reservation, as kvrc enforces it, on a handoff nobody has begun yet."""
+    kept = KeptDecode()
+    proxy, proxy_url = start_proxy(
+        vllm_python, work, "kept-proxy", prefill.url, f"{kept.url}={decode.name}"
+    )
+    intruder = None
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post_json(proxy_url + "/v1/completions", body)
+        assert refused.value.code == 503  # the stand-in's answer, passed through
+        [to_decode] = kept.bodies
+        params = to_decode["kv_transfer_params"]
+        assert params["kvrc_decode_engine_id"] == decode.name  # the proxy asked for it
+        handoff, source = params["transfer_id"], params["remote_engine_id"]
+        assert source == prefill.name
+
+        # kvrc's lease names the reserved decode engine before any begin.
+        [lease] = [
+            x
+            for x in kvrc.status(python_of_tests())["leases"]
+            if x["flow"] == "handoff" and x["source_child_engine_id"] == prefill.name
+        ]
+        assert (lease["state"], lease["target_child_engine_id"]) == ("READY", decode.name)
+
+        # Another registered, READY engine that knows the ids is refused.
+        intruder = LeaseEngine(kvrc.target, engine_id="intruder")
+        give_up = time.monotonic() + 30
+        while not any(
+            c["child_engine_id"] == "intruder" and c["ready"]
+            for c in kvrc.status(python_of_tests())["child_engines"]
+        ):
+            assert time.monotonic() < give_up, "the intruder never became READY"
+            time.sleep(0.2)
+        begun = intruder.command("begin", request_id=handoff, prefill=source)
+        assert begun["ok"] is False and begun["code"] == "PERMISSION_DENIED", begun
+        assert f"reserved for decode child engine {decode.name!r}" in begun["message"]
+
+        # The decode engine it is reserved for takes it: same answer, KV loaded.
+        before = decode.stats()
+        assert post_json(decode.url + "/v1/completions", to_decode)["choices"][0]["text"] == (
+            reference
+        )
+        after = wait_counter(decode, "handoff_loads", before, within_s=30)
+        assert after.get("handoff_load_failures", 0) == 0
+    finally:
+        if intruder is not None:
+            intruder.kill()
+        proxy.terminate()
+        proxy.wait(10)
+        kept.shutdown()
+        kept.server_close()
+
+
 def test_openai_servers_behind_the_pd_proxy(vllm_python: str, tiny_model: Path) -> None:
     work = workdir("openai")
     kvrc = Kvrc(python_of_tests(), work, "--reuse", "off")
@@ -133,32 +260,10 @@ def test_openai_servers_behind_the_pd_proxy(vllm_python: str, tiny_model: Path) 
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        port_file = work / "proxy-port.json"
-        proxy = subprocess.Popen(
-            [
-                vllm_python,
-                "-m",
-                "clients.vllm.proxy",
-                "--prefill",
-                prefill.url,
-                "--decode",
-                decode.url,
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-            ],
-            cwd=REPO,
-            env=engine_env("0", work),
-            stdout=subprocess.DEVNULL,
-            stderr=open(work / "proxy.log", "wb"),  # noqa: SIM115 - the child keeps it
-            start_new_session=True,
+        # Each handoff reserved for the decode's child engine id (its engine_id here).
+        proxy, proxy_url = start_proxy(
+            vllm_python, work, "proxy", prefill.url, f"{decode.url}={decode.name}"
         )
-        give_up = time.monotonic() + 30
-        while not port_file.is_file() or not port_file.read_text().endswith("}"):
-            assert time.monotonic() < give_up and proxy.poll() is None, "the proxy did not start"
-            time.sleep(0.1)
-        proxy_url = f"http://127.0.0.1:{json.loads(port_file.read_text())['port']}"
 
         prompt = random_prompt(51, 300)
         body = {
@@ -186,11 +291,13 @@ def test_openai_servers_behind_the_pd_proxy(vllm_python: str, tiny_model: Path) 
         assert stats["handoff_tokens_loaded"] == len(prompt) + (len(prompt) - full_blocks * 32)
         assert stats.get("handoff_load_failures", 0) == 0
         with urllib.request.urlopen(proxy_url + "/stats") as r:
-            assert json.loads(r.read())["handoffs"] == 2
+            counters = json.loads(r.read())
+        assert (counters["handoffs"], counters["handoffs_reserved"]) == (2, 2)
 
         client_disconnects_mid_load(kvrc, prefill, decode, proxy_url, body)
         # D still serves, from intact blocks
         assert post_json(proxy_url + "/v1/completions", body)["choices"][0]["text"] == reference
+        kvrc_holds_the_reservation(vllm_python, work, kvrc, prefill, decode, body, reference)
     finally:
         if proxy is not None:
             proxy.terminate()
