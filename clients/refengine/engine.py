@@ -1041,7 +1041,7 @@ class Leader:
         except BaseException:
             self._drop_hold(request_id)
             raise
-        states, failures = await self._settle_publish(request_id, answers)
+        states, failures = await self._settle_publish(request_id, answers, first=True)
         if failures:
             if request_id in self._hold_by_request:
                 # kvrc may have recorded every part, and a decode may read the blocks
@@ -1056,21 +1056,28 @@ class Leader:
                     self._tasks.spawn(
                         self._publish_again(request_id, args), name=f"publish {request_id} again"
                     )
-            raise failures[0]
+            # A refusal says more than a lost answer: raise it first.
+            raise next((e for e in failures if not outcome_unknown(e)), failures[0])
         return {"states": sorted(states)}
 
     async def _settle_publish(
-        self, request_id: str, answers: list[Any]
+        self, request_id: str, answers: list[Any], *, first: bool = False
     ) -> tuple[set[str], list[BaseException]]:
         """Drops or binds the handoff's hold by its parts' answers to a publish: their
-        states, and the failures (each part's exception)."""
+        states, and the failures (each part's exception).
+
+        A part refused at its `first` publish was never recorded, so the handoff can
+        never be READY (no decode reads) as long as that part is not published again:
+        the hold goes, whatever the other parts answered. A refusal of a repeat proves
+        nothing: the first may have been recorded and read, and a repeat is refused
+        while the engine is not ready (a part reconnecting), so the hold stays
+        (I6-quiescence)."""
         results = [a for a in answers if not isinstance(a, BaseException)]
         failures = [a for a in answers if isinstance(a, BaseException)]
         states = {r["state"] for r in results}
-        if states & HANDOFF_ENDED_STATES or (
-            failures and not any(outcome_unknown(e) for e in failures)
-        ):
-            # Ended before we published, or kvrc refused it: no release will come.
+        refused = first and any(not outcome_unknown(e) for e in failures)
+        if states & HANDOFF_ENDED_STATES or refused:
+            # Ended before we published, or kvrc refused a part: no release will come.
             self._drop_hold(request_id)
         elif lease_id := next((r["lease_id"] for r in results if r["lease_id"]), ""):
             await self.bind_handoff(request_id, lease_id)

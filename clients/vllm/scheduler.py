@@ -276,10 +276,14 @@ class KvrcScheduler:
             failures = [a for a in answers if isinstance(a, BaseException)]
             if failures and attempt == 0:
                 self._count("handoff_publish_failures")
-            if failures and all(not outcome_unknown(e) for e in failures):
-                # kvrc refused a part: the handoff never goes READY, no decode reads.
+            refusal = next((e for e in failures if not outcome_unknown(e)), None)
+            if refusal is not None and attempt == 0:
+                # kvrc refused a part's first publish: the handoff never goes READY, no
+                # decode reads, whatever the other parts' outcome. A repeat's refusal
+                # proves nothing (the first may have been recorded and read; a repeat is
+                # refused while the engine is not ready): the hold stays (I6-quiescence).
                 log.warning(
-                    "handoff %s not published: %s; freeing its blocks", spec.handoff_id, failures[0]
+                    "handoff %s not published: %s; freeing its blocks", spec.handoff_id, refusal
                 )
                 with self._lock:
                     self._free_now.append(spec.request_id)

@@ -596,12 +596,15 @@ class KvrcWorker:
             except KvrcClientError as e:
                 if attempt == 0:
                     self.finished.count("handoff_publish_failures")
-                if not outcome_unknown(e):
+                if not outcome_unknown(e) and attempt == 0:
                     log.warning(
                         "handoff %s not published: %s; freeing its blocks", spec.handoff_id, e
                     )
                     self.finished.add_sending(spec.request_id)
                     return
+                # A repeat's refusal proves nothing: the first may have been recorded and
+                # read, and a repeat is refused while the engine is not ready (a part
+                # reconnecting). The hold stays, and the publish goes again.
                 if attempt == 0:
                     # kvrc may have recorded the part (only the answer was lost): a
                     # decode may be granted these blocks, so they are held as a

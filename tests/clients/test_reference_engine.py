@@ -658,6 +658,9 @@ def _referenced(leader: Leader) -> int:
         # refused: no release will come; freed once (not twice)
         ([_REFUSED, _REFUSED], NotFoundError, False),
         ([_READY, _REFUSED], NotFoundError, False),
+        # one part refused at its first publish: never READY whatever the other's
+        # outcome, so no decode reads (before: held for the safety net's 300 s)
+        ([_DEADLINE, _REFUSED], NotFoundError, False),
     ],
 )
 async def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
@@ -690,6 +693,9 @@ _ENDED = {"state": "COMPLETED", "lease_id": "ho-1"}
         ([_READY, _READY], "bound"),  # kvrc had it: its release now reaches the hold
         ([_ENDED, _ENDED], "freed"),  # it ended meanwhile: no release will come
         ([_DEADLINE, _DEADLINE], "held"),  # still unknown: the safety net frees it
+        # A repeat refused (the engine not ready while a part reconnects) proves nothing:
+        # the first publish may have been recorded and a decode may read (before: freed).
+        ([_REFUSED, _REFUSED], "held"),
     ],
 )
 async def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_named(

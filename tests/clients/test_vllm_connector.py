@@ -645,6 +645,63 @@ def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_named(
         made.shutdown()
 
 
+def _publish_refused_after_lost() -> Any:
+    """The first answer is lost; every repeat is refused (the engine not ready while a
+    part reconnects), which proves nothing about the first."""
+    calls: list[int] = []
+
+    async def publish_handoff(*_: Any, **__: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise _LOST
+        raise KvrcClientError(grpc.StatusCode.FAILED_PRECONDITION, "prefill is not ready")
+
+    return publish_handoff
+
+
+def test_a_refused_repeat_publish_keeps_the_blocks_held(
+    vllm_side: Any, kvrc_server: CoordinatorProcess, worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first publish may have been recorded and read (I6-quiescence): before, the
+    repeat's refusal freed the blocks at once while a decode could be reading them."""
+    monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.05, 0.05))
+    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    try:
+        made.config = dataclasses.replace(made.config, handoff_hold_s=1.0)
+        made._endpoints[0] = worker.endpoint.to_json()
+        made.leases.publish_handoff = _publish_refused_after_lost()
+        spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], "", b"")
+        made.loop.run(made._publish_all(spec), timeout_s=10)
+        assert made._free_now == []  # held: only the hold's end frees it
+        time.sleep(1.5)
+        assert made._free_now == ["req-p"]
+    finally:
+        made.shutdown()
+
+
+def test_a_worker_keeps_a_part_whose_repeat_publish_is_refused(
+    clean_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = clean_worker
+    monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.05, 0.05))
+    before = (worker.leases, worker.config)
+    worker.leases = NS(publish_handoff=_publish_refused_after_lost())
+    worker.config = dataclasses.replace(worker.config, handoff_hold_s=1.0)
+    worker.registered.set()
+    try:
+        spec = NS(request_id="req-w", handoff_id="handoff-w", block_ids=[1], kv_transfer_params=b"")
+        spec.decode_child_engine_id = ""
+        worker.loop.run(worker._publish(spec), timeout_s=10)
+        sending, _ = worker.finished.take()
+        assert "req-w" not in sending  # before: freed at the repeat's refusal
+        time.sleep(1.5)
+        sending, _ = worker.finished.take()
+        assert "req-w" in sending
+    finally:
+        worker.leases, worker.config = before
+        worker.registered.clear()
+
+
 def test_a_worker_sends_a_publish_of_unknown_outcome_again_until_its_lease_is_named(
     clean_worker: Any, vllm_side: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
