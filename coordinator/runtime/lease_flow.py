@@ -135,8 +135,6 @@ class LeaseFlow:
         # Waiting Drains, by the child engines each waits on: a lease's end wakes only
         # the drains of its own engines (entries leave with their waiter).
         self._drain_waiters: dict[str, set[asyncio.Event]] = {}
-        # Recovery sums up its quarantines in one line per Register (`recover_held`).
-        self._quarantine_log_muted = False
         self._m_draining = metrics.child_engines.labels(state="draining")
         self._m_draining.set(0)
         # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
@@ -373,11 +371,7 @@ class LeaseFlow:
                 continue
             if actions:
                 states[view.state.name] += 1
-            self._quarantine_log_muted = True  # summed up below
-            try:
-                self._execute(actions)
-            finally:
-                self._quarantine_log_muted = False
+            self._execute(actions, log_quarantines=False)  # summed up below
         if states or refused:
             log.warning(
                 "held leases re-announced by %s rank %s: %s; not recovered: %s%s",
@@ -503,7 +497,9 @@ class LeaseFlow:
                 rank,
             )
 
-    def _execute(self, actions: Sequence[GrantAction]) -> None:
+    def _execute(self, actions: Sequence[GrantAction], *, log_quarantines: bool = True) -> None:
+        """`log_quarantines` False: the caller logs them in one line (restart recovery
+        names thousands per Register)."""
         m = self._metrics
         ledger = self.ledger
         if ledger is not None:
@@ -551,7 +547,7 @@ class LeaseFlow:
                 )
             elif isinstance(action, LeaseQuarantined):
                 m.lease_quarantines.labels(flow=action.flow.value).inc()
-                if not self._quarantine_log_muted:
+                if log_quarantines:
                     log.warning(
                         "%s lease %s quarantined: %s",
                         action.flow.value,
