@@ -167,6 +167,10 @@ class RankPartRegistration:
                 pb.HeldLease(lease_id=lease_id, requester_child_engine_id=requester)
                 for lease_id, requester in (held_leases or {}).items()
             ],
+            # Also as bare ids: a coordinator that predates held_leases ignores that field,
+            # and would rebuild nothing (the holder's safety net would then free pins a
+            # requester may still read).
+            held_lease_ids=list(held_leases or ()),
             protocol_version=PROTOCOL_VERSION,
         )
 

@@ -5,7 +5,8 @@
 
 `--decode URL=CHILD_ENGINE_ID` names the kvrc child engine id that decode engine
 registers with (its `kv_transfer_config.engine_id`; `<engine_id>_dp<rank>` with
-several DP ranks): the proxy then reserves each handoff for it. A bare
+several DP ranks, each behind its own URL: one URL that balances over several ranks
+cannot be reserved for one): the proxy then reserves each handoff for it. A bare
 `--decode URL` still works, unreserved (a startup warning says so): any engine
 credential that knows the prefill's id and the request id could begin such a
 handoff (docs/security.md).

@@ -869,14 +869,17 @@ class LeaseTable:
             )
         lease = self._leases[lease_id]
         assert isinstance(lease, _Handoff)
+        # Named by its request, never its lease id: the id is what a party acts on the
+        # lease with (and reports on it after a restart), and this caller may be none.
+        handoff = f"the handoff of request {request_id!r}"
         if lease.decode_restriction not in (None, decode_child_engine_id):
             raise permission_denied(
-                f"handoff {lease_id} is reserved for decode child engine "
+                f"{handoff} is reserved for decode child engine "
                 f"{lease.decode_restriction!r}, not {decode_child_engine_id!r}"
             )
         if lease.target_child_engine_id not in (None, decode_child_engine_id):
             raise permission_denied(
-                f"handoff {lease_id} was already begun by decode child engine "
+                f"{handoff} was already begun by decode child engine "
                 f"{lease.target_child_engine_id!r}"
             )
         if lease.state is LeaseState.ACTIVE:
@@ -887,7 +890,7 @@ class LeaseTable:
                 if lease.state is LeaseState.WAITING_READY
                 else f"it is {lease.state.name}"
             )
-            raise failed_precondition(f"handoff {lease_id} is not READY: {detail}")
+            raise failed_precondition(f"{handoff} is not READY: {detail}")
         if decode_child_engine_id == lease.source_child_engine_id:
             raise invalid(
                 f"decode and prefill are the same child engine {decode_child_engine_id!r}"

@@ -321,13 +321,11 @@ def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRe
 
 
 def _held_leases_from_proto(msg: pb.Register, bounds: FieldBounds) -> tuple[HeldLease, ...]:
-    """`held_leases` (with requesters) and the older `held_lease_ids`, counted together; a
-    lease named twice keeps its first mention."""
-    check_count(
-        "held_leases + held_lease_ids",
-        len(msg.held_leases) + len(msg.held_lease_ids),
-        bounds.max_held_leases,
-    )
+    """`held_leases` (with requesters) and the older `held_lease_ids` (clients send both, for
+    coordinators that predate `held_leases`): a lease named twice keeps its first mention,
+    the one with its requester; each field and their union are bounded."""
+    check_count("held_leases", len(msg.held_leases), bounds.max_held_leases)
+    check_count("held_lease_ids", len(msg.held_lease_ids), bounds.max_held_leases)
     held: dict[str, HeldLease] = {}
     for entry in msg.held_leases:
         lease_id = check_id("held_leases[].lease_id", entry.lease_id, bounds)
@@ -337,6 +335,11 @@ def _held_leases_from_proto(msg: pb.Register, bounds: FieldBounds) -> tuple[Held
         held.setdefault(lease_id, HeldLease(lease_id, requester))
     for lease_id in msg.held_lease_ids:
         held.setdefault(lease_id, HeldLease(check_id("held_lease_ids[]", lease_id, bounds)))
+    if len(held) > bounds.max_held_leases:
+        raise invalid(
+            f"held_leases and held_lease_ids name {len(held)} distinct leases; the limit "
+            f"is {bounds.max_held_leases}"
+        )
     return tuple(held.values())
 
 
@@ -464,12 +467,18 @@ def status_request_from_proto(msg: pb.StatusRequest) -> int:
     return msg.max_leases or DEFAULT_STATUS_LEASES
 
 
+# The lease list's share of a status answer: long ids and reasons make a lease up to
+# ~1.8 KB, and 10,000 of them would pass the server's 16 MiB send limit.
+STATUS_LEASE_BYTES = 8 << 20
+
+
 def status_to_proto(
     snapshot: StatusSnapshot, clock: Clock, *, full_lease_ids: bool
 ) -> pb.StatusResponse:
     """`full_lease_ids` False: each id shortened (`shortened_lease_id`), for non-admins."""
     decisions = dict(snapshot.cost.decisions) if snapshot.cost is not None else {}
     leases = []
+    lease_bytes = 0
     for view in snapshot.leases:
         lease = lease_status_to_proto(view, clock)
         if not full_lease_ids:
@@ -477,6 +486,9 @@ def status_to_proto(
         prediction = decisions.get(view.lease_id)
         if prediction is not None:
             lease.prediction.CopyFrom(prediction_to_proto(prediction))
+        lease_bytes += lease.ByteSize() + 4  # with its field tag and length
+        if lease_bytes > STATUS_LEASE_BYTES:
+            break  # the most urgent first: leases_total still counts the rest
         leases.append(lease)
     return pb.StatusResponse(
         version=__version__,

@@ -667,14 +667,15 @@ class Register(_message.Message):
     def held_lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Set when reconnecting after a coordinator restart: the leases this rank
         part still holds pins for (restart recovery). Clients that know each lease's
-        requester send `held_leases` instead; a lease may appear in one of the two.
+        requester send `held_leases` too (and these ids, for coordinators that predate
+        it); a lease in both is read from `held_leases`.
         """
 
     @_builtins.property
     def held_leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldLease]:
         """As held_lease_ids, each with the requester the holder knows (restart recovery):
         a rebuilt lease with a named requester takes reports from that engine only.
-        At most as many as held_lease_ids may carry, counted together.
+        Bounded as held_lease_ids is, and so is the number of distinct leases in both.
         """
 
     def __init__(

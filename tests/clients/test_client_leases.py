@@ -314,7 +314,9 @@ async def test_a_pin_result_that_finds_the_session_gone_is_logged_once_and_kept_
     assert said[0].exc_info is None
     # Re-announced on re-registration, with the requester only it may report for.
     assert handler.held_leases() == {"pl-gone": "req-0"}
-    held = session.registration.to_proto(handler.held_leases()).held_leases
-    assert [(h.lease_id, h.requester_child_engine_id) for h in held] == [("pl-gone", "req-0")]
+    register = session.registration.to_proto(handler.held_leases())
+    held = [(h.lease_id, h.requester_child_engine_id) for h in register.held_leases]
+    assert held == [("pl-gone", "req-0")]
+    assert list(register.held_lease_ids) == ["pl-gone"]  # for coordinators before held_leases
     await session.close()
     await handler.aclose()

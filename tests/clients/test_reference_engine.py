@@ -580,6 +580,29 @@ def test_engine_options_refuse_a_token_in_plaintext_off_the_host_when_read(
     assert "\n" not in str(caught.value)
 
 
+async def test_a_published_handoff_is_announced_with_its_reserved_decode_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a kvrc restart the rebuilt lease takes reports only from the engine its
+    holder names: a handoff's is the decode engine it was reserved for."""
+    from clients.leases import LeaseSessionHandler, PublishResult
+    from clients.refengine.engine import RankPart
+
+    async def publish_handoff(request_id: str, **kw: Any) -> PublishResult:
+        return PublishResult("READY", 1, 1, f"ho-{request_id}")
+
+    monkeypatch.setattr("clients.refengine.engine.rank_part_descriptor", lambda *a, **k: b"d")
+    part = NS(
+        leases=NS(publish_handoff=publish_handoff),
+        handler=LeaseSessionHandler(),
+        endpoint=None,
+        options=NS(tp_rank=0),
+    )
+    for request_id, decode in (("r1", "dec-1"), ("r2", "")):
+        await RankPart.publish_handoff(part, request_id, [1], decode, b"")  # type: ignore[arg-type]
+    assert part.handler.held_leases() == {"ho-r1": "dec-1", "ho-r2": ""}
+
+
 @pytest.mark.parametrize(
     ("state", "ended"),
     [("WAITING_READY", False), ("READY", False), ("ACTIVE", False)]

@@ -636,10 +636,12 @@ def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_named(
         made.config = dataclasses.replace(made.config, handoff_hold_s=30.0)
         made._endpoints[0] = worker.endpoint.to_json()
         made.leases.publish_handoff = _publish_answers_second_time(_LOST)
-        spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], "", b"")
+        spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], "dec-1", b"")
         made.loop.run(made._publish_all(spec), timeout_s=10)
         assert made.counters["handoff_publish_unknown"] == 1
         assert made._handoff_leases == {"ho-again": "req-p"} and made._free_now == []
+        # The workers re-announce it with the decode engine it was reserved for.
+        assert made._held_new == [("ho-again", "dec-1")]
         assert made.counters["handoffs_published"] == 1
     finally:
         made.shutdown()
@@ -716,10 +718,11 @@ def test_a_worker_sends_a_publish_of_unknown_outcome_again_until_its_lease_is_na
     worker.registered.set()
     try:
         spec = NS(request_id="req-w", handoff_id="handoff-w", block_ids=[1], kv_transfer_params=b"")
-        spec.decode_child_engine_id = ""
+        spec.decode_child_engine_id = "dec-1"
         worker.loop.run(worker._publish(spec), timeout_s=10)
         assert worker._held == {"ho-again": "req-w"}
-        assert "ho-again" in worker.handler.held_leases()  # re-announced after a restart
+        # Re-announced after a restart, with the decode engine it was reserved for.
+        assert worker.handler.held_leases()["ho-again"] == "dec-1"
         sending, _ = worker.finished.take()
         assert "req-w" not in sending
     finally:

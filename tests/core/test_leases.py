@@ -847,6 +847,23 @@ def test_decode_gone_releases_the_prefill() -> None:
     assert t.get(lease_id).state is LeaseState.FAILED and len(of(actions, SendRelease)) == 2
 
 
+def test_a_refused_begin_never_hands_the_lease_id_to_its_caller() -> None:
+    # A lease id is what a party acts on a lease with (and, after a restart, reports on
+    # it with): a begin refused to another engine names the handoff by its request.
+    t = table()
+    reserved = publish_all(t, "h-reserved", decode=DEC)
+    taken = publish_all(t, "h-taken")
+    begin(t, "h-taken")
+    waiting = publish(t, TP2[0], ("desc", TP2[0]), "h-waiting").view.lease_id
+    for request_id, lease_id, code in (
+        ("h-reserved", reserved, ErrorCode.PERMISSION_DENIED),
+        ("h-taken", taken, ErrorCode.PERMISSION_DENIED),
+        ("h-waiting", waiting, ErrorCode.FAILED_PRECONDITION),
+    ):
+        error = refused(t, code, partial(begin, t, request_id, decode="intruder"))
+        assert lease_id not in error.message and repr(request_id) in error.message
+
+
 def test_reserved_decode_gone_before_begin_releases_the_prefill() -> None:
     t = table()
     lease_id = publish_all(t, decode=DEC)

@@ -169,9 +169,14 @@ REGISTER_CASES: list[tuple[str, Callable[[pb.Register], None], str]] = [
         "held_leases[].lease_id is empty",
     ),
     (
-        "too many held leases, counted together",
+        "too many held leases, in both fields together",
         _held(*(pb.HeldLease(lease_id=f"pl-h{i}") for i in range(1500)), ids=3000),
-        "held_leases + held_lease_ids has 4500 entries; the limit is 4096",
+        "held_leases and held_lease_ids name 4500 distinct leases; the limit is 4096",
+    ),
+    (
+        "too many held leases",
+        _held(*(pb.HeldLease(lease_id=f"pl-h{i}") for i in range(4097))),
+        "held_leases has 4097 entries; the limit is 4096",
     ),
     (
         "too many extra entries",

@@ -36,8 +36,9 @@ from clients.refengine.demo import child_process_env
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from coordinator.core.leases import Flow, LeaseState, LeaseView
 from coordinator.edges.cli import STATUS_MAX_RECEIVE_BYTES
-from coordinator.edges.grpc_wire import shortened_lease_id
-from coordinator.runtime.coordinator import MAX_STATUS_LEASES, status_leases
+from coordinator.edges.grpc_wire import STATUS_LEASE_BYTES, shortened_lease_id, status_to_proto
+from coordinator.runtime.clock import ManualClock
+from coordinator.runtime.coordinator import MAX_STATUS_LEASES, StatusSnapshot, status_leases
 from kvrc.credentials import ChannelOptions, connect
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
@@ -94,6 +95,35 @@ def test_quarantined_first_then_by_deadline_none_last() -> None:
 )
 def test_shortened_lease_ids(lease_id: str, shown: str) -> None:
     assert shortened_lease_id(lease_id) == shown
+
+
+def test_the_lease_list_stays_inside_its_byte_budget_with_the_longest_ids() -> None:
+    # 10,000 leases with 256-character ids and long reasons are ~18 MiB: past the
+    # server's 16 MiB send limit. The most urgent ones that fit are listed.
+    longest = "e" * 256
+    views = tuple(
+        LeaseView(
+            lease_id=f"ho-{i:032x}@{'r' * 200}",
+            flow=Flow.HANDOFF,
+            state=LeaseState.READY,
+            request_id=longest,
+            source_child_engine_id=longest,
+            target_child_engine_id=longest,
+            created_ms=0,
+            deadline_ms=i,
+            reason="r" * 1_000,
+            parts_reported=0,
+            parts_expected=1,
+        )
+        for i in range(MAX_STATUS_LEASES)
+    )
+    snapshot = StatusSnapshot("v", True, False, (), leases=views, leases_total=len(views))
+    answer = status_to_proto(snapshot, ManualClock(), full_lease_ids=True)
+    assert sum(len(v.lease_id) + 1_800 for v in views) > 16 * MIB  # the case is real
+    assert 0 < len(answer.leases) < MAX_STATUS_LEASES
+    assert answer.ByteSize() <= STATUS_LEASE_BYTES + 1024
+    assert [x.lease_id for x in answer.leases] == [v.lease_id for v in views][: len(answer.leases)]
+    assert answer.leases_total == MAX_STATUS_LEASES
 
 
 def test_the_cli_receives_the_largest_bounded_answer() -> None:
