@@ -148,6 +148,11 @@ class ZmqStreamConfig:
     rcv_hwm: int = 1000
     # Live frames parked behind a running replay (the same bound as the socket queue).
     max_pending_frames: int = 1000
+    # Replay what the publisher still buffers as soon as the stream starts. Batches sent
+    # while kvrc was not subscribed (before the engine registered again after a session
+    # blip, or across a kvrc restart) otherwise wait for a later batch to show the gap,
+    # and an engine that goes idle sends none. Needs `replay_endpoint`.
+    catch_up_on_start: bool = False
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -237,6 +242,7 @@ def stream_config_from_vllm(
         topic=topic,
         block_size=block_size,
         lora_name=lora_name,
+        catch_up_on_start=replay is not None,
     )
 
 
@@ -348,7 +354,24 @@ class ZmqEventStream:
             raise KvrcError(
                 ErrorCode.FAILED_PRECONDITION, f"cannot {verb} {cfg.endpoint}: {exc}"
             ) from None
+        if cfg.catch_up_on_start and self._dealer is not None:
+            # Live frames park behind it, as behind any replay (_receive).
+            self._catch_up = asyncio.create_task(
+                self._run_catch_up(self._replay_at_start()),
+                name=f"zmq-replay-{self.child_engine_id}",
+            )
         self._task = asyncio.create_task(self._run(), name=f"zmq-ingest-{self.child_engine_id}")
+
+    async def _replay_at_start(self) -> None:
+        """Everything the publisher buffers, from sequence 0: a suffix of its log, so the
+        view it builds holds no block the engine no longer has (only misses)."""
+        if await self._replay(0, at_start=True) is _ReplayResult.TIMEOUT:
+            log.info(
+                "zmq stream %s: the replay at start went unanswered in %ss; live batches "
+                "only (a gap in them is replayed)",
+                self.child_engine_id,
+                self.config.replay_timeout_s,
+            )
 
     async def close(self) -> None:
         if self._closed:
@@ -559,9 +582,11 @@ class ZmqEventStream:
             log.info("zmq stream %s: %s; starting with a partial view", self.child_engine_id, why)
 
     async def _replay(
-        self, start_seq: int, verify_digest: int | None = None
+        self, start_seq: int, verify_digest: int | None = None, *, at_start: bool = False
     ) -> _ReplayResult | None:
-        """Replay from `start_seq`; None when `verify_digest` shows another publisher."""
+        """Replay from `start_seq`; None when `verify_digest` shows another publisher.
+        `at_start`: the stream's first look (`_replay_at_start`): a buffer that does not
+        reach back to `start_seq` lost nothing this stream had, so it is complete."""
         dealer = self._dealer
         assert dealer is not None
         self._replays += 1
@@ -612,6 +637,8 @@ class ZmqEventStream:
             if verify_digest is not None:
                 return None  # this publisher never got as far as we did
             result = _ReplayResult.OVERRUN  # nothing from start_seq on is buffered
+        if at_start and result is _ReplayResult.OVERRUN:
+            result = _ReplayResult.COMPLETE
         self._metrics.zmq_replays.labels(result=result.value).inc()
         return result
 

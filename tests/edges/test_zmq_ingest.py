@@ -136,6 +136,67 @@ async def test_gap_is_filled_by_a_replay_from_the_first_missing_sequence(
     assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="gap") == 1
 
 
+@pytest.mark.parametrize("catch_up", [True, False])
+async def test_a_stream_that_starts_catches_up_without_waiting_for_a_live_batch(
+    ctx: zmq.asyncio.Context, catch_up: bool
+) -> None:
+    # An engine that published while kvrc was not subscribed (between a session blip's
+    # removal and its registration again) and then went idle: nothing live shows a gap.
+    pub = WirePublisher(ctx)
+    for h in range(3):
+        await pub.publish(stored(h), send=False)
+    await pub.publish(removed(0), send=False)
+    sink, metrics = RecordingSink(), Metrics()
+    cfg = ZmqStreamConfig(
+        engine_id=ENGINE,
+        endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint,
+        catch_up_on_start=catch_up,
+    )
+    stream = ZmqEventStream(cfg, sink, metrics, context=ctx)
+    try:
+        await stream.start()
+        await pub.wait_subscribed()
+        if catch_up:
+            await wait_until(lambda: sink.seqs() == [0, 1, 2, 3], 5)
+            assert sink.held() == {1, 2} and pub.replay_requests == [0]
+            assert value(metrics, "kvrc_zmq_replays_total", result="complete") == 1
+            # Live batches go on from there.
+            await pub.publish(stored(7))
+            await wait_until(lambda: sink.seqs() == [0, 1, 2, 3, 4], 5)
+            assert stream.status().state is StreamState.LIVE
+        else:
+            # The control: kept sleep, the scenario is an idle publisher.
+            await asyncio.sleep(0.5)
+            assert sink.seqs() == [] and pub.replay_requests == []
+    finally:
+        await stream.close()
+        await pub.close()
+
+
+async def test_a_start_replay_of_an_empty_buffer_is_complete(ctx: zmq.asyncio.Context) -> None:
+    pub = WirePublisher(ctx)
+    sink, metrics = RecordingSink(), Metrics()
+    cfg = ZmqStreamConfig(
+        engine_id=ENGINE,
+        endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint,
+        catch_up_on_start=True,
+    )
+    stream = ZmqEventStream(cfg, sink, metrics, context=ctx)
+    try:
+        await stream.start()
+        await wait_until(lambda: pub.replay_requests == [0], 5)
+        await wait_until(lambda: value(metrics, "kvrc_zmq_replays_total", result="complete"), 5)
+        assert value(metrics, "kvrc_zmq_replays_total", result="overrun") == 0
+        await pub.wait_subscribed()
+        await pub.publish(stored(1))
+        await wait_until(lambda: sink.seqs() == [0], 5)
+    finally:
+        await stream.close()
+        await pub.close()
+
+
 async def test_late_subscription_replays_from_zero(
     ctx: zmq.asyncio.Context, rigs: list[Rig]
 ) -> None:
