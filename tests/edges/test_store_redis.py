@@ -499,12 +499,15 @@ async def test_a_replica_that_starts_after_trimming_loads_the_snapshot(
         async with coordinator_off_loop(*flags) as late:  # the holder heartbeats meanwhile
             await engines.open(late.grpc_target, "req-snap")
             await eventually_matched(late.grpc_target, "req-snap", "holder-snap", 5)
-            assert metric_value(late, "kvrc_store_snapshots_total", action="loaded") == 1
+            # At least once: with a snapshot after every entry, `a` may trim past the late
+            # replica again while it starts (its own engine's entry makes one), and it
+            # loads the newer snapshot (seen once in CI: 2).
+            assert metric_value(late, "kvrc_store_snapshots_total", action="loaded") >= 1
         # The negative control: another seed cannot read the snapshot's keys.
         monkeypatch.setenv("PYTHONHASHSEED", "4343")
         async with coordinator_off_loop(*flags) as other:
             await wait_until(
-                lambda: metric_value(other, "kvrc_store_snapshots_total", action="refused") == 1,
+                lambda: metric_value(other, "kvrc_store_snapshots_total", action="refused") >= 1,
                 10,
             )
             await engines.open(other.grpc_target, "req-other")
