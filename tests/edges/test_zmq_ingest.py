@@ -187,7 +187,9 @@ async def test_a_start_replay_of_an_empty_buffer_is_complete(ctx: zmq.asyncio.Co
     try:
         await stream.start()
         await wait_until(lambda: pub.replay_requests == [0], 5)
-        await wait_until(lambda: value(metrics, "kvrc_zmq_replays_total", result="complete"), 5)
+        await wait_until(
+            lambda: value(metrics, "kvrc_zmq_replays_total", result="complete") == 1, 5
+        )
         assert value(metrics, "kvrc_zmq_replays_total", result="overrun") == 0
         await pub.wait_subscribed()
         await pub.publish(stored(1))
