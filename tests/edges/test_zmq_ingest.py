@@ -136,6 +136,17 @@ async def test_gap_is_filled_by_a_replay_from_the_first_missing_sequence(
     assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="gap") == 1
 
 
+def _stream_of(
+    ctx: zmq.asyncio.Context, pub: WirePublisher, **config: Any
+) -> tuple[ZmqEventStream, RecordingSink, Metrics]:
+    """A stream of `pub` (with its replay endpoint), not started."""
+    sink, metrics = RecordingSink(), Metrics()
+    cfg = ZmqStreamConfig(
+        engine_id=ENGINE, endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint, **config
+    )
+    return ZmqEventStream(cfg, sink, metrics, context=ctx), sink, metrics
+
+
 @pytest.mark.parametrize("catch_up", [True, False])
 async def test_a_stream_that_starts_catches_up_without_waiting_for_a_live_batch(
     ctx: zmq.asyncio.Context, catch_up: bool
@@ -146,14 +157,7 @@ async def test_a_stream_that_starts_catches_up_without_waiting_for_a_live_batch(
     for h in range(3):
         await pub.publish(stored(h), send=False)
     await pub.publish(removed(0), send=False)
-    sink, metrics = RecordingSink(), Metrics()
-    cfg = ZmqStreamConfig(
-        engine_id=ENGINE,
-        endpoint=pub.endpoint,
-        replay_endpoint=pub.replay_endpoint,
-        catch_up_on_start=catch_up,
-    )
-    stream = ZmqEventStream(cfg, sink, metrics, context=ctx)
+    stream, sink, metrics = _stream_of(ctx, pub, catch_up_on_start=catch_up)
     try:
         await stream.start()
         await pub.wait_subscribed()
@@ -176,14 +180,7 @@ async def test_a_stream_that_starts_catches_up_without_waiting_for_a_live_batch(
 
 async def test_a_start_replay_of_an_empty_buffer_is_complete(ctx: zmq.asyncio.Context) -> None:
     pub = WirePublisher(ctx)
-    sink, metrics = RecordingSink(), Metrics()
-    cfg = ZmqStreamConfig(
-        engine_id=ENGINE,
-        endpoint=pub.endpoint,
-        replay_endpoint=pub.replay_endpoint,
-        catch_up_on_start=True,
-    )
-    stream = ZmqEventStream(cfg, sink, metrics, context=ctx)
+    stream, sink, metrics = _stream_of(ctx, pub, catch_up_on_start=True)
     try:
         await stream.start()
         await wait_until(lambda: pub.replay_requests == [0], 5)
