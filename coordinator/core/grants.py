@@ -768,6 +768,17 @@ class Grants:
     # --- decode handoff ------------------------------------------------------------------
 
     def publish_handoff(self, req: PublishHandoffRequest, now_ms: int) -> PublishStep:
+        repeat = self.table.repeated_publish(
+            request_id=req.request_id,
+            prefill_child_engine_id=req.prefill_child_engine_id,
+            rank_key=req.rank_key,
+            descriptor=req.descriptor,
+            kv_transfer_params=req.kv_transfer_params,
+            decode_child_engine_id=req.decode_child_engine_id,
+            num_blocks=req.num_blocks,
+        )
+        if repeat is not None:  # answered even while the prefill is not READY
+            return PublishStep(repeat.view, repeat.parts_reported, repeat.parts_expected, ())
         prefill = self._ready_engine(req.prefill_child_engine_id, "prefill")
         if self.table.find_handoff(req.prefill_child_engine_id, req.request_id) is None:
             self._check_not_draining(req.prefill_child_engine_id, "prefill")

@@ -845,6 +845,37 @@ class LeaseTable:
             actions.append(HandoffReady(lease.lease_id, prefill_child_engine_id, request_id))
         return self._published(lease, tuple(actions))
 
+    def repeated_publish(
+        self,
+        *,
+        request_id: str,
+        prefill_child_engine_id: str,
+        rank_key: RankKey,
+        descriptor: object,
+        kv_transfer_params: bytes,
+        decode_child_engine_id: str | None,
+        num_blocks: int,
+    ) -> HandoffPublished | None:
+        """A part's publish that this table already recorded, word for word: its answer
+        (state and lease id), changing nothing; None for anything else.
+
+        Answered whatever the prefill's readiness: a part publishes again when its first
+        answer was lost, often while a sibling part reconnects, and only an answer that
+        names the lease lets kvrc's release reach the held blocks (I6-quiescence)."""
+        lease_id = self._by_request.get((Flow.HANDOFF, prefill_child_engine_id, request_id))
+        if lease_id is None:
+            return None
+        lease = self._leases[lease_id]
+        assert isinstance(lease, _Handoff)
+        if (
+            lease.published.get(rank_key) != descriptor
+            or lease.kv_transfer_params != kv_transfer_params
+            or lease.num_blocks != num_blocks
+            or lease.decode_restriction != decode_child_engine_id
+        ):
+            return None
+        return self._published(lease, ())
+
     def begin_handoff(
         self,
         *,

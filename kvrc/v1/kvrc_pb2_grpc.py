@@ -123,7 +123,9 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PublishHandoff(self, request, context):
-        """Decode handoff: a prefill rank part reports its part of a request's KV.
+        """Decode handoff: a prefill rank part reports its part of a request's KV. A part
+        that publishes the very same again (its answer was lost) gets the handoff's state
+        and lease id, even while its prefill engine is not READY.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

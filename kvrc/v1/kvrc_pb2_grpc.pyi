@@ -99,7 +99,10 @@ class EngineServiceStub:
     CompletePrefixLoad: _grpc.UnaryUnaryMultiCallable[_kvrc_pb2.TransferReport, _kvrc_pb2.CompleteResponse]
     """A requester rank part's terminal outcome for a prefix-load lease."""
     PublishHandoff: _grpc.UnaryUnaryMultiCallable[_kvrc_pb2.PublishHandoffRequest, _kvrc_pb2.PublishHandoffResponse]
-    """Decode handoff: a prefill rank part reports its part of a request's KV."""
+    """Decode handoff: a prefill rank part reports its part of a request's KV. A part
+    that publishes the very same again (its answer was lost) gets the handoff's state
+    and lease id, even while its prefill engine is not READY.
+    """
     BeginHandoff: _grpc.UnaryUnaryMultiCallable[_kvrc_pb2.BeginHandoffRequest, _kvrc_pb2.HandoffGrant]
     """The decode engine takes the handoff (waiting up to wait_timeout_ms for
     READY; DEADLINE_EXCEEDED if it does not become ready in time).
@@ -135,7 +138,10 @@ class EngineServiceAsyncStub(EngineServiceStub):
     CompletePrefixLoad: _aio.UnaryUnaryMultiCallable[_kvrc_pb2.TransferReport, _kvrc_pb2.CompleteResponse]  # type: ignore[assignment]
     """A requester rank part's terminal outcome for a prefix-load lease."""
     PublishHandoff: _aio.UnaryUnaryMultiCallable[_kvrc_pb2.PublishHandoffRequest, _kvrc_pb2.PublishHandoffResponse]  # type: ignore[assignment]
-    """Decode handoff: a prefill rank part reports its part of a request's KV."""
+    """Decode handoff: a prefill rank part reports its part of a request's KV. A part
+    that publishes the very same again (its answer was lost) gets the handoff's state
+    and lease id, even while its prefill engine is not READY.
+    """
     BeginHandoff: _aio.UnaryUnaryMultiCallable[_kvrc_pb2.BeginHandoffRequest, _kvrc_pb2.HandoffGrant]  # type: ignore[assignment]
     """The decode engine takes the handoff (waiting up to wait_timeout_ms for
     READY; DEADLINE_EXCEEDED if it does not become ready in time).
@@ -198,7 +204,10 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _kvrc_pb2.PublishHandoffRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvrc_pb2.PublishHandoffResponse, _abc.Awaitable[_kvrc_pb2.PublishHandoffResponse]]:
-        """Decode handoff: a prefill rank part reports its part of a request's KV."""
+        """Decode handoff: a prefill rank part reports its part of a request's KV. A part
+        that publishes the very same again (its answer was lost) gets the handoff's state
+        and lease id, even while its prefill engine is not READY.
+        """
 
     @_abc_1.abstractmethod
     def BeginHandoff(

@@ -146,3 +146,39 @@ async def test_a_part_naming_more_held_leases_than_its_queue_holds_still_registe
                 break
         else:
             raise AssertionError("the queue never filled")
+
+
+async def test_a_repeated_publish_is_answered_while_a_sibling_part_reconnects() -> None:
+    """A part publishes again when its first answer was lost, often while a sibling part
+    reconnects: kvrc answered FAILED_PRECONDITION (prefill not READY) though it had the
+    part, so the holder never learnt the lease id that lets kvrc's release reach it."""
+    from coordinator.core.errors import ErrorCode, KvrcError
+
+    tp2 = replace(PROFILE, tp_size=2)
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        ranks = ((0, 0, 0), (1, 0, 0))
+        parts = [c.open_session(RankPartRegistration("p", 0, "p", r, tp2)) for r in ranks]
+        rig.register("d")
+        publish = [
+            PublishHandoffRequest("q", "p", r, b"x%d" % i, b"", "d", 1) for i, r in enumerate(ranks)
+        ]
+        for request in publish:
+            first = await c.publish_handoff(request)
+        assert first.state is LeaseState.READY
+        c.close_session(parts[1], "a blip")  # the sibling reconnects: p is not READY
+        await settle()
+        again = await c.publish_handoff(publish[0])
+        assert (again.state, again.lease_id) == (LeaseState.READY, first.lease_id)
+        assert c.leases.table.get(first.lease_id).state is LeaseState.READY  # unchanged
+        # Anything but a word-for-word repeat still needs a READY prefill.
+        for changed in (
+            replace(publish[0], descriptor=b"other"),
+            replace(publish[0], request_id="n"),
+        ):
+            try:
+                await c.publish_handoff(changed)
+            except KvrcError as e:
+                assert e.code is ErrorCode.FAILED_PRECONDITION and "not READY" in e.message
+            else:
+                raise AssertionError(f"{changed} was answered while p is not READY")
