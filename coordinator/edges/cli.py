@@ -686,6 +686,7 @@ def status_document(response: pb.StatusResponse) -> dict[str, Any]:
         "warming": response.warming,
         "inventory_entries": response.inventory_entries,
         "child_engines": children,
+        "child_engines_total": _child_engines_total(response),
         "leases": [lease_document(lease) for lease in response.leases],
         "leases_total": _leases_total(response),
         "cost_model": cost_model_document(response.cost_model),
@@ -834,7 +835,8 @@ def _cost_lines(cost: pb.CostModelStatus) -> list[str]:
 def _status_text(target: str, response: pb.StatusResponse) -> str:
     lines = [
         f"kvrc {response.version} at {target}: reuse {'on' if response.reuse_enabled else 'off'}"
-        f"{', warming' if response.warming else ''}, {len(response.child_engines)} child engine(s)"
+        f"{', warming' if response.warming else ''}, {_child_engines_total(response)} child "
+        "engine(s)"
         f", {response.inventory_entries} inventory entries"
     ]
     if response.store and response.store != "memory":
@@ -867,6 +869,12 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)]
         lines.append("  ".join([*cells, row[-1]]))
+    listed, engines = len(response.child_engines), _child_engines_total(response)
+    if listed < engines:
+        lines.append(
+            f"{listed} of {engines} child engines shown: the answer's share for them is "
+            "spent (their endpoint metadata is large)"
+        )
     if response.reuse_enabled and response.HasField("cost_model"):
         # The gate decides prefix loads only; with reuse off there is nothing to show.
         lines.extend(_cost_lines(response.cost_model))
@@ -894,6 +902,11 @@ def _status_text(target: str, response: pb.StatusResponse) -> str:
 def _leases_total(response: pb.StatusResponse) -> int:
     # A coordinator older than leases_total answers 0 there and lists every lease.
     return max(response.leases_total, len(response.leases))
+
+
+def _child_engines_total(response: pb.StatusResponse) -> int:
+    # The same for child_engines_total.
+    return max(response.child_engines_total, len(response.child_engines))
 
 
 # The largest status answer (10,000 leases of ~0.6 KB, StatusRequest.max_leases at its

@@ -467,9 +467,12 @@ def status_request_from_proto(msg: pb.StatusRequest) -> int:
     return msg.max_leases or DEFAULT_STATUS_LEASES
 
 
-# The lease list's share of a status answer: long ids and reasons make a lease up to
-# ~1.8 KB, and 10,000 of them would pass the server's 16 MiB send limit.
+# Shares of a status answer, under the server's 16 MiB send limit: long ids and reasons
+# make a lease up to ~1.8 KB (10,000 of them ~17 MiB), and a rank part's endpoint
+# metadata may be 1 MiB (NIXL's is tens of KB), so a large cluster's engines alone
+# could pass it.
 STATUS_LEASE_BYTES = 8 << 20
+STATUS_CHILD_ENGINE_BYTES = 6 << 20
 
 
 def status_to_proto(
@@ -490,11 +493,20 @@ def status_to_proto(
         if lease_bytes > STATUS_LEASE_BYTES:
             break  # the most urgent first: leases_total still counts the rest
         leases.append(lease)
+    children = []
+    child_bytes = 0
+    for child in snapshot.child_engines:
+        status = _child_engine_status(child, clock)
+        child_bytes += status.ByteSize() + 4  # with its field tag and length
+        if child_bytes > STATUS_CHILD_ENGINE_BYTES:
+            break  # child_engines_total still counts the rest
+        children.append(status)
     return pb.StatusResponse(
         version=__version__,
         reuse_enabled=snapshot.reuse_enabled,
         warming=snapshot.warming,
-        child_engines=[_child_engine_status(c, clock) for c in snapshot.child_engines],
+        child_engines=children,
+        child_engines_total=len(snapshot.child_engines),
         inventory_entries=snapshot.inventory_entries,
         leases=leases,
         leases_total=snapshot.leases_total,

@@ -45,7 +45,8 @@ Conventions
       3: Register.held_leases (each held lease with the requester its holder
          knows; a coordinator that reads it lets only that requester report on
          the lease it rebuilds); StatusRequest.max_leases and
-         StatusResponse.leases_total (a bounded lease list).
+         StatusResponse.leases_total (a bounded lease list);
+         StatusResponse.child_engines_total (a bounded child-engine list).
 """
 
 from collections import abc as _abc
@@ -2539,6 +2540,7 @@ class StatusResponse(_message.Message):
     REMOTE_CHILD_ENGINES_FIELD_NUMBER: _builtins.int
     COST_MODEL_FIELD_NUMBER: _builtins.int
     LEASES_TOTAL_FIELD_NUMBER: _builtins.int
+    CHILD_ENGINES_TOTAL_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     reuse_enabled: _builtins.bool
     warming: _builtins.bool
@@ -2552,6 +2554,10 @@ class StatusResponse(_message.Message):
     leases_total: _builtins.int
     """Every open lease (in flight and quarantined); `leases` lists at most
     StatusRequest.max_leases of them.
+    """
+    child_engines_total: _builtins.int
+    """Every child engine registered here; `child_engines` lists them in order until
+    their share of the answer (6 MiB: endpoint metadata can be large) is spent.
     """
     @_builtins.property
     def child_engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChildEngineStatus]: ...
@@ -2577,10 +2583,11 @@ class StatusResponse(_message.Message):
         remote_child_engines: _builtins.int = ...,
         cost_model: Global___CostModelStatus | None = ...,
         leases_total: _builtins.int = ...,
+        child_engines_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cost_model", b"cost_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engines", b"child_engines", "cost_model", b"cost_model", "inventory_entries", b"inventory_entries", "leases", b"leases", "leases_total", b"leases_total", "remote_child_engines", b"remote_child_engines", "reuse_enabled", b"reuse_enabled", "store", b"store", "store_unavailable_reason", b"store_unavailable_reason", "version", b"version", "warming", b"warming"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_engines", b"child_engines", "child_engines_total", b"child_engines_total", "cost_model", b"cost_model", "inventory_entries", b"inventory_entries", "leases", b"leases", "leases_total", b"leases_total", "remote_child_engines", b"remote_child_engines", "reuse_enabled", b"reuse_enabled", "store", b"store", "store_unavailable_reason", b"store_unavailable_reason", "version", b"version", "warming", b"warming"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -45,7 +45,8 @@ Conventions
       3: Register.held_leases (each held lease with the requester its holder
          knows; a coordinator that reads it lets only that requester report on
          the lease it rebuilds); StatusRequest.max_leases and
-         StatusResponse.leases_total (a bounded lease list).
+         StatusResponse.leases_total (a bounded lease list);
+         StatusResponse.child_engines_total (a bounded child-engine list).
 """
 
 from collections import abc as _abc

@@ -35,13 +35,27 @@ from harness import (
 from clients.refengine.demo import child_process_env
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from coordinator.core.leases import Flow, LeaseState, LeaseView
-from coordinator.edges.cli import STATUS_MAX_RECEIVE_BYTES
-from coordinator.edges.grpc_wire import STATUS_LEASE_BYTES, shortened_lease_id, status_to_proto
+from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
+from coordinator.core.registry import RankPartRegistration as PartRegistration
+from coordinator.core.registry import Registry
+from coordinator.edges.cli import STATUS_MAX_RECEIVE_BYTES, _status_text
+from coordinator.edges.grpc_wire import (
+    STATUS_CHILD_ENGINE_BYTES,
+    STATUS_LEASE_BYTES,
+    shortened_lease_id,
+    status_to_proto,
+)
 from coordinator.runtime.clock import ManualClock
-from coordinator.runtime.coordinator import MAX_STATUS_LEASES, StatusSnapshot, status_leases
+from coordinator.runtime.coordinator import (
+    MAX_STATUS_LEASES,
+    ChildEngineStatus,
+    StatusSnapshot,
+    status_leases,
+)
 from kvrc.credentials import ChannelOptions, connect
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+from kvrc.vocabulary import TransferEndpoint
 
 MIB = 1 << 20
 HEX = "0123456789abcdef" * 2
@@ -124,6 +138,32 @@ def test_the_lease_list_stays_inside_its_byte_budget_with_the_longest_ids() -> N
     assert answer.ByteSize() <= STATUS_LEASE_BYTES + 1024
     assert [x.lease_id for x in answer.leases] == [v.lease_id for v in views][: len(answer.leases)]
     assert answer.leases_total == MAX_STATUS_LEASES
+
+
+def test_the_child_engine_list_stays_inside_its_byte_budget() -> None:
+    # A rank part's endpoint metadata may be 1 MiB: 24 engines' worth passes the
+    # server's 16 MiB send limit on its own. They are listed in order while they fit.
+    registry = Registry()
+    for i in range(24):
+        reg = PartRegistration(
+            f"e{i:02d}",
+            0,
+            f"e{i:02d}",
+            (0, 0, 0),
+            DeploymentProfile(model="m", block_size=16),
+            endpoint=TransferEndpoint(agent_metadata=bytes(1 << 20)),
+        )
+        registry.register(reg, f"s-{i}", 1, 0)
+    reuse = ReuseStatus(False, ReuseReason.DISABLED_BY_COORDINATOR, "off")
+    children = tuple(ChildEngineStatus(view, reuse) for view in registry.views())
+    snapshot = StatusSnapshot("v", False, False, children)
+    answer = status_to_proto(snapshot, ManualClock(), full_lease_ids=True)
+    listed = [c.state.child_engine_id for c in answer.child_engines]
+    assert 0 < len(listed) < 24 and listed == [f"e{i:02d}" for i in range(len(listed))]
+    assert answer.child_engines_total == 24
+    assert answer.ByteSize() <= STATUS_CHILD_ENGINE_BYTES + 1024
+    text = _status_text("t", answer)
+    assert "24 child engine(s)" in text and f"{len(listed)} of 24 child engines shown" in text
 
 
 def test_the_cli_receives_the_largest_bounded_answer() -> None:
