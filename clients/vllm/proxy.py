@@ -86,10 +86,14 @@ def decode_engine(text: str) -> DecodeEngine:
             f"{text!r}: the child engine id after '=' is empty; give URL=CHILD_ENGINE_ID "
             "(the decode's kvrc engine id), or the bare URL for unreserved handoffs"
         )
-    if len(child) > MAX_CHILD_ENGINE_ID_CHARS or not child.isprintable() or " " in child:
+    if (
+        len(child) > MAX_CHILD_ENGINE_ID_CHARS
+        or not (child.isascii() and child.isprintable())
+        or " " in child
+    ):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: a child engine id is 1..{MAX_CHILD_ENGINE_ID_CHARS} printable "
-            "characters without spaces"
+            f"{text!r}: a child engine id is 1..{MAX_CHILD_ENGINE_ID_CHARS} printable ASCII "
+            "characters without spaces (as kvrc checks it)"
         )
     return DecodeEngine(engine_url(url), child)
 

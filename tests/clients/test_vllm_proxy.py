@@ -120,8 +120,9 @@ def test_a_decode_takes_its_child_engine_id_after_the_url(value: str, parsed: De
     [
         ("http://127.0.0.1:8200=", "the child engine id after '=' is empty"),
         ("http://127.0.0.1:8200=  ", "the child engine id after '=' is empty"),
-        ("http://127.0.0.1:8200=a b", "printable characters without spaces"),
-        ("http://127.0.0.1:8200=" + "x" * 257, "1..256 printable characters"),
+        ("http://127.0.0.1:8200=a b", "printable ASCII characters without spaces"),
+        ("http://127.0.0.1:8200=décode", "printable ASCII characters without spaces"),
+        ("http://127.0.0.1:8200=" + "x" * 257, "1..256 printable ASCII characters"),
         ("127.0.0.1:8200=decode-0", "is not an engine URL"),
         ("ftp://127.0.0.1:8200=decode-0", "is not an engine URL"),
         ("http://=decode-0", "is not an engine URL"),
