@@ -681,6 +681,33 @@ def test_a_refused_repeat_publish_keeps_the_blocks_held(
         made.shutdown()
 
 
+def test_a_part_refused_at_its_first_publish_frees_the_handoff_whatever_the_others(
+    vllm_side: Any, kvrc_server: CoordinatorProcess, worker: Any
+) -> None:
+    """tp=2: one part's answer lost, the other refused. The refused part was never
+    recorded, so the handoff can never be READY and no decode reads: before, the blocks
+    were held for handoff_hold_s as if the lost answer could matter."""
+    calls: list[int] = []
+
+    async def publish_handoff(*_: Any, **__: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise _LOST
+        raise KvrcClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many leases")
+
+    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    try:
+        made.config = dataclasses.replace(made.config, handoff_hold_s=30.0)
+        made.tp_size = 2
+        made._endpoints[0] = made._endpoints[1] = worker.endpoint.to_json()
+        made.leases.publish_handoff = publish_handoff
+        spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], "", b"")
+        made.loop.run(made._publish_all(spec), timeout_s=10)
+        assert len(calls) == 2 and made._free_now == ["req-p"]
+    finally:
+        made.shutdown()
+
+
 def test_a_worker_keeps_a_part_whose_repeat_publish_is_refused(
     clean_worker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
