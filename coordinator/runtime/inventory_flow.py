@@ -112,6 +112,8 @@ SOURCE_GRPC = "grpc"
 SOURCE_ZMQ = "zmq"
 SWEEP_INTERVAL_MS = 1_000
 SWEEP_BUDGET = 4096
+# The rank part (tp, pp, pcp) that runs with vLLM's EngineCore (its KV-event publisher).
+HEAD: RankKey = (0, 0, 0)
 _NO_LEASES: Mapping[str, int] = MappingProxyType({})
 
 
@@ -353,8 +355,14 @@ class InventoryFlow:
         self._refresh(cid, meta, view, reuse)
         # No push here: the RegisterAck is not sent yet; readiness pushes carry it.
         self._note_stale(cid, meta, push=False)
-        if registration.kv_events_endpoint and meta.zmq is None:
-            self._start_zmq(registration, meta)
+        if meta.zmq is None:
+            # vLLM's KV-event publisher runs in the EngineCore, on the node of rank 0:
+            # its registration names the host to subscribe to (with multi-node TP the
+            # first part to register may be on another node). Any part's registration
+            # starts it, or tries again after a failed start, once rank 0 is here.
+            head = next((p.registration for p in view.parts if p.registration.rank == HEAD), None)
+            if head is not None and head.kv_events_endpoint:
+                self._start_zmq(head, meta)
 
     def on_part_removed(self, child_engine_id: str, rank: RankKey, reason: str) -> None:
         """PartListener: the part's stream inventory goes now; the last part takes the engine."""

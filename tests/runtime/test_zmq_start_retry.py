@@ -58,3 +58,27 @@ async def test_a_subscription_that_failed_to_start_is_tried_again() -> None:
     finally:
         blocker.close(0)
         context.destroy(linger=0)
+
+
+async def test_the_subscription_goes_to_rank_0s_host_whoever_registers_first() -> None:
+    """vLLM binds `tcp://*:PORT` in its EngineCore, on rank 0's node. With multi-node TP
+    the first part to register may be on another node: kvrc subscribed to that node."""
+    tp2 = dataclasses.replace(PROFILE, tp_size=2)
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        c.inventory.event_streams = vllm_event_streams(c.metrics)
+
+        def part(rank: tuple[int, int, int], host: str) -> RankPartRegistration:
+            endpoint = TransferEndpoint(backend="mooncake", session_name=f"{host}:1")
+            return RankPartRegistration(
+                "e", 0, "e", rank, tp2, endpoint, kv_events_endpoint="tcp://*:5557"
+            )
+
+        c.open_session(part((1, 0, 0), "10.9.9.9"))  # the second node's part, first
+        await settle()
+        meta = c.inventory._meta["e"]
+        assert meta.zmq is None  # rank 0's host is not known yet
+        c.open_session(part((0, 0, 0), "127.0.0.2"))
+        await settle()
+        assert meta.zmq is not None
+        assert meta.zmq.config.endpoint == "tcp://127.0.0.2:5557"  # type: ignore[attr-defined]
