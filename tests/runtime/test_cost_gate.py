@@ -533,6 +533,29 @@ async def test_failed_loads_of_a_holder_that_died_teach_nothing() -> None:
         assert granted(after) == "h", after.miss_detail
 
 
+async def test_failed_loads_kvrc_aborted_for_a_drain_teach_nothing() -> None:
+    """A part told to stop by kvrc (a drain's deadline) ran as long as kvrc let it: its
+    FAILED report says nothing of the link, however slow it looks."""
+    async with manual_coordinator(cost=COST) as rig:
+        c = rig.coordinator
+        r, h = register(rig, "r"), register(rig, "h")
+        rig.store(h)
+        for i in range(2):
+            first = await load(rig, h, f"d{i}", report=False)
+            assert granted(first) == "h" and first.view is not None
+            await c.leases.drain("r", 1_000, wait=False)  # r's loads aborted at 1 s
+            await rig.advance(5_000, r, h)
+            aborts = [m for m in drain_outbound(r) if isinstance(m, SendAbort)]
+            assert [a.lease_id for a in aborts] == [first.view.lease_id]
+            report(rig, first, Outcome.FAILED, duration_us=5_000_000)
+            await settle()
+            c.close_session(r, "restarted")  # gone past its grace: no longer draining
+            await rig.advance(30_000, h)
+            r = register(rig, "r")
+        links = c.leases.cost_model.links(rig.clock.monotonic_ms())
+        assert [key for key, *_ in links if key[:2] == ("h", "r")] == []
+
+
 async def test_a_quarantined_load_does_not_lock_its_link_out() -> None:
     """A load whose read hangs (its outcome UNKNOWN, then quarantined) bounded its cold
     link's predictions while open: the bound shrank for ever, and the pair was refused
