@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 from kvrc.v1 import kvrc_pb2 as pb
@@ -114,3 +116,11 @@ def outcome_unknown(error: BaseException) -> bool:
     """Whether a failed call may have been taken anyway (anything but a kvrc refusal):
     what it was to protect, a handoff's blocks for one, is then kept as if it had."""
     return not isinstance(error, KvrcClientError) or error.code in _OUTCOME_UNKNOWN
+
+
+def first_refusal(failures: Sequence[BaseException]) -> BaseException | None:
+    """The first of `failures` kvrc refused outright (its call was not taken); None when
+    every outcome is unknown. Of a handoff's first publish, a refused part proves the
+    handoff can never be READY; of a repeat, it proves nothing (the first may have been
+    recorded), so callers act on it only for the first publish (I6-quiescence)."""
+    return next((e for e in failures if not outcome_unknown(e)), None)

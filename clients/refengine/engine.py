@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from clients.errors import KvrcClientError, outcome_unknown
+from clients.errors import KvrcClientError, first_refusal, outcome_unknown
 from clients.hashing import hash_block_chain
 from clients.holds import HoldDeadlines, pin_hold_s
 from clients.inventory import (
@@ -1057,7 +1057,7 @@ class Leader:
                         self._publish_again(request_id, args), name=f"publish {request_id} again"
                     )
             # A refusal says more than a lost answer: raise it first.
-            raise next((e for e in failures if not outcome_unknown(e)), failures[0])
+            raise first_refusal(failures) or failures[0]
         return {"states": sorted(states)}
 
     async def _settle_publish(
@@ -1075,7 +1075,7 @@ class Leader:
         results = [a for a in answers if not isinstance(a, BaseException)]
         failures = [a for a in answers if isinstance(a, BaseException)]
         states = {r["state"] for r in results}
-        refused = first and any(not outcome_unknown(e) for e in failures)
+        refused = first and first_refusal(failures) is not None
         if states & HANDOFF_ENDED_STATES or refused:
             # Ended before we published, or kvrc refused a part: no release will come.
             self._drop_hold(request_id)

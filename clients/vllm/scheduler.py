@@ -29,6 +29,7 @@ from clients.errors import (
     DeadlineExceededError,
     KvrcClientError,
     UnavailableError,
+    first_refusal,
     outcome_unknown,
 )
 from clients.inventory import LookupClient, LookupOutcome
@@ -276,7 +277,7 @@ class KvrcScheduler:
             failures = [a for a in answers if isinstance(a, BaseException)]
             if failures and attempt == 0:
                 self._count("handoff_publish_failures")
-            refusal = next((e for e in failures if not outcome_unknown(e)), None)
+            refusal = first_refusal(failures)
             if refusal is not None and attempt == 0:
                 # kvrc refused a part's first publish: the handoff never goes READY, no
                 # decode reads, whatever the other parts' outcome. A repeat's refusal

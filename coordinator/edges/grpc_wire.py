@@ -10,7 +10,7 @@ inside sizes, child-engine naming, consistency between parts) live in the core
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -475,32 +475,40 @@ STATUS_LEASE_BYTES = 8 << 20
 STATUS_CHILD_ENGINE_BYTES = 6 << 20
 
 
+def _within_bytes(messages: Iterable[M], budget: int) -> list[M]:
+    """The leading `messages` whose encodings fit in `budget` bytes (each with its field
+    tag and length); the rest are left out, and counted by the caller's total."""
+    kept: list[M] = []
+    used = 0
+    for message in messages:
+        used += message.ByteSize() + 4
+        if used > budget:
+            break
+        kept.append(message)
+    return kept
+
+
 def status_to_proto(
     snapshot: StatusSnapshot, clock: Clock, *, full_lease_ids: bool
 ) -> pb.StatusResponse:
     """`full_lease_ids` False: each id shortened (`shortened_lease_id`), for non-admins."""
     decisions = dict(snapshot.cost.decisions) if snapshot.cost is not None else {}
-    leases = []
-    lease_bytes = 0
-    for view in snapshot.leases:
+
+    def lease_status(view: LeaseView) -> pb.LeaseStatus:
         lease = lease_status_to_proto(view, clock)
         if not full_lease_ids:
             lease.lease_id = shortened_lease_id(view.lease_id)
         prediction = decisions.get(view.lease_id)
         if prediction is not None:
             lease.prediction.CopyFrom(prediction_to_proto(prediction))
-        lease_bytes += lease.ByteSize() + 4  # with its field tag and length
-        if lease_bytes > STATUS_LEASE_BYTES:
-            break  # the most urgent first: leases_total still counts the rest
-        leases.append(lease)
-    children = []
-    child_bytes = 0
-    for child in snapshot.child_engines:
-        status = _child_engine_status(child, clock)
-        child_bytes += status.ByteSize() + 4  # with its field tag and length
-        if child_bytes > STATUS_CHILD_ENGINE_BYTES:
-            break  # child_engines_total still counts the rest
-        children.append(status)
+        return lease
+
+    # Generators: nothing past a budget is encoded. Leases come most urgent first.
+    leases = _within_bytes(map(lease_status, snapshot.leases), STATUS_LEASE_BYTES)
+    children = _within_bytes(
+        (_child_engine_status(c, clock) for c in snapshot.child_engines),
+        STATUS_CHILD_ENGINE_BYTES,
+    )
     return pb.StatusResponse(
         version=__version__,
         reuse_enabled=snapshot.reuse_enabled,

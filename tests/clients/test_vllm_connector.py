@@ -575,6 +575,34 @@ def _publish_fails(error: Exception) -> Any:
     return publish_handoff
 
 
+def _publish_with(
+    vllm_side: Any,
+    kvrc_server: CoordinatorProcess,
+    worker: Any,
+    publish_handoff: Any,
+    *,
+    hold_s: float,
+    decode: str = "",
+    tp_size: int = 1,
+) -> Any:
+    """A prefill scheduler's `_publish_all` of one handoff, kvrc's PublishHandoff
+    answers stood in by `publish_handoff`; returns the scheduler (shut down by the
+    caller) once the publish settled."""
+    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    made.config = dataclasses.replace(made.config, handoff_hold_s=hold_s)
+    made.tp_size = tp_size
+    for rank in range(tp_size):
+        made._endpoints[rank] = worker.endpoint.to_json()
+    made.leases.publish_handoff = publish_handoff
+    spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], decode, b"")
+    try:
+        made.loop.run(made._publish_all(spec), timeout_s=10)
+    except BaseException:
+        made.shutdown()
+        raise
+    return made
+
+
 @pytest.mark.parametrize(
     ("error", "held"),
     [
@@ -590,13 +618,8 @@ def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
 ) -> None:
     """kvrc may have recorded every part and a decode may read the blocks (I6-quiescence):
     only a refusal frees them at once; otherwise they are held for handoff_hold_s."""
-    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    made = _publish_with(vllm_side, kvrc_server, worker, _publish_fails(error), hold_s=1.0)
     try:
-        made.config = dataclasses.replace(made.config, handoff_hold_s=1.0)
-        made._endpoints[0] = worker.endpoint.to_json()
-        made.leases.publish_handoff = _publish_fails(error)
-        spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], "", b"")
-        made.loop.run(made._publish_all(spec), timeout_s=10)
         assert made.counters["handoff_publish_failures"] == 1
         assert (made._free_now == []) is held
         if held:
@@ -631,13 +654,9 @@ def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_named(
     """Held without its lease id, the blocks could not be freed by kvrc's release nor kept
     through a quarantine (only handoff_hold_s ended the hold): the repeat names it."""
     monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.05,))
-    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    publish = _publish_answers_second_time(_LOST)
+    made = _publish_with(vllm_side, kvrc_server, worker, publish, hold_s=30.0, decode="dec-1")
     try:
-        made.config = dataclasses.replace(made.config, handoff_hold_s=30.0)
-        made._endpoints[0] = worker.endpoint.to_json()
-        made.leases.publish_handoff = _publish_answers_second_time(_LOST)
-        spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], "dec-1", b"")
-        made.loop.run(made._publish_all(spec), timeout_s=10)
         assert made.counters["handoff_publish_unknown"] == 1
         assert made._handoff_leases == {"ho-again": "req-p"} and made._free_now == []
         # The workers re-announce it with the decode engine it was reserved for.
@@ -667,13 +686,9 @@ def test_a_refused_repeat_publish_keeps_the_blocks_held(
     """The first publish may have been recorded and read (I6-quiescence): before, the
     repeat's refusal freed the blocks at once while a decode could be reading them."""
     monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.05, 0.05))
-    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    publish = _publish_refused_after_lost()
+    made = _publish_with(vllm_side, kvrc_server, worker, publish, hold_s=1.0)
     try:
-        made.config = dataclasses.replace(made.config, handoff_hold_s=1.0)
-        made._endpoints[0] = worker.endpoint.to_json()
-        made.leases.publish_handoff = _publish_refused_after_lost()
-        spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], "", b"")
-        made.loop.run(made._publish_all(spec), timeout_s=10)
         assert made._free_now == []  # held: only the hold's end frees it
         time.sleep(1.5)
         assert made._free_now == ["req-p"]
@@ -695,14 +710,8 @@ def test_a_part_refused_at_its_first_publish_frees_the_handoff_whatever_the_othe
             raise _LOST
         raise KvrcClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many leases")
 
-    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    made = _publish_with(vllm_side, kvrc_server, worker, publish_handoff, hold_s=30.0, tp_size=2)
     try:
-        made.config = dataclasses.replace(made.config, handoff_hold_s=30.0)
-        made.tp_size = 2
-        made._endpoints[0] = made._endpoints[1] = worker.endpoint.to_json()
-        made.leases.publish_handoff = publish_handoff
-        spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], "", b"")
-        made.loop.run(made._publish_all(spec), timeout_s=10)
         assert len(calls) == 2 and made._free_now == ["req-p"]
     finally:
         made.shutdown()
