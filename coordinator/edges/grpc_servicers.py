@@ -30,6 +30,7 @@ from coordinator.core.grants import TransferReport
 from coordinator.core.leases import LeaseView
 from coordinator.edges import grpc_wire as wire
 from coordinator.edges.tls import caller_credentials
+from coordinator.runtime.clock import to_unix_ms
 from coordinator.runtime.coordinator import (
     REASON_CLOSED,
     REASON_ERROR,
@@ -560,7 +561,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
             )
             self._gate.child_engine(principal, decode, "decode_child_engine_id")
             deadline = self._coordinator.leases.extend_handoff(lease_id, decode)
-            return pb.ExtendHandoffResponse(deadline_unix_ms=deadline)
+            return pb.ExtendHandoffResponse(
+                deadline_unix_ms=to_unix_ms(self._coordinator.clock, deadline)
+            )
 
         return await self._observed.unary("ExtendHandoff", context, call)
 

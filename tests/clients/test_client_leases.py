@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -202,6 +203,11 @@ async def test_keep_alive_extends_and_reports_a_refused_extension(
         await wait_until(lambda: keep.extensions >= 5 or keep.error is not None, timeout_s=30)
         assert keep.extensions >= 5 and keep.error is None
         assert await lease_state(kvrc, grant.lease_id) == "LEASE_STATE_ACTIVE"
+        # An extension's deadline is unix ms, as the grant's: within the 900 ms heartbeat
+        # timeout of now (it was the coordinator's monotonic ms, decades in the past).
+        now_ms = time.time() * 1000
+        assert now_ms - 5_000 < keep.deadline_unix_ms < now_ms + 5_000
+        assert abs(keep.deadline_unix_ms - grant.deadline_unix_ms) < 60_000
         report = pb.TransferReport(
             lease_id=grant.lease_id,
             reporter_child_engine_id="k-dec",
