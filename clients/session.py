@@ -804,10 +804,10 @@ class SessionChannels:
         channels = SessionChannels(session)
         leases = LeaseClient(channels, child_engine_id)    # or LookupClient(channels)
 
-    Registrations and leases are per replica, so lease RPCs, reports and lookups must
-    reach the replica this rank part registered with; a plain channel to several
-    targets cannot know which one that is. With one target this is one channel, as
-    `connect(target)` makes."""
+    Registrations and leases are per replica: a replica forwards a report or a handoff
+    call meant for another through the shared log (docs/operations.md), one trip more
+    than calling the right one, which a plain channel to several targets cannot know.
+    With one target this is one channel, as `connect(target)` makes."""
 
     def __init__(self, session: EngineSession) -> None:
         self.session = session  # a caller that replaces its session points this at the new one

@@ -27,13 +27,14 @@ from google.protobuf.message import Message
 from coordinator.core.auth import AuthDenied, AuthPolicy, DenyReason, Principal, Role
 from coordinator.core.errors import ErrorCode, KvrcError, invalid
 from coordinator.core.grants import TransferReport
-from coordinator.core.leases import LeaseView
+from coordinator.core.leases import Flow
 from coordinator.edges import grpc_wire as wire
 from coordinator.edges.tls import caller_credentials
 from coordinator.runtime.clock import to_unix_ms
 from coordinator.runtime.coordinator import (
     REASON_CLOSED,
     REASON_ERROR,
+    CompleteOutcome,
     Coordinator,
     SessionEnd,
 )
@@ -460,6 +461,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         request: pb.TransferReport,
         started: float,
     ) -> None:
+        """Decided in stream order here; a lease another live replica owns is asked of it
+        (the session moved since its grant), in a task of the session's calls."""
         method = "CompletePrefixLoad"
         try:
             report = wire.transfer_report_from_proto(request, self._bounds)
@@ -468,13 +471,45 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 report.reporter_child_engine_id,
                 "prefix_load_report.reporter_child_engine_id",
             )
-            view = self._coordinator.leases.complete_prefix_load(report)
+            if self._coordinator.owned_elsewhere(report.lease_id):
+                pending = self._calls.setdefault(session.session_id, set())
+                if len(pending) >= MAX_CALLS_IN_FLIGHT:
+                    raise KvrcError(
+                        ErrorCode.RESOURCE_EXHAUSTED,
+                        f"call {call_id}: {MAX_CALLS_IN_FLIGHT} calls of this session await "
+                        "their answer already; wait for an answer first",
+                    )
+                task = asyncio.get_running_loop().create_task(
+                    self._forwarded_report(session, call_id, report, started)
+                )
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                return
+            outcome = self._coordinator.complete_here(report, Flow.PREFIX_LOAD)
         except Exception as e:
             self._call_failed(session, call_id, method, started, e)
             return
-        response = wire.complete_response_to_proto(view)
+        self._report_answered(session, call_id, started, outcome)
+
+    async def _forwarded_report(
+        self, session: CoordinatorSession, call_id: int, report: TransferReport, started: float
+    ) -> None:
+        try:
+            outcome = await self._coordinator.complete(report, Flow.PREFIX_LOAD)
+        except asyncio.CancelledError:
+            self._observed.observe("CompletePrefixLoad", started, grpc.StatusCode.CANCELLED)
+            raise
+        except Exception as e:
+            self._call_failed(session, call_id, "CompletePrefixLoad", started, e)
+            return
+        self._report_answered(session, call_id, started, outcome)
+
+    def _report_answered(
+        self, session: CoordinatorSession, call_id: int, started: float, outcome: CompleteOutcome
+    ) -> None:
+        response = wire.complete_response_to_proto(outcome)
         answer = pb.CallAnswer(call_id=call_id, prefix_load_report=response)
-        self._call_answered(session, method, started, answer)
+        self._call_answered(session, "CompletePrefixLoad", started, answer)
 
     def _call_answered(
         self, session: CoordinatorSession, method: str, started: float, answer: pb.CallAnswer
@@ -520,8 +555,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
     async def CompletePrefixLoad(
         self, request: pb.TransferReport, context: Context
     ) -> pb.CompleteResponse:
-        complete = self._coordinator.leases.complete_prefix_load
-        return await self._complete("CompletePrefixLoad", request, context, complete)
+        return await self._complete("CompletePrefixLoad", request, context, Flow.PREFIX_LOAD)
 
     async def PublishHandoff(
         self, request: pb.PublishHandoffRequest, context: Context
@@ -543,7 +577,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             principal = self._gate.authenticate(context)
             req = wire.begin_handoff_from_proto(request, self._bounds)
             self._gate.child_engine(principal, req.decode_child_engine_id, "decode_child_engine_id")
-            grant = await self._coordinator.leases.begin_handoff(req)
+            grant = await self._coordinator.begin_handoff(req)
             return wire.handoff_grant_to_proto(
                 grant, self._coordinator.leases.heartbeat_interval_ms, self._coordinator.clock
             )
@@ -560,7 +594,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 "decode_child_engine_id", request.decode_child_engine_id, self._bounds
             )
             self._gate.child_engine(principal, decode, "decode_child_engine_id")
-            deadline = self._coordinator.leases.extend_handoff(lease_id, decode)
+            deadline = await self._coordinator.extend_handoff(lease_id, decode)
             return pb.ExtendHandoffResponse(
                 deadline_unix_ms=to_unix_ms(self._coordinator.clock, deadline)
             )
@@ -570,15 +604,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
     async def CompleteHandoff(
         self, request: pb.TransferReport, context: Context
     ) -> pb.CompleteResponse:
-        complete = self._coordinator.leases.complete_handoff
-        return await self._complete("CompleteHandoff", request, context, complete)
+        return await self._complete("CompleteHandoff", request, context, Flow.HANDOFF)
 
     async def _complete(
-        self,
-        method: str,
-        request: pb.TransferReport,
-        context: Context,
-        complete: Callable[[TransferReport], LeaseView],
+        self, method: str, request: pb.TransferReport, context: Context, flow: Flow
     ) -> pb.CompleteResponse:
         """A target part's terminal report; both flows check and answer it the same way."""
 
@@ -588,7 +617,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             self._gate.child_engine(
                 principal, report.reporter_child_engine_id, "reporter_child_engine_id"
             )
-            return wire.complete_response_to_proto(complete(report))
+            return wire.complete_response_to_proto(await self._coordinator.complete(report, flow))
 
         return await self._observed.unary(method, context, call)
 

@@ -58,6 +58,7 @@ from coordinator.runtime.coordinator import (
     DEFAULT_STATUS_LEASES,
     MAX_STATUS_LEASES,
     ChildEngineStatus,
+    CompleteOutcome,
     CostStatus,
     EncodedReply,
     HeartbeatReply,
@@ -1131,8 +1132,8 @@ def handoff_grant_to_proto(
     )
 
 
-def complete_response_to_proto(view: LeaseView) -> pb.CompleteResponse:
-    return pb.CompleteResponse(state=_lease_state(view.state), quiescent=view.quiescent)
+def complete_response_to_proto(outcome: CompleteOutcome) -> pb.CompleteResponse:
+    return pb.CompleteResponse(state=_lease_state(outcome.state), quiescent=outcome.quiescent)
 
 
 def publish_response_to_proto(outcome: PublishOutcome) -> pb.PublishHandoffResponse:

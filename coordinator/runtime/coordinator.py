@@ -33,9 +33,9 @@ from coordinator.core.cost_model import (
 )
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
-from coordinator.core.grants import PublishHandoffRequest
+from coordinator.core.grants import BeginHandoffRequest, PublishHandoffRequest, TransferReport
 from coordinator.core.inventory import Inventory
-from coordinator.core.leases import LeaseState, LeaseTable, LeaseView
+from coordinator.core.leases import Flow, HandoffGrant, LeaseState, LeaseTable, LeaseView
 from coordinator.core.profiles import (
     ReuseReason,
     ReuseStatus,
@@ -62,10 +62,21 @@ from coordinator.runtime.inventory_flow import InventoryFlow, ResyncOrder
 from coordinator.runtime.lease_flow import LeaseFlow, LeaseOutbound
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.peers import (
+    CALL_BEGIN_HANDOFF,
+    CALL_COMPLETE_HANDOFF,
+    CALL_COMPLETE_PREFIX_LOAD,
+    CALL_EXTEND_HANDOFF,
     CALL_PUBLISH_HANDOFF,
+    DEFAULT_CALL_TIMEOUT_S,
     PeerLink,
+    decode_begin,
+    decode_grant,
     decode_publish,
+    decode_report,
+    encode_begin,
+    encode_grant,
     encode_publish,
+    encode_report,
 )
 from kvrc import __version__
 from kvrc.ids import format_rank
@@ -209,6 +220,14 @@ class PublishOutcome:
     state: LeaseState
     parts_reported: int
     parts_expected: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteOutcome:
+    """A transfer report's answer, decided here or by the replica that owns the lease."""
+
+    state: LeaseState
+    quiescent: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,11 +503,66 @@ class Coordinator:
         view, reported, expected = self.leases.publish_handoff(req)
         return PublishOutcome(view.lease_id, view.state, reported, expected)
 
+    async def begin_handoff(self, req: BeginHandoffRequest) -> HandoffGrant:
+        """The decode engine's replica owns its handoffs (publish_handoff): a begin that
+        reached another replica is asked of that one, and waits there."""
+        owner = self._replica_of(req.decode_child_engine_id)
+        if owner is not None and self.peers is not None:
+            timeout_s = req.wait_timeout_ms / 1000 + DEFAULT_CALL_TIMEOUT_S
+            raw = await self.peers.call(owner, CALL_BEGIN_HANDOFF, encode_begin(req), timeout_s)
+            return decode_grant(raw, self._clock_ms())
+        return await self.leases.begin_handoff(req)
+
+    async def extend_handoff(self, lease_id: str, decode_child_engine_id: str) -> int:
+        """The new deadline (monotonic ms here), from the replica that owns the lease."""
+        owner = self.peers.owner_of(lease_id) if self.peers is not None else None
+        if owner is not None and self.peers is not None:
+            payload = [lease_id, decode_child_engine_id]
+            left_ms = await self.peers.call(owner, CALL_EXTEND_HANDOFF, payload)
+            return self._clock_ms() + int(left_ms)
+        return self.leases.extend_handoff(lease_id, decode_child_engine_id)
+
+    def owned_elsewhere(self, lease_id: str) -> bool:
+        """The lease's id names another live replica as its owner."""
+        return self.peers is not None and self.peers.owner_of(lease_id) is not None
+
+    async def complete(self, report: TransferReport, flow: Flow) -> CompleteOutcome:
+        """A target part's report, to this replica's lease or to the live replica its id
+        names as owner: a report may come through another channel than the grant did."""
+        owner = self.peers.owner_of(report.lease_id) if self.peers is not None else None
+        if owner is not None and self.peers is not None:
+            kind = CALL_COMPLETE_PREFIX_LOAD if flow is Flow.PREFIX_LOAD else CALL_COMPLETE_HANDOFF
+            state, quiescent = await self.peers.call(owner, kind, encode_report(report))
+            return CompleteOutcome(LeaseState(state), bool(quiescent))
+        return self.complete_here(report, flow)
+
+    def complete_here(self, report: TransferReport, flow: Flow) -> CompleteOutcome:
+        """The report, decided by this replica's lease table."""
+        if flow is Flow.PREFIX_LOAD:
+            view = self.leases.complete_prefix_load(report)
+        else:
+            view = self.leases.complete_handoff(report)
+        return CompleteOutcome(view.state, view.quiescent)
+
+    async def _begun_for_peer(self, req: BeginHandoffRequest) -> list[Any]:
+        grant = await self.leases.begin_handoff(req)
+        return encode_grant(grant, self._clock_ms())
+
     def run_call(self, kind: str, payload: Any) -> Any:
-        if kind != CALL_PUBLISH_HANDOFF:
-            raise KvrcError(ErrorCode.INVALID_ARGUMENT, f"unknown forwarded call {kind!r}")
-        view, reported, expected = self.leases.publish_handoff(decode_publish(payload))
-        return [view.lease_id, int(view.state), reported, expected]
+        if kind == CALL_PUBLISH_HANDOFF:
+            view, reported, expected = self.leases.publish_handoff(decode_publish(payload))
+            return [view.lease_id, int(view.state), reported, expected]
+        flows = {CALL_COMPLETE_PREFIX_LOAD: Flow.PREFIX_LOAD, CALL_COMPLETE_HANDOFF: Flow.HANDOFF}
+        if kind in flows:
+            outcome = self.complete_here(decode_report(payload), flows[kind])
+            return [int(outcome.state), outcome.quiescent]
+        if kind == CALL_BEGIN_HANDOFF:
+            return self._begun_for_peer(decode_begin(payload))
+        if kind == CALL_EXTEND_HANDOFF:
+            lease_id, decode = payload
+            deadline = self.leases.extend_handoff(str(lease_id), str(decode))
+            return deadline - self._clock_ms()
+        raise KvrcError(ErrorCode.INVALID_ARGUMENT, f"unknown forwarded call {kind!r}")
 
     def _replica_of(self, child_engine_id: str | None) -> str | None:
         """The other replica that holds the engine's first part's session (None: here)."""

@@ -577,14 +577,22 @@ class InventoryFlow:
         *,
         leases_in_flight: Mapping[str, int] | None = None,
     ) -> tuple[LookupResult, ...]:
-        """Answers each query (same order). INVALID_ARGUMENT for a foreign scope."""
-        reuse = self.reuse_gate(requester_child_engine_id)
+        """Answers each query (same order). INVALID_ARGUMENT for a foreign scope.
+
+        A requester registered on another replica (known from the shared store) is
+        answered from its registry view, as its own replica would answer it: every
+        replica holds the whole inventory, and grants already take such requesters."""
+        meta = self._meta.get(requester_child_engine_id)
+        view = None if meta is not None else self._registry.get(requester_child_engine_id)
+        reuse = self.reuse_gate(requester_child_engine_id, view)
         if not reuse.enabled:
             counter = self._m_lookups[LookupVerdict.REUSE_UNAVAILABLE]
             counter.inc(len(queries))
             unavailable = LookupResult(LookupVerdict.REUSE_UNAVAILABLE, (), reuse)
             return tuple(unavailable for _ in queries)
-        own = self._meta[requester_child_engine_id].compatibility_hash
+        known = meta if meta is not None else view
+        assert known is not None  # the gate opens only for a known engine
+        own = known.compatibility_hash
         for q in queries:
             if q.compatibility_hash and q.compatibility_hash != own:
                 raise invalid(

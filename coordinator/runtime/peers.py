@@ -38,10 +38,15 @@ messages travel through the same ordered log as the inventory:
   called silent and hears again: it announces its engines and parts and asks its
   engines for full dumps (replication.py `ReplicatedInventory.apply_remote`).
 - `OP_CALL` / `OP_RESULT`: a request that only another replica can decide, and its
-  answer. Today one: a prefill part's PublishHandoff naming a decode engine whose
-  session is on another replica goes to that replica, which owns the handoff
-  (the decode begins, extends and completes it there). An owner that does not
-  answer in time makes the call UNAVAILABLE (the prefill publishes again).
+  answer (or its refusal, code and message). A prefill part's PublishHandoff naming
+  a decode engine whose session is on another replica goes to that replica, which
+  owns the handoff; so do that decode engine's BeginHandoff (which waits there: the
+  owner answers when it grants, `PeerHost.run_call` returning an awaitable) and,
+  by the owner their lease id names, ExtendHandoff and both flows' transfer
+  reports. So an engine whose unary calls reach another replica than its session
+  (a plain channel to the replica list picks its own) is answered as by its own.
+  An owner that does not answer in time makes the call UNAVAILABLE (the caller
+  sends it again; a repeated report changes nothing).
 
 One order: every replica applies these ops in log order, so remote registrations
 and removals reach every replica in the same order, and a replica's messages to a
@@ -53,20 +58,30 @@ table entry (its owner's), the cost estimates and drains (docs/operations.md).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from coordinator.core.errors import ErrorCode, KvrcError
-from coordinator.core.grants import DrainNotice, LeaseOutbound, PublishHandoffRequest
+from coordinator.core.grants import (
+    BeginHandoffRequest,
+    DrainNotice,
+    LeaseOutbound,
+    PublishHandoffRequest,
+    TransferReport,
+)
 from coordinator.core.leases import (
     Flow,
+    HandoffGrant,
+    Outcome,
     SendAbort,
     SendPin,
     SendQuarantine,
     SendRelease,
+    SourcePart,
     owner_of_lease_id,
 )
 from coordinator.core.registry import PartRef, RankPartRegistration
@@ -87,6 +102,14 @@ PEER_TAGS = frozenset((OP_PART, OP_PART_LEFT, OP_SEND, OP_REPLY, OP_HELLO, OP_CA
 # Not OP_CALL: its caller gives up after DEFAULT_CALL_TIMEOUT_S and asks again.
 MESSAGE_TAGS = frozenset((OP_SEND, OP_REPLY, OP_RESULT))
 CALL_PUBLISH_HANDOFF = "publish_handoff"
+# A target's report that reached another replica than the lease's owner (its channel
+# went elsewhere than the grant's): the owner decides it (I5-complete-parts).
+CALL_COMPLETE_PREFIX_LOAD = "complete_prefix_load"
+CALL_COMPLETE_HANDOFF = "complete_handoff"
+# The decode side of a handoff that reached another replica than the decode engine's:
+# its replica owns the handoff. A begin waits there (run_call answers it later).
+CALL_BEGIN_HANDOFF = "begin_handoff"
+CALL_EXTEND_HANDOFF = "extend_handoff"
 DEFAULT_CALL_TIMEOUT_S = 5.0
 
 # Replies of the holder's session that the owner needs (ReleaseAck is only logged).
@@ -176,7 +199,8 @@ class PeerHost(Protocol):
         """Ends a local session that a registration with a higher token replaced."""
 
     def run_call(self, kind: str, payload: Any) -> Any:
-        """Decides a request another replica forwarded (KvrcError: refused, as it would be)."""
+        """Decides a request another replica forwarded (KvrcError: refused, as it would be);
+        an awaitable for one that waits (its result, or its KvrcError, is the answer)."""
 
 
 def encode_message(message: LeaseOutbound, now_ms: int) -> list[Any]:
@@ -250,6 +274,79 @@ def decode_publish(raw: list[Any]) -> PublishHandoffRequest:
     )
 
 
+def encode_report(report: TransferReport) -> list[Any]:
+    return [
+        report.lease_id,
+        report.reporter_child_engine_id,
+        list(report.rank_key),
+        int(report.outcome),
+        report.bytes_moved,
+        report.duration_us,
+        report.error_message,
+        report.prefill_tokens,
+        report.prefill_duration_us,
+    ]
+
+
+def decode_report(raw: list[Any]) -> TransferReport:
+    lease_id, reporter, rank, outcome, moved, duration, error, tokens, prefill_us = raw
+    tp, pp, pcp = rank
+    return TransferReport(
+        str(lease_id),
+        str(reporter),
+        (int(tp), int(pp), int(pcp)),
+        Outcome(int(outcome)),
+        int(moved),
+        int(duration),
+        str(error),
+        int(tokens),
+        int(prefill_us),
+    )
+
+
+def encode_begin(req: BeginHandoffRequest) -> list[Any]:
+    return [
+        req.request_id,
+        req.prefill_child_engine_id,
+        req.decode_child_engine_id,
+        req.wait_timeout_ms,
+    ]
+
+
+def decode_begin(raw: list[Any]) -> BeginHandoffRequest:
+    request_id, prefill, decode, wait_timeout_ms = raw
+    return BeginHandoffRequest(str(request_id), str(prefill), str(decode), int(wait_timeout_ms))
+
+
+def encode_grant(grant: HandoffGrant, now_ms: int) -> list[Any]:
+    """The deadline as the time left (monotonic clocks differ between hosts)."""
+    return [
+        grant.lease_id,
+        grant.prefill_child_engine_id,
+        grant.decode_child_engine_id,
+        [[list(p.rank_key), p.descriptor, p.pinned_blocks] for p in grant.source_parts],
+        grant.kv_transfer_params,
+        grant.num_blocks,
+        grant.deadline_ms - now_ms,
+    ]
+
+
+def decode_grant(raw: list[Any], now_ms: int) -> HandoffGrant:
+    lease_id, prefill, decode, parts, params, num_blocks, left_ms = raw
+    return HandoffGrant(
+        str(lease_id),
+        str(prefill),
+        str(decode),
+        tuple(
+            SourcePart((int(r[0]), int(r[1]), int(r[2])), bytes(descriptor), int(pinned))
+            for r, descriptor, pinned in parts
+        ),
+        bytes(params),
+        int(num_blocks),
+        now_ms + int(left_ms),
+    )
+
+
 def _ref(cid: Any, rank: Any, session_id: Any) -> PartRef:
     tp, pp, pcp = rank
     return PartRef(str(cid), (int(tp), int(pp), int(pcp)), str(session_id))
@@ -282,6 +379,7 @@ class PeerLink:
         self.fenced = 0  # local sessions ended by a higher token (tests, status)
         self._calls: dict[str, asyncio.Future[Any]] = {}  # call id -> its answer
         self._call_ids = itertools.count()
+        self._answering: set[asyncio.Task[None]] = set()  # forwarded calls that wait here
         self.sent = 0  # ops this replica wrote for its peers (tests, bench-cluster)
 
     def attach(self, host: PeerHost) -> None:
@@ -435,10 +533,24 @@ class PeerLink:
             self._calls.pop(call_id, None)
 
     def fail_calls(self, reason: str) -> None:
-        """Shutdown: every call waiting for another replica ends UNAVAILABLE."""
+        """Shutdown: every call waiting for another replica ends UNAVAILABLE, and so does
+        every forwarded call still waiting here (its caller hears it, as from us)."""
         for answer in self._calls.values():
             if not answer.done():
                 answer.set_exception(KvrcError(ErrorCode.UNAVAILABLE, reason))
+        for task in self._answering:
+            task.cancel()
+
+    async def _answer_later(self, origin: str, call_id: Any, pending: Awaitable[Any]) -> None:
+        try:
+            result: list[Any] = [True, await pending]
+        except KvrcError as e:
+            result = [False, [e.code.value, e.message]]
+        except asyncio.CancelledError:
+            reason = f"replica {self.origin} is shutting down: try again"
+            self._write([OP_RESULT, origin, call_id, False, [ErrorCode.UNAVAILABLE.value, reason]])
+            raise
+        self._write([OP_RESULT, origin, call_id, *result])
 
     def _write(self, op: Op) -> None:
         self.sent += 1
@@ -489,10 +601,18 @@ class PeerLink:
         if tag == OP_CALL:
             _, _, call_id, kind, payload = op
             try:
-                result: list[Any] = [True, host.run_call(str(kind), payload)]
+                value = host.run_call(str(kind), payload)
             except KvrcError as e:
-                result = [False, [e.code.value, e.message]]
-            self._write([OP_RESULT, origin, call_id, *result])
+                self._write([OP_RESULT, origin, call_id, False, [e.code.value, e.message]])
+                return True
+            if inspect.isawaitable(value):
+                task = asyncio.get_running_loop().create_task(
+                    self._answer_later(origin, call_id, value)
+                )
+                self._answering.add(task)
+                task.add_done_callback(self._answering.discard)
+            else:
+                self._write([OP_RESULT, origin, call_id, True, value])
             return True
         if tag == OP_RESULT:
             _, _, call_id, ok, value = op

@@ -7,7 +7,9 @@ started per test on a free port, no persistence); engines are real
 
 What is proved here: an inventory event ingested on one replica is visible to
 lookups on another (and the memory store, the negative control, shares nothing);
-departures replicate; one EngineSession given both replicas' targets survives kill -9
+departures replicate; an engine's lookups, reports and handoff calls are answered through
+any replica (the owner decides what it owns); one EngineSession given both replicas'
+targets survives kill -9
 of the one it is on (it re-registers on the other, and its dump is the view there);
 kill -9 of Redis fails closed (no new grants, UNAVAILABLE with the reason, `kvrc
 status` and `kvrc_store_up` say so) and an empty restarted Redis is detected by its
@@ -24,6 +26,7 @@ import datetime
 import ipaddress
 import signal
 import subprocess
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -50,7 +53,12 @@ from harness import (
 )
 from redis_env import RedisServer, RedisTls, start_redis
 
-from clients.errors import UnavailableError
+from clients.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    NotFoundError,
+    UnavailableError,
+)
 from clients.inventory import (
     InventoryPublisher,
     LookupClient,
@@ -124,13 +132,15 @@ class Engines:
 
 
 def _pin_all(info: PinRequestInfo) -> PinAnswer:
-    return PinAnswer(
-        len(info.block_hashes),
-        pb.RankPartDescriptor(
-            rank=pb.RankCoordinates(tp_rank=0, pp_rank=0, pcp_rank=0),
-            endpoint=pb.TransferEndpoint(backend="mooncake", session_name="127.0.0.1:15000"),
-            block_ids=list(range(len(info.block_hashes))),
-        ),
+    return PinAnswer(len(info.block_hashes), _descriptor(len(info.block_hashes)))
+
+
+def _descriptor(blocks: int) -> pb.RankPartDescriptor:
+    """Rank 0's part of a transfer of `blocks` blocks (the bytes never move here)."""
+    return pb.RankPartDescriptor(
+        rank=pb.RankCoordinates(tp_rank=0, pp_rank=0, pcp_rank=0),
+        endpoint=pb.TransferEndpoint(backend="mooncake", session_name="127.0.0.1:15000"),
+        block_ids=list(range(blocks)),
     )
 
 
@@ -257,6 +267,116 @@ async def test_a_holder_on_one_replica_lends_to_a_requester_on_another(
         async with LeaseClient(b.grpc_target, "req-x") as leases:
             miss = await leases.request_prefix_load("cross-2", CHAIN[:8])
             assert not isinstance(miss, PrefixLoadGrant)
+
+
+async def _ready_on(target: str, child_engine_id: str) -> bool:
+    view = await child_engine_status(target, child_engine_id)
+    return view is not None and view.state.ready
+
+
+def _succeeded(lease_id: str, reporter: str) -> pb.TransferReport:
+    return pb.TransferReport(
+        lease_id=lease_id,
+        reporter_child_engine_id=reporter,
+        outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+        bytes_moved=8 * 4096,
+        duration_us=2_000,
+    )
+
+
+async def test_a_requester_looks_up_and_reports_through_any_replica(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """An engine's unary calls may reach another replica than its session's (a plain
+    channel to the replica list picks its own). A lookup there is answered from the
+    shared view; a report there reaches the replica its lease id names as owner."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with start_coordinator(*flags) as a, start_coordinator(*flags) as b:
+        holder = await engines.open(a.grpc_target, "holder-z")
+        await engines.open(b.grpc_target, "req-z")  # its session is on b
+        session_b = engines.sessions[-1]
+        await holder.stored(CHAIN[:8])
+        await wait_until(lambda: _ready_on(a.grpc_target, "req-z"), 10, what="req-z on a")
+        # A lookup on a for an engine registered on b (before: REQUESTER_UNKNOWN).
+        await eventually_matched(a.grpc_target, "req-z", "holder-z", 8)
+        # Negative control: an engine that no replica knows is still unknown.
+        stranger = await lookup(a.grpc_target, "nobody-z")
+        assert stranger.reuse.reason == "REQUESTER_UNKNOWN" and not stranger.candidates
+        async with (
+            LeaseClient(a.grpc_target, "req-z") as on_a,
+            LeaseClient(b.grpc_target, "req-z") as on_b,
+            LeaseClient(b.grpc_target, "req-z", session=session_b) as on_session,
+        ):
+            # Granted on a (its owner), reported on b: forwarded (before: NOT_FOUND on b).
+            grant = await on_a.request_prefix_load("any-1", CHAIN[:8])
+            assert isinstance(grant, PrefixLoadGrant), grant
+            done = await on_b.complete_prefix_load(_succeeded(grant.lease_id, "req-z"))
+            assert done.quiescent and done.state == "COMPLETED", done
+            await wait_until(lambda: _held_is(engines, "holder-z", []), 10, what="release")
+            # The same through the session stream on b (a revision 3 call).
+            grant = await on_a.request_prefix_load("any-2", CHAIN[:8])
+            assert isinstance(grant, PrefixLoadGrant), grant
+            done = await on_session.complete_prefix_load(_succeeded(grant.lease_id, "req-z"))
+            assert done.quiescent, done
+            await wait_until(lambda: _held_is(engines, "holder-z", []), 10, what="release 2")
+            assert not (await get_status(a.grpc_target)).leases
+            # An id naming a live owner that does not know it: the owner's NOT_FOUND.
+            owner_a = grant.lease_id.rpartition("@")[2]
+            with pytest.raises(NotFoundError, match="no lease"):
+                await on_b.complete_prefix_load(_succeeded(f"pl-{'0' * 32}@{owner_a}", "req-z"))
+            with pytest.raises(NotFoundError, match="no lease"):
+                await on_session.complete_prefix_load(
+                    _succeeded(f"pl-{'1' * 32}@{owner_a}", "req-z")
+                )
+
+
+async def test_a_decode_takes_its_handoff_through_any_replica(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """The decode engine's replica owns the handoff. Its begin, heartbeats and report
+    may land on another replica, which asks the owner (before: a begin there waited for a
+    publish that never came, and an extension or a report was NOT_FOUND)."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with start_coordinator(*flags) as a, start_coordinator(*flags) as b:
+        await engines.open(a.grpc_target, "prefill-h")
+        await engines.open(b.grpc_target, "decode-h")  # b owns its handoffs
+        await wait_until(lambda: _ready_on(a.grpc_target, "decode-h"), 10, what="decode on a")
+        async with (
+            LeaseClient(a.grpc_target, "prefill-h") as prefill,
+            LeaseClient(a.grpc_target, "decode-h") as decode_on_a,
+        ):
+            # The begin waits on b for the publish, which comes after it.
+            begin = asyncio.create_task(
+                decode_on_a.begin_handoff("h-any", "prefill-h", wait_timeout_ms=10_000)
+            )
+            await asyncio.sleep(0.3)
+            assert not begin.done()
+            published = await prefill.publish_handoff(
+                "h-any",
+                descriptor=_descriptor(4),
+                kv_transfer_params={"do_remote_prefill": True},
+                num_blocks=4,
+                decode_child_engine_id="decode-h",
+            )
+            grant = await begin
+            assert grant.lease_id == published.lease_id
+            assert (grant.num_blocks, grant.prefill_child_engine_id) == (4, "prefill-h")
+            assert [p.block_ids for p in grant.source_parts] == [[0, 1, 2, 3]]
+            assert grant.kv_transfer_params == {"do_remote_prefill": True}
+            now_ms = time.time() * 1000
+            assert now_ms < grant.deadline_unix_ms < now_ms + 60_000
+            # A heartbeat through a: b's deadline, as unix ms on a.
+            deadline = await decode_on_a.extend_handoff(grant.lease_id)
+            assert now_ms < deadline < time.time() * 1000 + 60_000
+            assert grant.lease_id in {x.lease_id for x in (await get_status(b.grpc_target)).leases}
+            done = await decode_on_a.complete_handoff(_succeeded(grant.lease_id, "decode-h"))
+            assert done.quiescent and done.state == "COMPLETED", done
+            assert not (await get_status(b.grpc_target)).leases
+            # Refusals come back as the owner's, code and message.
+            with pytest.raises(FailedPreconditionError, match="only ACTIVE leases extend"):
+                await decode_on_a.extend_handoff(grant.lease_id)
+            with pytest.raises(DeadlineExceededError):
+                await decode_on_a.begin_handoff("h-never", "prefill-h", wait_timeout_ms=300)
 
 
 async def test_concurrent_loads_across_three_replicas_pin_exactly_once_each(
