@@ -65,6 +65,7 @@ from coordinator.core.errors import (
     resource_exhausted,
 )
 from coordinator.core.events import BlockHash, RankKey
+from coordinator.core.lease_ids import IdCheck, LeaseIdSigner
 from kvrc.ids import MAX_GRID_PARTS
 
 __all__ = [
@@ -490,6 +491,8 @@ class LeaseTable:
     ) -> None:
         self._config = config if config is not None else LeaseConfig()
         self._new_id = id_factory if id_factory is not None else _default_ids
+        # Default ids name their holder under this key (coordinator/core/lease_ids.py).
+        self._signer: LeaseIdSigner | None = None
         # With replicas, each id names the replica that owns it (`owner_of_lease_id`).
         self._id_suffix = f"{LEASE_OWNER_SEPARATOR}{id_owner}" if id_owner else ""
         self._flow_ids = id_factory is None  # prefix ids with their flow (see flow_of_lease_id)
@@ -648,7 +651,7 @@ class LeaseTable:
                 f"and {len(chain)}, got {pin_blocks!r}"
             )
         self._check_capacity((requester_child_engine_id, holder_child_engine_id))
-        lease_id = self._fresh_id(Flow.PREFIX_LOAD)
+        lease_id = self._fresh_id(Flow.PREFIX_LOAD, holder_child_engine_id)
 
         lease = _PrefixLoad(
             lease_id=lease_id,
@@ -803,7 +806,7 @@ class LeaseTable:
                 engines.append(decode_child_engine_id)
             self._check_capacity(engines)
             lease = _Handoff(
-                lease_id=self._fresh_id(Flow.HANDOFF),
+                lease_id=self._fresh_id(Flow.HANDOFF, prefill_child_engine_id),
                 request_id=request_id,
                 state=LeaseState.WAITING_READY,
                 created_ms=now_ms,
@@ -1129,6 +1132,14 @@ class LeaseTable:
             raise invalid(
                 f"held lease id {lease_id!r} is not one kvrc issues (no 'pl-' or 'ho-' prefix)"
             )
+        signer = self._signer
+        if signer is not None:
+            body = lease_id.rpartition(LEASE_OWNER_SEPARATOR)[0] or lease_id
+            if signer.check(body, holder_child_engine_id) is IdCheck.FORGED:
+                raise permission_denied(
+                    f"held lease {lease_id} was not issued to {holder_child_engine_id!r}: "
+                    "only its holder may re-announce it"
+                )
         if self._recovered_open >= self._config.max_recovered_leases:
             raise resource_exhausted(
                 f"{self._config.max_recovered_leases} recovered leases are open, the limit: "
@@ -1678,10 +1689,18 @@ class LeaseTable:
             raise invalid(f"{name} lists a rank part twice")
         return tuple(sorted(grid))
 
-    def _fresh_id(self, flow: Flow) -> str:
-        lease_id = self._new_id() + self._id_suffix
+    def set_id_key(self, key: bytes) -> None:
+        """From now on, default ids carry a tag naming their holder under `key`, and a
+        re-announced id that this key says was issued to another holder is refused."""
+        self._signer = LeaseIdSigner(key)
+
+    def _fresh_id(self, flow: Flow, holder_child_engine_id: str) -> str:
+        body = self._new_id()
         if self._flow_ids:
-            lease_id = _FLOW_ID_PREFIX[flow] + lease_id
+            body = _FLOW_ID_PREFIX[flow] + body
+            if self._signer is not None:
+                body += self._signer.tag(body, holder_child_engine_id)
+        lease_id = body + self._id_suffix
         if not lease_id or lease_id in self._leases:
             raise RuntimeError(f"lease id factory returned an empty or reused id {lease_id!r}")
         return lease_id

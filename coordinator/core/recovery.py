@@ -26,14 +26,18 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from coordinator.core.lease_ids import KEY_BYTES
+
 __all__ = [
     "MAX_STATE_FILE_BYTES",
     "STATE_FILE_VERSION",
     "KnownEngine",
+    "StateFile",
     "StateFileError",
     "Warmup",
     "WarmupStatus",
     "decode_state",
+    "decode_state_file",
     "encode_state",
 ]
 
@@ -56,9 +60,18 @@ class KnownEngine:
     parts_expected: int
 
 
-def encode_state(engines: Iterable[KnownEngine], written_ms: int) -> bytes:
+@dataclass(frozen=True, slots=True)
+class StateFile:
+    engines: tuple[KnownEngine, ...]
+    # The key lease ids are tagged with (coordinator/core/lease_ids.py); None: not kept.
+    lease_id_key: bytes | None = None
+
+
+def encode_state(
+    engines: Iterable[KnownEngine], written_ms: int, lease_id_key: bytes | None = None
+) -> bytes:
     """The state file's bytes (JSON, sorted: the same set always gives the same bytes)."""
-    doc = {
+    doc: dict[str, object] = {
         "version": STATE_FILE_VERSION,
         "written_unix_ms": written_ms,
         "child_engines": [
@@ -70,10 +83,17 @@ def encode_state(engines: Iterable[KnownEngine], written_ms: int) -> bytes:
             for e in sorted(engines, key=lambda e: e.child_engine_id)
         ],
     }
+    if lease_id_key is not None:
+        doc["lease_id_key"] = lease_id_key.hex()
     return (json.dumps(doc, indent=1) + "\n").encode()
 
 
 def decode_state(data: bytes) -> tuple[KnownEngine, ...]:
+    """The known engines of a state file; StateFileError names what is wrong."""
+    return decode_state_file(data).engines
+
+
+def decode_state_file(data: bytes) -> StateFile:
     """Parses and checks a state file; StateFileError names what is wrong."""
     if len(data) > MAX_STATE_FILE_BYTES:
         raise StateFileError(f"{len(data)} bytes, more than the limit {MAX_STATE_FILE_BYTES}")
@@ -106,7 +126,16 @@ def decode_state(data: bytes) -> tuple[KnownEngine, ...]:
         if child in engines:
             raise StateFileError(f"child engine {child!r} is listed twice")
         engines[child] = KnownEngine(child, engine, parts)
-    return tuple(engines[c] for c in sorted(engines))
+    key = doc.get("lease_id_key")
+    if key is not None and (
+        not isinstance(key, str)
+        or len(key) != 2 * KEY_BYTES
+        or any(c not in "0123456789abcdef" for c in key)
+    ):
+        raise StateFileError(f"'lease_id_key' must be {2 * KEY_BYTES} lowercase hex digits")
+    return StateFile(
+        tuple(engines[c] for c in sorted(engines)), None if key is None else bytes.fromhex(key)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -270,6 +270,7 @@ def coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Redi
         coordinator.metrics,
         on_applied=coordinator.inventory.refresh_gauges,
         request_full_dumps=coordinator.inventory.request_full_dumps,
+        on_epoch=coordinator.use_lease_id_key_secret,
     )
     # Holders and requesters on different replicas (coordinator/runtime/peers.py).
     peers = PeerLink(

@@ -35,6 +35,7 @@ from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
 from coordinator.core.grants import BeginHandoffRequest, PublishHandoffRequest, TransferReport
 from coordinator.core.inventory import Inventory
+from coordinator.core.lease_ids import KEY_BYTES, derived_key
 from coordinator.core.leases import Flow, HandoffGrant, LeaseState, LeaseTable, LeaseView
 from coordinator.core.profiles import (
     ReuseReason,
@@ -47,7 +48,7 @@ from coordinator.core.recovery import (
     KnownEngine,
     StateFileError,
     Warmup,
-    decode_state,
+    decode_state_file,
     encode_state,
 )
 from coordinator.core.registry import (
@@ -342,7 +343,15 @@ class Coordinator:
         self._known_written: tuple[KnownEngine, ...] | None = None
         self._state_timer: Timer | None = None
         self._warmup_timer: Timer | None = None
+        # The key lease ids name their holder with (coordinator/core/lease_ids.py): the
+        # state file's, a new one written there, or (no file) this process's own.
+        self._lease_id_key: bytes | None = None
+        self._lease_id_key_written = False
         self.warmup = self._load_warmup(clock_ms())
+        if self._lease_id_key is None:
+            self._lease_id_key = secrets.token_bytes(KEY_BYTES)
+            self._schedule_state_write()
+        self.leases.table.set_id_key(self._lease_id_key)
         self.inventory.warming = self.warming_status
         self.inventory.on_stale_changed = self._stale_changed
         self.leases.warming = self.warming_status
@@ -911,7 +920,9 @@ class Coordinator:
             try:
                 with open(cfg.state_file, "rb") as f:
                     data = f.read(MAX_STATE_FILE_BYTES + 1)
-                expected = decode_state(data)
+                state = decode_state_file(data)
+                expected, self._lease_id_key = state.engines, state.lease_id_key
+                self._lease_id_key_written = state.lease_id_key is not None
             except FileNotFoundError:
                 pass  # a first start
             except (OSError, StateFileError) as e:
@@ -958,13 +969,15 @@ class Coordinator:
         if path is None:
             return
         known = tuple(sorted(self._known.values(), key=lambda e: e.child_engine_id))
-        if known == self._known_written:
+        if known == self._known_written and self._lease_id_key_written:
             return
         tmp = path.with_name(path.name + ".tmp")
         try:
             # Atomic replace: a crash mid-write leaves the previous file, never half of one.
-            with open(tmp, "wb") as f:
-                f.write(encode_state(known, self.clock.wall_ms()))  # a unix-ms stamp
+            # Private: the lease id key is in it.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(fd, "wb") as f:
+                f.write(encode_state(known, self.clock.wall_ms(), self._lease_id_key))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -972,6 +985,13 @@ class Coordinator:
             log.error("cannot write state file %s: %s", path, e)
             return
         self._known_written = known
+        self._lease_id_key_written = True
+
+    def use_lease_id_key_secret(self, secret: bytes) -> None:
+        """Replicas: lease ids are tagged under a key every replica derives from the same
+        secret (the shared store's epoch), since any replica may rebuild a lease that a
+        silent one owned. A new secret (a store loss) makes older ids unverifiable."""
+        self.leases.table.set_id_key(derived_key(secret, "replicas"))
 
     def _update_gauges(self) -> None:
         if self.peers is None:

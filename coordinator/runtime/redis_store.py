@@ -156,6 +156,7 @@ class RedisStore:
         *,
         on_applied: Callable[[], None] = lambda: None,
         request_full_dumps: Callable[[str], object] = lambda why: None,
+        on_epoch: Callable[[bytes], None] = lambda epoch: None,
         stream_maxlen: int = STREAM_MAXLEN,
         load_snapshots: bool = True,
         snapshot_max_bytes: int = DEFAULT_SNAPSHOT_MAX_BYTES,
@@ -169,6 +170,9 @@ class RedisStore:
         # goes to them): after a store loss, an outbox overflow or a long silence of
         # this replica, the others' view of them may lack what they published.
         self._request_full_dumps = request_full_dumps
+        # Told each epoch this replica reads (the first, and a store loss's): a secret
+        # every replica shares (the lease id key derives from it).
+        self._on_epoch = on_epoch
         self._maxlen = stream_maxlen
         self._origin_timeout_ms = config.origin_timeout_ms
         self._writer_conn = redis_client(
@@ -332,6 +336,8 @@ class RedisStore:
             return
         if self._epoch is not None and epoch != self._epoch:
             self._store_lost()
+        if epoch != self._epoch and epoch is not None:
+            self._on_epoch(epoch if isinstance(epoch, bytes) else str(epoch).encode())
         self._epoch = epoch
         if generation == self._epoch_checks_after_failure:  # no failure while it ran
             self._ok("epoch check")

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_engine import FaultEngine, fault_coordinator
+from fault_engine import MODEL, FaultEngine, fault_coordinator
 from harness import (
     CoordinatorProcess,
     find_lease,
     free_port,
     get_status,
+    metric_value,
     resolve_quarantine,
     wait_until,
 )
@@ -31,8 +32,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lease_steps import open_load_step
 
+from clients.leases import LeaseSessionHandler, PinAnswer
+from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
+from coordinator.core.lease_ids import IdCheck, LeaseIdSigner
 from coordinator.core.leases import (
     RECOVERED_REASON,
     Flow,
@@ -52,6 +56,7 @@ from coordinator.core.recovery import (
     StateFileError,
     Warmup,
     decode_state,
+    decode_state_file,
     encode_state,
 )
 from kvrc.v1 import kvrc_pb2 as pb
@@ -115,6 +120,9 @@ def test_state_file_round_trips(engines: dict[str, tuple[str, int]]) -> None:
     data = encode_state(known, written_ms=123)
     assert decode_state(data) == tuple(sorted(known, key=lambda k: k.child_engine_id))
     assert encode_state(reversed(known), written_ms=123) == data  # same set, same bytes
+    assert decode_state_file(data).lease_id_key is None
+    keyed = decode_state_file(encode_state(known, written_ms=123, lease_id_key=KEY))
+    assert keyed.lease_id_key == KEY and keyed.engines == decode_state(data)
 
 
 @pytest.mark.parametrize(
@@ -142,6 +150,12 @@ def test_state_file_round_trips(engines: dict[str, tuple[str, int]]) -> None:
             "twice",
         ),
         (b" " * (16 << 20) + b"{}", "limit"),
+        (b'{"version": 1, "child_engines": [], "lease_id_key": "ab"}', "lease_id_key"),
+        (b'{"version": 1, "child_engines": [], "lease_id_key": 7}', "lease_id_key"),
+        (
+            b'{"version": 1, "child_engines": [], "lease_id_key": "' + b"G" * 64 + b'"}',
+            "lease_id_key",
+        ),
     ],
 )
 def test_bad_state_files_are_refused_with_the_reason(data: bytes, words: str) -> None:
@@ -316,6 +330,78 @@ def test_bad_or_foreign_re_announcements_are_refused_and_change_nothing() -> Non
         t.complete_prefix_load("pl-x4", "req", (0, 0, 0), Outcome.SUCCEEDED, 2, ())
     assert e.value.code is ErrorCode.FAILED_PRECONDITION
     assert t.get("pl-x4").target_child_engine_id is None
+
+
+KEY = bytes(range(32))
+
+
+def _keyed_table(key: bytes = KEY) -> LeaseTable:
+    t = _table()
+    t.set_id_key(key)
+    return t
+
+
+def test_an_id_issued_to_one_holder_cannot_be_re_announced_by_another() -> None:
+    # Before ids named their holder, an engine that knew an id (its requester does) could
+    # re-announce it first after a restart and take the rebuilt lease: the real holder was
+    # refused and kept its blocks pinned.
+    lease_id = _open_load(_keyed_table(), transfer_ttl_ms=100).view.lease_id
+    assert flow_of_lease_id(lease_id) is Flow.PREFIX_LOAD and "." in lease_id
+    restarted = _keyed_table()  # the same key: the state file kept it
+    for squatter in ("req", "thief"):
+        with pytest.raises(KvrcError, match="not issued to") as e:
+            _recover(restarted, lease_id, holder=squatter)
+        assert e.value.code is ErrorCode.PERMISSION_DENIED
+    assert restarted.list_leases() == []  # refused: nothing changed
+    step = _recover(restarted, lease_id, requester="req")
+    assert step.view.state is LeaseState.QUARANTINED
+    assert step.view.source_child_engine_id == "hold"
+    # A handoff's id names its prefill.
+    published = _keyed_table().publish_handoff(
+        request_id="r",
+        prefill_child_engine_id="pre",
+        prefill_rank_keys=GRID1,
+        rank_key=GRID1[0],
+        descriptor=b"d",
+        kv_transfer_params=b"",
+        decode_child_engine_id="dec",
+        num_blocks=1,
+        now_ms=0,
+    )
+    with pytest.raises(KvrcError, match="not issued to"):
+        _recover(restarted, published.view.lease_id, holder="dec")
+    assert _recover(restarted, published.view.lease_id, holder="pre").view.flow is Flow.HANDOFF
+
+
+def test_ids_another_key_issued_are_rebuilt_as_before() -> None:
+    """The negative control, and what a lost key leaves: an id this key cannot check
+    (another key's, an older kvrc's without a tag) is rebuilt for whoever announces it."""
+    lease_id = _open_load(_keyed_table(), transfer_ttl_ms=100).view.lease_id
+    other = _keyed_table(bytes(32))
+    assert _recover(other, lease_id, holder="thief").view.source_child_engine_id == "thief"
+    assert _recover(_keyed_table(), "pl-0123abcd", holder="thief").view.state is (
+        LeaseState.QUARANTINED
+    )
+    # This key's id with a MAC nobody issued is refused to everyone.
+    body = lease_id.rpartition(".")[0]
+    made_up = body + "." + LeaseIdSigner(KEY).key_id + "0" * 16
+    for holder in ("hold", "thief"):
+        with pytest.raises(KvrcError, match="not issued to"):
+            _recover(_keyed_table(), made_up, holder=holder)
+
+
+@given(
+    nonce=st.text(alphabet="0123456789abcdef-", min_size=1, max_size=40),
+    holder=st.text(min_size=1, max_size=20),
+    other=st.text(min_size=1, max_size=20),
+)
+def test_a_tag_checks_as_issued_only_for_its_holder(nonce: str, holder: str, other: str) -> None:
+    signer = LeaseIdSigner(KEY)
+    body = "pl-" + nonce + signer.tag("pl-" + nonce, holder)
+    assert signer.check(body, holder) is IdCheck.ISSUED
+    assert signer.check(body, other) is (IdCheck.ISSUED if other == holder else IdCheck.FORGED)
+    assert LeaseIdSigner(bytes(32)).check(body, holder) is IdCheck.UNVERIFIABLE
+    assert signer.check("pl-" + nonce, holder) is IdCheck.UNVERIFIABLE
 
 
 def test_a_recovered_lease_takes_reports_only_from_the_requester_its_holder_names() -> None:
@@ -516,6 +602,74 @@ async def test_after_a_restart_only_the_named_requester_can_end_a_recovered_leas
         done = requester.command("complete_load", lease_id=lease_id, outcome="SUCCEEDED")
         assert done["ok"] and done["state"] == "COMPLETED", done
         assert holder.event("release", lease_id)["t"] >= reported_at
+
+
+async def _held_part(target: str, engine_id: str, held: dict[str, str]) -> EngineSession:
+    """A rank part that registers saying it holds `held` (lease id -> requester)."""
+    registration = RankPartRegistration(
+        engine_id=engine_id,
+        profile=EngineProfile(model=MODEL, block_size=16, reuse_opt_in=True),
+    )
+    session = EngineSession(target, registration, reconnect=False)
+    handler = LeaseSessionHandler(pin=lambda info: PinAnswer(0, None))
+    for lease_id, requester in held.items():
+        handler.track_held(lease_id, requester)
+    session.handler = handler
+    handler.attach(session)
+    await session.start()
+    return session
+
+
+async def test_after_a_restart_a_lease_is_rebuilt_only_for_the_holder_it_was_issued_to(
+    tmp_path: Path,
+) -> None:
+    # Before lease ids named their holder, an engine that knew an id (the requester does)
+    # re-announced it first and took the rebuilt lease: the holder's own announcement was
+    # refused and its pins stayed until its safety net. The key outlives the restart in
+    # the state file; with the file gone (the negative control) the squatter wins again.
+    port, state = free_port(), tmp_path / "kvrc-state.json"
+    with ExitStack() as stack:
+        first = stack.enter_context(_kvrc(port, state))
+        holder = FaultEngine(first.grpc_target, "holder", retain=4, reuse_opt_in=True)
+        requester = FaultEngine(first.grpc_target, "requester", reuse_opt_in=True)
+        for engine in (holder, requester):
+            stack.callback(engine.stop)
+        await wait_until(
+            lambda: asyncio.to_thread(lambda: requester.command("lookup", n=4)["outcome"] == "HIT"),
+            10,
+            what="inventory",
+        )
+        grant = requester.command("request_load", n=4, transfer_timeout_ms=60_000)
+        lease_id = grant["lease_id"]
+        holder.event("pinned", lease_id)
+        held = {lease_id: "requester"}
+        await wait_until(lambda: _state_has_key(state), 10, what="the key in the state file")
+        holder.stop()  # it would re-announce the lease itself: the test does, below
+        first.stop(signal.SIGKILL)
+
+    for key_kept in (True, False):
+        if not key_kept:
+            state.unlink()
+        with _kvrc(port, state, "--warmup-ms", "0") as kvrc:
+            thief = await _held_part(kvrc.grpc_target, "thief", held)
+            real = await _held_part(kvrc.grpc_target, "holder", held)
+            try:
+                lease = find_lease(await get_status(kvrc.grpc_target), lease_id)
+                assert lease is not None and lease.state == pb.LEASE_STATE_QUARANTINED
+                denied = metric_value(kvrc, "kvrc_auth_denied_total", reason="foreign_lease")
+                if key_kept:
+                    assert lease.source_child_engine_id == "holder"
+                    assert denied == 1  # the thief's announcement
+                else:
+                    assert lease.source_child_engine_id == "thief"
+                    assert denied == 1  # the holder's: "not held by"
+            finally:
+                for session in (thief, real):
+                    await session.close()
+
+
+def _state_has_key(state: Path) -> bool:
+    return state.exists() and decode_state_file(state.read_bytes()).lease_id_key is not None
 
 
 async def test_warm_up_ends_early_when_every_known_engine_is_back(tmp_path: Path) -> None:

@@ -75,7 +75,8 @@ from clients.leases import (
 )
 from clients.refengine.demo import child_process_env
 from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
-from coordinator.runtime.store_keys import LEASE_PREFIX, PINS_PREFIX, STREAM_KEY
+from coordinator.core.lease_ids import IdCheck, LeaseIdSigner, derived_key
+from coordinator.runtime.store_keys import EPOCH_KEY, LEASE_PREFIX, PINS_PREFIX, STREAM_KEY
 from kvrc.v1 import kvrc_pb2 as pb
 
 PROFILES = '[[profile]]\nname = "test"\nmodel = "test-model"\n'
@@ -239,6 +240,15 @@ async def test_a_holder_on_one_replica_lends_to_a_requester_on_another(
             assert isinstance(grant, PrefixLoadGrant), grant
             assert grant.source_child_engine_id == "holder-x"
             assert grant.matched_blocks == 8
+            # Its id names its holder under the key every replica derives from the
+            # store's epoch (any of them may rebuild it once b falls silent).
+            with redis.Redis(host="127.0.0.1", port=redis_server.port) as r:
+                epoch = r.get(EPOCH_KEY)
+            assert isinstance(epoch, bytes)
+            signer = LeaseIdSigner(derived_key(epoch, "replicas"))
+            body = grant.lease_id.rpartition("@")[0]
+            assert signer.check(body, "holder-x") is IdCheck.ISSUED
+            assert signer.check(body, "req-x") is IdCheck.FORGED
             # The holder pinned it on a; the lease is b's alone.
             assert await _held(engines, "holder-x") == [grant.lease_id]
             assert grant.lease_id in {x.lease_id for x in (await get_status(b.grpc_target)).leases}
