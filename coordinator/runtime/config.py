@@ -72,7 +72,9 @@ MIN_ORIGIN_TIMEOUT_MS = 4 * STORE_HEARTBEAT_MS
 MAX_ORIGIN_TIMEOUT_MS = 3_600_000  # an hour: a dead replica lingers no longer
 # The outbox's byte bound (replication.py). At least one gRPC message (16 MiB): below
 # it the ops of one large engine message could overflow the outbox on their own, with
-# Redis up, and every overflow costs a reset and full dumps.
+# Redis up, and every overflow costs a reset and full dumps. The wire's bounds keep one
+# message's op far below it: 0.6 MB for the largest gRPC batch, about a vLLM frame's
+# 4 MiB for ZMQ (tests/runtime/test_replication.py checks a third at most).
 DEFAULT_OUTBOX_MAX_BYTES = 128 * 1024 * 1024
 MIN_OUTBOX_MAX_BYTES = 16 << 20
 

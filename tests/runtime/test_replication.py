@@ -26,6 +26,9 @@ from coordinator.core.events import (
     Tier,
 )
 from coordinator.core.inventory import Candidate, Scope
+from coordinator.core.vllm_events import MAX_FRAME_BLOCKS, decode_payload
+from coordinator.edges.zmq_ingest import ZmqStreamConfig
+from coordinator.runtime.config import MIN_OUTBOX_MAX_BYTES
 from coordinator.runtime.replication import (
     ReplicatedInventory,
     decode_events,
@@ -33,6 +36,7 @@ from coordinator.runtime.replication import (
     pack_ops,
     unpack_ops,
 )
+from kvrc.vocabulary import MAX_BLOCK_HASH_BYTES, MAX_BLOCKS_PER_BATCH, MAX_EVENTS_PER_BATCH
 
 CHAIN = tuple(bytes([0xC0, i]) * 4 for i in range(12))
 COMPAT = "compat-1"
@@ -232,6 +236,50 @@ def test_the_outbox_is_bounded_by_its_packed_bytes() -> None:
     assert a.outbox_overflowed and len(a.outbox) < 3
     a.reannounce()
     assert not a.outbox_overflowed and a.outbox_bytes == packed(a.outbox)
+
+
+def test_one_engine_message_s_ops_fit_the_smallest_outbox_with_room_to_spare() -> None:
+    """`--store-outbox-max-bytes` may be as low as one gRPC message (16 MiB). The ops of
+    one engine message must fit it, or every full dump would overflow it again. The
+    largest batches the wire bounds allow, gRPC's and a vLLM ZMQ frame's, record one op
+    each of at most a third of that (counted, not timed; the bounds are the shared ones,
+    so raising them fails here first)."""
+    a = ReplicatedInventory(
+        "a",
+        max_entries_total=1_000_000,
+        max_entries_per_engine=1_000_000,
+        outbox_max_bytes=MIN_OUTBOX_MAX_BYTES,
+    )
+    ready_engine(a, "e")
+    a.outbox.clear()  # the engine's announcement
+    # gRPC: MAX_EVENTS_PER_BATCH events sharing MAX_BLOCKS_PER_BATCH hashes, all at the
+    # longest hash and parent the wire takes.
+    per_event = MAX_BLOCKS_PER_BATCH // MAX_EVENTS_PER_BATCH
+    events = [
+        BlockStored(
+            tuple(
+                (i * per_event + k).to_bytes(4, "big") * (MAX_BLOCK_HASH_BYTES // 4)
+                for k in range(per_event)
+            ),
+            bytes([0xFE]) * MAX_BLOCK_HASH_BYTES,
+            16 * per_event,
+        )
+        for i in range(MAX_EVENTS_PER_BATCH)
+    ]
+    a.apply("e", events, now_ms=0)
+    assert len(a.outbox) == 1 and not a.outbox_overflowed
+    assert a.outbox_bytes <= MIN_OUTBOX_MAX_BYTES // 3, a.outbox_bytes
+    a.outbox.clear()
+    # ZMQ: a frame of MAX_FRAME_BLOCKS removals with 48-byte hashes (vLLM's frames stop at
+    # 4 MiB); the op is the frame's hashes again, and little else.
+    hashes = [i.to_bytes(4, "big") * 12 for i in range(MAX_FRAME_BLOCKS)]
+    frame = {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
+    payload = msgpack.packb([0.0, [frame], 0], use_bin_type=True)
+    assert len(payload) <= ZmqStreamConfig("e", "tcp://127.0.0.1:1").max_frame_bytes
+    decoded = decode_payload(b"kv", 1, payload)
+    a.apply("e", decoded.events, now_ms=0)
+    assert len(a.outbox) == 1 and not a.outbox_overflowed
+    assert a.outbox_bytes <= 1.1 * len(payload) <= MIN_OUTBOX_MAX_BYTES // 3, a.outbox_bytes
 
 
 @pytest.mark.parametrize("count", [1, 15, 16, 300])
