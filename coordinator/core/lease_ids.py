@@ -18,7 +18,7 @@ before the key was lost or changed, or by an older kvrc). Only `FORGED` is refus
 an unverifiable id is rebuilt as before, and it cannot be a live lease's id under
 this key, so a squatter who announces one takes nobody's lease.
 
-Pure: no I/O, no clock. A 64-bit MAC (HMAC-SHA-256, truncated) and a 16-bit key id.
+Pure: no I/O, no clock. A 64-bit MAC (HMAC-SHA-256, truncated) and a 64-bit key id.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ __all__ = ["KEY_BYTES", "IdCheck", "LeaseIdSigner", "derived_key"]
 
 KEY_BYTES = 32
 TAG_SEPARATOR = "."
-_KEY_ID_CHARS = 4
+# 64 bits each: a new key (a lost state file, a store loss) whose id matched the old
+# one's would call every id issued before it FORGED and refuse their own holders.
+_KEY_ID_CHARS = 16
 _MAC_CHARS = 16
 
 

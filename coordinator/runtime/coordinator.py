@@ -347,10 +347,15 @@ class Coordinator:
         # state file's, a new one written there, or (no file) this process's own.
         self._lease_id_key: bytes | None = None
         self._lease_id_key_written = False
+        self._state_unreadable = False
         self.warmup = self._load_warmup(clock_ms())
         if self._lease_id_key is None:
             self._lease_id_key = secrets.token_bytes(KEY_BYTES)
-            self._schedule_state_write()
+            if not self._state_unreadable:
+                # Kept at once. An unreadable file is left as it is until an engine change
+                # rewrites it (as before): rewritten now it would list no engines, and a
+                # second restart would skip the fail-safe warm-up.
+                self._schedule_state_write()
         self.leases.table.set_id_key(self._lease_id_key)
         self.inventory.warming = self.warming_status
         self.inventory.on_stale_changed = self._stale_changed
@@ -513,13 +518,17 @@ class Coordinator:
         return PublishOutcome(view.lease_id, view.state, reported, expected)
 
     async def begin_handoff(self, req: BeginHandoffRequest) -> HandoffGrant:
-        """The decode engine's replica owns its handoffs (publish_handoff): a begin that
-        reached another replica is asked of that one, and waits there."""
+        """A handoff published here is begun here. Otherwise the decode engine's replica
+        owns it (publish_handoff forwards a publish that names the decode engine): a
+        begin that reached another replica is asked of that one, and waits there. (An
+        unreserved handoff lives where it was published: a begin must reach that one.)"""
         owner = self._replica_of(req.decode_child_engine_id)
-        if owner is not None and self.peers is not None:
+        here = self.leases.table.find_handoff(req.prefill_child_engine_id, req.request_id)
+        if owner is not None and self.peers is not None and here is None:
             timeout_s = req.wait_timeout_ms / 1000 + DEFAULT_CALL_TIMEOUT_S
+            sent_ms = self._clock_ms()  # the deadline runs from here: never later than the owner's
             raw = await self.peers.call(owner, CALL_BEGIN_HANDOFF, encode_begin(req), timeout_s)
-            return decode_grant(raw, self._clock_ms())
+            return decode_grant(raw, sent_ms)
         return await self.leases.begin_handoff(req)
 
     async def extend_handoff(self, lease_id: str, decode_child_engine_id: str) -> int:
@@ -527,8 +536,9 @@ class Coordinator:
         owner = self.peers.owner_of(lease_id) if self.peers is not None else None
         if owner is not None and self.peers is not None:
             payload = [lease_id, decode_child_engine_id]
+            sent_ms = self._clock_ms()
             left_ms = await self.peers.call(owner, CALL_EXTEND_HANDOFF, payload)
-            return self._clock_ms() + int(left_ms)
+            return sent_ms + int(left_ms)
         return self.leases.extend_handoff(lease_id, decode_child_engine_id)
 
     def owned_elsewhere(self, lease_id: str) -> bool:
@@ -930,7 +940,7 @@ class Coordinator:
                 log.warning(
                     "state file %s unusable (%s): warming until the deadline", cfg.state_file, e
                 )
-                unreadable = True
+                unreadable = self._state_unreadable = True
         warmup_ms = cfg.warmup_ms if cfg.warmup_ms is not None else DEFAULT_WARMUP_MS
         timed = unreadable or (cfg.state_file is None and cfg.warmup_ms is not None)
         warmup = Warmup(
@@ -976,6 +986,7 @@ class Coordinator:
             # Atomic replace: a crash mid-write leaves the previous file, never half of one.
             # Private: the lease id key is in it.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)  # a .tmp an older kvrc left keeps its mode otherwise
             with open(fd, "wb") as f:
                 f.write(encode_state(known, self.clock.wall_ms(), self._lease_id_key))
                 f.flush()

@@ -45,8 +45,10 @@ messages travel through the same ordered log as the inventory:
   by the owner their lease id names, ExtendHandoff and both flows' transfer
   reports. So an engine whose unary calls reach another replica than its session
   (a plain channel to the replica list picks its own) is answered as by its own.
-  An owner that does not answer in time makes the call UNAVAILABLE (the caller
-  sends it again; a repeated report changes nothing).
+  An owner that does not answer in time makes the call UNAVAILABLE (the client may
+  send it again; a repeated report changes nothing). A caller that leaves (cancelled,
+  timed out) writes `CALL_CANCEL` for its call: a begin still waiting on the owner
+  stops there (`cancel_begin`), so no handoff is granted to nobody.
 
 One order: every replica applies these ops in log order, so remote registrations
 and removals reach every replica in the same order, and a replica's messages to a
@@ -110,6 +112,9 @@ CALL_COMPLETE_HANDOFF = "complete_handoff"
 # its replica owns the handoff. A begin waits there (run_call answers it later).
 CALL_BEGIN_HANDOFF = "begin_handoff"
 CALL_EXTEND_HANDOFF = "extend_handoff"
+# The caller of a call left (cancelled, timed out): a call still waiting there stops
+# (a begin is never granted to nobody). Its payload is the call id; it gets no answer.
+CALL_CANCEL = "cancel"
 DEFAULT_CALL_TIMEOUT_S = 5.0
 
 # Replies of the holder's session that the owner needs (ReleaseAck is only logged).
@@ -379,7 +384,8 @@ class PeerLink:
         self.fenced = 0  # local sessions ended by a higher token (tests, status)
         self._calls: dict[str, asyncio.Future[Any]] = {}  # call id -> its answer
         self._call_ids = itertools.count()
-        self._answering: set[asyncio.Task[None]] = set()  # forwarded calls that wait here
+        # Forwarded calls that wait here, by (caller replica, call id).
+        self._answering: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.sent = 0  # ops this replica wrote for its peers (tests, bench-cluster)
 
     def attach(self, host: PeerHost) -> None:
@@ -525,10 +531,14 @@ class PeerLink:
         try:
             return await asyncio.wait_for(answer, timeout_s)
         except TimeoutError:
+            self._write([OP_CALL, owner, f"{call_id}/cancel", CALL_CANCEL, call_id])
             raise KvrcError(
                 ErrorCode.UNAVAILABLE,
                 f"replica {owner} did not answer {kind} within {timeout_s:g} s: try again",
             ) from None
+        except asyncio.CancelledError:
+            self._write([OP_CALL, owner, f"{call_id}/cancel", CALL_CANCEL, call_id])
+            raise
         finally:
             self._calls.pop(call_id, None)
 
@@ -538,18 +548,22 @@ class PeerLink:
         for answer in self._calls.values():
             if not answer.done():
                 answer.set_exception(KvrcError(ErrorCode.UNAVAILABLE, reason))
-        for task in self._answering:
+        for task in self._answering.values():
             task.cancel()
 
-    async def _answer_later(self, origin: str, call_id: Any, pending: Awaitable[Any]) -> None:
+    async def _answer_later(self, origin: str, call_id: str, pending: Awaitable[Any]) -> None:
         try:
             result: list[Any] = [True, await pending]
         except KvrcError as e:
             result = [False, [e.code.value, e.message]]
         except asyncio.CancelledError:
-            reason = f"replica {self.origin} is shutting down: try again"
+            reason = f"replica {self.origin} stopped the call (shutting down, or its caller left)"
             self._write([OP_RESULT, origin, call_id, False, [ErrorCode.UNAVAILABLE.value, reason]])
             raise
+        except Exception as e:  # a defect: the caller hears of it now, not at its timeout
+            log.exception("forwarded call %s of replica %s failed", call_id, origin)
+            why = f"replica {self.origin} failed the call: {type(e).__name__}: try again"
+            result = [False, [ErrorCode.UNAVAILABLE.value, why]]
         self._write([OP_RESULT, origin, call_id, *result])
 
     def _write(self, op: Op) -> None:
@@ -600,6 +614,12 @@ class PeerLink:
             return False  # addressed to another replica
         if tag == OP_CALL:
             _, _, call_id, kind, payload = op
+            call_id = str(call_id)
+            if kind == CALL_CANCEL:
+                waiting = self._answering.get((origin, str(payload)))
+                if waiting is not None:
+                    waiting.cancel()
+                return True
             try:
                 value = host.run_call(str(kind), payload)
             except KvrcError as e:
@@ -609,8 +629,9 @@ class PeerLink:
                 task = asyncio.get_running_loop().create_task(
                     self._answer_later(origin, call_id, value)
                 )
-                self._answering.add(task)
-                task.add_done_callback(self._answering.discard)
+                caller = (origin, call_id)
+                self._answering[caller] = task
+                task.add_done_callback(lambda _: self._answering.pop(caller, None))
             else:
                 self._write([OP_RESULT, origin, call_id, True, value])
             return True

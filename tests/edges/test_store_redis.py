@@ -45,6 +45,7 @@ from harness import (
     CoordinatorProcess,
     child_engine_status,
     coordinator_off_loop,
+    find_lease,
     get_status,
     metric_value,
     run_cli,
@@ -57,6 +58,7 @@ from clients.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     NotFoundError,
+    PermissionDeniedError,
     UnavailableError,
 )
 from clients.inventory import (
@@ -387,6 +389,76 @@ async def test_a_decode_takes_its_handoff_through_any_replica(
                 await decode_on_a.extend_handoff(grant.lease_id)
             with pytest.raises(DeadlineExceededError):
                 await decode_on_a.begin_handoff("h-never", "prefill-h", wait_timeout_ms=300)
+
+
+async def test_a_handoff_is_begun_where_it_is_and_a_begin_whose_caller_left_grants_nothing(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """An unreserved handoff lives where it was published: a begin there is answered
+    there, not sent to the decode engine's replica (which never heard of it). A begin
+    forwarded to the owner whose caller left is stopped there: no handoff is granted
+    to nobody, and the decode engine may begin it later itself."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with start_coordinator(*flags) as a, start_coordinator(*flags) as b:
+        await engines.open(a.grpc_target, "prefill-u")
+        await engines.open(b.grpc_target, "decode-u")
+        await wait_until(lambda: _ready_on(a.grpc_target, "decode-u"), 10, what="decode on a")
+        async with (
+            LeaseClient(a.grpc_target, "prefill-u") as prefill,
+            LeaseClient(a.grpc_target, "decode-u") as decode_on_a,
+            LeaseClient(b.grpc_target, "decode-u") as decode_on_b,
+        ):
+            published = await prefill.publish_handoff(
+                "h-u", descriptor=_descriptor(4), kv_transfer_params={}, num_blocks=4
+            )  # no decode named: it stays on a
+            grant = await decode_on_a.begin_handoff("h-u", "prefill-u", wait_timeout_ms=2_000)
+            assert grant.lease_id == published.lease_id
+            # A forwarded begin (a to b, the decode's replica) whose caller leaves.
+            begin = asyncio.create_task(
+                decode_on_a.begin_handoff("h-c", "prefill-u", wait_timeout_ms=10_000)
+            )
+            await asyncio.sleep(0.5)
+            begin.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await begin
+            await asyncio.sleep(0.5)  # the cancel reaches b through the log
+            published = await prefill.publish_handoff(
+                "h-c",
+                descriptor=_descriptor(4),
+                kv_transfer_params={},
+                num_blocks=4,
+                decode_child_engine_id="decode-u",
+            )
+            await asyncio.sleep(0.5)
+            lease = find_lease(await get_status(b.grpc_target), published.lease_id)
+            assert lease is not None and lease.state == pb.LEASE_STATE_READY, lease  # not ACTIVE
+            later = await decode_on_b.begin_handoff("h-c", "prefill-u", wait_timeout_ms=2_000)
+            assert later.lease_id == published.lease_id
+
+
+async def test_a_forwarded_refusal_keeps_its_code(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """Another engine's report on a lease, sent to a replica that does not own it, is the
+    owner's PERMISSION_DENIED, and changes nothing there."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with start_coordinator(*flags) as a, start_coordinator(*flags) as b:
+        holder = await engines.open(a.grpc_target, "holder-f")
+        await engines.open(b.grpc_target, "req-f")
+        await engines.open(b.grpc_target, "other-f")
+        await holder.stored(CHAIN[:8])
+        await eventually_matched(b.grpc_target, "req-f", "holder-f", 8)
+        async with (
+            LeaseClient(b.grpc_target, "req-f") as owner_side,
+            LeaseClient(a.grpc_target, "other-f") as stranger,
+        ):
+            grant = await owner_side.request_prefix_load("f-1", CHAIN[:8])
+            assert isinstance(grant, PrefixLoadGrant), grant
+            with pytest.raises(PermissionDeniedError):
+                await stranger.complete_prefix_load(_succeeded(grant.lease_id, "other-f"))
+            lease = find_lease(await get_status(b.grpc_target), grant.lease_id)
+            assert lease is not None and lease.state == pb.LEASE_STATE_ACTIVE
+            assert await _held(engines, "holder-f") == [grant.lease_id]
 
 
 async def test_concurrent_loads_across_three_replicas_pin_exactly_once_each(

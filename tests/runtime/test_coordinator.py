@@ -5,12 +5,15 @@ No server and no sleeps: time moves only through `ManualClock.advance`.
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
 from typing import Any
 
 from manual_rig import CHAIN
 
 from coordinator.core.leases import Flow
 from coordinator.core.profiles import ReuseReason
+from coordinator.core.recovery import decode_state_file
 from coordinator.runtime.clock import ManualClock
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.coordinator import Coordinator
@@ -151,6 +154,31 @@ async def test_warm_up_without_a_state_file_lasts_exactly_the_given_time() -> No
     assert not coordinator.status().warming
     assert coordinator.metrics.registry.get_sample_value("kvrc_warming") == 0
     assert coordinator.inventory.reuse_gate("anyone").reason is not ReuseReason.WARMING
+
+
+def test_the_lease_id_key_is_kept_in_a_private_state_file_and_read_back(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    first = Coordinator(CoordinatorConfig(metrics_port=-1, state_file=state), clock=ManualClock())
+    first.clock.advance(1_000)  # type: ignore[attr-defined]  # the write runs ~0.2 s later
+    key = decode_state_file(state.read_bytes()).lease_id_key
+    assert key is not None and stat.S_IMODE(state.stat().st_mode) == 0o600
+    again = Coordinator(CoordinatorConfig(metrics_port=-1, state_file=state), clock=ManualClock())
+    assert again._lease_id_key == key  # the same key after a restart: old ids still check
+
+
+def test_an_unreadable_state_file_is_not_replaced_before_an_engine_changes(
+    tmp_path: Path,
+) -> None:
+    # Replaced at once by a file that listed no engines, it would let a second restart
+    # skip the fail-safe warm-up (the engines the unreadable file named are unknown).
+    state = tmp_path / "state.json"
+    state.write_bytes(b"not json")
+    config = CoordinatorConfig(metrics_port=-1, state_file=state, warmup_ms=10_000)
+    first = Coordinator(config, clock=ManualClock())
+    assert first.warmup.warming
+    first.clock.advance(1_000)  # type: ignore[attr-defined]
+    assert state.read_bytes() == b"not json"
+    assert Coordinator(config, clock=ManualClock()).warmup.warming
 
 
 def test_reuse_off_says_so_even_while_warming() -> None:
