@@ -561,6 +561,19 @@ async def test_restart_mid_transfer_recovers_pins_inventory_and_warms_up(tmp_pat
         assert second.process.poll() is None
 
 
+async def _pinned_load(requester: FaultEngine, holder: FaultEngine) -> str:
+    """The requester's load of the holder's 4 blocks, once the holder pinned it."""
+    await wait_until(
+        lambda: asyncio.to_thread(lambda: requester.command("lookup", n=4)["outcome"] == "HIT"),
+        10,
+        what="inventory",
+    )
+    grant = requester.command("request_load", n=4, transfer_timeout_ms=60_000)
+    lease_id: str = grant["lease_id"]
+    holder.event("pinned", lease_id)
+    return lease_id
+
+
 async def test_after_a_restart_only_the_named_requester_can_end_a_recovered_lease(
     tmp_path: Path,
 ) -> None:
@@ -576,14 +589,7 @@ async def test_after_a_restart_only_the_named_requester_can_end_a_recovered_leas
         bystander = FaultEngine(target, "bystander", reuse_opt_in=True)
         for engine in (holder, requester, bystander):
             stack.callback(engine.stop)
-        await wait_until(
-            lambda: asyncio.to_thread(lambda: requester.command("lookup", n=4)["outcome"] == "HIT"),
-            10,
-            what="inventory",
-        )
-        grant = requester.command("request_load", n=4, transfer_timeout_ms=60_000)
-        lease_id = grant["lease_id"]
-        holder.event("pinned", lease_id)
+        lease_id = await _pinned_load(requester, holder)
         first.stop(signal.SIGKILL)
         second = stack.enter_context(_kvrc(port, state, "--warmup-ms", "500"))
         holder.event("quarantine", lease_id)  # rebuilt from the holder's re-announcement
@@ -634,14 +640,7 @@ async def test_after_a_restart_a_lease_is_rebuilt_only_for_the_holder_it_was_iss
         requester = FaultEngine(first.grpc_target, "requester", reuse_opt_in=True)
         for engine in (holder, requester):
             stack.callback(engine.stop)
-        await wait_until(
-            lambda: asyncio.to_thread(lambda: requester.command("lookup", n=4)["outcome"] == "HIT"),
-            10,
-            what="inventory",
-        )
-        grant = requester.command("request_load", n=4, transfer_timeout_ms=60_000)
-        lease_id = grant["lease_id"]
-        holder.event("pinned", lease_id)
+        lease_id = await _pinned_load(requester, holder)
         held = {lease_id: "requester"}
         await wait_until(lambda: _state_has_key(state), 10, what="the key in the state file")
         holder.stop()  # it would re-announce the lease itself: the test does, below
