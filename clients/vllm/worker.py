@@ -55,7 +55,6 @@ from clients.session import (
     NullHandler,
     RankPartRegistration,
     RegisterAck,
-    SessionChannels,
 )
 from clients.transfer import (
     InFlightReads,
@@ -70,6 +69,7 @@ from clients.transfer import (
 from clients.vllm.config import KvrcConnectorConfig, hash_declaration
 from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
 from clients.vllm.metadata import KvrcConnectorMetadata, LoadSpec, PublishSpec
+from kvrc.credentials import connect
 from kvrc.v1 import kvrc_pb2 as pb
 
 log = logging.getLogger("kvrc.vllm.worker")
@@ -345,12 +345,8 @@ class KvrcWorker:
         options = self.config.channel_options()
         self.session = EngineSession(options, registration, handler=self.handler)
         self.handler.attach(self.session)
-        # To the replica this part is registered with (also after the session moved), and
-        # reports on its session stream (revision 3), as the reference engine does.
-        self._channels = SessionChannels(self.session)
-        self.leases = LeaseClient(
-            self._channels, self.child_engine_id, timeout_s=RPC_TIMEOUT_S, session=self.session
-        )
+        self._channel = connect(options)
+        self.leases = LeaseClient(self._channel, self.child_engine_id, timeout_s=RPC_TIMEOUT_S)
         self.handler.replay_reports_of(self.leases)  # a restarted kvrc may wait for them
         self._session_task = asyncio.create_task(self._keep_registering())
         self._hello_task = asyncio.create_task(self._say_hello())
@@ -749,10 +745,10 @@ class KvrcWorker:
             task = getattr(self, "_session_task", None)
             if task is not None:
                 task.cancel()
-            channels = getattr(self, "_channels", None)
-            if channels is not None:
+            channel = getattr(self, "_channel", None)
+            if channel is not None:
                 with contextlib.suppress(Exception):
-                    await channels.close()
+                    await channel.close(None)
 
         with contextlib.suppress(Exception):
             self.loop.run(close(), timeout_s=10)
