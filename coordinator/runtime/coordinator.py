@@ -526,7 +526,9 @@ class Coordinator:
         here = self.leases.table.find_handoff(req.prefill_child_engine_id, req.request_id)
         if owner is not None and self.peers is not None and here is None:
             timeout_s = req.wait_timeout_ms / 1000 + DEFAULT_CALL_TIMEOUT_S
-            sent_ms = self._clock_ms()  # the deadline runs from here: never later than the owner's
+            # The deadline: from when the call was sent, plus what the owner waited and
+            # what it left (never later than the owner's, by the log's delay at most).
+            sent_ms = self._clock_ms()
             raw = await self.peers.call(owner, CALL_BEGIN_HANDOFF, encode_begin(req), timeout_s)
             return decode_grant(raw, sent_ms)
         return await self.leases.begin_handoff(req)
@@ -564,8 +566,13 @@ class Coordinator:
         return CompleteOutcome(view.state, view.quiescent)
 
     async def _begun_for_peer(self, req: BeginHandoffRequest) -> list[Any]:
+        received_ms = self._clock_ms()
         grant = await self.leases.begin_handoff(req)
-        return encode_grant(grant, self._clock_ms())
+        now_ms = self._clock_ms()
+        return encode_grant(grant, now_ms, waited_ms=now_ms - received_ms)
+
+    def calls_cancelled(self) -> None:
+        self.leases.forget_cancelled_begins()
 
     def run_call(self, kind: str, payload: Any) -> Any:
         if kind == CALL_PUBLISH_HANDOFF:

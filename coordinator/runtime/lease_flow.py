@@ -321,6 +321,13 @@ class LeaseFlow:
             waited_ms = self._clock.monotonic_ms() - started
             self._metrics.handoff_wait.observe(waited_ms / 1000)
 
+    def forget_cancelled_begins(self) -> None:
+        """Begins whose task was just cancelled (its awaited future is cancelled at once,
+        `cancel_begin` runs only at the task's next step): never granted in between."""
+        for token, future in self._begins.items():
+            if future.cancelled():
+                self.core.cancel_begin(token)
+
     def extend_handoff(self, lease_id: str, decode_child_engine_id: str) -> int:
         self._check_open()
         deadline = self.core.extend_handoff(

@@ -207,6 +207,10 @@ class PeerHost(Protocol):
         """Decides a request another replica forwarded (KvrcError: refused, as it would be);
         an awaitable for one that waits (its result, or its KvrcError, is the answer)."""
 
+    def calls_cancelled(self) -> None:
+        """Waiting calls were just cancelled: what they wait for must not be granted
+        before their tasks run again (a publish may come in the same log entry)."""
+
 
 def encode_message(message: LeaseOutbound, now_ms: int) -> list[Any]:
     """A lease message as msgpack-ready data; a deadline becomes the time left (>= 1)."""
@@ -323,8 +327,9 @@ def decode_begin(raw: list[Any]) -> BeginHandoffRequest:
     return BeginHandoffRequest(str(request_id), str(prefill), str(decode), int(wait_timeout_ms))
 
 
-def encode_grant(grant: HandoffGrant, now_ms: int) -> list[Any]:
-    """The deadline as the time left (monotonic clocks differ between hosts)."""
+def encode_grant(grant: HandoffGrant, now_ms: int, waited_ms: int) -> list[Any]:
+    """The deadline as the time left, and how long the owner waited for the grant since
+    the call reached it (monotonic clocks differ between hosts)."""
     return [
         grant.lease_id,
         grant.prefill_child_engine_id,
@@ -333,11 +338,13 @@ def encode_grant(grant: HandoffGrant, now_ms: int) -> list[Any]:
         grant.kv_transfer_params,
         grant.num_blocks,
         grant.deadline_ms - now_ms,
+        waited_ms,
     ]
 
 
-def decode_grant(raw: list[Any], now_ms: int) -> HandoffGrant:
-    lease_id, prefill, decode, parts, params, num_blocks, left_ms = raw
+def decode_grant(raw: list[Any], sent_ms: int) -> HandoffGrant:
+    """The grant of a call sent at `sent_ms` (this host's clock)."""
+    lease_id, prefill, decode, parts, params, num_blocks, left_ms, waited_ms = raw
     return HandoffGrant(
         str(lease_id),
         str(prefill),
@@ -348,7 +355,7 @@ def decode_grant(raw: list[Any], now_ms: int) -> HandoffGrant:
         ),
         bytes(params),
         int(num_blocks),
-        now_ms + int(left_ms),
+        sent_ms + int(waited_ms) + int(left_ms),
     )
 
 
@@ -383,6 +390,7 @@ class PeerLink:
         self._best: dict[str, tuple[int, str]] = {}
         self.fenced = 0  # local sessions ended by a higher token (tests, status)
         self._calls: dict[str, asyncio.Future[Any]] = {}  # call id -> its answer
+        self._call_owners: dict[str, str] = {}  # call id -> the replica asked
         self._call_ids = itertools.count()
         # Forwarded calls that wait here, by (caller replica, call id).
         self._answering: dict[tuple[str, str], asyncio.Task[None]] = {}
@@ -527,6 +535,7 @@ class PeerLink:
         call_id = f"{self.origin}/{next(self._call_ids)}"
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = answer
+        self._call_owners[call_id] = owner
         self._write([OP_CALL, owner, call_id, kind, payload])
         try:
             return await asyncio.wait_for(answer, timeout_s)
@@ -541,15 +550,21 @@ class PeerLink:
             raise
         finally:
             self._calls.pop(call_id, None)
+            self._call_owners.pop(call_id, None)
 
     def fail_calls(self, reason: str) -> None:
-        """Shutdown: every call waiting for another replica ends UNAVAILABLE, and so does
-        every forwarded call still waiting here (its caller hears it, as from us)."""
-        for answer in self._calls.values():
+        """Shutdown: every call waiting for another replica ends UNAVAILABLE (and is
+        cancelled there), and so does every forwarded call still waiting here (its
+        caller hears it, as from us)."""
+        for call_id, answer in self._calls.items():
             if not answer.done():
                 answer.set_exception(KvrcError(ErrorCode.UNAVAILABLE, reason))
+                owner = self._call_owners[call_id]
+                self._write([OP_CALL, owner, f"{call_id}/cancel", CALL_CANCEL, call_id])
         for task in self._answering.values():
             task.cancel()
+        if self._answering and self._host is not None:
+            self._host.calls_cancelled()
 
     async def _answer_later(self, origin: str, call_id: str, pending: Awaitable[Any]) -> None:
         try:
@@ -619,6 +634,7 @@ class PeerLink:
                 waiting = self._answering.get((origin, str(payload)))
                 if waiting is not None:
                     waiting.cancel()
+                    host.calls_cancelled()
                 return True
             try:
                 value = host.run_call(str(kind), payload)
@@ -673,6 +689,12 @@ class PeerLink:
     def origin_gone(self, origin: str, reason: str) -> int:
         """An origin reset (restarted) or fell silent: its parts leave. Returns them."""
         host = self._host
+        # Its calls waiting here have no caller any more: stop them (never granted).
+        orphans = [task for (o, _), task in self._answering.items() if o == origin]
+        for task in orphans:
+            task.cancel()
+        if orphans and host is not None:
+            host.calls_cancelled()
         left = [(sid, ref) for sid, (o, ref) in self._remote.items() if o == origin]
         for session_id, ref in left:
             del self._remote[session_id]

@@ -361,8 +361,9 @@ async def test_a_decode_takes_its_handoff_through_any_replica(
             begin = asyncio.create_task(
                 decode_on_a.begin_handoff("h-any", "prefill-h", wait_timeout_ms=10_000)
             )
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(2.0)  # the grant's deadline must not lose this wait
             assert not begin.done()
+            published_at_ms = time.time() * 1000
             published = await prefill.publish_handoff(
                 "h-any",
                 descriptor=_descriptor(4),
@@ -376,7 +377,9 @@ async def test_a_decode_takes_its_handoff_through_any_replica(
             assert [p.block_ids for p in grant.source_parts] == [[0, 1, 2, 3]]
             assert grant.kv_transfer_params == {"do_remote_prefill": True}
             now_ms = time.time() * 1000
-            assert now_ms < grant.deadline_unix_ms < now_ms + 60_000
+            # The owner's 10 s heartbeat timeout from the grant, less the log's delay at
+            # most (it was sent-time plus 10 s before: 2 s short, the whole wait).
+            assert published_at_ms + 9_500 < grant.deadline_unix_ms < now_ms + 10_500
             # A heartbeat through a: b's deadline, as unix ms on a.
             deadline = await decode_on_a.extend_handoff(grant.lease_id)
             assert now_ms < deadline < time.time() * 1000 + 60_000

@@ -158,6 +158,9 @@ async def test_warm_up_without_a_state_file_lasts_exactly_the_given_time() -> No
 
 def test_the_lease_id_key_is_kept_in_a_private_state_file_and_read_back(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
+    leftover = tmp_path / "state.json.tmp"  # an older kvrc's, world-readable
+    leftover.write_bytes(b"")
+    leftover.chmod(0o644)
     first = Coordinator(CoordinatorConfig(metrics_port=-1, state_file=state), clock=ManualClock())
     first.clock.advance(1_000)  # type: ignore[attr-defined]  # the write runs ~0.2 s later
     key = decode_state_file(state.read_bytes()).lease_id_key

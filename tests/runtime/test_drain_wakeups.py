@@ -19,7 +19,7 @@ from coordinator.core.grants import (
     PublishHandoffRequest,
     TransferReport,
 )
-from coordinator.core.leases import Outcome, SendPin
+from coordinator.core.leases import LeaseState, Outcome, SendPin
 
 PREFILLS = [f"pre{i}" for i in range(8)]
 
@@ -127,3 +127,30 @@ async def test_a_drain_asked_again_with_a_shorter_timeout_ends_by_it_and_is_coun
         await rig.advance(4_000, pre)  # its deadline and the acks' grace: the wait answers
         assert again.done() and not again.result().safe_to_stop
         assert draining() == 1
+
+
+@pytest.mark.parametrize("swept", [True, False])
+async def test_a_begin_cancelled_in_the_same_step_as_its_publish_is_never_granted(
+    swept: bool,
+) -> None:
+    """A forwarded BeginHandoff whose caller left is cancelled when its CALL_CANCEL is
+    applied; the publish may follow in the same log entry, before the cancelled task runs
+    its `cancel_begin`. `calls_cancelled` (what PeerLink calls) forgets it at once; the
+    control without it shows the handoff granted to nobody."""
+    async with manual_coordinator() as rig:
+        flow = rig.coordinator.leases
+        rig.register("dec")
+        rig.register("pre")
+        begin = asyncio.ensure_future(
+            flow.begin_handoff(BeginHandoffRequest("h", "pre", "dec", 10_000))
+        )
+        await settle()  # it waits for the publish
+        begin.cancel()
+        if swept:
+            rig.coordinator.calls_cancelled()
+        flow.publish_handoff(PublishHandoffRequest("h", "pre", (0, 0, 0), b"d", b"p", "dec", 4))
+        view = flow.table.find_handoff("pre", "h")
+        assert view is not None
+        assert (view.state is LeaseState.ACTIVE) is not swept, view.state
+        await settle()
+        assert begin.cancelled()
