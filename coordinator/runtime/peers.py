@@ -47,8 +47,9 @@ messages travel through the same ordered log as the inventory:
   (a plain channel to the replica list picks its own) is answered as by its own.
   An owner that does not answer in time makes the call UNAVAILABLE (the client may
   send it again; a repeated report changes nothing). A caller that leaves (cancelled,
-  timed out) writes `CALL_CANCEL` for its call: a begin still waiting on the owner
-  stops there (`cancel_begin`), so no handoff is granted to nobody.
+  timed out, or shutting down) writes `CALL_CANCEL` for its call: a begin still
+  waiting on the owner stops there at once (`PeerHost.calls_cancelled`), so no
+  handoff is granted to nobody. The calls of a replica called silent stop the same way.
 
 One order: every replica applies these ops in log order, so remote registrations
 and removals reach every replica in the same order, and a replica's messages to a
