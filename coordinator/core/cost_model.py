@@ -533,6 +533,28 @@ class CostModel:
             safety_margin=self.config.safety_margin,
         )
 
+    def _pays(
+        self,
+        holder: str,
+        requester: str,
+        tier: Tier,
+        moved_blocks: int,
+        block_tokens: int,
+        bytes_per_block: int,
+        now_ms: int | None,
+        link: LinkEstimate | None,
+    ) -> bool:
+        """Whether loading `moved_blocks` blocks beats recomputing them (I9-cost-gate)."""
+        return self.predict(
+            holder,
+            requester,
+            tier,
+            moved_blocks * block_tokens,
+            moved_blocks * bytes_per_block,
+            now_ms,
+            link=link,
+        ).worth_loading
+
     def recompute_ms(self, requester: str, num_tokens: int, now_ms: int | None = None) -> float:
         """`predict(...).recompute_ms` without a link: what a local hit saves."""
         return num_tokens * 1000.0 / self.prefill(requester, now_ms).tokens_per_s
@@ -577,15 +599,9 @@ class CostModel:
             return LoadPlan(link, hinted, False, stand_in)
         if stand_in is not None:
             moved = hinted - have
-            if self.predict(
-                holder,
-                requester,
-                tier,
-                moved * block_tokens,
-                moved * bytes_per_block,
-                now_ms,
-                link=link,
-            ).worth_loading:
+            if self._pays(
+                holder, requester, tier, moved, block_tokens, bytes_per_block, now_ms, link
+            ):
                 return LoadPlan(link, hinted, False, stand_in)
             link = self.link(holder, requester, tier, now_ms, stand_ins=False)
         ceiling = min(hinted, max(floor, have + max(1, cfg.probe_bytes // bytes_per_block)))
@@ -657,15 +673,9 @@ class CostModel:
 
         def worth(blocks: int) -> bool:
             moved = max(blocks - have, 0)
-            return self.predict(
-                holder,
-                requester,
-                tier,
-                moved * block_tokens,
-                moved * bytes_per_block,
-                now_ms,
-                link=link,
-            ).worth_loading
+            return self._pays(
+                holder, requester, tier, moved, block_tokens, bytes_per_block, now_ms, link
+            )
 
         if not worth(hinted):
             return None

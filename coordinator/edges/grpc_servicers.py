@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -414,18 +414,34 @@ class EngineService(pb_grpc.EngineServiceServicer):
             why = f"call {call_id}: no known call set (this coordinator takes prefix_load and "
             self._reply_status(session, call_id, code, why + "prefix_load_report)")
             return
+        try:
+            self._in_task(
+                session,
+                call_id,
+                lambda: self._prefix_load_call(session, call_id, call.prefix_load, started),
+                "prefix loads of this session await their grant",
+            )
+        except KvrcError as refused:
+            self._call_failed(session, call_id, "RequestPrefixLoad", started, refused)
+
+    def _in_task(
+        self,
+        session: CoordinatorSession,
+        call_id: int,
+        run: Callable[[], Coroutine[Any, Any, None]],
+        waiting: str,
+    ) -> None:
+        """A call that waits runs in a task of the session's calls, at most
+        MAX_CALLS_IN_FLIGHT of them (RESOURCE_EXHAUSTED past it, saying what `waiting`
+        does: nothing started)."""
         pending = self._calls.setdefault(session.session_id, set())
         if len(pending) >= MAX_CALLS_IN_FLIGHT:
-            refused = KvrcError(
+            raise KvrcError(
                 ErrorCode.RESOURCE_EXHAUSTED,
-                f"call {call_id}: {MAX_CALLS_IN_FLIGHT} prefix loads of this session await "
-                "their grant already; wait for an answer first",
+                f"call {call_id}: {MAX_CALLS_IN_FLIGHT} {waiting} already; "
+                "wait for an answer first",
             )
-            self._call_failed(session, call_id, "RequestPrefixLoad", started, refused)
-            return
-        task = asyncio.get_running_loop().create_task(
-            self._prefix_load_call(session, call_id, call.prefix_load, started)
-        )
+        task = asyncio.get_running_loop().create_task(run())
         pending.add(task)
         task.add_done_callback(pending.discard)
 
@@ -472,18 +488,12 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 "prefix_load_report.reporter_child_engine_id",
             )
             if self._coordinator.owned_elsewhere(report.lease_id):
-                pending = self._calls.setdefault(session.session_id, set())
-                if len(pending) >= MAX_CALLS_IN_FLIGHT:
-                    raise KvrcError(
-                        ErrorCode.RESOURCE_EXHAUSTED,
-                        f"call {call_id}: {MAX_CALLS_IN_FLIGHT} calls of this session await "
-                        "their answer already; wait for an answer first",
-                    )
-                task = asyncio.get_running_loop().create_task(
-                    self._forwarded_report(session, call_id, report, started)
+                self._in_task(
+                    session,
+                    call_id,
+                    lambda: self._forwarded_report(session, call_id, report, started),
+                    "calls of this session await their answer",
                 )
-                pending.add(task)
-                task.add_done_callback(pending.discard)
                 return
             outcome = self._coordinator.complete_here(report, Flow.PREFIX_LOAD)
         except Exception as e:

@@ -666,16 +666,21 @@ def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_named(
         made.shutdown()
 
 
-def _publish_refused_after_lost() -> Any:
-    """The first answer is lost; every repeat is refused (the engine not ready while a
-    part reconnects), which proves nothing about the first."""
-    calls: list[int] = []
+def _publish_refused_after_lost(
+    calls: list[int] | None = None,
+    code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION,
+    message: str = "prefill is not ready",
+) -> Any:
+    """The first answer is lost; every repeat is refused (by default the engine not
+    ready while a part reconnects), which proves nothing about the first. `calls`
+    counts the publishes."""
+    made = calls if calls is not None else []
 
     async def publish_handoff(*_: Any, **__: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 1:
+        made.append(1)
+        if len(made) == 1:
             raise _LOST
-        raise KvrcClientError(grpc.StatusCode.FAILED_PRECONDITION, "prefill is not ready")
+        raise KvrcClientError(code, message)
 
     return publish_handoff
 
@@ -703,13 +708,9 @@ def test_a_part_refused_at_its_first_publish_frees_the_handoff_whatever_the_othe
     recorded, so the handoff can never be READY and no decode reads: before, the blocks
     were held for handoff_hold_s as if the lost answer could matter."""
     calls: list[int] = []
-
-    async def publish_handoff(*_: Any, **__: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 1:
-            raise _LOST
-        raise KvrcClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many leases")
-
+    publish_handoff = _publish_refused_after_lost(
+        calls, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many leases"
+    )
     made = _publish_with(vllm_side, kvrc_server, worker, publish_handoff, hold_s=30.0, tp_size=2)
     try:
         assert len(calls) == 2 and made._free_now == ["req-p"]
