@@ -14,6 +14,7 @@ the real vLLM is importable; so does the block pool a holder's pins take (`_Pool
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import importlib
@@ -718,27 +719,37 @@ def test_a_part_refused_at_its_first_publish_frees_the_handoff_whatever_the_othe
         made.shutdown()
 
 
+@contextlib.contextmanager
+def _worker_publishing(
+    worker: Any, publish: Any, *, hold_s: float, decode: str = ""
+) -> Iterator[None]:
+    """The worker publishes request "req-w" (to `decode`) through `publish`, held for at
+    most `hold_s`; its leases, config and registration are put back after."""
+    before = (worker.leases, worker.config)
+    worker.leases = NS(publish_handoff=publish)
+    worker.config = dataclasses.replace(worker.config, handoff_hold_s=hold_s)
+    worker.registered.set()
+    try:
+        spec = NS(request_id="req-w", handoff_id="handoff-w", block_ids=[1], kv_transfer_params=b"")
+        spec.decode_child_engine_id = decode
+        worker.loop.run(worker._publish(spec), timeout_s=10)
+        yield
+    finally:
+        worker.leases, worker.config = before
+        worker.registered.clear()
+
+
 def test_a_worker_keeps_a_part_whose_repeat_publish_is_refused(
     clean_worker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker = clean_worker
     monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.05, 0.05))
-    before = (worker.leases, worker.config)
-    worker.leases = NS(publish_handoff=_publish_refused_after_lost())
-    worker.config = dataclasses.replace(worker.config, handoff_hold_s=1.0)
-    worker.registered.set()
-    try:
-        spec = NS(request_id="req-w", handoff_id="handoff-w", block_ids=[1], kv_transfer_params=b"")
-        spec.decode_child_engine_id = ""
-        worker.loop.run(worker._publish(spec), timeout_s=10)
+    with _worker_publishing(worker, _publish_refused_after_lost(), hold_s=1.0):
         sending, _ = worker.finished.take()
         assert "req-w" not in sending  # before: freed at the repeat's refusal
         time.sleep(1.5)
         sending, _ = worker.finished.take()
         assert "req-w" in sending
-    finally:
-        worker.leases, worker.config = before
-        worker.registered.clear()
 
 
 def test_a_worker_sends_a_publish_of_unknown_outcome_again_until_its_lease_is_named(
@@ -746,27 +757,20 @@ def test_a_worker_sends_a_publish_of_unknown_outcome_again_until_its_lease_is_na
 ) -> None:
     worker = clean_worker
     monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.05,))
-    before = (worker.leases, worker.config)
     from clients.leases import LeaseSessionHandler
 
-    worker.leases = NS(publish_handoff=_publish_answers_second_time(_LOST))
-    worker.config = dataclasses.replace(worker.config, handoff_hold_s=30.0)
     worker.handler = LeaseSessionHandler()  # what registration sets up
-    worker.registered.set()
+    publish = _publish_answers_second_time(_LOST)
     try:
-        spec = NS(request_id="req-w", handoff_id="handoff-w", block_ids=[1], kv_transfer_params=b"")
-        spec.decode_child_engine_id = "dec-1"
-        worker.loop.run(worker._publish(spec), timeout_s=10)
-        assert worker._held == {"ho-again": "req-w"}
-        # Re-announced after a restart, with the decode engine it was reserved for.
-        assert worker.handler.held_leases()["ho-again"] == "dec-1"
-        sending, _ = worker.finished.take()
-        assert "req-w" not in sending
+        with _worker_publishing(worker, publish, hold_s=30.0, decode="dec-1"):
+            assert worker._held == {"ho-again": "req-w"}
+            # Re-announced after a restart, with the decode engine it was reserved for.
+            assert worker.handler.held_leases()["ho-again"] == "dec-1"
+            sending, _ = worker.finished.take()
+            assert "req-w" not in sending
     finally:
         worker._held.pop("ho-again", None)
         del worker.handler
-        worker.leases, worker.config = before
-        worker.registered.clear()
 
 
 @pytest.mark.parametrize(("code", "held"), [("DEADLINE_EXCEEDED", True), ("NOT_FOUND", False)])
@@ -775,20 +779,11 @@ def test_a_worker_keeps_a_part_whose_publish_may_have_been_taken(
 ) -> None:
     worker = clean_worker
     status = getattr(grpc.StatusCode, code)
-    before = (worker.leases, worker.config)
-    worker.leases = NS(publish_handoff=_publish_fails(KvrcClientError(status, "lost")))
-    worker.config = dataclasses.replace(worker.config, handoff_hold_s=1.0)
-    worker.registered.set()
-    try:
-        spec = NS(request_id="req-w", handoff_id="handoff-w", block_ids=[1], kv_transfer_params=b"")
-        spec.decode_child_engine_id = ""
-        worker.loop.run(worker._publish(spec), timeout_s=10)
+    publish = _publish_fails(KvrcClientError(status, "lost"))
+    with _worker_publishing(worker, publish, hold_s=1.0):
         sending, _ = worker.finished.take()
         assert ("req-w" in sending) is not held
         if held:
             time.sleep(1.5)
             sending, _ = worker.finished.take()
             assert "req-w" in sending
-    finally:
-        worker.leases, worker.config = before
-        worker.registered.clear()
