@@ -227,6 +227,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self, request_iterator: AsyncIterator[pb.EngineMessage], context: Context
     ) -> AsyncIterator[pb.CoordinatorMessage]:
         code = grpc.StatusCode.OK
+        counted = False
         session: CoordinatorSession | None = None
         reader: asyncio.Task[None] | None = None
         failure = _Failure()
@@ -261,6 +262,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
             # (INVALID_ARGUMENT) is said in band first, then the status repeats it.
             if code is grpc.StatusCode.INVALID_ARGUMENT:
                 yield session_error(code, message)
+            # Counted before the status leaves, as unary RPCs are.
+            counted = self._count_session(code)
             await _abort(context, code, message)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -270,6 +273,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         except Exception:
             code = grpc.StatusCode.INTERNAL
             log.exception("session stream failed")
+            counted = self._count_session(code)
             await _abort(context, code, "internal error (see the coordinator log)")
         finally:
             if reader is not None:
@@ -278,7 +282,12 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 self._coordinator.close_session(session, REASON_CLOSED)
                 for task in self._calls.pop(session.session_id, ()):
                     task.cancel()  # nobody reads the answer; the lease runs out as unary's would
-            self._observed.count("Session", code)
+            if not counted:
+                self._count_session(code)
+
+    def _count_session(self, code: grpc.StatusCode) -> bool:
+        self._observed.count("Session", code)
+        return True
 
     def _authenticate(self, context: Context) -> Principal | None:
         """The session's caller; a refusal is a refused registration too (counted)."""
