@@ -523,6 +523,10 @@ class LeaseTable:
     def get(self, lease_id: str) -> LeaseView:
         return self._view(self._lookup(lease_id))
 
+    def knows(self, lease_id: str) -> bool:
+        """The table holds the lease (open, or ended and not yet purged)."""
+        return lease_id in self._leases
+
     def find_prefix_load(self, requester_child_engine_id: str, request_id: str) -> LeaseView | None:
         lease_id = self._by_request.get((Flow.PREFIX_LOAD, requester_child_engine_id, request_id))
         return None if lease_id is None else self._view(self._leases[lease_id])

@@ -548,14 +548,30 @@ class Coordinator:
         return self.peers is not None and self.peers.owner_of(lease_id) is not None
 
     async def complete(self, report: TransferReport, flow: Flow) -> CompleteOutcome:
-        """A target part's report, to this replica's lease or to the live replica its id
-        names as owner: a report may come through another channel than the grant did."""
-        owner = self.peers.owner_of(report.lease_id) if self.peers is not None else None
+        """A target part's report, to this replica's lease or to the live replica that owns
+        it: a report may come through another channel than the grant did."""
+        owner = await self._owner_of(report.lease_id, flow)
         if owner is not None and self.peers is not None:
             kind = CALL_COMPLETE_PREFIX_LOAD if flow is Flow.PREFIX_LOAD else CALL_COMPLETE_HANDOFF
             state, quiescent = await self.peers.call(owner, kind, encode_report(report))
             return CompleteOutcome(LeaseState(state), bool(quiescent))
         return self.complete_here(report, flow)
+
+    async def _owner_of(self, lease_id: str, flow: Flow) -> str | None:
+        """The other live replica that owns a lease (None: this one decides). The one its
+        id names; else, for a prefix load not here, the one the lease ledger names: a
+        lease whose owner fell silent is rebuilt by the replica its holder re-announced
+        it to (`recover_held`), and the ledger records that adoption. Decided anywhere
+        else, the report would be NOT_FOUND and the holder stay pinned (I6-quiescence)."""
+        if self.peers is None:
+            return None
+        owner = self.peers.owner_of(lease_id)
+        ledger = self.leases.ledger
+        if owner is not None or ledger is None or flow is not Flow.PREFIX_LOAD:
+            return owner
+        if self.leases.table.knows(lease_id):
+            return None
+        return self.peers.live_other(await ledger.owner_of(lease_id))
 
     def complete_here(self, report: TransferReport, flow: Flow) -> CompleteOutcome:
         """The report, decided by this replica's lease table."""

@@ -54,6 +54,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
+from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.leases import (
     Flow,
     LeaseEnded,
@@ -76,6 +77,7 @@ from coordinator.runtime.store_keys import (
 log = logging.getLogger("kvrc.store")
 
 BATCH = 256  # ledger writes per pipeline (one round trip)
+OWNER_READ_TIMEOUT_S = 2.0  # reading which replica owns a lease (a report waits on it)
 
 PINNING = "pinning"
 GRANTED = "granted"
@@ -415,6 +417,30 @@ class LeaseLedger:
             self._wake.set()
             await self._idle.wait()
             await asyncio.sleep(0)
+
+    # --- reads -----------------------------------------------------------------------
+
+    async def owner_of(self, lease_id: str) -> str | None:
+        """The replica the ledger records as the lease's owner (None: no record). A lease
+        rebuilt after its owner fell silent names its adopter here, not in its id."""
+        try:
+            # Bounded: the report waits on it (the client's own retries cover more).
+            async with asyncio.timeout(OWNER_READ_TIMEOUT_S):
+                owner = await self._conn.hget(lease_key(lease_id), "o")
+        except (RedisError, OSError, TimeoutError) as e:
+            why = (
+                f"no answer within {OWNER_READ_TIMEOUT_S:g} s"
+                if isinstance(e, TimeoutError)
+                else (str(e) or type(e).__name__)
+            )
+            raise KvrcError(
+                ErrorCode.UNAVAILABLE,
+                f"lease {lease_id!r} is not on this replica, and the shared store that "
+                f"records which replica has it did not answer ({why}): try again",
+            ) from None
+        if owner is None:
+            return None
+        return owner.decode() if isinstance(owner, bytes) else str(owner)
 
     # --- lifecycle -------------------------------------------------------------------
 

@@ -42,8 +42,9 @@ messages travel through the same ordered log as the inventory:
   a decode engine whose session is on another replica goes to that replica, which
   owns the handoff; so do that decode engine's BeginHandoff (which waits there: the
   owner answers when it grants, `PeerHost.run_call` returning an awaitable) and,
-  by the owner their lease id names, ExtendHandoff and both flows' transfer
-  reports. So an engine whose unary calls reach another replica than its session
+  by the owner their lease id names (for a prefix load rebuilt after that owner
+  fell silent: the owner the lease ledger names), ExtendHandoff and both flows'
+  transfer reports. So an engine whose unary calls reach another replica than its session
   (a plain channel to the replica list picks its own) is answered as by its own.
   An owner that does not answer in time makes the call UNAVAILABLE (the client may
   send it again; a repeated report changes nothing). A caller that leaves (cancelled,
@@ -487,10 +488,13 @@ class PeerLink:
 
     def owner_of(self, lease_id: str) -> str | None:
         """The live replica that owns a lease, when it is not this one (else None)."""
-        owner = owner_of_lease_id(lease_id)
-        if not owner or owner == self.origin or not self._is_alive(owner):
+        return self.live_other(owner_of_lease_id(lease_id))
+
+    def live_other(self, replica: str | None) -> str | None:
+        """`replica` when it is another replica heard from lately (else None)."""
+        if not replica or replica == self.origin or not self._is_alive(replica):
             return None
-        return owner
+        return replica
 
     def reply_pin_result(
         self,

@@ -28,7 +28,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -587,6 +587,59 @@ async def test_kill_9_of_the_holders_replica_mid_lease_releases_nothing_early(
             await wait_until(lambda: _held_is(engines, "holder-k9", []), 10, what="release via c")
 
 
+async def test_a_report_reaches_the_replica_that_rebuilt_its_lease(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """The lease's owner a dies. Once a is called silent, the holder's replica b dies
+    too; the holder re-announces the lease to c, which rebuilds it QUARANTINED and
+    adopts its ledger record. The requester's report reaches d, where the id still
+    names the silent a: d asks the ledger and forwards it to c, which releases the
+    holder (before: NOT_FOUND on d, and the holder kept its pins)."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with (
+        start_coordinator(*flags, check_exit=False) as a,
+        start_coordinator(*flags, check_exit=False) as b,
+        start_coordinator(*flags) as c,
+        start_coordinator(*flags) as d,
+    ):
+        holder = await engines.open([b.grpc_target, c.grpc_target], "holder-rb", [])
+        await engines.open(d.grpc_target, "req-rb")
+        await engines.open(a.grpc_target, "marker-on-a")  # leaves the views when a is silent
+        await holder.stored(CHAIN[:8])
+        await eventually_matched(a.grpc_target, "req-rb", "holder-rb", 8)
+        async with LeaseClient(a.grpc_target, "req-rb") as on_a:
+            grant = await on_a.request_prefix_load("rb-1", CHAIN[:8])
+        assert isinstance(grant, PrefixLoadGrant), grant
+        assert await _held(engines, "holder-rb") == [grant.lease_id]
+        owner_a = grant.lease_id.rpartition("@")[2]
+        a.stop(signal.SIGKILL)
+        for replica in (c.grpc_target, d.grpc_target):
+            await wait_until(_no_child_on(replica, "marker-on-a"), 20, what=f"a silent {replica}")
+        holder_session = engines.sessions[0]
+        b.stop(signal.SIGKILL)
+        await wait_until(lambda: holder_session.registrations == 2, 10, what="holder on c")
+        assert holder_session.target == c.grpc_target
+
+        def adopted() -> bool:
+            with redis.Redis(host="127.0.0.1", port=redis_server.port) as r:
+                owner = r.hget(LEASE_PREFIX + grant.lease_id, "o")
+            return isinstance(owner, bytes) and owner.decode() != owner_a
+
+        await wait_until(adopted, 10, what="c adopted the lease in the ledger")
+        rebuilt = {x.lease_id for x in (await get_status(c.grpc_target)).leases}
+        assert grant.lease_id in rebuilt
+        assert await _held(engines, "holder-rb") == [grant.lease_id]
+        async with LeaseClient(d.grpc_target, "req-rb") as on_d:
+            # Negative control: an id naming the silent a that no replica rebuilt.
+            with pytest.raises(NotFoundError, match="no lease"):
+                await on_d.complete_prefix_load(_succeeded(f"pl-{'2' * 32}@{owner_a}", "req-rb"))
+            done = await on_d.complete_prefix_load(_succeeded(grant.lease_id, "req-rb"))
+            assert done.quiescent, done
+        await wait_until(lambda: _held_is(engines, "holder-rb", []), 10, what="release via c")
+        # c lists open leases only: the rebuilt one has ended there.
+        assert grant.lease_id not in {x.lease_id for x in (await get_status(c.grpc_target)).leases}
+
+
 async def test_a_zombie_session_is_fenced_out_by_a_newer_registration(
     redis_server: RedisServer, profiles_file: Path, engines: Engines
 ) -> None:
@@ -640,6 +693,10 @@ async def _held_is(engines: Engines, engine_id: str, expected: list[str]) -> boo
 
 async def _no_child(target: str, child_engine_id: str) -> bool:
     return await child_engine_status(target, child_engine_id) is None
+
+
+def _no_child_on(target: str, child_engine_id: str) -> Callable[[], Awaitable[bool]]:
+    return lambda: _no_child(target, child_engine_id)
 
 
 async def test_the_memory_store_shares_nothing(profiles_file: Path, engines: Engines) -> None:

@@ -9,6 +9,8 @@
   the others of the same pipeline are recorded, and the writer goes on.
 - Closing with an open still waiting (Redis hung) answers it refused, and raises nothing
   (the refusal's own end of the lease queues nothing into the queue being emptied).
+- Which replica a lease's record names (a report's forwarding reads it): the adopter
+  once adopted; UNAVAILABLE, with what to do, while Redis hangs.
 A machine without redis-server fails here (it does not skip).
 """
 
@@ -23,6 +25,7 @@ import redis
 import redis.asyncio as aioredis
 from redis_env import RedisServer, start_redis
 
+from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.runtime.lease_ledger import (
     LeaseLedger,
     lease_key,
@@ -103,9 +106,12 @@ async def test_an_adopted_lease_keeps_its_blocks_through_a_resync(
     await a.flushed()
     assert answers.got["L1"] == (True, "")
     # A fell silent; the holder re-announced L1 to B, which rebuilt it quarantined.
+    assert await b.owner_of("L1") == "A"
     b.quarantined("L1", "h", "r")
     await b.flushed()
     assert sync.hget(lease_key("L1"), "o") == b"B"
+    # What a replica reads to forward a report on L1, whose id names the silent A.
+    assert await a.owner_of("L1") == "B" and await a.owner_of("L9") is None
     assert sync.smembers(owned_key("A")) == set() and sync.smembers(owned_key("B")) == {b"L1"}
     b.store_lost()  # a re-sync writes what B knows of L1: not its blocks
     await b.flushed()
@@ -175,6 +181,24 @@ async def test_closing_with_an_open_waiting_on_a_hung_redis_refuses_it(
     assert answers.got["L1"] == (False, "the coordinator is shutting down")
     assert answers.got["L2"] == (False, "the coordinator is shutting down")
     assert refused_inside
+
+
+async def test_reading_a_lease_s_owner_from_a_hung_redis_is_unavailable(
+    conn: aioredis.Redis, redis_server: RedisServer
+) -> None:
+    a = ledger(conn, "A")
+    process = redis_server.process
+    assert process is not None
+    process.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(KvrcError) as refused:
+            await asyncio.wait_for(a.owner_of("L1"), 10)
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert refused.value.code is ErrorCode.UNAVAILABLE
+    assert "'L1' is not on this replica" in refused.value.message
+    assert refused.value.message.endswith("try again")
+    await a.close()
 
 
 async def test_a_prune_decided_before_the_owner_re_synced_is_refused(
