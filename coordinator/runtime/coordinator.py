@@ -33,10 +33,22 @@ from coordinator.core.cost_model import (
 )
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
-from coordinator.core.grants import BeginHandoffRequest, PublishHandoffRequest, TransferReport
+from coordinator.core.grants import (
+    BeginHandoffRequest,
+    DrainNotice,
+    PublishHandoffRequest,
+    TransferReport,
+)
 from coordinator.core.inventory import Inventory
 from coordinator.core.lease_ids import KEY_BYTES, derived_key
-from coordinator.core.leases import Flow, HandoffGrant, LeaseState, LeaseTable, LeaseView
+from coordinator.core.leases import (
+    Flow,
+    HandoffGrant,
+    LeaseState,
+    LeaseTable,
+    LeaseView,
+    owner_of_lease_id,
+)
 from coordinator.core.profiles import (
     ReuseReason,
     ReuseStatus,
@@ -53,6 +65,7 @@ from coordinator.core.recovery import (
 )
 from coordinator.core.registry import (
     ChildEngineView,
+    HeldLease,
     PartRef,
     RankPartRegistration,
     Registry,
@@ -223,6 +236,15 @@ class PublishOutcome:
     parts_expected: int
 
 
+@dataclass(slots=True)
+class _LeftToOwner:
+    """A local part's held leases left to their live owner at its registration."""
+
+    child_engine_id: str
+    rank_key: RankKey
+    held: dict[str, HeldLease]  # by lease id
+
+
 @dataclass(frozen=True, slots=True)
 class CompleteOutcome:
     """A transfer report's answer, decided here or by the replica that owns the lease."""
@@ -300,6 +322,11 @@ class Coordinator:
         clock_ms = self._clock_ms
         self.registry = Registry(config.max_rank_parts)
         self._sessions: dict[str, Session] = {}
+        # Per local session: held leases its part re-announced while their owner (another
+        # replica) was live, so left to it. Rebuilt here if that owner falls silent first
+        # (`owner_silent`); dropped once the owner sends anything for one (it has it) or
+        # the session ends. At most one Register's held leases per session.
+        self._left_to_owner: dict[str, _LeftToOwner] = {}
         # With a shared store: the other replicas' rank parts and lease messages (peers.py).
         self.peers: PeerLink | None = None
         self._listeners: list[PartListener] = []
@@ -472,7 +499,12 @@ class Coordinator:
         if held and self.peers is not None:
             # Owned by a live replica: it keeps the lease; this part's answers reach it.
             peers = self.peers
-            held = tuple(h for h in held if peers.owner_of(h.lease_id) is None)
+            left = {h.lease_id: h for h in held if peers.owner_of(h.lease_id) is not None}
+            if left:
+                held = tuple(h for h in held if h.lease_id not in left)
+                self._left_to_owner[session_id] = _LeftToOwner(
+                    view.child_engine_id, registration.rank, left
+                )
         with session.registering():
             if held:
                 # Restart recovery: pins this part still holds (after the RegisterAck).
@@ -571,7 +603,23 @@ class Coordinator:
             return owner
         if self.leases.table.knows(lease_id):
             return None
-        return self.peers.live_other(await ledger.owner_of(lease_id))
+        recorded = await ledger.owner_of(lease_id)
+        if recorded is not None:
+            live = self.peers.live_other(recorded)
+            if live is not None or recorded == self.peers.origin:
+                return live
+            silent = recorded
+        else:
+            silent = owner_of_lease_id(lease_id)  # its record may be pruned already
+            if not self.peers.called_silent(silent):
+                return None
+        # Its owner fell silent and nobody rebuilt it yet: NOT_FOUND would end the
+        # requester's reporting, while its holder may re-announce it any moment.
+        raise KvrcError(
+            ErrorCode.UNAVAILABLE,
+            f"lease {lease_id!r} was owned by replica {silent}, which fell silent; the "
+            "replica its holder re-announces it to takes it over: try again",
+        )
 
     def complete_here(self, report: TransferReport, flow: Flow) -> CompleteOutcome:
         """The report, decided by this replica's lease table."""
@@ -627,6 +675,7 @@ class Coordinator:
     def close_session(self, session: Session, reason: str, end: SessionEnd | None = None) -> None:
         """Removes the session's rank part (idempotent) and ends its stream."""
         session.end(end if end is not None else SessionEnd(None, ""))
+        self._left_to_owner.pop(session.session_id, None)
         if self._sessions.pop(session.session_id, None) is None:
             return
         self.metrics.sessions_closed.labels(reason=reason).inc()
@@ -714,8 +763,34 @@ class Coordinator:
         session = self._sessions.get(ref.session_id)
         if session is None or session.ref != ref:
             return False  # fenced: that session is not here any more
+        left = self._left_to_owner.get(ref.session_id)
+        if left is not None and not isinstance(message, DrainNotice):
+            left.held.pop(message.lease_id, None)  # its owner has it: never rebuilt here
         self._send(session, message)
         return True
+
+    def owner_silent(self, origin: str) -> None:
+        """Another replica fell silent: the leases it owned that a local holder part had
+        re-announced while it was live are rebuilt here now, QUARANTINED, as if the part
+        registered again (I6-quiescence: else nothing ends them before the holder's own
+        pin deadline, and the requester's report finds no lease)."""
+        for session_id, left in list(self._left_to_owner.items()):
+            held = [h for h in left.held.values() if owner_of_lease_id(h.lease_id) == origin]
+            if not held:
+                continue
+            for entry in held:
+                del left.held[entry.lease_id]
+            if not left.held:
+                del self._left_to_owner[session_id]
+            if session_id in self._sessions:
+                log.info(
+                    "%d lease(s) %s rank %s holds, owned by silent replica %s: rebuilt here",
+                    len(held),
+                    left.child_engine_id,
+                    format_rank(left.rank_key),
+                    origin,
+                )
+                self.leases.recover_held(left.child_engine_id, left.rank_key, held)
 
     def remote_pin_result(
         self,

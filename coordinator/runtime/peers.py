@@ -31,7 +31,9 @@ messages travel through the same ordered log as the inventory:
   coordinator/core/leases.py `owner_of_lease_id`), so the holder's replica, or the
   one it moved to, routes its answers without asking anybody. A holder that
   re-announces a lease whose owner is alive leaves it to the owner; one whose
-  owner fell silent is rebuilt here, QUARANTINED, as after a restart.
+  owner fell silent is rebuilt here, QUARANTINED, as after a restart, and so is one
+  left to an owner that falls silent later without having sent anything for it
+  (`PeerHost.owner_silent`).
 - `OP_HELLO`: a replica that starts (or reloads a snapshot) asks the others to
   announce their parts again (parts are not in the inventory snapshot). With a
   replica's name (`[OP_HELLO, origin]`), only that one, which this replica had
@@ -213,6 +215,15 @@ class PeerHost(Protocol):
         """Waiting calls were just cancelled: what they wait for must not be granted
         before their tasks run again (a publish may come in the same log entry)."""
 
+    def owner_silent(self, origin: str) -> None:
+        """`origin` fell silent: leases it owned that local holders left to it are
+        rebuilt here."""
+
+
+# Origins called silent that are remembered (`PeerLink.called_silent`): a report on a
+# lease one owned is UNAVAILABLE, not NOT_FOUND, until its holder's re-announcement.
+SILENT_ORIGINS_KEPT = 64
+
 
 def encode_message(message: LeaseOutbound, now_ms: int) -> list[Any]:
     """A lease message as msgpack-ready data; a deadline becomes the time left (>= 1)."""
@@ -386,6 +397,7 @@ class PeerLink:
         # Remote parts registered here: session id -> (origin, ref).
         self._remote: dict[str, tuple[str, PartRef]] = {}
         self._is_alive = is_alive  # an origin heard from lately (replication.py)
+        self._silent: dict[str, None] = {}  # origins called silent, oldest first (bounded)
         self._claim = claim if claim is not None else counter_claim()
         self._local: dict[str, _LocalPart] = {}  # session id -> this replica's part
         # Per rank part, the highest fencing token seen anywhere, and its session id.
@@ -707,6 +719,20 @@ class PeerLink:
             if host is not None:
                 host.remove_remote_part(ref, reason)
         return len(left)
+
+    def origin_silent(self, origin: str) -> None:
+        """An origin fell silent (not a reset, not a store loss: its lease table may be
+        lost with it): its leases that local holders left to it are rebuilt here."""
+        self._silent.pop(origin, None)
+        self._silent[origin] = None
+        while len(self._silent) > SILENT_ORIGINS_KEPT:
+            del self._silent[next(iter(self._silent))]
+        if self._host is not None:
+            self._host.owner_silent(origin)
+
+    def called_silent(self, origin: str) -> bool:
+        """`origin` fell silent here lately and has not been heard since."""
+        return origin in self._silent and not self._is_alive(origin)
 
     def forget_all(self, reason: str) -> int:
         """A store loss: every remote part leaves (their replicas announce them again)."""

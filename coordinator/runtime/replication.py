@@ -757,6 +757,7 @@ class ReplicatedInventory(Inventory):
                 del self._expired[next(iter(self._expired))]
             if self.peers is not None:
                 self.peers.origin_gone(origin, f"replica {origin} fell silent")
+                self.peers.origin_silent(origin)
         return dropped
 
     def drop_all_remote(self) -> int:

@@ -629,10 +629,13 @@ async def test_a_report_reaches_the_replica_that_rebuilt_its_lease(
         rebuilt = {x.lease_id for x in (await get_status(c.grpc_target)).leases}
         assert grant.lease_id in rebuilt
         assert await _held(engines, "holder-rb") == [grant.lease_id]
-        async with LeaseClient(d.grpc_target, "req-rb") as on_d:
-            # Negative control: an id naming the silent a that no replica rebuilt.
-            with pytest.raises(NotFoundError, match="no lease"):
+        async with LeaseClient(d.grpc_target, "req-rb", timeout_s=1) as on_d:
+            # An id naming the silent a that no replica rebuilt (yet): try again, since a
+            # holder may still re-announce it; one naming no replica ever heard of: gone.
+            with pytest.raises(UnavailableError, match=f"owned by replica {owner_a}, which"):
                 await on_d.complete_prefix_load(_succeeded(f"pl-{'2' * 32}@{owner_a}", "req-rb"))
+            with pytest.raises(NotFoundError, match="no lease"):
+                await on_d.complete_prefix_load(_succeeded(f"pl-{'3' * 32}@nobody", "req-rb"))
             done = await on_d.complete_prefix_load(_succeeded(grant.lease_id, "req-rb"))
             assert done.quiescent, done
         await wait_until(lambda: _held_is(engines, "holder-rb", []), 10, what="release via c")
@@ -693,6 +696,49 @@ async def _held_is(engines: Engines, engine_id: str, expected: list[str]) -> boo
 
 async def _no_child(target: str, child_engine_id: str) -> bool:
     return await child_engine_status(target, child_engine_id) is None
+
+
+async def test_a_lease_left_to_its_owner_is_rebuilt_once_that_owner_falls_silent(
+    redis_server: RedisServer, profiles_file: Path, engines: Engines
+) -> None:
+    """The holder is on the owner a; kill -9 of a moves it to c at once, while a is
+    still live to c, so c leaves the lease to a. Once c calls a silent it rebuilds
+    the lease (before: never; the holder kept its pins until its own deadline and the
+    requester's report found no lease). The report through b then releases it."""
+    flags = replica_flags(profiles_file, redis_server.url)
+    with (
+        start_coordinator(*flags, check_exit=False) as a,
+        start_coordinator(*flags) as b,
+        start_coordinator(*flags) as c,
+    ):
+        holder = await engines.open([a.grpc_target, c.grpc_target], "holder-lt", [])
+        await engines.open(b.grpc_target, "req-lt")
+        await engines.open(a.grpc_target, "marker-lt")  # leaves the views when a is silent
+        await holder.stored(CHAIN[:8])
+        await eventually_matched(a.grpc_target, "req-lt", "holder-lt", 8)
+        async with LeaseClient(a.grpc_target, "req-lt") as on_a:
+            grant = await on_a.request_prefix_load("lt-1", CHAIN[:8])
+        assert isinstance(grant, PrefixLoadGrant), grant
+        holder_session = engines.sessions[0]
+        a.stop(signal.SIGKILL)
+        await wait_until(lambda: holder_session.registrations == 2, 10, what="holder on c")
+        assert holder_session.target == c.grpc_target
+        # a is not yet silent to c: the lease is left to it.
+        assert await child_engine_status(c.grpc_target, "marker-lt") is not None
+        assert grant.lease_id not in {x.lease_id for x in (await get_status(c.grpc_target)).leases}
+        for replica in (b.grpc_target, c.grpc_target):
+            await wait_until(_no_child_on(replica, "marker-lt"), 20, what=f"a silent {replica}")
+
+        async def rebuilt_on_c() -> bool:
+            leases = (await get_status(c.grpc_target)).leases
+            return grant.lease_id in {x.lease_id for x in leases}
+
+        await wait_until(rebuilt_on_c, 5, what="the lease rebuilt on c")
+        assert await _held(engines, "holder-lt") == [grant.lease_id]
+        async with LeaseClient(b.grpc_target, "req-lt") as on_b:
+            done = await on_b.complete_prefix_load(_succeeded(grant.lease_id, "req-lt"))
+        assert done.quiescent, done
+        await wait_until(lambda: _held_is(engines, "holder-lt", []), 10, what="release via c")
 
 
 def _no_child_on(target: str, child_engine_id: str) -> Callable[[], Awaitable[bool]]:

@@ -12,6 +12,12 @@ abort to B, which delivers it to the new session; the ack travels back to A, whi
 the quarantine and releases the holder. Without this, the quarantine waited for an
 operator although the requester was alive and could prove its reads quiet.
 
+A holder part that re-registers on another replica (B) while the lease's owner (A) is
+live leaves the lease to A. If A then falls silent before sending anything for it, B
+rebuilds the lease QUARANTINED, as if the part had registered again then
+(`Coordinator.owner_silent`); once A has sent something for it (A has it), or the
+part's session on B has ended, B rebuilds nothing.
+
 A machine without redis-server fails here (it does not skip).
 """
 
@@ -28,9 +34,16 @@ from waiting import wait_until
 
 from coordinator.core.events import BlockStored, EventBatch
 from coordinator.core.grants import PrefixLoadRequest, TransferReport
-from coordinator.core.leases import LeaseState, Outcome, SendAbort, SendPin, SendRelease
+from coordinator.core.leases import (
+    LeaseState,
+    Outcome,
+    SendAbort,
+    SendPin,
+    SendQuarantine,
+    SendRelease,
+)
 from coordinator.core.profiles import DeploymentProfile, declared_profile
-from coordinator.core.registry import RankPartRegistration
+from coordinator.core.registry import HeldLease, RankPartRegistration
 from coordinator.edges.server import coordinator_with_store
 from coordinator.runtime.config import CoordinatorConfig, StoreConfig
 from coordinator.runtime.coordinator import Session
@@ -106,7 +119,7 @@ class Outbox:
         self.session = session
         self.seen: list[object] = []
 
-    def of(self, kind: type[SendPin | SendAbort | SendRelease]) -> list[str]:
+    def of(self, kind: type[SendPin | SendAbort | SendRelease | SendQuarantine]) -> list[str]:
         self.seen += drain_outbound(self.session)
         return [m.lease_id for m in self.seen if isinstance(m, kind)]
 
@@ -154,3 +167,81 @@ async def test_a_requester_back_on_another_replica_is_asked_again_for_the_abort_
     b.coordinator.on_abort_ack(again.session.ref, lease_id)
     await eventually(lambda: holder.of(SendRelease) == [lease_id], "the holder's release")
     assert a.coordinator.leases.table.get(lease_id).state is LeaseState.FAILED
+
+
+async def granted_load(a: Node, holder: Outbox) -> str:
+    """A load from holder h to requester r, both on A, granted (ACTIVE)."""
+    c = a.coordinator
+    a.register("r")
+    task = asyncio.ensure_future(
+        c.leases.request_prefix_load(PrefixLoadRequest("g1", "r", CHAIN, "", 1, 0, 10_000, 60_000))
+    )
+    await eventually(lambda: bool(holder.of(SendPin)), "the holder is asked to pin")
+    lease_id = holder.of(SendPin)[0]
+    c.leases.on_pin_result("h", RANK, lease_id, len(CHAIN), b"d", "")
+    answer = await asyncio.wait_for(task, 10)
+    assert answer.view is not None and answer.view.state is LeaseState.ACTIVE
+    return lease_id
+
+
+async def holder_moved_to_b(a: Node, b: Node) -> tuple[str, Outbox]:
+    """The holder's stream on A breaks and it registers on B naming the lease it holds,
+    while A is live to B: B leaves the lease to A."""
+    holder = Outbox(a.register("h"))
+    a.store_chain(holder.session)
+    lease_id = await granted_load(a, holder)
+    peers_b = b.coordinator.peers
+    assert peers_b is not None
+    await eventually(lambda: peers_b.owner_of(lease_id) is not None, "B hears A")
+    a.coordinator.close_session(holder.session, "closed")
+    reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_leases=(HeldLease(lease_id, "r"),))
+    moved = Outbox(b.coordinator.open_session(reg))
+    assert not b.coordinator.leases.table.knows(lease_id), "rebuilt although A is live"
+    return lease_id, moved
+
+
+def origin(node: Node) -> str:
+    peers = node.coordinator.peers
+    assert peers is not None
+    return peers.origin
+
+
+async def test_a_lease_left_to_its_live_owner_is_rebuilt_once_the_owner_falls_silent(
+    nodes: Callable[[], Awaitable[Node]],
+) -> None:
+    a, b = await nodes(), await nodes()
+    lease_id, moved = await holder_moved_to_b(a, b)
+    b.coordinator.owner_silent("some-other-replica")  # not the owner: nothing
+    assert not b.coordinator.leases.table.knows(lease_id)
+    b.coordinator.owner_silent(origin(a))
+    assert b.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
+    assert moved.of(SendQuarantine) == [lease_id]
+    assert moved.of(SendRelease) == []  # quarantined: the holder keeps its blocks
+    # Rebuilt once: a second silence of A changes nothing.
+    b.coordinator.owner_silent(origin(a))
+    assert moved.of(SendQuarantine) == [lease_id]
+
+
+async def test_a_lease_its_owner_sent_for_is_not_rebuilt_when_the_owner_falls_silent(
+    nodes: Callable[[], Awaitable[Node]],
+) -> None:
+    a, b = await nodes(), await nodes()
+    lease_id, moved = await holder_moved_to_b(a, b)
+    await eventually(lambda: a.part("h") == moved.session.session_id, "A hears of h on B")
+    # The requester reports to A, which releases the holder on B through the log.
+    report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+    assert a.coordinator.leases.complete_prefix_load(report).quiescent
+    await eventually(lambda: moved.of(SendRelease) == [lease_id], "the release reaches B")
+    b.coordinator.owner_silent(origin(a))
+    assert not b.coordinator.leases.table.knows(lease_id), "an ended lease was rebuilt"
+    assert moved.of(SendQuarantine) == []
+
+
+async def test_a_lease_left_by_a_session_that_ended_is_not_rebuilt(
+    nodes: Callable[[], Awaitable[Node]],
+) -> None:
+    a, b = await nodes(), await nodes()
+    lease_id, moved = await holder_moved_to_b(a, b)
+    b.coordinator.close_session(moved.session, "closed")
+    b.coordinator.owner_silent(origin(a))
+    assert not b.coordinator.leases.table.knows(lease_id)
