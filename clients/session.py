@@ -427,7 +427,7 @@ class EngineSession:
             except TimeoutError:
                 call.cancel()
             except asyncio.CancelledError:
-                if not _cancelled_locally(call):
+                if not _cancelled_locally():
                     raise
             except Exception:  # the stream broke meanwhile: nothing to end
                 pass
@@ -565,7 +565,7 @@ class EngineSession:
                 f"the session write timed out after {timeout_s:g} s (reconnecting)",
             ) from None
         except asyncio.CancelledError:
-            if not _cancelled_locally(call):
+            if not _cancelled_locally():
                 raise
             raise UnavailableError(
                 grpc.StatusCode.UNAVAILABLE, "the session stream was cancelled"
@@ -751,7 +751,7 @@ class EngineSession:
             if not self._closing and said is None:
                 log.info("session with %s broke: %s", self.target, self.last_error)
         except asyncio.CancelledError:
-            if not _cancelled_locally(call):
+            if not _cancelled_locally():
                 raise
             # _break (a stuck write) or close() cancelled the call: the stream ended.
 
@@ -790,11 +790,13 @@ class EngineSession:
                 await self._write(call, pb.EngineMessage(heartbeat=beat))
 
 
-def _cancelled_locally(call: _Call) -> bool:
+def _cancelled_locally() -> bool:
     """grpc raises CancelledError from a read or write on a call cancelled here; that ends
-    the stream, unlike a cancellation of the awaiting task itself."""
+    the stream, unlike a cancellation of the awaiting task itself. The call's
+    `cancelled()` may still be False then (a write failing under the cancel ends it
+    INTERNAL first), so the task decides: one nobody cancelled got it from the call."""
     task = asyncio.current_task()
-    return call.cancelled() and (task is None or task.cancelling() == 0)
+    return task is None or task.cancelling() == 0
 
 
 class SessionChannels:

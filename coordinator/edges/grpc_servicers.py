@@ -486,8 +486,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
         request: pb.TransferReport,
         started: float,
     ) -> None:
-        """Decided in stream order here; a lease another live replica owns is asked of it
-        (the session moved since its grant), in a task of the session's calls."""
+        """Decided in stream order here; a lease another replica may own (the session
+        moved since its grant, or the lease was rebuilt elsewhere) is asked of it, in a
+        task of the session's calls."""
         method = "CompletePrefixLoad"
         try:
             report = wire.transfer_report_from_proto(request, self._bounds)
@@ -496,7 +497,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 report.reporter_child_engine_id,
                 "prefix_load_report.reporter_child_engine_id",
             )
-            if self._coordinator.owned_elsewhere(report.lease_id):
+            if not self._coordinator.decided_here(report.lease_id, Flow.PREFIX_LOAD):
                 self._in_task(
                     session,
                     call_id,

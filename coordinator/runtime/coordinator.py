@@ -35,7 +35,6 @@ from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
 from coordinator.core.grants import (
     BeginHandoffRequest,
-    DrainNotice,
     PublishHandoffRequest,
     TransferReport,
 )
@@ -47,6 +46,9 @@ from coordinator.core.leases import (
     LeaseState,
     LeaseTable,
     LeaseView,
+    SendQuarantine,
+    SendRelease,
+    flow_of_lease_id,
     owner_of_lease_id,
 )
 from coordinator.core.profiles import (
@@ -101,6 +103,11 @@ log = logging.getLogger("kvrc.coordinator")
 DEFAULT_WARMUP_MS = 10_000
 # State file writes are coalesced: registrations come in bursts after a restart.
 _STATE_WRITE_DELAY_MS = 200
+# How long a holder keeps a pin whose release never came, at most, unless quarantined
+# (the engine side's safety net, clients/holds.py: the longest pin TTL, 600 s, plus its
+# 60 s grace). A lease left to its owner longer ago is not rebuilt when the owner falls
+# silent: the holder has freed it.
+LEFT_TO_OWNER_KEPT_MS = 660_000
 
 
 # --- outbound session messages (encoded by wire.py) ----------------------------
@@ -238,11 +245,13 @@ class PublishOutcome:
 
 @dataclass(slots=True)
 class _LeftToOwner:
-    """A local part's held leases left to their live owner at its registration."""
+    """A local part's held prefix loads left to their live owner at its registration."""
 
     child_engine_id: str
     rank_key: RankKey
+    left_ms: int  # monotonic, when they were left
     held: dict[str, HeldLease]  # by lease id
+    quarantined: set[str]  # the owner quarantined them: the holder keeps them for good
 
 
 @dataclass(frozen=True, slots=True)
@@ -502,9 +511,17 @@ class Coordinator:
             left = {h.lease_id: h for h in held if peers.owner_of(h.lease_id) is not None}
             if left:
                 held = tuple(h for h in held if h.lease_id not in left)
-                self._left_to_owner[session_id] = _LeftToOwner(
-                    view.child_engine_id, registration.rank, left
-                )
+                # Handoffs are not kept: their reports are not routed by the ledger, and
+                # the prefill frees an unquarantined one at its own hold deadline.
+                loads = {i: h for i, h in left.items() if flow_of_lease_id(i) is Flow.PREFIX_LOAD}
+                if loads:
+                    self._left_to_owner[session_id] = _LeftToOwner(
+                        view.child_engine_id,
+                        registration.rank,
+                        self.clock.monotonic_ms(),
+                        loads,
+                        set(),
+                    )
         with session.registering():
             if held:
                 # Restart recovery: pins this part still holds (after the RegisterAck).
@@ -575,9 +592,14 @@ class Coordinator:
             return sent_ms + int(left_ms)
         return self.leases.extend_handoff(lease_id, decode_child_engine_id)
 
-    def owned_elsewhere(self, lease_id: str) -> bool:
-        """The lease's id names another live replica as its owner."""
-        return self.peers is not None and self.peers.owner_of(lease_id) is not None
+    def decided_here(self, lease_id: str, flow: Flow) -> bool:
+        """A report on the lease is decided by this replica's table, now: no other replica
+        may own it (else `complete`, which may ask one, answers it)."""
+        if self.peers is None or self.leases.table.knows(lease_id):
+            return True
+        if self.peers.owner_of(lease_id) is not None:
+            return False
+        return self.leases.ledger is None or flow is not Flow.PREFIX_LOAD
 
     async def complete(self, report: TransferReport, flow: Flow) -> CompleteOutcome:
         """A target part's report, to this replica's lease or to the live replica that owns
@@ -595,14 +617,12 @@ class Coordinator:
         lease whose owner fell silent is rebuilt by the replica its holder re-announced
         it to (`recover_held`), and the ledger records that adoption. Decided anywhere
         else, the report would be NOT_FOUND and the holder stay pinned (I6-quiescence)."""
-        if self.peers is None:
+        if self.peers is None or self.leases.table.knows(lease_id):
             return None
         owner = self.peers.owner_of(lease_id)
         ledger = self.leases.ledger
         if owner is not None or ledger is None or flow is not Flow.PREFIX_LOAD:
             return owner
-        if self.leases.table.knows(lease_id):
-            return None
         recorded = await ledger.owner_of(lease_id)
         if recorded is not None:
             live = self.peers.live_other(recorded)
@@ -764,16 +784,21 @@ class Coordinator:
         if session is None or session.ref != ref:
             return False  # fenced: that session is not here any more
         left = self._left_to_owner.get(ref.session_id)
-        if left is not None and not isinstance(message, DrainNotice):
-            left.held.pop(message.lease_id, None)  # its owner has it: never rebuilt here
+        if left is not None and isinstance(message, SendRelease):
+            left.held.pop(message.lease_id, None)  # ended: never rebuilt here
+        elif left is not None and isinstance(message, SendQuarantine):
+            left.quarantined.add(message.lease_id)  # kept by the holder however old
         self._send(session, message)
         return True
 
     def owner_silent(self, origin: str) -> None:
-        """Another replica fell silent: the leases it owned that a local holder part had
-        re-announced while it was live are rebuilt here now, QUARANTINED, as if the part
-        registered again (I6-quiescence: else nothing ends them before the holder's own
-        pin deadline, and the requester's report finds no lease)."""
+        """Another replica fell silent: the prefix loads it owned that a local holder part
+        had re-announced while it was live are rebuilt here now, QUARANTINED, as if the
+        part registered again (I6-quiescence: else nothing ends them before the holder's
+        own pin deadline, and the requester's report finds no lease). Not one the owner
+        released, nor one left so long ago that the holder has freed it by itself (unless
+        the owner had quarantined it: that one the holder keeps)."""
+        expired_ms = self.clock.monotonic_ms() - LEFT_TO_OWNER_KEPT_MS
         for session_id, left in list(self._left_to_owner.items()):
             held = [h for h in left.held.values() if owner_of_lease_id(h.lease_id) == origin]
             if not held:
@@ -782,15 +807,23 @@ class Coordinator:
                 del left.held[entry.lease_id]
             if not left.held:
                 del self._left_to_owner[session_id]
-            if session_id in self._sessions:
-                log.info(
-                    "%d lease(s) %s rank %s holds, owned by silent replica %s: rebuilt here",
-                    len(held),
-                    left.child_engine_id,
-                    format_rank(left.rank_key),
-                    origin,
-                )
-                self.leases.recover_held(left.child_engine_id, left.rank_key, held)
+            if left.left_ms < expired_ms:
+                held = [h for h in held if h.lease_id in left.quarantined]
+            session = self._sessions.get(session_id)
+            if session is None or not held:
+                continue
+            log.info(
+                "%d lease(s) %s rank %s holds, owned by silent replica %s: rebuilt here",
+                len(held),
+                left.child_engine_id,
+                format_rank(left.rank_key),
+                origin,
+            )
+            try:
+                with session.registering():  # its notices may go past the queue's cap
+                    self.leases.recover_held(left.child_engine_id, left.rank_key, held)
+            except Exception:  # runs on the store's health loop: one part must not stop it
+                log.exception("rebuilding the leases of %s failed", left.child_engine_id)
 
     def remote_pin_result(
         self,

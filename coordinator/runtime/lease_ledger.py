@@ -78,6 +78,8 @@ log = logging.getLogger("kvrc.store")
 
 BATCH = 256  # ledger writes per pipeline (one round trip)
 OWNER_READ_TIMEOUT_S = 2.0  # reading which replica owns a lease (a report waits on it)
+# Such reads at once: they share the writer's connections (heartbeats, ledger writes).
+OWNER_READS_AT_ONCE = 2
 
 PINNING = "pinning"
 GRANTED = "granted"
@@ -295,6 +297,7 @@ class LeaseLedger:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._scripts: dict[str, Any] = {}
+        self._owner_reads = asyncio.Semaphore(OWNER_READS_AT_ONCE)
 
     # --- what the lease flow records -------------------------------------------------
 
@@ -425,7 +428,7 @@ class LeaseLedger:
         rebuilt after its owner fell silent names its adopter here, not in its id."""
         try:
             # Bounded: the report waits on it (the client's own retries cover more).
-            async with asyncio.timeout(OWNER_READ_TIMEOUT_S):
+            async with asyncio.timeout(OWNER_READ_TIMEOUT_S), self._owner_reads:
                 owner = await self._conn.hget(lease_key(lease_id), "o")
         except (RedisError, OSError, TimeoutError) as e:
             why = (

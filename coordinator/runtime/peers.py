@@ -31,8 +31,8 @@ messages travel through the same ordered log as the inventory:
   coordinator/core/leases.py `owner_of_lease_id`), so the holder's replica, or the
   one it moved to, routes its answers without asking anybody. A holder that
   re-announces a lease whose owner is alive leaves it to the owner; one whose
-  owner fell silent is rebuilt here, QUARANTINED, as after a restart, and so is one
-  left to an owner that falls silent later without having sent anything for it
+  owner fell silent is rebuilt here, QUARANTINED, as after a restart, and so is a
+  prefix load left to an owner that falls silent later without having released it
   (`PeerHost.owner_silent`).
 - `OP_HELLO`: a replica that starts (or reloads a snapshot) asks the others to
   announce their parts again (parts are not in the inventory snapshot). With a

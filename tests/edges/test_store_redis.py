@@ -604,6 +604,7 @@ async def test_a_report_reaches_the_replica_that_rebuilt_its_lease(
     ):
         holder = await engines.open([b.grpc_target, c.grpc_target], "holder-rb", [])
         await engines.open(d.grpc_target, "req-rb")
+        session_d = engines.sessions[-1]
         await engines.open(a.grpc_target, "marker-on-a")  # leaves the views when a is silent
         await holder.stored(CHAIN[:8])
         await eventually_matched(a.grpc_target, "req-rb", "holder-rb", 8)
@@ -636,7 +637,11 @@ async def test_a_report_reaches_the_replica_that_rebuilt_its_lease(
                 await on_d.complete_prefix_load(_succeeded(f"pl-{'2' * 32}@{owner_a}", "req-rb"))
             with pytest.raises(NotFoundError, match="no lease"):
                 await on_d.complete_prefix_load(_succeeded(f"pl-{'3' * 32}@nobody", "req-rb"))
-            done = await on_d.complete_prefix_load(_succeeded(grant.lease_id, "req-rb"))
+        # Through the requester's session stream on d (as the reference engine reports).
+        async with LeaseClient(d.grpc_target, "req-rb", session=session_d, timeout_s=1) as on_s:
+            with pytest.raises(UnavailableError, match=f"owned by replica {owner_a}, which"):
+                await on_s.complete_prefix_load(_succeeded(f"pl-{'4' * 32}@{owner_a}", "req-rb"))
+            done = await on_s.complete_prefix_load(_succeeded(grant.lease_id, "req-rb"))
             assert done.quiescent, done
         await wait_until(lambda: _held_is(engines, "holder-rb", []), 10, what="release via c")
         # c lists open leases only: the rebuilt one has ended there.
@@ -705,7 +710,8 @@ async def test_a_lease_left_to_its_owner_is_rebuilt_once_that_owner_falls_silent
     still live to c, so c leaves the lease to a. Once c calls a silent it rebuilds
     the lease (before: never; the holder kept its pins until its own deadline and the
     requester's report found no lease). The report through b then releases it."""
-    flags = replica_flags(profiles_file, redis_server.url)
+    # Silence after 10 s: the holder surely moves to c while a is still live there.
+    flags = replica_flags(profiles_file, redis_server.url, "--store-origin-timeout-ms", "10000")
     with (
         start_coordinator(*flags, check_exit=False) as a,
         start_coordinator(*flags) as b,
@@ -727,7 +733,7 @@ async def test_a_lease_left_to_its_owner_is_rebuilt_once_that_owner_falls_silent
         assert await child_engine_status(c.grpc_target, "marker-lt") is not None
         assert grant.lease_id not in {x.lease_id for x in (await get_status(c.grpc_target)).leases}
         for replica in (b.grpc_target, c.grpc_target):
-            await wait_until(_no_child_on(replica, "marker-lt"), 20, what=f"a silent {replica}")
+            await wait_until(_no_child_on(replica, "marker-lt"), 30, what=f"a silent {replica}")
 
         async def rebuilt_on_c() -> bool:
             leases = (await get_status(c.grpc_target)).leases

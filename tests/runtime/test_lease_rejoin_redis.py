@@ -13,10 +13,11 @@ the quarantine and releases the holder. Without this, the quarantine waited for 
 operator although the requester was alive and could prove its reads quiet.
 
 A holder part that re-registers on another replica (B) while the lease's owner (A) is
-live leaves the lease to A. If A then falls silent before sending anything for it, B
+live leaves the lease to A. If A then falls silent without having released it, B
 rebuilds the lease QUARANTINED, as if the part had registered again then
-(`Coordinator.owner_silent`); once A has sent something for it (A has it), or the
-part's session on B has ended, B rebuilds nothing.
+(`Coordinator.owner_silent`); once A has released it, or the part's session on B has
+ended, B rebuilds nothing, nor when it was left longer ago than a holder keeps an
+unreleased pin, unless A had quarantined it (the holder keeps that one for good).
 
 A machine without redis-server fails here (it does not skip).
 """
@@ -45,6 +46,7 @@ from coordinator.core.leases import (
 from coordinator.core.profiles import DeploymentProfile, declared_profile
 from coordinator.core.registry import HeldLease, RankPartRegistration
 from coordinator.edges.server import coordinator_with_store
+from coordinator.runtime import coordinator as coordinator_module
 from coordinator.runtime.config import CoordinatorConfig, StoreConfig
 from coordinator.runtime.coordinator import Session
 
@@ -222,7 +224,7 @@ async def test_a_lease_left_to_its_live_owner_is_rebuilt_once_the_owner_falls_si
     assert moved.of(SendQuarantine) == [lease_id]
 
 
-async def test_a_lease_its_owner_sent_for_is_not_rebuilt_when_the_owner_falls_silent(
+async def test_a_lease_its_owner_released_is_not_rebuilt_when_the_owner_falls_silent(
     nodes: Callable[[], Awaitable[Node]],
 ) -> None:
     a, b = await nodes(), await nodes()
@@ -245,3 +247,31 @@ async def test_a_lease_left_by_a_session_that_ended_is_not_rebuilt(
     b.coordinator.close_session(moved.session, "closed")
     b.coordinator.owner_silent(origin(a))
     assert not b.coordinator.leases.table.knows(lease_id)
+
+
+async def test_a_lease_left_longer_ago_than_a_holder_keeps_a_pin_is_not_rebuilt(
+    nodes: Callable[[], Awaitable[Node]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left longer ago than a holder keeps an unreleased pin (here: any time ago), the
+    holder has freed it by itself, unless its owner quarantined it (the next test)."""
+    monkeypatch.setattr(coordinator_module, "LEFT_TO_OWNER_KEPT_MS", -1)
+    a, b = await nodes(), await nodes()
+    lease_id, moved = await holder_moved_to_b(a, b)
+    b.coordinator.owner_silent(origin(a))
+    assert not b.coordinator.leases.table.knows(lease_id), "a freed lease was rebuilt"
+    assert moved.of(SendQuarantine) == []
+
+
+async def test_a_lease_its_owner_quarantined_is_rebuilt_however_long_ago_it_was_left(
+    nodes: Callable[[], Awaitable[Node]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(coordinator_module, "LEFT_TO_OWNER_KEPT_MS", -1)
+    a, b = await nodes(), await nodes()
+    lease_id, moved = await holder_moved_to_b(a, b)
+    await eventually(lambda: a.part("h") == moved.session.session_id, "A hears of h on B")
+    # The requester's outcome is unknown: A quarantines it and tells the holder on B.
+    report = TransferReport(lease_id, "r", RANK, Outcome.UNKNOWN, 0, 0, "read timed out")
+    assert a.coordinator.leases.complete_prefix_load(report).state is LeaseState.QUARANTINED
+    await eventually(lambda: moved.of(SendQuarantine) == [lease_id], "the notice reaches B")
+    b.coordinator.owner_silent(origin(a))
+    assert b.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
