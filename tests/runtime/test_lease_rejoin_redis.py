@@ -130,22 +130,29 @@ async def eventually(cond: Callable[[], bool], what: str, timeout_s: float = 10)
     await wait_until(cond, timeout_s, interval_s=0.01, what=what)
 
 
-async def quarantined_load(a: Node, holder: Outbox) -> str:
-    """A load from holder h to requester r, both on A, granted; then r's session breaks
-    and its report is UNKNOWN: QUARANTINED, the abort it owes went nowhere."""
+async def granted_load(a: Node, holder: Outbox) -> tuple[str, Session]:
+    """A load from holder h to requester r, both on A, granted (ACTIVE); its lease id
+    and r's session."""
     c = a.coordinator
     requester = a.register("r")
     task = asyncio.ensure_future(
-        c.leases.request_prefix_load(PrefixLoadRequest("q1", "r", CHAIN, "", 1, 0, 10_000, 60_000))
+        c.leases.request_prefix_load(PrefixLoadRequest("g1", "r", CHAIN, "", 1, 0, 10_000, 60_000))
     )
     await eventually(lambda: bool(holder.of(SendPin)), "the holder is asked to pin")
     lease_id = holder.of(SendPin)[0]
     c.leases.on_pin_result("h", RANK, lease_id, len(CHAIN), b"d", "")
     answer = await asyncio.wait_for(task, 10)
     assert answer.view is not None and answer.view.state is LeaseState.ACTIVE
-    c.close_session(requester, "closed")  # the requester's stream breaks
+    return lease_id, requester
+
+
+async def quarantined_load(a: Node, holder: Outbox) -> str:
+    """`granted_load`; then r's session breaks and its report is UNKNOWN: QUARANTINED,
+    the abort it owes went nowhere."""
+    lease_id, requester = await granted_load(a, holder)
+    a.coordinator.close_session(requester, "closed")  # the requester's stream breaks
     report = TransferReport(lease_id, "r", RANK, Outcome.UNKNOWN, 0, 0, "read timed out")
-    assert c.leases.complete_prefix_load(report).state is LeaseState.QUARANTINED
+    assert a.coordinator.leases.complete_prefix_load(report).state is LeaseState.QUARANTINED
     return lease_id
 
 
@@ -171,27 +178,12 @@ async def test_a_requester_back_on_another_replica_is_asked_again_for_the_abort_
     assert a.coordinator.leases.table.get(lease_id).state is LeaseState.FAILED
 
 
-async def granted_load(a: Node, holder: Outbox) -> str:
-    """A load from holder h to requester r, both on A, granted (ACTIVE)."""
-    c = a.coordinator
-    a.register("r")
-    task = asyncio.ensure_future(
-        c.leases.request_prefix_load(PrefixLoadRequest("g1", "r", CHAIN, "", 1, 0, 10_000, 60_000))
-    )
-    await eventually(lambda: bool(holder.of(SendPin)), "the holder is asked to pin")
-    lease_id = holder.of(SendPin)[0]
-    c.leases.on_pin_result("h", RANK, lease_id, len(CHAIN), b"d", "")
-    answer = await asyncio.wait_for(task, 10)
-    assert answer.view is not None and answer.view.state is LeaseState.ACTIVE
-    return lease_id
-
-
 async def holder_moved_to_b(a: Node, b: Node) -> tuple[str, Outbox]:
     """The holder's stream on A breaks and it registers on B naming the lease it holds,
     while A is live to B: B leaves the lease to A."""
     holder = Outbox(a.register("h"))
     a.store_chain(holder.session)
-    lease_id = await granted_load(a, holder)
+    lease_id, _ = await granted_load(a, holder)
     peers_b = b.coordinator.peers
     assert peers_b is not None
     await eventually(lambda: peers_b.owner_of(lease_id) is not None, "B hears A")
