@@ -331,10 +331,10 @@ class Coordinator:
         clock_ms = self._clock_ms
         self.registry = Registry(config.max_rank_parts)
         self._sessions: dict[str, Session] = {}
-        # Per local session: held leases its part re-announced while their owner (another
-        # replica) was live, so left to it. Rebuilt here if that owner falls silent first
-        # (`owner_silent`); dropped once the owner sends anything for one (it has it) or
-        # the session ends. At most one Register's held leases per session.
+        # Per local session: held prefix loads its part re-announced while their owner
+        # (another replica) was live, so left to it. Rebuilt here if that owner falls
+        # silent first (`owner_silent`); dropped once the owner releases one, or the
+        # session ends. At most one Register's held leases per session.
         self._left_to_owner: dict[str, _LeftToOwner] = {}
         # With a shared store: the other replicas' rank parts and lease messages (peers.py).
         self.peers: PeerLink | None = None
