@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from coordinator.core.cost_model import CostModel, Prediction
@@ -91,6 +91,9 @@ DRAIN_ACK_GRACE_MS = 2_000
 # A waiting Drain is woken by the end of its engines' leases, and re-checks at least
 # this often besides (a safety net, e.g. for a table replaced from the shared store).
 _DRAIN_POLL_MS = 1_000
+# Releases kept for parts that had no session when they were decided (oldest dropped
+# first: that holder's own pin safety net, clients/holds.py, then frees the blocks).
+MAX_UNSENT_RELEASES = 4096
 
 _NON_TERMINAL = tuple(s for s in LeaseState if s not in TERMINAL_STATES)
 
@@ -135,6 +138,11 @@ class LeaseFlow:
         # Waiting Drains, by the child engines each waits on: a lease's end wakes only
         # the drains of its own engines (entries leave with their waiter).
         self._drain_waiters: dict[str, set[asyncio.Event]] = {}
+        # Releases whose holder part had no session when they were decided (between
+        # sessions, or moved to a replica not heard from yet): sent again when it
+        # registers, here or on another replica (I6: else its pins wait for its own
+        # safety net). By (child engine, rank, lease id), oldest first.
+        self._unsent_releases: OrderedDict[tuple[str, RankKey, str], SendRelease] = OrderedDict()
         self._m_draining = metrics.child_engines.labels(state="draining")
         self._m_draining.set(0)
         # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
@@ -391,15 +399,25 @@ class LeaseFlow:
 
     def on_part_registered(self, child_engine_id: str, rank_key: RankKey) -> None:
         """A rank part (re-)registered (after its RegisterReply): an abort sent while it was
-        between sessions was dropped, so every abort it still owes an ack for goes again."""
+        between sessions was dropped, so every abort it still owes an ack for goes again,
+        and so does every release that found it without a session."""
         actions = self.core.on_part_registered(child_engine_id, rank_key)
-        if actions:
+        releases = [
+            message
+            for (child, rank, _), message in self._unsent_releases.items()
+            if child == child_engine_id and rank == rank_key
+        ]
+        if actions or releases:
             log.info(
-                "%s rank %s re-registered: %d abort(s) it owes an ack for sent again",
+                "%s rank %s re-registered: %d abort(s) it owes an ack for and %d release(s) "
+                "sent again",
                 child_engine_id,
                 rank_key,
                 len(actions),
+                len(releases),
             )
+        for release in releases:
+            self._send(child_engine_id, rank_key, release)
         self._execute(actions)
 
     def on_release_ack(self, child_engine_id: str, rank_key: RankKey, lease_id: str) -> None:
@@ -496,7 +514,16 @@ class LeaseFlow:
         self._execute(actions)
 
     def _send(self, child_engine_id: str, rank: RankKey, message: LeaseOutbound) -> None:
-        if not self._send_to_part(child_engine_id, rank, message):
+        sent = self._send_to_part(child_engine_id, rank, message)
+        if isinstance(message, SendRelease):
+            key = (child_engine_id, rank, message.lease_id)
+            if sent:
+                self._unsent_releases.pop(key, None)
+            else:
+                self._unsent_releases[key] = message
+                while len(self._unsent_releases) > MAX_UNSENT_RELEASES:
+                    self._unsent_releases.popitem(last=False)
+        if not sent:
             log.info(
                 "%s for %s rank %s not sent: the part has no session",
                 type(message).__name__,

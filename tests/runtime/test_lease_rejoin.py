@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import pytest
 from manual_rig import CHAIN, PROFILE, Rig, drain_outbound, manual_coordinator, settle
 
 from coordinator.core.grants import PrefixLoadRequest, PublishHandoffRequest, TransferReport
 from coordinator.core.leases import Flow, LeaseState, Outcome, SendAbort, SendPin, SendRelease
 from coordinator.core.registry import HeldLease, RankPartRegistration
+from coordinator.runtime import lease_flow as lease_flow_module
 from coordinator.runtime.coordinator import Session
 
 RANK = (0, 0, 0)
@@ -182,3 +184,38 @@ async def test_a_repeated_publish_is_answered_while_a_sibling_part_reconnects() 
                 assert e.code is ErrorCode.FAILED_PRECONDITION and "not READY" in e.message
             else:
                 raise AssertionError(f"{changed} was answered while p is not READY")
+
+
+async def test_releases_that_found_the_holder_between_sessions_go_when_it_registers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ended while the holder had no session: kept, and sent when it registers again,
+    even without re-announcing them. Kept at most MAX_UNSENT_RELEASES (oldest dropped)."""
+    monkeypatch.setattr(lease_flow_module, "MAX_UNSENT_RELEASES", 2)
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        holder, _, first = await load_in_flight(rig)
+        later = []
+        for request_id in ("q2", "q3"):
+            task = asyncio.ensure_future(
+                c.leases.request_prefix_load(
+                    PrefixLoadRequest(request_id, "r", CHAIN, "", 1, 0, 2_000, 10_000)
+                )
+            )
+            await settle()
+            pin = next(m for m in drain_outbound(holder) if isinstance(m, SendPin))
+            c.leases.on_pin_result("h", RANK, pin.lease_id, 8, b"d", "")
+            answer = await task
+            assert answer.view is not None
+            later.append(answer.view.lease_id)
+        c.close_session(holder, "closed")  # between sessions, inside its grace
+        for lease_id in (first, *later):
+            report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+            assert c.leases.complete_prefix_load(report).quiescent
+        back = rig.register("h")
+        await settle()
+        assert sent(back, SendRelease) == later  # the oldest went: two are kept
+        c.close_session(back, "closed")
+        again = rig.register("h")
+        await settle()
+        assert sent(again, SendRelease) == []  # delivered once: not kept any more

@@ -267,3 +267,26 @@ async def test_a_lease_its_owner_quarantined_is_rebuilt_however_long_ago_it_was_
     await eventually(lambda: moved.of(SendQuarantine) == [lease_id], "the notice reaches B")
     b.coordinator.owner_silent(origin(a))
     assert b.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
+
+
+async def test_a_release_decided_while_the_holder_was_between_sessions_reaches_it_on_b(
+    nodes: Callable[[], Awaitable[Node]],
+) -> None:
+    """The requester's report ends the lease while the holder has no session anywhere:
+    the release finds nobody. A keeps it and sends it once the holder registers again,
+    here on B (A hears of it through the log). Before: lost, the holder's pins waited
+    for its own safety net."""
+    a, b = await nodes(), await nodes()
+    holder = Outbox(a.register("h"))
+    a.store_chain(holder.session)
+    lease_id, _ = await granted_load(a, holder)
+    a.coordinator.close_session(holder.session, "closed")  # between sessions
+    report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+    assert a.coordinator.leases.complete_prefix_load(report).quiescent
+    assert holder.of(SendRelease) == []
+    reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_leases=(HeldLease(lease_id, "r"),))
+    moved = Outbox(b.coordinator.open_session(reg))
+    await eventually(lambda: moved.of(SendRelease) == [lease_id], "the release reaches h on B")
+    # B had left the lease to A: the release also ends that, nothing is rebuilt on B.
+    b.coordinator.owner_silent(origin(a))
+    assert not b.coordinator.leases.table.knows(lease_id)
