@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.core.cost_model import CostModel, LoadPlan, Prediction, kv_bytes_per_block
@@ -967,10 +967,14 @@ class Grants:
         return step.view, self._settled(step.actions)
 
     def on_part_registered(
-        self, child_engine_id: str, rank_key: RankKey
+        self, child_engine_id: str, rank_key: RankKey, announced: Collection[str] = ()
     ) -> tuple[GrantAction, ...]:
-        """A rank part (re-)registered: the aborts it still owes an ack for, sent again."""
-        return self._settled(self.table.resend_owed_aborts(child_engine_id, rank_key))
+        """A rank part (re-)registered: the aborts it still owes an ack for, and the
+        quarantines of leases it may hold but did not just re-announce, sent again."""
+        table = self.table
+        again = table.resend_owed_aborts(child_engine_id, rank_key)
+        told = table.resend_quarantines(child_engine_id, rank_key, announced)
+        return self._settled(again + told)
 
     def tick(self, now_ms: int) -> tuple[GrantAction, ...]:
         """Fires due lease timers, drain deadlines and begin waits."""

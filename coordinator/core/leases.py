@@ -50,7 +50,7 @@ import enum
 import heapq
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
@@ -1032,6 +1032,29 @@ class LeaseTable:
             ):
                 reason = f"asked again after re-registering: {lease.reason}"
                 actions.append(SendAbort(child_engine_id, rank_key, lease_id, lease.flow, reason))
+        return actions
+
+    def resend_quarantines(
+        self, child_engine_id: str, rank_key: RankKey, announced: Collection[str] = ()
+    ) -> list[Action]:
+        """A source part (re-)registered: tell it again of every quarantined lease it may
+        hold. A QuarantineNotice sent while it was between sessions was dropped, and a
+        holder that never heard it frees the pins at its own safety-net deadline, with
+        reads not proven quiet (I6-quiescence). Not those it just `announced`:
+        `recover_held` told it of them."""
+        actions: list[Action] = []
+        for lease_id in sorted(self._by_engine.get(child_engine_id, ())):
+            lease = self._leases[lease_id]
+            if (
+                lease_id not in announced
+                and lease.state is LeaseState.QUARANTINED
+                and lease.source_child_engine_id == child_engine_id
+                and rank_key in self._pinned_parts(lease)
+            ):
+                reason = f"told again after re-registering: {lease.reason}"
+                actions.append(
+                    SendQuarantine(child_engine_id, rank_key, lease_id, lease.flow, reason)
+                )
         return actions
 
     def _end_quarantine_if_proven(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:

@@ -526,8 +526,11 @@ class Coordinator:
             if held:
                 # Restart recovery: pins this part still holds (after the RegisterAck).
                 self.leases.recover_held(view.child_engine_id, registration.rank, held)
-            # Aborts sent while it was between sessions were dropped: they go again.
-            self.leases.on_part_registered(view.child_engine_id, registration.rank)
+            # What was sent while it was between sessions was dropped: it goes again (but
+            # the quarantines of the leases it just re-announced: those it was told).
+            self.leases.on_part_registered(
+                view.child_engine_id, registration.rank, {h.lease_id for h in held}
+            )
         return session
 
     def on_pin_result(
@@ -786,7 +789,7 @@ class Coordinator:
         left = self._left_to_owner.get(ref.session_id)
         if left is not None and isinstance(message, SendRelease):
             left.held.pop(message.lease_id, None)  # ended: never rebuilt here
-        elif left is not None and isinstance(message, SendQuarantine):
+        elif isinstance(message, SendQuarantine) and left and message.lease_id in left.held:
             left.quarantined.add(message.lease_id)  # kept by the holder however old
         self._send(session, message)
         return True

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from coordinator.core.cost_model import CostModel, Prediction
 from coordinator.core.errors import ErrorCode, KvrcError
@@ -141,8 +141,9 @@ class LeaseFlow:
         # Releases whose holder part had no session when they were decided (between
         # sessions, or moved to a replica not heard from yet): sent again when it
         # registers, here or on another replica (I6: else its pins wait for its own
-        # safety net). By (child engine, rank, lease id), oldest first.
-        self._unsent_releases: OrderedDict[tuple[str, RankKey, str], SendRelease] = OrderedDict()
+        # safety net). By part, then lease id; and every kept one, oldest first.
+        self._unsent_releases: dict[tuple[str, RankKey], dict[str, SendRelease]] = {}
+        self._unsent_order: OrderedDict[tuple[str, RankKey, str], None] = OrderedDict()
         self._m_draining = metrics.child_engines.labels(state="draining")
         self._m_draining.set(0)
         # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
@@ -397,23 +398,24 @@ class LeaseFlow:
                 f" (first: {first_refusal})" if first_refusal else "",
             )
 
-    def on_part_registered(self, child_engine_id: str, rank_key: RankKey) -> None:
-        """A rank part (re-)registered (after its RegisterReply): an abort sent while it was
-        between sessions was dropped, so every abort it still owes an ack for goes again,
-        and so does every release that found it without a session."""
-        actions = self.core.on_part_registered(child_engine_id, rank_key)
-        releases = [
-            message
-            for (child, rank, _), message in self._unsent_releases.items()
-            if child == child_engine_id and rank == rank_key
-        ]
+    def on_part_registered(
+        self, child_engine_id: str, rank_key: RankKey, announced: Collection[str] = ()
+    ) -> None:
+        """A rank part (re-)registered (after its RegisterReply): what was sent while it
+        was between sessions was dropped, so every abort it still owes an ack for goes
+        again, every quarantine of a lease it may hold (but those it just `announced`:
+        `recover_held` told it), and every release kept for it."""
+        actions = self.core.on_part_registered(child_engine_id, rank_key, announced)
+        releases = list(self._unsent_releases.get((child_engine_id, rank_key), {}).values())
         if actions or releases:
+            aborts = sum(isinstance(a, SendAbort) for a in actions)
             log.info(
-                "%s rank %s re-registered: %d abort(s) it owes an ack for and %d release(s) "
-                "sent again",
+                "%s rank %s re-registered: %d abort(s) it owes an ack for, %d quarantine(s) "
+                "and %d release(s) sent again",
                 child_engine_id,
                 rank_key,
-                len(actions),
+                aborts,
+                len(actions) - aborts,
                 len(releases),
             )
         for release in releases:
@@ -516,13 +518,7 @@ class LeaseFlow:
     def _send(self, child_engine_id: str, rank: RankKey, message: LeaseOutbound) -> None:
         sent = self._send_to_part(child_engine_id, rank, message)
         if isinstance(message, SendRelease):
-            key = (child_engine_id, rank, message.lease_id)
-            if sent:
-                self._unsent_releases.pop(key, None)
-            else:
-                self._unsent_releases[key] = message
-                while len(self._unsent_releases) > MAX_UNSENT_RELEASES:
-                    self._unsent_releases.popitem(last=False)
+            self._keep_unsent(child_engine_id, rank, message, sent)
         if not sent:
             log.info(
                 "%s for %s rank %s not sent: the part has no session",
@@ -530,6 +526,28 @@ class LeaseFlow:
                 child_engine_id,
                 rank,
             )
+
+    def _keep_unsent(
+        self, child_engine_id: str, rank: RankKey, release: SendRelease, sent: bool
+    ) -> None:
+        """Keeps a release its part could not be sent (newest MAX_UNSENT_RELEASES in all),
+        or forgets it once sent."""
+        part = (child_engine_id, rank)
+        kept = self._unsent_releases.get(part)
+        if sent:
+            if kept is not None and kept.pop(release.lease_id, None) is not None:
+                del self._unsent_order[(*part, release.lease_id)]
+                if not kept:
+                    del self._unsent_releases[part]
+            return
+        self._unsent_releases.setdefault(part, {})[release.lease_id] = release
+        self._unsent_order[(*part, release.lease_id)] = None
+        while len(self._unsent_order) > MAX_UNSENT_RELEASES:
+            (child, oldest_rank, lease_id), _ = self._unsent_order.popitem(last=False)
+            oldest = self._unsent_releases[(child, oldest_rank)]
+            del oldest[lease_id]
+            if not oldest:
+                del self._unsent_releases[(child, oldest_rank)]
 
     def _execute(self, actions: Sequence[GrantAction], *, log_quarantines: bool = True) -> None:
         """`log_quarantines` False: the caller logs them in one line (restart recovery

@@ -172,7 +172,8 @@ class _LocalPart:
 
 class OwedAborts(Protocol):
     def on_part_registered(self, child_engine_id: str, rank_key: RankKey) -> None:
-        """A rank part (re-)registered: the aborts it owes an ack for go again."""
+        """A rank part (re-)registered: the aborts it owes an ack for go again, and the
+        quarantines and releases that found it between sessions."""
 
 
 class PeerHost(Protocol):
@@ -625,9 +626,10 @@ class PeerLink:
             if not host.register_remote_part(origin, session_id, registration):
                 return False
             self._remote[session_id] = (origin, ref)
-            # Aborts it owes this replica's leases were dropped while it was between
-            # sessions, or their acks lost with the old stream: they go again, to its
-            # session on `origin`, as to a part re-registering here (I6-quiescence).
+            # Aborts it owes this replica's leases, and quarantines and releases for it,
+            # were dropped while it was between sessions (or acks lost with the old
+            # stream): they go again, to its session on `origin`, as to a part
+            # re-registering here (I6-quiescence).
             host.leases.on_part_registered(ref.child_engine_id, ref.rank)
             return True
         if tag == OP_PART_LEFT:

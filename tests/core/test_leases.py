@@ -466,6 +466,33 @@ def test_a_failed_report_of_a_part_that_owes_an_ack_ends_the_quarantine() -> Non
     assert step.view.state is LeaseState.FAILED and len(of(step.actions, SendRelease)) == 2
 
 
+def test_a_re_registered_source_part_is_told_again_of_every_quarantine() -> None:
+    """A QuarantineNotice sent while the holder part was between sessions was dropped;
+    without it, its safety net frees pins whose reads were never proven quiet."""
+    t = table()
+    quarantined, active = granted_load(t, "r1"), granted_load(t, "r2")
+    t.complete_prefix_load(quarantined, REQ, TP2[0], Outcome.UNKNOWN, T0 + 100)
+    t.complete_prefix_load(quarantined, REQ, TP2[1], Outcome.SUCCEEDED, T0 + 100)
+    assert t.get(quarantined).state is LeaseState.QUARANTINED
+    assert t.get(active).state is LeaseState.ACTIVE
+    for key in TP2:
+        again = t.resend_quarantines(HOLD, key)
+        told = of(again, SendQuarantine)
+        assert len(told) == len(again) == 1
+        assert (told[0].lease_id, told[0].child_engine_id, told[0].rank_key) == (
+            quarantined,
+            HOLD,
+            key,
+        )
+        assert again == t.resend_quarantines(HOLD, key)  # nothing changed
+    # The requester is no source: it is told nothing (it is asked for its acks instead).
+    assert t.resend_quarantines(REQ, TP2[0]) == []
+    # Once the quarantine ends, there is nothing to tell.
+    t.on_abort_ack(quarantined, REQ, TP2[0], T0 + 200)
+    assert t.get(quarantined).state is LeaseState.FAILED
+    assert t.resend_quarantines(HOLD, TP2[0]) == []
+
+
 def test_a_re_registered_target_part_is_asked_again_for_every_ack_it_owes() -> None:
     t = table()
     aborting, quarantined, quiet = (granted_load(t, f"r{i}") for i in range(3))

@@ -290,3 +290,28 @@ async def test_a_release_decided_while_the_holder_was_between_sessions_reaches_i
     # B had left the lease to A: the release also ends that, nothing is rebuilt on B.
     b.coordinator.owner_silent(origin(a))
     assert not b.coordinator.leases.table.knows(lease_id)
+
+
+async def test_a_quarantine_decided_while_the_holder_was_between_sessions_reaches_it_on_b(
+    nodes: Callable[[], Awaitable[Node]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease is quarantined while its holder has no session: the notice finds nobody.
+    A tells the holder again once it registers on B (before: never, and the holder's
+    safety net would have freed pins whose reads were never proven quiet). B, told,
+    rebuilds it when A falls silent however long ago it was left."""
+    monkeypatch.setattr(coordinator_module, "LEFT_TO_OWNER_KEPT_MS", -1)
+    a, b = await nodes(), await nodes()
+    holder = Outbox(a.register("h"))
+    a.store_chain(holder.session)
+    lease_id, _ = await granted_load(a, holder)
+    a.coordinator.close_session(holder.session, "closed")  # between sessions
+    report = TransferReport(lease_id, "r", RANK, Outcome.UNKNOWN, 0, 0, "read timed out")
+    assert a.coordinator.leases.complete_prefix_load(report).state is LeaseState.QUARANTINED
+    assert holder.of(SendQuarantine) == []
+    reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_leases=(HeldLease(lease_id, "r"),))
+    moved = Outbox(b.coordinator.open_session(reg))
+    assert not b.coordinator.leases.table.knows(lease_id)  # left to the live A
+    await eventually(lambda: moved.of(SendQuarantine) == [lease_id], "the notice reaches B")
+    assert moved.of(SendRelease) == []
+    b.coordinator.owner_silent(origin(a))
+    assert b.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
