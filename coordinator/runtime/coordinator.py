@@ -33,11 +33,7 @@ from coordinator.core.cost_model import (
 )
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.events import RankKey
-from coordinator.core.grants import (
-    BeginHandoffRequest,
-    PublishHandoffRequest,
-    TransferReport,
-)
+from coordinator.core.grants import BeginHandoffRequest, PublishHandoffRequest, TransferReport
 from coordinator.core.inventory import Inventory
 from coordinator.core.lease_ids import KEY_BYTES, derived_key
 from coordinator.core.leases import (

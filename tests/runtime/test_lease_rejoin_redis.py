@@ -178,6 +178,25 @@ async def test_a_requester_back_on_another_replica_is_asked_again_for_the_abort_
     assert a.coordinator.leases.table.get(lease_id).state is LeaseState.FAILED
 
 
+def reannounced_on(node: Node, lease_id: str) -> Outbox:
+    """h registers on `node`, naming the lease it holds (read by r)."""
+    reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_leases=(HeldLease(lease_id, "r"),))
+    return Outbox(node.coordinator.open_session(reg))
+
+
+async def reported_while_away(a: Node, outcome: Outcome) -> tuple[str, Outbox]:
+    """A load from h to r granted on A; h's stream breaks, then r reports `outcome`: what
+    A decides finds h without a session. The lease id and h's old outbox."""
+    holder = Outbox(a.register("h"))
+    a.store_chain(holder.session)
+    lease_id, _ = await granted_load(a, holder)
+    a.coordinator.close_session(holder.session, "closed")  # between sessions
+    why = "" if outcome is Outcome.SUCCEEDED else "read timed out"
+    report = TransferReport(lease_id, "r", RANK, outcome, 0, 0, why)
+    a.coordinator.leases.complete_prefix_load(report)
+    return lease_id, holder
+
+
 async def holder_moved_to_b(a: Node, b: Node) -> tuple[str, Outbox]:
     """The holder's stream on A breaks and it registers on B naming the lease it holds,
     while A is live to B: B leaves the lease to A."""
@@ -188,8 +207,7 @@ async def holder_moved_to_b(a: Node, b: Node) -> tuple[str, Outbox]:
     assert peers_b is not None
     await eventually(lambda: peers_b.owner_of(lease_id) is not None, "B hears A")
     a.coordinator.close_session(holder.session, "closed")
-    reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_leases=(HeldLease(lease_id, "r"),))
-    moved = Outbox(b.coordinator.open_session(reg))
+    moved = reannounced_on(b, lease_id)
     assert not b.coordinator.leases.table.knows(lease_id), "rebuilt although A is live"
     return lease_id, moved
 
@@ -277,15 +295,10 @@ async def test_a_release_decided_while_the_holder_was_between_sessions_reaches_i
     here on B (A hears of it through the log). Before: lost, the holder's pins waited
     for its own safety net."""
     a, b = await nodes(), await nodes()
-    holder = Outbox(a.register("h"))
-    a.store_chain(holder.session)
-    lease_id, _ = await granted_load(a, holder)
-    a.coordinator.close_session(holder.session, "closed")  # between sessions
-    report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
-    assert a.coordinator.leases.complete_prefix_load(report).quiescent
+    lease_id, holder = await reported_while_away(a, Outcome.SUCCEEDED)
+    assert a.coordinator.leases.table.get(lease_id).state is LeaseState.COMPLETED
     assert holder.of(SendRelease) == []
-    reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_leases=(HeldLease(lease_id, "r"),))
-    moved = Outbox(b.coordinator.open_session(reg))
+    moved = reannounced_on(b, lease_id)
     await eventually(lambda: moved.of(SendRelease) == [lease_id], "the release reaches h on B")
     # B had left the lease to A: the release also ends that, nothing is rebuilt on B.
     b.coordinator.owner_silent(origin(a))
@@ -301,15 +314,10 @@ async def test_a_quarantine_decided_while_the_holder_was_between_sessions_reache
     rebuilds it when A falls silent however long ago it was left."""
     monkeypatch.setattr(coordinator_module, "LEFT_TO_OWNER_KEPT_MS", -1)
     a, b = await nodes(), await nodes()
-    holder = Outbox(a.register("h"))
-    a.store_chain(holder.session)
-    lease_id, _ = await granted_load(a, holder)
-    a.coordinator.close_session(holder.session, "closed")  # between sessions
-    report = TransferReport(lease_id, "r", RANK, Outcome.UNKNOWN, 0, 0, "read timed out")
-    assert a.coordinator.leases.complete_prefix_load(report).state is LeaseState.QUARANTINED
+    lease_id, holder = await reported_while_away(a, Outcome.UNKNOWN)
+    assert a.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
     assert holder.of(SendQuarantine) == []
-    reg = RankPartRegistration("h", 0, "h", RANK, PROFILE, held_leases=(HeldLease(lease_id, "r"),))
-    moved = Outbox(b.coordinator.open_session(reg))
+    moved = reannounced_on(b, lease_id)
     assert not b.coordinator.leases.table.knows(lease_id)  # left to the live A
     await eventually(lambda: moved.of(SendQuarantine) == [lease_id], "the notice reaches B")
     assert moved.of(SendRelease) == []
