@@ -263,7 +263,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
             if code is grpc.StatusCode.INVALID_ARGUMENT:
                 yield session_error(code, message)
             # Counted before the status leaves, as unary RPCs are.
-            counted = self._count_session(code)
+            self._observed.count("Session", code)
+            counted = True
             await _abort(context, code, message)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -273,7 +274,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         except Exception:
             code = grpc.StatusCode.INTERNAL
             log.exception("session stream failed")
-            counted = self._count_session(code)
+            self._observed.count("Session", code)
+            counted = True
             await _abort(context, code, "internal error (see the coordinator log)")
         finally:
             if reader is not None:
@@ -283,11 +285,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 for task in self._calls.pop(session.session_id, ()):
                     task.cancel()  # nobody reads the answer; the lease runs out as unary's would
             if not counted:
-                self._count_session(code)
-
-    def _count_session(self, code: grpc.StatusCode) -> bool:
-        self._observed.count("Session", code)
-        return True
+                self._observed.count("Session", code)
 
     def _authenticate(self, context: Context) -> Principal | None:
         """The session's caller; a refusal is a refused registration too (counted)."""

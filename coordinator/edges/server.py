@@ -280,6 +280,7 @@ def coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Redi
         coordinator.clock.monotonic_ms,
         inventory.origin_alive,
         claim=store.claim,
+        was_silent=inventory.called_silent,
     )
     inventory.peers = peers
     coordinator.attach_peers(peers)

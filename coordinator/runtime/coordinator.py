@@ -616,21 +616,21 @@ class Coordinator:
         lease whose owner fell silent is rebuilt by the replica its holder re-announced
         it to (`recover_held`), and the ledger records that adoption. Decided anywhere
         else, the report would be NOT_FOUND and the holder stay pinned (I6-quiescence)."""
-        if self.peers is None or self.leases.table.knows(lease_id):
+        peers, ledger = self.peers, self.leases.ledger
+        if peers is None or self.decided_here(lease_id, flow):
             return None
-        owner = self.peers.owner_of(lease_id)
-        ledger = self.leases.ledger
-        if owner is not None or ledger is None or flow is not Flow.PREFIX_LOAD:
+        owner = peers.owner_of(lease_id)
+        if owner is not None or ledger is None:
             return owner
         recorded = await ledger.owner_of(lease_id)
         if recorded is not None:
-            live = self.peers.live_other(recorded)
-            if live is not None or recorded == self.peers.origin:
+            live = peers.live_other(recorded)
+            if live is not None or recorded == peers.origin:
                 return live
             silent = recorded
         else:
             silent = owner_of_lease_id(lease_id)  # its record may be pruned already
-            if not self.peers.called_silent(silent):
+            if not peers.called_silent(silent):
                 return None
         # Its owner fell silent and nobody rebuilt it yet: NOT_FOUND would end the
         # requester's reporting, while its holder may re-announce it any moment.

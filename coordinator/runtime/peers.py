@@ -221,11 +221,6 @@ class PeerHost(Protocol):
         rebuilt here."""
 
 
-# Origins called silent that are remembered (`PeerLink.called_silent`): a report on a
-# lease one owned is UNAVAILABLE, not NOT_FOUND, until its holder's re-announcement.
-SILENT_ORIGINS_KEPT = 64
-
-
 def encode_message(message: LeaseOutbound, now_ms: int) -> list[Any]:
     """A lease message as msgpack-ready data; a deadline becomes the time left (>= 1)."""
     if isinstance(message, SendPin):
@@ -389,6 +384,7 @@ class PeerLink:
         clock_ms: Callable[[], int],
         is_alive: Callable[[str], bool],
         claim: Claim | None = None,
+        was_silent: Callable[[str], bool] = lambda origin: False,
     ) -> None:
         self.origin = origin
         self._record = record
@@ -398,7 +394,7 @@ class PeerLink:
         # Remote parts registered here: session id -> (origin, ref).
         self._remote: dict[str, tuple[str, PartRef]] = {}
         self._is_alive = is_alive  # an origin heard from lately (replication.py)
-        self._silent: dict[str, None] = {}  # origins called silent, oldest first (bounded)
+        self._was_silent = was_silent  # called silent and not heard since (replication.py)
         self._claim = claim if claim is not None else counter_claim()
         self._local: dict[str, _LocalPart] = {}  # session id -> this replica's part
         # Per rank part, the highest fencing token seen anywhere, and its session id.
@@ -725,16 +721,13 @@ class PeerLink:
     def origin_silent(self, origin: str) -> None:
         """An origin fell silent (not a reset, not a store loss: its lease table may be
         lost with it): its leases that local holders left to it are rebuilt here."""
-        self._silent.pop(origin, None)
-        self._silent[origin] = None
-        while len(self._silent) > SILENT_ORIGINS_KEPT:
-            del self._silent[next(iter(self._silent))]
         if self._host is not None:
             self._host.owner_silent(origin)
 
     def called_silent(self, origin: str) -> bool:
-        """`origin` fell silent here lately and has not been heard since."""
-        return origin in self._silent and not self._is_alive(origin)
+        """`origin` fell silent here lately and has not been heard since (replication.py
+        remembers those, to ask them to announce again if they are heard)."""
+        return self._was_silent(origin)
 
     def forget_all(self, reason: str) -> int:
         """A store loss: every remote part leaves (their replicas announce them again)."""

@@ -594,6 +594,11 @@ class ReplicatedInventory(Inventory):
 
     # --- the other replicas' ops --------------------------------------------------------
 
+    def called_silent(self, origin: str) -> bool:
+        """Another replica called silent here and not heard from since (the last
+        EXPIRED_ORIGINS_KEPT)."""
+        return origin in self._expired
+
     def origin_alive(self, origin: str) -> bool:
         """Another replica heard from within the silence timeout (or this replica itself)."""
         return origin == self.origin or origin in self._origin_seen

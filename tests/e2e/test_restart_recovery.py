@@ -561,6 +561,15 @@ async def test_restart_mid_transfer_recovers_pins_inventory_and_warms_up(tmp_pat
         assert second.process.poll() is None
 
 
+def _holder_and_requester(stack: ExitStack, target: str) -> tuple[FaultEngine, FaultEngine]:
+    """A holder retaining 4 blocks and a requester, both stopped with the stack."""
+    holder = FaultEngine(target, "holder", retain=4, reuse_opt_in=True)
+    requester = FaultEngine(target, "requester", reuse_opt_in=True)
+    stack.callback(holder.stop)
+    stack.callback(requester.stop)
+    return holder, requester
+
+
 async def _pinned_load(requester: FaultEngine, holder: FaultEngine) -> str:
     """The requester's load of the holder's 4 blocks, once the holder pinned it."""
     await wait_until(
@@ -584,11 +593,9 @@ async def test_after_a_restart_only_the_named_requester_can_end_a_recovered_leas
     with ExitStack() as stack:
         first = stack.enter_context(_kvrc(port, state))
         target = first.grpc_target
-        holder = FaultEngine(target, "holder", retain=4, reuse_opt_in=True)
-        requester = FaultEngine(target, "requester", reuse_opt_in=True)
+        holder, requester = _holder_and_requester(stack, target)
         bystander = FaultEngine(target, "bystander", reuse_opt_in=True)
-        for engine in (holder, requester, bystander):
-            stack.callback(engine.stop)
+        stack.callback(bystander.stop)
         lease_id = await _pinned_load(requester, holder)
         first.stop(signal.SIGKILL)
         second = stack.enter_context(_kvrc(port, state, "--warmup-ms", "500"))
@@ -636,10 +643,7 @@ async def test_after_a_restart_a_lease_is_rebuilt_only_for_the_holder_it_was_iss
     port, state = free_port(), tmp_path / "kvrc-state.json"
     with ExitStack() as stack:
         first = stack.enter_context(_kvrc(port, state))
-        holder = FaultEngine(first.grpc_target, "holder", retain=4, reuse_opt_in=True)
-        requester = FaultEngine(first.grpc_target, "requester", reuse_opt_in=True)
-        for engine in (holder, requester):
-            stack.callback(engine.stop)
+        holder, requester = _holder_and_requester(stack, first.grpc_target)
         lease_id = await _pinned_load(requester, holder)
         held = {lease_id: "requester"}
         await wait_until(lambda: _state_has_key(state), 10, what="the key in the state file")
@@ -703,10 +707,7 @@ async def test_an_unreported_recovered_lease_waits_for_the_operator(tmp_path: Pa
     port, state = free_port(), tmp_path / "kvrc-state.json"
     with ExitStack() as stack:
         first = stack.enter_context(_kvrc(port, state))
-        holder = FaultEngine(first.grpc_target, "holder", retain=4, reuse_opt_in=True)
-        requester = FaultEngine(first.grpc_target, "requester", reuse_opt_in=True)
-        stack.callback(holder.stop)
-        stack.callback(requester.stop)
+        holder, requester = _holder_and_requester(stack, first.grpc_target)
         await wait_until(
             lambda: asyncio.to_thread(lambda: requester.command("lookup", n=4)["outcome"] == "HIT"),
             10,
