@@ -782,13 +782,18 @@ class Coordinator:
         session = self._sessions.get(ref.session_id)
         if session is None or session.ref != ref:
             return False  # fenced: that session is not here any more
-        left = self._left_to_owner.get(ref.session_id)
+        self._send_lease_message(session, message)
+        return True
+
+    def _send_lease_message(self, session: Session, message: LeaseOutbound) -> None:
+        """Queues a lease message on a local session; what it tells of a lease the part
+        left to its owner updates that entry."""
+        left = self._left_to_owner.get(session.session_id)
         if left is not None and isinstance(message, SendRelease):
             left.held.pop(message.lease_id, None)  # ended: never rebuilt here
         elif isinstance(message, SendQuarantine) and left and message.lease_id in left.held:
             left.quarantined.add(message.lease_id)  # kept by the holder however old
         self._send(session, message)
-        return True
 
     def owner_silent(self, origin: str) -> None:
         """Another replica fell silent: the prefix loads it owned that a local holder part
@@ -935,7 +940,7 @@ class Coordinator:
         if session is None:
             # A remote part: its replica delivers the message (peers.py).
             return self.peers is not None and self.peers.send(session_id, message)
-        self._send(session, message)
+        self._send_lease_message(session, message)
         return True
 
     def proven_gone(self, child_engine_id: str) -> bool:

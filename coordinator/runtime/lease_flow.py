@@ -144,6 +144,7 @@ class LeaseFlow:
         # safety net). By part, then lease id; and every kept one, oldest first.
         self._unsent_releases: dict[tuple[str, RankKey], dict[str, SendRelease]] = {}
         self._unsent_order: OrderedDict[tuple[str, RankKey, str], None] = OrderedDict()
+        self._m_releases_waiting = metrics.releases_waiting
         self._m_draining = metrics.child_engines.labels(state="draining")
         self._m_draining.set(0)
         # Restart recovery (coordinator/core/recovery.py): a status while warming, else None.
@@ -422,6 +423,20 @@ class LeaseFlow:
             self._send(child_engine_id, rank_key, release)
         self._execute(actions)
 
+    def release_again(self, release: SendRelease) -> None:
+        """A release another replica (the lease's owner) sent to a session of its holder
+        that had ended here: it goes to the part's session now, here or on another
+        replica, or is kept for its next registration (I6-quiescence: else the pins wait
+        for the holder's safety net). Each hop follows a later registration of the part
+        in the log, so it never circles."""
+        log.info(
+            "release of lease %s for %s rank %s found its session gone: sent on",
+            release.lease_id,
+            release.child_engine_id,
+            release.rank_key,
+        )
+        self._send(release.child_engine_id, release.rank_key, release)
+
     def on_release_ack(self, child_engine_id: str, rank_key: RankKey, lease_id: str) -> None:
         # The release already ended the lease (fail closed is on the holder's side now).
         log.debug(
@@ -539,6 +554,7 @@ class LeaseFlow:
                 del self._unsent_order[(*part, release.lease_id)]
                 if not kept:
                     del self._unsent_releases[part]
+                self._m_releases_waiting.set(len(self._unsent_order))
             return
         self._unsent_releases.setdefault(part, {})[release.lease_id] = release
         self._unsent_order[(*part, release.lease_id)] = None
@@ -548,6 +564,7 @@ class LeaseFlow:
             del oldest[lease_id]
             if not oldest:
                 del self._unsent_releases[(child, oldest_rank)]
+        self._m_releases_waiting.set(len(self._unsent_order))
 
     def _execute(self, actions: Sequence[GrantAction], *, log_quarantines: bool = True) -> None:
         """`log_quarantines` False: the caller logs them in one line (restart recovery

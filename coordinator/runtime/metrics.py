@@ -256,6 +256,12 @@ class Metrics:
             ["flow"],
             registry=r,
         )
+        self.releases_waiting = Gauge(
+            "kvrc_lease_releases_waiting",
+            "Releases whose holder rank part had no session, kept on this replica until "
+            "it registers again.",
+            registry=r,
+        )
         self.prefix_load_misses = Counter(
             "kvrc_prefix_load_misses_total",
             "Prefix-load requests answered with a miss, by reason "

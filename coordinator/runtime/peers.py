@@ -21,7 +21,8 @@ messages travel through the same ordered log as the inventory:
   ignored. So one session owns a rank part at a time. A message names the session
   id it is for, and a replica delivers it only to that very session: one meant
   for a session that moved or was fenced out is dropped, never delivered to the
-  wrong owner.
+  wrong owner; but a release (its lease has ended) goes on to the part's session
+  now, or waits for its next registration (`LeaseFlow.release_again`).
 - `OP_SEND`: a pin, release, abort, quarantine or drain message for a remote part,
   addressed to the replica that holds its session. Deadlines travel as the time
   left (monotonic clocks differ between hosts).
@@ -174,6 +175,10 @@ class OwedAborts(Protocol):
     def on_part_registered(self, child_engine_id: str, rank_key: RankKey) -> None:
         """A rank part (re-)registered: the aborts it owes an ack for go again, and the
         quarantines and releases that found it between sessions."""
+
+    def release_again(self, release: SendRelease) -> None:
+        """A release for a session that ended here: to the part's session now, or kept
+        for its next registration."""
 
 
 class PeerHost(Protocol):
@@ -679,6 +684,11 @@ class PeerLink:
             ref = _ref(op[2], op[3], op[4])
             message = decode_message(op[5], ref, self._clock_ms())
             if not host.deliver(ref, message):
+                if isinstance(message, SendRelease):
+                    # The owner ended the lease: only the holder's pins are left, and its
+                    # next session must free them (I6-quiescence), not its safety net.
+                    host.leases.release_again(message)
+                    return True
                 log.info(
                     "%s for %s rank %s from replica %s dropped: session %s is not here any more",
                     type(message).__name__,

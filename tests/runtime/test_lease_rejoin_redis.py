@@ -323,3 +323,45 @@ async def test_a_quarantine_decided_while_the_holder_was_between_sessions_reache
     assert moved.of(SendRelease) == []
     b.coordinator.owner_silent(origin(a))
     assert b.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
+
+
+async def test_a_release_for_a_session_that_ended_on_b_reaches_the_holders_next_session_there(
+    nodes: Callable[[], Awaitable[Node]],
+) -> None:
+    """A decides the release while its view still names h's session on B, which has
+    just ended, and h has registered on B again: B sends the release on to the new
+    session (before: dropped, the pins waited for the holder's safety net). The new
+    session had left the lease to A: the release ends that too, nothing is rebuilt."""
+    a, b = await nodes(), await nodes()
+    lease_id, moved = await holder_moved_to_b(a, b)
+    await eventually(lambda: a.part("h") == moved.session.session_id, "A hears of h on B")
+    # No await between these: A has not heard of the new session when it decides.
+    b.coordinator.close_session(moved.session, "closed")
+    again = reannounced_on(b, lease_id)
+    report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+    assert a.coordinator.leases.complete_prefix_load(report).quiescent
+    await eventually(lambda: again.of(SendRelease) == [lease_id], "the release reaches h")
+    assert moved.of(SendRelease) == []
+    b.coordinator.owner_silent(origin(a))
+    assert not b.coordinator.leases.table.knows(lease_id), "a released lease was rebuilt"
+
+
+async def test_a_release_that_found_the_holder_nowhere_on_b_is_kept_there_for_its_next_session(
+    nodes: Callable[[], Awaitable[Node]],
+) -> None:
+    """As above, but h has no session anywhere when the release reaches B: B keeps it
+    (the gauge shows it) and sends it once h registers again, here on a third replica C
+    (B hears of it through the log)."""
+    a, b, c = await nodes(), await nodes(), await nodes()
+    lease_id, moved = await holder_moved_to_b(a, b)
+    await eventually(lambda: a.part("h") == moved.session.session_id, "A hears of h on B")
+    b.coordinator.close_session(moved.session, "closed")
+    report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+    assert a.coordinator.leases.complete_prefix_load(report).quiescent
+    waiting = b.coordinator.metrics.releases_waiting
+    await eventually(lambda: waiting._value.get() == 1, "B keeps the release")
+    assert a.coordinator.metrics.releases_waiting._value.get() == 0  # sent, as A saw it
+    back = Outbox(c.register("h"))
+    await eventually(lambda: back.of(SendRelease) == [lease_id], "the release reaches h on C")
+    await eventually(lambda: waiting._value.get() == 0, "B forgets it once sent")
+    assert moved.of(SendRelease) == []
