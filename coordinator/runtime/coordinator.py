@@ -778,11 +778,15 @@ class Coordinator:
     def remove_remote_part(self, ref: PartRef, reason: str) -> bool:
         return self._part_removed(ref, reason)
 
-    def deliver(self, ref: PartRef, message: LeaseOutbound) -> bool:
+    def deliver(self, ref: PartRef, message: LeaseOutbound, registering: bool = False) -> bool:
         session = self._sessions.get(ref.session_id)
         if session is None or session.ref != ref:
             return False  # fenced: that session is not here any more
-        self._send_lease_message(session, message)
+        if registering:
+            with session.registering():
+                self._send_lease_message(session, message)
+        else:
+            self._send_lease_message(session, message)
         return True
 
     def _send_lease_message(self, session: Session, message: LeaseOutbound) -> None:

@@ -25,7 +25,11 @@ messages travel through the same ordered log as the inventory:
   now, or waits for its next registration (`LeaseFlow.release_again`).
 - `OP_SEND`: a pin, release, abort, quarantine or drain message for a remote part,
   addressed to the replica that holds its session. Deadlines travel as the time
-  left (monotonic clocks differ between hosts).
+  left (monotonic clocks differ between hosts). One that an owner sends again because
+  the part registered (aborts owed, quarantines, kept releases) is marked, and its
+  replica queues it as it queues a local registration's answers: past the session
+  queue's cap (each is one lease's, so they are bounded), else a part with more of
+  them than the queue holds would be closed RESOURCE_EXHAUSTED on every return.
 - `OP_REPLY`: the holder's PinResult or AbortAck for a lease owned elsewhere,
   addressed to the owner, which applies it as if the holder's session were its
   own. Each lease id names its owner (`pl-<random>@<owner>`,
@@ -196,8 +200,10 @@ class PeerHost(Protocol):
     def remove_remote_part(self, ref: PartRef, reason: str) -> bool:
         """Removes a remote part if `ref.session_id` still holds it."""
 
-    def deliver(self, ref: PartRef, message: LeaseOutbound) -> bool:
-        """Queues a message on a local session, if `ref.session_id` is still it."""
+    def deliver(self, ref: PartRef, message: LeaseOutbound, registering: bool = False) -> bool:
+        """Queues a message on a local session, if `ref.session_id` is still it;
+        `registering`: one of the answers to its registration (sent again by an owner
+        elsewhere), which go past the queue's cap as the local ones do."""
 
     def remote_pin_result(
         self,
@@ -411,6 +417,9 @@ class PeerLink:
         # Forwarded calls that wait here, by (caller replica, call id).
         self._answering: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.sent = 0  # ops this replica wrote for its peers (tests, bench-cluster)
+        # True while answering a remote part's registration: its messages are marked so
+        # that its replica queues them as a registration's answers (past the queue cap).
+        self._answering_registration = False
 
     def attach(self, host: PeerHost) -> None:
         self._host = host
@@ -497,7 +506,10 @@ class PeerLink:
             return False
         origin, ref = entry
         encoded = encode_message(message, self._clock_ms())
-        self._write([OP_SEND, origin, ref.child_engine_id, list(ref.rank), ref.session_id, encoded])
+        op: Op = [OP_SEND, origin, ref.child_engine_id, list(ref.rank), ref.session_id, encoded]
+        if self._answering_registration:
+            op.append(True)  # a 6-element op (an older replica's) is not one
+        self._write(op)
         return True
 
     def owner_of(self, lease_id: str) -> str | None:
@@ -631,7 +643,11 @@ class PeerLink:
             # were dropped while it was between sessions (or acks lost with the old
             # stream): they go again, to its session on `origin`, as to a part
             # re-registering here (I6-quiescence).
-            host.leases.on_part_registered(ref.child_engine_id, ref.rank)
+            self._answering_registration = True
+            try:
+                host.leases.on_part_registered(ref.child_engine_id, ref.rank)
+            finally:
+                self._answering_registration = False
             return True
         if tag == OP_PART_LEFT:
             ref = _ref(op[1], op[2], op[3])
@@ -683,7 +699,7 @@ class PeerLink:
         if tag == OP_SEND:
             ref = _ref(op[2], op[3], op[4])
             message = decode_message(op[5], ref, self._clock_ms())
-            if not host.deliver(ref, message):
+            if not host.deliver(ref, message, registering=len(op) > 6 and bool(op[6])):
                 if isinstance(message, SendRelease):
                     # The owner ended the lease: only the holder's pins are left, and its
                     # next session must free them (I6-quiescence), not its safety net.

@@ -66,11 +66,11 @@ CONFIG = CoordinatorConfig(
 class Node:
     """One replica as `kvrc serve` wires it (`coordinator_with_store`), without gRPC."""
 
-    def __init__(self, server: RedisServer) -> None:
+    def __init__(self, server: RedisServer, config: CoordinatorConfig = CONFIG) -> None:
         store = StoreConfig(
             kind="redis", host="127.0.0.1", port=server.port, snapshot_every_entries=0
         )
-        coordinator, redis_store = coordinator_with_store(replace(CONFIG, store=store))
+        coordinator, redis_store = coordinator_with_store(replace(config, store=store))
         assert redis_store is not None
         self.coordinator, self.store = coordinator, redis_store
 
@@ -98,11 +98,11 @@ def server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-async def nodes(server: RedisServer) -> AsyncIterator[Callable[[], Awaitable[Node]]]:
+async def nodes(server: RedisServer) -> AsyncIterator[Callable[..., Awaitable[Node]]]:
     started: list[Node] = []
 
-    async def start() -> Node:
-        node = Node(server)
+    async def start(config: CoordinatorConfig = CONFIG) -> Node:
+        node = Node(server, config)
         await node.coordinator.start()
         await node.store.start()
         started.append(node)
@@ -365,3 +365,37 @@ async def test_a_release_that_found_the_holder_nowhere_on_b_is_kept_there_for_it
     await eventually(lambda: back.of(SendRelease) == [lease_id], "the release reaches h on C")
     await eventually(lambda: waiting._value.get() == 0, "B forgets it once sent")
     assert moved.of(SendRelease) == []
+
+
+async def test_more_notices_than_the_queue_holds_reach_a_holder_back_on_another_replica(
+    nodes: Callable[..., Awaitable[Node]],
+) -> None:
+    """Six leases are quarantined while their holder is between sessions; it registers
+    again on B, whose session queue holds 4 messages. A sends the six notices again
+    through the log, marked as its registration's answers, and B queues them past the
+    cap as it does a local registration's (before: B closed the session
+    RESOURCE_EXHAUSTED, and on every return it would again)."""
+    a, b = await nodes(), await nodes(replace(CONFIG, session_queue_size=4))
+    holder = Outbox(a.register("h"))
+    a.store_chain(holder.session)
+    a.register("r")
+    c = a.coordinator
+    leases: list[str] = []
+    for i in range(6):
+        load = PrefixLoadRequest(f"g{i}", "r", CHAIN, "", 1, 0, 10_000, 60_000)
+        task = asyncio.ensure_future(c.leases.request_prefix_load(load))
+        await eventually(lambda: len(holder.of(SendPin)) > len(leases), "the holder is asked")
+        leases.append(holder.of(SendPin)[-1])
+        c.leases.on_pin_result("h", RANK, leases[-1], len(CHAIN), b"d", "")
+        assert (await asyncio.wait_for(task, 10)).view is not None
+    c.close_session(holder.session, "closed")  # between sessions
+    for lease_id in leases:
+        report = TransferReport(lease_id, "r", RANK, Outcome.UNKNOWN, 0, 0, "read timed out")
+        assert c.leases.complete_prefix_load(report).state is LeaseState.QUARANTINED
+    moved = Outbox(b.register("h"))
+    await eventually(lambda: a.part("h") == moved.session.session_id, "A hears of h on B")
+    # A wrote the notices when it heard of h; an op it writes later reaches B after them.
+    a.register("x")
+    await eventually(lambda: b.part("x") is not None, "B reads past A's notices")
+    assert not moved.session.ended, "the registration's answers closed the session"
+    assert sorted(moved.of(SendQuarantine)) == sorted(leases)
