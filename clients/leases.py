@@ -31,12 +31,13 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from clients.errors import (
     CallInterruptedError,
+    FailedPreconditionError,
     KvrcClientError,
     UnavailableError,
     from_rpc_error,
@@ -55,14 +56,16 @@ from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvrc.client.leases")
+_T = TypeVar("_T")
 
 # The coordinator accepts this many held lease ids in one Register (FieldBounds).
 MAX_HELD_ANNOUNCED = 4096
 # Abort acks that found the session down, kept to send after it reconnects (oldest dropped).
 MAX_UNSENT_ABORT_ACKS = 1024
-# Reports are retried while the coordinator is unreachable or warming after a restart.
-_REPORT_RETRY_INITIAL_S = 0.05
-_REPORT_RETRY_MAX_S = 1.0
+# Reports, and begins within their wait, are retried while the coordinator is
+# unreachable or warming after a restart (backing off from the first to the second).
+_RETRY_INITIAL_S = 0.05
+_RETRY_MAX_S = 1.0
 # Terminal reports sent again after a re-registration (a restarted coordinator rebuilt
 # the lease from its holder's re-announcement and waits for them): those whose lease
 # had not ended when answered, of the last REPLAY_WINDOW_S, at most MAX_REPLAYED_REPORTS,
@@ -371,24 +374,16 @@ class LeaseClient:
         return sum(taken)
 
     async def _send_report(self, method: str, report: pb.TransferReport) -> Any:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout_s
-        delay = _REPORT_RETRY_INITIAL_S
-        while True:
-            left = deadline - loop.time()
-            try:
-                if self._session is not None and method == "CompletePrefixLoad":
-                    call = pb.SessionCall(prefix_load_report=report)
-                    answer = await self._session.call(call, max(left, 0.1))
-                    return answer.prefix_load_report
-                # The stub on each try: after the session moved, a retry goes to the replica
-                # the holder re-announced the lease to.
-                return await self._call(getattr(self._stub, method), report, max(left, 0.1))
-            except UnavailableError:
-                if loop.time() + delay >= deadline:
-                    raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _REPORT_RETRY_MAX_S)
+        async def attempt(left: float) -> Any:
+            if self._session is not None and method == "CompletePrefixLoad":
+                call = pb.SessionCall(prefix_load_report=report)
+                answer = await self._session.call(call, max(left, 0.1))
+                return answer.prefix_load_report
+            # The stub on each try: after the session moved, a retry goes to the replica
+            # the holder re-announced the lease to.
+            return await self._call(getattr(self._stub, method), report, max(left, 0.1))
+
+        return await _until_available(attempt, self._timeout_s)
 
     # decode handoff
 
@@ -424,15 +419,34 @@ class LeaseClient:
     async def begin_handoff(
         self, request_id: str, prefill_child_engine_id: str, *, wait_timeout_ms: int = 0
     ) -> HandoffGrant:
-        """Takes the handoff; waits up to `wait_timeout_ms` for READY (DeadlineExceededError)."""
-        request = pb.BeginHandoffRequest(
-            request_id=request_id,
-            prefill_child_engine_id=prefill_child_engine_id,
-            decode_child_engine_id=self.child_engine_id,
-            wait_timeout_ms=wait_timeout_ms,
-        )
-        timeout = self._timeout_s + wait_timeout_ms / 1000
-        reply: pb.HandoffGrant = await self._call(self._stub.BeginHandoff, request, timeout)
+        """Takes the handoff; waits up to `wait_timeout_ms` for READY (DeadlineExceededError).
+
+        Within that wait the call is made again, with what is left of it, on UNAVAILABLE
+        (kvrc restarting or warming, or the replica that carried the call lost, and its
+        answer with it) and while this decode engine's own parts are re-registering (not
+        registered or not READY for a moment: a session reconnecting). The same decode
+        engine asking again gets the same grant, so a grant whose answer was lost is not
+        left to its heartbeat timeout."""
+        own_parts_away = f"decode child engine {self.child_engine_id!r} is not "
+
+        def transient(e: KvrcClientError) -> bool:
+            if isinstance(e, FailedPreconditionError):
+                return own_parts_away in e.message
+            return isinstance(e, UnavailableError)
+
+        async def attempt(left_s: float) -> pb.HandoffGrant:
+            left_ms = max(0, int(left_s * 1000))
+            request = pb.BeginHandoffRequest(
+                request_id=request_id,
+                prefill_child_engine_id=prefill_child_engine_id,
+                decode_child_engine_id=self.child_engine_id,
+                wait_timeout_ms=left_ms,
+            )
+            timeout = self._timeout_s + left_ms / 1000
+            reply: pb.HandoffGrant = await self._call(self._stub.BeginHandoff, request, timeout)
+            return reply
+
+        reply = await _until_available(attempt, wait_timeout_ms / 1000, transient)
         try:
             params = decode_kv_transfer_params(reply.kv_transfer_params)
         except ValueError:
@@ -538,6 +552,30 @@ PinCallback = Callable[[PinRequestInfo], Awaitable[PinAnswer] | PinAnswer]
 # (lease id, reason) -> resolves once every native operation of the lease stopped.
 AbortCallback = Callable[[str, str], Awaitable[None]]
 LeaseCallback = Callable[[str, str], Awaitable[None] | None]
+
+
+def _unavailable(e: KvrcClientError) -> bool:
+    return isinstance(e, UnavailableError)
+
+
+async def _until_available(
+    attempt: Callable[[float], Awaitable[_T]],
+    for_s: float,
+    transient: Callable[[KvrcClientError], bool] = _unavailable,
+) -> _T:
+    """`attempt(seconds left of for_s)`, made again after a `transient` error (by default
+    UNAVAILABLE) while `for_s` lasts, backing off."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + for_s
+    delay = _RETRY_INITIAL_S
+    while True:
+        try:
+            return await attempt(until - loop.time())
+        except KvrcClientError as e:
+            if not transient(e) or loop.time() + delay >= until:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, _RETRY_MAX_S)
 
 
 async def _maybe_await(value: Any) -> Any:

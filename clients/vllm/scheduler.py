@@ -583,24 +583,11 @@ class KvrcScheduler:
         return fault
 
     async def _begin_handoff(self, handoff_id: str, prefill: str) -> HandoffGrant:
-        """BeginHandoff; while this engine's own rank parts are re-registering (a session
-        that lost its heartbeats reconnects), retried until handoff_wait_ms."""
-        import asyncio
-
-        from clients.errors import FailedPreconditionError
-
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.config.handoff_wait_ms / 1000
-        while True:
-            left_ms = max(0, int((give_up - loop.time()) * 1000))
-            try:
-                return await self.leases.begin_handoff(handoff_id, prefill, wait_timeout_ms=left_ms)
-            except FailedPreconditionError as e:
-                own = f"decode child engine {self.child_engine_id!r}" in e.message
-                if not own or loop.time() + 0.1 >= give_up:
-                    raise
-                self._count("handoff_begin_retries")
-                await asyncio.sleep(0.1)
+        """BeginHandoff, waiting up to handoff_wait_ms (LeaseClient makes it again while
+        this engine's own rank parts re-register or kvrc is unreachable)."""
+        return await self.leases.begin_handoff(
+            handoff_id, prefill, wait_timeout_ms=self.config.handoff_wait_ms
+        )
 
     # --- build_connector_meta ----------------------------------------------------------
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -12,6 +14,8 @@ import grpc
 import pytest
 from harness import (
     CoordinatorProcess,
+    child_engine_status,
+    free_port,
     get_status,
     metric_value,
     start_coordinator,
@@ -326,3 +330,85 @@ async def test_a_pin_result_that_finds_the_session_gone_is_logged_once_and_kept_
     assert list(register.held_lease_ids) == ["pl-gone"]  # for coordinators before held_leases
     await session.close()
     await handler.aclose()
+
+
+async def test_a_begin_is_made_again_while_its_own_engine_is_registering(
+    kvrc: CoordinatorProcess, parts: Parts
+) -> None:
+    """A decode engine whose part is (re-)registering is not registered for a moment:
+    its begin is made again within its wait, and takes the handoff once the part is
+    back (before, in LeaseClient: FAILED_PRECONDITION at once; the vLLM scheduler had a
+    loop of its own). Any other refusal still comes back at once."""
+    _, pre = await parts.part("w-pre")
+    dec = LeaseClient(kvrc.grpc_target, "w-dec", timeout_s=10)
+    try:
+        begin = asyncio.create_task(dec.begin_handoff("h", "w-pre", wait_timeout_ms=30_000))
+        await asyncio.sleep(0.3)
+        assert not begin.done(), "the refusal naming the decode engine itself came back"
+        await parts.part("w-dec")  # its part registers now
+        published = await pre.publish_handoff(
+            "h", descriptor=descriptor([1]), kv_transfer_params={}, num_blocks=1
+        )
+        grant = await asyncio.wait_for(begin, 20)
+        assert grant.lease_id == published.lease_id
+        report = pb.TransferReport(
+            lease_id=grant.lease_id,
+            reporter_child_engine_id="w-dec",
+            outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+        )
+        assert (await dec.complete_handoff(report)).state == "COMPLETED"
+        # Not READY any more (COMPLETED): refused at once, however long the wait.
+        with pytest.raises(FailedPreconditionError, match="is not READY: it is COMPLETED"):
+            await asyncio.wait_for(dec.begin_handoff("h", "w-pre", wait_timeout_ms=60_000), 20)
+    finally:
+        await dec.close()
+
+
+async def test_a_begin_outlives_a_coordinator_restart_within_its_wait(tmp_path: Path) -> None:
+    """kvrc is killed (kill -9) while a decode engine's begin waits for the publish, and
+    comes back on the same address: the begin is made again (UNAVAILABLE, then the
+    engine's own parts re-registering) and takes the handoff the prefill publishes to
+    the new kvrc. Before: UnavailableError at the kill, and the decode recomputed."""
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text('[[profile]]\nname = "t"\nmodel = "m"\n')
+    flags = ("--reuse", "on", "--profiles", str(profiles))
+    listen = f"127.0.0.1:{free_port()}"
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(start_coordinator(*flags, listen=listen, check_exit=False))
+        target = first.grpc_target
+        sessions = []
+        for engine_id in ("x-pre", "x-dec"):
+            registration = RankPartRegistration(
+                engine_id=engine_id, profile=EngineProfile(model="m", block_size=16)
+            )
+            session = EngineSession(target, registration, LeaseSessionHandler(), reconnect=True)
+            await session.start()
+            await session.wait_ready(5)
+            sessions.append(session)
+        dec = LeaseClient(target, "x-dec", timeout_s=10)
+        try:
+            begin = asyncio.create_task(dec.begin_handoff("h", "x-pre", wait_timeout_ms=60_000))
+            await asyncio.sleep(0.5)
+            assert not begin.done()
+            first.stop(signal.SIGKILL)
+            stack.enter_context(start_coordinator(*flags, listen=listen))
+
+            async def both_back() -> bool:
+                states = [await child_engine_status(target, e) for e in ("x-pre", "x-dec")]
+                return all(s is not None and s.state.ready for s in states)
+
+            await wait_until(both_back, 30, what="both engines registered with the new kvrc")
+            async with LeaseClient(target, "x-pre", timeout_s=10) as pre:
+                published = await pre.publish_handoff(
+                    "h",
+                    descriptor=descriptor([1, 2]),
+                    kv_transfer_params={},
+                    num_blocks=2,
+                    decode_child_engine_id="x-dec",
+                )
+            grant = await asyncio.wait_for(begin, 30)
+            assert grant.lease_id == published.lease_id and grant.num_blocks == 2
+        finally:
+            await dec.close()
+            for session in sessions:
+                await session.close()
