@@ -162,7 +162,16 @@ REASON_FENCED = "fenced"  # the part registered again on another replica (peers.
 class Session:
     """One registered rank part's stream: its identity and its outbound queue."""
 
-    __slots__ = ("_ended", "_limit", "_queue", "_registering", "incarnation", "ref", "registration")
+    __slots__ = (
+        "_base_limit",
+        "_ended",
+        "_limit",
+        "_queue",
+        "_registering",
+        "incarnation",
+        "ref",
+        "registration",
+    )
 
     def __init__(
         self, registration: RankPartRegistration, ref: PartRef, incarnation: int, limit: int
@@ -170,7 +179,7 @@ class Session:
         self.registration = registration
         self.ref = ref
         self.incarnation = incarnation
-        self._limit = limit
+        self._base_limit = self._limit = limit
         self._queue: asyncio.Queue[Outbound | SessionEnd] = asyncio.Queue()
         self._ended = False
         self._registering = False
@@ -187,6 +196,8 @@ class Session:
         """Queues a message; False when the queue is full (the caller closes the session)."""
         if self._ended:
             return True  # dropped: nobody reads an ended session
+        if self._limit > self._base_limit and self._queue.qsize() < self._base_limit:
+            self._limit = self._base_limit  # the registration's answers were read
         if self._queue.qsize() >= self._limit:
             if not self._registering:
                 return False
@@ -784,20 +795,19 @@ class Coordinator:
             return False  # fenced: that session is not here any more
         if registering:
             with session.registering():
-                self._send_lease_message(session, message)
-        else:
-            self._send_lease_message(session, message)
-        return True
+                return self._send_lease_message(session, message)
+        return self._send_lease_message(session, message)
 
-    def _send_lease_message(self, session: Session, message: LeaseOutbound) -> None:
-        """Queues a lease message on a local session; what it tells of a lease the part
-        left to its owner updates that entry."""
+    def _send_lease_message(self, session: Session, message: LeaseOutbound) -> bool:
+        """Queues a lease message on a local session (False: its full queue closed the
+        session instead); what it tells of a lease the part left to its owner updates
+        that entry."""
         left = self._left_to_owner.get(session.session_id)
         if left is not None and isinstance(message, SendRelease):
             left.held.pop(message.lease_id, None)  # ended: never rebuilt here
         elif isinstance(message, SendQuarantine) and left and message.lease_id in left.held:
             left.quarantined.add(message.lease_id)  # kept by the holder however old
-        self._send(session, message)
+        return self._send(session, message)
 
     def owner_silent(self, origin: str) -> None:
         """Another replica fell silent: the prefix loads it owned that a local holder part
@@ -944,8 +954,7 @@ class Coordinator:
         if session is None:
             # A remote part: its replica delivers the message (peers.py).
             return self.peers is not None and self.peers.send(session_id, message)
-        self._send_lease_message(session, message)
-        return True
+        return self._send_lease_message(session, message)
 
     def proven_gone(self, child_engine_id: str) -> bool:
         """No part of the child engine is registered and none is inside its grace period."""
@@ -984,18 +993,21 @@ class Coordinator:
         if session is not None:
             self._send(session, message)
 
-    def _send(self, session: Session, message: Outbound) -> None:
-        if not session.offer(message):
-            self.close_session(
-                session,
-                REASON_ERROR,
-                SessionEnd(
-                    ErrorCode.RESOURCE_EXHAUSTED,
-                    f"outbound queue of session {session.session_id} is full "
-                    f"({self.config.session_queue_size} messages): the engine is not reading "
-                    "its session stream",
-                ),
-            )
+    def _send(self, session: Session, message: Outbound) -> bool:
+        """Queues `message`; False when the queue was full and the session is closed."""
+        if session.offer(message):
+            return True
+        self.close_session(
+            session,
+            REASON_ERROR,
+            SessionEnd(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"outbound queue of session {session.session_id} is full "
+                f"({self.config.session_queue_size} messages): the engine is not reading "
+                "its session stream",
+            ),
+        )
+        return False
 
     def _readiness_changed(
         self, view: ChildEngineView, reuse: ReuseStatus, skip_session: str = ""

@@ -365,13 +365,20 @@ class LeaseFlow:
 
         Unknown ones are rebuilt QUARANTINED (coordinator/core/leases.py `recover_held`); a
         bad or foreign id is logged, counted when foreign, and skipped: the session goes on.
+        One whose release is kept here for this part is not rebuilt: it ended, and
+        `on_part_registered` sends that release (a rebuilt copy would stay quarantined
+        for an operator after the holder freed its pins).
         """
         # One line per Register, however many ids it names (a part may name thousands).
         states: Counter[str] = Counter()
         refused: Counter[str] = Counter()
         first_refusal = ""
+        released = self._unsent_releases.get((child_engine_id, rank_key), {})
         for entry in held:
             lease_id = entry.lease_id
+            if lease_id in released:
+                states["released"] += 1
+                continue
             try:
                 view, actions = self.core.recover_held(
                     child_engine_id,
@@ -424,11 +431,11 @@ class LeaseFlow:
         self._execute(actions)
 
     def release_again(self, release: SendRelease) -> None:
-        """A release another replica (the lease's owner) sent to a session of its holder
-        that had ended here: it goes to the part's session now, here or on another
-        replica, or is kept for its next registration (I6-quiescence: else the pins wait
-        for the holder's safety net). Each hop follows a later registration of the part
-        in the log, so it never circles."""
+        """A release another replica sent to a session of its holder that had ended here
+        (or that its full queue closed): it goes to the part's session now, here or on
+        another replica, or is kept for its next registration (I6-quiescence: else the
+        pins wait for the holder's safety net). Each hop goes to a session that
+        registered after the one the release was meant for, so it never circles."""
         log.info(
             "release of lease %s for %s rank %s found its session gone: sent on",
             release.lease_id,

@@ -25,11 +25,12 @@ messages travel through the same ordered log as the inventory:
   now, or waits for its next registration (`LeaseFlow.release_again`).
 - `OP_SEND`: a pin, release, abort, quarantine or drain message for a remote part,
   addressed to the replica that holds its session. Deadlines travel as the time
-  left (monotonic clocks differ between hosts). One that an owner sends again because
-  the part registered (aborts owed, quarantines, kept releases) is marked, and its
-  replica queues it as it queues a local registration's answers: past the session
-  queue's cap (each is one lease's, so they are bounded), else a part with more of
-  them than the queue holds would be closed RESOURCE_EXHAUSTED on every return.
+  left (monotonic clocks differ between hosts). One that a replica sends again because
+  the part registered (a lease owner's aborts owed and quarantines, the releases a
+  replica kept) is marked, and the part's replica queues it as it queues a local
+  registration's answers: past the session queue's cap (each is one lease's, so they
+  are bounded), else a part with more of them than the queue holds would be closed
+  RESOURCE_EXHAUSTED on every return. (An older replica's resends are not marked.)
 - `OP_REPLY`: the holder's PinResult or AbortAck for a lease owned elsewhere,
   addressed to the owner, which applies it as if the holder's session were its
   own. Each lease id names its owner (`pl-<random>@<owner>`,

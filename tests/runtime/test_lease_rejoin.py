@@ -219,3 +219,22 @@ async def test_releases_that_found_the_holder_between_sessions_go_when_it_regist
         again = rig.register("h")
         await settle()
         assert sent(again, SendRelease) == []  # delivered once: not kept any more
+
+
+async def test_a_lease_whose_release_is_kept_is_not_rebuilt_when_its_holder_names_it() -> None:
+    """Ended while the holder had no session, and purged from the table before it came
+    back naming it: the kept release is the answer, not a rebuilt QUARANTINED copy
+    (before: rebuilt, and the release then freed the pins while the copy waited for an
+    operator)."""
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        holder, _, lease_id = await load_in_flight(rig)
+        c.close_session(holder, "closed")
+        report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+        assert c.leases.complete_prefix_load(report).quiescent
+        await rig.advance(c.leases.table.config.terminal_retention_ms + 1, step_ms=60_000)
+        assert not c.leases.table.knows(lease_id), "not purged: the case is not set up"
+        back = holder_back(rig, lease_id)
+        await settle()
+        assert sent(back, SendRelease) == [lease_id]
+        assert not c.leases.table.knows(lease_id), "rebuilt although its release was kept"

@@ -212,6 +212,10 @@ async def holder_moved_to_b(a: Node, b: Node) -> tuple[str, Outbox]:
     return lease_id, moved
 
 
+def releases_waiting(node: Node) -> float | None:
+    return node.coordinator.metrics.registry.get_sample_value("kvrc_lease_releases_waiting")
+
+
 def origin(node: Node) -> str:
     peers = node.coordinator.peers
     assert peers is not None
@@ -358,12 +362,11 @@ async def test_a_release_that_found_the_holder_nowhere_on_b_is_kept_there_for_it
     b.coordinator.close_session(moved.session, "closed")
     report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
     assert a.coordinator.leases.complete_prefix_load(report).quiescent
-    waiting = b.coordinator.metrics.releases_waiting
-    await eventually(lambda: waiting._value.get() == 1, "B keeps the release")
-    assert a.coordinator.metrics.releases_waiting._value.get() == 0  # sent, as A saw it
+    await eventually(lambda: releases_waiting(b) == 1, "B keeps the release")
+    assert releases_waiting(a) == 0  # sent, as A saw it
     back = Outbox(c.register("h"))
     await eventually(lambda: back.of(SendRelease) == [lease_id], "the release reaches h on C")
-    await eventually(lambda: waiting._value.get() == 0, "B forgets it once sent")
+    await eventually(lambda: releases_waiting(b) == 0, "B forgets it once sent")
     assert moved.of(SendRelease) == []
 
 
@@ -399,3 +402,25 @@ async def test_more_notices_than_the_queue_holds_reach_a_holder_back_on_another_
     await eventually(lambda: b.part("x") is not None, "B reads past A's notices")
     assert not moved.session.ended, "the registration's answers closed the session"
     assert sorted(moved.of(SendQuarantine)) == sorted(leases)
+    # Only those: a message sent later (unmarked) finds the cap again.
+    for _ in range(5):
+        b.coordinator.heartbeat(moved.session)
+    assert moved.session.ended, "the cap was lifted for good"
+
+
+async def test_a_release_that_overflows_the_holders_queue_on_b_is_kept_for_its_next_session(
+    nodes: Callable[..., Awaitable[Node]],
+) -> None:
+    """h's session on B (queue: 1 message) is not reading: A's release overflows it, and
+    B closes the session. The release is kept (before: counted as sent, and lost) and
+    reaches h's next session."""
+    a, b = await nodes(), await nodes(replace(CONFIG, session_queue_size=1))
+    lease_id, moved = await holder_moved_to_b(a, b)
+    await eventually(lambda: a.part("h") == moved.session.session_id, "A hears of h on B")
+    report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+    assert a.coordinator.leases.complete_prefix_load(report).quiescent
+    await eventually(lambda: moved.session.ended, "the release overflows h's queue on B")
+    await eventually(lambda: releases_waiting(b) == 1, "B keeps the release")
+    back = reannounced_on(b, lease_id)
+    await eventually(lambda: back.of(SendRelease) == [lease_id], "the release reaches h")
+    assert releases_waiting(b) == 0
