@@ -66,6 +66,12 @@ MAX_UNSENT_ABORT_ACKS = 1024
 # unreachable or warming after a restart (backing off from the first to the second).
 _RETRY_INITIAL_S = 0.05
 _RETRY_MAX_S = 1.0
+# A begin is made again on UNAVAILABLE for at most this long (within its wait): a
+# replica failing over, a restart. Past it the decode engine recomputes rather than wait
+# out an outage. Its retries back off to _BEGIN_RETRY_MAX_S at most (a request waits on
+# them; an engine's own parts re-register well within a second).
+BEGIN_UNAVAILABLE_RETRY_S = 5.0
+_BEGIN_RETRY_MAX_S = 0.2
 # Terminal reports sent again after a re-registration (a restarted coordinator rebuilt
 # the lease from its holder's re-announcement and waits for them): those whose lease
 # had not ended when answered, of the last REPLAY_WINDOW_S, at most MAX_REPLAYED_REPORTS,
@@ -421,18 +427,21 @@ class LeaseClient:
     ) -> HandoffGrant:
         """Takes the handoff; waits up to `wait_timeout_ms` for READY (DeadlineExceededError).
 
-        Within that wait the call is made again, with what is left of it, on UNAVAILABLE
-        (kvrc restarting or warming, or the replica that carried the call lost, and its
-        answer with it) and while this decode engine's own parts are re-registering (not
-        registered or not READY for a moment: a session reconnecting). The same decode
-        engine asking again gets the same grant, so a grant whose answer was lost is not
-        left to its heartbeat timeout."""
+        Within that wait the call is made again, with what is left of it, while this
+        decode engine's own parts are re-registering (not registered or not READY for a
+        moment: a session reconnecting), and on UNAVAILABLE for the first
+        `BEGIN_UNAVAILABLE_RETRY_S` (kvrc restarting or warming, or the replica that
+        carried the call lost, and its answer with it). The same decode engine asking
+        again gets the same grant, so a grant whose answer was lost is not left to its
+        heartbeat timeout."""
         own_parts_away = f"decode child engine {self.child_engine_id!r} is not "
+        loop = asyncio.get_running_loop()
+        unavailable_until = loop.time() + BEGIN_UNAVAILABLE_RETRY_S
 
         def transient(e: KvrcClientError) -> bool:
             if isinstance(e, FailedPreconditionError):
                 return own_parts_away in e.message
-            return isinstance(e, UnavailableError)
+            return isinstance(e, UnavailableError) and loop.time() < unavailable_until
 
         async def attempt(left_s: float) -> pb.HandoffGrant:
             left_ms = max(0, int(left_s * 1000))
@@ -446,7 +455,9 @@ class LeaseClient:
             reply: pb.HandoffGrant = await self._call(self._stub.BeginHandoff, request, timeout)
             return reply
 
-        reply = await _until_available(attempt, wait_timeout_ms / 1000, transient)
+        reply = await _until_available(
+            attempt, wait_timeout_ms / 1000, transient, max_delay_s=_BEGIN_RETRY_MAX_S
+        )
         try:
             params = decode_kv_transfer_params(reply.kv_transfer_params)
         except ValueError:
@@ -562,9 +573,11 @@ async def _until_available(
     attempt: Callable[[float], Awaitable[_T]],
     for_s: float,
     transient: Callable[[KvrcClientError], bool] = _unavailable,
+    *,
+    max_delay_s: float = _RETRY_MAX_S,
 ) -> _T:
     """`attempt(seconds left of for_s)`, made again after a `transient` error (by default
-    UNAVAILABLE) while `for_s` lasts, backing off."""
+    UNAVAILABLE) while `for_s` lasts, backing off to `max_delay_s`."""
     loop = asyncio.get_running_loop()
     until = loop.time() + for_s
     delay = _RETRY_INITIAL_S
@@ -575,7 +588,7 @@ async def _until_available(
             if not transient(e) or loop.time() + delay >= until:
                 raise
         await asyncio.sleep(delay)
-        delay = min(delay * 2, _RETRY_MAX_S)
+        delay = min(delay * 2, max_delay_s)
 
 
 async def _maybe_await(value: Any) -> Any:
