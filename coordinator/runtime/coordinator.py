@@ -217,14 +217,18 @@ class Session:
         finally:
             self._registering = False
 
-    def end(self, end: SessionEnd) -> None:
-        """Discards what is still queued and leaves only the end marker."""
+    def end(self, end: SessionEnd) -> list[Outbound]:
+        """Leaves only the end marker; returns what was still queued (never read)."""
         if self._ended:
-            return
+            return []
         self._ended = True
+        unread: list[Outbound] = []
         while not self._queue.empty():
-            self._queue.get_nowait()
+            message = self._queue.get_nowait()
+            if not isinstance(message, SessionEnd):
+                unread.append(message)
         self._queue.put_nowait(end)
+        return unread
 
     async def next_outbound(self) -> Outbound | SessionEnd:
         return await self._queue.get()
@@ -704,13 +708,18 @@ class Coordinator:
 
     def close_session(self, session: Session, reason: str, end: SessionEnd | None = None) -> None:
         """Removes the session's rank part (idempotent) and ends its stream."""
-        session.end(end if end is not None else SessionEnd(None, ""))
+        unread = session.end(end if end is not None else SessionEnd(None, ""))
         self._left_to_owner.pop(session.session_id, None)
         if self._sessions.pop(session.session_id, None) is None:
             return
         self.metrics.sessions_closed.labels(reason=reason).inc()
         if self._part_removed(session.ref, reason) and self.peers is not None:
             self.peers.part_left(session.ref)
+        for message in unread:
+            if isinstance(message, SendRelease):
+                # Never read: the part's next session gets it (I6-quiescence). Aborts and
+                # quarantines are sent again by the lease table when it registers.
+                self.leases.release_again(message)
 
     def _part_removed(self, ref: PartRef, reason: str) -> bool:
         """Removes a registered part (local or remote) and tells the listeners; False if gone."""

@@ -431,11 +431,12 @@ class LeaseFlow:
         self._execute(actions)
 
     def release_again(self, release: SendRelease) -> None:
-        """A release another replica sent to a session of its holder that had ended here
-        (or that its full queue closed): it goes to the part's session now, here or on
-        another replica, or is kept for its next registration (I6-quiescence: else the
-        pins wait for the holder's safety net). Each hop goes to a session that
-        registered after the one the release was meant for, so it never circles."""
+        """A release its holder's session never read: it ended (or its full queue closed
+        it) with the release still queued, or before another replica's release reached
+        it here. It goes to the part's session now, here or on another replica, or is
+        kept for its next registration (I6-quiescence: else the pins wait for the
+        holder's safety net). Each hop goes to a session that registered after the one
+        the release was meant for, so it never circles."""
         log.info(
             "release of lease %s for %s rank %s found its session gone: sent on",
             release.lease_id,

@@ -238,3 +238,22 @@ async def test_a_lease_whose_release_is_kept_is_not_rebuilt_when_its_holder_name
         await settle()
         assert sent(back, SendRelease) == [lease_id]
         assert not c.leases.table.knows(lease_id), "rebuilt although its release was kept"
+
+
+async def test_a_release_unread_when_the_holders_stream_broke_reaches_its_next_session() -> None:
+    """The release was queued on the holder's session, and the stream broke before the
+    engine read it: it goes to the part's next session (before: discarded with the
+    queue, and the pins waited for the holder's safety net)."""
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        holder, _, lease_id = await load_in_flight(rig)
+        report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+        assert c.leases.complete_prefix_load(report).quiescent  # queued, not read
+        c.close_session(holder, "closed")
+        back = rig.register("h")
+        await settle()
+        assert sent(back, SendRelease) == [lease_id]
+        c.close_session(back, "closed")  # read this time: not sent again
+        again = rig.register("h")
+        await settle()
+        assert sent(again, SendRelease) == []
