@@ -801,11 +801,18 @@ class Coordinator:
     def deliver(self, ref: PartRef, message: LeaseOutbound, registering: bool = False) -> bool:
         session = self._sessions.get(ref.session_id)
         if session is None or session.ref != ref:
-            return False  # fenced: that session is not here any more
-        if registering:
+            delivered = False  # fenced: that session is not here any more
+        elif registering:
             with session.registering():
-                return self._send_lease_message(session, message)
-        return self._send_lease_message(session, message)
+                delivered = self._send_lease_message(session, message)
+        else:
+            delivered = self._send_lease_message(session, message)
+        if delivered or not isinstance(message, SendRelease):
+            return delivered
+        # The owner ended the lease: only the holder's pins are left, and the part's
+        # next session must free them (I6-quiescence), not its safety net.
+        self.leases.release_again(message)
+        return True
 
     def _send_lease_message(self, session: Session, message: LeaseOutbound) -> bool:
         """Queues a lease message on a local session (False: its full queue closed the

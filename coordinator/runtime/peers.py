@@ -181,10 +181,6 @@ class OwedAborts(Protocol):
         """A rank part (re-)registered: the aborts it owes an ack for go again, and the
         quarantines and releases that found it between sessions."""
 
-    def release_again(self, release: SendRelease) -> None:
-        """A release for a session that ended here: to the part's session now, or kept
-        for its next registration."""
-
 
 class PeerHost(Protocol):
     """What the coordinator does for the ops of other replicas."""
@@ -202,9 +198,10 @@ class PeerHost(Protocol):
         """Removes a remote part if `ref.session_id` still holds it."""
 
     def deliver(self, ref: PartRef, message: LeaseOutbound, registering: bool = False) -> bool:
-        """Queues a message on a local session, if `ref.session_id` is still it;
-        `registering`: one of the answers to its registration (sent again by an owner
-        elsewhere), which go past the queue's cap as the local ones do."""
+        """Queues a message on a local session, if `ref.session_id` is still it (False:
+        dropped); a release that finds it gone goes on to the part's session now, or waits
+        for its next registration. `registering`: one of the answers to its registration
+        (sent again from elsewhere), which go past the queue's cap as the local ones do."""
 
     def remote_pin_result(
         self,
@@ -701,11 +698,6 @@ class PeerLink:
             ref = _ref(op[2], op[3], op[4])
             message = decode_message(op[5], ref, self._clock_ms())
             if not host.deliver(ref, message, registering=len(op) > 6 and bool(op[6])):
-                if isinstance(message, SendRelease):
-                    # The owner ended the lease: only the holder's pins are left, and its
-                    # next session must free them (I6-quiescence), not its safety net.
-                    host.leases.release_again(message)
-                    return True
                 log.info(
                     "%s for %s rank %s from replica %s dropped: session %s is not here any more",
                     type(message).__name__,

@@ -102,6 +102,19 @@ def replica_flags(profiles: Path, store: str, *extra: str) -> tuple[str, ...]:
     return ("--reuse", "on", "--profiles", str(profiles), "--store", store, *extra)
 
 
+@contextlib.contextmanager
+def replicas(
+    flags: tuple[str, ...], count: int, *, killed: int = 0
+) -> Iterator[list[CoordinatorProcess]]:
+    """`count` replicas with `flags`, started in order; the first `killed` are killed by
+    the test (their exit status is not checked)."""
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(start_coordinator(*flags, check_exit=i >= killed))
+            for i in range(count)
+        ]
+
+
 class Engines:
     def __init__(self) -> None:
         self.sessions: list[EngineSession] = []
@@ -189,11 +202,7 @@ async def test_inventory_ingested_on_one_replica_is_visible_on_the_others(
     redis_server: RedisServer, profiles_file: Path, engines: Engines
 ) -> None:
     flags = replica_flags(profiles_file, redis_server.url)
-    with (
-        start_coordinator(*flags) as a,
-        start_coordinator(*flags) as b,
-        start_coordinator(*flags) as c,
-    ):
+    with replicas(flags, 3) as (a, b, c):
         holder = await engines.open(a.grpc_target, "holder-a")
         await engines.open(b.grpc_target, "req-b")
         await engines.open(c.grpc_target, "req-c")
@@ -471,11 +480,7 @@ async def test_concurrent_loads_across_three_replicas_pin_exactly_once_each(
     each (no id twice), the holder's pin count equals the open leases of all replicas,
     and each report takes exactly its own pin away."""
     flags = replica_flags(profiles_file, redis_server.url)
-    with (
-        start_coordinator(*flags) as a,
-        start_coordinator(*flags) as b,
-        start_coordinator(*flags) as c,
-    ):
+    with replicas(flags, 3) as (a, b, c):
         holder = await engines.open(a.grpc_target, "holder-n")
         await engines.open(b.grpc_target, "req-nb")
         await engines.open(c.grpc_target, "req-nc")
@@ -553,11 +558,7 @@ async def test_kill_9_of_the_holders_replica_mid_lease_releases_nothing_early(
     c, keeps its pin (c leaves the lease to its live owner b), and only the requester's
     report, through b and then c, releases it."""
     flags = replica_flags(profiles_file, redis_server.url)
-    with (
-        start_coordinator(*flags, check_exit=False) as a,
-        start_coordinator(*flags) as b,
-        start_coordinator(*flags) as c,
-    ):
+    with replicas(flags, 3, killed=1) as (a, b, c):
         holder = await engines.open([a.grpc_target, c.grpc_target], "holder-k9", [])
         await engines.open(b.grpc_target, "req-k9")
         await holder.stored(CHAIN[:8])
@@ -587,6 +588,24 @@ async def test_kill_9_of_the_holders_replica_mid_lease_releases_nothing_early(
             await wait_until(lambda: _held_is(engines, "holder-k9", []), 10, what="release via c")
 
 
+async def _granted_by(
+    owner: CoordinatorProcess, holder_targets: list[str], requester: str, engines: Engines, tag: str
+) -> PrefixLoadGrant:
+    """Holder `holder-<tag>` (failing over along `holder_targets`) and requester
+    `req-<tag>` (on `requester`), a `marker-<tag>` engine on `owner` (it leaves the views
+    when `owner` is silent), and a load of 8 blocks that `owner` grants. Sessions in
+    `engines`: the holder's, the requester's, the marker's."""
+    holder = await engines.open(holder_targets, f"holder-{tag}", [])
+    await engines.open(requester, f"req-{tag}")
+    await engines.open(owner.grpc_target, f"marker-{tag}")
+    await holder.stored(CHAIN[:8])
+    await eventually_matched(owner.grpc_target, f"req-{tag}", f"holder-{tag}", 8)
+    async with LeaseClient(owner.grpc_target, f"req-{tag}") as on_owner:
+        grant = await on_owner.request_prefix_load(f"{tag}-1", CHAIN[:8])
+    assert isinstance(grant, PrefixLoadGrant), grant
+    return grant
+
+
 async def test_a_report_reaches_the_replica_that_rebuilt_its_lease(
     redis_server: RedisServer, profiles_file: Path, engines: Engines
 ) -> None:
@@ -596,26 +615,14 @@ async def test_a_report_reaches_the_replica_that_rebuilt_its_lease(
     names the silent a: d asks the ledger and forwards it to c, which releases the
     holder (before: NOT_FOUND on d, and the holder kept its pins)."""
     flags = replica_flags(profiles_file, redis_server.url)
-    with (
-        start_coordinator(*flags, check_exit=False) as a,
-        start_coordinator(*flags, check_exit=False) as b,
-        start_coordinator(*flags) as c,
-        start_coordinator(*flags) as d,
-    ):
-        holder = await engines.open([b.grpc_target, c.grpc_target], "holder-rb", [])
-        await engines.open(d.grpc_target, "req-rb")
-        session_d = engines.sessions[-1]
-        await engines.open(a.grpc_target, "marker-on-a")  # leaves the views when a is silent
-        await holder.stored(CHAIN[:8])
-        await eventually_matched(a.grpc_target, "req-rb", "holder-rb", 8)
-        async with LeaseClient(a.grpc_target, "req-rb") as on_a:
-            grant = await on_a.request_prefix_load("rb-1", CHAIN[:8])
-        assert isinstance(grant, PrefixLoadGrant), grant
+    with replicas(flags, 4, killed=2) as (a, b, c, d):
+        grant = await _granted_by(a, [b.grpc_target, c.grpc_target], d.grpc_target, engines, "rb")
+        session_d = engines.sessions[1]
         assert await _held(engines, "holder-rb") == [grant.lease_id]
         owner_a = grant.lease_id.rpartition("@")[2]
         a.stop(signal.SIGKILL)
         for replica in (c.grpc_target, d.grpc_target):
-            await wait_until(_no_child_on(replica, "marker-on-a"), 20, what=f"a silent {replica}")
+            await wait_until(_no_child_on(replica, "marker-rb"), 20, what=f"a silent {replica}")
         holder_session = engines.sessions[0]
         b.stop(signal.SIGKILL)
         await wait_until(lambda: holder_session.registrations == 2, 10, what="holder on c")
@@ -655,11 +662,7 @@ async def test_a_zombie_session_is_fenced_out_by_a_newer_registration(
     partition that has not timed out): b's registration took the higher fencing token,
     so a closes the old session, and every replica sends the part's pins to b's."""
     flags = replica_flags(profiles_file, redis_server.url)
-    with (
-        start_coordinator(*flags) as a,
-        start_coordinator(*flags) as b,
-        start_coordinator(*flags) as c,
-    ):
+    with replicas(flags, 3) as (a, b, c):
         await engines.open(c.grpc_target, "req-z")
         zombie = await engines.open(a.grpc_target, "holder-z")
         zombie_handler = engines.handlers["holder-z"]
@@ -712,19 +715,8 @@ async def test_a_lease_left_to_its_owner_is_rebuilt_once_that_owner_falls_silent
     requester's report found no lease). The report through b then releases it."""
     # Silence after 10 s: the holder surely moves to c while a is still live there.
     flags = replica_flags(profiles_file, redis_server.url, "--store-origin-timeout-ms", "10000")
-    with (
-        start_coordinator(*flags, check_exit=False) as a,
-        start_coordinator(*flags) as b,
-        start_coordinator(*flags) as c,
-    ):
-        holder = await engines.open([a.grpc_target, c.grpc_target], "holder-lt", [])
-        await engines.open(b.grpc_target, "req-lt")
-        await engines.open(a.grpc_target, "marker-lt")  # leaves the views when a is silent
-        await holder.stored(CHAIN[:8])
-        await eventually_matched(a.grpc_target, "req-lt", "holder-lt", 8)
-        async with LeaseClient(a.grpc_target, "req-lt") as on_a:
-            grant = await on_a.request_prefix_load("lt-1", CHAIN[:8])
-        assert isinstance(grant, PrefixLoadGrant), grant
+    with replicas(flags, 3, killed=1) as (a, b, c):
+        grant = await _granted_by(a, [a.grpc_target, c.grpc_target], b.grpc_target, engines, "lt")
         holder_session = engines.sessions[0]
         a.stop(signal.SIGKILL)
         await wait_until(lambda: holder_session.registrations == 2, 10, what="holder on c")
@@ -833,11 +825,7 @@ async def test_kill_9_of_a_replica_its_engines_move_and_the_rest_leave_the_view(
     redis_server: RedisServer, profiles_file: Path, engines: Engines
 ) -> None:
     flags = replica_flags(profiles_file, redis_server.url)
-    with (
-        start_coordinator(*flags, check_exit=False) as a,
-        start_coordinator(*flags) as b,
-        start_coordinator(*flags) as c,
-    ):
+    with replicas(flags, 3, killed=1) as (a, b, c):
         retained = [StoredBlocks(CHAIN[:8])]
         mover = await engines.open(a.grpc_target, "mover", retained)
         stays_gone = await engines.open(a.grpc_target, "gone-with-a")
@@ -866,10 +854,7 @@ async def test_one_session_given_both_replicas_survives_kill_9_of_the_one_it_is_
     """EngineSession([a, b]): kill -9 of a, the session re-registers on b by itself and
     its dump (what it still keeps) becomes b's first-hand view of it."""
     flags = replica_flags(profiles_file, redis_server.url)
-    with (
-        start_coordinator(*flags, check_exit=False) as a,
-        start_coordinator(*flags) as b,
-    ):
+    with replicas(flags, 2, killed=1) as (a, b):
         await engines.open(b.grpc_target, "req-b")
         stays_gone = await engines.open(a.grpc_target, "gone-with-a")
         registration = RankPartRegistration(
