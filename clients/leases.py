@@ -62,6 +62,10 @@ _T = TypeVar("_T")
 MAX_HELD_ANNOUNCED = 4096
 # Abort acks that found the session down, kept to send after it reconnects (oldest dropped).
 MAX_UNSENT_ABORT_ACKS = 1024
+# Release acks (revision 4) go in batches: a stream of loads costs the holder and the
+# coordinator one ReleaseAck per RELEASE_ACK_DELAY_S, not one per load.
+RELEASE_ACK_DELAY_S = 0.02
+MAX_RELEASE_ACKS_PER_MESSAGE = 1024
 # Reports, and begins within their wait, are retried while the coordinator is
 # unreachable or warming after a restart (backing off from the first to the second).
 _RETRY_INITIAL_S = 0.05
@@ -609,8 +613,10 @@ class LeaseSessionHandler(SessionHandler):
     - AbortRequest: `abort(lease_id, reason)` runs in a task; AbortAck is sent
       only after it returns (the engine's native operations stopped). Blocks
       stay pinned until the ReleaseRequest.
-    - ReleaseRequest: `on_release(lease_id, reason)` (no ReleaseAck: optional since
-      revision 3, and the coordinator acts on none).
+    - ReleaseRequest: `on_release(lease_id, reason)`, then a ReleaseAck (batched, within
+      RELEASE_ACK_DELAY_S): until it arrives the coordinator sends the release again to
+      the part's next session, so `on_release` must take a lease it no longer holds
+      as done.
     - QuarantineNotice: `on_quarantine(lease_id, reason)`: keep the blocks out of
       use until a ReleaseRequest follows the operator's resolution.
     """
@@ -642,6 +648,9 @@ class LeaseSessionHandler(SessionHandler):
         # Acks whose send found the session down: the proof a quarantine waits for, so
         # they go after the next registration instead of being lost (insertion order).
         self._unsent_acks: OrderedDict[str, None] = OrderedDict()
+        # Released leases whose ReleaseAck is not sent yet, and whether a send is due.
+        self._release_acks_due: list[str] = []
+        self._release_ack_scheduled = False
 
     def held_leases(self) -> Mapping[str, str]:
         """Re-announced at every (re-)registration, each with its requester: a restarted
@@ -680,6 +689,10 @@ class LeaseSessionHandler(SessionHandler):
         if self._unsent_acks:
             self._spawn(self._send_kept_acks())
         await self._inner.on_registered(ack)
+
+    def release_acks_due(self) -> Sequence[str]:
+        """Lease ids released here whose ReleaseAck is not sent yet."""
+        return list(self._release_acks_due)
 
     def unsent_abort_acks(self) -> Sequence[str]:
         """Lease ids whose AbortAck waits for the session to reconnect."""
@@ -764,9 +777,33 @@ class LeaseSessionHandler(SessionHandler):
     async def on_release_request(self, request: pb.ReleaseRequest) -> None:
         if self._on_release is not None:
             await _maybe_await(self._on_release(request.lease_id, request.reason))
-        # No ReleaseAck (revision 3): the lease ended when the release was sent and the
-        # coordinator only logged the ack; one message fewer per load on its loop.
         self._held.pop(request.lease_id, None)
+        # Acknowledged once the pins are free: a release lost with a broken stream before
+        # this is sent comes again on the next session (I6-quiescence).
+        self._release_acks_due.append(request.lease_id)
+        if len(self._release_acks_due) >= MAX_RELEASE_ACKS_PER_MESSAGE:
+            await self._send_release_acks()
+        elif not self._release_ack_scheduled:
+            self._release_ack_scheduled = True
+            self._spawn(self._send_release_acks_soon())
+
+    async def _send_release_acks_soon(self) -> None:
+        try:
+            await asyncio.sleep(RELEASE_ACK_DELAY_S)
+        finally:
+            self._release_ack_scheduled = False
+        await self._send_release_acks()
+
+    async def _send_release_acks(self) -> None:
+        due, self._release_acks_due = self._release_acks_due, []
+        if not due:
+            return
+        try:
+            await self._require_session().send_release_acks(due)
+        except UnavailableError as e:
+            # Not kept: the coordinator sends these releases again to the next session,
+            # where they are taken as done and acknowledged.
+            log.debug("%d release ack(s) not sent: %s", len(due), e)
 
     async def on_quarantine_notice(self, notice: pb.QuarantineNotice) -> None:
         if self._on_quarantine is not None:
@@ -788,7 +825,10 @@ class LeaseSessionHandler(SessionHandler):
         task.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
-        """Cancels abort tasks still waiting (their acks are then never sent)."""
+        """Sends the release acks that are due; cancels abort tasks still waiting (their
+        acks are then never sent)."""
+        with contextlib.suppress(Exception):  # closing: the coordinator resends releases
+            await self._send_release_acks()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

@@ -496,6 +496,10 @@ class EngineSession:
     async def send_abort_ack(self, lease_id: str) -> None:
         await self._send(pb.EngineMessage(abort_ack=pb.AbortAck(lease_id=lease_id)))
 
+    async def send_release_acks(self, lease_ids: Sequence[str]) -> None:
+        """One ReleaseAck for these leases, whose pins this part freed (revision 4)."""
+        await self._send(pb.EngineMessage(release_ack=pb.ReleaseAck(lease_ids=lease_ids)))
+
     async def call(self, call: pb.SessionCall, timeout_s: float) -> pb.CallAnswer:
         """Makes `call` on the session stream and returns its answer (`code` 0).
 

@@ -16,7 +16,7 @@ from kvrc.v1 import kvrc_pb2 as pb
 
 # The protocol revision both sides speak (`Register.protocol_version`; the revisions are
 # listed in proto/kvrc/v1/kvrc.proto's header). A Register without the field is revision 1.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Wire limits both sides share: the coordinator refuses more (INVALID_ARGUMENT,
 # I8-bad-input), and the engine library cuts its batches and chains below them.

@@ -393,9 +393,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self._coordinator.on_abort_ack(ref, lease_id)
 
     def _on_release_ack(self, session: CoordinatorSession, message: pb.EngineMessage) -> None:
-        lease_id = wire.check_id("release_ack.lease_id", message.release_ack.lease_id, self._bounds)
-        ref = session.ref
-        self._coordinator.leases.on_release_ack(ref.child_engine_id, ref.rank, lease_id)
+        lease_ids = wire.release_ack_from_proto(message.release_ack, self._bounds)
+        self._coordinator.on_release_acks(session, lease_ids)
 
     # --- leases: calls on the session stream (revision 3) --------------------------------
 

@@ -175,6 +175,18 @@ def check_count(field: str, count: int, limit: int) -> None:
         raise invalid(f"{field} has {count} entries; the limit is {limit}")
 
 
+MAX_RELEASE_ACKS = 4096  # lease ids in one ReleaseAck (revision 4 batches them)
+
+
+def release_ack_from_proto(msg: pb.ReleaseAck, bounds: FieldBounds) -> tuple[str, ...]:
+    """The acknowledged lease ids: `lease_id` and `lease_ids`, at least one, each an id."""
+    check_count("release_ack.lease_ids", len(msg.lease_ids), MAX_RELEASE_ACKS)
+    ids = [check_id(f"release_ack.lease_ids[{i}]", v, bounds) for i, v in enumerate(msg.lease_ids)]
+    if msg.lease_id or not ids:
+        ids.append(check_id("release_ack.lease_id", msg.lease_id, bounds))
+    return tuple(ids)
+
+
 # --- registration --------------------------------------------------------------
 
 

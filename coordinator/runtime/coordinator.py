@@ -152,6 +152,11 @@ class SessionEnd:
 
 
 # Removal reasons, also the `reason` label of kvrc_sessions_closed_total.
+# Releases a session was given and its holder has not acknowledged yet (revision 4),
+# at most: a client acks within tens of ms, so only one that never acks fills this;
+# the oldest are then forgotten (their pins wait for the holder's own safety net).
+MAX_UNACKED_RELEASES = 4_096
+
 REASON_CLOSED = "closed"
 REASON_HEARTBEAT_TIMEOUT = "heartbeat_timeout"
 REASON_SHUTDOWN = "shutdown"
@@ -168,6 +173,7 @@ class Session:
         "_limit",
         "_queue",
         "_registering",
+        "_unacked",
         "incarnation",
         "ref",
         "registration",
@@ -183,6 +189,8 @@ class Session:
         self._queue: asyncio.Queue[Outbound | SessionEnd] = asyncio.Queue()
         self._ended = False
         self._registering = False
+        # Releases given to this session and not acknowledged, by lease id (oldest first).
+        self._unacked: dict[str, SendRelease] = {}
 
     @property
     def session_id(self) -> str:
@@ -193,9 +201,11 @@ class Session:
         return self._ended
 
     def offer(self, message: Outbound) -> bool:
-        """Queues a message; False when the queue is full (the caller closes the session)."""
+        """Queues a message; False when the queue is full (the caller closes the session)
+        or, for a release, when the session has ended (the caller sends it on)."""
         if self._ended:
-            return True  # dropped: nobody reads an ended session
+            # Nobody reads an ended session; a release must reach the part's next one.
+            return not isinstance(message, SendRelease)
         if self._limit > self._base_limit and self._queue.qsize() < self._base_limit:
             self._limit = self._base_limit  # the registration's answers were read
         if self._queue.qsize() >= self._limit:
@@ -205,7 +215,16 @@ class Session:
             # it owes: both bounded) always fit; the room stays for them to be read.
             self._limit += 1
         self._queue.put_nowait(message)
+        if isinstance(message, SendRelease):
+            unacked = self._unacked
+            unacked[message.lease_id] = message
+            if len(unacked) > MAX_UNACKED_RELEASES:
+                del unacked[next(iter(unacked))]
         return True
+
+    def release_acked(self, lease_id: str) -> bool:
+        """The holder freed the lease's pins; False if no release of it was waiting."""
+        return self._unacked.pop(lease_id, None) is not None
 
     @contextlib.contextmanager
     def registering(self) -> Iterator[None]:
@@ -217,18 +236,18 @@ class Session:
         finally:
             self._registering = False
 
-    def end(self, end: SessionEnd) -> list[Outbound]:
-        """Leaves only the end marker; returns what was still queued (never read)."""
+    def end(self, end: SessionEnd) -> list[SendRelease]:
+        """Leaves only the end marker; returns the releases the holder never acknowledged,
+        whether still queued or read (a stream can break after the engine read one)."""
         if self._ended:
             return []
         self._ended = True
-        unread: list[Outbound] = []
         while not self._queue.empty():
-            message = self._queue.get_nowait()
-            if not isinstance(message, SessionEnd):
-                unread.append(message)
+            self._queue.get_nowait()
         self._queue.put_nowait(end)
-        return unread
+        unacked = list(self._unacked.values())
+        self._unacked.clear()
+        return unacked
 
     async def next_outbound(self) -> Outbound | SessionEnd:
         return await self._queue.get()
@@ -563,6 +582,17 @@ class Coordinator:
             ref.child_engine_id, ref.rank, lease_id, pinned_blocks, descriptor, error_message
         )
 
+    def on_release_acks(self, session: Session, lease_ids: Sequence[str]) -> None:
+        """The holder freed these leases' pins: their releases are delivered (I6). An id
+        with no release waiting (sent again after a broken stream, or unknown) is ignored."""
+        unknown = sum(not session.release_acked(lease_id) for lease_id in lease_ids)
+        if unknown:
+            log.debug(
+                "session %s acknowledged %d release(s) not waiting for an ack",
+                session.session_id,
+                unknown,
+            )
+
     def on_abort_ack(self, ref: PartRef, lease_id: str) -> None:
         owner = self.peers.owner_of(lease_id) if self.peers is not None else None
         if owner is not None and self.peers is not None:
@@ -708,18 +738,17 @@ class Coordinator:
 
     def close_session(self, session: Session, reason: str, end: SessionEnd | None = None) -> None:
         """Removes the session's rank part (idempotent) and ends its stream."""
-        unread = session.end(end if end is not None else SessionEnd(None, ""))
+        unacked = session.end(end if end is not None else SessionEnd(None, ""))
         self._left_to_owner.pop(session.session_id, None)
         if self._sessions.pop(session.session_id, None) is None:
             return
         self.metrics.sessions_closed.labels(reason=reason).inc()
         if self._part_removed(session.ref, reason) and self.peers is not None:
             self.peers.part_left(session.ref)
-        for message in unread:
-            if isinstance(message, SendRelease):
-                # Never read: the part's next session gets it (I6-quiescence). Aborts and
-                # quarantines are sent again by the lease table when it registers.
-                self.leases.release_again(message)
+        for release in unacked:
+            # Never acknowledged: the part's next session gets it (I6-quiescence). Aborts
+            # and quarantines are sent again by the lease table when it registers.
+            self.leases.release_again(release)
 
     def _part_removed(self, ref: PartRef, reason: str) -> bool:
         """Removes a registered part (local or remote) and tells the listeners; False if gone."""

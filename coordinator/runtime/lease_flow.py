@@ -445,12 +445,6 @@ class LeaseFlow:
         )
         self._send(release.child_engine_id, release.rank_key, release)
 
-    def on_release_ack(self, child_engine_id: str, rank_key: RankKey, lease_id: str) -> None:
-        # The release already ended the lease (fail closed is on the holder's side now).
-        log.debug(
-            "release of lease %s acknowledged by %s rank %s", lease_id, child_engine_id, rank_key
-        )
-
     def resolve_quarantine(self, lease_id: str, operator_note: str) -> LeaseView:
         view, actions = self.core.resolve_quarantine(lease_id, self._clock.monotonic_ms())
         log.warning(

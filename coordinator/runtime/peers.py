@@ -127,7 +127,8 @@ CALL_EXTEND_HANDOFF = "extend_handoff"
 CALL_CANCEL = "cancel"
 DEFAULT_CALL_TIMEOUT_S = 5.0
 
-# Replies of the holder's session that the owner needs (ReleaseAck is only logged).
+# Replies of the holder's session that the owner needs. A ReleaseAck stays on the
+# holder's replica: the session it reaches keeps the release until acked.
 REPLY_PIN = "pin"
 REPLY_ABORT_ACK = "abort_ack"
 

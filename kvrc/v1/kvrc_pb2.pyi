@@ -40,6 +40,10 @@ Conventions
       3: EngineMessage.call and CoordinatorMessage.call_answer: RequestPrefixLoad and
          CompletePrefixLoad on the session stream (SessionCall), fewer messages per
          prefix load than the unary RPCs, which stay; ReleaseAck optional.
+      4: ReleaseAck required again, and batched (ReleaseAck.lease_ids): a release
+         is the coordinator's to deliver until its holder acknowledges it, so one
+         a session read but did not acknowledge before it ended goes to the rank
+         part's next session.
     Additive members a client may ignore, added within a revision:
       2: CoordinatorMessage.session_error (see SessionError).
       3: Register.held_leases (each held lease with the requester its holder
@@ -1023,23 +1027,31 @@ Global___AbortAck: _TypeAlias = AbortAck  # noqa: Y015
 
 @_typing.final
 class ReleaseAck(_message.Message):
-    """A rank part confirms it released the pins of a lease. Optional: the lease ended
-    when the coordinator sent the ReleaseRequest, and it only logs an ack. kvrc's own
-    clients send none since revision 3 (one message fewer per load).
+    """A rank part confirms it released the pins of leases (revision 4: required). Until
+    a release is acknowledged the coordinator keeps it: if the session ends first, the
+    release goes to the rank part's next session (a holder must treat a release of a
+    lease it no longer holds as done, and acknowledge it). Acknowledgements may be
+    batched: `lease_id` and `lease_ids` (at most 4,096) are both read.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_ID_FIELD_NUMBER: _builtins.int
+    LEASE_IDS_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
+    @_builtins.property
+    def lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """revision 4"""
+
     def __init__(
         self,
         *,
         lease_id: _builtins.str = ...,
+        lease_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "lease_ids", b"lease_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

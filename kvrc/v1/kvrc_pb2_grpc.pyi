@@ -40,6 +40,10 @@ Conventions
       3: EngineMessage.call and CoordinatorMessage.call_answer: RequestPrefixLoad and
          CompletePrefixLoad on the session stream (SessionCall), fewer messages per
          prefix load than the unary RPCs, which stay; ReleaseAck optional.
+      4: ReleaseAck required again, and batched (ReleaseAck.lease_ids): a release
+         is the coordinator's to deliver until its holder acknowledges it, so one
+         a session read but did not acknowledge before it ended goes to the rank
+         part's next session.
     Additive members a client may ignore, added within a revision:
       2: CoordinatorMessage.session_error (see SessionError).
       3: Register.held_leases (each held lease with the requester its holder

@@ -165,6 +165,95 @@ async def test_an_abort_ack_that_finds_the_session_down_is_sent_after_it_reconne
     await handler.aclose()
 
 
+async def released_handoff(
+    parts: Parts, name: str, handler: LeaseSessionHandler
+) -> tuple[EngineSession, str]:
+    """Prefill `name`-pre (with `handler`) publishes a handoff that `name`-dec reads and
+    reports done: the release goes to the prefill. Its session and the lease id."""
+    pre, pre_client = await parts.part(f"{name}-pre", handler)
+    _, decode = await parts.part(f"{name}-dec")
+    await pre_client.publish_handoff(
+        "h-ack", descriptor=descriptor([1]), kv_transfer_params={}, num_blocks=1
+    )
+    grant = await decode.begin_handoff("h-ack", f"{name}-pre")
+    assert isinstance(grant, HandoffGrant)
+    report = pb.TransferReport(
+        lease_id=grant.lease_id,
+        reporter_child_engine_id=f"{name}-dec",
+        rank=pb.RankCoordinates(),
+        outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+    )
+    assert (await decode.complete_handoff(report)).quiescent
+    return pre, grant.lease_id
+
+
+def releases_to(got: list[str]) -> LeaseSessionHandler:
+    return LeaseSessionHandler(on_release=lambda lease_id, _: got.append(lease_id))
+
+
+async def test_a_release_whose_ack_was_lost_with_the_stream_reaches_the_next_session(
+    kvrc: CoordinatorProcess, parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill freed its pins, and its session ended before the ReleaseAck went
+    (held back here): its next session gets the release again, and acknowledges it;
+    a third session then gets nothing (revision 4; before, the release was lost with
+    the stream and the pins waited for the holder's safety net)."""
+    monkeypatch.setattr(client_leases, "RELEASE_ACK_DELAY_S", 60.0)
+    first: list[str] = []
+    handler = releases_to(first)
+    pre, lease_id = await released_handoff(parts, "ack", handler)
+    await wait_until(lambda: first == [lease_id], timeout_s=5)
+    assert handler.release_acks_due() == [lease_id]
+    await pre.close()  # ends before the ack went
+    await handler.aclose()  # the ack finds the session closed: not sent
+    monkeypatch.setattr(client_leases, "RELEASE_ACK_DELAY_S", 0.0)
+    second: list[str] = []
+    again = releases_to(second)
+    pre, _ = await parts.part("ack-pre", again)
+    await wait_until(lambda: second == [lease_id], timeout_s=5)
+    await wait_until(lambda: again.release_acks_due() == [], timeout_s=5)
+    await pre.close()  # after the ack, on the same stream: kvrc read it first
+    third: list[str] = []
+    pre, _ = await parts.part("ack-pre", releases_to(third))
+    # An ack of a lease with no release waiting (a repeat, or unknown) changes nothing.
+    await pre.send_release_acks([lease_id, "pl-unknown"])
+    # Kept sleep: a release sent again would arrive within it.
+    await asyncio.sleep(1.0)
+    assert third == []
+    assert pre.connected
+
+
+class AckRecorder:
+    """The part of an EngineSession the handler acknowledges releases with."""
+
+    def __init__(self) -> None:
+        self.messages: list[list[str]] = []
+
+    async def send_release_acks(self, lease_ids: list[str]) -> None:
+        self.messages.append(list(lease_ids))
+
+
+async def test_release_acks_are_batched_one_message_for_a_burst(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst of releases costs one ReleaseAck, not one each (the load stream's
+    messages per load stay as revision 3 had them), and a burst past the message's
+    bound is cut at it."""
+    monkeypatch.setattr(client_leases, "MAX_RELEASE_ACKS_PER_MESSAGE", 64)
+    handler = LeaseSessionHandler()
+    session = AckRecorder()
+    handler.attach(session)  # type: ignore[arg-type]
+    released = [f"pl-{i}" for i in range(100)]
+    for lease_id in released:
+        await handler.on_release_request(pb.ReleaseRequest(lease_id=lease_id, reason="done"))
+    assert session.messages == [released[:64]]  # the bound: sent at once
+    await wait_until(lambda: len(session.messages) == 2, timeout_s=5)
+    assert session.messages[1] == released[64:]
+    assert handler.release_acks_due() == []
+    await handler.aclose()
+    assert len(session.messages) == 2
+
+
 async def test_only_reports_of_leases_still_open_are_kept_for_a_replay(
     kvrc: CoordinatorProcess, parts: Parts
 ) -> None:

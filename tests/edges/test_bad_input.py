@@ -231,8 +231,17 @@ async def test_session_must_start_with_register(
             "register may only be the first message",
         ),
         (pb.EngineMessage(), "empty or unknown EngineMessage"),
+        (pb.EngineMessage(release_ack=pb.ReleaseAck()), "release_ack.lease_id is empty"),
+        (
+            pb.EngineMessage(release_ack=pb.ReleaseAck(lease_ids=["pl-x"] * 4097)),
+            "release_ack.lease_ids has 4097 entries; the limit is 4096",
+        ),
+        (
+            pb.EngineMessage(release_ack=pb.ReleaseAck(lease_ids=["pl-x", "bad\x01id"])),
+            "release_ack.lease_ids[1] must be printable ASCII",
+        ),
     ],
-    ids=["second register", "empty message"],
+    ids=["second register", "empty message", "empty ack", "too many acks", "bad ack id"],
 )
 async def test_protocol_error_after_register_ends_only_that_session(
     kvrc: CoordinatorProcess, second: pb.EngineMessage, needle: str

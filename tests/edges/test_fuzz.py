@@ -246,6 +246,10 @@ WIRE_DECODERS: dict[str, tuple[type[Message], Callable[[Any], object]]] = {
         pb.ScoreRequest,
         lambda m: wire.score_request_from_proto(m, BOUNDS),
     ),
+    "release_ack_from_proto": (
+        pb.ReleaseAck,
+        lambda m: wire.release_ack_from_proto(m, BOUNDS),
+    ),
 }
 
 

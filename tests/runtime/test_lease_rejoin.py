@@ -17,8 +17,9 @@ from manual_rig import CHAIN, PROFILE, Rig, drain_outbound, manual_coordinator, 
 from coordinator.core.grants import PrefixLoadRequest, PublishHandoffRequest, TransferReport
 from coordinator.core.leases import Flow, LeaseState, Outcome, SendAbort, SendPin, SendRelease
 from coordinator.core.registry import HeldLease, RankPartRegistration
+from coordinator.runtime import coordinator as coordinator_module
 from coordinator.runtime import lease_flow as lease_flow_module
-from coordinator.runtime.coordinator import Session
+from coordinator.runtime.coordinator import Session, SessionEnd
 
 RANK = (0, 0, 0)
 
@@ -45,7 +46,13 @@ async def load_in_flight(rig: Rig) -> tuple[Session, Session, str]:
 
 
 def sent(session: Session, kind: type[SendAbort | SendRelease]) -> list[str]:
-    return [m.lease_id for m in drain_outbound(session) if isinstance(m, kind)]
+    """The lease ids of `kind` the session was sent; releases are acknowledged, as a
+    holder acknowledges them once its pins are free (revision 4)."""
+    lease_ids = [m.lease_id for m in drain_outbound(session) if isinstance(m, kind)]
+    if kind is SendRelease:
+        for lease_id in lease_ids:
+            session.release_acked(lease_id)
+    return lease_ids
 
 
 def holder_back(rig: Rig, lease_id: str) -> Session:
@@ -253,7 +260,48 @@ async def test_a_release_unread_when_the_holders_stream_broke_reaches_its_next_s
         back = rig.register("h")
         await settle()
         assert sent(back, SendRelease) == [lease_id]
-        c.close_session(back, "closed")  # read this time: not sent again
+        c.close_session(back, "closed")  # read and acknowledged this time: not sent again
         again = rig.register("h")
         await settle()
         assert sent(again, SendRelease) == []
+
+
+async def test_a_release_read_but_not_acknowledged_when_the_stream_broke_comes_again() -> None:
+    """The engine read the release off its stream, and the stream broke before its
+    ReleaseAck arrived (the engine may not have freed the pins): the part's next
+    session gets it again (revision 4; before, only unread releases did, and the pins
+    waited for the holder's safety net). Its ack there ends that."""
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        holder, _, lease_id = await load_in_flight(rig)
+        report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+        assert c.leases.complete_prefix_load(report).quiescent
+        read = [m.lease_id for m in drain_outbound(holder) if isinstance(m, SendRelease)]
+        assert read == [lease_id]  # read off the queue, no ack
+        c.close_session(holder, "closed")
+        back = rig.register("h")
+        await settle()
+        released = [m.lease_id for m in drain_outbound(back) if isinstance(m, SendRelease)]
+        assert released == [lease_id]
+        c.on_release_acks(back, [lease_id])
+        c.close_session(back, "closed")
+        again = rig.register("h")
+        await settle()
+        assert sent(again, SendRelease) == []
+
+
+async def test_unacknowledged_releases_a_session_keeps_are_bounded() -> None:
+    """An engine that never acknowledges (a client older than revision 4 cannot
+    register; a broken one) costs at most MAX_UNACKED_RELEASES entries, and the newest
+    are the ones kept."""
+    async with manual_coordinator() as rig:
+        holder = rig.register("h")
+        limit = coordinator_module.MAX_UNACKED_RELEASES
+        for i in range(limit + 10):
+            holder.offer(SendRelease("h", RANK, f"lease-{i}", Flow.PREFIX_LOAD, "released"))
+            drain_outbound(holder)  # read, never acknowledged
+        assert not holder.release_acked("lease-9"), "the oldest were to be forgotten"
+        assert holder.release_acked("lease-10")
+        assert holder.release_acked(f"lease-{limit + 9}")
+        unacked = holder.end(SessionEnd(None, ""))
+        assert len(unacked) == limit - 2
