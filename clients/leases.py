@@ -782,7 +782,7 @@ class LeaseSessionHandler(SessionHandler):
         # this is sent comes again on the next session (I6-quiescence).
         self._release_acks_due.append(request.lease_id)
         if len(self._release_acks_due) >= MAX_RELEASE_ACKS_PER_MESSAGE:
-            await self._send_release_acks()
+            await self.flush_release_acks()
         elif not self._release_ack_scheduled:
             self._release_ack_scheduled = True
             self._spawn(self._send_release_acks_soon())
@@ -792,9 +792,11 @@ class LeaseSessionHandler(SessionHandler):
             await asyncio.sleep(RELEASE_ACK_DELAY_S)
         finally:
             self._release_ack_scheduled = False
-        await self._send_release_acks()
+        await self.flush_release_acks()
 
-    async def _send_release_acks(self) -> None:
+    async def flush_release_acks(self) -> None:
+        """Sends the acks that are due now (an engine about to close its session calls
+        it first: what it sends after the stream ended is lost)."""
         due, self._release_acks_due = self._release_acks_due, []
         if not due:
             return
@@ -828,7 +830,7 @@ class LeaseSessionHandler(SessionHandler):
         """Sends the release acks that are due; cancels abort tasks still waiting (their
         acks are then never sent)."""
         with contextlib.suppress(Exception):  # closing: the coordinator resends releases
-            await self._send_release_acks()
+            await self.flush_release_acks()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

@@ -262,6 +262,9 @@ class SessionHandler(Protocol):
         return None
 
     async def on_release_request(self, request: pb.ReleaseRequest) -> None:
+        """Free the lease's pins, then acknowledge (`EngineSession.send_release_acks`,
+        required since revision 4; `LeaseSessionHandler` does both). Unacknowledged, the
+        release comes again on the next session, then is given up."""
         return None
 
     async def on_abort_request(self, request: pb.AbortRequest) -> None:

@@ -207,8 +207,9 @@ class RankPart:
         return Tier.CPU if self.cache.device.type == "cpu" else Tier.GPU
 
     async def close(self) -> None:
-        await self.handler.aclose()  # first: its due release acks go on the open stream
+        await self.handler.flush_release_acks()  # while the stream is up
         await self.session.close()
+        await self.handler.aclose()
         # Shutdown waits for native reads: never free memory a read may still write.
         await self.in_flight.wait_all_quiet(timeout_s=5.0)
         await self._channels.close()

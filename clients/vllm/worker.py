@@ -741,7 +741,7 @@ class KvrcWorker:
                 await self.in_flight.wait_all_quiet(timeout_s=5.0)
             if self.session is not None:
                 with contextlib.suppress(Exception):
-                    await self.handler.aclose()  # its due release acks, while the stream is up
+                    await self.handler.flush_release_acks()  # while the stream is up
                 with contextlib.suppress(Exception):
                     await self.session.close(timeout_s=2.0)
             task = getattr(self, "_session_task", None)

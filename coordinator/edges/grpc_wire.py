@@ -182,7 +182,9 @@ def release_ack_from_proto(msg: pb.ReleaseAck, bounds: FieldBounds) -> tuple[str
     """The acknowledged lease ids: `lease_id` and `lease_ids`, at least one, each an id."""
     check_count("release_ack.lease_ids", len(msg.lease_ids), MAX_RELEASE_ACKS)
     ids = [check_id(f"release_ack.lease_ids[{i}]", v, bounds) for i, v in enumerate(msg.lease_ids)]
-    if msg.lease_id or not ids:
+    if not msg.lease_id and not ids:
+        raise invalid("release_ack names no lease: set lease_id or lease_ids")
+    if msg.lease_id:
         ids.append(check_id("release_ack.lease_id", msg.lease_id, bounds))
     return tuple(ids)
 

@@ -71,7 +71,7 @@ from coordinator.core.registry import (
 from coordinator.runtime.clock import Clock, SystemClock, Timer
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.inventory_flow import InventoryFlow, ResyncOrder
-from coordinator.runtime.lease_flow import LeaseFlow, LeaseOutbound
+from coordinator.runtime.lease_flow import MAX_RELEASE_RETURNS, LeaseFlow, LeaseOutbound
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.peers import (
     CALL_BEGIN_HANDOFF,
@@ -745,10 +745,22 @@ class Coordinator:
         self.metrics.sessions_closed.labels(reason=reason).inc()
         if self._part_removed(session.ref, reason) and self.peers is not None:
             self.peers.part_left(session.ref)
-        for release in unacked:
-            # Never acknowledged: the part's next session gets it (I6-quiescence). Aborts
+        if unacked:
+            # Never acknowledged: the part's next session gets them (I6-quiescence). Aborts
             # and quarantines are sent again by the lease table when it registers.
-            self.leases.release_again(release)
+            given_up = self.leases.releases_returned(unacked)
+            log.info(
+                "session %s of %s rank %s ended with %d release(s) not acknowledged: "
+                "sent on to the part's next session%s",
+                session.session_id,
+                session.ref.child_engine_id,
+                format_rank(session.ref.rank),
+                len(unacked),
+                f" but {given_up}, unacknowledged by {MAX_RELEASE_RETURNS} sessions "
+                "(does the engine send ReleaseAck?)"
+                if given_up
+                else "",
+            )
 
     def _part_removed(self, ref: PartRef, reason: str) -> bool:
         """Removes a registered part (local or remote) and tells the listeners; False if gone."""
@@ -840,6 +852,12 @@ class Coordinator:
             return delivered
         # The owner ended the lease: only the holder's pins are left, and the part's
         # next session must free them (I6-quiescence), not its safety net.
+        log.info(
+            "release of lease %s for %s rank %s found its session gone: sent on",
+            message.lease_id,
+            message.child_engine_id,
+            format_rank(message.rank_key),
+        )
         self.leases.release_again(message)
         return True
 

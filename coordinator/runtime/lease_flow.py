@@ -94,6 +94,11 @@ _DRAIN_POLL_MS = 1_000
 # Releases kept for parts that had no session when they were decided (oldest dropped
 # first: that holder's own pin safety net, clients/holds.py, then frees the blocks).
 MAX_UNSENT_RELEASES = 4096
+# A release that came back unacknowledged from this many sessions of its part in a row
+# is given up (its holder's safety net frees the pins): a holder acks within ~20 ms, so
+# only an engine that never acks gets here, and its releases must not crowd the other
+# parts' kept ones out of MAX_UNSENT_RELEASES.
+MAX_RELEASE_RETURNS = 4
 
 _NON_TERMINAL = tuple(s for s in LeaseState if s not in TERMINAL_STATES)
 
@@ -144,6 +149,9 @@ class LeaseFlow:
         # safety net). By part, then lease id; and every kept one, oldest first.
         self._unsent_releases: dict[tuple[str, RankKey], dict[str, SendRelease]] = {}
         self._unsent_order: OrderedDict[tuple[str, RankKey, str], None] = OrderedDict()
+        # Per lease id: how many sessions a release came back from unacknowledged
+        # (bounded as the kept releases are; an id forgotten here counts from 0 again).
+        self._release_returns: OrderedDict[str, int] = OrderedDict()
         self._m_releases_waiting = metrics.releases_waiting
         self._m_draining = metrics.child_engines.labels(state="draining")
         self._m_draining.set(0)
@@ -430,20 +438,33 @@ class LeaseFlow:
             self._send(child_engine_id, rank_key, release)
         self._execute(actions)
 
+    def releases_returned(self, releases: Sequence[SendRelease]) -> int:
+        """Releases a closing session was given and never acknowledged go on
+        (`release_again`), each until it has come back MAX_RELEASE_RETURNS times; returns
+        how many were given up (the caller logs them with the session)."""
+        returns = self._release_returns
+        given_up = 0
+        for release in releases:
+            count = returns.pop(release.lease_id, 0) + 1
+            if count >= MAX_RELEASE_RETURNS:
+                given_up += 1
+                self._metrics.releases_given_up.inc()
+                continue
+            returns[release.lease_id] = count
+            if len(returns) > 2 * MAX_UNSENT_RELEASES:
+                returns.popitem(last=False)
+            self.release_again(release)
+        return given_up
+
     def release_again(self, release: SendRelease) -> None:
-        """A release its holder's session never read: it ended (or its full queue closed
-        it) with the release still queued, or before another replica's release reached
-        it here. It goes to the part's session now, here or on another replica, or is
-        kept for its next registration (I6-quiescence: else the pins wait for the
-        holder's safety net). Each hop goes to a session that registered after the one
-        the release was meant for, so it never circles."""
-        log.info(
-            "release of lease %s for %s rank %s found its session gone: sent on",
-            release.lease_id,
-            release.child_engine_id,
-            release.rank_key,
-        )
-        self._send(release.child_engine_id, release.rank_key, release)
+        """A release its holder's session never acknowledged: it ended (or its full queue
+        closed it) with the release queued or read but not acked, or before another
+        replica's release reached it here. It goes to the part's session now, here or on
+        another replica, or is kept for its next registration (I6-quiescence: else the
+        pins wait for the holder's safety net). Each hop goes to a session that
+        registered after the one the release was meant for, so it never circles. The
+        caller logs (one line per session closed, not per release)."""
+        self._send(release.child_engine_id, release.rank_key, release, log_unsent=False)
 
     def resolve_quarantine(self, lease_id: str, operator_note: str) -> LeaseView:
         view, actions = self.core.resolve_quarantine(lease_id, self._clock.monotonic_ms())
@@ -532,11 +553,13 @@ class LeaseFlow:
             return
         self._execute(actions)
 
-    def _send(self, child_engine_id: str, rank: RankKey, message: LeaseOutbound) -> None:
+    def _send(
+        self, child_engine_id: str, rank: RankKey, message: LeaseOutbound, log_unsent: bool = True
+    ) -> None:
         sent = self._send_to_part(child_engine_id, rank, message)
         if isinstance(message, SendRelease):
             self._keep_unsent(child_engine_id, rank, message, sent)
-        if not sent:
+        if not sent and log_unsent:
             log.info(
                 "%s for %s rank %s not sent: the part has no session",
                 type(message).__name__,

@@ -262,6 +262,12 @@ class Metrics:
             "it registers again.",
             registry=r,
         )
+        self.releases_given_up = Counter(
+            "kvrc_lease_releases_given_up_total",
+            "Releases given up after coming back unacknowledged from several sessions of "
+            "their holder part (an engine that does not send ReleaseAck).",
+            registry=r,
+        )
         self.prefix_load_misses = Counter(
             "kvrc_prefix_load_misses_total",
             "Prefix-load requests answered with a miss, by reason "

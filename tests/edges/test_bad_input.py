@@ -231,7 +231,10 @@ async def test_session_must_start_with_register(
             "register may only be the first message",
         ),
         (pb.EngineMessage(), "empty or unknown EngineMessage"),
-        (pb.EngineMessage(release_ack=pb.ReleaseAck()), "release_ack.lease_id is empty"),
+        (
+            pb.EngineMessage(release_ack=pb.ReleaseAck()),
+            "release_ack names no lease: set lease_id or lease_ids",
+        ),
         (
             pb.EngineMessage(release_ack=pb.ReleaseAck(lease_ids=["pl-x"] * 4097)),
             "release_ack.lease_ids has 4097 entries; the limit is 4096",

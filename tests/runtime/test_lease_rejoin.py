@@ -9,6 +9,7 @@ target part back must be asked again for every abort it owes an ack for.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 
 import pytest
@@ -53,6 +54,11 @@ def sent(session: Session, kind: type[SendAbort | SendRelease]) -> list[str]:
         for lease_id in lease_ids:
             session.release_acked(lease_id)
     return lease_ids
+
+
+def released(session: Session) -> list[str]:
+    """The releases the session was sent, read but not acknowledged."""
+    return [m.lease_id for m in drain_outbound(session) if isinstance(m, SendRelease)]
 
 
 def holder_back(rig: Rig, lease_id: str) -> Session:
@@ -276,18 +282,59 @@ async def test_a_release_read_but_not_acknowledged_when_the_stream_broke_comes_a
         holder, _, lease_id = await load_in_flight(rig)
         report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
         assert c.leases.complete_prefix_load(report).quiescent
-        read = [m.lease_id for m in drain_outbound(holder) if isinstance(m, SendRelease)]
-        assert read == [lease_id]  # read off the queue, no ack
+        assert released(holder) == [lease_id]  # read off the queue, no ack
         c.close_session(holder, "closed")
         back = rig.register("h")
         await settle()
-        released = [m.lease_id for m in drain_outbound(back) if isinstance(m, SendRelease)]
-        assert released == [lease_id]
+        assert released(back) == [lease_id]
         c.on_release_acks(back, [lease_id])
         c.close_session(back, "closed")
         again = rig.register("h")
         await settle()
         assert sent(again, SendRelease) == []
+
+
+async def test_a_session_closed_with_unacknowledged_releases_logs_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine that never acknowledges and reconnects in a loop must not fill the log:
+    one line per closed session however many releases it takes on (each is kept)."""
+    async with manual_coordinator() as rig:
+        holder = rig.register("h")
+        for i in range(50):
+            holder.offer(SendRelease("h", RANK, f"lease-{i}", Flow.PREFIX_LOAD, "released"))
+        drain_outbound(holder)
+        with caplog.at_level(logging.INFO, logger="kvrc"):
+            rig.coordinator.close_session(holder, "closed")
+        lines = [r.getMessage() for r in caplog.records if "release" in r.getMessage()]
+        assert len(lines) == 1 and "50 release(s) not acknowledged" in lines[0], lines
+        back = rig.register("h")
+        await settle()
+        assert len(sent(back, SendRelease)) == 50  # kept, and sent on
+
+
+async def test_a_release_no_session_acknowledges_is_given_up_after_max_returns() -> None:
+    """An engine that never sends ReleaseAck (and reconnects) must not have its releases
+    sent for ever, crowding other parts' kept releases out: each comes back from at most
+    MAX_RELEASE_RETURNS sessions, is then given up and counted. An acknowledging holder
+    never gets near that (its ack takes ~20 ms)."""
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        holder = rig.register("h")
+        holder.offer(SendRelease("h", RANK, "lease-x", Flow.PREFIX_LOAD, "released"))
+        for _ in range(lease_flow_module.MAX_RELEASE_RETURNS - 1):
+            assert released(holder) == ["lease-x"]
+            c.close_session(holder, "closed")  # read, never acknowledged
+            holder = rig.register("h")
+            await settle()
+        assert released(holder) == ["lease-x"]
+        given_up = c.metrics.releases_given_up
+        before = given_up._value.get()
+        c.close_session(holder, "closed")
+        assert given_up._value.get() == before + 1
+        last = rig.register("h")
+        await settle()
+        assert sent(last, SendRelease) == []
 
 
 async def test_unacknowledged_releases_a_session_keeps_are_bounded() -> None:
