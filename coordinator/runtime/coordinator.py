@@ -151,12 +151,12 @@ class SessionEnd:
     message: str
 
 
-# Removal reasons, also the `reason` label of kvrc_sessions_closed_total.
 # Releases a session was given and its holder has not acknowledged yet (revision 4),
 # at most: a client acks within tens of ms, so only one that never acks fills this;
 # the oldest are then forgotten (their pins wait for the holder's own safety net).
 MAX_UNACKED_RELEASES = 4_096
 
+# Removal reasons, also the `reason` label of kvrc_sessions_closed_total.
 REASON_CLOSED = "closed"
 REASON_HEARTBEAT_TIMEOUT = "heartbeat_timeout"
 REASON_SHUTDOWN = "shutdown"

@@ -258,8 +258,8 @@ class Metrics:
         )
         self.releases_waiting = Gauge(
             "kvrc_lease_releases_waiting",
-            "Releases whose holder rank part had no session, kept on this replica until "
-            "it registers again.",
+            "Releases whose holder rank part had no session, or whose session ended "
+            "before acknowledging them, kept on this replica until it registers again.",
             registry=r,
         )
         self.releases_given_up = Counter(

@@ -165,17 +165,18 @@ async def test_an_abort_ack_that_finds_the_session_down_is_sent_after_it_reconne
     await handler.aclose()
 
 
-async def released_handoff(
-    parts: Parts, name: str, handler: LeaseSessionHandler
-) -> tuple[EngineSession, str]:
+async def completed_handoff(
+    parts: Parts, name: str, handler: LeaseSessionHandler | None = None
+) -> tuple[EngineSession, LeaseClient, pb.TransferReport]:
     """Prefill `name`-pre (with `handler`) publishes a handoff that `name`-dec reads and
-    reports done: the release goes to the prefill. Its session and the lease id."""
-    pre, pre_client = await parts.part(f"{name}-pre", handler)
-    _, decode = await parts.part(f"{name}-dec")
+    reports done, quiescent: the release goes to the prefill. The prefill's session, the
+    decode's client and its report (the lease id is `report.lease_id`)."""
+    pre, pre_client = await parts.part(f"{name}-pre", handler or LeaseSessionHandler())
+    _, decode = await parts.part(f"{name}-dec", LeaseSessionHandler())
     await pre_client.publish_handoff(
-        "h-ack", descriptor=descriptor([1]), kv_transfer_params={}, num_blocks=1
+        f"h-{name}", descriptor=descriptor([1]), kv_transfer_params={}, num_blocks=1
     )
-    grant = await decode.begin_handoff("h-ack", f"{name}-pre")
+    grant = await decode.begin_handoff(f"h-{name}", f"{name}-pre")
     assert isinstance(grant, HandoffGrant)
     report = pb.TransferReport(
         lease_id=grant.lease_id,
@@ -184,7 +185,7 @@ async def released_handoff(
         outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
     )
     assert (await decode.complete_handoff(report)).quiescent
-    return pre, grant.lease_id
+    return pre, decode, report
 
 
 def releases_to(got: list[str]) -> LeaseSessionHandler:
@@ -201,7 +202,8 @@ async def test_a_release_whose_ack_was_lost_with_the_stream_reaches_the_next_ses
     monkeypatch.setattr(client_leases, "RELEASE_ACK_DELAY_S", 60.0)
     first: list[str] = []
     handler = releases_to(first)
-    pre, lease_id = await released_handoff(parts, "ack", handler)
+    pre, _, report = await completed_handoff(parts, "ack", handler)
+    lease_id = report.lease_id
     await wait_until(lambda: first == [lease_id], timeout_s=5)
     assert handler.release_acks_due() == [lease_id]
     await pre.close()  # ends before the ack went
@@ -259,20 +261,7 @@ async def test_only_reports_of_leases_still_open_are_kept_for_a_replay(
 ) -> None:
     # A report answered quiescent ended its lease (the release went out with the answer):
     # replaying it after a re-registration would only load a restarting coordinator.
-    _, pre_client = await parts.part("r-pre", LeaseSessionHandler())
-    _, decode = await parts.part("r-dec", LeaseSessionHandler())
-    await pre_client.publish_handoff(
-        "h-r", descriptor=descriptor([1]), kv_transfer_params={}, num_blocks=1
-    )
-    grant = await decode.begin_handoff("h-r", "r-pre")
-    assert isinstance(grant, HandoffGrant)
-    report = pb.TransferReport(
-        lease_id=grant.lease_id,
-        reporter_child_engine_id="r-dec",
-        rank=pb.RankCoordinates(),
-        outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
-    )
-    assert (await decode.complete_handoff(report)).quiescent
+    _, decode, report = await completed_handoff(parts, "r")
     assert await decode.replay_recent_reports() == 0
     # The control: the same report, remembered, is taken again (a repeat changes nothing).
     decode._remember("CompleteHandoff", report)
