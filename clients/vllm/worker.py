@@ -717,9 +717,22 @@ class KvrcWorker:
             self._free_handoff(lease_id, request_id, f"released by kvrc ({reason})")
             return
         self.handler.untrack_held(lease_id)
-        with contextlib.suppress(Exception):
+        try:
             if await self._scheduler_call("release", lease_id=lease_id):
                 return
+        except Exception as e:
+            self._release_early(lease_id)
+            # Raised, so not acknowledged: kvrc sends the release again to this part's
+            # next session instead of leaving the pins to the scheduler's safety net (I6).
+            raise RuntimeError(
+                f"release of lease {lease_id} not passed to the scheduler: {e!r}; "
+                "kvrc sends it again to the next session"
+            ) from e
+        self._release_early(lease_id)
+
+    def _release_early(self, lease_id: str) -> None:
+        """A release that came before this worker knew the lease (its publish answer may
+        still come)."""
         self._released_early[lease_id] = None
         while len(self._released_early) > 4096:
             del self._released_early[next(iter(self._released_early))]

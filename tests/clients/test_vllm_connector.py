@@ -517,6 +517,40 @@ def test_the_aborted_lease_record_is_bounded(
     assert "bounded-0" not in worker._aborted and f"bounded-{cap + 9}" in worker._aborted
 
 
+def test_a_release_the_scheduler_did_not_take_is_not_acknowledged(
+    clean_worker: Any, scheduler: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker acks a ReleaseRequest only once its engine's scheduler (which holds
+    the pins) took it; otherwise kvrc keeps the release for the part's next session."""
+    from clients.leases import LeaseSessionHandler
+    from kvrc.v1 import kvrc_pb2 as pb
+
+    worker = clean_worker
+    monkeypatch.setattr("clients.leases.RELEASE_ACK_DELAY_S", 60.0)  # acks stay due here
+    handler = LeaseSessionHandler(on_release=worker._on_release)
+    monkeypatch.setattr(worker, "handler", handler, raising=False)
+
+    def release(lease_id: str) -> None:
+        request = pb.ReleaseRequest(lease_id=lease_id, reason="completed")
+        worker.loop.run(handler.on_release_request(request), timeout_s=10)
+
+    try:
+        # Control: this engine's scheduler answers on its control socket, so it is acked.
+        monkeypatch.setattr(worker, "child_engine_id", scheduler.child_engine_id)
+        monkeypatch.setattr(worker, "_scheduler_channel", None)
+        release("pl-taken")
+        assert handler.release_acks_due() == ["pl-taken"]
+        worker.loop.run(worker._scheduler_channel.close(), timeout_s=10)
+        # The scheduler is gone: before, the failure was swallowed and the release acked.
+        monkeypatch.setattr(worker, "child_engine_id", "no-scheduler-here")
+        monkeypatch.setattr(worker, "_scheduler_channel", None)
+        with pytest.raises(RuntimeError, match="sends it again to the next session"):
+            release("pl-not-taken")
+        assert handler.release_acks_due() == ["pl-taken"]
+    finally:
+        worker.loop.run(handler.aclose(), timeout_s=10)
+
+
 # --- 6. a pin that misses the key map does not hold vLLM's block pool while it rebuilds ----
 
 
