@@ -84,9 +84,14 @@ its reverse's samples or evictions. It is the plan's stand-in, not whatever stan
 the report: two cold directions probed together blend alike whichever reports
 first, and a reverse that leaves the LRU mid-load changes nothing.
 
-Bounds (counted, never timed): at most `max_pairs` links and `max_requesters`
-prefill estimates, each evicted least recently *observed* first (`predict` does not
-touch recency, so a Score caller cannot churn the table).
+A block of unknown size. A holder that registered no regions and whose profile names no
+layout has blocks of unknown size: its first load is priced on the link's latency alone,
+whole (no probe: a probe is sized in blocks), and its outcome (bytes over the blocks it
+moved, `observe_block_bytes`) sizes the holder's blocks from then on (`block_bytes`).
+
+Bounds (counted, never timed): at most `max_pairs` links, and `max_requesters` prefill
+estimates and learnt block sizes, each evicted least recently *observed* first
+(`predict` does not touch recency, so a Score caller cannot churn the table).
 """
 
 from __future__ import annotations
@@ -117,6 +122,9 @@ MIB = 1024 * 1024
 MIN_SPREAD = 0.01
 # A fit whose slope is this small (or negative) reads as an infinitely fast link.
 MAX_BANDWIDTH_BYTES_PER_S = 1e13
+# The most a block learnt from loads may weigh (a holder that registered no regions and
+# no layout): 1 GiB, 512 tokens at 2 MiB each. A report cannot claim more per block.
+MAX_LEARNT_BLOCK_BYTES = 1 << 30
 
 LinkKey = tuple[str, str, Tier]  # (holder, requester, holder's tier)
 
@@ -142,7 +150,7 @@ class CostConfig:
     # Grant only when predicted load ms x safety_margin < predicted recompute ms.
     safety_margin: float = 1.5
     max_pairs: int = 4096  # links kept (LRU)
-    max_requesters: int = 4096  # prefill estimates kept (LRU)
+    max_requesters: int = 4096  # prefill estimates, and learnt block sizes, kept (LRU)
     # Cold defaults. They lean towards loading (a fast link, a slow prefill) so that an
     # unmeasured deployment behaves as before the gate; measurements and declared
     # prefill rates then decide.
@@ -399,6 +407,8 @@ class CostModel:
         self._declared_links = tuple(declared_links)
         self._links: OrderedDict[LinkKey, _Link] = OrderedDict()
         self._prefill: OrderedDict[str, _Prefill] = OrderedDict()
+        # Bytes per block of holders whose size nothing declares, learnt from their loads.
+        self._block_bytes: OrderedDict[str, int] = OrderedDict()
         # Open loads over links without samples, by lease id and by link (as many as
         # there are open leases: the grants core ends each one with its lease).
         self._first_loads: dict[str, _OpenLoad] = {}
@@ -417,6 +427,11 @@ class CostModel:
     @property
     def open_first_loads(self) -> int:
         return len(self._first_loads)
+
+    def block_bytes(self, holder: str, known: int) -> int:
+        """The holder's bytes per block: `known` (`kv_bytes_per_block` of its regions or
+        layout) when it is, else what its completed loads showed (0: not yet)."""
+        return known if known > 0 else self._block_bytes.get(holder, 0)
 
     def link(
         self,
@@ -779,6 +794,18 @@ class CostModel:
             state.last_sample_ms = now_ms
         return True
 
+    def observe_block_bytes(self, holder: str, num_bytes: int, num_blocks: int) -> bool:
+        """A completed load from a holder whose block size is unknown moved `num_bytes`
+        over `num_blocks`: its blocks weigh that much (the latest load decides: a layout
+        does not drift). False: not usable."""
+        if num_bytes <= 0 or num_blocks <= 0:
+            return False
+        self._block_bytes[holder] = min(-(-num_bytes // num_blocks), MAX_LEARNT_BLOCK_BYTES)
+        self._block_bytes.move_to_end(holder)
+        while len(self._block_bytes) > self.config.max_requesters:
+            self._block_bytes.popitem(last=False)
+        return True
+
     def observe_prefill(
         self, requester: str, num_tokens: int, duration_us: int, now_ms: int | None = None
     ) -> bool:
@@ -819,7 +846,8 @@ def kv_bytes_per_block(
 
     The holder's registered regions say it exactly (each region's `block_len`, summed
     over regions and rank parts). Without regions the layout fields give K and V of
-    every layer and head; without those either the size is unknown (0), and the
+    every layer and head; without those either the size is unknown (0): the holder's
+    loads then size it (`CostModel.block_bytes`), and until the first one completes a
     prediction counts the link's latency alone.
     """
     from_regions = sum(r.block_len for regions in regions_per_part for r in regions)

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.core.cost_model import CostModel, LoadPlan, Prediction, kv_bytes_per_block
+from coordinator.core.cost_model import MAX_LEARNT_BLOCK_BYTES, CostModel, LoadPlan, Prediction
 from coordinator.core.errors import ErrorCode, KvrcError, failed_precondition, not_found
 from coordinator.core.inventory import MAX_CANDIDATES, Inventory, Scope
 from coordinator.core.leases import (
@@ -251,6 +251,14 @@ class ReportStep:
 class DrainStep:
     child_engine_ids: tuple[str, ...]
     actions: tuple[GrantAction, ...]
+
+
+def _most_bytes(prediction: Prediction, context: _CostContext | None) -> int:
+    """The most a load's reports may claim to have moved: what its grant asked to move,
+    or, from a holder of unknown block size, MAX_LEARNT_BLOCK_BYTES a block."""
+    if prediction.num_bytes > 0 or context is None or context.block_size <= 0:
+        return prediction.num_bytes
+    return prediction.num_tokens // context.block_size * MAX_LEARNT_BLOCK_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,20 +507,11 @@ class Grants:
     def _cost_context(
         self, holder: ChildEngineView, requester: ChildEngineView, tier: Tier
     ) -> _CostContext:
-        p = holder.profile
-        per_block = kv_bytes_per_block(
-            [part.registration.endpoint.regions for part in holder.parts],
-            block_size=p.block_size,
-            num_layers=p.num_layers,
-            num_kv_heads=p.num_kv_heads,
-            head_size=p.head_size,
-            kv_dtype=p.kv_dtype,
-        )
         return _CostContext(
             holder.child_engine_id,
             requester.child_engine_id,
             tier,
-            per_block,
+            self.cost.block_bytes(holder.child_engine_id, holder.kv_bytes_per_block()),
             requester.profile.block_size,
         )
 
@@ -658,7 +657,7 @@ class Grants:
         if report.outcome is Outcome.SUCCEEDED:
             measured.bytes_moved += report.bytes_moved
             if prediction is not None:
-                measured.bytes_moved = min(measured.bytes_moved, prediction.num_bytes)
+                measured.bytes_moved = min(measured.bytes_moved, _most_bytes(prediction, context))
             measured.duration_us = max(measured.duration_us, duration_us)
             measured.succeeded += 1
         elif report.outcome is Outcome.FAILED and report.lease_id not in self._aborted:
@@ -686,6 +685,10 @@ class Grants:
                 )
             )
         self._failed_in_a_row.pop((context.holder, context.requester, context.tier), None)
+        if context.bytes_per_block <= 0 and prediction is not None:
+            # A holder of unknown block size: this load sizes its blocks (I9-cost-gate).
+            moved_blocks = prediction.num_tokens // max(context.block_size, 1)
+            self.cost.observe_block_bytes(context.holder, measured.bytes_moved, moved_blocks)
         self.cost.observe_transfer(
             context.holder,
             context.requester,

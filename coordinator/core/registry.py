@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 
+from coordinator.core.cost_model import kv_bytes_per_block
 from coordinator.core.errors import already_exists, failed_precondition, invalid, resource_exhausted
 from coordinator.core.profiles import LAYOUT_FIELDS, DeploymentProfile, compatibility_hash
 from kvrc.ids import MAX_GRID_PARTS, child_engine_id, format_rank, rank_grid
@@ -68,6 +69,18 @@ class ChildEngineView:
     @property
     def parts_present(self) -> int:
         return len(self.parts)
+
+    def kv_bytes_per_block(self) -> int:
+        """What a load of one of its blocks moves from all its parts (0: unknown)."""
+        p = self.profile
+        return kv_bytes_per_block(
+            [part.registration.endpoint.regions for part in self.parts],
+            block_size=p.block_size,
+            num_layers=p.num_layers,
+            num_kv_heads=p.num_kv_heads,
+            head_size=p.head_size,
+            kv_dtype=p.kv_dtype,
+        )
 
 
 @dataclass(frozen=True, slots=True)

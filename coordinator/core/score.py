@@ -159,6 +159,11 @@ class SavingPredictor(Protocol):
         """`link`: priced on this estimate (a `LoadPlan`'s)."""
         ...
 
+    def block_bytes(self, holder: str, known: int) -> int:
+        """The holder's bytes per block: `known` when it is (> 0), else as its loads
+        showed (0: unknown)."""
+        ...
+
     def recompute_ms(self, requester: str, num_tokens: int, now_ms: int | None = None) -> float:
         """`predict(...).recompute_ms` alone: a local hit needs no link (and is asked per
         engine, so it stays cheap)."""
@@ -209,7 +214,7 @@ class ScoreEngine:
     reuse: ReuseStatus | None = None  # may it load prefixes (the reuse gate)
     draining: bool = False  # `kvrc drain`: no new requests, loads or handoffs
     # KV bytes of one block, the same at any holder of its compatibility hash (same
-    # layout); 0: unknown, a load then costs the link's latency alone.
+    # layout); 0: unknown, sized as each holder's loads showed (`block_bytes`).
     bytes_per_block: int = 0
 
 
@@ -425,6 +430,7 @@ def _priced(
             if blocks <= matched or plans == HOLDERS_PRICED:
                 break  # longest first: only a longer prefix than its own is loadable
             plans += 1
+            per_block = predictor.block_bytes(cid, e.bytes_per_block)  # as a grant sizes it
             plan = predictor.plan(
                 cid,
                 me,
@@ -432,7 +438,7 @@ def _priced(
                 matched + 1,
                 blocks,
                 block_tokens=block_size,
-                bytes_per_block=e.bytes_per_block,
+                bytes_per_block=per_block,
                 have=matched,
                 now_ms=now_ms,
             )
@@ -442,7 +448,7 @@ def _priced(
                 me,
                 tier,
                 moved * block_size,
-                moved * e.bytes_per_block,
+                moved * per_block,
                 now_ms,
                 link=plan.link,
             )

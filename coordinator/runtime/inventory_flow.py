@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
-from coordinator.core.cost_model import CostModel, kv_bytes_per_block
+from coordinator.core.cost_model import CostModel
 from coordinator.core.errors import KvrcError, invalid
 from coordinator.core.event_streams import EventStreams, StreamAction, StreamKey, StreamPhase
 from coordinator.core.events import EventBatch, RankKey, Tier
@@ -679,7 +679,7 @@ class InventoryFlow:
                 view.ready,
                 self.reuse_gate(cid, view),
                 self._is_draining(cid),
-                _bytes_per_block(view),
+                view.kv_bytes_per_block(),
             )
             for cid, view in views
         ]
@@ -872,18 +872,6 @@ class InventoryFlow:
             log.exception("inventory expiry sweep failed")
         if self._sweeper is not None:  # not closed
             self._sweeper = self._clock.call_later(SWEEP_INTERVAL_MS, self._sweep)
-
-
-def _bytes_per_block(view: ChildEngineView) -> int:
-    p = view.profile
-    return kv_bytes_per_block(
-        [part.registration.endpoint.regions for part in view.parts],
-        block_size=p.block_size,
-        num_layers=p.num_layers,
-        num_kv_heads=p.num_kv_heads,
-        head_size=p.head_size,
-        kv_dtype=p.kv_dtype,
-    )
 
 
 def _cost_basis(config: CoordinatorConfig) -> str:

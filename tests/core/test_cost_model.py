@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.core.cost_model import (
+    MAX_LEARNT_BLOCK_BYTES,
     CostConfig,
     CostModel,
     DeclaredLink,
@@ -706,3 +707,17 @@ def test_the_requesters_own_blocks_are_neither_priced_nor_probed() -> None:
     plan = cold.plan("h", "r", GPU, 7, 10, block_tokens=4, bytes_per_block=1000, have=6)
     assert (plan.probe, plan.ceiling) == (True, 8)
     assert cold.plan("h", "r", GPU, 1, 10, block_tokens=4, bytes_per_block=1000).ceiling == 2
+
+
+def test_learnt_block_sizes_are_bounded_and_a_known_size_wins() -> None:
+    model = CostModel(CostConfig(max_requesters=2))
+    assert not model.observe_block_bytes("h", 0, 4) and not model.observe_block_bytes("h", 4, 0)
+    assert model.block_bytes("h", 0) == 0
+    assert model.observe_block_bytes("h", 1000, 3)
+    assert model.block_bytes("h", 0) == 334  # rounded up: never priced lighter
+    assert model.block_bytes("h", 64) == 64  # regions or a layout say it exactly
+    model.observe_block_bytes("h", 1 << 50, 1)
+    assert model.block_bytes("h", 0) == MAX_LEARNT_BLOCK_BYTES  # a report's claim is capped
+    model.observe_block_bytes("g", 10, 1)
+    model.observe_block_bytes("f", 10, 1)  # past max_requesters: h, observed first, goes
+    assert model.block_bytes("h", 0) == 0 and model.block_bytes("f", 0) == 10

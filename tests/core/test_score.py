@@ -81,6 +81,9 @@ class NoLinks:
     def recompute_ms(self, requester: str, num_tokens: int, now_ms: int | None = None) -> float:
         return float(num_tokens)
 
+    def block_bytes(self, holder: str, known: int) -> int:
+        return known
+
     def plan(
         self,
         holder: str,
@@ -494,6 +497,27 @@ def test_with_the_cost_model_a_load_counts_exactly_when_a_grant_would_be_made() 
         assert model.predict("b", "a", Tier.GPU, 32, 8000).worth_loading is credited
         saving = by_saving(run(inv, [a], predictor=model))["a"]
         assert saving == pytest.approx(8 + (32 - 9 if credited else 0)), margin
+
+
+def test_a_holder_of_unknown_block_size_is_priced_as_its_loads_showed() -> None:
+    # Nothing sizes the blocks (no regions, no layout): the grant prices b's blocks by
+    # what b's completed loads moved a block, and Score does the same. 1000 tokens/s,
+    # 1 ms + 1 MB/s: 8 loadable blocks of 4 tokens recompute in 32 ms.
+    inv = a_holds_2_b_holds_10()
+    config = CostConfig(
+        default_prefill_tokens_per_s=1000.0,
+        default_bandwidth_bytes_per_s=1e6,
+        default_latency_ms=1.0,
+    )
+    model = CostModel(config)
+    unsized = engine("a")  # bytes_per_block 0
+    before = by_saving(run(inv, [unsized], predictor=model))["a"]
+    assert before == pytest.approx(8 + (32 - 1))  # the latency alone: the load pays
+    model.observe_block_bytes("b", 8 * 100_000, 8)  # 100 kB a block: 800 ms more
+    after = by_saving(run(inv, [unsized], predictor=model))["a"]
+    assert after == pytest.approx(8)  # the local hit only: the load no longer pays
+    sized = by_saving(run(inv, [replace(unsized, bytes_per_block=1000)], predictor=model))
+    assert sized["a"] == pytest.approx(8 + (32 - 9))  # a declared size wins
 
 
 def test_a_local_hit_is_priced_at_the_prefill_rate_in_force_at_the_call() -> None:

@@ -606,6 +606,33 @@ async def test_a_report_cannot_claim_more_bytes_or_time_than_its_load_had(
         assert granted(await load(rig, h, "a1", duration_us=1_000)) == "h"
 
 
+async def test_a_holder_of_unknown_block_size_is_sized_by_its_first_load() -> None:
+    """No regions, no layout: every load was priced on the link's latency alone and its
+    report was capped at the 0 bytes it was predicted to move, so the link never
+    learnt and a slow holder got every grant."""
+    async with manual_coordinator(cost=COST) as rig:
+        c = rig.coordinator
+        register(rig, "r")
+        unsized = RankPartRegistration("h", 0, "h", (0, 0, 0), PROFILE, endpoint=TransferEndpoint())
+        h = c.open_session(unsized)
+        rig.store(h)
+        model = c.leases.cost_model
+        assert model.block_bytes("h", 0) == 0
+
+        first = await load(rig, h, "u0", duration_us=400_000)
+        assert granted(first) == "h"
+        assert first.prediction is not None and first.prediction.num_bytes == 0  # unknown
+        assert model.block_bytes("h", 0) == BLOCK_BYTES  # CHAIN_BYTES over 8 blocks
+        assert model.link("h", "r", Tier.GPU).samples == 1
+        # Sized and measured at 400 ms a load, the link soon loses to a 128 ms recompute.
+        answers = [await load(rig, h, f"u{i}", duration_us=400_000) for i in range(1, 6)]
+        assert answers[0].prediction is not None
+        assert answers[0].prediction.num_bytes == CHAIN_BYTES
+        assert [a.miss_reason for a in answers if a.miss_reason][:1] == ["recompute_cheaper"]
+        # A size the holder declares wins over the learnt one.
+        assert model.block_bytes("h", 4096) == 4096
+
+
 async def test_a_loads_prefill_sample_counts_once_whatever_its_parts() -> None:
     """Each requester part's report used to add the same prefill as one more sample."""
     tp2 = dataclasses.replace(PROFILE, tp_size=2)
