@@ -708,8 +708,6 @@ class RouterService(pb_grpc.RouterServiceServicer):
 
 # --- serving: the method handlers ------------------------------------------------------
 
-# One log line per method per interval however fast a peer sends garbage.
-MALFORMED_LOG_INTERVAL_MS = 10_000
 # The `method` label of a malformed request to a method this module does not serve.
 UNKNOWN_METHOD = "unknown"
 M = TypeVar("M", bound=Message)
@@ -722,7 +720,7 @@ class _MalformedRequests:
         counter = coordinator.metrics.rpc_malformed
         # Every series exists from the start at 0, and no other one can appear.
         self._counters = {m: counter.labels(method=m) for m in (*methods, UNKNOWN_METHOD)}
-        self._log = RateLimitedLog(log, coordinator.clock.monotonic_ms, MALFORMED_LOG_INTERVAL_MS)
+        self._log = RateLimitedLog(log, coordinator.clock.monotonic_ms)
 
     def refuse(self, method: str, request: wire.MalformedRequest, context: Context) -> KvrcError:
         """The INVALID_ARGUMENT the caller gets; nothing of the request reached the runtime."""

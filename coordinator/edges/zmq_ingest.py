@@ -93,9 +93,6 @@ _TCP_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1
 # of large frames yields early, so sessions and RPCs are served between them.
 _BURST = 256
 _BURST_BYTES = 1 << 20
-# Per stream, at most one line per kind of loss (refused batch, loss while degraded,
-# restart) in this long: a publisher sending garbage in a loop must not fill the log.
-_LOSS_LOG_INTERVAL_MS = 10_000
 
 
 class EventSink(Protocol):
@@ -286,7 +283,9 @@ class ZmqEventStream:
         self._sink = sink
         self._metrics = metrics
         self._clock = clock
-        self._losses = RateLimitedLog(log, lambda: int(clock() * 1000), _LOSS_LOG_INTERVAL_MS)
+        # Per stream, one line per kind of loss (refused batch, loss while degraded,
+        # restart) per 10 s: a publisher sending garbage in a loop must not fill the log.
+        self._losses = RateLimitedLog(log, lambda: int(clock() * 1000))
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.asyncio.Context()
         self._sub: zmq.asyncio.Socket | None = None

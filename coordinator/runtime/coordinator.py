@@ -72,6 +72,7 @@ from coordinator.runtime.clock import Clock, SystemClock, Timer
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.inventory_flow import InventoryFlow, ResyncOrder
 from coordinator.runtime.lease_flow import MAX_RELEASE_RETURNS, LeaseFlow, LeaseOutbound
+from coordinator.runtime.log_limit import RateLimitedLog
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.peers import (
     CALL_BEGIN_HANDOFF,
@@ -358,6 +359,8 @@ class Coordinator:
         # Every deadline runs on the monotonic clock (the wire edge converts to unix ms).
         self.clock: Clock = clock if clock is not None else SystemClock()
         self._clock_ms = self.clock.monotonic_ms
+        # Refused registrations: one line per status per 10 s (I8-bad-input).
+        self._refusal_log = RateLimitedLog(log, self._clock_ms)
         clock_ms = self._clock_ms
         self.registry = Registry(config.max_rank_parts)
         self._sessions: dict[str, Session] = {}
@@ -492,7 +495,8 @@ class Coordinator:
             if displaced and self.peers is not None:
                 self.peers.hello()  # the remote copy it would have replaced: hear of it again
             self.metrics.registrations.labels(result=e.code.value).inc()
-            log.info(
+            self._refusal_log.info(
+                f"register {e.code.value}",
                 "registration refused: %s rank %s: %s: %s",
                 registration.child_engine_id,
                 format_rank(registration.rank),

@@ -76,6 +76,7 @@ from coordinator.core.score import (
 )
 from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.config import CoordinatorConfig
+from coordinator.runtime.log_limit import RateLimitedLog
 from coordinator.runtime.metrics import Metrics
 from kvrc.vocabulary import PublishMode
 
@@ -241,6 +242,8 @@ class InventoryFlow:
         self._reuse_for = reuse_for
         self._clock = clock
         self._clock_ms = clock.monotonic_ms
+        # Sequence gaps an engine can cause at will: one line per 10 s (I8-bad-input).
+        self._gap_log = RateLimitedLog(log, self._clock_ms)
         self._send = send
         # A shared store passes its replicated subclass (coordinator/runtime/replication.py).
         self.inventory = (
@@ -449,7 +452,8 @@ class InventoryFlow:
             if d.reset_stream:
                 self.inventory.clear_stream(child_engine_id, rank_key)
             self.inventory.mark_stale(child_engine_id, rank_key)
-            log.info(
+            self._gap_log.info(
+                "stream gap",
                 "inventory stream of %s%s lost events (expected sequence %d, got %d): "
                 "stale until a full dump",
                 child_engine_id,

@@ -67,6 +67,7 @@ from coordinator.core.profiles import ReuseStatus
 from coordinator.core.registry import ChildEngineView, HeldLease, Registry
 from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.lease_ledger import LeaseLedger
+from coordinator.runtime.log_limit import RateLimitedLog
 from coordinator.runtime.metrics import Metrics
 from kvrc.vocabulary import RankKey, Tier
 
@@ -134,6 +135,8 @@ class LeaseFlow:
         self._send_to_part = send_to_part
         self._proven_gone = proven_gone
         self._clock = clock
+        # Lines a session's messages trigger: one per kind per 10 s (I8-bad-input).
+        self._session_log = RateLimitedLog(log, clock.monotonic_ms)
         self._closing = False
         self._timer: Timer | None = None
         self._timer_due: int | None = None
@@ -293,8 +296,10 @@ class LeaseFlow:
     ) -> None:
         """A holder part's PinResult (from its session stream)."""
         if error_message:
-            log.info(
-                "holder %s rank %s answered lease %s with %d block(s): %s",
+            # The engine's own text: quoted, so that it cannot forge log lines.
+            self._session_log.info(
+                "PinResult error",
+                "holder %s rank %s answered lease %s with %d block(s): %.300r",
                 holder_child_engine_id,
                 rank_key,
                 lease_id,
@@ -549,7 +554,9 @@ class LeaseFlow:
                 raise  # malformed: the session ends with the status
             if e.code is ErrorCode.PERMISSION_DENIED:
                 self._metrics.auth_denied.labels(reason="foreign_lease").inc()
-            log.warning("%s ignored: %s: %s", what, e.code.value, e.message)
+            self._session_log.warning(
+                f"{what} {e.code.value}", "%s ignored: %s: %s", what, e.code.value, e.message
+            )
             return
         self._execute(actions)
 

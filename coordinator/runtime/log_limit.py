@@ -11,11 +11,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+# What kvrc's own limiters use: one line per key per 10 s.
+DEFAULT_INTERVAL_MS = 10_000
+
 
 class RateLimitedLog:
     """`now_ms`: a monotonic clock in ms (`Clock.monotonic_ms`, or the caller's own)."""
 
-    def __init__(self, logger: logging.Logger, now_ms: Callable[[], int], interval_ms: int) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        now_ms: Callable[[], int],
+        interval_ms: int = DEFAULT_INTERVAL_MS,
+    ) -> None:
         self._logger = logger
         self._now_ms = now_ms
         self._interval_ms = interval_ms
@@ -24,6 +32,15 @@ class RateLimitedLog:
 
     def warning(self, key: str, message: str, *args: object) -> None:
         """Logs `message % args` as one line unless `key` logged one within the interval."""
+        self._log(logging.WARNING, key, message, args)
+
+    def info(self, key: str, message: str, *args: object) -> None:
+        """`warning`, at INFO."""
+        self._log(logging.INFO, key, message, args)
+
+    def _log(self, level: int, key: str, message: str, args: tuple[object, ...]) -> None:
+        if not self._logger.isEnabledFor(level):
+            return
         now = self._now_ms()
         last = self._last_logged_ms.get(key)
         if last is not None and now - last < self._interval_ms:
@@ -34,4 +51,4 @@ class RateLimitedLog:
         if left_out:
             message += " (%d more like it since the last such line, not logged)"
             args = (*args, left_out)
-        self._logger.warning(message, *args)
+        self._logger.log(level, message, *args)

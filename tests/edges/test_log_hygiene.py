@@ -10,8 +10,10 @@ Both cases were found by the soak (benchmarks/soak.py) in a real kvrc process:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import urllib.request
+from typing import Any
 
 from harness import start_coordinator
 from waiting import wait_until
@@ -69,3 +71,57 @@ async def test_a_kv_event_endpoint_kvrc_cannot_bind_is_one_warning_not_a_traceba
         assert "Traceback" not in kvrc.stderr_text()
     finally:
         taken.close()
+
+
+async def test_what_an_engine_sends_in_a_loop_is_a_few_quoted_lines_not_one_per_message() -> None:
+    """A session's stale lease messages, refused registrations and sequence gaps each
+    logged a line per message (6,000 lines for 4,000 messages), and a PinResult's
+    error_message was logged as sent: a newline in it forged a line of kvrc's own."""
+    import grpc
+    from grpc.aio import EOF  # type: ignore[attr-defined]
+    from test_bad_input import good_register
+
+    from kvrc.v1 import kvrc_pb2 as pb
+    from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+
+    forged = "WARNING quarantine of prefix_load lease pl-x resolved by an operator"
+    rounds = 60
+    with start_coordinator("--reuse", "on") as kvrc:  # on: the inventory takes events
+        async with grpc.aio.insecure_channel(kvrc.grpc_target) as channel:
+            stub = pb_grpc.EngineServiceStub(channel)
+            call = stub.Session()  # type: ignore[call-arg]
+            register = good_register("chatty")
+            register.profile.parallel.tp_size = 1  # READY alone: its events are applied
+            await call.write(pb.EngineMessage(register=register))
+            ack: Any = await call.read()
+            incarnation = ack.register_ack.incarnation
+            for i in range(rounds):
+                error = f"pin failed\n{forged} {i}"
+                result = pb.PinResult(lease_id=f"pl-x{i}", error_message=error)
+                await call.write(pb.EngineMessage(pin_result=result))
+                await call.write(pb.EngineMessage(abort_ack=pb.AbortAck(lease_id=f"ho-y{i}")))
+                begin = pb.EventBatch(incarnation=incarnation, sequence=20 * i + 1, dump_begin=True)
+                await call.write(pb.EngineMessage(events=begin))
+                gap = pb.EventBatch(incarnation=incarnation, sequence=20 * i + 7)
+                await call.write(pb.EngineMessage(events=gap))
+            # Refused in the core (the profile differs from rank 0's), not at the wire.
+            for _ in range(rounds // 3):
+                other = good_register("chatty", tp_rank=1)
+                other.profile.model = "another-model"
+                refused = stub.Session()  # type: ignore[call-arg]
+                await refused.write(pb.EngineMessage(register=other))
+                await refused.done_writing()
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    while await refused.read() is not EOF:
+                        pass
+            heartbeat = pb.EngineMessage(heartbeat=pb.Heartbeat())
+            await call.write(heartbeat)  # the session stands: each was only ignored
+            await wait_until(lambda: "registration refused" in kvrc.stderr_text(), 10)
+            await call.done_writing()
+        text = kvrc.stderr_text()
+    lines = text.splitlines()
+    for needle in ("answered lease", "AbortAck ignored", "lost events", "registration refused"):
+        found = [x for x in lines if needle in x]
+        assert 1 <= len(found) <= 2, (needle, found)  # one per 10 s, the rest counted
+    assert not [x for x in lines if x.lstrip().startswith(forged)]
+    assert any("\\n" + forged in x for x in lines)  # quoted: the newline is escaped

@@ -38,3 +38,22 @@ def test_one_line_per_key_per_interval_then_the_count_of_the_rest(
         "bad 7",
     ]
     assert all(r.levelno == logging.WARNING and r.exc_info is None for r in caplog.records)
+
+
+def test_info_lines_are_limited_alike_and_nothing_is_counted_below_the_level(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = ManualClock(monotonic_ms=0)
+    limited = RateLimitedLog(logging.getLogger(LOGGER), clock.monotonic_ms, interval_ms=1_000)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        limited.info("gap", "gap %d", 0)  # below the level: neither logged nor counted
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        limited.info("gap", "gap %d", 1)
+        limited.info("gap", "gap %d", 2)
+        clock.advance(1_000)
+        limited.info("gap", "gap %d", 3)
+    assert _lines(caplog) == [
+        "gap 1",
+        "gap 3 (1 more like it since the last such line, not logged)",
+    ]
+    assert all(r.levelno == logging.INFO for r in caplog.records)
