@@ -32,7 +32,13 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.core.cost_model import MAX_LEARNT_BLOCK_BYTES, CostModel, LoadPlan, Prediction
-from coordinator.core.errors import ErrorCode, KvrcError, failed_precondition, not_found
+from coordinator.core.errors import (
+    ErrorCode,
+    KvrcError,
+    failed_precondition,
+    not_found,
+    resource_exhausted,
+)
 from coordinator.core.inventory import MAX_CANDIDATES, Inventory, Scope
 from coordinator.core.leases import (
     DEADLINE_PASSED,
@@ -62,6 +68,9 @@ DEFAULT_PIN_TIMEOUT_MS = 2_000
 DEFAULT_TRANSFER_TIMEOUT_MS = 30_000
 DEFAULT_DRAIN_TIMEOUT_MS = 60_000
 MAX_HANDOFF_WAIT_MS = 600_000
+# BeginHandoff calls waiting for READY at once, over all decode engines (I8-bad-input):
+# each is an open call and a heap entry; past it a begin is RESOURCE_EXHAUSTED.
+MAX_WAITING_BEGINS = 16_384
 MAX_DRAIN_TIMEOUT_MS = 3_600_000
 
 
@@ -299,7 +308,6 @@ class _PendingBegin:
     request: BeginHandoffRequest
     deadline_ms: int
     last_error: str
-    live: bool = True
 
 
 _NO_HOLDER_DETAIL = {
@@ -347,6 +355,9 @@ class Grants:
         self._reported: dict[str, set[RankKey]] = {}  # reports counted, per open lease
         self._begins: dict[tuple[str, str], list[_PendingBegin]] = {}  # (prefill, request)
         self._begin_deadlines: list[tuple[int, int, tuple[str, str]]] = []
+        # The waiting begins' tokens, each with its key: a heap entry is live when its
+        # token is here (entries of begins settled early are dropped lazily, bounded).
+        self._begin_keys: dict[int, tuple[str, str]] = {}
         self._tokens = itertools.count(1)
         # When `tick` next has work, as of the last call (the runtime arms one timer at it).
         self.due_ms: int | None = None
@@ -812,10 +823,16 @@ class Grants:
         except KvrcError as e:
             if not self._waitable(req, e):
                 raise
+            if len(self._begin_keys) >= MAX_WAITING_BEGINS:
+                raise resource_exhausted(
+                    f"{MAX_WAITING_BEGINS} BeginHandoff calls are waiting already: retry "
+                    "later, or begin with wait_timeout_ms 0 once the handoff is READY"
+                ) from None
             token = next(self._tokens)
             key = (req.prefill_child_engine_id, req.request_id)
             pending = _PendingBegin(token, req, now_ms + req.wait_timeout_ms, e.message)
             self._begins.setdefault(key, []).append(pending)
+            self._begin_keys[token] = key
             heapq.heappush(self._begin_deadlines, (pending.deadline_ms, token, key))
             return BeginStep(None, token, self._settled(()))
         grant = step.view.handoff_grant
@@ -824,14 +841,26 @@ class Grants:
 
     def cancel_begin(self, token: int) -> None:
         """The waiting caller went away: its begin must never be granted."""
-        for key, waiting in list(self._begins.items()):
-            for pending in waiting:
-                if pending.token == token:
-                    pending.live = False
-                    waiting.remove(pending)
-                    if not waiting:
-                        del self._begins[key]
-                    return
+        key = self._begin_keys.get(token)
+        if key is None:
+            return
+        pending = next(p for p in self._begins[key] if p.token == token)
+        self._drop_begin(key, pending)
+
+    def _drop_begin(self, key: tuple[str, str], pending: _PendingBegin) -> None:
+        """A waiting begin is settled (granted, failed, expired or cancelled)."""
+        waiting = self._begins[key]
+        waiting.remove(pending)
+        if not waiting:
+            del self._begins[key]
+        del self._begin_keys[pending.token]
+        # Settled begins leave their deadline in the heap until it comes up; a live wait
+        # with an earlier deadline keeps them there. Compacted when they outnumber the
+        # live ones, so the heap stays O(waiting begins) (amortised O(log n) a begin).
+        heap = self._begin_deadlines
+        if len(heap) > 2 * len(self._begin_keys) + 64:
+            self._begin_deadlines = [e for e in heap if e[1] in self._begin_keys]
+            heapq.heapify(self._begin_deadlines)
 
     def _try_begin(self, req: BeginHandoffRequest, now_ms: int) -> LeaseStep:
         decode = self._ready_engine(req.decode_child_engine_id, "decode")
@@ -876,10 +905,7 @@ class Grants:
                 assert grant is not None
                 actions.extend(step.actions)
                 actions.append(HandoffBegun(pending.token, grant))
-            pending.live = False
-            waiting.remove(pending)
-        if not waiting:
-            del self._begins[key]
+            self._drop_begin(key, pending)
 
     def _expire_begins(self, now_ms: int, actions: list[GrantAction]) -> None:
         while self._begin_deadlines and self._begin_deadlines[0][0] <= now_ms:
@@ -887,12 +913,8 @@ class Grants:
             if not self._begin_live(entry):
                 continue
             _, token, key = entry
-            waiting = self._begins[key]
-            pending = next(p for p in waiting if p.token == token)
-            pending.live = False
-            waiting.remove(pending)
-            if not waiting:
-                del self._begins[key]
+            pending = next(p for p in self._begins[key] if p.token == token)
+            self._drop_begin(key, pending)
             req = pending.request
             actions.append(
                 HandoffBeginFailed(
@@ -904,15 +926,13 @@ class Grants:
             )
 
     def _begin_live(self, entry: tuple[int, int, tuple[str, str]]) -> bool:
-        _, token, key = entry
-        return any(p.token == token and p.live for p in self._begins.get(key, ()))
+        return entry[1] in self._begin_keys
 
     def fail_all_begins(self) -> tuple[GrantAction, ...]:
         """Shutting down: every waiting begin ends (DEADLINE_EXCEEDED, as a wait that ran out)."""
         actions: list[GrantAction] = []
         for waiting in self._begins.values():
             for pending in waiting:
-                pending.live = False
                 req = pending.request
                 actions.append(
                     HandoffBeginFailed(
@@ -924,6 +944,7 @@ class Grants:
                     )
                 )
         self._begins.clear()
+        self._begin_keys.clear()
         self._begin_deadlines.clear()
         return self._settled(actions)
 

@@ -13,6 +13,7 @@ import asyncio
 import pytest
 from manual_rig import CHAIN, drain_outbound, manual_coordinator, settle
 
+from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.grants import (
     BeginHandoffRequest,
     PrefixLoadRequest,
@@ -154,3 +155,48 @@ async def test_a_begin_cancelled_in_the_same_step_as_its_publish_is_never_grante
         assert (view.state is LeaseState.ACTIVE) is not swept, view.state
         await settle()
         assert begin.cancelled()
+
+
+async def test_cancelled_begins_do_not_pile_up_behind_a_long_wait_and_waits_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cancelled BeginHandoff left its deadline in the heap until it came up; behind
+    one long wait, 1,000 begin-and-cancel calls left 1,000 entries (about 1 KB each, for
+    up to 10 minutes), and nothing bounded the begins waiting at once."""
+    import coordinator.core.grants as grants
+
+    async with manual_coordinator() as rig:
+        flow = rig.coordinator.leases
+        rig.register("dec")
+        core = flow.core
+        anchor = asyncio.ensure_future(
+            flow.begin_handoff(BeginHandoffRequest("anchor", "pre", "dec", 590_000))
+        )
+        await settle()
+        for i in range(1_000):
+            begin = asyncio.ensure_future(
+                flow.begin_handoff(BeginHandoffRequest(f"h{i}", "pre", "dec", 600_000))
+            )
+            await settle()
+            begin.cancel()
+            await settle()
+        assert len(core._begin_keys) == 1 and not anchor.done()
+        assert len(core._begin_deadlines) <= 2 * 1 + 64  # was 1,001
+        # At most MAX_WAITING_BEGINS wait at once; the next is told, and nothing waits.
+        monkeypatch.setattr(grants, "MAX_WAITING_BEGINS", 3)
+        waits = [
+            asyncio.ensure_future(
+                flow.begin_handoff(BeginHandoffRequest(f"w{i}", "pre", "dec", 600_000))
+            )
+            for i in range(2)
+        ]
+        await settle()
+        with pytest.raises(KvrcError) as refused:
+            await flow.begin_handoff(BeginHandoffRequest("w3", "pre", "dec", 600_000))
+        assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert "3 BeginHandoff calls are waiting" in refused.value.message
+        assert len(core._begin_keys) == 3
+        for w in [anchor, *waits]:
+            w.cancel()
+        await settle()
+        assert not core._begin_keys
