@@ -164,6 +164,10 @@ class LeaseConfig:
     # max_open_leases, so ids an engine re-announces (after a restart, or made up) can
     # never take the table from live grants (I8-bad-input).
     max_recovered_leases: int = 16_384
+    # Of those, rebuilt from ids the lease-id key cannot check (untagged, another key's:
+    # issued before the key changed, or made up): a quarter, so that made-up ids never
+    # keep a holder's verified ids from being rebuilt (I8-bad-input).
+    max_unverified_recovered_leases: int = 4_096
     max_chain_blocks: int = 65_536
     max_kv_transfer_params_bytes: int = 1 << 20
     max_pin_timeout_ms: int = 60_000
@@ -175,6 +179,10 @@ class LeaseConfig:
     handoff_ready_max_wait_ms: int = 120_000  # READY, never begun -> FAILED
     terminal_retention_ms: int = 600_000
     max_terminal_leases: int = 65_536
+    # Bytes of what engines sent that leases keep (kv_transfer_params, descriptors,
+    # chains), open and ended together (I8-bad-input): ended leases are dropped first,
+    # oldest first; past that a new publish or prefix load is RESOURCE_EXHAUSTED.
+    max_payload_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
@@ -401,6 +409,10 @@ class _Lease:
     # source may be alive (a blip past the grace) and come back pinning, so its release
     # is decided once every part in `abort_pending` proved its reads quiet (_source_gone).
     awaiting_quiet: bool = False
+    # Bytes of engines' data this lease keeps (LeaseConfig.max_payload_bytes).
+    payload_bytes: int = 0
+    # Recovered from an id the lease-id key could not check (max_unverified_recovered_leases).
+    unverified: bool = False
 
     @property
     def flow(self) -> Flow:
@@ -443,6 +455,11 @@ _SOURCE_WORD = {Flow.PREFIX_LOAD: "holder", Flow.HANDOFF: "prefill"}
 
 
 _L = TypeVar("_L", bound=_Lease)
+
+
+def _payload_size(descriptor: object) -> int:
+    """What a descriptor weighs (the edges hand them over serialized: bytes)."""
+    return len(descriptor) if isinstance(descriptor, bytes | bytearray) else 0
 
 
 def _default_ids() -> str:
@@ -507,7 +524,9 @@ class LeaseTable:
         # (flow, state) counts changed since `take_changed_counts` (the gauge reads only those).
         self._counts_changed: set[tuple[Flow, LeaseState]] = set()
         self._terminal: OrderedDict[str, int] = OrderedDict()  # lease id -> ended_ms
+        self._payload_bytes = 0  # LeaseConfig.max_payload_bytes
         self._recovered_open = 0  # open leases rebuilt by `recover_held`
+        self._unverified_open = 0  # of those, from ids the key could not check
         # Ended leases awaiting their target's proofs before a release (`awaiting_quiet`),
         # by target engine: its re-registration re-asks, its proven death settles them.
         self._awaiting: dict[str, set[str]] = {}
@@ -655,6 +674,8 @@ class LeaseTable:
                 f"and {len(chain)}, got {pin_blocks!r}"
             )
         self._check_capacity((requester_child_engine_id, holder_child_engine_id))
+        chain_bytes = sum(map(len, chain))
+        self._check_payload(chain_bytes, now_ms)
         lease_id = self._fresh_id(Flow.PREFIX_LOAD, holder_child_engine_id)
 
         lease = _PrefixLoad(
@@ -676,6 +697,7 @@ class LeaseTable:
             transfer_ttl_ms=transfer_ttl_ms,
         )
         self._admit(lease, key)
+        self._keep_payload(lease, chain_bytes)
         actions: list[Action] = [
             SendPin(
                 child_engine_id=holder_child_engine_id,
@@ -721,6 +743,7 @@ class LeaseTable:
             return LeaseStep(self._view(lease), ())
         actions: list[Action] = []
         lease.pins[rank_key] = (pinned_blocks, descriptor)
+        self._keep_payload(lease, _payload_size(descriptor))  # bounded by the parts
         if pinned_blocks < lease.min_blocks:
             # One short part caps the whole match: miss now, don't wait for the rest.
             reason = MissReason.SHORT_PIN if pinned_blocks == 0 else MissReason.BELOW_MIN_BLOCKS
@@ -809,6 +832,7 @@ class LeaseTable:
             if decode_child_engine_id is not None:
                 engines.append(decode_child_engine_id)
             self._check_capacity(engines)
+            self._check_payload(len(kv_transfer_params) + _payload_size(descriptor), now_ms)
             lease = _Handoff(
                 lease_id=self._fresh_id(Flow.HANDOFF, prefill_child_engine_id),
                 request_id=request_id,
@@ -824,6 +848,7 @@ class LeaseTable:
                 decode_restriction=decode_child_engine_id,
             )
             self._admit(lease, key)
+            self._keep_payload(lease, len(kv_transfer_params))
         else:
             found = self._leases[existing_id]
             assert isinstance(found, _Handoff)
@@ -844,7 +869,9 @@ class LeaseTable:
             if lease.state is not LeaseState.WAITING_READY:
                 # Ended before this part arrived: the caller sees the state and frees.
                 return self._published(lease, ())
+            self._check_payload(_payload_size(descriptor), now_ms)
         lease.published[rank_key] = descriptor
+        self._keep_payload(lease, _payload_size(descriptor))
         if len(lease.published) == len(lease.source_rank_keys):
             lease.ready_ms = now_ms
             lease.reason = "every prefill part published; waiting for the decode engine"
@@ -1160,17 +1187,27 @@ class LeaseTable:
                 f"held lease id {lease_id!r} is not one kvrc issues (no 'pl-' or 'ho-' prefix)"
             )
         signer = self._signer
+        check = IdCheck.UNVERIFIABLE
         if signer is not None:
             body = lease_id.rpartition(LEASE_OWNER_SEPARATOR)[0] or lease_id
-            if signer.check(body, holder_child_engine_id) is IdCheck.FORGED:
+            check = signer.check(body, holder_child_engine_id)
+            if check is IdCheck.FORGED:
                 raise permission_denied(
                     f"held lease {lease_id} was not issued to {holder_child_engine_id!r}: "
                     "only its holder may re-announce it"
                 )
-        if self._recovered_open >= self._config.max_recovered_leases:
+        cfg = self._config
+        if self._recovered_open >= cfg.max_recovered_leases:
             raise resource_exhausted(
-                f"{self._config.max_recovered_leases} recovered leases are open, the limit: "
+                f"{cfg.max_recovered_leases} recovered leases are open, the limit: "
                 f"held lease {lease_id} is not rebuilt (resolve the quarantined ones)"
+            )
+        unverified = check is not IdCheck.ISSUED
+        if unverified and self._unverified_open >= cfg.max_unverified_recovered_leases:
+            raise resource_exhausted(
+                f"{cfg.max_unverified_recovered_leases} leases rebuilt from ids this "
+                f"coordinator's key cannot check are open, the limit: held lease {lease_id} "
+                "is not rebuilt (resolve the quarantined ones)"
             )
         self._check_capacity((holder_child_engine_id,))
         kind: type[_Lease] = _PrefixLoad if flow is Flow.PREFIX_LOAD else _Handoff
@@ -1186,6 +1223,7 @@ class LeaseTable:
             reason=RECOVERED_REASON,
             recovered=True,
             named_target=requester_child_engine_id,
+            unverified=unverified,
         )
         self._admit(lease, None)  # no request id: never indexed by request
         quarantined = LeaseQuarantined(lease_id, flow, RECOVERED_REASON)
@@ -1573,6 +1611,8 @@ class LeaseTable:
         del self._open_ids[lease.lease_id]
         if lease.recovered:
             self._recovered_open -= 1
+        if lease.unverified:
+            self._unverified_open -= 1
         self._terminal[lease.lease_id] = now_ms
         quiescence = None if lease.granted_ms is None else now_ms - lease.granted_ms
         actions.append(
@@ -1606,6 +1646,8 @@ class LeaseTable:
         self._open_ids[lease.lease_id] = None
         if lease.recovered:
             self._recovered_open += 1
+        if lease.unverified:
+            self._unverified_open += 1
         if key is not None:
             self._by_request[key] = lease.lease_id
         count_key = (lease.flow, lease.state)
@@ -1661,17 +1703,21 @@ class LeaseTable:
         lease = self._leases.get(entry[2])
         return lease is not None and self._timer_due(lease) == entry[0]
 
-    def _purge(self, now_ms: int) -> None:
+    def _purge(self, now_ms: int, room_bytes: int = 0) -> None:
+        """Drops ended leases, oldest first, past their retention or count, or until
+        `room_bytes` more payload fits under max_payload_bytes."""
         cfg = self._config
         while self._terminal:
             lease_id, ended_ms = next(iter(self._terminal.items()))
             if (
                 len(self._terminal) <= cfg.max_terminal_leases
                 and ended_ms + cfg.terminal_retention_ms > now_ms
+                and self._payload_bytes + room_bytes <= cfg.max_payload_bytes
             ):
                 break
             del self._terminal[lease_id]
             lease = self._leases.pop(lease_id)
+            self._payload_bytes -= lease.payload_bytes
             if lease.awaiting_quiet:
                 self._stop_awaiting(lease)  # a source still pinning re-announces it quarantined
             if lease.recovered:
@@ -1683,6 +1729,29 @@ class LeaseTable:
             )
             assert owner is not None
             self._by_request.pop((lease.flow, owner, lease.request_id), None)
+
+    def _check_payload(self, more: int, now_ms: int) -> None:
+        """RESOURCE_EXHAUSTED if `more` bytes of engines' data do not fit, even once the
+        ended leases are dropped (nothing changes then but that)."""
+        cfg = self._config
+        if self._payload_bytes + more <= cfg.max_payload_bytes:
+            return
+        self._purge(now_ms, room_bytes=more)
+        if self._payload_bytes + more > cfg.max_payload_bytes:
+            raise resource_exhausted(
+                f"open leases keep {self._payload_bytes} bytes of engines' descriptors, "
+                f"parameters and chains; {more} more would pass the limit "
+                f"{cfg.max_payload_bytes}: retry after some end"
+            )
+
+    def _keep_payload(self, lease: _Lease, size: int) -> None:
+        lease.payload_bytes += size
+        self._payload_bytes += size
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of engines' data the table keeps (open and ended leases)."""
+        return self._payload_bytes
 
     def _check_capacity(self, engines: Iterable[str]) -> None:
         cfg = self._config

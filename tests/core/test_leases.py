@@ -819,6 +819,38 @@ def test_decode_reports_release_the_prefill() -> None:
     assert of(step.actions, LeaseEnded)[0].quiescence_ms == 55
 
 
+def test_kept_payload_is_bounded_ended_leases_go_first_then_new_ones_are_refused() -> None:
+    """Ended leases kept their kv_transfer_params and descriptors for the whole
+    retention: 3.5 MB a handoff, hundreds of GiB within the count bounds."""
+    t = table(max_payload_bytes=5_000)
+    big = bytes(1_000)
+
+    def handoff(request_id: str) -> str:
+        lease_id = ""
+        for key in TP2:
+            lease_id = publish(t, key, big + bytes([key[0]]), request_id).view.lease_id
+        return lease_id
+
+    per_lease = 2 * 1_001 + len(PARAMS)
+    first = handoff("h1")
+    handoff("h2")
+    assert t.payload_bytes == 2 * per_lease
+    # Nothing has ended: a third does not fit, and the refusal changes nothing.
+    error = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: publish(t, TP2[0], big, "h3"))
+    assert "more would pass the limit 5000" in error.message
+    # The first ends; it is still kept (retention) until the room is needed.
+    begin(t, "h1", now=T0 + 5)
+    for key in TP2:
+        t.complete_handoff(first, DEC, key, Outcome.SUCCEEDED, T0 + 50)
+    assert t.get(first).state is LeaseState.COMPLETED and t.payload_bytes == 2 * per_lease
+    handoff("h3")  # the ended lease made room
+    assert t.payload_bytes == 2 * per_lease
+    assert first not in {v.lease_id for v in t.list_leases(include_terminal=True)}
+    # A prefix load's chain counts too.
+    open_load(t, "r1")
+    assert t.payload_bytes == 2 * per_lease + sum(map(len, CHAIN))
+
+
 def test_flows_never_share_a_lease() -> None:
     t = table()
     load_id = granted_load(t)
@@ -991,6 +1023,36 @@ def test_open_counts_per_engine_are_kept_per_change_not_rebuilt() -> None:
     assert counts.writes == 2  # the requester's count and the holder's removal
     assert "holder-7" not in view and view[REQ] == len(holders) - 1
     assert counts.walks == 0
+
+
+def test_made_up_held_ids_take_a_quarter_of_recovery_never_a_holders_verified_ids() -> None:
+    """Untagged ids filled all 16,384 recovered slots, and a real holder re-announcing
+    its own (verifiable) lease after the restart was refused RESOURCE_EXHAUSTED."""
+    key = bytes(range(32))
+    before = LeaseTable(LeaseConfig())
+    before.set_id_key(key)
+    real = [open_load(before, f"r{i}") for i in range(3)]  # issued to HOLD, tagged
+    config = LeaseConfig(max_recovered_leases=8, max_unverified_recovered_leases=2)
+    t = LeaseTable(config)  # the restarted coordinator, the same key (state file)
+    t.set_id_key(key)
+
+    def recover(lease_id: str, holder: str = HOLD) -> Any:
+        return t.recover_held(
+            lease_id=lease_id,
+            holder_child_engine_id=holder,
+            holder_rank_keys=TP2,
+            rank_key=TP2[0],
+            now_ms=T0,
+        )
+
+    for i in range(2):
+        assert recover(f"pl-made-up-{i}", f"squatter-{i}").view.state is LeaseState.QUARANTINED
+    e = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: recover("pl-made-up-2", "squatter-2"))
+    assert "2 leases rebuilt from ids this coordinator's key cannot check" in e.message
+    for lease_id in real:  # the holder's own ids still find room
+        assert recover(lease_id).view.state is LeaseState.QUARANTINED
+    t.resolve_quarantine("pl-made-up-0", T0 + 1)  # one resolved: another may be rebuilt
+    assert recover("pl-made-up-3", "squatter-3").view.state is LeaseState.QUARANTINED
 
 
 def test_recovered_leases_are_bounded_and_never_take_the_table_from_live_grants() -> None:

@@ -787,3 +787,8 @@ class LeaseMachine(RuleBasedStateMachine):
         assert dict(per_engine) == self.table.open_counts_by_engine()
         assert all(n <= CONFIG.max_open_leases_per_engine for n in per_engine.values())
         assert sum(listed.values()) <= CONFIG.max_open_leases
+
+    @invariant()
+    def kept_payload_is_the_sum_over_kept_leases_and_bounded(self) -> None:
+        kept = sum(lease.payload_bytes for lease in self.table._leases.values())
+        assert self.table.payload_bytes == kept <= CONFIG.max_payload_bytes
