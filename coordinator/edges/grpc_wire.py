@@ -962,6 +962,9 @@ def prefix_load_request_from_proto(
 _REPORT_OUTCOMES = {o.value: o for o in Outcome}
 # A prefill rate sample is one prefill, not a sum over hours (I8-bad-input).
 MAX_PREFILL_SAMPLE_US = 3_600_000_000
+# A report's bytes: more than any load moves (a chain of MAX_CHAIN_BLOCKS blocks of
+# 1 GiB each is 4 TiB), so that one report cannot wreck kvrc_transfer_bytes_total.
+MAX_REPORT_BYTES = 1 << 50
 
 
 def transfer_report_from_proto(msg: pb.TransferReport, bounds: FieldBounds) -> TransferReport:
@@ -973,6 +976,11 @@ def transfer_report_from_proto(msg: pb.TransferReport, bounds: FieldBounds) -> T
         raise invalid(
             f"prefill sample needs tokens >= 1 and duration_us >= 1, got {prefill.tokens} "
             f"tokens in {prefill.duration_us} us (leave prefill unset when not measured)"
+        )
+    if msg.bytes_moved > MAX_REPORT_BYTES:
+        raise invalid(
+            f"bytes_moved {msg.bytes_moved} exceeds {MAX_REPORT_BYTES} (1 PiB): report the "
+            "bytes this rank part moved for this lease"
         )
     if prefill.duration_us > MAX_PREFILL_SAMPLE_US:
         raise invalid(

@@ -283,3 +283,21 @@ async def test_service_still_accepts_good_input_and_state_holds(kvrc: Coordinato
         await call.done_writing()
     assert without_heartbeat_times(after) == without_heartbeat_times(before)
     assert [c.state.child_engine_id for c in after.child_engines] == ["survivor"]
+
+
+async def test_a_report_of_more_bytes_than_any_load_moves_is_refused(
+    kvrc: CoordinatorProcess,
+) -> None:
+    """2^64 - 1 bytes in one report set kvrc_transfer_bytes_total to 1.8e19 for good."""
+    report = pb.TransferReport(
+        lease_id="pl-any",
+        reporter_child_engine_id="anyone",
+        outcome=pb.TRANSFER_OUTCOME_SUCCEEDED,
+        bytes_moved=2**64 - 1,
+        duration_us=1_000,
+    )
+    async with grpc.aio.insecure_channel(kvrc.grpc_target) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await pb_grpc.EngineServiceStub(channel).CompletePrefixLoad(report)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "bytes_moved 18446744073709551615 exceeds" in (refused.value.details() or "")
