@@ -168,6 +168,24 @@ HANDOFF_ENDED_STATES = frozenset({"COMPLETED", "FAILED", "RESOLVED", "MISSED"})
 PUBLISH_RETRY_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
+async def handoff_still_open(
+    lease_id: str, publish_again: Callable[[], Awaitable[PublishResult]]
+) -> bool:
+    """At the end of a published handoff's hold: whether kvrc still governs its blocks.
+
+    A repeat of the same publish changes nothing at kvrc and is answered with the
+    handoff's state. True: the handoff is open (a decode may be reading it, or may
+    still begin it): its release or quarantine will come, so the hold goes on
+    (I6-quiescence). False: it ended, kvrc names another lease, or kvrc cannot be
+    asked: the hold, the safety net for a kvrc that is gone, frees the blocks."""
+    try:
+        answer = await publish_again()
+    except Exception as e:
+        log.warning("handoff lease %s: kvrc not reachable at its hold's end: %s", lease_id, e)
+        return False
+    return answer.lease_id == lease_id and not answer.ended
+
+
 async def publish_attempts(hold_ends: float) -> AsyncIterator[int]:
     """A handoff publish's attempts, numbered: the first at once, then one after each of
     `PUBLISH_RETRY_DELAYS_S` that starts before `hold_ends` (the event loop's time the

@@ -57,6 +57,8 @@ class KvrcConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     # handoff leases the scheduler side published, each with its reserved decode engine
     # ("" = unreserved): re-announced after a kvrc restart
     held: list[tuple[str, str]] = field(default_factory=list)
+    # leases the scheduler side freed on its own safety net: no longer announced as held
+    unheld: list[str] = field(default_factory=list)
     # nothing is scheduled this step: the workers may wait for their running pulls
     idle_step: bool = False
 

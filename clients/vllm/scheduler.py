@@ -39,6 +39,7 @@ from clients.leases import (
     LeaseClient,
     Miss,
     PrefixLoadGrant,
+    handoff_still_open,
     publish_attempts,
 )
 from clients.vllm.config import KvrcConnectorConfig
@@ -178,7 +179,11 @@ class KvrcScheduler:
         self._endpoints: dict[int, str] = {}  # tp rank -> KvEndpointDescription JSON
         self._handoff_leases: dict[str, str] = {}
         self._released_early: dict[str, None] = {}
+        self._hold_checks: set[Any] = set()  # asyncio tasks: kvrc asked at a hold's end
         self._held_new: list[tuple[str, str]] = []  # (lease id, reserved decode or "")
+        # Leases this side's safety nets freed (a hold's end, a pin past its deadline):
+        # the workers stop announcing them as held.
+        self._unheld_new: list[str] = []
         self.counters: Counter[str] = Counter()
         self.breaker = LookupBreaker()
         self._params_warned_at = 0.0
@@ -244,7 +249,7 @@ class KvrcScheduler:
                 self._released_early[lease_id] = None  # the publish answer may still come
                 while len(self._released_early) > 4096:
                     del self._released_early[next(iter(self._released_early))]
-                return True
+                return False  # the worker records it too: its own publish may name it
             if request_id in self._sending:
                 self._free_now.append(request_id)
         return True
@@ -253,18 +258,8 @@ class KvrcScheduler:
         """PublishHandoff for every rank part at once, before the prefill's answer is out."""
         import asyncio
 
-        from clients.kv_cache import KvEndpointDescription
-        from clients.transfer import rank_part_descriptor
-
-        async def one(rank: int) -> Any:
-            endpoint = KvEndpointDescription.from_json(self._endpoints[rank])
-            return await self.leases.publish_handoff(
-                spec.handoff_id,
-                descriptor=rank_part_descriptor(endpoint, spec.block_ids, tp_rank=rank),
-                kv_transfer_params=spec.kv_transfer_params,
-                num_blocks=len(spec.block_ids),
-                decode_child_engine_id=spec.decode_child_engine_id,
-            )
+        def one(rank: int) -> Any:
+            return self._publish_part(spec, rank)
 
         loop = asyncio.get_running_loop()
         hold_ends = loop.time() + self.config.handoff_hold_s
@@ -319,23 +314,58 @@ class KvrcScheduler:
                 return
             self._handoff_leases[lease_id] = spec.request_id
             self._held_new.append((lease_id, spec.decode_child_engine_id))
-        asyncio.get_running_loop().call_later(
-            self.config.handoff_hold_s, self._hold_expired, lease_id
+        self._arm_hold(lease_id, spec)
+
+    async def _publish_part(self, spec: PublishSpec, rank: int) -> Any:
+        from clients.kv_cache import KvEndpointDescription
+        from clients.transfer import rank_part_descriptor
+
+        endpoint = KvEndpointDescription.from_json(self._endpoints[rank])
+        return await self.leases.publish_handoff(
+            spec.handoff_id,
+            descriptor=rank_part_descriptor(endpoint, spec.block_ids, tp_rank=rank),
+            kv_transfer_params=spec.kv_transfer_params,
+            num_blocks=len(spec.block_ids),
+            decode_child_engine_id=spec.decode_child_engine_id,
         )
+
+    def _arm_hold(self, lease_id: str, spec: PublishSpec) -> None:
+        import asyncio
+
+        def check() -> None:
+            task = asyncio.ensure_future(self._hold_expired(lease_id, spec))
+            self._hold_checks.add(task)
+            task.add_done_callback(self._hold_checks.discard)
+
+        asyncio.get_running_loop().call_later(self.config.handoff_hold_s, check)
 
     def _free_unknown_publish(self, request_id: str) -> None:
         with self._lock:
             self._free_now.append(request_id)
         log.info("handoff of %s (publish outcome unknown) freed after its hold", request_id)
 
-    def _hold_expired(self, lease_id: str) -> None:
+    async def _hold_expired(self, lease_id: str, spec: PublishSpec) -> None:
         if self.pins.is_quarantined(lease_id):
             return  # kept until kvrc's release (I6-quiescence)
+        with self._lock:
+            if lease_id not in self._handoff_leases:
+                return  # released already
+        if await handoff_still_open(lease_id, lambda: self._publish_part(spec, 0)):
+            # A decode may be reading these blocks now: kvrc's release or quarantine
+            # decides them, not the clock (I6-quiescence).
+            log.info("handoff lease %s still open at kvrc: its hold goes on", lease_id)
+            self._count("handoff_hold_extended")
+            with self._lock:
+                still_held = lease_id in self._handoff_leases
+            if still_held:
+                self._arm_hold(lease_id, spec)
+            return
         with self._lock:
             request_id = self._handoff_leases.pop(lease_id, None)
             if request_id is None:
                 return
             self._free_now.append(request_id)
+            self._unheld_new.append(lease_id)
         log.warning("handoff lease %s never released; freeing %s", lease_id, request_id)
         self._count("handoff_hold_expired")
 
@@ -344,7 +374,9 @@ class KvrcScheduler:
 
         while True:
             await asyncio.sleep(1.0)
-            for _ in self.pins.expire():
+            for lease_id in self.pins.expire():
+                with self._lock:
+                    self._unheld_new.append(lease_id)
                 self._count("pins_expired")
 
     # --- counters ------------------------------------------------------------------
@@ -672,6 +704,7 @@ class KvrcScheduler:
             meta.publishes, self._publishes = self._publishes, []
             meta.free_now, self._free_now = self._free_now, []
             meta.held, self._held_new = self._held_new, []
+            meta.unheld, self._unheld_new = self._unheld_new, []
         return meta
 
     # --- update_connector_output -------------------------------------------------------

@@ -45,6 +45,7 @@ from clients.leases import (
     PinAnswer,
     PinRequestInfo,
     PublishResult,
+    handoff_still_open,
     publish_attempts,
 )
 from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
@@ -246,6 +247,7 @@ class KvrcWorker:
         self._pulls_running: dict[str, list[asyncio.Future[None]]] = {}
         self._aborted: dict[str, None] = {}  # lease ids, oldest first (MAX_ABORTED_LEASES)
         self._held: dict[str, str] = {}  # handoff lease id -> prefill request id
+        self._hold_checks: set[asyncio.Task[None]] = set()  # kvrc asked at a hold's end
         self._quarantined = HoldDeadlines()  # only what kvrc quarantined (no nets here)
         self._released_early: dict[str, None] = {}
         self._handoff_of_request: dict[str, str] = {}
@@ -423,6 +425,8 @@ class KvrcWorker:
             self.finished.add_sending(request_id)
         for lease_id, decode_child_engine_id in meta.held:
             self.handler.track_held(lease_id, decode_child_engine_id)
+        for lease_id in meta.unheld:
+            self.handler.untrack_held(lease_id)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         if self._idle_step:
@@ -631,9 +635,15 @@ class KvrcWorker:
             self._free_handoff(lease_id, spec.request_id, "released before the publish returned")
             return
         self._held[lease_id] = spec.request_id
-        asyncio.get_running_loop().call_later(
-            self.config.handoff_hold_s, self._hold_expired, lease_id
-        )
+        self._arm_hold(lease_id, spec)
+
+    def _arm_hold(self, lease_id: str, spec: PublishSpec) -> None:
+        def check() -> None:
+            task = asyncio.ensure_future(self._hold_expired(lease_id, spec))
+            self._hold_checks.add(task)
+            task.add_done_callback(self._hold_checks.discard)
+
+        asyncio.get_running_loop().call_later(self.config.handoff_hold_s, check)
 
     async def _publish_part(self, spec: PublishSpec) -> PublishResult:
         assert self.leases is not None
@@ -645,9 +655,17 @@ class KvrcWorker:
             decode_child_engine_id=spec.decode_child_engine_id,
         )
 
-    def _hold_expired(self, lease_id: str) -> None:
-        if self._quarantined.is_quarantined(lease_id):
-            return  # kept until kvrc's release (I6-quiescence)
+    async def _hold_expired(self, lease_id: str, spec: PublishSpec) -> None:
+        if self._quarantined.is_quarantined(lease_id) or lease_id not in self._held:
+            return  # kept until kvrc's release (I6-quiescence), or released already
+        if await handoff_still_open(lease_id, lambda: self._publish_part(spec)):
+            # A decode may be reading these blocks now: kvrc's release or quarantine
+            # decides them, not the clock (I6-quiescence).
+            log.info("handoff lease %s still open at kvrc: its hold goes on", lease_id)
+            self.finished.count("handoff_hold_extended")
+            if lease_id in self._held:
+                self._arm_hold(lease_id, spec)
+            return
         request_id = self._held.pop(lease_id, None)
         if request_id is not None:
             log.warning("handoff lease %s never released; freeing %s", lease_id, request_id)
@@ -716,19 +734,19 @@ class KvrcWorker:
         if request_id is not None:
             self._free_handoff(lease_id, request_id, f"released by kvrc ({reason})")
             return
-        self.handler.untrack_held(lease_id)
         try:
             if await self._scheduler_call("release", lease_id=lease_id):
-                return
+                return  # LeaseSessionHandler then stops announcing it as held
         except Exception as e:
             self._release_early(lease_id)
-            # Raised, so not acknowledged: kvrc sends the release again to this part's
-            # next session instead of leaving the pins to the scheduler's safety net (I6).
+            # Raised, so neither acknowledged nor forgotten: kvrc keeps the release and
+            # sends it again when this part's session starts over, and the lease is still
+            # re-announced; until then the scheduler's safety net bounds the pins (I6).
             raise RuntimeError(
-                f"release of lease {lease_id} not passed to the scheduler: {e!r}; "
-                "kvrc sends it again to the next session"
+                f"release of lease {lease_id} not passed to the scheduler: {e!r}; kvrc "
+                "sends it again when this session starts over"
             ) from e
-        self._release_early(lease_id)
+        self._release_early(lease_id)  # the scheduler did not know it (yet)
 
     def _release_early(self, lease_id: str) -> None:
         """A release that came before this worker knew the lease (its publish answer may

@@ -37,6 +37,7 @@ import torch
 from harness import CoordinatorProcess, start_coordinator
 from test_transfer import LAYOUT, LOCAL_LAYOUT, PEER_SEED, Peer
 from transfer_peer import block_pattern
+from waiting import wait_until_sync
 
 from clients.errors import (
     DeadlineExceededError,
@@ -544,7 +545,7 @@ def test_a_release_the_scheduler_did_not_take_is_not_acknowledged(
         # The scheduler is gone: before, the failure was swallowed and the release acked.
         monkeypatch.setattr(worker, "child_engine_id", "no-scheduler-here")
         monkeypatch.setattr(worker, "_scheduler_channel", None)
-        with pytest.raises(RuntimeError, match="sends it again to the next session"):
+        with pytest.raises(RuntimeError, match="sends it again when this session starts over"):
             release("pl-not-taken")
         assert handler.release_acks_due() == ["pl-taken"]
     finally:
@@ -662,6 +663,102 @@ def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
             assert made._free_now == ["req-p"]
     finally:
         made.shutdown()
+
+
+def _publish_states(*answers: str | Exception) -> Any:
+    """kvrc's PublishHandoff answers, in order, for handoff "ho-held" (the last repeats):
+    a state it names, or an error raised."""
+    from clients.leases import PublishResult
+
+    left = list(answers)
+
+    async def publish_handoff(*_: Any, **__: Any) -> Any:
+        answer = left.pop(0) if len(left) > 1 else left[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return PublishResult(answer, 1, 1, "ho-held")
+
+    return publish_handoff
+
+
+_GONE = UnavailableError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+
+@pytest.mark.parametrize(
+    ("at_the_end", "held_on"),
+    [(("ACTIVE", "COMPLETED"), True), ((_GONE,), False)],
+    ids=["kvrc-says-open", "kvrc-gone"],
+)
+def test_a_handoff_kvrc_still_has_open_is_held_past_its_hold(
+    vllm_side: Any,
+    kvrc_server: CoordinatorProcess,
+    worker: Any,
+    at_the_end: tuple[str | Exception, ...],
+    held_on: bool,
+) -> None:
+    """handoff_hold_s freed the blocks whatever kvrc said: a decode that began late, or
+    read long, read blocks vLLM had already reused. At the hold's end the prefill asks
+    kvrc (a repeat of its publish): open, held on; ended, freed; kvrc gone (the control),
+    freed as before."""
+    publish = _publish_states("READY", *at_the_end)
+    made = _publish_with(vllm_side, kvrc_server, worker, publish, hold_s=0.3)
+    try:
+        assert made._handoff_leases == {"ho-held": "req-p"} and made._free_now == []
+        if held_on:
+            # The first hold's end: ACTIVE, a decode may be reading.
+            wait_until_sync(lambda: made.counters["handoff_hold_extended"] == 1, 10)
+            assert made._free_now == [] and "ho-held" in made._handoff_leases
+        # Freed once kvrc says COMPLETED (or cannot be asked).
+        wait_until_sync(lambda: made._free_now == ["req-p"], 10)
+        assert made.counters["handoff_hold_extended"] == (1 if held_on else 0)
+        # Freed on the hold, not by a release: the workers stop announcing it as held.
+        assert made._unheld_new == ["ho-held"]
+    finally:
+        made.shutdown()
+
+
+def test_a_lease_the_scheduler_freed_on_its_own_is_no_longer_announced_as_held(
+    clean_worker: Any, vllm_side: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handoff freed at its hold's end (or a pin past its deadline) stayed in the
+    workers' held leases for good: re-announced after every kvrc restart, and rebuilt
+    quarantined over blocks already freed."""
+    from clients.leases import LeaseSessionHandler
+
+    worker = clean_worker
+    monkeypatch.setattr(worker, "handler", LeaseSessionHandler(), raising=False)
+    meta = vllm_side.metadata.KvrcConnectorMetadata()
+    meta.held.append(("ho-freed", "dec-1"))
+    meta.held.append(("ho-kept", "dec-1"))
+    worker.start_step(meta)
+    assert set(worker.handler.held_leases()) == {"ho-freed", "ho-kept"}
+    meta = vllm_side.metadata.KvrcConnectorMetadata()
+    meta.free_now.append("req-freed")
+    meta.unheld.append("ho-freed")
+    worker.start_step(meta)
+    assert set(worker.handler.held_leases()) == {"ho-kept"}
+    assert "req-freed" in worker.finished.take()[0]
+
+
+def test_a_worker_holds_a_handoff_kvrc_still_has_open_past_its_hold(
+    clean_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clients.leases import LeaseSessionHandler
+
+    worker = clean_worker
+    monkeypatch.setattr(worker, "handler", LeaseSessionHandler(), raising=False)
+    with _worker_publishing(worker, _publish_states("READY", "ACTIVE", "COMPLETED"), hold_s=0.3):
+        wait_until_sync(lambda: worker.finished.counters["handoff_hold_extended"] == 1, 10)
+        sending, _ = worker.finished.take()
+        assert "req-w" not in sending
+        freed: set[str] = set()
+
+        def taken() -> bool:
+            freed.update(worker.finished.take()[0])
+            return "req-w" in freed
+
+        wait_until_sync(taken, 10)
+        assert worker.finished.counters["handoff_hold_extended"] == 1
 
 
 def _publish_answers_second_time(error: Exception) -> Any:
