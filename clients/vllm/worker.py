@@ -138,6 +138,8 @@ def describe_kv_caches(
 IDLE_LOAD_WAIT_S = 0.01
 # Leases kvrc aborted, remembered so that a load dispatched later never reads them.
 MAX_ABORTED_LEASES = 65536
+# A quarantine the scheduler could not take is handed over again after these waits.
+QUARANTINE_RETRY_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class _Finished:
@@ -247,7 +249,8 @@ class KvrcWorker:
         self._pulls_running: dict[str, list[asyncio.Future[None]]] = {}
         self._aborted: dict[str, None] = {}  # lease ids, oldest first (MAX_ABORTED_LEASES)
         self._held: dict[str, str] = {}  # handoff lease id -> prefill request id
-        self._hold_checks: set[asyncio.Task[None]] = set()  # kvrc asked at a hold's end
+        # Tasks of this loop nothing awaits: hold checks, quarantines handed over again.
+        self._background_tasks: set[asyncio.Task[None]] = set()
         self._quarantined = HoldDeadlines()  # only what kvrc quarantined (no nets here)
         self._released_early: dict[str, None] = {}
         self._handoff_of_request: dict[str, str] = {}
@@ -640,8 +643,8 @@ class KvrcWorker:
     def _arm_hold(self, lease_id: str, spec: PublishSpec) -> None:
         def check() -> None:
             task = asyncio.ensure_future(self._hold_expired(lease_id, spec))
-            self._hold_checks.add(task)
-            task.add_done_callback(self._hold_checks.discard)
+            self._background_tasks.add(task)
+            task.add_done_callback(self._background_tasks.discard)
 
         asyncio.get_running_loop().call_later(self.config.handoff_hold_s, check)
 
@@ -762,7 +765,30 @@ class KvrcWorker:
         try:  # the scheduler holds the pin: its safety net must not free it
             await self._scheduler_call("quarantine", lease_id=lease_id)
         except Exception as e:
-            log.warning("quarantine of %s not passed to the scheduler: %s", lease_id, e)
+            # kvrc does not say it again on this session: tried again in the background,
+            # not holding up this session's other messages (I6-quiescence).
+            log.warning("quarantine of %s not passed to the scheduler yet: %s", lease_id, e)
+            task = asyncio.ensure_future(self._pass_quarantine_again(lease_id))
+            self._background_tasks.add(task)
+            task.add_done_callback(self._background_tasks.discard)
+
+    async def _pass_quarantine_again(self, lease_id: str) -> None:
+        error: Exception | None = None
+        for delay_s in QUARANTINE_RETRY_DELAYS_S:
+            await asyncio.sleep(delay_s)
+            try:
+                await self._scheduler_call("quarantine", lease_id=lease_id)
+                log.info("quarantine of %s passed to the scheduler", lease_id)
+                return
+            except Exception as e:
+                error = e
+        log.error(
+            "quarantine of %s not passed to the scheduler after %d more tries: %s; its "
+            "safety net may free the blocks",
+            lease_id,
+            len(QUARANTINE_RETRY_DELAYS_S),
+            error,
+        )
 
     # --- shutdown ------------------------------------------------------------------
 

@@ -552,6 +552,25 @@ def test_a_release_the_scheduler_did_not_take_is_not_acknowledged(
         worker.loop.run(handler.aclose(), timeout_s=10)
 
 
+def test_a_quarantine_the_scheduler_could_not_take_is_handed_over_again(
+    clean_worker: Any, scheduler: Any, vllm_side: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvrc says a quarantine once per session: one failed hand-over left the scheduler's
+    safety nets free to release blocks kvrc had quarantined (I6-quiescence)."""
+    worker = clean_worker
+    monkeypatch.setattr(vllm_side.worker, "QUARANTINE_RETRY_DELAYS_S", (0.05, 0.05, 0.05))
+    monkeypatch.setattr(worker, "child_engine_id", "no-scheduler-yet")
+    monkeypatch.setattr(worker, "_scheduler_channel", None)
+    worker.loop.run(worker._on_quarantine("pl-quarantined", "unknown outcome"), timeout_s=10)
+    assert not scheduler.pins.is_quarantined("pl-quarantined")
+    # The scheduler is back (its socket answers): the next try hands it over.
+    monkeypatch.setattr(worker, "child_engine_id", scheduler.child_engine_id)
+    wait_until_sync(lambda: scheduler.pins.is_quarantined("pl-quarantined"), 10)
+    channel = worker._scheduler_channel
+    if channel is not None:
+        worker.loop.run(channel.close(), timeout_s=10)
+
+
 # --- 6. a pin that misses the key map does not hold vLLM's block pool while it rebuilds ----
 
 
