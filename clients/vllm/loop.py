@@ -11,13 +11,15 @@ import asyncio
 import concurrent.futures
 import contextlib
 import faulthandler
+import logging
 import os
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("kvrc.vllm.loop")
 
 
 def engine_cores() -> set[int] | None:
@@ -65,6 +67,7 @@ class BackgroundLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._watching = False
         self._watch_task: asyncio.Task[None] | None = None
+        self._spawned: set[asyncio.Task[None]] = set()  # tasks nothing awaits (spawn_later)
         self._thread.start()
 
     def _run(self) -> None:
@@ -116,6 +119,22 @@ class BackgroundLoop:
 
     def call_soon(self, fn: Any, *args: Any) -> None:
         self.loop.call_soon_threadsafe(fn, *args)
+
+    def spawn_later(self, delay_s: float, make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """From this loop's thread: runs `make()` as a task `delay_s` from now, kept until
+        it ends (nothing awaits it; a failure is logged)."""
+
+        def start() -> None:
+            task = self.loop.create_task(make())
+            self._spawned.add(task)
+            task.add_done_callback(self._spawned_ended)
+
+        self.loop.call_later(delay_s, start)
+
+    def _spawned_ended(self, task: asyncio.Task[None]) -> None:
+        self._spawned.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
 
     def stop(self, timeout_s: float = 5.0) -> None:
         global _STALL_WATCH_TAKEN

@@ -179,7 +179,6 @@ class KvrcScheduler:
         self._endpoints: dict[int, str] = {}  # tp rank -> KvEndpointDescription JSON
         self._handoff_leases: dict[str, str] = {}
         self._released_early: dict[str, None] = {}
-        self._hold_checks: set[Any] = set()  # asyncio tasks: kvrc asked at a hold's end
         self._held_new: list[tuple[str, str]] = []  # (lease id, reserved decode or "")
         # Leases this side's safety nets freed (a hold's end, a pin past its deadline):
         # the workers stop announcing them as held.
@@ -330,14 +329,9 @@ class KvrcScheduler:
         )
 
     def _arm_hold(self, lease_id: str, spec: PublishSpec) -> None:
-        import asyncio
-
-        def check() -> None:
-            task = asyncio.ensure_future(self._hold_expired(lease_id, spec))
-            self._hold_checks.add(task)
-            task.add_done_callback(self._hold_checks.discard)
-
-        asyncio.get_running_loop().call_later(self.config.handoff_hold_s, check)
+        self.loop.spawn_later(
+            self.config.handoff_hold_s, lambda: self._hold_expired(lease_id, spec)
+        )
 
     def _free_unknown_publish(self, request_id: str) -> None:
         with self._lock:

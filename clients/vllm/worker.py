@@ -249,8 +249,6 @@ class KvrcWorker:
         self._pulls_running: dict[str, list[asyncio.Future[None]]] = {}
         self._aborted: dict[str, None] = {}  # lease ids, oldest first (MAX_ABORTED_LEASES)
         self._held: dict[str, str] = {}  # handoff lease id -> prefill request id
-        # Tasks of this loop nothing awaits: hold checks, quarantines handed over again.
-        self._background_tasks: set[asyncio.Task[None]] = set()
         self._quarantined = HoldDeadlines()  # only what kvrc quarantined (no nets here)
         self._released_early: dict[str, None] = {}
         self._handoff_of_request: dict[str, str] = {}
@@ -641,12 +639,9 @@ class KvrcWorker:
         self._arm_hold(lease_id, spec)
 
     def _arm_hold(self, lease_id: str, spec: PublishSpec) -> None:
-        def check() -> None:
-            task = asyncio.ensure_future(self._hold_expired(lease_id, spec))
-            self._background_tasks.add(task)
-            task.add_done_callback(self._background_tasks.discard)
-
-        asyncio.get_running_loop().call_later(self.config.handoff_hold_s, check)
+        self.loop.spawn_later(
+            self.config.handoff_hold_s, lambda: self._hold_expired(lease_id, spec)
+        )
 
     async def _publish_part(self, spec: PublishSpec) -> PublishResult:
         assert self.leases is not None
@@ -768,9 +763,7 @@ class KvrcWorker:
             # kvrc does not say it again on this session: tried again in the background,
             # not holding up this session's other messages (I6-quiescence).
             log.warning("quarantine of %s not passed to the scheduler yet: %s", lease_id, e)
-            task = asyncio.ensure_future(self._pass_quarantine_again(lease_id))
-            self._background_tasks.add(task)
-            task.add_done_callback(self._background_tasks.discard)
+            self.loop.spawn_later(0.0, lambda: self._pass_quarantine_again(lease_id))
 
     async def _pass_quarantine_again(self, lease_id: str) -> None:
         error: Exception | None = None

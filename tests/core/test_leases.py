@@ -1025,6 +1025,17 @@ def test_open_counts_per_engine_are_kept_per_change_not_rebuilt() -> None:
     assert counts.walks == 0
 
 
+def recovered(t: LeaseTable, lease_id: str, holder: str = HOLD) -> LeaseStep:
+    """`holder`'s first part re-announces `lease_id` (after a coordinator restart)."""
+    return t.recover_held(
+        lease_id=lease_id,
+        holder_child_engine_id=holder,
+        holder_rank_keys=TP2,
+        rank_key=TP2[0],
+        now_ms=T0,
+    )
+
+
 def test_made_up_held_ids_take_a_quarter_of_recovery_never_a_holders_verified_ids() -> None:
     """Untagged ids filled all 16,384 recovered slots, and a real holder re-announcing
     its own (verifiable) lease after the restart was refused RESOURCE_EXHAUSTED."""
@@ -1035,16 +1046,7 @@ def test_made_up_held_ids_take_a_quarter_of_recovery_never_a_holders_verified_id
     config = LeaseConfig(max_recovered_leases=8, max_unverified_recovered_leases=2)
     t = LeaseTable(config)  # the restarted coordinator, the same key (state file)
     t.set_id_key(key)
-
-    def recover(lease_id: str, holder: str = HOLD) -> Any:
-        return t.recover_held(
-            lease_id=lease_id,
-            holder_child_engine_id=holder,
-            holder_rank_keys=TP2,
-            rank_key=TP2[0],
-            now_ms=T0,
-        )
-
+    recover = partial(recovered, t)
     for i in range(2):
         assert recover(f"pl-made-up-{i}", f"squatter-{i}").view.state is LeaseState.QUARANTINED
     e = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: recover("pl-made-up-2", "squatter-2"))
@@ -1059,16 +1061,7 @@ def test_recovered_leases_are_bounded_and_never_take_the_table_from_live_grants(
     """Held ids a part re-announces are rebuilt QUARANTINED; made-up ones, from engines
     whose credential allows many child engines, must not fill the table (I8-bad-input)."""
     t = table(max_recovered_leases=3, max_open_leases=8)
-
-    def recover(lease_id: str, holder: str) -> Any:
-        return t.recover_held(
-            lease_id=lease_id,
-            holder_child_engine_id=holder,
-            holder_rank_keys=TP2,
-            rank_key=TP2[0],
-            now_ms=T0,
-        )
-
+    recover = partial(recovered, t)
     for i in range(3):
         assert recover(f"pl-{i}", f"h{i}").view.state is LeaseState.QUARANTINED
     e = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: recover("pl-x", "h9"))

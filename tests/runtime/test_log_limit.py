@@ -16,11 +16,15 @@ def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == LOGGER]
 
 
+def _limited() -> tuple[ManualClock, RateLimitedLog]:
+    clock = ManualClock(monotonic_ms=0)
+    return clock, RateLimitedLog(logging.getLogger(LOGGER), clock.monotonic_ms, interval_ms=1_000)
+
+
 def test_one_line_per_key_per_interval_then_the_count_of_the_rest(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    clock = ManualClock(monotonic_ms=0)
-    limited = RateLimitedLog(logging.getLogger(LOGGER), clock.monotonic_ms, interval_ms=1_000)
+    clock, limited = _limited()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for i in range(5):
             limited.warning("Lookup", "bad %d", i)
@@ -43,8 +47,7 @@ def test_one_line_per_key_per_interval_then_the_count_of_the_rest(
 def test_info_lines_are_limited_alike_and_nothing_is_counted_below_the_level(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    clock = ManualClock(monotonic_ms=0)
-    limited = RateLimitedLog(logging.getLogger(LOGGER), clock.monotonic_ms, interval_ms=1_000)
+    clock, limited = _limited()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         limited.info("gap", "gap %d", 0)  # below the level: neither logged nor counted
     with caplog.at_level(logging.INFO, logger=LOGGER):
