@@ -689,6 +689,7 @@ class LeaseFlow:
             child = self._gauge_children.get(key)
             if child is not None:
                 child.set(value)
+        self._metrics.lease_payload.set(self.table.payload_bytes)
 
     def _arm(self) -> None:
         """One timer, at the core's next deadline (re-armed when that moves earlier)."""

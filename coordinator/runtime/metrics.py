@@ -262,6 +262,12 @@ class Metrics:
             "before acknowledging them, kept on this replica until it registers again.",
             registry=r,
         )
+        self.lease_payload = Gauge(
+            "kvrc_lease_payload_bytes",
+            "Bytes of engines' kv_transfer_params, descriptors and chains that open and "
+            "ended leases keep (bounded by LeaseConfig.max_payload_bytes).",
+            registry=r,
+        )
         self.releases_given_up = Counter(
             "kvrc_lease_releases_given_up_total",
             "Releases given up after coming back unacknowledged from several sessions of "

@@ -200,3 +200,18 @@ async def test_cancelled_begins_do_not_pile_up_behind_a_long_wait_and_waits_are_
             w.cancel()
         await settle()
         assert not core._begin_keys
+
+
+async def test_the_payload_gauge_follows_what_the_lease_table_keeps() -> None:
+    async with manual_coordinator() as rig:
+        flow = rig.coordinator.leases
+        registry = rig.coordinator.metrics.registry
+        rig.register("dec")
+        rig.register("pre")
+        assert registry.get_sample_value("kvrc_lease_payload_bytes") == 0
+        flow.publish_handoff(
+            PublishHandoffRequest("h", "pre", (0, 0, 0), b"d" * 100, b"p", "dec", 4)
+        )
+        kept = flow.table.payload_bytes
+        assert kept == 101  # the descriptor and the parameters
+        assert registry.get_sample_value("kvrc_lease_payload_bytes") == kept
