@@ -546,6 +546,12 @@ async def test_a_consumer_that_stops_reading_is_disconnected_with_bounded_memory
                 coordinator, "kvrc_sessions_closed_total", reason="error"
             )
             assert closed() == 0
+
+            def holder_closed() -> bool:
+                # The holder's own session: on a loaded host the requester's can overflow
+                # its queue of 32 too, which alone says nothing about the holder.
+                return "rank part removed (error): slow-h " in coordinator.stderr_text()
+
             # Each PinRequest names 2,000 blocks (about 40 KB): the stream's flow-control
             # window and socket buffers fill, then the bounded session queue does.
             for _ in range(6):
@@ -558,9 +564,10 @@ async def test_a_consumer_that_stops_reading_is_disconnected_with_bounded_memory
                     timeout_s=60,
                 )
                 assert flood["ok"], flood
-                if closed() >= 1:
+                if holder_closed():
                     break
-            assert closed() >= 1, "the non-reading session was never disconnected"
+            assert holder_closed(), "the non-reading session was never disconnected"
+            assert closed() >= 1
             assert await _inventory_of(target, "slow-h") is None  # removed, with its inventory
             rss_after = _rss_mb(coordinator.process.pid)
             assert rss_after - rss_before < 80, (rss_before, rss_after)
