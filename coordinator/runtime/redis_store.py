@@ -188,6 +188,7 @@ class RedisStore:
         self._reset_reader = False  # a store loss: read the new log from its start
         self._epoch_checks_after_failure = 0  # reset by every failure (see _fail)
         self._failures: dict[str, str] = {"start": "the shared store has not been reached yet"}
+        self._claims_failing = 0  # claim tasks whose last try failed ("claim" failure)
         self._load_snapshots = load_snapshots  # False: read the retained log only (tests)
         self._snapshot_max_bytes = snapshot_max_bytes
         self._read_id: str | None = None  # the last log entry applied; None: not started
@@ -245,6 +246,18 @@ class RedisStore:
         self._epoch_checks_after_failure = 0
         self._set_up_gauge()
 
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """One of the store's own loops (writer, reader, health, snapshots, ledger sweep)
+        ended. One that failed is not restarted: the store stays down (fail closed: no
+        grants on a view nobody follows any more), and this replica stops calling others
+        silent, which a dead reader would do after the silence timeout."""
+        if task.cancelled() or self._closing or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("shared store task failed; restart this replica", exc_info=error)
+        self._read_ok_since_ms = None
+        self._fail("task", f"a background task failed: {error!r}"[:200])
+
     def _set_up_gauge(self) -> None:
         self._metrics.store_up.set(0 if self._failures else 1)
 
@@ -262,7 +275,7 @@ class RedisStore:
             self._sweep_ledger(),
         ):
             task = loop.create_task(coro)
-            task.add_done_callback(_log_failure)
+            task.add_done_callback(self._task_ended)
             self._tasks.append(task)
         self.ledger.start()
         self._inventory.heartbeat()  # other replicas hear of this one at once
@@ -299,28 +312,45 @@ class RedisStore:
 
     async def _claim(self, on_token: Callable[[int], None]) -> None:
         attempt = 0
-        while not self._closing:
-            epoch = self._epoch if isinstance(self._epoch, (bytes, str)) else ""
-            try:
-                token = int(
-                    await self._writer_conn.eval(  # type: ignore[misc]
-                        _CLAIM, 2, FENCE_KEY, EPOCH_KEY, epoch
+        failing = False  # this claim's last try failed (counted in _claims_failing)
+        try:
+            while not self._closing:
+                epoch = self._epoch if isinstance(self._epoch, (bytes, str)) else ""
+                try:
+                    token = int(
+                        await self._writer_conn.eval(  # type: ignore[misc]
+                            _CLAIM, 2, FENCE_KEY, EPOCH_KEY, epoch
+                        )
                     )
-                )
-            except (RedisError, OSError) as e:
-                self._fail("claim", _why(e))
+                except (RedisError, OSError) as e:
+                    if not failing:
+                        failing = True
+                        self._claims_failing += 1
+                    self._fail("claim", _why(e))
+                    await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
+                    attempt += 1
+                    continue
+                failing = self._claim_settled(failing)
+                if token > 0:
+                    on_token(token)
+                    return
+                # Not the store this replica knew (or not checked yet): a loss found here
+                # re-announces every part with new claims, which cancels this one.
+                await self._check_epoch()
                 await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
                 attempt += 1
-                continue
+        finally:
+            # Cancelled while failing (its part left before Redis answered): no claim
+            # stands behind the failure any more, so it must not keep the store down.
+            self._claim_settled(failing)
+
+    def _claim_settled(self, failing: bool) -> bool:
+        """A claim no longer failing: the store's "claim" failure clears with the last."""
+        if failing:
+            self._claims_failing -= 1
+        if self._claims_failing == 0:
             self._ok("claim")
-            if token > 0:
-                on_token(token)
-                return
-            # Not the store this replica knew (or not checked yet): a loss found here
-            # re-announces every part with new claims, which cancels this one.
-            await self._check_epoch()
-            await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
-            attempt += 1
+        return False
 
     # --- the epoch: an empty, restarted Redis is a store loss ------------------------------
 
@@ -576,10 +606,12 @@ class RedisStore:
                         if data is None:
                             raise KeyError("d")
                         ops = unpack_ops(data)
-                    except (KeyError, ValueError, TypeError) as e:
-                        log.warning("log entry %s skipped: %s", last_id, e)
+                        applied += self._inventory.apply_remote(_text(source), ops, now)
+                    except Exception as e:
+                        # Replicas write the log: a bug or a version skew. One entry must
+                        # not stop this replica from following the others.
+                        log.warning("log entry %s skipped: %r", last_id, e)
                         continue
-                    applied += self._inventory.apply_remote(source.decode(), ops, now)
             if applied:
                 self._m_in.inc(applied)
                 self._on_applied()

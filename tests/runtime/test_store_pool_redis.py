@@ -65,3 +65,29 @@ async def test_without_the_bound_the_same_burst_keeps_more_connections(
     tokens, connections = await burst_of_claims(server, "b")
     assert len(tokens) == BURST
     assert connections > 8  # what the default bound would have kept it to
+
+
+async def test_a_claim_cancelled_while_failing_does_not_keep_the_store_down(
+    server: RedisServer,
+) -> None:
+    """Only a claim's own success cleared its failure: a part that left while Redis was
+    unreachable left the replica refusing every prefix load after Redis was back."""
+    import signal
+
+    inventory = ReplicatedInventory("c", max_entries_total=1000, max_entries_per_engine=1000)
+    config = StoreConfig(kind="redis", host="127.0.0.1", port=server.port)
+    store = RedisStore(config, inventory, SystemClock(), Metrics())
+    await store.start()
+    try:
+        await wait_until(lambda: store.unavailable_reason() is None, 10, what="healthy")
+        assert server.process is not None
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            cancel = store.claim("part-x", "session-x", lambda _token: None)
+            await wait_until(lambda: "claim" in store._failures, 15, what="the claim fails")
+            cancel()  # the part's session closed before Redis answered
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        await wait_until(lambda: store.unavailable_reason() is None, 30, what="healthy again")
+    finally:
+        await store.close(0.2)

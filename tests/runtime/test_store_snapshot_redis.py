@@ -300,3 +300,37 @@ async def test_a_snapshot_is_written_by_itself_after_n_entries(
     c = await replicas("c")
     await settle(redis, a, c)
     assert c.snapshots("loaded") == 1 and state(c.inventory) == state(a.inventory)
+
+
+async def test_a_log_entry_that_fails_to_apply_does_not_stop_the_reader(
+    redis: aioredis.Redis, replicas: Callable[..., Any]
+) -> None:
+    """An op that is not a list made the skip handler itself raise (`op[:2]`): the error
+    left the reader task, which died with only a log line, and the replica went on
+    granting on a view nobody followed any more."""
+    from coordinator.runtime.replication import pack_ops
+
+    a = await replicas("a")
+    b = await replicas("b")
+    bad: list[Any] = [7, ["E"]]  # not an op: a bug in another replica
+    await redis.xadd(STREAM_KEY, {"o": "w", "d": pack_ops(bad)})
+    a.inventory.add_engine("after-the-bad-entry", COMPAT)
+    await settle(redis, a, b)
+    assert b.inventory.has_engine("after-the-bad-entry")
+    assert b.store.unavailable_reason() is None
+
+
+async def test_a_store_loop_that_dies_leaves_the_store_down_not_silently_stale(
+    replicas: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = await replicas("b")
+    await wait_for(lambda: b.store.unavailable_reason() is None, "b healthy")
+
+    async def broken(last_id: str) -> Any:
+        raise RuntimeError("a bug in the reader")
+
+    monkeypatch.setattr(b.store, "_read_after", broken)
+    await wait_for(lambda: b.store.unavailable_reason() is not None, "b down")
+    reason = b.store.unavailable_reason()
+    assert reason is not None and "a background task failed" in reason
+    assert b.store._read_ok_since_ms is None  # calls nobody silent on a dead reader
