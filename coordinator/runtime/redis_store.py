@@ -249,8 +249,8 @@ class RedisStore:
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         """One of the store's own loops (writer, reader, health, snapshots, ledger sweep)
         ended. One that failed is not restarted: the store stays down (fail closed: no
-        grants on a view nobody follows any more), and this replica stops calling others
-        silent, which a dead reader would do after the silence timeout."""
+        grants on a view nobody follows any more). A dead reader also no longer counts as
+        following the log, so this replica stops calling others silent."""
         if task.cancelled() or self._closing or task.exception() is None:
             return
         error = task.exception()
