@@ -137,6 +137,7 @@ class LeaseFlow:
         self._clock = clock
         # Lines a session's messages trigger: one per kind per 10 s (I8-bad-input).
         self._session_log = RateLimitedLog(log, clock.monotonic_ms)
+        self._payload_shown = 0  # what kvrc_lease_payload_bytes shows (the gauge starts at 0)
         self._closing = False
         self._timer: Timer | None = None
         self._timer_due: int | None = None
@@ -689,7 +690,10 @@ class LeaseFlow:
             child = self._gauge_children.get(key)
             if child is not None:
                 child.set(value)
-        self._metrics.lease_payload.set(self.table.payload_bytes)
+        payload = self.table.payload_bytes
+        if payload != self._payload_shown:  # most steps change no payload: no gauge lock
+            self._payload_shown = payload
+            self._metrics.lease_payload.set(payload)
 
     def _arm(self) -> None:
         """One timer, at the core's next deadline (re-armed when that moves earlier)."""
