@@ -174,9 +174,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     log.debug("froze %d startup objects out of GC passes", freeze_startup_heap())
     await coordinator.start()
     if store is not None:
-        await store.start()
-        if coordinator.peers is not None:
-            coordinator.peers.hello()  # the other replicas announce their parts to this one
+        await store.start()  # its first read asks the others to announce their parts
     await server.start()
     if port_file is not None:
         write_port_file(port_file, grpc_port, metrics_port)

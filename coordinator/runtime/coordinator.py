@@ -265,6 +265,18 @@ class PartListener(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class _Unaccounted:
+    """In place of a gone timer: a remote part this replica lost track of (a store loss,
+    a snapshot reload; peers.py `PeerLink.forget_all`). Its engine is not proven gone
+    while it stands; `unaccounted_part_gone` starts the real timer."""
+
+    session_id: str
+
+    def cancel(self) -> None:
+        """Nothing runs: the part came back, or the coordinator is shutting down."""
+
+
+@dataclass(frozen=True, slots=True)
 class PublishOutcome:
     """A PublishHandoff's answer, decided here or by the decode engine's replica."""
 
@@ -766,8 +778,13 @@ class Coordinator:
                 else "",
             )
 
-    def _part_removed(self, ref: PartRef, reason: str) -> bool:
-        """Removes a registered part (local or remote) and tells the listeners; False if gone."""
+    def _part_removed(self, ref: PartRef, reason: str, unaccounted: bool = False) -> bool:
+        """Removes a registered part (local or remote) and tells the listeners; False if gone.
+
+        Its grace period starts, after which its engine may be proven gone; for a part
+        this replica lost track of (`unaccounted`), only once it is known to have left
+        (`unaccounted_part_gone`): until then it counts as inside its grace period.
+        """
         removed = self.registry.remove(ref)
         if removed is None:
             return False
@@ -793,10 +810,12 @@ class Coordinator:
             old = self._take_gone_timer(ref)
             if old is not None:
                 old.cancel()
-            self._gone_timers.setdefault(ref.child_engine_id, {})[ref.rank] = self.clock.call_later(
-                self.config.session_grace_ms, lambda: self._part_gone(ref)
-            )
+            timer = _Unaccounted(ref.session_id) if unaccounted else self._gone_timer(ref)
+            self._gone_timers.setdefault(ref.child_engine_id, {})[ref.rank] = timer
         return True
+
+    def _gone_timer(self, ref: PartRef) -> Timer:
+        return self.clock.call_later(self.config.session_grace_ms, lambda: self._part_gone(ref))
 
     # --- the other replicas' parts (PeerHost, coordinator/runtime/peers.py) ------------
 
@@ -840,8 +859,13 @@ class Coordinator:
             self._readiness_changed(result.view, self.reuse_for(result.view))
         return True
 
-    def remove_remote_part(self, ref: PartRef, reason: str) -> bool:
-        return self._part_removed(ref, reason)
+    def remove_remote_part(self, ref: PartRef, reason: str, unaccounted: bool = False) -> bool:
+        return self._part_removed(ref, reason, unaccounted)
+
+    def unaccounted_part_gone(self, ref: PartRef) -> None:
+        timers = self._gone_timers.get(ref.child_engine_id, {})
+        if timers.get(ref.rank) == _Unaccounted(ref.session_id):  # not back since
+            timers[ref.rank] = self._gone_timer(ref)
 
     def deliver(self, ref: PartRef, message: LeaseOutbound, registering: bool = False) -> bool:
         session = self._sessions.get(ref.session_id)

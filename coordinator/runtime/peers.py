@@ -45,6 +45,14 @@ messages travel through the same ordered log as the inventory:
   replica's name (`[OP_HELLO, origin]`), only that one, which this replica had
   called silent and hears again: it announces its engines and parts and asks its
   engines for full dumps (replication.py `ReplicatedInventory.apply_remote`).
+- `OP_ANNOUNCING` / `OP_ANNOUNCED`: the bounds of an announcement round; every part
+  the replica holds is announced between them (the end waits for pending tokens).
+  A replica that lost track of the log (a snapshot reload, a store loss) keeps the
+  others' parts *unaccounted for* (`forget_all`): not READY, but not proven gone
+  either, since they did not leave. A round begun after the loss settles them: a
+  part it announces is back, one it lacks left and its grace period starts
+  (I6-quiescence: before, a reader on a replica slower to announce than
+  `session_grace_ms` was proven gone while it read).
 - `OP_CALL` / `OP_RESULT`: a request that only another replica can decide, and its
   answer (or its refusal, code and message). A prefill part's PublishHandoff naming
   a decode engine whose session is on another replica goes to that replica, which
@@ -108,7 +116,24 @@ OP_REPLY = "Y"
 OP_HELLO = "W"
 OP_CALL = "K"  # not "C": that is replication.OP_CLEAR (one tag space, one log)
 OP_RESULT = "Q"
-PEER_TAGS = frozenset((OP_PART, OP_PART_LEFT, OP_SEND, OP_REPLY, OP_HELLO, OP_CALL, OP_RESULT))
+# An announcement round's bounds: `[OP_ANNOUNCING, origin]`, then every local part,
+# then `[OP_ANNOUNCED, origin]` once every part has its token (module doc). The origin
+# in op[1] makes an older replica, which knows neither tag, ignore them quietly.
+OP_ANNOUNCING = "G"
+OP_ANNOUNCED = "N"
+PEER_TAGS = frozenset(
+    (
+        OP_PART,
+        OP_PART_LEFT,
+        OP_SEND,
+        OP_REPLY,
+        OP_HELLO,
+        OP_CALL,
+        OP_RESULT,
+        OP_ANNOUNCING,
+        OP_ANNOUNCED,
+    )
+)
 # Lease messages and call answers: what an outbox reset must not drop (replication.py,
 # `ReplicatedInventory.reannounce`). A release lost there leaves a live holder pinned.
 # Not OP_CALL: its caller gives up after DEFAULT_CALL_TIMEOUT_S and asks again.
@@ -195,8 +220,14 @@ class PeerHost(Protocol):
     ) -> bool:
         """Registers another replica's part; False when it is not taken (a local one wins)."""
 
-    def remove_remote_part(self, ref: PartRef, reason: str) -> bool:
-        """Removes a remote part if `ref.session_id` still holds it."""
+    def remove_remote_part(self, ref: PartRef, reason: str, unaccounted: bool = False) -> bool:
+        """Removes a remote part if `ref.session_id` still holds it. `unaccounted`: this
+        replica lost track of it (it did not leave): it is not READY, and nothing proves
+        its engine gone until `unaccounted_part_gone` (I6-quiescence)."""
+
+    def unaccounted_part_gone(self, ref: PartRef) -> None:
+        """A part this replica had lost track of was not announced again by its live
+        replica (or that replica fell silent): it left, and its grace period starts."""
 
     def deliver(self, ref: PartRef, message: LeaseOutbound, registering: bool = False) -> bool:
         """Queues a message on a local session, if `ref.session_id` is still it (False:
@@ -419,6 +450,15 @@ class PeerLink:
         # True while answering a remote part's registration: its messages are marked so
         # that its replica queues them as a registration's answers (past the queue cap).
         self._answering_registration = False
+        # Local parts still waiting for their token, and whether an announcement round
+        # waits for them before its OP_ANNOUNCED.
+        self._unclaimed: set[str] = set()
+        self._round_open = False
+        # Remote parts this replica lost track of (`forget_all`), by origin, until that
+        # origin's next whole announcement round; and the origins whose round began
+        # since (OP_ANNOUNCING read after the loss).
+        self._unaccounted: dict[str, dict[str, PartRef]] = {}
+        self._round_begun: set[str] = set()
 
     def attach(self, host: PeerHost) -> None:
         self._host = host
@@ -431,12 +471,14 @@ class PeerLink:
         """A part registered here: claims its fencing token, then announces it."""
         key = part_key(registration.child_engine_id, registration.rank)
         self._local[session_id] = part = _LocalPart(key, registration, displaced=displaced)
+        self._unclaimed.add(session_id)
         self._ask_token(session_id, part)
 
     def part_left(self, ref: PartRef) -> None:
         part = self._local.pop(ref.session_id, None)
         if part is None:
             return
+        self._claim_settled(ref.session_id)
         if part.token is None:
             part.cancel()  # never announced: nothing to take back
             if part.displaced:
@@ -451,7 +493,11 @@ class PeerLink:
 
     def announce_local(self, reclaim: bool = False) -> None:
         """Announces every local part again: after a hello, or with new tokens after a
-        store loss (`reclaim`: the counter started again with the new store)."""
+        store loss (`reclaim`: the counter started again with the new store). A round:
+        OP_ANNOUNCING first, OP_ANNOUNCED once every local part has been announced with
+        its token (module doc)."""
+        self._write([OP_ANNOUNCING, self.origin])
+        self._round_open = False  # not closed by a token answered inside the loop
         if reclaim:
             # The old tokens of these parts mean nothing in the new store: a new token,
             # lower than its own old one, must not fence the part it was claimed for.
@@ -462,9 +508,23 @@ class PeerLink:
             if reclaim or part.token is None:
                 part.cancel()
                 part.token = None
+                self._unclaimed.add(session_id)
                 self._ask_token(session_id, part)
             else:
                 self._announce(session_id, part)
+        self._round_open = True
+        self._end_round()
+
+    def _claim_settled(self, session_id: str) -> None:
+        self._unclaimed.discard(session_id)
+        self._end_round()
+
+    def _end_round(self) -> None:
+        """Closes an announcement round once no local part waits for its token: every
+        part this replica holds is then in the log after the round's OP_ANNOUNCING."""
+        if self._round_open and not self._unclaimed:
+            self._round_open = False
+            self._write([OP_ANNOUNCED, self.origin])
 
     def _ask_token(self, session_id: str, part: _LocalPart) -> None:
         part.cancel = self._claim(
@@ -482,6 +542,7 @@ class PeerLink:
             return
         self._best[part.key] = (token, session_id)
         self._announce(session_id, part)
+        self._claim_settled(session_id)
 
     def _announce(self, session_id: str, part: _LocalPart) -> None:
         self._write([OP_PART, session_id, self._codec.encode(part.registration), part.token])
@@ -492,6 +553,7 @@ class PeerLink:
         if self._host is not None:
             self._host.fence_local(session_id, reason)
         self._local.pop(session_id, None)
+        self._claim_settled(session_id)
 
     def origin_of(self, session_id: str) -> str | None:
         """The replica that holds a remote part's session (None: not a remote part)."""
@@ -638,6 +700,7 @@ class PeerLink:
             if not host.register_remote_part(origin, session_id, registration):
                 return False
             self._remote[session_id] = (origin, ref)
+            self._accounted_for(origin, session_id)
             # Aborts it owes this replica's leases, and quarantines and releases for it,
             # were dropped while it was between sessions (or acks lost with the old
             # stream): they go again, to its session on `origin`, as to a part
@@ -650,6 +713,10 @@ class PeerLink:
             return True
         if tag == OP_PART_LEFT:
             ref = _ref(op[1], op[2], op[3])
+            if self._unaccounted.get(origin, {}).get(ref.session_id) == ref:
+                self._accounted_for(origin, ref.session_id)
+                host.unaccounted_part_gone(ref)  # it left: its grace starts now
+                return True
             if self._remote.get(ref.session_id, ("", None))[0] != origin:
                 return False
             del self._remote[ref.session_id]
@@ -659,6 +726,14 @@ class PeerLink:
             if len(op) > 1 and op[1] != self.origin:
                 return False  # asked of another replica (replication.py handles ours)
             self.announce_local()
+            return True
+        if tag == OP_ANNOUNCING:
+            self._round_begun.add(origin)
+            return True
+        if tag == OP_ANNOUNCED:
+            if origin in self._round_begun:
+                self._round_begun.discard(origin)
+                self._account_gone(origin, "was not announced again by replica " + origin)
             return True
         if op[1] != self.origin:
             return False  # addressed to another replica
@@ -724,12 +799,7 @@ class PeerLink:
     def origin_gone(self, origin: str, reason: str) -> int:
         """An origin reset (restarted) or fell silent: its parts leave. Returns them."""
         host = self._host
-        # Its calls waiting here have no caller any more: stop them (never granted).
-        orphans = [task for (o, _), task in self._answering.items() if o == origin]
-        for task in orphans:
-            task.cancel()
-        if orphans and host is not None:
-            host.calls_cancelled()
+        self._cancel_answering({origin})
         left = [(sid, ref) for sid, (o, ref) in self._remote.items() if o == origin]
         for session_id, ref in left:
             del self._remote[session_id]
@@ -738,11 +808,37 @@ class PeerLink:
                 host.remove_remote_part(ref, reason)
         return len(left)
 
+    def _cancel_answering(self, origins: set[str]) -> None:
+        """Their calls waiting here have no caller any more: stop them (never granted)."""
+        orphans = [task for (o, _), task in self._answering.items() if o in origins]
+        for task in orphans:
+            task.cancel()
+        if orphans and self._host is not None:
+            self._host.calls_cancelled()
+
     def origin_silent(self, origin: str) -> None:
         """An origin fell silent (not a reset, not a store loss: its lease table may be
-        lost with it): its leases that local holders left to it are rebuilt here."""
+        lost with it): its leases that local holders left to it are rebuilt here, and
+        its parts this replica had lost track of are gone with it."""
+        self._round_begun.discard(origin)
+        self._account_gone(origin, f"replica {origin} fell silent")
         if self._host is not None:
             self._host.owner_silent(origin)
+
+    def _accounted_for(self, origin: str, session_id: str) -> None:
+        """A part this replica had lost track of is back, or was seen leaving."""
+        parts = self._unaccounted.get(origin)
+        if parts is not None and parts.pop(session_id, None) is not None and not parts:
+            del self._unaccounted[origin]
+
+    def _account_gone(self, origin: str, why: str) -> None:
+        """`origin`'s parts still unaccounted for left: their grace periods start."""
+        parts = self._unaccounted.pop(origin, {})
+        if parts:
+            log.info("%d rank part(s) lost track of: %s", len(parts), why)
+        if self._host is not None:
+            for ref in parts.values():
+                self._host.unaccounted_part_gone(ref)
 
     def called_silent(self, origin: str) -> bool:
         """`origin` fell silent here lately and has not been heard since (replication.py
@@ -750,11 +846,36 @@ class PeerLink:
         return self._was_silent(origin)
 
     def forget_all(self, reason: str) -> int:
-        """A store loss: every remote part leaves (their replicas announce them again)."""
-        origins = {o for o, _ in self._remote.values()}
-        left = sum(self.origin_gone(o, reason) for o in origins)
+        """This replica lost track of the log (a store loss, a snapshot reload): every
+        remote part leaves this view, unaccounted for. Returns them.
+
+        They did not leave their replicas, so nothing here proves their engines gone
+        yet: a lease's target still reading there must not be taken for gone after
+        `session_grace_ms` because a re-announcement took longer (I6-quiescence). Each
+        stays unaccounted until its replica's next whole announcement round (OP_ANNOUNCING
+        read after this, then OP_ANNOUNCED): one it announces is back; one it does not
+        left, and its grace starts then, as it does when that replica falls silent. A
+        replica older than the round ops never closes one: fail closed until it is
+        silent.
+        """
+        host = self._host
+        self._cancel_answering({o for o, _ in self._remote.values()})
+        left = list(self._remote.items())
+        self._remote.clear()
+        for session_id, (origin, ref) in left:
+            self._unaccounted.setdefault(origin, {})[session_id] = ref
+            if host is not None:
+                host.remove_remote_part(ref, reason, unaccounted=True)
         self._best.clear()  # the new store's counter starts again (announce_local reclaims)
-        return left
+        # A round counts if its OP_ANNOUNCING is read after this. Whatever this replica
+        # reads from now on was written after all it had read: a trim shows only past the
+        # last entry read, and a store loss starts a new log. So every part the round's
+        # replica holds is announced after it, and read here before its OP_ANNOUNCED.
+        self._round_begun.clear()
+        self.hello()
+        # The entries this replica never read may hold another's hello: answer it.
+        self.announce_local()
+        return len(left)
 
     def forget_session(self, session_id: str) -> None:
         """A local registration replaced this remote part (the engine moved here)."""

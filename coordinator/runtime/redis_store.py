@@ -560,7 +560,7 @@ class RedisStore:
                         self._reset_reader = False
                         # The log is gone (a store loss): its snapshot with it.
                         self._read_id = "0-0"
-                        if self._inventory.drop_all_remote():
+                        if self._inventory.drop_all_remote("the shared store was lost"):
                             self._on_applied()
                     else:
                         self._read_ok_since_ms = None  # a snapshot's view: no sweep yet
@@ -646,7 +646,7 @@ class RedisStore:
         """
         start = await self._load_newest_snapshot() if self._load_snapshots else "0-0"
         # No snapshot (or not loadable): nothing but the retained log to go on.
-        if start == "0-0" and self._inventory.drop_all_remote():
+        if start == "0-0" and self._inventory.drop_all_remote("no snapshot was loaded"):
             self._on_applied()
         self._read_id = start
         first = await self._first_id()

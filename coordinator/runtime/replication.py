@@ -716,7 +716,7 @@ class ReplicatedInventory(Inventory):
         This replica's own engines stay (first hand), and so do its own origin's
         entries in the snapshot's place (a replica never applies its own ops).
         """
-        self.drop_all_remote()
+        self.drop_all_remote("a snapshot was loaded")
         loaded = 0
         for origin, image in snapshot.engines:
             if origin == self.origin or image.child_engine_id in self._local:
@@ -732,8 +732,8 @@ class ReplicatedInventory(Inventory):
             # Liveness starts now, on this clock, as if the origin had just been heard.
             self._origin_seen[origin] = now_ms
             loaded += 1
-        if self.peers is not None:
-            self.peers.hello()  # parts are not in the snapshot: their replicas announce them
+        # Parts are not in the snapshot: drop_all_remote's hello has their replicas
+        # announce them.
         return loaded
 
     def expire_silent_origins(
@@ -765,15 +765,21 @@ class ReplicatedInventory(Inventory):
                 self.peers.origin_silent(origin)
         return dropped
 
-    def drop_all_remote(self) -> int:
-        """The log is gone or broken (a store loss): forget every other replica's engines."""
+    def drop_all_remote(self, reason: str) -> int:
+        """This replica lost track of the log (a store loss, a snapshot reload): forget
+        every other replica's engines; their parts are unaccounted for until their
+        replicas announce again (peers.py `PeerLink.forget_all`, which asks them)."""
         count = len(self._remote)
         for cid in list(self._remote):
             self._drop_remote(cid)
-        self._origin_seen.clear()
+        # Each origin heard before stays watched, as if last heard before this replica
+        # follows the log again: one never heard again is called silent, and its
+        # unaccounted parts are gone with it (`PeerLink.origin_silent`).
+        heard = list(self._origin_seen)
+        self._origin_seen = dict.fromkeys(heard, 0)
         self._expired.clear()  # every replica re-announces after a store loss anyway
         if self.peers is not None:
-            self.peers.forget_all("the shared store was lost")
+            self.peers.forget_all(reason)
         return count
 
     def _drop_remote(self, child_engine_id: str) -> None:

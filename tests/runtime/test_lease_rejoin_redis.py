@@ -49,6 +49,7 @@ from coordinator.edges.server import coordinator_with_store
 from coordinator.runtime import coordinator as coordinator_module
 from coordinator.runtime.config import CoordinatorConfig, StoreConfig
 from coordinator.runtime.coordinator import Session
+from coordinator.runtime.redis_store import stream_id
 
 RANK = (0, 0, 0)
 CHAIN = tuple(bytes([0xD0, i]) * 8 for i in range(8))
@@ -424,3 +425,88 @@ async def test_a_release_that_overflows_the_holders_queue_on_b_is_kept_for_its_n
     back = reannounced_on(b, lease_id)
     await eventually(lambda: back.of(SendRelease) == [lease_id], "the release reaches h")
     assert releases_waiting(b) == 0
+
+
+GRACE = replace(CONFIG, session_grace_ms=300)
+
+
+async def reloaded_while_b_is_deaf(a: Node, b: Node) -> tuple[str, Outbox, Outbox]:
+    """A load from h (on A) to r (on B), granted on A (its owner). Then A loses track of
+    the log (its read position is trimmed away: it reloads B's snapshot, which holds no
+    parts) while B does not read: B is alive (its heartbeats reach A) but does not
+    answer A's hello. The lease id, h's and r's outboxes."""
+    holder = Outbox(a.register("h"))
+    a.store_chain(holder.session)
+    requester = Outbox(b.register("r"))
+    await eventually(lambda: a.part("r") == requester.session.session_id, "A hears of r")
+    c = a.coordinator
+    task = asyncio.ensure_future(
+        c.leases.request_prefix_load(PrefixLoadRequest("g1", "r", CHAIN, "", 1, 0, 10_000, 60_000))
+    )
+    await eventually(lambda: bool(holder.of(SendPin)), "the holder is asked to pin")
+    lease_id = holder.of(SendPin)[0]
+    c.leases.on_pin_result("h", RANK, lease_id, len(CHAIN), b"d", "")
+    answer = await asyncio.wait_for(task, 10)
+    assert answer.view is not None and answer.view.state is LeaseState.ACTIVE
+    await parked(a)
+    # B reads on (heartbeats) and snapshots twice past A's position: a snapshot cuts the
+    # log at the one before it, so A's position is gone.
+    for _ in range(2):
+        last = max(stream_id(a.store.read_position or "0-0"), read_by(b))
+        await eventually(lambda: read_by(b) > last, "B reads on")  # noqa: B023 (awaited here)
+        assert await b.store.write_snapshot()
+    await parked(b)
+    a.store.resume_reading()
+    await eventually(lambda: loaded_snapshots(a) == 1, "A loads B's snapshot")
+    assert a.part("r") is None, "r stayed registered on A across the reload"
+    return lease_id, holder, requester
+
+
+def read_by(node: Node) -> tuple[int, int]:
+    return stream_id(node.store.read_position or "0-0")
+
+
+async def parked(node: Node) -> None:
+    """Pauses the node's reading, and waits out the read in flight (it blocks until an
+    entry comes: a heartbeat within 500 ms): after it, the node reads nothing more."""
+    node.store.pause_reading()
+    paused_at = node.store.read_position
+    await eventually(lambda: node.store.read_position != paused_at, "the read in flight ends")
+
+
+def loaded_snapshots(node: Node) -> float | None:
+    return node.coordinator.metrics.registry.get_sample_value(
+        "kvrc_store_snapshots_total", {"action": "loaded"}
+    )
+
+
+async def test_a_target_is_not_taken_for_gone_while_its_replica_has_not_announced_again(
+    nodes: Callable[..., Awaitable[Node]],
+) -> None:
+    """A replica that reloads a snapshot has lost track of the other replicas' parts. It
+    asks them to announce again, but a part not announced yet has not left its replica:
+    its engine must not be proven gone when its grace period ends, or A releases the
+    holder while r still reads (I6-quiescence). Before: released after 300 ms."""
+    a, b = await nodes(GRACE), await nodes(GRACE)
+    lease_id, holder, requester = await reloaded_while_b_is_deaf(a, b)
+    await asyncio.sleep(1.5)  # five grace periods
+    assert holder.of(SendRelease) == [], "released while its reader was alive"
+    assert a.coordinator.leases.table.get(lease_id).state is LeaseState.ACTIVE
+    b.store.resume_reading()  # B answers A's hello: r is back on A
+    await eventually(lambda: a.part("r") == requester.session.session_id, "r is back on A")
+    report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+    assert a.coordinator.leases.complete_prefix_load(report).quiescent
+    assert holder.of(SendRelease) == [lease_id]
+
+
+async def test_a_target_that_left_while_its_replica_was_unaccounted_for_is_proven_gone(
+    nodes: Callable[..., Awaitable[Node]],
+) -> None:
+    """The control: r's session on B ends while A has lost track of it. A reads its
+    departure (B writes while it does not read) and proves r gone a grace period
+    later, releasing the holder as for any target that left; B never answered."""
+    a, b = await nodes(GRACE), await nodes(GRACE)
+    lease_id, holder, requester = await reloaded_while_b_is_deaf(a, b)
+    b.coordinator.close_session(requester.session, "closed")
+    await eventually(lambda: holder.of(SendRelease) == [lease_id], "the holder is released")
+    assert a.part("r") is None

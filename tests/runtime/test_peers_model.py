@@ -7,14 +7,17 @@ interleaves, at random, what production interleaves: a rank part registering on
 any replica (again, elsewhere, while an older session of it still lives: a
 zombie), sessions closing, fencing-token claims answered late and out of order
 (Redis INCR, here a counter), appends of each replica's outbox, each replica
-reading the log at its own pace, and lease messages sent to whatever session a
-replica's registry names.
+reading the log at its own pace, a replica losing track of the log (a snapshot
+reload past a trim: the entries between are never read), and lease messages sent
+to whatever session a replica's registry names.
 
 What must hold, once every claim is answered and every replica has read the whole
 log (`settle`): one rank part has at most one live session in the cluster (the one
 with the highest fencing token); every replica's registry names exactly that
-session for it, or nothing when it has none; and a lease message was only ever
-queued on the session it was addressed to (fencing on delivery).
+session for it, or nothing when it has none; no replica still has a part it lost
+track of unaccounted for (each was announced again, or its grace started); and a
+lease message was only ever queued on the session it was addressed to (fencing on
+delivery).
 """
 
 from __future__ import annotations
@@ -134,6 +137,14 @@ class PeersMachine(RuleBasedStateMachine):
     def read(self, replica: int, entries: int) -> None:
         self._read(self.replicas[replica], entries)
 
+    @rule(replica=st.integers(0, 2), skipped=st.integers(0, 8))
+    def lose_track(self, replica: int, skipped: int) -> None:
+        """The replica's read position was trimmed away: it reloads a snapshot (no
+        parts in it) and reads on past the entries it skipped."""
+        r = self.replicas[replica]
+        r.inventory.drop_all_remote("a snapshot was loaded")
+        r.read = min(len(self.log), r.read + skipped)
+
     @rule(replica=st.integers(0, 2), engine=st.sampled_from(PARTS))
     def send_pin(self, replica: int, engine: str) -> None:
         r = self.replicas[replica]
@@ -178,6 +189,8 @@ class PeersMachine(RuleBasedStateMachine):
             }
             expected = live[0][1] if live else None
             assert set(named.values()) == {expected}, (engine, live, named)
+        for r in self.replicas:
+            assert not r.peers._unaccounted, (r.origin, r.peers._unaccounted)
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -205,7 +218,7 @@ class PeersMachine(RuleBasedStateMachine):
 
 def test_peer_ops_and_inventory_ops_share_the_log_without_sharing_a_tag() -> None:
     assert not PEER_TAGS & INVENTORY_TAGS
-    assert len(INVENTORY_TAGS) == 10 and len(PEER_TAGS) == 7
+    assert len(INVENTORY_TAGS) == 10 and len(PEER_TAGS) == 9
 
 
 TestPeers = PeersMachine.TestCase
@@ -215,3 +228,88 @@ TestPeers.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def _lost_track_of_e0(
+    r0: _Replica, claims: list[tuple[str, Callable[[int], None], list[bool]]]
+) -> _Replica:
+    """e0 registers on r0; r1 reads it, then loses track of the log (a snapshot reload).
+    Returns r1."""
+    r1 = _Replica("r1", claims)
+    session = r0.coordinator.open_session(_registration("e0"))
+    r0.sessions[session.session_id] = session
+    claims.pop()[1](1)  # the token
+    for origin, op in _drain(r0):
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is not None
+    r1.inventory.drop_all_remote("a snapshot was loaded")
+    return r1
+
+
+def _drain(r: _Replica) -> list[tuple[str, list[object]]]:
+    ops = [(r.origin, op) for op in r.inventory.outbox]
+    r.inventory.outbox.clear()
+    return ops
+
+
+def test_a_part_lost_track_of_is_not_proven_gone_until_its_silent_replica_is() -> None:
+    """r0 is not heard again (dead, or older and never closes a round): e0 is not proven
+    gone on r1 however long it waits (I6-quiescence: a lease's reader may live there),
+    until r0 is called silent; then its grace period runs as for any silent replica."""
+    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    r1 = _lost_track_of_e0(_Replica("r0", claims), claims)
+    r1.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r1.coordinator.proven_gone("e0")
+    now = r1.clock.monotonic_ms()
+    assert r1.inventory.expire_silent_origins(now, 1_000, following_since_ms=now - 2_000) == 0
+    assert not r1.coordinator.proven_gone("e0")  # its grace period has just begun
+    r1.clock.advance(CONFIG.session_grace_ms + 1)
+    assert r1.coordinator.proven_gone("e0")
+
+
+def test_a_round_begun_before_the_loss_does_not_account_for_a_part() -> None:
+    """r1 read r0's OP_ANNOUNCING, then lost track: the OP_PARTs after it were trimmed,
+    only the OP_ANNOUNCED is left to read. That round proves nothing here: e0 stays
+    unaccounted for, and r1's own hello gets a whole round, which brings it back."""
+    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    r0.coordinator.open_session(_registration("e0"))
+    claims.pop()[1](1)
+    for origin, op in _drain(r0):
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    r0.peers.announce_local()  # a round, for somebody's hello
+    announcing, part, announced = _drain(r0)
+    assert (announcing[1][0], part[1][0], announced[1][0]) == ("G", "P", "N")
+    now = r1.clock.monotonic_ms()
+    r1.inventory.apply_remote("r0", [announcing[1]], now)
+    r1.inventory.drop_all_remote("a snapshot was loaded")  # `part` was trimmed away
+    r1.inventory.apply_remote("r0", [announced[1]], now)
+    r1.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r1.coordinator.proven_gone("e0")
+    # r1's hello (written when it lost track) reaches r0, which answers with a round.
+    for origin, op in _drain(r1):
+        r0.inventory.apply_remote(origin, [op], r0.clock.monotonic_ms())
+    for origin, op in _drain(r0):
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is not None
+    assert not r1.peers._unaccounted
+
+
+def test_a_part_lost_track_of_that_a_whole_round_lacks_is_proven_gone() -> None:
+    """e0 left r0 in entries r1 never read (trimmed): r0's answer to r1's hello lacks
+    it, so its grace period starts at the round's end and its engine is then gone."""
+    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    r0 = _Replica("r0", claims)
+    r1 = _lost_track_of_e0(r0, claims)
+    session = r0.live_session("e0")
+    assert session is not None
+    r0.coordinator.close_session(session, "closed")
+    _drain(r0)  # its departure: trimmed away before r1 read it
+    for origin, op in _drain(r1):  # r1's hello
+        r0.inventory.apply_remote(origin, [op], r0.clock.monotonic_ms())
+    for origin, op in _drain(r0):  # r0's round, without e0
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    assert not r1.peers._unaccounted
+    assert not r1.coordinator.proven_gone("e0")  # inside its grace period
+    r1.clock.advance(CONFIG.session_grace_ms + 1)
+    assert r1.coordinator.proven_gone("e0")
