@@ -277,6 +277,7 @@ def coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Redi
         inventory.origin_alive,
         claim=store.claim,
         was_silent=inventory.called_silent,
+        liveness_known=False,  # until the store has read the log through (`caught_up`)
     )
     inventory.peers = peers
     coordinator.attach_peers(peers)

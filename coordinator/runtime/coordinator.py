@@ -500,12 +500,13 @@ class Coordinator:
         now = self._clock_ms()
         session_id = f"s-{secrets.token_hex(8)}"
         incarnation = next(self._incarnations)
-        displaced = self._replace_remote_part(registration)
+        undo_displace = self._replace_remote_part(registration)
+        displaced = undo_displace is not None
         try:
             result = self.registry.register(registration, session_id, incarnation, now)
         except KvrcError as e:
-            if displaced and self.peers is not None:
-                self.peers.hello()  # the remote copy it would have replaced: hear of it again
+            if undo_displace is not None:
+                undo_displace()  # the remote copy it would have replaced stays
             self.metrics.registrations.labels(result=e.code.value).inc()
             self._refusal_log.info(
                 f"register {e.code.value}",
@@ -553,8 +554,14 @@ class Coordinator:
         held = registration.held_leases
         if held and self.peers is not None:
             # Owned by a live replica: it keeps the lease; this part's answers reach it.
+            # So does one whose owner this replica, just started, cannot tell alive or
+            # not yet (`PeerLink.caught_up` rebuilds it here if that owner is not).
             peers = self.peers
-            left = {h.lease_id: h for h in held if peers.owner_of(h.lease_id) is not None}
+            left = {
+                h.lease_id: h
+                for h in held
+                if peers.owner_of(h.lease_id) is not None or peers.owner_unknown(h.lease_id)
+            }
             if left:
                 held = tuple(h for h in held if h.lease_id not in left)
                 # Handoffs are not kept: their reports are not routed by the ledger, and
@@ -900,6 +907,13 @@ class Coordinator:
             left.quarantined.add(message.lease_id)  # kept by the holder however old
         return self._send(session, message)
 
+    def owners_left_to(self) -> set[str]:
+        return {
+            owner_of_lease_id(lease_id)
+            for left in self._left_to_owner.values()
+            for lease_id in left.held
+        }
+
     def owner_silent(self, origin: str) -> None:
         """Another replica fell silent: the prefix loads it owned that a local holder part
         had re-announced while it was live are rebuilt here now, QUARANTINED, as if the
@@ -970,14 +984,36 @@ class Coordinator:
             SessionEnd(ErrorCode.UNAVAILABLE, f"this rank part's session was {reason}"),
         )
 
-    def _replace_remote_part(self, registration: RankPartRegistration) -> bool:
-        """A part registering here replaces its remote copy (it moved to this replica)."""
+    def _replace_remote_part(self, registration: RankPartRegistration) -> Callable[[], None] | None:
+        """A part registering here replaces its remote copy (it moved to this replica).
+        Returns what puts the copy back if the registration is refused (None: no copy).
+
+        Put back here, not heard of again: a hello would have every replica announce
+        all its parts, once per refused retry of an engine (the registry refuses
+        without changing anything, so the copy fits again as it was)."""
         held = self.registry.session_of(registration.child_engine_id, registration.rank)
         if held is None or held in self._sessions or self.peers is None:
-            return False
-        self.peers.forget_session(held)
-        self.registry.remove(PartRef(registration.child_engine_id, registration.rank, held))
-        return True
+            return None
+        peers = self.peers
+        undo_forget = peers.forget_session(held)
+        removed = self.registry.remove(
+            PartRef(registration.child_engine_id, registration.rank, held)
+        )
+
+        def undo() -> None:
+            undo_forget()
+            if removed is None:
+                return
+            part = removed.part
+            try:
+                self.registry.register(
+                    part.registration, held, part.incarnation, part.registered_ms
+                )
+            except KvrcError:  # not expected (see above): hear of it again instead
+                log.exception("the remote copy of a refused registration was not put back")
+                peers.hello()
+
+        return undo
 
     # --- reads -----------------------------------------------------------------
 

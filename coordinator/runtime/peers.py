@@ -199,7 +199,9 @@ class _LocalPart:
     registration: RankPartRegistration
     token: int | None = None  # None until the store answered the claim
     cancel: Callable[[], None] = lambda: None
-    displaced: bool = False  # it replaced another replica's session of the part here
+    # It replaced another replica's session of the part here, or one was announced while
+    # its claim was out: if it does not keep the part, that session is heard of again.
+    displaced: bool = False
 
 
 class OwedAborts(Protocol):
@@ -260,6 +262,9 @@ class PeerHost(Protocol):
     def owner_silent(self, origin: str) -> None:
         """`origin` fell silent: leases it owned that local holders left to it are
         rebuilt here."""
+
+    def owners_left_to(self) -> set[str]:
+        """The replicas that own leases local holders left to them."""
 
 
 def encode_message(message: LeaseOutbound, now_ms: int) -> list[Any]:
@@ -426,6 +431,7 @@ class PeerLink:
         is_alive: Callable[[str], bool],
         claim: Claim | None = None,
         was_silent: Callable[[str], bool] = lambda origin: False,
+        liveness_known: bool = True,
     ) -> None:
         self.origin = origin
         self._record = record
@@ -459,6 +465,10 @@ class PeerLink:
         # since (OP_ANNOUNCING read after the loss).
         self._unaccounted: dict[str, dict[str, PartRef]] = {}
         self._round_begun: set[str] = set()
+        # False until this replica has read the log up to its end once (a replica that
+        # just started, with a store: `caught_up`): until then a replica not heard yet
+        # may well be alive.
+        self._liveness_known = liveness_known
 
     def attach(self, host: PeerHost) -> None:
         self._host = host
@@ -539,6 +549,8 @@ class PeerLink:
         if token < self._best.get(part.key, (0, ""))[0]:
             # Registered again elsewhere since this claim was made: this one is stale.
             self._fence(session_id, "registered again on another replica (a higher token)")
+            if part.displaced:
+                self.hello()  # the session it replaced here lives on: hear of it again
             return
         self._best[part.key] = (token, session_id)
         self._announce(session_id, part)
@@ -576,6 +588,29 @@ class PeerLink:
     def owner_of(self, lease_id: str) -> str | None:
         """The live replica that owns a lease, when it is not this one (else None)."""
         return self.live_other(owner_of_lease_id(lease_id))
+
+    def owner_unknown(self, lease_id: str) -> bool:
+        """The lease's owner is another replica, not heard yet by this one, which has not
+        read the log through once yet: alive or not, nobody here can tell."""
+        owner = owner_of_lease_id(lease_id)
+        return (
+            not self._liveness_known
+            and bool(owner)
+            and owner != self.origin
+            and not self._is_alive(owner)
+        )
+
+    def caught_up(self) -> None:
+        """This replica read the log up to its end (the first time since it started): who
+        is alive is known now. The leases local holders left to owners that were unknown
+        and are not alive are rebuilt here, as for owners that fall silent."""
+        if self._liveness_known:
+            return
+        self._liveness_known = True
+        if self._host is not None:
+            for owner in self._host.owners_left_to():
+                if not self._is_alive(owner):
+                    self._host.owner_silent(owner)
 
     def live_other(self, replica: str | None) -> str | None:
         """`replica` when it is another replica heard from lately (else None)."""
@@ -691,11 +726,19 @@ class PeerLink:
             registration = self._codec.decode(bytes(op[2]))
             ref = PartRef(registration.child_engine_id, registration.rank, session_id)
             key = part_key(ref.child_engine_id, ref.rank)
-            if token <= self._best.get(key, (0, ""))[0]:
+            best_token, best_session = self._best.get(key, (0, ""))
+            if token < best_token or (token == best_token and session_id != best_session):
                 return False  # a stale registration: a newer one owns the part
+            # (The best one itself, announced again, registers if it was not taken here.)
             self._best[key] = (token, session_id)
             for local_id, part in list(self._local.items()):
-                if part.key == key:  # a zombie here: the engine registered on `origin` since
+                if part.key != key:
+                    continue
+                if part.token is None:
+                    # Its own claim decides (`_claimed`: the higher token wins); this op
+                    # may be a re-announcement older than it. Lost, it hears this again.
+                    part.displaced = True
+                else:  # a zombie here: the engine registered on `origin` since
                     self._fence(local_id, f"registered again on replica {origin}")
             if not host.register_remote_part(origin, session_id, registration):
                 return False
@@ -877,11 +920,22 @@ class PeerLink:
         self.announce_local()
         return len(left)
 
-    def forget_session(self, session_id: str) -> None:
-        """A local registration replaced this remote part (the engine moved here)."""
+    def forget_session(self, session_id: str) -> Callable[[], None]:
+        """A local registration replaced this remote part (the engine moved here).
+        Returns what undoes it, for a registration refused after all."""
         entry = self._remote.pop(session_id, None)
-        if entry is not None:
-            self._forget_best(entry[1])
+        if entry is None:
+            return lambda: None
+        key = part_key(entry[1].child_engine_id, entry[1].rank)
+        best = self._best.get(key)
+        self._forget_best(entry[1])
+
+        def undo() -> None:
+            self._remote[session_id] = entry
+            if best is not None:
+                self._best.setdefault(key, best)
+
+        return undo
 
     def _forget_best(self, ref: PartRef) -> None:
         key = part_key(ref.child_engine_id, ref.rank)

@@ -190,6 +190,7 @@ class RedisStore:
         self._failures: dict[str, str] = {"start": "the shared store has not been reached yet"}
         self._claims_failing = 0  # claim tasks whose last try failed ("claim" failure)
         self._load_snapshots = load_snapshots  # False: read the retained log only (tests)
+        self._caught_up = False  # read the log up to its end once since starting
         self._snapshot_max_bytes = snapshot_max_bytes
         self._read_id: str | None = None  # the last log entry applied; None: not started
         self._entries_since_snapshot = 0
@@ -591,8 +592,10 @@ class RedisStore:
                 continue
             accept_trim = False
             applied = 0
+            read = 0
             now = self._clock.monotonic_ms()
             for _stream, entries in reply or ():
+                read += len(entries)
                 for entry_id, fields in entries:
                     last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                     self._read_id = last_id
@@ -615,6 +618,9 @@ class RedisStore:
             if applied:
                 self._m_in.inc(applied)
                 self._on_applied()
+            if read < READ_COUNT and not self._caught_up:
+                self._caught_up = True  # up to the log's end: who is alive is known
+                self._inventory.caught_up()
             if self._snapshot_every and self._entries_since_snapshot >= self._snapshot_every:
                 self._snapshot_due.set()
 

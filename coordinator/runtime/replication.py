@@ -594,6 +594,11 @@ class ReplicatedInventory(Inventory):
 
     # --- the other replicas' ops --------------------------------------------------------
 
+    def caught_up(self) -> None:
+        """The store read the log up to its end for the first time (peers.py)."""
+        if self.peers is not None:
+            self.peers.caught_up()
+
     def called_silent(self, origin: str) -> bool:
         """Another replica called silent here and not heard from since (the last
         EXPIRED_ORIGINS_KEPT)."""

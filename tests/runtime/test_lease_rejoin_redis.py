@@ -102,9 +102,11 @@ def server() -> Iterator[RedisServer]:
 async def nodes(server: RedisServer) -> AsyncIterator[Callable[..., Awaitable[Node]]]:
     started: list[Node] = []
 
-    async def start(config: CoordinatorConfig = CONFIG) -> Node:
+    async def start(config: CoordinatorConfig = CONFIG, reading: bool = True) -> Node:
         node = Node(server, config)
         await node.coordinator.start()
+        if not reading:  # it has read nothing of the log yet
+            node.store.pause_reading()
         await node.store.start()
         started.append(node)
         return node
@@ -510,3 +512,52 @@ async def test_a_target_that_left_while_its_replica_was_unaccounted_for_is_prove
     b.coordinator.close_session(requester.session, "closed")
     await eventually(lambda: holder.of(SendRelease) == [lease_id], "the holder is released")
     assert a.part("r") is None
+
+
+async def test_a_replica_that_has_not_read_the_log_yet_leaves_a_lease_to_its_unheard_owner(
+    nodes: Callable[..., Awaitable[Node]],
+) -> None:
+    """B just started and has read nothing yet: it has not heard A, which may well be
+    alive (it is). A holder re-announcing A's lease there leaves it to A, as to any
+    owner heard alive; before, B rebuilt it as its own, QUARANTINED (two owners, and
+    the holder told to keep its blocks for an operator). Once B has read the log, A is
+    alive: nothing is rebuilt, and A's release reaches the holder on B."""
+    a = await nodes()
+    holder = Outbox(a.register("h"))
+    a.store_chain(holder.session)
+    lease_id, _ = await granted_load(a, holder)
+    b = await nodes(CONFIG, reading=False)
+    a.coordinator.close_session(holder.session, "closed")
+    moved = reannounced_on(b, lease_id)
+    assert not b.coordinator.leases.table.knows(lease_id), "rebuilt by a replica that knew nobody"
+    assert moved.of(SendQuarantine) == []
+    b.store.resume_reading()
+    await eventually(lambda: a.part("h") == moved.session.session_id, "A hears of h on B")
+    await eventually(
+        lambda: (
+            b.coordinator.peers is not None and b.coordinator.peers.owner_of(lease_id) is not None
+        ),
+        "B hears A",
+    )
+    assert not b.coordinator.leases.table.knows(lease_id)
+    report = TransferReport(lease_id, "r", RANK, Outcome.SUCCEEDED, 0, 0, "")
+    assert a.coordinator.leases.complete_prefix_load(report).quiescent
+    await eventually(lambda: moved.of(SendRelease) == [lease_id], "A's release reaches h on B")
+    assert moved.of(SendQuarantine) == []
+
+
+async def test_a_lease_left_to_an_unheard_owner_is_rebuilt_once_the_log_shows_it_is_not_alive(
+    nodes: Callable[..., Awaitable[Node]],
+) -> None:
+    """The control: the lease's owner is a replica nobody hears (gone before B started,
+    its entries trimmed away). B leaves the lease while it knows nobody; once it has
+    read the log through, that owner is not alive, and B rebuilds the lease
+    QUARANTINED at once, as for an owner that fell silent."""
+    b = await nodes(CONFIG, reading=False)
+    lease_id = "pl-0123456789abcdef@gone-replica"
+    moved = reannounced_on(b, lease_id)
+    assert not b.coordinator.leases.table.knows(lease_id)
+    b.store.resume_reading()
+    await eventually(lambda: b.coordinator.leases.table.knows(lease_id), "rebuilt on B")
+    assert b.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
+    assert moved.of(SendQuarantine) == [lease_id]

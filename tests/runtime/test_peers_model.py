@@ -25,10 +25,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.leases import SendPin
 from coordinator.core.profiles import DeploymentProfile
 from coordinator.core.registry import RankPartRegistration
@@ -313,3 +315,80 @@ def test_a_part_lost_track_of_that_a_whole_round_lacks_is_proven_gone() -> None:
     assert not r1.coordinator.proven_gone("e0")  # inside its grace period
     r1.clock.advance(CONFIG.session_grace_ms + 1)
     assert r1.coordinator.proven_gone("e0")
+
+
+def test_a_refused_registration_puts_back_the_remote_copy_it_would_have_replaced() -> None:
+    """e0 (tp=2) lives on r0. Its rank 0 registers on r1 with another block size: that
+    would replace the remote copy, but the registry refuses it (inconsistent with rank
+    1). The copy is put back as it was, at once, and r1 asks nobody to announce: a
+    hello here made every replica announce all its parts once per refused retry."""
+    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    profile = DeploymentProfile(model="m", block_size=16, tp_size=2)
+    for tp in (0, 1):
+        r0.coordinator.open_session(RankPartRegistration("e0", 0, "e0", (tp, 0, 0), profile))
+        claims.pop()[1](tp + 1)
+    for origin, op in _drain(r0):
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    held = r1.coordinator.registry.session_of("e0", (0, 0, 0))
+    assert held is not None and r1.coordinator.registry.is_ready("e0")
+    other = DeploymentProfile(model="m", block_size=32, tp_size=2)
+    with pytest.raises(KvrcError) as refused:
+        r1.coordinator.open_session(RankPartRegistration("e0", 0, "e0", (0, 0, 0), other))
+    assert refused.value.code is ErrorCode.FAILED_PRECONDITION  # block_size mismatch
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == held
+    assert r1.coordinator.registry.is_ready("e0")
+    assert r1.peers.origin_of(held) == "r0"
+    assert [op for op in r1.inventory.outbox if op[0] == "W"] == [], "a hello was written"
+    # Its messages still reach the copy on r0, and a later move of it is still fenced.
+    assert r1.coordinator.send_to_part(
+        "e0", (0, 0, 0), SendPin("e0", (0, 0, 0), "pl-1@r1", (b"h",), "req", 0, 0)
+    )
+
+
+def test_an_older_announcement_read_while_a_local_claim_is_out_does_not_fence_it() -> None:
+    """e0 moves from r0 to r1. Before r1 has its token, it reads r0's announcement of
+    the old session, written (in a round) before r0 wrote its departure. The claim
+    decides, not the order of reading: r1's token is higher, so r1 keeps e0. Before,
+    r1 fenced its own new session at once (seen in CI: a replica's start hello made
+    the others announce again while an engine moved)."""
+    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    old = r0.coordinator.open_session(_registration("e0"))
+    claims.pop()[1](1)
+    for origin, op in _drain(r0):
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    r0.peers.announce_local()  # a round, for some replica's hello
+    r0.coordinator.close_session(old, "closed")  # then e0's stream on r0 breaks
+    moved = r1.coordinator.open_session(_registration("e0"))  # its claim is out
+    for origin, op in _drain(r0):  # the round's OP_PART (token 1), then the departure
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    assert not moved.ended, "fenced by an announcement older than its claim"
+    claims.pop()[1](2)
+    assert not moved.ended
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == moved.session_id
+    assert next(op[:2] for op in r1.inventory.outbox if op[0] == "P") == ["P", moved.session_id]
+    assert [op for op in r1.inventory.outbox if op[0] == "W"] == []
+
+
+def test_a_local_claim_outranked_while_out_fences_its_session_and_hears_the_winner() -> None:
+    """The other way round: e0 registers on r1, and before r1's claim is answered it
+    reads e0's registration on r0 with a higher token (the engine moved on). r1's token
+    is lower: its session is the zombie and is fenced, and r1 asks to hear of r0's
+    session again (it was not registered here while r1's own held the part)."""
+    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    zombie = r1.coordinator.open_session(_registration("e0"))
+    r1_claim = claims.pop()[1]
+    live = r0.coordinator.open_session(_registration("e0"))
+    claims.pop()[1](5)
+    for origin, op in _drain(r0):
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    assert not zombie.ended  # its claim decides
+    r1_claim(3)
+    assert zombie.ended
+    assert [op for op in r1.inventory.outbox if op[0] == "W"] == [["W"]]
+    r0.inventory.apply_remote("r1", [["W"]], r0.clock.monotonic_ms())  # r0 announces again
+    for origin, op in _drain(r0):
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
