@@ -176,6 +176,19 @@ class PartCodec:
 Claim = Callable[[str, str, Callable[[int], None]], Callable[[], None]]
 
 
+def survives_reset(op: Op) -> bool:
+    """What an outbox reset (an overflow, a store loss) keeps and sends after the
+    re-announcement: lease messages and call answers (MESSAGE_TAGS); hellos (nothing
+    asks again: the parts they ask for would stay missing from this view); and call
+    cancels (a begin left waiting on the owner could be granted to nobody)."""
+    tag = op[0]
+    return (
+        tag in MESSAGE_TAGS
+        or tag == OP_HELLO
+        or (tag == OP_CALL and len(op) > 3 and op[3] == CALL_CANCEL)
+    )
+
+
 def counter_claim() -> Claim:
     """Tokens from a counter in this process (one replica, or tests without a store)."""
     tokens = itertools.count(1)

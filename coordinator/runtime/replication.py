@@ -25,8 +25,9 @@ Decisions:
   inventory is advisory (I4-advisory), a forgotten block is a miss, never a
   wrong grant (a grant needs the holder's session, which the registry checks).
 - An origin that starts again, or that lost ops while the store was down, sends
-  a reset first, then re-announces its engines. Lease messages queued meanwhile
-  (peers.MESSAGE_TAGS) survive the reset: they follow the re-announcement.
+  a reset first, then re-announces its engines. Lease messages, hellos and call
+  cancels queued meanwhile (peers.survives_reset) survive the reset: they follow
+  the re-announcement.
 - A replica that called an origin silent and then hears it again (it was only
   stalled or cut off) asks it, with a hello naming it, to announce its engines
   and parts again and to have its engines dump (`announce_local_again`, no
@@ -60,8 +61,8 @@ from coordinator.core.events import (
 )
 from coordinator.core.inventory import ApplyResult, EngineImage, Inventory, key_probe
 from coordinator.runtime.config import DEFAULT_OUTBOX_MAX_BYTES
-from coordinator.runtime.peers import MESSAGE_TAGS, PEER_TAGS, PeerLink
 from coordinator.runtime.peers import OP_HELLO as PEER_HELLO  # not OP_: one tag, one module
+from coordinator.runtime.peers import PEER_TAGS, PeerLink, survives_reset
 from kvrc.vocabulary import PublishMode
 
 log = logging.getLogger("kvrc.replication")
@@ -411,15 +412,16 @@ class ReplicatedInventory(Inventory):
             self.outbox.append(op)
             self._packed.append(packed)
             self.outbox_bytes += size
-        elif op[0] in MESSAGE_TAGS:
+        elif survives_reset(op):
             self._keep(op, size)
         self.on_record()
 
     def _overflow(self) -> None:
         """The outbox is full: its inventory ops go (a reset replaces them), its lease
-        messages stay (a release lost here would leave a live holder pinned)."""
+        messages stay (a release lost here would leave a live holder pinned), and the
+        rest that `survives_reset`."""
         for queued in self.outbox:
-            if queued[0] in MESSAGE_TAGS:
+            if survives_reset(queued):
                 self._keep(queued, len(_pack_op(queued)))
         self.outbox.clear()
         self._packed.clear()
@@ -553,7 +555,7 @@ class ReplicatedInventory(Inventory):
         reach its holder (I6-quiescence). `reclaim`: the store is new, its fencing
         counter started again, so every part takes a new token (peers.py).
         """
-        kept = [op for op in self.outbox if op[0] in MESSAGE_TAGS] + self._kept
+        kept = [op for op in self.outbox if survives_reset(op)] + self._kept
         self.outbox.clear()
         self._packed.clear()
         self.outbox_bytes = 0

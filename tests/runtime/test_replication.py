@@ -323,6 +323,26 @@ def test_lease_messages_outlive_a_reset_and_follow_the_re_announcement() -> None
     assert [op[0] for op in b.outbox] == ["R", "E", "V", "M", "Q"]
 
 
+def test_hellos_and_call_cancels_outlive_a_reset_too() -> None:
+    """Nothing asks again for them: a hello lost to an overflow left the parts it asked
+    for missing from this view for good, and a lost call cancel could leave a begin
+    waiting on its owner to be granted to nobody. A forwarded call itself is not kept
+    (its caller asks again)."""
+    b = replica("b", limit=8)
+    ready_engine(b, "e")
+    hello, named = ["W"], ["W", "x"]
+    cancel = ["K", "x", "7/cancel", "cancel", "7"]
+    call = ["K", "x", "8", "begin_handoff", []]
+    for op in (hello, named, cancel, call):
+        b.record(list(op))
+    for i in range(4):
+        b.apply("e", [BlockStored(CHAIN[i : i + 1], CHAIN[i - 1] if i else None, 16)], now_ms=0)
+    b.record(list(named))  # recorded while overflowed: kept as well
+    assert b.outbox_overflowed
+    b.reannounce()
+    assert [op for op in b.outbox if op[0] in ("W", "K")] == [hello, named, cancel, named]
+
+
 # --- the model: both replicas answer alike -------------------------------------------------
 
 ENGINES = ("e0", "e1", "e2")
