@@ -554,13 +554,17 @@ class Coordinator:
         held = registration.held_leases
         if held and self.peers is not None:
             # Owned by a live replica: it keeps the lease; this part's answers reach it.
-            # So does one whose owner this replica, just started, cannot tell alive or
-            # not yet (`PeerLink.caught_up` rebuilds it here if that owner is not).
+            # So does a prefix load whose owner this replica, just started, cannot tell
+            # alive or not yet (`PeerLink.caught_up`: rebuilt here if it stays silent).
             peers = self.peers
             left = {
                 h.lease_id: h
                 for h in held
-                if peers.owner_of(h.lease_id) is not None or peers.owner_unknown(h.lease_id)
+                if peers.owner_of(h.lease_id) is not None
+                or (
+                    flow_of_lease_id(h.lease_id) is Flow.PREFIX_LOAD
+                    and peers.owner_unknown(h.lease_id)
+                )
             }
             if left:
                 held = tuple(h for h in held if h.lease_id not in left)
@@ -817,7 +821,12 @@ class Coordinator:
             old = self._take_gone_timer(ref)
             if old is not None:
                 old.cancel()
-            timer = _Unaccounted(ref.session_id) if unaccounted else self._gone_timer(ref)
+            # Another session of the part this replica lost track of may be the live one:
+            # its engine is not proven gone while that one is unaccounted for.
+            waiting_for = ref.session_id if unaccounted else None
+            if waiting_for is None and self.peers is not None:
+                waiting_for = self.peers.unaccounted_session(ref.child_engine_id, ref.rank)
+            timer = self._gone_timer(ref) if waiting_for is None else _Unaccounted(waiting_for)
             self._gone_timers.setdefault(ref.child_engine_id, {})[ref.rank] = timer
         return True
 

@@ -18,7 +18,10 @@ messages travel through the same ordered log as the inventory:
   replica: a replica that holds a session of the part with a lower token (a
   zombie: the engine re-registered elsewhere, this stream has not timed out yet)
   closes it, and an `OP_PART` with a lower token than one already seen is
-  ignored. So one session owns a rank part at a time. A message names the session
+  ignored. A local session whose own claim is still out is not closed by an
+  `OP_PART` read meanwhile (it may be an older re-announcement): its claim's token
+  decides, and if it loses, the winner is registered in its place at once. So one
+  session owns a rank part at a time. A message names the session
   id it is for, and a replica delivers it only to that very session: one meant
   for a session that moved or was fenced out is dropped, never delivered to the
   wrong owner; but a release (its lease has ended) goes on to the part's session
@@ -48,7 +51,8 @@ messages travel through the same ordered log as the inventory:
 - `OP_ANNOUNCING` / `OP_ANNOUNCED`: the bounds of an announcement round; every part
   the replica holds is announced between them (the end waits for pending tokens).
   A replica that lost track of the log (a snapshot reload, a store loss) keeps the
-  others' parts *unaccounted for* (`forget_all`): not READY, but not proven gone
+  others' parts *unaccounted for* (`forget_all`), and so does one that reads another's
+  `OP_RESET` with that one's parts (`origin_reset`): not READY, but not proven gone
   either, since they did not leave. A round begun after the loss settles them: a
   part it announces is back, one it lacks left and its grace period starts
   (I6-quiescence: before, a reader on a replica slower to announce than
@@ -212,9 +216,13 @@ class _LocalPart:
     registration: RankPartRegistration
     token: int | None = None  # None until the store answered the claim
     cancel: Callable[[], None] = lambda: None
-    # It replaced another replica's session of the part here, or one was announced while
-    # its claim was out: if it does not keep the part, that session is heard of again.
+    claims: int = 0  # claims asked so far: only the last one's answer counts
+    # It replaced another replica's session of the part here: if it does not keep the
+    # part, that session may live on and is heard of again.
     displaced: bool = False
+    # Another replica's registration of the part read while its claim was out: the claim
+    # decides; lost, that one is registered here at once (origin, session id, registration).
+    outranked_by: tuple[str, str, RankPartRegistration] | None = None
 
 
 class OwedAborts(Protocol):
@@ -469,10 +477,11 @@ class PeerLink:
         # True while answering a remote part's registration: its messages are marked so
         # that its replica queues them as a registration's answers (past the queue cap).
         self._answering_registration = False
-        # Local parts still waiting for their token, and whether an announcement round
-        # waits for them before its OP_ANNOUNCED.
-        self._unclaimed: set[str] = set()
+        # Whether an announcement round is open, and the local parts it waits for: those
+        # without a token when it began (a part registered later is a new session, which
+        # no replica can have lost track of, and is announced after OP_ANNOUNCING anyway).
         self._round_open = False
+        self._round_waits: set[str] = set()
         # Remote parts this replica lost track of (`forget_all`), by origin, until that
         # origin's next whole announcement round; and the origins whose round began
         # since (OP_ANNOUNCING read after the loss).
@@ -494,7 +503,6 @@ class PeerLink:
         """A part registered here: claims its fencing token, then announces it."""
         key = part_key(registration.child_engine_id, registration.rank)
         self._local[session_id] = part = _LocalPart(key, registration, displaced=displaced)
-        self._unclaimed.add(session_id)
         self._ask_token(session_id, part)
 
     def part_left(self, ref: PartRef) -> None:
@@ -504,8 +512,7 @@ class PeerLink:
         self._claim_settled(ref.session_id)
         if part.token is None:
             part.cancel()  # never announced: nothing to take back
-            if part.displaced:
-                self.hello()  # the session it replaced here may live on: hear of it again
+            self._hear_the_other(part)
             return
         if self._best.get(part.key, (0, ""))[1] == ref.session_id:
             del self._best[part.key]
@@ -521,6 +528,7 @@ class PeerLink:
         its token (module doc)."""
         self._write([OP_ANNOUNCING, self.origin])
         self._round_open = False  # not closed by a token answered inside the loop
+        self._round_waits |= {sid for sid, p in self._local.items() if reclaim or p.token is None}
         if reclaim:
             # The old tokens of these parts mean nothing in the new store: a new token,
             # lower than its own old one, must not fence the part it was claimed for.
@@ -531,7 +539,6 @@ class PeerLink:
             if reclaim or part.token is None:
                 part.cancel()
                 part.token = None
-                self._unclaimed.add(session_id)
                 self._ask_token(session_id, part)
             else:
                 self._announce(session_id, part)
@@ -539,31 +546,48 @@ class PeerLink:
         self._end_round()
 
     def _claim_settled(self, session_id: str) -> None:
-        self._unclaimed.discard(session_id)
+        self._round_waits.discard(session_id)
         self._end_round()
 
     def _end_round(self) -> None:
-        """Closes an announcement round once no local part waits for its token: every
-        part this replica holds is then in the log after the round's OP_ANNOUNCING."""
-        if self._round_open and not self._unclaimed:
+        """Closes an announcement round once the parts it waits for have their tokens (or
+        left): every part this replica held when it began is then in the log after the
+        round's OP_ANNOUNCING."""
+        if self._round_open and not self._round_waits:
             self._round_open = False
             self._write([OP_ANNOUNCED, self.origin])
 
+    def _hear_the_other(self, part: _LocalPart) -> None:
+        """A local part that does not keep the part (fenced by a higher token, or gone
+        before its claim answered): the other replica's session takes its place here."""
+        if part.outranked_by is not None:
+            origin, session_id, registration = part.outranked_by
+            if self._best.get(part.key, (0, ""))[1] == session_id:
+                self._register_remote(origin, session_id, registration)
+                return
+        if part.displaced:
+            self.hello()  # the session it replaced here may live on: hear of it again
+
     def _ask_token(self, session_id: str, part: _LocalPart) -> None:
+        part.claims += 1
+        claim = part.claims
         part.cancel = self._claim(
-            part.key, session_id, lambda token: self._claimed(session_id, token)
+            part.key, session_id, lambda token: self._claimed(session_id, token, claim)
         )
 
-    def _claimed(self, session_id: str, token: int) -> None:
+    def _claimed(self, session_id: str, token: int, claim: int) -> None:
         part = self._local.get(session_id)
         if part is None:
             return  # the session left meanwhile
+        if claim != part.claims:
+            # A claim asked again since (a store loss, a hello) answered after all: its
+            # cancel came too late. Its token is not this part's (a later one is).
+            return
         part.token = token
         if token < self._best.get(part.key, (0, ""))[0]:
             # Registered again elsewhere since this claim was made: this one is stale.
             self._fence(session_id, "registered again on another replica (a higher token)")
-            if part.displaced:
-                self.hello()  # the session it replaced here lives on: hear of it again
+            self._hear_the_other(part)
             return
         self._best[part.key] = (token, session_id)
         self._announce(session_id, part)
@@ -613,17 +637,19 @@ class PeerLink:
             and not self._is_alive(owner)
         )
 
-    def caught_up(self) -> None:
+    def caught_up(self) -> set[str]:
         """This replica read the log up to its end (the first time since it started): who
-        is alive is known now. The leases local holders left to owners that were unknown
-        and are not alive are rebuilt here, as for owners that fall silent."""
+        is alive is known from now on. Returns the owners of leases local holders left
+        to them that it has not heard: the caller watches them as if heard just before
+        it began following the log, so that one which stays silent for the silence
+        timeout is called silent (its leases rebuilt here, `owner_silent`), while one
+        that only had nothing to write yet is not taken for gone."""
         if self._liveness_known:
-            return
+            return set()
         self._liveness_known = True
-        if self._host is not None:
-            for owner in self._host.owners_left_to():
-                if not self._is_alive(owner):
-                    self._host.owner_silent(owner)
+        if self._host is None:
+            return set()
+        return {o for o in self._host.owners_left_to() if not self._is_alive(o)}
 
     def live_other(self, replica: str | None) -> str | None:
         """`replica` when it is another replica heard from lately (else None)."""
@@ -743,30 +769,19 @@ class PeerLink:
             if token < best_token or (token == best_token and session_id != best_session):
                 return False  # a stale registration: a newer one owns the part
             # (The best one itself, announced again, registers if it was not taken here.)
-            self._best[key] = (token, session_id)
             for local_id, part in list(self._local.items()):
                 if part.key != key:
                     continue
                 if part.token is None:
                     # Its own claim decides (`_claimed`: the higher token wins); this op
-                    # may be a re-announcement older than it. Lost, it hears this again.
-                    part.displaced = True
+                    # may be a re-announcement older than it.
+                    part.outranked_by = (origin, session_id, registration)
+                elif part.token > token:
+                    return False  # older than the local session (whatever `_best` says)
                 else:  # a zombie here: the engine registered on `origin` since
                     self._fence(local_id, f"registered again on replica {origin}")
-            if not host.register_remote_part(origin, session_id, registration):
-                return False
-            self._remote[session_id] = (origin, ref)
-            self._accounted_for(origin, session_id)
-            # Aborts it owes this replica's leases, and quarantines and releases for it,
-            # were dropped while it was between sessions (or acks lost with the old
-            # stream): they go again, to its session on `origin`, as to a part
-            # re-registering here (I6-quiescence).
-            self._answering_registration = True
-            try:
-                host.leases.on_part_registered(ref.child_engine_id, ref.rank)
-            finally:
-                self._answering_registration = False
-            return True
+            self._best[key] = (token, session_id)
+            return self._register_remote(origin, session_id, registration)
         if tag == OP_PART_LEFT:
             ref = _ref(op[1], op[2], op[3])
             if self._unaccounted.get(origin, {}).get(ref.session_id) == ref:
@@ -852,6 +867,27 @@ class PeerLink:
             return True
         raise ValueError(f"unknown peer op tag {tag!r}")
 
+    def _register_remote(
+        self, origin: str, session_id: str, registration: RankPartRegistration
+    ) -> bool:
+        """Registers another replica's part here (its token won: `_best` names it)."""
+        host = self._host
+        if host is None or not host.register_remote_part(origin, session_id, registration):
+            return False
+        ref = PartRef(registration.child_engine_id, registration.rank, session_id)
+        self._remote[session_id] = (origin, ref)
+        self._accounted_for(origin, session_id)
+        # Aborts it owes this replica's leases, and quarantines and releases for it,
+        # were dropped while it was between sessions (or acks lost with the old
+        # stream): they go again, to its session on `origin`, as to a part
+        # re-registering here (I6-quiescence).
+        self._answering_registration = True
+        try:
+            host.leases.on_part_registered(ref.child_engine_id, ref.rank)
+        finally:
+            self._answering_registration = False
+        return True
+
     def origin_gone(self, origin: str, reason: str) -> int:
         """An origin reset (restarted) or fell silent: its parts leave. Returns them."""
         host = self._host
@@ -901,7 +937,7 @@ class PeerLink:
         remembers those, to ask them to announce again if they are heard)."""
         return self._was_silent(origin)
 
-    def forget_all(self, reason: str) -> int:
+    def forget_all(self, reason: str, store_lost: bool = False) -> int:
         """This replica lost track of the log (a store loss, a snapshot reload): every
         remote part leaves this view, unaccounted for. Returns them.
 
@@ -914,15 +950,15 @@ class PeerLink:
         replica older than the round ops never closes one: fail closed until it is
         silent.
         """
-        host = self._host
         self._cancel_answering({o for o, _ in self._remote.values()})
-        left = list(self._remote.items())
-        self._remote.clear()
-        for session_id, (origin, ref) in left:
-            self._unaccounted.setdefault(origin, {})[session_id] = ref
-            if host is not None:
-                host.remove_remote_part(ref, reason, unaccounted=True)
-        self._best.clear()  # the new store's counter starts again (announce_local reclaims)
+        left = self._lose_track(lambda origin: True, reason)
+        if store_lost:
+            # The others' tokens came from the old store's counter: the new one starts
+            # again. This replica's own stay (`announce_local` reclaims them itself): an
+            # older announcement of one of its parts must not win over its live session.
+            self._best = {k: v for k, v in self._best.items() if v[1] in self._local}
+        # Else every token stays: the counter only grows, so an older announcement read
+        # from now on (a stale session's) loses to the newest one seen, as before.
         # A round counts if its OP_ANNOUNCING is read after this. Whatever this replica
         # reads from now on was written after all it had read: a trim shows only past the
         # last entry read, and a store loss starts a new log. So every part the round's
@@ -931,7 +967,33 @@ class PeerLink:
         self.hello()
         # The entries this replica never read may hold another's hello: answer it.
         self.announce_local()
+        return left
+
+    def origin_reset(self, origin: str, reason: str) -> int:
+        """`origin` reset its state (its outbox overflowed, or the store was lost): its
+        parts did not leave, and its reset is followed by a round that settles them. So
+        they are unaccounted for here, as after a loss of this replica's own."""
+        self._cancel_answering({origin})
+        self._round_begun.discard(origin)
+        return self._lose_track(lambda o: o == origin, reason)
+
+    def _lose_track(self, of: Callable[[str], bool], reason: str) -> int:
+        """The remote parts of the origins `of` names leave this view, unaccounted for."""
+        left = [(sid, entry) for sid, entry in self._remote.items() if of(entry[0])]
+        for session_id, (origin, ref) in left:
+            del self._remote[session_id]
+            self._unaccounted.setdefault(origin, {})[session_id] = ref
+            if self._host is not None:
+                self._host.remove_remote_part(ref, reason, unaccounted=True)
         return len(left)
+
+    def unaccounted_session(self, child_engine_id: str, rank: RankKey) -> str | None:
+        """A session of this rank part that this replica lost track of, if any."""
+        for parts in self._unaccounted.values():
+            for ref in parts.values():
+                if ref.child_engine_id == child_engine_id and ref.rank == rank:
+                    return ref.session_id
+        return None
 
     def forget_session(self, session_id: str) -> Callable[[], None]:
         """A local registration replaced this remote part (the engine moved here).

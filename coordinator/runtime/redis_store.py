@@ -199,6 +199,7 @@ class RedisStore:
         self._snapshot_due = asyncio.Event()
         self._reading = asyncio.Event()
         self._reading.set()
+        self._reader_stopped = asyncio.Event()  # paused, and its read in flight answered
         self._m_out = metrics.store_ops.labels(direction="out")
         self._m_in = metrics.store_ops.labels(direction="in")
         inventory.on_record = self._wake.set
@@ -549,19 +550,29 @@ class RedisStore:
     def resume_reading(self) -> None:
         self._reading.set()
 
+    async def reading_stopped(self) -> None:
+        """Returns once a paused reader has stopped: the read it had in flight answered
+        and was applied, and it reads nothing more until `resume_reading`."""
+        await self._reader_stopped.wait()
+
     async def _reader(self) -> None:
         attempt = 0
         origin = self._inventory.origin.encode()
         accept_trim = False  # the hard cap cut past the newest snapshot: read on from there
         while not self._closing:
+            if not self._reading.is_set():
+                self._reader_stopped.set()
             await self._reading.wait()
+            self._reader_stopped.clear()
             try:
                 if self._reset_reader or self._read_id is None:
                     if self._reset_reader:
                         self._reset_reader = False
                         # The log is gone (a store loss): its snapshot with it.
                         self._read_id = "0-0"
-                        if self._inventory.drop_all_remote("the shared store was lost"):
+                        if self._inventory.drop_all_remote(
+                            "the shared store was lost", store_lost=True
+                        ):
                             self._on_applied()
                     else:
                         self._read_ok_since_ms = None  # a snapshot's view: no sweep yet

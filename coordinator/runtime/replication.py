@@ -599,7 +599,8 @@ class ReplicatedInventory(Inventory):
     def caught_up(self) -> None:
         """The store read the log up to its end for the first time (peers.py)."""
         if self.peers is not None:
-            self.peers.caught_up()
+            for owner in self.peers.caught_up():
+                self._origin_seen.setdefault(owner, 0)  # silence counts from following
 
     def called_silent(self, origin: str) -> bool:
         """Another replica called silent here and not heard from since (the last
@@ -648,7 +649,7 @@ class ReplicatedInventory(Inventory):
             for cid in [c for c, o in self._remote.items() if o == origin]:
                 self._drop_remote(cid)
             if self.peers is not None:
-                self.peers.origin_gone(origin, f"replica {origin} reset its state")
+                self.peers.origin_reset(origin, f"replica {origin} reset its state")
             return True
         if tag == PEER_HELLO and len(op) > 1 and op[1] == self.origin:
             self._asked_to_announce(origin, now_ms)
@@ -772,7 +773,7 @@ class ReplicatedInventory(Inventory):
                 self.peers.origin_silent(origin)
         return dropped
 
-    def drop_all_remote(self, reason: str) -> int:
+    def drop_all_remote(self, reason: str, store_lost: bool = False) -> int:
         """This replica lost track of the log (a store loss, a snapshot reload): forget
         every other replica's engines; their parts are unaccounted for until their
         replicas announce again (peers.py `PeerLink.forget_all`, which asks them)."""
@@ -786,7 +787,7 @@ class ReplicatedInventory(Inventory):
         self._origin_seen = dict.fromkeys(heard, 0)
         self._expired.clear()  # every replica re-announces after a store loss anyway
         if self.peers is not None:
-            self.peers.forget_all(reason)
+            self.peers.forget_all(reason, store_lost)
         return count
 
     def _drop_remote(self, child_engine_id: str) -> None:

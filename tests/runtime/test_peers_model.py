@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -374,8 +375,9 @@ def test_an_older_announcement_read_while_a_local_claim_is_out_does_not_fence_it
 def test_a_local_claim_outranked_while_out_fences_its_session_and_hears_the_winner() -> None:
     """The other way round: e0 registers on r1, and before r1's claim is answered it
     reads e0's registration on r0 with a higher token (the engine moved on). r1's token
-    is lower: its session is the zombie and is fenced, and r1 asks to hear of r0's
-    session again (it was not registered here while r1's own held the part)."""
+    is lower: its session is the zombie and is fenced, and r0's session, not registered
+    here while r1's own held the part, is registered at once (no hello: a hello's round
+    trip could outlast the grace period and prove the engine gone while it lives)."""
     claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
     r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
     zombie = r1.coordinator.open_session(_registration("e0"))
@@ -387,8 +389,97 @@ def test_a_local_claim_outranked_while_out_fences_its_session_and_hears_the_winn
     assert not zombie.ended  # its claim decides
     r1_claim(3)
     assert zombie.ended
-    assert [op for op in r1.inventory.outbox if op[0] == "W"] == [["W"]]
-    r0.inventory.apply_remote("r1", [["W"]], r0.clock.monotonic_ms())  # r0 announces again
-    for origin, op in _drain(r0):
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
+    assert [op for op in r1.inventory.outbox if op[0] == "W"] == []
+
+
+def _registered(r: _Replica, engine: str, token: int, claims: list[Any]) -> Session:
+    session = r.coordinator.open_session(_registration(engine))
+    r.sessions[session.session_id] = session
+    claims.pop()[1](token)
+    return session
+
+
+def _ship(source: _Replica, *targets: _Replica) -> list[tuple[str, list[object]]]:
+    ops = _drain(source)
+    for target in targets:
+        for origin, op in ops:
+            target.inventory.apply_remote(origin, [op], target.clock.monotonic_ms())
+    return ops
+
+
+def test_a_reload_keeps_the_tokens_seen_so_an_older_announcement_fences_nothing() -> None:
+    """e0 moved from r0 (token 5) to r1 (token 9). r1 reloads a snapshot, then reads
+    r0's announcement of the old session (a round written before r0 heard of token 9).
+    Before, a reload cleared every token seen, and r1 fenced its own live session."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    old = _registered(r0, "e0", 5, claims)
+    _ship(r0, r1)
+    r0.peers.announce_local()  # the round, still naming the old session
+    stale = _drain(r0)
+    r0.coordinator.close_session(old, "closed")
+    _drain(r0)  # its departure: read before r1's reload
+    live = _registered(r1, "e0", 9, claims)
+    r1.inventory.drop_all_remote("a snapshot was loaded")
+    for origin, op in stale:
         r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    assert not live.ended, "fenced by an older announcement after a reload"
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
+
+
+def test_a_replica_that_resets_has_its_parts_unaccounted_for_not_gone() -> None:
+    """r0's outbox overflowed: it writes a reset, then announces again. Its parts did not
+    leave: on r1 they are not proven gone however long the round takes, and the round
+    brings them back. Before, a reset started their grace periods."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    _registered(r0, "e0", 1, claims)
+    _ship(r0, r1)
+    r0.inventory.reannounce()  # the reset, then its round
+    ops = _drain(r0)
+    r1.inventory.apply_remote("r0", [ops[0][1]], r1.clock.monotonic_ms())  # the reset
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is None
+    r1.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r1.coordinator.proven_gone("e0")
+    for origin, op in ops[1:]:
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is not None
+
+
+def test_a_stale_session_that_comes_and_goes_leaves_the_unaccounted_one_standing() -> None:
+    """After a store loss r1 has lost track of e0's live session (on r0). It then reads a
+    stale session of e0 announced by r2, which r2 fences and removes soon after. That
+    departure proves nothing about the live session: e0 is not proven gone while that
+    one is unaccounted for. Before, the stale session took its place and its departure
+    started a real grace period."""
+    claims: list[Any] = []
+    r0, r1, r2 = (_Replica(o, claims) for o in ("r0", "r1", "r2"))
+    _registered(r0, "e0", 10, claims)
+    _ship(r0, r1)
+    r1.inventory.drop_all_remote("the shared store was lost", store_lost=True)
+    stale = _registered(r2, "e0", 3, claims)
+    _ship(r2, r1)
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == stale.session_id
+    r2.coordinator.close_session(stale, "fenced")
+    _ship(r2, r1)
+    r1.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r1.coordinator.proven_gone("e0")
+
+
+def test_a_claim_answered_after_it_was_asked_again_is_ignored() -> None:
+    """A store loss asks e0's token again, and a hello right after asks once more (the
+    first claim cancelled). If the first one's answer still comes, after the second's,
+    its lower token must not fence e0's own session (seen under load: Redis had run the
+    first INCR before its cancel; the session was fenced by its own claim)."""
+    claims: list[Any] = []
+    r1 = _Replica("r1", claims)
+    live = _registered(r1, "e0", 7, claims)
+    r1.peers.announce_local(reclaim=True)  # the store loss: a new token
+    _, first, _ = claims.pop()
+    r1.peers.announce_local()  # a hello while that claim is out: asked again
+    _, second, _ = claims.pop()
+    second(4)
+    first(3)  # late, whatever its cancel
+    assert not live.ended, "fenced by its own superseded claim"
     assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
