@@ -557,20 +557,23 @@ class Coordinator:
             # So does a prefix load whose owner this replica, just started, cannot tell
             # alive or not yet (`PeerLink.caught_up`: rebuilt here if it stays silent).
             peers = self.peers
+            unknown = {h.lease_id for h in held if peers.owner_unknown(h.lease_id)}
             left = {
                 h.lease_id: h
                 for h in held
-                if peers.owner_of(h.lease_id) is not None
-                or (
-                    flow_of_lease_id(h.lease_id) is Flow.PREFIX_LOAD
-                    and peers.owner_unknown(h.lease_id)
-                )
+                if h.lease_id in unknown or peers.owner_of(h.lease_id) is not None
             }
             if left:
                 held = tuple(h for h in held if h.lease_id not in left)
-                # Handoffs are not kept: their reports are not routed by the ledger, and
-                # the prefill frees an unquarantined one at its own hold deadline.
-                loads = {i: h for i, h in left.items() if flow_of_lease_id(i) is Flow.PREFIX_LOAD}
+                # Handoffs left to a live owner are not kept: their reports are not routed
+                # by the ledger, and the prefill frees an unquarantined one at its own
+                # hold deadline. Those of an owner not heard yet are, to be rebuilt here
+                # if it stays silent (as before this replica could tell).
+                loads = {
+                    i: h
+                    for i, h in left.items()
+                    if i in unknown or flow_of_lease_id(i) is Flow.PREFIX_LOAD
+                }
                 if loads:
                     self._left_to_owner[session_id] = _LeftToOwner(
                         view.child_engine_id,
@@ -881,7 +884,14 @@ class Coordinator:
     def unaccounted_part_gone(self, ref: PartRef) -> None:
         timers = self._gone_timers.get(ref.child_engine_id, {})
         if timers.get(ref.rank) == _Unaccounted(ref.session_id):  # not back since
-            timers[ref.rank] = self._gone_timer(ref)
+            # Another session of the part still unaccounted for (another replica's) may
+            # be the live one: the engine is not proven gone while it stands.
+            other = (
+                self.peers.unaccounted_session(ref.child_engine_id, ref.rank)
+                if (self.peers is not None)
+                else None
+            )
+            timers[ref.rank] = self._gone_timer(ref) if other is None else _Unaccounted(other)
 
     def deliver(self, ref: PartRef, message: LeaseOutbound, registering: bool = False) -> bool:
         session = self._sessions.get(ref.session_id)

@@ -487,6 +487,7 @@ class PeerLink:
         # since (OP_ANNOUNCING read after the loss).
         self._unaccounted: dict[str, dict[str, PartRef]] = {}
         self._round_begun: set[str] = set()
+        self._announced_again: set[str] = set()  # unaccounted, announced, not taken
         # False until this replica has read the log up to its end once (a replica that
         # just started, with a store: `caught_up`): until then a replica not heard yet
         # may well be alive.
@@ -562,7 +563,7 @@ class PeerLink:
         before its claim answered): the other replica's session takes its place here."""
         if part.outranked_by is not None:
             origin, session_id, registration = part.outranked_by
-            if self._best.get(part.key, (0, ""))[1] == session_id:
+            if self._best.get(part.key, (0, ""))[1] == session_id and self._is_alive(origin):
                 self._register_remote(origin, session_id, registration)
                 return
         if part.displaced:
@@ -767,6 +768,10 @@ class PeerLink:
             key = part_key(ref.child_engine_id, ref.rank)
             best_token, best_session = self._best.get(key, (0, ""))
             if token < best_token or (token == best_token and session_id != best_session):
+                if session_id in self._unaccounted.get(origin, {}):
+                    # Its replica still announces it: the round does not prove it left
+                    # (a token from a store this replica has not noticed was lost yet).
+                    self._announced_again.add(session_id)
                 return False  # a stale registration: a newer one owns the part
             # (The best one itself, announced again, registers if it was not taken here.)
             for local_id, part in list(self._local.items()):
@@ -784,6 +789,10 @@ class PeerLink:
             return self._register_remote(origin, session_id, registration)
         if tag == OP_PART_LEFT:
             ref = _ref(op[1], op[2], op[3])
+            # Whether registered here or not, it no longer owns the part anywhere.
+            self._outranking_gone(lambda o: o[1] == ref.session_id)
+            if self._remote.get(ref.session_id) is None:
+                self._forget_best(ref)
             if self._unaccounted.get(origin, {}).get(ref.session_id) == ref:
                 self._accounted_for(origin, ref.session_id)
                 host.unaccounted_part_gone(ref)  # it left: its grace starts now
@@ -804,7 +813,9 @@ class PeerLink:
         if tag == OP_ANNOUNCED:
             if origin in self._round_begun:
                 self._round_begun.discard(origin)
-                self._account_gone(origin, "was not announced again by replica " + origin)
+                self._account_gone(
+                    origin, "was not announced again by replica " + origin, in_round=True
+                )
             return True
         if op[1] != self.origin:
             return False  # addressed to another replica
@@ -867,6 +878,15 @@ class PeerLink:
             return True
         raise ValueError(f"unknown peer op tag {tag!r}")
 
+    def _outranking_gone(self, gone: Callable[[tuple[str, str]], bool]) -> None:
+        """The sessions `gone` names (origin, session id) left, or this replica cannot
+        tell any more: a local claim they outranked no longer registers them if it
+        loses; it asks to hear of the part again instead."""
+        for part in self._local.values():
+            if part.outranked_by is not None and gone(part.outranked_by[:2]):
+                part.outranked_by = None
+                part.displaced = True
+
     def _register_remote(
         self, origin: str, session_id: str, registration: RankPartRegistration
     ) -> bool:
@@ -881,17 +901,18 @@ class PeerLink:
         # were dropped while it was between sessions (or acks lost with the old
         # stream): they go again, to its session on `origin`, as to a part
         # re-registering here (I6-quiescence).
-        self._answering_registration = True
+        answering, self._answering_registration = self._answering_registration, True
         try:
             host.leases.on_part_registered(ref.child_engine_id, ref.rank)
         finally:
-            self._answering_registration = False
+            self._answering_registration = answering
         return True
 
     def origin_gone(self, origin: str, reason: str) -> int:
         """An origin reset (restarted) or fell silent: its parts leave. Returns them."""
         host = self._host
         self._cancel_answering({origin})
+        self._outranking_gone(lambda o: o[0] == origin)
         left = [(sid, ref) for sid, (o, ref) in self._remote.items() if o == origin]
         for session_id, ref in left:
             del self._remote[session_id]
@@ -919,13 +940,21 @@ class PeerLink:
 
     def _accounted_for(self, origin: str, session_id: str) -> None:
         """A part this replica had lost track of is back, or was seen leaving."""
+        self._announced_again.discard(session_id)
         parts = self._unaccounted.get(origin)
         if parts is not None and parts.pop(session_id, None) is not None and not parts:
             del self._unaccounted[origin]
 
-    def _account_gone(self, origin: str, why: str) -> None:
-        """`origin`'s parts still unaccounted for left: their grace periods start."""
+    def _account_gone(self, origin: str, why: str, in_round: bool = False) -> None:
+        """`origin`'s parts still unaccounted for left: their grace periods start. At a
+        round's end, not those it announced without this replica taking them."""
         parts = self._unaccounted.pop(origin, {})
+        if in_round:
+            kept = {sid: ref for sid, ref in parts.items() if sid in self._announced_again}
+            if kept:
+                self._unaccounted[origin] = kept
+                parts = {sid: ref for sid, ref in parts.items() if sid not in kept}
+        self._announced_again.difference_update(parts)
         if parts:
             log.info("%d rank part(s) lost track of: %s", len(parts), why)
         if self._host is not None:
@@ -951,6 +980,7 @@ class PeerLink:
         silent.
         """
         self._cancel_answering({o for o, _ in self._remote.values()})
+        self._outranking_gone(lambda o: True)  # it may have left in what was not read
         left = self._lose_track(lambda origin: True, reason)
         if store_lost:
             # The others' tokens came from the old store's counter: the new one starts

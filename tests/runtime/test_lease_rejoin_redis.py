@@ -136,8 +136,14 @@ async def eventually(cond: Callable[[], bool], what: str, timeout_s: float = 10)
 async def granted_load(a: Node, holder: Outbox) -> tuple[str, Session]:
     """A load from holder h to requester r, both on A, granted (ACTIVE); its lease id
     and r's session."""
-    c = a.coordinator
     requester = a.register("r")
+    return await granted_on(a, holder), requester
+
+
+async def granted_on(a: Node, holder: Outbox) -> str:
+    """A load from holder h to requester r (registered on A or known to it), granted on
+    A (ACTIVE); its lease id."""
+    c = a.coordinator
     task = asyncio.ensure_future(
         c.leases.request_prefix_load(PrefixLoadRequest("g1", "r", CHAIN, "", 1, 0, 10_000, 60_000))
     )
@@ -146,7 +152,7 @@ async def granted_load(a: Node, holder: Outbox) -> tuple[str, Session]:
     c.leases.on_pin_result("h", RANK, lease_id, len(CHAIN), b"d", "")
     answer = await asyncio.wait_for(task, 10)
     assert answer.view is not None and answer.view.state is LeaseState.ACTIVE
-    return lease_id, requester
+    return lease_id
 
 
 async def quarantined_load(a: Node, holder: Outbox) -> str:
@@ -441,15 +447,7 @@ async def reloaded_while_b_is_deaf(a: Node, b: Node) -> tuple[str, Outbox, Outbo
     a.store_chain(holder.session)
     requester = Outbox(b.register("r"))
     await eventually(lambda: a.part("r") == requester.session.session_id, "A hears of r")
-    c = a.coordinator
-    task = asyncio.ensure_future(
-        c.leases.request_prefix_load(PrefixLoadRequest("g1", "r", CHAIN, "", 1, 0, 10_000, 60_000))
-    )
-    await eventually(lambda: bool(holder.of(SendPin)), "the holder is asked to pin")
-    lease_id = holder.of(SendPin)[0]
-    c.leases.on_pin_result("h", RANK, lease_id, len(CHAIN), b"d", "")
-    answer = await asyncio.wait_for(task, 10)
-    assert answer.view is not None and answer.view.state is LeaseState.ACTIVE
+    lease_id = await granted_on(a, holder)
     await parked(a)
     # B reads on (heartbeats) and snapshots twice past A's position: a snapshot cuts the
     # log at the one before it, so A's position is gone.

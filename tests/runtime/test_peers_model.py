@@ -483,3 +483,21 @@ def test_a_claim_answered_after_it_was_asked_again_is_ignored() -> None:
     first(3)  # late, whatever its cancel
     assert not live.ended, "fenced by its own superseded claim"
     assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
+
+
+def test_a_winner_that_left_while_a_local_claim_was_out_is_not_registered() -> None:
+    """e0's registration on r0 (token 5) reaches r1 while r1's own claim for e0 is out;
+    then it leaves r0. r1's session ends before its claim answers: the one that
+    outranked it is gone, so it must not be registered in its place (nothing would
+    ever remove that ghost: its departure was already read)."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    mine = r1.coordinator.open_session(_registration("e0"))
+    _, my_claim, _ = claims.pop()
+    winner = _registered(r0, "e0", 5, claims)
+    r0.coordinator.close_session(winner, "closed")
+    _ship(r0, r1)  # its registration, then its departure
+    r1.coordinator.close_session(mine, "closed")
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is None, "a ghost"
+    my_claim(3)  # late: changes nothing
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is None
