@@ -554,8 +554,8 @@ class Coordinator:
         held = registration.held_leases
         if held and self.peers is not None:
             # Owned by a live replica: it keeps the lease; this part's answers reach it.
-            # So does a prefix load whose owner this replica, just started, cannot tell
-            # alive or not yet (`PeerLink.caught_up`: rebuilt here if it stays silent).
+            # So does one whose owner this replica, just started, cannot tell alive or
+            # not yet (`PeerLink.caught_up`: rebuilt here if it stays silent).
             peers = self.peers
             unknown = {h.lease_id for h in held if peers.owner_unknown(h.lease_id)}
             left = {

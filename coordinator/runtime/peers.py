@@ -49,7 +49,8 @@ messages travel through the same ordered log as the inventory:
   called silent and hears again: it announces its engines and parts and asks its
   engines for full dumps (replication.py `ReplicatedInventory.apply_remote`).
 - `OP_ANNOUNCING` / `OP_ANNOUNCED`: the bounds of an announcement round; every part
-  the replica holds is announced between them (the end waits for pending tokens).
+  the replica holds at its start is announced between them (the end waits for those
+  parts' pending tokens).
   A replica that lost track of the log (a snapshot reload, a store loss) keeps the
   others' parts *unaccounted for* (`forget_all`), and so does one that reads another's
   `OP_RESET` with that one's parts (`origin_reset`): not READY, but not proven gone
@@ -121,8 +122,9 @@ OP_HELLO = "W"
 OP_CALL = "K"  # not "C": that is replication.OP_CLEAR (one tag space, one log)
 OP_RESULT = "Q"
 # An announcement round's bounds: `[OP_ANNOUNCING, origin]`, then every local part,
-# then `[OP_ANNOUNCED, origin]` once every part has its token (module doc). The origin
-# in op[1] makes an older replica, which knows neither tag, ignore them quietly.
+# then `[OP_ANNOUNCED, origin]` once every part held at its start has its token (module
+# doc). The origin in op[1] makes an older replica, which knows neither tag, ignore
+# them quietly.
 OP_ANNOUNCING = "G"
 OP_ANNOUNCED = "N"
 PEER_TAGS = frozenset(
