@@ -824,16 +824,20 @@ class Coordinator:
             old = self._take_gone_timer(ref)
             if old is not None:
                 old.cancel()
-            # Another session of the part this replica lost track of may be the live one:
-            # its engine is not proven gone while that one is unaccounted for.
-            waiting_for = ref.session_id if unaccounted else None
-            if waiting_for is None and self.peers is not None:
-                waiting_for = self.peers.unaccounted_session(ref.child_engine_id, ref.rank)
-            timer = self._gone_timer(ref) if waiting_for is None else _Unaccounted(waiting_for)
+            timer = _Unaccounted(ref.session_id) if unaccounted else self._grace(ref)
             self._gone_timers.setdefault(ref.child_engine_id, {})[ref.rank] = timer
         return True
 
-    def _gone_timer(self, ref: PartRef) -> Timer:
+    def _grace(self, ref: PartRef) -> Timer:
+        """The part's grace timer; or, while another session of it that this replica lost
+        track of may be the live one, a hold until that one is accounted for."""
+        other = (
+            self.peers.unaccounted_session(ref.child_engine_id, ref.rank)
+            if self.peers is not None
+            else None
+        )
+        if other is not None:
+            return _Unaccounted(other)
         return self.clock.call_later(self.config.session_grace_ms, lambda: self._part_gone(ref))
 
     # --- the other replicas' parts (PeerHost, coordinator/runtime/peers.py) ------------
@@ -884,14 +888,7 @@ class Coordinator:
     def unaccounted_part_gone(self, ref: PartRef) -> None:
         timers = self._gone_timers.get(ref.child_engine_id, {})
         if timers.get(ref.rank) == _Unaccounted(ref.session_id):  # not back since
-            # Another session of the part still unaccounted for (another replica's) may
-            # be the live one: the engine is not proven gone while it stands.
-            other = (
-                self.peers.unaccounted_session(ref.child_engine_id, ref.rank)
-                if (self.peers is not None)
-                else None
-            )
-            timers[ref.rank] = self._gone_timer(ref) if other is None else _Unaccounted(other)
+            timers[ref.rank] = self._grace(ref)
 
     def deliver(self, ref: PartRef, message: LeaseOutbound, registering: bool = False) -> bool:
         session = self._sessions.get(ref.session_id)
