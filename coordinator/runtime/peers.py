@@ -959,8 +959,9 @@ class PeerLink:
         self._announced_again.difference_update(parts)
         if parts:
             log.info("%d rank part(s) lost track of: %s", len(parts), why)
-        if self._host is not None:
-            for ref in parts.values():
+        for ref in parts.values():
+            self._forget_best(ref)  # kept for the round (`forget_all`); it left
+            if self._host is not None:
                 self._host.unaccounted_part_gone(ref)
 
     def called_silent(self, origin: str) -> bool:

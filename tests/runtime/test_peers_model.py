@@ -194,6 +194,10 @@ class PeersMachine(RuleBasedStateMachine):
             assert set(named.values()) == {expected}, (engine, live, named)
         for r in self.replicas:
             assert not r.peers._unaccounted, (r.origin, r.peers._unaccounted)
+            # A token is kept only for a part with a live session (bounded memory).
+            held = set(r.peers._local) | set(r.peers._remote)
+            stale = {k: v for k, v in r.peers._best.items() if v[1] not in held}
+            assert not stale, (r.origin, stale)
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -313,6 +317,7 @@ def test_a_part_lost_track_of_that_a_whole_round_lacks_is_proven_gone() -> None:
     for origin, op in _drain(r0):  # r0's round, without e0
         r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
     assert not r1.peers._unaccounted
+    assert not r1.peers._best  # its token is not kept once it left (bounded memory)
     assert not r1.coordinator.proven_gone("e0")  # inside its grace period
     r1.clock.advance(CONFIG.session_grace_ms + 1)
     assert r1.coordinator.proven_gone("e0")
