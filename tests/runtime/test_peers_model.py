@@ -506,3 +506,82 @@ def test_a_winner_that_left_while_a_local_claim_was_out_is_not_registered() -> N
     assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is None, "a ghost"
     my_claim(3)  # late: changes nothing
     assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is None
+
+
+def test_a_round_waits_for_the_parts_held_at_its_start_and_for_no_others() -> None:
+    """A round closes (OP_ANNOUNCED) once every part held when it began is in the log
+    after its OP_ANNOUNCING with its token: not before e1's claim, out at its start,
+    is answered; and e2, registered during the round (a new session, which no replica
+    can have lost track of), does not hold it open."""
+    claims: list[Any] = []
+    r0 = _Replica("r0", claims)
+    _registered(r0, "e0", 1, claims)
+    e1 = r0.coordinator.open_session(_registration("e1"))
+    _drain(r0)
+    r0.peers.announce_local()  # e1's claim is asked again: the round waits for it
+    assert [op[0] for _, op in _drain(r0)] == ["G", "P"]
+    r0.coordinator.open_session(_registration("e2"))
+    e1_claim = next(c for c in claims if c[0] == e1.session_id and not c[2][0])
+    e1_claim[1](2)
+    ops = [op for _, op in _drain(r0) if op[0] in PEER_TAGS]  # not e2's engine ops
+    assert [op[0] for op in ops] == ["P", "N"], "the round waited for e2 as well"
+    assert ops[0][1] == e1.session_id
+
+
+def test_settling_one_of_two_unaccounted_sessions_keeps_the_others_hold() -> None:
+    """r1 lost track of e0 twice: of session A (on r0), then, after it read e0's later
+    registration on r2 (B), of B. r2's round proves B gone; A may still be the live one,
+    so e0 is not proven gone however long r0's round takes. Once that round lacks A
+    too, e0's grace period runs."""
+    claims: list[Any] = []
+    r0, r1, r2 = (_Replica(o, claims) for o in ("r0", "r1", "r2"))
+    a = _registered(r0, "e0", 1, claims)
+    _ship(r0, r1)
+    r1.inventory.drop_all_remote("a snapshot was loaded")
+    _drain(r1)  # its hello and round: trimmed away
+    b = _registered(r2, "e0", 2, claims)
+    _ship(r2, r1)
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == b.session_id
+    r1.inventory.drop_all_remote("a snapshot was loaded")
+    r2.coordinator.close_session(b, "closed")
+    _drain(r2)  # B's departure: trimmed away before r1 read it
+    hello = _drain(r1)
+    for origin, op in hello:
+        r2.inventory.apply_remote(origin, [op], r2.clock.monotonic_ms())
+    _ship(r2, r1)  # r2's round, without B
+    r1.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r1.coordinator.proven_gone("e0"), "B's grace ran while A was unaccounted for"
+    r0.coordinator.close_session(a, "closed")
+    _drain(r0)  # A's departure: trimmed away too
+    for origin, op in hello:
+        r0.inventory.apply_remote(origin, [op], r0.clock.monotonic_ms())
+    _ship(r0, r1)  # r0's round, without A
+    assert not r1.peers._unaccounted
+    assert not r1.coordinator.proven_gone("e0")  # inside its grace period
+    r1.clock.advance(CONFIG.session_grace_ms + 1)
+    assert r1.coordinator.proven_gone("e0")
+
+
+def test_a_part_announced_with_a_token_this_replica_refuses_stays_unaccounted_for() -> None:
+    """r1 lost track of e0 (token 10 on r0). r0 then noticed a store loss that r1 has not
+    noticed yet: its round announces e0 with the new store's token 1, which r1 refuses
+    as stale. That round does not prove e0 gone: it is still announced, so it stays
+    unaccounted for (until r1 notices the loss and takes it), not in a grace period."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    _registered(r0, "e0", 10, claims)
+    _ship(r0, r1)
+    r1.inventory.drop_all_remote("a snapshot was loaded")
+    hello = _drain(r1)
+    r0.peers.announce_local(reclaim=True)  # the store loss, seen by r0 only
+    claims.pop()[1](1)
+    for origin, op in hello:
+        r0.inventory.apply_remote(origin, [op], r0.clock.monotonic_ms())
+    _ship(r0, r1)
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is None
+    r1.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r1.coordinator.proven_gone("e0"), "a live part's grace ran out"
+    r1.inventory.drop_all_remote("the shared store was lost", store_lost=True)
+    r0.peers.announce_local()  # its answer to r1's hello after the loss
+    _ship(r0, r1)
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is not None
