@@ -565,3 +565,44 @@ async def test_a_lease_left_to_an_unheard_owner_is_rebuilt_once_the_log_shows_it
     )
     assert b.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
     assert moved.of(SendQuarantine) == [lease_id]
+
+
+async def test_a_handoff_left_to_an_unheard_owner_is_not_rebuilt_while_that_owner_is_alive(
+    nodes: Callable[..., Awaitable[Node]],
+) -> None:
+    """As for a prefix load: B, which has read nothing yet, leaves a handoff that a
+    holder re-announces to its owner A, which it has not heard (A is alive). Before, B
+    rebuilt it as its own at once, QUARANTINED: two owners of one handoff."""
+    a = await nodes()
+    lease_id = f"ho-0123456789abcdef@{origin(a)}"
+    b = await nodes(CONFIG, reading=False)
+    moved = reannounced_on(b, lease_id)
+    assert not b.coordinator.leases.table.knows(lease_id), "rebuilt by a replica that knew nobody"
+    b.store.resume_reading()
+    await eventually(
+        lambda: (
+            b.coordinator.peers is not None and b.coordinator.peers.owner_of(lease_id) is not None
+        ),
+        "B hears A",
+    )
+    assert not b.coordinator.leases.table.knows(lease_id)
+    assert moved.of(SendQuarantine) == []
+
+
+async def test_a_handoff_left_to_an_unheard_owner_is_rebuilt_once_the_log_shows_it_is_not_alive(
+    nodes: Callable[..., Awaitable[Node]],
+) -> None:
+    """The control, for a handoff: its owner is a replica nobody hears. B leaves it while
+    it knows nobody, keeps it, and rebuilds it QUARANTINED once that owner has been
+    silent for the silence timeout. Before, a handoff left so was not kept: nothing
+    ended it before the holder's own hold deadline."""
+    b = await nodes(replace(CONFIG, heartbeat_timeout_ms=60_000), reading=False)
+    lease_id = "ho-0123456789abcdef@gone-replica"
+    moved = reannounced_on(b, lease_id)
+    assert not b.coordinator.leases.table.knows(lease_id)
+    b.store.resume_reading()
+    await eventually(
+        lambda: b.coordinator.leases.table.knows(lease_id), "rebuilt on B", timeout_s=20
+    )
+    assert b.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
+    assert moved.of(SendQuarantine) == [lease_id]
