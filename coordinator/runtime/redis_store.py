@@ -544,6 +544,10 @@ class RedisStore:
 
     def pause_reading(self) -> None:
         """Stops applying the log, as a replica stalled by a pause or a partition would."""
+        if self._reading.is_set():
+            # A reader woken by a resume it has not run since still reads once more:
+            # `reading_stopped` waits for it to stop again, not for the last pause's stop.
+            self._reader_stopped.clear()
         self._reading.clear()
         self._read_ok_since_ms = None
 

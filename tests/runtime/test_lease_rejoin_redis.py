@@ -606,3 +606,22 @@ async def test_a_handoff_left_to_an_unheard_owner_is_rebuilt_once_the_log_shows_
     )
     assert b.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
     assert moved.of(SendQuarantine) == [lease_id]
+
+
+async def test_a_reader_paused_again_before_it_ran_is_waited_for_until_it_stops(
+    nodes: Callable[..., Awaitable[Node]],
+) -> None:
+    """A pause right after a resume, before the reader has run: the reader still reads
+    once more, and `reading_stopped` waits for that read. Before, it returned at once
+    (the last pause's stop), and the 'parked' node read on."""
+    a = await nodes()
+    b = await nodes()
+    await parked(b)
+    a.register("e")  # something for B to read
+    await eventually(lambda: read_by(a) > read_by(b), "A's entries are in the log")
+    b.store.resume_reading()
+    b.store.pause_reading()  # before the reader has run
+    await b.store.reading_stopped()
+    position = read_by(b)
+    await asyncio.sleep(0.2)
+    assert read_by(b) == position, "read after reading_stopped returned"
