@@ -5,7 +5,9 @@ a reference (ref_cnt + 1, out of the free queue), so vLLM can neither evict nor
 reuse the blocks; the release is `BlockPool.free_blocks(blocks)`, which puts them
 back as cached, evictable blocks. Blocks are found by vLLM's own block hashes
 (`cached_block_hash_to_block`), the kvrc key of each being vLLM's
-`maybe_convert_block_hash` form (see `scheduler.block_hash_key`).
+`maybe_convert_block_hash` form (see `scheduler.block_hash_key`); the map from
+kvrc keys to vLLM's hashes follows the pool's inserts and evictions, so a pin
+costs a lookup per block, whatever the size of the cache.
 
 Pins arrive from kvrc at any time, also while the engine is idle (its EngineCore
 thread blocked on its input queue), so they run on the connector's own thread.
@@ -57,27 +59,77 @@ class PoolPins:
         self._pool: Any = None
         self._pins: dict[str, list[Any]] = {}  # lease id -> its pinned blocks
         self._nets = HoldDeadlines()
-        self._by_key: dict[bytes, bytes] = {}  # kvrc key -> vLLM BlockHash
+        # kvrc key -> vLLM BlockHash of each block cached in KV cache group 0 (the one
+        # pins look up), kept in step with the pool's map by `_follow`.
+        self._by_key: dict[bytes, bytes] = {}
+        self._followed: Any = None  # the pool's map `_by_key` follows
+        self.converted = 0  # block hashes converted to kvrc keys (tests: once per block)
 
     def bind(self, pool: Any, manager: Any = None) -> None:
         self._pool = pool
         _lock_public_methods(pool, self.lock)
         if manager is not None:
             _lock_public_methods(manager, self.lock)
+        reset = getattr(pool, "reset_prefix_cache", None)
+        if reset is not None:  # it replaces the map: follow the new one at once
+
+            def reset_then_follow(*args: Any, **kwargs: Any) -> Any:
+                with self.lock:
+                    result = reset(*args, **kwargs)
+                    self._follow()
+                    return result
+
+            pool.reset_prefix_cache = reset_then_follow
+        with self.lock:
+            self._follow()
 
     @property
     def bound(self) -> bool:
         return self._pool is not None
 
-    def _keys_of(self, cached: list[Any]) -> dict[bytes, bytes]:
-        """kvrc key -> vLLM BlockHash for a snapshot of the pool's cached block hashes."""
-        from vllm.v1.core.kv_cache_utils import get_block_hash  # type: ignore[import-not-found]
+    def _follow(self) -> None:
+        """Keeps `_by_key` in step with the pool's cached blocks: each block's key is
+        converted once, when vLLM caches it (`insert`), and dropped when vLLM evicts it
+        (`pop`), so a pin converts nothing. (A map rebuilt on a pin's miss converted
+        every cached block again, in Python, on nearly every pin of a busy holder.)
+        Called under the lock; again when vLLM replaced its map (`reset_prefix_cache`)."""
+        from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found]
+            get_block_hash,
+            get_group_id,
+        )
 
-        by_key: dict[bytes, bytes] = {}
-        for key_with_group in cached:
-            block_hash = get_block_hash(key_with_group)
-            by_key[self._key_of(block_hash)] = block_hash
-        return by_key
+        cached = self._pool.cached_block_hash_to_block
+        if cached is self._followed:
+            return
+        by_key, key_of, lock = self._by_key, self._key_of, self.lock
+        insert, pop, get_one_block = cached.insert, cached.pop, cached.get_one_block
+
+        def note(key: bytes) -> None:
+            if get_group_id(key) == 0:
+                block_hash = get_block_hash(key)
+                by_key[key_of(block_hash)] = block_hash
+                self.converted += 1
+
+        def inserted(key: bytes, block: Any) -> None:
+            with lock:
+                insert(key, block)
+                note(key)
+
+        def popped(key: bytes, block_id: int) -> Any:
+            with lock:
+                block = pop(key, block_id)
+                if block is not None and get_group_id(key) == 0 and get_one_block(key) is None:
+                    block_hash = get_block_hash(key)
+                    kvrc_key = key_of(block_hash)
+                    if by_key.get(kvrc_key) == block_hash:
+                        del by_key[kvrc_key]
+                return block
+
+        by_key.clear()  # a new map (vLLM's reset, or the first): what it holds now
+        for key in list(cached._cache):
+            note(key)
+        cached.insert, cached.pop = inserted, popped
+        self._followed = cached
 
     def _find(self, keys: Sequence[bytes]) -> list[Any]:
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # type: ignore[import-not-found]
@@ -103,26 +155,7 @@ class PoolPins:
             existing = self._pins.get(lease_id)
             if existing is not None:  # another rank part of this engine asked too
                 return [block.block_id for block in existing]
-            cached: list[Any] | None = None
-            if (
-                len(self._by_key) == 0
-                or keys[0] not in self._by_key
-                or keys[-1] not in self._by_key
-            ):
-                # One C-level copy of the keys under the lock; converting them (Python,
-                # per block: a second or more for a million cached blocks) runs outside
-                # it, so vLLM's scheduler is not held meanwhile.
-                cached = list(self._pool.cached_block_hash_to_block._cache)
-        if cached is not None:
-            by_key = self._keys_of(cached)
-        with self.lock:
-            if cached is not None:
-                # Advisory: a block evicted since the copy is not found by `_find`,
-                # which looks each one up in the pool again under the lock.
-                self._by_key = by_key
-            existing = self._pins.get(lease_id)
-            if existing is not None:
-                return [block.block_id for block in existing]
+            self._follow()
             blocks = self._find(keys)
             if not blocks:
                 return []

@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 import types
 import uuid
@@ -81,6 +80,7 @@ def _vllm_stand_in() -> dict[str, types.ModuleType]:
             "maybe_convert_block_hash": maybe_convert_block_hash,
             "make_block_hash_with_group_id": lambda h, group: h + group.to_bytes(4, "big"),
             "get_block_hash": lambda key: key[:-4],
+            "get_group_id": lambda key: int.from_bytes(key[-4:], "big"),
         },
         "vllm.v1.request": {"RequestStatus": RequestStatus},
         "vllm.distributed": {},
@@ -571,16 +571,48 @@ def test_a_quarantine_the_scheduler_could_not_take_is_handed_over_again(
         worker.loop.run(channel.close(), timeout_s=10)
 
 
-# --- 6. a pin that misses the key map does not hold vLLM's block pool while it rebuilds ----
+# --- 6. a pin converts no block hash: the key map follows vLLM's cache ---------------------
+
+
+class _CachedBlocks:
+    """vLLM's BlockHashToBlockMap as PoolPins uses it (one block per key here)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[bytes, Any] = {}
+
+    def get_one_block(self, key: bytes) -> Any:
+        return self._cache.get(key)
+
+    def insert(self, key: bytes, block: Any) -> None:
+        self._cache[key] = block
+
+    def pop(self, key: bytes, block_id: int) -> Any:
+        block = self._cache.get(key)
+        if block is None or block.block_id != block_id:
+            return None
+        return self._cache.pop(key)
 
 
 class _Pool:
-    """The part of vLLM's BlockPool that PoolPins uses (`cached_block_hash_to_block`, touch)."""
+    """The part of vLLM's BlockPool that PoolPins uses: its map of cached blocks, which
+    it caches into (`cache_full_blocks`), evicts from and replaces on a reset, and
+    touch."""
 
-    def __init__(self, hashes: list[bytes]) -> None:
-        blocks = {h + bytes(4): NS(block_id=i) for i, h in enumerate(hashes)}
-        self.cached_block_hash_to_block = NS(_cache=blocks, get_one_block=blocks.get)
+    def __init__(self) -> None:
+        self.cached_block_hash_to_block = _CachedBlocks()
         self.touched: list[list[int]] = []
+
+    def cache_full_blocks(self, hashes: list[bytes], first_block_id: int = 0) -> None:
+        for i, block_hash in enumerate(hashes):
+            key = block_hash + bytes(4)  # KV cache group 0
+            self.cached_block_hash_to_block.insert(key, NS(block_id=first_block_id + i))
+
+    def evict(self, block_hash: bytes, block_id: int) -> None:
+        self.cached_block_hash_to_block.pop(block_hash + bytes(4), block_id)
+
+    def reset_prefix_cache(self) -> bool:
+        self.cached_block_hash_to_block = _CachedBlocks()
+        return True
 
     def touch(self, blocks: list[Any]) -> None:
         self.touched.append([b.block_id for b in blocks])
@@ -589,34 +621,32 @@ class _Pool:
         pass
 
 
-def test_a_pin_rebuilds_its_key_map_without_holding_the_pool_lock(vllm_side: Any) -> None:
+def test_a_pin_converts_no_block_hash_whatever_the_size_of_the_cache(vllm_side: Any) -> None:
+    """Each block vLLM caches is converted to its kvrc key once, when cached; pins look
+    keys up and convert nothing. Before, a pin whose chain had a block cached since the
+    last pin converted every cached block again (Python, per block: seconds for a
+    million cached blocks, on nearly every pin of a busy holder). Evicted blocks leave
+    the map; a reset of vLLM's prefix cache (a new map) is followed at once."""
     from clients.vllm.pool import PoolPins
 
-    hashes = [uuid.uuid4().bytes * 2 for _ in range(64)]
-    pool = _Pool(hashes)
-    free_while_converting: list[bool] = []
-
-    def key_of(block_hash: bytes) -> bytes:
-        if not free_while_converting:  # can vLLM's thread take the pool meanwhile?
-            got: list[bool] = []
-
-            def other_thread() -> None:
-                got.append(pins.lock.acquire(blocking=False))
-                if got[0]:
-                    pins.lock.release()
-
-            thread = threading.Thread(target=other_thread)
-            thread.start()
-            thread.join()
-            free_while_converting.append(got[0])
-        return bytes(vllm_side.scheduler.block_hash_key(block_hash))
-
-    pins = PoolPins(key_of)
+    hashes = [uuid.uuid4().bytes * 2 for _ in range(256)]
+    keys = [vllm_side.scheduler.block_hash_key(h) for h in hashes]
+    pool = _Pool()
+    pins = PoolPins(vllm_side.scheduler.block_hash_key)
     pins.bind(pool)
-    keys = [vllm_side.scheduler.block_hash_key(h) for h in hashes[:8]]
-    assert pins.pin("lease-1", keys, int(time.time() * 1000) + 10_000) == list(range(8))
-    assert free_while_converting == [True]
-    assert pool.touched == [list(range(8))]
+    deadline = int(time.time() * 1000) + 10_000
+    for step in range(8):  # the cache grows between pins, as on a busy holder
+        pool.cache_full_blocks(hashes[32 * step : 32 * (step + 1)], 32 * step)
+        chain = keys[: 32 * (step + 1)]
+        assert pins.pin(f"lease-{step}", chain, deadline) == list(range(32 * (step + 1)))
+    assert pins.converted == len(hashes), "converted per pin, not once per cached block"
+    pool.evict(hashes[3], 3)
+    assert pins.pin("lease-evicted", keys[:8], deadline) == [0, 1, 2]
+    assert pins.converted == len(hashes)
+    pool.reset_prefix_cache()
+    assert pins.pin("lease-reset", keys[:8], deadline) == []  # nothing cached any more
+    pool.cache_full_blocks(hashes[:8], 100)
+    assert pins.pin("lease-after-reset", keys[:8], deadline) == list(range(100, 108))
     assert pins.release("lease-1")
 
 

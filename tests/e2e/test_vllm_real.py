@@ -3,7 +3,9 @@
 `tests/support/vllm_publisher.py` runs in a separate process with the one cached
 vLLM venv that every vLLM test uses (`tests/support/vllm_env.py`): vLLM's real
 `BlockPool` caches, evicts and resets, and
-vLLM's real `ZmqEventPublisher` publishes the events. After every step the
+vLLM's real `ZmqEventPublisher` publishes the events. The vLLM connector's holder
+pins are bound to that pool: after every step, the keys they would find must be
+exactly the pool's cached blocks. After every step the
 process reports the pool's actual cached blocks; the test checks that the
 inventory kvrc received is exactly that, through a late subscription (recovered
 by replay), stores, removals, a clear, and a publisher restart (a new
@@ -79,7 +81,11 @@ class VllmProcess:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
         await self.proc.stdin.drain()
-        return await self._answer()
+        answer = await self._answer()
+        # The connector's holder pins follow the pool's caching, evictions and resets.
+        group_0 = {block for block in answer["cached"] if block.startswith("0:")}
+        assert set(answer["pin_keys"]) == group_0, "the pins' key map is not vLLM's cache"
+        return answer
 
     async def stop(self) -> None:
         if self.proc.returncode is None:

@@ -17,7 +17,9 @@ changes the pool publishes the pool's events (`take_events()`) as one
 
 Each answer is one JSON line: {"seq": last published sequence (-1: none),
 "cached": the pool's cached blocks as sorted "group:hash-hex" strings, hashes in
-kvrc's convention (ints as 8 bytes big-endian)}. The first line, once the
+kvrc's convention (ints as 8 bytes big-endian), "pin_keys": the keys the vLLM
+connector's holder pins (`clients/vllm/pool.py`, bound to this pool as the
+connector binds it) would find, in the same form}. The first line, once the
 publisher is up, is {"ready": true}.
 
 `--capture FILE` subscribes to the publisher's own PUB endpoint (when it binds)
@@ -78,6 +80,11 @@ def main() -> None:
         hash_block_size=block_size,
         enable_kv_cache_events=True,
     )
+    from clients.vllm.pool import PoolPins
+    from clients.vllm.scheduler import block_hash_key
+
+    pins = PoolPins(block_hash_key)
+    pins.bind(pool)
     publisher = ZmqEventPublisher(
         data_parallel_rank=args.dp_rank,
         endpoint=args.endpoint,
@@ -115,6 +122,10 @@ def main() -> None:
             f"{get_group_id(key)}:{kvrc_hash(maybe_convert_block_hash(get_block_hash(key)))}"
             for key in pool.cached_block_hash_to_block._cache
         )
+
+    def state() -> dict[str, Any]:
+        pin_keys = sorted(f"0:{key.hex()}" for key in pins._by_key)
+        return {"seq": published, "cached": cached(), "pin_keys": pin_keys}
 
     def cache_request(tokens: list[int]) -> None:
         nonlocal request_count
@@ -159,7 +170,7 @@ def main() -> None:
             break
         elif op != "truth":
             raise ValueError(f"unknown op {op!r}")
-        print(json.dumps({"seq": published, "cached": cached()}), flush=True)
+        print(json.dumps(state()), flush=True)
 
     if capture_sock is not None:
         deadline = time.monotonic() + 2.0
@@ -170,7 +181,7 @@ def main() -> None:
             out.write(msgpack.packb(captured, use_bin_type=True))
         capture_sock.close(linger=0)
     publisher.shutdown()
-    print(json.dumps({"seq": published, "cached": cached(), "exit": True}), flush=True)
+    print(json.dumps({**state(), "exit": True}), flush=True)
 
 
 if __name__ == "__main__":
