@@ -180,13 +180,18 @@ return 1
 # `who` is the owner's counter as the sweep read it: a re-sync since then (the owner
 # came back) refuses the prune (-3). The one script that reaches keys it derives
 # (each lease's record and its source's pins): all under the same hash tag, so one
-# Redis Cluster slot would still hold them.
+# Redis Cluster slot would still hold them. A dropped owner's counter expires after
+# RESYNCS_KEPT_S (origins are new per process: else one key per replica ever run that
+# re-synced); a re-sync keeps it. An expiry between a sweep's read and its prune reads
+# as '0' there, which refuses the prune (the read was at least 1): never a wrong one.
+RESYNCS_KEPT_S = 86_400
 PRUNE_SCRIPT = (
     DECR_LUA
     + """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 if ARGV[3] == 'own' then
   redis.call('INCR', KEYS[3])
+  redis.call('PERSIST', KEYS[3])
 elseif (redis.call('GET', KEYS[3]) or '0') ~= ARGV[3] then
   return -3
 end
@@ -213,6 +218,9 @@ for _, lease_id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 if ARGV[3] ~= 'own' and redis.call('SCARD', KEYS[1]) == 0 then
   redis.call('SREM', KEYS[4], ARGV[2])
+  redis.call('EXPIRE', KEYS[3], """
+    + str(RESYNCS_KEPT_S)
+    + """)
 end
 return pruned
 """

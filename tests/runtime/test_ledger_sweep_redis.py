@@ -21,7 +21,7 @@ from waiting import wait_until
 
 from coordinator.runtime.clock import SystemClock
 from coordinator.runtime.config import StoreConfig
-from coordinator.runtime.lease_ledger import lease_key, pins_key
+from coordinator.runtime.lease_ledger import RESYNCS_KEPT_S, lease_key, pins_key, resyncs_key
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.redis_store import RedisStore
 from coordinator.runtime.replication import ReplicatedInventory
@@ -97,3 +97,29 @@ async def test_a_replica_that_was_stalled_writes_its_leases_again(
     a._resync_after_silence(now + 10 * TIMEOUT_MS)
     await a.ledger.flushed()
     assert recorded(server, "L1")
+
+
+async def test_a_dropped_owners_resync_counter_expires_unless_it_resyncs(
+    server: RedisServer, stores: dict[str, RedisStore]
+) -> None:
+    """Replica ids are new per process: the re-sync counter of one that others dropped
+    expires (else one key per replica ever run stays in Redis); a re-sync keeps it."""
+    a, b = stores["A"], stores["B"]
+    a.ledger.open("L1", "h", "r", BLOCKS, lambda ok, why: None)
+    await a.ledger.flushed()
+    b.ledger.forget_owner("A", "0")
+    await b.ledger.flushed()
+    now = SystemClock().monotonic_ms()
+    a._resync_after_silence(now)
+    a._resync_after_silence(now + 10 * TIMEOUT_MS)  # a stall noticed: re-synced, counted
+    await a.ledger.flushed()
+    with redis.Redis(host="127.0.0.1", port=server.port) as r:
+        assert r.get(resyncs_key("A")) == b"1" and r.ttl(resyncs_key("A")) == -1
+        b.ledger.forget_owner("A", "1")  # A stopped for good: dropped again
+        await b.ledger.flushed()
+        assert not recorded(server, "L1") and r.smembers(OWNERS_KEY) == set()
+        assert 0 < r.ttl(resyncs_key("A")) <= RESYNCS_KEPT_S
+        a._resync_after_silence(now + 20 * TIMEOUT_MS)  # it had only stalled again
+        await a.ledger.flushed()
+        assert r.get(resyncs_key("A")) == b"2" and r.ttl(resyncs_key("A")) == -1
+        assert recorded(server, "L1")
