@@ -11,8 +11,11 @@ reading the log at its own pace, a replica losing track of the log (a snapshot
 reload past a trim: the entries between are never read), and lease messages sent
 to whatever session a replica's registry names.
 
-What must hold, once every claim is answered and every replica has read the whole
-log (`settle`): one rank part has at most one live session in the cluster (the one
+Time passes on each replica's own clock (`advance`). At every step, the session of a
+part with the highest token issued, while it lives, is never proven gone on a replica
+that had it registered (I6-quiescence), whatever that replica lost track of. What
+must hold, once every claim is answered and every replica has read the whole log
+(`settle`): one rank part has at most one live session in the cluster (the one
 with the highest fencing token); every replica's registry names exactly that
 session for it, or nothing when it has none; no replica still has a part it lost
 track of unaccounted for (each was announced again, or its grace started); and a
@@ -102,6 +105,8 @@ class PeersMachine(RuleBasedStateMachine):
         self.tokens = itertools.count(1)
         self.addressed: dict[str, str] = {}  # lease id of a sent pin -> session id
         self.leases = itertools.count()
+        self.token_of: dict[str, int] = {}  # session id -> the token its claim got last
+        self.had: dict[str, set[str]] = {r.origin: set() for r in self.replicas}
 
     # --- what production interleaves ----------------------------------------------------
 
@@ -125,10 +130,7 @@ class PeersMachine(RuleBasedStateMachine):
     def answer_claim(self, data: st.DataObject) -> None:
         """Redis answers one pending claim (any of them: replies race)."""
         index = data.draw(st.integers(0, len(self.claims) - 1))
-        _, on_token, cancelled = self.claims.pop(index)
-        token = next(self.tokens)  # the INCR ran now: tokens follow the answer order
-        if not cancelled[0]:
-            on_token(token)
+        self._answer(index)
 
     @rule(replica=st.integers(0, 2))
     def append(self, replica: int) -> None:
@@ -147,6 +149,11 @@ class PeersMachine(RuleBasedStateMachine):
         r = self.replicas[replica]
         r.inventory.drop_all_remote("a snapshot was loaded")
         r.read = min(len(self.log), r.read + skipped)
+
+    @rule(replica=st.integers(0, 2), ms=st.integers(0, 3 * CONFIG.session_grace_ms))
+    def advance(self, replica: int, ms: int) -> None:
+        """Time passes on one replica: grace periods (and heartbeat timeouts) run out."""
+        self.replicas[replica].clock.advance(ms)
 
     @rule(replica=st.integers(0, 2), engine=st.sampled_from(PARTS))
     def send_pin(self, replica: int, engine: str) -> None:
@@ -178,6 +185,32 @@ class PeersMachine(RuleBasedStateMachine):
                     if isinstance(item, SendPin):
                         assert self.addressed[item.lease_id] == session_id
 
+    @invariant()
+    def a_live_part_is_never_proven_gone_where_it_was_known(self) -> None:
+        """I6-quiescence: the session of a part with the highest token issued, while it
+        lives, is never proven gone on a replica that had it registered, however long
+        that replica waits, whatever it lost track of: a lease there may name it."""
+        sessions = {sid: s for r in self.replicas for sid, s in r.sessions.items()}
+        for r in self.replicas:
+            for engine in PARTS:
+                held = r.coordinator.registry.session_of(engine, (0, 0, 0))
+                if held is not None:
+                    self.had[r.origin].add(held)
+        for engine in PARTS:
+            tokens = {
+                sid: t
+                for sid, t in self.token_of.items()
+                if sessions[sid].ref.child_engine_id == engine
+            }
+            if not tokens:
+                continue
+            newest = max(tokens, key=tokens.__getitem__)
+            if sessions[newest].ended:
+                continue
+            for r in self.replicas:
+                if newest in self.had[r.origin]:
+                    assert not r.coordinator.proven_gone(engine), (r.origin, engine, newest)
+
     def _check_settled(self) -> None:
         for engine in PARTS:
             live = [
@@ -207,13 +240,17 @@ class PeersMachine(RuleBasedStateMachine):
             r.inventory.apply_remote(origin, [op], now)
         r.read = min(len(self.log), r.read + entries)
 
+    def _answer(self, index: int) -> None:
+        session_id, on_token, cancelled = self.claims.pop(index)
+        token = next(self.tokens)  # the INCR ran now: tokens follow the answer order
+        if not cancelled[0]:
+            self.token_of[session_id] = token
+            on_token(token)
+
     def _settle(self) -> None:
         for _ in range(50):
             while self.claims:
-                _, on_token, cancelled = self.claims.pop(0)
-                token = next(self.tokens)
-                if not cancelled[0]:
-                    on_token(token)
+                self._answer(0)
             for index in range(len(self.replicas)):
                 self.append(index)
             for r in self.replicas:
@@ -230,7 +267,7 @@ def test_peer_ops_and_inventory_ops_share_the_log_without_sharing_a_tag() -> Non
 
 TestPeers = PeersMachine.TestCase
 TestPeers.settings = settings(
-    max_examples=120,
+    max_examples=600,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
