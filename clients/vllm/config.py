@@ -15,7 +15,8 @@ A bad value fails engine start with one `KvrcConfigError` naming the field.
 | `mooncake_device` | `""` | Mooncake device name (RDMA NIC), empty for tcp |
 | `mooncake_hostname` | `$VLLM_HOST_IP` or `127.0.0.1` | address peers read this engine's KV at |
 | `mooncake_read_sleep_share` | 0.5 | a read sleeps this share of its predicted time first |
-| `lookup_timeout_ms` | 300 | longest the scheduler waits for Lookup + grant |
+| `lookup_timeout_ms` | 300 | longest a request waits for Lookup + grant |
+| `lookup_step_wait_ms` | 5 | longest one scheduler step waits, in all, for those answers |
 | `pin_timeout_ms` | 1000 | how long kvrc waits for the holder's pin |
 | `transfer_timeout_ms` | 10000 | deadline of one Mooncake read |
 | `handoff_wait_ms` | 15000 | how long the decode waits for the prefill's handoff to be READY |
@@ -76,6 +77,7 @@ class KvrcConnectorConfig:
     mooncake_hostname: str = ""
     mooncake_read_sleep_share: float = 0.5
     lookup_timeout_ms: int = 300
+    lookup_step_wait_ms: int = 5
     pin_timeout_ms: int = 1000
     transfer_timeout_ms: int = 10_000
     handoff_wait_ms: int = 15_000
@@ -118,6 +120,7 @@ class KvrcConnectorConfig:
             )
         for name, low, high in (
             ("lookup_timeout_ms", 1, 10_000),
+            ("lookup_step_wait_ms", 0, 10_000),
             ("pin_timeout_ms", 10, 60_000),
             ("transfer_timeout_ms", 100, 600_000),
             ("handoff_wait_ms", 0, 600_000),

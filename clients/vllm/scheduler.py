@@ -128,13 +128,25 @@ class _Prefix:
     load_blocks: int  # blocks to load after them
 
 
+@dataclass
+class _Lookup:
+    """A Lookup + grant out for a waiting request (get_num_new_matched_tokens)."""
+
+    answer: concurrent.futures.Future[Any]
+    usable_blocks: int  # of the prompt's blocks, what the lookup asked for
+    asked_at: float  # monotonic s
+    give_up_at: float  # lookup_timeout_ms after it was asked
+    deferred: bool = False  # left to a later step at least once
+
+
 class LookupBreaker:
     """Skips kvrc lookups for a while after one timed out or found kvrc unavailable.
 
-    A frozen or unreachable kvrc would otherwise hold the EngineCore thread for
-    lookup_timeout_ms on every new request. Open: lookups are skipped (recompute)
+    A frozen or unreachable kvrc would otherwise make every new request wait
+    lookup_timeout_ms before it recomputes. Open: lookups are skipped (recompute)
     until the backoff ends; the next lookup then tries kvrc again, which closes the
-    breaker or opens it for twice as long (up to `max_s`).
+    breaker or opens it for twice as long (up to `max_s`). Lookups asked before the
+    last failure that fail after it are the same outage: they change nothing.
     """
 
     def __init__(self, base_s: float = BREAKER_BASE_S, max_s: float = BREAKER_MAX_S) -> None:
@@ -143,15 +155,19 @@ class LookupBreaker:
         self.is_open = False
         self.backoff_s = 0.0
         self._until = 0.0
+        self._failed_at = 0.0
 
     def allows(self, now: float) -> bool:
         return now >= self._until
 
-    def failed(self, now: float) -> bool:
-        """A lookup failed; True when this opened the breaker (it was closed)."""
+    def failed(self, now: float, asked_at: float) -> bool:
+        """A lookup asked at `asked_at` failed; True when this opened the breaker."""
+        if self.is_open and asked_at < self._failed_at:
+            return False  # out when the breaker opened (or last failed): the same outage
         opened = not self.is_open
         self.backoff_s = self.base_s if opened else min(self.backoff_s * 2, self.max_s)
         self._until = now + self.backoff_s
+        self._failed_at = now
         self.is_open = True
         return opened
 
@@ -180,6 +196,10 @@ class KvrcScheduler:
         self._recv: dict[str, _Recv] = {}
         self._prefix: dict[str, _Prefix] = {}
         self._prefix_decided: dict[str, int] = {}  # request id -> tokens (0: no load)
+        self._lookups: dict[str, _Lookup] = {}  # waiting requests' lookups still out
+        # What the current scheduler step may still wait for lookups (build_connector_meta
+        # starts each step's afresh): a slow kvrc costs a step this much, not per request.
+        self._step_wait_left_s = self.config.lookup_step_wait_ms / 1000
         self._publishes: list[PublishSpec] = []
         self._free_now: list[str] = []
         self._sending: dict[str, float] = {}
@@ -193,6 +213,7 @@ class KvrcScheduler:
         # the workers stop announcing them as held.
         self._unheld_new: list[str] = []
         self.counters: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()
         self.breaker = LookupBreaker()
         self._params_warned_at = 0.0
         self.pins = PoolPins(block_hash_key)
@@ -384,25 +405,30 @@ class KvrcScheduler:
 
     # --- counters ------------------------------------------------------------------
 
-    def _count(self, key: str, n: int = 1) -> None:
-        self.counters[key] += n
-        self._write_stats()
+    def _count(self, key: str, n: int = 1, write: bool = True) -> None:
+        with self._stats_lock:
+            self.counters[key] += n
+        if write:
+            self._write_stats()
 
     def _write_stats(self) -> None:
+        """Both threads count (the EngineCore's steps, the loop's pins): one lock, so
+        that no count is lost and two writers never share the temporary file."""
         if not self.config.stats_file:
             return
-        data = {"child_engine_id": self.child_engine_id, **self.counters}
-        tmp = f"{self.config.stats_file}.{os.getpid()}.tmp"
-        with contextlib.suppress(OSError):
-            with open(tmp, "w") as f:
-                json.dump(data, f, sort_keys=True)
-            os.replace(tmp, self.config.stats_file)
+        with self._stats_lock:
+            data = {"child_engine_id": self.child_engine_id, **self.counters}
+            tmp = f"{self.config.stats_file}.{os.getpid()}.tmp"
+            with contextlib.suppress(OSError):
+                with open(tmp, "w") as f:
+                    json.dump(data, f, sort_keys=True)
+                os.replace(tmp, self.config.stats_file)
 
     # --- get_num_new_matched_tokens ------------------------------------------------
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill"):
             if not params.get(KVRC_MARK):
@@ -412,43 +438,81 @@ class KvrcScheduler:
             return (count, True) if count > 0 else (0, False)
         if self.config.reuse:
             tokens = self._prefix_tokens(request, num_computed_tokens)
+            if tokens is None:
+                return None, False  # kvrc has not answered yet: vLLM asks again next step
             return (tokens, True) if tokens > 0 else (0, False)
         return 0, False
 
-    def _prefix_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """One Lookup + grant, bounded by lookup_timeout_ms; 0 = recompute."""
+    def _prefix_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        """One Lookup + grant, bounded by lookup_timeout_ms; 0 = recompute, None = not
+        answered yet (the request waits; vLLM schedules others and asks again).
+
+        The EngineCore thread runs this inside vLLM's schedule(): it waits for kvrc at
+        most `lookup_step_wait_ms` per step in all, so a slow kvrc delays the requests
+        that wait for it, never the running ones (a wait per request stalled every
+        step by the number of new requests times kvrc's latency)."""
         request_id = request.request_id
         local_blocks = num_computed_tokens // self.block_size
-        if request_id in self._prefix_decided:
+        if request_id in self._prefix_decided or request_id in self._prefix:
+            # (A grant waiting for its blocks whose decision the cap on decisions dropped
+            # is still this request's: a new lookup would leave it pinned.)
             return self._prefix_again(request_id, local_blocks, num_computed_tokens)
-        prompt_len = len(request.prompt_token_ids or ())
-        # Never the last prompt token (vLLM must compute one), whole blocks only, and no
-        # more than kvrc takes in one chain (MAX_CHAIN_BLOCKS: a long prompt reuses its
-        # first blocks, where a longer chain would be INVALID_ARGUMENT).
-        usable_blocks = min(
-            len(request.block_hashes), (prompt_len - 1) // self.block_size, MAX_CHAIN_BLOCKS
-        )
-        if usable_blocks - local_blocks < self.config.min_blocks:
-            self._decide(request_id, 0)
-            return 0
-        if not self.breaker.allows(time.monotonic()):
-            self._count("prefix_lookups_skipped")  # kvrc timed out or was down just now
-            self._decide(request_id, 0)
-            return 0
-        hashes = [block_hash_key(h) for h in request.block_hashes[:usable_blocks]]
-        future = self.loop.submit(self._lookup_and_grant(request_id, hashes, local_blocks))
-        try:
-            answer = future.result(self.config.lookup_timeout_ms / 1000)
-        except concurrent.futures.TimeoutError:
+        lookup = self._lookups.get(request_id)
+        if lookup is None:
+            prompt_len = len(request.prompt_token_ids or ())
+            # Never the last prompt token (vLLM must compute one), whole blocks only, and
+            # no more than kvrc takes in one chain (MAX_CHAIN_BLOCKS: a long prompt reuses
+            # its first blocks, where a longer chain would be INVALID_ARGUMENT).
+            usable_blocks = min(
+                len(request.block_hashes), (prompt_len - 1) // self.block_size, MAX_CHAIN_BLOCKS
+            )
+            if usable_blocks - local_blocks < self.config.min_blocks:
+                self._decide(request_id, 0)
+                return 0
+            if not self.breaker.allows(time.monotonic()):
+                self._count("prefix_lookups_skipped")  # kvrc timed out or was down just now
+                self._decide(request_id, 0)
+                return 0
+            hashes = [block_hash_key(h) for h in request.block_hashes[:usable_blocks]]
+            future = self.loop.submit(self._lookup_and_grant(request_id, hashes, local_blocks))
+            asked_at = time.monotonic()
+            give_up_at = asked_at + self.config.lookup_timeout_ms / 1000
+            lookup = _Lookup(future, usable_blocks, asked_at, give_up_at)
+            self._lookups[request_id] = lookup
+        if not lookup.answer.done():
+            wait_s = min(self._step_wait_left_s, lookup.give_up_at - time.monotonic())
+            if wait_s > 0:
+                started = time.monotonic()
+                concurrent.futures.wait([lookup.answer], wait_s)
+                self._step_wait_left_s -= time.monotonic() - started
+        if not lookup.answer.done():
+            if time.monotonic() < lookup.give_up_at:
+                if not lookup.deferred:
+                    lookup.deferred = True
+                    self._count("prefix_lookups_deferred")
+                return None
             # Past the deadline: no load. A grant that still comes is given back.
+            del self._lookups[request_id]
             self._count("prefix_lookup_timeouts")
-            future.add_done_callback(self._abandon_late)
-            self._lookup_failed(f"no answer within {self.config.lookup_timeout_ms} ms")
-            answer = None
+            lookup.answer.add_done_callback(self._abandon_late)
+            self._lookup_failed(
+                f"no answer within {self.config.lookup_timeout_ms} ms", lookup.asked_at
+            )
+            self._decide(request_id, 0)
+            return 0
+        del self._lookups[request_id]
+        return self._prefix_answered(request_id, lookup, local_blocks)
+
+    def _prefix_answered(self, request_id: str, lookup: _Lookup, local_blocks: int) -> int:
+        """kvrc's answer to a request's lookup: the tokens to load (0 = recompute). The
+        local hit may have changed since the lookup was asked (it waited steps): the
+        grant serves any hit below its end (the holder pinned the chain from block 0)."""
+        try:
+            answer = lookup.answer.result()
         except (UnavailableError, DeadlineExceededError) as e:  # kvrc down: recompute
             log.debug("prefix lookup for %s failed: %s", request_id, e)
             self._count("prefix_lookup_errors")
-            self._lookup_failed(str(e))
+            self._lookup_failed(str(e), lookup.asked_at)
             answer = None
         except Exception as e:  # kvrc answered with an error: recompute, say so
             log.warning("prefix lookup for %s failed: %s", request_id, e)
@@ -462,7 +526,7 @@ class KvrcScheduler:
                 self._count(f"prefix_miss_{answer}")
             self._decide(request_id, 0)
             return 0
-        matched = min(answer.matched_blocks, usable_blocks)
+        matched = min(answer.matched_blocks, lookup.usable_blocks)
         load_blocks = matched - local_blocks
         if load_blocks < self.config.min_blocks:
             self._abandon(answer, "below min_blocks after the pin")
@@ -503,8 +567,8 @@ class KvrcScheduler:
             0, (decided.local_blocks + decided.load_blocks) * self.block_size - num_computed_tokens
         )
 
-    def _lookup_failed(self, why: str) -> None:
-        if self.breaker.failed(time.monotonic()):
+    def _lookup_failed(self, why: str, asked_at: float) -> None:
+        if self.breaker.failed(time.monotonic(), asked_at):
             log.warning(
                 "kvrc lookup failed (%s): new requests recompute without asking kvrc for "
                 "%.0f s and longer while it keeps failing (until it answers again)",
@@ -540,10 +604,12 @@ class KvrcScheduler:
         return answer
 
     def _abandon_late(self, future: concurrent.futures.Future[Any]) -> None:
+        """A lookup's answer that nobody waits for any more (past lookup_timeout_ms, or
+        its request finished): a grant in it is given back."""
         if future.cancelled() or future.exception() is not None:
             return
         if isinstance(future.result(), PrefixLoadGrant):
-            self._abandon(future.result(), "granted after lookup_timeout_ms")
+            self._abandon(future.result(), "granted after its request stopped waiting")
 
     def _abandon(self, grant: PrefixLoadGrant, why: str) -> None:
         """A grant we will not use: every rank part reports it (nothing was read)."""
@@ -628,16 +694,19 @@ class KvrcScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KvrcConnectorMetadata:
         meta = KvrcConnectorMetadata()
+        self._step_wait_left_s = self.config.lookup_step_wait_ms / 1000  # the next step's
         with self._lock:
             pending = [r for r in self._recv.values() if not r.dispatched]
             waiting = bool(self._sending) or len(pending) < len(self._recv)
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         meta.idle_step = idle
-        if idle and (pending or waiting):
-            # An idle step that only waits for kvrc (a grant, a pull, a release): vLLM would
-            # spin here and starve the connector's threads (one core per engine). Yield the
-            # CPU briefly instead; a grant that arrives meanwhile ends the wait at once.
+        if idle and (pending or waiting or self._lookups):
+            # An idle step that only waits for kvrc (a lookup, a grant, a pull, a release):
+            # vLLM would spin here and starve the connector's threads (one core per
+            # engine). Yield the CPU briefly instead; an answer that arrives meanwhile
+            # ends the wait at once.
             grants = [r.grant for r in pending if r.grant is not None]
+            grants += [lookup.answer for lookup in self._lookups.values()]
             if grants:
                 concurrent.futures.wait(
                     grants, GRANT_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED
@@ -718,7 +787,7 @@ class KvrcScheduler:
         if isinstance(worker_meta, KvrcWorkerMetadata):
             outcomes = worker_meta.outcomes
             for key, value in worker_meta.counters.items():
-                self.counters[f"workers_{key}"] += value
+                self._count(f"workers_{key}", value, write=False)
         with self._lock:
             for request_id, outcome in outcomes.items():
                 pending = self._recv.get(request_id)
@@ -734,16 +803,16 @@ class KvrcScheduler:
                 self.loop.submit(recv.keepalive.stop())
             outcome = recv.failure or "SUCCEEDED"
             if outcome == "SUCCEEDED":
-                self.counters[f"{recv.flow}_loads"] += 1
-                self.counters[f"{recv.flow}_tokens_loaded"] += recv.num_tokens
-                self.counters[f"{recv.flow}_blocks_loaded"] += len(recv.local_block_ids)
+                self._count(f"{recv.flow}_loads", write=False)
+                self._count(f"{recv.flow}_tokens_loaded", recv.num_tokens, write=False)
+                self._count(f"{recv.flow}_blocks_loaded", len(recv.local_block_ids), write=False)
             else:
-                self.counters[f"{recv.flow}_load_failures"] += 1
-                self.counters[f"{recv.flow}_tokens_recomputed"] += recv.num_tokens
+                self._count(f"{recv.flow}_load_failures", write=False)
+                self._count(f"{recv.flow}_tokens_recomputed", recv.num_tokens, write=False)
                 log.warning("%s of %s failed: %s (vLLM recomputes)", recv.flow, request_id, outcome)
         for request_id in output.finished_sending or ():
             if self._sending.pop(request_id, None) is not None:
-                self.counters["handoffs_freed"] += 1
+                self._count("handoffs_freed", write=False)
         self._write_stats()
 
     # --- request_finished --------------------------------------------------------------
@@ -753,6 +822,9 @@ class KvrcScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         self._prefix_decided.pop(request_id, None)
+        lookup = self._lookups.pop(request_id, None)
+        if lookup is not None:  # finished (aborted) while its lookup was out
+            lookup.answer.add_done_callback(self._abandon_late)
         leftover = self._prefix.pop(request_id, None)
         if leftover is not None:
             self._abandon(leftover.grant, "request finished before its blocks were allocated")

@@ -14,6 +14,7 @@ the real vLLM is importable; so does the block pool a holder's pins take (`_Pool
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import enum
@@ -26,7 +27,7 @@ import sys
 import time
 import types
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace as NS
 from typing import Any
 
@@ -143,7 +144,11 @@ def _new_scheduler(vllm_side: Any, target: str, role: str = "kv_both", **extra: 
 
 @pytest.fixture
 def scheduler(vllm_side: Any, kvrc_server: CoordinatorProcess) -> Iterator[Any]:
-    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, reuse=True, min_blocks=2)
+    """A scheduler whose steps wait for kvrc up to lookup_timeout_ms (as one that waits
+    per request would): these tests are about what it does with the answers."""
+    made = _new_scheduler(
+        vllm_side, kvrc_server.grpc_target, reuse=True, min_blocks=2, lookup_step_wait_ms=10_000
+    )
     yield made
     made.shutdown()
 
@@ -286,6 +291,23 @@ def test_a_repeated_query_whose_local_hit_leaves_too_little_abandons_the_grant(
     assert abandoned == ["lease-1"]
 
 
+def test_a_grant_whose_decision_the_cap_dropped_is_used_not_looked_up_again(
+    scheduler: Any,
+) -> None:
+    """More than 65,536 requests decided and not finished: the oldest decision goes,
+    and that is the request vLLM asks again (the head of its waiting queue). Its grant
+    still waits for blocks: it is used, not replaced by a new lookup's (which left the
+    first lease pinned until the holder's safety net)."""
+    _kvrc_grants(scheduler, _grant(matched=6, deadline_in_s=30))
+    abandoned = _abandoned(scheduler)
+    request = _request("r1", 7)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (6 * BS, True)
+    del scheduler._prefix_decided["r1"]  # what the cap does to the oldest decision
+    _kvrc_grants(scheduler, _grant(matched=6, deadline_in_s=30))
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (6 * BS, True)
+    assert scheduler.counters["prefix_grants"] == 1 and abandoned == []
+
+
 # --- 3. prompts longer than kvrc's chain bound --------------------------------------------
 
 
@@ -359,12 +381,14 @@ def test_unencodable_kv_transfer_params_mean_no_remote_decode(
 def test_the_lookup_breaker_doubles_its_backoff_and_closes_on_an_answer(vllm_side: Any) -> None:
     breaker = vllm_side.scheduler.LookupBreaker(base_s=1.0, max_s=30.0)
     assert breaker.allows(0.0)
-    assert breaker.failed(0.0) is True  # opened
+    assert breaker.failed(0.0, asked_at=-0.3) is True  # opened
     assert not breaker.allows(0.9) and breaker.allows(1.0)
+    # Lookups that were out with it fail too: the same outage, not a longer backoff.
+    assert breaker.failed(0.1, asked_at=-0.2) is False and breaker.backoff_s == 1.0
     waits = []
     now = 1.0
     for _ in range(6):
-        assert breaker.failed(now) is False  # the try after the backoff failed again
+        assert breaker.failed(now, asked_at=now) is False  # the try after the backoff failed
         waits.append(breaker.backoff_s)
         now += breaker.backoff_s
     assert waits == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
@@ -372,35 +396,115 @@ def test_the_lookup_breaker_doubles_its_backoff_and_closes_on_an_answer(vllm_sid
     assert breaker.succeeded() is False
 
 
-def test_a_frozen_kvrc_stalls_the_scheduler_once_not_per_request(
+def test_a_frozen_kvrc_holds_up_no_step_and_opens_the_breaker_once(
     vllm_side: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """kvrc stops (SIGSTOP) under ten new requests of one step: each waits for it (vLLM
+    asks again, `None`), the step does not wait per request, each recomputes once
+    lookup_timeout_ms has passed, and that one outage opens the breaker once: the
+    requests after it skip kvrc until it answers again."""
     caplog.set_level(logging.INFO, logger="kvrc.vllm.scheduler")
     with start_coordinator("--metrics-port", "-1") as frozen:
-        made = _new_scheduler(vllm_side, frozen.grpc_target, reuse=True, lookup_timeout_ms=300)
+        made = _new_scheduler(
+            vllm_side, frozen.grpc_target, reuse=True, lookup_timeout_ms=300, lookup_step_wait_ms=5
+        )
         try:
             assert made.get_num_new_matched_tokens(_request("warm", 8), 0) == (0, False)
+            requests = [_request(f"r{i}", 8) for i in range(10)]
             os.kill(frozen.process.pid, signal.SIGSTOP)
             try:
                 started = time.monotonic()
-                for i in range(10):
-                    assert made.get_num_new_matched_tokens(_request(f"r{i}", 8), 0) == (0, False)
-                stalled = time.monotonic() - started
+                for request in requests:
+                    assert made.get_num_new_matched_tokens(request, 0) == (None, False)
+                step_s = time.monotonic() - started
+                assert made.counters["prefix_lookups_deferred"] == 10
+                assert step_s < 0.25, f"the step waited {step_s:.3f} s for a frozen kvrc"
+                steps = 0
+                while any(r.request_id in made._lookups for r in requests):
+                    steps += 1
+                    made.build_connector_meta(NS(total_num_scheduled_tokens=0))  # idle
+                    for request in requests:
+                        tokens = made.get_num_new_matched_tokens(request, 0)
+                        assert tokens in ((None, False), (0, False))
+                assert steps > 1, "gave up within one step"
+                assert made.counters["prefix_lookup_timeouts"] == 10
+                assert made.breaker.is_open and made.breaker.backoff_s == 1.0, "one outage"
+                for i in range(3):
+                    late = _request(f"late{i}", 8)
+                    assert made.get_num_new_matched_tokens(late, 0) == (0, False)
+                assert made.counters["prefix_lookups_skipped"] == 3
             finally:
                 os.kill(frozen.process.pid, signal.SIGCONT)
-            # one lookup_timeout_ms (0.3 s), not ten of them (3 s)
-            assert stalled < 1.5, stalled
-            assert made.counters["prefix_lookup_timeouts"] == 1
-            assert made.counters["prefix_lookups_skipped"] == 9
             time.sleep(made.breaker.backoff_s)
-            assert made.get_num_new_matched_tokens(_request("after", 8), 0) == (0, False)
-            assert made.counters["prefix_lookup_timeouts"] == 1
+            after = _request("after", 8)
+            while (tokens := made.get_num_new_matched_tokens(after, 0)) == (None, False):
+                made.build_connector_meta(NS(total_num_scheduled_tokens=0))
+            assert tokens == (0, False)
+            assert made.counters["prefix_lookup_timeouts"] == 10
             assert not made.breaker.is_open
         finally:
             made.shutdown()
     lines = [r.getMessage() for r in caplog.records]
     assert len([m for m in lines if "recompute without asking kvrc" in m]) == 1, lines
     assert len([m for m in lines if "lookups resume" in m]) == 1, lines
+
+
+def _kvrc_grants_when(scheduler: Any, grant: PrefixLoadGrant) -> Callable[[], None]:
+    """kvrc's answer is `grant`, once the returned function is called (a slow kvrc)."""
+    answered = asyncio.Event()
+
+    async def lookup_and_grant(*_: Any) -> PrefixLoadGrant:
+        await answered.wait()
+        return grant
+
+    scheduler._lookup_and_grant = lookup_and_grant
+    return lambda: scheduler.loop.call_soon(answered.set)
+
+
+def test_a_request_waits_for_a_slow_lookup_while_the_steps_go_on(vllm_side: Any) -> None:
+    """kvrc answers after some steps: the request waits (vLLM asks again), then loads
+    from the local hit it has by then (it grew meanwhile: another request computed
+    two of the blocks)."""
+    made = _new_scheduler(vllm_side, "127.0.0.1:1", reuse=True, lookup_timeout_ms=10_000)
+    try:
+        answer = _kvrc_grants_when(made, _grant(matched=6, deadline_in_s=30))
+        abandoned = _abandoned(made)
+        request = _request("r1", 7)
+        for _ in range(3):
+            assert made.get_num_new_matched_tokens(request, 0) == (None, False)
+            made.build_connector_meta(NS(total_num_scheduled_tokens=1))
+        answer()
+        while (tokens := made.get_num_new_matched_tokens(request, 2 * BS)) == (None, False):
+            made.build_connector_meta(NS(total_num_scheduled_tokens=0))
+        assert tokens == (4 * BS, True)
+        assert made.counters["prefix_lookups_deferred"] == 1
+        made.update_state_after_alloc(request, _blocks(7), 4 * BS)
+        assert made._recv["r1"].skip == 2 and made._recv["r1"].local_block_ids == [
+            102,
+            103,
+            104,
+            105,
+        ]
+        assert abandoned == []
+    finally:
+        made.shutdown()
+
+
+def test_a_request_finished_while_its_lookup_is_out_gives_the_late_grant_back(
+    vllm_side: Any,
+) -> None:
+    made = _new_scheduler(vllm_side, "127.0.0.1:1", reuse=True, lookup_timeout_ms=10_000)
+    try:
+        answer = _kvrc_grants_when(made, _grant(matched=6, deadline_in_s=30))
+        abandoned = _abandoned(made)
+        request = _request("r1", 7)
+        assert made.get_num_new_matched_tokens(request, 0) == (None, False)
+        made.request_finished(request, [])  # aborted while it waited
+        assert not made._lookups
+        answer()
+        wait_until_sync(lambda: abandoned == ["lease-1"], 10)
+    finally:
+        made.shutdown()
 
 
 # --- 1. the worker never reads a lease kvrc aborted --------------------------------------------

@@ -51,7 +51,15 @@ class Cluster:
 def cluster(vllm_python: str, tiny_model: Path) -> Iterator[Cluster]:
     work = workdir("prefix")
     kvrc = reuse_on_kvrc(work, "--cost-probe-mib", "1")
-    extra = {"kvrc_target": kvrc.target, "reuse": True, "min_blocks": 2, "test_faults": True}
+    # Steps never wait for kvrc here: every lookup is answered at a later step (vLLM's
+    # "ask again", `None`), the path a busy engine takes (the other modules wait 5 ms).
+    extra = {
+        "kvrc_target": kvrc.target,
+        "reuse": True,
+        "min_blocks": 2,
+        "test_faults": True,
+        "lookup_step_wait_ms": 0,
+    }
 
     def engine(name: str, core: str) -> VllmEngine:
         return VllmEngine(
@@ -110,6 +118,8 @@ def test_b_loads_the_prefix_that_a_holds(cluster: Cluster) -> None:
     stats = cluster.b.wait_stats("prefix_load_loads", before_b.get("prefix_load_loads", 0) + 1)
     loaded_blocks = (len(prompt) - 1) // BLOCK_SIZE
     assert stats.get("prefix_grants", 0) == before_b.get("prefix_grants", 0) + 1, stats
+    deferred = stats["prefix_lookups_deferred"] - before_b.get("prefix_lookups_deferred", 0)
+    assert deferred == 1, stats  # vLLM asked again, and the answer was taken then
     assert stats["prefix_load_tokens_loaded"] - before_b.get("prefix_load_tokens_loaded", 0) == (
         loaded_blocks * BLOCK_SIZE
     )
