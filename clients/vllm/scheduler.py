@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clients.errors import (
     DeadlineExceededError,
@@ -50,6 +50,9 @@ from clients.vllm.pool import PoolPins
 from kvrc.credentials import connect
 from kvrc.kv_params import encode_kv_transfer_params
 from kvrc.vocabulary import MAX_CHAIN_BLOCKS
+
+if TYPE_CHECKING:
+    from clients.kv_cache import KvEndpointDescription
 
 log = logging.getLogger("kvrc.vllm.scheduler")
 
@@ -205,7 +208,7 @@ class KvrcScheduler:
         self._sending: dict[str, float] = {}
         # Handoffs published from here (every rank part's descriptor, from the workers'
         # endpoints): lease id -> request id, until kvrc's release (or handoff_hold_s).
-        self._endpoints: dict[int, str] = {}  # tp rank -> KvEndpointDescription JSON
+        self._endpoints: dict[int, KvEndpointDescription] = {}  # tp rank -> its endpoint
         self._handoff_leases: dict[str, str] = {}
         self._released_early: dict[str, None] = {}
         self._held_new: list[tuple[str, str]] = []  # (lease id, reserved decode or "")
@@ -263,7 +266,11 @@ class KvrcScheduler:
                 return True
             return self._handoff_released(lease_id)
         if op == "hello":
-            self._endpoints[int(args["tp_rank"])] = str(args["endpoint"])
+            from clients.kv_cache import KvEndpointDescription
+
+            # Parsed once: every publish of this rank describes it.
+            endpoint = KvEndpointDescription.from_json(str(args["endpoint"]))
+            self._endpoints[int(args["tp_rank"])] = endpoint
             return True
         if op == "quarantine":  # no safety net frees its pin or handoff (clients/holds.py)
             self.pins.quarantine(str(args["lease_id"]))
@@ -346,10 +353,9 @@ class KvrcScheduler:
         self._arm_hold(lease_id, spec)
 
     async def _publish_part(self, spec: PublishSpec, rank: int) -> Any:
-        from clients.kv_cache import KvEndpointDescription
         from clients.transfer import rank_part_descriptor
 
-        endpoint = KvEndpointDescription.from_json(self._endpoints[rank])
+        endpoint = self._endpoints[rank]
         return await self.leases.publish_handoff(
             spec.handoff_id,
             descriptor=rank_part_descriptor(endpoint, spec.block_ids, tp_rank=rank),

@@ -871,3 +871,29 @@ def test_endpoint_round_trips_through_the_protocol() -> None:
     broken.regions[1].block_len += 1
     with pytest.raises(ValueError, match="block_len"):
         endpoint_from_proto(broken)
+
+
+def test_a_rank_parts_endpoint_is_put_in_protocol_form_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank part answers every pin and publish with its one endpoint: its protocol
+    form is built once (0.2 ms a time at 80 layers), and each descriptor carries it
+    whole. Another endpoint object gets its own."""
+    import clients.transfer as transfer
+
+    built: list[KvEndpointDescription] = []
+    real = transfer.endpoint_to_proto
+
+    def counting(endpoint: KvEndpointDescription) -> kvrc_pb2.TransferEndpoint:
+        built.append(endpoint)
+        return real(endpoint)
+
+    monkeypatch.setattr(transfer, "endpoint_to_proto", counting)
+    endpoint = synthetic_endpoint(SMALL, 1 << 40)
+    answers = [rank_part_descriptor(endpoint, [i, i + 1], tp_rank=0) for i in range(10)]
+    assert built == [endpoint]
+    assert all(a.endpoint == real(endpoint) for a in answers)
+    assert [list(a.block_ids) for a in answers[:2]] == [[0, 1], [1, 2]]
+    other = synthetic_endpoint(SMALL, 1 << 41)
+    assert rank_part_descriptor(other, [0], tp_rank=0).endpoint == real(other)
+    assert built == [endpoint, other]

@@ -781,7 +781,7 @@ def _publish_with(
     made.config = dataclasses.replace(made.config, handoff_hold_s=hold_s)
     made.tp_size = tp_size
     for rank in range(tp_size):
-        made._endpoints[rank] = worker.endpoint.to_json()
+        made._endpoints[rank] = worker.endpoint
     made.leases.publish_handoff = publish_handoff
     spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], decode, b"")
     try:
