@@ -25,7 +25,7 @@ import concurrent.futures
 import enum
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -233,18 +233,29 @@ class InFlightReads:
 
     Destination blocks listed by `tainted_block_ids()` must stay out of use
     (not read, reallocated or freed); `wait_all_quiet` is what a shutdown awaits.
+    A count per tainted block, kept as reads come and go, answers for a plan's blocks
+    (`tainted_among`) in the plan's size, whatever the number of reads in flight.
     """
 
     def __init__(self) -> None:
         self._reads: list[NativeRead] = []
+        self._tainted: dict[int, int] = {}  # block id -> reads not quiet that write it
 
     def add(self, read: NativeRead) -> None:
         self._prune()
         self._reads.append(read)
+        tainted = self._tainted
+        for block in read.local_block_ids:
+            tainted[block] = tainted.get(block, 0) + 1
+
+    def tainted_among(self, block_ids: Iterable[int]) -> set[int]:
+        """Those of `block_ids` a read not quiet yet still writes."""
+        self._prune()
+        return {block for block in block_ids if block in self._tainted}
 
     def tainted_block_ids(self) -> frozenset[int]:
         self._prune()
-        return frozenset(block for read in self._reads for block in read.local_block_ids)
+        return frozenset(self._tainted)
 
     def __len__(self) -> int:
         self._prune()
@@ -260,7 +271,21 @@ class InFlightReads:
         return True
 
     def _prune(self) -> None:
-        self._reads = [read for read in self._reads if not read.is_quiet()]
+        still: list[NativeRead] = []
+        quiet: list[NativeRead] = []
+        for read in self._reads:  # asked once each: a read may turn quiet meanwhile
+            (quiet if read.is_quiet() else still).append(read)
+        if not quiet:
+            return
+        self._reads = still
+        tainted = self._tainted
+        for read in quiet:
+            for block in read.local_block_ids:
+                left = tainted[block] - 1
+                if left:
+                    tainted[block] = left
+                else:
+                    del tainted[block]
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,7 +413,7 @@ async def pull(
     if settle_s < 0:
         raise ValueError(f"settle_s must not be negative, got {settle_s}")
     if in_flight is not None:
-        still_tainted = in_flight.tainted_block_ids().intersection(plan.local_block_ids)
+        still_tainted = in_flight.tainted_among(plan.local_block_ids)
         if still_tainted:
             raise ValueError(
                 f"blocks {sorted(still_tainted)} are tainted by a read that is not quiet yet"

@@ -412,7 +412,7 @@ class RankPart:
     async def wait_quiet(self, block_ids: Sequence[int]) -> None:
         wanted = set(block_ids)
         # InFlightReads offers no event; quiet is time-based (settle), so poll it.
-        while wanted & self.in_flight.tainted_block_ids():  # noqa: ASYNC110
+        while self.in_flight.tainted_among(wanted):  # noqa: ASYNC110
             await asyncio.sleep(QUIET_POLL_S)
 
     # --- lease callbacks (LeaseSessionHandler) ------------------------------------

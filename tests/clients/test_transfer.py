@@ -897,3 +897,22 @@ def test_a_rank_parts_endpoint_is_put_in_protocol_form_once(
     other = synthetic_endpoint(SMALL, 1 << 41)
     assert rank_part_descriptor(other, [0], tp_rank=0).endpoint == real(other)
     assert built == [endpoint, other]
+
+
+def test_a_block_two_reads_write_stays_tainted_until_both_are_quiet() -> None:
+    """The taint is counted per block: one of two reads into block 2 going quiet leaves
+    it tainted; the plan's check names only its own tainted blocks."""
+    from clients.transfer import _NativeReturn
+
+    in_flight = InFlightReads()
+    first: concurrent.futures.Future[_NativeReturn] = concurrent.futures.Future()
+    second: concurrent.futures.Future[_NativeReturn] = concurrent.futures.Future()
+    in_flight.add(NativeRead(first, (1, 2), settle_s=0.0))
+    in_flight.add(NativeRead(second, (2, 3), settle_s=0.0))
+    assert in_flight.tainted_among([0, 2, 3, 9]) == {2, 3}
+    first.set_result(_NativeReturn(0, time.monotonic(), ""))
+    assert in_flight.tainted_block_ids() == frozenset({2, 3}) and len(in_flight) == 1
+    assert in_flight.tainted_among([1, 2]) == {2}
+    second.set_result(_NativeReturn(0, time.monotonic(), ""))
+    assert in_flight.tainted_among([1, 2, 3]) == set() and len(in_flight) == 0
+    assert in_flight.tainted_block_ids() == frozenset()
