@@ -89,7 +89,8 @@ class KvrcConnectorConfig:
     stats_file: str = ""
     # Tests only: honour a request's `kvrc_test_fault` kv_transfer_param
     # ("corrupt": noise over the loaded blocks after a good read, the negative
-    # control that proves an output comparison can fail; "delay-before-pull=S").
+    # control that proves an output comparison can fail; "delay-before-pull=S";
+    # "delay-lookup=S": the scheduler's prefix lookup asks kvrc S late).
     test_faults: bool = False
 
     @classmethod

@@ -147,8 +147,8 @@ class LookupBreaker:
 
     A frozen or unreachable kvrc would otherwise make every new request wait
     lookup_timeout_ms before it recomputes. Open: lookups are skipped (recompute)
-    until the backoff ends; the next lookup then tries kvrc again, which closes the
-    breaker or opens it for twice as long (up to `max_s`). Lookups asked before the
+    until the backoff ends; the next lookup then tries kvrc again (one per backoff),
+    which closes the breaker or opens it for twice as long (up to `max_s`). Lookups asked before the
     last failure that fail after it are the same outage: they change nothing.
     """
 
@@ -161,7 +161,13 @@ class LookupBreaker:
         self._failed_at = 0.0
 
     def allows(self, now: float) -> bool:
-        return now >= self._until
+        if now < self._until:
+            return False
+        if self.is_open:
+            # One lookup tries kvrc; the next waits another backoff unless it answers
+            # first (lookups are asynchronous: many would try within its timeout).
+            self._until = now + self.backoff_s
+        return True
 
     def failed(self, now: float, asked_at: float) -> bool:
         """A lookup asked at `asked_at` failed; True when this opened the breaker."""
@@ -472,7 +478,11 @@ class KvrcScheduler:
             usable_blocks = min(
                 len(request.block_hashes), (prompt_len - 1) // self.block_size, MAX_CHAIN_BLOCKS
             )
-            if usable_blocks - local_blocks < self.config.min_blocks:
+            if usable_blocks - local_blocks < self.config.min_blocks or getattr(
+                request, "skip_reading_prefix_cache", False
+            ):
+                # (vLLM reads no cached prefix for it, e.g. prompt_logprobs: it would
+                # turn any answer into 0 and never ask again.)
                 self._decide(request_id, 0)
                 return 0
             if not self.breaker.allows(time.monotonic()):
@@ -480,7 +490,11 @@ class KvrcScheduler:
                 self._decide(request_id, 0)
                 return 0
             hashes = [block_hash_key(h) for h in request.block_hashes[:usable_blocks]]
-            future = self.loop.submit(self._lookup_and_grant(request_id, hashes, local_blocks))
+            fault, _, value = self._test_fault(request.kv_transfer_params or {}).partition("=")
+            delay_s = min(float(value), 60.0) if fault == "delay-lookup" else 0.0
+            future = self.loop.submit(
+                self._lookup_and_grant(request_id, hashes, local_blocks, delay_s)
+            )
             asked_at = time.monotonic()
             give_up_at = asked_at + self.config.lookup_timeout_ms / 1000
             lookup = _Lookup(future, usable_blocks, asked_at, give_up_at)
@@ -589,8 +603,12 @@ class KvrcScheduler:
             del self._prefix_decided[next(iter(self._prefix_decided))]
 
     async def _lookup_and_grant(
-        self, request_id: str, hashes: list[bytes], local_blocks: int
+        self, request_id: str, hashes: list[bytes], local_blocks: int, delay_s: float = 0.0
     ) -> PrefixLoadGrant | str:
+        if delay_s:
+            import asyncio
+
+            await asyncio.sleep(delay_s)  # test fault `delay-lookup=S`: a slow kvrc
         want = local_blocks + self.config.min_blocks
         hint = await self.lookups.lookup(
             self.child_engine_id, hashes, min_blocks=want, timeout_s=RPC_TIMEOUT_S
@@ -663,6 +681,12 @@ class KvrcScheduler:
             with self._lock:
                 self._recv[request_id] = recv
             return
+        lookup = self._lookups.pop(request_id, None)
+        if lookup is not None:
+            # Scheduled without the lookup's answer (vLLM set it aside: a request that
+            # reads no cached prefix): a grant that still comes is given back.
+            lookup.answer.add_done_callback(self._abandon_late)
+            self._decide(request_id, 0)
         prefix = self._prefix.pop(request_id, None)
         if prefix is None:
             return
@@ -712,10 +736,12 @@ class KvrcScheduler:
             # engine). Yield the CPU briefly instead; an answer that arrives meanwhile
             # ends the wait at once.
             grants = [r.grant for r in pending if r.grant is not None]
-            grants += [lookup.answer for lookup in self._lookups.values()]
-            if grants:
+            answers = [lookup.answer for lookup in self._lookups.values()]
+            if any(answer.done() for answer in answers):
+                pass  # the next step takes it (its request is asked again)
+            elif grants or answers:
                 concurrent.futures.wait(
-                    grants, GRANT_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED
+                    grants + answers, GRANT_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED
                 )
             elif self._recv:
                 pass  # pulls are running: the workers wait for their end (get_finished)

@@ -71,6 +71,7 @@ from coordinator.runtime.store_keys import (
     OWNED_PREFIX,
     OWNERS_KEY,
     PINS_PREFIX,
+    RESYNC_MARKS_KEY,
     RESYNCS_PREFIX,
 )
 
@@ -173,25 +174,25 @@ return 1
 """
 )
 
-# KEYS: owned set, epoch, the owner's re-sync counter, the set of owners (a silent owner
-# left with no record leaves it). ARGV: epoch, owner, who, lease
-# ids to keep... Ends every record of the owner not kept. who `own`: the owner's own
-# re-sync (counted). Otherwise another replica drops a silent owner's records, and
-# `who` is the owner's counter as the sweep read it: a re-sync since then (the owner
-# came back) refuses the prune (-3). The one script that reaches keys it derives
-# (each lease's record and its source's pins): all under the same hash tag, so one
-# Redis Cluster slot would still hold them. A dropped owner's counter expires after
+# KEYS: owned set, epoch, the owner's re-sync mark, the set of owners (a silent owner
+# left with no record leaves it), the counter marks are drawn from. ARGV: epoch, owner,
+# who, lease ids to keep... Ends every record of the owner not kept. who `own`: the
+# owner's own re-sync (marked anew). Otherwise another replica drops a silent owner's
+# records, and `who` is the owner's mark as the sweep read it: a re-sync since then
+# (the owner came back) refuses the prune (-3). The one script that reaches keys it
+# derives (each lease's record and its source's pins): all under the same hash tag, so
+# one Redis Cluster slot would still hold them. A dropped owner's mark expires after
 # RESYNCS_KEPT_S (origins are new per process: else one key per replica ever run that
-# re-synced); a re-sync keeps it. An expiry between a sweep's read and its prune reads
-# as '0' there, which refuses the prune (the read was at least 1): never a wrong one.
+# re-synced). Marks come from one counter, so none repeats: an expiry between a sweep's
+# read and its prune reads as '0' (no mark), and a re-sync after it makes a new mark;
+# either refuses that prune.
 RESYNCS_KEPT_S = 86_400
 PRUNE_SCRIPT = (
     DECR_LUA
     + """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 if ARGV[3] == 'own' then
-  redis.call('INCR', KEYS[3])
-  redis.call('PERSIST', KEYS[3])
+  redis.call('SET', KEYS[3], redis.call('INCR', KEYS[5]))
 elseif (redis.call('GET', KEYS[3]) or '0') ~= ARGV[3] then
   return -3
 end
@@ -737,7 +738,7 @@ def _prune_args(
     epoch: bytes | str, owner: str, who: str, keep: Sequence[str]
 ) -> tuple[object, ...]:
     """PRUNE_SCRIPT's key count, keys and arguments (see the script)."""
-    keys = (owned_key(owner), EPOCH_KEY, resyncs_key(owner), OWNERS_KEY)
+    keys = (owned_key(owner), EPOCH_KEY, resyncs_key(owner), OWNERS_KEY, RESYNC_MARKS_KEY)
     return (len(keys), *keys, epoch, owner, who, *keep)
 
 

@@ -21,5 +21,6 @@ PINS_PREFIX = f"{HASH_TAG}:pins:"
 OWNED_PREFIX = f"{HASH_TAG}:owned:"
 RESYNCS_PREFIX = f"{HASH_TAG}:resyncs:"
 OWNERS_KEY = f"{HASH_TAG}:owners"  # the replicas with records (the sweep reads it)
+RESYNC_MARKS_KEY = f"{HASH_TAG}:resync_marks"  # the counter re-sync marks come from
 # Waits between tries while Redis does not answer.
 BACKOFF_MS = (50, 100, 250, 500, 1000)

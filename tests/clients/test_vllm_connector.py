@@ -383,6 +383,8 @@ def test_the_lookup_breaker_doubles_its_backoff_and_closes_on_an_answer(vllm_sid
     assert breaker.allows(0.0)
     assert breaker.failed(0.0, asked_at=-0.3) is True  # opened
     assert not breaker.allows(0.9) and breaker.allows(1.0)
+    # One lookup tries kvrc per backoff: not every request within its timeout.
+    assert not breaker.allows(1.2) and breaker.allows(2.0)
     # Lookups that were out with it fail too: the same outage, not a longer backoff.
     assert breaker.failed(0.1, asked_at=-0.2) is False and breaker.backoff_s == 1.0
     waits = []
@@ -409,7 +411,7 @@ def test_a_frozen_kvrc_holds_up_no_step_and_opens_the_breaker_once(
             vllm_side, frozen.grpc_target, reuse=True, lookup_timeout_ms=300, lookup_step_wait_ms=5
         )
         try:
-            assert made.get_num_new_matched_tokens(_request("warm", 8), 0) == (0, False)
+            assert _answered(made, _request("warm", 8)) == (0, False)
             requests = [_request(f"r{i}", 8) for i in range(10)]
             os.kill(frozen.process.pid, signal.SIGSTOP)
             try:
@@ -436,10 +438,7 @@ def test_a_frozen_kvrc_holds_up_no_step_and_opens_the_breaker_once(
             finally:
                 os.kill(frozen.process.pid, signal.SIGCONT)
             time.sleep(made.breaker.backoff_s)
-            after = _request("after", 8)
-            while (tokens := made.get_num_new_matched_tokens(after, 0)) == (None, False):
-                made.build_connector_meta(NS(total_num_scheduled_tokens=0))
-            assert tokens == (0, False)
+            assert _answered(made, _request("after", 8)) == (0, False)
             assert made.counters["prefix_lookup_timeouts"] == 10
             assert not made.breaker.is_open
         finally:
@@ -447,6 +446,13 @@ def test_a_frozen_kvrc_holds_up_no_step_and_opens_the_breaker_once(
     lines = [r.getMessage() for r in caplog.records]
     assert len([m for m in lines if "recompute without asking kvrc" in m]) == 1, lines
     assert len([m for m in lines if "lookups resume" in m]) == 1, lines
+
+
+def _answered(scheduler: Any, request: Any, local_tokens: int = 0) -> tuple[int | None, bool]:
+    """vLLM asking again, step after step (idle ones), until the request is answered."""
+    while (tokens := scheduler.get_num_new_matched_tokens(request, local_tokens)) == (None, False):
+        scheduler.build_connector_meta(NS(total_num_scheduled_tokens=0))
+    return tokens  # type: ignore[no-any-return]
 
 
 def _kvrc_grants_when(scheduler: Any, grant: PrefixLoadGrant) -> Callable[[], None]:
@@ -474,9 +480,7 @@ def test_a_request_waits_for_a_slow_lookup_while_the_steps_go_on(vllm_side: Any)
             assert made.get_num_new_matched_tokens(request, 0) == (None, False)
             made.build_connector_meta(NS(total_num_scheduled_tokens=1))
         answer()
-        while (tokens := made.get_num_new_matched_tokens(request, 2 * BS)) == (None, False):
-            made.build_connector_meta(NS(total_num_scheduled_tokens=0))
-        assert tokens == (4 * BS, True)
+        assert _answered(made, request, 2 * BS) == (4 * BS, True)
         assert made.counters["prefix_lookups_deferred"] == 1
         made.update_state_after_alloc(request, _blocks(7), 4 * BS)
         assert made._recv["r1"].skip == 2 and made._recv["r1"].local_block_ids == [
@@ -486,6 +490,29 @@ def test_a_request_waits_for_a_slow_lookup_while_the_steps_go_on(vllm_side: Any)
             105,
         ]
         assert abandoned == []
+    finally:
+        made.shutdown()
+
+
+def test_a_request_that_reads_no_cached_prefix_asks_kvrc_nothing(vllm_side: Any) -> None:
+    """vLLM reads no cached prefix for some requests (`skip_reading_prefix_cache`, e.g.
+    prompt_logprobs) and turns any answer into 0: no lookup is made for them. And one
+    scheduled while its lookup was out (vLLM set the answer aside) gives a late grant
+    back, not a lease pinned until the request ends."""
+    made = _new_scheduler(vllm_side, "127.0.0.1:1", reuse=True, lookup_timeout_ms=10_000)
+    try:
+        answer = _kvrc_grants_when(made, _grant(matched=6, deadline_in_s=30))
+        abandoned = _abandoned(made)
+        skipping = _request("logprobs", 7)
+        skipping.skip_reading_prefix_cache = True
+        assert made.get_num_new_matched_tokens(skipping, 0) == (0, False)
+        assert not made._lookups
+        request = _request("r1", 7)
+        assert made.get_num_new_matched_tokens(request, 0) == (None, False)
+        made.update_state_after_alloc(request, _blocks(7), 0)  # scheduled all the same
+        assert not made._lookups and "r1" not in made._recv
+        answer()
+        wait_until_sync(lambda: abandoned == ["lease-1"], 10)
     finally:
         made.shutdown()
 

@@ -102,7 +102,7 @@ async def test_a_replica_that_was_stalled_writes_its_leases_again(
 async def test_a_dropped_owners_resync_counter_expires_unless_it_resyncs(
     server: RedisServer, stores: dict[str, RedisStore]
 ) -> None:
-    """Replica ids are new per process: the re-sync counter of one that others dropped
+    """Replica ids are new per process: the re-sync mark of one that others dropped
     expires (else one key per replica ever run stays in Redis); a re-sync keeps it."""
     a, b = stores["A"], stores["B"]
     a.ledger.open("L1", "h", "r", BLOCKS, lambda ok, why: None)
@@ -114,12 +114,20 @@ async def test_a_dropped_owners_resync_counter_expires_unless_it_resyncs(
     a._resync_after_silence(now + 10 * TIMEOUT_MS)  # a stall noticed: re-synced, counted
     await a.ledger.flushed()
     with redis.Redis(host="127.0.0.1", port=server.port) as r:
-        assert r.get(resyncs_key("A")) == b"1" and r.ttl(resyncs_key("A")) == -1
-        b.ledger.forget_owner("A", "1")  # A stopped for good: dropped again
+        mark = r.get(resyncs_key("A"))
+        assert mark is not None and r.ttl(resyncs_key("A")) == -1
+        b.ledger.forget_owner("A", mark.decode())  # A stopped for good: dropped again
         await b.ledger.flushed()
         assert not recorded(server, "L1") and r.smembers(OWNERS_KEY) == set()
         assert 0 < r.ttl(resyncs_key("A")) <= RESYNCS_KEPT_S
         a._resync_after_silence(now + 20 * TIMEOUT_MS)  # it had only stalled again
         await a.ledger.flushed()
-        assert r.get(resyncs_key("A")) == b"2" and r.ttl(resyncs_key("A")) == -1
+        again = r.get(resyncs_key("A"))
+        assert again not in (None, mark) and r.ttl(resyncs_key("A")) == -1
         assert recorded(server, "L1")
+        # A mark never repeats, even once the key expired: a prune decided on the old
+        # one is refused after A's next re-sync.
+        r.delete(resyncs_key("A"))
+        a._resync_after_silence(now + 30 * TIMEOUT_MS)
+        await a.ledger.flushed()
+        assert r.get(resyncs_key("A")) not in (None, mark, again)

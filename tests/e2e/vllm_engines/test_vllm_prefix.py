@@ -51,14 +51,13 @@ class Cluster:
 def cluster(vllm_python: str, tiny_model: Path) -> Iterator[Cluster]:
     work = workdir("prefix")
     kvrc = reuse_on_kvrc(work, "--cost-probe-mib", "1")
-    # Steps never wait for kvrc here: every lookup is answered at a later step (vLLM's
-    # "ask again", `None`), the path a busy engine takes (the other modules wait 5 ms).
+    # A lookup may wait for kvrc over several steps (`delay-lookup` below).
     extra = {
         "kvrc_target": kvrc.target,
         "reuse": True,
         "min_blocks": 2,
         "test_faults": True,
-        "lookup_step_wait_ms": 0,
+        "lookup_timeout_ms": 5_000,
     }
 
     def engine(name: str, core: str) -> VllmEngine:
@@ -112,7 +111,10 @@ def test_b_loads_the_prefix_that_a_holds(cluster: Cluster) -> None:
     reference = generate_published(cluster.kvrc, cluster.a, prompt, max_tokens=24)["tokens"]
     before_b, before_a = cluster.b.stats(), cluster.a.stats()
 
-    out = cluster.b.generate(prompt, max_tokens=24)
+    # kvrc answers B's lookup half a second late: vLLM's scheduler goes on without the
+    # request (the connector answers `None`, "ask again") and takes the grant later.
+    slow = {"kvrc_test_fault": "delay-lookup=0.5"}
+    out = cluster.b.generate(prompt, max_tokens=24, kv_transfer_params=slow)
 
     assert out["tokens"] == reference
     stats = cluster.b.wait_stats("prefix_load_loads", before_b.get("prefix_load_loads", 0) + 1)
