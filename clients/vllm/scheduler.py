@@ -148,8 +148,9 @@ class LookupBreaker:
     A frozen or unreachable kvrc would otherwise make every new request wait
     lookup_timeout_ms before it recomputes. Open: lookups are skipped (recompute)
     until the backoff ends; the next lookup then tries kvrc again (one per backoff),
-    which closes the breaker or opens it for twice as long (up to `max_s`). Lookups asked before the
-    last failure that fail after it are the same outage: they change nothing.
+    which closes the breaker or opens it for twice as long (up to `max_s`). Lookups
+    asked before the last failure that fail after it are the same outage: they change
+    nothing.
     """
 
     def __init__(self, base_s: float = BREAKER_BASE_S, max_s: float = BREAKER_MAX_S) -> None:
