@@ -81,6 +81,7 @@ from coordinator.runtime.peers import (
     CALL_EXTEND_HANDOFF,
     CALL_PUBLISH_HANDOFF,
     DEFAULT_CALL_TIMEOUT_S,
+    Other,
     PeerLink,
     decode_begin,
     decode_grant,
@@ -500,13 +501,12 @@ class Coordinator:
         now = self._clock_ms()
         session_id = f"s-{secrets.token_hex(8)}"
         incarnation = next(self._incarnations)
-        undo_displace = self._replace_remote_part(registration)
-        displaced = undo_displace is not None
+        displaced = self._replace_remote_part(registration)
         try:
             result = self.registry.register(registration, session_id, incarnation, now)
         except KvrcError as e:
-            if undo_displace is not None:
-                undo_displace()  # the remote copy it would have replaced stays
+            if displaced is not None:
+                displaced[0]()  # the remote copy it would have replaced stays
             self.metrics.registrations.labels(result=e.code.value).inc()
             self._refusal_log.info(
                 f"register {e.code.value}",
@@ -525,7 +525,9 @@ class Coordinator:
             timer.cancel()  # came back within the grace period
         self.metrics.registrations.labels(result="ok").inc()
         if self.peers is not None:
-            self.peers.part_registered(session_id, registration, displaced)
+            self.peers.part_registered(
+                session_id, registration, displaced[1] if displaced is not None else None
+            )
         self._update_gauges()
         view = result.view
         reuse = self.reuse_for(view)
@@ -1000,9 +1002,12 @@ class Coordinator:
             SessionEnd(ErrorCode.UNAVAILABLE, f"this rank part's session was {reason}"),
         )
 
-    def _replace_remote_part(self, registration: RankPartRegistration) -> Callable[[], None] | None:
+    def _replace_remote_part(
+        self, registration: RankPartRegistration
+    ) -> tuple[Callable[[], None], Other | None] | None:
         """A part registering here replaces its remote copy (it moved to this replica).
-        Returns what puts the copy back if the registration is refused (None: no copy).
+        Returns what puts the copy back if the registration is refused, and the copy
+        (None: no copy).
 
         Put back here, not heard of again: a hello would have every replica announce
         all its parts, once per refused retry of an engine (the registry refuses
@@ -1011,10 +1016,11 @@ class Coordinator:
         if held is None or held in self._sessions or self.peers is None:
             return None
         peers = self.peers
-        undo_forget = peers.forget_session(held)
         removed = self.registry.remove(
             PartRef(registration.child_engine_id, registration.rank, held)
         )
+        other = peers.remote(held, removed.part.registration) if removed is not None else None
+        undo_forget = peers.forget_session(held)
 
         def undo() -> None:
             undo_forget()
@@ -1029,7 +1035,7 @@ class Coordinator:
                 log.exception("the remote copy of a refused registration was not put back")
                 peers.hello()
 
-        return undo
+        return undo, other
 
     # --- reads -----------------------------------------------------------------
 

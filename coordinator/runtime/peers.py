@@ -222,9 +222,20 @@ class _LocalPart:
     # It replaced another replica's session of the part here: if it does not keep the
     # part, that session may live on and is heard of again.
     displaced: bool = False
-    # Another replica's registration of the part read while its claim was out: the claim
-    # decides; lost, that one is registered here at once (origin, session id, registration).
-    outranked_by: tuple[str, str, RankPartRegistration] | None = None
+    # The other replica's session that takes its place here at once if it does not keep
+    # the part: a registration read while its claim was out (the claim decides), or the
+    # session it displaced, while nothing proves that one gone.
+    outranked_by: Other | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Other:
+    """Another replica's session of a rank part, as this replica last knew it."""
+
+    origin: str
+    session_id: str
+    registration: RankPartRegistration
+    token: int | None  # its fencing token, when known
 
 
 class OwedAborts(Protocol):
@@ -501,11 +512,14 @@ class PeerLink:
     # --- this replica's own changes and messages --------------------------------------
 
     def part_registered(
-        self, session_id: str, registration: RankPartRegistration, displaced: bool = False
+        self, session_id: str, registration: RankPartRegistration, displaced: Other | None = None
     ) -> None:
-        """A part registered here: claims its fencing token, then announces it."""
+        """A part registered here: claims its fencing token, then announces it. It may
+        have displaced another replica's session of the part (the engine moved here)."""
         key = part_key(registration.child_engine_id, registration.rank)
-        self._local[session_id] = part = _LocalPart(key, registration, displaced=displaced)
+        self._local[session_id] = part = _LocalPart(
+            key, registration, displaced=displaced is not None, outranked_by=displaced
+        )
         self._ask_token(session_id, part)
 
     def part_left(self, ref: PartRef) -> None:
@@ -563,10 +577,15 @@ class PeerLink:
     def _hear_the_other(self, part: _LocalPart) -> None:
         """A local part that does not keep the part (fenced by a higher token, or gone
         before its claim answered): the other replica's session takes its place here."""
-        if part.outranked_by is not None:
-            origin, session_id, registration = part.outranked_by
-            if self._best.get(part.key, (0, ""))[1] == session_id and self._is_alive(origin):
-                self._register_remote(origin, session_id, registration)
+        other = part.outranked_by
+        if other is not None and self._is_alive(other.origin):
+            best = self._best.get(part.key)
+            if best is None and other.token is not None:
+                # The session it displaced, forgotten then (`forget_session`): no newer
+                # one was read since, nor its departure (`_outranking_gone`).
+                best = self._best[part.key] = (other.token, other.session_id)
+            if best is not None and best[1] == other.session_id:
+                self._register_remote(other.origin, other.session_id, other.registration)
                 return
         if part.displaced:
             self.hello()  # the session it replaced here may live on: hear of it again
@@ -782,7 +801,7 @@ class PeerLink:
                 if part.token is None:
                     # Its own claim decides (`_claimed`: the higher token wins); this op
                     # may be a re-announcement older than it.
-                    part.outranked_by = (origin, session_id, registration)
+                    part.outranked_by = Other(origin, session_id, registration, token)
                 elif part.token > token:
                     return False  # older than the local session (whatever `_best` says)
                 else:  # a zombie here: the engine registered on `origin` since
@@ -885,7 +904,8 @@ class PeerLink:
         tell any more: a local claim they outranked no longer registers them if it
         loses; it asks to hear of the part again instead."""
         for part in self._local.values():
-            if part.outranked_by is not None and gone(part.outranked_by[:2]):
+            other = part.outranked_by
+            if other is not None and gone((other.origin, other.session_id)):
                 part.outranked_by = None
                 part.displaced = True
 
@@ -983,7 +1003,17 @@ class PeerLink:
         silent.
         """
         self._cancel_answering({o for o, _ in self._remote.values()})
-        self._outranking_gone(lambda o: True)  # it may have left in what was not read
+        # Another replica's session a local claim displaced or was outranked by may have
+        # left in what was not read, or may live on: unaccounted for too (a local part
+        # that leaves then does not prove its engine gone either).
+        for part in self._local.values():
+            other = part.outranked_by
+            if other is not None:
+                ref = PartRef(
+                    other.registration.child_engine_id, other.registration.rank, other.session_id
+                )
+                self._unaccounted.setdefault(other.origin, {})[other.session_id] = ref
+        self._outranking_gone(lambda o: True)
         left = self._lose_track(lambda origin: True, reason)
         if store_lost:
             # The others' tokens came from the old store's counter: the new one starts
@@ -1027,6 +1057,15 @@ class PeerLink:
                 if ref.child_engine_id == child_engine_id and ref.rank == rank:
                     return ref.session_id
         return None
+
+    def remote(self, session_id: str, registration: RankPartRegistration) -> Other | None:
+        """A remote part's session as this replica knows it (None: not a remote part)."""
+        entry = self._remote.get(session_id)
+        if entry is None:
+            return None
+        best = self._best.get(part_key(entry[1].child_engine_id, entry[1].rank))
+        token = best[0] if best is not None and best[1] == session_id else None
+        return Other(entry[0], session_id, registration, token)
 
     def forget_session(self, session_id: str) -> Callable[[], None]:
         """A local registration replaced this remote part (the engine moved here).

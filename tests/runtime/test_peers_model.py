@@ -622,3 +622,41 @@ def test_a_part_announced_with_a_token_this_replica_refuses_stays_unaccounted_fo
     r0.peers.announce_local()  # its answer to r1's hello after the loss
     _ship(r0, r1)
     assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is not None
+
+
+def test_a_local_part_gone_before_its_claim_puts_back_the_session_it_displaced() -> None:
+    """e0 lives on r1 (token 1). It registers on r0 too (the engine moving there), which
+    displaces r1's session in r0's view, and that registration closes before its claim
+    is answered. Nothing proved r1's session gone: r0 registers it again at once, and
+    e0 is never proven gone there. Before, r0 only asked to hear of it again (a hello),
+    and e0 was proven gone once the grace period ran out first."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    live = _registered(r1, "e0", 1, claims)
+    _ship(r1, r0)
+    moving = r0.coordinator.open_session(_registration("e0"))
+    r0.coordinator.close_session(moving, "closed")  # its claim is still out
+    assert r0.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
+    r0.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r0.coordinator.proven_gone("e0")
+
+
+def test_a_displaced_session_is_unaccounted_for_after_a_loss_of_track() -> None:
+    """As above, but r0 lost track of the log while its claim was out: r1's session may
+    have left in what r0 did not read, or may live on. When r0's own session closes,
+    e0 is not proven gone until r1's next round settles it: here the round announces
+    it, and r0 registers it again."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    live = _registered(r1, "e0", 1, claims)
+    _ship(r1, r0)
+    moving = r0.coordinator.open_session(_registration("e0"))
+    r0.inventory.drop_all_remote("a snapshot was loaded")
+    r0.coordinator.close_session(moving, "closed")
+    r0.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r0.coordinator.proven_gone("e0"), "a live part proven gone"
+    for origin, op in _drain(r0):  # r0's hello reaches r1, which announces again
+        r1.inventory.apply_remote(origin, [op], r1.clock.monotonic_ms())
+    _ship(r1, r0)
+    assert r0.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
+    assert not r0.peers._unaccounted
