@@ -525,8 +525,9 @@ class Coordinator:
             timer.cancel()  # came back within the grace period
         self.metrics.registrations.labels(result="ok").inc()
         if self.peers is not None:
+            displaced_other = displaced[1] if displaced is not None else None
             self.peers.part_registered(
-                session_id, registration, displaced[1] if displaced is not None else None
+                session_id, registration, displaced is not None, displaced_other
             )
         self._update_gauges()
         view = result.view

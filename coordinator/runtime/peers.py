@@ -512,13 +512,18 @@ class PeerLink:
     # --- this replica's own changes and messages --------------------------------------
 
     def part_registered(
-        self, session_id: str, registration: RankPartRegistration, displaced: Other | None = None
+        self,
+        session_id: str,
+        registration: RankPartRegistration,
+        displaced: bool = False,
+        other: Other | None = None,
     ) -> None:
         """A part registered here: claims its fencing token, then announces it. It may
-        have displaced another replica's session of the part (the engine moved here)."""
+        have displaced another replica's session of the part (the engine moved here):
+        `other`, when known."""
         key = part_key(registration.child_engine_id, registration.rank)
         self._local[session_id] = part = _LocalPart(
-            key, registration, displaced=displaced is not None, outranked_by=displaced
+            key, registration, displaced=displaced, outranked_by=other
         )
         self._ask_token(session_id, part)
 
@@ -580,12 +585,14 @@ class PeerLink:
         other = part.outranked_by
         if other is not None and self._is_alive(other.origin):
             best = self._best.get(part.key)
-            if best is None and other.token is not None:
-                # The session it displaced, forgotten then (`forget_session`): no newer
-                # one was read since, nor its departure (`_outranking_gone`).
-                best = self._best[part.key] = (other.token, other.session_id)
-            if best is not None and best[1] == other.session_id:
+            # None: the session it displaced, forgotten then (`forget_session`): no newer
+            # one was read since, nor its departure (`_outranking_gone`).
+            restore = best is None and other.token is not None
+            if (restore or (best is not None and best[1] == other.session_id)) and (
                 self._register_remote(other.origin, other.session_id, other.registration)
+            ):
+                if restore and other.token is not None:
+                    self._best.setdefault(part.key, (other.token, other.session_id))
                 return
         if part.displaced:
             self.hello()  # the session it replaced here may live on: hear of it again
@@ -612,6 +619,7 @@ class PeerLink:
             self._hear_the_other(part)
             return
         self._best[part.key] = (token, session_id)
+        part.outranked_by = None  # it keeps the part: the other never takes it back here
         self._announce(session_id, part)
         self._claim_settled(session_id)
 
@@ -807,7 +815,13 @@ class PeerLink:
                 else:  # a zombie here: the engine registered on `origin` since
                     self._fence(local_id, f"registered again on replica {origin}")
             self._best[key] = (token, session_id)
-            return self._register_remote(origin, session_id, registration)
+            if self._register_remote(origin, session_id, registration):
+                return True
+            if session_id in self._unaccounted.get(origin, {}):
+                # Announced, but a local claim holds the part here: not gone at the
+                # round's end (the claim decides; losing, it registers this one).
+                self._announced_again.add(session_id)
+            return False
         if tag == OP_PART_LEFT:
             ref = _ref(op[1], op[2], op[3])
             # Whether registered here or not, it no longer owns the part anywhere.
@@ -1003,17 +1017,6 @@ class PeerLink:
         silent.
         """
         self._cancel_answering({o for o, _ in self._remote.values()})
-        # Another replica's session a local claim displaced or was outranked by may have
-        # left in what was not read, or may live on: unaccounted for too (a local part
-        # that leaves then does not prove its engine gone either).
-        for part in self._local.values():
-            other = part.outranked_by
-            if other is not None:
-                ref = PartRef(
-                    other.registration.child_engine_id, other.registration.rank, other.session_id
-                )
-                self._unaccounted.setdefault(other.origin, {})[other.session_id] = ref
-        self._outranking_gone(lambda o: True)
         left = self._lose_track(lambda origin: True, reason)
         if store_lost:
             # The others' tokens came from the old store's counter: the new one starts
@@ -1041,7 +1044,19 @@ class PeerLink:
         return self._lose_track(lambda o: o == origin, reason)
 
     def _lose_track(self, of: Callable[[str], bool], reason: str) -> int:
-        """The remote parts of the origins `of` names leave this view, unaccounted for."""
+        """The remote parts of the origins `of` names leave this view, unaccounted for.
+
+        So does another replica's session that a local claim displaced or was outranked
+        by: it may have left in what was not read, or may live on (a local part that
+        leaves then does not prove its engine gone either, nor registers it again)."""
+        for part in self._local.values():
+            other = part.outranked_by
+            if other is not None and of(other.origin):
+                ref = PartRef(
+                    other.registration.child_engine_id, other.registration.rank, other.session_id
+                )
+                self._unaccounted.setdefault(other.origin, {})[other.session_id] = ref
+        self._outranking_gone(lambda o: of(o[0]))
         left = [(sid, entry) for sid, entry in self._remote.items() if of(entry[0])]
         for session_id, (origin, ref) in left:
             del self._remote[session_id]

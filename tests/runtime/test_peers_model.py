@@ -660,3 +660,55 @@ def test_a_displaced_session_is_unaccounted_for_after_a_loss_of_track() -> None:
     _ship(r1, r0)
     assert r0.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
     assert not r0.peers._unaccounted
+
+
+def _live_claim(claims: list[Any], session: Session) -> Any:
+    """The session's claim still out (not cancelled), taken off the list."""
+    claim = next(c for c in claims if c[0] == session.session_id and not c[2][0])
+    claims.remove(claim)
+    return claim[1]
+
+
+def test_a_session_announced_while_a_local_claim_holds_the_part_is_not_gone_at_the_rounds_end() -> (
+    None
+):
+    """The store is lost while e0's registration on r0 (displacing its session on r1)
+    waits for its claim. r1's round announces its session with the new store's token 3;
+    r0 cannot take it (its own claim holds the part). That round does not prove it gone:
+    when r0's claim answers 2, r0's session is fenced and r1's is registered. Before,
+    the round's end forgot token 3, r0's session won with 2, and two replicas each had
+    a live session of e0."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    live = _registered(r1, "e0", 1, claims)
+    _ship(r1, r0)
+    moving = r0.coordinator.open_session(_registration("e0"))
+    r0.peers.announce_local(reclaim=True)  # the store loss, on both replicas
+    r0.inventory.drop_all_remote("the shared store was lost", store_lost=True)
+    r1.peers.announce_local(reclaim=True)
+    _live_claim(claims, live)(3)
+    _ship(r1, r0)  # r1's round: its session, token 3
+    _live_claim(claims, moving)(2)
+    assert moving.ended, "two live sessions of e0"
+    assert r0.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
+
+
+def test_a_reset_clears_the_displaced_session_so_no_ghost_is_registered() -> None:
+    """e0's registration on r0 displaced its session on r1 and waits for its claim.
+    That session closes on r1, but its departure is lost with r1's outbox (a reset and
+    a round without it). When r0's registration closes before its claim, r0 registers
+    nothing: the round proved r1's session gone. Before, r0 registered it again, a
+    ghost that nothing would remove."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    live = _registered(r1, "e0", 1, claims)
+    _ship(r1, r0)
+    moving = r0.coordinator.open_session(_registration("e0"))
+    r1.coordinator.close_session(live, "closed")
+    _drain(r1)  # its departure, dropped with the overflowing outbox
+    r1.inventory.reannounce()  # the reset, then a round without it
+    _ship(r1, r0)
+    r0.coordinator.close_session(moving, "closed")
+    assert r0.coordinator.registry.session_of("e0", (0, 0, 0)) is None, "a ghost"
+    r0.clock.advance(CONFIG.session_grace_ms + 1)
+    assert r0.coordinator.proven_gone("e0")
