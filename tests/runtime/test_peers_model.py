@@ -624,6 +624,17 @@ def test_a_part_announced_with_a_token_this_replica_refuses_stays_unaccounted_fo
     assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is not None
 
 
+def _moving_to_r0(claims: list[Any]) -> tuple[_Replica, _Replica, Session, Session]:
+    """e0 lives on r1 (token 1, read by r0); it registers on r0 too (the engine moving
+    there), displacing r1's session in r0's view, and its claim is out. Returns r0, r1,
+    the session on r1 and the one on r0."""
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    live = _registered(r1, "e0", 1, claims)
+    _ship(r1, r0)
+    moving = r0.coordinator.open_session(_registration("e0"))
+    return r0, r1, live, moving
+
+
 def test_a_local_part_gone_before_its_claim_puts_back_the_session_it_displaced() -> None:
     """e0 lives on r1 (token 1). It registers on r0 too (the engine moving there), which
     displaces r1's session in r0's view, and that registration closes before its claim
@@ -631,10 +642,7 @@ def test_a_local_part_gone_before_its_claim_puts_back_the_session_it_displaced()
     e0 is never proven gone there. Before, r0 only asked to hear of it again (a hello),
     and e0 was proven gone once the grace period ran out first."""
     claims: list[Any] = []
-    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
-    live = _registered(r1, "e0", 1, claims)
-    _ship(r1, r0)
-    moving = r0.coordinator.open_session(_registration("e0"))
+    r0, _, live, moving = _moving_to_r0(claims)
     r0.coordinator.close_session(moving, "closed")  # its claim is still out
     assert r0.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
     r0.clock.advance(100 * CONFIG.session_grace_ms)
@@ -647,10 +655,7 @@ def test_a_displaced_session_is_unaccounted_for_after_a_loss_of_track() -> None:
     e0 is not proven gone until r1's next round settles it: here the round announces
     it, and r0 registers it again."""
     claims: list[Any] = []
-    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
-    live = _registered(r1, "e0", 1, claims)
-    _ship(r1, r0)
-    moving = r0.coordinator.open_session(_registration("e0"))
+    r0, r1, live, moving = _moving_to_r0(claims)
     r0.inventory.drop_all_remote("a snapshot was loaded")
     r0.coordinator.close_session(moving, "closed")
     r0.clock.advance(100 * CONFIG.session_grace_ms)
@@ -679,10 +684,7 @@ def test_a_session_announced_while_a_local_claim_holds_the_part_is_not_gone_at_t
     the round's end forgot token 3, r0's session won with 2, and two replicas each had
     a live session of e0."""
     claims: list[Any] = []
-    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
-    live = _registered(r1, "e0", 1, claims)
-    _ship(r1, r0)
-    moving = r0.coordinator.open_session(_registration("e0"))
+    r0, r1, live, moving = _moving_to_r0(claims)
     r0.peers.announce_local(reclaim=True)  # the store loss, on both replicas
     r0.inventory.drop_all_remote("the shared store was lost", store_lost=True)
     r1.peers.announce_local(reclaim=True)
@@ -700,10 +702,7 @@ def test_a_reset_clears_the_displaced_session_so_no_ghost_is_registered() -> Non
     nothing: the round proved r1's session gone. Before, r0 registered it again, a
     ghost that nothing would remove."""
     claims: list[Any] = []
-    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
-    live = _registered(r1, "e0", 1, claims)
-    _ship(r1, r0)
-    moving = r0.coordinator.open_session(_registration("e0"))
+    r0, r1, live, moving = _moving_to_r0(claims)
     r1.coordinator.close_session(live, "closed")
     _drain(r1)  # its departure, dropped with the overflowing outbox
     r1.inventory.reannounce()  # the reset, then a round without it
