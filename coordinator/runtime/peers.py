@@ -585,14 +585,16 @@ class PeerLink:
         other = part.outranked_by
         if other is not None and self._is_alive(other.origin):
             best = self._best.get(part.key)
-            # None: the session it displaced, forgotten then (`forget_session`): no newer
-            # one was read since, nor its departure (`_outranking_gone`).
-            restore = best is None and other.token is not None
-            if (restore or (best is not None and best[1] == other.session_id)) and (
-                self._register_remote(other.origin, other.session_id, other.registration)
+            if best is None and other.token is not None:
+                # The session it displaced, forgotten then (`forget_session`): no newer
+                # one was read since, nor its departure (`_outranking_gone`).
+                best = (other.token, other.session_id)
+            if (
+                best is not None
+                and best[1] == other.session_id
+                and self._register_remote(other.origin, other.session_id, other.registration)
             ):
-                if restore and other.token is not None:
-                    self._best.setdefault(part.key, (other.token, other.session_id))
+                self._best.setdefault(part.key, best)
                 return
         if part.displaced:
             self.hello()  # the session it replaced here may live on: hear of it again
