@@ -278,6 +278,7 @@ def coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Redi
         claim=store.claim,
         was_silent=inventory.called_silent,
         liveness_known=False,  # until the store has read the log through (`caught_up`)
+        epoch_tag=store.epoch_tag,
     )
     inventory.peers = peers
     coordinator.attach_peers(peers)

@@ -14,7 +14,12 @@ messages travel through the same ordered log as the inventory:
   registers there (I6-quiescence).
 - **Fencing.** Each registration takes a fencing token from the store (one
   counter, `INCR` in a Lua script that checks the store's epoch), and its
-  `OP_PART` carries it. For one rank part the highest token wins on every
+  `OP_PART` carries it, with a tag of the store it came from (a digest of its
+  epoch). Tokens of two stores are not compared: after a store loss, a replica
+  that has not noticed it yet may write its parts with the old store's tokens into
+  the new log, and a replica that has noticed ignores those (their replica claims
+  again once it notices, within a store heartbeat) and vice versa. For one rank
+  part the highest token wins on every
   replica: a replica that holds a session of the part with a lower token (a
   zombie: the engine re-registered elsewhere, this stream has not timed out yet)
   closes it, and an `OP_PART` with a lower token than one already seen is
@@ -217,6 +222,7 @@ class _LocalPart:
     key: str
     registration: RankPartRegistration
     token: int | None = None  # None until the store answered the claim
+    token_store: bytes = b""  # the epoch tag of the store the token came from
     cancel: Callable[[], None] = lambda: None
     claims: int = 0  # claims asked so far: only the last one's answer counts
     # It replaced another replica's session of the part here: if it does not keep the
@@ -466,8 +472,11 @@ class PeerLink:
         claim: Claim | None = None,
         was_silent: Callable[[str], bool] = lambda origin: False,
         liveness_known: bool = True,
+        epoch_tag: Callable[[], bytes] = lambda: b"",
     ) -> None:
         self.origin = origin
+        # The store this replica knows now, as a tag (b"": one store only, no loss).
+        self._epoch_tag = epoch_tag
         self._record = record
         self._codec = codec
         self._clock_ms = clock_ms
@@ -615,6 +624,7 @@ class PeerLink:
             # cancel came too late. Its token is not this part's (a later one is).
             return
         part.token = token
+        part.token_store = self._epoch_tag()
         if token < self._best.get(part.key, (0, ""))[0]:
             # Registered again elsewhere since this claim was made: this one is stale.
             self._fence(session_id, "registered again on another replica (a higher token)")
@@ -626,7 +636,10 @@ class PeerLink:
         self._claim_settled(session_id)
 
     def _announce(self, session_id: str, part: _LocalPart) -> None:
-        self._write([OP_PART, session_id, self._codec.encode(part.registration), part.token])
+        op: Op = [OP_PART, session_id, self._codec.encode(part.registration), part.token]
+        if part.token_store:
+            op.append(part.token_store)  # a 4-element op (an older replica's) has none
+        self._write(op)
 
     def _fence(self, session_id: str, reason: str) -> None:
         """Ends a local zombie; its closing goes through `part_left` (the others hear it)."""
@@ -794,6 +807,13 @@ class PeerLink:
             session_id, token = str(op[1]), int(op[3])
             if session_id in self._remote:
                 return False  # an announcement again (after a hello)
+            if self._other_store(op):
+                # Its token is another store's (a store loss that one of the two has not
+                # noticed yet): not comparable. Its replica announces it again with a
+                # token of the new store once both know it; until then it is not gone.
+                if session_id in self._unaccounted.get(origin, {}):
+                    self._announced_again.add(session_id)
+                return False
             registration = self._codec.decode(bytes(op[2]))
             ref = PartRef(registration.child_engine_id, registration.rank, session_id)
             key = part_key(ref.child_engine_id, ref.rank)
@@ -846,6 +866,8 @@ class PeerLink:
             return True
         if tag == OP_ANNOUNCING:
             self._round_begun.add(origin)
+            # Only this round's announcements keep a part unaccounted for at its end.
+            self._announced_again.difference_update(self._unaccounted.get(origin, {}))
             return True
         if tag == OP_ANNOUNCED:
             if origin in self._round_begun:
@@ -914,6 +936,13 @@ class PeerLink:
                 raise ValueError(f"unknown reply kind {op[2]!r}")
             return True
         raise ValueError(f"unknown peer op tag {tag!r}")
+
+    def _other_store(self, op: Op) -> bool:
+        """An OP_PART whose token came from another store than the one this replica knows."""
+        if len(op) < 5:
+            return False  # an older replica's: untagged, taken as before
+        mine = self._epoch_tag()
+        return bool(mine) and bytes(op[4]) != mine
 
     def _outranking_gone(self, gone: Callable[[tuple[str, str]], bool]) -> None:
         """The sessions `gone` names (origin, session id) left, or this replica cannot

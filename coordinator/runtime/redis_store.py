@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import ssl
@@ -355,6 +356,17 @@ class RedisStore:
         return False
 
     # --- the epoch: an empty, restarted Redis is a store loss ------------------------------
+
+    def epoch_tag(self) -> bytes:
+        """The store this replica knows, as 8 bytes of its epoch's digest (b"": not read
+        yet). Fencing tokens carry it (peers.py): the epoch itself is a shared secret,
+        and the log is no place for it."""
+        epoch = self._epoch
+        if isinstance(epoch, str):
+            epoch = epoch.encode()
+        if not isinstance(epoch, bytes):
+            return b""
+        return hashlib.sha256(epoch).digest()[:8]
 
     async def _check_epoch(self) -> None:
         generation = self._epoch_checks_after_failure = self._epoch_checks_after_failure + 1

@@ -48,6 +48,8 @@ from coordinator.runtime.replication import INVENTORY_TAGS, ReplicatedInventory
 REPLICAS = ("r0", "r1", "r2")
 PARTS = ("e0", "e1")  # child engines of one rank part each
 CONFIG = CoordinatorConfig()
+# A fencing-token claim out: (session id, its answer, cancelled?, the asking replica).
+ClaimEntry = tuple[str, Callable[[int], None], list[bool], str]
 
 
 def _registration(engine: str) -> RankPartRegistration:
@@ -61,7 +63,7 @@ def _registration(engine: str) -> RankPartRegistration:
 
 
 class _Replica:
-    def __init__(self, origin: str, claims: list[tuple[str, Callable[[int], None], list[bool]]]):
+    def __init__(self, origin: str, claims: list[ClaimEntry]):
         self.origin = origin
         self.clock = ManualClock()
         self.inventory = ReplicatedInventory(
@@ -73,7 +75,7 @@ class _Replica:
 
         def claim(key: str, session_id: str, on_token: Callable[[int], None]) -> Callable[[], None]:
             cancelled = [False]
-            claims.append((session_id, on_token, cancelled))
+            claims.append((session_id, on_token, cancelled, origin))
             return lambda: cancelled.__setitem__(0, True)
 
         self.peers = PeerLink(
@@ -83,11 +85,14 @@ class _Replica:
             self.clock.monotonic_ms,
             self.inventory.origin_alive,
             claim=claim,
+            epoch_tag=lambda: str(self.epoch).encode(),
         )
         self.inventory.peers = self.peers
         self.coordinator.attach_peers(self.peers)
         self.read = 0  # log entries this replica has read
         self.sessions: dict[str, Session] = {}  # every session ever opened here
+        self.epoch = 0  # the store this replica knows (a store loss starts another)
+        self.reset_reader = False  # it noticed a store loss: its reader starts again
 
     def live_session(self, engine: str) -> Session | None:
         for session in self.sessions.values():
@@ -99,13 +104,16 @@ class _Replica:
 class PeersMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+        self.claims: list[ClaimEntry] = []
         self.replicas = [_Replica(origin, self.claims) for origin in REPLICAS]
         self.log: list[tuple[str, list[object]]] = []
+        self.epoch = 0  # the store's: a store loss starts a new one, log and counter
         self.tokens = itertools.count(1)
         self.addressed: dict[str, str] = {}  # lease id of a sent pin -> session id
         self.leases = itertools.count()
-        self.token_of: dict[str, int] = {}  # session id -> the token its claim got last
+        # session id -> (epoch, token) its claim got last: a new store's tokens outrank
+        # the old one's (its parts claim again when their replica notices the loss).
+        self.token_of: dict[str, tuple[int, int]] = {}
         self.had: dict[str, set[str]] = {r.origin: set() for r in self.replicas}
 
     # --- what production interleaves ----------------------------------------------------
@@ -149,6 +157,28 @@ class PeersMachine(RuleBasedStateMachine):
         r = self.replicas[replica]
         r.inventory.drop_all_remote("a snapshot was loaded")
         r.read = min(len(self.log), r.read + skipped)
+
+    @rule(replica=st.integers(0, 2))
+    def reset(self, replica: int) -> None:
+        """The replica's outbox overflowed: what it queued is lost (lease messages and
+        call answers excepted), it writes a reset and announces its engines and parts."""
+        self.replicas[replica].inventory.reannounce()
+
+    @rule()
+    def lose_store(self) -> None:
+        """Redis came back empty: a new log (the old one's entries are gone, read or not)
+        and a new fencing counter. Each replica notices on its own (`notice_store_loss`,
+        or a claim refused for the old epoch); until then it appends to the new log and
+        reads it, as a replica does whose read position is older than the new ids."""
+        self.epoch += 1
+        self.log = []
+        self.tokens = itertools.count(1)
+        for r in self.replicas:
+            r.read = 0
+
+    @rule(replica=st.integers(0, 2))
+    def notice_store_loss(self, replica: int) -> None:
+        self._notice(self.replicas[replica])
 
     @rule(replica=st.integers(0, 2), ms=st.integers(0, 3 * CONFIG.session_grace_ms))
     def advance(self, replica: int, ms: int) -> None:
@@ -234,20 +264,41 @@ class PeersMachine(RuleBasedStateMachine):
 
     # --- helpers -------------------------------------------------------------------------
 
+    def _notice(self, r: _Replica) -> None:
+        """What `RedisStore._store_lost` does: a reset with new claims now, and the reader
+        drops every remote part before it reads the new log from its start."""
+        if r.epoch == self.epoch:
+            return
+        r.epoch = self.epoch
+        r.inventory.reannounce(reclaim=True)
+        r.reset_reader = True
+
     def _read(self, r: _Replica, entries: int) -> None:
+        if r.reset_reader:
+            r.reset_reader = False
+            r.inventory.drop_all_remote("the shared store was lost", store_lost=True)
+            r.read = 0
         now = r.clock.monotonic_ms()
         for origin, op in self.log[r.read : r.read + entries]:
             r.inventory.apply_remote(origin, [op], now)
         r.read = min(len(self.log), r.read + entries)
 
     def _answer(self, index: int) -> None:
-        session_id, on_token, cancelled = self.claims.pop(index)
+        session_id, on_token, cancelled, origin = self.claims.pop(index)
+        r = next(r for r in self.replicas if r.origin == origin)
+        if r.epoch != self.epoch:
+            # The claim script refuses another epoch's claim: the replica notices the
+            # loss, which asks every claim of its parts again (this one is cancelled).
+            self._notice(r)
+            return
         token = next(self.tokens)  # the INCR ran now: tokens follow the answer order
         if not cancelled[0]:
-            self.token_of[session_id] = token
+            self.token_of[session_id] = (self.epoch, token)
             on_token(token)
 
     def _settle(self) -> None:
+        for r in self.replicas:
+            self._notice(r)  # its epoch check runs every heartbeat
         for _ in range(50):
             while self.claims:
                 self._answer(0)
@@ -255,7 +306,11 @@ class PeersMachine(RuleBasedStateMachine):
                 self.append(index)
             for r in self.replicas:
                 self._read(r, len(self.log))
-            if not self.claims and all(not r.inventory.outbox for r in self.replicas):
+            if (
+                not self.claims
+                and all(not r.inventory.outbox for r in self.replicas)
+                and all(not r.reset_reader for r in self.replicas)
+            ):
                 return
         raise AssertionError("the replicas did not settle")
 
@@ -274,9 +329,7 @@ TestPeers.settings = settings(
 )
 
 
-def _lost_track_of_e0(
-    r0: _Replica, claims: list[tuple[str, Callable[[int], None], list[bool]]]
-) -> _Replica:
+def _lost_track_of_e0(r0: _Replica, claims: list[ClaimEntry]) -> _Replica:
     """e0 registers on r0; r1 reads it, then loses track of the log (a snapshot reload).
     Returns r1."""
     r1 = _Replica("r1", claims)
@@ -300,7 +353,7 @@ def test_a_part_lost_track_of_is_not_proven_gone_until_its_silent_replica_is() -
     """r0 is not heard again (dead, or older and never closes a round): e0 is not proven
     gone on r1 however long it waits (I6-quiescence: a lease's reader may live there),
     until r0 is called silent; then its grace period runs as for any silent replica."""
-    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    claims: list[ClaimEntry] = []
     r1 = _lost_track_of_e0(_Replica("r0", claims), claims)
     r1.clock.advance(100 * CONFIG.session_grace_ms)
     assert not r1.coordinator.proven_gone("e0")
@@ -315,7 +368,7 @@ def test_a_round_begun_before_the_loss_does_not_account_for_a_part() -> None:
     """r1 read r0's OP_ANNOUNCING, then lost track: the OP_PARTs after it were trimmed,
     only the OP_ANNOUNCED is left to read. That round proves nothing here: e0 stays
     unaccounted for, and r1's own hello gets a whole round, which brings it back."""
-    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    claims: list[ClaimEntry] = []
     r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
     r0.coordinator.open_session(_registration("e0"))
     claims.pop()[1](1)
@@ -342,7 +395,7 @@ def test_a_round_begun_before_the_loss_does_not_account_for_a_part() -> None:
 def test_a_part_lost_track_of_that_a_whole_round_lacks_is_proven_gone() -> None:
     """e0 left r0 in entries r1 never read (trimmed): r0's answer to r1's hello lacks
     it, so its grace period starts at the round's end and its engine is then gone."""
-    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    claims: list[ClaimEntry] = []
     r0 = _Replica("r0", claims)
     r1 = _lost_track_of_e0(r0, claims)
     session = r0.live_session("e0")
@@ -365,7 +418,7 @@ def test_a_refused_registration_puts_back_the_remote_copy_it_would_have_replaced
     would replace the remote copy, but the registry refuses it (inconsistent with rank
     1). The copy is put back as it was, at once, and r1 asks nobody to announce: a
     hello here made every replica announce all its parts once per refused retry."""
-    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    claims: list[ClaimEntry] = []
     r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
     profile = DeploymentProfile(model="m", block_size=16, tp_size=2)
     for tp in (0, 1):
@@ -395,7 +448,7 @@ def test_an_older_announcement_read_while_a_local_claim_is_out_does_not_fence_it
     decides, not the order of reading: r1's token is higher, so r1 keeps e0. Before,
     r1 fenced its own new session at once (seen in CI: a replica's start hello made
     the others announce again while an engine moved)."""
-    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    claims: list[ClaimEntry] = []
     r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
     old = r0.coordinator.open_session(_registration("e0"))
     claims.pop()[1](1)
@@ -420,7 +473,7 @@ def test_a_local_claim_outranked_while_out_fences_its_session_and_hears_the_winn
     is lower: its session is the zombie and is fenced, and r0's session, not registered
     here while r1's own held the part, is registered at once (no hello: a hello's round
     trip could outlast the grace period and prove the engine gone while it lives)."""
-    claims: list[tuple[str, Callable[[int], None], list[bool]]] = []
+    claims: list[ClaimEntry] = []
     r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
     zombie = r1.coordinator.open_session(_registration("e0"))
     r1_claim = claims.pop()[1]
@@ -518,9 +571,9 @@ def test_a_claim_answered_after_it_was_asked_again_is_ignored() -> None:
     r1 = _Replica("r1", claims)
     live = _registered(r1, "e0", 7, claims)
     r1.peers.announce_local(reclaim=True)  # the store loss: a new token
-    _, first, _ = claims.pop()
+    _, first, _, _ = claims.pop()
     r1.peers.announce_local()  # a hello while that claim is out: asked again
-    _, second, _ = claims.pop()
+    _, second, _, _ = claims.pop()
     second(4)
     first(3)  # late, whatever its cancel
     assert not live.ended, "fenced by its own superseded claim"
@@ -535,7 +588,7 @@ def test_a_winner_that_left_while_a_local_claim_was_out_is_not_registered() -> N
     claims: list[Any] = []
     r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
     mine = r1.coordinator.open_session(_registration("e0"))
-    _, my_claim, _ = claims.pop()
+    _, my_claim, _, _ = claims.pop()
     winner = _registered(r0, "e0", 5, claims)
     r0.coordinator.close_session(winner, "closed")
     _ship(r0, r1)  # its registration, then its departure
@@ -711,3 +764,56 @@ def test_a_reset_clears_the_displaced_session_so_no_ghost_is_registered() -> Non
     assert r0.coordinator.registry.session_of("e0", (0, 0, 0)) is None, "a ghost"
     r0.clock.advance(CONFIG.session_grace_ms + 1)
     assert r0.coordinator.proven_gone("e0")
+
+
+def test_a_token_of_the_old_store_read_from_the_new_log_is_not_compared() -> None:
+    """After a store loss r1 notices first; r0, not yet, answers r1's hello with e0's old
+    store's token 5 into the new log. r1 does not take it (and keeps e0 unaccounted
+    for, not gone): once r0 notices and claims again, the new store's token 1 registers
+    e0. Before, r1 took token 5 as e0's best and refused its own session's token 1 as
+    stale: e0 stayed unregistered on r1 for as long as it lived."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    live = _registered(r0, "e0", 5, claims)
+    _ship(r0, r1)
+    r1.epoch = 1  # r1 notices the loss (what `PeersMachine._notice` does)
+    r1.inventory.reannounce(reclaim=True)
+    r1.inventory.drop_all_remote("the shared store was lost", store_lost=True)
+    _ship(r1, r0)  # its hello: r0 announces e0 with the old store's token
+    _ship(r0, r1)
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is None
+    r1.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r1.coordinator.proven_gone("e0"), "a live part proven gone"
+    r0.epoch = 1  # r0 notices too: a reset, and a new claim
+    r0.inventory.reannounce(reclaim=True)
+    _live_claim(claims, live)(1)
+    _ship(r0, r1)
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
+    assert not r1.peers._unaccounted
+
+
+def test_a_part_announced_in_one_round_and_lacking_from_the_next_is_gone() -> None:
+    """r1 lost track of e0; r0's round announces it with a token r1 refuses (r0 saw a
+    store loss first), which keeps it unaccounted for. Then e0 leaves r0 and its
+    departure is lost with r0's outbox (a reset, then a round without it). That round
+    settles it: its grace period runs. Before, the earlier round's mark kept it
+    unaccounted for until r0 fell silent, never proven gone."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    session = _registered(r0, "e0", 10, claims)
+    _ship(r0, r1)
+    r1.inventory.drop_all_remote("a snapshot was loaded")
+    hello = _drain(r1)
+    r0.peers.announce_local(reclaim=True)
+    claims.pop()[1](1)
+    for origin, op in hello:
+        r0.inventory.apply_remote(origin, [op], r0.clock.monotonic_ms())
+    _ship(r0, r1)  # the round: e0 with token 1, refused
+    assert r1.peers._unaccounted
+    r0.coordinator.close_session(session, "closed")
+    _drain(r0)  # its departure, dropped with the overflowing outbox
+    r0.inventory.reannounce()  # the reset, then a round without e0
+    _ship(r0, r1)
+    assert not r1.peers._unaccounted, "kept by the round before"
+    r1.clock.advance(CONFIG.session_grace_ms + 1)
+    assert r1.coordinator.proven_gone("e0")

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 from redis_env import RedisServer, start_redis
 from waiting import wait_until
 
@@ -41,8 +42,9 @@ from coordinator.edges.grpc_wire import part_codec
 from coordinator.runtime.config import CoordinatorConfig, StoreConfig
 from coordinator.runtime.coordinator import Coordinator, Session
 from coordinator.runtime.peers import PeerLink
-from coordinator.runtime.redis_store import RedisStore
+from coordinator.runtime.redis_store import RedisStore, stream_id
 from coordinator.runtime.replication import ReplicatedInventory
+from coordinator.runtime.store_keys import STREAM_KEY
 
 TIMEOUT_MS = 2_000  # the origin timeout: above the 500 ms heartbeat, as in production
 CONFIG = CoordinatorConfig(session_grace_ms=300)
@@ -99,6 +101,7 @@ class Node:
             self.coordinator.clock.monotonic_ms,
             self.inventory.origin_alive,
             claim=self.store.claim,
+            epoch_tag=self.store.epoch_tag,
         )
         self.inventory.peers = self.peers
         self.coordinator.attach_peers(self.peers)
@@ -257,6 +260,44 @@ async def test_after_a_store_loss_parts_take_new_tokens_and_a_later_failover_win
         "C follows the failover",
         timeout_s=0.75 * TIMEOUT_MS / 1000,
     )
+
+
+async def test_a_replica_slow_to_notice_a_store_loss_does_not_leave_its_tokens_behind(
+    server: RedisServer, nodes: Callable[..., Awaitable[Node]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B notices a store loss first; A, not yet, answers B's hello by announcing its
+    holder with the old store's token (6) into the new log. Once A notices and claims
+    again (token 1 from the new counter), B registers the holder. Before, B took token 6
+    from the old store and refused the holder's own new token as stale."""
+    a, b = await nodes("A"), await nodes("B")
+    for _ in range(5):  # tokens 1-5: the holder's is above what the new store gives it
+        a.coordinator.close_session(a.coordinator.open_session(registration("burn")), "closed")
+    old = await holder_seen(a, b, "h", 1)
+    notice = asyncio.Event()
+    check = a.store._check_epoch
+
+    async def later() -> None:
+        await notice.wait()
+        await check()
+
+    monkeypatch.setattr(a.store, "_check_epoch", later)
+    sent = a.peers.sent
+    server.restart()  # empty: a store loss that only B notices
+    await eventually(lambda: losses(b) == 1, "B noticed the loss")
+    # B's hello reaches A, which announces the holder with its old token into the new log.
+    await eventually(lambda: a.peers.sent > sent and not a.inventory.outbox, "A answered")
+    entries = redis.Redis(port=server.port).xrevrange(STREAM_KEY, count=1)
+    assert entries and isinstance(entries[0][0], bytes)
+    newest = entries[0][0].decode()
+    await eventually(
+        lambda: stream_id(b.store.read_position or "0-0") >= stream_id(newest),
+        "B read A's answer",
+    )
+    assert losses(a) == 0
+    assert b.part("h") is None  # not on the old store's token
+    notice.set()
+    await eventually(lambda: losses(a) == 1, "A noticed the loss")
+    await eventually(lambda: b.part("h") == old.session_id, "B registers the holder again")
 
 
 async def test_an_outbox_overflow_asks_for_full_dumps_and_the_view_is_rebuilt(
