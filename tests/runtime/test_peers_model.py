@@ -8,8 +8,11 @@ any replica (again, elsewhere, while an older session of it still lives: a
 zombie), sessions closing, fencing-token claims answered late and out of order
 (Redis INCR, here a counter), appends of each replica's outbox, each replica
 reading the log at its own pace, a replica losing track of the log (a snapshot
-reload past a trim: the entries between are never read), and lease messages sent
-to whatever session a replica's registry names.
+reload past a trim: the entries between are never read), a replica's outbox reset
+(an overflow), the store lost (a new, empty log and a new fencing counter; each
+replica notices in its own time, or when a claim is refused for the old epoch, and
+until then appends to and reads the new log), and lease messages sent to whatever
+session a replica's registry names. A new store's tokens outrank the old one's.
 
 Time passes on each replica's own clock (`advance`). At every step, the session of a
 part with the highest token issued, while it lives, is never proven gone on a replica
