@@ -46,6 +46,13 @@ RankKey = tuple[int, int, int]
 BlockHash = bytes
 
 
+def vllm_int_hash_key(digest: bytes) -> BlockHash:
+    """vLLM's int form of a block hash (`maybe_convert_block_hash` under
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default: the digest's low 64 bits) as kvrc
+    keys it, 8 bytes big-endian: the digest's last 8 bytes."""
+    return digest[-8:].rjust(8, b"\0")
+
+
 # DeploymentProfile.extra keys through which an engine declares how it hashes its
 # blocks, so that kvrc can hash a router's token ids the same way (Score only,
 # docs/score.md): vLLM's --prefix-caching-hash-algo; its PYTHONHASHSEED verbatim, or

@@ -48,7 +48,7 @@ from typing import Any, Final
 import cbor2
 
 from coordinator.core.errors import invalid
-from kvrc.vocabulary import BlockHash
+from kvrc.vocabulary import BlockHash, vllm_int_hash_key
 
 ALGOS: Final = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 # vLLM keeps a random per-process seed for these when PYTHONHASHSEED is unset.
@@ -169,9 +169,7 @@ def block_keys(
     else:
         digests = _chain_pickle(ids, bs, num_blocks, config.none_hash, extras, _digest(config.algo))
     if config.int_hashes:
-        # vLLM's int is `int.from_bytes(digest, "big") & (2**64 - 1)`; kvrc keeps it as
-        # 8 bytes big-endian, which is exactly the digest's last 8 bytes.
-        return [d[-8:] for d in digests]
+        return [vllm_int_hash_key(d) for d in digests]
     return digests
 
 
