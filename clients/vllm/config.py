@@ -25,7 +25,7 @@ A bad value fails engine start with one `KvrcConfigError` naming the field.
 | `switch_interval_s` | 0.0005 | the process's GIL switch interval (kvrc's thread vs vLLM's loop) |
 | `stall_dump_s` | 0 (off) | a worker's kvrc thread stalled this long dumps all stacks to stderr |
 | `model_name` | the model path | the profile's model name (engines exchanging KV must agree) |
-| `stats_file` | none | the scheduler side writes its counters here as JSON (tests, demos) |
+| `stats_file` | none | the scheduler side's counters, as JSON, once a step (tests, demos) |
 | `test_faults` | false | tests only: honour a request's `kvrc_test_fault` |
 
 Several kvrc replicas sharing one `--store`: `kvrc_target` is a list,

@@ -22,7 +22,6 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +48,7 @@ from clients.vllm.metadata import KvrcConnectorMetadata, KvrcWorkerMetadata, Loa
 from clients.vllm.pool import PoolPins
 from kvrc.credentials import connect
 from kvrc.kv_params import encode_kv_transfer_params
-from kvrc.vocabulary import MAX_CHAIN_BLOCKS
+from kvrc.vocabulary import MAX_CHAIN_BLOCKS, vllm_int_hash_key
 
 if TYPE_CHECKING:
     from clients.kv_cache import KvEndpointDescription
@@ -72,6 +71,8 @@ MIN_PULL_S = 0.05
 # requests skip kvrc (recompute) this long, doubling while the next try fails.
 BREAKER_BASE_S = 1.0
 BREAKER_MAX_S = 30.0
+# Counts no scheduler step follows reach the stats file within this (a step writes it).
+STATS_FLUSH_S = 0.1
 # At most one "unencodable kv_transfer_params" warning per this many seconds.
 PARAMS_WARN_INTERVAL_S = 1.0
 
@@ -81,22 +82,25 @@ def block_hash_key(block_hash: Any) -> bytes:
 
     vLLM's KV events carry `maybe_convert_block_hash(hash)`: the low 64 bits as
     an int by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), or the full
-    bytes; kvrc stores an int as 8 bytes big-endian. Same conversion, same key.
+    bytes; kvrc stores an int as 8 bytes big-endian. Same conversion, same key,
+    with the flag read once (`int_block_hashes`): vLLM's function reads it per call,
+    and this runs per block cached and per block of a prompt.
     """
-    converted = _vllm_convert()(block_hash)
-    if isinstance(converted, int):
-        return converted.to_bytes(8, "big")
-    return bytes(converted)
+    if int_block_hashes():
+        return vllm_int_hash_key(block_hash)
+    return bytes(block_hash)
 
 
 @functools.cache
-def _vllm_convert() -> Callable[[Any], Any]:
-    """vLLM's `maybe_convert_block_hash`, imported once: `block_hash_key` runs per block
-    cached and per block of a prompt (an import per call was a third of its cost)."""
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # type: ignore[import-not-found]
+def int_block_hashes() -> bool:
+    """VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES as vLLM reads it (`vllm.envs`), read once.
 
-    convert: Callable[[Any], Any] = maybe_convert_block_hash
-    return convert
+    vLLM fixes its env values once the engine has started (`enable_envs_cache`, at the
+    end of EngineCore's start); KvrcScheduler reads it at construction, within that
+    start, so every key uses the value vLLM's events use."""
+    from vllm import envs  # type: ignore[import-not-found]
+
+    return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
 
 def _trace_done(event: str, request_id: str, _future: concurrent.futures.Future[Any]) -> None:
@@ -113,7 +117,6 @@ class _Recv:
     grant: concurrent.futures.Future[Any] | None = None
     lease_id: str = ""
     test_fault: str = ""
-    dispatched: bool = False
     keepalive: HandoffKeepAlive | None = None
     started: float = field(default_factory=time.monotonic)
     # A worker's failed outcome, kept until every worker has reported the load: with
@@ -203,7 +206,14 @@ class KvrcScheduler:
         self.kv_port = int(kv.kv_port)
         self.loop = BackgroundLoop("kvrc-scheduler")
         self._lock = threading.Lock()
+        # Loads in flight, until vLLM hears they finished (finished_recving); of them,
+        # those whose grant no step took yet, and those granted since the last step: a
+        # step looks only at what changed, not at every load in flight.
         self._recv: dict[str, _Recv] = {}
+        self._awaiting_grant: dict[str, _Recv] = {}
+        self._granted: list[_Recv] = []
+        # Set by every grant and lookup answer: ends an idle step's wait for kvrc.
+        self._kvrc_answered = threading.Event()
         self._prefix: dict[str, _Prefix] = {}
         self._prefix_decided: dict[str, int] = {}  # request id -> tokens (0: no load)
         self._lookups: dict[str, _Lookup] = {}  # waiting requests' lookups still out
@@ -224,8 +234,12 @@ class KvrcScheduler:
         self._unheld_new: list[str] = []
         self.counters: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
+        self._stats_dirty = False  # counted since the stats file was last written
+        self._stats_flush_armed = False  # the loop writes it within _stats_flush_s
+        self._stats_flush_s = STATS_FLUSH_S
         self.breaker = LookupBreaker()
         self._params_warned_at = 0.0
+        int_block_hashes()  # read now, as vLLM's events will use it
         self.pins = PoolPins(block_hash_key)
         self.loop.run(self._connect(), timeout_s=10)
         self.loop.run(self._serve_workers(), timeout_s=10)
@@ -418,18 +432,37 @@ class KvrcScheduler:
 
     # --- counters ------------------------------------------------------------------
 
-    def _count(self, key: str, n: int = 1, write: bool = True) -> None:
+    def _count(self, key: str, n: int = 1) -> None:
+        """Counts; the stats file is written once a step (`build_connector_meta`), by the
+        loop within STATS_FLUSH_S for counts no step follows (a pin on an idle holder, an
+        abort), and at shutdown: not once per count (it was, under the lock the loop's
+        pins take too)."""
         with self._stats_lock:
             self.counters[key] += n
-        if write:
-            self._write_stats()
+            if not self.config.stats_file:
+                return
+            self._stats_dirty = True
+            arm = not self._stats_flush_armed
+            self._stats_flush_armed = True
+        if arm:
+            self.loop.call_soon(self._arm_stats_flush)
+
+    def _arm_stats_flush(self) -> None:
+        self.loop.loop.call_later(self._stats_flush_s, self._stats_flush_due)
+
+    def _stats_flush_due(self) -> None:
+        with self._stats_lock:
+            self._stats_flush_armed = False
+        self._write_stats()
 
     def _write_stats(self) -> None:
-        """Both threads count (the EngineCore's steps, the loop's pins): one lock, so
-        that no count is lost and two writers never share the temporary file."""
-        if not self.config.stats_file:
-            return
+        """Both threads count (the EngineCore's steps, the loop's pins) and write: one
+        lock, so that no count is lost and two writers never share the temporary file.
+        Nothing counted since the last write: nothing written."""
         with self._stats_lock:
+            if not self._stats_dirty:
+                return
+            self._stats_dirty = False
             data = {"child_engine_id": self.child_engine_id, **self.counters}
             tmp = f"{self.config.stats_file}.{os.getpid()}.tmp"
             with contextlib.suppress(OSError):
@@ -500,6 +533,7 @@ class KvrcScheduler:
             give_up_at = asked_at + self.config.lookup_timeout_ms / 1000
             lookup = _Lookup(future, usable_blocks, asked_at, give_up_at)
             self._lookups[request_id] = lookup
+            future.add_done_callback(self._kvrc_answer_came)
         if not lookup.answer.done():
             wait_s = min(self._step_wait_left_s, lookup.give_up_at - time.monotonic())
             if wait_s > 0:
@@ -679,8 +713,7 @@ class KvrcScheduler:
             trace("begin_submitted", request_id)
             recv.grant.add_done_callback(functools.partial(_trace_done, "granted", request_id))
             recv.test_fault = self._test_fault(params)
-            with self._lock:
-                self._recv[request_id] = recv
+            self._await_grant(recv)
             return
         lookup = self._lookups.pop(request_id, None)
         if lookup is not None:
@@ -704,8 +737,24 @@ class KvrcScheduler:
         recv.grant = done
         recv.lease_id = prefix.grant.lease_id
         recv.test_fault = self._test_fault(request.kv_transfer_params or {})
+        self._await_grant(recv)
+
+    def _await_grant(self, recv: _Recv) -> None:
+        """In flight from now on; the step after its grant comes dispatches its load."""
         with self._lock:
-            self._recv[request_id] = recv
+            self._recv[recv.request_id] = recv
+            self._awaiting_grant[recv.request_id] = recv
+        assert recv.grant is not None
+        recv.grant.add_done_callback(functools.partial(self._grant_came, recv))
+
+    def _grant_came(self, recv: _Recv, _future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            if self._awaiting_grant.pop(recv.request_id, None) is recv:
+                self._granted.append(recv)
+        self._kvrc_answered.set()
+
+    def _kvrc_answer_came(self, _future: concurrent.futures.Future[Any]) -> None:
+        self._kvrc_answered.set()
 
     def _test_fault(self, params: dict[str, Any]) -> str:
         fault = str(params.get("kvrc_test_fault") or "")
@@ -726,35 +775,33 @@ class KvrcScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> KvrcConnectorMetadata:
         meta = KvrcConnectorMetadata()
         self._step_wait_left_s = self.config.lookup_step_wait_ms / 1000  # the next step's
-        with self._lock:
-            pending = [r for r in self._recv.values() if not r.dispatched]
-            waiting = bool(self._sending) or len(pending) < len(self._recv)
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         meta.idle_step = idle
-        if idle and (pending or waiting or self._lookups):
+        if idle:
+            self._kvrc_answered.clear()  # an answer from now on ends this step's wait
+        with self._lock:
+            granted, self._granted = self._granted, []
+            awaiting_grants = bool(self._awaiting_grant)
+        if idle and (self._recv or self._sending or self._lookups):
             # An idle step that only waits for kvrc (a lookup, a grant, a pull, a release):
             # vLLM would spin here and starve the connector's threads (one core per
             # engine). Yield the CPU briefly instead; an answer that arrives meanwhile
             # ends the wait at once.
-            grants = [r.grant for r in pending if r.grant is not None]
-            answers = [lookup.answer for lookup in self._lookups.values()]
-            if any(answer.done() for answer in answers):
-                pass  # the next step takes it (its request is asked again)
-            elif grants or answers:
-                concurrent.futures.wait(
-                    grants + answers, GRANT_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED
-                )
+            if granted or any(lookup.answer.done() for lookup in self._lookups.values()):
+                pass  # answered already: dispatched below, or taken at the next step
+            elif awaiting_grants or self._lookups:
+                self._kvrc_answered.wait(GRANT_WAIT_S)
+                with self._lock:
+                    granted += self._granted
+                    self._granted = []
             elif self._recv:
                 pass  # pulls are running: the workers wait for their end (get_finished)
             elif self._free_now:
                 time.sleep(IDLE_STEP_WAIT_S)
             else:
                 time.sleep(RELEASE_WAIT_S)  # only held handoffs: a release frees them later
-        for recv in pending:
+        for recv in granted:
             assert recv.grant is not None
-            if not recv.grant.done():
-                continue
-            recv.dispatched = True
             try:
                 grant = recv.grant.result()
             except Exception as e:
@@ -810,6 +857,7 @@ class KvrcScheduler:
             meta.free_now, self._free_now = self._free_now, []
             meta.held, self._held_new = self._held_new, []
             meta.unheld, self._unheld_new = self._unheld_new, []
+        self._write_stats()  # once a step: what it and the step before counted
         return meta
 
     # --- update_connector_output -------------------------------------------------------
@@ -820,7 +868,7 @@ class KvrcScheduler:
         if isinstance(worker_meta, KvrcWorkerMetadata):
             outcomes = worker_meta.outcomes
             for key, value in worker_meta.counters.items():
-                self._count(f"workers_{key}", value, write=False)
+                self._count(f"workers_{key}", value)
         with self._lock:
             for request_id, outcome in outcomes.items():
                 pending = self._recv.get(request_id)
@@ -836,17 +884,16 @@ class KvrcScheduler:
                 self.loop.submit(recv.keepalive.stop())
             outcome = recv.failure or "SUCCEEDED"
             if outcome == "SUCCEEDED":
-                self._count(f"{recv.flow}_loads", write=False)
-                self._count(f"{recv.flow}_tokens_loaded", recv.num_tokens, write=False)
-                self._count(f"{recv.flow}_blocks_loaded", len(recv.local_block_ids), write=False)
+                self._count(f"{recv.flow}_loads")
+                self._count(f"{recv.flow}_tokens_loaded", recv.num_tokens)
+                self._count(f"{recv.flow}_blocks_loaded", len(recv.local_block_ids))
             else:
-                self._count(f"{recv.flow}_load_failures", write=False)
-                self._count(f"{recv.flow}_tokens_recomputed", recv.num_tokens, write=False)
+                self._count(f"{recv.flow}_load_failures")
+                self._count(f"{recv.flow}_tokens_recomputed", recv.num_tokens)
                 log.warning("%s of %s failed: %s (vLLM recomputes)", recv.flow, request_id, outcome)
         for request_id in output.finished_sending or ():
             if self._sending.pop(request_id, None) is not None:
-                self._count("handoffs_freed", write=False)
-        self._write_stats()
+                self._count("handoffs_freed")
 
     # --- request_finished --------------------------------------------------------------
 
@@ -929,6 +976,8 @@ class KvrcScheduler:
         return bool(self._sending or self._publishes)
 
     def shutdown(self) -> None:
+        self._write_stats()  # what no step or flush wrote yet
+
         async def close() -> None:
             with contextlib.suppress(Exception):
                 await self._channel.close(None)

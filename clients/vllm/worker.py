@@ -471,6 +471,7 @@ class KvrcWorker:
             running.remove(done)
             if running:
                 self._pulls_running[spec.lease_id] = running
+            self._forget_quiet_reads(spec.lease_id)
 
     async def _pull(self, spec: LoadSpec) -> tuple[bool, str]:
         assert self.engine is not None and self.cache is not None
@@ -534,7 +535,6 @@ class KvrcWorker:
             )
             await result.wait_quiet()
             self.finished.count(f"{spec.flow}_held_until_quiet")
-        self._forget_quiet_reads()
         ok = result.outcome is TransferOutcome.SUCCEEDED
         return ok, result.outcome.value if ok else f"{result.outcome.value}: {result.error}"
 
@@ -575,13 +575,20 @@ class KvrcWorker:
         except KvrcClientError as e:
             log.warning("reporting %s %s failed: %s", spec.flow, spec.lease_id, e)
 
-    def _forget_quiet_reads(self) -> None:
-        for lease_id, reads in list(self._reads_by_lease.items()):
-            left = [read for read in reads if not read.is_quiet()]
-            if left:
-                self._reads_by_lease[lease_id] = left
-            else:
-                del self._reads_by_lease[lease_id]
+    def _forget_quiet_reads(self, lease_id: str) -> None:
+        """At a pull's end, its lease's reads: quiet by then (a failed one was waited for),
+        unless the pull raised, when the rest are forgotten once quiet. (Every lease's
+        reads were swept at each pull's end: O(loads in flight) per load.)"""
+        reads = self._reads_by_lease.pop(lease_id, [])
+        left = [read for read in reads if not read.is_quiet()]
+        if left:
+            self._reads_by_lease[lease_id] = left
+            self.loop.spawn_later(0.0, lambda: self._forget_once_quiet(lease_id, left))
+
+    async def _forget_once_quiet(self, lease_id: str, reads: list[NativeRead]) -> None:
+        for read in reads:
+            await read.wait_quiet()
+        self._forget_quiet_reads(lease_id)
 
     # --- handoff publish (prefill) -------------------------------------------------
 

@@ -15,15 +15,18 @@ the real vLLM is importable; so does the block pool a holder's pins take (`_Pool
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import enum
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 import types
 import uuid
@@ -53,6 +56,7 @@ from clients.vllm.config import KvrcConnectorConfig
 from kvrc.vocabulary import MAX_CHAIN_BLOCKS
 
 BS = 32
+INT_HASHES_FLAG = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 
 
 def _vllm_stand_in() -> dict[str, types.ModuleType]:
@@ -69,12 +73,20 @@ def _vllm_stand_in() -> dict[str, types.ModuleType]:
         FINISHED_LENGTH_CAPPED = 8
         FINISHED_ABORTED = 9
 
-    def maybe_convert_block_hash(hash_bytes: bytes) -> int:
-        # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, vLLM's default: the low 64 bits
+    def env_value(name: str) -> Any:  # vllm.envs reads the environment per access
+        if name == INT_HASHES_FLAG:
+            return bool(int(os.getenv(name, "1")))
+        raise AttributeError(name)
+
+    def maybe_convert_block_hash(hash_bytes: bytes) -> int | bytes:
+        # as vLLM's: its flag read on every call (default 1: the low 64 bits as an int)
+        if not getattr(sys.modules["vllm.envs"], INT_HASHES_FLAG):
+            return hash_bytes
         return int.from_bytes(hash_bytes, byteorder="big") & ((1 << 64) - 1)
 
     names: dict[str, dict[str, Any]] = {
         "vllm": {},
+        "vllm.envs": {"__getattr__": env_value},
         "vllm.v1": {},
         "vllm.v1.core": {},
         "vllm.v1.core.kv_cache_utils": {
@@ -535,6 +547,193 @@ def test_a_request_finished_while_its_lookup_is_out_gives_the_late_grant_back(
         made.shutdown()
 
 
+def test_an_idle_step_does_not_wait_when_a_lookup_is_answered_already(
+    vllm_side: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle step waits for kvrc's answers, and ends its wait when one comes; a lookup
+    answered before the step began (taken when vLLM asks again) is no reason to wait."""
+    monkeypatch.setattr(vllm_side.scheduler, "GRANT_WAIT_S", 5.0)  # long: a wait would show
+    made = _new_scheduler(
+        vllm_side, "127.0.0.1:1", reuse=True, lookup_timeout_ms=10_000, lookup_step_wait_ms=0
+    )
+    try:
+        answer = _kvrc_grants_when(made, _grant(matched=6, deadline_in_s=30))
+        request = _request("r1", 7)
+        assert made.get_num_new_matched_tokens(request, 0) == (None, False)
+        threading.Timer(0.2, answer).start()
+        started = time.monotonic()
+        made.build_connector_meta(NS(total_num_scheduled_tokens=0))
+        waited_s = time.monotonic() - started
+        assert 0.1 < waited_s < 2.5, f"the idle step waited {waited_s:.3f} s, not for the answer"
+        started = time.monotonic()
+        made.build_connector_meta(NS(total_num_scheduled_tokens=0))  # answered already
+        waited_s = time.monotonic() - started
+        assert waited_s < 2.5, f"the idle step waited {waited_s:.3f} s for an answered lookup"
+        assert made.get_num_new_matched_tokens(request, 0) == (6 * BS, True)
+    finally:
+        made.shutdown()
+
+
+def test_a_step_looks_only_at_the_loads_whose_grant_came(
+    vllm_side: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step dispatches the loads whose grant came since the step before. It listed
+    every load in flight (pulls running, grants still out), every step."""
+    touched = [0]
+
+    class CountedRecv(vllm_side.scheduler._Recv):  # type: ignore[misc, name-defined]
+        def __getattribute__(self, name: str) -> Any:
+            touched[0] += 1
+            return super().__getattribute__(name)
+
+    monkeypatch.setattr(vllm_side.scheduler, "_Recv", CountedRecv)
+    made = _new_scheduler(
+        vllm_side, "127.0.0.1:1", reuse=True, lookup_timeout_ms=10_000, lookup_step_wait_ms=10_000
+    )
+    try:
+        _kvrc_grants(made, _grant(matched=6, deadline_in_s=60))
+        for i in range(200):  # prefix loads: granted at once, their pulls then run
+            request = _request(f"load{i}", 7)
+            tokens, _ = made.get_num_new_matched_tokens(request, 0)
+            made.update_state_after_alloc(request, _blocks(7), tokens)
+        assert len(made.build_connector_meta(NS(total_num_scheduled_tokens=1)).loads) == 200
+        began = asyncio.Event()
+
+        async def begin_handoff(*_: Any) -> Any:
+            await began.wait()  # the prefill's handoff is not READY yet
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the handoff never came")
+
+        made._begin_handoff = begin_handoff
+        for i in range(50):  # handoffs: their grants are still out
+            request = _request(
+                f"handoff{i}",
+                7,
+                do_remote_prefill=True,
+                kvrc_handoff=True,
+                transfer_id=f"handoff{i}",
+                remote_engine_id="prefill",
+            )
+            made.update_state_after_alloc(request, _blocks(7), 7 * BS)
+        touched[0] = 0
+        for _ in range(20):
+            assert made.build_connector_meta(NS(total_num_scheduled_tokens=1)).loads == []
+        assert touched[0] == 0, f"20 steps with nothing new touched {touched[0]} loads' state"
+        made.loop.call_soon(began.set)
+        dispatched: list[Any] = []
+        while len(dispatched) < 50:
+            dispatched += made.build_connector_meta(NS(total_num_scheduled_tokens=0)).loads
+        assert {spec.request_id for spec in dispatched} == {f"handoff{i}" for i in range(50)}
+        assert all(spec.error for spec in dispatched)
+        assert touched[0] <= 20 * 50, "the steps that dispatched them looked at the others"
+        assert made.counters["handoff_grant_failures"] == 50
+    finally:
+        made.shutdown()
+
+
+def _stats(path: Any) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    return data
+
+
+def _finish_unencodable(made: Any, vllm_side: Any, request_id: str) -> None:
+    """A prefill request finishes whose params kvrc cannot carry: one count, no kvrc call."""
+    request = _request(request_id, 2, do_remote_decode=True, note="\ud800")
+    request.status = vllm_side.RequestStatus.FINISHED_LENGTH_CAPPED
+    request.num_computed_tokens = 2 * BS
+    assert made.request_finished(request, [1, 2]) == (False, None)
+
+
+def test_the_stats_file_is_written_once_a_step_however_many_counts(
+    vllm_side: Any, tmp_path: Any
+) -> None:
+    """The stats file was rewritten on every count (the EngineCore thread's and the
+    loop's, under one lock); counts now wait for the step's end, which writes it once."""
+    path = tmp_path / "stats.json"
+    made = _new_scheduler(vllm_side, "127.0.0.1:1", role="kv_producer", stats_file=str(path))
+    made._stats_flush_s = 3600.0  # only the steps write, here
+    try:
+        for i in range(50):
+            _finish_unencodable(made, vllm_side, f"r{i}")
+        assert not path.exists(), "written within the step"
+        made.build_connector_meta(NS(total_num_scheduled_tokens=1))
+        assert _stats(path)["handoff_params_unencodable"] == 50
+        path.write_text("{}")  # what a rewrite would replace
+        made.build_connector_meta(NS(total_num_scheduled_tokens=1))
+        assert _stats(path) == {}, "a step that counted nothing wrote the file"
+        for i in range(50, 80):
+            _finish_unencodable(made, vllm_side, f"r{i}")
+        assert _stats(path) == {}, "written within the step"
+        made.build_connector_meta(NS(total_num_scheduled_tokens=1))
+        stats = _stats(path)
+        assert stats["handoff_params_unencodable"] == 80
+        assert stats["child_engine_id"] == made.child_engine_id
+    finally:
+        made.shutdown()
+
+
+def test_counts_no_step_follows_still_reach_the_stats_file(vllm_side: Any, tmp_path: Any) -> None:
+    """A pin on an idle holder (no step runs) reaches the file within STATS_FLUSH_S; a
+    count made after the last step, at shutdown."""
+    path = tmp_path / "stats.json"
+    made = _new_scheduler(vllm_side, "127.0.0.1:1", role="kv_producer", stats_file=str(path))
+    try:
+        # A worker asks for a pin (kvrc's PinRequest): no block pool bound, a miss.
+        args = {"lease_id": "lease-1", "hashes": [b"x" * 8], "deadline_ms": 0}
+        assert made.loop.run(made._handle_worker("pin", args), timeout_s=10) == []
+        wait_until_sync(lambda: _stats(path).get("pin_misses") == 1, 10)
+        made._stats_flush_s = 3600.0
+        _finish_unencodable(made, vllm_side, "last")
+    finally:
+        made.shutdown()
+    stats = _stats(path)
+    assert stats["pin_misses"] == 1 and stats["handoff_params_unencodable"] == 1
+
+
+@pytest.fixture
+def int_hashes_flag_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """vllm.envs, counting reads of VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (vLLM's own reads
+    its environment per access until the engine started)."""
+    reads: list[str] = []
+
+    def env_value(name: str) -> Any:
+        if name != INT_HASHES_FLAG:
+            raise AttributeError(name)
+        reads.append(name)
+        return bool(int(os.getenv(name, "1")))
+
+    envs = types.ModuleType("vllm.envs")
+    envs.__getattr__ = env_value  # type: ignore[method-assign]
+    monkeypatch.setitem(sys.modules, "vllm.envs", envs)
+    monkeypatch.setattr(sys.modules["vllm"], "envs", envs, raising=False)
+    yield reads
+
+
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_block_hash_key_reads_vllms_int_hash_flag_once(
+    vllm_side: Any,
+    int_hashes_flag_reads: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flag: str,
+) -> None:
+    """block_hash_key ran vLLM's maybe_convert_block_hash, which reads the flag from
+    vllm.envs per call (per block cached and per block of a prompt); now once."""
+    monkeypatch.setenv(INT_HASHES_FLAG, flag)
+    scheduler = vllm_side.scheduler
+    scheduler.int_block_hashes.cache_clear()
+    try:
+        hashes = [uuid.uuid4().bytes * 2 for _ in range(1000)]
+        keys = [scheduler.block_hash_key(h) for h in hashes]
+        assert len(int_hashes_flag_reads) == 1
+        convert = importlib.import_module("vllm.v1.core.kv_cache_utils").maybe_convert_block_hash
+        expected = [convert(h) for h in hashes]  # vLLM's own: what its KV events carry
+        if flag == "1":
+            assert keys == [value.to_bytes(8, "big") for value in expected]
+        else:
+            assert keys == expected
+    finally:
+        scheduler.int_block_hashes.cache_clear()  # later tests read vLLM's default again
+
+
 # --- 1. the worker never reads a lease kvrc aborted --------------------------------------------
 
 
@@ -612,6 +811,37 @@ def test_a_load_of_a_lease_aborted_before_it_was_dispatched_reads_nothing(
     worker.start_step(meta)
     assert _finish(worker) == ({"r2"}, {3, 4, 5, 6})  # every block a load error: recompute
     assert not any(_holds_source(worker, b, b + 9) for b in (3, 4, 5, 6))
+
+
+def test_a_pull_s_end_looks_at_its_own_reads_only(
+    clean_worker: Any, vllm_side: Any, peer: Peer
+) -> None:
+    """A pull's end forgets its lease's reads once quiet; it asked every read in flight
+    (every lease's) whether it was quiet: O(loads in flight) per load."""
+    from clients.transfer import NativeRead
+
+    worker = clean_worker
+    asked = [0]
+
+    class CountedRead(NativeRead):
+        def is_quiet(self) -> bool:
+            asked[0] += 1
+            return super().is_quiet()
+
+    running: list[Any] = [concurrent.futures.Future() for _ in range(100)]
+    for i, future in enumerate(running):  # other leases' reads, still running
+        worker._reads_by_lease[f"other-{i}"] = [CountedRead(future, (i,), 0.0)]
+    try:
+        meta = vllm_side.metadata.KvrcConnectorMetadata()
+        meta.loads.append(_load_spec(vllm_side, peer, "lease-own"))
+        worker.start_step(meta)
+        assert _finish(worker) == ({"r1"}, set())
+        assert _holds_source(worker, 3, 12)
+        assert asked[0] == 0, f"a pull's end asked {asked[0]} other reads"
+        assert "lease-own" not in worker._reads_by_lease  # its own are forgotten
+    finally:
+        for i in range(len(running)):
+            del worker._reads_by_lease[f"other-{i}"]
 
 
 def test_an_abort_between_submit_and_the_pull_starting_stops_the_read(
