@@ -508,6 +508,9 @@ class PeerLink:
         # origin's next whole announcement round; and the origins whose round began
         # since (OP_ANNOUNCING read after the loss).
         self._unaccounted: dict[str, dict[str, PartRef]] = {}
+        # The same sessions by rank part (part key -> session ids): a part's removal asks
+        # for its own (`unaccounted_session`) without a scan of every part lost track of.
+        self._unaccounted_by_part: dict[str, dict[str, None]] = {}
         self._round_begun: set[str] = set()
         self._announced_again: set[str] = set()  # unaccounted, announced, not taken
         # False until this replica has read the log up to its end once (a replica that
@@ -1009,8 +1012,25 @@ class PeerLink:
         """A part this replica had lost track of is back, or was seen leaving."""
         self._announced_again.discard(session_id)
         parts = self._unaccounted.get(origin)
-        if parts is not None and parts.pop(session_id, None) is not None and not parts:
+        ref = None if parts is None else parts.pop(session_id, None)
+        if ref is None:
+            return
+        self._unindex(ref)
+        if not parts:
             del self._unaccounted[origin]
+
+    def _unaccount(self, origin: str, ref: PartRef) -> None:
+        self._unaccounted.setdefault(origin, {})[ref.session_id] = ref
+        key = part_key(ref.child_engine_id, ref.rank)
+        self._unaccounted_by_part.setdefault(key, {})[ref.session_id] = None
+
+    def _unindex(self, ref: PartRef) -> None:
+        key = part_key(ref.child_engine_id, ref.rank)
+        sessions = self._unaccounted_by_part.get(key)
+        if sessions is not None:
+            sessions.pop(ref.session_id, None)
+            if not sessions:
+                del self._unaccounted_by_part[key]
 
     def _account_gone(self, origin: str, why: str, in_round: bool = False) -> None:
         """`origin`'s parts still unaccounted for left: their grace periods start. At a
@@ -1025,6 +1045,7 @@ class PeerLink:
         if parts:
             log.info("%d rank part(s) lost track of: %s", len(parts), why)
         for ref in parts.values():
+            self._unindex(ref)
             self._forget_best(ref)  # kept for the round (`forget_all`); it left
             if self._host is not None:
                 self._host.unaccounted_part_gone(ref)
@@ -1086,23 +1107,20 @@ class PeerLink:
                 ref = PartRef(
                     other.registration.child_engine_id, other.registration.rank, other.session_id
                 )
-                self._unaccounted.setdefault(other.origin, {})[other.session_id] = ref
+                self._unaccount(other.origin, ref)
         self._outranking_gone(lambda o: of(o[0]))
         left = [(sid, entry) for sid, entry in self._remote.items() if of(entry[0])]
         for session_id, (origin, ref) in left:
             del self._remote[session_id]
-            self._unaccounted.setdefault(origin, {})[session_id] = ref
+            self._unaccount(origin, ref)
             if self._host is not None:
                 self._host.remove_remote_part(ref, reason, unaccounted=True)
         return len(left)
 
     def unaccounted_session(self, child_engine_id: str, rank: RankKey) -> str | None:
         """A session of this rank part that this replica lost track of, if any."""
-        for parts in self._unaccounted.values():
-            for ref in parts.values():
-                if ref.child_engine_id == child_engine_id and ref.rank == rank:
-                    return ref.session_id
-        return None
+        sessions = self._unaccounted_by_part.get(part_key(child_engine_id, rank))
+        return next(iter(sessions)) if sessions else None
 
     def remote(self, session_id: str, registration: RankPartRegistration) -> Other | None:
         """A remote part's session as this replica knows it (None: not a remote part)."""

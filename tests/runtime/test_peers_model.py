@@ -40,12 +40,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.leases import SendPin
 from coordinator.core.profiles import DeploymentProfile
-from coordinator.core.registry import RankPartRegistration
+from coordinator.core.registry import PartRef, RankPartRegistration
 from coordinator.edges.grpc_wire import part_codec
 from coordinator.runtime.clock import ManualClock
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.coordinator import Coordinator, Session
-from coordinator.runtime.peers import PEER_TAGS, PeerLink
+from coordinator.runtime.peers import PEER_TAGS, PeerLink, part_key
 from coordinator.runtime.replication import INVENTORY_TAGS, ReplicatedInventory
 
 REPLICAS = ("r0", "r1", "r2")
@@ -243,6 +243,17 @@ class PeersMachine(RuleBasedStateMachine):
             for r in self.replicas:
                 if newest in self.had[r.origin]:
                     assert not r.coordinator.proven_gone(engine), (r.origin, engine, newest)
+
+    @invariant()
+    def the_unaccounted_parts_index_matches_them(self) -> None:
+        for r in self.replicas:
+            by_part: dict[str, set[str]] = {}
+            for parts in r.peers._unaccounted.values():
+                for ref in parts.values():
+                    key = part_key(ref.child_engine_id, ref.rank)
+                    by_part.setdefault(key, set()).add(ref.session_id)
+            index = {k: set(v) for k, v in r.peers._unaccounted_by_part.items()}
+            assert index == by_part, r.origin
 
     def _check_settled(self) -> None:
         for engine in PARTS:
@@ -820,3 +831,31 @@ def test_a_part_announced_in_one_round_and_lacking_from_the_next_is_gone() -> No
     assert not r1.peers._unaccounted, "kept by the round before"
     r1.clock.advance(CONFIG.session_grace_ms + 1)
     assert r1.coordinator.proven_gone("e0")
+
+
+class _NoScan(dict[str, dict[str, PartRef]]):
+    def values(self) -> Any:
+        raise AssertionError("scanned every part lost track of")
+
+    def items(self) -> Any:
+        raise AssertionError("scanned every part lost track of")
+
+
+def test_a_parts_unaccounted_session_is_found_without_a_scan_of_the_others() -> None:
+    """r1 lost track of 200 parts of r0. A removal asks for one part's unaccounted session
+    (`Coordinator._grace`): found by its key, not by a scan of all 200 (a loss of track
+    followed by many removals was quadratic)."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    sessions = [_registered(r0, f"e{i}", i + 1, claims) for i in range(200)]
+    _ship(r0, r1)
+    r1.inventory.drop_all_remote("a snapshot was loaded")
+    unaccounted = r1.peers._unaccounted
+    r1.peers._unaccounted = _NoScan(unaccounted)
+    assert r1.peers.unaccounted_session("e7", (0, 0, 0)) == sessions[7].session_id
+    assert r1.peers.unaccounted_session("e7", (1, 0, 0)) is None
+    r1.peers._unaccounted = unaccounted
+    r0.peers.announce_local()  # r0's round brings them back
+    _ship(r0, r1)
+    assert r1.peers.unaccounted_session("e7", (0, 0, 0)) is None
+    assert not r1.peers._unaccounted_by_part
