@@ -859,3 +859,19 @@ def test_a_parts_unaccounted_session_is_found_without_a_scan_of_the_others() -> 
     _ship(r0, r1)
     assert r1.peers.unaccounted_session("e7", (0, 0, 0)) is None
     assert not r1.peers._unaccounted_by_part
+
+
+def test_a_won_claim_forgets_the_session_it_displaced() -> None:
+    """e0's registration on r0 displaced its session on r1 and won its claim (token 2); r1
+    fences its own. r0 then notices a store loss (new claims) and its session closes
+    before the new claim answers, with r1's departure not read yet. r0 must not register
+    r1's session again with its old store's token: it lost to r0's, a ghost. Before, the
+    displaced session was kept after the won claim and came back here."""
+    claims: list[Any] = []
+    r0, r1, live, moving = _moving_to_r0(claims)
+    _live_claim(claims, moving)(2)
+    _ship(r0, r1)
+    assert live.ended  # fenced on r1; its departure is not read on r0 yet
+    r0.peers.announce_local(reclaim=True)  # the store loss, noticed by r0
+    r0.coordinator.close_session(moving, "closed")
+    assert r0.coordinator.registry.session_of("e0", (0, 0, 0)) is None, "a ghost"
