@@ -893,6 +893,13 @@ class Coordinator:
         if timers.get(ref.rank) == _Unaccounted(ref.session_id):  # not back since
             timers[ref.rank] = self._grace(ref)
 
+    def part_unaccounted(self, ref: PartRef) -> None:
+        timers = self._gone_timers.get(ref.child_engine_id, {})
+        timer = timers.get(ref.rank)
+        if timer is not None and not isinstance(timer, _Unaccounted):
+            timer.cancel()  # I6-quiescence: that session may be the part's live one
+            timers[ref.rank] = _Unaccounted(ref.session_id)
+
     def deliver(self, ref: PartRef, message: LeaseOutbound, registering: bool = False) -> bool:
         session = self._sessions.get(ref.session_id)
         if session is None or session.ref != ref:

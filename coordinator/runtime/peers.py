@@ -271,6 +271,11 @@ class PeerHost(Protocol):
         """A part this replica had lost track of was not announced again by its live
         replica (or that replica fell silent): it left, and its grace period starts."""
 
+    def part_unaccounted(self, ref: PartRef) -> None:
+        """Another replica's session of a part, announced but not taken yet (its token is
+        another store's): a grace period running for the part holds until that session
+        is accounted for (`unaccounted_part_gone`, or its registration)."""
+
     def deliver(self, ref: PartRef, message: LeaseOutbound, registering: bool = False) -> bool:
         """Queues a message on a local session, if `ref.session_id` is still it (False:
         dropped); a release that finds it gone goes on to the part's session now, or waits
@@ -810,17 +815,24 @@ class PeerLink:
             session_id, token = str(op[1]), int(op[3])
             if session_id in self._remote:
                 return False  # an announcement again (after a hello)
+            registration = self._codec.decode(bytes(op[2]))
+            ref = PartRef(registration.child_engine_id, registration.rank, session_id)
             if self._other_store(op):
                 # Its token is another store's (a store loss that one of the two has not
                 # noticed yet): not comparable. Its replica announces it again with a
-                # token of the new store once both know it; until then it is not gone.
-                if session_id in self._unaccounted.get(origin, {}):
-                    self._announced_again.add(session_id)
+                # token of the new store once both know it (a reset, then a round);
+                # until then it is unaccounted for, and its part not proven gone.
+                self._unaccount(origin, ref)
+                self._announced_again.add(session_id)
+                host.part_unaccounted(ref)
                 return False
-            registration = self._codec.decode(bytes(op[2]))
-            ref = PartRef(registration.child_engine_id, registration.rank, session_id)
             key = part_key(ref.child_engine_id, ref.rank)
             best_token, best_session = self._best.get(key, (0, ""))
+            if session_id == best_session:
+                # One session's tokens only grow within a store: a lower one is a new
+                # store's (its replica reclaimed it after a loss this one may not have
+                # noticed, or an older replica's untagged op): it is that session's now.
+                best_token = token
             if token < best_token or (token == best_token and session_id != best_session):
                 if session_id in self._unaccounted.get(origin, {}):
                     # Its replica still announces it: the round does not prove it left

@@ -580,6 +580,15 @@ class RedisStore:
                 self._reader_stopped.set()
             await self._reading.wait()
             self._reader_stopped.clear()
+            if self._epoch is None:
+                # `start`'s check failed: nothing is read before the store's epoch is
+                # known, so that every fencing token read is judged against the store
+                # it came from (peers.py).
+                await self._check_epoch()
+                if self._epoch is None:
+                    await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
+                    attempt += 1
+                    continue
             try:
                 if self._reset_reader or self._read_id is None:
                     if self._reset_reader:

@@ -668,15 +668,17 @@ def test_settling_one_of_two_unaccounted_sessions_keeps_the_others_hold() -> Non
 
 def test_a_part_announced_with_a_token_this_replica_refuses_stays_unaccounted_for() -> None:
     """r1 lost track of e0 (token 10 on r0). r0 then noticed a store loss that r1 has not
-    noticed yet: its round announces e0 with the new store's token 1, which r1 refuses
-    as stale. That round does not prove e0 gone: it is still announced, so it stays
-    unaccounted for (until r1 notices the loss and takes it), not in a grace period."""
+    noticed yet: its round announces e0 with the new store's token 1, which r1 does not
+    take (another store's). That round does not prove e0 gone: it is still announced,
+    so it stays unaccounted for (until r1 notices the loss and takes it), not in a
+    grace period."""
     claims: list[Any] = []
     r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
     _registered(r0, "e0", 10, claims)
     _ship(r0, r1)
     r1.inventory.drop_all_remote("a snapshot was loaded")
     hello = _drain(r1)
+    r0.epoch = 1
     r0.peers.announce_local(reclaim=True)  # the store loss, seen by r0 only
     claims.pop()[1](1)
     for origin, op in hello:
@@ -685,6 +687,7 @@ def test_a_part_announced_with_a_token_this_replica_refuses_stays_unaccounted_fo
     assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is None
     r1.clock.advance(100 * CONFIG.session_grace_ms)
     assert not r1.coordinator.proven_gone("e0"), "a live part's grace ran out"
+    r1.epoch = 1
     r1.inventory.drop_all_remote("the shared store was lost", store_lost=True)
     r0.peers.announce_local()  # its answer to r1's hello after the loss
     _ship(r0, r1)
@@ -807,10 +810,10 @@ def test_a_token_of_the_old_store_read_from_the_new_log_is_not_compared() -> Non
 
 
 def test_a_part_announced_in_one_round_and_lacking_from_the_next_is_gone() -> None:
-    """r1 lost track of e0; r0's round announces it with a token r1 refuses (r0 saw a
-    store loss first), which keeps it unaccounted for. Then e0 leaves r0 and its
-    departure is lost with r0's outbox (a reset, then a round without it). That round
-    settles it: its grace period runs. Before, the earlier round's mark kept it
+    """r1 lost track of e0; r0's round announces it with a token r1 does not take (r0
+    saw a store loss first: another store's), which keeps it unaccounted for. Then e0
+    leaves r0 and its departure is lost with r0's outbox (a reset, then a round without
+    it). That round settles it: its grace period runs. Before, the earlier round's mark kept it
     unaccounted for until r0 fell silent, never proven gone."""
     claims: list[Any] = []
     r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
@@ -818,11 +821,12 @@ def test_a_part_announced_in_one_round_and_lacking_from_the_next_is_gone() -> No
     _ship(r0, r1)
     r1.inventory.drop_all_remote("a snapshot was loaded")
     hello = _drain(r1)
+    r0.epoch = 1
     r0.peers.announce_local(reclaim=True)
     claims.pop()[1](1)
     for origin, op in hello:
         r0.inventory.apply_remote(origin, [op], r0.clock.monotonic_ms())
-    _ship(r0, r1)  # the round: e0 with token 1, refused
+    _ship(r0, r1)  # the round: e0 with token 1, not taken
     assert r1.peers._unaccounted
     r0.coordinator.close_session(session, "closed")
     _drain(r0)  # its departure, dropped with the overflowing outbox
@@ -875,3 +879,49 @@ def test_a_won_claim_forgets_the_session_it_displaced() -> None:
     r0.peers.announce_local(reclaim=True)  # the store loss, noticed by r0
     r0.coordinator.close_session(moving, "closed")
     assert r0.coordinator.registry.session_of("e0", (0, 0, 0)) is None, "a ghost"
+
+
+def test_an_other_stores_announcement_holds_a_running_grace_period() -> None:
+    """e0's session on r0 closes and e0 registers there again just before the store is
+    lost; r1 read the departure (e0's grace runs) but not the new registration, which
+    r0 writes into the new log with its old store's token before it notices the loss.
+    r1, which noticed, cannot take that token, but the session is e0's live one: e0 is
+    not proven gone however long r0 takes to notice, and r0's reclaim registers it."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    old = _registered(r0, "e0", 1, claims)
+    _ship(r0, r1)
+    r0.coordinator.close_session(old, "closed")
+    _ship(r0, r1)  # its departure: e0's grace period starts on r1
+    live = _registered(r0, "e0", 2, claims)  # its OP_PART is not read before the loss
+    r1.epoch = 1  # r1 notices the loss
+    r1.inventory.reannounce(reclaim=True)
+    r1.inventory.drop_all_remote("the shared store was lost", store_lost=True)
+    _ship(r0, r1)  # e0's registration with the old store's token
+    r1.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r1.coordinator.proven_gone("e0"), "a live part proven gone"
+    r0.epoch = 1
+    r0.inventory.reannounce(reclaim=True)
+    _live_claim(claims, live)(1)
+    _ship(r0, r1)
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
+    assert not r1.peers._unaccounted
+
+
+def test_a_sessions_own_lower_token_is_a_new_stores() -> None:
+    """A replica that cannot tell stores apart (its epoch not known yet, or an older
+    replica's untagged ops) read e0's session with token 5; r0 then reset after a store
+    loss and announces the same session with the new store's token 1. One session's
+    tokens only grow within a store: r1 takes it. Before, it refused it as stale, and
+    e0 stayed unregistered there for as long as it lived."""
+    claims: list[Any] = []
+    r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
+    r1.peers._epoch_tag = lambda: b""
+    live = _registered(r0, "e0", 5, claims)
+    _ship(r0, r1)
+    r0.epoch = 1
+    r0.inventory.reannounce(reclaim=True)
+    _live_claim(claims, live)(1)
+    _ship(r0, r1)
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
+    assert not r1.peers._unaccounted

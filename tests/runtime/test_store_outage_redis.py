@@ -300,6 +300,35 @@ async def test_a_replica_slow_to_notice_a_store_loss_does_not_leave_its_tokens_b
     await eventually(lambda: b.part("h") == old.session_id, "B registers the holder again")
 
 
+async def test_a_replica_reads_nothing_before_it_knows_the_stores_epoch(
+    server: RedisServer, nodes: Callable[..., Awaitable[Node]]
+) -> None:
+    """B's first epoch checks fail (made certain here): its reader waits for one to pass
+    before it applies anything, so that every fencing token it reads is judged against
+    the store it came from. Before, it read on and judged them against nothing."""
+    a = await nodes("A")
+    session = a.coordinator.open_session(registration("h"))
+    a.store_blocks("h", 0, 1)
+    b = Node(server, "B")
+    known = asyncio.Event()
+    check = b.store._check_epoch
+
+    async def failing_until_known() -> None:
+        if known.is_set():
+            await check()
+
+    b.store._check_epoch = failing_until_known  # type: ignore[method-assign]
+    await b.store.start()
+    try:
+        await eventually(lambda: not a.inventory.outbox, "A wrote its holder")
+        await asyncio.sleep(1.0)  # a reader that read on would have applied it by now
+        assert b.part("h") is None and b.store.read_position is None
+        known.set()
+        await eventually(lambda: b.part("h") == session.session_id, "B reads, the epoch known")
+    finally:
+        await b.store.close(0.2)
+
+
 async def test_an_outbox_overflow_asks_for_full_dumps_and_the_view_is_rebuilt(
     server: RedisServer, nodes: Callable[..., Awaitable[Node]]
 ) -> None:
