@@ -749,7 +749,8 @@ class KvrcScheduler:
 
     def _grant_came(self, recv: _Recv, _future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
-            if self._awaiting_grant.pop(recv.request_id, None) is recv:
+            if self._awaiting_grant.get(recv.request_id) is recv:
+                del self._awaiting_grant[recv.request_id]
                 self._granted.append(recv)
         self._kvrc_answered.set()
 
@@ -976,8 +977,6 @@ class KvrcScheduler:
         return bool(self._sending or self._publishes)
 
     def shutdown(self) -> None:
-        self._write_stats()  # what no step or flush wrote yet
-
         async def close() -> None:
             with contextlib.suppress(Exception):
                 await self._channel.close(None)
@@ -985,3 +984,4 @@ class KvrcScheduler:
         with contextlib.suppress(Exception):
             self.loop.run(close(), timeout_s=5)
         self.loop.stop()
+        self._write_stats()  # what no step or flush wrote, the closing's counts included
