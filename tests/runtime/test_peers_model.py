@@ -783,6 +783,34 @@ def test_a_reset_clears_the_displaced_session_so_no_ghost_is_registered() -> Non
     assert r0.coordinator.proven_gone("e0")
 
 
+def _notice_the_store_loss(r: _Replica) -> None:
+    """What `PeersMachine._notice` and the reader's reset after it do (the new store: 1)."""
+    r.epoch = 1
+    r.inventory.reannounce(reclaim=True)
+    r.inventory.drop_all_remote("the shared store was lost", store_lost=True)
+
+
+def _reclaim(r: _Replica, claims: list[Any], session: Session, token: int) -> None:
+    """r notices the loss (the new store: 1) before its reader resets: a reset, a round,
+    and the session's new claim, answered `token`."""
+    r.epoch = 1
+    r.inventory.reannounce(reclaim=True)
+    _live_claim(claims, session)(token)
+
+
+def _not_gone_until_it_is_reclaimed(
+    r0: _Replica, r1: _Replica, claims: list[Any], live: Session
+) -> None:
+    """However long r0 takes to notice the loss, e0 is not proven gone on r1; then r0's
+    reclaim registers e0's live session there."""
+    r1.clock.advance(100 * CONFIG.session_grace_ms)
+    assert not r1.coordinator.proven_gone("e0"), "a live part proven gone"
+    _reclaim(r0, claims, live, 1)
+    _ship(r0, r1)
+    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
+    assert not r1.peers._unaccounted
+
+
 def test_a_token_of_the_old_store_read_from_the_new_log_is_not_compared() -> None:
     """After a store loss r1 notices first; r0, not yet, answers r1's hello with e0's old
     store's token 5 into the new log. r1 does not take it (and keeps e0 unaccounted
@@ -793,28 +821,19 @@ def test_a_token_of_the_old_store_read_from_the_new_log_is_not_compared() -> Non
     r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
     live = _registered(r0, "e0", 5, claims)
     _ship(r0, r1)
-    r1.epoch = 1  # r1 notices the loss (what `PeersMachine._notice` does)
-    r1.inventory.reannounce(reclaim=True)
-    r1.inventory.drop_all_remote("the shared store was lost", store_lost=True)
+    _notice_the_store_loss(r1)
     _ship(r1, r0)  # its hello: r0 announces e0 with the old store's token
     _ship(r0, r1)
     assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) is None
-    r1.clock.advance(100 * CONFIG.session_grace_ms)
-    assert not r1.coordinator.proven_gone("e0"), "a live part proven gone"
-    r0.epoch = 1  # r0 notices too: a reset, and a new claim
-    r0.inventory.reannounce(reclaim=True)
-    _live_claim(claims, live)(1)
-    _ship(r0, r1)
-    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
-    assert not r1.peers._unaccounted
+    _not_gone_until_it_is_reclaimed(r0, r1, claims, live)
 
 
 def test_a_part_announced_in_one_round_and_lacking_from_the_next_is_gone() -> None:
     """r1 lost track of e0; r0's round announces it with a token r1 does not take (r0
     saw a store loss first: another store's), which keeps it unaccounted for. Then e0
     leaves r0 and its departure is lost with r0's outbox (a reset, then a round without
-    it). That round settles it: its grace period runs. Before, the earlier round's mark kept it
-    unaccounted for until r0 fell silent, never proven gone."""
+    it). That round settles it: its grace period runs. Before, the earlier round's mark
+    kept it unaccounted for until r0 fell silent, never proven gone."""
     claims: list[Any] = []
     r0, r1 = _Replica("r0", claims), _Replica("r1", claims)
     session = _registered(r0, "e0", 10, claims)
@@ -894,18 +913,9 @@ def test_an_other_stores_announcement_holds_a_running_grace_period() -> None:
     r0.coordinator.close_session(old, "closed")
     _ship(r0, r1)  # its departure: e0's grace period starts on r1
     live = _registered(r0, "e0", 2, claims)  # its OP_PART is not read before the loss
-    r1.epoch = 1  # r1 notices the loss
-    r1.inventory.reannounce(reclaim=True)
-    r1.inventory.drop_all_remote("the shared store was lost", store_lost=True)
+    _notice_the_store_loss(r1)
     _ship(r0, r1)  # e0's registration with the old store's token
-    r1.clock.advance(100 * CONFIG.session_grace_ms)
-    assert not r1.coordinator.proven_gone("e0"), "a live part proven gone"
-    r0.epoch = 1
-    r0.inventory.reannounce(reclaim=True)
-    _live_claim(claims, live)(1)
-    _ship(r0, r1)
-    assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
-    assert not r1.peers._unaccounted
+    _not_gone_until_it_is_reclaimed(r0, r1, claims, live)
 
 
 def test_a_sessions_own_lower_token_is_a_new_stores() -> None:
@@ -919,9 +929,7 @@ def test_a_sessions_own_lower_token_is_a_new_stores() -> None:
     r1.peers._epoch_tag = lambda: b""
     live = _registered(r0, "e0", 5, claims)
     _ship(r0, r1)
-    r0.epoch = 1
-    r0.inventory.reannounce(reclaim=True)
-    _live_claim(claims, live)(1)
+    _reclaim(r0, claims, live, 1)
     _ship(r0, r1)
     assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
     assert not r1.peers._unaccounted
