@@ -17,8 +17,11 @@ messages travel through the same ordered log as the inventory:
   `OP_PART` carries it, with a tag of the store it came from (a digest of its
   epoch). Tokens of two stores are not compared: after a store loss, a replica
   that has not noticed it yet may write its parts with the old store's tokens into
-  the new log, and a replica that has noticed ignores those (their replica claims
-  again once it notices, within a store heartbeat) and vice versa. For one rank
+  the new log, and a replica that has noticed does not take those (nor the other
+  way round): such a session is unaccounted for (below) until its replica, once it
+  notices (within a store heartbeat), resets and announces it with a new token. A
+  session's tokens only grow within a store, so its own lower token is a new
+  store's (an older replica's ops carry no tag). For one rank
   part the highest token wins on every
   replica: a replica that holds a session of the part with a lower token (a
   zombie: the engine re-registered elsewhere, this stream has not timed out yet)
