@@ -231,10 +231,11 @@ class NativeRead:
 class InFlightReads:
     """Every native read of one rank part that is not yet quiet.
 
-    Destination blocks listed by `tainted_block_ids()` must stay out of use
-    (not read, reallocated or freed); `wait_all_quiet` is what a shutdown awaits.
-    A count per tainted block, kept as reads come and go, answers for a plan's blocks
-    (`tainted_among`) in the plan's size, whatever the number of reads in flight.
+    Destination blocks a read not quiet yet still writes must stay out of use (not
+    read, reallocated or freed); `wait_all_quiet` is what a shutdown awaits. A count
+    per tainted block, kept as reads come and go, answers for a plan's blocks
+    (`tainted_among`) in the plan's size, whatever the number of reads in flight;
+    `tainted_block_ids()` lists them all.
     """
 
     def __init__(self) -> None:

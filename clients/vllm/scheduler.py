@@ -13,6 +13,7 @@ it does no load, and new requests skip kvrc for a while (`LookupBreaker`).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import functools
@@ -641,8 +642,6 @@ class KvrcScheduler:
         self, request_id: str, hashes: list[bytes], local_blocks: int, delay_s: float = 0.0
     ) -> PrefixLoadGrant | str:
         if delay_s:
-            import asyncio
-
             await asyncio.sleep(delay_s)  # test fault `delay-lookup=S`: a slow kvrc
         want = local_blocks + self.config.min_blocks
         hint = await self.lookups.lookup(

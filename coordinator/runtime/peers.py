@@ -21,12 +21,11 @@ messages travel through the same ordered log as the inventory:
   way round): such a session is unaccounted for (below) until its replica, once it
   notices (within a store heartbeat), resets and announces it with a new token. A
   session's tokens only grow within a store, so its own lower token is a new
-  store's (an older replica's ops carry no tag). For one rank
-  part the highest token wins on every
-  replica: a replica that holds a session of the part with a lower token (a
-  zombie: the engine re-registered elsewhere, this stream has not timed out yet)
-  closes it, and an `OP_PART` with a lower token than one already seen is
-  ignored. A local session whose own claim is still out is not closed by an
+  store's (an older replica's ops carry no tag). For one rank part the highest
+  token wins on every replica: a replica that holds a session of the part with a
+  lower token (a zombie: the engine re-registered elsewhere, this stream has not
+  timed out yet) closes it, and an `OP_PART` with a lower token than one already
+  seen is ignored. A local session whose own claim is still out is not closed by an
   `OP_PART` read meanwhile (it may be an older re-announcement): its claim's token
   decides, and if it loses, the winner is registered in its place at once. So one
   session owns a rank part at a time. A message names the session

@@ -186,6 +186,7 @@ class RedisStore:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._epoch: object = None  # the epoch key's value as this replica last saw it
+        self._epoch_tag = b""  # `epoch_tag()` of it, made once per epoch
         self._reset_reader = False  # a store loss: read the new log from its start
         self._epoch_checks_after_failure = 0  # reset by every failure (see _fail)
         self._failures: dict[str, str] = {"start": "the shared store has not been reached yet"}
@@ -361,12 +362,7 @@ class RedisStore:
         """The store this replica knows, as 8 bytes of its epoch's digest (b"": not read
         yet). Fencing tokens carry it (peers.py): the epoch itself is a shared secret,
         and the log is no place for it."""
-        epoch = self._epoch
-        if isinstance(epoch, str):
-            epoch = epoch.encode()
-        if not isinstance(epoch, bytes):
-            return b""
-        return hashlib.sha256(epoch).digest()[:8]
+        return self._epoch_tag
 
     async def _check_epoch(self) -> None:
         generation = self._epoch_checks_after_failure = self._epoch_checks_after_failure + 1
@@ -381,7 +377,9 @@ class RedisStore:
         if self._epoch is not None and epoch != self._epoch:
             self._store_lost()
         if epoch != self._epoch and epoch is not None:
-            self._on_epoch(epoch if isinstance(epoch, bytes) else str(epoch).encode())
+            raw = epoch if isinstance(epoch, bytes) else str(epoch).encode()
+            self._on_epoch(raw)
+            self._epoch_tag = hashlib.sha256(raw).digest()[:8]
         self._epoch = epoch
         if generation == self._epoch_checks_after_failure:  # no failure while it ran
             self._ok("epoch check")
