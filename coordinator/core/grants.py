@@ -71,6 +71,9 @@ MAX_HANDOFF_WAIT_MS = 600_000
 # BeginHandoff calls waiting for READY at once, over all decode engines (I8-bad-input):
 # each is an open call and a heap entry; past it a begin is RESOURCE_EXHAUSTED.
 MAX_WAITING_BEGINS = 16_384
+# Of those, one decode engine's: a quarter, so one engine cannot take the shared bound
+# from the others (as many as its open leases may be, LeaseConfig.max_open_leases_per_engine).
+MAX_WAITING_BEGINS_PER_ENGINE = 4_096
 MAX_DRAIN_TIMEOUT_MS = 3_600_000
 
 
@@ -358,6 +361,7 @@ class Grants:
         # The waiting begins' tokens, each with its key: a heap entry is live when its
         # token is here (entries of begins settled early are dropped lazily, bounded).
         self._begin_keys: dict[int, tuple[str, str]] = {}
+        self._waiting_by_decode: dict[str, int] = {}  # waiting begins per decode engine
         self._tokens = itertools.count(1)
         # When `tick` next has work, as of the last call (the runtime arms one timer at it).
         self.due_ms: int | None = None
@@ -828,6 +832,15 @@ class Grants:
                     f"{MAX_WAITING_BEGINS} BeginHandoff calls are waiting already: retry "
                     "later, or begin with wait_timeout_ms 0 once the handoff is READY"
                 ) from None
+            decode = req.decode_child_engine_id
+            waiting = self._waiting_by_decode.get(decode, 0)
+            if waiting >= MAX_WAITING_BEGINS_PER_ENGINE:
+                raise resource_exhausted(
+                    f"decode engine {decode!r} has {waiting} BeginHandoff calls waiting "
+                    f"already, the per-engine limit: retry later, or begin with "
+                    "wait_timeout_ms 0 once the handoff is READY"
+                ) from None
+            self._waiting_by_decode[decode] = waiting + 1
             token = next(self._tokens)
             key = (req.prefill_child_engine_id, req.request_id)
             pending = _PendingBegin(token, req, now_ms + req.wait_timeout_ms, e.message)
@@ -854,6 +867,12 @@ class Grants:
         if not waiting:
             del self._begins[key]
         del self._begin_keys[pending.token]
+        decode = pending.request.decode_child_engine_id
+        left = self._waiting_by_decode[decode] - 1
+        if left:
+            self._waiting_by_decode[decode] = left
+        else:
+            del self._waiting_by_decode[decode]
         # Settled begins leave their deadline in the heap until it comes up; a live wait
         # with an earlier deadline keeps them there. Compacted when they outnumber the
         # live ones, so the heap stays O(waiting begins) (amortised O(log n) a begin).
@@ -945,6 +964,7 @@ class Grants:
                 )
         self._begins.clear()
         self._begin_keys.clear()
+        self._waiting_by_decode.clear()
         self._begin_deadlines.clear()
         return self._settled(actions)
 

@@ -183,6 +183,11 @@ class LeaseConfig:
     # chains), open and ended together (I8-bad-input): ended leases are dropped first,
     # oldest first; past that a new publish or prefix load is RESOURCE_EXHAUSTED.
     max_payload_bytes: int = 1 << 30
+    # Of those, what one engine's open leases keep of what it sent (a requester's chains,
+    # a prefill's kv_transfer_params and descriptors): a quarter, so one engine cannot
+    # take the shared bound from the others (I8-bad-input). Ended leases do not count:
+    # they are dropped before anything is refused.
+    max_payload_bytes_per_engine: int = 1 << 28
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
@@ -411,6 +416,9 @@ class _Lease:
     awaiting_quiet: bool = False
     # Bytes of engines' data this lease keeps (LeaseConfig.max_payload_bytes).
     payload_bytes: int = 0
+    # Of those, what its requesting engine sent (`_requesting_engine`), counted against
+    # that engine's share while the lease is open (max_payload_bytes_per_engine).
+    requester_payload_bytes: int = 0
     # Recovered from an id the lease-id key could not check (max_unverified_recovered_leases).
     unverified: bool = False
 
@@ -455,6 +463,14 @@ _SOURCE_WORD = {Flow.PREFIX_LOAD: "holder", Flow.HANDOFF: "prefill"}
 
 
 _L = TypeVar("_L", bound=_Lease)
+
+
+def _requesting_engine(lease: _Lease) -> str | None:
+    """The engine whose request opened the lease: a prefix load's requester, a
+    handoff's prefill (it indexes the lease by request id)."""
+    if isinstance(lease, _PrefixLoad):
+        return lease.target_child_engine_id
+    return lease.source_child_engine_id
 
 
 def _payload_size(descriptor: object) -> int:
@@ -525,6 +541,8 @@ class LeaseTable:
         self._counts_changed: set[tuple[Flow, LeaseState]] = set()
         self._terminal: OrderedDict[str, int] = OrderedDict()  # lease id -> ended_ms
         self._payload_bytes = 0  # LeaseConfig.max_payload_bytes
+        # Open leases' requester_payload_bytes by requesting engine (absent: none).
+        self._open_payload_by_engine: dict[str, int] = {}
         self._recovered_open = 0  # open leases rebuilt by `recover_held`
         self._unverified_open = 0  # of those, from ids the key could not check
         # Ended leases awaiting their target's proofs before a release (`awaiting_quiet`),
@@ -675,7 +693,7 @@ class LeaseTable:
             )
         self._check_capacity((requester_child_engine_id, holder_child_engine_id))
         chain_bytes = sum(map(len, chain))
-        self._check_payload(chain_bytes, now_ms)
+        self._check_payload(chain_bytes, now_ms, requester_child_engine_id)
         lease_id = self._fresh_id(Flow.PREFIX_LOAD, holder_child_engine_id)
 
         lease = _PrefixLoad(
@@ -697,7 +715,7 @@ class LeaseTable:
             transfer_ttl_ms=transfer_ttl_ms,
         )
         self._admit(lease, key)
-        self._keep_payload(lease, chain_bytes)
+        self._keep_payload(lease, chain_bytes, by_requester=True)
         actions: list[Action] = [
             SendPin(
                 child_engine_id=holder_child_engine_id,
@@ -743,7 +761,9 @@ class LeaseTable:
             return LeaseStep(self._view(lease), ())
         actions: list[Action] = []
         lease.pins[rank_key] = (pinned_blocks, descriptor)
-        self._keep_payload(lease, _payload_size(descriptor))  # bounded by the parts
+        # The holder's answer to a pin it was asked for: bounded by the parts, and not
+        # counted against its share (a requester's asks must not exhaust its holders).
+        self._keep_payload(lease, _payload_size(descriptor), by_requester=False)
         if pinned_blocks < lease.min_blocks:
             # One short part caps the whole match: miss now, don't wait for the rest.
             reason = MissReason.SHORT_PIN if pinned_blocks == 0 else MissReason.BELOW_MIN_BLOCKS
@@ -832,7 +852,11 @@ class LeaseTable:
             if decode_child_engine_id is not None:
                 engines.append(decode_child_engine_id)
             self._check_capacity(engines)
-            self._check_payload(len(kv_transfer_params) + _payload_size(descriptor), now_ms)
+            self._check_payload(
+                len(kv_transfer_params) + _payload_size(descriptor),
+                now_ms,
+                prefill_child_engine_id,
+            )
             lease = _Handoff(
                 lease_id=self._fresh_id(Flow.HANDOFF, prefill_child_engine_id),
                 request_id=request_id,
@@ -848,7 +872,7 @@ class LeaseTable:
                 decode_restriction=decode_child_engine_id,
             )
             self._admit(lease, key)
-            self._keep_payload(lease, len(kv_transfer_params))
+            self._keep_payload(lease, len(kv_transfer_params), by_requester=True)
         else:
             found = self._leases[existing_id]
             assert isinstance(found, _Handoff)
@@ -869,9 +893,9 @@ class LeaseTable:
             if lease.state is not LeaseState.WAITING_READY:
                 # Ended before this part arrived: the caller sees the state and frees.
                 return self._published(lease, ())
-            self._check_payload(_payload_size(descriptor), now_ms)
+            self._check_payload(_payload_size(descriptor), now_ms, prefill_child_engine_id)
         lease.published[rank_key] = descriptor
-        self._keep_payload(lease, _payload_size(descriptor))
+        self._keep_payload(lease, _payload_size(descriptor), by_requester=True)
         if len(lease.published) == len(lease.source_rank_keys):
             lease.ready_ms = now_ms
             lease.reason = "every prefill part published; waiting for the decode engine"
@@ -1609,6 +1633,7 @@ class LeaseTable:
                     del self._by_engine[engine]
                     del self._open_by_engine[engine]
         del self._open_ids[lease.lease_id]
+        self._free_requester_share(lease)
         if lease.recovered:
             self._recovered_open -= 1
         if lease.unverified:
@@ -1722,18 +1747,22 @@ class LeaseTable:
                 self._stop_awaiting(lease)  # a source still pinning re-announces it quarantined
             if lease.recovered:
                 continue  # never indexed by request id
-            owner = (
-                lease.target_child_engine_id
-                if isinstance(lease, _PrefixLoad)
-                else lease.source_child_engine_id
-            )
+            owner = _requesting_engine(lease)
             assert owner is not None
             self._by_request.pop((lease.flow, owner, lease.request_id), None)
 
-    def _check_payload(self, more: int, now_ms: int) -> None:
-        """RESOURCE_EXHAUSTED if `more` bytes of engines' data do not fit, even once the
-        ended leases are dropped (nothing changes then but that)."""
+    def _check_payload(self, more: int, now_ms: int, requester: str) -> None:
+        """RESOURCE_EXHAUSTED if `more` bytes that `requester` sends do not fit in its
+        share, or in the table even once the ended leases are dropped (nothing changes
+        then but that)."""
         cfg = self._config
+        own = self._open_payload_by_engine.get(requester, 0)
+        if own + more > cfg.max_payload_bytes_per_engine:
+            raise resource_exhausted(
+                f"child engine {requester!r}'s open leases keep {own} bytes of its chains, "
+                f"kv_transfer_params and descriptors; {more} more would pass the "
+                f"per-engine limit {cfg.max_payload_bytes_per_engine}: retry after some end"
+            )
         if self._payload_bytes + more <= cfg.max_payload_bytes:
             return
         self._purge(now_ms, room_bytes=more)
@@ -1744,9 +1773,32 @@ class LeaseTable:
                 f"{cfg.max_payload_bytes}: retry after some end"
             )
 
-    def _keep_payload(self, lease: _Lease, size: int) -> None:
+    def _keep_payload(self, lease: _Lease, size: int, *, by_requester: bool) -> None:
         lease.payload_bytes += size
         self._payload_bytes += size
+        if by_requester and size:
+            lease.requester_payload_bytes += size
+            engine = _requesting_engine(lease)
+            assert engine is not None
+            self._open_payload_by_engine[engine] = (
+                self._open_payload_by_engine.get(engine, 0) + size
+            )
+
+    def _free_requester_share(self, lease: _Lease) -> None:
+        """An ended lease no longer counts against its requester's share."""
+        if not lease.requester_payload_bytes:
+            return
+        engine = _requesting_engine(lease)
+        assert engine is not None
+        left = self._open_payload_by_engine[engine] - lease.requester_payload_bytes
+        if left:
+            self._open_payload_by_engine[engine] = left
+        else:
+            del self._open_payload_by_engine[engine]
+
+    def open_payload_by_engine(self) -> dict[str, int]:
+        """Bytes each engine sent that its open leases keep (absent: none)."""
+        return dict(self._open_payload_by_engine)
 
     @property
     def payload_bytes(self) -> int:

@@ -851,6 +851,46 @@ def test_kept_payload_is_bounded_ended_leases_go_first_then_new_ones_are_refused
     assert t.payload_bytes == 2 * per_lease + sum(map(len, CHAIN))
 
 
+def test_one_engine_cannot_take_the_shared_payload_bound_from_the_others() -> None:
+    """What an engine sends (a prefill's parameters and descriptors, a requester's
+    chains) counts against its own share while its leases are open: past it that
+    engine is refused, another is not, and the holders' answers are not charged."""
+    t = table(max_payload_bytes=100_000, max_payload_bytes_per_engine=5_000)
+    big = bytes(1_000)
+    per_lease = 2 * 1_001 + len(PARAMS)
+
+    def handoff(request_id: str) -> str:
+        lease_id = ""
+        for key in TP2:
+            lease_id = publish(t, key, big + bytes([key[0]]), request_id).view.lease_id
+        return lease_id
+
+    first = handoff("h1")
+    handoff("h2")
+    assert t.open_payload_by_engine() == {PRE: 2 * per_lease}
+    # PRE's share is full, the table is not: PRE is refused, and nothing changes.
+    error = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: publish(t, TP2[0], big, "h3"))
+    assert f"child engine {PRE!r}'s open leases keep {2 * per_lease} bytes" in error.message
+    assert "per-engine limit 5000" in error.message
+    # Another engine's requests still fit; a holder's descriptors are not its own share.
+    chain = tuple(bytes([i]) * 500 for i in range(8))
+    load = open_load(t, "r1", chain=chain)
+    for key in TP2:
+        t.on_pin_result(load, HOLD, key, 8, big * 3, T0 + 10)
+    assert t.open_payload_by_engine() == {PRE: 2 * per_lease, REQ: 4_000}
+    assert t.payload_bytes == 2 * per_lease + 4_000 + 6_000
+    # A chain past the requester's share is refused, as a prefill's parameters were.
+    refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: open_load(t, "r2", chain=chain))
+    # An ended lease frees its engine's share (its bytes are kept until room is needed).
+    begin(t, "h1", now=T0 + 5)
+    for key in TP2:
+        t.complete_handoff(first, DEC, key, Outcome.SUCCEEDED, T0 + 50)
+    assert t.open_payload_by_engine() == {PRE: per_lease, REQ: 4_000}
+    assert t.payload_bytes == 2 * per_lease + 10_000
+    handoff("h3")
+    assert t.open_payload_by_engine()[PRE] == 2 * per_lease
+
+
 def test_flows_never_share_a_lease() -> None:
     t = table()
     load_id = granted_load(t)

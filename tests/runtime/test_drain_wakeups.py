@@ -202,6 +202,50 @@ async def test_cancelled_begins_do_not_pile_up_behind_a_long_wait_and_waits_are_
         assert not core._begin_keys
 
 
+async def test_one_decode_engine_cannot_take_every_waiting_begin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Waiting BeginHandoff calls are bounded per decode engine too: one engine at its
+    share is refused, and another still waits."""
+    import coordinator.core.grants as grants
+
+    monkeypatch.setattr(grants, "MAX_WAITING_BEGINS_PER_ENGINE", 2)
+    async with manual_coordinator() as rig:
+        flow = rig.coordinator.leases
+        rig.register("dec")
+        rig.register("dec2")
+        core = flow.core
+        waits = [
+            asyncio.ensure_future(
+                flow.begin_handoff(BeginHandoffRequest(f"w{i}", "pre", "dec", 600_000))
+            )
+            for i in range(2)
+        ]
+        await settle()
+        with pytest.raises(KvrcError) as refused:
+            await flow.begin_handoff(BeginHandoffRequest("w2", "pre", "dec", 600_000))
+        assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert "decode engine 'dec' has 2 BeginHandoff calls waiting" in refused.value.message
+        assert len(core._begin_keys) == 2
+        other = asyncio.ensure_future(
+            flow.begin_handoff(BeginHandoffRequest("w3", "pre", "dec2", 600_000))
+        )
+        await settle()
+        assert len(core._begin_keys) == 3 and not other.done()
+        # A settled wait gives its engine's place back.
+        waits[0].cancel()
+        await settle()
+        again = asyncio.ensure_future(
+            flow.begin_handoff(BeginHandoffRequest("w4", "pre", "dec", 600_000))
+        )
+        await settle()
+        assert len(core._begin_keys) == 3 and not again.done()
+        for w in [waits[1], other, again]:
+            w.cancel()
+        await settle()
+        assert not core._begin_keys and not core._waiting_by_decode
+
+
 async def test_the_payload_gauge_follows_what_the_lease_table_keeps() -> None:
     async with manual_coordinator() as rig:
         flow = rig.coordinator.leases

@@ -70,6 +70,7 @@ REQUEST_IDS = ("r0", "r1", "r2", "r3")
 CONFIG = LeaseConfig(
     max_open_leases=12,
     max_open_leases_per_engine=6,
+    max_payload_bytes_per_engine=32,  # a whole chain (24 bytes) and a bit: reached now and then
     abort_timeout_ms=1_000,
     handoff_heartbeat_timeout_ms=1_500,
     handoff_publish_timeout_ms=3_000,
@@ -792,3 +793,16 @@ class LeaseMachine(RuleBasedStateMachine):
     def kept_payload_is_the_sum_over_kept_leases_and_bounded(self) -> None:
         kept = sum(lease.payload_bytes for lease in self.table._leases.values())
         assert self.table.payload_bytes == kept <= CONFIG.max_payload_bytes
+        # Each engine's share: what it sent that its open leases keep.
+        shares: Counter[str] = Counter()
+        for view in self.table.list_leases():
+            lease = self.table._leases[view.lease_id]
+            requester = (
+                view.target_child_engine_id
+                if view.flow is Flow.PREFIX_LOAD
+                else view.source_child_engine_id
+            )
+            assert requester is not None
+            shares[requester] += lease.requester_payload_bytes
+        assert self.table.open_payload_by_engine() == {e: n for e, n in shares.items() if n}
+        assert all(n <= CONFIG.max_payload_bytes_per_engine for n in shares.values())
