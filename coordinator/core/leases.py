@@ -1353,6 +1353,11 @@ class LeaseTable:
         if not isinstance(outcome, Outcome):
             raise invalid(f"outcome must be SUCCEEDED, FAILED or UNKNOWN, got {outcome!r}")
         if lease.recovered and lease.target_child_engine_id is None:
+            if lease.state in TERMINAL_STATES:
+                # Ended before any target reported (resolved, or its holder gone): a
+                # late report binds nothing, or the ended lease would stay indexed
+                # under the reporter after its purge.
+                return LeaseStep(self._view(lease), ())
             self._bind_recovered_target(
                 lease, reporter_child_engine_id, reporter_rank_keys, rank_key
             )

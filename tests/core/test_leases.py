@@ -1111,3 +1111,28 @@ def test_recovered_leases_are_bounded_and_never_take_the_table_from_live_grants(
     # One recovered lease resolved by the operator: another may be rebuilt.
     t.resolve_quarantine("pl-0", T0 + 1)
     assert recover("pl-y", "h9").view.state is LeaseState.QUARANTINED
+
+
+@pytest.mark.parametrize("ended_by", ["operator", "holder gone"])
+def test_a_late_report_on_an_ended_recovered_lease_binds_no_target(ended_by: str) -> None:
+    """A recovered lease gets its target from the first report. One that came after the
+    lease had ended bound it anyway: the ended lease stayed indexed under the reporter,
+    counted as its open lease for good, and once purged every call that reads the
+    reporter's leases (its next registration, its drain, its going) raised KeyError."""
+    t = table(terminal_retention_ms=1_000)
+    recovered(t, "pl-late")
+    if ended_by == "operator":
+        t.resolve_quarantine("pl-late", T0 + 1)
+    else:
+        t.on_engine_gone(HOLD, T0 + 1)
+    ended = t.get("pl-late").state
+    assert ended in (LeaseState.RESOLVED, LeaseState.FAILED)
+    late = t.complete_prefix_load(
+        "pl-late", REQ, TP2[0], Outcome.SUCCEEDED, T0 + 2, reporter_rank_keys=TP2
+    )
+    assert late.view.state is ended and late.actions == ()
+    assert late.view.target_child_engine_id is None
+    assert dict(t.open_counts_by_engine()) == {} and t.leases_of(REQ) == []
+    t.tick(T0 + 5_000)  # purged
+    assert not t.knows("pl-late")
+    assert t.leases_of(REQ) == [] and t.on_engine_gone(REQ, T0 + 6_000) == []
