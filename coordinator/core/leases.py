@@ -759,10 +759,12 @@ class LeaseTable:
         if lease.state is not LeaseState.PINNING:
             # Late answer (timed out, missed, holder drained): its release was already sent.
             return LeaseStep(self._view(lease), ())
+        # The holder's answer to a pin it was asked for: not counted against its share
+        # (a requester's asks must not exhaust its holders), but within the table's bound.
+        # Past it the answer is refused and the pin timeout releases the part.
+        self._check_payload(_payload_size(descriptor), now_ms, None)
         actions: list[Action] = []
         lease.pins[rank_key] = (pinned_blocks, descriptor)
-        # The holder's answer to a pin it was asked for: bounded by the parts, and not
-        # counted against its share (a requester's asks must not exhaust its holders).
         self._keep_payload(lease, _payload_size(descriptor), by_requester=False)
         if pinned_blocks < lease.min_blocks:
             # One short part caps the whole match: miss now, don't wait for the rest.
@@ -1538,10 +1540,17 @@ class LeaseTable:
             # A handoff nobody began: nothing was read either.
             self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
             return
-        if state not in (LeaseState.ACTIVE, LeaseState.ABORTING):
-            # QUARANTINED: no proof to wait for is certain; fail closed (operator's call).
+        awaiting_proofs = (
+            state is LeaseState.QUARANTINED and bool(lease.abort_pending) and not lease.recovered
+        )
+        if state not in (LeaseState.ACTIVE, LeaseState.ABORTING) and not awaiting_proofs:
+            # QUARANTINED with no proof to wait for (its target gone too, or a recovered
+            # lease): fail closed (operator's call).
             self._end(lease, LeaseState.FAILED, text, now_ms, actions)
             return
+        # A quarantine that awaits its target's proofs ends as a read in flight does: the
+        # release follows the proofs, so a source back from a blip gets it (before, it
+        # ended with no release decided, and its pins stayed with nobody to resolve them).
         # The target may still read (I6-quiescence): each part not yet proven quiet is
         # told to stop, and the release waits for its proof (`_release_once_quiet`).
         owing = [
@@ -1553,7 +1562,7 @@ class LeaseTable:
         if untold:
             if state is LeaseState.ACTIVE:
                 self._send_aborts(lease, untold, text, actions)
-            else:  # ABORTING: already counted once
+            else:  # ABORTING or QUARANTINED: already counted once
                 actions.extend(_abort_messages(lease, untold, text))
         lease.abort_pending = set(owing)
         self._end(lease, LeaseState.FAILED, text, now_ms, actions)
@@ -1756,13 +1765,13 @@ class LeaseTable:
             assert owner is not None
             self._by_request.pop((lease.flow, owner, lease.request_id), None)
 
-    def _check_payload(self, more: int, now_ms: int, requester: str) -> None:
+    def _check_payload(self, more: int, now_ms: int, requester: str | None) -> None:
         """RESOURCE_EXHAUSTED if `more` bytes that `requester` sends do not fit in its
-        share, or in the table even once the ended leases are dropped (nothing changes
-        then but that)."""
+        share (None: counted in no share), or in the table even once the ended leases
+        are dropped (nothing changes then but that)."""
         cfg = self._config
-        own = self._open_payload_by_engine.get(requester, 0)
-        if own + more > cfg.max_payload_bytes_per_engine:
+        own = 0 if requester is None else self._open_payload_by_engine.get(requester, 0)
+        if requester is not None and own + more > cfg.max_payload_bytes_per_engine:
             raise resource_exhausted(
                 f"child engine {requester!r}'s open leases keep {own} bytes of its chains, "
                 f"kv_transfer_params and descriptors; {more} more would pass the "

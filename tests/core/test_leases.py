@@ -1136,3 +1136,53 @@ def test_a_late_report_on_an_ended_recovered_lease_binds_no_target(ended_by: str
     t.tick(T0 + 5_000)  # purged
     assert not t.knows("pl-late")
     assert t.leases_of(REQ) == [] and t.on_engine_gone(REQ, T0 + 6_000) == []
+
+
+def test_a_quarantine_whose_holder_is_declared_gone_is_released_once_proven_quiet() -> None:
+    """A quarantined lease whose holder was declared gone (maybe a blip) ended with no
+    release decided: the requester's proof was ignored, the holder back re-announcing
+    got nothing, and ResolveQuarantine refused an ended lease, so its pins stayed."""
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.SUCCEEDED, T0 + 50)
+    quarantined = t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.UNKNOWN, T0 + 60)
+    assert quarantined.view.state is LeaseState.QUARANTINED
+    assert [a.rank_key for a in of(quarantined.actions, SendAbort)] == [TP2[0]]
+    gone = t.on_engine_gone(HOLD, T0 + 100)
+    assert t.get(lease_id).state is LeaseState.FAILED
+    assert of(gone, SendRelease) == []  # TP2[0] may still read (I6-quiescence)
+    assert reannounce(t, lease_id, TP2[0]) == []
+    # The requester's ack is the proof: the release is decided then, and re-sent.
+    proven = t.on_abort_ack(lease_id, REQ, TP2[0], T0 + 200)
+    assert [a.rank_key for a in of(proven.actions, SendRelease)] == list(TP2)
+    assert reannounce(t, lease_id, TP2[1]) == [("SendRelease", TP2[1])]
+
+
+def test_a_quarantine_with_no_proof_to_await_still_fails_closed_when_its_holder_goes() -> None:
+    t = table()
+    lease_id = granted_load(t)
+    t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.UNKNOWN, T0 + 50)
+    t.on_engine_gone(REQ, T0 + 60)  # the requester gone: nobody left to prove anything
+    assert t.get(lease_id).state is LeaseState.QUARANTINED
+    gone = t.on_engine_gone(HOLD, T0 + 100)
+    assert t.get(lease_id).state is LeaseState.FAILED and of(gone, SendRelease) == []
+    assert reannounce(t, lease_id, TP2[0]) == []
+
+
+def test_a_holders_descriptor_past_the_payload_bound_is_refused_and_the_pin_times_out() -> None:
+    """A pin's answer was kept unchecked: one holder answering with large descriptors
+    took the table past max_payload_bytes, and every later request was refused."""
+    t = table(max_payload_bytes=1_000)
+    lease_id = open_load(t)
+    error = refused(
+        t,
+        ErrorCode.RESOURCE_EXHAUSTED,
+        lambda: t.on_pin_result(lease_id, HOLD, TP2[0], 8, bytes(5_000), T0 + 10),
+    )
+    assert "5000 more would pass the limit 1000" in error.message
+    assert t.payload_bytes == sum(map(len, CHAIN))
+    # A descriptor that fits is taken; the refused part is released at the pin timeout.
+    t.on_pin_result(lease_id, HOLD, TP2[1], 8, bytes(100), T0 + 20)
+    actions = t.tick(T0 + 500)
+    assert t.get(lease_id).miss_reason is MissReason.PIN_TIMEOUT
+    assert [a.rank_key for a in of(actions, SendRelease)] == list(TP2)

@@ -670,8 +670,14 @@ class LeaseMachine(RuleBasedStateMachine):
                 self.proofs_closed.add(lid)  # quarantined or released: nobody left to ask
             if self.source[lid] == which and state in running:
                 self.source_died.add(lid)
-            elif self.source[lid] == which and state is LeaseState.QUARANTINED:
-                self.proofs_closed.add(lid)  # ends FAILED, fail closed
+            elif (
+                self.source[lid] == which
+                and state is LeaseState.QUARANTINED
+                and lid not in self.proofs_closed
+            ):
+                # Ends FAILED; its release follows the proofs it awaits (as a read in
+                # flight). With none to await it fails closed.
+                self.source_died.add(lid)
         self.apply(self.table.on_engine_gone(which, self.now), gone=which)
         # Nothing of a dead engine stays open, except quarantines it was the target of.
         for view in self.table.leases_of(which):
