@@ -948,7 +948,9 @@ class Grants:
         return entry[1] in self._begin_keys
 
     def fail_all_begins(self) -> tuple[GrantAction, ...]:
-        """Shutting down: every waiting begin ends (DEADLINE_EXCEEDED, as a wait that ran out)."""
+        """Shutting down: every waiting begin ends UNAVAILABLE, as a waiting prefix load
+        does: its wait has not run out, and a client retries UNAVAILABLE at the next
+        coordinator (DEADLINE_EXCEEDED would make the decode give the handoff up)."""
         actions: list[GrantAction] = []
         for waiting in self._begins.values():
             for pending in waiting:
@@ -956,10 +958,10 @@ class Grants:
                 actions.append(
                     HandoffBeginFailed(
                         pending.token,
-                        ErrorCode.DEADLINE_EXCEEDED,
-                        f"handoff for request {req.request_id!r} of "
-                        f"{req.prefill_child_engine_id!r} was not READY within "
-                        f"{req.wait_timeout_ms} ms: {pending.last_error}",
+                        ErrorCode.UNAVAILABLE,
+                        f"the coordinator is shutting down: retry at the next one (handoff "
+                        f"for request {req.request_id!r} of {req.prefill_child_engine_id!r} "
+                        f"was not READY yet: {pending.last_error})",
                     )
                 )
         self._begins.clear()

@@ -9,12 +9,14 @@ UNAVAILABLE, changing nothing, and the engine retries at the next coordinator.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from manual_rig import CHAIN, drain_outbound, manual_coordinator
 from test_cost_gate import load, register
 
 from coordinator.core.errors import ErrorCode, KvrcError
-from coordinator.core.grants import PrefixLoadRequest, TransferReport
+from coordinator.core.grants import BeginHandoffRequest, PrefixLoadRequest, TransferReport
 from coordinator.core.leases import LeaseState, Outcome, SendPin, SendRelease
 
 
@@ -49,3 +51,23 @@ async def test_a_report_during_the_shutdown_is_refused_and_changes_nothing(closi
         assert c.status().leases == before
         assert c.leases.table.get(lease_id).state is LeaseState.ACTIVE
         assert not [m for m in drain_outbound(holder) if isinstance(m, (SendRelease, SendPin))]
+
+
+async def test_a_begin_waiting_at_the_shutdown_is_told_to_retry_at_the_next_coordinator() -> None:
+    """It got DEADLINE_EXCEEDED, as if its wait had run out, and the decode gave the
+    handoff up; a waiting prefix load got UNAVAILABLE, which the client retries."""
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        register(rig, "dec")
+        begin = asyncio.ensure_future(
+            c.leases.begin_handoff(BeginHandoffRequest("h1", "pre", "dec", 60_000))
+        )
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not begin.done()
+        await c.leases.shutdown()
+        with pytest.raises(KvrcError) as refused:
+            await begin
+        assert refused.value.code is ErrorCode.UNAVAILABLE
+        assert "shutting down: retry at the next one" in refused.value.message
+        assert "'h1' of 'pre' was not READY yet" in refused.value.message
