@@ -473,6 +473,9 @@ class LeaseFlow:
         self._send(release.child_engine_id, release.rank_key, release, log_unsent=False)
 
     def resolve_quarantine(self, lease_id: str, operator_note: str) -> LeaseView:
+        # Its release could no longer reach the holder: resolve at the next coordinator,
+        # which rebuilds the lease quarantined from the holder's re-announcement.
+        self._check_open()
         view, actions = self.core.resolve_quarantine(lease_id, self._clock.monotonic_ms())
         log.warning(
             "quarantine of %s lease %s resolved by an operator: %s",

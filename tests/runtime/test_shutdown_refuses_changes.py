@@ -40,6 +40,7 @@ async def test_a_report_during_the_shutdown_is_refused_and_changes_nothing(closi
         for call in (
             lambda: c.leases.complete_prefix_load(report),
             lambda: c.leases.extend_handoff("ho-x", "r"),
+            lambda: c.leases.resolve_quarantine(lease_id, "an operator's call"),
         ):
             with pytest.raises(KvrcError) as refused:
                 call()
