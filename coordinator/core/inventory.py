@@ -134,6 +134,22 @@ def _key(block_hash: BlockHash) -> _Key:
 _NO_LEASES: Mapping[str, int] = MappingProxyType({})
 _CANDIDATE_CACHE = 4096  # Candidate values kept for reuse, per inventory
 _ENGINE_CANDIDATES = 256  # per engine: its GPU, no-expiry, no-lease Candidate by matched
+_GROUP_CACHE = 1024  # per compatibility: tied groups' Candidates (_CompatSlots.groups)
+
+
+def _first_in_id_order(
+    by_id: list[_Engine], bits: int, count: int, held: int
+) -> list[_Engine | None]:
+    """The first `count` of the `held` engines of `bits`, in id order."""
+    if count >= held:
+        return [e for e in by_id if e.bit & bits]  # all of them: no early stop to make
+    members: list[_Engine | None] = []
+    for eng in by_id:
+        if eng.bit & bits:
+            members.append(eng)
+            if len(members) == count:
+                break
+    return members
 
 
 def _engine_id(engine: _Engine | None) -> str:
@@ -265,7 +281,7 @@ class _ScopeIndex:
 
 
 class _CompatSlots:
-    __slots__ = ("by_id", "engines", "free_slots", "scopes", "serving", "visible")
+    __slots__ = ("by_id", "engines", "free_slots", "groups", "scopes", "serving", "visible")
 
     def __init__(self) -> None:
         self.engines: list[_Engine | None] = []
@@ -274,6 +290,10 @@ class _CompatSlots:
         self.visible = 0  # bits of READY, fresh engines
         self.serving = 0  # bits of serving, fresh engines: their own matches count (Score)
         self.scopes: dict[int, _ScopeIndex] = {}
+        # (matched, bits, count) -> the Candidates of the first `count` engines of `bits`
+        # in id order: a tie's answer, built once while the engines stay the same
+        # (cleared whenever `by_id` changes, and when full).
+        self.groups: dict[tuple[int, int, int], tuple[Candidate, ...]] = {}
 
 
 class _EngineScope:
@@ -419,6 +439,7 @@ class Inventory:
         compat.engines[slot] = engine
         compat.by_id.append(engine)
         compat.by_id.sort(key=lambda e: e.child_engine_id)
+        compat.groups.clear()
         self._engines[child_engine_id] = engine
         self._state_counts[_EngineState.NOT_READY] += 1
 
@@ -439,6 +460,7 @@ class Inventory:
         compat.serving &= ~engine.bit
         compat.engines[engine.slot] = None
         compat.by_id.remove(engine)
+        compat.groups.clear()
         heapq.heappush(compat.free_slots, engine.slot)
         self._state_counts[engine.state] -= 1
         del self._engines[child_engine_id]
@@ -747,9 +769,7 @@ class Inventory:
             elif n > need or 4 * n >= len(by_id):
                 # A big tie, or most of the engines: walk them in id order; when
                 # neither tier nor leases can reorder them, the first `need` are it.
-                members = [e for e in by_id if e.bit & bits]
-                if simple:
-                    members = members[:need]
+                members = _first_in_id_order(by_id, bits, need if simple else n, n)
             else:
                 ranked = False
                 members = []
@@ -971,6 +991,7 @@ class Inventory:
         engine hands out its Candidate for that many matched blocks again."""
         engines = compat.engines
         by_id = compat.by_id
+        groups = compat.groups
         candidates: list[Candidate] = []
         for matched, bits in reversed(dropped):
             need = max_candidates - len(candidates)
@@ -978,18 +999,26 @@ class Inventory:
                 break
             n = bits.bit_count()
             members: list[_Engine | None]
+            group_key = None
             if n == 1:
                 members = [engines[bits.bit_length() - 1]]
-            elif n > need or 4 * n >= len(by_id):
-                members = [e for e in by_id if e.bit & bits]
-                del members[need:]
             else:
-                members = []
-                while bits:
-                    low = bits & -bits
-                    bits ^= low
-                    members.append(engines[low.bit_length() - 1])
-                members.sort(key=_engine_id)
+                group_key = (matched, bits, min(n, need))
+                group = groups.get(group_key)
+                if group is not None:
+                    candidates.extend(group)
+                    continue
+                if n > need or 4 * n >= len(by_id):
+                    # The first `need` of them in id order: stop once they are found (a
+                    # top-4 answer from a tie of 31 engines looks at ~4, not all 32).
+                    members = _first_in_id_order(by_id, bits, need, n)
+                else:
+                    members = []
+                    while bits:
+                        low = bits & -bits
+                        bits ^= low
+                        members.append(engines[low.bit_length() - 1])
+                    members.sort(key=_engine_id)
             for eng in members:
                 assert eng is not None
                 cand = eng.candidates.get(matched)
@@ -1000,6 +1029,10 @@ class Inventory:
                         eng.child_engine_id, matched, Tier.GPU, 0, 0
                     )
                 candidates.append(cand)
+            if group_key is not None:
+                if len(groups) >= _GROUP_CACHE:
+                    groups.clear()
+                groups[group_key] = tuple(candidates[-len(members) :])
         return LookupAnswer(LookupOutcome.HIT, tuple(candidates), best)
 
     # ------------------------------------------------------------------ expiry

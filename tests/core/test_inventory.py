@@ -541,6 +541,30 @@ def test_churn_does_not_grow_memory() -> None:
     assert grown < 600_000, grown
 
 
+def test_a_tied_groups_answer_is_built_once_and_never_outlives_its_engines() -> None:
+    """A tie's Candidates are kept per (matched, engines, count) for the next lookup;
+    an engine that leaves, and another that takes its slot, must not be answered from
+    them."""
+    inv = ready_inventory(("e1", A), ("e2", A), ("e3", A))
+    c = chain(6)
+    for eid in ("e1", "e2", "e3"):
+        inv.apply(eid, [stored(c)])
+    first = inv.lookup(Scope(A), c, now_ms=0, max_candidates=2)
+    assert [(x.child_engine_id, x.matched_blocks) for x in first.candidates] == [
+        ("e1", 6),
+        ("e2", 6),
+    ]
+    again = inv.lookup(Scope(A), c, now_ms=0, max_candidates=2)
+    assert all(a is b for a, b in zip(again.candidates, first.candidates, strict=True))
+    assert ids(inv, c) == [("e1", 6), ("e2", 6), ("e3", 6)]  # another count: its own
+    inv.remove_engine("e2")
+    inv.add_engine("e0", A)  # takes e2's slot: the same bits
+    inv.set_ready("e0", True)
+    inv.apply("e0", [stored(c)])
+    assert ids(inv, c, max_candidates=2) == [("e0", 6), ("e1", 6)]
+    assert ids(inv, c) == [("e0", 6), ("e1", 6), ("e3", 6)]
+
+
 # ------------------------------------------------------------- complexity, by counting
 
 
