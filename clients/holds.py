@@ -6,8 +6,10 @@ frees them itself a while after the lease should have ended. Two rules keep
 that net from ever freeing blocks a read may still reach:
 
 - the wait runs on this process's monotonic clock. A pin's deadline arrives as
-  the coordinator's wall-clock time; its remaining part is read once, clamped
-  to `MAX_PIN_TTL_S`, so a step of either wall clock later moves nothing;
+  the coordinator's wall-clock time, the latest moment kvrc can still decide to
+  quarantine the lease (its abort timeout included); its remaining part is read
+  once, clamped to `MAX_PIN_TTL_S`, so a step of either wall clock later moves
+  nothing, and the grace covers the notice's way and the clocks' skew;
 - a quarantined lease is never freed here: its outcome is unknown, only kvrc's
   release (every target part reported, or an operator resolved it) ends it.
 
@@ -24,8 +26,12 @@ from collections import OrderedDict
 PIN_SAFETY_GRACE_S = 60.0
 # The deadline assumed for a PinRequest that names none.
 DEFAULT_PIN_TTL_S = 60.0
-# kvrc's longest transfer TTL (coordinator/core/leases.py, LeaseConfig.max_transfer_ttl_ms).
-MAX_PIN_TTL_S = 600.0
+# The longest a pin's deadline is believed ahead, whatever a wrong wall clock says. A
+# deadline is when kvrc has ended or quarantined the lease at the latest: its pin
+# timeout (at most 60 s) + transfer TTL (at most 600 s) + abort timeout (60 s unless
+# raised; coordinator/core/leases.py, LeaseConfig), so an hour leaves room for a raised
+# abort timeout.
+MAX_PIN_TTL_S = 3600.0
 # Quarantine notices remembered for holds that are not known here yet (bounded).
 MAX_EARLY_QUARANTINES = 4096
 

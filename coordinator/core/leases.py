@@ -266,7 +266,9 @@ class SendPin:
     lease_id: str
     block_hashes: tuple[BlockHash, ...]
     requester_child_engine_id: str
-    deadline_ms: int  # latest the lease can be granted until (pin timeout + TTL)
+    # Latest the lease can stay open before it ends or is quarantined (pin timeout + TTL
+    # + abort timeout): the holder's safety net waits past it (clients/holds.py, I6).
+    deadline_ms: int
     group_idx: int
 
 
@@ -723,7 +725,7 @@ class LeaseTable:
                 lease_id=lease_id,
                 block_hashes=chain[: pin_blocks or len(chain)],
                 requester_child_engine_id=requester_child_engine_id,
-                deadline_ms=lease.pin_deadline_ms + transfer_ttl_ms,
+                deadline_ms=lease.pin_deadline_ms + transfer_ttl_ms + cfg.abort_timeout_ms,
                 group_idx=group_idx,
             )
             for rank_key in holder_grid

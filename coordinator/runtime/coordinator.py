@@ -101,11 +101,12 @@ log = logging.getLogger("kvrc.coordinator")
 DEFAULT_WARMUP_MS = 10_000
 # State file writes are coalesced: registrations come in bursts after a restart.
 _STATE_WRITE_DELAY_MS = 200
-# How long a holder keeps a pin whose release never came, at most, unless quarantined
-# (the engine side's safety net, clients/holds.py: the longest pin TTL, 600 s, plus its
-# 60 s grace). A lease left to its owner longer ago is not rebuilt when the owner falls
-# silent: the holder has freed it.
-LEFT_TO_OWNER_KEPT_MS = 660_000
+# How long a holder keeps a pin whose release never came, at most, unless quarantined,
+# beyond kvrc's abort timeout (the engine side's safety net, clients/holds.py: the
+# longest pin timeout and TTL, 60 + 600 s, plus its 60 s grace; the pin's deadline adds
+# the abort timeout). A lease left to its owner longer ago is not rebuilt when the
+# owner falls silent: the holder has freed it.
+LEFT_TO_OWNER_KEPT_MS = 720_000
 
 
 # --- outbound session messages (encoded by wire.py) ----------------------------
@@ -947,7 +948,8 @@ class Coordinator:
         own pin deadline, and the requester's report finds no lease). Not one the owner
         released, nor one left so long ago that the holder has freed it by itself (unless
         the owner had quarantined it: that one the holder keeps)."""
-        expired_ms = self.clock.monotonic_ms() - LEFT_TO_OWNER_KEPT_MS
+        kept_ms = LEFT_TO_OWNER_KEPT_MS + self.config.leases.abort_timeout_ms
+        expired_ms = self.clock.monotonic_ms() - kept_ms
         for session_id, left in list(self._left_to_owner.items()):
             held = [h for h in left.held.values() if owner_of_lease_id(h.lease_id) == origin]
             if not held:

@@ -1168,7 +1168,9 @@ class PinRequest(_message.Message):
     lease_id: _builtins.str
     requester_child_engine_id: _builtins.str
     deadline_unix_ms: _builtins.int
-    """the pin is held at most until then + grace"""
+    """The lease ends or is quarantined by then (pin timeout + TTL + abort timeout):
+    without kvrc's release the pin is held until then + the holder's grace.
+    """
     group_idx: _builtins.int
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...

@@ -1186,3 +1186,24 @@ def test_a_holders_descriptor_past_the_payload_bound_is_refused_and_the_pin_time
     actions = t.tick(T0 + 500)
     assert t.get(lease_id).miss_reason is MissReason.PIN_TIMEOUT
     assert [a.rank_key for a in of(actions, SendRelease)] == list(TP2)
+
+
+def test_a_pins_deadline_is_never_before_the_lease_can_be_quarantined() -> None:
+    """The holder's safety net frees a pin a grace after its deadline. The deadline was
+    pin timeout + TTL: a load granted at the end of its pin timeout, whose abort went
+    unacknowledged, was quarantined a whole abort timeout later, as late as the net
+    (I6-quiescence: the net must never free what kvrc may still quarantine)."""
+    t = table(abort_timeout_ms=90_000)
+    step = open_load_step(t, pin_timeout_ms=500, transfer_ttl_ms=5_000)
+    deadline = of(step.actions, SendPin)[0].deadline_ms
+    lease_id = step.view.lease_id
+    for key in TP2:
+        t.on_pin_result(lease_id, HOLD, key, 8, None, T0 + 499)  # granted at the last ms
+    t.tick(T0 + 499 + 5_000)  # the TTL: aborts
+    assert t.get(lease_id).state is LeaseState.ABORTING
+    quarantined_at = T0 + 499 + 5_000 + 90_000
+    t.tick(quarantined_at - 1)
+    assert t.get(lease_id).state is LeaseState.ABORTING
+    actions = t.tick(quarantined_at)
+    assert t.get(lease_id).state is LeaseState.QUARANTINED and of(actions, SendQuarantine)
+    assert quarantined_at <= deadline == T0 + 500 + 5_000 + 90_000
