@@ -559,12 +559,17 @@ class EngineSession:
     async def _write(self, call: _Call, message: pb.EngineMessage) -> None:
         """One write on `call`, bounded: a write that waits out the write timeout (flow
         control full against a frozen coordinator) breaks the stream, as a read error does,
-        instead of holding the write lock, and every writer behind it, for ever."""
+        instead of holding the write lock, and every writer behind it, for ever.
+
+        The write runs in its own task, shielded: grpc.aio cancels the whole call when
+        the task awaiting a write is cancelled, so one caller that gave up (its task
+        cancelled) would end the session of every other. Its message still goes out."""
         timeout_s = self.write_timeout_s
+        write = asyncio.ensure_future(self._locked_write(call, message))
+        write.add_done_callback(_retrieve)
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._write_lock:
-                    await call.write(message)
+                await asyncio.shield(write)
         except TimeoutError:
             self._break(call, f"a write to the coordinator did not complete in {timeout_s:g} s")
             raise UnavailableError(
@@ -583,6 +588,10 @@ class EngineSession:
             raise UnavailableError(
                 grpc.StatusCode.UNAVAILABLE, "the session stream ended"
             ) from None
+
+    async def _locked_write(self, call: _Call, message: pb.EngineMessage) -> None:
+        async with self._write_lock:
+            await call.write(message)
 
     def _break(self, call: _Call, why: str) -> None:
         """Ends a stream that is alive to grpc but not to us; the runner reconnects.
@@ -795,6 +804,12 @@ class EngineSession:
                     return
                 beat = pb.Heartbeat(client_time_unix_ms=time.time_ns() // 1_000_000)
                 await self._write(call, pb.EngineMessage(heartbeat=beat))
+
+
+def _retrieve(write: asyncio.Future[None]) -> None:
+    """A shielded write's error is seen by its caller, unless the caller went away."""
+    if not write.cancelled():
+        write.exception()
 
 
 def _cancelled_locally() -> bool:

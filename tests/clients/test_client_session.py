@@ -63,3 +63,33 @@ async def test_a_protocol_error_later_is_recorded_and_logged_with_its_text(
         assert kvrc.grpc_target in said[0]
     finally:
         await session.close()
+
+
+async def test_a_caller_cancelled_mid_write_does_not_end_the_session(
+    kvrc: CoordinatorProcess,
+) -> None:
+    """grpc.aio cancels the whole call when the task awaiting a write is cancelled: an
+    engine task cancelled while it sent a PinResult or a session call (its request went
+    away) ended the session of every other caller, lost what they had in flight, and
+    made the part register again."""
+    session = EngineSession(kvrc.grpc_target, registration("canceller"), reconnect=False)
+    await session.start()
+    try:
+        stream = session._call
+        assert stream is not None
+        for i in range(20):
+            beat = pb.Heartbeat(client_time_unix_ms=i)
+            writer = asyncio.ensure_future(session._send(pb.EngineMessage(heartbeat=beat)))
+            await asyncio.sleep(0)  # the write has begun
+            writer.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await writer
+        await asyncio.sleep(0.2)
+        assert session.connected and session._call is stream and not stream.done()
+        assert session.last_error is None
+        # The stream still carries what comes next.
+        await session._send(pb.EngineMessage(heartbeat=pb.Heartbeat(client_time_unix_ms=99)))
+        await asyncio.sleep(0.2)
+        assert not stream.done()
+    finally:
+        await session.close()
