@@ -390,6 +390,9 @@ class Inventory:
         # (expiry_ms, tie-breaker, engine, group_idx, (block key,)): one item per expiry set
         self._expiry_heap: list[tuple[int, int, _Engine, int, tuple[_Key, ...]]] = []
         self._expiring_entries = 0  # (block, engine) pairs with an expiry, all engines
+        # Keys the heap's items hold, stale ones included: an item holds one event's keys
+        # (up to 4,096), so the heap's bound counts keys, not items (I8-bad-input).
+        self._heap_keys = 0
         self._heap_seq = itertools.count()
         # (id, -matched, tier, expiry, leases) -> the Candidate: bounded, cleared when full
         self._candidates: dict[tuple[str, int, int, int, int], Candidate] = {}
@@ -1045,6 +1048,7 @@ class Inventory:
         while heap and heap[0][0] <= now_ms and visited < budget:
             exp, _, engine, group_idx, hashes = heapq.heappop(heap)
             visited += len(hashes)
+            self._heap_keys -= len(hashes)
             if engine.removed:
                 continue
             es = engine.scopes.get(group_idx)
@@ -1237,7 +1241,8 @@ class Inventory:
     ) -> None:
         heap = self._expiry_heap
         heapq.heappush(heap, (expiry_ms, next(self._heap_seq), engine, group_idx, hashes))
-        if len(heap) > 4 * self._expiring_entries + 1024:
+        self._heap_keys += len(hashes)
+        if self._heap_keys > 4 * self._expiring_entries + 1024:
             self._rebuild_expiry_heap()
 
     def _rebuild_expiry_heap(self) -> None:
@@ -1249,6 +1254,7 @@ class Inventory:
                     items.append((exp, next(self._heap_seq), engine, group_idx, (h,)))
         heapq.heapify(items)
         self._expiry_heap = items
+        self._heap_keys = len(items)
 
     def _drop_expiry(self, engine: _Engine, index: _ScopeIndex, es: _EngineScope, h: _Key) -> None:
         del es.expiry[h]

@@ -324,6 +324,22 @@ def test_sweep_purges_expired_entries_within_a_budget() -> None:
     assert inv.stats().entries_total == 4  # only e2's entries without expiry remain
 
 
+def test_expiry_refreshes_keep_the_heap_bounded_in_keys_not_items() -> None:
+    """Each store whose expiry changes adds one heap item holding all its keys. The
+    bound counted items: an engine refreshing the expiry of the same 1,024 blocks kept
+    every refresh's keys (5,000 refreshes: 5.1 M keys, ~200 MB, for 1,024 entries)."""
+    inv = ready_inventory(("e1", A))
+    c = chain(512)
+    most = 0
+    for i in range(400):
+        inv.apply("e1", [stored(c, expiry_ms=10**9 + i)])
+        most = max(most, sum(len(item[4]) for item in inv._expiry_heap))
+    assert inv.stats().entries_total == 512
+    assert most <= 4 * 512 + 1024 + 512  # the bound, plus the event that passed it
+    assert ids(inv, c, now_ms=10**9 + 398) == [("e1", 512)]
+    assert ids(inv, c, now_ms=10**9 + 399) == []
+
+
 # --------------------------------------------------------------------------- bounds
 
 

@@ -370,6 +370,14 @@ class InventoryMachine(RuleBasedStateMachine):
             assert self.inv.is_visible(eid) == self.model.visible(eid)
 
     @invariant()
+    def the_expiry_heap_counts_its_keys(self) -> None:
+        if not hasattr(self, "inv"):
+            return
+        heap = self.inv._expiry_heap
+        assert self.inv._heap_keys == sum(len(item[4]) for item in heap)
+        assert self.inv._heap_keys <= 4 * self.inv._expiring_entries + 1024 + 4096
+
+    @invariant()
     def entry_counts_match(self) -> None:
         # Expired entries are purged lazily, so counts are exact only without expiry.
         if not hasattr(self, "inv") or self.with_expiry:
