@@ -1455,8 +1455,10 @@ class Inventory:
             for h in ev.block_hashes:
                 key = (group_idx, _key(h))
                 exp = part.expiry.get(key)
-                if exp is not None and exp <= now_ms:
+                changed = exp is not None and exp <= now_ms
+                if changed:
                     self._drop_part_fact(engine, part, key)
+                    exp = None
                 tiers = part.tiers.get(key, 0)
                 if not tiers & tier_bit:
                     if not self._room(engine, acc):
@@ -1465,11 +1467,15 @@ class Inventory:
                     part.entries += 1
                     engine.entries += 1
                     self._entries_total += 1
+                    changed = True
                 if ev.expiry_ms:
                     part.expiry[key] = ev.expiry_ms
                 else:
                     part.expiry.pop(key, None)
-                touched.append(key)
+                # Deriving walks every part: only for a fact that changed (a repeat of
+                # what the part holds costs O(1), however big the grid).
+                if changed or exp != (ev.expiry_ms or None):
+                    touched.append(key)
         else:
             acc.removed_hashes += len(ev.block_hashes)
             for h in ev.block_hashes:
@@ -1488,7 +1494,9 @@ class Inventory:
                     part.entries -= 1
                     engine.entries -= 1
                     self._entries_total -= 1
-                touched.append(key)
+                    touched.append(key)
+                elif exp is not None and exp <= now_ms:
+                    touched.append(key)  # its expired fact was dropped
         for key in touched:
             a, r = self._derive(engine, key, now_ms)
             acc.added += a
@@ -1508,6 +1516,8 @@ class Inventory:
         expiry = 0
         for part in engine.parts.values():
             tiers &= part.tiers.get(key, 0)
+            if not tiers:
+                break  # a part without it: no tier is held by all (the expiry is moot)
             exp = part.expiry.get(key, 0)
             if exp and (not expiry or exp < expiry):
                 expiry = exp
