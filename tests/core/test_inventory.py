@@ -267,10 +267,11 @@ def test_per_rank_part_ingest_walks_the_grid_only_for_facts_that_changed() -> No
     inv = Inventory()
     inv.add_engine("g", A, publish_mode=PublishMode.PER_RANK_PART, rank_keys=grid)
     inv.set_ready("g", True)
-    counters = []
+    counters: list[_CountingDict] = []
     for part in inv._engines["g"].parts.values():
-        part.tiers = _CountingDict(part.tiers)
-        counters.append(part.tiers)
+        counting = _CountingDict(part.tiers)
+        part.tiers = counting
+        counters.append(counting)
 
     def reads() -> int:
         return sum(c.gets for c in counters)
@@ -615,7 +616,7 @@ def test_a_tied_groups_answer_is_built_once_and_never_outlives_its_engines() -> 
 # ------------------------------------------------------------- complexity, by counting
 
 
-class _CountingDict(dict[int, int]):
+class _CountingDict(dict[Any, int]):
     """The index of one tier, counting the entries a call touches (gets and sets)."""
 
     def __init__(self, *args: Any) -> None:
@@ -623,11 +624,11 @@ class _CountingDict(dict[int, int]):
         self.gets = 0
         self.sets = 0
 
-    def get(self, key: int, default: Any = None) -> Any:
+    def get(self, key: Any, default: Any = None) -> Any:
         self.gets += 1
         return super().get(key, default)
 
-    def __setitem__(self, key: int, value: int) -> None:
+    def __setitem__(self, key: Any, value: int) -> None:
         self.sets += 1
         super().__setitem__(key, value)
 
