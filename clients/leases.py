@@ -37,6 +37,7 @@ import grpc
 
 from clients.errors import (
     CallInterruptedError,
+    DeadlineExceededError,
     FailedPreconditionError,
     KvrcClientError,
     UnavailableError,
@@ -518,7 +519,11 @@ class HandoffKeepAlive:
     """Calls ExtendHandoff every heartbeat interval until stopped.
 
     A refused extension (the lease expired, was aborted or ended) stops the task
-    and is kept in `error`: the engine must stop its transfer and report.
+    and is kept in `error`: the engine must stop its transfer and report. One that
+    did not reach an answer (UNAVAILABLE: a replica failing over, a coordinator
+    restarting; DEADLINE_EXCEEDED) is tried again a third of an interval later,
+    within the heartbeat timeout: giving up there let kvrc abort a healthy transfer.
+    `missed` counts those.
     """
 
     def __init__(self, client: LeaseClient, lease_id: str, interval_ms: int) -> None:
@@ -528,6 +533,7 @@ class HandoffKeepAlive:
         self._task: asyncio.Task[None] | None = None
         self.error: KvrcClientError | None = None
         self.extensions = 0
+        self.missed = 0  # extensions that got no answer, tried again
         self.deadline_unix_ms = 0
 
     def start(self) -> None:
@@ -549,11 +555,23 @@ class HandoffKeepAlive:
         await self.stop()
 
     async def _run(self) -> None:
+        delay_s = self._interval_s
         while True:
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(delay_s)
+            delay_s = self._interval_s
             try:
                 self.deadline_unix_ms = await self._client.extend_handoff(self.lease_id)
                 self.extensions += 1
+            except (UnavailableError, DeadlineExceededError) as e:
+                self.missed += 1
+                delay_s = self._interval_s / 3  # sooner: the timeout is ~3 intervals
+                if self.missed == 1 or self.missed % 10 == 0:  # a few lines, not one a beat
+                    log.warning(
+                        "handoff lease %s: extension %d got no answer (%s); trying again",
+                        self.lease_id,
+                        self.missed,
+                        e,
+                    )
             except KvrcClientError as e:
                 self.error = e
                 log.warning("handoff lease %s not extended: %s", self.lease_id, e)

@@ -301,6 +301,36 @@ async def test_keep_alive_extends_and_reports_a_refused_extension(
     assert isinstance(keep.error, FailedPreconditionError)
 
 
+async def test_keep_alive_goes_on_after_an_extension_without_an_answer(
+    kvrc: CoordinatorProcess, parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One UNAVAILABLE (here injected, as a replica failing over would answer) stopped
+    the keep-alive for good: kvrc then aborted the healthy transfer at its heartbeat
+    timeout. Now it tries again at the next interval, and the lease stays ACTIVE."""
+    _, pre = await parts.part("u-pre")
+    _, dec = await parts.part("u-dec")
+    await pre.publish_handoff(
+        "h", descriptor=descriptor([3]), kv_transfer_params=b"raw", num_blocks=1
+    )
+    grant = await dec.begin_handoff("h", "u-pre")
+    real_extend = dec.extend_handoff
+    calls = 0
+
+    async def failing_over(lease_id: str) -> int:
+        nonlocal calls
+        calls += 1
+        if calls in (2, 3):
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the replica is failing over")
+        return await real_extend(lease_id)
+
+    monkeypatch.setattr(dec, "extend_handoff", failing_over)
+    async with dec.keep_alive(grant) as keep:
+        # Past the 900 ms heartbeat timeout, two missed extensions included.
+        await wait_until(lambda: keep.extensions >= 5 or keep.error is not None, timeout_s=30)
+        assert keep.error is None and keep.missed == 2 and keep.extensions >= 5
+        assert await lease_state(kvrc, grant.lease_id) == "LEASE_STATE_ACTIVE"
+
+
 async def test_typed_errors(kvrc: CoordinatorProcess, parts: Parts) -> None:
     _, pre = await parts.part("e-pre")
     _, dec = await parts.part("e-dec")
