@@ -161,6 +161,9 @@ class ReadPace:
       the sleep: the sleep was too long by an unknown amount, so the estimate
       halves (a slow first estimate recovers in a few reads, not dozens).
     - At most `max_peers` peers are tracked, the least recently read dropped first.
+
+    Reads run on executor threads at once: a lock keeps one peer's eviction from
+    coming between another read's check and its update.
     """
 
     def __init__(
@@ -186,6 +189,7 @@ class ReadPace:
         self.max_peers = max_peers
         # Per peer session: seconds per byte, None after its first (unlearnt) read.
         self._per_byte: OrderedDict[str, float | None] = OrderedDict()
+        self._lock = threading.Lock()
 
     def seconds_per_byte(self, session_name: str) -> float | None:
         return self._per_byte.get(session_name)
@@ -203,6 +207,10 @@ class ReadPace:
         submission returned, then waited `waited_s` for the batch."""
         if nbytes <= 0 or slept_s < 0 or waited_s < 0:
             return
+        with self._lock:
+            self._observe(session_name, nbytes, slept_s, waited_s)
+
+    def _observe(self, session_name: str, nbytes: int, slept_s: float, waited_s: float) -> None:
         if session_name not in self._per_byte:
             self._per_byte[session_name] = None  # the first read: connection set-up
             while len(self._per_byte) > self.max_peers:
