@@ -25,6 +25,7 @@ from kvrc import __version__
 from kvrc.credentials import ChannelOptions, CredentialsError
 from kvrc.prompts import (
     parse_block_hashes,
+    parse_engine_ids,
     parse_mm_feature,
     parse_token_ids,
     read_token_ids,
@@ -107,7 +108,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_route(args: argparse.Namespace) -> int:
     from clients.router import ScoreClient, ScoreRouter  # grpc only, no torch
 
-    candidates = [c for c in args.candidates.split(",") if c]
+    candidates = parse_engine_ids(args.candidates)
     try:
         if not candidates:
             raise ValueError("--candidates: name at least one child engine")

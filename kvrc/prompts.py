@@ -58,6 +58,13 @@ def parse_token_ids(text: str, where: str) -> list[int]:
     return ids
 
 
+def parse_engine_ids(text: str) -> list[str]:
+    """`--candidates`: child engine ids separated by commas, spaces around them and
+    repeats dropped (the first keeps its place), so that `a, b` or `a,a` names what
+    was meant instead of being refused by kvrc."""
+    return list(dict.fromkeys(c.strip() for c in text.split(",") if c.strip()))
+
+
 def read_token_ids(path: Path, where: str) -> list[int]:
     try:
         text = path.read_text(encoding="utf-8")

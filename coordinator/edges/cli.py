@@ -41,6 +41,7 @@ from kvrc import __version__
 from kvrc.credentials import ChannelOptions, CredentialsError, connect_blocking
 from kvrc.prompts import (
     parse_block_hashes,
+    parse_engine_ids,
     parse_mm_feature,
     parse_token_ids,
     read_token_ids,
@@ -960,7 +961,7 @@ def score_request_from_args(args: argparse.Namespace) -> pb.ScoreRequest:
             cache_salt=args.cache_salt,
             group_idx=args.group_idx,
         ),
-        candidate_child_engine_ids=[c for c in args.candidates.split(",") if c],
+        candidate_child_engine_ids=parse_engine_ids(args.candidates),
     )
     try:
         if args.tokens is not None:

@@ -315,7 +315,8 @@ async def test_kvrc_score_and_kvrc_route(
     await cli.stored(CHAIN[:5])
     await eventually(t, "cli-p0", 5, block_hashes=CHAIN, candidates=["cli-p0"])
     hexes = ",".join(h.hex() for h in CHAIN)
-    args = ["score", "--target", t, "--model", MODEL, "--candidates", "cli-p0,cli-ghost"]
+    # Spaces around an id and a repeat are dropped (kvrc refused them, INVALID_ARGUMENT).
+    args = ["score", "--target", t, "--model", MODEL, "--candidates", "cli-p0, cli-ghost,cli-p0"]
     out = await _kvrc(*args, "--block-hashes", hexes, "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
@@ -337,7 +338,8 @@ async def test_kvrc_score_and_kvrc_route(
     assert bad.returncode == 2 and "--tokens: token ids must be integers" in bad.stderr
     # kvrc route: the engine side of the command, through the dispatcher (kvrc/cli.py).
     # A generous deadline: a loaded CI host once took over the default 5 s (routed unscored).
-    route_args = ["route", "--target", t, "--model", MODEL, "--candidates", "cli-ghost,cli-p0"]
+    route_args = ["route", "--target", t, "--model", MODEL]
+    route_args += ["--candidates", "cli-ghost, cli-p0 ,cli-ghost"]  # before: unscored
     route_args += ["--timeout-s", "60"]
     routed = await _kvrc_main(*route_args, "--block-hashes", hexes, "--json")
     assert routed.returncode == 0, routed.stderr
