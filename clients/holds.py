@@ -28,9 +28,9 @@ PIN_SAFETY_GRACE_S = 60.0
 DEFAULT_PIN_TTL_S = 60.0
 # The longest a pin's deadline is believed ahead, whatever a wrong wall clock says. A
 # deadline is when kvrc has ended or quarantined the lease at the latest: its pin
-# timeout (at most 60 s) + transfer TTL (at most 600 s) + abort timeout (60 s unless
-# raised; coordinator/core/leases.py, LeaseConfig), so an hour leaves room for a raised
-# abort timeout.
+# timeout (at most 60 s) + transfer TTL (at most 600 s) + abort timeout (60 s by
+# default, at most 1,800 s: coordinator/core/leases.py, MAX_ABORT_TIMEOUT_MS), so at
+# most 2,460 s ahead.
 MAX_PIN_TTL_S = 3600.0
 # Quarantine notices remembered for holds that are not known here yet (bounded).
 MAX_EARLY_QUARANTINES = 4096

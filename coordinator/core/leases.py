@@ -156,6 +156,13 @@ class MissReason(enum.Enum):
     STORE_REFUSED = "store_refused"
 
 
+# The longest abort timeout: a holder's safety net trusts a pin deadline (pin timeout +
+# TTL + abort timeout, at most 60 + 600 + 1,800 s) up to an hour (clients/holds.py,
+# MAX_PIN_TTL_S), so a longer one could let the net free a pin kvrc may still
+# quarantine (I6-quiescence).
+MAX_ABORT_TIMEOUT_MS = 1_800_000
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseConfig:
     max_open_leases: int = 65_536  # non-terminal (incl. quarantined), both flows
@@ -194,6 +201,11 @@ class LeaseConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"LeaseConfig.{name} must be an int >= 1, got {value!r}")
+        if self.abort_timeout_ms > MAX_ABORT_TIMEOUT_MS:
+            raise ValueError(
+                f"LeaseConfig.abort_timeout_ms must be at most {MAX_ABORT_TIMEOUT_MS}, "
+                f"got {self.abort_timeout_ms}"
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -423,6 +435,9 @@ class _Lease:
     requester_payload_bytes: int = 0
     # Recovered from an id the lease-id key could not check (max_unverified_recovered_leases).
     unverified: bool = False
+    # It was QUARANTINED at some point: from then on only proofs (or an operator) end
+    # its pins' hold, never a death (`on_engine_gone`).
+    was_quarantined: bool = False
 
     @property
     def flow(self) -> Flow:
@@ -1195,6 +1210,20 @@ class LeaseTable:
                             f"already settled: {existing.reason}",
                         )
                     )
+                elif existing.awaiting_quiet and rank_key in self._pinned_parts(existing):
+                    # Ended while its target may still read, its release waiting for the
+                    # proofs: the part keeps its pins until then, never freeing them on
+                    # its own net (I6-quiescence), as for a quarantine.
+                    actions.append(
+                        SendQuarantine(
+                            holder_child_engine_id,
+                            rank_key,
+                            lease_id,
+                            existing.flow,
+                            f"{existing.reason}: its release waits for the "
+                            f"{_TARGET_WORD[existing.flow]}'s proof of quiet reads",
+                        )
+                    )
             elif existing.state is LeaseState.QUARANTINED:
                 if (
                     existing.recovered
@@ -1280,12 +1309,14 @@ class LeaseTable:
         for lease_id in sorted(self._awaiting.get(child_engine_id, ())):
             # Ended with its source gone, and now its target too: nothing reads any more,
             # unless a part's UNKNOWN outcome stands unproven (fail closed, as in
-            # `_settle_if_quiescent`): then no release is decided.
+            # `_settle_if_quiescent`), or it was a quarantine still owed proofs (an abort
+            # never acknowledged: a hung read; as `_target_gone` leaves a quarantine to
+            # the operator): then no release is decided.
             lease = self._leases[lease_id]
             unproven = any(
                 lease.outcomes.get(k) is Outcome.UNKNOWN and k not in lease.abort_acked
                 for k in lease.target_rank_keys
-            )
+            ) or (lease.was_quarantined and bool(lease.abort_pending))
             lease.abort_pending.clear()
             if unproven:
                 self._stop_awaiting(lease)
@@ -1490,6 +1521,7 @@ class LeaseTable:
         owes a proof of quiet reads (UNKNOWN outcome, or an abort still unacknowledged)
         gets an abort: its ack is that proof (`on_abort_ack`)."""
         lease.reason = reason
+        lease.was_quarantined = True
         self._set_state(lease, LeaseState.QUARANTINED)
         actions.append(LeaseQuarantined(lease.lease_id, lease.flow, reason))
         actions.extend(
@@ -1546,8 +1578,8 @@ class LeaseTable:
             state is LeaseState.QUARANTINED and bool(lease.abort_pending) and not lease.recovered
         )
         if state not in (LeaseState.ACTIVE, LeaseState.ABORTING) and not awaiting_proofs:
-            # QUARANTINED with no proof to wait for (its target gone too, or a recovered
-            # lease): fail closed (operator's call).
+            # QUARANTINED with no proof to wait for (quarantined once its target was gone,
+            # or a recovered lease): fail closed (operator's call).
             self._end(lease, LeaseState.FAILED, text, now_ms, actions)
             return
         # A quarantine that awaits its target's proofs ends as a read in flight does: the

@@ -23,7 +23,7 @@ import grpc
 
 from coordinator.core.auth import AuthConfigError, load_auth_policy
 from coordinator.core.cost_model import MIB, CostConfig
-from coordinator.core.leases import LeaseConfig
+from coordinator.core.leases import MAX_ABORT_TIMEOUT_MS, LeaseConfig
 from coordinator.runtime.config import (
     DEFAULT_ORIGIN_TIMEOUT_MS,
     DEFAULT_OUTBOX_MAX_BYTES,
@@ -500,6 +500,11 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     ):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1 ms, got {value}")
+    if args.abort_timeout_ms > MAX_ABORT_TIMEOUT_MS:
+        raise ConfigError(
+            f"--abort-timeout-ms must be at most {MAX_ABORT_TIMEOUT_MS} ms (30 min; a holder "
+            f"trusts a pin's deadline up to an hour), got {args.abort_timeout_ms}"
+        )
     for flag, given in (
         ("--store-password-file", args.store_password_file),
         ("--store-origin-timeout-ms", args.store_origin_timeout_ms),

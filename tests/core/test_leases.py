@@ -399,8 +399,9 @@ def test_holder_gone_mid_transfer_fails_and_tells_the_requester_to_stop() -> Non
     assert t.get(lease_id).state is LeaseState.FAILED
     assert of(actions, SendRelease) == []
     assert [a.rank_key for a in of(actions, SendAbort)] == [TP2[1]]
-    # A holder back meanwhile keeps its pins: TP2[1] may still read (I6-quiescence).
-    assert reannounce(t, lease_id, TP2[0]) == []
+    # A holder back meanwhile keeps its pins: TP2[1] may still read (I6-quiescence). It is
+    # told so (before: nothing, and its own net could free them before the proof came).
+    assert reannounce(t, lease_id, TP2[0]) == [("SendQuarantine", TP2[0])]
     # The requester's report proves its reads quiet: the release is decided then.
     late = t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.FAILED, T0 + 300)
     assert late.view.state is LeaseState.FAILED
@@ -1151,11 +1152,25 @@ def test_a_quarantine_whose_holder_is_declared_gone_is_released_once_proven_quie
     gone = t.on_engine_gone(HOLD, T0 + 100)
     assert t.get(lease_id).state is LeaseState.FAILED
     assert of(gone, SendRelease) == []  # TP2[0] may still read (I6-quiescence)
-    assert reannounce(t, lease_id, TP2[0]) == []
+    assert reannounce(t, lease_id, TP2[0]) == [("SendQuarantine", TP2[0])]
     # The requester's ack is the proof: the release is decided then, and re-sent.
     proven = t.on_abort_ack(lease_id, REQ, TP2[0], T0 + 200)
     assert [a.rank_key for a in of(proven.actions, SendRelease)] == list(TP2)
     assert reannounce(t, lease_id, TP2[1]) == [("SendRelease", TP2[1])]
+
+
+def test_a_quarantine_ended_by_its_holders_going_is_never_released_by_its_requesters() -> None:
+    """Its holder gone first (the quarantine then awaits proofs), then its requester: the
+    requester's going released the pins though the abort it never acknowledged is the
+    sign of a hung read (a quarantine whose target goes is the operator's call)."""
+    t = table(abort_timeout_ms=1_000)
+    lease_id = granted_load(t)
+    t.tick(T0 + 10 + 5_000)  # the TTL: aborts to both parts
+    t.tick(T0 + 10 + 6_000)  # never acknowledged: quarantined
+    assert t.get(lease_id).state is LeaseState.QUARANTINED
+    assert of(t.on_engine_gone(HOLD, T0 + 7_000), SendRelease) == []
+    assert of(t.on_engine_gone(REQ, T0 + 8_000), SendRelease) == []
+    assert reannounce(t, lease_id, TP2[0]) == []
 
 
 def test_a_quarantine_with_no_proof_to_await_still_fails_closed_when_its_holder_goes() -> None:

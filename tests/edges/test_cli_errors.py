@@ -180,6 +180,19 @@ def test_handoff_wait_flags_reach_the_lease_config_and_refuse_zero(flag: str, fi
         cli.config_from_args(parser.parse_args(["serve", flag, "0"]))
 
 
+def test_an_abort_timeout_past_what_a_holders_net_trusts_is_refused() -> None:
+    """A pin's deadline counts the abort timeout; a holder trusts it up to an hour. An
+    abort timeout past 30 min would let its net free a pin kvrc may still quarantine."""
+    from coordinator.core.leases import MAX_ABORT_TIMEOUT_MS
+    from coordinator.runtime.config import ConfigError
+
+    parser = cli.build_parser()
+    ok = cli.config_from_args(parser.parse_args(["serve", "--abort-timeout-ms", "1800000"]))
+    assert ok.leases.abort_timeout_ms == MAX_ABORT_TIMEOUT_MS
+    with pytest.raises(ConfigError, match="--abort-timeout-ms must be at most 1800000 ms"):
+        cli.config_from_args(parser.parse_args(["serve", "--abort-timeout-ms", "1800001"]))
+
+
 def test_the_probe_flag_reaches_the_cost_config_in_mib_and_refuses_a_negative() -> None:
     from coordinator.runtime.config import ConfigError
 

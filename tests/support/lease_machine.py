@@ -227,6 +227,14 @@ class LeaseMachine(RuleBasedStateMachine):
         unproven = {k for k in self.unknown.get(lid, ()) if (lid, k) not in self.proven}
         assert not unproven, f"released despite an unproven UNKNOWN outcome of {unproven}"
         assert self.view(lid).state is not LeaseState.QUARANTINED
+        if lid in self.quarantined and lid in self.granted:
+            # Once quarantined, only proofs end it (or an operator): never a death.
+            owed = [
+                k
+                for k in self.target_parts[lid]
+                if k not in self.settled[lid] and (lid, k) not in self.proven
+            ]
+            assert not owed, f"released a quarantine with {owed} never proven quiet"
         if lid not in self.granted:
             return  # nothing was handed to a target: the pins only wait for nobody
         if gone is not None and gone == self.target.get(lid):
@@ -594,9 +602,12 @@ class LeaseMachine(RuleBasedStateMachine):
         assert step.view == before, "a re-announcement changed a lease kvrc knows"
         kinds = [type(a) for a in step.actions]
         if before.state in TERMINAL_STATES:
-            # Its release again, once decided (the first may have been lost).
+            # Its release again, once decided (the first may have been lost); until then,
+            # if its target may still read, the part is told to keep its pins.
             decided = self.releases[(lid, source, rank)] > 0
-            assert kinds == ([SendRelease] if decided else []), (lid, rank, kinds)
+            waits = self.table._leases[lid].awaiting_quiet
+            expected = [SendRelease] if decided else [SendQuarantine] if waits else []
+            assert kinds == expected, (lid, rank, kinds)
             if decided and self.gone_at.get(source, -1) >= self.holding[(lid, rank)]:
                 event("re-announced by a source declared gone: released again")
         elif before.state is LeaseState.QUARANTINED:
