@@ -55,6 +55,7 @@ from kvrc.credentials import ChannelOptions, connect
 from kvrc.kv_params import decode_kv_transfer_params, encode_kv_transfer_params
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
+from kvrc.vocabulary import COORDINATOR_SHUTTING_DOWN
 
 log = logging.getLogger("kvrc.client.leases")
 _T = TypeVar("_T")
@@ -462,9 +463,17 @@ class LeaseClient:
         unavailable_until = loop.time() + BEGIN_UNAVAILABLE_RETRY_S
 
         def transient(e: KvrcClientError) -> bool:
+            nonlocal unavailable_until
             if isinstance(e, FailedPreconditionError):
                 return own_parts_away in e.message
-            return isinstance(e, UnavailableError) and loop.time() < unavailable_until
+            if not isinstance(e, UnavailableError):
+                return False
+            if COORDINATOR_SHUTTING_DOWN in e.message:
+                # The begin waited on a coordinator that is stopping (it says so): the
+                # next one gets the whole budget, counted from now, however long the
+                # wait had run (before: given up when it had waited over the budget).
+                unavailable_until = loop.time() + BEGIN_UNAVAILABLE_RETRY_S
+            return loop.time() < unavailable_until
 
         async def attempt(left_s: float) -> pb.HandoffGrant:
             left_ms = max(0, int(left_s * 1000))

@@ -18,6 +18,10 @@ from kvrc.v1 import kvrc_pb2 as pb
 # listed in proto/kvrc/v1/kvrc.proto's header). A Register without the field is revision 1.
 PROTOCOL_VERSION = 4
 
+# How a stopping coordinator's UNAVAILABLE begins: a client that reads it retries at the
+# next coordinator with a fresh budget (clients/leases.py, `begin_handoff`).
+COORDINATOR_SHUTTING_DOWN = "the coordinator is shutting down"
+
 # Wire limits both sides share: the coordinator refuses more (INVALID_ARGUMENT,
 # I8-bad-input), and the engine library cuts its batches and chains below them.
 MAX_CHAIN_BLOCKS = 4096  # block hashes in one chain (events, Lookup, RequestPrefixLoad)

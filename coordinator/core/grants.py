@@ -61,7 +61,7 @@ from coordinator.core.leases import (
 )
 from coordinator.core.profiles import ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, Registry, grid_ranks
-from kvrc.vocabulary import BlockHash, RankKey, Tier
+from kvrc.vocabulary import COORDINATOR_SHUTTING_DOWN, BlockHash, RankKey, Tier
 
 # Defaults for requests that leave a duration at 0.
 DEFAULT_PIN_TIMEOUT_MS = 2_000
@@ -959,7 +959,7 @@ class Grants:
                     HandoffBeginFailed(
                         pending.token,
                         ErrorCode.UNAVAILABLE,
-                        f"the coordinator is shutting down: retry at the next one (handoff "
+                        f"{COORDINATOR_SHUTTING_DOWN}: retry at the next one (handoff "
                         f"for request {req.request_id!r} of {req.prefill_child_engine_id!r} "
                         f"was not READY yet: {pending.last_error})",
                     )

@@ -94,6 +94,7 @@ from coordinator.runtime.peers import (
 )
 from kvrc import __version__
 from kvrc.ids import format_rank
+from kvrc.vocabulary import COORDINATOR_SHUTTING_DOWN
 
 log = logging.getLogger("kvrc.coordinator")
 
@@ -479,14 +480,14 @@ class Coordinator:
             self.close_session(
                 session,
                 REASON_SHUTDOWN,
-                SessionEnd(ErrorCode.UNAVAILABLE, "the coordinator is shutting down"),
+                SessionEnd(ErrorCode.UNAVAILABLE, COORDINATOR_SHUTTING_DOWN),
             )
         for timers in self._gone_timers.values():
             for timer in timers.values():
                 timer.cancel()
         self._gone_timers.clear()
         if self.peers is not None:
-            self.peers.fail_calls("the coordinator is shutting down")
+            self.peers.fail_calls(COORDINATOR_SHUTTING_DOWN)
         await self.inventory.close()
         await self.leases.shutdown()
 
@@ -498,7 +499,7 @@ class Coordinator:
     def open_session(self, registration: RankPartRegistration) -> Session:
         """Registers a rank part (KvrcError when refused; nothing changes then)."""
         if self._shutting_down:
-            raise KvrcError(ErrorCode.UNAVAILABLE, "the coordinator is shutting down")
+            raise KvrcError(ErrorCode.UNAVAILABLE, COORDINATOR_SHUTTING_DOWN)
         now = self._clock_ms()
         session_id = f"s-{secrets.token_hex(8)}"
         incarnation = next(self._incarnations)

@@ -69,7 +69,7 @@ from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.lease_ledger import LeaseLedger
 from coordinator.runtime.log_limit import RateLimitedLog
 from coordinator.runtime.metrics import Metrics
-from kvrc.vocabulary import RankKey, Tier
+from kvrc.vocabulary import COORDINATOR_SHUTTING_DOWN, RankKey, Tier
 
 __all__ = [
     "MAX_DRAIN_TIMEOUT_MS",
@@ -186,13 +186,27 @@ class LeaseFlow:
         Called before the sessions end: a lease that ended after that would send its
         release into a closed session, and the reporter, answered "quiescent", would not
         tell the next coordinator, which rebuilds the holder's lease quarantined. Refused
-        here, the engines retry at the next coordinator (I6-quiescence)."""
+        here, the engines retry at the next coordinator (I6-quiescence). The calls that
+        wait (BeginHandoff, RequestPrefixLoad) are answered so now too, before the
+        sessions end: the end of a decode engine's own session would fail its begin
+        "not registered" instead, and its client would not know to retry elsewhere."""
         self._closing = True
+        self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
+        self._execute(self.core.fail_all_begins())
+        for waiting in self._answers.values():
+            for future in waiting:
+                if not future.done():
+                    future.set_exception(
+                        KvrcError(ErrorCode.UNAVAILABLE, COORDINATOR_SHUTTING_DOWN)
+                    )
+        self._answers.clear()
 
     def _check_open(self) -> None:
         if self._closing:
             raise KvrcError(
-                ErrorCode.UNAVAILABLE, "the coordinator is shutting down: retry at the next one"
+                ErrorCode.UNAVAILABLE, f"{COORDINATOR_SHUTTING_DOWN}: retry at the next one"
             )
 
     async def shutdown(self) -> None:
@@ -200,14 +214,7 @@ class LeaseFlow:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._execute(self.core.fail_all_begins())
-        for waiting in self._answers.values():
-            for future in waiting:
-                if not future.done():
-                    future.set_exception(
-                        KvrcError(ErrorCode.UNAVAILABLE, "the coordinator is shutting down")
-                    )
-        self._answers.clear()
+        self._fail_waiting()
         for waiters in self._drain_waiters.values():
             for woken in waiters:
                 woken.set()

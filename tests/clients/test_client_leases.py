@@ -306,7 +306,7 @@ async def test_keep_alive_goes_on_after_an_extension_without_an_answer(
 ) -> None:
     """One UNAVAILABLE (here injected, as a replica failing over would answer) stopped
     the keep-alive for good: kvrc then aborted the healthy transfer at its heartbeat
-    timeout. Now it tries again at the next interval, and the lease stays ACTIVE."""
+    timeout. Now it tries again a third of an interval later, and the lease stays ACTIVE."""
     _, pre = await parts.part("u-pre")
     _, dec = await parts.part("u-dec")
     await pre.publish_handoff(
@@ -537,3 +537,36 @@ async def test_a_begin_gives_up_on_an_unreachable_kvrc_long_before_its_wait_ends
             await asyncio.wait_for(begin, 30)
     finally:
         await dec.close()
+
+
+async def test_a_begin_waiting_when_kvrc_stops_gets_a_fresh_budget_for_the_next_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A begin that had waited longer than its UNAVAILABLE budget when kvrc stopped
+    (SIGTERM: the waiting begin is answered UNAVAILABLE, "shutting down") gave the
+    handoff up at once. It now retries the next coordinator for the whole budget,
+    counted from the shutdown (here nothing comes back: it gives up after it)."""
+    monkeypatch.setattr(client_leases, "BEGIN_UNAVAILABLE_RETRY_S", 2.0)
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text('[[profile]]\nname = "t"\nmodel = "m"\n')
+    with start_coordinator("--reuse", "on", "--profiles", str(profiles), check_exit=False) as kvrc:
+        registration = RankPartRegistration(
+            engine_id="s-dec", profile=EngineProfile(model="m", block_size=16)
+        )
+        session = EngineSession(kvrc.grpc_target, registration, LeaseSessionHandler())
+        await session.start()
+        await session.wait_ready(5)
+        dec = LeaseClient(kvrc.grpc_target, "s-dec", timeout_s=10)
+        try:
+            begin = asyncio.create_task(dec.begin_handoff("h", "s-pre", wait_timeout_ms=60_000))
+            await asyncio.sleep(3.0)  # past the 2 s budget, still waiting
+            assert not begin.done()
+            loop = asyncio.get_running_loop()
+            stopped_at = loop.time()
+            kvrc.stop(signal.SIGTERM)
+            with pytest.raises(UnavailableError):
+                await asyncio.wait_for(begin, 30)
+            assert loop.time() - stopped_at >= 1.5  # retried, not given up at the stop
+        finally:
+            await dec.close()
+            await session.close()
