@@ -20,7 +20,8 @@ from coordinator.core.grants import (
     PublishHandoffRequest,
     TransferReport,
 )
-from coordinator.core.leases import LeaseState, Outcome, SendPin
+from coordinator.core.leases import HandoffGrant, LeaseState, Outcome, SendPin
+from coordinator.runtime.lease_flow import LeaseFlow
 
 PREFILLS = [f"pre{i}" for i in range(8)]
 
@@ -184,22 +185,30 @@ async def test_cancelled_begins_do_not_pile_up_behind_a_long_wait_and_waits_are_
         assert len(core._begin_deadlines) <= 2 * 1 + 64  # was 1,001
         # At most MAX_WAITING_BEGINS wait at once; the next is told, and nothing waits.
         monkeypatch.setattr(grants, "MAX_WAITING_BEGINS", 3)
-        waits = [
-            asyncio.ensure_future(
-                flow.begin_handoff(BeginHandoffRequest(f"w{i}", "pre", "dec", 600_000))
-            )
-            for i in range(2)
-        ]
-        await settle()
-        with pytest.raises(KvrcError) as refused:
-            await flow.begin_handoff(BeginHandoffRequest("w3", "pre", "dec", 600_000))
-        assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
-        assert "3 BeginHandoff calls are waiting" in refused.value.message
+        waits, refused = await _waits_then_refused(flow, "dec", 2)
+        assert "3 BeginHandoff calls are waiting" in refused.message
         assert len(core._begin_keys) == 3
         for w in [anchor, *waits]:
             w.cancel()
         await settle()
         assert not core._begin_keys
+
+
+async def _waits_then_refused(
+    flow: LeaseFlow, decode: str, waiting: int
+) -> tuple[list[asyncio.Task[HandoffGrant]], KvrcError]:
+    """`waiting` begins of `decode` wait; the next one is refused RESOURCE_EXHAUSTED."""
+    waits = [
+        asyncio.ensure_future(
+            flow.begin_handoff(BeginHandoffRequest(f"w{i}", "pre", decode, 600_000))
+        )
+        for i in range(waiting)
+    ]
+    await settle()
+    with pytest.raises(KvrcError) as refused:
+        await flow.begin_handoff(BeginHandoffRequest("over", "pre", decode, 600_000))
+    assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
+    return waits, refused.value
 
 
 async def test_one_decode_engine_cannot_take_every_waiting_begin(
@@ -215,17 +224,8 @@ async def test_one_decode_engine_cannot_take_every_waiting_begin(
         rig.register("dec")
         rig.register("dec2")
         core = flow.core
-        waits = [
-            asyncio.ensure_future(
-                flow.begin_handoff(BeginHandoffRequest(f"w{i}", "pre", "dec", 600_000))
-            )
-            for i in range(2)
-        ]
-        await settle()
-        with pytest.raises(KvrcError) as refused:
-            await flow.begin_handoff(BeginHandoffRequest("w2", "pre", "dec", 600_000))
-        assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
-        assert "decode engine 'dec' has 2 BeginHandoff calls waiting" in refused.value.message
+        waits, refused = await _waits_then_refused(flow, "dec", 2)
+        assert "decode engine 'dec' has 2 BeginHandoff calls waiting" in refused.message
         assert len(core._begin_keys) == 2
         other = asyncio.ensure_future(
             flow.begin_handoff(BeginHandoffRequest("w3", "pre", "dec2", 600_000))
