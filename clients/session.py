@@ -724,6 +724,16 @@ class EngineSession:
         while (message := await inbox.get()) is not None:
             try:
                 await self._dispatch(message)
+            except asyncio.CancelledError:
+                if not _cancelled_locally():
+                    raise  # this task was cancelled: the session is going
+                # A handler awaited something that someone else cancelled (a future, an
+                # executor shut down): its bug, as below. Ending here silently would
+                # leave the reader blocked on a full inbox for good.
+                log.error(
+                    "session handler was cancelled on %s; the session goes on",
+                    message.WhichOneof("message"),
+                )
             except Exception:  # the engine's handler bug must not end the session
                 log.exception("session handler failed on %s", message.WhichOneof("message"))
 

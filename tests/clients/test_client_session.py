@@ -16,7 +16,7 @@ import pytest
 from harness import CoordinatorProcess, start_coordinator
 
 from clients.errors import InvalidArgumentError
-from clients.session import EngineProfile, EngineSession, RankPartRegistration
+from clients.session import EngineProfile, EngineSession, RankPartRegistration, SessionHandler
 from kvrc.v1 import kvrc_pb2 as pb
 
 
@@ -93,3 +93,30 @@ async def test_a_caller_cancelled_mid_write_does_not_end_the_session(
         assert not stream.done()
     finally:
         await session.close()
+
+
+async def test_a_handler_that_raises_cancelled_does_not_stop_the_handling() -> None:
+    """A handler that awaited a future someone else cancelled raised CancelledError,
+    which ended the handling task silently: the inbox filled, the reader blocked on it
+    and the part never read its session again. Now it is logged, as a handler's error."""
+
+    class Flaky(SessionHandler):
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        async def on_drain_notice(self, notice: pb.DrainNotice) -> None:
+            self.seen.append(notice.child_engine_id)
+            if notice.child_engine_id == "first":
+                cancelled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                cancelled.cancel()
+                await cancelled  # raises CancelledError; this task was not cancelled
+
+    handler = Flaky()
+    session = EngineSession("127.0.0.1:1", registration("flaky"), handler, reconnect=False)
+    inbox: asyncio.Queue[pb.CoordinatorMessage | None] = asyncio.Queue()
+    for which in ("first", "second"):
+        notice = pb.DrainNotice(child_engine_id=which)
+        await inbox.put(pb.CoordinatorMessage(drain_notice=notice))
+    await inbox.put(None)
+    await asyncio.wait_for(session._handle(inbox), 5)
+    assert handler.seen == ["first", "second"]
