@@ -248,6 +248,10 @@ class RankPart:
             return [self.block_digest(block_id) for block_id in args["block_ids"]]
         if op == "read_ledger":
             return self.read_ledger.document()
+        if op == "untrack_held":
+            for lease_id in args["lease_ids"]:
+                self.handler.untrack_held(lease_id)
+            return None
         raise ValueError(f"unknown command {op!r}")
 
     def block_digest(self, block_id: int) -> str:
@@ -1128,14 +1132,17 @@ class Leader:
             if held is hold
         )
 
-    def _drop_hold(self, request_id: str) -> None:
+    def _drop_hold(self, request_id: str) -> list[str]:
+        """Frees a handoff's blocks; returns the lease ids that named them."""
         hold = self._hold_by_request.pop(request_id, None)
         if hold is None:
-            return
-        for lease_id in [k for k, v in self._holds.items() if v is hold]:
+            return []
+        lease_ids = [k for k, v in self._holds.items() if v is hold]
+        for lease_id in lease_ids:
             del self._holds[lease_id]
             self.release_ledger.released(lease_id)
         self.pool.release(hold.block_ids, now_ms())
+        return lease_ids
 
     async def decode(
         self,
@@ -1210,20 +1217,30 @@ class Leader:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             try:
-                now = now_ms()
-                removed = self.pool.expire(now)
-                for lease_id in self._pin_deadlines.overdue():
-                    log.warning("pin %s never released; dropping it", lease_id)
-                    self.release_ledger.released(lease_id)
-                    removed += self.pool.unpin(lease_id, now)
-                mono_now = time.monotonic()
-                for request_id, hold in list(self._hold_by_request.items()):
-                    if hold.until <= mono_now and not self._hold_quarantined(hold):
-                        log.warning("handoff %s never released; freeing it", request_id)
-                        self._drop_hold(request_id)
-                await self.publish((), removed)
+                await self._sweep_once()
             except Exception:
                 log.exception("sweep failed")
+
+    async def _sweep_once(self) -> None:
+        now = now_ms()
+        removed = self.pool.expire(now)
+        dropped: list[str] = []
+        for lease_id in self._pin_deadlines.overdue():
+            log.warning("pin %s never released; dropping it", lease_id)
+            self.release_ledger.released(lease_id)
+            removed += self.pool.unpin(lease_id, now)
+            dropped.append(lease_id)
+        mono_now = time.monotonic()
+        for request_id, hold in list(self._hold_by_request.items()):
+            if hold.until <= mono_now and not self._hold_quarantined(hold):
+                log.warning("handoff %s never released; freeing it", request_id)
+                dropped.extend(self._drop_hold(request_id))
+        await self.publish((), removed)
+        if dropped:
+            # No part holds them any more: not re-announced at its next registration (a
+            # restarted kvrc would rebuild each one quarantined for blocks nobody pins),
+            # and not kept for ever.
+            await self._on_all("untrack_held", lease_ids=dropped)
 
 
 # ---------------------------------------------------------------------------

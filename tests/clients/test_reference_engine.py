@@ -40,10 +40,11 @@ from clients.kv_cache import (
     KvRegionDescription,
     PagedKvCache,
 )
+from clients.leases import LeaseSessionHandler
 from clients.refengine.blocks import BlockPool, PoolExhaustedError
 from clients.refengine.channel import Channel, ChannelError
 from clients.refengine.compute import expected_blocks, kv_values, write_positions
-from clients.refengine.engine import Leader, _pull_reply
+from clients.refengine.engine import Leader, RankPart, _pull_reply
 from clients.refengine.options import EngineOptions, add_engine_arguments, options_from_args
 from clients.refengine.pull_hook import NO_PULL_HOOK, PullContext
 from clients.refengine.tasks import BackgroundTasks
@@ -705,6 +706,36 @@ async def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
         assert _referenced(leader) == 0
         assert list(leader.release_ledger.document()) == ["ho-1"]
     await leader._tasks.aclose()
+
+
+async def test_pins_the_safety_net_drops_are_no_longer_announced_as_held() -> None:
+    """Every part tracks the leases it holds, to re-announce them at its next
+    registration; a pin the leader's safety net dropped stayed tracked on every part:
+    re-announced for ever (a restarted kvrc rebuilt each one QUARANTINED for blocks
+    nobody pinned) and never forgotten."""
+    leader, _ = _leader_with_stand_in_parts([_READY, _READY])
+    sent: list[tuple[str, dict[str, Any]]] = []
+    stand_in = leader._on_all
+
+    async def on_all(op: str, **args: Any) -> list[Any]:
+        sent.append((op, args))
+        return await stand_in(op, **args)
+
+    leader._on_all = on_all  # type: ignore[method-assign]
+    leader._pin_deadlines.hold("pl-late", 0.0)  # its net has fired
+    leader._pin_deadlines.hold("pl-kept", 3600.0)
+    await leader._sweep_once()
+    assert sent == [("untrack_held", {"lease_ids": ["pl-late"]})]
+    sent.clear()
+    await leader._sweep_once()
+    assert sent == []  # nothing more dropped, nothing sent
+    await leader._tasks.aclose()
+    # Each part's command forgets them (the part itself stood in: only its handler).
+    handler = LeaseSessionHandler()
+    handler.track_held("pl-late", "r")
+    handler.track_held("pl-kept", "r")
+    await RankPart.handle(NS(handler=handler), "untrack_held", {"lease_ids": ["pl-late"]})  # type: ignore[arg-type]
+    assert dict(handler.held_leases()) == {"pl-kept": "r"}
 
 
 _ENDED = {"state": "COMPLETED", "lease_id": "ho-1"}
