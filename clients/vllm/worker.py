@@ -434,7 +434,13 @@ class KvrcWorker:
             # Nothing to compute this step: rather than spin through empty steps, wait here
             # for a running pull, so its end reaches the scheduler in this very step.
             self.finished.wait_recving(IDLE_LOAD_WAIT_S)
-        return self.finished.take()
+        sending, recving = self.finished.take()
+        for request_id in recving:
+            # Its load is over: a later one of the same request (vLLM asks again after a
+            # preemption, or after a failed load) must run, not be taken for a repeat of
+            # this one, which left the request in WAITING_FOR_REMOTE_KVS for good.
+            self._started_loads.pop(request_id, None)
+        return sending, recving
 
     # --- loads (decode handoff, prefix load) ---------------------------------------
 

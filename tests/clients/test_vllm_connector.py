@@ -813,6 +813,28 @@ def test_a_load_of_a_lease_aborted_before_it_was_dispatched_reads_nothing(
     assert not any(_holds_source(worker, b, b + 9) for b in (3, 4, 5, 6))
 
 
+def test_a_second_load_of_a_request_runs_once_its_first_is_over(
+    clean_worker: Any, vllm_side: Any, peer: Peer
+) -> None:
+    """vLLM asks for a request's external tokens again after a preemption or a failed
+    load, and a new grant means a new load of the same request id. The worker took it
+    for a repeat of the first (it remembered every request it had loaded) and skipped
+    it: the request waited in WAITING_FOR_REMOTE_KVS for good."""
+    worker = clean_worker
+    meta = vllm_side.metadata.KvrcConnectorMetadata()
+    meta.loads.append(_load_spec(vllm_side, peer, "lease-first"))
+    worker.start_step(meta)
+    worker.start_step(meta)  # the same metadata again: one load
+    assert _finish(worker) == ({"r1"}, set())
+    for layer in worker.cache.layers:
+        layer.zero_()
+    again = vllm_side.metadata.KvrcConnectorMetadata()
+    again.loads.append(_load_spec(vllm_side, peer, "lease-second"))
+    worker.start_step(again)
+    assert _finish(worker) == ({"r1"}, set())
+    assert _holds_source(worker, 3, 12) and _holds_source(worker, 6, 15)
+
+
 def test_a_pull_s_end_looks_at_its_own_reads_only(
     clean_worker: Any, vllm_side: Any, peer: Peer
 ) -> None:
