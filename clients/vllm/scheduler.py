@@ -310,6 +310,10 @@ class KvrcScheduler:
                 return False  # the worker records it too: its own publish may name it
             if request_id in self._sending:
                 self._free_now.append(request_id)
+            # The workers may not have been told to hold it yet (`_held_new` goes out with
+            # the next step, which kvrc's release can beat): untracked after it, in the
+            # same step, so no worker keeps announcing a released lease as held.
+            self._unheld_new.append(lease_id)
         return True
 
     async def _publish_all(self, spec: PublishSpec) -> None:

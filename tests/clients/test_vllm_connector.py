@@ -936,6 +936,30 @@ def test_a_release_the_scheduler_did_not_take_is_not_acknowledged(
         worker.loop.run(handler.aclose(), timeout_s=10)
 
 
+def test_a_handoff_released_before_the_workers_hold_it_is_not_left_held(
+    clean_worker: Any, scheduler: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers learn of a published handoff with the next step's metadata; kvrc's
+    release can come first (a decode faster than one forward step). The next step then
+    told them to free the request and to hold the lease: every worker kept announcing
+    it as held, and a restarted kvrc rebuilt it quarantined for blocks already freed."""
+    from clients.leases import LeaseSessionHandler
+
+    with scheduler._lock:  # what _publish_all leaves for the next step
+        scheduler._handoff_leases["ho-early"] = "req-early"
+        scheduler._sending["req-early"] = time.monotonic()
+        scheduler._held_new.append(("ho-early", "dec-1"))
+    assert scheduler._handoff_released("ho-early")  # kvrc's release, before that step
+    meta = scheduler.build_connector_meta(NS(total_num_scheduled_tokens=0))
+    assert meta.free_now == ["req-early"] and meta.held == [("ho-early", "dec-1")]
+    worker = clean_worker
+    monkeypatch.setattr(worker, "handler", LeaseSessionHandler(), raising=False)
+    worker.start_step(meta)
+    assert "ho-early" not in worker.handler.held_leases()
+    with scheduler._lock:
+        scheduler._sending.pop("req-early", None)
+
+
 def test_a_quarantine_the_scheduler_could_not_take_is_handed_over_again(
     clean_worker: Any, scheduler: Any, vllm_side: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
