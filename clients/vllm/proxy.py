@@ -151,6 +151,8 @@ class PdProxy:
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         prefill_body.pop("stream_options", None)
+        # vLLM refuses min_tokens above max_tokens (400): the prefill makes one token.
+        prefill_body.pop("min_tokens", None)
         params: dict[str, Any] | None = None
         try:
             async with self._session.post(next(self._prefill) + path, json=prefill_body) as reply:

@@ -36,6 +36,8 @@ class StandIn:
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.bodies.append(body)
+        if body.get("min_tokens", 0) > body.get("max_tokens", 16):  # as vLLM's check
+            return web.json_response({"error": "min_tokens above max_tokens"}, status=400)
         if self.prefill:
             params = {**body["kv_transfer_params"], "do_remote_prefill": True}
             params.update(do_remote_decode=False, remote_engine_id=self.name)
@@ -101,6 +103,26 @@ async def test_each_handoff_is_reserved_for_the_decode_engine_that_gets_the_requ
     ]
     assert all("kvrc_decode_engine_id" not in b["kv_transfer_params"] for b in bare.bodies)
     assert stats == {"requests": 4, "handoffs": 4, "handoffs_reserved": 2, "prefill_failures": 0}
+
+
+async def test_a_request_with_min_tokens_still_gets_its_handoff(
+    runners: list[web.AppRunner],
+) -> None:
+    """The prefill is asked for one token; a client's min_tokens above 1 was passed on
+    with it, vLLM refused the prefill (400) and every such request was recomputed."""
+    prefill = await stand_in("p-0", True, runners)
+    decode = await stand_in("d-0", False, runners)
+    proxy = PdProxy([prefill.url], [f"{decode.url}=d-0"])
+    proxy_url = await serve(proxy.app(), runners)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 8, "min_tokens": 4}
+    async with ClientSession() as client:
+        async with client.post(proxy_url + "/v1/completions", json=body) as reply:
+            assert (await reply.json())["choices"][0]["text"] == "d-0"
+        async with client.get(proxy_url + "/stats") as reply:
+            stats = await reply.json()
+    assert stats["handoffs"] == 1 and stats["prefill_failures"] == 0
+    assert "min_tokens" not in prefill.bodies[0] and prefill.bodies[0]["max_tokens"] == 1
+    assert decode.bodies[0]["min_tokens"] == 4  # the client's request, as it asked
 
 
 @pytest.mark.parametrize(
