@@ -122,9 +122,10 @@ MIB = 1024 * 1024
 MIN_SPREAD = 0.01
 # A fit whose slope is this small (or negative) reads as an infinitely fast link.
 MAX_BANDWIDTH_BYTES_PER_S = 1e13
-# The most a block learnt from loads may weigh (a holder that registered no regions and
-# no layout): 1 GiB, 512 tokens at 2 MiB each. A report cannot claim more per block.
-MAX_LEARNT_BLOCK_BYTES = 1 << 30
+# The most a block may weigh, however it is sized (regions, layout, or learnt from loads
+# for a holder that registered neither): 1 GiB, 512 tokens at 2 MiB each. A report cannot
+# claim more per block, and a holder's regions cannot make a prediction overflow.
+MAX_BLOCK_BYTES = 1 << 30
 
 LinkKey = tuple[str, str, Tier]  # (holder, requester, holder's tier)
 
@@ -800,7 +801,7 @@ class CostModel:
         does not drift). False: not usable."""
         if num_bytes <= 0 or num_blocks <= 0:
             return False
-        self._block_bytes[holder] = min(-(-num_bytes // num_blocks), MAX_LEARNT_BLOCK_BYTES)
+        self._block_bytes[holder] = min(-(-num_bytes // num_blocks), MAX_BLOCK_BYTES)
         self._block_bytes.move_to_end(holder)
         while len(self._block_bytes) > self.config.max_requesters:
             self._block_bytes.popitem(last=False)
@@ -852,9 +853,9 @@ def kv_bytes_per_block(
     """
     from_regions = sum(r.block_len for regions in regions_per_part for r in regions)
     if from_regions > 0:
-        return from_regions
+        return min(from_regions, MAX_BLOCK_BYTES)
     if min(num_layers, num_kv_heads, head_size, block_size) <= 0:
         return 0
     dtype = kv_dtype.lower()
     width = 1 if dtype.startswith(("fp8", "int8", "float8")) else _DTYPE_BYTES.get(dtype, 2)
-    return 2 * num_layers * num_kv_heads * head_size * block_size * width
+    return min(2 * num_layers * num_kv_heads * head_size * block_size * width, MAX_BLOCK_BYTES)

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.core.cost_model import MAX_LEARNT_BLOCK_BYTES, CostModel, LoadPlan, Prediction
+from coordinator.core.cost_model import MAX_BLOCK_BYTES, CostModel, LoadPlan, Prediction
 from coordinator.core.errors import (
     ErrorCode,
     KvrcError,
@@ -267,10 +267,10 @@ class DrainStep:
 
 def _most_bytes(prediction: Prediction, context: _CostContext | None) -> int:
     """The most a load's reports may claim to have moved: what its grant asked to move,
-    or, from a holder of unknown block size, MAX_LEARNT_BLOCK_BYTES a block."""
+    or, from a holder of unknown block size, MAX_BLOCK_BYTES a block."""
     if prediction.num_bytes > 0 or context is None or context.block_size <= 0:
         return prediction.num_bytes
-    return prediction.num_tokens // context.block_size * MAX_LEARNT_BLOCK_BYTES
+    return prediction.num_tokens // context.block_size * MAX_BLOCK_BYTES
 
 
 @dataclass(frozen=True, slots=True)

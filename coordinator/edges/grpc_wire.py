@@ -285,6 +285,12 @@ def _check_endpoint(msg: pb.TransferEndpoint, bounds: FieldBounds) -> None:
     check_text("endpoint.backend", msg.backend, bounds)
     check_text("endpoint.session_name", msg.session_name, bounds)
     check_count("endpoint.regions", len(msg.regions), bounds.max_regions)
+    for i, region in enumerate(msg.regions):
+        if region.block_len > bounds.max_block_len:
+            raise invalid(
+                f"endpoint.regions[{i}].block_len is {region.block_len} bytes; "
+                f"the limit is {bounds.max_block_len}"
+            )
     check_count("endpoint.extra", len(msg.extra), bounds.max_extra_entries)
     opaque_bytes = len(msg.agent_metadata) + sum(len(k) + len(v) for k, v in msg.extra.items())
     if opaque_bytes > bounds.max_metadata_bytes:
@@ -1095,14 +1101,20 @@ def _lease_state(state: LeaseState) -> pb.LeaseState.ValueType:
     return pb.LeaseState.ValueType(state.value)
 
 
+_UINT64_MAX = (1 << 64) - 1
+_UINT32_MAX = (1 << 32) - 1
+
+
 def prediction_to_proto(prediction: Prediction) -> pb.CostPrediction:
     return pb.CostPrediction(
         load_ms=prediction.load_ms,
         recompute_ms=prediction.recompute_ms,
         safety_margin=prediction.safety_margin,
         worth_loading=prediction.worth_loading,
-        num_bytes=prediction.num_bytes,
-        num_tokens=prediction.num_tokens,
+        # Bounded where they come from (block_len, block_size); clamped here as well, so
+        # that no prediction can fail the answer it rides on.
+        num_bytes=min(prediction.num_bytes, _UINT64_MAX),
+        num_tokens=min(prediction.num_tokens, _UINT32_MAX),
         holder_child_engine_id=prediction.holder_child_engine_id,
         tier=pb.Tier.ValueType(prediction.tier.value),
         bandwidth_bytes_per_s=prediction.link.bandwidth_bytes_per_s,

@@ -46,6 +46,10 @@ class FieldBounds:
     max_parallel_size: int = 1024  # each of tp/pp/pcp/dp/dcp
     max_metadata_bytes: int = 1 << 20  # opaque endpoint metadata, all fields together
     max_regions: int = 4096
+    # Bytes of one block in one region (K or V of a layer): 1 GiB, past any real layout.
+    # Unbounded, a holder's uint64 block_len summed into a prediction overflowed the
+    # wire's uint64 and broke other engines' prefix loads and GetStatus (INTERNAL).
+    max_block_len: int = 1 << 30
     max_extra_entries: int = 64
     max_held_leases: int = 4096
 

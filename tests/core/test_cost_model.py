@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.core.cost_model import (
-    MAX_LEARNT_BLOCK_BYTES,
+    MAX_BLOCK_BYTES,
     CostConfig,
     CostModel,
     DeclaredLink,
@@ -281,6 +281,16 @@ def test_bytes_per_block_come_from_regions_then_from_the_layout() -> None:
         == 2 * 32 * 8 * 128 * 16 * 2
     )
     assert kv_bytes_per_block([[]], block_size=16) == 0  # unknown: latency only
+    # However a holder sizes them, a block weighs at most MAX_BLOCK_BYTES: regions at the
+    # wire's bound on every part (1 GiB each) would make a prediction pass uint64.
+    huge = [[KvRegion(0, 1 << 30, 64)] * 4096] * 8
+    assert kv_bytes_per_block(huge, block_size=16) == MAX_BLOCK_BYTES
+    assert (
+        kv_bytes_per_block(
+            [[]], block_size=1 << 20, num_layers=1 << 10, num_kv_heads=1 << 10, head_size=1 << 10
+        )
+        == MAX_BLOCK_BYTES
+    )
 
 
 @pytest.mark.parametrize(
@@ -717,7 +727,7 @@ def test_learnt_block_sizes_are_bounded_and_a_known_size_wins() -> None:
     assert model.block_bytes("h", 0) == 334  # rounded up: never priced lighter
     assert model.block_bytes("h", 64) == 64  # regions or a layout say it exactly
     model.observe_block_bytes("h", 1 << 50, 1)
-    assert model.block_bytes("h", 0) == MAX_LEARNT_BLOCK_BYTES  # a report's claim is capped
+    assert model.block_bytes("h", 0) == MAX_BLOCK_BYTES  # a report's claim is capped
     model.observe_block_bytes("g", 10, 1)
     model.observe_block_bytes("f", 10, 1)  # past max_requesters: h, observed first, goes
     assert model.block_bytes("h", 0) == 0 and model.block_bytes("f", 0) == 10

@@ -154,6 +154,15 @@ REGISTER_CASES: list[tuple[str, Callable[[pb.Register], None], str]] = [
         "endpoint.regions has 5000 entries; the limit is 4096",
     ),
     (
+        # Summed into a prediction's uint64 byte count, it broke other engines' prefix
+        # loads and GetStatus (INTERNAL) once such a holder was picked.
+        "a region's block_len past 1 GiB",
+        lambda r: r.endpoint.regions.extend(
+            [pb.KvRegion(block_len=64), pb.KvRegion(block_len=1 << 63)]
+        ),
+        "endpoint.regions[1].block_len is 9223372036854775808 bytes; the limit is 1073741824",
+    ),
+    (
         "oversized model name",
         _set("profile.model", "m" * 5000),
         "profile.model is 5000 characters",
