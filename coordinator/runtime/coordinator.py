@@ -469,10 +469,13 @@ class Coordinator:
         """Ends every session (UNAVAILABLE: engines reconnect to the next coordinator)."""
         self._shutting_down = True
         self.leases.close_to_changes()  # first: no lease may end into a closed session
-        self._flush_state()  # the sessions closing below are not departures
+        if self.peers is not None:
+            # Calls to another replica too: their answers could no longer be read here.
+            self.peers.fail_calls(COORDINATOR_SHUTTING_DOWN)
         for handle in (self._state_timer, self._warmup_timer):
             if handle is not None:
-                handle.cancel()
+                handle.cancel()  # before the flush, which forgets the state timer's handle
+        self._flush_state()  # the sessions closing below are not departures
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -486,8 +489,6 @@ class Coordinator:
             for timer in timers.values():
                 timer.cancel()
         self._gone_timers.clear()
-        if self.peers is not None:
-            self.peers.fail_calls(COORDINATOR_SHUTTING_DOWN)
         await self.inventory.close()
         await self.leases.shutdown()
 

@@ -500,6 +500,7 @@ class PeerLink:
         self._calls: dict[str, asyncio.Future[Any]] = {}  # call id -> its answer
         self._call_owners: dict[str, str] = {}  # call id -> the replica asked
         self._call_ids = itertools.count()
+        self._calls_closed: str | None = None  # why calls are refused (`fail_calls`)
         # Forwarded calls that wait here, by (caller replica, call id).
         self._answering: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.sent = 0  # ops this replica wrote for its peers (tests, bench-cluster)
@@ -753,6 +754,9 @@ class PeerLink:
         self, owner: str, kind: str, payload: Any, timeout_s: float = DEFAULT_CALL_TIMEOUT_S
     ) -> Any:
         """Asks `owner` to decide a request; its answer, or its refusal raised here."""
+        if self._calls_closed is not None:
+            # Shutting down: its answer could not be read here any more.
+            raise KvrcError(ErrorCode.UNAVAILABLE, self._calls_closed)
         call_id = f"{self.origin}/{next(self._call_ids)}"
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = answer
@@ -776,7 +780,8 @@ class PeerLink:
     def fail_calls(self, reason: str) -> None:
         """Shutdown: every call waiting for another replica ends UNAVAILABLE (and is
         cancelled there), and so does every forwarded call still waiting here (its
-        caller hears it, as from us)."""
+        caller hears it, as from us). Later calls are refused at once, the same way."""
+        self._calls_closed = reason
         for call_id, answer in self._calls.items():
             if not answer.done():
                 answer.set_exception(KvrcError(ErrorCode.UNAVAILABLE, reason))

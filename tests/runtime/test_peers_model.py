@@ -28,6 +28,7 @@ delivery).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +46,7 @@ from coordinator.edges.grpc_wire import part_codec
 from coordinator.runtime.clock import ManualClock
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.coordinator import Coordinator, Session
-from coordinator.runtime.peers import PEER_TAGS, PeerLink, part_key
+from coordinator.runtime.peers import CALL_EXTEND_HANDOFF, PEER_TAGS, PeerLink, part_key
 from coordinator.runtime.replication import INVENTORY_TAGS, ReplicatedInventory
 
 REPLICAS = ("r0", "r1", "r2")
@@ -933,3 +934,24 @@ def test_a_sessions_own_lower_token_is_a_new_stores() -> None:
     _ship(r0, r1)
     assert r1.coordinator.registry.session_of("e0", (0, 0, 0)) == live.session_id
     assert not r1.peers._unaccounted
+
+
+async def test_a_call_to_another_replica_after_the_shutdown_began_is_refused_at_once() -> None:
+    """Calls forwarded to another replica skipped the shutdown check: one arriving while
+    this replica stopped was written to the log, its answer never read here, and its
+    caller waited until the server cancelled it (a begin even granted there for nobody).
+    Now, from `fail_calls` on, a call is UNAVAILABLE at once and writes nothing."""
+    r = _Replica("r0", [])
+    waiting = asyncio.ensure_future(r.peers.call("r1", CALL_EXTEND_HANDOFF, ["ho-1", "d"], 30))
+    await asyncio.sleep(0)
+    sent = r.peers.sent
+    r.peers.fail_calls("the coordinator is shutting down")
+    with pytest.raises(KvrcError) as first:
+        await asyncio.wait_for(waiting, 1)  # waiting: failed, and cancelled on r1
+    assert first.value.code is ErrorCode.UNAVAILABLE
+    written = r.peers.sent - sent
+    with pytest.raises(KvrcError) as later:
+        await asyncio.wait_for(r.peers.call("r1", CALL_EXTEND_HANDOFF, ["ho-2", "d"], 30), 1)
+    assert later.value.code is ErrorCode.UNAVAILABLE
+    assert "shutting down" in later.value.message
+    assert r.peers.sent - sent == written  # nothing more went to the log
