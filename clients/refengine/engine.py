@@ -1239,8 +1239,12 @@ class Leader:
         if dropped:
             # No part holds them any more: not re-announced at its next registration (a
             # restarted kvrc would rebuild each one quarantined for blocks nobody pins),
-            # and not kept for ever.
-            await self._on_all("untrack_held", lease_ids=dropped)
+            # and not kept for ever. In the background: a stalled follower must not hold
+            # up the next sweep (one that is down keeps them until it starts over).
+            self._tasks.spawn(
+                self._on_all_settled("untrack_held", lease_ids=dropped),
+                name=f"untrack {len(dropped)} held lease(s)",
+            )
 
 
 # ---------------------------------------------------------------------------

@@ -1210,20 +1210,12 @@ class LeaseTable:
                             f"already settled: {existing.reason}",
                         )
                     )
-                elif existing.awaiting_quiet and rank_key in self._pinned_parts(existing):
-                    # Ended while its target may still read, its release waiting for the
-                    # proofs: the part keeps its pins until then, never freeing them on
-                    # its own net (I6-quiescence), as for a quarantine.
-                    actions.append(
-                        SendQuarantine(
-                            holder_child_engine_id,
-                            rank_key,
-                            lease_id,
-                            existing.flow,
-                            f"{existing.reason}: its release waits for the "
-                            f"{_TARGET_WORD[existing.flow]}'s proof of quiet reads",
-                        )
-                    )
+                # Else (its release waits for the target's proofs, or none will come)
+                # nothing: the part keeps its pins until the release or its own net,
+                # which fires a grace after the latest moment kvrc could quarantine the
+                # lease. Telling it to keep them for good (a QuarantineNotice) would strand
+                # them where no proof comes: an ended lease is not one an operator can
+                # resolve, and it is purged after its retention.
             elif existing.state is LeaseState.QUARANTINED:
                 if (
                     existing.recovered

@@ -798,7 +798,11 @@ class PeerLink:
         except KvrcError as e:
             result = [False, [e.code.value, e.message]]
         except asyncio.CancelledError:
-            reason = f"replica {self.origin} stopped the call (shutting down, or its caller left)"
+            if self._calls_closed is not None:
+                # Shutting down: say so in the words a client retries elsewhere on.
+                reason = f"{self._calls_closed}: retry at the next one (replica {self.origin})"
+            else:
+                reason = f"replica {self.origin} stopped the call (its caller left)"
             self._write([OP_RESULT, origin, call_id, False, [ErrorCode.UNAVAILABLE.value, reason]])
             raise
         except Exception as e:  # a defect: the caller hears of it now, not at its timeout

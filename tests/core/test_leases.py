@@ -399,9 +399,8 @@ def test_holder_gone_mid_transfer_fails_and_tells_the_requester_to_stop() -> Non
     assert t.get(lease_id).state is LeaseState.FAILED
     assert of(actions, SendRelease) == []
     assert [a.rank_key for a in of(actions, SendAbort)] == [TP2[1]]
-    # A holder back meanwhile keeps its pins: TP2[1] may still read (I6-quiescence). It is
-    # told so (before: nothing, and its own net could free them before the proof came).
-    assert reannounce(t, lease_id, TP2[0]) == [("SendQuarantine", TP2[0])]
+    # A holder back meanwhile keeps its pins: TP2[1] may still read (I6-quiescence).
+    assert reannounce(t, lease_id, TP2[0]) == []
     # The requester's report proves its reads quiet: the release is decided then.
     late = t.complete_prefix_load(lease_id, REQ, TP2[1], Outcome.FAILED, T0 + 300)
     assert late.view.state is LeaseState.FAILED
@@ -1152,7 +1151,7 @@ def test_a_quarantine_whose_holder_is_declared_gone_is_released_once_proven_quie
     gone = t.on_engine_gone(HOLD, T0 + 100)
     assert t.get(lease_id).state is LeaseState.FAILED
     assert of(gone, SendRelease) == []  # TP2[0] may still read (I6-quiescence)
-    assert reannounce(t, lease_id, TP2[0]) == [("SendQuarantine", TP2[0])]
+    assert reannounce(t, lease_id, TP2[0]) == []
     # The requester's ack is the proof: the release is decided then, and re-sent.
     proven = t.on_abort_ack(lease_id, REQ, TP2[0], T0 + 200)
     assert [a.rank_key for a in of(proven.actions, SendRelease)] == list(TP2)

@@ -955,3 +955,26 @@ async def test_a_call_to_another_replica_after_the_shutdown_began_is_refused_at_
     assert later.value.code is ErrorCode.UNAVAILABLE
     assert "shutting down" in later.value.message
     assert r.peers.sent - sent == written  # nothing more went to the log
+
+
+async def test_a_call_answered_here_and_stopped_by_the_shutdown_says_shutting_down() -> None:
+    """A call another replica forwarded here, still waiting when this one stopped, was
+    answered "stopped the call": the caller's client did not read it as a shutdown and
+    gave a begin up instead of retrying the next coordinator."""
+    from coordinator.runtime.peers import OP_RESULT
+    from kvrc.vocabulary import COORDINATOR_SHUTTING_DOWN
+
+    r = _Replica("r0", [])
+    never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(r.peers._answer_later("r1", "r1/7", never))
+    r.peers._answering[("r1", "r1/7")] = task
+    await asyncio.sleep(0)
+    _drain(r)
+    r.peers.fail_calls(COORDINATOR_SHUTTING_DOWN)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    [result] = [op for _, op in _drain(r) if op[0] == OP_RESULT]
+    assert result[1:4] == ["r1", "r1/7", False]
+    refusal: Any = result[4]
+    assert refusal[0] == ErrorCode.UNAVAILABLE.value
+    assert str(refusal[1]).startswith(f"{COORDINATOR_SHUTTING_DOWN}: retry at the next one")

@@ -602,12 +602,9 @@ class LeaseMachine(RuleBasedStateMachine):
         assert step.view == before, "a re-announcement changed a lease kvrc knows"
         kinds = [type(a) for a in step.actions]
         if before.state in TERMINAL_STATES:
-            # Its release again, once decided (the first may have been lost); until then,
-            # if its target may still read, the part is told to keep its pins.
+            # Its release again, once decided (the first may have been lost).
             decided = self.releases[(lid, source, rank)] > 0
-            waits = self.table._leases[lid].awaiting_quiet
-            expected = [SendRelease] if decided else [SendQuarantine] if waits else []
-            assert kinds == expected, (lid, rank, kinds)
+            assert kinds == ([SendRelease] if decided else []), (lid, rank, kinds)
             if decided and self.gone_at.get(source, -1) >= self.holding[(lid, rank)]:
                 event("re-announced by a source declared gone: released again")
         elif before.state is LeaseState.QUARANTINED:
