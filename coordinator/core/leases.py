@@ -1574,11 +1574,10 @@ class LeaseTable:
             # or a recovered lease): fail closed (operator's call).
             self._end(lease, LeaseState.FAILED, text, now_ms, actions)
             return
-        # A quarantine that awaits its target's proofs ends as a read in flight does: the
-        # release follows the proofs, so a source back from a blip gets it (before, it
-        # ended with no release decided, and its pins stayed with nobody to resolve them).
         # The target may still read (I6-quiescence): each part not yet proven quiet is
-        # told to stop, and the release waits for its proof (`_release_once_quiet`).
+        # told to stop, and the release waits for its proof (`_release_once_quiet`). A
+        # quarantine that awaits proofs ends the same way, so a source back from a blip
+        # gets its release once they came (no operator can resolve an ended lease).
         owing = [
             k
             for k in lease.target_rank_keys

@@ -103,10 +103,10 @@ DEFAULT_WARMUP_MS = 10_000
 # State file writes are coalesced: registrations come in bursts after a restart.
 _STATE_WRITE_DELAY_MS = 200
 # How long a holder keeps a pin whose release never came, at most, unless quarantined,
-# beyond kvrc's abort timeout (the engine side's safety net, clients/holds.py: the
-# longest pin timeout and TTL, 60 + 600 s, plus its 60 s grace; the pin's deadline adds
-# the abort timeout). A lease left to its owner longer ago is not rebuilt when the
-# owner falls silent: the holder has freed it.
+# besides kvrc's abort timeout (the engine side's safety net, clients/holds.py: the
+# longest pin timeout and TTL, 60 + 600 s, and its 60 s grace; the pin's deadline adds
+# the abort timeout, `owner_silent` adds it here). A lease left to its owner longer ago
+# is not rebuilt when the owner falls silent: the holder has freed it.
 LEFT_TO_OWNER_KEPT_MS = 720_000
 
 
