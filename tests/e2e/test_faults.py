@@ -552,6 +552,17 @@ async def test_a_consumer_that_stops_reading_is_disconnected_with_bounded_memory
                 # its queue of 32 too, which alone says nothing about the holder.
                 return "rank part removed (error): slow-h " in coordinator.stderr_text()
 
+            # First the holder's handler takes a PinRequest and never returns: from then on
+            # it reads nothing. (Without this, a flood that overflowed the queue before any
+            # PinRequest reached the handler ended a session the holder had read all of, and
+            # the reconnecting holder registered again with its inventory: a flaky test.)
+            first = await asyncio.to_thread(
+                requester.command, "flood_loads", count=1, n=8, pin_timeout_ms=300
+            )
+            assert first["ok"], first
+            await asyncio.to_thread(
+                holder.wait_for, lambda d: d.get("event") == "pin_request", 15.0
+            )
             # Each PinRequest names 2,000 blocks (about 40 KB): the stream's flow-control
             # window and socket buffers fill, then the bounded session queue does.
             for _ in range(6):
@@ -569,6 +580,7 @@ async def test_a_consumer_that_stops_reading_is_disconnected_with_bounded_memory
             assert holder_closed(), "the non-reading session was never disconnected"
             assert closed() >= 1
             assert await _inventory_of(target, "slow-h") is None  # removed, with its inventory
+            assert holder.registrations() == 1  # its handler is stuck: it never came back
             rss_after = _rss_mb(coordinator.process.pid)
             assert rss_after - rss_before < 80, (rss_before, rss_after)
             # Everything the flood opened is accounted for.
