@@ -325,12 +325,13 @@ class KvrcScheduler:
 
         loop = asyncio.get_running_loop()
         hold_ends = loop.time() + self.config.handoff_hold_s
-        answers: list[Any] = []
+        answers: list[Any] = [None] * self.tp_size
+        pending = list(range(self.tp_size))  # the ranks without an answer yet
         failures: list[BaseException] = []
         async for attempt in publish_attempts(hold_ends):
-            answers = await asyncio.gather(
-                *(one(rank) for rank in range(self.tp_size)), return_exceptions=True
-            )
+            got = await asyncio.gather(*(one(rank) for rank in pending), return_exceptions=True)
+            for rank, answer in zip(pending, got, strict=True):
+                answers[rank] = answer
             failures = [a for a in answers if isinstance(a, BaseException)]
             if failures and attempt == 0:
                 self._count("handoff_publish_failures")
@@ -346,8 +347,12 @@ class KvrcScheduler:
                 with self._lock:
                     self._free_now.append(spec.request_id)
                 return
-            if not failures or any(a.lease_id for a in answers if not isinstance(a, BaseException)):
-                break  # every part answered, or one answer names the lease
+            # Only the parts without an answer are sent again (a repeat is idempotent), also
+            # once another part's answer named the lease: a part kvrc never recorded keeps
+            # the handoff from READY and the decode from reading it (it recomputes).
+            pending = [r for r in pending if isinstance(answers[r], BaseException)]
+            if not pending:
+                break  # every part answered
             if attempt == 0:
                 # kvrc may have recorded every part (only the answer was lost): a decode
                 # may be granted these blocks, so they are held as a published handoff's

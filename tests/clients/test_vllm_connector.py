@@ -1255,6 +1255,36 @@ def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_named(
         made.shutdown()
 
 
+def test_a_part_whose_publish_outcome_is_unknown_is_sent_again_after_the_lease_is_named(
+    vllm_side: Any, kvrc_server: CoordinatorProcess, worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With tp=2, rank 0's answer named the lease and rank 1's was lost: the publish
+    stopped there. Had kvrc not recorded rank 1, the handoff never went READY: the decode
+    waited its whole handoff wait, then recomputed. Now rank 1 alone is sent again."""
+    from clients.leases import PublishResult
+
+    monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.05, 0.05))
+    sent: list[int] = []
+
+    async def publish_handoff(*_: Any, descriptor: Any, **__: Any) -> Any:
+        rank = descriptor.rank.tp_rank
+        sent.append(rank)
+        if rank == 1 and sent.count(1) == 1:
+            raise _LOST
+        done = sent.count(0) + (sent.count(1) - 1)
+        return PublishResult("READY" if done == 2 else "WAITING_READY", done, 2, "ho-both")
+
+    made = _publish_with(
+        vllm_side, kvrc_server, worker, publish_handoff, hold_s=30.0, decode="dec-1", tp_size=2
+    )
+    try:
+        assert sorted(sent) == [0, 1, 1]  # rank 0 once, rank 1 again
+        assert made._handoff_leases == {"ho-both": "req-p"} and made._free_now == []
+        assert made.counters["handoff_publish_unknown"] == 1
+    finally:
+        made.shutdown()
+
+
 def _publish_refused_after_lost(
     calls: list[int] | None = None,
     code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION,
