@@ -21,6 +21,7 @@ PROTOCOL_VERSION = 4
 # How a stopping coordinator's UNAVAILABLE begins: a client that reads it retries at the
 # next coordinator with a fresh budget (clients/leases.py, `begin_handoff`).
 COORDINATOR_SHUTTING_DOWN = "the coordinator is shutting down"
+RETRY_AT_THE_NEXT_COORDINATOR = f"{COORDINATOR_SHUTTING_DOWN}: retry at the next one"
 
 # Wire limits both sides share: the coordinator refuses more (INVALID_ARGUMENT,
 # I8-bad-input), and the engine library cuts its batches and chains below them.

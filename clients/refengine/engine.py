@@ -1122,22 +1122,21 @@ class Leader:
             del self._released_unbound[lease_id]
             await self._release(lease_id)
 
+    def _lease_ids_of(self, hold: _HandoffHold) -> list[str]:
+        return [lease_id for lease_id, held in self._holds.items() if held is hold]
+
     def _hold_bound(self, hold: _HandoffHold) -> bool:
-        return any(held is hold for held in self._holds.values())
+        return bool(self._lease_ids_of(hold))
 
     def _hold_quarantined(self, hold: _HandoffHold) -> bool:
-        return any(
-            self._pin_deadlines.is_quarantined(lease_id)
-            for lease_id, held in self._holds.items()
-            if held is hold
-        )
+        return any(self._pin_deadlines.is_quarantined(i) for i in self._lease_ids_of(hold))
 
     def _drop_hold(self, request_id: str) -> list[str]:
         """Frees a handoff's blocks; returns the lease ids that named them."""
         hold = self._hold_by_request.pop(request_id, None)
         if hold is None:
             return []
-        lease_ids = [k for k, v in self._holds.items() if v is hold]
+        lease_ids = self._lease_ids_of(hold)
         for lease_id in lease_ids:
             del self._holds[lease_id]
             self.release_ledger.released(lease_id)

@@ -258,8 +258,6 @@ class KvrcScheduler:
     # --- the workers' requests (holder pins) ---------------------------------------
 
     async def _serve_workers(self) -> None:
-        import asyncio
-
         from clients.refengine.channel import Channel
 
         path = control_socket_path(self.child_engine_id)
@@ -318,7 +316,6 @@ class KvrcScheduler:
 
     async def _publish_all(self, spec: PublishSpec) -> None:
         """PublishHandoff for every rank part at once, before the prefill's answer is out."""
-        import asyncio
 
         def one(rank: int) -> Any:
             return self._publish_part(spec, rank)
@@ -431,8 +428,6 @@ class KvrcScheduler:
         self._count("handoff_hold_expired")
 
     async def _expire_pins(self) -> None:
-        import asyncio
-
         while True:
             await asyncio.sleep(1.0)
             for lease_id in self.pins.expire():
@@ -866,7 +861,8 @@ class KvrcScheduler:
             meta.free_now, self._free_now = self._free_now, []
             meta.held, self._held_new = self._held_new, []
             meta.unheld, self._unheld_new = self._unheld_new, []
-        self._write_stats()  # once a step: what it and the step before counted
+        if self._stats_dirty:  # read unlocked: _write_stats checks again under the lock
+            self._write_stats()  # once a step: what it and the step before counted
         return meta
 
     # --- update_connector_output -------------------------------------------------------

@@ -61,7 +61,7 @@ from coordinator.core.leases import (
 )
 from coordinator.core.profiles import ReuseReason, ReuseStatus
 from coordinator.core.registry import ChildEngineView, Registry, grid_ranks
-from kvrc.vocabulary import COORDINATOR_SHUTTING_DOWN, BlockHash, RankKey, Tier
+from kvrc.vocabulary import RETRY_AT_THE_NEXT_COORDINATOR, BlockHash, RankKey, Tier
 
 # Defaults for requests that leave a duration at 0.
 DEFAULT_PIN_TIMEOUT_MS = 2_000
@@ -73,7 +73,7 @@ MAX_HANDOFF_WAIT_MS = 600_000
 MAX_WAITING_BEGINS = 16_384
 # Of those, one decode engine's: a quarter, so one engine cannot take the shared bound
 # from the others (as many as its open leases may be, LeaseConfig.max_open_leases_per_engine).
-MAX_WAITING_BEGINS_PER_ENGINE = 4_096
+MAX_WAITING_BEGINS_PER_ENGINE = MAX_WAITING_BEGINS // 4
 MAX_DRAIN_TIMEOUT_MS = 3_600_000
 
 
@@ -959,7 +959,7 @@ class Grants:
                     HandoffBeginFailed(
                         pending.token,
                         ErrorCode.UNAVAILABLE,
-                        f"{COORDINATOR_SHUTTING_DOWN}: retry at the next one (handoff "
+                        f"{RETRY_AT_THE_NEXT_COORDINATOR} (handoff "
                         f"for request {req.request_id!r} of {req.prefill_child_engine_id!r} "
                         f"was not READY yet: {pending.last_error})",
                     )

@@ -1481,7 +1481,8 @@ class Inventory:
             for h in ev.block_hashes:
                 key = (group_idx, _key(h))
                 exp = part.expiry.get(key)
-                if exp is not None and exp <= now_ms:
+                expired = exp is not None and exp <= now_ms
+                if expired:
                     self._drop_part_fact(engine, part, key)
                 tiers = part.tiers.get(key, 0)
                 if tiers & tier_bit:
@@ -1495,7 +1496,7 @@ class Inventory:
                     engine.entries -= 1
                     self._entries_total -= 1
                     touched.append(key)
-                elif exp is not None and exp <= now_ms:
+                elif expired:
                     touched.append(key)  # its expired fact was dropped
         for key in touched:
             a, r = self._derive(engine, key, now_ms)

@@ -1835,10 +1835,6 @@ class LeaseTable:
         else:
             del self._open_payload_by_engine[engine]
 
-    def open_payload_by_engine(self) -> dict[str, int]:
-        """Bytes each engine sent that its open leases keep (absent: none)."""
-        return dict(self._open_payload_by_engine)
-
     @property
     def payload_bytes(self) -> int:
         """Bytes of engines' data the table keeps (open and ended leases)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from coordinator.core.auth import AuthPolicy
-from coordinator.core.cost_model import CostConfig, DeclaredLink
+from coordinator.core.cost_model import MAX_BLOCK_BYTES, CostConfig, DeclaredLink
 from coordinator.core.errors import KvrcError
 from coordinator.core.leases import LeaseConfig
 from coordinator.core.profiles import DeclaredProfile, declared_profile
@@ -49,7 +49,7 @@ class FieldBounds:
     # Bytes of one block in one region (K or V of a layer): 1 GiB, past any real layout.
     # Unbounded, a holder's uint64 block_len summed into a prediction overflowed the
     # wire's uint64 and broke other engines' prefix loads and GetStatus (INTERNAL).
-    max_block_len: int = 1 << 30
+    max_block_len: int = MAX_BLOCK_BYTES
     max_extra_entries: int = 64
     max_held_leases: int = 4096
 

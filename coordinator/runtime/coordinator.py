@@ -102,12 +102,12 @@ log = logging.getLogger("kvrc.coordinator")
 DEFAULT_WARMUP_MS = 10_000
 # State file writes are coalesced: registrations come in bursts after a restart.
 _STATE_WRITE_DELAY_MS = 200
-# How long a holder keeps a pin whose release never came, at most, unless quarantined,
-# besides kvrc's abort timeout (the engine side's safety net, clients/holds.py: the
-# longest pin timeout and TTL, 60 + 600 s, and its 60 s grace; the pin's deadline adds
-# the abort timeout, `owner_silent` adds it here). A lease left to its owner longer ago
-# is not rebuilt when the owner falls silent: the holder has freed it.
-LEFT_TO_OWNER_KEPT_MS = 720_000
+# The grace a holder's safety net adds to a pin's deadline (clients/holds.py,
+# PIN_SAFETY_GRACE_S). A pin whose release never came is kept at most its deadline (the
+# longest pin timeout + TTL + the abort timeout) plus this, unless quarantined; a lease
+# left to its owner longer ago is not rebuilt when the owner falls silent: the holder
+# has freed it (`owner_silent`).
+HOLDER_GRACE_MS = 60_000
 
 
 # --- outbound session messages (encoded by wire.py) ----------------------------
@@ -950,7 +950,13 @@ class Coordinator:
         own pin deadline, and the requester's report finds no lease). Not one the owner
         released, nor one left so long ago that the holder has freed it by itself (unless
         the owner had quarantined it: that one the holder keeps)."""
-        kept_ms = LEFT_TO_OWNER_KEPT_MS + self.config.leases.abort_timeout_ms
+        leases = self.config.leases
+        kept_ms = (
+            leases.max_pin_timeout_ms
+            + leases.max_transfer_ttl_ms
+            + leases.abort_timeout_ms
+            + HOLDER_GRACE_MS
+        )
         expired_ms = self.clock.monotonic_ms() - kept_ms
         for session_id, left in list(self._left_to_owner.items()):
             held = [h for h in left.held.values() if owner_of_lease_id(h.lease_id) == origin]

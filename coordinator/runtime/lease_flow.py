@@ -69,7 +69,7 @@ from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.lease_ledger import LeaseLedger
 from coordinator.runtime.log_limit import RateLimitedLog
 from coordinator.runtime.metrics import Metrics
-from kvrc.vocabulary import COORDINATOR_SHUTTING_DOWN, RankKey, Tier
+from kvrc.vocabulary import COORDINATOR_SHUTTING_DOWN, RETRY_AT_THE_NEXT_COORDINATOR, RankKey, Tier
 
 __all__ = [
     "MAX_DRAIN_TIMEOUT_MS",
@@ -191,9 +191,6 @@ class LeaseFlow:
         sessions end: the end of a decode engine's own session would fail its begin
         "not registered" instead, and its client would not know to retry elsewhere."""
         self._closing = True
-        self._fail_waiting()
-
-    def _fail_waiting(self) -> None:
         self._execute(self.core.fail_all_begins())
         for waiting in self._answers.values():
             for future in waiting:
@@ -205,16 +202,13 @@ class LeaseFlow:
 
     def _check_open(self) -> None:
         if self._closing:
-            raise KvrcError(
-                ErrorCode.UNAVAILABLE, f"{COORDINATOR_SHUTTING_DOWN}: retry at the next one"
-            )
+            raise KvrcError(ErrorCode.UNAVAILABLE, RETRY_AT_THE_NEXT_COORDINATOR)
 
     async def shutdown(self) -> None:
-        self._closing = True
+        self.close_to_changes()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._fail_waiting()
         for waiters in self._drain_waiters.values():
             for woken in waiters:
                 woken.set()

@@ -74,6 +74,7 @@ from coordinator.runtime.store_keys import (
     RESYNC_MARKS_KEY,
     RESYNCS_PREFIX,
 )
+from kvrc.vocabulary import COORDINATOR_SHUTTING_DOWN
 
 log = logging.getLogger("kvrc.store")
 
@@ -472,7 +473,7 @@ class LeaseLedger:
         for write in pending:
             if write.done is not None:
                 self._live.pop(write.lease_id, None)
-                self._tell(write, False, "the coordinator is shutting down")
+                self._tell(write, False, COORDINATOR_SHUTTING_DOWN)
 
     # --- the writer -------------------------------------------------------------------
 

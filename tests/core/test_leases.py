@@ -867,7 +867,7 @@ def test_one_engine_cannot_take_the_shared_payload_bound_from_the_others() -> No
 
     first = handoff("h1")
     handoff("h2")
-    assert t.open_payload_by_engine() == {PRE: 2 * per_lease}
+    assert t._open_payload_by_engine == {PRE: 2 * per_lease}
     # PRE's share is full, the table is not: PRE is refused, and nothing changes.
     error = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: publish(t, TP2[0], big, "h3"))
     assert f"child engine {PRE!r}'s open leases keep {2 * per_lease} bytes" in error.message
@@ -877,7 +877,7 @@ def test_one_engine_cannot_take_the_shared_payload_bound_from_the_others() -> No
     load = open_load(t, "r1", chain=chain)
     for key in TP2:
         t.on_pin_result(load, HOLD, key, 8, big * 3, T0 + 10)
-    assert t.open_payload_by_engine() == {PRE: 2 * per_lease, REQ: 4_000}
+    assert t._open_payload_by_engine == {PRE: 2 * per_lease, REQ: 4_000}
     assert t.payload_bytes == 2 * per_lease + 4_000 + 6_000
     # A chain past the requester's share is refused, as a prefill's parameters were.
     refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: open_load(t, "r2", chain=chain))
@@ -885,10 +885,10 @@ def test_one_engine_cannot_take_the_shared_payload_bound_from_the_others() -> No
     begin(t, "h1", now=T0 + 5)
     for key in TP2:
         t.complete_handoff(first, DEC, key, Outcome.SUCCEEDED, T0 + 50)
-    assert t.open_payload_by_engine() == {PRE: per_lease, REQ: 4_000}
+    assert t._open_payload_by_engine == {PRE: per_lease, REQ: 4_000}
     assert t.payload_bytes == 2 * per_lease + 10_000
     handoff("h3")
-    assert t.open_payload_by_engine()[PRE] == 2 * per_lease
+    assert t._open_payload_by_engine[PRE] == 2 * per_lease
 
 
 def test_flows_never_share_a_lease() -> None:

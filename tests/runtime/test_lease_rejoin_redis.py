@@ -277,7 +277,7 @@ async def test_a_lease_left_longer_ago_than_a_holder_keeps_a_pin_is_not_rebuilt(
 ) -> None:
     """Left longer ago than a holder keeps an unreleased pin (here: any time ago), the
     holder has freed it by itself, unless its owner quarantined it (the next test)."""
-    monkeypatch.setattr(coordinator_module, "LEFT_TO_OWNER_KEPT_MS", -(10**9))
+    monkeypatch.setattr(coordinator_module, "HOLDER_GRACE_MS", -(10**10))
     a, b = await nodes(), await nodes()
     lease_id, moved = await holder_moved_to_b(a, b)
     b.coordinator.owner_silent(origin(a))
@@ -288,7 +288,7 @@ async def test_a_lease_left_longer_ago_than_a_holder_keeps_a_pin_is_not_rebuilt(
 async def test_a_lease_its_owner_quarantined_is_rebuilt_however_long_ago_it_was_left(
     nodes: Callable[[], Awaitable[Node]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(coordinator_module, "LEFT_TO_OWNER_KEPT_MS", -(10**9))
+    monkeypatch.setattr(coordinator_module, "HOLDER_GRACE_MS", -(10**10))
     a, b = await nodes(), await nodes()
     lease_id, moved = await holder_moved_to_b(a, b)
     await eventually(lambda: a.part("h") == moved.session.session_id, "A hears of h on B")
@@ -325,7 +325,7 @@ async def test_a_quarantine_decided_while_the_holder_was_between_sessions_reache
     A tells the holder again once it registers on B (before: never, and the holder's
     safety net would have freed pins whose reads were never proven quiet). B, told,
     rebuilds it when A falls silent however long ago it was left."""
-    monkeypatch.setattr(coordinator_module, "LEFT_TO_OWNER_KEPT_MS", -(10**9))
+    monkeypatch.setattr(coordinator_module, "HOLDER_GRACE_MS", -(10**10))
     a, b = await nodes(), await nodes()
     lease_id, holder = await reported_while_away(a, Outcome.UNKNOWN)
     assert a.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED

@@ -818,5 +818,5 @@ class LeaseMachine(RuleBasedStateMachine):
             )
             assert requester is not None
             shares[requester] += lease.requester_payload_bytes
-        assert self.table.open_payload_by_engine() == {e: n for e, n in shares.items() if n}
+        assert self.table._open_payload_by_engine == {e: n for e, n in shares.items() if n}
         assert all(n <= CONFIG.max_payload_bytes_per_engine for n in shares.values())
