@@ -8,6 +8,7 @@ enum numbers this client does not know (what a newer coordinator may send).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -51,6 +52,17 @@ def _answering(answers: dict[str, bytes]) -> Iterator[str]:
 @pytest.fixture
 def garbage_target() -> Iterator[str]:
     yield from _answering({"*": NOT_PROTOBUF})
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored() -> Iterator[None]:
+    """`kvrc serve` points the root logger at this test's captured stderr, which pytest
+    closes after it: later tests in this worker would log into a closed file."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
