@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import unknown_fields
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
 
@@ -414,10 +415,13 @@ class EngineService(pb_grpc.EngineServiceServicer):
             self._report_call(session, call_id, call.prefix_load_report, started)
             return
         if kind != "prefix_load":
-            # Counted as a Session message (no method of its own to time it under).
-            code = grpc.StatusCode.INVALID_ARGUMENT
+            # Counted as a Session message (no method of its own to time it under). A kind
+            # set by a newer client parses as an unknown field: not implemented here.
+            newer = len(unknown_fields.UnknownFieldSet(call)) > 0
+            code = grpc.StatusCode.UNIMPLEMENTED if newer else grpc.StatusCode.INVALID_ARGUMENT
             self._observed.count("Session", code)
-            why = f"call {call_id}: no known call set (this coordinator takes prefix_load and "
+            what = "a call kind this coordinator does not know" if newer else "no known call set"
+            why = f"call {call_id}: {what} (this coordinator takes prefix_load and "
             self._reply_status(session, call_id, code, why + "prefix_load_report)")
             return
         try:

@@ -1113,7 +1113,8 @@ class SessionCall(_message.Message):
     same message and the same checks, answered by one CallAnswer with the same
     call_id. The session's rank part acts for its own child engine only
     (requester / reporter must be it: PERMISSION_DENIED otherwise). A refused call
-    is answered with its status; the session goes on. At most 256 prefix loads of one
+    is answered with its status (a call kind this coordinator does not know:
+    UNIMPLEMENTED); the session goes on. At most 256 prefix loads of one
     session wait for their grant at a time: more are answered RESOURCE_EXHAUSTED. A
     session that ends (or moves to another replica) drops the calls it has not
     answered: the client sees UNAVAILABLE. A prefix load repeated with the same

@@ -29,6 +29,7 @@ from clients.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
     UnavailableError,
+    UnimplementedError,
 )
 from clients.hashing import hash_block_chain
 from clients.leases import (
@@ -197,6 +198,10 @@ async def test_refused_calls_get_the_unary_status_and_the_session_goes_on(
     # A call with nothing set is answered, not a broken session.
     with pytest.raises(InvalidArgumentError, match="no known call set"):
         await requester.call(pb.SessionCall(), 5)
+    # A kind this coordinator does not know (a newer client's field 99) is UNIMPLEMENTED.
+    newer = pb.SessionCall.FromString(b"\x9a\x06\x01\x00")
+    with pytest.raises(UnimplementedError, match="a call kind this coordinator does not know"):
+        await requester.call(newer, 5)
     after = await get_status(kvrc.grpc_target)
     mine = [x for x in after.leases if "s-bad" in x.target_child_engine_id]
     assert mine == []  # nothing changed
