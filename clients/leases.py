@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -105,6 +105,7 @@ __all__ = [
     "PrefixLoadGrant",
     "PublishResult",
     "publish_attempts",
+    "publish_rounds",
 ]
 
 
@@ -199,6 +200,33 @@ async def publish_attempts(hold_ends: float) -> AsyncIterator[int]:
             return
         await asyncio.sleep(delay_s)
         yield attempt
+
+
+async def publish_rounds(
+    publish_part: Callable[[int], Awaitable[_T]],
+    num_parts: int,
+    hold_ends: float,
+    held: Callable[[], bool],
+) -> AsyncGenerator[tuple[int, list[_T | BaseException]], None]:
+    """A handoff publish of rank parts 0..`num_parts`-1 in rounds, one per
+    `publish_attempts`: the first sends every part, each later one only the parts
+    without an answer yet, also once another part's answer named the lease (a repeat is
+    idempotent; a part kvrc never recorded keeps the handoff from READY, and its decode
+    waits, then recomputes). Yields the attempt and each part's latest answer or
+    exception after every round. Ends once every part answered, at the hold's end, or
+    when `held()` says the blocks are no longer held (a repeat must not publish freed
+    blocks); the caller breaks out once an answer settles the publish."""
+    answers: dict[int, _T | BaseException] = {}
+    pending = list(range(num_parts))
+    async for attempt in publish_attempts(hold_ends):
+        if attempt and not held():
+            return
+        got = await asyncio.gather(*(publish_part(p) for p in pending), return_exceptions=True)
+        answers.update(zip(pending, got, strict=True))
+        yield attempt, [answers[p] for p in range(num_parts)]
+        pending = [p for p in pending if isinstance(answers[p], BaseException)]
+        if not pending:
+            return
 
 
 @dataclass(frozen=True, slots=True)

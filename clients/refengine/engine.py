@@ -44,7 +44,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import Any
 
 import torch
@@ -68,7 +68,7 @@ from clients.leases import (
     Miss,
     PinAnswer,
     PinRequestInfo,
-    publish_attempts,
+    publish_rounds,
 )
 from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 from clients.refengine.blocks import BlockPool, PoolExhaustedError, StoredBlock
@@ -794,12 +794,15 @@ class Leader:
             "draining": self.draining,
         }
 
+    def _call(self, rank: int, op: str, args: dict[str, Any]) -> Awaitable[Any]:
+        """One command for rank part `rank` (0: this process)."""
+        if rank == 0:
+            return self.part.handle(op, args)
+        return self.followers[rank].call(op, timeout_s=120.0, **args)
+
     def _calls(self, op: str, args: dict[str, Any]) -> list[Awaitable[Any]]:
         """One command for every rank part, in tp rank order."""
-        calls: list[Awaitable[Any]] = [self.part.handle(op, args)]
-        for rank in range(1, self.options.tp_size):
-            calls.append(self.followers[rank].call(op, timeout_s=120.0, **args))
-        return calls
+        return [self._call(rank, op, args) for rank in range(self.options.tp_size)]
 
     async def _on_all(self, op: str, **args: Any) -> list[Any]:
         """Run one command on every rank part (tp rank order); the first error raises."""
@@ -1031,39 +1034,48 @@ class Leader:
     async def _publish_handoff(
         self, request_id: str, held: list[int], decode: str, params: bytes
     ) -> dict[str, Any]:
-        hold = _HandoffHold(request_id, held, time.monotonic() + HANDOFF_SAFETY_S)
-        self._hold_by_request[request_id] = hold
+        self._hold_by_request[request_id] = _HandoffHold(
+            request_id, held, time.monotonic() + HANDOFF_SAFETY_S
+        )
         args: dict[str, Any] = {
             "request_id": request_id,
             "block_ids": held,
             "decode_child_engine_id": decode,
             "kv_transfer_params": params,
         }
+        rounds = publish_rounds(
+            lambda rank: self._call(rank, "publish_handoff", args),
+            self.options.tp_size,
+            asyncio.get_running_loop().time() + HANDOFF_SAFETY_S,
+            lambda: request_id in self._hold_by_request,
+        )
         try:
-            answers = await self._on_all_settled("publish_handoff", **args)
+            _, answers = await anext(rounds)
         except asyncio.CancelledError:
             raise  # mid-publish: kvrc may have it; the hold's safety net frees the blocks
         except BaseException:
             self._drop_hold(request_id)
             raise
         states, failures = await self._settle_publish(request_id, answers, first=True)
-        if failures:
-            if request_id in self._hold_by_request:
-                # kvrc may have recorded every part, and a decode may read the blocks
-                # (I6-quiescence): held until kvrc's release or the safety net.
-                self.counters["handoff_publish_outcome_unknown"] += 1
-                log.warning(
-                    "handoff %s: publish outcome unknown (%s); holding its blocks",
-                    request_id,
-                    next(e for e in failures if outcome_unknown(e)),
-                )
-                if not self._hold_bound(hold):
-                    self._tasks.spawn(
-                        self._publish_again(request_id, args), name=f"publish {request_id} again"
-                    )
-            # A refusal says more than a lost answer: raise it first.
-            raise first_refusal(failures) or failures[0]
-        return {"states": sorted(states)}
+        if not failures:
+            return {"states": sorted(states)}
+        if request_id in self._hold_by_request:
+            # kvrc may have recorded every part, and a decode may read the blocks
+            # (I6-quiescence): held until kvrc's release or the safety net, and the parts
+            # without an answer go again.
+            self.counters["handoff_publish_outcome_unknown"] += 1
+            log.warning(
+                "handoff %s: publish outcome unknown (%s); holding its blocks",
+                request_id,
+                next(e for e in failures if outcome_unknown(e)),
+            )
+            self._tasks.spawn(
+                self._publish_again(request_id, rounds), name=f"publish {request_id} again"
+            )
+        else:
+            await rounds.aclose()
+        # A refusal says more than a lost answer: raise it first.
+        raise first_refusal(failures) or failures[0]
 
     async def _settle_publish(
         self, request_id: str, answers: list[Any], *, first: bool = False
@@ -1088,25 +1100,15 @@ class Leader:
             await self.bind_handoff(request_id, lease_id)
         return states, failures
 
-    async def _publish_again(self, request_id: str, args: dict[str, Any]) -> None:
-        """A publish whose outcome stayed unknown, sent again until an answer names its
-        lease (kvrc answers a repeat with the handoff's state and lease id) or ends it:
-        then kvrc's release, or quarantine, reaches the hold. Else the safety net."""
-        hold = self._hold_by_request.get(request_id)
-        if hold is None:
-            return
-        loop = asyncio.get_running_loop()
-        # Both monotonic: the hold's end on the event loop's clock.
-        hold_ends = loop.time() + hold.until - time.monotonic()
-        async for attempt in publish_attempts(hold_ends):
-            if attempt == 0:
-                continue  # the first publish was the caller's
-            hold = self._hold_by_request.get(request_id)
-            if hold is None or self._hold_bound(hold):
-                return
-            await self._settle_publish(
-                request_id, await self._on_all_settled("publish_handoff", **args)
-            )
+    async def _publish_again(
+        self, request_id: str, rounds: AsyncGenerator[tuple[int, list[Any]], None]
+    ) -> None:
+        """The rest of a publish whose outcome stayed unknown: its parts without an answer
+        go again (kvrc answers a repeat with the handoff's state and lease id) until each
+        part answered, the hold goes, or its safety net's time is up. An answer that names
+        the lease binds the hold, one that ends the handoff drops it."""
+        async for _, answers in rounds:
+            await self._settle_publish(request_id, answers)
 
     async def bind_handoff(self, request_id: str, lease_id: str) -> None:
         """Name the lease of a published handoff (the decode learned it from its grant).
@@ -1124,9 +1126,6 @@ class Leader:
 
     def _lease_ids_of(self, hold: _HandoffHold) -> list[str]:
         return [lease_id for lease_id, held in self._holds.items() if held is hold]
-
-    def _hold_bound(self, hold: _HandoffHold) -> bool:
-        return bool(self._lease_ids_of(hold))
 
     def _hold_quarantined(self, hold: _HandoffHold) -> bool:
         return any(self._pin_deadlines.is_quarantined(i) for i in self._lease_ids_of(hold))

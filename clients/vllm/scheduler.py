@@ -41,7 +41,7 @@ from clients.leases import (
     Miss,
     PrefixLoadGrant,
     handoff_still_open,
-    publish_attempts,
+    publish_rounds,
 )
 from clients.vllm.config import KvrcConnectorConfig
 from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
@@ -320,20 +320,21 @@ class KvrcScheduler:
         def one(rank: int) -> Any:
             return self._publish_part(spec, rank)
 
+        def held() -> bool:
+            with self._lock:
+                return spec.request_id in self._sending
+
         loop = asyncio.get_running_loop()
         hold_ends = loop.time() + self.config.handoff_hold_s
-        answers: list[Any] = [None] * self.tp_size
-        pending = list(range(self.tp_size))  # the ranks without an answer yet
+        answers: list[Any] = []
         failures: list[BaseException] = []
-        async for attempt in publish_attempts(hold_ends):
-            got = await asyncio.gather(*(one(rank) for rank in pending), return_exceptions=True)
-            for rank, answer in zip(pending, got, strict=True):
-                answers[rank] = answer
+        async for attempt, answers in publish_rounds(one, self.tp_size, hold_ends, held):
             failures = [a for a in answers if isinstance(a, BaseException)]
-            if failures and attempt == 0:
-                self._count("handoff_publish_failures")
+            if not failures or attempt > 0:
+                continue
+            self._count("handoff_publish_failures")
             refusal = first_refusal(failures)
-            if refusal is not None and attempt == 0:
+            if refusal is not None:
                 # kvrc refused a part's first publish: the handoff never goes READY, no
                 # decode reads, whatever the other parts' outcome. A repeat's refusal
                 # proves nothing (the first may have been recorded and read; a repeat is
@@ -344,23 +345,15 @@ class KvrcScheduler:
                 with self._lock:
                     self._free_now.append(spec.request_id)
                 return
-            # Only the parts without an answer are sent again (a repeat is idempotent), also
-            # once another part's answer named the lease: a part kvrc never recorded keeps
-            # the handoff from READY and the decode from reading it (it recomputes).
-            pending = [r for r in pending if isinstance(answers[r], BaseException)]
-            if not pending:
-                break  # every part answered
-            if attempt == 0:
-                # kvrc may have recorded every part (only the answer was lost): a decode
-                # may be granted these blocks, so they are held as a published handoff's
-                # are, and the publish goes again until an answer names its lease
-                # (I6-quiescence).
-                log.warning(
-                    "handoff %s: publish outcome unknown (%s); holding its blocks",
-                    spec.handoff_id,
-                    next(e for e in failures if outcome_unknown(e)),
-                )
-                self._count("handoff_publish_unknown")
+            # kvrc may have recorded every part (only the answer was lost): a decode may
+            # be granted these blocks, so they are held as a published handoff's are,
+            # and the parts without an answer go again (I6-quiescence).
+            log.warning(
+                "handoff %s: publish outcome unknown (%s); holding its blocks",
+                spec.handoff_id,
+                next(e for e in failures if outcome_unknown(e)),
+            )
+            self._count("handoff_publish_unknown")
         results = [a for a in answers if not isinstance(a, BaseException)]
         if not any(r.lease_id for r in results) and failures:
             # never named: the hold's time is all it gets

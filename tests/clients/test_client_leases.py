@@ -40,6 +40,7 @@ from clients.leases import (
     PinAnswer,
     PinRequestInfo,
     PrefixLoadGrant,
+    publish_rounds,
 )
 from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from kvrc.v1 import kvrc_pb2 as pb
@@ -570,3 +571,43 @@ async def test_a_begin_waiting_when_kvrc_stops_gets_a_fresh_budget_for_the_next_
         finally:
             await dec.close()
             await session.close()
+
+
+async def test_a_publish_round_sends_only_the_parts_without_an_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both engines publish a handoff's parts this way (clients.leases.publish_rounds):
+    a part answered is not sent again, a part without an answer is, also after another
+    part's answer named the lease; no repeat once the blocks are no longer held."""
+    monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.0, 0.0, 0.0))
+    lost = DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
+    sent: list[int] = []
+
+    async def publish_part(rank: int) -> str:
+        sent.append(rank)
+        if rank == 2 and sent.count(2) < 3:
+            raise lost
+        return f"answer {rank}"
+
+    hold_ends = asyncio.get_running_loop().time() + 60.0
+    rounds = [r async for r in publish_rounds(publish_part, 3, hold_ends, lambda: True)]
+    assert sent == [0, 1, 2, 2, 2]
+    assert [attempt for attempt, _ in rounds] == [0, 1, 2]
+    assert rounds[0][1] == ["answer 0", "answer 1", lost]
+    assert rounds[-1][1] == ["answer 0", "answer 1", "answer 2"]
+
+    # The blocks are freed after the first round: nothing is published again.
+    sent.clear()
+    held = [True]
+
+    async def freed_after(rank: int) -> str:
+        held[0] = False
+        return await publish_part(rank)
+
+    rounds = [r async for r in publish_rounds(freed_after, 3, hold_ends, lambda: held[0])]
+    assert sent == [0, 1, 2] and len(rounds) == 1
+    # The hold's end bounds the repeats too (no time left for a repeat).
+    sent.clear()
+    soon = asyncio.get_running_loop().time() + 0.0
+    rounds = [r async for r in publish_rounds(publish_part, 3, soon, lambda: True)]
+    assert sent == [0, 1, 2] and len(rounds) == 1

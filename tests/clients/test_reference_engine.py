@@ -40,7 +40,7 @@ from clients.kv_cache import (
     KvRegionDescription,
     PagedKvCache,
 )
-from clients.leases import LeaseSessionHandler
+from clients.leases import LeaseSessionHandler, publish_rounds
 from clients.refengine.blocks import BlockPool, PoolExhaustedError
 from clients.refengine.channel import Channel, ChannelError
 from clients.refengine.compute import expected_blocks, kv_values, write_positions
@@ -632,27 +632,27 @@ _DEADLINE = DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer"
 _REFUSED = NotFoundError(grpc.StatusCode.NOT_FOUND, "unknown decode engine")
 
 
-def _leader_with_stand_in_parts(*rounds: list[Any]) -> tuple[Leader, list[str]]:
-    """A prefill Leader whose two rank parts are stood in (`_on_all`): compute does
-    nothing; the n-th publish is answered by `rounds[n]` (the last one repeats), each
-    part's answer at its rank (a result or an exception). Also: the publishes made."""
+def _leader_with_stand_in_parts(*rounds: list[Any]) -> tuple[Leader, list[tuple[str, int]]]:
+    """A prefill Leader whose two rank parts are stood in (`_call`, `_on_all`): compute
+    does nothing; a part's n-th publish is answered by `rounds[n]` at its rank (the last
+    round repeats): a result or an exception. Also: the publishes made, (request, rank)."""
     options = EngineOptions(role="prefill", engine_id="p", tp_rank=0, tp_size=2, target="x:1")
     leader = Leader(NS(options=options, session=None, layout=NS(num_blocks=8)))  # type: ignore[arg-type]
-    published: list[str] = []
+    published: list[tuple[str, int]] = []
 
-    async def settled(op: str, **args: Any) -> list[Any]:
+    async def call(rank: int, op: str, args: dict[str, Any]) -> Any:
         assert op == "publish_handoff"
-        published.append(args["request_id"])
-        return list(rounds[min(len(published), len(rounds)) - 1])
+        published.append((args["request_id"], rank))
+        made = sum(1 for _, r in published if r == rank)
+        answer = rounds[min(made, len(rounds)) - 1][rank]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
 
     async def on_all(op: str, **args: Any) -> list[Any]:
         if op != "publish_handoff":
             return [None, None]
-        answers = await settled(op, **args)
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                raise answer
-        return answers
+        return [await call(rank, op, args) for rank in (0, 1)]
 
     async def no_load(*args: Any) -> tuple[list[int], dict[str, Any]]:
         return [], {}
@@ -661,7 +661,7 @@ def _leader_with_stand_in_parts(*rounds: list[Any]) -> tuple[Leader, list[str]]:
         return None
 
     leader._on_all = on_all  # type: ignore[method-assign]
-    leader._on_all_settled = settled  # type: ignore[method-assign]
+    leader._call = call  # type: ignore[method-assign]
     leader._prefix_load = no_load  # type: ignore[method-assign,assignment]
     leader.publish = no_events  # type: ignore[method-assign,assignment]
     return leader, published
@@ -764,17 +764,39 @@ async def test_a_publish_of_unknown_outcome_is_sent_again_until_its_lease_is_nam
     with pytest.raises(DeadlineExceededError):
         await leader.prefill("r1", list(range(3 * 16)), "d")
     assert leader._holds == {} and _referenced(leader) == 3
+    both = [("r1", 0), ("r1", 1)]
     if outcome == "bound":
         await wait_until(lambda: "ho-1" in leader._holds, 5, what="the hold named")
         await leader._release("ho-1")
-        assert _referenced(leader) == 0 and published == ["r1", "r1"]
+        assert _referenced(leader) == 0 and published == both * 2
     elif outcome == "freed":
         await wait_until(lambda: _referenced(leader) == 0, 5, what="the ended handoff freed")
-        assert published == ["r1", "r1"]
+        assert published == both * 2
     else:
-        await wait_until(lambda: len(published) == 3, 5, what="both repeats")
+        await wait_until(lambda: len(published) == 6, 5, what="both repeats")
         await asyncio.sleep(0.05)
-        assert leader._holds == {} and _referenced(leader) == 3 and len(published) == 3
+        assert leader._holds == {} and _referenced(leader) == 3 and published == both * 3
+    await leader._tasks.aclose()
+
+
+async def test_a_part_whose_publish_outcome_is_unknown_is_sent_again_after_the_lease_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0's answer named the lease, rank 1's was lost: the publish stopped there. Had
+    kvrc not recorded rank 1, the handoff never went READY and the decode waited its
+    whole wait, then recomputed. Now rank 1 alone goes again, until it is answered."""
+    monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.0, 0.0, 0.0))
+    leader, published = _leader_with_stand_in_parts(
+        [_READY, _DEADLINE], [_READY, _DEADLINE], [_READY, _READY]
+    )
+    with pytest.raises(DeadlineExceededError):
+        await leader.prefill("r1", list(range(3 * 16)), "d")
+    assert "ho-1" in leader._holds  # named by rank 0's answer: kvrc's release reaches it
+    await wait_until(lambda: len(published) == 4, 5, what="rank 1's repeats")
+    await asyncio.sleep(0.05)
+    assert published == [("r1", 0), ("r1", 1), ("r1", 1), ("r1", 1)]  # answered: no more
+    await leader._release("ho-1")
+    assert _referenced(leader) == 0
     await leader._tasks.aclose()
 
 
@@ -802,5 +824,12 @@ async def test_every_parts_publish_answer_is_waited_for_and_kept() -> None:
     leader = Leader(part)  # type: ignore[arg-type]
     async with channel_pair(None, follower) as (to_follower, _):
         leader.followers[1] = to_follower
-        answers = await leader._on_all_settled("publish_handoff", request_id="r1")
-    assert answers[0] is _DEADLINE and answers[1] == {**_READY, "rank": 1}
+        rounds = publish_rounds(
+            lambda rank: leader._call(rank, "publish_handoff", {"request_id": "r1"}),
+            2,
+            asyncio.get_running_loop().time() + 60.0,
+            lambda: True,
+        )
+        attempt, answers = await anext(rounds)
+        await rounds.aclose()
+    assert attempt == 0 and answers[0] is _DEADLINE and answers[1] == {**_READY, "rank": 1}

@@ -1088,6 +1088,7 @@ def _publish_with(
         made._endpoints[rank] = worker.endpoint
     made.leases.publish_handoff = publish_handoff
     spec = vllm_side.metadata.PublishSpec("req-p", "handoff-p", [3, 4], decode, b"")
+    made._sending["req-p"] = 0.0  # held, as request_finished leaves it
     try:
         made.loop.run(made._publish_all(spec), timeout_s=10)
     except BaseException:
