@@ -178,7 +178,17 @@ class EngineInventoryStatus:
 class _Meta:
     """What the facade keeps per child engine for the lookup gate (no view building)."""
 
-    __slots__ = ("compatibility_hash", "mode", "publisher_rank", "ready", "reuse", "stale", "zmq")
+    __slots__ = (
+        "compatibility_hash",
+        "mode",
+        "publisher_rank",
+        "ready",
+        "reuse",
+        "stale",
+        "zmq",
+        "zmq_sink",
+        "zmq_source",
+    )
 
     def __init__(self, compatibility_hash: str, mode: PublishMode) -> None:
         self.compatibility_hash = compatibility_hash
@@ -188,6 +198,8 @@ class _Meta:
         self.reuse = ReuseStatus(False, ReuseReason.REQUESTER_NOT_READY, "not READY")
         self.publisher_rank: RankKey | None = None  # per child engine: the part that publishes
         self.zmq: EventStream | None = None
+        self.zmq_sink: _ZmqSink | None = None  # retired with its stream
+        self.zmq_source: tuple[str, str, str] = ("", "", "")  # what `zmq` subscribed to
 
 
 _DISABLED = ReuseStatus(
@@ -311,7 +323,7 @@ class InventoryFlow:
         for key in list(self._resyncs):
             self._cancel_resync(key)
         for meta in self._meta.values():
-            await self._stop_zmq(meta)
+            self._retire_zmq(meta)
         if self._stopping:
             await asyncio.gather(*self._stopping, return_exceptions=True)
 
@@ -355,6 +367,16 @@ class InventoryFlow:
             if self.streams.open_stream(key, incarnation):
                 self.inventory.clear_stream(cid, registration.rank)
                 self._cancel_resync(key)
+        if (
+            registration.rank == HEAD
+            and meta.zmq is not None
+            and _zmq_source(registration) != meta.zmq_source
+        ):
+            # A new EngineCore publishes elsewhere (or not at all): the old subscription
+            # goes, and with it what the old publisher said.
+            log.info("child engine %s: its KV-event publisher moved; subscribing anew", cid)
+            self._retire_zmq(meta)
+            self.inventory.clear_stream(cid, None)
         self._refresh(cid, meta, view, reuse)
         # No push here: the RegisterAck is not sent yet; readiness pushes carry it.
         self._note_stale(cid, meta, push=False)
@@ -767,13 +789,14 @@ class InventoryFlow:
                 cid,
             )
             return
+        sink = _ZmqSink(self)
         try:
-            stream = self.event_streams(registration, _ZmqSink(self))
+            stream = self.event_streams(registration, sink)
         except (ValueError, KvrcError) as e:
             # The registration stands (handoffs need no inventory); only the edge is off.
             log.warning("child engine %s: KV-event endpoint refused, not subscribing: %s", cid, e)
             return
-        meta.zmq = stream
+        meta.zmq, meta.zmq_sink, meta.zmq_source = stream, sink, _zmq_source(registration)
         task = asyncio.get_running_loop().create_task(stream.start())
         task.add_done_callback(lambda t: self._zmq_start_ended(cid, meta, stream, t))
 
@@ -787,10 +810,20 @@ class InventoryFlow:
             meta.zmq = None
         _log_start_failure(cid, task)
 
-    async def _stop_zmq(self, meta: _Meta) -> None:
-        stream, meta.zmq = meta.zmq, None
-        if stream is not None:
-            await stream.close()
+    def _retire_zmq(self, meta: _Meta) -> None:
+        """Stops the engine's subscription in the background; whatever it still delivers
+        is dropped from now on (else a closing stream could write into a new one's
+        inventory, or into the engine's next registration)."""
+        stream, sink = meta.zmq, meta.zmq_sink
+        meta.zmq = meta.zmq_sink = None
+        if sink is not None:
+            sink.retired = True
+        if stream is None:
+            return
+        task = asyncio.get_running_loop().create_task(stream.close())
+        task.add_done_callback(_log_failure)
+        task.add_done_callback(self._stopping.discard)
+        self._stopping.add(task)
 
     def zmq_apply(self, child_engine_id: str, batch: EventBatch) -> None:
         if not self.inventory.has_engine(child_engine_id):
@@ -834,11 +867,7 @@ class InventoryFlow:
             self._cancel_resync(key)
         self.streams.remove_engine(child_engine_id)
         del self._meta[child_engine_id]
-        if meta.zmq is not None:
-            task = asyncio.get_running_loop().create_task(self._stop_zmq(meta))
-            task.add_done_callback(_log_failure)
-            task.add_done_callback(self._stopping.discard)
-            self._stopping.add(task)
+        self._retire_zmq(meta)
         log.info("child engine %s left: %d inventory entries dropped", child_engine_id, dropped)
         self._update_gauges()
 
@@ -894,21 +923,35 @@ class _ZmqSink:
 
     def __init__(self, facade: InventoryFlow) -> None:
         self._facade = facade
+        self.retired = False  # its stream was stopped: what it still delivers is dropped
 
     def apply(self, child_engine_id: str, batch: EventBatch) -> None:
-        self._facade.zmq_apply(child_engine_id, batch)
+        if not self.retired:
+            self._facade.zmq_apply(child_engine_id, batch)
 
     def drop_engine_inventory(self, child_engine_id: str) -> None:
-        self._facade.zmq_drop(child_engine_id)
+        if not self.retired:
+            self._facade.zmq_drop(child_engine_id)
 
     def mark_stale(self, child_engine_id: str, reason: str) -> None:
-        self._facade.zmq_stale(child_engine_id)
+        if not self.retired:
+            self._facade.zmq_stale(child_engine_id)
 
     def mark_degraded(self, child_engine_id: str, reason: str) -> None:
         """Entries stay hints (bounded age is the ZMQ edge's job)."""
 
     def mark_live(self, child_engine_id: str) -> None:
         """Nothing to undo: staleness ends with the new incarnation's drop."""
+
+
+def _zmq_source(registration: RankPartRegistration) -> tuple[str, str, str]:
+    """What a child engine's ZMQ subscription follows: the head part's KV-event endpoints
+    and its session (a new EngineCore registers a new one)."""
+    return (
+        registration.kv_events_endpoint,
+        registration.kv_events_replay_endpoint,
+        registration.endpoint.session_name,
+    )
 
 
 def _log_start_failure(child_engine_id: str, task: asyncio.Task[None]) -> None:

@@ -13,9 +13,10 @@ import dataclasses
 
 import zmq
 import zmq.asyncio
-from manual_rig import PROFILE, manual_coordinator, settle
+from manual_rig import CHAIN, PROFILE, manual_coordinator, settle
 from waiting import wait_until
 
+from coordinator.core.events import BlockStored, EventBatch
 from coordinator.core.registry import RankPartRegistration
 from coordinator.edges.zmq_ingest import vllm_event_streams
 from kvrc.vocabulary import TransferEndpoint
@@ -82,3 +83,47 @@ async def test_the_subscription_goes_to_rank_0s_host_whoever_registers_first() -
         await settle()
         assert meta.zmq is not None
         assert meta.zmq.config.endpoint == "tcp://127.0.0.2:5557"  # type: ignore[attr-defined]
+
+
+async def test_a_head_part_that_publishes_elsewhere_is_subscribed_anew() -> None:
+    """Rank 0 comes back from a new EngineCore, whose publisher binds another port, while
+    rank 1 stays: kvrc stayed subscribed to the old endpoint (nothing ever arrived from
+    the new one). The old subscription, and what its publisher said, go; what the old
+    stream still delivers while it closes is dropped."""
+    tp2 = dataclasses.replace(PROFILE, tp_size=2)
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        c.inventory.event_streams = vllm_event_streams(c.metrics)
+
+        def part(rank: tuple[int, int, int], events: str, port: int) -> RankPartRegistration:
+            endpoint = TransferEndpoint(backend="mooncake", session_name=f"127.0.0.2:{port}")
+            return RankPartRegistration("e", 0, "e", rank, tp2, endpoint, kv_events_endpoint=events)
+
+        rank0 = c.open_session(part((0, 0, 0), "tcp://*:5557", 1))
+        c.open_session(part((1, 0, 0), "", 2))  # stays registered throughout
+        await settle()
+        meta = c.inventory._meta["e"]
+        old_stream, old_sink = meta.zmq, meta.zmq_sink
+        assert old_stream is not None and old_sink is not None
+        old_sink.apply("e", EventBatch(0, 0, (BlockStored(CHAIN[:4], None, 64),)))
+        assert c.inventory.inventory.engine_entries("e") == 4
+
+        # Negative control: the same part back from the same process keeps its stream.
+        c.close_session(rank0, "closed")
+        await settle()
+        rank0 = c.open_session(part((0, 0, 0), "tcp://*:5557", 1))
+        await settle()
+        assert meta.zmq is old_stream and c.inventory.inventory.engine_entries("e") == 4
+
+        c.close_session(rank0, "closed")
+        await settle()
+        c.open_session(part((0, 0, 0), "tcp://*:5600", 3))  # a new EngineCore
+        await settle()
+        assert meta.zmq is not None and meta.zmq is not old_stream
+        assert meta.zmq.config.endpoint == "tcp://127.0.0.2:5600"  # type: ignore[attr-defined]
+        assert c.inventory.inventory.engine_entries("e") == 0  # the old publisher's blocks
+        old_sink.apply("e", EventBatch(0, 1, (BlockStored(CHAIN[4:8], CHAIN[3], 64),)))
+        assert c.inventory.inventory.engine_entries("e") == 0  # the closing stream: dropped
+        assert meta.zmq_sink is not None
+        meta.zmq_sink.apply("e", EventBatch(0, 0, (BlockStored(CHAIN[:2], None, 32),)))
+        assert c.inventory.inventory.engine_entries("e") == 2  # the new one's are applied
