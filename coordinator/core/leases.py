@@ -200,11 +200,11 @@ class LeaseConfig:
         for name in self.__slots__:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
-                raise ValueError(f"LeaseConfig.{name} must be an int >= 1, got {value!r}")
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.abort_timeout_ms > MAX_ABORT_TIMEOUT_MS:
             raise ValueError(
-                f"LeaseConfig.abort_timeout_ms must be at most {MAX_ABORT_TIMEOUT_MS}, "
-                f"got {self.abort_timeout_ms}"
+                f"abort_timeout_ms must be at most {MAX_ABORT_TIMEOUT_MS} ms (30 min; a "
+                f"holder trusts a pin's deadline up to an hour), got {self.abort_timeout_ms}"
             )
 
 
