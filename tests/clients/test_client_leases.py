@@ -215,6 +215,8 @@ async def test_a_release_whose_ack_was_lost_with_the_stream_reaches_the_next_ses
     pre, _ = await parts.part("ack-pre", again)
     await wait_until(lambda: second == [lease_id], timeout_s=5)
     await wait_until(lambda: again.release_acks_due() == [], timeout_s=5)
+    # The due list empties before the ack is written: wait for its task's write too.
+    await wait_until(lambda: not again._tasks, timeout_s=5)
     await pre.close()  # after the ack, on the same stream: kvrc read it first
     third: list[str] = []
     pre, _ = await parts.part("ack-pre", releases_to(third))

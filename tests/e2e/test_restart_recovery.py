@@ -769,6 +769,13 @@ async def test_a_report_sent_before_the_restart_is_replayed_and_ends_the_recover
         for holder in holders:
             holder.event("quarantine", lease_id)
         await wait_until(lambda: parts[0].registrations() >= 2, 15, what="part 0 back")
+
+        async def replayed() -> bool:
+            found = find_lease(await get_status(second.grpc_target), lease_id)
+            return found is not None and found.target_child_engine_id != ""
+
+        # The replay retries while kvrc warms up (UNAVAILABLE until the holders are back).
+        await wait_until(replayed, 15, what="part 0's report replayed")
         # Part 0's replay alone names the target but proves only half: still quarantined.
         await asyncio.sleep(1.0)  # kept: nothing may be released in the meantime
         lease = find_lease(await get_status(second.grpc_target), lease_id)

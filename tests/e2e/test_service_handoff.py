@@ -26,7 +26,7 @@ from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 
 GRACE_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 1500
-ABORT_TIMEOUT_MS = 1500
+ABORT_TIMEOUT_MS = 3000
 
 NIXL_PARAMS = {
     "do_remote_prefill": True,
@@ -236,9 +236,9 @@ def test_keepalive_holds_the_lease_and_silence_aborts_it_before_any_release(
     # blocks until the abort is acknowledged (1.2 s later).
     silent.event("abort", dropped["lease_id"], timeout_s=HEARTBEAT_TIMEOUT_MS / 1000 + 3)
     assert lease_state(kvrc, dropped["lease_id"]) == "ABORTING"
-    assert not pre.has_event("release", dropped["lease_id"], within_s=0.8)
-    silent.event("abort_acked", dropped["lease_id"], timeout_s=3)
-    assert "abort" in pre.event("release", dropped["lease_id"], timeout_s=3)["reason"]
+    acked = silent.event("abort_acked", dropped["lease_id"], timeout_s=3)
+    release = pre.event("release", dropped["lease_id"], timeout_s=3)
+    assert "abort" in release["reason"] and release["t"] >= acked["t"], (acked, release)
     # Two heartbeat timeouts after its grant the kept lease is still ACTIVE. Kept sleep: the
     # scenario is time passing with only keep-alives (no event to wait for); the abort above
     # already used most of it.

@@ -223,27 +223,32 @@ async def test_an_engine_that_loses_the_first_resync_request_gets_another_and_re
     await session.send_event_batch(gap_batch(session, 5))  # 1..4 lost
 
     async def answered() -> bool:
-        return publisher.dumps_sent == 1 and not await is_stale(t, "resync-lost")
+        return publisher.dumps_sent >= 1 and not await is_stale(t, "resync-lost")
 
     await wait_until(answered, 15)
+    await publisher.wait_dump()
     times = [at for at, _ in deaf.resyncs]
-    assert len(times) == 4, deaf.resyncs
+    # Four: three lost, the fourth answered. A fifth comes only if the dump reached kvrc
+    # more than a retry interval after the fourth (a loaded host): not a failure.
+    asked = len(times)
+    assert asked in (4, 5), deaf.resyncs
     assert all(r.expected_sequence == 1 for _, r in deaf.resyncs)
     # Bounded backoff: 200 ms, 400 ms (doubled), 400 ms (capped; 800 uncapped), as each
-    # retry names the wait it followed; no retry came before its wait was over.
+    # retry names the wait it followed; no retry came before its wait was over (the
+    # gaps are measured where the engine received them, so with some slack).
     waits = [f"no full dump began within {ms} ms of the previous" for ms in (200, 400, 400)]
-    for (_, request), wait in zip(deaf.resyncs[1:], waits, strict=True):
+    for (_, request), wait in zip(deaf.resyncs[1:4], waits, strict=True):
         assert wait in request.reason, deaf.resyncs
     gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
-    assert gaps[0] >= 0.15 and gaps[1] >= 0.3 and gaps[2] >= 0.3, gaps
-    assert resync_metric(kvrc) - before == 4
+    assert gaps[0] >= 0.1 and gaps[1] >= 0.25 and gaps[2] >= 0.25, gaps
+    assert resync_metric(kvrc) - before == asked
     status = await child_engine_status(t, "resync-lost")
     assert status is not None and status.inventory_entries == 6
     # Once the dump began, no further request: the retry was cancelled. Kept sleep: an
     # absence is shown by waiting out three retry intervals in which a live timer would fire.
     await asyncio.sleep(3 * RETRY_MAX_MS / 1000)
-    assert len(deaf.resyncs) == 4
-    assert resync_metric(kvrc) - before == 4
+    assert len(deaf.resyncs) == asked
+    assert resync_metric(kvrc) - before == asked
 
 
 async def test_retries_stop_when_the_stale_engine_leaves(

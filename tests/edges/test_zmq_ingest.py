@@ -164,7 +164,10 @@ async def test_a_stream_that_starts_catches_up_without_waiting_for_a_live_batch(
         if catch_up:
             await wait_until(lambda: sink.seqs() == [0, 1, 2, 3], 5)
             assert sink.held() == {1, 2} and pub.replay_requests == [0]
-            assert value(metrics, "kvrc_zmq_replays_total", result="complete") == 1
+            # Counted once the replay's END frame is read, after its last batch applied.
+            await wait_until(
+                lambda: value(metrics, "kvrc_zmq_replays_total", result="complete") == 1, 5
+            )
             # Live batches go on from there.
             await pub.publish(stored(7))
             await wait_until(lambda: sink.seqs() == [0, 1, 2, 3, 4], 5)
@@ -250,9 +253,12 @@ async def test_overrun_on_a_fresh_stream_is_a_partial_view_not_degraded(
     await rig.pub.publish(stored(10))
     await wait_until(lambda: rig.sink.seqs() == [3, 4], 5)
     assert rig.sink.held() == {3, 10}
+    # Counted once the replay returns, after its last batch was applied.
+    await wait_until(
+        lambda: value(rig.metrics, "kvrc_zmq_replays_total", result="overrun") == 1, 5
+    )
     assert rig.stream.status().state is StreamState.LIVE
     assert ("degraded", ENGINE) not in rig.sink.calls
-    assert value(rig.metrics, "kvrc_zmq_replays_total", result="overrun") == 1
 
 
 async def test_unanswered_replay_degrades_and_a_clear_makes_the_view_exact_again(
@@ -571,6 +577,8 @@ async def test_malformed_frames_are_counted_skipped_and_the_stream_continues(
     await wait_until(lambda: rig.sink.seqs() == [0, 2], 5)
     assert rig.sink.held() == {1, 2}
     assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="malformed") == 3
+    # DEGRADED is set once the replay returns, after its batch 2 was applied.
+    await wait_until(lambda: rig.stream.status().state is StreamState.DEGRADED, 5)
     status = rig.stream.status()
     assert status.malformed_frames == 3
     # The bad frame changed nothing; batch 2 showed the gap, and the publisher

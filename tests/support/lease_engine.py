@@ -63,7 +63,8 @@ from kvrc.vocabulary import TransferEndpoint
 
 
 def emit(doc: dict[str, Any]) -> None:
-    print(json.dumps(doc), flush=True)
+    """One event line, with its wall-clock time `t` (tests order events of two engines)."""
+    print(json.dumps({**doc, "t": time.time()}), flush=True)
 
 
 class _StatePrinter(SessionHandler):
