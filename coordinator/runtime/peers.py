@@ -93,6 +93,7 @@ import asyncio
 import inspect
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -164,6 +165,9 @@ CALL_EXTEND_HANDOFF = "extend_handoff"
 # (a begin is never granted to nobody). Its payload is the call id; it gets no answer.
 CALL_CANCEL = "cancel"
 DEFAULT_CALL_TIMEOUT_S = 5.0
+# Abort senders remembered for their acks (a lease id and a replica name each): enough for
+# every lease a replica's parts can have open at once (leases.MAX_LEASES), bounded.
+MAX_ABORT_SENDERS = 65_536
 
 # Replies of the holder's session that the owner needs. A ReleaseAck stays on the
 # holder's replica: the session it reaches keeps the release until acked.
@@ -504,6 +508,8 @@ class PeerLink:
         # Forwarded calls that wait here, by (caller replica, call id).
         self._answering: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.sent = 0  # ops this replica wrote for its peers (tests, bench-cluster)
+        # lease id -> the replica whose SendAbort a local part got (`abort_sender`).
+        self._abort_senders: OrderedDict[str, str] = OrderedDict()
         # True while answering a remote part's registration: its messages are marked so
         # that its replica queues them as a registration's answers (past the queue cap).
         self._answering_registration = False
@@ -681,6 +687,13 @@ class PeerLink:
     def owner_of(self, lease_id: str) -> str | None:
         """The live replica that owns a lease, when it is not this one (else None)."""
         return self.live_other(owner_of_lease_id(lease_id))
+
+    def abort_sender(self, lease_id: str) -> str | None:
+        """The live other replica that sent a local part this lease's abort: the one the
+        ack proves quiet to. It may not be the owner the id names: a replica that rebuilt
+        the lease of a silent one (its holder re-announced it there) owns it now."""
+        sender = self._abort_senders.get(lease_id)
+        return self.live_other(sender) if sender is not None else None
 
     def owner_unknown(self, lease_id: str) -> bool:
         """The lease's owner is another replica, not heard yet by this one, which has not
@@ -940,6 +953,11 @@ class PeerLink:
         if tag == OP_SEND:
             ref = _ref(op[2], op[3], op[4])
             message = decode_message(op[5], ref, self._clock_ms())
+            if isinstance(message, SendAbort):
+                self._abort_senders[message.lease_id] = origin
+                self._abort_senders.move_to_end(message.lease_id)
+                if len(self._abort_senders) > MAX_ABORT_SENDERS:
+                    self._abort_senders.popitem(last=False)
             if not host.deliver(ref, message, registering=len(op) > 6 and bool(op[6])):
                 log.info(
                     "%s for %s rank %s from replica %s dropped: session %s is not here any more",

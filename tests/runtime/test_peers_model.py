@@ -39,14 +39,21 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from coordinator.core.errors import ErrorCode, KvrcError
-from coordinator.core.leases import SendPin
+from coordinator.core.leases import Flow, SendAbort, SendPin
 from coordinator.core.profiles import DeploymentProfile
 from coordinator.core.registry import PartRef, RankPartRegistration
 from coordinator.edges.grpc_wire import part_codec
 from coordinator.runtime.clock import ManualClock
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.coordinator import Coordinator, Session
-from coordinator.runtime.peers import CALL_EXTEND_HANDOFF, PEER_TAGS, PeerLink, part_key
+from coordinator.runtime.peers import (
+    CALL_EXTEND_HANDOFF,
+    OP_REPLY,
+    PEER_TAGS,
+    REPLY_ABORT_ACK,
+    PeerLink,
+    part_key,
+)
 from coordinator.runtime.replication import INVENTORY_TAGS, ReplicatedInventory
 
 REPLICAS = ("r0", "r1", "r2")
@@ -978,3 +985,28 @@ async def test_a_call_answered_here_and_stopped_by_the_shutdown_says_shutting_do
     refusal: Any = result[4]
     assert refusal[0] == ErrorCode.UNAVAILABLE.value
     assert str(refusal[1]).startswith(f"{COORDINATOR_SHUTTING_DOWN}: retry at the next one")
+
+
+def test_an_abort_ack_goes_to_the_replica_that_sent_the_abort_when_the_ids_owner_is_silent() -> (
+    None
+):
+    """The lease's owner (named in its id) fell silent; another replica rebuilt it from
+    its holder's re-announcement and asked the requester, registered on a third, to
+    abort. The ack went to the silent owner's table, that is, nowhere: the quarantine
+    waited for an operator (I6-quiescence). It goes to the abort's sender now."""
+    claims: list[ClaimEntry] = []
+    rx, ro = _Replica("rx", claims), _Replica("ro", claims)
+    requester = _registered(rx, "e0", 1, claims)
+    _ship(rx, ro)
+    lease_id = f"pl-{'a' * 32}@gone"  # owned by a replica neither has heard
+    abort = SendAbort("e0", (0, 0, 0), lease_id, Flow.PREFIX_LOAD, "a part reported UNKNOWN")
+    assert ro.peers.send(requester.session_id, abort)
+    _ship(ro, rx)
+    acked = [op for op in rx.inventory.outbox if op[0] == OP_REPLY]
+    assert acked == []  # nothing yet: the abort is delivered to the requester's session
+    rx.coordinator.on_abort_ack(requester.ref, lease_id)
+    acked = [op for op in rx.inventory.outbox if op[0] == OP_REPLY]
+    assert len(acked) == 1 and acked[0][1] == "ro" and acked[0][2] == REPLY_ABORT_ACK
+    # Control: an ack of a lease whose abort no replica sent stays here, as before.
+    rx.coordinator.on_abort_ack(requester.ref, f"pl-{'b' * 32}@gone")
+    assert len([op for op in rx.inventory.outbox if op[0] == OP_REPLY]) == 1
