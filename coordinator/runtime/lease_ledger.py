@@ -178,7 +178,8 @@ return 1
 # KEYS: owned set, epoch, the owner's re-sync mark, the set of owners (a silent owner
 # left with no record leaves it), the counter marks are drawn from. ARGV: epoch, owner,
 # who, lease ids to keep... Ends every record of the owner not kept. who `own`: the
-# owner's own re-sync (marked anew). Otherwise another replica drops a silent owner's
+# owner's own re-sync (marked anew, and listed as an owner, so that a sweep drops the
+# mark's key of one that never opened a lease, once it is silent). Otherwise another replica drops a silent owner's
 # records, and `who` is the owner's mark as the sweep read it: a re-sync since then
 # (the owner came back) refuses the prune (-3). The one script that reaches keys it
 # derives (each lease's record and its source's pins): all under the same hash tag, so
@@ -194,6 +195,7 @@ PRUNE_SCRIPT = (
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 if ARGV[3] == 'own' then
   redis.call('SET', KEYS[3], redis.call('INCR', KEYS[5]))
+  redis.call('SADD', KEYS[4], ARGV[2])
 elseif (redis.call('GET', KEYS[3]) or '0') ~= ARGV[3] then
   return -3
 end

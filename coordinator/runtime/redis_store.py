@@ -193,6 +193,10 @@ class RedisStore:
         self._claims_failing = 0  # claim tasks whose last try failed ("claim" failure)
         self._load_snapshots = load_snapshots  # False: read the retained log only (tests)
         self._caught_up = False  # read the log up to its end once since starting
+        # Read up to the log's end since the last (re)load of the view: while it replays a
+        # backlog it hears each replica as late as its entries are read, so it calls
+        # nobody silent and drops nobody's ledger records until then.
+        self._at_log_end = False
         self._snapshot_max_bytes = snapshot_max_bytes
         self._read_id: str | None = None  # the last log entry applied; None: not started
         self._entries_since_snapshot = 0
@@ -429,7 +433,7 @@ class RedisStore:
         other replica silent then would drop their engines and parts, and a lease's
         holder there would look proven gone (I6-quiescence) while it lives."""
         since = self._read_ok_since_ms
-        if since is None or self._failures:
+        if since is None or self._failures or not self._at_log_end:
             return
         dropped = self._inventory.expire_silent_origins(now_ms, self._origin_timeout_ms, since)
         if dropped:
@@ -477,6 +481,8 @@ class RedisStore:
             since = self._read_ok_since_ms
             if since is None or self._clock.monotonic_ms() - since < self._origin_timeout_ms:
                 continue
+            if not self._at_log_end:
+                continue  # replaying: an owner not read yet is not a silent one
             if "lease ledger" in self._failures:
                 continue  # its writes fail: queue no prunes behind them
             try:
@@ -589,6 +595,7 @@ class RedisStore:
                     continue
             try:
                 if self._reset_reader or self._read_id is None:
+                    self._at_log_end = False
                     if self._reset_reader:
                         self._reset_reader = False
                         # The log is gone (a store loss): its snapshot with it.
@@ -652,9 +659,11 @@ class RedisStore:
             if applied:
                 self._m_in.inc(applied)
                 self._on_applied()
-            if read < READ_COUNT and not self._caught_up:
-                self._caught_up = True  # up to the log's end: who is alive is known
-                self._inventory.caught_up()
+            if read < READ_COUNT:
+                self._at_log_end = True
+                if not self._caught_up:
+                    self._caught_up = True  # up to the log's end: who is alive is known
+                    self._inventory.caught_up()
             if self._snapshot_every and self._entries_since_snapshot >= self._snapshot_every:
                 self._snapshot_due.set()
 

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import redis
 from redis_env import RedisServer, start_redis
 from waiting import wait_until
 
+from coordinator.runtime import redis_store
 from coordinator.runtime.clock import SystemClock
 from coordinator.runtime.config import StoreConfig
 from coordinator.runtime.lease_ledger import RESYNCS_KEPT_S, lease_key, pins_key, resyncs_key
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.redis_store import RedisStore
-from coordinator.runtime.replication import ReplicatedInventory
-from coordinator.runtime.store_keys import OWNERS_KEY
+from coordinator.runtime.replication import ReplicatedInventory, pack_ops
+from coordinator.runtime.store_keys import OWNERS_KEY, STREAM_KEY
 
 TIMEOUT_MS = 2_000  # above the 500 ms heartbeat, as in production (5 s)
 BLOCKS = (b"p" * 8, b"q" * 8)
@@ -37,15 +39,19 @@ def server() -> Iterator[RedisServer]:
         yield s
 
 
+def _store(server: RedisServer, origin: str) -> RedisStore:
+    inventory = ReplicatedInventory(origin, max_entries_total=1000, max_entries_per_engine=1000)
+    config = StoreConfig(
+        kind="redis", host="127.0.0.1", port=server.port, origin_timeout_ms=TIMEOUT_MS
+    )
+    return RedisStore(config, inventory, SystemClock(), Metrics())
+
+
 @pytest.fixture
 async def stores(server: RedisServer) -> AsyncIterator[dict[str, RedisStore]]:
     made: dict[str, RedisStore] = {}
     for origin in ("A", "B"):
-        inventory = ReplicatedInventory(origin, max_entries_total=1000, max_entries_per_engine=1000)
-        config = StoreConfig(
-            kind="redis", host="127.0.0.1", port=server.port, origin_timeout_ms=TIMEOUT_MS
-        )
-        made[origin] = RedisStore(config, inventory, SystemClock(), Metrics())
+        made[origin] = _store(server, origin)
         await made[origin].start()
     yield made
     for store in made.values():
@@ -131,3 +137,72 @@ async def test_a_dropped_owners_resync_counter_expires_unless_it_resyncs(
         a._resync_after_silence(now + 30 * TIMEOUT_MS)
         await a.ledger.flushed()
         assert r.get(resyncs_key("A")) not in (None, mark, again)
+
+
+async def test_the_resync_mark_of_a_replica_that_never_opened_a_lease_expires_too(
+    server: RedisServer, stores: dict[str, RedisStore]
+) -> None:
+    """With reuse off (the default) a replica opens no prefix load: its re-sync marked
+    it without listing it as an owner, so no sweep ever dropped it and its mark's key
+    stayed in Redis for good, one per process after each stall or store loss."""
+    a, b = stores["A"], stores["B"]
+    now = SystemClock().monotonic_ms()
+    a._resync_after_silence(now)
+    a._resync_after_silence(now + 10 * TIMEOUT_MS)  # a stall noticed: re-synced
+    await a.ledger.flushed()
+    with redis.Redis(host="127.0.0.1", port=server.port) as r:
+        mark = r.get(resyncs_key("A"))
+        assert mark is not None and r.ttl(resyncs_key("A")) == -1
+        assert r.smembers(OWNERS_KEY) == {b"A"}  # a sweep finds it once it is silent
+        b.ledger.forget_owner("A", mark.decode())
+        await b.ledger.flushed()
+        assert r.smembers(OWNERS_KEY) == set()
+        assert 0 < r.ttl(resyncs_key("A")) <= RESYNCS_KEPT_S
+
+
+async def test_a_replica_replaying_a_backlog_calls_no_live_replica_silent(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica reading the log slower than it was written (a backlog at its start, or
+    after a reload) hears each replica only as late as it reads its entries: here 3 s of
+    replay lie between two of A's heartbeats, past the 2 s timeout. A was called silent
+    while it lived (its engines dropped, its ledger records pruned, its leases rebuilt
+    elsewhere); now nobody is, until the replica has read to the log's end."""
+    monkeypatch.setattr(redis_store, "READ_COUNT", 2)
+    a = _store(server, "A")
+    await a.start()
+    b = _store(server, "B")
+    try:
+        with redis.Redis(host="127.0.0.1", port=server.port) as r:
+
+            def a_wrote() -> bool:
+                return any(f.get(b"o") == b"A" for _, f in r.xrange(STREAM_KEY, "-", "+"))
+
+            await wait_until(a_wrote, 10, what="A's first heartbeat in the log")
+            for _ in range(120):  # another replica's entries, each read in its turn
+                r.xadd(STREAM_KEY, {"o": b"Z", "d": pack_ops([])})
+        read_after = b._read_after
+
+        async def slowly(last_id: str) -> Any:
+            await asyncio.sleep(0.05)  # 2 entries per 50 ms: 3 s for the backlog
+            return await read_after(last_id)
+
+        b._read_after = slowly  # type: ignore[method-assign]
+        called_silent: list[str] = []
+        expire = b._inventory.expire_silent_origins
+
+        def recording(now_ms: int, timeout_ms: int, following_since_ms: int = 0) -> int:
+            heard = set(b._inventory._origin_seen)
+            dropped = expire(now_ms, timeout_ms, following_since_ms)
+            called_silent.extend(heard - set(b._inventory._origin_seen))
+            return dropped
+
+        b._inventory.expire_silent_origins = recording  # type: ignore[method-assign]
+        await b.start()
+        await wait_until(lambda: b._at_log_end, 30, what="B read to the log's end")
+        # Control: Z, never heard again, is called silent once B follows the log's end.
+        await wait_until(lambda: "Z" in called_silent, 10, what="Z called silent")
+        assert "A" not in called_silent, "a live replica was called silent"
+    finally:
+        await b.close(0.2)
+        await a.close(0.2)
