@@ -179,15 +179,15 @@ return 1
 # left with no record leaves it), the counter marks are drawn from. ARGV: epoch, owner,
 # who, lease ids to keep... Ends every record of the owner not kept. who `own`: the
 # owner's own re-sync (marked anew, and listed as an owner, so that a sweep drops the
-# mark's key of one that never opened a lease, once it is silent). Otherwise another replica drops a silent owner's
-# records, and `who` is the owner's mark as the sweep read it: a re-sync since then
-# (the owner came back) refuses the prune (-3). The one script that reaches keys it
-# derives (each lease's record and its source's pins): all under the same hash tag, so
-# one Redis Cluster slot would still hold them. A dropped owner's mark expires after
-# RESYNCS_KEPT_S (origins are new per process: else one key per replica ever run that
-# re-synced). Marks come from one counter, so none repeats: an expiry between a sweep's
-# read and its prune reads as '0' (no mark), and a re-sync after it makes a new mark;
-# either refuses that prune.
+# mark's key of one that never opened a lease, once it is silent). Otherwise another
+# replica drops a silent owner's records, and `who` is the owner's mark as the sweep
+# read it: a re-sync since then (the owner came back) refuses the prune (-3). The one
+# script that reaches keys it derives (each lease's record and its source's pins): all
+# under the same hash tag, so one Redis Cluster slot would still hold them. A dropped
+# owner's mark expires after RESYNCS_KEPT_S (origins are new per process: else one key
+# per replica ever run that re-synced). Marks come from one counter, so none repeats: an
+# expiry between a sweep's read and its prune reads as '0' (no mark), and a re-sync
+# after it makes a new mark; either refuses that prune.
 RESYNCS_KEPT_S = 86_400
 PRUNE_SCRIPT = (
     DECR_LUA
@@ -459,9 +459,11 @@ class LeaseLedger:
 
     # --- lifecycle -------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, on_ended: Callable[[asyncio.Task[None]], None] | None = None) -> None:
+        """Starts the writer; `on_ended` sees it end (the store fails closed on a crash:
+        else every later open waits unanswered and the queue grows without bound)."""
         self._task = asyncio.get_running_loop().create_task(self._writer())
-        self._task.add_done_callback(_log_failure)
+        self._task.add_done_callback(on_ended or _log_failure)
 
     async def close(self, flush_timeout_s: float = 1.0) -> None:
         with contextlib.suppress(TimeoutError):

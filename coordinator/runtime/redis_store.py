@@ -285,7 +285,7 @@ class RedisStore:
             task = loop.create_task(coro)
             task.add_done_callback(self._task_ended)
             self._tasks.append(task)
-        self.ledger.start()
+        self.ledger.start(on_ended=self._task_ended)
         self._inventory.heartbeat()  # other replicas hear of this one at once
 
     async def close(self, flush_timeout_s: float = 1.0) -> None:
@@ -311,7 +311,8 @@ class RedisStore:
     ) -> Callable[[], None]:
         """Asks for a fencing token in the background; returns how to cancel the ask."""
         task = asyncio.get_running_loop().create_task(self._claim(on_token))
-        task.add_done_callback(_log_failure)
+        # A claim that crashed leaves its part without a token for good: fail closed.
+        task.add_done_callback(self._task_ended)
 
         def cancel() -> None:
             task.cancel()
@@ -869,11 +870,6 @@ def _why(e: BaseException) -> str:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("shared store task failed", exc_info=task.exception())
 
 
 __all__ = [

@@ -34,6 +34,7 @@ from coordinator.core.events import BlockRemoved, BlockStored, Tier
 from coordinator.core.inventory import Scope
 from coordinator.runtime.clock import SystemClock
 from coordinator.runtime.config import StoreConfig
+from coordinator.runtime.lease_ledger import LeaseLedger
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.redis_store import RedisStore, put_snapshot, stream_id
 from coordinator.runtime.replication import ReplicatedInventory
@@ -334,3 +335,30 @@ async def test_a_store_loop_that_dies_leaves_the_store_down_not_silently_stale(
     reason = b.store.unavailable_reason()
     assert reason is not None and "a background task failed" in reason
     assert b.store._read_ok_since_ms is None  # calls nobody silent on a dead reader
+
+
+async def test_a_ledger_writer_or_a_claim_that_dies_leaves_the_store_down(
+    replicas: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only logged before: a dead ledger writer left every later prefix load waiting out
+    its pin timeout, its queue growing without bound, and a claim that died left its
+    part without a token for good; the store looked up throughout."""
+    b = await replicas("b")
+    await wait_for(lambda: b.store.unavailable_reason() is None, "b healthy")
+
+    def broken(token: int) -> None:
+        raise RuntimeError("a bug in a claim's answer")
+
+    b.store.claim("part", "s-1", broken)
+    await wait_for(lambda: b.store.unavailable_reason() is not None, "b down after the claim")
+    reason = b.store.unavailable_reason()
+    assert reason is not None and "a background task failed" in reason
+
+    async def broken_writer(ledger: LeaseLedger) -> None:
+        raise RuntimeError("a bug in the ledger's writer")
+
+    monkeypatch.setattr(LeaseLedger, "_writer", broken_writer)
+    c = await replicas("c")
+    await wait_for(lambda: c.store.unavailable_reason() is not None, "c down after the ledger")
+    reason = c.store.unavailable_reason()
+    assert reason is not None and "a background task failed" in reason
