@@ -254,9 +254,7 @@ async def test_overrun_on_a_fresh_stream_is_a_partial_view_not_degraded(
     await wait_until(lambda: rig.sink.seqs() == [3, 4], 5)
     assert rig.sink.held() == {3, 10}
     # Counted once the replay returns, after its last batch was applied.
-    await wait_until(
-        lambda: value(rig.metrics, "kvrc_zmq_replays_total", result="overrun") == 1, 5
-    )
+    await wait_until(lambda: value(rig.metrics, "kvrc_zmq_replays_total", result="overrun") == 1, 5)
     assert rig.stream.status().state is StreamState.LIVE
     assert ("degraded", ENGINE) not in rig.sink.calls
 
