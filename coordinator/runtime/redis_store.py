@@ -625,6 +625,16 @@ class RedisStore:
                 continue  # read from a log that is gone: start again from the new one
             trimmed = first is not None and stream_id(first) > stream_id(last_id)
             if trimmed and last_id != "0-0" and not accept_trim:
+                # A store that came back empty looks trimmed too (its ids are newer): its
+                # epoch says which, before anything of it is applied (else applied now,
+                # and again from its start once the loss is noticed).
+                await self._check_epoch()
+                if "epoch check" in self._failures:
+                    await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
+                    attempt += 1
+                    continue
+                if self._reset_reader:
+                    continue  # a store loss: the new log is read from its start
                 log.warning(
                     "the log entry %s this replica read last was trimmed away: "
                     "loading the newest snapshot",

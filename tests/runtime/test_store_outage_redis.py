@@ -265,10 +265,12 @@ async def test_after_a_store_loss_parts_take_new_tokens_and_a_later_failover_win
 async def test_a_replica_slow_to_notice_a_store_loss_does_not_leave_its_tokens_behind(
     server: RedisServer, nodes: Callable[..., Awaitable[Node]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """B notices a store loss first; A, not yet, answers B's hello by announcing its
-    holder with the old store's token (6) into the new log. Once A notices and claims
-    again (token 1 from the new counter), B registers the holder. Before, B took token 6
-    from the old store and refused the holder's own new token as stale."""
+    """B notices a store loss first; A, not yet, announces its holder with the old
+    store's token (6) into the new log (as its answer to B's hello would: A's reader
+    no longer reads the new log before the epoch, so the answer is made here). Once A
+    notices and claims again (token 1 from the new counter), B registers the holder.
+    Before, B took token 6 from the old store and refused the holder's own new token as
+    stale."""
     a, b = await nodes("A"), await nodes("B")
     for _ in range(5):  # tokens 1-5: the holder's is above what the new store gives it
         a.coordinator.close_session(a.coordinator.open_session(registration("burn")), "closed")
@@ -284,7 +286,8 @@ async def test_a_replica_slow_to_notice_a_store_loss_does_not_leave_its_tokens_b
     sent = a.peers.sent
     server.restart()  # empty: a store loss that only B notices
     await eventually(lambda: losses(b) == 1, "B noticed the loss")
-    # B's hello reaches A, which announces the holder with its old token into the new log.
+    # A announces the holder with its old token into the new log.
+    a.peers.announce_local()
     await eventually(lambda: a.peers.sent > sent and not a.inventory.outbox, "A answered")
     entries = redis.Redis(port=server.port).xrevrange(STREAM_KEY, count=1)
     assert entries and isinstance(entries[0][0], bytes)
@@ -362,3 +365,39 @@ async def test_a_failing_store_logs_one_snapshot_warning_per_outage(
     await asyncio.sleep(1.5)  # 30 snapshot ticks
     lines = [r for r in caplog.records if "snapshot not written" in r.getMessage()]
     assert len(lines) <= 1, [r.getMessage() for r in lines]
+
+
+async def test_a_reader_that_meets_a_store_come_back_empty_applies_nothing_before_the_epoch(
+    server: RedisServer, nodes: Callable[..., Awaitable[Node]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis restarts empty while A runs, and A's health check has not seen it yet. A's
+    reader found entries newer than the last it read (B's re-announcements), took it for
+    a trimmed log, and applied the new log; once the loss was noticed it read it again
+    from its start: every op twice (pins, releases, calls). Now the reader asks the
+    epoch first and reads the new log once, from its start, as a store loss."""
+    a, b = await nodes("A"), await nodes("B")
+    await holder_seen(b, a, "h", 1)
+    applied: list[str] = []
+    apply = a.inventory.apply_remote
+
+    def recording(origin: str, ops: Any, now_ms: int) -> int:
+        applied.append(origin)
+        return apply(origin, ops, now_ms)
+
+    monkeypatch.setattr(a.inventory, "apply_remote", recording)
+    notice = asyncio.Event()
+    check = a.store._check_epoch
+
+    async def later() -> None:
+        await notice.wait()
+        await check()
+
+    monkeypatch.setattr(a.store, "_check_epoch", later)
+    server.restart()  # empty: a store loss that B notices first
+    await eventually(lambda: losses(b) == 1, "B noticed the loss")
+    await eventually(lambda: not b.inventory.outbox, "B re-announced into the new log")
+    await asyncio.sleep(1.0)  # a reader that read on would have applied it by now
+    assert "B" not in applied and losses(a) == 0
+    notice.set()
+    await eventually(lambda: losses(a) == 1, "A noticed the loss")
+    await eventually(lambda: a.part("h") is not None, "A registers B's holder again")
