@@ -875,6 +875,10 @@ class PeerLink:
                     return False  # older than the local session (whatever `_best` says)
                 else:  # a zombie here: the engine registered on `origin` since
                     self._fence(local_id, f"registered again on replica {origin}")
+                    # `origin` announced the engine while it was still local here (ignored:
+                    # a local engine wins), and its later ops name an engine this view no
+                    # longer has: it announces its engines again, with dumps (replication.py).
+                    self._write([OP_HELLO, origin])
             self._best[key] = (token, session_id)
             if self._register_remote(origin, session_id, registration):
                 return True

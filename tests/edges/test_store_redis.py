@@ -682,6 +682,9 @@ async def test_a_zombie_session_is_fenced_out_by_a_newer_registration(
         assert engines.sessions[1].last_error is not None
         assert engines.sessions[1].last_error.code == grpc.StatusCode.UNAVAILABLE
         await eventually_matched(c.grpc_target, "req-z", "holder-z", 8)
+        # a too: it had ignored b's announcement while the zombie kept the engine local,
+        # and then dropped the engine with the zombie (before, a never saw it again).
+        await eventually_matched(a.grpc_target, "req-z", "holder-z", 8)
         async with LeaseClient(c.grpc_target, "req-z") as leases:
             grant = await leases.request_prefix_load("z-1", CHAIN[:8])
             assert isinstance(grant, PrefixLoadGrant), grant
