@@ -759,7 +759,12 @@ class Coordinator:
             lease_id, decode = payload
             deadline = self.leases.extend_handoff(str(lease_id), str(decode))
             return deadline - self._clock_ms()
-        raise KvrcError(ErrorCode.INVALID_ARGUMENT, f"unknown forwarded call {kind!r}")
+        # A newer replica's call (a rolling upgrade): nothing the engine sent is wrong.
+        raise KvrcError(
+            ErrorCode.UNAVAILABLE,
+            f"replica {self.peers.origin if self.peers else ''} does not know the forwarded "
+            f"call {kind!r} (it runs an older kvrc): try again once every replica is upgraded",
+        )
 
     def _replica_of(self, child_engine_id: str | None) -> str | None:
         """The other replica that holds the engine's first part's session (None: here)."""

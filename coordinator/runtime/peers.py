@@ -819,10 +819,15 @@ class PeerLink:
             self._write([OP_RESULT, origin, call_id, False, [ErrorCode.UNAVAILABLE.value, reason]])
             raise
         except Exception as e:  # a defect: the caller hears of it now, not at its timeout
-            log.exception("forwarded call %s of replica %s failed", call_id, origin)
-            why = f"replica {self.origin} failed the call: {type(e).__name__}: try again"
-            result = [False, [ErrorCode.UNAVAILABLE.value, why]]
+            result = [False, self._failed_call(origin, call_id, e)]
         self._write([OP_RESULT, origin, call_id, *result])
+
+    def _failed_call(self, origin: str, call_id: str, error: Exception) -> list[Any]:
+        """A forwarded call that failed on a defect here: logged, and UNAVAILABLE for its
+        caller (the engine retries; its next try may reach another replica)."""
+        log.error("forwarded call %s of replica %s failed", call_id, origin, exc_info=error)
+        why = f"replica {self.origin} failed the call: {type(error).__name__}: try again"
+        return [ErrorCode.UNAVAILABLE.value, why]
 
     def _write(self, op: Op) -> None:
         self.sent += 1
@@ -934,6 +939,10 @@ class PeerLink:
                 value = host.run_call(str(kind), payload)
             except KvrcError as e:
                 self._write([OP_RESULT, origin, call_id, False, [e.code.value, e.message]])
+                return True
+            except Exception as e:  # a defect: the caller hears of it now, not at its timeout
+                failed = self._failed_call(origin, call_id, e)
+                self._write([OP_RESULT, origin, call_id, False, failed])
                 return True
             if inspect.isawaitable(value):
                 task = asyncio.get_running_loop().create_task(

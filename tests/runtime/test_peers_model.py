@@ -1010,3 +1010,33 @@ def test_an_abort_ack_goes_to_the_replica_that_sent_the_abort_when_the_ids_owner
     # Control: an ack of a lease whose abort no replica sent stays here, as before.
     rx.coordinator.on_abort_ack(requester.ref, f"pl-{'b' * 32}@gone")
     assert len([op for op in rx.inventory.outbox if op[0] == OP_REPLY]) == 1
+
+
+@pytest.mark.parametrize("failure", ["unknown kind", "defect"])
+async def test_a_forwarded_call_that_fails_here_is_answered_unavailable_at_once(
+    failure: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call of a kind this replica does not know (a newer replica's, in a rolling
+    upgrade) was INVALID_ARGUMENT, which its engine cannot act on; one whose handler
+    raised at once was only logged (the op skipped), and its caller waited out its
+    whole timeout. Both are answered UNAVAILABLE now, at once."""
+    from coordinator.runtime.peers import OP_RESULT
+
+    caller, r = _Replica("r1", []), _Replica("r0", [])
+    kind = "some-newer-call" if failure == "unknown kind" else CALL_EXTEND_HANDOFF
+    if failure == "defect":
+
+        def broken(kind: str, payload: Any) -> Any:
+            raise RuntimeError("a bug in the handler")
+
+        monkeypatch.setattr(r.coordinator, "run_call", broken)
+    answer = asyncio.ensure_future(caller.peers.call("r0", kind, ["ho-1", "d"], 30))
+    await asyncio.sleep(0)
+    _ship(caller, r)
+    [result] = [op for _, op in _ship(r, caller) if op[0] == OP_RESULT]
+    assert result[3] is False and result[4][0] == ErrorCode.UNAVAILABLE.value
+    with pytest.raises(KvrcError) as refused:
+        await asyncio.wait_for(answer, 1)
+    assert refused.value.code is ErrorCode.UNAVAILABLE
+    says = "older kvrc" if failure == "unknown kind" else "RuntimeError: try again"
+    assert says in refused.value.message
