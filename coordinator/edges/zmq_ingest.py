@@ -331,6 +331,8 @@ class ZmqEventStream:
     # --- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
+        if self._closed:
+            return  # closed before it started (retired while the one before it closed)
         cfg = self.config
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)

@@ -186,6 +186,7 @@ class _Meta:
         "reuse",
         "stale",
         "zmq",
+        "zmq_closing",
         "zmq_sink",
         "zmq_source",
     )
@@ -199,6 +200,9 @@ class _Meta:
         self.publisher_rank: RankKey | None = None  # per child engine: the part that publishes
         self.zmq: EventStream | None = None
         self.zmq_sink: _ZmqSink | None = None  # retired with its stream
+        # The retired subscription still closing: the next one starts after it (it may
+        # bind the same endpoint).
+        self.zmq_closing: asyncio.Task[None] | None = None
         self.zmq_source: tuple[str, str, str] = ("", "", "")  # what `zmq` subscribed to
 
 
@@ -797,7 +801,14 @@ class InventoryFlow:
             log.warning("child engine %s: KV-event endpoint refused, not subscribing: %s", cid, e)
             return
         meta.zmq, meta.zmq_sink, meta.zmq_source = stream, sink, _zmq_source(registration)
-        task = asyncio.get_running_loop().create_task(stream.start())
+        closing = meta.zmq_closing
+
+        async def start() -> None:
+            if closing is not None:
+                await asyncio.gather(closing, return_exceptions=True)
+            await stream.start()
+
+        task = asyncio.get_running_loop().create_task(start())
         task.add_done_callback(lambda t: self._zmq_start_ended(cid, meta, stream, t))
 
     @staticmethod
@@ -824,6 +835,7 @@ class InventoryFlow:
         task.add_done_callback(_log_failure)
         task.add_done_callback(self._stopping.discard)
         self._stopping.add(task)
+        meta.zmq_closing = task
 
     def zmq_apply(self, child_engine_id: str, batch: EventBatch) -> None:
         if not self.inventory.has_engine(child_engine_id):

@@ -1034,7 +1034,8 @@ async def test_a_forwarded_call_that_fails_here_is_answered_unavailable_at_once(
     await asyncio.sleep(0)
     _ship(caller, r)
     [result] = [op for _, op in _ship(r, caller) if op[0] == OP_RESULT]
-    assert result[3] is False and result[4][0] == ErrorCode.UNAVAILABLE.value
+    refusal: Any = result[4]
+    assert result[3] is False and refusal[0] == ErrorCode.UNAVAILABLE.value
     with pytest.raises(KvrcError) as refused:
         await asyncio.wait_for(answer, 1)
     assert refused.value.code is ErrorCode.UNAVAILABLE

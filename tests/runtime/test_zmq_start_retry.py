@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 
 import zmq
 import zmq.asyncio
@@ -127,3 +128,38 @@ async def test_a_head_part_that_publishes_elsewhere_is_subscribed_anew() -> None
         assert meta.zmq_sink is not None
         meta.zmq_sink.apply("e", EventBatch(0, 0, (BlockStored(CHAIN[:2], None, 32),)))
         assert c.inventory.inventory.engine_entries("e") == 2  # the new one's are applied
+
+
+async def test_a_head_part_back_on_the_same_bound_endpoint_is_subscribed_anew() -> None:
+    """kvrc binds the endpoint (no '*': vLLM connects). Rank 0 comes back from a new
+    EngineCore with the same endpoint: the new subscription bound it while the old one
+    was still closing ("Address already in use"), and the engine had no inventory until
+    one of its parts registered again. It binds once the old one has closed now."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    tp2 = dataclasses.replace(PROFILE, tp_size=2)
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        c.inventory.event_streams = vllm_event_streams(c.metrics)
+
+        def part(rank: tuple[int, int, int], session: int) -> RankPartRegistration:
+            transfer = TransferEndpoint(backend="mooncake", session_name=f"127.0.0.1:{session}")
+            return RankPartRegistration(
+                "e", 0, "e", rank, tp2, transfer, kv_events_endpoint=endpoint
+            )
+
+        rank0 = c.open_session(part((0, 0, 0), 1))
+        c.open_session(part((1, 0, 0), 2))
+        meta = c.inventory._meta["e"]
+        await wait_until(lambda: meta.zmq is not None and meta.zmq.bound_endpoint, 5)  # type: ignore[attr-defined]
+        old = meta.zmq
+        c.close_session(rank0, "closed")
+        c.open_session(part((0, 0, 0), 3))  # a new EngineCore, the same endpoint
+        await wait_until(
+            lambda: meta.zmq is not None and meta.zmq is not old and meta.zmq.bound_endpoint,  # type: ignore[attr-defined]
+            5,
+            what="the new subscription bound",
+        )
