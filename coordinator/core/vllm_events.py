@@ -241,7 +241,7 @@ def _split_batch(batch: Any) -> tuple[float, tuple[Any, ...], int | None]:
     if type(events) is not tuple:
         raise MalformedFrame(f"batch events must be an array, got {type(events).__name__}")
     if dp_rank is not None and (type(dp_rank) is not int or dp_rank < 0):
-        raise MalformedFrame(f"data_parallel_rank must be a non-negative int, got {dp_rank!r}")
+        raise MalformedFrame(f"data_parallel_rank must be a non-negative int, got {dp_rank!r:.40}")
     return float(ts), events, dp_rank
 
 
@@ -280,7 +280,7 @@ def _group(raw: object) -> int:
     if raw is None:
         return 0
     if type(raw) is not int or not 0 <= raw <= MAX_GROUP_IDX:
-        raise MalformedFrame(f"group_idx must be an int in 0..{MAX_GROUP_IDX}, got {raw!r}")
+        raise MalformedFrame(f"group_idx must be an int in 0..{MAX_GROUP_IDX}, got {raw!r:.40}")
     return raw
 
 
@@ -308,7 +308,7 @@ def _stored(
     if type(token_ids) is not tuple:
         raise MalformedFrame(f"token_ids must be an array, got {type(token_ids).__name__}")
     if type(block_size) is not int or block_size <= 0:
-        raise MalformedFrame(f"block_size must be a positive int, got {block_size!r}")
+        raise MalformedFrame(f"block_size must be a positive int, got {block_size!r:.40}")
     event = BlockStored(
         block_hashes=_hashes(hashes),
         parent_block_hash=_optional_hash(parent),
@@ -324,7 +324,7 @@ def _stored_from_map(raw: dict[Any, Any]) -> tuple[BlockStored, int, str]:
         hashes, parent = raw["block_hashes"], raw["parent_block_hash"]
         token_ids, block_size = raw["token_ids"], raw["block_size"]
     except KeyError as exc:
-        raise MalformedFrame(f"BlockStored lacks field {exc.args[0]!r}") from None
+        raise MalformedFrame(f"BlockStored lacks field {exc.args[0]!r:.40}") from None
     return _stored(
         hashes,
         parent,

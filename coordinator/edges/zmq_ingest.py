@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import enum
 import logging
 import re
@@ -197,7 +196,7 @@ def subscriber_endpoint(
     if match is None:
         raise invalid(f"KV-event endpoint must be tcp://host:port, got {vllm_endpoint!r}")
     host, port = match.group(1), int(match.group(2))
-    if not 0 < port + dp_rank < 65536:
+    if not (port > 0 and port + dp_rank < 65536):
         raise invalid(
             f"KV-event endpoint {vllm_endpoint!r} needs a fixed port (1..65535) for dp_rank "
             f"{dp_rank}: kvrc cannot learn a port the publisher picked itself"
@@ -264,6 +263,13 @@ class _ReplayResult(enum.Enum):
     COMPLETE = "complete"
     OVERRUN = "overrun"
     TIMEOUT = "timeout"
+    HOLE = "hole"  # the answer skipped a sequence (vLLM's ROUTER drops past its queue)
+
+
+# Replays asked again from the first missing sequence after a hole in the answer: vLLM
+# sends its whole buffer at once and its ROUTER drops what passes its send queue (1,000
+# frames by default), so a large buffer comes back in pieces.
+REPLAY_HOLE_RETRIES = 8
 
 
 class ZmqEventStream:
@@ -365,14 +371,17 @@ class ZmqEventStream:
 
     async def _replay_at_start(self) -> None:
         """Everything the publisher buffers, from sequence 0: a suffix of its log, so the
-        view it builds holds no block the engine no longer has (only misses)."""
-        if await self._replay(0, at_start=True) is _ReplayResult.TIMEOUT:
-            log.info(
-                "zmq stream %s: the replay at start went unanswered in %ss; live batches "
-                "only (a gap in them is replayed)",
-                self.child_engine_id,
-                self.config.replay_timeout_s,
-            )
+        view it builds holds no block the engine no longer has (only misses). An answer
+        cut short after some of it was applied may have lost a removal: degraded."""
+        result = await self._replay(0, at_start=True)
+        if result is None or result is _ReplayResult.COMPLETE:
+            return  # (None only answers a verification, which this is not)
+        why = (
+            f"unanswered in {self.config.replay_timeout_s}s"
+            if result is _ReplayResult.TIMEOUT
+            else f"cut short ({result.value})"
+        )
+        self._events_lost(f"the replay at start was {why}; live batches only", self._has_state)
 
     async def close(self) -> None:
         if self._closed:
@@ -381,8 +390,8 @@ class ZmqEventStream:
         for task in (self._task, self._catch_up):
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                # A task that died of an error must not keep its sockets open.
+                await asyncio.gather(task, return_exceptions=True)
         self._task = self._catch_up = None
         self._pending.clear()
         if self._grace_timer is not None:
@@ -540,15 +549,19 @@ class ZmqEventStream:
         """Replays from `expected`, then applies live batch `seq` unless the replay did."""
         had_state = self._has_state  # before the replay applies anything
         result = await self._replay(expected)
-        lost = ""
+        # What was lost came before the replayed batches (an overrun), so only what was
+        # held before can be a phantom; or after some of them: then anything held.
+        lost, phantoms = "", self._has_state
         if result is _ReplayResult.OVERRUN:
-            lost = f"replay from {expected} overran vLLM's buffer"
+            lost, phantoms = f"replay from {expected} overran vLLM's buffer", had_state
         elif result is _ReplayResult.TIMEOUT:
             lost = f"replay from {expected} unanswered in {self.config.replay_timeout_s}s"
+        elif result is _ReplayResult.HOLE:
+            lost = f"replay from {expected} kept skipping sequences"
         elif self._applied is None or self._applied < seq - 1:
             lost = f"replay from {expected} ended before {seq}"
         if lost:
-            self._events_lost(lost, had_state)
+            self._events_lost(lost, phantoms)
         if self._applied is None or seq > self._applied:
             self._apply(seq, payload, decoded)
 
@@ -568,32 +581,50 @@ class ZmqEventStream:
             self._new_incarnation(
                 f"publisher reconnected without batch {self._applied} it had sent", restart=True
             )
-        elif result is _ReplayResult.TIMEOUT:
-            # Unverified, and what it sent while we were away is unknown.
-            self._events_lost(
-                f"replay after reconnecting unanswered in {self.config.replay_timeout_s}s",
-                self._has_state,
-            )
+        elif result is not _ReplayResult.COMPLETE:
+            # Unverified, or what it sent while we were away is not all here.
+            self._events_lost(f"replay after reconnecting: {result.value}", self._has_state)
 
     def _events_lost(self, why: str, had_state: bool) -> None:
         if had_state:
             self._degrade(why)
         else:
             # Nothing applied yet: no entry can be a phantom, only hits are missing.
-            log.info("zmq stream %s: %s; starting with a partial view", self.child_engine_id, why)
+            self._losses.info(
+                "partial",
+                "zmq stream %s: %s; starting with a partial view",
+                self.child_engine_id,
+                why,
+            )
 
     async def _replay(
         self, start_seq: int, verify_digest: int | None = None, *, at_start: bool = False
     ) -> _ReplayResult | None:
         """Replay from `start_seq`; None when `verify_digest` shows another publisher.
         `at_start`: the stream's first look (`_replay_at_start`): a buffer that does not
-        reach back to `start_seq` lost nothing this stream had, so it is complete."""
+        reach back to `start_seq` lost nothing this stream had, so it is complete. An
+        answer with a hole is asked again from the hole (REPLAY_HOLE_RETRIES times)."""
+        try:
+            result = await self._replay_once(start_seq, verify_digest, at_start=at_start)
+            for _ in range(REPLAY_HOLE_RETRIES):
+                if result is not _ReplayResult.HOLE or self._applied is None:
+                    break
+                result = await self._replay_once(self._applied + 1)
+        except Exception:
+            self._reset_dealer()  # the rest of the answer must not leak into the next one
+            raise
+        return result
+
+    async def _replay_once(
+        self, start_seq: int, verify_digest: int | None = None, *, at_start: bool = False
+    ) -> _ReplayResult | None:
         dealer = self._dealer
         assert dealer is not None
         self._replays += 1
         timeout_ms = int(self.config.replay_timeout_s * 1000)
         await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
         first = True
+        expect = start_seq  # the next sequence the answer must carry
         result = _ReplayResult.COMPLETE
         for _ in range(self.config.max_replay_frames + 1):
             if not await dealer.poll(timeout_ms):
@@ -629,10 +660,18 @@ class ZmqEventStream:
                     return None
                 if seq != start_seq:
                     result = _ReplayResult.OVERRUN
+            elif seq != expect:
+                # Frames dropped on the way (or a malformed one): the rest is not applied
+                # on top of the hole, and not left to leak into the next replay.
+                self._reset_dealer()
+                result = _ReplayResult.HOLE
+                break
+            expect = seq + 1
             if self._applied is not None and seq <= self._applied:
                 continue
             self._consume(topic, seq, payload)
         else:
+            self._reset_dealer()  # the rest of this answer is not wanted
             result = _ReplayResult.OVERRUN  # more than any vLLM buffer holds
         if first:
             if verify_digest is not None:
@@ -670,7 +709,9 @@ class ZmqEventStream:
         if mismatch:
             self._m_refused.inc()
             self._set_state(StreamState.STALE, mismatch)
-            log.warning("zmq stream %s is stale: %s", self.child_engine_id, mismatch)
+            self._losses.warning(
+                "stale", "zmq stream %s is stale: %s", self.child_engine_id, mismatch
+            )
             self._sink.mark_stale(self.child_engine_id, mismatch)
             return
         batch = EventBatch(incarnation=self._incarnation, sequence=seq, events=decoded.events)
@@ -709,16 +750,19 @@ class ZmqEventStream:
                 f"this stream is rank {cfg.dp_rank}"
             )
         if cfg.block_size is not None and decoded.block_sizes - {cfg.block_size}:
-            sizes = sorted(decoded.block_sizes - {cfg.block_size})
+            sizes = sorted(decoded.block_sizes - {cfg.block_size})[:3]
             return (
                 f"batch {decoded.sequence} has block_size {sizes}, "
                 f"the registered profile says {cfg.block_size}"
             )
         if decoded.lora_names - {cfg.lora_name}:
-            names = sorted(decoded.lora_names - {cfg.lora_name})
+            # The publisher's strings, cut short: a line must stay a line.
+            names = ", ".join(
+                f"{n!r:.60}" for n in sorted(decoded.lora_names - {cfg.lora_name})[:3]
+            )
             return (
                 f"batch {decoded.sequence} has lora_name {names}, "
-                f"the registered profile says {cfg.lora_name!r}"
+                f"the registered profile says {cfg.lora_name!r:.60}"
             )
         return ""
 
@@ -745,10 +789,11 @@ class ZmqEventStream:
         if self._state is StreamState.DEGRADED:
             # Further losses do not extend the grace: the bound on a hint's age holds.
             self._losses.warning(
-                "degraded", "zmq stream %s: %s (already degraded)", self.child_engine_id, why
+                "degraded-again", "zmq stream %s: %s (already degraded)", self.child_engine_id, why
             )
             return
-        log.warning(
+        self._losses.warning(
+            "degraded",
             "zmq stream %s degraded: %s; its entries stay hints for at most %.1fs",
             self.child_engine_id,
             why,
@@ -791,7 +836,7 @@ class ZmqEventStream:
         self._live_high = keep_live_high
 
     def _set_live(self, why: str) -> None:
-        log.info("zmq stream %s live again: %s", self.child_engine_id, why)
+        self._losses.info("live", "zmq stream %s live again: %s", self.child_engine_id, why)
         self._set_state(StreamState.LIVE, "")
         self._sink.mark_live(self.child_engine_id)
 

@@ -136,6 +136,33 @@ async def test_gap_is_filled_by_a_replay_from_the_first_missing_sequence(
     assert value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="gap") == 1
 
 
+@pytest.mark.parametrize("drops", [1, 1_000], ids=["dropped once", "always dropped"])
+async def test_a_replay_answer_with_a_hole_is_asked_again_and_never_applied_across_it(
+    ctx: zmq.asyncio.Context, rigs: list[Rig], drops: int
+) -> None:
+    """vLLM's replay ROUTER drops the frames past its send queue (1,000 by default), so a
+    large answer can skip sequences. The answer was applied across the hole as complete:
+    the removal in the hole was lost, its block held for good (a phantom), the stream
+    LIVE. The replay is asked again from the hole now; one that keeps skipping is a
+    loss (degraded)."""
+    rigs.append(rig := await start_rig(ctx))
+    await rig.pub.publish(stored(1))
+    await rig.pub.publish(stored(2), send=False)  # lost on the wire
+    await rig.pub.publish(removed(1), send=False)
+    await rig.pub.publish(stored(3), send=False)
+    rig.pub.replay_drops[2] = drops  # the removal, left out of the answer
+    await rig.pub.publish(stored(4))
+    if drops == 1:
+        await wait_until(lambda: rig.sink.seqs() == [0, 1, 2, 3, 4], 5)
+        assert rig.pub.replay_requests == [1, 2]  # asked again from the hole
+        assert rig.sink.held() == {2, 3, 4}
+        assert rig.stream.status().state is StreamState.LIVE
+    else:
+        await wait_until(lambda: rig.stream.status().state is StreamState.DEGRADED, 5)
+        assert 2 not in rig.sink.seqs()  # nothing applied across the hole
+        assert value(rig.metrics, "kvrc_zmq_replays_total", result="hole") >= 1
+
+
 def _stream_of(
     ctx: zmq.asyncio.Context, pub: WirePublisher, **config: Any
 ) -> tuple[ZmqEventStream, RecordingSink, Metrics]:
@@ -679,7 +706,7 @@ def test_frames_that_do_not_decode_are_counted_logged_once_and_change_nothing(
     ("config", "event", "dp_rank", "says"),
     [
         ({"block_size": 16}, stored(5, block_size=32), 0, "block_size [32]"),
-        ({"block_size": 16}, stored(5, lora_name="adapter-x"), 0, "lora_name ['adapter-x']"),
+        ({"block_size": 16}, stored(5, lora_name="adapter-x"), 0, "lora_name 'adapter-x'"),
         ({"dp_rank": 1, "dp_size": 2}, stored(5), 0, "data_parallel_rank 0"),
     ],
 )
@@ -832,6 +859,10 @@ def test_subscriber_endpoint_follows_vllm_bind_or_connect_rule() -> None:
         subscriber_endpoint("ipc:///tmp/x", "h")
     with pytest.raises(KvrcError, match="fixed port"):
         subscriber_endpoint("tcp://*:0", "h")
+    # vLLM does not add the DP rank to port 0 (it binds a port of its own choosing):
+    # kvrc subscribed to port 1 on DP rank 1.
+    with pytest.raises(KvrcError, match="fixed port"):
+        subscriber_endpoint("tcp://*:0", "h", 1)
 
 
 def test_stream_config_from_vllm_registration_values() -> None:
@@ -865,3 +896,25 @@ def test_stream_config_from_vllm_registration_values() -> None:
         None,
     )
     assert connecting.child_engine_id == "engine-b"
+
+
+async def test_a_publisher_flapping_between_losses_and_restarts_logs_a_few_short_lines(
+    ctx: zmq.asyncio.Context, rigs: list[Rig], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each loss logged 'degraded' and each restart 'live again', with no limit: a
+    publisher alternating a gap and a restart filled the log (I8-bad-input), and a stale
+    line echoed every lora_name of the batch in full. A few short lines now."""
+    caplog.set_level(logging.INFO, logger="coordinator.edges.zmq_ingest")
+    rigs.append(rig := await start_rig(ctx, replay=False))
+    for _ in range(40):
+        rig.pub.restart_numbering()
+        await rig.pub.publish(stored(1))
+        rig.pub.next_seq = 2  # sequence 1 missed: degraded (no replay endpoint)
+        await rig.pub.publish(stored(2))
+    await wait_until(lambda: rig.stream.status().incarnation >= 39, 10)
+    rig.pub.restart_numbering()
+    await rig.pub.publish(stored(3, lora_name="x" * 100_000))  # stale
+    await wait_until(lambda: rig.stream.status().state is StreamState.STALE, 5)
+    lines = [r.getMessage() for r in caplog.records if r.name == "coordinator.edges.zmq_ingest"]
+    assert 3 <= len(lines) <= 12, lines
+    assert max(len(line) for line in lines) < 1_000

@@ -123,6 +123,9 @@ class WirePublisher:
         # A slow publisher: set to an unset Event, replays answer what the buffer held
         # when asked, but only once the event is set.
         self.replay_gate: asyncio.Event | None = None
+        # Sequences left out of replay answers, and how many more times: what vLLM's
+        # ROUTER does to frames past its send queue (it drops them, silently).
+        self.replay_drops: dict[int, int] = {}
         self.dp_rank = dp_rank
         self.next_seq = 0
         self._task = asyncio.create_task(self._serve_replays())
@@ -174,6 +177,9 @@ class WirePublisher:
             if self.replay_gate is not None:
                 await self.replay_gate.wait()
             for seq, payload in held:
+                if self.replay_drops.get(seq, 0) > 0:
+                    self.replay_drops[seq] -= 1
+                    continue
                 await self.router.send_multipart(
                     [client, b"", b"", seq.to_bytes(8, "big"), payload]
                 )
