@@ -15,6 +15,8 @@ import socket
 import urllib.request
 from typing import Any
 
+import grpc
+import pytest
 from harness import start_coordinator
 from waiting import wait_until
 
@@ -125,3 +127,37 @@ async def test_what_an_engine_sends_in_a_loop_is_a_few_quoted_lines_not_one_per_
         assert 1 <= len(found) <= 2, (needle, found)  # one per 10 s, the rest counted
     assert not [x for x in lines if x.lstrip().startswith(forged)]
     assert any("\\n" + forged in x for x in lines)  # quoted: the newline is escaped
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/grpc.health.v1.Health/Check",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    ],
+)
+async def test_bytes_that_are_not_protobuf_sent_to_health_or_reflection_log_one_short_line(
+    path: str,
+) -> None:
+    """grpc parses these two services' requests itself (kvrc's own parse with a parser
+    that never raises): each junk request, from anyone, credentials or not, printed grpc's
+    'Unexpected [DecodeError]' with a traceback. One line per 10 s now, no traceback."""
+    with start_coordinator() as kvrc:
+        channel = grpc.insecure_channel(kvrc.grpc_target)
+        try:
+            for _ in range(30):
+                if path.endswith("Check"):
+                    call: Any = channel.unary_unary(path)
+                    with contextlib.suppress(grpc.RpcError):
+                        call(b"\x07\x80", timeout=5)
+                else:
+                    stream: Any = channel.stream_stream(path)
+                    with contextlib.suppress(grpc.RpcError):
+                        list(stream(iter([b"\x07\x80"]), timeout=5))
+        finally:
+            channel.close()
+        await wait_until(lambda: "DecodeError" in kvrc.stderr_text(), 10)
+        await asyncio.sleep(0.5)  # the other 29 would be logged by now
+        text = kvrc.stderr_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert len([x for x in text.splitlines() if "DecodeError" in x]) == 1, text[-3000:]
