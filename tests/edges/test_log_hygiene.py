@@ -147,11 +147,11 @@ async def test_bytes_that_are_not_protobuf_sent_to_health_or_reflection_log_one_
         try:
             for _ in range(30):
                 if path.endswith("Check"):
-                    call: Any = channel.unary_unary(path)
+                    call: Any = channel.unary_unary(path, None, None)
                     with contextlib.suppress(grpc.RpcError):
                         call(b"\x07\x80", timeout=5)
                 else:
-                    stream: Any = channel.stream_stream(path)
+                    stream: Any = channel.stream_stream(path, None, None)
                     with contextlib.suppress(grpc.RpcError):
                         list(stream(iter([b"\x07\x80"]), timeout=5))
         finally:
