@@ -154,6 +154,8 @@ class MissReason(enum.Enum):
     # The shared store did not record the lease (unreachable, lost, or the id taken):
     # its pins were never asked for (coordinator/runtime/lease_ledger.py).
     STORE_REFUSED = "store_refused"
+    # The holder parts' descriptors together are more than one grant may carry.
+    GRANT_TOO_LARGE = "grant_too_large"
 
 
 # The longest abort timeout: a holder's safety net trusts a pin deadline (pin timeout +
@@ -195,6 +197,11 @@ class LeaseConfig:
     # take the shared bound from the others (I8-bad-input). Ended leases do not count:
     # they are dropped before anything is refused.
     max_payload_bytes_per_engine: int = 1 << 28
+    # What one grant carries of what engines sent (every source part's descriptor, and a
+    # handoff's kv_transfer_params): half of gRPC's default 16 MiB message limit. Past
+    # it the grant could not be sent, and its blocks would stay pinned for nobody; a
+    # prefix load is then a miss, a handoff's publish RESOURCE_EXHAUSTED (I8-bad-input).
+    max_grant_payload_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
@@ -495,6 +502,14 @@ def _payload_size(descriptor: object) -> int:
     return len(descriptor) if isinstance(descriptor, bytes | bytearray) else 0
 
 
+def _grant_bytes(lease: _PrefixLoad | _Handoff) -> int:
+    """What the lease's grant carries of what engines sent (LeaseConfig's bound)."""
+    if isinstance(lease, _Handoff):
+        parts = sum(_payload_size(d) for d in lease.published.values())
+        return parts + len(lease.kv_transfer_params)
+    return sum(_payload_size(d) for _, d in lease.pins.values())
+
+
 def _default_ids() -> str:
     return uuid.uuid4().hex
 
@@ -783,7 +798,9 @@ class LeaseTable:
         actions: list[Action] = []
         lease.pins[rank_key] = (pinned_blocks, descriptor)
         self._keep_payload(lease, _payload_size(descriptor), by_requester=False)
-        if pinned_blocks < lease.min_blocks:
+        if _grant_bytes(lease) > self._config.max_grant_payload_bytes:
+            self._miss(lease, MissReason.GRANT_TOO_LARGE, now_ms, actions)
+        elif pinned_blocks < lease.min_blocks:
             # One short part caps the whole match: miss now, don't wait for the rest.
             reason = MissReason.SHORT_PIN if pinned_blocks == 0 else MissReason.BELOW_MIN_BLOCKS
             self._miss(lease, reason, now_ms, actions)
@@ -867,6 +884,7 @@ class LeaseTable:
         existing_id = self._by_request.get(key)
         actions: list[Action] = []
         if existing_id is None:
+            self._check_grant_size(None, descriptor, len(kv_transfer_params))
             engines = [prefill_child_engine_id]
             if decode_child_engine_id is not None:
                 engines.append(decode_child_engine_id)
@@ -912,6 +930,7 @@ class LeaseTable:
             if lease.state is not LeaseState.WAITING_READY:
                 # Ended before this part arrived: the caller sees the state and frees.
                 return self._published(lease, ())
+            self._check_grant_size(lease, descriptor)
             self._check_payload(_payload_size(descriptor), now_ms, prefill_child_engine_id)
         lease.published[rank_key] = descriptor
         self._keep_payload(lease, _payload_size(descriptor), by_requester=True)
@@ -1789,6 +1808,20 @@ class LeaseTable:
             owner = _requesting_engine(lease)
             assert owner is not None
             self._by_request.pop((lease.flow, owner, lease.request_id), None)
+
+    def _check_grant_size(
+        self, lease: _Handoff | None, descriptor: object, params_bytes: int = 0
+    ) -> None:
+        """A handoff part's publish that would make the grant larger than one message
+        may carry is refused; nothing changes (LeaseConfig.max_grant_payload_bytes)."""
+        carried = _grant_bytes(lease) if lease is not None else params_bytes
+        total = carried + _payload_size(descriptor)
+        limit = self._config.max_grant_payload_bytes
+        if total > limit:
+            raise resource_exhausted(
+                f"the handoff's kv_transfer_params and descriptors would be {total} bytes, "
+                f"more than one grant may carry ({limit}): publish smaller descriptors"
+            )
 
     def _check_payload(self, more: int, now_ms: int, requester: str | None) -> None:
         """RESOURCE_EXHAUSTED if `more` bytes that `requester` sends do not fit in its

@@ -236,6 +236,12 @@ class CoordinatorConfig:
     cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:
+        if self.leases.max_grant_payload_bytes > self.max_message_bytes // 2:
+            raise ConfigError(
+                f"leases.max_grant_payload_bytes ({self.leases.max_grant_payload_bytes}) must "
+                f"be at most half of max_message_bytes ({self.max_message_bytes}): a grant "
+                "carries more than its descriptors"
+            )
         if self.heartbeat_interval_ms <= 0:
             raise ConfigError(
                 f"heartbeat interval must be > 0 ms, got {self.heartbeat_interval_ms}"

@@ -278,7 +278,7 @@ class Metrics:
             "kvrc_prefix_load_misses_total",
             "Prefix-load requests answered with a miss, by reason "
             "(no_candidate, short_pin, pin_timeout, holder_gone, below_min_blocks, draining, "
-            "recompute_cheaper, store_refused).",
+            "recompute_cheaper, store_refused, grant_too_large).",
             ["reason"],
             registry=r,
         )

@@ -1202,6 +1202,37 @@ def test_a_holders_descriptor_past_the_payload_bound_is_refused_and_the_pin_time
     assert [a.rank_key for a in of(actions, SendRelease)] == list(TP2)
 
 
+def test_a_grant_larger_than_one_message_is_a_miss_or_a_refused_publish() -> None:
+    """Each part's descriptor was checked alone (about 2.5 MB each on the wire), and a
+    grant carries them all: eight holder parts made a grant over gRPC's message limit,
+    which failed to send after the lease was granted, the blocks pinned for nobody. A
+    prefix load whose parts' descriptors pass the grant's bound is a miss now, and a
+    handoff publish that would pass it is refused, changing nothing."""
+    t = table(max_grant_payload_bytes=1_000)
+    lease_id = open_load(t)
+    t.on_pin_result(lease_id, HOLD, TP2[0], 8, bytes(600), T0 + 10)
+    assert t.get(lease_id).state is LeaseState.PINNING  # 600 of 1,000: waits for the rest
+    step = t.on_pin_result(lease_id, HOLD, TP2[1], 8, bytes(600), T0 + 20)
+    assert t.get(lease_id).miss_reason is MissReason.GRANT_TOO_LARGE
+    assert [a.rank_key for a in of(step.actions, SendRelease)] == list(TP2)
+    # Control: the same pins within the bound are granted.
+    fits = open_load(t, "r2")
+    for key in TP2:
+        t.on_pin_result(fits, HOLD, key, 8, bytes(400), T0 + 30)
+    assert t.get(fits).state is LeaseState.ACTIVE
+
+    # A handoff: kv_transfer_params and every part's descriptor travel in its grant.
+    publish(t, TP2[0], bytes(500), "h-big")
+    error = refused(
+        t, ErrorCode.RESOURCE_EXHAUSTED, lambda: publish(t, TP2[1], bytes(500), "h-big")
+    )
+    assert "more than one grant may carry (1000)" in error.message
+    refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: publish(t, TP2[0], bytes(1_000), "h-new"))
+    publish(t, TP2[1], bytes(100), "h-big")  # control: one that fits completes it
+    ready = t.find_handoff(PRE, "h-big")
+    assert ready is not None and ready.state is LeaseState.READY
+
+
 def test_a_pins_deadline_is_never_before_the_lease_can_be_quarantined() -> None:
     """The holder's safety net frees a pin a grace after its deadline. The deadline was
     pin timeout + TTL: a load granted at the end of its pin timeout, whose abort went
