@@ -22,6 +22,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import grpc
 import uvloop
@@ -81,6 +82,17 @@ class _GrpcErrorLines(logging.Filter):
         self._last_ms[key] = now
         record.exc_info, record.exc_text, record.stack_info = None, None, None
         return True
+
+
+# A /metrics request must arrive whole within this: a client that sends half a request
+# and waits held one of the server's threads for good (one thread per connection).
+METRICS_REQUEST_TIMEOUT_S = 10.0
+
+
+def bound_http_requests(httpd: Any, timeout_s: float = METRICS_REQUEST_TIMEOUT_S) -> None:
+    """Each /metrics connection's socket reads and writes time out after `timeout_s`."""
+    handler = httpd.RequestHandlerClass
+    httpd.RequestHandlerClass = type(handler.__name__, (handler,), {"timeout": timeout_s})
 
 
 SERVICE_NAMES = (
@@ -189,6 +201,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
             ) from None
         metrics_port = httpd.server_port
         _quiet_http_errors(httpd, coordinator)
+        bound_http_requests(httpd)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

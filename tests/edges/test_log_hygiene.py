@@ -161,3 +161,23 @@ async def test_bytes_that_are_not_protobuf_sent_to_health_or_reflection_log_one_
         text = kvrc.stderr_text()
     assert "Traceback" not in text, text[-3000:]
     assert len([x for x in text.splitlines() if "DecodeError" in x]) == 1, text[-3000:]
+
+
+def test_a_metrics_request_that_never_finishes_is_dropped_after_the_timeout() -> None:
+    """The /metrics server runs a thread per connection, with no timeout: a client that
+    sent half a request and waited held its thread for good (anyone can connect)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from coordinator.edges.server import bound_http_requests
+
+    httpd, thread = start_http_server(0, addr="127.0.0.1", registry=CollectorRegistry())
+    try:
+        bound_http_requests(httpd, timeout_s=0.3)
+        with socket.create_connection(("127.0.0.1", httpd.server_port), 5) as s:
+            s.sendall(b"GET /metr")  # and nothing more
+            s.settimeout(5)
+            assert s.recv(1024) == b""  # closed by the server, not left waiting
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
