@@ -177,6 +177,10 @@ class LeaseConfig:
     # issued before the key changed, or made up): a quarter, so that made-up ids never
     # keep a holder's verified ids from being rebuilt (I8-bad-input).
     max_unverified_recovered_leases: int = 4_096
+    # Of those, one holder's: a quarter, so one engine re-announcing made-up ids cannot
+    # keep the others' real ones (unverifiable too after a restart without a state
+    # file) from being rebuilt (I8-bad-input).
+    max_unverified_recovered_leases_per_engine: int = 1_024
     max_chain_blocks: int = 65_536
     max_kv_transfer_params_bytes: int = 1 << 20
     max_pin_timeout_ms: int = 60_000
@@ -577,6 +581,7 @@ class LeaseTable:
         self._open_payload_by_engine: dict[str, int] = {}
         self._recovered_open = 0  # open leases rebuilt by `recover_held`
         self._unverified_open = 0  # of those, from ids the key could not check
+        self._unverified_by_holder: dict[str, int] = {}  # and per holder child engine
         # Ended leases awaiting their target's proofs before a release (`awaiting_quiet`),
         # by target engine: its re-registration re-asks, its proven death settles them.
         self._awaiting: dict[str, set[str]] = {}
@@ -1277,6 +1282,13 @@ class LeaseTable:
                 f"coordinator's key cannot check are open, the limit: held lease {lease_id} "
                 "is not rebuilt (resolve the quarantined ones)"
             )
+        held = self._unverified_by_holder.get(holder_child_engine_id, 0)
+        if unverified and held >= cfg.max_unverified_recovered_leases_per_engine:
+            raise resource_exhausted(
+                f"{held} leases rebuilt from ids of {holder_child_engine_id!r} that this "
+                f"coordinator's key cannot check are open, the per-engine limit: held lease "
+                f"{lease_id} is not rebuilt (resolve the quarantined ones)"
+            )
         self._check_capacity((holder_child_engine_id,))
         kind: type[_Lease] = _PrefixLoad if flow is Flow.PREFIX_LOAD else _Handoff
         lease = kind(
@@ -1696,6 +1708,12 @@ class LeaseTable:
             self._recovered_open -= 1
         if lease.unverified:
             self._unverified_open -= 1
+            holder = lease.source_child_engine_id
+            left = self._unverified_by_holder[holder] - 1
+            if left:
+                self._unverified_by_holder[holder] = left
+            else:
+                del self._unverified_by_holder[holder]
         self._terminal[lease.lease_id] = now_ms
         quiescence = None if lease.granted_ms is None else now_ms - lease.granted_ms
         actions.append(
@@ -1731,6 +1749,8 @@ class LeaseTable:
             self._recovered_open += 1
         if lease.unverified:
             self._unverified_open += 1
+            holder = lease.source_child_engine_id
+            self._unverified_by_holder[holder] = self._unverified_by_holder.get(holder, 0) + 1
         if key is not None:
             self._by_request[key] = lease.lease_id
         count_key = (lease.flow, lease.state)

@@ -1097,6 +1097,24 @@ def test_made_up_held_ids_take_a_quarter_of_recovery_never_a_holders_verified_id
     assert recover("pl-made-up-3", "squatter-3").view.state is LeaseState.QUARANTINED
 
 
+def test_one_holder_cannot_take_the_unverified_recovered_bound_from_the_others() -> None:
+    """One Register naming made-up ids took every unverified slot (4,096): after a
+    restart without a state file every real id is unverifiable too, and another
+    holder's real leases were not rebuilt."""
+    config = LeaseConfig(
+        max_unverified_recovered_leases=8, max_unverified_recovered_leases_per_engine=2
+    )
+    t = LeaseTable(config)
+    recover = partial(recovered, t)
+    for i in range(2):
+        assert recover(f"pl-made-up-{i}", "squatter").view.state is LeaseState.QUARANTINED
+    e = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: recover("pl-made-up-2", "squatter"))
+    assert "per-engine limit" in e.message
+    assert recover("pl-real-0", HOLD).view.state is LeaseState.QUARANTINED  # another's
+    t.resolve_quarantine("pl-made-up-0", T0 + 1)  # one resolved: its holder may again
+    assert recover("pl-made-up-3", "squatter").view.state is LeaseState.QUARANTINED
+
+
 def test_recovered_leases_are_bounded_and_never_take_the_table_from_live_grants() -> None:
     """Held ids a part re-announces are rebuilt QUARANTINED; made-up ones, from engines
     whose credential allows many child engines, must not fill the table (I8-bad-input)."""
