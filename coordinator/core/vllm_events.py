@@ -84,6 +84,10 @@ class DecodedBatch:
     # Distinct values over the batch's BlockStored events, for the profile check.
     block_sizes: frozenset[int]
     lora_names: frozenset[str]  # "" for blocks of the base model (vLLM's None)
+    # Each BlockStored event's index in `events`, its block_size and its lora_name: a
+    # store of another adapter (multi-LoRA serving) or of a partial block is skipped
+    # alone by the ZMQ edge, not the whole batch.
+    stored_scopes: tuple[tuple[int, int, str], ...]
     stored_blocks: int
     removed_blocks: int
     cleared: int
@@ -122,6 +126,7 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
     events: list[InventoryEvent] = []
     block_sizes: set[int] = set()
     lora_names: set[str] = set()
+    scopes: list[tuple[int, int, str]] = []
     stored = cleared = unknown = blocks = 0
     # vLLM emits one BlockRemoved per evicted block. A run of them with the same
     # medium and group becomes one event (removals commute): far fewer objects
@@ -181,6 +186,7 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
                     raise _too_many_blocks()
                 block_sizes.add(block_size)
                 lora_names.add(lora_name)
+                scopes.append((len(events), block_size, lora_name))
                 events.append(ev)
             elif tag == "AllBlocksCleared":
                 cleared += 1
@@ -202,6 +208,7 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
         events=tuple(events),
         block_sizes=frozenset(block_sizes),
         lora_names=frozenset(lora_names),
+        stored_scopes=tuple(scopes),
         stored_blocks=stored,
         removed_blocks=removed,
         cleared=cleared,

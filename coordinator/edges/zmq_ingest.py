@@ -41,10 +41,12 @@ A stream that had applied nothing before the gap (a late subscriber) has no
 entry that can be a phantom: it stays live with a partial view.
 `ZmqEventStream.status()` and the `kvrc_zmq_streams{state}` gauge show it.
 
-Stale: a batch whose `block_size` or `lora_name` differs from the registered
-profile, or whose `data_parallel_rank` is not this stream's, is refused with
-one log line; the stream is marked stale (`sink.mark_stale`) and applies
-nothing more until the publisher restarts. It never pollutes the scope.
+Out of scope: a stored block whose `lora_name` or `block_size` differs from the
+registered profile (another adapter's request on a multi-LoRA engine, a partial
+block) is skipped alone and counted (`kvrc_block_events_total{type="out_of_scope"}`);
+it never pollutes the scope. Stale: a batch whose `data_parallel_rank` is not this
+stream's is refused with one log line; the stream is marked stale
+(`sink.mark_stale`) and applies nothing more until the publisher restarts.
 
 A restarted publisher can number past the last sequence kvrc saw before any of
 its frames arrive (its first batches lost while kvrc reconnects). So after a
@@ -70,7 +72,7 @@ import zmq
 import zmq.asyncio
 
 from coordinator.core.errors import ErrorCode, KvrcError, invalid
-from coordinator.core.events import EventBatch
+from coordinator.core.events import BlockStored, EventBatch, InventoryEvent
 from coordinator.core.registry import RankPartRegistration
 from coordinator.core.vllm_events import (
     END_SEQ,
@@ -326,6 +328,7 @@ class ZmqEventStream:
         self._m_stored = m.block_events.labels(source=SOURCE, type="stored")
         self._m_removed = m.block_events.labels(source=SOURCE, type="removed")
         self._m_cleared = m.block_events.labels(source=SOURCE, type="cleared")
+        self._m_out_of_scope = m.block_events.labels(source=SOURCE, type="out_of_scope")
         self._m_applied = m.event_batches.labels(source=SOURCE, result="applied")
         self._m_duplicate = m.event_batches.labels(source=SOURCE, result="duplicate")
         self._m_gap = m.event_batches.labels(source=SOURCE, result="gap")
@@ -705,7 +708,7 @@ class ZmqEventStream:
         if self._state is StreamState.STALE:
             self._m_refused.inc()
             return
-        mismatch = self._profile_mismatch(decoded)
+        mismatch = self._rank_mismatch(decoded)
         if mismatch:
             self._m_refused.inc()
             self._set_state(StreamState.STALE, mismatch)
@@ -714,7 +717,9 @@ class ZmqEventStream:
             )
             self._sink.mark_stale(self.child_engine_id, mismatch)
             return
-        batch = EventBatch(incarnation=self._incarnation, sequence=seq, events=decoded.events)
+        batch = EventBatch(
+            incarnation=self._incarnation, sequence=seq, events=self._in_scope(decoded)
+        )
         try:
             self._sink.apply(self.child_engine_id, batch)
         except KvrcError as exc:
@@ -732,8 +737,9 @@ class ZmqEventStream:
         self._has_state = True
         self._applied_batches += 1
         self._m_applied.inc()
-        if decoded.stored_blocks:
-            self._m_stored.inc(decoded.stored_blocks)
+        stored = sum(len(e.block_hashes) for e in batch.events if type(e) is BlockStored)
+        if stored:
+            self._m_stored.inc(stored)
         if decoded.removed_blocks:
             self._m_removed.inc(decoded.removed_blocks)
         if decoded.cleared:
@@ -742,29 +748,46 @@ class ZmqEventStream:
                 # Everything before the clear is gone, so no phantom is left.
                 self._set_live("the publisher cleared all blocks")
 
-    def _profile_mismatch(self, decoded: DecodedBatch) -> str:
+    def _rank_mismatch(self, decoded: DecodedBatch) -> str:
         cfg = self.config
         if decoded.dp_rank is not None and decoded.dp_rank != cfg.dp_rank:
             return (
                 f"batch {decoded.sequence} says data_parallel_rank {decoded.dp_rank}, "
                 f"this stream is rank {cfg.dp_rank}"
             )
-        if cfg.block_size is not None and decoded.block_sizes - {cfg.block_size}:
-            sizes = sorted(decoded.block_sizes - {cfg.block_size})[:3]
-            return (
-                f"batch {decoded.sequence} has block_size {sizes}, "
-                f"the registered profile says {cfg.block_size}"
-            )
-        if decoded.lora_names - {cfg.lora_name}:
-            # The publisher's strings, cut short: a line must stay a line.
-            names = ", ".join(
-                f"{n!r:.60}" for n in sorted(decoded.lora_names - {cfg.lora_name})[:3]
-            )
-            return (
-                f"batch {decoded.sequence} has lora_name {names}, "
-                f"the registered profile says {cfg.lora_name!r:.60}"
-            )
         return ""
+
+    def _in_scope(self, decoded: DecodedBatch) -> tuple[InventoryEvent, ...]:
+        """The batch's events without the stores outside the registered profile: another
+        LoRA adapter's blocks (vLLM names the request's adapter; one engine serves many)
+        or a partial block (`block_size` short of the engine's). They are skipped alone,
+        counted; removals of blocks never stored change nothing."""
+        cfg = self.config
+        skipped = {
+            index
+            for index, block_size, lora_name in decoded.stored_scopes
+            if lora_name != cfg.lora_name
+            or (cfg.block_size is not None and block_size != cfg.block_size)
+        }
+        if not skipped:
+            return decoded.events
+        events = decoded.events
+        blocks = 0
+        for index in skipped:
+            stored = events[index]
+            assert isinstance(stored, BlockStored)
+            blocks += len(stored.block_hashes)
+        self._m_out_of_scope.inc(blocks)
+        self._losses.info(
+            "out of scope",
+            "zmq stream %s: %d stored block(s) of another LoRA adapter or block size "
+            "skipped (the registered profile: lora %r, block_size %s)",
+            self.child_engine_id,
+            blocks,
+            f"{cfg.lora_name:.60}",
+            cfg.block_size,
+        )
+        return tuple(e for i, e in enumerate(events) if i not in skipped)
 
     # --- state changes -----------------------------------------------------------------
 

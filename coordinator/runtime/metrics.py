@@ -161,7 +161,8 @@ class Metrics:
         self.block_events = Counter(
             "kvrc_block_events_total",
             "Blocks named by ingested events, by source (grpc, zmq) and event type "
-            "(stored, removed, cleared).",
+            "(stored, removed, cleared; out_of_scope: ZMQ stores of another adapter or "
+            "block size).",
             ["source", "type"],
             registry=r,
         )
