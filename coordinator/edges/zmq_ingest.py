@@ -307,6 +307,7 @@ class ZmqEventStream:
         self._monitor: zmq.asyncio.Socket | None = None
         self._reconnected = False  # a publisher connection dropped since the last frame
         self._last_digest: int | None = None  # hash of the last applied batch's bytes
+        self._overran = False  # the last replay answer began past the sequence asked for
 
         self._state = StreamState.LIVE
         self._reason = ""
@@ -608,14 +609,23 @@ class ZmqEventStream:
         reach back to `start_seq` lost nothing this stream had, so it is complete. An
         answer with a hole is asked again from the hole (REPLAY_HOLE_RETRIES times)."""
         try:
+            self._overran = False
             result = await self._replay_once(start_seq, verify_digest, at_start=at_start)
+            # Its first answer began past `start_seq`: lost before what it replayed.
+            overran = self._overran and not at_start
+            holed = result is _ReplayResult.HOLE
             for _ in range(REPLAY_HOLE_RETRIES):
                 if result is not _ReplayResult.HOLE or self._applied is None:
                     break
                 result = await self._replay_once(self._applied + 1)
+                holed = holed or result is _ReplayResult.HOLE
         except Exception:
             self._reset_dealer()  # the rest of the answer must not leak into the next one
             raise
+        if result is _ReplayResult.COMPLETE and overran:
+            return _ReplayResult.OVERRUN  # the hole was filled; what came before was not
+        if result not in (_ReplayResult.COMPLETE, None) and holed:
+            return _ReplayResult.HOLE  # lost after some of it was applied
         return result
 
     async def _replay_once(
@@ -663,6 +673,7 @@ class ZmqEventStream:
                     return None
                 if seq != start_seq:
                     result = _ReplayResult.OVERRUN
+                    self._overran = True
             elif seq != expect:
                 # Frames dropped on the way (or a malformed one): the rest is not applied
                 # on top of the hole, and not left to leak into the next replay.

@@ -163,6 +163,24 @@ async def test_a_replay_answer_with_a_hole_is_asked_again_and_never_applied_acro
         assert value(rig.metrics, "kvrc_zmq_replays_total", result="hole") >= 1
 
 
+async def test_a_replay_that_overran_and_had_a_hole_is_still_a_loss(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """The buffer no longer held the first missing batch (an overrun: the removal of
+    block 1 is lost), and the answer had a hole too: its retry from the hole came back
+    whole and the replay counted as complete, the stream LIVE with block 1 a phantom."""
+    rigs.append(rig := await start_rig(ctx, publisher={"buffer_steps": 5}))
+    await rig.pub.publish(stored(1))
+    await rig.pub.publish(removed(1), send=False)  # gone from the buffer by the replay
+    for block in range(2, 7):
+        await rig.pub.publish(stored(block), send=False)
+    rig.pub.replay_drops[5] = 1  # left out of the first answer only
+    await rig.pub.publish(stored(7))
+    await wait_until(lambda: rig.stream.status().state is StreamState.DEGRADED, 5)
+    assert rig.pub.replay_requests == [1, 5]  # asked again from the hole
+    assert "overran" in rig.stream.status().reason
+
+
 def _stream_of(
     ctx: zmq.asyncio.Context, pub: WirePublisher, **config: Any
 ) -> tuple[ZmqEventStream, RecordingSink, Metrics]:
