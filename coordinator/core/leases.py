@@ -202,10 +202,11 @@ class LeaseConfig:
     # they are dropped before anything is refused.
     max_payload_bytes_per_engine: int = 1 << 28
     # What one grant carries of what engines sent (every source part's descriptor, and a
-    # handoff's kv_transfer_params): half of gRPC's default 16 MiB message limit. Past
-    # it the grant could not be sent, and its blocks would stay pinned for nobody; a
-    # prefix load is then a miss, a handoff's publish RESOURCE_EXHAUSTED (I8-bad-input).
-    max_grant_payload_bytes: int = 8 << 20
+    # handoff's kv_transfer_params): under the 4 MiB a gRPC client receives by default
+    # (kvrc's own clients set no other limit). Past it the grant could not be received,
+    # and its blocks would stay pinned for nobody; a prefix load is then a miss, a
+    # handoff's publish RESOURCE_EXHAUSTED (I8-bad-input).
+    max_grant_payload_bytes: int = 3 << 20
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
