@@ -353,7 +353,7 @@ class ZmqEventStream:
         self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             if cfg.bind:
-                sub.bind(cfg.endpoint)
+                await _bind(sub, cfg.endpoint)
                 self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
                 sub.connect(cfg.endpoint)
@@ -910,6 +910,23 @@ class ZmqEventStream:
         dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
         dealer.connect(self.config.replay_endpoint)
         return dealer
+
+
+# A subscription just closed on the same endpoint frees its port in libzmq's I/O thread,
+# shortly after close() returned: the bind is tried again this often, this far apart.
+_BIND_ATTEMPTS = 100
+_BIND_RETRY_S = 0.01
+
+
+async def _bind(sub: zmq.asyncio.Socket, endpoint: str) -> None:
+    for attempt in range(_BIND_ATTEMPTS):
+        try:
+            sub.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or attempt == _BIND_ATTEMPTS - 1:
+                raise
+        await asyncio.sleep(_BIND_RETRY_S)
 
 
 def vllm_event_streams(

@@ -186,7 +186,6 @@ class _Meta:
         "reuse",
         "stale",
         "zmq",
-        "zmq_closing",
         "zmq_sink",
         "zmq_source",
     )
@@ -200,9 +199,6 @@ class _Meta:
         self.publisher_rank: RankKey | None = None  # per child engine: the part that publishes
         self.zmq: EventStream | None = None
         self.zmq_sink: _ZmqSink | None = None  # retired with its stream
-        # The retired subscription still closing: the next one starts after it (it may
-        # bind the same endpoint).
-        self.zmq_closing: asyncio.Task[None] | None = None
         self.zmq_source: tuple[str, str, str] = ("", "", "")  # what `zmq` subscribed to
 
 
@@ -276,6 +272,10 @@ class InventoryFlow:
         # Engines' own KV-event publishers (None: ingest over the session stream only).
         self.event_streams: EventStreamFactory | None = None
         self._stopping: set[asyncio.Task[None]] = set()  # ZMQ subscribers being closed
+        # Per child engine, its last retired subscription still closing: the next one
+        # starts after it (it may bind the same endpoint), across a removal of the
+        # engine too, and each close waits for the one before.
+        self._zmq_closing: dict[str, asyncio.Task[None]] = {}
         # The lease side (set_lease_side): open leases per engine (lookups rank by
         # them), the grants' holder check and the drain set (Score asks both).
         self._leases_in_flight: Callable[[], Mapping[str, int]] = lambda: _NO_LEASES
@@ -326,8 +326,8 @@ class InventoryFlow:
             self._sweeper = None
         for key in list(self._resyncs):
             self._cancel_resync(key)
-        for meta in self._meta.values():
-            self._retire_zmq(meta)
+        for cid, meta in self._meta.items():
+            self._retire_zmq(cid, meta)
         if self._stopping:
             await asyncio.gather(*self._stopping, return_exceptions=True)
 
@@ -379,7 +379,7 @@ class InventoryFlow:
             # A new EngineCore publishes elsewhere (or not at all): the old subscription
             # goes, and with it what the old publisher said.
             log.info("child engine %s: its KV-event publisher moved; subscribing anew", cid)
-            self._retire_zmq(meta)
+            self._retire_zmq(cid, meta)
             self.inventory.clear_stream(cid, None)
         self._refresh(cid, meta, view, reuse)
         # No push here: the RegisterAck is not sent yet; readiness pushes carry it.
@@ -801,7 +801,7 @@ class InventoryFlow:
             log.warning("child engine %s: KV-event endpoint refused, not subscribing: %s", cid, e)
             return
         meta.zmq, meta.zmq_sink, meta.zmq_source = stream, sink, _zmq_source(registration)
-        closing = meta.zmq_closing
+        closing = self._zmq_closing.get(cid)
 
         async def start() -> None:
             if closing is not None:
@@ -821,7 +821,7 @@ class InventoryFlow:
             meta.zmq = None
         _log_start_failure(cid, task)
 
-    def _retire_zmq(self, meta: _Meta) -> None:
+    def _retire_zmq(self, child_engine_id: str, meta: _Meta) -> None:
         """Stops the engine's subscription in the background; whatever it still delivers
         is dropped from now on (else a closing stream could write into a new one's
         inventory, or into the engine's next registration)."""
@@ -831,11 +831,24 @@ class InventoryFlow:
             sink.retired = True
         if stream is None:
             return
-        task = asyncio.get_running_loop().create_task(stream.close())
+        before = self._zmq_closing.get(child_engine_id)
+
+        async def close() -> None:
+            if before is not None:
+                await asyncio.gather(before, return_exceptions=True)
+            await stream.close()
+
+        task = asyncio.get_running_loop().create_task(close())
         task.add_done_callback(_log_failure)
         task.add_done_callback(self._stopping.discard)
         self._stopping.add(task)
-        meta.zmq_closing = task
+        self._zmq_closing[child_engine_id] = task
+
+        def closed(done: asyncio.Task[None]) -> None:
+            if self._zmq_closing.get(child_engine_id) is done:
+                del self._zmq_closing[child_engine_id]
+
+        task.add_done_callback(closed)
 
     def zmq_apply(self, child_engine_id: str, batch: EventBatch) -> None:
         if not self.inventory.has_engine(child_engine_id):
@@ -879,7 +892,7 @@ class InventoryFlow:
             self._cancel_resync(key)
         self.streams.remove_engine(child_engine_id)
         del self._meta[child_engine_id]
-        self._retire_zmq(meta)
+        self._retire_zmq(child_engine_id, meta)
         log.info("child engine %s left: %d inventory entries dropped", child_engine_id, dropped)
         self._update_gauges()
 
