@@ -84,8 +84,9 @@ class _GrpcErrorLines(logging.Filter):
         return True
 
 
-# A /metrics request must arrive whole within this: a client that sends half a request
-# and waits held one of the server's threads for good (one thread per connection).
+# Each read and write of a /metrics connection must progress within this: a client that
+# sent half a request and waited held one of the server's threads for good (one thread
+# per connection). A client that trickles a byte at a time still holds one meanwhile.
 METRICS_REQUEST_TIMEOUT_S = 10.0
 
 

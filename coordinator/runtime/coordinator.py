@@ -631,13 +631,13 @@ class Coordinator:
 
     def on_abort_ack(self, ref: PartRef, lease_id: str) -> None:
         """A target part's abort ack: to this replica's lease, or to the live replica that
-        owns it, the one its id names or else the one that sent the abort (it rebuilt
-        the lease of a silent owner): dropped, the quarantine would wait for an operator
-        (I6-quiescence)."""
+        owns it: the one that sent the abort (it owned the lease when it asked, and may
+        have rebuilt it from a silent owner), else the one its id names. Dropped, the
+        quarantine would wait for an operator (I6-quiescence)."""
         peers = self.peers
         owner = None
         if peers is not None and not self.leases.table.knows(lease_id):
-            owner = peers.owner_of(lease_id) or peers.abort_sender(lease_id)
+            owner = peers.abort_sender(lease_id) or peers.owner_of(lease_id)
         if owner is not None and peers is not None:
             peers.reply_abort_ack(owner, ref, lease_id)
             return

@@ -567,6 +567,7 @@ class RedisStore:
             self._reader_stopped.clear()
         self._reading.clear()
         self._read_ok_since_ms = None
+        self._at_log_end = False  # what was written meanwhile is a backlog to replay
 
     def resume_reading(self) -> None:
         self._reading.set()
