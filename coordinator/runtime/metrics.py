@@ -187,7 +187,7 @@ class Metrics:
         )
         self.zmq_replays = Counter(
             "kvrc_zmq_replays_total",
-            "Replay requests to vLLM publishers, by result (complete, overrun, timeout).",
+            "Replay requests to vLLM publishers, by result (complete, overrun, timeout, hole).",
             ["result"],
             registry=r,
         )
