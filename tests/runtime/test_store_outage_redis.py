@@ -262,6 +262,20 @@ async def test_after_a_store_loss_parts_take_new_tokens_and_a_later_failover_win
     )
 
 
+def _epoch_checked_once_told(node: Node, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Holds back each of `node`'s epoch checks until the returned event is set: a
+    replica that has not noticed a store loss yet."""
+    notice = asyncio.Event()
+    check = node.store._check_epoch
+
+    async def later() -> None:
+        await notice.wait()
+        await check()
+
+    monkeypatch.setattr(node.store, "_check_epoch", later)
+    return notice
+
+
 async def test_a_replica_slow_to_notice_a_store_loss_does_not_leave_its_tokens_behind(
     server: RedisServer, nodes: Callable[..., Awaitable[Node]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -275,14 +289,7 @@ async def test_a_replica_slow_to_notice_a_store_loss_does_not_leave_its_tokens_b
     for _ in range(5):  # tokens 1-5: the holder's is above what the new store gives it
         a.coordinator.close_session(a.coordinator.open_session(registration("burn")), "closed")
     old = await holder_seen(a, b, "h", 1)
-    notice = asyncio.Event()
-    check = a.store._check_epoch
-
-    async def later() -> None:
-        await notice.wait()
-        await check()
-
-    monkeypatch.setattr(a.store, "_check_epoch", later)
+    notice = _epoch_checked_once_told(a, monkeypatch)
     sent = a.peers.sent
     server.restart()  # empty: a store loss that only B notices
     await eventually(lambda: losses(b) == 1, "B noticed the loss")
@@ -385,14 +392,7 @@ async def test_a_reader_that_meets_a_store_come_back_empty_applies_nothing_befor
         return apply(origin, ops, now_ms)
 
     monkeypatch.setattr(a.inventory, "apply_remote", recording)
-    notice = asyncio.Event()
-    check = a.store._check_epoch
-
-    async def later() -> None:
-        await notice.wait()
-        await check()
-
-    monkeypatch.setattr(a.store, "_check_epoch", later)
+    notice = _epoch_checked_once_told(a, monkeypatch)
     server.restart()  # empty: a store loss that B notices first
     await eventually(lambda: losses(b) == 1, "B noticed the loss")
     await eventually(lambda: not b.inventory.outbox, "B re-announced into the new log")

@@ -22,13 +22,24 @@ from coordinator.core.registry import RankPartRegistration
 from coordinator.edges.zmq_ingest import vllm_event_streams
 from kvrc.vocabulary import TransferEndpoint
 
+TP2 = dataclasses.replace(PROFILE, tp_size=2)
+
+
+def _tp2_part(
+    rank: tuple[int, int, int], session_name: str, kv_events_endpoint: str
+) -> RankPartRegistration:
+    """A rank part of tp=2 engine "e" whose transfer session is `session_name`."""
+    endpoint = TransferEndpoint(backend="mooncake", session_name=session_name)
+    return RankPartRegistration(
+        "e", 0, "e", rank, TP2, endpoint, kv_events_endpoint=kv_events_endpoint
+    )
+
 
 async def test_a_subscription_that_failed_to_start_is_tried_again() -> None:
     context = zmq.asyncio.Context()
     blocker = context.socket(zmq.PULL)
     blocker.bind("tcp://127.0.0.1:0")
     endpoint = blocker.getsockopt_string(zmq.LAST_ENDPOINT)
-    tp2 = dataclasses.replace(PROFILE, tp_size=2)
     try:
         async with manual_coordinator() as rig:
             c = rig.coordinator
@@ -38,7 +49,7 @@ async def test_a_subscription_that_failed_to_start_is_tried_again() -> None:
                 0,
                 "e",
                 (0, 0, 0),
-                tp2,
+                TP2,
                 TransferEndpoint(backend="mooncake", session_name="127.0.0.1:1"),
                 kv_events_endpoint=endpoint,
             )
@@ -65,16 +76,12 @@ async def test_a_subscription_that_failed_to_start_is_tried_again() -> None:
 async def test_the_subscription_goes_to_rank_0s_host_whoever_registers_first() -> None:
     """vLLM binds `tcp://*:PORT` in its EngineCore, on rank 0's node. With multi-node TP
     the first part to register may be on another node: kvrc subscribed to that node."""
-    tp2 = dataclasses.replace(PROFILE, tp_size=2)
     async with manual_coordinator() as rig:
         c = rig.coordinator
         c.inventory.event_streams = vllm_event_streams(c.metrics)
 
         def part(rank: tuple[int, int, int], host: str) -> RankPartRegistration:
-            endpoint = TransferEndpoint(backend="mooncake", session_name=f"{host}:1")
-            return RankPartRegistration(
-                "e", 0, "e", rank, tp2, endpoint, kv_events_endpoint="tcp://*:5557"
-            )
+            return _tp2_part(rank, f"{host}:1", "tcp://*:5557")
 
         c.open_session(part((1, 0, 0), "10.9.9.9"))  # the second node's part, first
         await settle()
@@ -91,14 +98,12 @@ async def test_a_head_part_that_publishes_elsewhere_is_subscribed_anew() -> None
     rank 1 stays: kvrc stayed subscribed to the old endpoint (nothing ever arrived from
     the new one). The old subscription, and what its publisher said, go; what the old
     stream still delivers while it closes is dropped."""
-    tp2 = dataclasses.replace(PROFILE, tp_size=2)
     async with manual_coordinator() as rig:
         c = rig.coordinator
         c.inventory.event_streams = vllm_event_streams(c.metrics)
 
         def part(rank: tuple[int, int, int], events: str, port: int) -> RankPartRegistration:
-            endpoint = TransferEndpoint(backend="mooncake", session_name=f"127.0.0.2:{port}")
-            return RankPartRegistration("e", 0, "e", rank, tp2, endpoint, kv_events_endpoint=events)
+            return _tp2_part(rank, f"127.0.0.2:{port}", events)
 
         rank0 = c.open_session(part((0, 0, 0), "tcp://*:5557", 1))
         c.open_session(part((1, 0, 0), "", 2))  # stays registered throughout
@@ -140,16 +145,12 @@ async def test_a_head_part_back_on_the_same_bound_endpoint_is_subscribed_anew() 
     port = probe.getsockname()[1]
     probe.close()
     endpoint = f"tcp://127.0.0.1:{port}"
-    tp2 = dataclasses.replace(PROFILE, tp_size=2)
     async with manual_coordinator() as rig:
         c = rig.coordinator
         c.inventory.event_streams = vllm_event_streams(c.metrics)
 
         def part(rank: tuple[int, int, int], session: int) -> RankPartRegistration:
-            transfer = TransferEndpoint(backend="mooncake", session_name=f"127.0.0.1:{session}")
-            return RankPartRegistration(
-                "e", 0, "e", rank, tp2, transfer, kv_events_endpoint=endpoint
-            )
+            return _tp2_part(rank, f"127.0.0.1:{session}", endpoint)
 
         rank0 = c.open_session(part((0, 0, 0), 1))
         c.open_session(part((1, 0, 0), 2))
