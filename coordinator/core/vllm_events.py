@@ -81,17 +81,22 @@ class DecodedBatch:
     ts: float
     dp_rank: int | None  # None when the publisher omitted it (older vLLM, or rank unset)
     events: tuple[InventoryEvent, ...]
-    # Distinct values over the batch's BlockStored events, for the profile check.
-    block_sizes: frozenset[int]
-    lora_names: frozenset[str]  # "" for blocks of the base model (vLLM's None)
-    # Each BlockStored event's index in `events`, its block_size and its lora_name: a
-    # store of another adapter (multi-LoRA serving) or of a partial block is skipped
-    # alone by the ZMQ edge, not the whole batch.
+    # Each BlockStored event's index in `events`, its block_size and its lora_name ("" for
+    # the base model: vLLM's None): a store of another adapter (multi-LoRA serving) or of
+    # a partial block is skipped alone by the ZMQ edge, not the whole batch.
     stored_scopes: tuple[tuple[int, int, str], ...]
     stored_blocks: int
     removed_blocks: int
     cleared: int
     unknown_events: int  # event types this decoder does not know, ignored
+
+    @property
+    def block_sizes(self) -> frozenset[int]:
+        return frozenset(size for _, size, _ in self.stored_scopes)
+
+    @property
+    def lora_names(self) -> frozenset[str]:
+        return frozenset(name for _, _, name in self.stored_scopes)
 
     @property
     def block_events(self) -> int:
@@ -124,8 +129,6 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
         raise MalformedFrame(f"{len(raw_events)} events in one frame; at most {MAX_FRAME_EVENTS}")
 
     events: list[InventoryEvent] = []
-    block_sizes: set[int] = set()
-    lora_names: set[str] = set()
     scopes: list[tuple[int, int, str]] = []
     stored = cleared = unknown = blocks = 0
     # vLLM emits one BlockRemoved per evicted block. A run of them with the same
@@ -184,8 +187,6 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
                 blocks += len(ev.block_hashes)
                 if blocks > MAX_FRAME_BLOCKS:
                     raise _too_many_blocks()
-                block_sizes.add(block_size)
-                lora_names.add(lora_name)
                 scopes.append((len(events), block_size, lora_name))
                 events.append(ev)
             elif tag == "AllBlocksCleared":
@@ -206,8 +207,6 @@ def decode_payload(topic: bytes, sequence: int, payload: bytes) -> DecodedBatch:
         ts=ts,
         dp_rank=dp_rank,
         events=tuple(events),
-        block_sizes=frozenset(block_sizes),
-        lora_names=frozenset(lora_names),
         stored_scopes=tuple(scopes),
         stored_blocks=stored,
         removed_blocks=removed,

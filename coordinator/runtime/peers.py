@@ -166,7 +166,7 @@ CALL_EXTEND_HANDOFF = "extend_handoff"
 CALL_CANCEL = "cancel"
 DEFAULT_CALL_TIMEOUT_S = 5.0
 # Abort senders remembered for their acks (a lease id and a replica name each): enough for
-# every lease a replica's parts can have open at once (leases.MAX_LEASES), bounded.
+# every lease the lease table holds open at once (LeaseConfig.max_open_leases), bounded.
 MAX_ABORT_SENDERS = 65_536
 
 # Replies of the holder's session that the owner needs. A ReleaseAck stays on the
