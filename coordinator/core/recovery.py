@@ -45,6 +45,8 @@ STATE_FILE_VERSION = 1
 # A state file lists child engines only; more than this is not one of ours.
 MAX_STATE_FILE_BYTES = 16 << 20
 MAX_KNOWN_ENGINES = 65_536
+# What the state file's other fields take, at most (version, time, lease-id key).
+_STATE_FILE_HEADROOM = 4_096
 
 
 class StateFileError(ValueError):
@@ -70,22 +72,35 @@ class StateFile:
 def encode_state(
     engines: Iterable[KnownEngine], written_ms: int, lease_id_key: bytes | None = None
 ) -> bytes:
-    """The state file's bytes (JSON, sorted: the same set always gives the same bytes)."""
-    doc: dict[str, object] = {
-        "version": STATE_FILE_VERSION,
-        "written_unix_ms": written_ms,
-        "child_engines": [
-            {
-                "child_engine_id": e.child_engine_id,
-                "engine_id": e.engine_id,
-                "parts_expected": e.parts_expected,
-            }
-            for e in sorted(engines, key=lambda e: e.child_engine_id)
-        ],
-    }
+    """The state file's bytes (JSON, sorted: the same set always gives the same bytes).
+
+    At most what `decode_state_file` reads back (MAX_KNOWN_ENGINES, MAX_STATE_FILE_BYTES):
+    past either, the engines last in id order are left out, and a restart warms up for
+    fewer of them (else the whole file, the lease-id key with it, was refused)."""
+    entries = [
+        {
+            "child_engine_id": e.child_engine_id,
+            "engine_id": e.engine_id,
+            "parts_expected": e.parts_expected,
+        }
+        for e in sorted(engines, key=lambda e: e.child_engine_id)
+    ][:MAX_KNOWN_ENGINES]
+    doc: dict[str, object] = {"version": STATE_FILE_VERSION, "written_unix_ms": written_ms}
     if lease_id_key is not None:
         doc["lease_id_key"] = lease_id_key.hex()
-    return (json.dumps(doc, indent=1) + "\n").encode()
+    data = (json.dumps({**doc, "child_engines": entries}, indent=1) + "\n").encode()
+    if len(data) <= MAX_STATE_FILE_BYTES:
+        return data
+    budget = MAX_STATE_FILE_BYTES - _STATE_FILE_HEADROOM
+    kept = 0
+    empty = len(json.dumps({"child_engines": []}, indent=1))
+    for entry in entries:
+        # What it adds to the file, nested and indented as there, and its separator.
+        budget -= len(json.dumps({"child_engines": [entry]}, indent=1)) - empty + 2
+        if budget < 0:
+            break
+        kept += 1
+    return (json.dumps({**doc, "child_engines": entries[:kept]}, indent=1) + "\n").encode()
 
 
 def decode_state(data: bytes) -> tuple[KnownEngine, ...]:

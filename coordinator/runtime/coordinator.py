@@ -54,6 +54,7 @@ from coordinator.core.profiles import (
     reuse_status,
 )
 from coordinator.core.recovery import (
+    MAX_KNOWN_ENGINES,
     MAX_STATE_FILE_BYTES,
     KnownEngine,
     StateFileError,
@@ -374,7 +375,7 @@ class Coordinator:
         # Every deadline runs on the monotonic clock (the wire edge converts to unix ms).
         self.clock: Clock = clock if clock is not None else SystemClock()
         self._clock_ms = self.clock.monotonic_ms
-        # Refused registrations: one line per status per 10 s (I8-bad-input).
+        # Refused registrations (and a state file cut short): one line per kind per 10 s.
         self._refusal_log = RateLimitedLog(log, self._clock_ms)
         clock_ms = self._clock_ms
         self.registry = Registry(config.max_rank_parts)
@@ -1317,8 +1318,20 @@ class Coordinator:
             # Private: the lease id key is in it.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.fchmod(fd, 0o600)  # a .tmp an older kvrc left keeps its mode otherwise
+            data = encode_state(known, self.clock.wall_ms(), self._lease_id_key)
+            if len(data) > MAX_STATE_FILE_BYTES // 2 or len(known) > MAX_KNOWN_ENGINES:
+                listed = data.count(b'"child_engine_id"')
+                if listed < len(known):
+                    self._refusal_log.warning(
+                        "state file",
+                        "state file %s lists %d of %d known child engines (its size limit): "
+                        "a restart warms up for those only",
+                        path,
+                        listed,
+                        len(known),
+                    )
             with open(fd, "wb") as f:
-                f.write(encode_state(known, self.clock.wall_ms(), self._lease_id_key))
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

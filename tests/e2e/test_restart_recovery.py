@@ -125,6 +125,22 @@ def test_state_file_round_trips(engines: dict[str, tuple[str, int]]) -> None:
     assert keyed.lease_id_key == KEY and keyed.engines == decode_state(data)
 
 
+def test_the_state_file_written_is_one_the_reader_takes_however_many_engines() -> None:
+    """The writer listed every known engine; the reader refuses a file over 16 MiB or
+    65,536 engines, so with long ids some 30,000 engines made a file a restart refused
+    whole (the known engines and the lease-id key with it). The engines last in id order
+    are left out now; the rest, and the key, are read back."""
+    long = "e" * 200
+    known = [KnownEngine(f"{long}-{i:06d}", long, 2) for i in range(40_000)]
+    data = encode_state(known, written_ms=123, lease_id_key=KEY)
+    state = decode_state_file(data)
+    assert state.lease_id_key == KEY
+    assert 20_000 < len(state.engines) < len(known)
+    assert state.engines == tuple(known[: len(state.engines)])  # the first in id order
+    # Control: a file that fits lists them all.
+    assert len(decode_state(encode_state(known[:1_000], written_ms=123))) == 1_000
+
+
 @pytest.mark.parametrize(
     ("data", "words"),
     [
