@@ -28,9 +28,14 @@ in arrival order. A frame that finds the buffer full is dropped and counted
 (`result="overflow"`), as if lost on the wire: the next frame taken shows the
 gap and replays it, or the stream degrades when the publisher no longer has it.
 
+An answer that skips a sequence or stops midway (vLLM's ROUTER drops what passes its
+send queue, the end marker too) is asked again from the first batch missing, up to
+REPLAY_HOLE_RETRIES times; nothing is applied across a hole.
+
 Degraded: when a gap cannot be filled (no replay endpoint, the replay starts
 after the sequence asked for because vLLM's buffer overran, no answer within
-`replay_timeout_s`, or a malformed frame), events may have been lost. Lost
+`replay_timeout_s`, an answer that keeps skipping, or a malformed frame), events
+may have been lost. Lost
 stores only cost hits; a lost removal leaves a phantom entry. Inventory is
 advisory (a pin is checked by the holder, a miss means recompute), so kvrc
 keeps the entries as hints but for at most `degraded_grace_s`: it calls
@@ -642,8 +647,11 @@ class ZmqEventStream:
         for _ in range(self.config.max_replay_frames + 1):
             if not await dealer.poll(timeout_ms):
                 self._reset_dealer()  # late answers must not leak into the next replay
-                self._metrics.zmq_replays.labels(result=_ReplayResult.TIMEOUT.value).inc()
-                return _ReplayResult.TIMEOUT
+                # An answer that stopped midway lost its tail (vLLM's ROUTER drops past its
+                # send queue, the end marker with it): a hole, asked again from there.
+                cut = _ReplayResult.TIMEOUT if first else _ReplayResult.HOLE
+                self._metrics.zmq_replays.labels(result=cut.value).inc()
+                return cut
             frames = await dealer.recv_multipart()
             # vLLM 0.33: [b"", topic, seq, payload], end [b"", b"", END, b""];
             # earlier: [b"", seq, payload], end [b"", END, b""].

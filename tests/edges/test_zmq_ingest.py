@@ -163,6 +163,24 @@ async def test_a_replay_answer_with_a_hole_is_asked_again_and_never_applied_acro
         assert value(rig.metrics, "kvrc_zmq_replays_total", result="hole") >= 1
 
 
+async def test_a_replay_answer_cut_short_is_asked_again_from_where_it_stopped(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """vLLM's ROUTER drops the tail of a large answer, its end marker with it: the
+    replay timed out and the stream degraded, whatever had arrived. It is asked again
+    from the first batch that did not arrive now."""
+    rigs.append(rig := await start_rig(ctx, replay_timeout_s=0.3))
+    await rig.pub.publish(stored(1))
+    for block in range(2, 6):
+        await rig.pub.publish(stored(block), send=False)
+    rig.pub.replay_cut_after = (2, 1)  # the first answer: two batches, then nothing
+    await rig.pub.publish(stored(6))
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2, 3, 4, 5], 5)
+    assert rig.pub.replay_requests == [1, 3]
+    assert rig.stream.status().state is StreamState.LIVE
+    assert rig.sink.held() == {1, 2, 3, 4, 5, 6}
+
+
 async def test_a_replay_that_overran_and_had_a_hole_is_still_a_loss(
     ctx: zmq.asyncio.Context, rigs: list[Rig]
 ) -> None:

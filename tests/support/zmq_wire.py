@@ -126,6 +126,8 @@ class WirePublisher:
         # Sequences left out of replay answers, and how many more times: what vLLM's
         # ROUTER does to frames past its send queue (it drops them, silently).
         self.replay_drops: dict[int, int] = {}
+        # Answers cut after this many frames, the end marker too, this many more times.
+        self.replay_cut_after: tuple[int, int] | None = None
         self.dp_rank = dp_rank
         self.next_seq = 0
         self._task = asyncio.create_task(self._serve_replays())
@@ -176,6 +178,10 @@ class WirePublisher:
             held = [(seq, payload) for seq, payload in self.buffer if seq >= start_seq]
             if self.replay_gate is not None:
                 await self.replay_gate.wait()
+            cut = self.replay_cut_after
+            if cut is not None and cut[1] > 0:
+                held = held[: cut[0]]
+                self.replay_cut_after = (cut[0], cut[1] - 1)
             for seq, payload in held:
                 if self.replay_drops.get(seq, 0) > 0:
                     self.replay_drops[seq] -= 1
@@ -183,7 +189,8 @@ class WirePublisher:
                 await self.router.send_multipart(
                     [client, b"", b"", seq.to_bytes(8, "big"), payload]
                 )
-            await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
+            if cut is None or cut[1] == 0:
+                await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
 
     async def close(self) -> None:
         self._task.cancel()
