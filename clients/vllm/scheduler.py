@@ -321,8 +321,12 @@ class KvrcScheduler:
             return self._publish_part(spec, rank)
 
         def held() -> bool:
+            # Released by kvrc once an answer named the lease: a repeat would only open a
+            # stray handoff for blocks about to be freed.
+            named = {a.lease_id for a in answers if not isinstance(a, BaseException)}
             with self._lock:
-                return spec.request_id in self._sending
+                released = any(lease_id in self._released_early for lease_id in named)
+                return spec.request_id in self._sending and not released
 
         loop = asyncio.get_running_loop()
         hold_ends = loop.time() + self.config.handoff_hold_s

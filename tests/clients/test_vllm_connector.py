@@ -1077,11 +1077,14 @@ def _publish_with(
     hold_s: float,
     decode: str = "",
     tp_size: int = 1,
+    made_here: list[Any] | None = None,
 ) -> Any:
     """A prefill scheduler's `_publish_all` of one handoff, kvrc's PublishHandoff
     answers stood in by `publish_handoff`; returns the scheduler (shut down by the
-    caller) once the publish settled."""
+    caller) once the publish settled. `made_here` gets the scheduler before it runs."""
     made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    if made_here is not None:
+        made_here.append(made)
     made.config = dataclasses.replace(made.config, handoff_hold_s=hold_s)
     made.tp_size = tp_size
     for rank in range(tp_size):
@@ -1284,6 +1287,44 @@ def test_a_part_whose_publish_outcome_is_unknown_is_sent_again_after_the_lease_i
         assert made.counters["handoff_publish_unknown"] == 1
     finally:
         made.shutdown()
+
+
+def test_a_part_is_not_published_again_once_kvrc_released_the_handoff(
+    vllm_side: Any, kvrc_server: CoordinatorProcess, worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's answer named the lease, rank 1's kept being lost, and kvrc released the
+    handoff meanwhile (its decode ended): rank 1 went on being published, each repeat
+    a stray handoff for blocks about to be freed. The repeats stop at the release."""
+    from clients.leases import PublishResult
+
+    monkeypatch.setattr("clients.leases.PUBLISH_RETRY_DELAYS_S", (0.05, 0.05, 0.05))
+    sent: list[int] = []
+    made: list[Any] = []
+
+    async def publish_handoff(*_: Any, descriptor: Any, **__: Any) -> Any:
+        rank = descriptor.rank.tp_rank
+        sent.append(rank)
+        if rank == 0:
+            return PublishResult("WAITING_READY", 1, 2, "ho-gone")
+        if sent.count(1) == 1:
+            made[0]._handoff_released("ho-gone")  # kvrc's release, before the first repeat
+        raise _LOST
+
+    scheduler = _publish_with(
+        vllm_side,
+        kvrc_server,
+        worker,
+        publish_handoff,
+        hold_s=30.0,
+        decode="dec-1",
+        tp_size=2,
+        made_here=made,
+    )
+    try:
+        assert sorted(sent) == [0, 1]  # no repeat after the release
+        assert scheduler._free_now == ["req-p"]  # released first: freed
+    finally:
+        scheduler.shutdown()
 
 
 def _publish_refused_after_lost(
