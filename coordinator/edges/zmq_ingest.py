@@ -273,6 +273,10 @@ class _ReplayResult(enum.Enum):
     HOLE = "hole"  # the answer skipped a sequence (vLLM's ROUTER drops past its queue)
 
 
+# Applied batches whose hashes are kept (`ZmqEventStream._recent`): what one dropped
+# connection's queue can still hold (the SUB's receive high-water mark).
+_RECENT_DIGESTS = 1_024
+
 # Replays asked again from the first missing sequence after a hole in the answer: vLLM
 # sends its whole buffer at once and its ROUTER drops what passes its send queue (1,000
 # frames by default), so a large buffer comes back in pieces.
@@ -312,6 +316,10 @@ class ZmqEventStream:
         self._monitor: zmq.asyncio.Socket | None = None
         self._reconnected = False  # a publisher connection dropped since the last frame
         self._last_digest: int | None = None  # hash of the last applied batch's bytes
+        # The recent applied batches' hashes by sequence: a frame at or below the highest
+        # sequence seen is a late copy of one of them (the queue of a connection that
+        # dropped, drained after the new one's frames), not a restart, when its bytes match.
+        self._recent: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._overran = False  # the last replay answer began past the sequence asked for
 
         self._state = StreamState.LIVE
@@ -526,6 +534,10 @@ class ZmqEventStream:
             self._count_malformed(str(exc))
             return None
         if self._live_high is not None and seq <= self._live_high:
+            if self._recent.get(seq) == hash(frames[2]):
+                self._duplicates += 1
+                self._m_duplicate.inc()
+                return None
             self._new_incarnation(
                 f"publisher restarted (sequence {seq} after {self._live_high})", restart=True
             )
@@ -711,8 +723,7 @@ class ZmqEventStream:
         try:
             decoded = decode_payload(topic, seq, payload)
         except MalformedFrame as exc:
-            self._applied = seq
-            self._last_digest = hash(payload)
+            self._consumed(seq, payload)
             self._count_malformed(f"sequence {seq}: {exc}")
             self._events_lost(
                 f"malformed frame at sequence {seq}: its events are lost", self._has_state
@@ -720,10 +731,16 @@ class ZmqEventStream:
             return
         self._apply(seq, payload, decoded)
 
-    def _apply(self, seq: int, payload: bytes, decoded: DecodedBatch) -> None:
-        """Hand over the decoded batch with sequence `seq`; it is consumed either way."""
+    def _consumed(self, seq: int, payload: bytes) -> None:
         self._applied = seq
         self._last_digest = hash(payload)
+        self._recent[seq] = self._last_digest
+        if len(self._recent) > _RECENT_DIGESTS:
+            self._recent.popitem(last=False)
+
+    def _apply(self, seq: int, payload: bytes, decoded: DecodedBatch) -> None:
+        """Hand over the decoded batch with sequence `seq`; it is consumed either way."""
+        self._consumed(seq, payload)
         if self._state is StreamState.STALE:
             self._m_refused.inc()
             return
@@ -820,6 +837,7 @@ class ZmqEventStream:
         self._incarnation += 1
         self._applied = None
         self._live_high = None
+        self._recent.clear()
         self._has_state = False
         if self._state is not StreamState.LIVE:
             self._set_live(why)
@@ -872,10 +890,12 @@ class ZmqEventStream:
         """Drop the hints that may be phantoms; what follows is exact."""
         keep_applied = self._applied
         keep_live_high = self._live_high
+        keep_recent = self._recent.copy()
         self._new_incarnation("degraded grace ended, inventory dropped", restart=False)
         # Same publisher: keep its numbering, only the inventory starts over.
         self._applied = keep_applied
         self._live_high = keep_live_high
+        self._recent = keep_recent
 
     def _set_live(self, why: str) -> None:
         self._losses.info("live", "zmq stream %s live again: %s", self.child_engine_id, why)

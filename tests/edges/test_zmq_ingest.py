@@ -199,6 +199,30 @@ async def test_a_replay_that_overran_and_had_a_hole_is_still_a_loss(
     assert "overran" in rig.stream.status().reason
 
 
+async def test_a_late_copy_of_an_applied_batch_is_a_duplicate_not_a_restart(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """After a reconnect the SUB socket drains what the dropped connection had queued
+    among the new connection's frames, so sequences step back. Each step back counted
+    as a publisher restart: the engine's inventory dropped (the reviewer saw 28 in one
+    reconnect). A frame whose bytes are those of a batch applied at that sequence is a
+    late copy now; other bytes at an old sequence are still a restart (the control)."""
+    rigs.append(rig := await start_rig(ctx))
+    for block in range(4):
+        await rig.pub.publish(stored(block))
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2, 3], 5)
+    seq1 = dict(rig.pub.buffer)[1]
+    await rig.pub.send_raw([b"", (1).to_bytes(8, "big"), seq1])  # the same batch, late
+    await rig.pub.publish(stored(9))
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2, 3, 4], 5)
+    status = rig.stream.status()
+    assert (status.incarnation, status.duplicate_frames) == (0, 1)
+    assert rig.sink.held() == {0, 1, 2, 3, 9}
+    # Control: other bytes at an old sequence are a restarted publisher's.
+    await rig.pub.send_raw([b"", (1).to_bytes(8, "big"), msgpack.packb([0.0, [stored(7)], 0])])
+    await wait_until(lambda: rig.stream.status().incarnation == 1, 5)
+
+
 def _stream_of(
     ctx: zmq.asyncio.Context, pub: WirePublisher, **config: Any
 ) -> tuple[ZmqEventStream, RecordingSink, Metrics]:
