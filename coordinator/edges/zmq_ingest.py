@@ -11,7 +11,9 @@ Ordering (I7-ordered-streams in docs/invariants.md), per stream:
 
 - a sequence at or below the last one seen on the SUB socket itself is a
   publisher restart (a PUB socket delivers in order): new incarnation, the
-  sink drops the engine's inventory of the old one;
+  sink drops the engine's inventory of the old one; unless its bytes are those
+  of the batch applied at that sequence (one of the last 1,024): a late copy
+  from a dropped connection's queue, drained among a new connection's frames;
 - a sequence at or below the last applied one, but above the last seen on the
   SUB socket, is a batch already delivered by a replay: dropped as duplicate;
 - a gap (or a first frame above 0: late subscription) asks the replay endpoint
