@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from coordinator.edges.zmq_ingest import vllm_event_streams
 from coordinator.runtime.config import ConfigError, CoordinatorConfig
 from coordinator.runtime.coordinator import Coordinator
 from coordinator.runtime.gc_policy import freeze_startup_heap
-from coordinator.runtime.log_limit import DEFAULT_INTERVAL_MS, RateLimitedLog
+from coordinator.runtime.log_limit import LEFT_OUT, RateLimitedLog
 from coordinator.runtime.peers import PeerLink
 from coordinator.runtime.redis_store import RedisStore
 from coordinator.runtime.replication import ReplicatedInventory
@@ -63,23 +63,20 @@ def _quiet_http_errors(httpd: object, coordinator: Coordinator) -> None:
 
 class _GrpcErrorLines(logging.Filter):
     """grpc's own servicer errors, such as bytes that are not protobuf sent to Health or
-    reflection (grpc parses those, not kvrc): one line per kind per 10 s, without the
-    traceback that any client, credentials or not, could make grpc print per call."""
+    reflection (grpc parses those, not kvrc): one line per kind per 10 s (`limit`, keyed
+    by grpc's message: an exception type and a served method), without the traceback
+    that any client, credentials or not, could make grpc print per call."""
 
-    def __init__(self, now_ms: Callable[[], int]) -> None:
+    def __init__(self, limit: RateLimitedLog) -> None:
         super().__init__()
-        self._now_ms = now_ms
-        self._last_ms: dict[str, int] = {}
+        self._limit = limit
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = str(record.msg)[:200]
-        now = self._now_ms()
-        last = self._last_ms.get(key)
-        if last is not None and now - last < DEFAULT_INTERVAL_MS:
+        left_out = self._limit.admit(str(record.msg)[:200])
+        if left_out is None:
             return False
-        if len(self._last_ms) >= 256:
-            self._last_ms.clear()  # kinds are grpc's (exception types and method paths)
-        self._last_ms[key] = now
+        if left_out:
+            record.msg, record.args = record.getMessage() + LEFT_OUT % left_out, None
         record.exc_info, record.exc_text, record.stack_info = None, None, None
         return True
 
@@ -164,9 +161,8 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     coordinator.inventory.event_streams = vllm_event_streams(coordinator.metrics)
     server = grpc.aio.server(options=_server_options(config))
     add_services(server, coordinator)
-    logging.getLogger("grpc._cython.cygrpc").addFilter(
-        _GrpcErrorLines(coordinator.clock.monotonic_ms)
-    )
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    grpc_log.addFilter(_GrpcErrorLines(RateLimitedLog(grpc_log, coordinator.clock.monotonic_ms)))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in SERVICE_NAMES:

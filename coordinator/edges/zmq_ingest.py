@@ -322,7 +322,6 @@ class ZmqEventStream:
         # sequence seen is a late copy of one of them (the queue of a connection that
         # dropped, drained after the new one's frames), not a restart, when its bytes match.
         self._recent: collections.OrderedDict[int, int] = collections.OrderedDict()
-        self._overran = False  # the last replay answer began past the sequence asked for
 
         self._state = StreamState.LIVE
         self._reason = ""
@@ -628,15 +627,14 @@ class ZmqEventStream:
         reach back to `start_seq` lost nothing this stream had, so it is complete. An
         answer with a hole is asked again from the hole (REPLAY_HOLE_RETRIES times)."""
         try:
-            self._overran = False
-            result = await self._replay_once(start_seq, verify_digest, at_start=at_start)
+            result, overran = await self._replay_once(start_seq, verify_digest, at_start=at_start)
             # Its first answer began past `start_seq`: lost before what it replayed.
-            overran = self._overran and not at_start
+            overran = overran and not at_start
             holed = result is _ReplayResult.HOLE
             for _ in range(REPLAY_HOLE_RETRIES):
                 if result is not _ReplayResult.HOLE or self._applied is None:
                     break
-                result = await self._replay_once(self._applied + 1)
+                result, _ = await self._replay_once(self._applied + 1)
                 holed = holed or result is _ReplayResult.HOLE
         except Exception:
             self._reset_dealer()  # the rest of the answer must not leak into the next one
@@ -649,13 +647,16 @@ class ZmqEventStream:
 
     async def _replay_once(
         self, start_seq: int, verify_digest: int | None = None, *, at_start: bool = False
-    ) -> _ReplayResult | None:
+    ) -> tuple[_ReplayResult | None, bool]:
+        """One replay request and its answer: the result, and whether the answer began
+        past `start_seq` (the buffer no longer held it)."""
         dealer = self._dealer
         assert dealer is not None
         self._replays += 1
         timeout_ms = int(self.config.replay_timeout_s * 1000)
         await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
         first = True
+        overran = False
         expect = start_seq  # the next sequence the answer must carry
         result = _ReplayResult.COMPLETE
         for _ in range(self.config.max_replay_frames + 1):
@@ -665,7 +666,7 @@ class ZmqEventStream:
                 # send queue, the end marker with it): a hole, asked again from there.
                 cut = _ReplayResult.TIMEOUT if first else _ReplayResult.HOLE
                 self._metrics.zmq_replays.labels(result=cut.value).inc()
-                return cut
+                return cut, overran
             frames = await dealer.recv_multipart()
             # vLLM 0.33: [b"", topic, seq, payload], end [b"", b"", END, b""];
             # earlier: [b"", seq, payload], end [b"", END, b""].
@@ -692,10 +693,10 @@ class ZmqEventStream:
                     # either way it cannot be verified, and applying the rest on top of
                     # what we hold could keep blocks it no longer has.
                     self._reset_dealer()  # the rest of this answer is not wanted
-                    return None
+                    return None, overran
                 if seq != start_seq:
                     result = _ReplayResult.OVERRUN
-                    self._overran = True
+                    overran = True
             elif seq != expect:
                 # Frames dropped on the way (or a malformed one): the rest is not applied
                 # on top of the hole, and not left to leak into the next replay.
@@ -711,12 +712,12 @@ class ZmqEventStream:
             result = _ReplayResult.OVERRUN  # more than any vLLM buffer holds
         if first:
             if verify_digest is not None:
-                return None  # this publisher never got as far as we did
+                return None, overran  # this publisher never got as far as we did
             result = _ReplayResult.OVERRUN  # nothing from start_seq on is buffered
         if at_start and result is _ReplayResult.OVERRUN:
             result = _ReplayResult.COMPLETE
         self._metrics.zmq_replays.labels(result=result.value).inc()
-        return result
+        return result, overran
 
     # --- applying ------------------------------------------------------------------
 

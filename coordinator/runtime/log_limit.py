@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 # What kvrc's own limiters use: one line per key per 10 s.
 DEFAULT_INTERVAL_MS = 10_000
+# Appended to the next line logged, with the count of those left out before it.
+LEFT_OUT = " (%d more like it since the last such line, not logged)"
 
 
 class RateLimitedLog:
@@ -38,17 +40,24 @@ class RateLimitedLog:
         """`warning`, at INFO."""
         self._log(logging.INFO, key, message, args)
 
-    def _log(self, level: int, key: str, message: str, args: tuple[object, ...]) -> None:
-        if not self._logger.isEnabledFor(level):
-            return
+    def admit(self, key: str) -> int | None:
+        """Whether a line of `key` may be logged now: None if one was within the interval
+        (this one is counted), else how many were left out since the last."""
         now = self._now_ms()
         last = self._last_logged_ms.get(key)
         if last is not None and now - last < self._interval_ms:
             self._left_out[key] = self._left_out.get(key, 0) + 1
-            return
+            return None
         self._last_logged_ms[key] = now
-        left_out = self._left_out.pop(key, 0)
+        return self._left_out.pop(key, 0)
+
+    def _log(self, level: int, key: str, message: str, args: tuple[object, ...]) -> None:
+        if not self._logger.isEnabledFor(level):
+            return
+        left_out = self.admit(key)
+        if left_out is None:
+            return
         if left_out:
-            message += " (%d more like it since the last such line, not logged)"
+            message += LEFT_OUT
             args = (*args, left_out)
         self._logger.log(level, message, *args)
