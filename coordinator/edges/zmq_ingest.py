@@ -18,17 +18,21 @@ Ordering (I7-ordered-streams in docs/invariants.md), per stream:
   SUB socket, is a batch already delivered by a replay: dropped as duplicate;
 - a gap (or a first frame above 0: late subscription) asks the replay endpoint
   for everything from the first missing sequence;
+- a whole replay answer that ends before the live batch that asked for it comes
+  from a restarted publisher (vLLM buffers each batch as it sends it): new
+  incarnation, the parked frames dropped, its buffer read again from 0;
 - a live frame that does not decode (parts, sequence or payload) is counted,
   logged at most once per 1000 and changes nothing: if it was a real batch, the
   next frame shows the gap. A replayed batch that does not decode is lost.
 
 A replay runs off the live path, in a catch-up task: the SUB loop keeps reading
 (so the socket's queue never fills and drops frames behind our back) and parks
-the live frames that follow the gap, at most `max_pending_frames`, until the
-replayed batches are applied; then the parked ones go through the rules above
-in arrival order. A frame that finds the buffer full is dropped and counted
-(`result="overflow"`), as if lost on the wire: the next frame taken shows the
-gap and replays it, or the stream degrades when the publisher no longer has it.
+the live frames that follow the gap, at most `max_pending_frames` and
+`max_pending_bytes`, until the replayed batches are applied; then the parked
+ones go through the rules above in arrival order. A frame that finds the buffer
+full is dropped and counted (`result="overflow"`), as if lost on the wire: the
+next frame taken shows the gap and replays it, or the stream degrades when the
+publisher no longer has it.
 
 An answer that skips a sequence or stops midway (vLLM's ROUTER drops what passes its
 send queue, the end marker too) is asked again from the first batch missing, up to
@@ -36,7 +40,8 @@ REPLAY_HOLE_RETRIES times; nothing is applied across a hole.
 
 Degraded: when a gap cannot be filled (no replay endpoint, the replay starts
 after the sequence asked for because vLLM's buffer overran, no answer within
-`replay_timeout_s`, an answer that keeps skipping, or a malformed frame), events
+`replay_timeout_s`, a replay, its retries included, not done within
+`max_replay_s`, an answer that keeps skipping, or a malformed frame), events
 may have been lost. Lost
 stores only cost hits; a lost removal leaves a phantom entry. Inventory is
 advisory (a pin is checked by the holder, a miss means recompute), so kvrc
@@ -103,6 +108,10 @@ _BURST = 256
 _BURST_BYTES = 1 << 20
 
 
+def _frames_bytes(frames: list[bytes]) -> int:
+    return sum(len(frame) for frame in frames)
+
+
 class EventSink(Protocol):
     """What the ZMQ edge feeds; the integrator wires it to the inventory core."""
 
@@ -142,7 +151,10 @@ class ZmqStreamConfig:
     # From the registered profile; None skips the check.
     block_size: int | None = None
     lora_name: str = ""
-    replay_timeout_s: float = 2.0
+    replay_timeout_s: float = 2.0  # the longest wait for one frame of a replay's answer
+    # The longest a replay (its retries after holes included) may take in all: an answer
+    # that trickles one frame per replay_timeout_s must not hold the live stream for hours.
+    max_replay_s: float = 30.0
     degraded_grace_s: float = 30.0
     # Bounds what a publisher can make kvrc hold: at most rcv_hwm frames queued per
     # connected publisher, each at most max_frame_bytes (a vLLM step is ~10-100 KiB;
@@ -151,8 +163,10 @@ class ZmqStreamConfig:
     max_frame_bytes: int = 4 << 20
     max_replay_frames: int = 100_000
     rcv_hwm: int = 1000
-    # Live frames parked behind a running replay (the same bound as the socket queue).
+    # Live frames parked behind a running replay: the same count as the socket queue,
+    # and at most max_pending_bytes in all (a vLLM step's frame is ~10-100 KiB).
     max_pending_frames: int = 1000
+    max_pending_bytes: int = 64 << 20
     # Replay what the publisher still buffers as soon as the stream starts. Batches sent
     # while kvrc was not subscribed (before the engine registered again after a session
     # blip, or across a kvrc restart) otherwise wait for a later batch to show the gap,
@@ -174,11 +188,13 @@ class ZmqStreamConfig:
             raise invalid(f"block_size must be positive, got {self.block_size}")
         if not self.replay_timeout_s > 0 or not self.degraded_grace_s >= 0:
             raise invalid("replay_timeout_s must be > 0 and degraded_grace_s >= 0")
+        if not self.max_replay_s > 0:
+            raise invalid(f"max_replay_s must be > 0, got {self.max_replay_s}")
         bounds = (self.max_frame_bytes, self.max_replay_frames, self.rcv_hwm)
-        if min(*bounds, self.max_pending_frames) <= 0:
+        if min(*bounds, self.max_pending_frames, self.max_pending_bytes) <= 0:
             raise invalid(
-                "max_frame_bytes, max_replay_frames, rcv_hwm and max_pending_frames "
-                "must be positive"
+                "max_frame_bytes, max_replay_frames, rcv_hwm, max_pending_frames and "
+                "max_pending_bytes must be positive"
             )
 
     @property
@@ -265,6 +281,7 @@ class ZmqStreamStatus:
     degraded_until_s: float | None  # monotonic time the degraded hints are dropped at
     received_frames: int  # read off the SUB socket, whatever became of them
     pending_frames: int  # parked behind a running replay
+    pending_bytes: int  # their bytes
     overflowed_frames: int  # dropped: the parking buffer was full
 
 
@@ -313,6 +330,7 @@ class ZmqEventStream:
         # The replay in flight and the live frames that wait for it, in arrival order.
         self._catch_up: asyncio.Task[None] | None = None
         self._pending: collections.deque[list[bytes]] = collections.deque()
+        self._pending_bytes = 0
         self.bound_endpoint: str | None = None  # the real address when kvrc binds
         self._closed = False
         self._monitor: zmq.asyncio.Socket | None = None
@@ -395,9 +413,7 @@ class ZmqEventStream:
         if result is None or result is _ReplayResult.COMPLETE:
             return  # (None only answers a verification, which this is not)
         why = (
-            f"unanswered in {self.config.replay_timeout_s}s"
-            if result is _ReplayResult.TIMEOUT
-            else f"cut short ({result.value})"
+            self._timed_out() if result is _ReplayResult.TIMEOUT else f"cut short ({result.value})"
         )
         self._events_lost(f"the replay at start was {why}; live batches only", self._has_state)
 
@@ -412,6 +428,7 @@ class ZmqEventStream:
                 await asyncio.gather(task, return_exceptions=True)
         self._task = self._catch_up = None
         self._pending.clear()
+        self._pending_bytes = 0
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None
@@ -439,6 +456,7 @@ class ZmqEventStream:
             degraded_until_s=self._degraded_deadline,
             received_frames=self._received,
             pending_frames=len(self._pending),
+            pending_bytes=self._pending_bytes,
             overflowed_frames=self._overflowed,
         )
 
@@ -470,7 +488,7 @@ class ZmqEventStream:
                     except zmq.Again:
                         break
                     self._receive(frames)
-                    burst_bytes += sum(len(f) for f in frames)
+                    burst_bytes += _frames_bytes(frames)
                     if burst_bytes > _BURST_BYTES:
                         break
 
@@ -479,19 +497,39 @@ class ZmqEventStream:
         self._received += 1
         if self._catch_up is None:
             self._take(frames)
-        elif len(self._pending) < self.config.max_pending_frames:
-            self._pending.append(frames)
+            return
+        size = _frames_bytes(frames)
+        config = self.config
+        if (
+            len(self._pending) < config.max_pending_frames
+            and self._pending_bytes + size <= config.max_pending_bytes
+        ):
+            self._park(frames, size)
+            return
+        # Lost as on the wire: the next frame taken shows the gap (module docstring).
+        self._overflowed += 1
+        self._m_overflow.inc()
+        if self._overflowed == 1 or self._overflowed % 1000 == 0:
+            log.warning(
+                "zmq stream %s: %d live frame(s) dropped behind a slow replay "
+                "(buffer of %d frames, %d bytes)",
+                self.child_engine_id,
+                self._overflowed,
+                config.max_pending_frames,
+                config.max_pending_bytes,
+            )
+
+    def _park(self, frames: list[bytes], size: int, *, first: bool = False) -> None:
+        if first:
+            self._pending.appendleft(frames)
         else:
-            # Lost as on the wire: the next frame taken shows the gap (module docstring).
-            self._overflowed += 1
-            self._m_overflow.inc()
-            if self._overflowed == 1 or self._overflowed % 1000 == 0:
-                log.warning(
-                    "zmq stream %s: %d live frame(s) dropped behind a slow replay (buffer of %d)",
-                    self.child_engine_id,
-                    self._overflowed,
-                    self.config.max_pending_frames,
-                )
+            self._pending.append(frames)
+        self._pending_bytes += size
+
+    def _unpark(self) -> list[bytes]:
+        frames = self._pending.popleft()
+        self._pending_bytes -= _frames_bytes(frames)
+        return frames
 
     def _take(self, frames: list[bytes]) -> None:
         try:
@@ -516,7 +554,7 @@ class ZmqEventStream:
                 # No await from here to the next replay: nothing is parked meanwhile.
                 while replay is None and self._pending:
                     try:
-                        replay = self._on_live(self._pending.popleft())
+                        replay = self._on_live(self._unpark())
                     except Exception:
                         log.exception("zmq stream %s: frame handling failed", self.child_engine_id)
         finally:
@@ -544,8 +582,9 @@ class ZmqEventStream:
             )
         elif self._reconnected:
             self._reconnected = False
-            # Taken again, first in line, once the check has run.
-            self._pending.appendleft(frames)
+            # Taken again, first in line, once the check has run (over the bounds at
+            # most by this one frame, which was taken off the socket already).
+            self._park(frames, _frames_bytes(frames), first=True)
             return self._check_same_publisher()
         self._reconnected = False
         self._live_high = seq
@@ -577,11 +616,24 @@ class ZmqEventStream:
         if result is _ReplayResult.OVERRUN:
             lost, phantoms = f"replay from {expected} overran vLLM's buffer", had_state
         elif result is _ReplayResult.TIMEOUT:
-            lost = f"replay from {expected} unanswered in {self.config.replay_timeout_s}s"
+            lost = f"replay from {expected} {self._timed_out()}"
         elif result is _ReplayResult.HOLE:
             lost = f"replay from {expected} kept skipping sequences"
-        elif self._applied is None or self._applied < seq - 1:
-            lost = f"replay from {expected} ended before {seq}"
+        elif self._applied is None or self._applied < seq:
+            # A whole answer without `seq`, which the publisher sent before it was asked:
+            # vLLM buffers a batch as it sends it, so this publisher numbered again from 0
+            # (a restart), and what the replay applied was the new one's batches. The
+            # parked frames cannot be told apart by incarnation; the new one's are in its
+            # buffer, which is read again whole.
+            self._new_incarnation(
+                f"publisher restarted (its replay from {expected} ended before {seq}, "
+                "a batch it had sent)",
+                restart=True,
+            )
+            self._pending.clear()
+            self._pending_bytes = 0
+            await self._replay_at_start()
+            return
         if lost:
             self._events_lost(lost, phantoms)
         if self._applied is None or seq > self._applied:
@@ -607,6 +659,13 @@ class ZmqEventStream:
             # Unverified, or what it sent while we were away is not all here.
             self._events_lost(f"replay after reconnecting: {result.value}", self._has_state)
 
+    def _timed_out(self) -> str:
+        cfg = self.config
+        return (
+            f"unanswered in time (no frame for {cfg.replay_timeout_s}s, "
+            f"or not done in {cfg.max_replay_s}s)"
+        )
+
     def _events_lost(self, why: str, had_state: bool) -> None:
         if had_state:
             self._degrade(why)
@@ -625,16 +684,20 @@ class ZmqEventStream:
         """Replay from `start_seq`; None when `verify_digest` shows another publisher.
         `at_start`: the stream's first look (`_replay_at_start`): a buffer that does not
         reach back to `start_seq` lost nothing this stream had, so it is complete. An
-        answer with a hole is asked again from the hole (REPLAY_HOLE_RETRIES times)."""
+        answer with a hole is asked again from the hole (REPLAY_HOLE_RETRIES times), all
+        within `max_replay_s`."""
+        deadline = asyncio.get_running_loop().time() + self.config.max_replay_s
         try:
-            result, overran = await self._replay_once(start_seq, verify_digest, at_start=at_start)
+            result, overran = await self._replay_once(
+                start_seq, deadline, verify_digest, at_start=at_start
+            )
             # Its first answer began past `start_seq`: lost before what it replayed.
             overran = overran and not at_start
             holed = result is _ReplayResult.HOLE
             for _ in range(REPLAY_HOLE_RETRIES):
                 if result is not _ReplayResult.HOLE or self._applied is None:
                     break
-                result, _ = await self._replay_once(self._applied + 1)
+                result, _ = await self._replay_once(self._applied + 1, deadline)
                 holed = holed or result is _ReplayResult.HOLE
         except Exception:
             self._reset_dealer()  # the rest of the answer must not leak into the next one
@@ -646,25 +709,33 @@ class ZmqEventStream:
         return result
 
     async def _replay_once(
-        self, start_seq: int, verify_digest: int | None = None, *, at_start: bool = False
+        self,
+        start_seq: int,
+        deadline: float,
+        verify_digest: int | None = None,
+        *,
+        at_start: bool = False,
     ) -> tuple[_ReplayResult | None, bool]:
-        """One replay request and its answer: the result, and whether the answer began
-        past `start_seq` (the buffer no longer held it)."""
+        """One replay request and its answer, by `deadline` (loop time): the result, and
+        whether the answer began past `start_seq` (the buffer no longer held it)."""
         dealer = self._dealer
         assert dealer is not None
+        loop = asyncio.get_running_loop()
         self._replays += 1
-        timeout_ms = int(self.config.replay_timeout_s * 1000)
         await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
         first = True
         overran = False
         expect = start_seq  # the next sequence the answer must carry
         result = _ReplayResult.COMPLETE
         for _ in range(self.config.max_replay_frames + 1):
-            if not await dealer.poll(timeout_ms):
+            left_s = min(self.config.replay_timeout_s, deadline - loop.time())
+            if left_s <= 0 or not await dealer.poll(int(left_s * 1000)):
                 self._reset_dealer()  # late answers must not leak into the next replay
                 # An answer that stopped midway lost its tail (vLLM's ROUTER drops past its
-                # send queue, the end marker with it): a hole, asked again from there.
-                cut = _ReplayResult.TIMEOUT if first else _ReplayResult.HOLE
+                # send queue, the end marker with it): a hole, asked again from there. Past
+                # the deadline, nothing is asked again.
+                over = loop.time() >= deadline
+                cut = _ReplayResult.TIMEOUT if first or over else _ReplayResult.HOLE
                 self._metrics.zmq_replays.labels(result=cut.value).inc()
                 return cut, overran
             frames = await dealer.recv_multipart()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -179,6 +180,30 @@ async def test_a_replay_answer_cut_short_is_asked_again_from_where_it_stopped(
     assert rig.pub.replay_requests == [1, 3]
     assert rig.stream.status().state is StreamState.LIVE
     assert rig.sink.held() == {1, 2, 3, 4, 5, 6}
+
+
+async def test_a_trickling_replay_ends_at_its_deadline_and_the_live_stream_goes_on(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """Each frame of the answer comes inside `replay_timeout_s`, so only a deadline on
+    the whole replay ends it: without one, a publisher sending one frame per timeout held
+    the live stream (parked behind the replay) for as long as its buffer lasted."""
+    rigs.append(rig := await start_rig(ctx, replay_timeout_s=1.0, max_replay_s=1.0))
+    await rig.pub.publish(stored(1))
+    await wait_until(lambda: rig.sink.seqs() == [0], 5)
+    for block in range(2, 12):
+        await rig.pub.publish(stored(block), send=False)
+    rig.pub.replay_frame_delay_s = 0.4  # ten frames: four seconds
+    await rig.pub.publish(stored(12))
+    await rig.pub.publish(stored(13))  # parked behind the replay
+    await wait_until(lambda: rig.stream.status().state is StreamState.DEGRADED, 3)
+    status = rig.stream.status()
+    assert "not done in 1.0s" in status.reason, status.reason
+    assert value(rig.metrics, "kvrc_zmq_replays_total", result="timeout") == 1
+    # What the replay brought in time stays; then the live frames, parked behind it.
+    await wait_until(lambda: rig.sink.seqs()[-2:] == [11, 12], 3)
+    assert rig.sink.seqs()[:2] == [0, 1] and len(rig.sink.seqs()) < 12
+    assert rig.pub.replay_requests == [1]  # not asked again past the deadline
 
 
 async def test_a_replay_that_overran_and_had_a_hole_is_still_a_loss(
@@ -442,10 +467,24 @@ async def test_a_slow_replay_runs_off_the_live_path_and_keeps_the_order(
     assert value(rig.metrics, "kvrc_zmq_replays_total", result="complete") == 1
 
 
+def _frame_bytes(*events: dict[str, Any]) -> int:
+    """The bytes of one live frame as WirePublisher sends it: [b"", seq, payload]."""
+    return 8 + len(msgpack.packb([time.time(), list(events), 0]))
+
+
+@pytest.mark.parametrize("bound", ["frames", "bytes"])
 async def test_frames_past_the_parking_buffer_are_lost_and_replayed_like_a_gap(
-    ctx: zmq.asyncio.Context, rigs: list[Rig]
+    ctx: zmq.asyncio.Context, rigs: list[Rig], bound: str
 ) -> None:
-    rigs.append(rig := await start_rig(ctx, replay_timeout_s=60, max_pending_frames=4))
+    """The buffer holds four frames, bounded by their count or (frames of up to 4 MiB
+    each) by their bytes: a thousand large frames must not park 4 GB."""
+    frame = _frame_bytes(stored(3))
+    limit: dict[str, Any] = (
+        {"max_pending_frames": 4}
+        if bound == "frames"
+        else {"max_pending_bytes": 4 * frame + frame // 2}
+    )
+    rigs.append(rig := await start_rig(ctx, replay_timeout_s=60, **limit))
     await rig.pub.publish(stored(0))
     await wait_until(lambda: rig.sink.seqs() == [0], 5)
     rig.pub.replay_gate = gate = asyncio.Event()
@@ -456,6 +495,7 @@ async def test_frames_past_the_parking_buffer_are_lost_and_replayed_like_a_gap(
         await rig.pub.publish(stored(h))
     await wait_until(lambda: rig.stream.status().overflowed_frames == 6, 5)
     assert rig.stream.status().pending_frames == 4
+    assert rig.stream.status().pending_bytes == 4 * frame
     gate.set()
     await wait_until(lambda: rig.sink.seqs() == list(range(7)), 5)
     # The next frame taken shows the dropped ones as a gap and replays them.
@@ -484,6 +524,29 @@ async def test_publisher_restart_is_a_new_incarnation(
     assert ("drop", ENGINE) in rig.sink.calls
     assert value(rig.metrics, "kvrc_zmq_publisher_restarts_total") == 1
     assert rig.stream.status().incarnation == 1
+
+
+async def test_a_replay_answered_by_a_restarted_publisher_is_a_new_incarnation(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """The gap's replay reached the publisher after it restarted: the answer, the new
+    publisher's batch 0, ended before the live batch 1 that asked for it. The old code
+    took the answer as the gap's fill and applied the old batch 1 on top (block 7 held
+    for good by an idle engine); a whole answer without the batch that was sent is a
+    restart (hypothesis found it: test_any_loss_and_restart_pattern_...)."""
+    rigs.append(rig := await start_rig(ctx))
+    await rig.pub.publish(stored(1), send=False)  # old 0, lost on the wire
+    old_1 = msgpack.packb([time.time(), [stored(7)], 0])
+    rig.pub.restart_numbering()
+    await rig.pub.publish(stored(99), send=False)  # new 0, buffered, not yet seen
+    await rig.pub.send_raw([b"", (1).to_bytes(8, "big"), old_1])  # old 1 arrives late
+    await wait_until(lambda: value(rig.metrics, "kvrc_zmq_publisher_restarts_total") == 1, 5)
+    await wait_until(lambda: rig.sink.held() == {99}, 5)
+    status = rig.stream.status()
+    assert (status.state, status.incarnation, status.last_sequence) == (StreamState.LIVE, 1, 0)
+    assert rig.pub.replay_requests == [0, 0]  # the gap's, then the new one's whole buffer
+    await rig.pub.publish(stored(100))  # the new publisher goes on
+    await wait_until(lambda: rig.sink.held() == {99, 100}, 5)
 
 
 async def test_restart_seen_late_drops_the_old_and_replays_the_new_from_zero(
@@ -860,6 +923,8 @@ async def test_a_batch_the_core_refuses_is_counted_and_the_stream_continues(
         ({"replay_endpoint": "tcp://host"}, "replay_endpoint must be"),
         ({"block_size": 0}, "block_size"),
         ({"replay_timeout_s": 0}, "replay_timeout_s"),
+        ({"max_replay_s": 0}, "max_replay_s"),
+        ({"max_pending_bytes": 0}, "max_pending_bytes"),
         ({"rcv_hwm": 0}, "rcv_hwm"),
     ],
 )

@@ -128,6 +128,8 @@ class WirePublisher:
         self.replay_drops: dict[int, int] = {}
         # Answers cut after this many frames, the end marker too, this many more times.
         self.replay_cut_after: tuple[int, int] | None = None
+        # A trickling answer: this long before each frame of it.
+        self.replay_frame_delay_s = 0.0
         self.dp_rank = dp_rank
         self.next_seq = 0
         self._task = asyncio.create_task(self._serve_replays())
@@ -186,6 +188,8 @@ class WirePublisher:
                 if self.replay_drops.get(seq, 0) > 0:
                     self.replay_drops[seq] -= 1
                     continue
+                if self.replay_frame_delay_s:
+                    await asyncio.sleep(self.replay_frame_delay_s)
                 await self.router.send_multipart(
                     [client, b"", b"", seq.to_bytes(8, "big"), payload]
                 )
