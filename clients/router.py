@@ -46,6 +46,7 @@ class ScoreResult:
     reuse_enabled: bool
     reuse_detail: str
     prediction_basis: str
+    engines_left_out: int = 0  # scored, not listed (kvrc lists at most 256)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,7 @@ class ScoreClient:
             reuse_enabled=response.reuse_enabled,
             reuse_detail=response.reuse_detail,
             prediction_basis=response.prediction_basis,
+            engines_left_out=response.engines_left_out,
         )
 
 

@@ -46,6 +46,10 @@ from kvrc.vocabulary import (
 MAX_SCORE_TOKENS = 65_536  # token ids in one request (256 KiB packed)
 MAX_SCORE_BLOCKS = MAX_CHAIN_BLOCKS  # block hashes in one request; token ids: scored blocks
 MAX_SCORE_CANDIDATES = MAX_CANDIDATES  # candidate child engines in one request
+# Engines listed in one answer that named no candidates (every engine of the model):
+# the best ones; the rest are counted (`engines_left_out`), so a small request over a
+# large cluster cannot ask for an answer of megabytes.
+MAX_SCORE_ANSWER_ENGINES = 256
 
 _NO_LEASES: Mapping[str, int] = {}
 # (holder, compatibility hash) -> may a prefix load be asked of it (Grants.may_lend).
@@ -240,6 +244,7 @@ class ScoreAnswer:
     reuse_detail: str
     prediction_basis: str
     work: int  # tokens hashed + blocks walked + engines + drop points (see module doc)
+    engines_left_out: int = 0  # past MAX_SCORE_ANSWER_ENGINES (no candidates named)
 
 
 def check_query(query: ScoreQuery) -> None:
@@ -381,8 +386,10 @@ def score(
             )
             out[e.child_engine_id] = priced
             work += plans
-    ranked = tuple(sorted(out.values(), key=rank_key))
-    return ScoreAnswer(ranked, reuse.enabled, reuse.detail, prediction_basis, work)
+    ranked = sorted(out.values(), key=rank_key)
+    left_out = max(0, len(ranked) - MAX_SCORE_ANSWER_ENGINES)
+    del ranked[MAX_SCORE_ANSWER_ENGINES:]
+    return ScoreAnswer(tuple(ranked), reuse.enabled, reuse.detail, prediction_basis, work, left_out)
 
 
 def _unscorable(e: ScoreEngine, model: str) -> str:

@@ -983,6 +983,7 @@ def score_document(response: pb.ScoreResponse) -> dict[str, Any]:
         "reuse_enabled": response.reuse_enabled,
         "reuse_detail": response.reuse_detail,
         "prediction_basis": response.prediction_basis,
+        "engines_left_out": response.engines_left_out,
         "engines": [
             {
                 "child_engine_id": e.child_engine_id,
@@ -1008,8 +1009,14 @@ def score_document(response: pb.ScoreResponse) -> dict[str, Any]:
 
 def _score_text(target: str, response: pb.ScoreResponse) -> str:
     reuse = "on" if response.reuse_enabled else f"off ({response.reuse_detail})"
+    left_out = (
+        f" ({response.engines_left_out} more scored, not listed: name --candidates)"
+        if response.engines_left_out
+        else ""
+    )
     lines = [
-        f"kvrc score at {target}: reuse {reuse}; {len(response.engines)} child engine(s)",
+        f"kvrc score at {target}: reuse {reuse}; {len(response.engines)} child engine(s)"
+        + left_out,
         f"predicted saving: {response.prediction_basis}",
     ]
     header = (

@@ -877,6 +877,7 @@ def score_response_to_proto(answer: ScoreAnswer) -> pb.ScoreResponse:
         reuse_enabled=answer.reuse_enabled,
         reuse_detail=answer.reuse_detail,
         prediction_basis=answer.prediction_basis,
+        engines_left_out=answer.engines_left_out,
     )
     for e in answer.engines:
         out = response.engines.add(

@@ -2880,6 +2880,7 @@ class ScoreResponse(_message.Message):
     REUSE_ENABLED_FIELD_NUMBER: _builtins.int
     REUSE_DETAIL_FIELD_NUMBER: _builtins.int
     PREDICTION_BASIS_FIELD_NUMBER: _builtins.int
+    ENGINES_LEFT_OUT_FIELD_NUMBER: _builtins.int
     reuse_enabled: _builtins.bool
     """The coordinator's reuse switch (and not warming). False: local matches
     only, loadable_blocks are 0, and reuse_detail says why.
@@ -2887,6 +2888,10 @@ class ScoreResponse(_message.Message):
     reuse_detail: _builtins.str
     prediction_basis: _builtins.str
     """How predicted_saving_ms was computed (e.g. the fallback before the cost model)."""
+    engines_left_out: _builtins.int
+    """Engines scored but not listed: an answer lists at most 256 engines, the best
+    first (only a request that names no candidates can reach that).
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineScore]:
         """Scored engines first, best first: predicted saving, then local matched
@@ -2900,10 +2905,11 @@ class ScoreResponse(_message.Message):
         reuse_enabled: _builtins.bool = ...,
         reuse_detail: _builtins.str = ...,
         prediction_basis: _builtins.str = ...,
+        engines_left_out: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "prediction_basis", b"prediction_basis", "reuse_detail", b"reuse_detail", "reuse_enabled", b"reuse_enabled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "engines_left_out", b"engines_left_out", "prediction_basis", b"prediction_basis", "reuse_detail", b"reuse_detail", "reuse_enabled", b"reuse_enabled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -23,6 +23,7 @@ from coordinator.core.inventory import MAX_CANDIDATES, Inventory, Scope
 from coordinator.core.profiles import DeploymentProfile, ReuseReason, ReuseStatus
 from coordinator.core.score import (
     HOLDERS_PRICED,
+    MAX_SCORE_ANSWER_ENGINES,
     MAX_SCORE_BLOCKS,
     MAX_SCORE_CANDIDATES,
     MAX_SCORE_TOKENS,
@@ -775,6 +776,25 @@ def test_work_is_blocks_plus_candidates_not_blocks_times_engines() -> None:
     assert work_with(60, asked=40) - many <= (4 + HOLDERS_PRICED) * 38
     # Negative control for the counter: a longer chain costs more.
     assert work_with(3, 800) > few
+
+
+def test_an_answer_over_every_engine_lists_the_best_256_and_counts_the_rest() -> None:
+    """No candidates: every engine of the model is scored. 300 were listed whole (a
+    small request over a large cluster asked for an answer of megabytes); now the best
+    256, and how many more were scored."""
+    inv = Inventory()
+    ids = [f"e{i:03}" for i in range(300)]
+    for cid in ids:
+        add(inv, cid)
+    store(inv, "e299", CHAIN[:9])  # last by id: listed only because it ranks first
+    store(inv, "e150", CHAIN[:5])
+    answer = run(inv, [engine(cid, OFF) for cid in ids], reuse=OFF)  # local matches rank
+    assert len(answer.engines) == MAX_SCORE_ANSWER_ENGINES == 256
+    assert answer.engines_left_out == 44
+    assert [e.child_engine_id for e in answer.engines[:2]] == ["e299", "e150"]
+    # Negative control: at the bound, every engine is listed.
+    whole = run(inv, [engine(cid, OFF) for cid in ids[:256]], reuse=OFF)
+    assert (len(whole.engines), whole.engines_left_out) == (256, 0)
 
 
 def test_removing_the_blocks_moves_the_best_engine() -> None:
