@@ -26,13 +26,14 @@ from typing import Any
 
 import grpc
 import uvloop
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha._async import ReflectionServicer
 from prometheus_client import start_http_server
 
 from coordinator.core.auth import describe as describe_auth
-from coordinator.edges.grpc_servicers import add_services
+from coordinator.edges.grpc_servicers import add_parsed_service, add_services
 from coordinator.edges.grpc_wire import part_codec
 from coordinator.edges.tls import server_credentials
 from coordinator.edges.zmq_ingest import vllm_event_streams
@@ -62,10 +63,11 @@ def _quiet_http_errors(httpd: object, coordinator: Coordinator) -> None:
 
 
 class _GrpcErrorLines(logging.Filter):
-    """grpc's own servicer errors, such as bytes that are not protobuf sent to Health or
-    reflection (grpc parses those, not kvrc): one line per kind per 10 s (`limit`, keyed
-    by grpc's message: an exception type and a served method), without the traceback
-    that any client, credentials or not, could make grpc print per call."""
+    """grpc's own servicer errors (every service's requests are parsed by kvrc's parser,
+    Health's and reflection's too: this is the net for what grpc still raises itself):
+    one line per kind per 10 s (`limit`, keyed by grpc's message: an exception type and
+    a served method), without the traceback that any client, credentials or not, could
+    make grpc print per call."""
 
     def __init__(self, limit: RateLimitedLog) -> None:
         super().__init__()
@@ -164,16 +166,14 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     grpc_log = logging.getLogger("grpc._cython.cygrpc")
     grpc_log.addFilter(_GrpcErrorLines(RateLimitedLog(grpc_log, coordinator.clock.monotonic_ms)))
     health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health_service = health_pb2.DESCRIPTOR.services_by_name["Health"]
+    add_parsed_service(server, health, health_service)
     for name in SERVICE_NAMES:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (
-            *SERVICE_NAMES,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
+    add_parsed_service(
         server,
+        ReflectionServicer((*SERVICE_NAMES, health_service.full_name, reflection.SERVICE_NAME)),
+        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
     )
     try:
         if credentials is not None:
