@@ -197,6 +197,9 @@ class RedisStore:
         # backlog it hears each replica as late as its entries are read, so it calls
         # nobody silent and drops nobody's ledger records until then.
         self._at_log_end = False
+        # The log's newest entry when this catch-up began: read past it, the reader is at
+        # the log's end even if every read is full (writes as fast as it reads).
+        self._log_end_target: str | None = None
         self._snapshot_max_bytes = snapshot_max_bytes
         self._read_id: str | None = None  # the last log entry applied; None: not started
         self._entries_since_snapshot = 0
@@ -568,6 +571,7 @@ class RedisStore:
         self._reading.clear()
         self._read_ok_since_ms = None
         self._at_log_end = False  # what was written meanwhile is a backlog to replay
+        self._log_end_target = None
 
     def resume_reading(self) -> None:
         self._reading.set()
@@ -598,6 +602,7 @@ class RedisStore:
             try:
                 if self._reset_reader or self._read_id is None:
                     self._at_log_end = False
+                    self._log_end_target = None
                     if self._reset_reader:
                         self._reset_reader = False
                         # The log is gone (a store loss): its snapshot with it.
@@ -611,6 +616,8 @@ class RedisStore:
                         accept_trim = await self._bootstrap()
                 last_id = self._read_id
                 assert last_id is not None
+                if not self._at_log_end and self._log_end_target is None:
+                    self._log_end_target = await self._last_id() or "0-0"
                 reply, first = await self._read_after(last_id)
             except (RedisError, OSError) as e:
                 self._fail("read", _why(e))
@@ -671,8 +678,14 @@ class RedisStore:
             if applied:
                 self._m_in.inc(applied)
                 self._on_applied()
-            if read < READ_COUNT:
+            target = self._log_end_target
+            if read < READ_COUNT or (
+                target is not None
+                and self._read_id is not None
+                and stream_id(self._read_id) >= stream_id(target)
+            ):
                 self._at_log_end = True
+                self._log_end_target = None
                 if not self._caught_up:
                     self._caught_up = True  # up to the log's end: who is alive is known
                     self._inventory.caught_up()
@@ -697,6 +710,10 @@ class RedisStore:
 
     async def _first_id(self) -> str | None:
         rows: Any = await self._reader_conn.xrange(STREAM_KEY, "-", "+", count=1)
+        return _first_of(rows)
+
+    async def _last_id(self) -> str | None:
+        rows: Any = await self._reader_conn.xrevrange(STREAM_KEY, "+", "-", count=1)
         return _first_of(rows)
 
     async def _bootstrap(self) -> bool:

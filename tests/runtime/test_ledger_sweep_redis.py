@@ -206,3 +206,36 @@ async def test_a_replica_replaying_a_backlog_calls_no_live_replica_silent(
     finally:
         await b.close(0.2)
         await a.close(0.2)
+
+
+async def test_a_reader_whose_every_read_is_full_still_reaches_the_log_end(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log's end was a read shorter than READ_COUNT: under writes as fast as the
+    reader reads, every read was full, so the replica never called anybody silent (a dead
+    replica's leases never rebuilt, its records never pruned) for as long as the load
+    lasted. Now the end is also the log's newest entry when the catch-up began."""
+    monkeypatch.setattr(redis_store, "READ_COUNT", 2)
+    b = _store(server, "B")
+    writes = 0
+    with redis.Redis(host="127.0.0.1", port=server.port) as r:
+        for _ in range(20):  # a backlog of another replica's entries
+            r.xadd(STREAM_KEY, {"o": b"Z", "d": pack_ops([])})
+        read_after = b._read_after
+
+        async def behind_a_writer(last_id: str) -> Any:
+            nonlocal writes
+            if writes < 400:  # two more entries before each read: every read is full
+                for _ in range(2):
+                    r.xadd(STREAM_KEY, {"o": b"Z", "d": pack_ops([])})
+                writes += 2
+            return await read_after(last_id)
+
+        b._read_after = behind_a_writer  # type: ignore[method-assign]
+        try:
+            await b.start()
+            await wait_until(lambda: b._at_log_end, 30, what="B read to the log's end")
+            # Before the writer stopped: reached while every read was still full.
+            assert writes < 400, writes
+        finally:
+            await b.close(0.2)
