@@ -426,7 +426,7 @@ class RedisStore:
         while not self._closing:
             await asyncio.sleep(STORE_HEARTBEAT_MS / 1000)
             await self._check_epoch()
-            self._inventory.heartbeat()
+            self._inventory.heartbeat(self._clock.monotonic_ms())
             self._resync_after_silence(self._clock.monotonic_ms())
             self._expire_silent(self._clock.monotonic_ms())
 

@@ -106,6 +106,7 @@ DEFAULT_OUTBOX_LIMIT = 1_000_000
 # Asked to announce again by several replicas at once (each called it silent): one
 # announcement (and one round of dumps) serves every request inside this window.
 REANNOUNCE_WINDOW_MS = 1_000
+MAX_DEFERRED_ASKERS = 64  # names kept for the log line of a deferred announcement
 # Origins called silent that are remembered, to be asked to announce again if heard.
 EXPIRED_ORIGINS_KEPT = 1_024
 
@@ -386,6 +387,10 @@ class ReplicatedInventory(Inventory):
         # asks this replica's engines for full dumps, naming who asked.
         self.on_asked_to_announce: Callable[[str], None] = lambda asker: None
         self._announced_on_request_ms: int | None = None
+        # Who asked inside the window after an announcement: served by one more at its
+        # end (`heartbeat`). At most MAX_DEFERRED_ASKERS names; past them, still served.
+        self._deferred_askers: set[str] = set()
+        self._announce_deferred = False
         # What was announced of each local engine: (compat, mode, ranks), (visible, serving).
         self._local: dict[str, tuple[Op, tuple[bool, bool]]] = {}
         # Rank parts and lease messages across replicas share this log (peers.py).
@@ -542,8 +547,19 @@ class ReplicatedInventory(Inventory):
 
     # --- what the store sends on its own behalf ------------------------------------
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, now_ms: int | None = None) -> None:
+        """Tells the others this replica lives; with `now_ms` (the store's health loop),
+        also makes the announcement deferred by REANNOUNCE_WINDOW_MS, once it is over."""
         self._record([OP_HEARTBEAT])
+        last = self._announced_on_request_ms
+        if not self._announce_deferred or now_ms is None or last is None:
+            return
+        if 0 <= now_ms - last < REANNOUNCE_WINDOW_MS:
+            return
+        askers = ", ".join(sorted(self._deferred_askers)) or "replicas"
+        self._deferred_askers.clear()
+        self._announce_deferred = False
+        self._announce_on_request(askers, now_ms)
 
     def reannounce(self, *, reclaim: bool = False) -> None:
         """After lost ops (or a new, empty store): reset this origin, announce its engines.
@@ -573,7 +589,16 @@ class ReplicatedInventory(Inventory):
     def _asked_to_announce(self, asker: str, now_ms: int) -> None:
         last = self._announced_on_request_ms
         if last is not None and 0 <= now_ms - last < REANNOUNCE_WINDOW_MS:
-            return  # one announcement serves every replica that asked meanwhile
+            # Several askers at once get one announcement per window. This one may have
+            # asked after reading the last (a replica that fenced a zombie had ignored it
+            # while the engine was still its own): one more at the window's end.
+            self._announce_deferred = True
+            if len(self._deferred_askers) < MAX_DEFERRED_ASKERS:
+                self._deferred_askers.add(asker)
+            return
+        self._announce_on_request(asker, now_ms)
+
+    def _announce_on_request(self, asker: str, now_ms: int) -> None:
         self._announced_on_request_ms = now_ms
         log.warning("replica %s had called this one silent: announcing its engines again", asker)
         self.announce_local_again()

@@ -170,10 +170,22 @@ def test_an_origin_called_silent_and_heard_again_is_asked_to_announce_again() ->
     assert b.remote_engines() == {"ea": "a"} and b.is_visible("ea")
     assert c.engine_entries("ea") == 2
     a.outbox.clear()
-    a.apply_remote("x", [["W", "a"]], 9_800)  # another ask inside the window: no repeat
+    a.apply_remote("x", [["W", "a"]], 9_800)  # another ask inside the window: not at once
+    a.apply_remote("y", [["W", "a"]], 9_900)
     assert asked == ["b"] and list(a.outbox) == []
-    a.apply_remote("x", [["W", "a"]], 10_700)
-    assert asked == ["b", "x"] and [op[0] for op in a.outbox] == ["E", "V"]
+    a.heartbeat(10_000)  # the window is not over
+    assert asked == ["b"] and [op[0] for op in a.outbox] == ["H"]
+    a.outbox.clear()
+    # At the window's end one more announcement serves both: x may have asked after
+    # reading the last one (it had ignored it: the engine was its own then), and was
+    # never told again before (the zombie-fence hello dropped).
+    a.heartbeat(10_600)
+    assert asked == ["b", "x, y"] and [op[0] for op in a.outbox] == ["H", "E", "V"]
+    a.outbox.clear()
+    a.heartbeat(12_000)  # served: nothing more
+    assert [op[0] for op in a.outbox] == ["H"]
+    a.apply_remote("x", [["W", "a"]], 12_700)
+    assert asked == ["b", "x, y", "x"] and [op[0] for op in a.outbox] == ["H", "E", "V"]
 
 
 def test_a_bad_op_is_skipped_and_the_rest_of_the_entry_applies() -> None:
