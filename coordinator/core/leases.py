@@ -66,7 +66,7 @@ from coordinator.core.errors import (
 )
 from coordinator.core.events import BlockHash, RankKey
 from coordinator.core.lease_ids import IdCheck, LeaseIdSigner
-from kvrc.ids import MAX_GRID_PARTS
+from kvrc.ids import MAX_GRID_PARTS, parse_child_engine_id
 
 __all__ = [
     "DEADLINE_PASSED",
@@ -177,9 +177,10 @@ class LeaseConfig:
     # issued before the key changed, or made up): a quarter, so that made-up ids never
     # keep a holder's verified ids from being rebuilt (I8-bad-input).
     max_unverified_recovered_leases: int = 4_096
-    # Of those, one holder's: a quarter, so one engine re-announcing made-up ids cannot
-    # keep the others' real ones (unverifiable too after a restart without a state
-    # file) from being rebuilt (I8-bad-input).
+    # Of those, one holder engine's, its DP ranks' child engines together: a quarter, so
+    # one engine re-announcing made-up ids cannot keep the others' real ones
+    # (unverifiable too after a restart without a state file) from being rebuilt
+    # (I8-bad-input).
     max_unverified_recovered_leases_per_engine: int = 1_024
     max_chain_blocks: int = 65_536
     max_kv_transfer_params_bytes: int = 1 << 20
@@ -502,6 +503,11 @@ def _requesting_engine(lease: _Lease) -> str | None:
     return lease.source_child_engine_id
 
 
+def _engine_of(child_engine_id: str) -> str:
+    """The engine a child engine is a DP rank of (vLLM's `<engine_id>_dp<rank>`)."""
+    return parse_child_engine_id(child_engine_id)[0]
+
+
 def _payload_size(descriptor: object) -> int:
     """What a descriptor weighs (the edges hand them over serialized: bytes)."""
     return len(descriptor) if isinstance(descriptor, bytes | bytearray) else 0
@@ -582,7 +588,7 @@ class LeaseTable:
         self._open_payload_by_engine: dict[str, int] = {}
         self._recovered_open = 0  # open leases rebuilt by `recover_held`
         self._unverified_open = 0  # of those, from ids the key could not check
-        self._unverified_by_holder: dict[str, int] = {}  # and per holder child engine
+        self._unverified_by_holder: dict[str, int] = {}  # and per holder engine (DP ranks')
         # Ended leases awaiting their target's proofs before a release (`awaiting_quiet`),
         # by target engine: its re-registration re-asks, its proven death settles them.
         self._awaiting: dict[str, set[str]] = {}
@@ -1283,12 +1289,13 @@ class LeaseTable:
                 f"coordinator's key cannot check are open, the limit: held lease {lease_id} "
                 "is not rebuilt (resolve the quarantined ones)"
             )
-        held = self._unverified_by_holder.get(holder_child_engine_id, 0)
+        holder_engine = _engine_of(holder_child_engine_id)
+        held = self._unverified_by_holder.get(holder_engine, 0)
         if unverified and held >= cfg.max_unverified_recovered_leases_per_engine:
             raise resource_exhausted(
-                f"{held} leases rebuilt from ids of {holder_child_engine_id!r} that this "
-                f"coordinator's key cannot check are open, the per-engine limit: held lease "
-                f"{lease_id} is not rebuilt (resolve the quarantined ones)"
+                f"{held} leases rebuilt from ids of engine {holder_engine!r} (its DP ranks "
+                "together) that this coordinator's key cannot check are open, the per-engine "
+                f"limit: held lease {lease_id} is not rebuilt (resolve the quarantined ones)"
             )
         self._check_capacity((holder_child_engine_id,))
         kind: type[_Lease] = _PrefixLoad if flow is Flow.PREFIX_LOAD else _Handoff
@@ -1709,7 +1716,7 @@ class LeaseTable:
             self._recovered_open -= 1
         if lease.unverified:
             self._unverified_open -= 1
-            holder = lease.source_child_engine_id
+            holder = _engine_of(lease.source_child_engine_id)
             left = self._unverified_by_holder[holder] - 1
             if left:
                 self._unverified_by_holder[holder] = left
@@ -1750,7 +1757,7 @@ class LeaseTable:
             self._recovered_open += 1
         if lease.unverified:
             self._unverified_open += 1
-            holder = lease.source_child_engine_id
+            holder = _engine_of(lease.source_child_engine_id)
             self._unverified_by_holder[holder] = self._unverified_by_holder.get(holder, 0) + 1
         if key is not None:
             self._by_request[key] = lease.lease_id

@@ -1115,6 +1115,24 @@ def test_one_holder_cannot_take_the_unverified_recovered_bound_from_the_others()
     assert recover("pl-made-up-3", "squatter").view.state is LeaseState.QUARANTINED
 
 
+def test_an_engines_dp_ranks_share_its_unverified_recovered_bound() -> None:
+    """The per-engine bound counted child engines: an engine with 64 DP ranks (each
+    its own child engine, `x_dp<rank>`) could stack 64 shares and take the whole bound
+    from the other engines."""
+    config = LeaseConfig(
+        max_unverified_recovered_leases=8, max_unverified_recovered_leases_per_engine=2
+    )
+    t = LeaseTable(config)
+    recover = partial(recovered, t)
+    assert recover("pl-made-up-0", "squatter_dp0").view.state is LeaseState.QUARANTINED
+    assert recover("pl-made-up-1", "squatter_dp1").view.state is LeaseState.QUARANTINED
+    e = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: recover("pl-made-up-2", "squatter_dp2"))
+    assert "engine 'squatter' (its DP ranks together)" in e.message
+    assert recover("pl-real-0", HOLD).view.state is LeaseState.QUARANTINED  # another engine
+    t.resolve_quarantine("pl-made-up-1", T0 + 1)  # one resolved: a rank of it may again
+    assert recover("pl-made-up-3", "squatter_dp5").view.state is LeaseState.QUARANTINED
+
+
 def test_recovered_leases_are_bounded_and_never_take_the_table_from_live_grants() -> None:
     """Held ids a part re-announces are rebuilt QUARANTINED; made-up ones, from engines
     whose credential allows many child engines, must not fill the table (I8-bad-input)."""
