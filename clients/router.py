@@ -46,7 +46,7 @@ class ScoreResult:
     reuse_enabled: bool
     reuse_detail: str
     prediction_basis: str
-    engines_left_out: int = 0  # scored, not listed (kvrc lists at most 256)
+    engines_left_out: int = 0  # not listed (kvrc lists at most 256)
 
 
 @dataclass(frozen=True, slots=True)

@@ -244,7 +244,7 @@ class ScoreAnswer:
     reuse_detail: str
     prediction_basis: str
     work: int  # tokens hashed + blocks walked + engines + drop points (see module doc)
-    engines_left_out: int = 0  # past MAX_SCORE_ANSWER_ENGINES (no candidates named)
+    engines_left_out: int = 0  # ranked past MAX_SCORE_ANSWER_ENGINES, scored or not
 
 
 def check_query(query: ScoreQuery) -> None:

@@ -1010,7 +1010,7 @@ def score_document(response: pb.ScoreResponse) -> dict[str, Any]:
 def _score_text(target: str, response: pb.ScoreResponse) -> str:
     reuse = "on" if response.reuse_enabled else f"off ({response.reuse_detail})"
     left_out = (
-        f" ({response.engines_left_out} more scored, not listed: name --candidates)"
+        f" ({response.engines_left_out} more not listed: name --candidates)"
         if response.engines_left_out
         else ""
     )

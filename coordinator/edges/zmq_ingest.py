@@ -18,9 +18,11 @@ Ordering (I7-ordered-streams in docs/invariants.md), per stream:
   SUB socket, is a batch already delivered by a replay: dropped as duplicate;
 - a gap (or a first frame above 0: late subscription) asks the replay endpoint
   for everything from the first missing sequence;
-- a whole replay answer that ends before the live batch that asked for it comes
-  from a restarted publisher (vLLM buffers each batch as it sends it): new
-  incarnation, the parked frames dropped, its buffer read again from 0;
+- a replay answer that ends before the live batch that asked for it (vLLM buffers
+  each batch as it sends it) is checked by a replay from that batch with its bytes:
+  the same publisher (the answer lost its tail) goes on; one that no longer has
+  that batch restarted: new incarnation, the parked frames dropped, its buffer read
+  again from 0;
 - a live frame that does not decode (parts, sequence or payload) is counted,
   logged at most once per 1000 and changes nothing: if it was a real batch, the
   next frame shows the gap. A replayed batch that does not decode is lost.
@@ -74,6 +76,7 @@ import asyncio
 import collections
 import enum
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Coroutine
@@ -195,6 +198,11 @@ class ZmqStreamConfig:
             raise invalid(
                 "max_frame_bytes, max_replay_frames, rcv_hwm, max_pending_frames and "
                 "max_pending_bytes must be positive"
+            )
+        if self.max_pending_bytes < self.max_frame_bytes:
+            raise invalid(
+                f"max_pending_bytes ({self.max_pending_bytes}) must be at least "
+                f"max_frame_bytes ({self.max_frame_bytes}): a frame must fit behind a replay"
             )
 
     @property
@@ -607,9 +615,34 @@ class ZmqEventStream:
     async def _fill_gap(
         self, expected: int, seq: int, payload: bytes, decoded: DecodedBatch
     ) -> None:
-        """Replays from `expected`, then applies live batch `seq` unless the replay did."""
+        """Replays from `expected`, then applies live batch `seq` unless the replay did.
+
+        An answer that ends before `seq`, which the publisher sent before it was asked
+        (vLLM buffers a batch as it sends it), lost its tail (vLLM's ROUTER drops past its
+        send queue, however the end marker fared) or came from a publisher that numbered
+        from 0 again: a restart, whose batches the replay applied. A replay from `seq`
+        carrying the live batch's bytes tells which; a restart is a new incarnation, its
+        buffer read again whole (the parked frames cannot be told apart by incarnation).
+        """
         had_state = self._has_state  # before the replay applies anything
         result = await self._replay(expected)
+        before_seq = self._applied  # what the answer reached
+        if result in (_ReplayResult.COMPLETE, _ReplayResult.OVERRUN) and (
+            before_seq is None or before_seq < seq
+        ):
+            check = await self._replay(seq, verify_digest=hash(payload))
+            if check is None:
+                self._new_incarnation(
+                    f"publisher restarted (its replay from {expected} ended before {seq}, "
+                    "a batch it had sent, and it no longer has that batch)",
+                    restart=True,
+                )
+                self._pending.clear()
+                self._pending_bytes = 0
+                await self._replay_at_start()
+                return
+            if result is _ReplayResult.COMPLETE:
+                result = check  # the same publisher: the answer lost its tail
         # What was lost came before the replayed batches (an overrun), so only what was
         # held before can be a phantom; or after some of them: then anything held.
         lost, phantoms = "", self._has_state
@@ -619,21 +652,8 @@ class ZmqEventStream:
             lost = f"replay from {expected} {self._timed_out()}"
         elif result is _ReplayResult.HOLE:
             lost = f"replay from {expected} kept skipping sequences"
-        elif self._applied is None or self._applied < seq:
-            # A whole answer without `seq`, which the publisher sent before it was asked:
-            # vLLM buffers a batch as it sends it, so this publisher numbered again from 0
-            # (a restart), and what the replay applied was the new one's batches. The
-            # parked frames cannot be told apart by incarnation; the new one's are in its
-            # buffer, which is read again whole.
-            self._new_incarnation(
-                f"publisher restarted (its replay from {expected} ended before {seq}, "
-                "a batch it had sent)",
-                restart=True,
-            )
-            self._pending.clear()
-            self._pending_bytes = 0
-            await self._replay_at_start()
-            return
+        elif before_seq is None or before_seq < seq - 1:
+            lost = f"replay from {expected} ended before {seq}"
         if lost:
             self._events_lost(lost, phantoms)
         if self._applied is None or seq > self._applied:
@@ -697,6 +717,9 @@ class ZmqEventStream:
             for _ in range(REPLAY_HOLE_RETRIES):
                 if result is not _ReplayResult.HOLE or self._applied is None:
                     break
+                if asyncio.get_running_loop().time() >= deadline:
+                    result = _ReplayResult.TIMEOUT  # not asked again past the deadline
+                    break
                 result, _ = await self._replay_once(self._applied + 1, deadline)
                 holed = holed or result is _ReplayResult.HOLE
         except Exception:
@@ -728,13 +751,15 @@ class ZmqEventStream:
         expect = start_seq  # the next sequence the answer must carry
         result = _ReplayResult.COMPLETE
         for _ in range(self.config.max_replay_frames + 1):
-            left_s = min(self.config.replay_timeout_s, deadline - loop.time())
-            if left_s <= 0 or not await dealer.poll(int(left_s * 1000)):
+            left_s = deadline - loop.time()
+            # The deadline, not the wait for a frame, bounds this wait: ends the replay.
+            over = left_s <= self.config.replay_timeout_s
+            wait_ms = math.ceil(min(self.config.replay_timeout_s, left_s) * 1000)
+            if wait_ms <= 0 or not await dealer.poll(wait_ms):
                 self._reset_dealer()  # late answers must not leak into the next replay
                 # An answer that stopped midway lost its tail (vLLM's ROUTER drops past its
                 # send queue, the end marker with it): a hole, asked again from there. Past
                 # the deadline, nothing is asked again.
-                over = loop.time() >= deadline
                 cut = _ReplayResult.TIMEOUT if first or over else _ReplayResult.HOLE
                 self._metrics.zmq_replays.labels(result=cut.value).inc()
                 return cut, overran

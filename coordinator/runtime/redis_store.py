@@ -193,9 +193,10 @@ class RedisStore:
         self._claims_failing = 0  # claim tasks whose last try failed ("claim" failure)
         self._load_snapshots = load_snapshots  # False: read the retained log only (tests)
         self._caught_up = False  # read the log up to its end once since starting
-        # Read up to the log's end since the last (re)load of the view: while it replays a
-        # backlog it hears each replica as late as its entries are read, so it calls
-        # nobody silent and drops nobody's ledger records until then.
+        # Read up to the log's end since the last (re)load of the view (a short read, or
+        # past the newest entry when the catch-up began): while it replays a backlog it
+        # hears each replica as late as its entries are read, so it calls nobody silent
+        # and drops nobody's ledger records until then.
         self._at_log_end = False
         # The log's newest entry when this catch-up began: read past it, the reader is at
         # the log's end even if every read is full (writes as fast as it reads).
@@ -617,7 +618,9 @@ class RedisStore:
                 last_id = self._read_id
                 assert last_id is not None
                 if not self._at_log_end and self._log_end_target is None:
-                    self._log_end_target = await self._last_id() or "0-0"
+                    newest = await self._last_id() or "0-0"
+                    # A pause meanwhile makes what is written until the resume a backlog.
+                    self._log_end_target = newest if self._reading.is_set() else None
                 reply, first = await self._read_after(last_id)
             except (RedisError, OSError) as e:
                 self._fail("read", _why(e))

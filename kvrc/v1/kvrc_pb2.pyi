@@ -2889,8 +2889,8 @@ class ScoreResponse(_message.Message):
     prediction_basis: _builtins.str
     """How predicted_saving_ms was computed (e.g. the fallback before the cost model)."""
     engines_left_out: _builtins.int
-    """Engines scored but not listed: an answer lists at most 256 engines, the best
-    first (only a request that names no candidates can reach that).
+    """Engines not listed: an answer lists at most 256 engines, the best first; these
+    rank last, scored or not (only a request that names no candidates gets here).
     """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineScore]:

@@ -200,6 +200,7 @@ async def test_a_trickling_replay_ends_at_its_deadline_and_the_live_stream_goes_
     status = rig.stream.status()
     assert "not done in 1.0s" in status.reason, status.reason
     assert value(rig.metrics, "kvrc_zmq_replays_total", result="timeout") == 1
+    assert value(rig.metrics, "kvrc_zmq_replays_total", result="hole") == 0
     # What the replay brought in time stays; then the live frames, parked behind it.
     await wait_until(lambda: rig.sink.seqs()[-2:] == [11, 12], 3)
     assert rig.sink.seqs()[:2] == [0, 1] and len(rig.sink.seqs()) < 12
@@ -482,7 +483,7 @@ async def test_frames_past_the_parking_buffer_are_lost_and_replayed_like_a_gap(
     limit: dict[str, Any] = (
         {"max_pending_frames": 4}
         if bound == "frames"
-        else {"max_pending_bytes": 4 * frame + frame // 2}
+        else {"max_pending_bytes": 4 * frame + frame // 2, "max_frame_bytes": 2 * frame}
     )
     rigs.append(rig := await start_rig(ctx, replay_timeout_s=60, **limit))
     await rig.pub.publish(stored(0))
@@ -544,9 +545,32 @@ async def test_a_replay_answered_by_a_restarted_publisher_is_a_new_incarnation(
     await wait_until(lambda: rig.sink.held() == {99}, 5)
     status = rig.stream.status()
     assert (status.state, status.incarnation, status.last_sequence) == (StreamState.LIVE, 1, 0)
-    assert rig.pub.replay_requests == [0, 0]  # the gap's, then the new one's whole buffer
+    # The gap's; from 1 with the old batch's bytes (not there: a restart); the new
+    # publisher's whole buffer.
+    assert rig.pub.replay_requests == [0, 1, 0]
     await rig.pub.publish(stored(100))  # the new publisher goes on
     await wait_until(lambda: rig.sink.held() == {99, 100}, 5)
+
+
+async def test_an_answer_that_lost_its_tail_is_not_taken_for_a_restart(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """vLLM's ROUTER dropped the answer's last batch (the live one that asked for it)
+    and still sent the end marker: the answer ended before that batch, as a restarted
+    publisher's does. A replay from it with its bytes shows the same publisher: no new
+    incarnation, nothing dropped (a review found the restart rule taking it for one)."""
+    rigs.append(rig := await start_rig(ctx))
+    await rig.pub.publish(stored(1))
+    await wait_until(lambda: rig.sink.seqs() == [0], 5)
+    await rig.pub.publish(stored(2), send=False)
+    rig.pub.replay_drops[2] = 1  # the first answer ends at 1
+    await rig.pub.publish(stored(3))
+    await wait_until(lambda: rig.sink.seqs() == [0, 1, 2], 5)
+    assert rig.pub.replay_requests == [1, 2]  # the gap, then the check from 2
+    status = rig.stream.status()
+    assert (status.state, status.incarnation) == (StreamState.LIVE, 0)
+    assert value(rig.metrics, "kvrc_zmq_publisher_restarts_total") == 0
+    assert rig.sink.held() == {1, 2, 3} and ("drop", ENGINE) not in rig.sink.calls
 
 
 async def test_restart_seen_late_drops_the_old_and_replays_the_new_from_zero(
@@ -925,6 +949,7 @@ async def test_a_batch_the_core_refuses_is_counted_and_the_stream_continues(
         ({"replay_timeout_s": 0}, "replay_timeout_s"),
         ({"max_replay_s": 0}, "max_replay_s"),
         ({"max_pending_bytes": 0}, "max_pending_bytes"),
+        ({"max_pending_bytes": 1024, "max_frame_bytes": 2048}, "at least max_frame_bytes"),
         ({"rcv_hwm": 0}, "rcv_hwm"),
     ],
 )

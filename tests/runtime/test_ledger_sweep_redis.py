@@ -239,3 +239,43 @@ async def test_a_reader_whose_every_read_is_full_still_reaches_the_log_end(
             assert writes < 400, writes
         finally:
             await b.close(0.2)
+
+
+async def test_a_pause_during_the_catch_up_start_leaves_no_stale_log_end(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log's newest entry is asked when a catch-up begins. A pause while that was
+    asked kept the answer: after the resume the reader took the pre-pause end for the
+    log's end, with what was written during the pause still unread (a review found it)."""
+    monkeypatch.setattr(redis_store, "READ_COUNT", 2)
+    b = _store(server, "B")
+    paused_ids: list[str] = []
+    with redis.Redis(host="127.0.0.1", port=server.port) as r:
+        for _ in range(4):
+            r.xadd(STREAM_KEY, {"o": b"Z", "d": pack_ops([])})
+        last_id, read_after = b._last_id, b._read_after
+
+        async def paused_meanwhile() -> str | None:
+            newest = await last_id()
+            if not paused_ids:
+                b.pause_reading()
+                for _ in range(40):  # written while B is paused
+                    paused_ids.append(r.xadd(STREAM_KEY, {"o": b"Z", "d": pack_ops([])}).decode())
+            return newest
+
+        async def slowly(last: str) -> Any:
+            await asyncio.sleep(0.02)
+            return await read_after(last)
+
+        b._last_id = paused_meanwhile  # type: ignore[method-assign]
+        b._read_after = slowly  # type: ignore[method-assign,assignment]
+        try:
+            await b.start()
+            await wait_until(lambda: bool(paused_ids), 10, what="the pause")
+            await b.reading_stopped()
+            b.resume_reading()
+            await wait_until(lambda: b._at_log_end, 30, interval_s=0.005, what="the log's end")
+            assert b._read_id is not None
+            assert redis_store.stream_id(b._read_id) >= redis_store.stream_id(paused_ids[-1])
+        finally:
+            await b.close(0.2)
