@@ -20,7 +20,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from coordinator.core.cost_model import (
@@ -502,6 +502,10 @@ class Coordinator:
         """Registers a rank part (KvrcError when refused; nothing changes then)."""
         if self._shutting_down:
             raise KvrcError(ErrorCode.UNAVAILABLE, COORDINATOR_SHUTTING_DOWN)
+        # The registry, the session and the peers keep the registration for the part's
+        # life; its held leases (up to max_held_leases ids, ~2 MB) are used once, below.
+        held_leases = registration.held_leases
+        registration = replace(registration, held_leases=())
         now = self._clock_ms()
         session_id = f"s-{secrets.token_hex(8)}"
         incarnation = next(self._incarnations)
@@ -558,7 +562,7 @@ class Coordinator:
         )
         if result.readiness_changed:
             self._readiness_changed(view, reuse, skip_session=session_id)
-        held = registration.held_leases
+        held = held_leases
         if held and self.peers is not None:
             # Owned by a live replica: it keeps the lease; this part's answers reach it.
             # So does one whose owner this replica, just started, cannot tell alive or
