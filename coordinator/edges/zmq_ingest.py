@@ -18,11 +18,12 @@ Ordering (I7-ordered-streams in docs/invariants.md), per stream:
   SUB socket, is a batch already delivered by a replay: dropped as duplicate;
 - a gap (or a first frame above 0: late subscription) asks the replay endpoint
   for everything from the first missing sequence;
-- a replay answer that ends before the live batch that asked for it (vLLM buffers
-  each batch as it sends it) is checked by a replay from that batch with its bytes:
-  the same publisher (the answer lost its tail) goes on; one that no longer has
-  that batch restarted: new incarnation, the parked frames dropped, its buffer read
-  again from 0;
+- a replay answer whose batch at the live batch's sequence is another comes from a
+  restarted publisher; one that ends before the live batch (vLLM buffers each
+  batch as it sends it) is checked by a replay from that batch with its bytes: the
+  same publisher (the answer lost its tail) goes on, one that no longer has that
+  batch restarted. A restart: new incarnation, the parked frames dropped, its
+  buffer read again from 0;
 - a live frame that does not decode (parts, sequence or payload) is counted,
   logged at most once per 1000 and changes nothing: if it was a real batch, the
   next frame shows the gap. A replayed batch that does not decode is lost.
@@ -617,29 +618,31 @@ class ZmqEventStream:
     ) -> None:
         """Replays from `expected`, then applies live batch `seq` unless the replay did.
 
-        An answer that ends before `seq`, which the publisher sent before it was asked
-        (vLLM buffers a batch as it sends it), lost its tail (vLLM's ROUTER drops past its
-        send queue, however the end marker fared) or came from a publisher that numbered
-        from 0 again: a restart, whose batches the replay applied. A replay from `seq`
-        carrying the live batch's bytes tells which; a restart is a new incarnation, its
-        buffer read again whole (the parked frames cannot be told apart by incarnation).
+        The answer may come from a publisher that numbered from 0 again (a restart
+        between the live batch and the replay), whose batches it applies: its batch at
+        `seq` is not the live one, or it ends before `seq`, which the publisher sent
+        before it was asked (vLLM buffers a batch as it sends it). An answer that ends
+        before `seq` may also have lost its tail (vLLM's ROUTER drops past its send
+        queue, however the end marker fared): a replay from `seq` with the live batch's
+        bytes tells which. A restart is a new incarnation, its buffer read again whole
+        (the parked frames cannot be told apart by incarnation).
         """
         had_state = self._has_state  # before the replay applies anything
-        result = await self._replay(expected)
+        digest = hash(payload)
+        result = await self._replay(expected, live=(seq, digest))
+        if result is None:
+            await self._restarted(f"its replay from {expected} has another batch {seq}")
+            return
         before_seq = self._applied  # what the answer reached
         if result in (_ReplayResult.COMPLETE, _ReplayResult.OVERRUN) and (
             before_seq is None or before_seq < seq
         ):
-            check = await self._replay(seq, verify_digest=hash(payload))
+            check = await self._replay(seq, verify_digest=digest)
             if check is None:
-                self._new_incarnation(
-                    f"publisher restarted (its replay from {expected} ended before {seq}, "
-                    "a batch it had sent, and it no longer has that batch)",
-                    restart=True,
+                await self._restarted(
+                    f"its replay from {expected} ended before {seq}, a batch it had sent, "
+                    "and it no longer has that batch"
                 )
-                self._pending.clear()
-                self._pending_bytes = 0
-                await self._replay_at_start()
                 return
             if result is _ReplayResult.COMPLETE:
                 result = check  # the same publisher: the answer lost its tail
@@ -658,6 +661,13 @@ class ZmqEventStream:
             self._events_lost(lost, phantoms)
         if self._applied is None or seq > self._applied:
             self._apply(seq, payload, decoded)
+
+    async def _restarted(self, why: str) -> None:
+        """The publisher numbered from 0 again, found by a replay: a new incarnation."""
+        self._new_incarnation(f"publisher restarted ({why})", restart=True)
+        self._pending.clear()
+        self._pending_bytes = 0
+        await self._replay_at_start()
 
     async def _check_same_publisher(self) -> None:
         """After a reconnection: is the publisher the one whose batches we applied?
@@ -699,9 +709,15 @@ class ZmqEventStream:
             )
 
     async def _replay(
-        self, start_seq: int, verify_digest: int | None = None, *, at_start: bool = False
+        self,
+        start_seq: int,
+        verify_digest: int | None = None,
+        *,
+        at_start: bool = False,
+        live: tuple[int, int] | None = None,
     ) -> _ReplayResult | None:
-        """Replay from `start_seq`; None when `verify_digest` shows another publisher.
+        """Replay from `start_seq`; None when `verify_digest` shows another publisher, or
+        the answer's batch at `live`'s sequence is not the live one (its hash).
         `at_start`: the stream's first look (`_replay_at_start`): a buffer that does not
         reach back to `start_seq` lost nothing this stream had, so it is complete. An
         answer with a hole is asked again from the hole (REPLAY_HOLE_RETRIES times), all
@@ -709,7 +725,7 @@ class ZmqEventStream:
         deadline = asyncio.get_running_loop().time() + self.config.max_replay_s
         try:
             result, overran = await self._replay_once(
-                start_seq, deadline, verify_digest, at_start=at_start
+                start_seq, deadline, verify_digest, at_start=at_start, live=live
             )
             # Its first answer began past `start_seq`: lost before what it replayed.
             overran = overran and not at_start
@@ -720,7 +736,7 @@ class ZmqEventStream:
                 if asyncio.get_running_loop().time() >= deadline:
                     result = _ReplayResult.TIMEOUT  # not asked again past the deadline
                     break
-                result, _ = await self._replay_once(self._applied + 1, deadline)
+                result, _ = await self._replay_once(self._applied + 1, deadline, live=live)
                 holed = holed or result is _ReplayResult.HOLE
         except Exception:
             self._reset_dealer()  # the rest of the answer must not leak into the next one
@@ -738,6 +754,7 @@ class ZmqEventStream:
         verify_digest: int | None = None,
         *,
         at_start: bool = False,
+        live: tuple[int, int] | None = None,
     ) -> tuple[_ReplayResult | None, bool]:
         """One replay request and its answer, by `deadline` (loop time): the result, and
         whether the answer began past `start_seq` (the buffer no longer held it)."""
@@ -800,6 +817,10 @@ class ZmqEventStream:
                 result = _ReplayResult.HOLE
                 break
             expect = seq + 1
+            if live is not None and seq == live[0] and hash(payload) != live[1]:
+                # Not the batch it sent live at that sequence: it numbered from 0 again.
+                self._reset_dealer()
+                return None, overran
             if self._applied is not None and seq <= self._applied:
                 continue
             self._consume(topic, seq, payload)
