@@ -9,12 +9,18 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from harness import REPO, CommandProcess, CoordinatorProcess, start_coordinator
+from hypothesis import HealthCheck, settings
 from vllm_env import VllmEnvError, ensure_vllm_venv
 
 if TYPE_CHECKING:
     from clients.session import EngineSession
 
 TESTS = Path(__file__).resolve().parent
+
+# Property tests assert behaviour, never speed (tests may count work, not time): no
+# per-example deadline, and no "too slow" health check, on a loaded CI host.
+settings.register_profile("kvrc", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvrc")
 
 VLLM_TESTS = (TESTS / "e2e" / "test_vllm_real.py", TESTS / "e2e" / "vllm_engines")
 
