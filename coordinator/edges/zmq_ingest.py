@@ -436,8 +436,7 @@ class ZmqEventStream:
                 # A task that died of an error must not keep its sockets open.
                 await asyncio.gather(task, return_exceptions=True)
         self._task = self._catch_up = None
-        self._pending.clear()
-        self._pending_bytes = 0
+        self._drop_parked()
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None
@@ -539,6 +538,10 @@ class ZmqEventStream:
         frames = self._pending.popleft()
         self._pending_bytes -= _frames_bytes(frames)
         return frames
+
+    def _drop_parked(self) -> None:
+        self._pending.clear()
+        self._pending_bytes = 0
 
     def _take(self, frames: list[bytes]) -> None:
         try:
@@ -665,8 +668,7 @@ class ZmqEventStream:
     async def _restarted(self, why: str) -> None:
         """The publisher numbered from 0 again, found by a replay: a new incarnation."""
         self._new_incarnation(f"publisher restarted ({why})", restart=True)
-        self._pending.clear()
-        self._pending_bytes = 0
+        self._drop_parked()
         await self._replay_at_start()
 
     async def _check_same_publisher(self) -> None:
