@@ -73,8 +73,14 @@ _COMPAT_HASH_VERSION = "kvrc-compat-v1"
 
 
 def compatibility_hash(profile: DeploymentProfile) -> str:
-    """Stable hex sha256 over a canonical JSON encoding of the layout fields."""
-    canonical = {name: getattr(profile, name) for name in LAYOUT_FIELDS}
+    """Stable hex sha256 over a canonical JSON encoding of the layout fields.
+
+    `dcp_size` above 1 is one of them (decode context parallelism splits each block's
+    tokens over the ranks, so the blocks differ); at 1 it is left out, so the hash of
+    every engine without it is what it was before it counted."""
+    canonical: dict[str, object] = {name: getattr(profile, name) for name in LAYOUT_FIELDS}
+    if profile.dcp_size != 1:
+        canonical["dcp_size"] = profile.dcp_size
     encoded = json.dumps(
         [_COMPAT_HASH_VERSION, canonical], sort_keys=True, separators=(",", ":")
     ).encode()

@@ -366,7 +366,7 @@ class ParallelSizes(_message.Message):
     pcp_size: _builtins.int
     dp_size: _builtins.int
     dcp_size: _builtins.int
-    """decode context-parallel size (informational)"""
+    """decode context-parallel size (in the compatibility hash above 1)"""
     def __init__(
         self,
         *,

@@ -57,13 +57,23 @@ def test_every_layout_field_changes_the_hash(name: str) -> None:
     assert compatibility_hash(_changed(BASE, name)) != compatibility_hash(BASE)
 
 
-@pytest.mark.parametrize("name", ["gpu_kind", "reuse_opt_in", "dp_size", "dcp_size", "extra"])
+def test_decode_context_parallelism_changes_the_hash_and_none_keeps_the_old_one() -> None:
+    """dcp_size did not count: a dcp=2 engine's blocks (each block's tokens split over
+    its ranks) were offered to a dcp=1 engine as interchangeable. At 1 the hash is the
+    one kvrc computed before (the literal: BASE's hash then), so no deployment's
+    compatibility hash moves."""
+    assert compatibility_hash(dataclasses.replace(BASE, dcp_size=2)) != compatibility_hash(BASE)
+    assert compatibility_hash(BASE) == (
+        "3e97a7a8f82d91ddb0cdae98109a9aa854f64f00811c51744f02fb811158736e"
+    )
+
+
+@pytest.mark.parametrize("name", ["gpu_kind", "reuse_opt_in", "dp_size", "extra"])
 def test_non_layout_fields_do_not_change_the_hash(name: str) -> None:
     changes: dict[str, Any] = {
         "gpu_kind": "H200",
         "reuse_opt_in": False,
         "dp_size": 4,
-        "dcp_size": 2,
         "extra": (("k", "v"),),
     }
     assert compatibility_hash(dataclasses.replace(BASE, **{name: changes[name]})) == (
