@@ -43,7 +43,7 @@ REPLAY_HOLE_RETRIES times; nothing is applied across a hole.
 
 Degraded: when a gap cannot be filled (no replay endpoint, the replay starts
 after the sequence asked for because vLLM's buffer overran, no answer within
-`replay_timeout_s`, a replay, its retries included, not done within
+`replay_timeout_s`, a gap's replays, retries included, not done within
 `max_replay_s`, an answer that keeps skipping, or a malformed frame), events
 may have been lost. Lost
 stores only cost hits; a lost removal leaves a phantom entry. Inventory is
@@ -156,8 +156,9 @@ class ZmqStreamConfig:
     block_size: int | None = None
     lora_name: str = ""
     replay_timeout_s: float = 2.0  # the longest wait for one frame of a replay's answer
-    # The longest a replay (its retries after holes included) may take in all: an answer
-    # that trickles one frame per replay_timeout_s must not hold the live stream for hours.
+    # The longest a gap's replays (retries after holes, the check of a short answer and
+    # the rebuild after a restart included) may take in all: an answer that trickles one
+    # frame per replay_timeout_s must not hold the live stream for hours.
     max_replay_s: float = 30.0
     degraded_grace_s: float = 30.0
     # Bounds what a publisher can make kvrc hold: at most rcv_hwm frames queued per
@@ -414,11 +415,11 @@ class ZmqEventStream:
             )
         self._task = asyncio.create_task(self._run(), name=f"zmq-ingest-{self.child_engine_id}")
 
-    async def _replay_at_start(self) -> None:
+    async def _replay_at_start(self, deadline: float | None = None) -> None:
         """Everything the publisher buffers, from sequence 0: a suffix of its log, so the
         view it builds holds no block the engine no longer has (only misses). An answer
         cut short after some of it was applied may have lost a removal: degraded."""
-        result = await self._replay(0, at_start=True)
+        result = await self._replay(0, at_start=True, deadline=deadline)
         if result is None or result is _ReplayResult.COMPLETE:
             return  # (None only answers a verification, which this is not)
         why = (
@@ -632,19 +633,22 @@ class ZmqEventStream:
         """
         had_state = self._has_state  # before the replay applies anything
         digest = hash(payload)
-        result = await self._replay(expected, live=(seq, digest))
+        # One deadline for the replays below: the live stream waits max_replay_s at most.
+        deadline = asyncio.get_running_loop().time() + self.config.max_replay_s
+        result = await self._replay(expected, live=(seq, digest), deadline=deadline)
         if result is None:
-            await self._restarted(f"its replay from {expected} has another batch {seq}")
+            await self._restarted(f"its replay from {expected} has another batch {seq}", deadline)
             return
         before_seq = self._applied  # what the answer reached
         if result in (_ReplayResult.COMPLETE, _ReplayResult.OVERRUN) and (
             before_seq is None or before_seq < seq
         ):
-            check = await self._replay(seq, verify_digest=digest)
+            check = await self._replay(seq, verify_digest=digest, deadline=deadline)
             if check is None:
                 await self._restarted(
                     f"its replay from {expected} ended before {seq}, a batch it had sent, "
-                    "and it no longer has that batch"
+                    "and it no longer has that batch",
+                    deadline,
                 )
                 return
             if result is _ReplayResult.COMPLETE:
@@ -665,11 +669,11 @@ class ZmqEventStream:
         if self._applied is None or seq > self._applied:
             self._apply(seq, payload, decoded)
 
-    async def _restarted(self, why: str) -> None:
+    async def _restarted(self, why: str, deadline: float) -> None:
         """The publisher numbered from 0 again, found by a replay: a new incarnation."""
         self._new_incarnation(f"publisher restarted ({why})", restart=True)
         self._drop_parked()
-        await self._replay_at_start()
+        await self._replay_at_start(deadline)
 
     async def _check_same_publisher(self) -> None:
         """After a reconnection: is the publisher the one whose batches we applied?
@@ -717,14 +721,16 @@ class ZmqEventStream:
         *,
         at_start: bool = False,
         live: tuple[int, int] | None = None,
+        deadline: float | None = None,
     ) -> _ReplayResult | None:
         """Replay from `start_seq`; None when `verify_digest` shows another publisher, or
         the answer's batch at `live`'s sequence is not the live one (its hash).
         `at_start`: the stream's first look (`_replay_at_start`): a buffer that does not
         reach back to `start_seq` lost nothing this stream had, so it is complete. An
         answer with a hole is asked again from the hole (REPLAY_HOLE_RETRIES times), all
-        within `max_replay_s`."""
-        deadline = asyncio.get_running_loop().time() + self.config.max_replay_s
+        within `max_replay_s` (or by `deadline`, loop time, shared with other replays)."""
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self.config.max_replay_s
         try:
             result, overran = await self._replay_once(
                 start_seq, deadline, verify_digest, at_start=at_start, live=live

@@ -562,6 +562,26 @@ async def test_a_replay_answered_by_a_restarted_publisher_is_a_new_incarnation(
     await wait_until(lambda: rig.sink.held() == {*new_blocks, 100}, 5)
 
 
+async def test_a_gaps_replays_share_one_deadline(ctx: zmq.asyncio.Context, rigs: list[Rig]) -> None:
+    """The gap's replay finds a restart, and the new buffer is read again: each replay
+    had a max_replay_s of its own, so the live stream could wait twice that (or more).
+    They share one now: the rebuild gets what is left and ends partial."""
+    rigs.append(rig := await start_rig(ctx, replay_timeout_s=1.0, max_replay_s=1.0))
+    await rig.pub.publish(stored(1), send=False)  # old 0, lost on the wire
+    old_1 = msgpack.packb([time.time(), [stored(7)], 0])
+    rig.pub.restart_numbering()
+    for block in (99, 98):
+        await rig.pub.publish(stored(block), send=False)
+    rig.pub.replay_frame_delay_s = 0.4  # the other batch 1 shows at 0.8 s
+    await rig.pub.send_raw([b"", (1).to_bytes(8, "big"), old_1])
+    await wait_until(lambda: value(rig.metrics, "kvrc_zmq_publisher_restarts_total") == 1, 5)
+    # The rebuild had 0.2 s, less than a frame takes: it ends without a batch.
+    await wait_until(lambda: value(rig.metrics, "kvrc_zmq_replays_total", result="timeout") == 1, 3)
+    await asyncio.sleep(1.0)  # a rebuild with a deadline of its own would be done by now
+    assert rig.sink.held() == set(), rig.sink.held()
+    assert rig.stream.status().incarnation == 1
+
+
 async def test_an_answer_that_lost_its_tail_is_not_taken_for_a_restart(
     ctx: zmq.asyncio.Context, rigs: list[Rig]
 ) -> None:
