@@ -156,9 +156,9 @@ class ZmqStreamConfig:
     block_size: int | None = None
     lora_name: str = ""
     replay_timeout_s: float = 2.0  # the longest wait for one frame of a replay's answer
-    # The longest a gap's replays (retries after holes, the check of a short answer and
-    # the rebuild after a restart included) may take in all: an answer that trickles one
-    # frame per replay_timeout_s must not hold the live stream for hours.
+    # The longest a gap's replays (retries after holes and the check of a short answer
+    # included) may take in all, and as long again the rebuild after a restart: an answer
+    # that trickles one frame per replay_timeout_s must not hold the live stream for hours.
     max_replay_s: float = 30.0
     degraded_grace_s: float = 30.0
     # Bounds what a publisher can make kvrc hold: at most rcv_hwm frames queued per
@@ -415,11 +415,11 @@ class ZmqEventStream:
             )
         self._task = asyncio.create_task(self._run(), name=f"zmq-ingest-{self.child_engine_id}")
 
-    async def _replay_at_start(self, deadline: float | None = None) -> None:
+    async def _replay_at_start(self) -> None:
         """Everything the publisher buffers, from sequence 0: a suffix of its log, so the
         view it builds holds no block the engine no longer has (only misses). An answer
         cut short after some of it was applied may have lost a removal: degraded."""
-        result = await self._replay(0, at_start=True, deadline=deadline)
+        result = await self._replay(0, at_start=True)
         if result is None or result is _ReplayResult.COMPLETE:
             return  # (None only answers a verification, which this is not)
         why = (
@@ -633,11 +633,12 @@ class ZmqEventStream:
         """
         had_state = self._has_state  # before the replay applies anything
         digest = hash(payload)
-        # One deadline for the replays below: the live stream waits max_replay_s at most.
+        # One deadline for the fill and its check (a rebuild after a restart has its own):
+        # the live stream waits max_replay_s at most, or twice that after a restart.
         deadline = asyncio.get_running_loop().time() + self.config.max_replay_s
         result = await self._replay(expected, live=(seq, digest), deadline=deadline)
         if result is None:
-            await self._restarted(f"its replay from {expected} has another batch {seq}", deadline)
+            await self._restarted(f"its replay from {expected} has another batch {seq}")
             return
         before_seq = self._applied  # what the answer reached
         if result in (_ReplayResult.COMPLETE, _ReplayResult.OVERRUN) and (
@@ -647,8 +648,7 @@ class ZmqEventStream:
             if check is None:
                 await self._restarted(
                     f"its replay from {expected} ended before {seq}, a batch it had sent, "
-                    "and it no longer has that batch",
-                    deadline,
+                    "and it no longer has that batch"
                 )
                 return
             if result is _ReplayResult.COMPLETE:
@@ -669,11 +669,13 @@ class ZmqEventStream:
         if self._applied is None or seq > self._applied:
             self._apply(seq, payload, decoded)
 
-    async def _restarted(self, why: str, deadline: float) -> None:
-        """The publisher numbered from 0 again, found by a replay: a new incarnation."""
+    async def _restarted(self, why: str) -> None:
+        """The publisher numbered from 0 again, found by a replay: a new incarnation,
+        its view read whole (a replay with a deadline of its own: a rebuild left the
+        rest of the gap's could end partial, with lasting misses)."""
         self._new_incarnation(f"publisher restarted ({why})", restart=True)
         self._drop_parked()
-        await self._replay_at_start(deadline)
+        await self._replay_at_start()
 
     async def _check_same_publisher(self) -> None:
         """After a reconnection: is the publisher the one whose batches we applied?
@@ -769,6 +771,10 @@ class ZmqEventStream:
         dealer = self._dealer
         assert dealer is not None
         loop = asyncio.get_running_loop()
+        if loop.time() >= deadline:
+            # Not asked: vLLM would stream its buffer to a dealer reset at once.
+            self._metrics.zmq_replays.labels(result=_ReplayResult.TIMEOUT.value).inc()
+            return _ReplayResult.TIMEOUT, False
         self._replays += 1
         await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
         first = True
