@@ -127,6 +127,11 @@ OP_PART_LEFT = "L"
 OP_SEND = "M"
 OP_REPLY = "Y"
 OP_HELLO = "W"
+# A hello's third element when a zombie's fence sent it (`[OP_HELLO, origin, ...]`): its
+# sender had ignored the last announcement (the engine was its own then), so one that
+# falls in the asked replica's re-announce window is served at the window's end, not
+# dropped. An older replica ignores the element.
+HELLO_AFTER_FENCE = "fence"
 OP_CALL = "K"  # not "C": that is replication.OP_CLEAR (one tag space, one log)
 OP_RESULT = "Q"
 # An announcement round's bounds: `[OP_ANNOUNCING, origin]`, then every local part,
@@ -883,7 +888,7 @@ class PeerLink:
                     # `origin` announced the engine while it was still local here (ignored:
                     # a local engine wins), and its later ops name an engine this view no
                     # longer has: it announces its engines again, with dumps (replication.py).
-                    self._write([OP_HELLO, origin])
+                    self._write([OP_HELLO, origin, HELLO_AFTER_FENCE])
             self._best[key] = (token, session_id)
             if self._register_remote(origin, session_id, registration):
                 return True

@@ -61,8 +61,8 @@ from coordinator.core.events import (
 )
 from coordinator.core.inventory import ApplyResult, EngineImage, Inventory, key_probe
 from coordinator.runtime.config import DEFAULT_OUTBOX_MAX_BYTES
+from coordinator.runtime.peers import HELLO_AFTER_FENCE, PEER_TAGS, PeerLink, survives_reset
 from coordinator.runtime.peers import OP_HELLO as PEER_HELLO  # not OP_: one tag, one module
-from coordinator.runtime.peers import PEER_TAGS, PeerLink, survives_reset
 from kvrc.vocabulary import PublishMode
 
 log = logging.getLogger("kvrc.replication")
@@ -107,6 +107,8 @@ DEFAULT_OUTBOX_LIMIT = 1_000_000
 # announcement (and one round of dumps) serves every request inside this window.
 REANNOUNCE_WINDOW_MS = 1_000
 MAX_DEFERRED_ASKERS = 64  # names kept for the log line of a deferred announcement
+# (Inside the window, a hello sent after a zombie's fence is served at its end: peers.py
+# HELLO_AFTER_FENCE.)
 # Origins called silent that are remembered, to be asked to announce again if heard.
 EXPIRED_ORIGINS_KEPT = 1_024
 
@@ -548,8 +550,9 @@ class ReplicatedInventory(Inventory):
     # --- what the store sends on its own behalf ------------------------------------
 
     def heartbeat(self, now_ms: int | None = None) -> None:
-        """Tells the others this replica lives; with `now_ms` (the store's health loop),
-        also makes the announcement deferred by REANNOUNCE_WINDOW_MS, once it is over."""
+        """Tells the others this replica lives; with `now_ms` (the store's health loop,
+        every 500 ms), also makes the announcement deferred inside REANNOUNCE_WINDOW_MS
+        at the first beat past it."""
         self._record([OP_HEARTBEAT])
         last = self._announced_on_request_ms
         if not self._announce_deferred or now_ms is None or last is None:
@@ -557,9 +560,10 @@ class ReplicatedInventory(Inventory):
         if 0 <= now_ms - last < REANNOUNCE_WINDOW_MS:
             return
         askers = ", ".join(sorted(self._deferred_askers)) or "replicas"
-        self._deferred_askers.clear()
-        self._announce_deferred = False
-        self._announce_on_request(askers, now_ms)
+        try:
+            self._announce_on_request(askers, now_ms)
+        except Exception:  # the health loop must go on (it keeps the store up)
+            log.exception("the announcement deferred for %s failed", askers)
 
     def reannounce(self, *, reclaim: bool = False) -> None:
         """After lost ops (or a new, empty store): reset this origin, announce its engines.
@@ -579,6 +583,8 @@ class ReplicatedInventory(Inventory):
         self._kept_bytes = 0
         self.outbox_overflowed = False
         self.generation += 1
+        self._deferred_askers.clear()  # what follows serves any deferred asker too
+        self._announce_deferred = False
         self._record([OP_RESET])
         self._announce_engines()
         if self.peers is not None:
@@ -586,20 +592,24 @@ class ReplicatedInventory(Inventory):
         for op in kept:
             self._record(op)
 
-    def _asked_to_announce(self, asker: str, now_ms: int) -> None:
+    def _asked_to_announce(self, asker: str, now_ms: int, *, after_fence: bool = False) -> None:
         last = self._announced_on_request_ms
         if last is not None and 0 <= now_ms - last < REANNOUNCE_WINDOW_MS:
-            # Several askers at once get one announcement per window. This one may have
-            # asked after reading the last (a replica that fenced a zombie had ignored it
-            # while the engine was still its own): one more at the window's end.
-            self._announce_deferred = True
-            if len(self._deferred_askers) < MAX_DEFERRED_ASKERS:
-                self._deferred_askers.add(asker)
+            # Several askers at once (replicas that heard this one again) get one
+            # announcement per window. One that fenced a zombie had ignored the last
+            # (the engine was its own then) and asked after it: one more at the window's
+            # end (`heartbeat`) serves it, and every other such asker meanwhile.
+            if after_fence:
+                self._announce_deferred = True
+                if len(self._deferred_askers) < MAX_DEFERRED_ASKERS:
+                    self._deferred_askers.add(asker)
             return
         self._announce_on_request(asker, now_ms)
 
     def _announce_on_request(self, asker: str, now_ms: int) -> None:
         self._announced_on_request_ms = now_ms
+        self._deferred_askers.clear()  # served by this one
+        self._announce_deferred = False
         log.warning("replica %s had called this one silent: announcing its engines again", asker)
         self.announce_local_again()
         self.on_asked_to_announce(asker)
@@ -677,7 +687,8 @@ class ReplicatedInventory(Inventory):
                 self.peers.origin_reset(origin, f"replica {origin} reset its state")
             return True
         if tag == PEER_HELLO and len(op) > 1 and op[1] == self.origin:
-            self._asked_to_announce(origin, now_ms)
+            after_fence = len(op) > 2 and op[2] == HELLO_AFTER_FENCE
+            self._asked_to_announce(origin, now_ms, after_fence=after_fence)
             return True
         if tag in PEER_TAGS:
             return self.peers.apply(origin, op) if self.peers is not None else False

@@ -170,22 +170,44 @@ def test_an_origin_called_silent_and_heard_again_is_asked_to_announce_again() ->
     assert b.remote_engines() == {"ea": "a"} and b.is_visible("ea")
     assert c.engine_entries("ea") == 2
     a.outbox.clear()
-    a.apply_remote("x", [["W", "a"]], 9_800)  # another ask inside the window: not at once
-    a.apply_remote("y", [["W", "a"]], 9_900)
+    # Other replicas that heard a again, inside the window: served by that announcement.
+    a.apply_remote("x", [["W", "a"]], 9_800)
+    a.heartbeat(10_700)
+    assert asked == ["b"] and [op[0] for op in a.outbox] == ["H"]
+    a.outbox.clear()
+    a.apply_remote("x", [["W", "a"]], 10_700)  # past the window: announced again
+    assert asked == ["b", "x"] and [op[0] for op in a.outbox] == ["E", "V"]
+
+
+def test_a_hello_after_a_zombies_fence_inside_the_window_is_served_at_its_end() -> None:
+    """A replica that fenced a zombie had ignored a's last announcement (the engine was
+    its own then) and asks after it. Inside the re-announce window that hello was
+    dropped: it never heard of the engine again. One more announcement serves it (and
+    every such asker meanwhile) at the first health beat past the window."""
+    a = replica("a")
+    asked: list[str] = []
+    a.on_asked_to_announce = asked.append
+    ready_engine(a, "ea")
+    a.apply_remote("b", [["W", "a"]], 9_600)  # announced at once
+    a.outbox.clear()
+    a.apply_remote("x", [["W", "a", "fence"]], 9_800)
+    a.apply_remote("y", [["W", "a", "fence"]], 9_900)
     assert asked == ["b"] and list(a.outbox) == []
     a.heartbeat(10_000)  # the window is not over
     assert asked == ["b"] and [op[0] for op in a.outbox] == ["H"]
     a.outbox.clear()
-    # At the window's end one more announcement serves both: x may have asked after
-    # reading the last one (it had ignored it: the engine was its own then), and was
-    # never told again before (the zombie-fence hello dropped).
     a.heartbeat(10_600)
     assert asked == ["b", "x, y"] and [op[0] for op in a.outbox] == ["H", "E", "V"]
     a.outbox.clear()
-    a.heartbeat(12_000)  # served: nothing more
+    a.heartbeat(11_100)  # served: nothing more
     assert [op[0] for op in a.outbox] == ["H"]
-    a.apply_remote("x", [["W", "a"]], 12_700)
-    assert asked == ["b", "x, y", "x"] and [op[0] for op in a.outbox] == ["H", "E", "V"]
+    # An announcement made at once in between serves a deferred asker too (a review
+    # found a third round: the deferred one still fired after it).
+    a.apply_remote("x", [["W", "a", "fence"]], 11_200)  # inside 10 600's window: deferred
+    a.outbox.clear()
+    a.apply_remote("d", [["W", "a"]], 11_700)  # past it: at once
+    a.heartbeat(12_000)
+    assert asked == ["b", "x, y", "d"] and [op[0] for op in a.outbox] == ["E", "V", "H"]
 
 
 def test_a_bad_op_is_skipped_and_the_rest_of_the_entry_applies() -> None:
