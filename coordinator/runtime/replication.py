@@ -589,6 +589,10 @@ class ReplicatedInventory(Inventory):
         self._announce_engines()
         if self.peers is not None:
             self.peers.announce_local(reclaim=reclaim)
+            # Its lost ops may have fenced (or ended) another replica's session of a part
+            # it had taken from its own view (a part that moved here, then left): the
+            # others announce their parts again, so it hears of any that live on.
+            self.peers.hello()
         for op in kept:
             self._record(op)
 

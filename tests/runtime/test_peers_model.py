@@ -1041,3 +1041,19 @@ async def test_a_forwarded_call_that_fails_here_is_answered_unavailable_at_once(
     assert refused.value.code is ErrorCode.UNAVAILABLE
     says = "older kvrc" if failure == "unknown kind" else "RuntimeError: try again"
     assert says in refused.value.message
+
+
+def test_a_part_taken_back_from_a_replica_whose_ops_were_lost_is_heard_of_again() -> None:
+    """The machine found it (a CI draw, also failing on the code of 10b33f0): e1 lives on
+    r1; it registers on r0 too (r0 takes r1's session out of its view), closes there,
+    and r0's outbox overflows before its ops are appended. Nobody learns of r0's session,
+    so r1's lives on, but r0 never heard of it again: its registry named nobody. A reset
+    now asks the others to announce their parts again."""
+    m = PeersMachine()
+    m.register(engine="e1", replica=1)
+    m.settle()
+    m.register(engine="e1", replica=0)
+    m._answer(0)  # r0's claim
+    m.close(engine="e1", replica=0)
+    m.reset(replica=0)
+    m.settle()  # every registry names r1's session
