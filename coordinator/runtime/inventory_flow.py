@@ -45,7 +45,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
@@ -802,13 +802,7 @@ class InventoryFlow:
             return
         meta.zmq, meta.zmq_sink, meta.zmq_source = stream, sink, _zmq_source(registration)
         closing = self._zmq_closing.get(cid)
-
-        async def start() -> None:
-            if closing is not None:
-                await asyncio.gather(closing, return_exceptions=True)
-            await stream.start()
-
-        task = asyncio.get_running_loop().create_task(start())
+        task = asyncio.get_running_loop().create_task(_after(closing, stream.start))
         task.add_done_callback(lambda t: self._zmq_start_ended(cid, meta, stream, t))
 
     @staticmethod
@@ -832,13 +826,7 @@ class InventoryFlow:
         if stream is None:
             return
         before = self._zmq_closing.get(child_engine_id)
-
-        async def close() -> None:
-            if before is not None:
-                await asyncio.gather(before, return_exceptions=True)
-            await stream.close()
-
-        task = asyncio.get_running_loop().create_task(close())
+        task = asyncio.get_running_loop().create_task(_after(before, stream.close))
         task.add_done_callback(_log_failure)
         task.add_done_callback(self._stopping.discard)
         self._stopping.add(task)
@@ -977,6 +965,13 @@ def _zmq_source(registration: RankPartRegistration) -> tuple[str, str, str]:
         registration.kv_events_replay_endpoint,
         registration.endpoint.session_name,
     )
+
+
+async def _after(previous: asyncio.Task[None] | None, step: Callable[[], Awaitable[None]]) -> None:
+    """`step`, once `previous` (an engine's subscription closing) has ended, however."""
+    if previous is not None:
+        await asyncio.gather(previous, return_exceptions=True)
+    await step()
 
 
 def _log_start_failure(child_engine_id: str, task: asyncio.Task[None]) -> None:

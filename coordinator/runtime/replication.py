@@ -392,7 +392,6 @@ class ReplicatedInventory(Inventory):
         # Who asked inside the window after an announcement: served by one more at its
         # end (`heartbeat`). At most MAX_DEFERRED_ASKERS names; past them, still served.
         self._deferred_askers: set[str] = set()
-        self._announce_deferred = False
         # What was announced of each local engine: (compat, mode, ranks), (visible, serving).
         self._local: dict[str, tuple[Op, tuple[bool, bool]]] = {}
         # Rank parts and lease messages across replicas share this log (peers.py).
@@ -555,11 +554,11 @@ class ReplicatedInventory(Inventory):
         at the first beat past it."""
         self._record([OP_HEARTBEAT])
         last = self._announced_on_request_ms
-        if not self._announce_deferred or now_ms is None or last is None:
+        if not self._deferred_askers or now_ms is None or last is None:
             return
         if 0 <= now_ms - last < REANNOUNCE_WINDOW_MS:
             return
-        askers = ", ".join(sorted(self._deferred_askers)) or "replicas"
+        askers = ", ".join(sorted(self._deferred_askers))
         try:
             self._announce_on_request(askers, now_ms)
         except Exception:  # the health loop must go on (it keeps the store up)
@@ -584,7 +583,6 @@ class ReplicatedInventory(Inventory):
         self.outbox_overflowed = False
         self.generation += 1
         self._deferred_askers.clear()  # what follows serves any deferred asker too
-        self._announce_deferred = False
         self._record([OP_RESET])
         self._announce_engines()
         if self.peers is not None:
@@ -603,17 +601,14 @@ class ReplicatedInventory(Inventory):
             # announcement per window. One that fenced a zombie had ignored the last
             # (the engine was its own then) and asked after it: one more at the window's
             # end (`heartbeat`) serves it, and every other such asker meanwhile.
-            if after_fence:
-                self._announce_deferred = True
-                if len(self._deferred_askers) < MAX_DEFERRED_ASKERS:
-                    self._deferred_askers.add(asker)
+            if after_fence and len(self._deferred_askers) < MAX_DEFERRED_ASKERS:
+                self._deferred_askers.add(asker)
             return
         self._announce_on_request(asker, now_ms)
 
     def _announce_on_request(self, asker: str, now_ms: int) -> None:
         self._announced_on_request_ms = now_ms
         self._deferred_askers.clear()  # served by this one
-        self._announce_deferred = False
         log.warning("replica %s had called this one silent: announcing its engines again", asker)
         self.announce_local_again()
         self.on_asked_to_announce(asker)
