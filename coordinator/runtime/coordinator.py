@@ -73,7 +73,7 @@ from coordinator.runtime.clock import Clock, SystemClock, Timer
 from coordinator.runtime.config import CoordinatorConfig
 from coordinator.runtime.inventory_flow import InventoryFlow, ResyncOrder
 from coordinator.runtime.lease_flow import MAX_RELEASE_RETURNS, LeaseFlow, LeaseOutbound
-from coordinator.runtime.log_limit import RateLimitedLog
+from coordinator.runtime.log_limit import LogBudget, RateLimitedLog
 from coordinator.runtime.metrics import Metrics
 from coordinator.runtime.peers import (
     CALL_BEGIN_HANDOFF,
@@ -377,6 +377,9 @@ class Coordinator:
         self._clock_ms = self.clock.monotonic_ms
         # Refused registrations (and a state file cut short): one line per kind per 10 s.
         self._refusal_log = RateLimitedLog(log, self._clock_ms)
+        # Parts registering and leaving, engines READY or gone: one budget for all of
+        # them, here and in both flows (a register/close loop must not fill the log).
+        self._lifecycle_log = LogBudget(self._clock_ms)
         clock_ms = self._clock_ms
         self.registry = Registry(config.max_rank_parts)
         self._sessions: dict[str, Session] = {}
@@ -404,6 +407,7 @@ class Coordinator:
             self.clock,
             self._send_to,
             inventory,
+            lifecycle_log=self._lifecycle_log,
         )
         self.add_part_listener(self.inventory)
         # Both lease flows (coordinator/runtime/lease_flow.py).
@@ -417,6 +421,7 @@ class Coordinator:
             clock=self.clock,
             table=LeaseTable(config.leases, id_owner=lease_id_owner),
             cost=CostModel(config.cost, self.declared_prefill, config.declared_links),
+            lifecycle_log=self._lifecycle_log,
         )
         self.inventory.set_lease_side(
             self.leases.leases_in_flight, self.leases.may_lend, self.leases.is_draining
@@ -552,7 +557,8 @@ class Coordinator:
                 heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
             )
         )
-        log.info(
+        self._lifecycle_log.info(
+            log,
             "rank part registered: %s rank %s session %s (%d/%d parts)",
             view.child_engine_id,
             format_rank(registration.rank),
@@ -802,7 +808,8 @@ class Coordinator:
             # Never acknowledged: the part's next session gets them (I6-quiescence). Aborts
             # and quarantines are sent again by the lease table when it registers.
             given_up = self.leases.releases_returned(unacked)
-            log.info(
+            self._lifecycle_log.info(
+                log,
                 "session %s of %s rank %s ended with %d release(s) not acknowledged: "
                 "sent on to the part's next session%s",
                 session.session_id,
@@ -827,7 +834,8 @@ class Coordinator:
             return False
         self._update_gauges()
         view = removed.view
-        log.info(
+        self._lifecycle_log.info(
+            log,
             "rank part removed (%s): %s rank %s session %s (%d/%d parts)",
             reason,
             view.child_engine_id,
@@ -1197,11 +1205,15 @@ class Coordinator:
         self, view: ChildEngineView, reuse: ReuseStatus, skip_session: str = ""
     ) -> None:
         if view.ready:
-            log.info("child engine %s READY (%d parts)", view.child_engine_id, view.parts_expected)
+            self._lifecycle_log.info(
+                log, "child engine %s READY (%d parts)", view.child_engine_id, view.parts_expected
+            )
             if self.warmup.engine_ready(view.child_engine_id):
                 self._warm("every known child engine is back")
         else:
-            log.info("child engine %s not READY: %s", view.child_engine_id, view.not_ready_reason)
+            self._lifecycle_log.info(
+                log, "child engine %s not READY: %s", view.child_engine_id, view.not_ready_reason
+            )
         self._push_state(view, reuse, skip_session)
 
     def _stale_changed(self, child_engine_id: str) -> None:

@@ -76,7 +76,7 @@ from coordinator.core.score import (
 )
 from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.config import CoordinatorConfig
-from coordinator.runtime.log_limit import RateLimitedLog
+from coordinator.runtime.log_limit import LogBudget, RateLimitedLog
 from coordinator.runtime.metrics import Metrics
 from kvrc.vocabulary import PublishMode
 
@@ -247,6 +247,8 @@ class InventoryFlow:
         clock: Clock,
         send: SendFn,
         inventory: Inventory | None = None,
+        *,
+        lifecycle_log: LogBudget | None = None,
     ) -> None:
         self._config = config
         self._metrics = metrics
@@ -256,6 +258,8 @@ class InventoryFlow:
         self._clock_ms = clock.monotonic_ms
         # Sequence gaps an engine can cause at will: one line per 10 s (I8-bad-input).
         self._gap_log = RateLimitedLog(log, self._clock_ms)
+        # Engines leaving: the coordinator's lifecycle budget (I8-bad-input).
+        self._lifecycle_log = lifecycle_log or LogBudget(self._clock_ms)
         self._send = send
         # A shared store passes its replicated subclass (coordinator/runtime/replication.py).
         self.inventory = (
@@ -881,7 +885,9 @@ class InventoryFlow:
         self.streams.remove_engine(child_engine_id)
         del self._meta[child_engine_id]
         self._retire_zmq(child_engine_id, meta)
-        log.info("child engine %s left: %d inventory entries dropped", child_engine_id, dropped)
+        self._lifecycle_log.info(
+            log, "child engine %s left: %d inventory entries dropped", child_engine_id, dropped
+        )
         self._update_gauges()
 
     def _count_applied(self, source: str, result: ApplyResult) -> None:

@@ -67,7 +67,7 @@ from coordinator.core.profiles import ReuseStatus
 from coordinator.core.registry import ChildEngineView, HeldLease, Registry
 from coordinator.runtime.clock import Clock, Timer
 from coordinator.runtime.lease_ledger import LeaseLedger
-from coordinator.runtime.log_limit import RateLimitedLog
+from coordinator.runtime.log_limit import LogBudget, RateLimitedLog
 from coordinator.runtime.metrics import Metrics
 from kvrc.vocabulary import COORDINATOR_SHUTTING_DOWN, RETRY_AT_THE_NEXT_COORDINATOR, RankKey, Tier
 
@@ -122,6 +122,7 @@ class LeaseFlow:
         config: LeaseConfig | None = None,
         table: LeaseTable | None = None,
         cost: CostModel | None = None,
+        lifecycle_log: LogBudget | None = None,
     ) -> None:
         self.core = Grants(
             table=table if table is not None else LeaseTable(config),
@@ -137,6 +138,8 @@ class LeaseFlow:
         self._clock = clock
         # Lines a session's messages trigger: one per kind per 10 s (I8-bad-input).
         self._session_log = RateLimitedLog(log, clock.monotonic_ms)
+        # Engines gone: the coordinator's lifecycle budget (I8-bad-input).
+        self._lifecycle_log = lifecycle_log or LogBudget(clock.monotonic_ms)
         self._payload_shown = 0  # what kvrc_lease_payload_bytes shows (the gauge starts at 0)
         self._closing = False
         self._timer: Timer | None = None
@@ -535,7 +538,9 @@ class LeaseFlow:
             return  # some part is back or still in its grace period
         actions = self.core.on_engine_gone(child_engine_id, self._clock.monotonic_ms())
         if actions:
-            log.info("child engine %s is gone: %d lease action(s)", child_engine_id, len(actions))
+            self._lifecycle_log.info(
+                log, "child engine %s is gone: %d lease action(s)", child_engine_id, len(actions)
+            )
         self._execute(actions)
 
     # --- internals -----------------------------------------------------------------------

@@ -61,3 +61,57 @@ class RateLimitedLog:
             message += LEFT_OUT
             args = (*args, left_out)
         self._logger.log(level, message, *args)
+
+
+# A lifecycle budget's burst: a 64-engine, tp=8 cluster restarting whole (its parts
+# leaving and registering again, every engine not READY, left, READY) writes ~1,300.
+LIFECYCLE_BURST = 2_000
+# Its sustained rate once the burst is spent: ~86,000 lines (~12 MB) a day at most.
+LIFECYCLE_LINES_PER_S = 1.0
+
+
+class LogBudget:
+    """Lines that peers trigger in the normal course of their lives (a rank part
+    registers or leaves, a child engine turns READY or goes): each is worth a line, so
+    a burst is logged whole, but a client that registers and closes in a loop must not
+    fill the log (I8-bad-input). A token bucket shared by every such line: `burst`
+    lines at once, then `lines_per_s`. The first line left out in a row says so once;
+    the next line logged carries the count of those left out."""
+
+    def __init__(
+        self,
+        now_ms: Callable[[], int],
+        burst: int = LIFECYCLE_BURST,
+        lines_per_s: float = LIFECYCLE_LINES_PER_S,
+    ) -> None:
+        self._now_ms = now_ms
+        self._burst = float(burst)
+        self._per_ms = lines_per_s / 1000.0
+        self._tokens = float(burst)
+        self._filled_ms: int | None = None
+        self._left_out = 0
+
+    def info(self, logger: logging.Logger, message: str, *args: object) -> None:
+        """Logs `message % args` at INFO on `logger` if the budget has a line left."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        now = self._now_ms()
+        if self._filled_ms is not None:
+            self._tokens = min(self._burst, self._tokens + (now - self._filled_ms) * self._per_ms)
+        self._filled_ms = now
+        if self._tokens < 1.0:
+            if not self._left_out:
+                logger.warning(
+                    "engine lifecycle lines are over their budget (%d at once, then %g a "
+                    "second): counting them instead until there is room",
+                    int(self._burst),
+                    self._per_ms * 1000.0,
+                )
+            self._left_out += 1
+            return
+        self._tokens -= 1.0
+        if self._left_out:
+            message += " (%d engine lifecycle line(s) left out before this one)"
+            args = (*args, self._left_out)
+            self._left_out = 0
+        logger.info(message, *args)

@@ -235,3 +235,32 @@ async def test_send_to_part_and_proven_gone_do_no_work_per_part_of_the_grid() ->
     assert coordinator.proven_gone("facade")
     assert calls.count == 0
     await coordinator.shutdown()
+
+
+async def test_a_register_close_loop_does_not_fill_the_log(caplog: Any) -> None:
+    """A client that registers and closes in a loop (I8-bad-input): each cycle is five
+    lifecycle lines (registered, READY, removed, not READY, left); after the budget's
+    burst, one line a second of the manual clock, and one warning says so."""
+    import logging
+
+    from coordinator.runtime.log_limit import LIFECYCLE_BURST
+
+    clock = ManualClock()
+    coordinator = Coordinator(CoordinatorConfig(session_grace_ms=0), clock=clock)
+    cycles = LIFECYCLE_BURST  # five times the burst's lines
+    with caplog.at_level(logging.INFO, logger="kvrc"):
+        for _ in range(cycles):
+            session = coordinator.open_session(_domain_registration(0, tp_size=1))
+            coordinator.close_session(session, "closed")
+        clock.advance(10_000)  # ten lines' worth of refill
+        for _ in range(10):
+            session = coordinator.open_session(_domain_registration(0, tp_size=1))
+            coordinator.close_session(session, "closed")
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("kvrc")]
+    over = [m for m in lines if "lifecycle lines are over their budget" in m]
+    assert len(over) == 2  # the burst spent; the refill spent
+    assert len(lines) == LIFECYCLE_BURST + 10 + len(over)
+    assert lines[0].startswith("rank part registered: facade rank")
+    assert "lifecycle line(s) left out before this one" in lines[LIFECYCLE_BURST + 1]
+    assert coordinator.registry.num_parts == 0
+    await coordinator.shutdown()

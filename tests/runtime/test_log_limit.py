@@ -1,4 +1,5 @@
-"""RateLimitedLog: one line per key per interval, on the injected clock, counting the rest."""
+"""RateLimitedLog: one line per key per interval, on the injected clock, counting the rest.
+LogBudget: engine lifecycle lines, a burst whole and then a sustained rate."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 import pytest
 
 from coordinator.runtime.clock import ManualClock
-from coordinator.runtime.log_limit import RateLimitedLog
+from coordinator.runtime.log_limit import LogBudget, RateLimitedLog
 
 LOGGER = "kvrc.test.log_limit"
 
@@ -60,3 +61,42 @@ def test_info_lines_are_limited_alike_and_nothing_is_counted_below_the_level(
         "gap 3 (1 more like it since the last such line, not logged)",
     ]
     assert all(r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_a_lifecycle_budget_logs_a_burst_whole_then_its_rate_and_counts_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = ManualClock(monotonic_ms=0)
+    budget = LogBudget(clock.monotonic_ms, burst=3, lines_per_s=2.0)
+    logger = logging.getLogger(LOGGER)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        budget.info(logger, "below %d", 0)  # below the level: neither logged nor spent
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for i in range(6):
+            budget.info(logger, "part %d", i)
+        clock.advance(499)  # not yet a whole line's refill (2 a second)
+        budget.info(logger, "part %d", 6)
+        clock.advance(1)
+        budget.info(logger, "part %d", 7)
+        budget.info(logger, "part %d", 8)
+        clock.advance(60_000)  # a quiet minute refills the burst, never more
+        for i in range(9, 13):
+            budget.info(logger, "part %d", i)
+    over = (
+        "engine lifecycle lines are over their budget (3 at once, then 2 a second): "
+        "counting them instead until there is room"
+    )
+    assert _lines(caplog) == [
+        "part 0",
+        "part 1",
+        "part 2",
+        over,
+        "part 7 (4 engine lifecycle line(s) left out before this one)",
+        over,
+        "part 9 (1 engine lifecycle line(s) left out before this one)",
+        "part 10",
+        "part 11",
+        over,
+    ]
+    levels = [r.levelno for r in caplog.records if r.name == LOGGER]
+    assert levels == [logging.WARNING if m == over else logging.INFO for m in _lines(caplog)]
