@@ -201,13 +201,40 @@ class _ChildEngine:
         self.parts: dict[RankKey, RegisteredPart] = {}
 
 
-class Registry:
-    """All registered rank parts, grouped by child engine."""
+# What one KvRegion costs the registry beyond its wire bytes: a slotted object of five
+# ints (a 64-bit base address among them), ~120 bytes in CPython.
+REGION_HELD_BYTES = 128
+DEFAULT_MAX_RANK_PARTS = 65536
+DEFAULT_MAX_ENDPOINT_BYTES = 1 << 30
 
-    def __init__(self, max_rank_parts: int = 65536) -> None:
+
+def endpoint_held_bytes(endpoint: TransferEndpoint) -> int:
+    """What a part's endpoint costs the registry for its life: the opaque metadata
+    (agent_metadata and extra, kept byte for byte) and its regions."""
+    extra = sum(len(key) + len(value) for key, value in endpoint.extra)
+    return len(endpoint.agent_metadata) + extra + REGION_HELD_BYTES * len(endpoint.regions)
+
+
+class Registry:
+    """All registered rank parts, grouped by child engine.
+
+    Bounded (I8-bad-input): `max_rank_parts` parts and `max_endpoint_bytes` of endpoints
+    over all of them, and one engine (its DP ranks together) at most a quarter of each,
+    so one misconfigured or runaway engine cannot lock the others out.
+    """
+
+    def __init__(
+        self,
+        max_rank_parts: int = DEFAULT_MAX_RANK_PARTS,
+        max_endpoint_bytes: int = DEFAULT_MAX_ENDPOINT_BYTES,
+    ) -> None:
         self._max_rank_parts = max_rank_parts
+        self._max_endpoint_bytes = max_endpoint_bytes
         self._children: dict[str, _ChildEngine] = {}
         self._num_parts = 0
+        self._endpoint_bytes = 0
+        # Per engine_id: (parts, endpoint bytes) of its child engines together.
+        self._per_engine: dict[str, tuple[int, int]] = {}
 
     @property
     def num_parts(self) -> int:
@@ -226,10 +253,8 @@ class Registry:
                     f"{reg.child_engine_id!r} is already registered (session {held.session_id})"
                 )
             check_consistent(reg, child.reference)
-        if self._num_parts >= self._max_rank_parts:
-            raise resource_exhausted(
-                f"the coordinator holds its maximum of {self._max_rank_parts} rank parts"
-            )
+        endpoint_bytes = endpoint_held_bytes(reg.endpoint)
+        self._check_room(reg, endpoint_bytes)
         # All checks passed: mutate.
         was_ready = child is not None and self._is_ready(child)
         if child is None:
@@ -237,7 +262,7 @@ class Registry:
             self._children[reg.child_engine_id] = child
         part = RegisteredPart(reg, session_id, incarnation, now_ms, now_ms)
         child.parts[reg.rank] = part
-        self._num_parts += 1
+        self._count(reg.engine_id, 1, endpoint_bytes)
         view = self._view(child)
         return RegistrationResult(part, view, readiness_changed=view.ready != was_ready)
 
@@ -251,13 +276,61 @@ class Registry:
             return None
         was_ready = self._is_ready(child)
         del child.parts[ref.rank]
-        self._num_parts -= 1
+        self._count(
+            part.registration.engine_id, -1, -endpoint_held_bytes(part.registration.endpoint)
+        )
         view = self._view(child)
         if not child.parts:
             del self._children[ref.child_engine_id]
         elif child.reference.rank == ref.rank:
             child.reference = next(iter(child.parts.values())).registration
         return RemovalResult(part, view, readiness_changed=was_ready != view.ready)
+
+    def _check_room(self, reg: RankPartRegistration, held: int) -> None:
+        """RESOURCE_EXHAUSTED unless the coordinator, and the part's engine within its
+        quarter, have room for one more part of `held` endpoint bytes."""
+        engine_parts, engine_bytes = self._per_engine.get(reg.engine_id, (0, 0))
+        if self._num_parts >= self._max_rank_parts:
+            raise resource_exhausted(
+                f"the coordinator holds its maximum of {self._max_rank_parts} rank parts "
+                "(--max-rank-parts)"
+            )
+        if self._endpoint_bytes + held > self._max_endpoint_bytes:
+            raise resource_exhausted(
+                f"rank part {format_rank(reg.rank)} of {reg.child_engine_id!r}: its endpoint "
+                f"holds {held} bytes (metadata, extra, regions) and the coordinator's rank "
+                f"parts {self._endpoint_bytes} of their {self._max_endpoint_bytes} "
+                "(--max-endpoint-bytes)"
+            )
+        share_parts = max(1, self._max_rank_parts // 4)
+        if engine_parts >= share_parts:
+            raise resource_exhausted(
+                f"engine {reg.engine_id!r} holds {engine_parts} rank parts, its share of at "
+                f"most a quarter of the coordinator's {self._max_rank_parts} (--max-rank-parts)"
+            )
+        share_bytes = self._max_endpoint_bytes // 4
+        if engine_bytes + held > share_bytes:
+            raise resource_exhausted(
+                f"rank part {format_rank(reg.rank)} of {reg.child_engine_id!r}: its endpoint "
+                f"holds {held} bytes and engine {reg.engine_id!r}'s parts {engine_bytes}, past "
+                f"its share of at most a quarter of the coordinator's "
+                f"{self._max_endpoint_bytes} (--max-endpoint-bytes)"
+            )
+
+    def _count(self, engine_id: str, parts: int, held: int) -> None:
+        self._num_parts += parts
+        self._endpoint_bytes += held
+        engine_parts, engine_bytes = self._per_engine.get(engine_id, (0, 0))
+        engine_parts += parts
+        if engine_parts:
+            self._per_engine[engine_id] = (engine_parts, engine_bytes + held)
+        else:
+            del self._per_engine[engine_id]
+
+    @property
+    def endpoint_bytes(self) -> int:
+        """Endpoint bytes the registered parts hold (`endpoint_held_bytes`, summed)."""
+        return self._endpoint_bytes
 
     def heartbeat(self, ref: PartRef, now_ms: int) -> bool:
         """Records liveness; False when `ref` no longer holds the part."""

@@ -100,6 +100,17 @@ def _uint32(value: str) -> int:
     return number
 
 
+def _positive_int(value: str) -> int:
+    """A count or size that must be at least 1 (a bound of 0 would refuse everything)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {number}")
+    return number
+
+
 def _on_off(value: str) -> bool:
     if value not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
@@ -231,6 +242,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.session_queue_size,
         help="messages queued to one session before an engine that does not read its stream "
         "is disconnected (%(default)s)",
+    )
+    serve.add_argument(
+        "--max-rank-parts",
+        type=_positive_int,
+        default=defaults.max_rank_parts,
+        help="rank parts registered at once, over all engines; one engine (its DP ranks "
+        "together) may hold a quarter (%(default)s)",
+    )
+    serve.add_argument(
+        "--max-endpoint-bytes",
+        type=_positive_int,
+        default=defaults.max_endpoint_bytes,
+        help="bytes of the registered parts' transfer endpoints (agent metadata, extra, "
+        "regions), over all of them; one engine may hold a quarter (%(default)s)",
     )
     serve.add_argument(
         "--store",
@@ -578,6 +603,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         tls=tls,
         auth=auth,
         session_queue_size=args.session_queue_size,
+        max_rank_parts=args.max_rank_parts,
+        max_endpoint_bytes=args.max_endpoint_bytes,
         state_file=args.state_file,
         warmup_ms=args.warmup_ms,
         resync_retry_initial_ms=args.resync_retry_ms,

@@ -30,6 +30,7 @@ from coordinator.core.cost_model import MAX_BLOCK_BYTES, CostConfig, DeclaredLin
 from coordinator.core.errors import KvrcError
 from coordinator.core.leases import LeaseConfig
 from coordinator.core.profiles import DeclaredProfile, declared_profile
+from coordinator.core.registry import DEFAULT_MAX_ENDPOINT_BYTES, DEFAULT_MAX_RANK_PARTS
 from kvrc.credentials import is_loopback_host
 
 
@@ -209,7 +210,10 @@ class CoordinatorConfig:
     max_message_bytes: int = 16 << 20
     # One session's outbound queue; a session that does not read is closed.
     session_queue_size: int = 1024
-    max_rank_parts: int = 65536
+    # Registered rank parts, and their endpoints' bytes (metadata, extra, regions) over
+    # all of them; one engine may hold a quarter of each (coordinator/core/registry.py).
+    max_rank_parts: int = DEFAULT_MAX_RANK_PARTS
+    max_endpoint_bytes: int = DEFAULT_MAX_ENDPOINT_BYTES
     # Inventory caps: stores past them are dropped and counted (inventory.py "Bounds").
     inventory_max_entries_total: int = 50_000_000
     inventory_max_entries_per_engine: int = 5_000_000

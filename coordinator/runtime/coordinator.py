@@ -381,7 +381,7 @@ class Coordinator:
         # them, here and in both flows (a register/close loop must not fill the log).
         self._lifecycle_log = LogBudget(self._clock_ms)
         clock_ms = self._clock_ms
-        self.registry = Registry(config.max_rank_parts)
+        self.registry = Registry(config.max_rank_parts, config.max_endpoint_bytes)
         self._sessions: dict[str, Session] = {}
         # Per local session: held prefix loads its part re-announced while their owner
         # (another replica) was live, so left to it. Rebuilt here if that owner falls

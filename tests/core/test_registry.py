@@ -14,14 +14,16 @@ from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.leases import LeaseConfig, LeaseState, LeaseTable
 from coordinator.core.profiles import DeploymentProfile
 from coordinator.core.registry import (
+    REGION_HELD_BYTES,
     PartRef,
     RankPartRegistration,
     Registry,
+    endpoint_held_bytes,
     grid_ranks,
 )
 from kvrc.ids import MAX_GRID_PARTS
 from kvrc.ids import child_engine_id as vllm_child_engine_id
-from kvrc.vocabulary import TransferEndpoint
+from kvrc.vocabulary import KvRegion, TransferEndpoint
 
 PROFILE = DeploymentProfile(model="m", block_size=16, kv_dtype="bfloat16", tp_size=2, pp_size=2)
 
@@ -187,11 +189,67 @@ def test_grid_size_and_part_count_are_bounded() -> None:
     assert e.value.message.startswith("profile.parallel")
     assert f"8192 rank parts exceeds the limit of {MAX_GRID_PARTS}" in e.value.message
     r.register(reg(0, 0), "s0", 0, 0)
-    r.register(reg(0, 1), "s1", 0, 0)
+    r.register(reg(0, 0, engine_id="e2"), "s1", 0, 0)
+    before = snapshot(r)
     with pytest.raises(KvrcError) as e:
-        r.register(reg(1, 0), "s2", 0, 0)
+        r.register(reg(0, 0, engine_id="e3"), "s2", 0, 0)
     assert e.value.code == ErrorCode.RESOURCE_EXHAUSTED
-    assert r.num_parts == 2
+    assert "maximum of 2 rank parts (--max-rank-parts)" in e.value.message
+    assert snapshot(r) == before
+
+
+def test_one_engine_holds_at_most_a_quarter_of_the_parts_and_of_the_endpoint_bytes() -> None:
+    """A runaway engine (its DP ranks together) cannot lock the others out; every
+    refusal changes nothing, and a part that leaves gives its room back."""
+    dp4 = dataclasses.replace(PROFILE, dp_size=4)
+    r = Registry(max_rank_parts=16, max_endpoint_bytes=16_000)
+    # Two child engines of e1, two parts each: its share, 16 // 4 parts.
+    parts = [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]  # (dp_rank, tp, pp)
+    for i, (dp_rank, tp, pp) in enumerate(parts):
+        r.register(reg(tp, pp, engine_id="e1", dp_rank=dp_rank, profile=dp4), f"s{i}", 0, 0)
+    before = snapshot(r)
+    with pytest.raises(KvrcError) as e:
+        r.register(reg(1, 0, engine_id="e1", dp_rank=1, profile=dp4), "s9", 0, 0)
+    assert e.value.code == ErrorCode.RESOURCE_EXHAUSTED
+    assert "engine 'e1' holds 4 rank parts" in e.value.message
+    assert "quarter of the coordinator's 16 (--max-rank-parts)" in e.value.message
+    assert snapshot(r) == before
+    r.register(reg(0, 0, engine_id="e2"), "t0", 0, 0)  # another engine has room
+    assert r.remove(PartRef("e1_dp0", (0, 0, 0), "s0")) is not None
+    r.register(reg(1, 0, engine_id="e1", dp_rank=1, profile=dp4), "s9", 0, 0)  # room again
+
+    # Endpoint bytes: 4,000 a engine (a quarter of 16,000), 16,000 in all.
+    r = Registry(max_endpoint_bytes=16_000)
+    r.register(reg(0, 0, engine_id="a", metadata=b"x" * 3_000), "a0", 0, 0)
+    assert r.endpoint_bytes == 3_000
+    before = snapshot(r)
+    with pytest.raises(KvrcError) as e:
+        r.register(reg(0, 1, engine_id="a", metadata=b"x" * 1_001), "a1", 0, 0)
+    assert e.value.code == ErrorCode.RESOURCE_EXHAUSTED
+    assert "its endpoint holds 1001 bytes and engine 'a''s parts 3000" in e.value.message
+    assert snapshot(r) == before and r.endpoint_bytes == 3_000
+    r.register(reg(0, 1, engine_id="a", metadata=b"x" * 1_000), "a1", 0, 0)  # exactly its share
+    for name in ("b", "c", "d"):
+        r.register(reg(0, 0, engine_id=name, metadata=b"x" * 4_000), name, 0, 0)
+    assert r.endpoint_bytes == 16_000
+    with pytest.raises(KvrcError) as e:
+        r.register(reg(0, 0, engine_id="e", metadata=b"x"), "e", 0, 0)
+    assert "the coordinator's rank parts 16000 of their 16000 (--max-endpoint-bytes)" in (
+        e.value.message
+    )
+    assert r.remove(PartRef("d", (0, 0, 0), "d")) is not None
+    assert r.endpoint_bytes == 12_000
+    r.register(reg(0, 0, engine_id="e", metadata=b"x"), "e", 0, 0)
+
+
+def test_an_endpoints_held_bytes_count_its_metadata_extra_and_regions() -> None:
+    endpoint = TransferEndpoint(
+        backend="nixl",
+        agent_metadata=b"m" * 100,
+        regions=(KvRegion(base_addr=1 << 40, block_len=4096, num_blocks=8),) * 3,
+        extra=(("k1", b"v" * 10), ("k22", b"")),
+    )
+    assert endpoint_held_bytes(endpoint) == 100 + (2 + 10) + 3 + 3 * REGION_HELD_BYTES
 
 
 def test_removal_needs_the_holding_session_and_unreadies() -> None:

@@ -310,3 +310,39 @@ async def test_a_report_of_more_bytes_than_any_load_moves_is_refused(
             await pb_grpc.EngineServiceStub(channel).CompletePrefixLoad(report)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "bytes_moved 18446744073709551615 exceeds" in (refused.value.details() or "")
+
+
+async def test_an_engine_past_its_share_of_endpoint_bytes_is_refused_others_still_register() -> (
+    None
+):
+    """`--max-endpoint-bytes` 400,000: one engine may hold 100,000 bytes of endpoints.
+    Its second 60,000-byte part is RESOURCE_EXHAUSTED naming the flag, and changes
+    nothing; another engine's part still registers."""
+    from clients.session import EngineProfile, EngineSession, RankPartRegistration
+    from kvrc.vocabulary import TransferEndpoint
+
+    def part(engine_id: str, tp_rank: int) -> RankPartRegistration:
+        return RankPartRegistration(
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            tp_size=2,
+            profile=EngineProfile(model="m", block_size=16, kv_dtype="bfloat16"),
+            endpoint=TransferEndpoint(backend="mooncake", agent_metadata=b"m" * 60_000),
+        )
+
+    with start_coordinator("--max-endpoint-bytes", "400000") as kvrc:
+        first = EngineSession(kvrc.grpc_target, part("big", 0), reconnect=False)
+        await first.start()
+        before = without_heartbeat_times(await get_status(kvrc.grpc_target))
+        second = good_register("big", tp_rank=1)
+        second.endpoint.agent_metadata = b"m" * 60_000
+        second.profile.transfer_backends.append("mooncake")  # as EngineProfile's default
+        code, details = await run_session(kvrc.grpc_target, [pb.EngineMessage(register=second)])
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert "engine 'big''s parts 60000, past its share" in details
+        assert "(--max-endpoint-bytes)" in details
+        assert without_heartbeat_times(await get_status(kvrc.grpc_target)) == before
+        other = EngineSession(kvrc.grpc_target, part("other", 0), reconnect=False)
+        await other.start()
+        await other.close()
+        await first.close()
