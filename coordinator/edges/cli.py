@@ -24,6 +24,7 @@ import grpc
 from coordinator.core.auth import AuthConfigError, load_auth_policy
 from coordinator.core.cost_model import MIB, CostConfig
 from coordinator.core.leases import LeaseConfig
+from coordinator.edges.host_patterns import check_host_patterns
 from coordinator.runtime.config import (
     DEFAULT_ORIGIN_TIMEOUT_MS,
     DEFAULT_OUTBOX_MAX_BYTES,
@@ -33,6 +34,7 @@ from coordinator.runtime.config import (
     STORE_PASSWORD_ENV,
     ConfigError,
     CoordinatorConfig,
+    FieldBounds,
     load_declarations,
     parse_store,
     read_store_password,
@@ -109,6 +111,15 @@ def _positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {number}")
     return number
+
+
+def _host_patterns(value: str) -> tuple[str, ...]:
+    patterns = tuple(p.strip() for p in value.split(",") if p.strip())
+    try:
+        check_host_patterns(patterns)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return patterns
 
 
 def _on_off(value: str) -> bool:
@@ -256,6 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.max_endpoint_bytes,
         help="bytes of the registered parts' transfer endpoints (agent metadata, extra, "
         "regions), over all of them; one engine may hold a quarter (%(default)s)",
+    )
+    serve.add_argument(
+        "--kv-events-hosts",
+        type=_host_patterns,
+        default=(),
+        metavar="LIST",
+        help="hosts kvrc may subscribe to (or bind) for an engine's vLLM KV events, "
+        "comma-separated: addresses, networks (10.0.0.0/8), names, *.domain; a "
+        "registration naming another is PERMISSION_DENIED (default: any)",
     )
     serve.add_argument(
         "--store",
@@ -605,6 +625,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         session_queue_size=args.session_queue_size,
         max_rank_parts=args.max_rank_parts,
         max_endpoint_bytes=args.max_endpoint_bytes,
+        bounds=FieldBounds(kv_events_hosts=args.kv_events_hosts),
         state_file=args.state_file,
         warmup_ms=args.warmup_ms,
         resync_retry_initial_ms=args.resync_retry_ms,

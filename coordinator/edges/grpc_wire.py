@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 from coordinator.core import events as ev
 from coordinator.core import inventory as inv
 from coordinator.core.cost_model import Prediction
-from coordinator.core.errors import KvrcError, failed_precondition, invalid
+from coordinator.core.errors import KvrcError, failed_precondition, invalid, permission_denied
 from coordinator.core.grants import (
     BeginHandoffRequest,
     DrainNotice,
@@ -51,7 +51,13 @@ from coordinator.core.score import (
     ScoreQuery,
 )
 from coordinator.core.vllm_hashing import MAX_MM_FEATURES, MmFeature
-from coordinator.edges.zmq_ingest import ZmqStreamConfig, publisher_host, subscriber_endpoint
+from coordinator.edges.host_patterns import host_allowed
+from coordinator.edges.zmq_ingest import (
+    ZmqStreamConfig,
+    endpoint_host,
+    publisher_host,
+    subscriber_endpoint,
+)
 from coordinator.runtime.clock import Clock, from_unix_ms, to_unix_ms
 from coordinator.runtime.config import FieldBounds
 from coordinator.runtime.coordinator import (
@@ -321,12 +327,8 @@ def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRe
     check_text("kv_events_replay_endpoint", msg.kv_events_replay_endpoint, bounds)
     held = _held_leases_from_proto(msg, bounds)
     endpoint = endpoint_from_proto(msg.endpoint, bounds)
-    _check_kv_events_endpoint(
-        "kv_events_endpoint", msg.kv_events_endpoint, engine_id, msg, endpoint
-    )
-    _check_kv_events_endpoint(
-        "kv_events_replay_endpoint", msg.kv_events_replay_endpoint, engine_id, msg, endpoint
-    )
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        _check_kv_events_endpoint(name, getattr(msg, name), engine_id, msg, endpoint, bounds)
     return RankPartRegistration(
         engine_id=engine_id,
         dp_rank=msg.dp_rank,
@@ -390,17 +392,29 @@ def part_codec(bounds: FieldBounds) -> PartCodec:
 
 
 def _check_kv_events_endpoint(
-    field: str, value: str, engine_id: str, msg: pb.Register, endpoint: TransferEndpoint
+    field: str,
+    value: str,
+    engine_id: str,
+    msg: pb.Register,
+    endpoint: TransferEndpoint,
+    bounds: FieldBounds,
 ) -> None:
-    """Refuses what the ZMQ edge would refuse later (its own validators, same inputs)."""
+    """Refuses what the ZMQ edge would refuse later (its own validators, same inputs),
+    and a host outside `--kv-events-hosts` (PERMISSION_DENIED: an engine must not point
+    kvrc's sockets at other services)."""
     if not value:
         return
     try:
         host = publisher_host(endpoint.session_name)
-        subscribed, _ = subscriber_endpoint(value, host, msg.dp_rank)
+        subscribed, binds = subscriber_endpoint(value, host, msg.dp_rank)
         ZmqStreamConfig(engine_id=engine_id, endpoint=subscribed)
     except KvrcError as e:
         raise invalid(f"{field}: {e.message}") from None
+    if not host_allowed(endpoint_host(subscribed), bounds.kv_events_hosts):
+        raise permission_denied(
+            f"{field}: kvrc would {'bind' if binds else 'connect to'} {subscribed}, a host "
+            f"outside --kv-events-hosts ({', '.join(bounds.kv_events_hosts)})"
+        )
 
 
 # --- coordinator -> engine -----------------------------------------------------

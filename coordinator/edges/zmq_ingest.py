@@ -218,6 +218,11 @@ def publisher_host(session_name: str) -> str:
     return session_name.rpartition(":")[0] or "127.0.0.1"
 
 
+def endpoint_host(endpoint: str) -> str:
+    """The host of a `tcp://host:port` endpoint (already checked by `subscriber_endpoint`)."""
+    return endpoint[len("tcp://") :].rpartition(":")[0]
+
+
 def subscriber_endpoint(
     vllm_endpoint: str, publisher_host: str, dp_rank: int = 0
 ) -> tuple[str, bool]:

@@ -53,6 +53,9 @@ class FieldBounds:
     max_block_len: int = MAX_BLOCK_BYTES
     max_extra_entries: int = 64
     max_held_leases: int = 4096
+    # Hosts kvrc may subscribe to or bind for a registration's vLLM KV events
+    # (`--kv-events-hosts`: networks, names, *.domain); empty: any.
+    kv_events_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -346,3 +346,36 @@ async def test_an_engine_past_its_share_of_endpoint_bytes_is_refused_others_stil
         await other.start()
         await other.close()
         await first.close()
+
+
+async def test_a_kv_events_endpoint_outside_the_allowed_hosts_is_permission_denied() -> None:
+    """With `--kv-events-hosts`, a registration whose KV events kvrc would subscribe to
+    (or bind) on another host is PERMISSION_DENIED naming the endpoint, and changes
+    nothing; one on an allowed host registers."""
+    with start_coordinator("--kv-events-hosts", "10.0.0.0/8,*.kv.example") as kvrc:
+        before = without_heartbeat_times(await get_status(kvrc.grpc_target))
+        for endpoint, subscribed in (
+            ("tcp://*:5557", "connect to tcp://127.0.0.1:5557"),  # vLLM binds: its host
+            ("tcp://192.0.2.1:5557", "bind tcp://192.0.2.1:5557"),  # vLLM connects
+        ):
+            reg = good_register("outside")
+            reg.kv_events_endpoint = endpoint
+            code, details = await run_session(kvrc.grpc_target, [pb.EngineMessage(register=reg)])
+            assert code == grpc.StatusCode.PERMISSION_DENIED, details
+            assert f"kv_events_endpoint: kvrc would {subscribed}, a host outside" in details
+            assert "--kv-events-hosts (10.0.0.0/8, *.kv.example)" in details
+        assert without_heartbeat_times(await get_status(kvrc.grpc_target)) == before
+        from clients.session import EngineProfile, EngineSession, RankPartRegistration
+        from kvrc.vocabulary import TransferEndpoint
+
+        inside = RankPartRegistration(
+            engine_id="inside",
+            profile=EngineProfile(model="m", block_size=16),
+            endpoint=TransferEndpoint(backend="mooncake", session_name="10.0.0.5:15000"),
+            kv_events_endpoint="tcp://*:5557",  # kvrc connects to 10.0.0.5:5557: allowed
+        )
+        session = EngineSession(kvrc.grpc_target, inside, reconnect=False)
+        await session.start()
+        status = await get_status(kvrc.grpc_target)
+        assert [e.state.child_engine_id for e in status.child_engines] == ["inside"]
+        await session.close()
