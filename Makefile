@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # xdist workers for `make test` (tests/conftest.py orders the work units); 0 runs serially.
 TEST_WORKERS ?= 2
 
-.PHONY: help venv sysdeps proto proto-check serve demo test test-fast test-e2e lint typecheck check \
+.PHONY: help venv sysdeps testdeps proto proto-check serve demo test test-fast test-e2e lint typecheck check \
         bench-index bench-transfer bench-cluster vllm-venv demo-vllm bench-vllm test-vllm bench-zmq bench-trace bench-load soak clean
 
 help:
@@ -20,9 +20,10 @@ help:
 	@echo "make test-e2e  - tests/clients and e2e: engines, Mooncake, Prometheus, faults"
 	@echo "make check  - lint + typecheck + stale-proto check + tests (what CI runs)"
 
-# Debian libraries the Mooncake wheel links against (docs/mooncake.md).
+# Debian libraries the Mooncake wheel links against (docs/mooncake.md): every target.
 sysdeps:
-	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'libnuma.so.1'; then \
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'libnuma.so.1' \
+	  || ! ldconfig -p | grep -q 'libcurl.so.4'; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing libibverbs1 libnuma1 libcurl4 (for Mooncake)"; \
 	    apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 libnuma1 libcurl4 >/dev/null; \
@@ -30,7 +31,12 @@ sysdeps:
 	    echo "Mooncake needs Debian's libibverbs1 libnuma1 libcurl4: sudo apt-get install --no-install-recommends libibverbs1 libnuma1 libcurl4"; exit 1; \
 	  fi; \
 	fi
-	@# Debian's redis-server: the shared-store tests start their own (tests/support/redis_env.py).
+
+# What the tests and the soak start besides kvrc (they fail, not skip, without them):
+# Debian's redis-server (the shared-store tests start their own, tests/support/redis_env.py)
+# and faketime (libfaketime: the soak steps kvrc's wall clock). Prometheus is installed by
+# the tests that need it (tests/support/prometheus_env.py).
+testdeps:
 	@if ! command -v redis-server >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing redis-server (for the --store redis:// tests)"; \
@@ -39,7 +45,6 @@ sysdeps:
 	    echo "the shared-store tests need Debian's redis-server: sudo apt-get install --no-install-recommends redis-server"; exit 1; \
 	  fi; \
 	fi
-	@# Debian's faketime (libfaketime): the soak steps kvrc's wall clock with it.
 	@if ! ls /usr/lib/*/faketime/libfaketime.so.1 >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing faketime (for the soak's wall-clock steps)"; \
@@ -79,15 +84,15 @@ serve: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvrc demo $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) testdeps
 	$(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The fast subset: no Mooncake transfers, no Prometheus, no fault scenarios with engine
 # processes (those are tests/e2e). $(wildcard) leaves out a folder that does not exist yet.
-test-fast: $(STAMP)
+test-fast: $(STAMP) testdeps
 	$(BIN)/pytest $(PYTEST_ARGS) $(wildcard tests/core tests/runtime tests/edges)
 
-test-e2e: $(STAMP)
+test-e2e: $(STAMP) testdeps
 	$(BIN)/pytest $(PYTEST_ARGS) tests/clients tests/e2e
 
 lint: $(STAMP)
@@ -121,12 +126,12 @@ bench-load: $(STAMP)
 
 # Replicas over a real redis-server: visibility by ingest rate; lookups, CPU per lookup, grant p99
 # and Redis commands per prefix load against real `kvrc serve --store redis://` replicas.
-bench-cluster: $(STAMP)
+bench-cluster: $(STAMP) testdeps
 	$(BIN)/python -m benchmarks.bench_cluster $(ARGS)
 
 # Mixed load under a seeded fault schedule, memory store then 2 replicas on Redis:
 # writes benchmarks/results/soak.json; ARGS="--minutes N" (10), "--seed S" replays.
-soak: $(STAMP)
+soak: $(STAMP) testdeps
 	$(BIN)/python -m benchmarks.soak --check $(ARGS)
 
 clean:
@@ -144,5 +149,5 @@ demo-vllm: vllm-venv
 bench-vllm: vllm-venv
 	$(VLLM_PY) -m benchmarks.bench_vllm $(ARGS)
 
-test-vllm: $(STAMP) vllm-venv
+test-vllm: $(STAMP) testdeps vllm-venv
 	$(BIN)/pytest -m vllm $(PYTEST_ARGS)

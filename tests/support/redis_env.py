@@ -1,4 +1,4 @@
-"""A real `redis-server` for tests (Debian's package, `make sysdeps`): no mock.
+"""A real `redis-server` for tests (Debian's package, `make testdeps`): no mock.
 
     from redis_env import start_redis
 
@@ -34,7 +34,7 @@ def require_redis_server() -> str:
     path = shutil.which(REDIS_SERVER)
     if path is None:
         raise AssertionError(
-            "redis-server is not installed: run 'make sysdeps' (Debian: apt-get install "
+            "redis-server is not installed: run 'make testdeps' (Debian: apt-get install "
             "--no-install-recommends redis-server); the shared-store tests need a real one"
         )
     return path
