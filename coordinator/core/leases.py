@@ -51,7 +51,7 @@ import heapq
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -110,8 +110,9 @@ class Flow(enum.Enum):
 
 
 class LeaseState(enum.IntEnum):
-    """Values match `kvrc.v1.LeaseState`. RELEASING is not used by this core:
-    a release is sent and the lease is terminal in the same step."""
+    """Values match `kvrc.v1.LeaseState`. No lease is ever RELEASING here (a release
+    is sent and the lease is terminal in the same step); a handoff publish answers
+    RELEASING for a FAILED handoff whose release awaits the decode's proof of quiet."""
 
     PINNING = 1
     WAITING_READY = 2
@@ -1978,9 +1979,13 @@ class LeaseTable:
             )
 
     def _published(self, lease: _Handoff, actions: tuple[Action, ...]) -> HandoffPublished:
-        return HandoffPublished(
-            self._view(lease), len(lease.published), len(lease.source_rank_keys), actions
-        )
+        view = self._view(lease)
+        if lease.awaiting_quiet:
+            # Ended, but its release waits for the decode's proof that its reads are
+            # quiet (I6-quiescence): a terminal state would tell the prefill to free
+            # blocks a hung read may still land on. RELEASING is not terminal.
+            view = replace(view, state=LeaseState.RELEASING)
+        return HandoffPublished(view, len(lease.published), len(lease.source_rank_keys), actions)
 
     def _view(self, lease: _Lease) -> LeaseView:
         prefix_grant: PrefixLoadGrant | None = None

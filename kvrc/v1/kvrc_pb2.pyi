@@ -266,7 +266,9 @@ class _LeaseStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LeaseState
     LEASE_STATE_ABORTING: _LeaseState.ValueType  # 5
     """abort sent, waiting for acknowledgements"""
     LEASE_STATE_RELEASING: _LeaseState.ValueType  # 6
-    """quiescent, release sent"""
+    """A handoff publish's answer while the handoff failed but its release still waits
+    for the decode's proof that its reads are quiet: keep holding the blocks.
+    """
     LEASE_STATE_COMPLETED: _LeaseState.ValueType  # 7
     """terminal: every part succeeded"""
     LEASE_STATE_FAILED: _LeaseState.ValueType  # 8
@@ -292,7 +294,9 @@ LEASE_STATE_ACTIVE: LeaseState.ValueType  # 4
 LEASE_STATE_ABORTING: LeaseState.ValueType  # 5
 """abort sent, waiting for acknowledgements"""
 LEASE_STATE_RELEASING: LeaseState.ValueType  # 6
-"""quiescent, release sent"""
+"""A handoff publish's answer while the handoff failed but its release still waits
+for the decode's proof that its reads are quiet: keep holding the blocks.
+"""
 LEASE_STATE_COMPLETED: LeaseState.ValueType  # 7
 """terminal: every part succeeded"""
 LEASE_STATE_FAILED: LeaseState.ValueType  # 8

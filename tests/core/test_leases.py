@@ -938,6 +938,45 @@ def test_prefill_gone_fails_without_release_and_stops_the_decode() -> None:
     assert of(actions, SendRelease) == [] and len(of(actions, SendAbort)) == 2
 
 
+def test_a_prefill_back_from_a_blip_is_told_to_hold_until_the_decode_proves_quiet() -> None:
+    """The prefill was proven gone while its decode read (a blip), and is back. Its
+    hold's end asks kvrc by repeating its publish: the answer must not be terminal
+    while the release waits for the decode's abort acks (I6-quiescence), or it frees
+    blocks a hung read may still land on. Once the decode proves quiet, the release
+    goes and the answer is the lease's end."""
+    t = table()
+    lease_id = begun(t)
+    t.on_engine_gone(PRE, T0 + 100)
+    assert t.get(lease_id).state is LeaseState.FAILED
+    ended = {LeaseState.COMPLETED, LeaseState.FAILED, LeaseState.RESOLVED, LeaseState.MISSED}
+
+    def repeat(key: RankKey) -> HandoffPublished | None:
+        return t.repeated_publish(
+            request_id="h1",
+            prefill_child_engine_id=PRE,
+            rank_key=key,
+            descriptor=("desc", key),
+            kv_transfer_params=PARAMS,
+            decode_child_engine_id=None,
+            num_blocks=6,
+        )
+
+    for now in range(T0 + 1_000, T0 + 120_000, 10_000):
+        t.tick(now)
+    for key in TP2:
+        answer = repeat(key)
+        assert answer is not None and answer.view.lease_id == lease_id
+        assert answer.view.state is LeaseState.RELEASING and answer.view.state not in ended
+    assert t.get(lease_id).state is LeaseState.FAILED  # what status shows is unchanged
+    t.on_abort_ack(lease_id, DEC, TP2[0], T0 + 120_000)
+    owing = repeat(TP2[1])
+    assert owing is not None and owing.view.state is LeaseState.RELEASING  # one part owes
+    step = t.on_abort_ack(lease_id, DEC, TP2[1], T0 + 120_001)
+    assert len(of(step.actions, SendRelease)) == 2
+    settled = repeat(TP2[0])
+    assert settled is not None and settled.view.state is LeaseState.FAILED
+
+
 def test_decode_gone_releases_the_prefill() -> None:
     t = table()
     lease_id = begun(t)
