@@ -579,6 +579,8 @@ class LeaseTable:
         # len(_by_engine[e]) per engine, kept per change: lookups read it, never rebuild it.
         self._open_by_engine: dict[str, int] = {}
         self._open_by_engine_view: Mapping[str, int] = MappingProxyType(self._open_by_engine)
+        # Per decode engine: open handoffs reserved for it and not begun (`_check_capacity`).
+        self._reserved: dict[str, int] = {}
         self._open_ids: dict[str, None] = {}  # open leases, oldest first
         self._open_counts: Counter[tuple[Flow, LeaseState]] = Counter()
         # (flow, state) counts changed since `take_changed_counts` (the gauge reads only those).
@@ -898,10 +900,9 @@ class LeaseTable:
         actions: list[Action] = []
         if existing_id is None:
             self._check_grant_size(None, descriptor, len(kv_transfer_params))
-            engines = [prefill_child_engine_id]
-            if decode_child_engine_id is not None:
-                engines.append(decode_child_engine_id)
-            self._check_capacity(engines)
+            # The decode's share is checked when it begins: a reservation alone must not
+            # let one prefill fill another engine's share.
+            self._check_capacity((prefill_child_engine_id,))
             self._check_payload(
                 len(kv_transfer_params) + _payload_size(descriptor),
                 now_ms,
@@ -1036,8 +1037,10 @@ class LeaseTable:
                 f"decode and prefill are the same child engine {decode_child_engine_id!r}"
             )
         grid = self._check_grid("decode_rank_keys", decode_rank_keys)
-        if lease.decode_restriction is None:
-            self._check_capacity((decode_child_engine_id,))
+        # The lease is open already (the total holds it): only the decode's share counts.
+        self._check_capacity((decode_child_engine_id,), total=False)
+        if lease.decode_restriction is not None:
+            self._count_reserved(lease.decode_restriction, -1)
         lease.target_child_engine_id = decode_child_engine_id
         lease.target_rank_keys = grid
         self._index_engine(decode_child_engine_id, lease.lease_id)
@@ -1712,6 +1715,9 @@ class LeaseTable:
                     del self._by_engine[engine]
                     del self._open_by_engine[engine]
         del self._open_ids[lease.lease_id]
+        reserved_for = self._reserved_for(lease)
+        if reserved_for is not None:
+            self._count_reserved(reserved_for, -1)
         self._free_requester_share(lease)
         if lease.recovered:
             self._recovered_open -= 1
@@ -1767,7 +1773,24 @@ class LeaseTable:
         self._counts_changed.add(count_key)
         for engine in (lease.source_child_engine_id, *self._target_engines(lease)):
             self._index_engine(engine, lease.lease_id)
+        reserved_for = self._reserved_for(lease)
+        if reserved_for is not None:
+            self._count_reserved(reserved_for, 1)
         self._arm(lease)
+
+    def _count_reserved(self, decode_child_engine_id: str, change: int) -> None:
+        left = self._reserved.get(decode_child_engine_id, 0) + change
+        if left:
+            self._reserved[decode_child_engine_id] = left
+        else:
+            del self._reserved[decode_child_engine_id]
+
+    @staticmethod
+    def _reserved_for(lease: _Lease) -> str | None:
+        """The decode engine a handoff not yet begun is reserved for, if any."""
+        if isinstance(lease, _Handoff) and lease.target_child_engine_id is None:
+            return lease.decode_restriction
+        return None
 
     def _index_engine(self, engine: str, lease_id: str) -> None:
         ids = self._by_engine.setdefault(engine, set())
@@ -1902,14 +1925,17 @@ class LeaseTable:
         """Bytes of engines' data the table keeps (open and ended leases)."""
         return self._payload_bytes
 
-    def _check_capacity(self, engines: Iterable[str]) -> None:
+    def _check_capacity(self, engines: Iterable[str], *, total: bool = True) -> None:
         cfg = self._config
-        if self.open_lease_count() >= cfg.max_open_leases:
+        if total and self.open_lease_count() >= cfg.max_open_leases:
             raise resource_exhausted(
                 f"{cfg.max_open_leases} leases are open, the limit; retry after some end"
             )
         for engine in engines:
-            if len(self._by_engine.get(engine, ())) >= cfg.max_open_leases_per_engine:
+            # Handoffs reserved for the engine and not begun are indexed under it (its
+            # loss ends them) but count against their prefill only.
+            held = len(self._by_engine.get(engine, ())) - self._reserved.get(engine, 0)
+            if held >= cfg.max_open_leases_per_engine:
                 raise resource_exhausted(
                     f"child engine {engine!r} has {cfg.max_open_leases_per_engine} open leases, "
                     "the per-engine limit"

@@ -658,6 +658,53 @@ def test_open_lease_bounds_total_and_per_engine() -> None:
     open_load(t, "d", requester="r3", holder="h3")
 
 
+def test_handoffs_reserved_for_a_decode_count_against_their_prefill_until_begun() -> None:
+    """A prefill that reserves handoffs for a decode engine must not fill that engine's
+    share (it would lock every other prefill out of it); the share counts once the
+    decode begins. And a begin opens no lease: a full table does not refuse it."""
+
+    def handoff(t: LeaseTable, prefill: str, request_id: str, decode: str | None) -> str:
+        return t.publish_handoff(
+            request_id=request_id,
+            prefill_child_engine_id=prefill,
+            prefill_rank_keys=TP2[:1],
+            rank_key=TP2[0],
+            descriptor="d",
+            kv_transfer_params=PARAMS,
+            decode_child_engine_id=decode,
+            num_blocks=1,
+            now_ms=T0,
+        ).view.lease_id
+
+    def take(t: LeaseTable, prefill: str, request_id: str) -> LeaseStep:
+        return t.begin_handoff(
+            request_id=request_id,
+            prefill_child_engine_id=prefill,
+            decode_child_engine_id=DEC,
+            decode_rank_keys=TP2,
+            now_ms=T0 + 1,
+        )
+
+    t = table(max_open_leases_per_engine=2)
+    for i in range(2):
+        handoff(t, "greedy", f"g{i}", DEC)  # the prefill's share, reserved for DEC
+    handoff(t, "honest", "h0", None)
+    handoff(t, "honest", "h1", DEC)  # refused before: DEC "had" 2 open leases
+    assert take(t, "honest", "h0").view.state is LeaseState.ACTIVE
+    assert take(t, "honest", "h1").view.state is LeaseState.ACTIVE
+    # DEC's share is now taken by what it began: its next begin is refused, unchanged.
+    err = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: take(t, "greedy", "g0"))
+    assert f"child engine {DEC!r} has 2 open leases" in err.message
+    # The decode's loss still ends the handoffs reserved for it.
+    t.on_engine_gone(DEC, T0 + 2)
+    assert t.open_counts_by_engine() == {}
+
+    full = table(max_open_leases=2)
+    handoff(full, "p0", "r", None)
+    handoff(full, "p1", "r", None)
+    assert take(full, "p0", "r").view.state is LeaseState.ACTIVE  # refused before: "2 open"
+
+
 def test_ended_leases_are_purged_by_age_and_by_count() -> None:
     t = table(terminal_retention_ms=1_000, max_terminal_leases=2)
     ids = [open_load(t, f"r{i}") for i in range(3)]
