@@ -880,9 +880,10 @@ class LeaseTable:
                 )
         grid = self._check_grid("prefill_rank_keys", prefill_rank_keys)
         if rank_key not in grid:
-            raise permission_denied(
+            # A bad rank, not a foreign caller: INVALID_ARGUMENT (no auth denial counted).
+            raise invalid(
                 f"rank part {rank_key} is not part of prefill child engine "
-                f"{prefill_child_engine_id!r}'s grid"
+                f"{prefill_child_engine_id!r}'s grid of {len(grid)} rank part(s)"
             )
         if type(kv_transfer_params) is not bytes:
             raise invalid("kv_transfer_params must be bytes (encode them with kvrc.kv_params)")
@@ -1070,7 +1071,9 @@ class LeaseTable:
         assert lease.deadline_ms is not None
         if now_ms >= lease.deadline_ms:
             raise failed_precondition(
-                f"handoff lease {lease_id} expired at {lease.deadline_ms} before this heartbeat"
+                f"handoff lease {lease_id} expired {now_ms - lease.deadline_ms} ms before this "
+                f"heartbeat (heartbeat within {self._config.handoff_heartbeat_timeout_ms} ms of "
+                "the last)"
             )
         new_deadline = max(lease.deadline_ms, now_ms + self._config.handoff_heartbeat_timeout_ms)
         if new_deadline != lease.deadline_ms:

@@ -140,6 +140,9 @@ class LeaseFlow:
         self._session_log = RateLimitedLog(log, clock.monotonic_ms)
         # Engines gone: the coordinator's lifecycle budget (I8-bad-input).
         self._lifecycle_log = lifecycle_log or LogBudget(clock.monotonic_ms)
+        # Leases aborted or quarantined, messages a part had no session for: engines
+        # can cause them in a loop (I8-bad-input); the metrics count every one.
+        self._lease_log = LogBudget(clock.monotonic_ms, what="lease")
         self._payload_shown = 0  # what kvrc_lease_payload_bytes shows (the gauge starts at 0)
         self._closing = False
         self._timer: Timer | None = None
@@ -577,7 +580,8 @@ class LeaseFlow:
         if isinstance(message, SendRelease):
             self._keep_unsent(child_engine_id, rank, message, sent)
         if not sent and log_unsent:
-            log.info(
+            self._lease_log.info(
+                log,
                 "%s for %s rank %s not sent: the part has no session",
                 type(message).__name__,
                 child_engine_id,
@@ -653,13 +657,18 @@ class LeaseFlow:
                 m.prefix_load_misses.labels(reason=action.reason.value).inc()
             elif isinstance(action, LeaseAborting):
                 m.lease_aborts.labels(flow=action.flow.value).inc()
-                log.info(
-                    "aborting %s lease %s: %s", action.flow.value, action.lease_id, action.reason
+                self._lease_log.info(
+                    log,
+                    "aborting %s lease %s: %s",
+                    action.flow.value,
+                    action.lease_id,
+                    action.reason,
                 )
             elif isinstance(action, LeaseQuarantined):
                 m.lease_quarantines.labels(flow=action.flow.value).inc()
                 if log_quarantines:
-                    log.warning(
+                    self._lease_log.warning(
+                        log,
                         "%s lease %s quarantined: %s",
                         action.flow.value,
                         action.lease_id,

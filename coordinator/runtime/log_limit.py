@@ -72,19 +72,22 @@ LIFECYCLE_LINES_PER_S = 1.0
 
 class LogBudget:
     """Lines that peers trigger in the normal course of their lives (a rank part
-    registers or leaves, a child engine turns READY or goes): each is worth a line, so
-    a burst is logged whole, but a client that registers and closes in a loop must not
-    fill the log (I8-bad-input). A token bucket shared by every such line: `burst`
-    lines at once, then `lines_per_s`. The first line left out in a row says so once;
-    the next line logged carries the count of those left out."""
+    registers or leaves, a child engine turns READY or goes, a lease is aborted): each
+    is worth a line, so a burst is logged whole, but a client that registers and closes
+    (or opens and abandons leases) in a loop must not fill the log (I8-bad-input). A
+    token bucket shared by every line of one kind (`what`): `burst` lines at once, then
+    `lines_per_s`. The first line left out in a row says so once; the next line logged
+    carries the count of those left out."""
 
     def __init__(
         self,
         now_ms: Callable[[], int],
+        what: str = "engine lifecycle",
         burst: int = LIFECYCLE_BURST,
         lines_per_s: float = LIFECYCLE_LINES_PER_S,
     ) -> None:
         self._now_ms = now_ms
+        self._what = what
         self._burst = float(burst)
         self._per_ms = lines_per_s / 1000.0
         self._tokens = float(burst)
@@ -93,7 +96,16 @@ class LogBudget:
 
     def info(self, logger: logging.Logger, message: str, *args: object) -> None:
         """Logs `message % args` at INFO on `logger` if the budget has a line left."""
-        if not logger.isEnabledFor(logging.INFO):
+        self._log(logger, logging.INFO, message, args)
+
+    def warning(self, logger: logging.Logger, message: str, *args: object) -> None:
+        """`info`, at WARNING (from the same budget)."""
+        self._log(logger, logging.WARNING, message, args)
+
+    def _log(
+        self, logger: logging.Logger, level: int, message: str, args: tuple[object, ...]
+    ) -> None:
+        if not logger.isEnabledFor(level):
             return
         now = self._now_ms()
         if self._filled_ms is not None:
@@ -102,8 +114,9 @@ class LogBudget:
         if self._tokens < 1.0:
             if not self._left_out:
                 logger.warning(
-                    "engine lifecycle lines are over their budget (%d at once, then %g a "
-                    "second): counting them instead until there is room",
+                    "%s lines are over their budget (%d at once, then %g a second): "
+                    "counting them instead until there is room",
+                    self._what,
                     int(self._burst),
                     self._per_ms * 1000.0,
                 )
@@ -111,7 +124,7 @@ class LogBudget:
             return
         self._tokens -= 1.0
         if self._left_out:
-            message += " (%d engine lifecycle line(s) left out before this one)"
+            message += f" (%d {self._what} line(s) left out before this one)"
             args = (*args, self._left_out)
             self._left_out = 0
-        logger.info(message, *args)
+        logger.log(level, message, *args)

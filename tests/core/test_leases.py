@@ -792,9 +792,11 @@ def test_prefill_parts_must_agree() -> None:
         lambda: t.publish_handoff(**{**base, "rank_key": TP2[0], "descriptor": "other"}),
     )
     assert t.publish_handoff(**{**base, "rank_key": TP2[0], "descriptor": "d0"}).parts_reported == 1
-    refused(
-        t, ErrorCode.PERMISSION_DENIED, lambda: t.publish_handoff(**{**base, "rank_key": (9, 0, 0)})
+    # A rank outside the grid is a bad request, not a foreign caller (no auth denial).
+    err = refused(
+        t, ErrorCode.INVALID_ARGUMENT, lambda: t.publish_handoff(**{**base, "rank_key": (9, 0, 0)})
     )
+    assert "grid of 2 rank part(s)" in err.message
     refused(
         t,
         ErrorCode.INVALID_ARGUMENT,
@@ -820,6 +822,11 @@ def test_heartbeats_keep_a_handoff_alive_and_silence_aborts_it() -> None:
     assert t.tick(deadline) == []  # the old deadline no longer fires
     refused(t, ErrorCode.PERMISSION_DENIED, lambda: t.extend_handoff(lease_id, "other", T0 + 9_500))
     refused(t, ErrorCode.NOT_FOUND, lambda: t.extend_handoff("nope", DEC, T0))
+    late = refused(
+        t, ErrorCode.FAILED_PRECONDITION, lambda: t.extend_handoff(lease_id, DEC, T0 + 19_003)
+    )
+    # Said in ms a person can read, never a value of kvrc's monotonic clock.
+    assert "expired 3 ms before this heartbeat (heartbeat within 10000 ms" in late.message
     actions = t.tick(T0 + 19_000)
     assert t.get(lease_id).state is LeaseState.ABORTING
     assert of(actions, SendRelease) == [] and len(of(actions, SendAbort)) == 2
