@@ -190,6 +190,10 @@ class LeaseConfig:
     # A frozen Mooncake peer blocks a call 30-60 s; give the target that long.
     abort_timeout_ms: int = 60_000
     handoff_heartbeat_timeout_ms: int = 10_000
+    # An ACTIVE handoff heartbeats at most this long after its begin, then aborts like a
+    # silent one: a decode whose keepalive outlives a stuck read must not pin the
+    # prefill's blocks for ever (a P->D read takes seconds).
+    handoff_max_lifetime_ms: int = 600_000
     handoff_publish_timeout_ms: int = 60_000  # WAITING_READY this long -> FAILED
     handoff_ready_max_wait_ms: int = 120_000  # READY, never begun -> FAILED
     terminal_retention_ms: int = 600_000
@@ -215,6 +219,11 @@ class LeaseConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.handoff_max_lifetime_ms < self.handoff_heartbeat_timeout_ms:
+            raise ValueError(
+                f"handoff_max_lifetime_ms must be at least handoff_heartbeat_timeout_ms "
+                f"({self.handoff_heartbeat_timeout_ms}), got {self.handoff_max_lifetime_ms}"
+            )
         if self.abort_timeout_ms > MAX_ABORT_TIMEOUT_MS:
             raise ValueError(
                 f"abort_timeout_ms must be at most {MAX_ABORT_TIMEOUT_MS} ms (30 min; a "
@@ -1068,14 +1077,25 @@ class LeaseTable:
             raise failed_precondition(
                 f"handoff lease {lease_id} is {lease.state.name}; only ACTIVE leases extend"
             )
+        assert lease.granted_ms is not None
+        cfg = self._config
+        last_ms = lease.granted_ms + cfg.handoff_max_lifetime_ms
+        if now_ms >= last_ms:
+            raise failed_precondition(
+                f"handoff lease {lease_id} has been ACTIVE for {now_ms - lease.granted_ms} ms, "
+                f"its maximum of {cfg.handoff_max_lifetime_ms} ms "
+                "(--handoff-max-lifetime-ms): it is aborted at its deadline"
+            )
         assert lease.deadline_ms is not None
         if now_ms >= lease.deadline_ms:
             raise failed_precondition(
                 f"handoff lease {lease_id} expired {now_ms - lease.deadline_ms} ms before this "
-                f"heartbeat (heartbeat within {self._config.handoff_heartbeat_timeout_ms} ms of "
+                f"heartbeat (heartbeat within {cfg.handoff_heartbeat_timeout_ms} ms of "
                 "the last)"
             )
-        new_deadline = max(lease.deadline_ms, now_ms + self._config.handoff_heartbeat_timeout_ms)
+        new_deadline = max(
+            lease.deadline_ms, min(now_ms + cfg.handoff_heartbeat_timeout_ms, last_ms)
+        )
         if new_deadline != lease.deadline_ms:
             lease.deadline_ms = new_deadline
             self._arm(lease)

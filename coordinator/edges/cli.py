@@ -201,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a handoff lease not extended this long is aborted (%(default)s)",
     )
     serve.add_argument(
+        "--handoff-max-lifetime-ms",
+        type=int,
+        default=lease_defaults.handoff_max_lifetime_ms,
+        help="an ACTIVE handoff lease is extended at most this long after its begin, "
+        "then aborted like a silent one (%(default)s)",
+    )
+    serve.add_argument(
         "--abort-timeout-ms",
         type=int,
         default=lease_defaults.abort_timeout_ms,
@@ -584,6 +591,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     try:
         leases = LeaseConfig(
             handoff_heartbeat_timeout_ms=args.handoff_heartbeat_timeout_ms,
+            handoff_max_lifetime_ms=args.handoff_max_lifetime_ms,
             abort_timeout_ms=args.abort_timeout_ms,
             handoff_publish_timeout_ms=args.handoff_publish_timeout_ms,
             handoff_ready_max_wait_ms=args.handoff_ready_max_wait_ms,

@@ -1039,6 +1039,26 @@ def test_decode_gone_releases_the_prefill() -> None:
     assert t.get(lease_id).state is LeaseState.FAILED and len(of(actions, SendRelease)) == 2
 
 
+def test_heartbeats_keep_a_handoff_alive_only_up_to_its_maximum_lifetime() -> None:
+    """A decode whose keepalive outlives a stuck read must not pin the prefill's blocks
+    for ever: past `handoff_max_lifetime_ms` after its begin, a heartbeat is refused and
+    the lease aborts at its last deadline, as a silent one does."""
+    t = table(handoff_max_lifetime_ms=30_000)
+    lease_id = begun(t)  # begun at T0 + 5
+    now = T0 + 5
+    deadlines = []
+    while now < T0 + 5 + 30_000:
+        deadlines.append(t.extend_handoff(lease_id, DEC, now))
+        now += 3_000
+    assert deadlines[-1] == T0 + 5 + 30_000  # clamped: never past the maximum
+    err = refused(t, ErrorCode.FAILED_PRECONDITION, lambda: t.extend_handoff(lease_id, DEC, now))
+    assert "its maximum of 30000 ms (--handoff-max-lifetime-ms)" in err.message
+    actions = t.tick(T0 + 5 + 30_000)
+    assert t.get(lease_id).state is LeaseState.ABORTING and len(of(actions, SendAbort)) == 2
+    with pytest.raises(ValueError, match="at least handoff_heartbeat_timeout_ms"):
+        LeaseConfig(handoff_max_lifetime_ms=5_000)
+
+
 def test_a_refused_begin_never_hands_the_lease_id_to_its_caller() -> None:
     # A lease id is what a party acts on a lease with (and, after a restart, reports on
     # it with): a begin refused to another engine names the handoff by its request.
