@@ -362,6 +362,9 @@ class Grants:
         # token is here (entries of begins settled early are dropped lazily, bounded).
         self._begin_keys: dict[int, tuple[str, str]] = {}
         self._waiting_by_decode: dict[str, int] = {}  # waiting begins per decode engine
+        # Per decode engine, the keys its waiting begins wait on (with how many): a part
+        # leaving retries its own, not a scan of every waiting begin.
+        self._begins_by_decode: dict[str, dict[tuple[str, str], int]] = {}
         self._tokens = itertools.count(1)
         # When `tick` next has work, as of the last call (the runtime arms one timer at it).
         self.due_ms: int | None = None
@@ -845,6 +848,8 @@ class Grants:
             key = (req.prefill_child_engine_id, req.request_id)
             pending = _PendingBegin(token, req, now_ms + req.wait_timeout_ms, e.message)
             self._begins.setdefault(key, []).append(pending)
+            by_key = self._begins_by_decode.setdefault(decode, {})
+            by_key[key] = by_key.get(key, 0) + 1
             self._begin_keys[token] = key
             heapq.heappush(self._begin_deadlines, (pending.deadline_ms, token, key))
             return BeginStep(None, token, self._settled(()))
@@ -873,6 +878,13 @@ class Grants:
             self._waiting_by_decode[decode] = left
         else:
             del self._waiting_by_decode[decode]
+        by_key = self._begins_by_decode[decode]
+        if by_key[key] > 1:
+            by_key[key] -= 1
+        else:
+            del by_key[key]
+            if not by_key:
+                del self._begins_by_decode[decode]
         # Settled begins leave their deadline in the heap until it comes up; a live wait
         # with an earlier deadline keeps them there. Compacted when they outnumber the
         # live ones, so the heap stays O(waiting begins) (amortised O(log n) a begin).
@@ -965,6 +977,7 @@ class Grants:
                     )
                 )
         self._begins.clear()
+        self._begins_by_decode.clear()
         self._begin_keys.clear()
         self._waiting_by_decode.clear()
         self._begin_deadlines.clear()
@@ -1044,18 +1057,22 @@ class Grants:
         return self._settled(actions)
 
     def on_part_removed(self, child_engine_id: str, now_ms: int) -> tuple[GrantAction, ...]:
-        """A part left: begins waiting for this decode engine fail, as they would on a retry."""
+        """A part left: begins waiting for this decode engine fail, as they would on a retry.
+        O(its own waiting begins): they are kept per decode engine."""
         actions: list[GrantAction] = []
-        for key, waiting in list(self._begins.items()):
-            if any(p.request.decode_child_engine_id == child_engine_id for p in waiting):
-                self._retry_begins(key, now_ms, actions)
+        for key in list(self._begins_by_decode.get(child_engine_id, ())):
+            self._retry_begins(key, now_ms, actions)
         return self._settled(actions)
 
     def _retry_ended_begins(self, now_ms: int, actions: list[GrantAction]) -> None:
-        for key in list(self._begins):
-            view = self.table.find_handoff(*key)
-            if view is not None and view.state is not LeaseState.WAITING_READY:
-                self._retry_begins(key, now_ms, actions)
+        """Begins waiting on a handoff that ended among `actions` fail now, not at their
+        deadline (a handoff leaves WAITING_READY for READY only in a publish, which
+        retries its own). O(handoffs ended), never a scan of every waiting begin."""
+        for action in list(actions):
+            if isinstance(action, LeaseEnded) and action.flow is Flow.HANDOFF:
+                key = (action.child_engine_ids[0], action.request_id)
+                if key in self._begins:
+                    self._retry_begins(key, now_ms, actions)
 
     # --- drain ---------------------------------------------------------------------------
 

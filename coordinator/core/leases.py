@@ -388,6 +388,7 @@ class LeaseEnded:
     # Source then targets: whose open leases this one left (a drain of them may be done).
     child_engine_ids: tuple[str, ...]
     ended_ms: int
+    request_id: str  # with the source, names a handoff's waiting begins (Grants)
 
 
 Action = (
@@ -1763,6 +1764,7 @@ class LeaseTable:
                 now_ms - lease.created_ms,
                 engines,
                 now_ms,
+                lease.request_id,
             )
         )
         if len(self._terminal) > self._config.max_terminal_leases:

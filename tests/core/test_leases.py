@@ -214,7 +214,7 @@ def test_release_waits_for_every_requester_part() -> None:
     ended = of(step.actions, LeaseEnded)
     assert ended == [
         LeaseEnded(
-            lease_id, Flow.PREFIX_LOAD, LeaseState.COMPLETED, 290, 300, (HOLD, REQ), T0 + 300
+            lease_id, Flow.PREFIX_LOAD, LeaseState.COMPLETED, 290, 300, (HOLD, REQ), T0 + 300, "r1"
         )
     ]
     assert t.counts() == {}
