@@ -21,6 +21,7 @@ quarantined the lease (`clients/holds.py`).
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import threading
@@ -52,10 +53,32 @@ def _lock_public_methods(obj: Any, lock: threading.RLock) -> None:
         setattr(obj, name, locked)
 
 
+# Scheduler steps whose inserts wait to be promoted, at most: past it (vLLM never
+# reported a step's output, which kvrc does not expect) the oldest are dropped unpinned.
+MAX_PENDING_STEPS = 64
+
+
 class PoolPins:
-    def __init__(self, key_of: Callable[[Any], bytes]) -> None:
+    """`steps_in_flight`: vLLM's `max_concurrent_batches` (1; 2 with async scheduling;
+    the pipeline depth with PP): how many scheduled steps may not have run yet when a
+    step's output is reported.
+
+    A block is pinnable only once the step that cached it has run. vLLM caches a block
+    in its prefix-cache map when the step is *scheduled*, before the forward pass
+    writes its KV; a remote reader handed it then reads KV not yet (or half) written,
+    silently. Each step's inserts are sealed at `seal_step` (build_connector_meta, the
+    end of scheduling) and promoted at `step_done` (update_connector_output) once at
+    most `steps_in_flight - 1` newer steps may still be running."""
+
+    def __init__(self, key_of: Callable[[Any], bytes], steps_in_flight: int = 1) -> None:
         self.lock = threading.RLock()
         self._key_of = key_of
+        self._held_back = max(0, steps_in_flight - 1)
+        # Inserts of the step being scheduled, then of the steps sealed since: (kvrc key,
+        # vLLM BlockHash) of KV cache group 0, oldest step first.
+        self._current: list[tuple[bytes, Any]] = []
+        self._sealed: collections.deque[list[tuple[bytes, Any]]] = collections.deque()
+        self.dropped_steps = 0  # sealed steps dropped unpromoted (MAX_PENDING_STEPS)
         self._pool: Any = None
         self._pins: dict[str, list[Any]] = {}  # lease id -> its pinned blocks
         self._nets = HoldDeadlines()
@@ -104,16 +127,15 @@ class PoolPins:
         by_key, key_of, lock = self._by_key, self._key_of, self.lock
         insert, pop, get_one_block = cached.insert, cached.pop, cached.get_one_block
 
-        def note(key: bytes) -> None:
-            if get_group_id(key) == 0:
-                block_hash = get_block_hash(key)
-                by_key[key_of(block_hash)] = block_hash
-                self.converted += 1
+        current = self._current
 
         def inserted(key: bytes, block: Any) -> None:
             with lock:
                 insert(key, block)
-                note(key)
+                if get_group_id(key) == 0:  # pinnable once its step ran (`step_done`)
+                    block_hash = get_block_hash(key)
+                    current.append((key_of(block_hash), block_hash))
+                    self.converted += 1
 
         def popped(key: bytes, block_id: int) -> Any:
             with lock:
@@ -125,11 +147,47 @@ class PoolPins:
                         del by_key[kvrc_key]
                 return block
 
-        by_key.clear()  # a new map (vLLM's reset, or the first): what it holds now
+        # A new map: the first (empty), or vLLM's reset, which it refuses while any
+        # block is in use, so whatever it holds was computed.
+        by_key.clear()
+        current.clear()
+        self._sealed.clear()
         for key in list(cached._cache):
-            note(key)
+            if get_group_id(key) == 0:
+                block_hash = get_block_hash(key)
+                by_key[key_of(block_hash)] = block_hash
+                self.converted += 1
         cached.insert, cached.pop = inserted, popped
         self._followed = cached
+
+    def seal_step(self) -> None:
+        """The scheduler finished a step (build_connector_meta): what it cached waits
+        for that step to run."""
+        with self.lock:
+            self._sealed.append(self._current[:])
+            self._current.clear()
+            if len(self._sealed) > MAX_PENDING_STEPS:
+                self._sealed.popleft()
+                self.dropped_steps += 1
+
+    def step_done(self) -> None:
+        """A step's output came back (update_connector_output): every sealed step but
+        the newest `steps_in_flight - 1` has run, and so has the oldest (outputs come
+        in order, and no more steps were promoted than outputs came); their blocks
+        become pinnable."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # type: ignore[import-not-found]
+
+        with self.lock:
+            if self._pool is None:
+                return
+            get_one_block = self._pool.cached_block_hash_to_block.get_one_block
+            for _ in range(max(1, len(self._sealed) - self._held_back)):
+                if not self._sealed:
+                    break
+                for kvrc_key, block_hash in self._sealed.popleft():
+                    # Evicted meanwhile: nothing to promote (its `pop` found no entry).
+                    if get_one_block(make_block_hash_with_group_id(block_hash, 0)) is not None:
+                        self._by_key[kvrc_key] = block_hash
 
     def _find(self, keys: Sequence[bytes]) -> list[Any]:
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # type: ignore[import-not-found]

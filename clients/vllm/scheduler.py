@@ -241,7 +241,10 @@ class KvrcScheduler:
         self.breaker = LookupBreaker()
         self._params_warned_at = 0.0
         int_block_hashes()  # read now, as vLLM's events will use it
-        self.pins = PoolPins(block_hash_key)
+        # Steps vLLM may have scheduled and not yet run: a block is pinnable only once
+        # the step that cached it ran (PoolPins).
+        steps_in_flight = int(getattr(vllm_config, "max_concurrent_batches", 1) or 1)
+        self.pins = PoolPins(block_hash_key, steps_in_flight=steps_in_flight)
         self.loop.run(self._connect(), timeout_s=10)
         self.loop.run(self._serve_workers(), timeout_s=10)
 
@@ -774,6 +777,7 @@ class KvrcScheduler:
     # --- build_connector_meta ----------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> KvrcConnectorMetadata:
+        self.pins.seal_step()  # what this step cached is pinnable once it ran
         meta = KvrcConnectorMetadata()
         self._step_wait_left_s = self.config.lookup_step_wait_ms / 1000  # the next step's
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
@@ -865,6 +869,7 @@ class KvrcScheduler:
     # --- update_connector_output -------------------------------------------------------
 
     def update_connector_output(self, output: Any) -> None:
+        self.pins.step_done()  # a step ran: the blocks it cached may be pinned now
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
         outcomes: dict[str, str] = {}
         if isinstance(worker_meta, KvrcWorkerMetadata):

@@ -1045,6 +1045,8 @@ def test_a_pin_converts_no_block_hash_whatever_the_size_of_the_cache(vllm_side: 
     deadline = int(time.time() * 1000) + 10_000
     for step in range(8):  # the cache grows between pins, as on a busy holder
         pool.cache_full_blocks(hashes[32 * step : 32 * (step + 1)], 32 * step)
+        pins.seal_step()
+        pins.step_done()  # the step that cached them ran: pinnable
         chain = keys[: 32 * (step + 1)]
         assert pins.pin(f"lease-{step}", chain, deadline) == list(range(32 * (step + 1)))
     assert pins.converted == len(hashes), "converted per pin, not once per cached block"
@@ -1054,8 +1056,48 @@ def test_a_pin_converts_no_block_hash_whatever_the_size_of_the_cache(vllm_side: 
     pool.reset_prefix_cache()
     assert pins.pin("lease-reset", keys[:8], deadline) == []  # nothing cached any more
     pool.cache_full_blocks(hashes[:8], 100)
+    pins.seal_step()
+    pins.step_done()
     assert pins.pin("lease-after-reset", keys[:8], deadline) == list(range(100, 108))
     assert pins.release("lease-1")
+
+
+def test_a_block_is_pinnable_only_once_the_step_that_cached_it_ran(vllm_side: Any) -> None:
+    """vLLM caches a block when it schedules the step that computes it: a remote reader
+    handed it before that step ran reads KV not yet written (tests/e2e/test_vllm_real.py
+    checks this against vLLM's own KV cache manager). Blocks evicted before their step
+    ran are never promoted; the steps waiting are bounded."""
+    from clients.vllm.pool import MAX_PENDING_STEPS, PoolPins
+
+    hashes = [uuid.uuid4().bytes * 2 for _ in range(12)]
+    keys = [vllm_side.scheduler.block_hash_key(h) for h in hashes]
+    pool = _Pool()
+    pins = PoolPins(vllm_side.scheduler.block_hash_key, steps_in_flight=2)  # async scheduling
+    pins.bind(pool)
+    deadline = int(time.time() * 1000) + 10_000
+
+    def pinned(lease: str, chain: list[bytes]) -> list[int]:
+        got = pins.pin(lease, chain, deadline)
+        pins.release(lease)
+        return got
+
+    pool.cache_full_blocks(hashes[:4], 0)  # step 1 scheduled
+    assert pinned("a", keys[:4]) == []
+    pins.seal_step()
+    pool.cache_full_blocks(hashes[4:8], 4)  # step 2 scheduled before step 1's output
+    pins.seal_step()
+    assert pinned("b", keys[:8]) == []
+    pins.step_done()  # step 1's output: step 2 may still run
+    assert pinned("c", keys[:8]) == [0, 1, 2, 3]
+    pool.evict(hashes[5], 5)  # evicted before its step ran
+    pins.step_done()  # step 2's output
+    assert pinned("d", keys[:8]) == [0, 1, 2, 3, 4]
+    assert pins.converted == 8
+
+    for _ in range(MAX_PENDING_STEPS + 3):  # outputs that never come: dropped, unpinned
+        pool.cache_full_blocks(hashes[8:], 8)
+        pins.seal_step()
+    assert pins.dropped_steps == 3
 
 
 # --- a publish whose outcome is unknown keeps the handoff's blocks ----------------------------

@@ -41,6 +41,7 @@ from coordinator.runtime.metrics import Metrics
 
 PUBLISHER = Path(__file__).resolve().parents[1] / "support" / "vllm_publisher.py"
 HASHER = Path(__file__).resolve().parents[1] / "support" / "vllm_block_hashes.py"
+PIN_STEPS = Path(__file__).resolve().parents[1] / "support" / "vllm_pin_steps.py"
 ENGINE = "vllm-engine"
 BLOCK_SIZE = 4
 # slow: a cold first run downloads and builds the venv.
@@ -331,3 +332,33 @@ def test_score_hashes_equal_vllms_own(vllm_python: str) -> None:
         multimodal, ref = by_kind[(algo, False, False, True)]
         moved = [["img-a", 2, 10], *multimodal["mm"][1:]]
         assert kvrc_keys(multimodal, False, mm=moved)[0] != ref["digests"][0]
+
+
+def test_a_holder_pins_no_block_before_the_step_that_cached_it_ran(vllm_python: str) -> None:
+    """vLLM's real KV cache manager caches a prompt's blocks when it schedules the
+    prefill, before the forward pass writes them: a pin then (a remote reader's) must
+    get none of them, and every one once that step's output came back. With async
+    scheduling (2 steps in flight) an output makes pinnable the oldest step and all but
+    the newest, which may still run."""
+    proc = subprocess.run(
+        [vllm_python, str(PIN_STEPS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.splitlines()[-1])
+    sync, async_ = runs["1"], runs["2"]
+    first = sync["allocated"][:8]  # the prompt's 8 full blocks (the 9th is partial)
+    assert len(first) == 8
+    # Scheduled, then sealed: not pinnable. Once its step ran: all of it.
+    assert sync["pins"][:3] == [[], [], first]
+    assert async_["pins"][:3] == [[], [], async_["allocated"][:8]]
+    second_sync = sync["pins"][3]
+    assert len(second_sync) == 8 and set(second_sync).isdisjoint(first)  # sync: both ran
+    # Async: the second step may still run when the first's output comes back; its
+    # own output makes it pinnable.
+    second_async = async_["pins"][4]
+    assert async_["pins"][3] == [] and len(second_async) == 8

@@ -148,6 +148,10 @@ def main() -> None:
         num_needed = -(-len(tokens) // block_size)
         blocks = hits + pool.get_new_blocks(num_needed - len(hits))
         pool.cache_full_blocks(request, blocks, len(hits), num_full, block_size, 0)
+        # The step that cached them ran (vLLM's scheduler seals it at build_connector_meta
+        # and hears it ran at update_connector_output): its blocks become pinnable.
+        pins.seal_step()
+        pins.step_done()
         # Freed tail first: vLLM frees a finished request's blocks in reverse order.
         pool.free_blocks(reversed(blocks))
 
