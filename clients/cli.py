@@ -1,6 +1,6 @@
 """The engine side of the `kvrc` command: `kvrc engine`, `kvrc demo` and `kvrc route`.
 
-The `kvrc` console script (kvrc/cli.py) hands these two subcommands here and
+The `kvrc` console script (kvrc/cli.py) hands these three subcommands here and
 every other one to coordinator/edges/cli.py, importing each side only when it
 runs: a coordinator deployment needs no engine library, and `kvrc status` no
 torch. `python -m clients.cli engine ...` is the same without the dispatcher

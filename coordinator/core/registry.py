@@ -292,15 +292,16 @@ class Registry:
         engine_parts, engine_bytes = self._per_engine.get(reg.engine_id, (0, 0))
         if self._num_parts >= self._max_rank_parts:
             raise resource_exhausted(
-                f"the coordinator holds its maximum of {self._max_rank_parts} rank parts "
-                "(--max-rank-parts)"
+                f"rank part {format_rank(reg.rank)} of {reg.child_engine_id!r}: the "
+                f"coordinator holds its maximum of {self._max_rank_parts} rank parts "
+                f"(--max-rank-parts), {engine_parts} of them engine {reg.engine_id!r}'s"
             )
         if self._endpoint_bytes + held > self._max_endpoint_bytes:
             raise resource_exhausted(
                 f"rank part {format_rank(reg.rank)} of {reg.child_engine_id!r}: its endpoint "
                 f"holds {held} bytes (metadata, extra, regions) and the coordinator's rank "
                 f"parts {self._endpoint_bytes} of their {self._max_endpoint_bytes} "
-                "(--max-endpoint-bytes)"
+                f"(--max-endpoint-bytes), {engine_bytes} of them engine {reg.engine_id!r}'s"
             )
         share_parts = max(1, self._max_rank_parts // 4)
         if engine_parts >= share_parts:

@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvrc",
         description="KV reuse coordinator",
-        epilog="engine-side commands: 'kvrc engine' (a reference engine rank part) and "
-        "'kvrc demo' (the demo cluster); see 'kvrc engine --help'",
+        epilog="engine-side commands: 'kvrc engine' (a reference engine rank part), "
+        "'kvrc demo' (the demo cluster) and 'kvrc route' (pick the engine with the best "
+        "Score); see 'kvrc engine --help'",
     )
     parser.add_argument("--version", action="version", version=f"kvrc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -194,7 +194,9 @@ def test_grid_size_and_part_count_are_bounded() -> None:
     with pytest.raises(KvrcError) as e:
         r.register(reg(0, 0, engine_id="e3"), "s2", 0, 0)
     assert e.value.code == ErrorCode.RESOURCE_EXHAUSTED
-    assert "maximum of 2 rank parts (--max-rank-parts)" in e.value.message
+    assert "maximum of 2 rank parts (--max-rank-parts), 0 of them engine 'e3''s" in (
+        e.value.message
+    )
     assert snapshot(r) == before
 
 

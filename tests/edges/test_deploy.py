@@ -538,9 +538,11 @@ def check_store_label_only_on_kvrc_pods(docs: list[Doc]) -> None:
         assert store.kind == "redis", f"{name}: admitted to Redis, kvrc on {store.url}"
 
 
+# Required: a Secret without the key keeps the pods from starting, rather than starting
+# replicas with random seeds whose snapshots the others refuse.
 HASH_SEED_ENV = {
     "name": "PYTHONHASHSEED",
-    "valueFrom": {"secretKeyRef": {"name": STORE_SECRET, "key": "hash-seed", "optional": True}},
+    "valueFrom": {"secretKeyRef": {"name": STORE_SECRET, "key": "hash-seed"}},
 }
 
 
