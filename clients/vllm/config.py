@@ -242,3 +242,35 @@ def hash_declaration(cache_config: Any, env: Mapping[str, str]) -> tuple[tuple[s
         (PROFILE_EXTRA_HASH_SEED, env.get("PYTHONHASHSEED", PROFILE_HASH_SEED_UNSET)),
         (PROFILE_EXTRA_INT_HASHES, "0" if int_hashes in ("0", "false", "False") else "1"),
     )
+
+
+def check_engine_settings(
+    config: KvrcConnectorConfig, *, kv_role: str, kv_load_failure_policy: str, prefix_caching: bool
+) -> bool:
+    """The vLLM settings the connector's own options need; KvrcConfigError naming what
+    to change. False where a handoff's failed load would fail its request (vLLM's
+    default policy): allowed, the connector warns."""
+    if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+        raise KvrcConfigError("kv_role", f"{kv_role!r} is not kv_producer/kv_consumer/kv_both")
+    recompute = kv_load_failure_policy == "recompute"
+    if not config.reuse:
+        return recompute
+    if not prefix_caching:
+        raise KvrcConfigError("reuse", "prefix reuse needs vLLM's enable_prefix_caching")
+    if not recompute:
+        # A prefix load is an optimisation: its failure must cost a recompute, never
+        # the request.
+        raise KvrcConfigError(
+            "reuse",
+            f'prefix reuse needs kv_load_failure_policy "recompute", got '
+            f"{kv_load_failure_policy!r}: a failed load would fail the request",
+        )
+    if kv_role == "kv_producer":
+        # vLLM defers block frees behind in-flight steps (async scheduling, PP) only for
+        # consumers: a load into a block a running step freed would race its write.
+        raise KvrcConfigError(
+            "reuse",
+            'prefix reuse loads KV into this engine: set kv_role "kv_both" (it still hands '
+            'off to decode engines), not "kv_producer"',
+        )
+    return True

@@ -35,7 +35,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found]  # noqa: E402
 
 from clients.session import EngineProfile, RankPartRegistration  # noqa: E402
-from clients.vllm.config import KvrcConfigError, KvrcConnectorConfig  # noqa: E402
+from clients.vllm.config import (  # noqa: E402
+    KvrcConfigError,
+    KvrcConnectorConfig,
+    check_engine_settings,
+)
 from clients.vllm.metadata import KvrcConnectorMetadata, KvrcWorkerMetadata  # noqa: E402
 
 if TYPE_CHECKING:
@@ -91,18 +95,17 @@ class KvrcConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         kv = self._kv_transfer_config
         self.config = KvrcConnectorConfig.from_extra(kv.kv_connector_extra_config)
-        if kv.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise KvrcConfigError(
-                "kv_role", f"{kv.kv_role!r} is not kv_producer/kv_consumer/kv_both"
-            )
-        if kv.kv_load_failure_policy != "recompute":
+        if not check_engine_settings(
+            self.config,
+            kv_role=kv.kv_role,
+            kv_load_failure_policy=kv.kv_load_failure_policy,
+            prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+        ):
             log.warning(
-                "KvrcConnector: kv_load_failure_policy=%r: a failed load fails the request; "
-                'set "recompute" to recompute instead',
+                "KvrcConnector: kv_load_failure_policy=%r: a failed handoff load fails the "
+                'request; set "recompute" to recompute instead',
                 kv.kv_load_failure_policy,
             )
-        if not vllm_config.cache_config.enable_prefix_caching and self.config.reuse:
-            raise KvrcConfigError("reuse", "prefix reuse needs vLLM's enable_prefix_caching")
         self.identity = engine_identity(vllm_config)
         # vLLM's busy loop and the connector's kvrc thread share the GIL: a 5 ms switch
         # interval makes every hand-over of an RPC cost up to 5 ms.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -160,3 +161,38 @@ def test_the_engine_declares_its_hashing_as_kvrc_score_reads_it(
     extra = hash_declaration(_CacheConfig(), env)
     assert hash_config("e", DeploymentProfile(model="m", block_size=16, extra=extra)) == expected
     assert hash_declaration(object(), env) == ()  # no algorithm known: nothing declared
+
+
+def test_reuse_needs_prefix_caching_recompute_on_failure_and_a_consuming_role() -> None:
+    """Prefix loads are an optimisation: a failed one must cost a recompute (vLLM's
+    default policy fails the request), and only a consumer's frees wait for in-flight
+    steps (a load into a block a running step freed would race its write). Without
+    reuse, handoffs are allowed under any policy; the connector warns."""
+    from clients.vllm.config import check_engine_settings
+
+    reuse = KvrcConnectorConfig.from_extra({"reuse": True})
+    plain = KvrcConnectorConfig.from_extra({})
+    good: dict[str, Any] = {
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "prefix_caching": True,
+    }
+    assert check_engine_settings(reuse, **good) is True
+    assert check_engine_settings(reuse, **{**good, "kv_role": "kv_consumer"}) is True
+    for change, needle in (
+        ({"kv_role": "kv_producer"}, 'set kv_role "kv_both"'),
+        ({"kv_load_failure_policy": "fail"}, 'needs kv_load_failure_policy "recompute"'),
+        ({"prefix_caching": False}, "needs vLLM's enable_prefix_caching"),
+        ({"kv_role": "kv_sideways"}, "'kv_sideways' is not kv_producer/kv_consumer/kv_both"),
+    ):
+        with pytest.raises(KvrcConfigError) as caught:
+            check_engine_settings(reuse, **{**good, **change})
+        assert needle in str(caught.value)
+    # Without reuse: a producer under vLLM's default policy is allowed (a warning).
+    producer: dict[str, Any] = {
+        "kv_role": "kv_producer",
+        "kv_load_failure_policy": "fail",
+        "prefix_caching": False,
+    }
+    assert check_engine_settings(plain, **producer) is False
+    assert check_engine_settings(plain, **{**producer, "kv_load_failure_policy": "recompute"})

@@ -1,8 +1,9 @@
 """P/D handoff through KvrcConnector between two real vLLM engines (tp=1, one core each).
 
 One kvrc with reuse OFF, a prefill engine P (`kv_producer`, core 0) and a decode
-engine D (`kv_consumer`, core 1), both KvrcConnector with `reuse: true` asked
-for (so the coordinator's switch is what says no).
+engine D (`kv_consumer`, core 1), both KvrcConnector; D asks for `reuse: true` (so
+the coordinator's switch is what says no). P cannot: a `kv_producer` with reuse is a
+configuration error (vLLM defers block frees for consumers only).
 
 Where the KV came from is proven by the connector's own counters (the
 scheduler side's stats file): D's `handoff_tokens_loaded` / `handoff_blocks_loaded`
@@ -56,7 +57,7 @@ def pair(vllm_python: str, tiny_model: Path) -> Iterator[Pair]:
             model=tiny_model,
             cores="0",
             kv_role="kv_producer",
-            extra=extra,
+            extra={**extra, "reuse": False},
             split_processes=True,  # the prefill frees its blocks while idle (vllm_harness)
         )
         decode = VllmEngine(
