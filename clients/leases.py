@@ -77,6 +77,8 @@ _RETRY_MAX_S = 1.0
 # out an outage. Its retries back off to _BEGIN_RETRY_MAX_S at most (a request waits on
 # them; an engine's own parts re-register well within a second).
 BEGIN_UNAVAILABLE_RETRY_S = 5.0
+# A waiting BeginHandoff's answer may come this long after its wait ends.
+BEGIN_ANSWER_MARGIN_S = 5.0
 _BEGIN_RETRY_MAX_S = 0.2
 # Terminal reports sent again after a re-registration (a restarted coordinator rebuilt
 # the lease from its holder's re-announcement and waits for them): those whose lease
@@ -511,7 +513,14 @@ class LeaseClient:
                 decode_child_engine_id=self.child_engine_id,
                 wait_timeout_ms=left_ms,
             )
-            timeout = self._timeout_s + left_ms / 1000
+            # kvrc answers by the wait's end itself (DEADLINE_EXCEEDED): a short margin
+            # past it, so a frozen kvrc costs the wait, not the wait and a whole RPC
+            # timeout more.
+            timeout = (
+                left_ms / 1000 + min(self._timeout_s, BEGIN_ANSWER_MARGIN_S)
+                if left_ms
+                else self._timeout_s
+            )
             reply: pb.HandoffGrant = await self._call(self._stub.BeginHandoff, request, timeout)
             return reply
 

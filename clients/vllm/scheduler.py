@@ -239,6 +239,12 @@ class KvrcScheduler:
         self._stats_flush_armed = False  # the loop writes it within _stats_flush_s
         self._stats_flush_s = STATS_FLUSH_S
         self.breaker = LookupBreaker()
+        # The P/D path's own: after kvrc was unreachable for a publish or a begin, a
+        # prefill offers no handoff (vLLM frees the blocks; the decode recomputes) and
+        # a decode begins none (it recomputes at once), one try per backoff. Without
+        # it every finished prefill held its blocks for handoff_hold_s, and every
+        # decode waited handoff_wait_ms and more, while kvrc was down.
+        self.handoff_breaker = LookupBreaker()
         self._params_warned_at = 0.0
         int_block_hashes()  # read now, as vLLM's events will use it
         # Steps vLLM may have scheduled and not yet run: a block is pinnable only once
@@ -335,8 +341,15 @@ class KvrcScheduler:
         hold_ends = loop.time() + self.config.handoff_hold_s
         answers: list[Any] = []
         failures: list[BaseException] = []
+        asked_at = time.monotonic()
         async for attempt, answers in publish_rounds(one, self.tp_size, hold_ends, held):
             failures = [a for a in answers if isinstance(a, BaseException)]
+            if attempt == 0:
+                unreachable = [e for e in failures if isinstance(e, UnavailableError)]
+                if unreachable:
+                    self._handoff_kvrc_failed(f"PublishHandoff: {unreachable[0]}", asked_at)
+                elif len(failures) < len(answers):
+                    self._handoff_kvrc_answered()
             if not failures or attempt > 0:
                 continue
             self._count("handoff_publish_failures")
@@ -485,6 +498,9 @@ class KvrcScheduler:
             if not params.get(KVRC_MARK):
                 return 0, False  # not a kvrc handoff: nothing for this connector
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0 and not self._handoff_allowed():
+                self._count("handoff_begins_skipped")  # kvrc was unreachable just now
+                return 0, False
             trace("matched", request.request_id)
             return (count, True) if count > 0 else (0, False)
         if self.config.reuse:
@@ -770,9 +786,38 @@ class KvrcScheduler:
     async def _begin_handoff(self, handoff_id: str, prefill: str) -> HandoffGrant:
         """BeginHandoff, waiting up to handoff_wait_ms (LeaseClient makes it again while
         this engine's own rank parts re-register or kvrc is unreachable)."""
-        return await self.leases.begin_handoff(
-            handoff_id, prefill, wait_timeout_ms=self.config.handoff_wait_ms
-        )
+        asked_at = time.monotonic()
+        try:
+            grant = await self.leases.begin_handoff(
+                handoff_id, prefill, wait_timeout_ms=self.config.handoff_wait_ms
+            )
+        except UnavailableError as e:
+            self._handoff_kvrc_failed(f"BeginHandoff: {e}", asked_at)
+            raise
+        self._handoff_kvrc_answered()
+        return grant
+
+    def _handoff_allowed(self) -> bool:
+        with self._lock:
+            return self.handoff_breaker.allows(time.monotonic())
+
+    def _handoff_kvrc_failed(self, why: str, asked_at: float) -> None:
+        with self._lock:
+            opened = self.handoff_breaker.failed(time.monotonic(), asked_at)
+            backoff_s = self.handoff_breaker.backoff_s
+        if opened:
+            log.warning(
+                "kvrc unreachable for a handoff (%s): no handoffs offered or begun for "
+                "%.0f s and longer while it keeps failing (prefills free, decodes recompute)",
+                why,
+                backoff_s,
+            )
+
+    def _handoff_kvrc_answered(self) -> None:
+        with self._lock:
+            closed = self.handoff_breaker.succeeded()
+        if closed:
+            log.info("kvrc answers handoffs again: handoffs resume")
 
     # --- build_connector_meta ----------------------------------------------------------
 
@@ -929,6 +974,11 @@ class KvrcScheduler:
 
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
             return False, None  # aborted prefill: nothing to hand off
+        if not self._handoff_allowed():
+            # kvrc was unreachable just now: vLLM frees the blocks, the decode recomputes
+            # (no kv_transfer_params), rather than holding them handoff_hold_s for nobody.
+            self._count("handoffs_not_offered")
+            return False, None
         num_tokens = int(request.num_computed_tokens)
         blocks = list(block_ids[: -(-num_tokens // self.block_size)])
         handoff_id = str(params.get("transfer_id") or f"{self.child_engine_id}/{request_id}")

@@ -1168,6 +1168,51 @@ def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
         made.shutdown()
 
 
+def test_kvrc_unreachable_for_a_publish_means_no_handoffs_offered_or_begun_for_a_while(
+    vllm_side: Any, kvrc_server: CoordinatorProcess, worker: Any
+) -> None:
+    """A kvrc that cannot be reached for a publish opens the handoff breaker: the next
+    finished prefills offer no handoff (vLLM frees their blocks; the decode, given no
+    kv_transfer_params, recomputes), and a decode begins none (it recomputes at once):
+    before, each prefill held its blocks handoff_hold_s and each decode waited its
+    handoff wait, for as long as kvrc was down. An answer closes it."""
+    made = _publish_with(
+        vllm_side,
+        kvrc_server,
+        worker,
+        _publish_fails(UnavailableError(grpc.StatusCode.UNAVAILABLE, "connection refused")),
+        hold_s=1.0,
+    )
+    try:
+        assert made.handoff_breaker.is_open
+        assert made._free_now == []  # this one's outcome is unknown: held (I6)
+        request = _request("next", 2, do_remote_decode=True)
+        request.status = vllm_side.RequestStatus.FINISHED_LENGTH_CAPPED
+        request.num_computed_tokens = 2 * BS
+        assert made.request_finished(request, [1, 2]) == (False, None)
+        assert made.counters["handoffs_not_offered"] == 1 and "next" not in made._sending
+        incoming = _request(
+            "incoming",
+            3,
+            do_remote_prefill=True,
+            kvrc_handoff=True,
+            transfer_id="t-in",
+            remote_engine_id="prefill",
+        )
+        incoming.kv_transfer_params[vllm_side.scheduler.KVRC_MARK] = True
+        assert made.get_num_new_matched_tokens(incoming, 0) == (0, False)
+        assert made.counters["handoff_begins_skipped"] == 1
+        # The backoff ends and kvrc answers: handoffs resume.
+        made.handoff_breaker._until = 0.0
+        made._handoff_kvrc_answered()
+        assert not made.handoff_breaker.is_open
+        assert made.get_num_new_matched_tokens(incoming, 0) == (3 * BS, True)
+        delay_free, params = made.request_finished(request, [1, 2])
+        assert delay_free and params is not None and params["do_remote_prefill"] is True
+    finally:
+        made.shutdown()
+
+
 def _publish_states(*answers: str | Exception) -> Any:
     """kvrc's PublishHandoff answers, in order, for handoff "ho-held" (the last repeats):
     a state it names, or an error raised."""
