@@ -164,10 +164,24 @@ def control_socket_path(child_engine_id: str) -> str:
     """
     import hashlib
     import os
+    import stat
     import tempfile
 
     folder = os.path.join(tempfile.gettempdir(), f"kvrc-vllm-{os.getuid()}")
     os.makedirs(folder, mode=0o700, exist_ok=True)
+    # A folder another user made (or a link to one) first would let that user take the
+    # socket, and with it the pins: the shared temp folder is anyone's to write.
+    found = os.lstat(folder)
+    if (
+        not stat.S_ISDIR(found.st_mode)
+        or found.st_uid != os.getuid()
+        or stat.S_IMODE(found.st_mode) & 0o077
+    ):
+        raise RuntimeError(
+            f"KvrcConnector: {folder} must be a directory of uid {os.getuid()} with mode "
+            f"0700 (it is uid {found.st_uid}, mode {stat.filemode(found.st_mode)}): "
+            "another user could take this engine's control socket; remove it"
+        )
     digest = hashlib.sha256(child_engine_id.encode()).hexdigest()[:16]
     return os.path.join(folder, f"{digest}.sock")
 

@@ -113,7 +113,9 @@ class PdProxy:
         }
 
     async def start(self, app: web.Application) -> None:
-        self._session = ClientSession(timeout=ClientTimeout(total=600))
+        # A decode's response streams for as long as it generates: hours, as vLLM's own
+        # proxies allow (600 s cut long generations off); a dead engine is found at connect.
+        self._session = ClientSession(timeout=ClientTimeout(total=6 * 3600, sock_connect=30))
 
     async def stop(self, app: web.Application) -> None:
         if self._session is not None:

@@ -1034,6 +1034,18 @@ class KvrcScheduler:
 
     def shutdown(self) -> None:
         async def close() -> None:
+            # The workers' socket first (its file too: one per engine start otherwise
+            # piled up in the runtime folder), then the pin expirer, then kvrc's channel.
+            server = getattr(self, "_server", None)
+            if server is not None:
+                server.close()
+                with contextlib.suppress(Exception):
+                    await server.wait_closed()
+            with contextlib.suppress(OSError):
+                os.unlink(control_socket_path(self.child_engine_id))
+            expirer = getattr(self, "_expirer", None)
+            if expirer is not None:
+                expirer.cancel()
             with contextlib.suppress(Exception):
                 await self._channel.close(None)
 

@@ -1534,3 +1534,27 @@ def test_a_worker_keeps_a_part_whose_publish_may_have_been_taken(
             time.sleep(1.5)
             sending, _ = worker.finished.take()
             assert "req-w" in sending
+
+
+def test_the_control_socket_is_removed_at_shutdown_and_its_folder_must_be_private(
+    vllm_side: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """One socket file per engine start piled up in the runtime folder (thousands here);
+    and a folder another user made first, or opened up, would hand that user the
+    engine's pins: the connector refuses it, naming it."""
+    from clients.vllm.loop import control_socket_path
+
+    made = _new_scheduler(vllm_side, "127.0.0.1:1")
+    path = control_socket_path(made.child_engine_id)
+    assert os.path.exists(path)
+    made.shutdown()
+    assert not os.path.exists(path)
+
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
+    folder = tmp_path / f"kvrc-vllm-{os.getuid()}"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"must be a directory of uid .* with mode 0700"):
+        control_socket_path("e")
+    folder.chmod(0o700)
+    assert control_socket_path("e").startswith(str(folder))
