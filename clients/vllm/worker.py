@@ -253,6 +253,7 @@ class KvrcWorker:
         self._released_early: dict[str, None] = {}
         self._handoff_of_request: dict[str, str] = {}
         self._scheduler_channel: Any = None
+        self._pin_unreachable_said = False  # one warning, not one per pin
         self._reports: set[asyncio.Task[None]] = set()
         self.session: EngineSession | None = None
         self.leases: LeaseClient | None = None
@@ -714,12 +715,27 @@ class KvrcWorker:
     async def _pin(self, info: PinRequestInfo) -> PinAnswer:
         if not self.config.reuse:
             return PinAnswer(0, error_message="reuse is off on this engine")
-        block_ids: list[int] = await self._scheduler_call(
-            "pin",
-            lease_id=info.lease_id,
-            hashes=list(info.block_hashes),
-            deadline_ms=info.deadline_unix_ms,
-        )
+        try:
+            block_ids: list[int] = await self._scheduler_call(
+                "pin",
+                lease_id=info.lease_id,
+                hashes=list(info.block_hashes),
+                deadline_ms=info.deadline_unix_ms,
+            )
+        except OSError as e:
+            # No scheduler side on this host (a rank of multi-node TP: the control socket
+            # is local), or it is gone: a miss, said once, not a traceback per pin.
+            if not self._pin_unreachable_said:
+                self._pin_unreachable_said = True
+                log.warning(
+                    "rank %d cannot reach its engine's scheduler side (%s): it answers every "
+                    "pin with a miss (prefix reuse holds blocks only where the EngineCore "
+                    "runs: single-node TP)",
+                    self.tp_rank,
+                    e,
+                )
+            self.finished.count("pins_unreachable")
+            return PinAnswer(0, error_message=f"the engine's scheduler side is unreachable: {e}")
         if not block_ids:
             return PinAnswer(0)
         descriptor = rank_part_descriptor(self.endpoint, block_ids, tp_rank=self.tp_rank)
