@@ -795,12 +795,18 @@ class LeaseMachine(RuleBasedStateMachine):
         self.gauge.update(self.table.take_changed_counts())
         assert {k: n for k, n in self.gauge.items() if n} == self.table.counts()
         per_engine: Counter[str] = Counter()
+        shares: Counter[str] = Counter()  # what the per-engine bound counts
         for v in views:
             per_engine[v.source_child_engine_id] += 1
+            shares[v.source_child_engine_id] += 1
             if v.target_child_engine_id is not None:
                 per_engine[v.target_child_engine_id] += 1
+                # A handoff reserved for a decode and not begun counts against its
+                # prefill only (a prefill cannot fill a decode's share by reserving).
+                if not (v.flow is Flow.HANDOFF and v.handoff_grant is None):
+                    shares[v.target_child_engine_id] += 1
         assert dict(per_engine) == self.table.open_counts_by_engine()
-        assert all(n <= CONFIG.max_open_leases_per_engine for n in per_engine.values())
+        assert all(n <= CONFIG.max_open_leases_per_engine for n in shares.values())
         assert sum(listed.values()) <= CONFIG.max_open_leases
 
     @invariant()
