@@ -596,6 +596,11 @@ class LeaseTable:
         # (flow, state) counts changed since `take_changed_counts` (the gauge reads only those).
         self._counts_changed: set[tuple[Flow, LeaseState]] = set()
         self._terminal: OrderedDict[str, int] = OrderedDict()  # lease id -> ended_ms
+        # Ended leases the purge found still awaiting their target's proof of quiet: kept
+        # (a repeated handoff publish must go on hearing RELEASING, not open a new
+        # lease), at most a quarter of max_terminal_leases; back to `_terminal` once
+        # their release is decided (`_stop_awaiting`).
+        self._kept_awaiting: dict[str, None] = {}
         self._payload_bytes = 0  # LeaseConfig.max_payload_bytes
         # Open leases' requester_payload_bytes by requesting engine (absent: none).
         self._open_payload_by_engine: dict[str, int] = {}
@@ -1673,6 +1678,11 @@ class LeaseTable:
 
     def _stop_awaiting(self, lease: _Lease) -> None:
         lease.awaiting_quiet = False
+        if lease.lease_id in self._kept_awaiting:
+            # Kept past the purge for its release: it ages out as any ended lease now.
+            del self._kept_awaiting[lease.lease_id]
+            assert lease.ended_ms is not None
+            self._terminal[lease.lease_id] = lease.ended_ms
         target = lease.target_child_engine_id
         if target is not None and target in self._awaiting:
             waiting = self._awaiting[target]
@@ -1876,6 +1886,12 @@ class LeaseTable:
             ):
                 break
             del self._terminal[lease_id]
+            if (
+                self._leases[lease_id].awaiting_quiet
+                and len(self._kept_awaiting) < cfg.max_terminal_leases // 4
+            ):
+                self._kept_awaiting[lease_id] = None
+                continue
             lease = self._leases.pop(lease_id)
             self._payload_bytes -= lease.payload_bytes
             if lease.awaiting_quiet:

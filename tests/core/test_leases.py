@@ -998,7 +998,7 @@ def test_a_prefill_back_from_a_blip_is_told_to_hold_until_the_decode_proves_quie
     while the release waits for the decode's abort acks (I6-quiescence), or it frees
     blocks a hung read may still land on. Once the decode proves quiet, the release
     goes and the answer is the lease's end."""
-    t = table()
+    t = table(max_terminal_leases=8)
     lease_id = begun(t)
     t.on_engine_gone(PRE, T0 + 100)
     assert t.get(lease_id).state is LeaseState.FAILED
@@ -1017,6 +1017,13 @@ def test_a_prefill_back_from_a_blip_is_told_to_hold_until_the_decode_proves_quie
 
     for now in range(T0 + 1_000, T0 + 120_000, 10_000):
         t.tick(now)
+    # Past the ended leases' retention, and their count (8 here): kept, still RELEASING.
+    t.tick(T0 + 100 + LeaseConfig().terminal_retention_ms + 1)
+    for i in range(10):
+        publish_all(t, f"other{i}")
+        begin(t, f"other{i}", decode="other-dec", now=T0 + 200)
+    t.on_engine_gone("other-dec", T0 + 300)
+    assert t.retained_lease_count() == 8 + 1
     for key in TP2:
         answer = repeat(key)
         assert answer is not None and answer.view.lease_id == lease_id
