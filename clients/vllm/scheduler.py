@@ -72,6 +72,9 @@ MIN_PULL_S = 0.05
 # requests skip kvrc (recompute) this long, doubling while the next try fails.
 BREAKER_BASE_S = 1.0
 BREAKER_MAX_S = 30.0
+# The handoff breaker's pauses (KvrcScheduler.handoff_breaker).
+HANDOFF_BREAKER_BASE_S = 0.5
+HANDOFF_BREAKER_MAX_S = 2.0
 # Counts no scheduler step follows reach the stats file within this (a step writes it).
 STATS_FLUSH_S = 0.1
 # At most one "unencodable kv_transfer_params" warning per this many seconds.
@@ -244,7 +247,9 @@ class KvrcScheduler:
         # a decode begins none (it recomputes at once), one try per backoff. Without
         # it every finished prefill held its blocks for handoff_hold_s, and every
         # decode waited handoff_wait_ms and more, while kvrc was down.
-        self.handoff_breaker = LookupBreaker()
+        # Short pauses: a decode that skips a handoff a prefill published after kvrc came
+        # back leaves the prefill's blocks pinned until kvrc fails the handoff.
+        self.handoff_breaker = LookupBreaker(HANDOFF_BREAKER_BASE_S, HANDOFF_BREAKER_MAX_S)
         self._params_warned_at = 0.0
         int_block_hashes()  # read now, as vLLM's events will use it
         # Steps vLLM may have scheduled and not yet run: a block is pinnable only once
@@ -345,7 +350,10 @@ class KvrcScheduler:
         async for attempt, answers in publish_rounds(one, self.tp_size, hold_ends, held):
             failures = [a for a in answers if isinstance(a, BaseException)]
             if attempt == 0:
-                unreachable = [e for e in failures if isinstance(e, UnavailableError)]
+                # A publish never waits at kvrc: a deadline is a kvrc that did not answer.
+                unreachable = [
+                    e for e in failures if isinstance(e, UnavailableError | DeadlineExceededError)
+                ]
                 if unreachable:
                     self._handoff_kvrc_failed(f"PublishHandoff: {unreachable[0]}", asked_at)
                 elif len(failures) < len(answers):
@@ -793,6 +801,12 @@ class KvrcScheduler:
             )
         except UnavailableError as e:
             self._handoff_kvrc_failed(f"BeginHandoff: {e}", asked_at)
+            raise
+        except DeadlineExceededError as e:
+            # kvrc answers DEADLINE_EXCEEDED itself when the wait runs out (the prefill
+            # never published); no answer by then is a kvrc that does not answer.
+            if time.monotonic() - asked_at > self.config.handoff_wait_ms / 1000 + 1.0:
+                self._handoff_kvrc_failed(f"BeginHandoff: {e}", asked_at)
             raise
         self._handoff_kvrc_answered()
         return grant

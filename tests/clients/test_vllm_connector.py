@@ -1168,8 +1168,16 @@ def test_a_handoff_whose_publish_may_have_been_taken_keeps_its_blocks(
         made.shutdown()
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        UnavailableError(grpc.StatusCode.UNAVAILABLE, "connection refused"),
+        DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),  # frozen
+    ],
+    ids=["down", "frozen"],
+)
 def test_kvrc_unreachable_for_a_publish_means_no_handoffs_offered_or_begun_for_a_while(
-    vllm_side: Any, kvrc_server: CoordinatorProcess, worker: Any
+    vllm_side: Any, kvrc_server: CoordinatorProcess, worker: Any, error: Exception
 ) -> None:
     """A kvrc that cannot be reached for a publish opens the handoff breaker: the next
     finished prefills offer no handoff (vLLM frees their blocks; the decode, given no
@@ -1180,7 +1188,7 @@ def test_kvrc_unreachable_for_a_publish_means_no_handoffs_offered_or_begun_for_a
         vllm_side,
         kvrc_server,
         worker,
-        _publish_fails(UnavailableError(grpc.StatusCode.UNAVAILABLE, "connection refused")),
+        _publish_fails(error),
         hold_s=1.0,
     )
     try:
