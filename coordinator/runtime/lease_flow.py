@@ -143,6 +143,9 @@ class LeaseFlow:
         # Leases aborted or quarantined, messages a part had no session for: engines
         # can cause them in a loop (I8-bad-input); the metrics count every one.
         self._lease_log = LogBudget(clock.monotonic_ms, what="lease")
+        # Quarantines have their own: an operator acts on each, and a loop of aborts
+        # must not spend the lines that name them.
+        self._quarantine_log = LogBudget(clock.monotonic_ms, what="lease quarantine")
         self._payload_shown = 0  # what kvrc_lease_payload_bytes shows (the gauge starts at 0)
         self._closing = False
         self._timer: Timer | None = None
@@ -667,7 +670,7 @@ class LeaseFlow:
             elif isinstance(action, LeaseQuarantined):
                 m.lease_quarantines.labels(flow=action.flow.value).inc()
                 if log_quarantines:
-                    self._lease_log.warning(
+                    self._quarantine_log.warning(
                         log,
                         "%s lease %s quarantined: %s",
                         action.flow.value,

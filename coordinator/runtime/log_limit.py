@@ -68,6 +68,8 @@ class RateLimitedLog:
 LIFECYCLE_BURST = 2_000
 # Its sustained rate once the burst is spent: ~86,000 lines (~12 MB) a day at most.
 LIFECYCLE_LINES_PER_S = 1.0
+# A budget says it ran out at most this often.
+BUDGET_WARNING_INTERVAL_MS = 60_000
 
 
 class LogBudget:
@@ -93,6 +95,7 @@ class LogBudget:
         self._tokens = float(burst)
         self._filled_ms: int | None = None
         self._left_out = 0
+        self._warned_ms: int | None = None
 
     def info(self, logger: logging.Logger, message: str, *args: object) -> None:
         """Logs `message % args` at INFO on `logger` if the budget has a line left."""
@@ -112,7 +115,12 @@ class LogBudget:
             self._tokens = min(self._burst, self._tokens + (now - self._filled_ms) * self._per_ms)
         self._filled_ms = now
         if self._tokens < 1.0:
-            if not self._left_out:
+            # Once per minute at most: under a steady loop the budget admits a line now
+            # and then, and a warning after each would double what it lets through.
+            if not self._left_out and (
+                self._warned_ms is None or now - self._warned_ms >= BUDGET_WARNING_INTERVAL_MS
+            ):
+                self._warned_ms = now
                 logger.warning(
                     "%s lines are over their budget (%d at once, then %g a second): "
                     "counting them instead until there is room",

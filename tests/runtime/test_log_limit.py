@@ -92,7 +92,8 @@ def test_a_lifecycle_budget_logs_a_burst_whole_then_its_rate_and_counts_the_rest
         "part 2",
         over,
         "part 7 (4 engine lifecycle line(s) left out before this one)",
-        over,
+        # part 8: out again, but said at most once a minute (a steady loop would
+        # otherwise get a warning after every admitted line: twice the rate)
         "part 9 (1 engine lifecycle line(s) left out before this one)",
         "part 10",
         "part 11",
@@ -100,3 +101,19 @@ def test_a_lifecycle_budget_logs_a_burst_whole_then_its_rate_and_counts_the_rest
     ]
     levels = [r.levelno for r in caplog.records if r.name == LOGGER]
     assert levels == [logging.WARNING if m == over else logging.INFO for m in _lines(caplog)]
+
+
+def test_a_steady_loop_gets_the_budgets_rate_and_a_warning_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A review: the warning came after every admitted line, twice the stated rate."""
+    clock = ManualClock(monotonic_ms=0)
+    budget = LogBudget(clock.monotonic_ms, burst=3, lines_per_s=2.0)
+    logger = logging.getLogger(LOGGER)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for _ in range(600 * 100):  # 100 lines a second for 10 minutes
+            budget.info(logger, "cycle")
+            clock.advance(10)
+    levels = [r.levelno for r in caplog.records if r.name == LOGGER]
+    assert levels.count(logging.WARNING) == 10  # one a minute
+    assert levels.count(logging.INFO) <= 3 + 2 * 600
