@@ -58,6 +58,18 @@ def _lock_public_methods(obj: Any, lock: threading.RLock) -> None:
 MAX_PENDING_STEPS = 64
 
 
+def _blocks(held: Any) -> list[Any]:
+    """The blocks of one entry of vLLM's BlockHashToBlockMap (a block, or a dict of them
+    by id when several hold one hash)."""
+    if held is None:
+        return []
+    return list(held.values()) if isinstance(held, dict) else [held]
+
+
+def _block_ids(held: Any) -> list[int]:
+    return [block.block_id for block in _blocks(held)]
+
+
 class PoolPins:
     """`steps_in_flight`: vLLM's `max_concurrent_batches` (1; 2 with async scheduling;
     the pipeline depth with PP): how many scheduled steps may not have run yet when a
@@ -75,9 +87,13 @@ class PoolPins:
         self._key_of = key_of
         self._held_back = max(0, steps_in_flight - 1)
         # Inserts of the step being scheduled, then of the steps sealed since: (kvrc key,
-        # vLLM BlockHash) of KV cache group 0, oldest step first.
-        self._current: list[tuple[bytes, Any]] = []
-        self._sealed: collections.deque[list[tuple[bytes, Any]]] = collections.deque()
+        # vLLM BlockHash, block id) of KV cache group 0, oldest step first.
+        self._current: list[tuple[bytes, Any, int]] = []
+        self._sealed: collections.deque[list[tuple[bytes, Any, int]]] = collections.deque()
+        # The cached blocks (of group 0) whose step ran: vLLM may hold a second block of
+        # the same hash (a request that skips the prefix cache recomputes it), still
+        # being written; a pin takes only these.
+        self._ready_ids: set[int] = set()
         self.dropped_steps = 0  # sealed steps dropped unpromoted (MAX_PENDING_STEPS)
         self._pool: Any = None
         self._pins: dict[str, list[Any]] = {}  # lease id -> its pinned blocks
@@ -126,36 +142,39 @@ class PoolPins:
             return
         by_key, key_of, lock = self._by_key, self._key_of, self.lock
         insert, pop, get_one_block = cached.insert, cached.pop, cached.get_one_block
-
-        current = self._current
+        current, ready = self._current, self._ready_ids
 
         def inserted(key: bytes, block: Any) -> None:
             with lock:
                 insert(key, block)
                 if get_group_id(key) == 0:  # pinnable once its step ran (`step_done`)
                     block_hash = get_block_hash(key)
-                    current.append((key_of(block_hash), block_hash))
+                    current.append((key_of(block_hash), block_hash, block.block_id))
                     self.converted += 1
 
         def popped(key: bytes, block_id: int) -> Any:
             with lock:
                 block = pop(key, block_id)
-                if block is not None and get_group_id(key) == 0 and get_one_block(key) is None:
-                    block_hash = get_block_hash(key)
-                    kvrc_key = key_of(block_hash)
-                    if by_key.get(kvrc_key) == block_hash:
-                        del by_key[kvrc_key]
+                if block is not None and get_group_id(key) == 0:
+                    ready.discard(block_id)
+                    if get_one_block(key) is None:
+                        block_hash = get_block_hash(key)
+                        kvrc_key = key_of(block_hash)
+                        if by_key.get(kvrc_key) == block_hash:
+                            del by_key[kvrc_key]
                 return block
 
         # A new map: the first (empty), or vLLM's reset, which it refuses while any
         # block is in use, so whatever it holds was computed.
         by_key.clear()
         current.clear()
+        ready.clear()
         self._sealed.clear()
-        for key in list(cached._cache):
+        for key, blocks in list(cached._cache.items()):
             if get_group_id(key) == 0:
                 block_hash = get_block_hash(key)
                 by_key[key_of(block_hash)] = block_hash
+                ready.update(_block_ids(blocks))
                 self.converted += 1
         cached.insert, cached.pop = inserted, popped
         self._followed = cached
@@ -180,26 +199,29 @@ class PoolPins:
         with self.lock:
             if self._pool is None:
                 return
-            get_one_block = self._pool.cached_block_hash_to_block.get_one_block
+            cached = self._pool.cached_block_hash_to_block
             for _ in range(max(1, len(self._sealed) - self._held_back)):
                 if not self._sealed:
                     break
-                for kvrc_key, block_hash in self._sealed.popleft():
+                for kvrc_key, block_hash, block_id in self._sealed.popleft():
                     # Evicted meanwhile: nothing to promote (its `pop` found no entry).
-                    if get_one_block(make_block_hash_with_group_id(block_hash, 0)) is not None:
+                    if cached.contain(make_block_hash_with_group_id(block_hash, 0), block_id):
                         self._by_key[kvrc_key] = block_hash
+                        self._ready_ids.add(block_id)
 
     def _find(self, keys: Sequence[bytes]) -> list[Any]:
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # type: ignore[import-not-found]
 
+        cached = self._pool.cached_block_hash_to_block._cache
+        ready = self._ready_ids
         blocks: list[Any] = []
         for key in keys:
             block_hash = self._by_key.get(key)
             if block_hash is None:
                 break
-            block = self._pool.cached_block_hash_to_block.get_one_block(
-                make_block_hash_with_group_id(block_hash, 0)
-            )
+            held = cached.get(make_block_hash_with_group_id(block_hash, 0))
+            # Of the blocks vLLM holds for the hash, one whose step ran.
+            block = next((b for b in _blocks(held) if b.block_id in ready), None)
             if block is None:
                 break
             blocks.append(block)

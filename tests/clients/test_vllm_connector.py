@@ -991,6 +991,10 @@ class _CachedBlocks:
     def get_one_block(self, key: bytes) -> Any:
         return self._cache.get(key)
 
+    def contain(self, key: bytes, block_id: int) -> bool:
+        block = self._cache.get(key)
+        return block is not None and block.block_id == block_id
+
     def insert(self, key: bytes, block: Any) -> None:
         self._cache[key] = block
 

@@ -362,3 +362,10 @@ def test_a_holder_pins_no_block_before_the_step_that_cached_it_ran(vllm_python: 
     # own output makes it pinnable.
     second_async = async_["pins"][4]
     assert async_["pins"][3] == [] and len(second_async) == 8
+    # vLLM holds two blocks of one hash (a request that skips the prefix cache): once
+    # the written one is evicted, the pin stops there, never takes the one being written.
+    dup = runs["duplicates"]
+    ran, mid_step = dup["pins"]
+    assert ran == dup["first"][:4]
+    assert set(mid_step).isdisjoint(dup["duplicates"]) and mid_step == ran[: len(mid_step)]
+    assert len(mid_step) < 4  # one of the first blocks was evicted (the scenario holds)
