@@ -63,12 +63,16 @@ def test_info_lines_are_limited_alike_and_nothing_is_counted_below_the_level(
     assert all(r.levelno == logging.INFO for r in caplog.records)
 
 
+def _budget() -> tuple[ManualClock, LogBudget, logging.Logger]:
+    """A budget of 3 lines at once, then 2 a second, on a manual clock."""
+    clock = ManualClock(monotonic_ms=0)
+    return clock, LogBudget(clock.monotonic_ms, burst=3, lines_per_s=2.0), logging.getLogger(LOGGER)
+
+
 def test_a_lifecycle_budget_logs_a_burst_whole_then_its_rate_and_counts_the_rest(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    clock = ManualClock(monotonic_ms=0)
-    budget = LogBudget(clock.monotonic_ms, burst=3, lines_per_s=2.0)
-    logger = logging.getLogger(LOGGER)
+    clock, budget, logger = _budget()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         budget.info(logger, "below %d", 0)  # below the level: neither logged nor spent
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -107,9 +111,7 @@ def test_a_steady_loop_gets_the_budgets_rate_and_a_warning_a_minute(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A review: the warning came after every admitted line, twice the stated rate."""
-    clock = ManualClock(monotonic_ms=0)
-    budget = LogBudget(clock.monotonic_ms, burst=3, lines_per_s=2.0)
-    logger = logging.getLogger(LOGGER)
+    clock, budget, logger = _budget()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         for _ in range(600 * 100):  # 100 lines a second for 10 minutes
             budget.info(logger, "cycle")

@@ -17,148 +17,108 @@ import json
 import time
 from typing import Any
 
+BLOCK_SIZE = 16
 
-def run(steps_in_flight: int) -> dict[str, Any]:
-    import torch
-    from vllm import SamplingParams  # type: ignore[import-not-found]
-    from vllm.utils.hashing import sha256  # type: ignore[import-not-found]
-    from vllm.v1.core.kv_cache_manager import KVCacheManager  # type: ignore[import-not-found]
-    from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found]
-        get_request_block_hasher,
-        init_none_hash,
-    )
-    from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-    from vllm.v1.request import Request  # type: ignore[import-not-found]
 
-    from clients.vllm.pool import PoolPins
-    from clients.vllm.scheduler import block_hash_key
+class _Rig:
+    """vLLM's real KV cache manager with a holder's PoolPins bound to it."""
 
-    block_size = 16
-    init_none_hash(sha256)
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float16
-    )
-    config = KVCacheConfig(
-        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
-    )
-    params = inspect.signature(KVCacheManager.__init__).parameters
-    sizes = {k: block_size for k in ("scheduler_block_size", "hash_block_size") if k in params}
-    deadline = int(time.time() * 1000) + 60_000
-    manager = KVCacheManager(config, max_model_len=4096, enable_caching=True, **sizes)
-    pins = PoolPins(block_hash_key, steps_in_flight=steps_in_flight)
-    pins.bind(manager.block_pool, manager)
-    hasher = get_request_block_hasher(block_size, sha256)
-
-    def request(request_id: str, first_token: int) -> Any:
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=list(range(first_token, first_token + 8 * block_size + 1)),
-            sampling_params=SamplingParams(max_tokens=1),
-            pooling_params=None,
-            block_hasher=hasher,
+    def __init__(self, num_blocks: int, steps_in_flight: int) -> None:
+        import torch
+        from vllm.utils.hashing import sha256  # type: ignore[import-not-found]
+        from vllm.v1.core.kv_cache_manager import KVCacheManager  # type: ignore[import-not-found]
+        from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found]
+            get_request_block_hasher,
+            init_none_hash,
+        )
+        from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
         )
 
-    seen: list[list[int]] = []
+        from clients.vllm.pool import PoolPins
+        from clients.vllm.scheduler import block_hash_key
 
-    def pin(req: Any) -> None:
-        keys = [block_hash_key(h) for h in req.block_hashes]
-        lease = f"lease-{len(seen)}"
-        seen.append(pins.pin(lease, keys, deadline))
-        pins.release(lease)
+        init_none_hash(sha256)
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16
+        )
+        config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+        )
+        params = inspect.signature(KVCacheManager.__init__).parameters
+        sizes = {k: BLOCK_SIZE for k in ("scheduler_block_size", "hash_block_size") if k in params}
+        self.manager = KVCacheManager(config, max_model_len=4096, enable_caching=True, **sizes)
+        self.pins = PoolPins(block_hash_key, steps_in_flight=steps_in_flight)
+        self.pins.bind(self.manager.block_pool, self.manager)
+        self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self._key = block_hash_key
+        self._deadline = int(time.time() * 1000) + 60_000
+        self._leases = 0
 
-    first = request("r1", 0)
-    allocated = manager.allocate_slots(first, first.num_tokens).get_block_ids()[0]
-    pin(first)  # scheduled, not run
+    def request(self, request_id: str, first: int, blocks: int, skip: bool = False) -> Any:
+        from vllm import SamplingParams  # type: ignore[import-not-found]
+        from vllm.v1.request import Request  # type: ignore[import-not-found]
+
+        sampling = SamplingParams(max_tokens=1, skip_reading_prefix_cache=True if skip else None)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(range(first, first + blocks * BLOCK_SIZE + 1)),
+            sampling_params=sampling,
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+
+    def schedule(self, req: Any) -> list[int]:
+        """What scheduling the request's prefill does: its blocks allocated and cached."""
+        return list(self.manager.allocate_slots(req, req.num_tokens).get_block_ids()[0])
+
+    def pin(self, req: Any) -> list[int]:
+        """A remote reader's pin of the request's chain (released at once)."""
+        self._leases += 1
+        lease = f"lease-{self._leases}"
+        got = self.pins.pin(lease, [self._key(h) for h in req.block_hashes], self._deadline)
+        self.pins.release(lease)
+        return got
+
+
+def run(steps_in_flight: int) -> dict[str, Any]:
+    rig = _Rig(64, steps_in_flight)
+    pins = rig.pins
+    first = rig.request("r1", 0, 8)
+    allocated = rig.schedule(first)
+    seen = [rig.pin(first)]  # scheduled, not run
     pins.seal_step()  # build_connector_meta of that step
-    pin(first)
-    second = request("r2", 10_000)  # the next step is scheduled (async: before ...
-    manager.allocate_slots(second, second.num_tokens)
+    seen.append(rig.pin(first))
+    second = rig.request("r2", 10_000, 8)  # the next step is scheduled (async: before ...
+    rig.schedule(second)
     pins.seal_step()
     pins.step_done()  # ... the first step's output came back)
-    pin(first)
-    pin(second)
+    seen += [rig.pin(first), rig.pin(second)]
     pins.step_done()  # the second step's output
-    pin(second)
-    return {"allocated": list(allocated), "pins": seen}
+    seen.append(rig.pin(second))
+    return {"allocated": allocated, "pins": seen}
 
 
 def run_duplicates() -> dict[str, Any]:
     """A second block of one hash, cached by a step that has not run: vLLM holds both
     under the hash (a request that skips reading the prefix cache recomputes its
     prompt); once the first is evicted, a pin must not take the second."""
-    import torch
-    from vllm import SamplingParams  # type: ignore[import-not-found]
-    from vllm.utils.hashing import sha256  # type: ignore[import-not-found]
-    from vllm.v1.core.kv_cache_manager import KVCacheManager  # type: ignore[import-not-found]
-    from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found]
-        get_request_block_hasher,
-        init_none_hash,
-    )
-    from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-    from vllm.v1.request import Request  # type: ignore[import-not-found]
-
-    from clients.vllm.pool import PoolPins
-    from clients.vllm.scheduler import block_hash_key
-
-    block_size = 16
-    init_none_hash(sha256)
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float16
-    )
-    config = KVCacheConfig(
-        num_blocks=40, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
-    )
-    params = inspect.signature(KVCacheManager.__init__).parameters
-    sizes = {k: block_size for k in ("scheduler_block_size", "hash_block_size") if k in params}
-    manager = KVCacheManager(config, max_model_len=4096, enable_caching=True, **sizes)
-    pins = PoolPins(block_hash_key, steps_in_flight=1)
-    pins.bind(manager.block_pool, manager)
-    hasher = get_request_block_hasher(block_size, sha256)
-    deadline = int(time.time() * 1000) + 60_000
-
-    def request(request_id: str, first: int, blocks: int, skip: bool = False) -> Any:
-        sampling = (
-            SamplingParams(max_tokens=1, skip_reading_prefix_cache=True)
-            if skip
-            else SamplingParams(max_tokens=1)
-        )
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=list(range(first, first + blocks * block_size + 1)),
-            sampling_params=sampling,
-            pooling_params=None,
-            block_hasher=hasher,
-        )
-
-    def pin(req: Any, lease: str) -> list[int]:
-        got = pins.pin(lease, [block_hash_key(h) for h in req.block_hashes], deadline)
-        pins.release(lease)
-        return got
-
-    first = request("r1", 0, 4)
-    first_blocks = manager.allocate_slots(first, first.num_tokens).get_block_ids()[0]
-    pins.seal_step()
-    pins.step_done()
-    ran = pin(first, "a")
-    manager.free(first)  # finished: its blocks stay cached, free
-    again = request("r3", 0, 4, skip=True)  # the same prompt, recomputed: duplicates
-    dup_blocks = manager.allocate_slots(again, again.num_tokens).get_block_ids()[0]
-    big = request("r4", 50_000, 30)  # in the same step, evicts r1's free blocks
-    manager.allocate_slots(big, big.num_tokens)
-    mid_step = pin(first, "b")  # r3's step has not run
-    return {
-        "first": list(first_blocks),
-        "duplicates": list(dup_blocks),
-        "pins": [ran, mid_step],
-    }
+    rig = _Rig(40, 1)
+    first = rig.request("r1", 0, 4)
+    first_blocks = rig.schedule(first)
+    rig.pins.seal_step()
+    rig.pins.step_done()
+    ran = rig.pin(first)
+    rig.manager.free(first)  # finished: its blocks stay cached, free
+    again = rig.request("r3", 0, 4, skip=True)  # the same prompt, recomputed: duplicates
+    dup_blocks = rig.schedule(again)
+    rig.schedule(rig.request("r4", 50_000, 30))  # the same step: evicts r1's free blocks
+    mid_step = rig.pin(first)  # r3's step has not run
+    return {"first": first_blocks, "duplicates": dup_blocks, "pins": [ran, mid_step]}
 
 
 def main() -> None:
