@@ -822,7 +822,7 @@ class KvrcScheduler:
         if opened:
             log.warning(
                 "kvrc unreachable for a handoff (%s): no handoffs offered or begun for "
-                "%.0f s and longer while it keeps failing (prefills free, decodes recompute)",
+                "%.1f s and longer while it keeps failing (prefills free, decodes recompute)",
                 why,
                 backoff_s,
             )

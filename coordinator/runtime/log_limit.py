@@ -78,8 +78,8 @@ class LogBudget:
     is worth a line, so a burst is logged whole, but a client that registers and closes
     (or opens and abandons leases) in a loop must not fill the log (I8-bad-input). A
     token bucket shared by every line of one kind (`what`): `burst` lines at once, then
-    `lines_per_s`. The first line left out in a row says so once; the next line logged
-    carries the count of those left out."""
+    `lines_per_s`. The first line left out in a row says so (at most once a minute);
+    the next line logged carries the count of those left out."""
 
     def __init__(
         self,
