@@ -816,8 +816,24 @@ class KvrcWorker:
 
     def shutdown(self) -> None:
         async def close() -> None:
+            quiet = False
             with contextlib.suppress(Exception):
-                await self.in_flight.wait_all_quiet(timeout_s=5.0)
+                quiet = await self.in_flight.wait_all_quiet(timeout_s=5.0)
+            if not quiet:
+                # Torn down anyway (vLLM is stopping): say so, a read may still write.
+                log.warning(
+                    "rank %d shuts down with %d native read(s) still in flight: they may "
+                    "still write into vLLM's KV cache tensors",
+                    self.tp_rank,
+                    len(self.in_flight),
+                )
+            hello = getattr(self, "_hello_task", None)
+            if hello is not None:
+                hello.cancel()
+            scheduler_channel = self._scheduler_channel
+            if scheduler_channel is not None:
+                with contextlib.suppress(Exception):
+                    await scheduler_channel.close()
             if self.session is not None:
                 with contextlib.suppress(Exception):
                     await self.handler.flush_release_acks()  # while the stream is up
