@@ -1374,6 +1374,8 @@ class Coordinator:
         self.metrics.child_engines.labels(state="ready").set(ready)
         self.metrics.child_engines.labels(state="not_ready").set(not_ready)
         self.metrics.rank_parts.set(len(self._sessions))
+        self.metrics.registry_rank_parts.set(self.registry.num_parts)
+        self.metrics.registry_endpoint_bytes.set(self.registry.endpoint_bytes)
 
     def _arm_watchdog(self) -> None:
         timeout = self.config.heartbeat_timeout_ms

@@ -86,6 +86,17 @@ class Metrics:
         self.rank_parts = Gauge(
             "kvrc_rank_parts", "Rank parts with an open, registered session.", registry=r
         )
+        self.registry_rank_parts = Gauge(
+            "kvrc_registry_rank_parts",
+            "Rank parts this replica's registry holds (every replica's, with --store): what "
+            "--max-rank-parts bounds.",
+            registry=r,
+        )
+        self.registry_endpoint_bytes = Gauge(
+            "kvrc_registry_endpoint_bytes",
+            "Bytes of the registered parts' endpoints: what --max-endpoint-bytes bounds.",
+            registry=r,
+        )
         self.child_engines = Gauge(
             "kvrc_child_engines",
             "Child engines by state (ready, not_ready, stale, draining).",

@@ -264,3 +264,30 @@ async def test_a_register_close_loop_does_not_fill_the_log(caplog: Any) -> None:
     assert "lifecycle line(s) left out before this one" in lines[LIFECYCLE_BURST + 1]
     assert coordinator.registry.num_parts == 0
     await coordinator.shutdown()
+
+
+async def test_the_registry_gauges_show_what_its_bounds_count() -> None:
+    """kvrc_rank_parts counts this replica's sessions; --max-rank-parts and
+    --max-endpoint-bytes bound the registry (every replica's parts with --store), and
+    these two gauges show it."""
+    import dataclasses
+
+    from kvrc.vocabulary import TransferEndpoint
+
+    coordinator = Coordinator(CoordinatorConfig(), clock=ManualClock())
+    registration = dataclasses.replace(
+        _domain_registration(0), endpoint=TransferEndpoint(agent_metadata=b"m" * 1_000)
+    )
+    first = coordinator.open_session(registration)
+    coordinator.open_session(_domain_registration(1))
+
+    def sample(name: str) -> float | None:
+        value = coordinator.metrics.registry.get_sample_value(name)
+        return None if value is None else float(value)
+
+    assert sample("kvrc_registry_rank_parts") == 2
+    assert sample("kvrc_registry_endpoint_bytes") == 1_000
+    coordinator.close_session(first, "closed")
+    assert sample("kvrc_registry_rank_parts") == 1
+    assert sample("kvrc_registry_endpoint_bytes") == 0
+    await coordinator.shutdown()
