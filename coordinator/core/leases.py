@@ -462,6 +462,12 @@ class _Lease:
     # It was QUARANTINED at some point: from then on only proofs (or an operator) end
     # its pins' hold, never a death (`on_engine_gone`).
     was_quarantined: bool = False
+    # Its target was proven gone while ACTIVE with reads unsettled: "gone" is a session
+    # closed past the grace, and a target alive without its session may still read until
+    # the lease's deadline (past it the reader discards what it reads). Released at that
+    # deadline, not at once (`_target_gone`); the target's return clears it. Read only
+    # while ACTIVE (a report may settle the lease otherwise meanwhile).
+    target_gone: bool = False
 
     @property
     def flow(self) -> Flow:
@@ -1159,6 +1165,9 @@ class LeaseTable:
         actions: list[Action] = []
         for lease_id in sorted(ids):
             lease = self._leases[lease_id]
+            if lease.target_child_engine_id == child_engine_id and lease.target_gone:
+                # Back: not gone after all. Its deadline aborts and awaits proofs again.
+                lease.target_gone = False
             if (
                 lease.target_child_engine_id == child_engine_id
                 and rank_key in lease.abort_pending
@@ -1399,7 +1408,8 @@ class LeaseTable:
                 self._miss(lease, MissReason.DRAINING, now_ms, actions)
             elif lease.state in (LeaseState.WAITING_READY, LeaseState.READY):
                 self._release_and_end(lease, LeaseState.FAILED, reason, now_ms, actions)
-            elif lease.state is LeaseState.ACTIVE:
+            elif lease.state is LeaseState.ACTIVE and not lease.target_gone:
+                # (One whose target was proven gone ends at its deadline: nobody to ask.)
                 self._abort(lease, reason, now_ms, actions)
         return actions
 
@@ -1617,8 +1627,12 @@ class LeaseTable:
             text = "no decode engine began the handoff in time"
             self._release_and_end(lease, LeaseState.FAILED, text, now_ms, actions)
         elif state is LeaseState.ACTIVE:
-            # The target is alive (else on_engine_gone would have run): abort, don't release.
-            self._abort(lease, DEADLINE_PASSED, now_ms, actions)
+            if lease.target_gone:
+                # Proven gone, and now past the deadline its reads had: nothing can land.
+                self._settle_if_quiescent(lease, now_ms, actions, target_gone=True)
+            else:
+                # The target is alive: abort, don't release.
+                self._abort(lease, DEADLINE_PASSED, now_ms, actions)
         elif state is LeaseState.ABORTING:
             # A late ack still proves quiet: abort_pending stays awaited.
             self._quarantine(lease, "abort not acknowledged in time", actions, await_proofs=True)
@@ -1629,6 +1643,10 @@ class LeaseTable:
         # is safe, so that `recover_held` re-sends it to a source that re-announces.
         text = f"{_SOURCE_WORD[lease.flow]} engine gone"
         state = lease.state
+        if lease.target_gone and state is LeaseState.ACTIVE:
+            # Its target is proven gone too: the deadline decides the release, as before
+            # (kept for the source's next session if it comes back).
+            return
         if state is LeaseState.PINNING:
             assert isinstance(lease, _PrefixLoad)
             # Nothing was granted, so nothing was read: the release is safe now.
@@ -1692,6 +1710,16 @@ class LeaseTable:
 
     def _target_gone(self, lease: _Lease, now_ms: int, actions: list[Action]) -> None:
         text = f"{_TARGET_WORD[lease.flow]} engine gone"
+        if (
+            lease.state is LeaseState.ACTIVE
+            and Outcome.UNKNOWN not in lease.outcomes.values()
+            and lease.deadline_ms is not None
+            and lease.deadline_ms > now_ms
+        ):
+            # Its reads may still land until the deadline (I6-quiescence): released then.
+            lease.target_gone = True
+            lease.reason = f"{text}; released at the lease's deadline"
+            return
         if lease.state in (LeaseState.ACTIVE, LeaseState.ABORTING):
             self._settle_if_quiescent(lease, now_ms, actions, target_gone=True)
         elif lease.state in (LeaseState.PINNING, LeaseState.WAITING_READY, LeaseState.READY):

@@ -345,13 +345,32 @@ def test_an_unacknowledged_abort_goes_to_quarantine() -> None:
     assert t.get(lease_id).state is LeaseState.QUARANTINED
 
 
-def test_requester_gone_mid_transfer_releases_after_proof() -> None:
+def test_requester_gone_mid_transfer_releases_at_the_leases_deadline() -> None:
+    """ "Gone" is a session closed past the grace: a requester alive without its session
+    may still read until the lease's deadline (past it, it discards what it reads). The
+    release waits for that deadline, never aborts (nobody to ask), and a requester that
+    comes back before it is not gone after all: the deadline then aborts as for any
+    live target."""
     t = table()
     lease_id = granted_load(t)
+    deadline = t.get(lease_id).deadline_ms
+    assert deadline is not None
     t.complete_prefix_load(lease_id, REQ, TP2[0], Outcome.SUCCEEDED, T0 + 100)
-    actions = t.on_engine_gone(REQ, T0 + 200)
+    assert t.on_engine_gone(REQ, T0 + 200) == []
+    assert t.get(lease_id).state is LeaseState.ACTIVE  # before: released here
+    assert "released at the lease's deadline" in t.get(lease_id).reason
+    assert t.tick(deadline - 1) == []
+    actions = t.tick(deadline)
     assert t.get(lease_id).state is LeaseState.FAILED
     assert len(of(actions, SendRelease)) == 2 and of(actions, SendAbort) == []
+
+    back = table()
+    lease_id = granted_load(back)
+    back.on_engine_gone(REQ, T0 + 200)
+    back.resend_owed_aborts(REQ, TP2[0])  # a part of it registered again
+    actions = back.tick(deadline)
+    assert back.get(lease_id).state is LeaseState.ABORTING
+    assert of(actions, SendRelease) == [] and len(of(actions, SendAbort)) == 2
 
 
 def test_requester_gone_while_pinning_releases_the_holder() -> None:
@@ -695,8 +714,10 @@ def test_handoffs_reserved_for_a_decode_count_against_their_prefill_until_begun(
     # DEC's share is now taken by what it began: its next begin is refused, unchanged.
     err = refused(t, ErrorCode.RESOURCE_EXHAUSTED, lambda: take(t, "greedy", "g0"))
     assert f"child engine {DEC!r} has 2 open leases" in err.message
-    # The decode's loss still ends the handoffs reserved for it.
+    # The decode's loss ends the handoffs reserved for it (those it began, at their
+    # deadline).
     t.on_engine_gone(DEC, T0 + 2)
+    t.tick(T0 + 1 + LeaseConfig().handoff_heartbeat_timeout_ms)
     assert t.open_counts_by_engine() == {}
 
     full = table(max_open_leases=2)
@@ -1023,6 +1044,7 @@ def test_a_prefill_back_from_a_blip_is_told_to_hold_until_the_decode_proves_quie
         publish_all(t, f"other{i}")
         begin(t, f"other{i}", decode="other-dec", now=T0 + 200)
     t.on_engine_gone("other-dec", T0 + 300)
+    t.tick(T0 + 200 + LeaseConfig().handoff_heartbeat_timeout_ms)  # their deadline
     assert t.retained_lease_count() == 8 + 1
     for key in TP2:
         answer = repeat(key)
@@ -1038,12 +1060,23 @@ def test_a_prefill_back_from_a_blip_is_told_to_hold_until_the_decode_proves_quie
     assert settled is not None and settled.view.state is LeaseState.FAILED
 
 
-def test_decode_gone_releases_the_prefill() -> None:
+def test_decode_gone_releases_the_prefill_at_the_leases_deadline() -> None:
     t = table()
     lease_id = begun(t)
     t.complete_handoff(lease_id, DEC, TP2[0], Outcome.SUCCEEDED, T0 + 50)
-    actions = t.on_engine_gone(DEC, T0 + 100)
+    assert t.on_engine_gone(DEC, T0 + 100) == []
+    # Its heartbeats (unary, not its session) may go on: the deadline moves with them.
+    deadline = t.extend_handoff(lease_id, DEC, T0 + 1_000)
+    assert t.tick(deadline - 1) == []
+    actions = t.tick(deadline)
     assert t.get(lease_id).state is LeaseState.FAILED and len(of(actions, SendRelease)) == 2
+    # A report before the deadline ends it as any report does.
+    other = table()
+    lease_id = begun(other)
+    other.on_engine_gone(DEC, T0 + 100)
+    other.complete_handoff(lease_id, DEC, TP2[0], Outcome.SUCCEEDED, T0 + 200)
+    step = other.complete_handoff(lease_id, DEC, TP2[1], Outcome.SUCCEEDED, T0 + 300)
+    assert step.view.state is LeaseState.COMPLETED and len(of(step.actions, SendRelease)) == 2
 
 
 def test_heartbeats_keep_a_handoff_alive_only_up_to_its_maximum_lifetime() -> None:

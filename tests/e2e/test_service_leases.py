@@ -198,16 +198,18 @@ def test_holder_that_dies_before_answering_is_a_miss_within_the_deadline(
     assert time.monotonic() - started < 1.5 + 5.0
 
 
-def test_requester_that_dies_mid_transfer_is_released_only_after_proof(
+def test_requester_that_dies_mid_transfer_is_released_at_the_leases_deadline(
     kvrc: CoordinatorProcess, engines: list[LeaseEngine]
 ) -> None:
+    """Proven gone one grace period (1 s) after the kill, but a requester alive without
+    its session could still read until the lease's deadline (4 s): released then."""
     holder, req, hashes = stored_pair(kvrc, engines, "rq", 4)
-    grant = load(req, "g1", hashes)
+    granted = time.monotonic()
+    grant = load(req, "g1", hashes, transfer_timeout_ms=4_000)
     req.kill()
-    killed = time.monotonic()
-    assert not holder.has_event("release", grant["lease_id"], within_s=GRACE_MS / 1000 * 0.6)
-    release = holder.event("release", grant["lease_id"], timeout_s=5)
-    assert time.monotonic() - killed >= GRACE_MS / 1000 * 0.9
+    assert not holder.has_event("release", grant["lease_id"], within_s=2.5)
+    release = holder.event("release", grant["lease_id"], timeout_s=10)
+    assert time.monotonic() - granted >= 4.0 * 0.9
     assert "requester engine gone" in release["reason"]
 
 

@@ -138,6 +138,10 @@ class LeaseMachine(RuleBasedStateMachine):
         # unless the core stopped waiting for proofs (`proofs_closed`: nobody left to ask).
         self.source_died: set[str] = set()
         self.proofs_closed: set[str] = set()
+        # ACTIVE leases whose target was proven gone with reads unsettled: released at
+        # their deadline (its reads may land until then), unless the target re-registers.
+        self.deferred: set[str] = set()
+        self.deadline_at_gone: dict[str, int] = {}
 
     # ---------------------------------------------------------------- helpers
 
@@ -239,6 +243,12 @@ class LeaseMachine(RuleBasedStateMachine):
             return  # nothing was handed to a target: the pins only wait for nobody
         if gone is not None and gone == self.target.get(lid):
             return
+        if lid in self.deferred and gone is None and resolving is None:
+            # Its target proven gone: released once the lease's deadline (the last its
+            # reads had, as extended since) passed, or as any lease, on proofs (below).
+            view = self.view(lid)
+            if view.state is not LeaseState.ACTIVE and self.now >= self.deadline_at_gone[lid]:
+                return
         parts = self.target_parts[lid]
         assert self.settled[lid] >= set(parts), (
             f"release of {lid} before quiescence: settled {self.settled[lid]} of {parts}"
@@ -567,6 +577,8 @@ class LeaseMachine(RuleBasedStateMachine):
         if which not in self.alive:
             return
         rank = pick_rank(ENGINES[which], part)
+        # Back: a lease held to its deadline for this target is no longer (not gone).
+        self.deferred -= {lid for lid, target in self.target.items() if target == which}
         actions = self.table.resend_owed_aborts(which, rank)
         for action in actions:
             assert isinstance(action, SendAbort)
@@ -673,7 +685,19 @@ class LeaseMachine(RuleBasedStateMachine):
         self.gone_at[which] = self.step_no + 1
         running = (LeaseState.ACTIVE, LeaseState.ABORTING)
         for lid in self.leases():
-            state = self.view(lid).state
+            view = self.view(lid)
+            state = view.state
+            if (
+                self.target.get(lid) == which
+                and state is LeaseState.ACTIVE
+                and not self.unknown.get(lid)
+            ):
+                # Held to its deadline, not released now (reads may still land).
+                self.deferred.add(lid)
+                self.deadline_at_gone[lid] = view.deadline_ms or 0
+                continue
+            if lid in self.deferred:
+                continue  # its target was proven gone before: the deadline decides
             if self.target.get(lid) == which and (state in running or lid in self.source_died):
                 self.proofs_closed.add(lid)  # quarantined or released: nobody left to ask
             if self.source[lid] == which and state in running:
@@ -687,8 +711,11 @@ class LeaseMachine(RuleBasedStateMachine):
                 # flight). With none to await it fails closed.
                 self.source_died.add(lid)
         self.apply(self.table.on_engine_gone(which, self.now), gone=which)
-        # Nothing of a dead engine stays open, except quarantines it was the target of.
+        # Nothing of a dead engine stays open, except quarantines it was the target of
+        # and leases held to their deadline.
         for view in self.table.leases_of(which):
+            if view.lease_id in self.deferred and view.state is LeaseState.ACTIVE:
+                continue
             assert view.state is LeaseState.QUARANTINED
             assert view.source_child_engine_id != which
 
@@ -700,6 +727,8 @@ class LeaseMachine(RuleBasedStateMachine):
     def drain_deadline(self, which: str) -> None:
         self.apply(self.table.abort_engine(which, self.now))
         for view in self.table.leases_of(which):
+            if view.lease_id in self.deferred and view.state is LeaseState.ACTIVE:
+                continue  # its target proven gone: its deadline ends it, nobody to ask
             assert view.state in (LeaseState.ABORTING, LeaseState.QUARANTINED)
 
     @rule(which=indexes)
