@@ -200,9 +200,8 @@ class PoolPins:
             if self._pool is None:
                 return
             cached = self._pool.cached_block_hash_to_block
-            for _ in range(max(1, len(self._sealed) - self._held_back)):
-                if not self._sealed:
-                    break
+            ran = min(len(self._sealed), max(1, len(self._sealed) - self._held_back))
+            for _ in range(ran):
                 for kvrc_key, block_hash, block_id in self._sealed.popleft():
                     # Evicted meanwhile: nothing to promote (its `pop` found no entry).
                     if cached.contain(make_block_hash_with_group_id(block_hash, 0), block_id):

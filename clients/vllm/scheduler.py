@@ -8,7 +8,7 @@ own block pool when kvrc asks (see `pool.py`). The workers do the per-rank work
 (publish, pull, report), driven by the step's metadata.
 
 The scheduler never waits on kvrc for longer than `lookup_timeout_ms`; past it,
-it does no load, and new requests skip kvrc for a while (`LookupBreaker`).
+it does no load, and new requests skip kvrc for a while (`KvrcBreaker`).
 """
 
 from __future__ import annotations
@@ -149,15 +149,15 @@ class _Lookup:
     deferred: bool = False  # left to a later step at least once
 
 
-class LookupBreaker:
-    """Skips kvrc lookups for a while after one timed out or found kvrc unavailable.
+class KvrcBreaker:
+    """Skips kvrc calls of one kind (lookups; handoffs) for a while after one timed out
+    or found kvrc unavailable.
 
-    A frozen or unreachable kvrc would otherwise make every new request wait
-    lookup_timeout_ms before it recomputes. Open: lookups are skipped (recompute)
-    until the backoff ends; the next lookup then tries kvrc again (one per backoff),
-    which closes the breaker or opens it for twice as long (up to `max_s`). Lookups
-    asked before the last failure that fail after it are the same outage: they change
-    nothing.
+    A frozen or unreachable kvrc would otherwise make every new request wait for it
+    before it recomputes. Open: the calls are skipped (recompute) until the backoff
+    ends; the next one then tries kvrc again (one per backoff), which closes the
+    breaker or opens it for twice as long (up to `max_s`). Calls made before the last
+    failure that fail after it are the same outage: they change nothing.
     """
 
     def __init__(self, base_s: float = BREAKER_BASE_S, max_s: float = BREAKER_MAX_S) -> None:
@@ -241,7 +241,7 @@ class KvrcScheduler:
         self._stats_dirty = False  # counted since the stats file was last written
         self._stats_flush_armed = False  # the loop writes it within _stats_flush_s
         self._stats_flush_s = STATS_FLUSH_S
-        self.breaker = LookupBreaker()
+        self.breaker = KvrcBreaker()
         # The P/D path's own: after kvrc was unreachable for a publish or a begin, a
         # prefill offers no handoff (vLLM frees the blocks; the decode recomputes) and
         # a decode begins none (it recomputes at once), one try per backoff. Without
@@ -249,7 +249,7 @@ class KvrcScheduler:
         # decode waited handoff_wait_ms and more, while kvrc was down.
         # Short pauses: a decode that skips a handoff a prefill published after kvrc came
         # back leaves the prefill's blocks pinned until kvrc fails the handoff.
-        self.handoff_breaker = LookupBreaker(HANDOFF_BREAKER_BASE_S, HANDOFF_BREAKER_MAX_S)
+        self.handoff_breaker = KvrcBreaker(HANDOFF_BREAKER_BASE_S, HANDOFF_BREAKER_MAX_S)
         self._params_warned_at = 0.0
         int_block_hashes()  # read now, as vLLM's events will use it
         # Steps vLLM may have scheduled and not yet run: a block is pinnable only once

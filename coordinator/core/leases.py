@@ -525,6 +525,16 @@ def _engine_of(child_engine_id: str) -> str:
     return parse_child_engine_id(child_engine_id)[0]
 
 
+def _add(counts: dict[str, int], key: str, change: int) -> None:
+    """`counts[key] += change`, the key gone at 0: per-engine tallies that lookups and
+    bounds read hold only engines with something open."""
+    left = counts.get(key, 0) + change
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+
+
 def _payload_size(descriptor: object) -> int:
     """What a descriptor weighs (the edges hand them over serialized: bytes)."""
     return len(descriptor) if isinstance(descriptor, bytes | bytearray) else 0
@@ -1062,7 +1072,7 @@ class LeaseTable:
         # The lease is open already (the total holds it): only the decode's share counts.
         self._check_capacity((decode_child_engine_id,), total=False)
         if lease.decode_restriction is not None:
-            self._count_reserved(lease.decode_restriction, -1)
+            _add(self._reserved, lease.decode_restriction, -1)
         lease.target_child_engine_id = decode_child_engine_id
         lease.target_rank_keys = grid
         self._index_engine(decode_child_engine_id, lease.lease_id)
@@ -1779,18 +1789,13 @@ class LeaseTable:
         del self._open_ids[lease.lease_id]
         reserved_for = self._reserved_for(lease)
         if reserved_for is not None:
-            self._count_reserved(reserved_for, -1)
+            _add(self._reserved, reserved_for, -1)
         self._free_requester_share(lease)
         if lease.recovered:
             self._recovered_open -= 1
         if lease.unverified:
             self._unverified_open -= 1
-            holder = _engine_of(lease.source_child_engine_id)
-            left = self._unverified_by_holder[holder] - 1
-            if left:
-                self._unverified_by_holder[holder] = left
-            else:
-                del self._unverified_by_holder[holder]
+            _add(self._unverified_by_holder, _engine_of(lease.source_child_engine_id), -1)
         self._terminal[lease.lease_id] = now_ms
         quiescence = None if lease.granted_ms is None else now_ms - lease.granted_ms
         actions.append(
@@ -1827,8 +1832,7 @@ class LeaseTable:
             self._recovered_open += 1
         if lease.unverified:
             self._unverified_open += 1
-            holder = _engine_of(lease.source_child_engine_id)
-            self._unverified_by_holder[holder] = self._unverified_by_holder.get(holder, 0) + 1
+            _add(self._unverified_by_holder, _engine_of(lease.source_child_engine_id), 1)
         if key is not None:
             self._by_request[key] = lease.lease_id
         count_key = (lease.flow, lease.state)
@@ -1838,15 +1842,8 @@ class LeaseTable:
             self._index_engine(engine, lease.lease_id)
         reserved_for = self._reserved_for(lease)
         if reserved_for is not None:
-            self._count_reserved(reserved_for, 1)
+            _add(self._reserved, reserved_for, 1)
         self._arm(lease)
-
-    def _count_reserved(self, decode_child_engine_id: str, change: int) -> None:
-        left = self._reserved.get(decode_child_engine_id, 0) + change
-        if left:
-            self._reserved[decode_child_engine_id] = left
-        else:
-            del self._reserved[decode_child_engine_id]
 
     @staticmethod
     def _reserved_for(lease: _Lease) -> str | None:
@@ -1973,9 +1970,7 @@ class LeaseTable:
             lease.requester_payload_bytes += size
             engine = _requesting_engine(lease)
             assert engine is not None
-            self._open_payload_by_engine[engine] = (
-                self._open_payload_by_engine.get(engine, 0) + size
-            )
+            _add(self._open_payload_by_engine, engine, size)
 
     def _free_requester_share(self, lease: _Lease) -> None:
         """An ended lease no longer counts against its requester's share."""
@@ -1983,11 +1978,7 @@ class LeaseTable:
             return
         engine = _requesting_engine(lease)
         assert engine is not None
-        left = self._open_payload_by_engine[engine] - lease.requester_payload_bytes
-        if left:
-            self._open_payload_by_engine[engine] = left
-        else:
-            del self._open_payload_by_engine[engine]
+        _add(self._open_payload_by_engine, engine, -lease.requester_payload_bytes)
 
     @property
     def payload_bytes(self) -> int:

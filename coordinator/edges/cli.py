@@ -91,12 +91,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def _uint32(value: str) -> int:
-    """A protobuf uint32 flag: refused here, not by protobuf with a traceback."""
+def _integer(value: str) -> int:
     try:
-        number = int(value)
+        return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+
+
+def _uint32(value: str) -> int:
+    """A protobuf uint32 flag: refused here, not by protobuf with a traceback."""
+    number = _integer(value)
     if not 0 <= number < 1 << 32:
         raise argparse.ArgumentTypeError(f"must be in [0, {(1 << 32) - 1}], got {number}")
     return number
@@ -104,10 +108,7 @@ def _uint32(value: str) -> int:
 
 def _positive_int(value: str) -> int:
     """A count or size that must be at least 1 (a bound of 0 would refuse everything)."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    number = _integer(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {number}")
     return number

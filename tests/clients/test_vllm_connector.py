@@ -391,7 +391,7 @@ def test_unencodable_kv_transfer_params_mean_no_remote_decode(
 
 
 def test_the_lookup_breaker_doubles_its_backoff_and_closes_on_an_answer(vllm_side: Any) -> None:
-    breaker = vllm_side.scheduler.LookupBreaker(base_s=1.0, max_s=30.0)
+    breaker = vllm_side.scheduler.KvrcBreaker(base_s=1.0, max_s=30.0)
     assert breaker.allows(0.0)
     assert breaker.failed(0.0, asked_at=-0.3) is True  # opened
     assert not breaker.allows(0.9) and breaker.allows(1.0)
