@@ -107,6 +107,20 @@ def int_block_hashes() -> bool:
     return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
 
+async def _socket_answers(path: str) -> bool:
+    """Whether a unix socket at `path` has a listener (a file left by a crash has none)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout=2)
+    except asyncio.TimeoutError:
+        return True  # a listener too busy to accept is still one
+    except OSError:
+        return False  # refused, no file, not a socket
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
 def _trace_done(event: str, request_id: str, _future: concurrent.futures.Future[Any]) -> None:
     trace(event, request_id)
 
@@ -257,7 +271,11 @@ class KvrcScheduler:
         steps_in_flight = int(getattr(vllm_config, "max_concurrent_batches", 1) or 1)
         self.pins = PoolPins(block_hash_key, steps_in_flight=steps_in_flight)
         self.loop.run(self._connect(), timeout_s=10)
-        self.loop.run(self._serve_workers(), timeout_s=10)
+        try:
+            self.loop.run(self._serve_workers(), timeout_s=10)
+        except BaseException:
+            self.shutdown()  # no server of ours: the socket, if any, is another engine's
+            raise
 
     async def _connect(self) -> None:
         options = self.config.channel_options()
@@ -275,8 +293,16 @@ class KvrcScheduler:
         from clients.refengine.channel import Channel
 
         path = control_socket_path(self.child_engine_id)
+        if await _socket_answers(path):
+            # Another engine of this host took the same engine_id: unlinking its socket
+            # would send its workers' pin requests here, for blocks of another cache.
+            raise RuntimeError(
+                f"KvrcConnector: another engine on this host already serves engine "
+                f"{self.child_engine_id!r} (its control socket {path} answers); give each "
+                "vLLM instance its own kv_transfer_config engine_id"
+            )
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a previous incarnation's
+            os.unlink(path)  # a previous incarnation's, no longer served
 
         async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             channel = Channel(reader, writer, self._handle_worker, name="kvrc-worker")
@@ -1055,8 +1081,9 @@ class KvrcScheduler:
                 server.close()
                 with contextlib.suppress(Exception):
                     await server.wait_closed()
-            with contextlib.suppress(OSError):
-                os.unlink(control_socket_path(self.child_engine_id))
+            if server is not None:  # a socket it does not serve is another engine's
+                with contextlib.suppress(OSError):
+                    os.unlink(control_socket_path(self.child_engine_id))
             expirer = getattr(self, "_expirer", None)
             if expirer is not None:
                 expirer.cancel()

@@ -143,14 +143,16 @@ def kvrc_server() -> Iterator[CoordinatorProcess]:
         yield coordinator
 
 
-def _new_scheduler(vllm_side: Any, target: str, role: str = "kv_both", **extra: Any) -> Any:
+def _new_scheduler(
+    vllm_side: Any, target: str, role: str = "kv_both", child_engine_id: str = "", **extra: Any
+) -> Any:
     vllm_config = NS(
         cache_config=NS(block_size=BS),
         parallel_config=NS(tensor_parallel_size=1),
         kv_transfer_config=NS(kv_role=role, kv_port=14579),
     )
     config = KvrcConnectorConfig.from_extra({"kvrc_target": target, **extra})
-    identity = NS(child_engine_id=f"test-{uuid.uuid4().hex[:12]}")
+    identity = NS(child_engine_id=child_engine_id or f"test-{uuid.uuid4().hex[:12]}")
     return vllm_side.scheduler.KvrcScheduler(vllm_config, config, identity)
 
 
@@ -1570,3 +1572,40 @@ def test_the_control_socket_is_removed_at_shutdown_and_its_folder_must_be_privat
         control_socket_path("e")
     folder.chmod(0o700)
     assert control_socket_path("e").startswith(str(folder))
+
+
+def test_a_second_engine_with_the_same_engine_id_on_one_host_is_refused(
+    vllm_side: Any, tmp_path: Any
+) -> None:
+    """Two engines of one host given one engine_id derive one control socket: the second
+    unlinked the first's and took its workers' pin requests, for blocks of another cache.
+    It now refuses to start, naming the engine id, and leaves the first one serving; a
+    socket file a crash left (no listener) is still taken over."""
+    import socket as socket_module
+
+    from clients.vllm.loop import control_socket_path
+
+    first = _new_scheduler(vllm_side, "127.0.0.1:1")
+    engine_id = first.child_engine_id
+    path = control_socket_path(engine_id)
+    try:
+        with pytest.raises(RuntimeError, match=rf"already serves engine '{engine_id}'"):
+            _new_scheduler(vllm_side, "127.0.0.1:1", child_engine_id=engine_id)
+        probe = socket_module.socket(socket_module.AF_UNIX)
+        probe.connect(path)  # still the first engine's, still listening
+        probe.close()
+    finally:
+        first.shutdown()
+
+    left = socket_module.socket(socket_module.AF_UNIX)
+    left.bind(path)  # a crashed engine's file: bound, never listened on, not removed
+    left.close()
+    assert os.path.exists(path)
+    again = _new_scheduler(vllm_side, "127.0.0.1:1", child_engine_id=engine_id)
+    try:
+        probe = socket_module.socket(socket_module.AF_UNIX)
+        probe.connect(path)
+        probe.close()
+    finally:
+        again.shutdown()
+
