@@ -846,6 +846,14 @@ class KvrcWorker:
             if channel is not None:
                 with contextlib.suppress(Exception):
                     await channel.close(None)
+            if quiet and self.cache is not None:
+                # Last, with kvrc told: a peer's read after it is refused (the reader
+                # discards it) instead of reading tensors vLLM is about to free. Not
+                # while this rank's own reads may still land in them.
+                try:
+                    self.cache.unregister()
+                except Exception as error:
+                    log.warning("rank %d: KV memory not unregistered: %s", self.tp_rank, error)
 
         with contextlib.suppress(Exception):
             self.loop.run(close(), timeout_s=10)

@@ -761,6 +761,42 @@ def worker(vllm_side: Any) -> Iterator[Any]:
     made.cache.unregister()
 
 
+
+def test_a_worker_shut_down_withdraws_its_kv_memory_from_peers(vllm_side: Any) -> None:
+    """vLLM frees the KV tensors after the worker's shutdown; a peer that still read
+    them (a late grant, a stale descriptor) got whatever the memory then held. After
+    the shutdown Mooncake refuses such a read (the reader discards it)."""
+    from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
+
+    vllm_config = NS(cache_config=NS(block_size=LOCAL_LAYOUT.block_size))
+    config = KvrcConnectorConfig.from_extra({"reuse": True})
+    made = vllm_side.worker.KvrcWorker(vllm_config, config, NS(child_engine_id="leaving"))
+    made.engine = made.loop.run(made._new_transfer_engine(), timeout_s=60)
+    made.cache = PagedKvCache(LOCAL_LAYOUT, device="cpu")
+    made.endpoint = made.cache.register(made.engine)
+    made.cache.layers[0].fill_(7)
+    reader = MooncakeTransferEngine(MooncakeConfig())
+    into = PagedKvCache(LOCAL_LAYOUT, device="cpu")
+    into.register(reader)
+    session, source = made.engine.session_name, made.cache.layers[0].data_ptr()
+
+    def read() -> int:
+        into.layers[0].zero_()
+        return reader.read_batch(
+            session, [into.layers[0].data_ptr()], [source], [LOCAL_LAYOUT.block_bytes]
+        )
+
+    try:
+        assert read() == 0
+        assert int(into.block_bytes_view(0, 0).count_nonzero()) > 0  # the read landed
+    finally:
+        made.shutdown()
+    try:
+        assert read() < 0
+        assert int(into.block_bytes_view(0, 0).count_nonzero()) == 0
+    finally:
+        into.unregister()
+
 def _load_spec(vllm_side: Any, peer: Peer, lease_id: str) -> Any:
     source = rank_part_descriptor(peer.endpoint, list(range(10, 16)), tp_rank=0)
     return vllm_side.metadata.LoadSpec(
