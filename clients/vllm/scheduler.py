@@ -111,8 +111,8 @@ async def _socket_answers(path: str) -> bool:
     """Whether a unix socket at `path` has a listener (a file left by a crash has none)."""
     try:
         _, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout=2)
-    except asyncio.TimeoutError:
-        return True  # a listener too busy to accept is still one
+    except TimeoutError:  # a listener too busy to accept is still one (OSError's subclass)
+        return True
     except OSError:
         return False  # refused, no file, not a socket
     writer.close()

@@ -761,7 +761,6 @@ def worker(vllm_side: Any) -> Iterator[Any]:
     made.cache.unregister()
 
 
-
 def test_a_worker_shut_down_withdraws_its_kv_memory_from_peers(vllm_side: Any) -> None:
     """vLLM frees the KV tensors after the worker's shutdown; a peer that still read
     them (a late grant, a stale descriptor) got whatever the memory then held. After
@@ -796,6 +795,7 @@ def test_a_worker_shut_down_withdraws_its_kv_memory_from_peers(vllm_side: Any) -
         assert int(into.block_bytes_view(0, 0).count_nonzero()) == 0
     finally:
         into.unregister()
+
 
 def _load_spec(vllm_side: Any, peer: Peer, lease_id: str) -> Any:
     source = rank_part_descriptor(peer.endpoint, list(range(10, 16)), tp_rank=0)
@@ -1644,4 +1644,3 @@ def test_a_second_engine_with_the_same_engine_id_on_one_host_is_refused(
         probe.close()
     finally:
         again.shutdown()
-
