@@ -97,6 +97,7 @@ from coordinator.core.vllm_events import (
     decode_payload,
     decode_sequence,
 )
+from coordinator.edges.zmq_zap import gate_for, host_addresses, leave_gate
 from coordinator.runtime.log_limit import RateLimitedLog
 from coordinator.runtime.metrics import Metrics
 from kvrc.ids import child_engine_id
@@ -148,6 +149,8 @@ class ZmqStreamConfig:
     engine_id: str
     endpoint: str  # where kvrc connects (publisher binds) or binds (publisher connects)
     bind: bool = False
+    # Where kvrc binds: the host a publisher may connect from (and loopback); "" = any.
+    publisher_host: str = ""
     replay_endpoint: str | None = None  # the publisher's ROUTER; kvrc always connects
     dp_rank: int = 0
     dp_size: int = 1
@@ -272,6 +275,7 @@ def stream_config_from_vllm(
         engine_id=engine_id,
         endpoint=endpoint,
         bind=bind,
+        publisher_host=publisher_host if bind else "",
         replay_endpoint=replay,
         dp_rank=dp_rank,
         dp_size=dp_size,
@@ -347,6 +351,8 @@ class ZmqEventStream:
         self._pending: collections.deque[list[bytes]] = collections.deque()
         self._pending_bytes = 0
         self.bound_endpoint: str | None = None  # the real address when kvrc binds
+        self._zap_domain: str | None = None  # this stream's, in its context's ZapGate
+        self._refused_publishers = 0
         self._closed = False
         self._monitor: zmq.asyncio.Socket | None = None
         self._reconnected = False  # a publisher connection dropped since the last frame
@@ -400,12 +406,17 @@ class ZmqEventStream:
         self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             if cfg.bind:
+                if cfg.publisher_host:
+                    await self._admit_only(sub, cfg.publisher_host)
                 await _bind(sub, cfg.endpoint)
                 self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
                 sub.connect(cfg.endpoint)
             if cfg.replay_endpoint is not None:
                 self._dealer = self._new_dealer()
+        except KvrcError:
+            await self.close()
+            raise
         except zmq.ZMQError as exc:
             await self.close()
             verb = "bind" if cfg.bind else "connect to"
@@ -419,6 +430,36 @@ class ZmqEventStream:
                 name=f"zmq-replay-{self.child_engine_id}",
             )
         self._task = asyncio.create_task(self._run(), name=f"zmq-ingest-{self.child_engine_id}")
+
+    async def _admit_only(self, sub: zmq.asyncio.Socket, host: str) -> None:
+        """Only `host` (and loopback) may connect to the socket kvrc binds (zmq_zap)."""
+        try:
+            addresses = await host_addresses(host)
+        except OSError as exc:  # socket.gaierror
+            raise KvrcError(
+                ErrorCode.FAILED_PRECONDITION,
+                f"cannot resolve the publisher's host {host!r} (its transfer endpoint's), "
+                f"which alone may connect to {self.config.endpoint}: {exc}",
+            ) from None
+        domain = f"kvrc/{self.child_engine_id}/{id(self):x}"
+        gate_for(self._ctx).allow(domain, addresses, self._publisher_refused)
+        self._zap_domain = domain
+        sub.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no answer from a gate: refused
+        sub.zap_domain = domain.encode()
+
+    def _publisher_refused(self, peer: str) -> None:
+        self._refused_publishers += 1
+        self._metrics.zmq_publishers_refused.inc()
+        self._losses.warning(
+            "publisher_refused",
+            "%s: refused a KV-event publisher connecting from %s to %s: only the engine's "
+            "host (%s) or loopback may (%d refused so far)",
+            self.child_engine_id,
+            peer,
+            self.bound_endpoint or self.config.endpoint,
+            self.config.publisher_host,
+            self._refused_publishers,
+        )
 
     async def _replay_at_start(self) -> None:
         """Everything the publisher buffers, from sequence 0: a suffix of its log, so the
@@ -452,6 +493,9 @@ class ZmqEventStream:
             if sock is not None:
                 sock.close(linger=0)
         self._sub = self._dealer = self._monitor = None
+        if self._zap_domain is not None:
+            await leave_gate(self._ctx, self._zap_domain)  # its socket too, before term
+            self._zap_domain = None
         self._metrics.zmq_streams.labels(state=self._state.value).dec()
         if self._own_context:
             self._ctx.term()

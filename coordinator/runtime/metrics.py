@@ -207,6 +207,12 @@ class Metrics:
             "vLLM publisher restarts seen (sequence went backwards: new incarnation).",
             registry=r,
         )
+        self.zmq_publishers_refused = Counter(
+            "kvrc_zmq_publishers_refused_total",
+            "Connections to a socket kvrc binds for a vLLM publisher refused: not from the "
+            "registered engine's host or loopback.",
+            registry=r,
+        )
         self.inventory_bound_hits = Counter(
             "kvrc_inventory_bound_hits_total",
             "Inventory entries dropped because a bound was hit, by bound (total, per_engine).",

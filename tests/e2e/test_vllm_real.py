@@ -141,6 +141,7 @@ async def ingest() -> AsyncIterator[tuple[ZmqEventStream, RecordingSink, Metrics
         # vLLM's endpoint without '*' makes vLLM connect, so kvrc binds it.
         endpoint=f"tcp://127.0.0.1:{pub_port}",
         bind=True,
+        publisher_host="127.0.0.1",  # as registered: vLLM's connection passes the ZAP gate
         replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
         block_size=BLOCK_SIZE,
     )
@@ -180,6 +181,7 @@ async def test_vllm_blockpool_events_become_kvrc_inventory(
         assert sink.seqs() == list(range(answer["seq"] + 1)), "replay filled 0..n in order"
         assert stream.status().replays >= 1
         assert len(answer["cached"]) >= 4
+        assert value(metrics, "kvrc_zmq_publishers_refused_total") == 0
 
         # Eviction: vLLM reuses cached blocks, BlockRemoved follows.
         answer = await vllm.do("evict", n=14)

@@ -1066,6 +1066,71 @@ async def test_kvrc_binds_for_a_publisher_that_connects(ctx: zmq.asyncio.Context
         again.close(0)
 
 
+async def test_only_the_engines_host_may_publish_to_a_socket_kvrc_binds(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where vLLM connects, kvrc binds, and anyone who reached the port could publish
+    events for the engine (phantom blocks, removals). Only the registered engine's host
+    may. Loopback addresses stand in for hosts here: 127.0.0.3 is the engine's, a
+    publisher from 127.0.0.2 is another host's; a second stream in the same context
+    (its own gate domain) admits only its own engine's host."""
+    sink, other_sink, metrics = RecordingSink(), RecordingSink(), Metrics()
+    cfg = ZmqStreamConfig(
+        engine_id=ENGINE, endpoint="tcp://127.0.0.1:0", bind=True, publisher_host="127.0.0.3"
+    )
+    stream = ZmqEventStream(cfg, sink, metrics, context=ctx)
+    other = ZmqEventStream(
+        ZmqStreamConfig(
+            engine_id="other", endpoint="tcp://127.0.0.1:0", bind=True, publisher_host="127.0.0.2"
+        ),
+        other_sink,
+        metrics,
+        context=ctx,
+    )
+    await stream.start()
+    await other.start()
+    assert stream.bound_endpoint is not None and other.bound_endpoint is not None
+    port = stream.bound_endpoint.rpartition(":")[2]
+    engine_pub = WirePublisher(ctx, connect_to=f"tcp://127.0.0.3:0;127.0.0.1:{port}")
+    intruder = WirePublisher(ctx, connect_to=f"tcp://127.0.0.2:0;127.0.0.1:{port}")
+    caplog.set_level(logging.WARNING, logger="coordinator.edges.zmq_ingest")
+    try:
+        await engine_pub.wait_subscribed()
+        with pytest.raises(TimeoutError):  # never handed the subscription: no connection
+            await asyncio.wait_for(intruder.pub.recv(), 1)
+        await intruder.publish(stored(666))
+        await engine_pub.publish(stored(1))
+        await wait_until(lambda: sink.held() == {1}, 5)
+        assert value(metrics, "kvrc_zmq_publishers_refused_total") >= 1
+        assert "refused a KV-event publisher connecting from 127.0.0.2" in caplog.text
+        # The same intruder is the other stream's engine: admitted there.
+        other_port = other.bound_endpoint.rpartition(":")[2]
+        its_pub = WirePublisher(ctx, connect_to=f"tcp://127.0.0.2:0;127.0.0.1:{other_port}")
+        try:
+            await its_pub.wait_subscribed()
+            await its_pub.publish(stored(2))
+            await wait_until(lambda: other_sink.held("other") == {2}, 5)
+        finally:
+            await its_pub.close()
+    finally:
+        await stream.close()
+        await other.close()
+        await engine_pub.close()
+        await intruder.close()
+    assert sink.held() == {1}
+
+
+async def test_a_publisher_host_that_does_not_resolve_fails_the_start_clearly(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    cfg = ZmqStreamConfig(
+        engine_id=ENGINE, endpoint="tcp://127.0.0.1:0", bind=True, publisher_host="no-such.invalid"
+    )
+    stream = ZmqEventStream(cfg, RecordingSink(), Metrics(), context=ctx)
+    with pytest.raises(KvrcError, match=r"cannot resolve the publisher's host 'no-such\.invalid'"):
+        await stream.start()
+
+
 def test_subscriber_endpoint_follows_vllm_bind_or_connect_rule() -> None:
     assert subscriber_endpoint("tcp://*:5557", "10.0.0.7") == ("tcp://10.0.0.7:5557", False)
     assert subscriber_endpoint("tcp://*:5557", "10.0.0.7", 2) == ("tcp://10.0.0.7:5559", False)
