@@ -327,6 +327,16 @@ def grid_keys(view: ChildEngineView) -> tuple[RankKey, ...]:
     return tuple(grid_ranks(view.profile))
 
 
+def check_own_compatibility(asked: str, own: str) -> None:
+    """A requester asks for its own compatibility ("" = its own): FAILED_PRECONDITION
+    otherwise, naming both (Lookup and RequestPrefixLoad alike)."""
+    if asked and asked != own:
+        raise failed_precondition(
+            f"compatibility_hash {asked!r} is not the requester's own ({own!r}): engines "
+            "with different layouts never exchange KV"
+        )
+
+
 class Grants:
     """Both lease flows over the registry, the inventory and the lease table."""
 
@@ -460,12 +470,7 @@ class Grants:
                 f"{requester.not_ready_reason}"
             )
         self._check_not_draining(req.requester_child_engine_id, "requester")
-        if req.compatibility_hash and req.compatibility_hash != requester.compatibility_hash:
-            raise failed_precondition(
-                f"compatibility_hash {req.compatibility_hash!r} is not the requester's own "
-                f"({requester.compatibility_hash!r}): engines with different layouts "
-                "never exchange KV"
-            )
+        check_own_compatibility(req.compatibility_hash, requester.compatibility_hash)
         choice = self._choose_holder(req, requester, now_ms)
         if not isinstance(choice, tuple):
             detail = _NO_HOLDER_DETAIL[choice.reason]

@@ -1480,6 +1480,15 @@ class LeaseTable:
             self._bind_recovered_target(
                 lease, reporter_child_engine_id, reporter_rank_keys, rank_key
             )
+        if (
+            reporter_child_engine_id == lease.target_child_engine_id
+            and rank_key not in lease.target_rank_keys
+        ):
+            # A bad rank, not a foreign caller: INVALID_ARGUMENT (no auth denial counted).
+            raise invalid(
+                f"rank part {rank_key} is not one of the {len(lease.target_rank_keys)} "
+                f"{_TARGET_WORD[lease.flow]} part(s) of lease {lease.lease_id}"
+            )
         self._check_part(lease, reporter_child_engine_id, rank_key, source=False)
         if lease.recovered and lease.state is LeaseState.QUARANTINED:
             return self._report_recovered(lease, rank_key, outcome, now_ms)

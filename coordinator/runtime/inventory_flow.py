@@ -54,6 +54,7 @@ from coordinator.core.cost_model import CostModel
 from coordinator.core.errors import KvrcError, invalid
 from coordinator.core.event_streams import EventStreams, StreamAction, StreamKey, StreamPhase
 from coordinator.core.events import EventBatch, RankKey, Tier
+from coordinator.core.grants import check_own_compatibility
 from coordinator.core.inventory import (
     DEFAULT_MAX_CANDIDATES,
     ApplyResult,
@@ -628,11 +629,7 @@ class InventoryFlow:
         assert known is not None  # the gate opens only for a known engine
         own = known.compatibility_hash
         for q in queries:
-            if q.compatibility_hash and q.compatibility_hash != own:
-                raise invalid(
-                    f"compatibility_hash {q.compatibility_hash!r} is not the requester's own "
-                    f"({own!r}): engines of different compatibility never exchange KV"
-                )
+            check_own_compatibility(q.compatibility_hash, own)
         leases = self._leases_in_flight() if leases_in_flight is None else leases_in_flight
         now = self._clock_ms()
         observe_duration = self._metrics.lookup_duration.observe
@@ -784,14 +781,16 @@ class InventoryFlow:
     def _start_zmq(self, registration: RankPartRegistration, meta: _Meta) -> None:
         cid = registration.child_engine_id
         if self.event_streams is None:
-            log.warning(
+            self._lifecycle_log.warning(
+                log,
                 "child engine %s names a KV-event endpoint, but this coordinator ingests "
                 "no engine event streams: endpoint ignored",
                 cid,
             )
             return
         if meta.mode is not PublishMode.PER_CHILD_ENGINE:
-            log.warning(
+            self._lifecycle_log.warning(
+                log,
                 "child engine %s names a KV-event endpoint but publishes per rank part; "
                 "vLLM publishes per child engine: endpoint ignored",
                 cid,
@@ -802,22 +801,33 @@ class InventoryFlow:
             stream = self.event_streams(registration, sink)
         except (ValueError, KvrcError) as e:
             # The registration stands (handoffs need no inventory); only the edge is off.
-            log.warning("child engine %s: KV-event endpoint refused, not subscribing: %s", cid, e)
+            self._lifecycle_log.warning(
+                log, "child engine %s: KV-event endpoint refused, not subscribing: %s", cid, e
+            )
             return
         meta.zmq, meta.zmq_sink, meta.zmq_source = stream, sink, _zmq_source(registration)
         closing = self._zmq_closing.get(cid)
         task = asyncio.get_running_loop().create_task(_after(closing, stream.start))
         task.add_done_callback(lambda t: self._zmq_start_ended(cid, meta, stream, t))
 
-    @staticmethod
     def _zmq_start_ended(
-        cid: str, meta: _Meta, stream: EventStream, task: asyncio.Task[None]
+        self, cid: str, meta: _Meta, stream: EventStream, task: asyncio.Task[None]
     ) -> None:
         if not task.cancelled() and task.exception() is not None and meta.zmq is stream:
             # The next registration of one of its parts tries again (the endpoint's port
             # may be free by then); kept, it was never retried while a part stayed.
             meta.zmq = None
-        _log_start_failure(cid, task)
+        if not task.cancelled() and isinstance(task.exception(), KvrcError):
+            # The engine's configuration (an endpoint kvrc cannot bind or reach): one
+            # line, from the lifecycle budget (a register/close loop repeats it).
+            self._lifecycle_log.warning(
+                log,
+                "child engine %s: KV-event endpoint refused, not subscribing: %s",
+                cid,
+                task.exception(),
+            )
+            return
+        _log_failure(task)
 
     def _retire_zmq(self, child_engine_id: str, meta: _Meta) -> None:
         """Stops the engine's subscription in the background; whatever it still delivers
@@ -978,18 +988,6 @@ async def _after(previous: asyncio.Task[None] | None, step: Callable[[], Awaitab
     if previous is not None:
         await asyncio.gather(previous, return_exceptions=True)
     await step()
-
-
-def _log_start_failure(child_engine_id: str, task: asyncio.Task[None]) -> None:
-    """An endpoint kvrc cannot bind or reach is the engine's configuration: one line."""
-    if not task.cancelled() and isinstance(task.exception(), KvrcError):
-        log.warning(
-            "child engine %s: KV-event endpoint refused, not subscribing: %s",
-            child_engine_id,
-            task.exception(),
-        )
-        return
-    _log_failure(task)
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -421,7 +421,8 @@ class LeaseFlow:
                 states[view.state.name] += 1
             self._execute(actions, log_quarantines=False)  # summed up below
         if states or refused:
-            log.warning(
+            self._lifecycle_log.warning(  # a register/close loop must not fill the log
+                log,
                 "held leases re-announced by %s rank %s: %s; not recovered: %s%s",
                 child_engine_id,
                 rank_key,
@@ -441,7 +442,8 @@ class LeaseFlow:
         releases = list(self._unsent_releases.get((child_engine_id, rank_key), {}).values())
         if actions or releases:
             aborts = sum(isinstance(a, SendAbort) for a in actions)
-            log.info(
+            self._lifecycle_log.info(
+                log,
                 "%s rank %s re-registered: %d abort(s) it owes an ack for, %d quarantine(s) "
                 "and %d release(s) sent again",
                 child_engine_id,
@@ -488,7 +490,7 @@ class LeaseFlow:
         self._check_open()
         view, actions = self.core.resolve_quarantine(lease_id, self._clock.monotonic_ms())
         log.warning(
-            "quarantine of %s lease %s resolved by an operator: %s",
+            "quarantine of %s lease %s resolved by an operator: %.300r",
             view.flow.value,
             lease_id,
             operator_note or "(no note)",

@@ -565,17 +565,19 @@ def test_prefix_load_errors_change_nothing() -> None:
         ErrorCode.NOT_FOUND,
         lambda: t.complete_prefix_load("nope", REQ, TP2[0], Outcome.SUCCEEDED, T0),
     )
-    # A foreign engine, or a rank part outside the requester's grid.
+    # A foreign engine is denied; a rank part outside the requester's grid is a bad
+    # request of the requester itself (INVALID_ARGUMENT: no auth denial counted).
     refused(
         t,
         ErrorCode.PERMISSION_DENIED,
         lambda: t.complete_prefix_load(lease_id, "x", TP2[0], Outcome.SUCCEEDED, T0),
     )
-    refused(
+    error = refused(
         t,
-        ErrorCode.PERMISSION_DENIED,
+        ErrorCode.INVALID_ARGUMENT,
         lambda: t.complete_prefix_load(lease_id, REQ, (5, 0, 0), Outcome.SUCCEEDED, T0),
     )
+    assert "rank part (5, 0, 0) is not one of the 2 requester part(s)" in str(error)
     refused(
         t,
         ErrorCode.PERMISSION_DENIED,

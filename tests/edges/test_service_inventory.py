@@ -36,7 +36,7 @@ from harness import (
     wait_until,
 )
 
-from clients.errors import InvalidArgumentError, KvrcClientError
+from clients.errors import FailedPreconditionError, InvalidArgumentError, KvrcClientError
 from clients.inventory import (
     Candidate,
     InventoryPublisher,
@@ -369,11 +369,12 @@ async def test_scopes_never_mix(reuse_on: CoordinatorProcess, engines: list[Engi
     await eventually_holds(t, "scope-other-req", "scope-other", 9)
     assert holders(await lookup(t, "scope-req", max_candidates=64)) == {"scope-same": 3}
     assert holders(await lookup(t, "scope-other-req", max_candidates=64)) == {"scope-other": 9}
-    # Naming the other scope explicitly is refused, not answered.
+    # Naming the other scope explicitly is refused, not answered: FAILED_PRECONDITION
+    # naming both hashes, as RequestPrefixLoad refuses it.
     assert other_req.session.ack is not None and req.session.ack is not None
     foreign = other_req.session.ack.compatibility_hash
     assert foreign != req.session.ack.compatibility_hash
-    with pytest.raises(InvalidArgumentError, match="never exchange KV"):
+    with pytest.raises(FailedPreconditionError, match="never exchange KV"):
         await lookup(t, "scope-req", compatibility_hash=foreign)
     own = await lookup(t, "scope-req", compatibility_hash=req.session.ack.compatibility_hash)
     assert holders(own) == {"scope-same": 3}

@@ -266,6 +266,38 @@ async def test_a_register_close_loop_does_not_fill_the_log(caplog: Any) -> None:
     await coordinator.shutdown()
 
 
+async def test_what_a_registration_names_shares_the_lifecycle_budget(caplog: Any) -> None:
+    """A register/close loop naming a KV-event endpoint it does not use, or re-announcing
+    a made-up held lease, wrote a WARNING per cycle outside the lifecycle budget (a
+    review's finding); they share it now."""
+    import dataclasses
+    import logging
+
+    from coordinator.core.registry import HeldLease
+    from coordinator.runtime.log_limit import LIFECYCLE_BURST
+    from kvrc.vocabulary import PublishMode
+
+    clock = ManualClock()
+    coordinator = Coordinator(CoordinatorConfig(session_grace_ms=0), clock=clock)
+    base = dataclasses.replace(
+        _domain_registration(0, tp_size=1),
+        publish_mode=PublishMode.PER_RANK_PART,
+        kv_events_endpoint="tcp://127.0.0.1:5557",
+    )
+    with caplog.at_level(logging.INFO, logger="kvrc"):
+        for i in range(LIFECYCLE_BURST):
+            made_up = (HeldLease(f"pl-made-up-{i}"),)
+            session = coordinator.open_session(dataclasses.replace(base, held_leases=made_up))
+            coordinator.close_session(session, "closed")
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("kvrc")]
+    endpoint = [m for m in lines if "names a KV-event endpoint" in m]
+    held = [m for m in lines if "held leases re-announced" in m]
+    assert endpoint and held
+    lifecycle = [m for m in lines if not m.startswith(("quarantine", "lease"))]
+    assert len(lifecycle) <= LIFECYCLE_BURST + 1, len(lifecycle)  # + the "over" warning
+    await coordinator.shutdown()
+
+
 async def test_the_registry_gauges_show_what_its_bounds_count() -> None:
     """kvrc_rank_parts counts this replica's sessions; --max-rank-parts and
     --max-endpoint-bytes bound the registry (every replica's parts with --store), and
