@@ -323,3 +323,22 @@ async def test_the_registry_gauges_show_what_its_bounds_count() -> None:
     assert sample("kvrc_registry_rank_parts") == 1
     assert sample("kvrc_registry_endpoint_bytes") == 0
     await coordinator.shutdown()
+
+
+async def test_an_operators_quarantine_note_is_logged_quoted(caplog: Any) -> None:
+    """The note came into the log as sent: a newline in it forged a line of kvrc's own."""
+    import dataclasses
+    import logging
+
+    from coordinator.core.registry import HeldLease
+
+    coordinator = Coordinator(CoordinatorConfig(), clock=ManualClock())
+    held = (HeldLease("pl-unknown-here"),)  # re-announced, unknown: rebuilt quarantined
+    registration = dataclasses.replace(_domain_registration(0, tp_size=1), held_leases=held)
+    coordinator.open_session(registration)
+    forged = "INFO kvrc.server: kvrc serving on 0.0.0.0:1"
+    with caplog.at_level(logging.WARNING, logger="kvrc"):
+        coordinator.leases.resolve_quarantine("pl-unknown-here", f"checked\n{forged}")
+    (line,) = [r.getMessage() for r in caplog.records if "resolved by an operator" in r.message]
+    assert "\n" not in line and "\\n" + forged in line
+    await coordinator.shutdown()
