@@ -278,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
         "regions), over all of them; one engine may hold a quarter (%(default)s)",
     )
     serve.add_argument(
+        "--max-kv-event-streams",
+        type=_positive_int,
+        default=defaults.max_kv_event_streams,
+        help="vLLM KV-event subscriptions at once (one per child engine that names an "
+        "endpoint, a few file descriptors each); past it an engine registers without one "
+        "(%(default)s)",
+    )
+    serve.add_argument(
         "--kv-events-hosts",
         type=_host_patterns,
         default=(),
@@ -635,6 +643,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         session_queue_size=args.session_queue_size,
         max_rank_parts=args.max_rank_parts,
         max_endpoint_bytes=args.max_endpoint_bytes,
+        max_kv_event_streams=args.max_kv_event_streams,
         bounds=FieldBounds(kv_events_hosts=args.kv_events_hosts),
         state_file=args.state_file,
         warmup_ms=args.warmup_ms,

@@ -36,7 +36,7 @@ from coordinator.core.auth import describe as describe_auth
 from coordinator.edges.grpc_servicers import add_parsed_service, add_services
 from coordinator.edges.grpc_wire import part_codec
 from coordinator.edges.tls import server_credentials
-from coordinator.edges.zmq_ingest import vllm_event_streams
+from coordinator.edges.zmq_ingest import VllmEventStreams
 from coordinator.runtime.config import ConfigError, CoordinatorConfig
 from coordinator.runtime.coordinator import Coordinator
 from coordinator.runtime.gc_policy import freeze_startup_heap
@@ -147,8 +147,29 @@ def _server_options(config: CoordinatorConfig) -> list[tuple[str, int]]:
     ]
 
 
+def raise_open_files_limit() -> int:
+    """Lifts the soft limit on open files to the hard one (every session, KV-event
+    subscription and Redis connection is one or more; 1,024 is a common soft default).
+    Returns the limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return soft
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as e:
+        log.warning("open files limit stays %d (hard %d): %s", soft, hard, e)
+        return soft
+    return target
+
+
 async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status."""
+    log.debug("open files limit: %d", raise_open_files_limit())
     host, port = split_host_port(config.listen)
     check_bindable(host, port)
     # Read and check the PEM files before anything starts (ConfigError: one line).
@@ -160,7 +181,8 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
             config.listen,
         )
     coordinator, store = coordinator_with_store(config)
-    coordinator.inventory.event_streams = vllm_event_streams(coordinator.metrics)
+    event_streams = VllmEventStreams(coordinator.metrics, max_streams=config.max_kv_event_streams)
+    coordinator.inventory.event_streams = event_streams
     server = grpc.aio.server(options=_server_options(config))
     add_services(server, coordinator)
     grpc_log = logging.getLogger("grpc._cython.cygrpc")
@@ -233,6 +255,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     # Let health watchers see NOT_SERVING before the server stops answering.
     await asyncio.sleep(0)
     await coordinator.shutdown()
+    event_streams.close()
     if store is not None:
         await store.close()  # after the sessions ended: their departures reach the log
     await server.stop(config.shutdown_grace_s)

@@ -397,13 +397,18 @@ class ZmqEventStream:
         if self._closed:
             return  # closed before it started (retired while the one before it closed)
         cfg = self.config
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
-        sub.setsockopt(zmq.RCVHWM, cfg.rcv_hwm)
-        sub.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
-        self._sub = sub
-        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            sub = self._sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
+            sub.setsockopt(zmq.RCVHWM, cfg.rcv_hwm)
+            sub.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
+            self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        except zmq.ZMQError as exc:  # out of file descriptors, typically
+            await self.close()
+            raise KvrcError(
+                ErrorCode.RESOURCE_EXHAUSTED, f"cannot open a socket for {cfg.endpoint}: {exc}"
+            ) from None
         try:
             if cfg.bind:
                 if cfg.publisher_host:
@@ -499,6 +504,10 @@ class ZmqEventStream:
         self._metrics.zmq_streams.labels(state=self._state.value).dec()
         if self._own_context:
             self._ctx.term()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def status(self) -> ZmqStreamStatus:
         return ZmqStreamStatus(
@@ -1140,14 +1149,29 @@ async def _bind(sub: zmq.asyncio.Socket, endpoint: str) -> None:
         await asyncio.sleep(_BIND_RETRY_S)
 
 
-def vllm_event_streams(
-    metrics: Metrics,
-) -> Callable[[RankPartRegistration, EventSink], ZmqEventStream]:
-    """The runtime's `EventStreamFactory` for vLLM's ZMQ publisher (one per child engine)."""
+class VllmEventStreams:
+    """The runtime's `EventStreamFactory` for vLLM's ZMQ publisher (one per child engine).
 
-    def make(registration: RankPartRegistration, sink: EventSink) -> ZmqEventStream:
+    Every stream shares one ZMQ context (its own cost a stream two threads and several
+    file descriptors), and at most `max_streams` are open at once: past it a
+    registration stands without one (RESOURCE_EXHAUSTED, logged by the caller)."""
+
+    def __init__(self, metrics: Metrics, *, max_streams: int = 1024) -> None:
+        self._metrics = metrics
+        self._max_streams = max_streams
+        self._context = zmq.asyncio.Context()
+        self._streams: list[ZmqEventStream] = []
+
+    def __call__(self, registration: RankPartRegistration, sink: EventSink) -> ZmqEventStream:
+        self._streams = [s for s in self._streams if not s.closed]  # at most max_streams
+        if len(self._streams) >= self._max_streams:
+            raise KvrcError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"{len(self._streams)} KV-event subscriptions are open "
+                "(--max-kv-event-streams): this engine's events are not ingested",
+            )
         p = registration.profile
-        return ZmqEventStream(
+        stream = ZmqEventStream(
             stream_config_from_vllm(
                 engine_id=registration.engine_id,
                 dp_rank=registration.dp_rank,
@@ -1159,7 +1183,12 @@ def vllm_event_streams(
                 lora_name=p.lora_name,
             ),
             sink,
-            metrics,
+            self._metrics,
+            context=self._context,
         )
+        self._streams.append(stream)
+        return stream
 
-    return make
+    def close(self) -> None:
+        """After the streams closed (the coordinator's shutdown): frees the context."""
+        self._context.destroy(linger=0)

@@ -217,6 +217,9 @@ class CoordinatorConfig:
     # all of them; one engine may hold a quarter of each (coordinator/core/registry.py).
     max_rank_parts: int = DEFAULT_MAX_RANK_PARTS
     max_endpoint_bytes: int = DEFAULT_MAX_ENDPOINT_BYTES
+    # vLLM KV-event subscriptions at once (one per child engine naming an endpoint):
+    # each costs a few file descriptors; past it an engine registers unsubscribed.
+    max_kv_event_streams: int = 1024
     # Inventory caps: stores past them are dropped and counted (inventory.py "Bounds").
     inventory_max_entries_total: int = 50_000_000
     inventory_max_entries_per_engine: int = 5_000_000

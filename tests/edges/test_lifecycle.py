@@ -202,3 +202,23 @@ async def test_shutdown_lets_tasks_still_unwinding_finish_and_does_not_wait_fore
     await _let_stragglers_finish(0.05)
     assert not forever.done()
     forever.cancel()
+
+
+def test_serve_lifts_its_open_files_soft_limit_to_the_hard_one() -> None:
+    """Sessions, KV-event subscriptions and store connections each hold descriptors; a
+    soft limit of 1,024 (a common default) ran a real kvrc out of them first."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 512
+    assert hard == resource.RLIM_INFINITY or hard > low, "this host's hard limit is too low"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        with start_coordinator() as kvrc:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))  # this process's back
+            limits = Path(f"/proc/{kvrc.process.pid}/limits").read_text()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
+    expected = str(1 << 20) if hard == resource.RLIM_INFINITY else str(hard)
+    assert line.split()[3] == expected, line  # Max open files SOFT HARD files

@@ -19,7 +19,7 @@ from waiting import wait_until
 
 from coordinator.core.events import BlockStored, EventBatch
 from coordinator.core.registry import RankPartRegistration
-from coordinator.edges.zmq_ingest import vllm_event_streams
+from coordinator.edges.zmq_ingest import VllmEventStreams
 from kvrc.vocabulary import TransferEndpoint
 
 TP2 = dataclasses.replace(PROFILE, tp_size=2)
@@ -43,7 +43,7 @@ async def test_a_subscription_that_failed_to_start_is_tried_again() -> None:
     try:
         async with manual_coordinator() as rig:
             c = rig.coordinator
-            c.inventory.event_streams = vllm_event_streams(c.metrics)
+            c.inventory.event_streams = VllmEventStreams(c.metrics)
             first = RankPartRegistration(
                 "e",
                 0,
@@ -78,7 +78,7 @@ async def test_the_subscription_goes_to_rank_0s_host_whoever_registers_first() -
     the first part to register may be on another node: kvrc subscribed to that node."""
     async with manual_coordinator() as rig:
         c = rig.coordinator
-        c.inventory.event_streams = vllm_event_streams(c.metrics)
+        c.inventory.event_streams = VllmEventStreams(c.metrics)
 
         def part(rank: tuple[int, int, int], host: str) -> RankPartRegistration:
             return _tp2_part(rank, f"{host}:1", "tcp://*:5557")
@@ -100,7 +100,7 @@ async def test_a_head_part_that_publishes_elsewhere_is_subscribed_anew() -> None
     stream still delivers while it closes is dropped."""
     async with manual_coordinator() as rig:
         c = rig.coordinator
-        c.inventory.event_streams = vllm_event_streams(c.metrics)
+        c.inventory.event_streams = VllmEventStreams(c.metrics)
 
         def part(rank: tuple[int, int, int], events: str, port: int) -> RankPartRegistration:
             return _tp2_part(rank, f"127.0.0.2:{port}", events)
@@ -147,7 +147,7 @@ async def test_a_head_part_back_on_the_same_bound_endpoint_is_subscribed_anew() 
     endpoint = f"tcp://127.0.0.1:{port}"
     async with manual_coordinator() as rig:
         c = rig.coordinator
-        c.inventory.event_streams = vllm_event_streams(c.metrics)
+        c.inventory.event_streams = VllmEventStreams(c.metrics)
 
         def part(rank: tuple[int, int, int], session: int) -> RankPartRegistration:
             return _tp2_part(rank, f"127.0.0.1:{session}", endpoint)
@@ -164,3 +164,35 @@ async def test_a_head_part_back_on_the_same_bound_endpoint_is_subscribed_anew() 
             5,
             what="the new subscription bound",
         )
+
+
+async def test_kv_event_subscriptions_share_one_context_and_are_capped() -> None:
+    """Each subscription had a ZMQ context of its own (two threads, ~10 file descriptors)
+    and nothing capped them: registering engines that name endpoints ran kvrc out of
+    file descriptors (a review's finding: 3,000 engines, 4,005 threads). They share one
+    context now, and past --max-kv-event-streams an engine registers unsubscribed."""
+    async with manual_coordinator() as rig:
+        c = rig.coordinator
+        streams = VllmEventStreams(c.metrics, max_streams=2)
+        c.inventory.event_streams = streams
+
+        def engine(name: str) -> RankPartRegistration:
+            endpoint = TransferEndpoint(backend="mooncake", session_name="127.0.0.2:1")
+            return RankPartRegistration(
+                name, 0, name, (0, 0, 0), PROFILE, endpoint, kv_events_endpoint="tcp://*:5557"
+            )
+
+        sessions = [c.open_session(engine(name)) for name in ("a", "b", "c")]
+        await settle()
+        subscribed = {cid for cid in "abc" if c.inventory._meta[cid].zmq is not None}
+        assert subscribed == {"a", "b"}  # "c" is registered, without a subscription
+        assert c.registry.get("c") is not None
+        contexts = {c.inventory._meta[cid].zmq._ctx for cid in subscribed}  # type: ignore[union-attr]
+        assert len(contexts) == 1
+        c.close_session(sessions[0], "closed")  # "a" leaves: its subscription closes
+        await settle()
+        await wait_until(lambda: c.inventory._meta.get("a") is None, 5)
+        c.open_session(engine("d"))
+        await settle()
+        assert c.inventory._meta["d"].zmq is not None  # room again
+    streams.close()
