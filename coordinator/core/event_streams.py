@@ -226,6 +226,13 @@ class EventStreams:
         return StreamDecision(StreamAction.GAP, reset_stream=reset, expected_sequence=expected)
 
 
+# A publisher counts its batches from 0; one at 2**63 or past would leave nothing after
+# it (every later batch a duplicate, a new dump too) until the engine re-registers.
+MAX_SEQUENCE = (1 << 63) - 1
+
+
 def _check_number(name: str, value: int) -> None:
     if value < 0:
         raise invalid(f"{name} {value} is negative")
+    if value > MAX_SEQUENCE:
+        raise invalid(f"{name} {value} is past 2**63 - 1: a publisher counts from 0")

@@ -438,6 +438,13 @@ class InventoryFlow:
         batch: EventBatch,
     ) -> StreamAction:
         """One validated batch from a session. Raises INVALID_ARGUMENT (nothing changes)."""
+        if batch.incarnation == 0:
+            # Unset (every incarnation kvrc hands out is far above it): an older one is
+            # a batch of a past session, dropped; this is a client that never set it.
+            self._m_malformed.inc()
+            raise invalid(
+                "event batch incarnation is 0 (unset): use the incarnation of RegisterAck"
+            )
         if batch.incarnation > session_incarnation:
             self._m_malformed.inc()
             raise invalid(
@@ -451,13 +458,17 @@ class InventoryFlow:
         per_part = meta.mode is PublishMode.PER_RANK_PART
         rank_key = rank if per_part else None
         key = StreamKey(child_engine_id, rank_key)
-        d = self.streams.accept(
-            key,
-            batch.incarnation,
-            batch.sequence,
-            dump_begin=batch.dump_begin,
-            dump_end=batch.dump_end,
-        )
+        try:
+            d = self.streams.accept(
+                key,
+                batch.incarnation,
+                batch.sequence,
+                dump_begin=batch.dump_begin,
+                dump_end=batch.dump_end,
+            )
+        except KvrcError:  # a number out of range (INVALID_ARGUMENT): nothing changed
+            self._m_malformed.inc()
+            raise
         action = d.action
         self._m_batches[SOURCE_GRPC, action.value].inc()
         if action is StreamAction.FENCED:

@@ -599,6 +599,10 @@ async def test_entry_caps_drop_stores_and_count_them(
             "group_idx 5000",
         ),
         (raw_batch(1 << 62, 1, stored(h(5, 0))), "newer than this session's"),
+        # Both were applied or dropped silently: an unset incarnation was fenced as an
+        # old one, and a sequence at 2**64 - 1 made every later batch a duplicate.
+        (raw_batch(0, 1, stored(h(6, 0))), "incarnation is 0 (unset)"),
+        (raw_batch(0, (1 << 64) - 1, stored(h(7, 0))), "past 2**63 - 1"),
     ],
     ids=[
         "events",
@@ -610,6 +614,8 @@ async def test_entry_caps_drop_stores_and_count_them(
         "no-event",
         "group",
         "incarnation",
+        "unset-incarnation",
+        "huge-sequence",
     ],
 )
 async def test_a_malformed_batch_ends_the_session_and_changes_nothing(
@@ -620,7 +626,7 @@ async def test_a_malformed_batch_ends_the_session_and_changes_nothing(
     holder = await open_engine(engines, t, "bad-holder")
     await holder.publisher.stored(CHAIN[:3])
     await eventually_holds(t, "bad-req", "bad-holder", 3)
-    if batch.incarnation == 0:
+    if batch.incarnation == 0 and "(unset)" not in message:  # 0: the holder's own
         batch.incarnation = holder.incarnation
     if len(batch.events) < 1024:  # a valid store first: the batch is refused whole
         batch.events.insert(0, stored(h(0x99, 0)))
