@@ -15,7 +15,7 @@ Two seams:
 - `TokenHasher`: vLLM's block hashing, `vllm_block_keys` over
   coordinator/core/vllm_hashing.py (tests plug in their own). The hash
   configuration is each engine's declared one (`hash_config`): a router cannot
-  know it, and an engine that declares none is refused with FAILED_PRECONDITION.
+  know it, and an engine that declares none is unscored, its detail saying why.
 - `SavingPredictor`: the per-pair cost model (coordinator/core/cost_model.py's
   `CostModel`, the same one prefix-load grants ask), so a Score credits a load
   exactly when a grant would be made for it (I9-cost-gate) and never promises a
@@ -304,8 +304,9 @@ def score(
     may_lend: MayLend = _any_holder,
 ) -> ScoreAnswer:
     """Scores `engines` for `query` (see the module doc). Raises, changing nothing:
-    INVALID_ARGUMENT beyond the bounds, FAILED_PRECONDITION for token ids whose
-    hashing an engine has not declared. `reuse` is the coordinator's gate (switch,
+    INVALID_ARGUMENT beyond the bounds. For token ids, an engine that has not declared
+    its hashing (or one kvrc cannot reproduce) is unscored, its detail saying why
+    (FAILED_PRECONDITION's text from `hash_config`). `reuse` is the coordinator's gate (switch,
     warm-up): closed, only local matches count (I1-reuse-off). `may_lend`: the
     grants' own holder check (Grants.may_lend), so Score names the holder a prefix
     load would be granted from."""
@@ -315,18 +316,24 @@ def score(
     # Scorable engines grouped by what their chain depends on: compatibility (the
     # inventory scope) and, for token ids, how they hash.
     groups: dict[tuple[str, HashConfig | None], list[ScoreEngine]] = {}
-    specs: dict[DeploymentProfile, HashConfig] = {}
+    specs: dict[DeploymentProfile, HashConfig | str] = {}  # a config, or why none
     for e in engines:
         why = _unscorable(e, query.model)
+        spec = None
+        if not why and query.token_ids is not None:
+            assert e.profile is not None  # engines of one profile hash alike: read it once
+            found = specs.get(e.profile)
+            if found is None:
+                try:
+                    found = hash_config(e.child_engine_id, e.profile)
+                except KvrcError as error:
+                    found = error.message
+                specs[e.profile] = found
+            # One engine that does not declare its hashing leaves the others scored.
+            spec, why = (found, "") if isinstance(found, HashConfig) else (None, found)
         if why:
             out[e.child_engine_id] = EngineScore(e.child_engine_id, False, why, reuse=e.reuse)
             continue
-        assert e.profile is not None
-        spec = None
-        if query.token_ids is not None:  # engines of one profile hash alike: read it once
-            spec = specs.get(e.profile)
-            if spec is None:
-                spec = specs[e.profile] = hash_config(e.child_engine_id, e.profile)
         groups.setdefault((e.compatibility_hash, spec), []).append(e)
     chains: dict[HashConfig, tuple[BlockHash, ...]] = {}
     for (compat, spec), members in groups.items():

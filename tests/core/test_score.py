@@ -689,15 +689,22 @@ def test_engines_of_other_block_sizes_are_scored_in_their_own_scope() -> None:
         (((PROFILE_EXTRA_HASH_ALGO, "md5"), (PROFILE_EXTRA_HASH_SEED, "0")), "unknown vLLM"),
     ],
 )
-def test_a_hash_configuration_kvrc_cannot_reproduce_is_refused(
+def test_an_engine_whose_hashing_kvrc_cannot_reproduce_is_unscored_and_the_rest_scored(
     extra: tuple[tuple[str, str], ...], says: str
 ) -> None:
+    """It made the whole token-id Score FAILED_PRECONDITION: one engine registered without
+    the declaration blinded every router of its model (a review's finding). Now it alone
+    is unscored, saying why; never silent misses."""
+    config = hash_config("b", PROFILE)
     inv = Inventory()
     add(inv, "a")
-    with pytest.raises(KvrcError) as e:
-        score_tokens(inv, [engine("a", extra=extra)])
-    assert e.value.code is ErrorCode.FAILED_PRECONDITION
-    assert says in e.value.message and "'a'" in e.value.message
+    add(inv, "b")
+    store(inv, "b", block_keys(TOKENS, config)[:4])
+    answer = score_tokens(inv, [engine("a", extra=extra), engine("b")])
+    found = {e.child_engine_id: e for e in answer.engines}
+    unscored, scored = found["a"], found["b"]
+    assert not unscored.scored and says in unscored.detail and "'a'" in unscored.detail
+    assert scored.scored and scored.local_matched_blocks == 4
     # The same engines answer block hashes.
     assert run(inv, [engine("a", extra=extra)]).engines[0].scored
 

@@ -27,7 +27,6 @@ from harness import (
 )
 from redis_env import start_redis
 
-from clients.errors import FailedPreconditionError
 from clients.inventory import InventoryPublisher, PublishingHandler
 from clients.router import ScoreClient, ScoreResult, ScoreRouter
 from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
@@ -170,10 +169,13 @@ async def test_token_ids_are_hashed_as_the_engines_declare(
     await hashed.stored(keys[:4])
     result = await eventually(t, "tok-hashed", 4, token_ids=TOKENS, candidates=["tok-hashed"])
     assert result.engines[0].prompt_blocks == 6
-    # An engine that does not say how it hashes: refused, naming it and what is missing.
-    with pytest.raises(FailedPreconditionError) as e:
-        await score(t, token_ids=TOKENS, candidates=["tok-hashed", "tok-silent"])
-    assert "'tok-silent'" in e.value.message and "vllm_hash_seed" in e.value.message
+    # An engine that does not say how it hashes: unscored, naming what is missing; the
+    # others are scored all the same (it made the whole Score FAILED_PRECONDITION).
+    both = await score(t, token_ids=TOKENS, candidates=["tok-hashed", "tok-silent"])
+    found = {e.child_engine_id: e for e in both.engines}
+    assert not found["tok-silent"].scored
+    assert "vllm_hash_seed" in found["tok-silent"].detail
+    assert found["tok-hashed"].scored and found["tok-hashed"].local_matched_blocks == 4
 
 
 async def test_multimodal_items_reach_the_hashing_from_the_client_and_the_cli(
@@ -332,8 +334,12 @@ async def test_kvrc_score_and_kvrc_route(
     assert "CHILD ENGINE" in table.stdout and "gpu:5" in table.stdout
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
-    refused = await _kvrc(*args, "--tokens-file", str(tokens))
-    assert refused.returncode == 1 and "FAILED_PRECONDITION" in refused.stderr
+    # cli-p0 declares no hashing: unscored, saying so (the answer stands for the rest).
+    undeclared = await _kvrc(*args, "--tokens-file", str(tokens), "--json")
+    assert undeclared.returncode == 0, undeclared.stderr
+    by_engine = {e["child_engine_id"]: e for e in json.loads(undeclared.stdout)["engines"]}
+    assert by_engine["cli-p0"]["scored"] is False
+    assert "does not declare how it hashes" in by_engine["cli-p0"]["detail"]
     bad = await _kvrc(*args, "--tokens", "1,x")
     assert bad.returncode == 2 and "--tokens: token ids must be integers" in bad.stderr
     # kvrc route: the engine side of the command, through the dispatcher (kvrc/cli.py).
