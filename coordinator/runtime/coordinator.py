@@ -618,8 +618,11 @@ class Coordinator:
         descriptor: bytes | None,
         error_message: str,
     ) -> None:
-        """A holder part's PinResult: to this replica's lease, or to the lease's owner."""
-        owner = self.peers.owner_of(lease_id) if self.peers is not None else None
+        """A holder part's PinResult: to this replica's lease, or to the replica whose pin
+        request reached this session (only then: anything else a session sends about
+        another replica's lease is not relayed into the shared log)."""
+        peers = self.peers
+        owner = peers.pin_asker(ref.session_id, lease_id) if peers is not None else None
         if owner is not None and self.peers is not None:
             self.peers.reply_pin_result(
                 owner, ref, lease_id, pinned_blocks, descriptor, error_message

@@ -173,6 +173,10 @@ DEFAULT_CALL_TIMEOUT_S = 5.0
 # Abort senders remembered for their acks (a lease id and a replica name each): enough for
 # every lease the lease table holds open at once (LeaseConfig.max_open_leases), bounded.
 MAX_ABORT_SENDERS = 65_536
+# Pin requests delivered to local sessions for other replicas' leases, kept until their
+# PinResult relays the answer (the same bound): a PinResult nobody asked for is not
+# written into the shared log.
+MAX_PIN_ASKS = 65_536
 
 # Replies of the holder's session that the owner needs. A ReleaseAck stays on the
 # holder's replica: the session it reaches keeps the release until acked.
@@ -515,6 +519,8 @@ class PeerLink:
         self.sent = 0  # ops this replica wrote for its peers (tests, bench-cluster)
         # lease id -> the replica whose SendAbort a local part got (`abort_sender`).
         self._abort_senders: OrderedDict[str, str] = OrderedDict()
+        # (session id, lease id) -> the replica whose SendPin a local part got (`pin_asker`).
+        self._pin_asks: OrderedDict[tuple[str, str], str] = OrderedDict()
         # True while answering a remote part's registration: its messages are marked so
         # that its replica queues them as a registration's answers (past the queue cap).
         self._answering_registration = False
@@ -692,6 +698,13 @@ class PeerLink:
     def owner_of(self, lease_id: str) -> str | None:
         """The live replica that owns a lease, when it is not this one (else None)."""
         return self.live_other(owner_of_lease_id(lease_id))
+
+    def pin_asker(self, session_id: str, lease_id: str) -> str | None:
+        """The live other replica whose pin request for `lease_id` reached this session,
+        once: its PinResult goes there. None for a result no other replica asked for (a
+        made-up lease id must not reach the shared log)."""
+        asker = self._pin_asks.pop((session_id, lease_id), None)
+        return self.live_other(asker) if asker is not None else None
 
     def abort_sender(self, lease_id: str) -> str | None:
         """The live other replica that sent a local part this lease's abort: the one the
@@ -976,6 +989,10 @@ class PeerLink:
                 self._abort_senders.move_to_end(message.lease_id)
                 if len(self._abort_senders) > MAX_ABORT_SENDERS:
                     self._abort_senders.popitem(last=False)
+            elif isinstance(message, SendPin):
+                self._pin_asks[(ref.session_id, message.lease_id)] = origin
+                if len(self._pin_asks) > MAX_PIN_ASKS:
+                    self._pin_asks.popitem(last=False)
             if not host.deliver(ref, message, registering=len(op) > 6 and bool(op[6])):
                 log.info(
                     "%s for %s rank %s from replica %s dropped: session %s is not here any more",
