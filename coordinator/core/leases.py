@@ -169,7 +169,10 @@ MAX_ABORT_TIMEOUT_MS = 1_800_000
 @dataclass(frozen=True, slots=True)
 class LeaseConfig:
     max_open_leases: int = 65_536  # non-terminal (incl. quarantined), both flows
-    max_open_leases_per_engine: int = 4_096  # as source or target
+    max_open_leases_per_engine: int = 4_096  # per child engine, as source or target
+    # An engine's DP ranks' child engines together: a quarter of max_open_leases, so one
+    # engine of many DP ranks cannot take the whole table (I8-bad-input).
+    max_open_leases_per_dp_engine: int = 16_384
     # Rebuilt from re-announced held ids (`recover_held`), open at once: a quarter of
     # max_open_leases, so ids an engine re-announces (after a restart, or made up) can
     # never take the table from live grants (I8-bad-input).
@@ -607,6 +610,8 @@ class LeaseTable:
         self._open_by_engine_view: Mapping[str, int] = MappingProxyType(self._open_by_engine)
         # Per decode engine: open handoffs reserved for it and not begun (`_check_capacity`).
         self._reserved: dict[str, int] = {}
+        # Engine id -> its DP ranks' child engines with open leases (`_check_capacity`).
+        self._dp_children: dict[str, set[str]] = {}
         self._open_ids: dict[str, None] = {}  # open leases, oldest first
         self._open_counts: Counter[tuple[Flow, LeaseState]] = Counter()
         # (flow, state) counts changed since `take_changed_counts` (the gauge reads only those).
@@ -1795,6 +1800,12 @@ class LeaseTable:
                 else:
                     del self._by_engine[engine]
                     del self._open_by_engine[engine]
+                    parent, dp_rank = parse_child_engine_id(engine)
+                    if dp_rank is not None:
+                        children = self._dp_children[parent]
+                        children.discard(engine)
+                        if not children:
+                            del self._dp_children[parent]
         del self._open_ids[lease.lease_id]
         reserved_for = self._reserved_for(lease)
         if reserved_for is not None:
@@ -1863,6 +1874,10 @@ class LeaseTable:
 
     def _index_engine(self, engine: str, lease_id: str) -> None:
         ids = self._by_engine.setdefault(engine, set())
+        if not ids:
+            parent, dp_rank = parse_child_engine_id(engine)
+            if dp_rank is not None:
+                self._dp_children.setdefault(parent, set()).add(engine)
         ids.add(lease_id)
         self._open_by_engine[engine] = len(ids)
 
@@ -2000,15 +2015,30 @@ class LeaseTable:
             raise resource_exhausted(
                 f"{cfg.max_open_leases} leases are open, the limit; retry after some end"
             )
+        adds: Counter[str] = Counter()  # per DP engine: the new lease counts once per child
         for engine in engines:
-            # Handoffs reserved for the engine and not begun are indexed under it (its
-            # loss ends them) but count against their prefill only.
-            held = len(self._by_engine.get(engine, ())) - self._reserved.get(engine, 0)
-            if held >= cfg.max_open_leases_per_engine:
+            if self._share(engine) >= cfg.max_open_leases_per_engine:
                 raise resource_exhausted(
                     f"child engine {engine!r} has {cfg.max_open_leases_per_engine} open leases, "
                     "the per-engine limit"
                 )
+            parent, dp_rank = parse_child_engine_id(engine)
+            if dp_rank is not None:  # else one child engine: its own share is the engine's
+                adds[parent] += 1
+        for parent, added in adds.items():
+            # O(DP ranks): the engine's child engines with open leases.
+            held = sum(self._share(child) for child in self._dp_children.get(parent, ()))
+            if held + added > cfg.max_open_leases_per_dp_engine:
+                raise resource_exhausted(
+                    f"engine {parent!r} (its DP ranks together) has {held} open leases, "
+                    f"the per-engine limit of {cfg.max_open_leases_per_dp_engine}"
+                )
+
+    def _share(self, engine: str) -> int:
+        """What counts against a child engine's share: its open leases but the handoffs
+        reserved for it and not begun (indexed under it, since its loss ends them, but
+        counted against their prefill only)."""
+        return len(self._by_engine.get(engine, ())) - self._reserved.get(engine, 0)
 
     def _check_grid(self, name: str, rank_keys: Sequence[RankKey]) -> tuple[RankKey, ...]:
         grid = tuple(rank_keys)

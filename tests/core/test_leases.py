@@ -679,6 +679,36 @@ def test_open_lease_bounds_total_and_per_engine() -> None:
     open_load(t, "d", requester="r3", holder="h3")
 
 
+def test_an_engine_of_many_dp_ranks_takes_at_most_its_share_of_the_table() -> None:
+    """The share was per child engine only (4,096 of 65,536): an engine with 17 DP ranks
+    filled the whole table and every other engine's publish was RESOURCE_EXHAUSTED (a
+    review's finding). Its DP ranks' child engines together now hold at most
+    max_open_leases_per_dp_engine (a quarter by default); other engines still open."""
+    t = table(max_open_leases=100, max_open_leases_per_engine=3, max_open_leases_per_dp_engine=5)
+    for i in range(5):  # big_dp0: 3 (its own share), big_dp1: 2
+        open_load(t, f"r{i}", requester=f"req{i}", holder=f"big_dp{i // 3}")
+    err = refused(
+        t,
+        ErrorCode.RESOURCE_EXHAUSTED,
+        lambda: open_load(t, "r5", requester="other-req2", holder="big_dp2"),
+    )
+    assert "engine 'big' (its DP ranks together) has 5 open leases" in err.message
+    # A lease between two DP ranks of one engine counts twice: refused at 4 of 5.
+    t2 = table(max_open_leases_per_engine=3, max_open_leases_per_dp_engine=5)
+    for i in range(4):
+        open_load(t2, f"q{i}", requester=f"x{i}", holder=f"big_dp{i // 2}")
+    refused(
+        t2,
+        ErrorCode.RESOURCE_EXHAUSTED,
+        lambda: open_load(t2, "q4", requester="big_dp3", holder="big_dp2"),
+    )
+    # Others are unaffected, and a bare engine id is one engine (its own share only).
+    open_load(t, "r5", requester="other-req2", holder="small")
+    # The engine's leases ending frees its share.
+    t.on_engine_gone("big_dp0", T0 + 1)
+    open_load(t, "r6", requester="other-req3", holder="big_dp2")
+
+
 def test_handoffs_reserved_for_a_decode_count_against_their_prefill_until_begun() -> None:
     """A prefill that reserves handoffs for a decode engine must not fill that engine's
     share (it would lock every other prefill out of it); the share counts once the

@@ -56,6 +56,7 @@ from coordinator.core.leases import (
     SendQuarantine,
     SendRelease,
 )
+from kvrc.ids import parse_child_engine_id
 
 ENGINES: dict[str, tuple[RankKey, ...]] = {
     "e0": ((0, 0, 0),),
@@ -70,6 +71,7 @@ REQUEST_IDS = ("r0", "r1", "r2", "r3")
 CONFIG = LeaseConfig(
     max_open_leases=12,
     max_open_leases_per_engine=6,
+    max_open_leases_per_dp_engine=8,  # e1_dp0 and e1_dp1 together: reached now and then
     max_payload_bytes_per_engine=32,  # a whole chain (24 bytes) and a bit: reached now and then
     abort_timeout_ms=1_000,
     handoff_heartbeat_timeout_ms=1_500,
@@ -836,6 +838,12 @@ class LeaseMachine(RuleBasedStateMachine):
                     shares[v.target_child_engine_id] += 1
         assert dict(per_engine) == self.table.open_counts_by_engine()
         assert all(n <= CONFIG.max_open_leases_per_engine for n in shares.values())
+        dp_shares: Counter[str] = Counter()  # an engine's DP ranks together
+        for child, n in shares.items():
+            engine, dp_rank = parse_child_engine_id(child)
+            if dp_rank is not None:
+                dp_shares[engine] += n
+        assert all(n <= CONFIG.max_open_leases_per_dp_engine for n in dp_shares.values())
         assert sum(listed.values()) <= CONFIG.max_open_leases
 
     @invariant()
