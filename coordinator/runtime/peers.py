@@ -140,6 +140,12 @@ OP_RESULT = "Q"
 # them quietly.
 OP_ANNOUNCING = "G"
 OP_ANNOUNCED = "N"
+# An announcement round's third element when its replica lost track of the log (a
+# trimmed read position, a store loss: `forget_all`): the lease messages addressed to
+# its parts in what it skipped are lost, so each owner sends its parts' owed aborts,
+# quarantines and kept releases again, as to a part registering anew (I6-quiescence).
+# An older replica ignores the element.
+ANNOUNCING_AFTER_LOSS = "lost"
 PEER_TAGS = frozenset(
     (
         OP_PART,
@@ -537,6 +543,9 @@ class PeerLink:
         # for its own (`unaccounted_session`) without a scan of every part lost track of.
         self._unaccounted_by_part: dict[str, dict[str, None]] = {}
         self._round_begun: set[str] = set()
+        # Origins in a round after they lost track of the log: their parts announced
+        # again get their owed lease messages again (ANNOUNCING_AFTER_LOSS).
+        self._lost_rounds: set[str] = set()
         self._announced_again: set[str] = set()  # unaccounted, announced, not taken
         # False until this replica has read the log up to its end once (a replica that
         # just started, with a store: `caught_up`): until then a replica not heard yet
@@ -580,12 +589,16 @@ class PeerLink:
     def hello(self) -> None:
         self._write([OP_HELLO])
 
-    def announce_local(self, reclaim: bool = False) -> None:
+    def announce_local(self, reclaim: bool = False, lost_messages: bool = False) -> None:
         """Announces every local part again: after a hello, or with new tokens after a
         store loss (`reclaim`: the counter started again with the new store). A round:
         OP_ANNOUNCING first, OP_ANNOUNCED once every local part has been announced with
-        its token (module doc)."""
-        self._write([OP_ANNOUNCING, self.origin])
+        its token (module doc). `lost_messages`: this replica skipped part of the log,
+        so the owners send its parts' lease messages again (ANNOUNCING_AFTER_LOSS)."""
+        op: Op = [OP_ANNOUNCING, self.origin]
+        if lost_messages:
+            op.append(ANNOUNCING_AFTER_LOSS)
+        self._write(op)
         self._round_open = False  # not closed by a token answered inside the loop
         self._round_waits |= {sid for sid, p in self._local.items() if reclaim or p.token is None}
         if reclaim:
@@ -861,6 +874,11 @@ class PeerLink:
         if tag == OP_PART:
             session_id, token = str(op[1]), int(op[3])
             if session_id in self._remote:
+                known_origin, known_ref = self._remote[session_id]
+                if origin in self._lost_rounds and known_origin == origin:
+                    # Its replica skipped what was sent to it: this replica's owed lease
+                    # messages for the part go again (to the same session).
+                    self._resend_owed(known_ref)
                 return False  # an announcement again (after a hello)
             registration = self._codec.decode(bytes(op[2]))
             ref = PartRef(registration.child_engine_id, registration.rank, session_id)
@@ -932,10 +950,15 @@ class PeerLink:
             return True
         if tag == OP_ANNOUNCING:
             self._round_begun.add(origin)
+            if len(op) > 2 and op[2] == ANNOUNCING_AFTER_LOSS:
+                self._lost_rounds.add(origin)
+            else:
+                self._lost_rounds.discard(origin)
             # Only this round's announcements keep a part unaccounted for at its end.
             self._announced_again.difference_update(self._unaccounted.get(origin, {}))
             return True
         if tag == OP_ANNOUNCED:
+            self._lost_rounds.discard(origin)
             if origin in self._round_begun:
                 self._round_begun.discard(origin)
                 self._account_gone(
@@ -1047,12 +1070,18 @@ class PeerLink:
         # were dropped while it was between sessions (or acks lost with the old
         # stream): they go again, to its session on `origin`, as to a part
         # re-registering here (I6-quiescence).
+        self._resend_owed(ref)
+        return True
+
+    def _resend_owed(self, ref: PartRef) -> None:
+        """A remote part's owed aborts, and its quarantines and kept releases, again."""
+        host = self._host
+        assert host is not None
         answering, self._answering_registration = self._answering_registration, True
         try:
             host.leases.on_part_registered(ref.child_engine_id, ref.rank)
         finally:
             self._answering_registration = answering
-        return True
 
     def origin_gone(self, origin: str, reason: str) -> int:
         """An origin reset (restarted) or fell silent: its parts leave. Returns them."""
@@ -1080,6 +1109,7 @@ class PeerLink:
         lost with it): its leases that local holders left to it are rebuilt here, and
         its parts this replica had lost track of are gone with it."""
         self._round_begun.discard(origin)
+        self._lost_rounds.discard(origin)
         self._account_gone(origin, f"replica {origin} fell silent")
         if self._host is not None:
             self._host.owner_silent(origin)
@@ -1158,9 +1188,11 @@ class PeerLink:
         # last entry read, and a store loss starts a new log. So every part the round's
         # replica holds is announced after it, and read here before its OP_ANNOUNCED.
         self._round_begun.clear()
+        self._lost_rounds.clear()
         self.hello()
-        # The entries this replica never read may hold another's hello: answer it.
-        self.announce_local()
+        # The entries this replica never read may hold another's hello (answered here),
+        # and lease messages for its parts (the owners send them again).
+        self.announce_local(lost_messages=True)
         return left
 
     def origin_reset(self, origin: str, reason: str) -> int:
@@ -1169,6 +1201,7 @@ class PeerLink:
         they are unaccounted for here, as after a loss of this replica's own."""
         self._cancel_answering({origin})
         self._round_begun.discard(origin)
+        self._lost_rounds.discard(origin)
         return self._lose_track(lambda o: o == origin, reason)
 
     def _lose_track(self, of: Callable[[str], bool], reason: str) -> int:

@@ -617,3 +617,32 @@ async def test_a_reader_paused_again_before_it_ran_is_waited_for_until_it_stops(
     position = read_by(b)
     await asyncio.sleep(0.2)
     assert read_by(b) == position, "read after reading_stopped returned"
+
+
+async def test_a_quarantine_sent_while_the_holders_replica_read_behind_a_trim_is_sent_again(
+    nodes: Callable[[], Awaitable[Node]],
+) -> None:
+    """h holds a load of r's on B; A owns the lease. B stops reading (its heartbeats still
+    reach A), A quarantines the lease, and two snapshots trim the log past B's position:
+    B reloads and never reads the notice, and h's safety net would free the pins while
+    r's read was never proven quiet (I6; a review's finding). B's announcement round
+    after the reload says it lost track, and A sends its parts' lease messages again."""
+    a, b = await nodes(), await nodes()
+    holder = Outbox(b.register("h"))
+    b.store_chain(holder.session)
+    await eventually(lambda: a.part("h") == holder.session.session_id, "A hears of h")
+    requester = a.register("r")
+    lease_id = await granted_on(a, holder)
+    await parked(b)
+    a.coordinator.close_session(requester, "closed")  # r's stream breaks
+    report = TransferReport(lease_id, "r", RANK, Outcome.UNKNOWN, 0, 0, "read timed out")
+    assert a.coordinator.leases.complete_prefix_load(report).state is LeaseState.QUARANTINED
+    for _ in range(2):  # a snapshot cuts the log at the one before it
+        last = max(read_by(b), read_by(a))
+        await eventually(lambda: read_by(a) > last, "A reads on")  # noqa: B023 (awaited here)
+        assert await a.store.write_snapshot()
+    assert holder.of(SendQuarantine) == []
+    b.store.resume_reading()
+    await eventually(lambda: loaded_snapshots(b) == 1, "B loads A's snapshot")
+    await eventually(lambda: holder.of(SendQuarantine) == [lease_id], "the notice, again")
+    assert a.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
