@@ -340,6 +340,7 @@ def coordinator_with_store(config: CoordinatorConfig) -> tuple[Coordinator, Redi
         epoch_tag=store.epoch_tag,
     )
     inventory.peers = peers
+    store.token_floor = peers.highest_token
     coordinator.attach_peers(peers)
     coordinator.leases.store_unavailable = store.unavailable_reason
     coordinator.leases.ledger = store.ledger

@@ -546,6 +546,7 @@ class PeerLink:
         # Origins in a round after they lost track of the log: their parts announced
         # again get their owed lease messages again (ANNOUNCING_AFTER_LOSS).
         self._lost_rounds: set[str] = set()
+        self._highest_token = 0  # of every token seen, own and others' (`highest_token`)
         self._announced_again: set[str] = set()  # unaccounted, announced, not taken
         # False until this replica has read the log up to its end once (a replica that
         # just started, with a store: `caught_up`): until then a replica not heard yet
@@ -666,6 +667,7 @@ class PeerLink:
             return
         part.token = token
         part.token_store = self._epoch_tag()
+        self._highest_token = max(self._highest_token, token)
         if token < self._best.get(part.key, (0, ""))[0]:
             # Registered again elsewhere since this claim was made: this one is stale.
             self._fence(session_id, "registered again on another replica (a higher token)")
@@ -689,6 +691,11 @@ class PeerLink:
             self._host.fence_local(session_id, reason)
         self._local.pop(session_id, None)
         self._claim_settled(session_id)
+
+    def highest_token(self) -> int:
+        """The highest fencing token seen, this replica's and the others' (in the log):
+        the store answers claims above it (redis_store.py `_CLAIM`)."""
+        return self._highest_token
 
     def origin_of(self, session_id: str) -> str | None:
         """The replica that holds a remote part's session (None: not a remote part)."""
@@ -873,6 +880,7 @@ class PeerLink:
         tag = op[0]
         if tag == OP_PART:
             session_id, token = str(op[1]), int(op[3])
+            self._highest_token = max(self._highest_token, token)
             if session_id in self._remote:
                 known_origin, known_ref = self._remote[session_id]
                 if origin in self._lost_rounds and known_origin == origin:

@@ -98,11 +98,17 @@ return 1
 """
 
 
-# KEYS: fence counter, epoch. ARGV: epoch. A fencing token for one registration
-# (coordinator/runtime/peers.py), or -1 when the store is not the one this replica
-# knows (a store loss: the replica claims again once it has re-announced).
+# KEYS: fence counter, epoch. ARGV: epoch, the highest token this replica has seen. A
+# fencing token for one registration (coordinator/runtime/peers.py), or -1 when the
+# store is not the one this replica knows (a store loss: the replica claims again once
+# it has re-announced). Above every token seen: a store that came back older (an AOF
+# tail lost, a failover to a lagging replica) keeps its epoch but not its counter, and a
+# repeated token ties two sessions of one part, which neither replica fences.
 _CLAIM = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+local floor = tonumber(ARGV[2]) or 0
+local now = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+if now < floor then redis.call('SET', KEYS[1], floor) end
 return redis.call('INCR', KEYS[1])
 """
 
@@ -174,6 +180,9 @@ class RedisStore:
         # Told each epoch this replica reads (the first, and a store loss's): a secret
         # every replica shares (the lease id key derives from it).
         self._on_epoch = on_epoch
+        # The highest fencing token this replica has seen (peers.py `highest_token`): a
+        # claim is answered above it (_CLAIM).
+        self.token_floor: Callable[[], int] = lambda: 0
         self._maxlen = stream_maxlen
         self._origin_timeout_ms = config.origin_timeout_ms
         self._writer_conn = redis_client(
@@ -332,7 +341,7 @@ class RedisStore:
                 try:
                     token = int(
                         await self._writer_conn.eval(  # type: ignore[misc]
-                            _CLAIM, 2, FENCE_KEY, EPOCH_KEY, epoch
+                            _CLAIM, 2, FENCE_KEY, EPOCH_KEY, epoch, self.token_floor()
                         )
                     )
                 except (RedisError, OSError) as e:

@@ -646,3 +646,24 @@ async def test_a_quarantine_sent_while_the_holders_replica_read_behind_a_trim_is
     await eventually(lambda: loaded_snapshots(b) == 1, "B loads A's snapshot")
     await eventually(lambda: holder.of(SendQuarantine) == [lease_id], "the notice, again")
     assert a.coordinator.leases.table.get(lease_id).state is LeaseState.QUARANTINED
+
+
+async def test_a_store_whose_fence_counter_went_back_never_hands_out_a_token_again(
+    nodes: Callable[[], Awaitable[Node]], server: RedisServer
+) -> None:
+    """A Redis that comes back older (an AOF tail lost, a failover to a lagging replica)
+    keeps its epoch but not its fencing counter: x moved from B to A took B's token
+    again, the tie fenced nobody, and B kept its zombie session of x as the part's
+    owner (a review's finding, by kill -9 and a restart from an RDB). A claim is now
+    answered above every token its replica has seen: B fences its zombie."""
+    import redis
+
+    from coordinator.runtime.store_keys import FENCE_KEY
+
+    a, b = await nodes(), await nodes()
+    on_b = b.register("x")
+    await eventually(lambda: a.part("x") == on_b.session_id, "A hears of x on B")
+    redis.Redis(host="127.0.0.1", port=server.port).set(FENCE_KEY, 0)  # the rollback
+    on_a = a.register("x")  # the engine moved while B's stream has not timed out
+    await eventually(lambda: b.part("x") == on_a.session_id, "B takes A's session of x")
+    assert on_b.ended  # fenced: a zombie
