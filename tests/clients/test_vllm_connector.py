@@ -746,16 +746,21 @@ def peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
     started.close()
 
 
-@pytest.fixture(scope="module")
-def worker(vllm_side: Any) -> Iterator[Any]:
+def _worker_with_cache(vllm_side: Any, child_engine_id: str) -> Any:
     """A KvrcWorker with its own Mooncake engine and KV cache (not registered with kvrc:
     nothing here needs its session; kvrc's abort is the call the session makes)."""
     vllm_config = NS(cache_config=NS(block_size=LOCAL_LAYOUT.block_size))
     config = KvrcConnectorConfig.from_extra({"reuse": True})
-    made = vllm_side.worker.KvrcWorker(vllm_config, config, NS(child_engine_id="requester"))
+    made = vllm_side.worker.KvrcWorker(vllm_config, config, NS(child_engine_id=child_engine_id))
     made.engine = made.loop.run(made._new_transfer_engine(), timeout_s=60)
     made.cache = PagedKvCache(LOCAL_LAYOUT, device="cpu")
     made.endpoint = made.cache.register(made.engine)
+    return made
+
+
+@pytest.fixture(scope="module")
+def worker(vllm_side: Any) -> Iterator[Any]:
+    made = _worker_with_cache(vllm_side, "requester")
     yield made
     made.shutdown()
     made.cache.unregister()
@@ -767,12 +772,7 @@ def test_a_worker_shut_down_withdraws_its_kv_memory_from_peers(vllm_side: Any) -
     the shutdown Mooncake refuses such a read (the reader discards it)."""
     from clients.mooncake_engine import MooncakeConfig, MooncakeTransferEngine
 
-    vllm_config = NS(cache_config=NS(block_size=LOCAL_LAYOUT.block_size))
-    config = KvrcConnectorConfig.from_extra({"reuse": True})
-    made = vllm_side.worker.KvrcWorker(vllm_config, config, NS(child_engine_id="leaving"))
-    made.engine = made.loop.run(made._new_transfer_engine(), timeout_s=60)
-    made.cache = PagedKvCache(LOCAL_LAYOUT, device="cpu")
-    made.endpoint = made.cache.register(made.engine)
+    made = _worker_with_cache(vllm_side, "leaving")
     made.cache.layers[0].fill_(7)
     reader = MooncakeTransferEngine(MooncakeConfig())
     into = PagedKvCache(LOCAL_LAYOUT, device="cpu")
