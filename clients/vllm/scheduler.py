@@ -214,6 +214,9 @@ class KvrcBreaker:
 class KvrcScheduler:
     def __init__(self, vllm_config: Any, config: KvrcConnectorConfig, identity: Any) -> None:
         self.vllm_config = vllm_config
+        # vLLM's id of this engine instance, the same in its workers (they get this
+        # config): a worker of another instance is refused (`_handle_worker`).
+        self.instance_id = str(getattr(vllm_config, "instance_id", "") or "")
         self.config = config
         self.identity = identity
         self.child_engine_id: str = identity.child_engine_id
@@ -293,25 +296,55 @@ class KvrcScheduler:
         from clients.refengine.channel import Channel
 
         path = control_socket_path(self.child_engine_id)
-        if await _socket_answers(path):
-            # Another engine of this host took the same engine_id: unlinking its socket
-            # would send its workers' pin requests here, for blocks of another cache.
-            raise RuntimeError(
-                f"KvrcConnector: another engine on this host already serves engine "
-                f"{self.child_engine_id!r} (its control socket {path} answers); give each "
-                "vLLM instance its own kv_transfer_config engine_id"
-            )
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a previous incarnation's, no longer served
 
         async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             channel = Channel(reader, writer, self._handle_worker, name="kvrc-worker")
             channel.start()
 
-        self._server = await asyncio.start_unix_server(accept, path)
+        # Listening under a name of its own first, then linked to the engine's path: a
+        # link never replaces a file, so of two engines that start at once with one
+        # engine_id, one takes the path and the other finds it answering.
+        staging = f"{path}.{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
+        server = await asyncio.start_unix_server(accept, staging)
+        try:
+            for _ in range(3):
+                try:
+                    os.link(staging, path)
+                    break
+                except FileExistsError:
+                    if await _socket_answers(path):
+                        # Unlinking it would send the other engine's workers' pin
+                        # requests here, for blocks of another cache.
+                        raise RuntimeError(
+                            f"KvrcConnector: another engine on this host already serves "
+                            f"engine {self.child_engine_id!r} (its control socket {path} "
+                            "answers); give each vLLM instance its own kv_transfer_config "
+                            "engine_id"
+                        ) from None
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)  # a previous incarnation's, no longer served
+            else:
+                raise RuntimeError(f"KvrcConnector: could not take the control socket {path}")
+        except BaseException:
+            server.close()
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+        self._server = server
         self._expirer = asyncio.create_task(self._expire_pins())
 
     async def _handle_worker(self, op: str, args: dict[str, Any]) -> Any:
+        instance = str(args.get("instance", ""))
+        if instance and self.instance_id and instance != self.instance_id:
+            # A worker of another vLLM instance with this engine_id (it reached this
+            # socket first): its pins would name this cache's blocks.
+            raise ValueError(
+                f"a worker of vLLM instance {instance!r} is not one of this engine's "
+                f"({self.instance_id!r}): engine_id {self.child_engine_id!r} is taken"
+            )
         if op == "pin":
             block_ids = self.pins.pin(
                 str(args["lease_id"]), [bytes(h) for h in args["hashes"]], int(args["deadline_ms"])

@@ -227,6 +227,9 @@ class KvrcWorker:
         )
 
         self.vllm_config = vllm_config
+        # Sent with every request to the scheduler side, which refuses another
+        # instance's workers (same engine_id on one host).
+        self.instance_id = str(getattr(vllm_config, "instance_id", "") or "")
         self.config = config
         self.identity = identity
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -705,7 +708,9 @@ class KvrcWorker:
                 channel.start()
                 self._scheduler_channel = channel
             try:
-                return await channel.call(op, timeout_s=RPC_TIMEOUT_S, **args)
+                return await channel.call(
+                    op, timeout_s=RPC_TIMEOUT_S, instance=self.instance_id, **args
+                )
             except ChannelError:
                 self._scheduler_channel = None
                 if attempt:

@@ -144,12 +144,18 @@ def kvrc_server() -> Iterator[CoordinatorProcess]:
 
 
 def _new_scheduler(
-    vllm_side: Any, target: str, role: str = "kv_both", child_engine_id: str = "", **extra: Any
+    vllm_side: Any,
+    target: str,
+    role: str = "kv_both",
+    child_engine_id: str = "",
+    instance_id: str = "",
+    **extra: Any,
 ) -> Any:
     vllm_config = NS(
         cache_config=NS(block_size=BS),
         parallel_config=NS(tensor_parallel_size=1),
         kv_transfer_config=NS(kv_role=role, kv_port=14579),
+        instance_id=instance_id,
     )
     config = KvrcConnectorConfig.from_extra({"kvrc_target": target, **extra})
     identity = NS(child_engine_id=child_engine_id or f"test-{uuid.uuid4().hex[:12]}")
@@ -1611,7 +1617,7 @@ def test_the_control_socket_is_removed_at_shutdown_and_its_folder_must_be_privat
 
 
 def test_a_second_engine_with_the_same_engine_id_on_one_host_is_refused(
-    vllm_side: Any, tmp_path: Any
+    vllm_side: Any, peer: Peer
 ) -> None:
     """Two engines of one host given one engine_id derive one control socket: the second
     unlinked the first's and took its workers' pin requests, for blocks of another cache.
@@ -1632,6 +1638,27 @@ def test_a_second_engine_with_the_same_engine_id_on_one_host_is_refused(
         probe.close()
     finally:
         first.shutdown()
+
+    # The other engine's workers start before its scheduler side and may reach this
+    # one's socket first: refused, its endpoint not taken for this engine's rank.
+    mine = _new_scheduler(
+        vllm_side, "127.0.0.1:1", child_engine_id=f"{engine_id}-i", instance_id="inst-a"
+    )
+    endpoint = peer.endpoint.to_json()
+    try:
+        with pytest.raises(ValueError, match="vLLM instance 'inst-b' is not one of this"):
+            mine.loop.run(
+                mine._handle_worker(
+                    "hello", {"instance": "inst-b", "tp_rank": 0, "endpoint": endpoint}
+                ),
+                timeout_s=5,
+            )
+        assert mine._endpoints == {}
+        hello = {"instance": "inst-a", "tp_rank": 0, "endpoint": endpoint}
+        assert mine.loop.run(mine._handle_worker("hello", hello), timeout_s=5) is True
+        assert set(mine._endpoints) == {0}
+    finally:
+        mine.shutdown()
 
     left = socket_module.socket(socket_module.AF_UNIX)
     left.bind(path)  # a crashed engine's file: bound, never listened on, not removed
