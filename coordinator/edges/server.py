@@ -147,6 +147,12 @@ def _server_options(config: CoordinatorConfig) -> list[tuple[str, int]]:
     ]
 
 
+# A KV-event subscription's descriptors (its SUB socket, monitor pair, replay DEALER,
+# the publisher's connection; ~5-7 measured), and what sessions, Redis and gRPC take.
+FILES_PER_KV_EVENT_STREAM = 8
+FILES_BESIDE_STREAMS = 4096
+
+
 def raise_open_files_limit() -> int:
     """Lifts the soft limit on open files to the hard one (every session, KV-event
     subscription and Redis connection is one or more; 1,024 is a common soft default).
@@ -169,7 +175,18 @@ def raise_open_files_limit() -> int:
 
 async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status."""
-    log.debug("open files limit: %d", raise_open_files_limit())
+    open_files = raise_open_files_limit()
+    wanted = config.max_kv_event_streams * FILES_PER_KV_EVENT_STREAM + FILES_BESIDE_STREAMS
+    if 0 <= open_files < wanted:
+        log.warning(
+            "open files limit %d is below the ~%d that --max-kv-event-streams %d can take "
+            "(about %d per subscription, and sessions besides): raise the hard limit "
+            "(ulimit -Hn, the container's nofile) or lower the flag",
+            open_files,
+            wanted,
+            config.max_kv_event_streams,
+            FILES_PER_KV_EVENT_STREAM,
+        )
     host, port = split_host_port(config.listen)
     check_bindable(host, port)
     # Read and check the PEM files before anything starts (ConfigError: one line).
@@ -255,7 +272,7 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     # Let health watchers see NOT_SERVING before the server stops answering.
     await asyncio.sleep(0)
     await coordinator.shutdown()
-    event_streams.close()
+    await event_streams.close()
     if store is not None:
         await store.close()  # after the sessions ended: their departures reach the log
     await server.stop(config.shutdown_grace_s)

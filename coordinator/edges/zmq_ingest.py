@@ -97,7 +97,7 @@ from coordinator.core.vllm_events import (
     decode_payload,
     decode_sequence,
 )
-from coordinator.edges.zmq_zap import gate_for, host_addresses, leave_gate
+from coordinator.edges.zmq_zap import close_gate, gate_for, host_addresses, leave_gate, new_domain
 from coordinator.runtime.log_limit import RateLimitedLog
 from coordinator.runtime.metrics import Metrics
 from kvrc.ids import child_engine_id
@@ -413,6 +413,8 @@ class ZmqEventStream:
             if cfg.bind:
                 if cfg.publisher_host:
                     await self._admit_only(sub, cfg.publisher_host)
+                    if self._closed:
+                        return  # retired while resolving the host: close() has run
                 await _bind(sub, cfg.endpoint)
                 self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
@@ -446,7 +448,9 @@ class ZmqEventStream:
                 f"cannot resolve the publisher's host {host!r} (its transfer endpoint's), "
                 f"which alone may connect to {self.config.endpoint}: {exc}",
             ) from None
-        domain = f"kvrc/{self.child_engine_id}/{id(self):x}"
+        if self._closed:
+            return  # retired meanwhile: its socket is closed, nothing to admit to
+        domain = new_domain()
         gate_for(self._ctx).allow(domain, addresses, self._publisher_refused)
         self._zap_domain = domain
         sub.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no answer from a gate: refused
@@ -499,10 +503,11 @@ class ZmqEventStream:
                 sock.close(linger=0)
         self._sub = self._dealer = self._monitor = None
         if self._zap_domain is not None:
-            await leave_gate(self._ctx, self._zap_domain)  # its socket too, before term
+            leave_gate(self._ctx, self._zap_domain)
             self._zap_domain = None
         self._metrics.zmq_streams.labels(state=self._state.value).dec()
         if self._own_context:
+            await close_gate(self._ctx)  # its socket, before term
             self._ctx.term()
 
     @property
@@ -1189,6 +1194,7 @@ class VllmEventStreams:
         self._streams.append(stream)
         return stream
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """After the streams closed (the coordinator's shutdown): frees the context."""
+        await close_gate(self._context)
         self._context.destroy(linger=0)

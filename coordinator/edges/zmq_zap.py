@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import itertools
 import logging
 import socket
 import weakref
@@ -73,7 +74,11 @@ class ZapGate:
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(ZAP_ENDPOINT)
+        try:
+            self._router.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError:
+            self._router.close(linger=0)
+            raise
         self._domains: dict[bytes, _Domain] = {}
         self._task = asyncio.create_task(self._serve(), name="zmq-zap")
 
@@ -84,10 +89,9 @@ class ZapGate:
         `on_refused(peer address)` hears of every other."""
         self._domains[domain.encode()] = _Domain(frozenset(addresses), on_refused)
 
-    def forget(self, domain: str) -> bool:
-        """Stops answering for `domain`; True when no domain is left (close the gate)."""
+    def forget(self, domain: str) -> None:
+        """Stops answering for `domain` (a connection to it is refused from now on)."""
         self._domains.pop(domain.encode(), None)
-        return not self._domains
 
     async def close(self) -> None:
         self._task.cancel()
@@ -113,7 +117,12 @@ class ZapGate:
             )
 
 
+# One gate per context, for the context's life: libzmq lets go of a closed socket's
+# inproc endpoint later, on its own thread, so a gate closed with its last domain and
+# started again for the next one (an engine registering again) found ZAP's endpoint
+# still bound.
 _GATES: weakref.WeakKeyDictionary[zmq.asyncio.Context, ZapGate] = weakref.WeakKeyDictionary()
+_DOMAINS = itertools.count()
 
 
 def gate_for(ctx: zmq.asyncio.Context) -> ZapGate:
@@ -124,9 +133,21 @@ def gate_for(ctx: zmq.asyncio.Context) -> ZapGate:
     return gate
 
 
-async def leave_gate(ctx: zmq.asyncio.Context, domain: str) -> None:
-    """`domain` is done; the context's gate closes with its last domain."""
+def new_domain() -> str:
+    """A ZAP domain for one socket: short (libzmq takes at most 255 bytes; an engine id
+    may be longer) and never reused in this process."""
+    return f"kvrc-{next(_DOMAINS)}"
+
+
+def leave_gate(ctx: zmq.asyncio.Context, domain: str) -> None:
+    """`domain`'s socket is closed: the gate no longer answers for it."""
     gate = _GATES.get(ctx)
-    if gate is not None and gate.forget(domain):
-        del _GATES[ctx]
+    if gate is not None:
+        gate.forget(domain)
+
+
+async def close_gate(ctx: zmq.asyncio.Context) -> None:
+    """Before the context ends: its gate's task and socket (if it has one)."""
+    gate = _GATES.pop(ctx, None)
+    if gate is not None:
         await gate.close()

@@ -37,6 +37,7 @@ from zmq_wire import RecordingSink, value
 
 from coordinator.core.vllm_hashing import ALGOS, HashConfig, MmFeature, Seed, block_keys
 from coordinator.edges.zmq_ingest import StreamState, ZmqEventStream, ZmqStreamConfig
+from coordinator.edges.zmq_zap import close_gate
 from coordinator.runtime.metrics import Metrics
 
 PUBLISHER = Path(__file__).resolve().parents[1] / "support" / "vllm_publisher.py"
@@ -148,6 +149,7 @@ async def ingest() -> AsyncIterator[tuple[ZmqEventStream, RecordingSink, Metrics
     stream = ZmqEventStream(config, sink, metrics, context=ctx)
     yield stream, sink, metrics, pub_port, replay_port
     await stream.close()
+    await close_gate(ctx)
     ctx.destroy(linger=0)
 
 

@@ -42,6 +42,7 @@ from coordinator.edges.zmq_ingest import (
     stream_config_from_vllm,
     subscriber_endpoint,
 )
+from coordinator.edges.zmq_zap import close_gate
 from coordinator.runtime.metrics import Metrics
 
 
@@ -49,6 +50,7 @@ from coordinator.runtime.metrics import Metrics
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
     yield context
+    await close_gate(context)  # the ZAP gate's task, if a stream started one
     context.destroy(linger=0)  # never hang a test run on a socket a failed test left
 
 
@@ -1118,6 +1120,49 @@ async def test_only_the_engines_host_may_publish_to_a_socket_kvrc_binds(
         await engine_pub.close()
         await intruder.close()
     assert sink.held() == {1}
+
+
+async def test_bound_streams_of_a_long_engine_id_start_and_start_again_at_once(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Each socket's ZAP domain named its engine: past 255 bytes (an id of ~238
+    characters) libzmq refused it and the stream never started; and the gate closed with
+    its last domain, so a stream started right after found ZAP's endpoint still bound
+    (a review's findings). Domains are short now, and the gate lives with its context."""
+    for _ in range(20):
+        cfg = ZmqStreamConfig(
+            engine_id="e" * 256, endpoint="tcp://127.0.0.1:0", bind=True, publisher_host="127.0.0.1"
+        )
+        stream = ZmqEventStream(cfg, RecordingSink(), Metrics(), context=ctx)
+        await stream.start()
+        assert stream.bound_endpoint is not None
+        await stream.close()
+
+
+async def test_a_stream_retired_while_resolving_its_publisher_host_leaves_nothing_behind(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coordinator.edges import zmq_ingest, zmq_zap
+
+    resolved = asyncio.Event()
+
+    async def slow(host: str) -> frozenset[Any]:
+        await resolved.wait()
+        return frozenset()
+
+    monkeypatch.setattr(zmq_ingest, "host_addresses", slow)
+    cfg = ZmqStreamConfig(
+        engine_id=ENGINE, endpoint="tcp://127.0.0.1:0", bind=True, publisher_host="slow.example"
+    )
+    stream = ZmqEventStream(cfg, RecordingSink(), Metrics(), context=ctx)
+    starting = asyncio.create_task(stream.start())
+    await asyncio.sleep(0.05)
+    await stream.close()  # retired while its start waits for the name
+    resolved.set()
+    await starting  # no error: nothing to start any more
+    gate = zmq_zap._GATES.get(ctx)
+    assert gate is None or not gate._domains  # no domain (nor the stream) kept
+    assert stream.bound_endpoint is None
 
 
 async def test_a_publisher_host_that_does_not_resolve_fails_the_start_clearly(

@@ -195,4 +195,4 @@ async def test_kv_event_subscriptions_share_one_context_and_are_capped() -> None
         c.open_session(engine("d"))
         await settle()
         assert c.inventory._meta["d"].zmq is not None  # room again
-    streams.close()
+    await streams.close()
