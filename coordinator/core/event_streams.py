@@ -142,13 +142,21 @@ class EventStreams:
         _check_number("incarnation", incarnation)
         _check_number("sequence", sequence)
         st = self._streams.get(key)
+        if st is not None and incarnation < st.incarnation:
+            return _FENCED
+        new = st is None or incarnation > st.incarnation
+        expected = 0 if new or st is None else st.next_sequence
+        if sequence > expected + MAX_SEQUENCE_JUMP:  # before anything changes
+            raise invalid(
+                f"sequence {sequence} is {sequence - expected} batches past the next one "
+                f"expected ({expected}): a publisher counts its batches one by one"
+            )
         reset = False
-        if st is None or incarnation > st.incarnation:
+        if new:
             reset = st is not None
             st = _Stream(incarnation)
             self._put(key, st)
-        elif incarnation < st.incarnation:
-            return _FENCED
+        assert st is not None
         phase = st.phase
         if phase is StreamPhase.FRESH:
             if sequence == 0 or dump_begin:
@@ -226,9 +234,12 @@ class EventStreams:
         return StreamDecision(StreamAction.GAP, reset_stream=reset, expected_sequence=expected)
 
 
-# A publisher counts its batches from 0; one at 2**63 or past would leave nothing after
-# it (every later batch a duplicate, a new dump too) until the engine re-registers.
+# A publisher counts its batches from 0, one by one. A batch far ahead of the next one
+# expected is a client's bug: past MAX_SEQUENCE_JUMP (over 4 billion batches lost) it
+# is refused, since one near 2**64 would leave nothing after it (every later batch a
+# duplicate, a new dump too) until the engine re-registered.
 MAX_SEQUENCE = (1 << 63) - 1
+MAX_SEQUENCE_JUMP = 1 << 32
 
 
 def _check_number(name: str, value: int) -> None:

@@ -135,6 +135,23 @@ def test_negative_numbers_are_rejected_and_change_nothing() -> None:
     assert s.accept(KEY, 1, 1).action is StreamAction.APPLY
 
 
+def test_a_sequence_far_past_the_next_one_is_refused_and_changes_nothing() -> None:
+    """A batch at 2**63 - 1 was applied (as a dump, or first) and every later batch, a
+    new dump too, was a silent duplicate until the engine re-registered (a review's
+    finding): a jump of more than 2**32 batches is refused now, wherever it lands."""
+    s = EventStreams()
+    s.accept(KEY, 1, 0)
+    for seq, dump in (((1 << 63) - 1, True), ((1 << 32) + 2, False)):
+        with pytest.raises(KvrcError, match="batches past the next one expected") as err:
+            s.accept(KEY, 1, seq, dump_begin=dump)
+        assert err.value.code is ErrorCode.INVALID_ARGUMENT
+    with pytest.raises(KvrcError):  # a new incarnation counts from 0 too
+        s.accept(KEY, 2, (1 << 32) + 1, dump_begin=True)
+    assert s.accept(KEY, 1, 1).action is StreamAction.APPLY  # nothing changed
+    # A gap within the bound is a gap, as before.
+    assert s.accept(KEY, 1, (1 << 32) + 2).action is StreamAction.GAP
+
+
 def test_per_rank_part_streams_are_independent_and_any_stale_part_marks_the_engine() -> None:
     s = EventStreams()
     p0 = StreamKey("e", (0, 0, 0))

@@ -603,6 +603,7 @@ async def test_entry_caps_drop_stores_and_count_them(
         # old one, and a sequence at 2**64 - 1 made every later batch a duplicate.
         (raw_batch(0, 1, stored(h(6, 0))), "incarnation is 0 (unset)"),
         (raw_batch(0, (1 << 64) - 1, stored(h(7, 0))), "past 2**63 - 1"),
+        (raw_batch(0, (1 << 63) - 1, stored(h(7, 0))), "batches past the next one"),
     ],
     ids=[
         "events",
@@ -616,6 +617,7 @@ async def test_entry_caps_drop_stores_and_count_them(
         "incarnation",
         "unset-incarnation",
         "huge-sequence",
+        "sequence-jump",
     ],
 )
 async def test_a_malformed_batch_ends_the_session_and_changes_nothing(
