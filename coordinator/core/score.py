@@ -316,21 +316,19 @@ def score(
     # Scorable engines grouped by what their chain depends on: compatibility (the
     # inventory scope) and, for token ids, how they hash.
     groups: dict[tuple[str, HashConfig | None], list[ScoreEngine]] = {}
-    specs: dict[DeploymentProfile, HashConfig | str] = {}  # a config, or why none
+    specs: dict[DeploymentProfile, HashConfig] = {}
     for e in engines:
         why = _unscorable(e, query.model)
         spec = None
         if not why and query.token_ids is not None:
             assert e.profile is not None  # engines of one profile hash alike: read it once
-            found = specs.get(e.profile)
-            if found is None:
+            spec = specs.get(e.profile)
+            if spec is None:
                 try:
-                    found = hash_config(e.child_engine_id, e.profile)
+                    spec = specs[e.profile] = hash_config(e.child_engine_id, e.profile)
                 except KvrcError as error:
-                    found = error.message
-                specs[e.profile] = found
-            # One engine that does not declare its hashing leaves the others scored.
-            spec, why = (found, "") if isinstance(found, HashConfig) else (None, found)
+                    # This engine alone is unscored (its detail names it); the rest are.
+                    why = error.message
         if why:
             out[e.child_engine_id] = EngineScore(e.child_engine_id, False, why, reuse=e.reuse)
             continue

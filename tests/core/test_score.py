@@ -700,11 +700,13 @@ def test_an_engine_whose_hashing_kvrc_cannot_reproduce_is_unscored_and_the_rest_
     add(inv, "a")
     add(inv, "b")
     store(inv, "b", block_keys(TOKENS, config)[:4])
-    answer = score_tokens(inv, [engine("a", extra=extra), engine("b")])
+    answer = score_tokens(inv, [engine("a", extra=extra), engine("b"), engine("c", extra=extra)])
     found = {e.child_engine_id: e for e in answer.engines}
     unscored, scored = found["a"], found["b"]
     assert not unscored.scored and says in unscored.detail and "'a'" in unscored.detail
     assert scored.scored and scored.local_matched_blocks == 4
+    # One profile, two engines: each detail names its own engine.
+    assert not found["c"].scored and "'c'" in found["c"].detail and "'a'" not in found["c"].detail
     # The same engines answer block hashes.
     assert run(inv, [engine("a", extra=extra)]).engines[0].scored
 
