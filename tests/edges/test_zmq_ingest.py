@@ -1129,14 +1129,18 @@ async def test_bound_streams_of_a_long_engine_id_start_and_start_again_at_once(
     characters) libzmq refused it and the stream never started; and the gate closed with
     its last domain, so a stream started right after found ZAP's endpoint still bound
     (a review's findings). Domains are short now, and the gate lives with its context."""
-    for _ in range(20):
-        cfg = ZmqStreamConfig(
-            engine_id="e" * 256, endpoint="tcp://127.0.0.1:0", bind=True, publisher_host="127.0.0.1"
-        )
-        stream = ZmqEventStream(cfg, RecordingSink(), Metrics(), context=ctx)
-        await stream.start()
-        assert stream.bound_endpoint is not None
-        await stream.close()
+    cfg = ZmqStreamConfig(
+        engine_id="e" * 256, endpoint="tcp://127.0.0.1:0", bind=True, publisher_host="127.0.0.1"
+    )
+    stream = ZmqEventStream(cfg, RecordingSink(), Metrics(), context=ctx)
+    await stream.start()
+    assert stream.bound_endpoint is not None
+    for _ in range(5):  # the engine registers again: its next stream starts as this closes
+        again = ZmqEventStream(cfg, RecordingSink(), Metrics(), context=ctx)
+        await asyncio.gather(stream.close(), again.start())
+        assert again.bound_endpoint is not None
+        stream = again
+    await stream.close()
 
 
 async def test_a_stream_retired_while_resolving_its_publisher_host_leaves_nothing_behind(
