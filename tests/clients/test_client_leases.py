@@ -46,14 +46,21 @@ from clients.session import EngineProfile, EngineSession, RankPartRegistration
 from kvrc.v1 import kvrc_pb2 as pb
 
 
-@pytest.fixture(scope="module")
-def kvrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
+def _coordinator(
+    tmp_path_factory: pytest.TempPathFactory, heartbeat_timeout_ms: int
+) -> Iterator[CoordinatorProcess]:
     profiles = Path(tmp_path_factory.mktemp("p")) / "profiles.toml"
     profiles.write_text('[[profile]]\nname = "t"\nmodel = "m"\n')
+    timeout = str(heartbeat_timeout_ms)
     with start_coordinator(
-        "--reuse", "on", "--profiles", str(profiles), "--handoff-heartbeat-timeout-ms", "900"
+        "--reuse", "on", "--profiles", str(profiles), "--handoff-heartbeat-timeout-ms", timeout
     ) as coordinator:
         yield coordinator
+
+
+@pytest.fixture(scope="module")
+def kvrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
+    yield from _coordinator(tmp_path_factory, 900)
 
 
 @pytest.fixture
@@ -66,12 +73,7 @@ async def parts(kvrc: CoordinatorProcess) -> AsyncIterator[Parts]:
 def kvrc_3s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
     """A 3 s heartbeat timeout: room for missed extensions on a loaded two-core host
     (900 ms left 400 ms, and a CI run beside other tests once used it up)."""
-    profiles = Path(tmp_path_factory.mktemp("p3")) / "profiles.toml"
-    profiles.write_text('[[profile]]\nname = "t"\nmodel = "m"\n')
-    with start_coordinator(
-        "--reuse", "on", "--profiles", str(profiles), "--handoff-heartbeat-timeout-ms", "3000"
-    ) as coordinator:
-        yield coordinator
+    yield from _coordinator(tmp_path_factory, 3000)
 
 
 def descriptor(block_ids: list[int]) -> pb.RankPartDescriptor:
