@@ -229,6 +229,12 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
     return value
 
 
+def vllm_instance_id(vllm_config: Any) -> str:
+    """vLLM's id of one engine instance: the same in its scheduler side and its workers
+    (they get the same config), another in an engine given the same engine_id."""
+    return str(getattr(vllm_config, "instance_id", "") or "")
+
+
 def hash_declaration(cache_config: Any, env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """How this engine hashes its blocks, for kvrc's token-id Score (docs/score.md):
     vLLM's --prefix-caching-hash-algo, PYTHONHASHSEED verbatim (or "unset") and

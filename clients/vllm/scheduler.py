@@ -43,7 +43,7 @@ from clients.leases import (
     handoff_still_open,
     publish_rounds,
 )
-from clients.vllm.config import KvrcConnectorConfig
+from clients.vllm.config import KvrcConnectorConfig, vllm_instance_id
 from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
 from clients.vllm.metadata import KvrcConnectorMetadata, KvrcWorkerMetadata, LoadSpec, PublishSpec
 from clients.vllm.pool import PoolPins
@@ -216,7 +216,7 @@ class KvrcScheduler:
         self.vllm_config = vllm_config
         # vLLM's id of this engine instance, the same in its workers (they get this
         # config): a worker of another instance is refused (`_handle_worker`).
-        self.instance_id = str(getattr(vllm_config, "instance_id", "") or "")
+        self.instance_id = vllm_instance_id(vllm_config)
         self.config = config
         self.identity = identity
         self.child_engine_id: str = identity.child_engine_id

@@ -67,7 +67,7 @@ from clients.transfer import (
     pull,
     rank_part_descriptor,
 )
-from clients.vllm.config import KvrcConnectorConfig, hash_declaration
+from clients.vllm.config import KvrcConnectorConfig, hash_declaration, vllm_instance_id
 from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
 from clients.vllm.metadata import KvrcConnectorMetadata, LoadSpec, PublishSpec
 from kvrc.credentials import connect
@@ -229,7 +229,7 @@ class KvrcWorker:
         self.vllm_config = vllm_config
         # Sent with every request to the scheduler side, which refuses another
         # instance's workers (same engine_id on one host).
-        self.instance_id = str(getattr(vllm_config, "instance_id", "") or "")
+        self.instance_id = vllm_instance_id(vllm_config)
         self.config = config
         self.identity = identity
         self.tp_rank = get_tensor_model_parallel_rank()

@@ -528,6 +528,12 @@ def _engine_of(child_engine_id: str) -> str:
     return parse_child_engine_id(child_engine_id)[0]
 
 
+def _dp_engine_of(child_engine_id: str) -> str | None:
+    """`_engine_of`, for a child engine named as one of several DP ranks (else None)."""
+    engine_id, dp_rank = parse_child_engine_id(child_engine_id)
+    return engine_id if dp_rank is not None else None
+
+
 def _add(counts: dict[str, int], key: str, change: int) -> None:
     """`counts[key] += change`, the key gone at 0: per-engine tallies that lookups and
     bounds read hold only engines with something open."""
@@ -1800,8 +1806,8 @@ class LeaseTable:
                 else:
                     del self._by_engine[engine]
                     del self._open_by_engine[engine]
-                    parent, dp_rank = parse_child_engine_id(engine)
-                    if dp_rank is not None:
+                    parent = _dp_engine_of(engine)
+                    if parent is not None:
                         children = self._dp_children[parent]
                         children.discard(engine)
                         if not children:
@@ -1874,10 +1880,9 @@ class LeaseTable:
 
     def _index_engine(self, engine: str, lease_id: str) -> None:
         ids = self._by_engine.setdefault(engine, set())
-        if not ids:
-            parent, dp_rank = parse_child_engine_id(engine)
-            if dp_rank is not None:
-                self._dp_children.setdefault(parent, set()).add(engine)
+        parent = _dp_engine_of(engine) if not ids else None
+        if parent is not None:
+            self._dp_children.setdefault(parent, set()).add(engine)
         ids.add(lease_id)
         self._open_by_engine[engine] = len(ids)
 
@@ -2022,8 +2027,8 @@ class LeaseTable:
                     f"child engine {engine!r} has {cfg.max_open_leases_per_engine} open leases, "
                     "the per-engine limit"
                 )
-            parent, dp_rank = parse_child_engine_id(engine)
-            if dp_rank is not None:  # else one child engine: its own share is the engine's
+            parent = _dp_engine_of(engine)
+            if parent is not None:  # else one child engine: its own share is the engine's
                 adds[parent] += 1
         for parent, added in adds.items():
             # O(DP ranks): the engine's child engines with open leases.

@@ -623,10 +623,8 @@ class Coordinator:
         another replica's lease is not relayed into the shared log)."""
         peers = self.peers
         owner = peers.pin_asker(ref.session_id, lease_id) if peers is not None else None
-        if owner is not None and self.peers is not None:
-            self.peers.reply_pin_result(
-                owner, ref, lease_id, pinned_blocks, descriptor, error_message
-            )
+        if owner is not None and peers is not None:
+            peers.reply_pin_result(owner, ref, lease_id, pinned_blocks, descriptor, error_message)
             return
         self.leases.on_pin_result(
             ref.child_engine_id, ref.rank, lease_id, pinned_blocks, descriptor, error_message

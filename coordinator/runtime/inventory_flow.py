@@ -812,9 +812,7 @@ class InventoryFlow:
             stream = self.event_streams(registration, sink)
         except (ValueError, KvrcError) as e:
             # The registration stands (handoffs need no inventory); only the edge is off.
-            self._lifecycle_log.warning(
-                log, "child engine %s: KV-event endpoint refused, not subscribing: %s", cid, e
-            )
+            self._endpoint_refused(cid, e)
             return
         meta.zmq, meta.zmq_sink, meta.zmq_source = stream, sink, _zmq_source(registration)
         closing = self._zmq_closing.get(cid)
@@ -828,17 +826,21 @@ class InventoryFlow:
             # The next registration of one of its parts tries again (the endpoint's port
             # may be free by then); kept, it was never retried while a part stayed.
             meta.zmq = None
-        if not task.cancelled() and isinstance(task.exception(), KvrcError):
-            # The engine's configuration (an endpoint kvrc cannot bind or reach): one
-            # line, from the lifecycle budget (a register/close loop repeats it).
-            self._lifecycle_log.warning(
-                log,
-                "child engine %s: KV-event endpoint refused, not subscribing: %s",
-                cid,
-                task.exception(),
-            )
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, KvrcError):
+            self._endpoint_refused(cid, error)  # an endpoint kvrc cannot bind or reach
             return
         _log_failure(task)
+
+    def _endpoint_refused(self, child_engine_id: str, error: Exception) -> None:
+        """The engine's configuration: one line, from the lifecycle budget (a
+        register/close loop repeats it)."""
+        self._lifecycle_log.warning(
+            log,
+            "child engine %s: KV-event endpoint refused, not subscribing: %s",
+            child_engine_id,
+            error,
+        )
 
     def _retire_zmq(self, child_engine_id: str, meta: _Meta) -> None:
         """Stops the engine's subscription in the background; whatever it still delivers

@@ -96,7 +96,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from coordinator.core.errors import ErrorCode, KvrcError
 from coordinator.core.grants import (
@@ -219,6 +219,17 @@ def survives_reset(op: Op) -> bool:
         or tag == OP_HELLO
         or (tag == OP_CALL and len(op) > 3 and op[3] == CALL_CANCEL)
     )
+
+
+_K = TypeVar("_K")
+
+
+def _remember(sent_by: OrderedDict[_K, str], key: _K, origin: str, bound: int) -> None:
+    """`sent_by[key] = origin`, newest last, the oldest dropped past `bound`."""
+    sent_by[key] = origin
+    sent_by.move_to_end(key)
+    if len(sent_by) > bound:
+        sent_by.popitem(last=False)
 
 
 def counter_claim() -> Claim:
@@ -1016,14 +1027,10 @@ class PeerLink:
             ref = _ref(op[2], op[3], op[4])
             message = decode_message(op[5], ref, self._clock_ms())
             if isinstance(message, SendAbort):
-                self._abort_senders[message.lease_id] = origin
-                self._abort_senders.move_to_end(message.lease_id)
-                if len(self._abort_senders) > MAX_ABORT_SENDERS:
-                    self._abort_senders.popitem(last=False)
+                _remember(self._abort_senders, message.lease_id, origin, MAX_ABORT_SENDERS)
             elif isinstance(message, SendPin):
-                self._pin_asks[(ref.session_id, message.lease_id)] = origin
-                if len(self._pin_asks) > MAX_PIN_ASKS:
-                    self._pin_asks.popitem(last=False)
+                asked = (ref.session_id, message.lease_id)
+                _remember(self._pin_asks, asked, origin, MAX_PIN_ASKS)
             if not host.deliver(ref, message, registering=len(op) > 6 and bool(op[6])):
                 log.info(
                     "%s for %s rank %s from replica %s dropped: session %s is not here any more",
