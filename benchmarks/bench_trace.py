@@ -12,7 +12,9 @@ What runs:
   `kvrc_cost_ttft_vs_static` / `kvrc_cost_ttft_vs_local` compare its mean TTFT
   with the best static threshold's and local_kv's (and `*_p99_*` the p99s).
 - `--slow-pairs`: instead of a trace file, the seeded slow-pairs trace and its
-  8-engine, two-group cluster (`benchmarks.slow_pairs`), generated at run time.
+  8-engine, two-group cluster (`benchmarks.slow_pairs`), generated at run time;
+  `load_sweep` repeats the model's comparison on the same trace at each rate of
+  `LOAD_SWEEP_RATES_PER_S` (the first is the trace's own).
 - `kvrc_rr`, `kvrc_kv`: a real `python -m coordinator serve --reuse on` process
   and N simulated prefill engines in metadata-only mode, each a real session
   stream registering one rank part. Engines publish BlockStored/BlockRemoved
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import os
 import sys
 import tempfile
@@ -65,7 +68,7 @@ from benchmarks.common import (
     start_kvrc,
     write_result,
 )
-from benchmarks.slow_pairs import SLOW_PAIRS
+from benchmarks.slow_pairs import SLOW_PAIRS, SlowPairsSpec
 from benchmarks.slow_pairs import generate as generate_slow_pairs
 from benchmarks.trace_sim import (
     DEFAULT_CAPACITY_TOKENS,
@@ -129,6 +132,10 @@ RELEASE_WAIT_S = 5.0
 LOOKUP_QUERIES_PER_CHECK = 64  # the coordinator's queries-per-Lookup limit
 # The static thresholds kvrc_cost is compared with (issue 25): kvrc_kv at each.
 STATIC_MIN_BLOCKS = (1, 4, 16, 64, 256)
+# The slow-pairs trace again at these arrival rates (the same seed, cluster and
+# documents; the first is the trace itself): how kvrc_cost's gain over the best static
+# threshold moves as the prefill engines get busier (docs/benchmarks.md, "Load").
+LOAD_SWEEP_RATES_PER_S = (12.0, 16.0, 20.0, 24.0)
 
 
 def block_hash(block: BlockId) -> bytes:
@@ -873,6 +880,63 @@ def cost_comparison(
     }
 
 
+def busy_share(
+    requests: Sequence[TraceRequest], result: ModeResult, cost: CostModel, engines: int
+) -> float:
+    """The prefill engines' busy share in a run: the tokens it prefilled (every input
+    token less the reused blocks'), at the engines' rate, over their time from zero to
+    the last arrival. Reused blocks are whole (a request's last, partial block is its
+    own), so the sum needs no per-request pass."""
+    reused_tokens = (result.blocks_local_hit + result.blocks_loaded) * cost.block_tokens
+    busy_ms = (sum(r.input_tokens for r in requests) - reused_tokens) * 1000.0
+    span_ms = max((r.arrival_ms for r in requests), default=0) * cost.prefill_tokens_per_s
+    return busy_ms / (engines * span_ms) if span_ms else 0.0
+
+
+def load_sweep(
+    spec: SlowPairsSpec,
+    gate_config: CostConfig,
+    *,
+    cold_links: bool,
+    requests_limit: int = 0,
+    rates: Sequence[float] = LOAD_SWEEP_RATES_PER_S,
+) -> list[dict[str, Any]]:
+    """The slow-pairs trace at each arrival rate: kvrc_cost, local_kv, upper_bound and
+    the static thresholds, in the model (deterministic), with the same ratios as the
+    headline run."""
+    out: list[dict[str, Any]] = []
+    for rate in rates:
+        at_rate = dataclasses.replace(spec, rate_per_s=rate)
+        requests = generate_slow_pairs(at_rate)
+        if requests_limit:
+            requests = requests[:requests_limit]
+        cost = at_rate.cost()
+        declared = cost.pairs.declared() if cost.pairs is not None and not cold_links else ()
+        run = functools.partial(
+            simulate,
+            requests,
+            engines=at_rate.engines,
+            capacity_tokens=at_rate.capacity_tokens,
+            cost=cost,
+        )
+        local = run(Mode.LOCAL_KV)
+        cost_mode = run(Mode.KVRC_COST, gate_config=gate_config, declared_links=declared)
+        static = {k: run(Mode.KVRC_KV, min_blocks=k) for k in STATIC_MIN_BLOCKS}
+        comparison = cost_comparison(cost_mode, local, static)
+        del comparison["static_thresholds"]
+        out.append(
+            {
+                "rate_per_s": rate,
+                "busy_share_local_kv": busy_share(requests, local, cost, at_rate.engines),
+                "local_kv": local.summary(),
+                "kvrc_cost": cost_mode.summary(),
+                "upper_bound_ttft_mean_s": run(Mode.UPPER_BOUND).ttft_mean_s,
+                **comparison,
+            }
+        )
+    return out
+
+
 def build_report(
     trace_path: Path,
     requests: Sequence[TraceRequest],
@@ -1222,6 +1286,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace_name,
     )
     report["max_sustained_speedup_by_coordinator_p99"] = max_by_coordinator
+    if args.slow_pairs:
+        log(
+            "load sweep: the slow-pairs trace at "
+            f"{', '.join(f'{r:g}' for r in LOAD_SWEEP_RATES_PER_S)} req/s"
+        )
+        report["load_sweep"] = load_sweep(
+            SLOW_PAIRS, gate_config, cold_links=args.cold_links, requests_limit=args.requests
+        )
+        for row in report["load_sweep"]:
+            log(
+                f"  {row['rate_per_s']:g} req/s (engines {row['busy_share_local_kv']:.0%} busy "
+                f"under local_kv): kvrc_cost_ttft_vs_static {row['kvrc_cost_ttft_vs_static']:.3f}, "
+                f"p99 {row['kvrc_cost_ttft_p99_vs_static']:.3f}"
+            )
     report["wall_s"] = round(time.monotonic() - started, 1)
     # Others' work on a shared machine moves the wall-clock numbers: say how busy it was.
     report["load_average_1m"] = {"start": load_before, "end": os.getloadavg()[0]}

@@ -278,6 +278,17 @@ def test_bench_trace_slow_pairs_writes_the_cost_figures(tmp_path: Path) -> None:
     # The cluster's links are declared to the gate, across and within both groups.
     declared = report["config"]["cost_gate_declared_links"]
     assert sorted(k["bandwidth_bytes_per_s"] for k in declared) == [0.1e9, 0.1e9, 2e9, 2e9]
+    # The load sweep: its first rate is the trace's own, so its row repeats the headline
+    # figures; the others are the same trace at higher rates, and differ.
+    sweep = report["load_sweep"]
+    assert [row["rate_per_s"] for row in sweep] == list(bench_trace.LOAD_SWEEP_RATES_PER_S)
+    assert sweep[0]["rate_per_s"] == slow_pairs.SLOW_PAIRS.rate_per_s
+    for key in ("kvrc_cost_ttft_vs_static", "kvrc_cost_ttft_vs_local", "best_static_min_blocks"):
+        assert sweep[0][key] == report[key], key
+    assert sweep[0]["kvrc_cost"] == cost and sweep[0]["local_kv"] == report["local_kv"]
+    assert sweep[-1]["local_kv"]["ttft_mean_s"] > sweep[0]["local_kv"]["ttft_mean_s"]
+    busy = [row["busy_share_local_kv"] for row in sweep]
+    assert 0 < busy[0] < busy[-1]  # the same work in less time (above 1: a queue grows)
 
 
 @pytest.mark.parametrize(("seed", "within"), [(25, 1.0), (26, 1.15)])
