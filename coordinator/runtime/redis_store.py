@@ -20,7 +20,11 @@ Keys share the hash tag `{kvrc}` so that a Redis Cluster slot could hold them al
 - `{kvrc}:epoch`: a random value set once (SET NX). A different or missing value
   means Redis restarted empty (no AOF) or was replaced: a store loss. Every replica
   then forgets the other replicas' engines, reads the new log from its start and
-  re-announces its own engines.
+  re-announces its own engines. A store that came back *older* keeps its epoch (a
+  restart from an older RDB save or AOF, a failover to a lagging Redis replica):
+  each replica checks, with its epoch, that the last entry it appended is still
+  there, and the first to find it gone makes the rollback a store loss for all
+  (`_ROLLED_BACK`: a new epoch, the log and snapshot deleted).
 
 Fail closed: while Redis cannot be reached (an append, a read or the epoch check
 failed), or a store loss has not been re-announced yet, `unavailable_reason` says
@@ -112,6 +116,29 @@ if now < floor then redis.call('SET', KEYS[1], floor) end
 return redis.call('INCR', KEYS[1])
 """
 
+# KEYS: epoch, stream, snapshot. ARGV: epoch, the id of the last entry this replica
+# appended, a new epoch. Returns 1 when the store no longer has that entry though it
+# has not trimmed past it (it came back older than this replica saw it), after making
+# that a store loss for every replica: a new epoch, the log and its snapshot deleted
+# (what the others wrote since the rollback point is gone for them too, and each
+# re-announces). 0: the entry is there, trimmed away, or the epoch is another (that
+# loss is the caller's next read).
+_ROLLED_BACK = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local ms, seq = string.match(ARGV[2], '^(%d+)-(%d+)$')
+ms, seq = tonumber(ms), tonumber(seq)
+local first = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)
+if #first > 0 then
+  local fms, fseq = string.match(first[1][1], '^(%d+)-(%d+)$')
+  fms, fseq = tonumber(fms), tonumber(fseq)
+  if fms > ms or (fms == ms and fseq > seq) then return 0 end
+  if #redis.call('XRANGE', KEYS[2], ARGV[2], ARGV[2]) > 0 then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[3])
+redis.call('DEL', KEYS[2], KEYS[3])
+return 1
+"""
+
 _HEARTBEAT_ENTRY = pack_ops([[OP_HEARTBEAT]])  # an entry of one heartbeat op
 
 
@@ -197,6 +224,11 @@ class RedisStore:
         self._epoch: object = None  # the epoch key's value as this replica last saw it
         self._epoch_tag = b""  # `epoch_tag()` of it, made once per epoch
         self._reset_reader = False  # a store loss: read the new log from its start
+        # The last entry this replica appended to the log of its epoch (None: none since
+        # the last store loss), and the store losses seen: an append answered across a
+        # loss must not name an entry of the old log (_ROLLED_BACK would find it gone).
+        self._appended_id: str | None = None
+        self._losses_seen = 0
         self._epoch_checks_after_failure = 0  # reset by every failure (see _fail)
         self._failures: dict[str, str] = {"start": "the shared store has not been reached yet"}
         self._claims_failing = 0  # claim tasks whose last try failed ("claim" failure)
@@ -384,7 +416,21 @@ class RedisStore:
 
     async def _check_epoch(self) -> None:
         generation = self._epoch_checks_after_failure = self._epoch_checks_after_failure + 1
+        rolled_back = None  # the entry of this replica's that the store lost
         try:
+            appended, known = self._appended_id, self._epoch
+            if appended is not None and isinstance(known, (bytes, str)):
+                found = await self._writer_conn.eval(  # type: ignore[misc]
+                    _ROLLED_BACK,
+                    3,
+                    EPOCH_KEY,
+                    STREAM_KEY,
+                    SNAPSHOT_KEY,
+                    known,
+                    appended,
+                    secrets.token_hex(16),
+                )
+                rolled_back = appended if int(found) == 1 else None
             epoch = await self._writer_conn.get(EPOCH_KEY)
             if epoch is None:
                 await self._writer_conn.set(EPOCH_KEY, secrets.token_hex(16), nx=True)
@@ -393,7 +439,7 @@ class RedisStore:
             self._fail("epoch check", _why(e))
             return
         if self._epoch is not None and epoch != self._epoch:
-            self._store_lost()
+            self._store_lost(rolled_back)
         if epoch != self._epoch and epoch is not None:
             raw = epoch if isinstance(epoch, bytes) else str(epoch).encode()
             self._on_epoch(raw)
@@ -403,12 +449,24 @@ class RedisStore:
             self._ok("epoch check")
             self._ok("start")
 
-    def _store_lost(self) -> None:
-        log.warning(
-            "shared store %s came back empty (its epoch changed): rebuilding the shared view "
-            "from the replicas' re-announcements",
-            self._config.url,
-        )
+    def _store_lost(self, rolled_back: str | None = None) -> None:
+        if rolled_back is not None:
+            log.warning(
+                "shared store %s came back older than this replica wrote it (its log entry "
+                "%s is gone: a restart from an older save, or a failover to a lagging "
+                "replica): treated as a store loss, the shared view is rebuilt from the "
+                "replicas' re-announcements",
+                self._config.url,
+                rolled_back,
+            )
+        else:
+            log.warning(
+                "shared store %s came back empty or rolled back (its epoch changed): "
+                "rebuilding the shared view from the replicas' re-announcements",
+                self._config.url,
+            )
+        self._appended_id = None
+        self._losses_seen += 1
         self._metrics.store_losses.inc()
         self._reset_reader = True
         self._read_ok_since_ms = None  # who is alive is read anew: no sweep before that
@@ -417,8 +475,9 @@ class RedisStore:
         # New tokens (reclaim): the new store's fencing counter started again, and a part
         # announced with its old, higher token would outrank a later failover elsewhere.
         self._inventory.reannounce(reclaim=True)
-        self._dumps(f"the shared store {self._config.url} came back empty")
-        self._failures["rebuild"] = "it came back empty; the view is being rebuilt"
+        what = "came back empty or rolled back" if rolled_back is None else "rolled back"
+        self._dumps(f"the shared store {self._config.url} {what}")
+        self._failures["rebuild"] = f"it {what}; the view is being rebuilt"
         self._set_up_gauge()
         self._wake.set()
 
@@ -544,8 +603,9 @@ class RedisStore:
                 self._dumps("this replica's queue of changes for the shared store overflowed")
             count = min(len(inventory.outbox), OPS_PER_ENTRY)
             generation = inventory.generation
+            losses = self._losses_seen
             try:
-                await self._writer_conn.xadd(
+                entry_id = await self._writer_conn.xadd(
                     STREAM_KEY,
                     {"o": inventory.origin, "d": inventory.entry(count)},
                     maxlen=self._maxlen,
@@ -558,6 +618,8 @@ class RedisStore:
                 continue
             attempt = 0
             self._ok("append")
+            if losses == self._losses_seen:
+                self._appended_id = _text(entry_id)
             if inventory.generation != generation:
                 continue  # the outbox was replaced meanwhile (a reset): these ops are not in it
             inventory.take_sent(count)

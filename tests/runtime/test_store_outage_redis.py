@@ -15,6 +15,8 @@ production) and a 300 ms session grace. What is proved:
   empty (a store loss resets the outbox);
 - after a store loss the parts take new fencing tokens, so a later failover wins
   on every replica;
+- Redis restarted from an older save (its epoch kept, what was written since lost)
+  is a store loss for every replica, found by the replica whose last entry is gone;
 - an outbox overflow asks for full dumps; a failing store logs one snapshot
   warning per outage, not one per tick.
 
@@ -44,7 +46,7 @@ from coordinator.runtime.coordinator import Coordinator, Session
 from coordinator.runtime.peers import PeerLink
 from coordinator.runtime.redis_store import RedisStore, stream_id
 from coordinator.runtime.replication import ReplicatedInventory
-from coordinator.runtime.store_keys import STREAM_KEY
+from coordinator.runtime.store_keys import EPOCH_KEY, STREAM_KEY
 
 TIMEOUT_MS = 2_000  # the origin timeout: above the 500 ms heartbeat, as in production
 CONFIG = CoordinatorConfig(session_grace_ms=300)
@@ -260,6 +262,34 @@ async def test_after_a_store_loss_parts_take_new_tokens_and_a_later_failover_win
         "C follows the failover",
         timeout_s=0.75 * TIMEOUT_MS / 1000,
     )
+
+
+async def test_a_store_restarted_from_an_older_save_is_a_store_loss_for_every_replica(
+    server: RedisServer, nodes: Callable[..., Awaitable[Node]]
+) -> None:
+    """Redis restarted from its last RDB save (as after a crash with RDB persistence, or
+    a failover to a lagging Redis replica) keeps its epoch, but the log lost what was
+    appended since: here A's blocks 4-7, which B had read and a replica started later
+    would never see. A (or B: both appended heartbeats since) finds its last entry gone
+    and turns the rollback into a store loss, which every replica then sees."""
+    a, b = await nodes("A"), await nodes("B")
+    session = await holder_seen(a, b, "h", 4)
+    with redis.Redis(port=server.port) as r:
+        epoch = r.get(EPOCH_KEY)
+        assert epoch is not None and r.save()
+    a.store_blocks("h", 4, 4)
+    await eventually(lambda: b.holds("h") == 8, "B reads the blocks stored after the save")
+    server.restart()  # loads the save: the same epoch, an older log
+    with redis.Redis(port=server.port) as r:
+        assert r.get(EPOCH_KEY) == epoch  # nothing but the lost entries says what happened
+    await eventually(
+        lambda: all(losses(n) == 1 and n.store.unavailable_reason() is None for n in (a, b)),
+        "both replicas counted one store loss and are healthy again",
+    )
+    with redis.Redis(port=server.port) as r:
+        assert r.get(EPOCH_KEY) != epoch
+    assert any("rolled back" in why for why in a.dumps + b.dumps), a.dumps + b.dumps
+    await eventually(lambda: b.part("h") == session.session_id, "B hears of the holder again")
 
 
 def _epoch_checked_once_told(node: Node, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
