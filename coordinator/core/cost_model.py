@@ -126,6 +126,12 @@ MAX_BANDWIDTH_BYTES_PER_S = 1e13
 # for a holder that registered neither): 1 GiB, 512 tokens at 2 MiB each. A report cannot
 # claim more per block, and a holder's regions cannot make a prediction overflow.
 MAX_BLOCK_BYTES = 1 << 30
+# A prefill sample moves the requester's rate as if it were at most this many times
+# slower or faster than the rate it has: one report of 1 token in an hour (or of
+# billions in a microsecond) would otherwise set the rate on its own, and take dozens
+# of honest samples to undo. A rate that truly differs is still learnt, as fast.
+PREFILL_SAMPLE_SPREAD = 16.0
+MAX_PREFILL_TOKENS_PER_S = 1e9  # a sample faster than this is not a prefill: ignored
 
 LinkKey = tuple[str, str, Tier]  # (holder, requester, holder's tier)
 
@@ -178,7 +184,13 @@ class CostConfig:
             ("safety_margin", self.safety_margin, 0.0, False, 1000.0),
             ("default_bandwidth_bytes_per_s", self.default_bandwidth_bytes_per_s, 0.0, False, 1e13),
             ("default_latency_ms", self.default_latency_ms, 0.0, True, 60_000.0),
-            ("default_prefill_tokens_per_s", self.default_prefill_tokens_per_s, 0.0, False, 1e9),
+            (
+                "default_prefill_tokens_per_s",
+                self.default_prefill_tokens_per_s,
+                0.0,
+                False,
+                MAX_PREFILL_TOKENS_PER_S,
+            ),
             ("alpha", self.alpha, 0.0, False, 1.0),
             ("measurement_ttl_s", self.measurement_ttl_s, 0.0, True, 7 * 86400.0),
         )
@@ -408,8 +420,10 @@ class CostModel:
         self._declared_links = tuple(declared_links)
         self._links: OrderedDict[LinkKey, _Link] = OrderedDict()
         self._prefill: OrderedDict[str, _Prefill] = OrderedDict()
-        # Bytes per block of holders whose size nothing declares, learnt from their loads.
-        self._block_bytes: OrderedDict[str, int] = OrderedDict()
+        # Bytes per block of holders whose size nothing declares, learnt from their loads,
+        # and when (it expires as a fit does: a wrong one refuses every load that would
+        # correct it).
+        self._block_bytes: OrderedDict[str, tuple[int, int | None]] = OrderedDict()
         # Open loads over links without samples, by lease id and by link (as many as
         # there are open leases: the grants core ends each one with its lease).
         self._first_loads: dict[str, _OpenLoad] = {}
@@ -429,10 +443,16 @@ class CostModel:
     def open_first_loads(self) -> int:
         return len(self._first_loads)
 
-    def block_bytes(self, holder: str, known: int) -> int:
+    def block_bytes(self, holder: str, known: int, now_ms: int | None = None) -> int:
         """The holder's bytes per block: `known` (`kv_bytes_per_block` of its regions or
-        layout) when it is, else what its completed loads showed (0: not yet)."""
-        return known if known > 0 else self._block_bytes.get(holder, 0)
+        layout) when it is, else what its completed loads showed (0: not yet, or learnt
+        longer than `measurement_ttl_s` before `now_ms`)."""
+        if known > 0:
+            return known
+        learnt = self._block_bytes.get(holder)
+        if learnt is None or self._expired(learnt[1], now_ms):
+            return 0
+        return learnt[0]
 
     def link(
         self,
@@ -614,7 +634,7 @@ class CostModel:
         ):
             return LoadPlan(link, hinted, False, stand_in)
         if stand_in is not None:
-            moved = hinted - have
+            moved = max(hinted - have, 0)
             if self._pays(
                 holder, requester, tier, moved, block_tokens, bytes_per_block, now_ms, link
             ):
@@ -795,13 +815,15 @@ class CostModel:
             state.last_sample_ms = now_ms
         return True
 
-    def observe_block_bytes(self, holder: str, num_bytes: int, num_blocks: int) -> bool:
+    def observe_block_bytes(
+        self, holder: str, num_bytes: int, num_blocks: int, now_ms: int | None = None
+    ) -> bool:
         """A completed load from a holder whose block size is unknown moved `num_bytes`
         over `num_blocks`: its blocks weigh that much (the latest load decides: a layout
         does not drift). False: not usable."""
         if num_bytes <= 0 or num_blocks <= 0:
             return False
-        self._block_bytes[holder] = min(-(-num_bytes // num_blocks), MAX_BLOCK_BYTES)
+        self._block_bytes[holder] = (min(-(-num_bytes // num_blocks), MAX_BLOCK_BYTES), now_ms)
         self._block_bytes.move_to_end(holder)
         while len(self._block_bytes) > self.config.max_requesters:
             self._block_bytes.popitem(last=False)
@@ -813,6 +835,8 @@ class CostModel:
         """One prefill the requester computed: tokens and how long, reported at `now_ms`
         (None: unknown, and the estimate's age stays what it was). False: not usable."""
         if num_tokens <= 0 or duration_us <= 0:
+            return False
+        if num_tokens * 1e6 / duration_us > MAX_PREFILL_TOKENS_PER_S:
             return False
         sample = duration_us / 1000.0 / num_tokens
         state = self._prefill.get(requester)
@@ -827,7 +851,9 @@ class CostModel:
         while len(self._prefill) > self.config.max_requesters:
             self._prefill.popitem(last=False)
         alpha = self.config.alpha
-        state.ms_per_token = (1.0 - alpha) * state.ms_per_token + alpha * sample
+        current = state.ms_per_token
+        sample = min(max(sample, current / PREFILL_SAMPLE_SPREAD), current * PREFILL_SAMPLE_SPREAD)
+        state.ms_per_token = (1.0 - alpha) * current + alpha * sample
         state.samples += 1
         if now_ms is not None:
             state.last_sample_ms = now_ms

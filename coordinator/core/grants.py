@@ -528,13 +528,13 @@ class Grants:
         )
 
     def _cost_context(
-        self, holder: ChildEngineView, requester: ChildEngineView, tier: Tier
+        self, holder: ChildEngineView, requester: ChildEngineView, tier: Tier, now_ms: int
     ) -> _CostContext:
         return _CostContext(
             holder.child_engine_id,
             requester.child_engine_id,
             tier,
-            self.cost.block_bytes(holder.child_engine_id, holder.kv_bytes_per_block()),
+            self.cost.block_bytes(holder.child_engine_id, holder.kv_bytes_per_block(), now_ms),
             requester.profile.block_size,
         )
 
@@ -558,14 +558,19 @@ class Grants:
         refused: Prediction | None = None
         for candidate in answer.candidates:
             best = max(best, candidate.matched_blocks)
-            if candidate.matched_blocks < min_blocks or not self.may_lend(
-                candidate.child_engine_id, requester.compatibility_hash
+            if (
+                candidate.matched_blocks < min_blocks
+                # No more than the requester holds itself: nothing to move (and a
+                # "recompute cheaper" of 0 tokens would be no reason).
+                or candidate.matched_blocks <= req.local_blocks
+                or not self.may_lend(candidate.child_engine_id, requester.compatibility_hash)
             ):
                 continue
             view = self._registry.get(candidate.child_engine_id)
             assert view is not None  # may_lend: registered
             context = replace(
-                self._cost_context(view, requester, candidate.tier), have=req.local_blocks
+                self._cost_context(view, requester, candidate.tier, now_ms),
+                have=req.local_blocks,
             )
             # I9-cost-gate: a link without a fresh fit or a declaration is probed, not
             # trusted (a stand-in may spare the probe, never forbid it).
@@ -711,7 +716,9 @@ class Grants:
         if context.bytes_per_block <= 0 and prediction is not None:
             # A holder of unknown block size: this load sizes its blocks (I9-cost-gate).
             moved_blocks = prediction.num_tokens // max(context.block_size, 1)
-            self.cost.observe_block_bytes(context.holder, measured.bytes_moved, moved_blocks)
+            self.cost.observe_block_bytes(
+                context.holder, measured.bytes_moved, moved_blocks, now_ms
+            )
         self.cost.observe_transfer(
             context.holder,
             context.requester,
@@ -785,7 +792,8 @@ class Grants:
         requester = self._registry.get(requester_child_engine_id)
         if holder is None or requester is None:
             return None
-        return self._predict(self._cost_context(holder, requester, tier), num_blocks, now_ms)
+        context = self._cost_context(holder, requester, tier, now_ms)
+        return self._predict(context, num_blocks, now_ms)
 
     def cost_decision(self, lease_id: str) -> Prediction | None:
         """The prediction an open prefix-load lease was granted with (for `kvrc status`)."""

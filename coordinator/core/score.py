@@ -163,9 +163,9 @@ class SavingPredictor(Protocol):
         """`link`: priced on this estimate (a `LoadPlan`'s)."""
         ...
 
-    def block_bytes(self, holder: str, known: int) -> int:
+    def block_bytes(self, holder: str, known: int, now_ms: int | None = None) -> int:
         """The holder's bytes per block: `known` when it is (> 0), else as its loads
-        showed (0: unknown)."""
+        showed, while that is fresh at `now_ms` (0: unknown)."""
         ...
 
     def recompute_ms(self, requester: str, num_tokens: int, now_ms: int | None = None) -> float:
@@ -442,7 +442,7 @@ def _priced(
             if blocks <= matched or plans == HOLDERS_PRICED:
                 break  # longest first: only a longer prefix than its own is loadable
             plans += 1
-            per_block = predictor.block_bytes(cid, e.bytes_per_block)  # as a grant sizes it
+            per_block = predictor.block_bytes(cid, e.bytes_per_block, now_ms)  # as a grant does
             plan = predictor.plan(
                 cid,
                 me,

@@ -205,6 +205,45 @@ def test_a_measured_prefill_rate_expires_and_the_declared_one_applies_again() ->
     assert never.prefill("r", 10**9).source == "measured"
 
 
+def test_one_absurd_prefill_sample_moves_the_rate_a_bounded_step() -> None:
+    """One report of 1 token in an hour set a requester's rate to 0.0014 tokens/s on its
+    own (every load then looked worth it) and took 74 honest samples to undo; one of
+    2^32 tokens in a microsecond counted too."""
+    model = CostModel(CostConfig(default_prefill_tokens_per_s=20_000.0))
+    assert not model.observe_prefill("r", 2**32 - 1, 1)  # 4e15 tokens/s: not a prefill
+    assert model.requester_count == 0
+    assert model.observe_prefill("r", 1, 3_600_000_000)
+    slowed = model.prefill("r").tokens_per_s
+    assert 20_000 / 5 < slowed < 20_000 / 3  # at most 16x the rate it had, at alpha 0.2
+    for _ in range(5):
+        model.observe_prefill("r", 20_000, 1_000_000)
+    assert model.prefill("r").tokens_per_s > 20_000 / 2
+    # A rate that truly differs is still learnt: 64x slower than the default, in steps.
+    slow = CostModel(CostConfig(default_prefill_tokens_per_s=64_000.0))
+    for _ in range(40):
+        slow.observe_prefill("r", 1_000, 1_000_000)
+    assert slow.prefill("r").tokens_per_s == pytest.approx(1_000, rel=0.01)
+
+
+def test_a_learnt_block_size_expires_so_one_absurd_load_does_not_refuse_a_holder_for_good() -> None:
+    """A report that claimed 1 GiB a block from a holder of unknown size refused every
+    later load from it (no load came to correct the size), for every requester, for ever."""
+    model = CostModel(CostConfig(measurement_ttl_s=300.0))
+    model.observe_block_bytes("h", 12 << 30, 12, now_ms=1_000)
+
+    def worthwhile(now_ms: int) -> int | None:
+        per_block = model.block_bytes("h", 0, now_ms)
+        return model.grantable(
+            "h", "r", GPU, 1, 12, block_tokens=16, bytes_per_block=per_block, now_ms=now_ms
+        )[1]
+
+    assert model.block_bytes("h", 0, 300_999) == MAX_BLOCK_BYTES
+    assert worthwhile(300_999) is None
+    assert model.block_bytes("h", 0, 301_000) == 0  # 300 s on: unknown again
+    assert worthwhile(301_000) is not None  # priced as the first load was, and relearnt
+    assert model.block_bytes("h", 0) == MAX_BLOCK_BYTES  # without a clock: never expires
+
+
 def test_links_and_prefill_rates_are_bounded_by_count_least_recently_observed_first() -> None:
     model = CostModel(CostConfig(max_pairs=8, max_requesters=4))
     for i in range(100):

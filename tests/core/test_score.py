@@ -82,7 +82,7 @@ class NoLinks:
     def recompute_ms(self, requester: str, num_tokens: int, now_ms: int | None = None) -> float:
         return float(num_tokens)
 
-    def block_bytes(self, holder: str, known: int) -> int:
+    def block_bytes(self, holder: str, known: int, now_ms: int | None = None) -> int:
         return known
 
     def plan(

@@ -440,6 +440,20 @@ async def test_the_blocks_the_requester_holds_are_not_priced() -> None:
         assert "recompute 32.00 ms" in tail.miss_detail
 
 
+async def test_a_holder_with_no_more_than_the_requester_holds_is_not_asked() -> None:
+    """A holder whose match ends where the requester's own does has nothing to move: it
+    was asked to pin (gate off) or priced at 0 tokens as "recompute cheaper" (gate on)."""
+    for gate in (COST, dataclasses.replace(COST, gate=False)):
+        async with manual_coordinator(cost=gate) as rig:
+            register(rig, "r")
+            holder = register(rig, "h")
+            rig.store(holder)
+            answer = await load(rig, holder, "same", local_blocks=len(CHAIN))
+            assert answer.miss_reason == "no_candidate" and answer.prediction is None, answer
+            assert not [m for m in drain_outbound(holder) if isinstance(m, SendPin)]
+            assert granted(await load(rig, holder, "one-more", local_blocks=len(CHAIN) - 1))
+
+
 # --- what failed, quarantined or absurd loads teach the link (I9-cost-gate) ------------
 
 
