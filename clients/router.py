@@ -19,6 +19,7 @@ import grpc
 from clients.errors import InvalidArgumentError, KvrcClientError, from_rpc_error
 from clients.session import ReuseInfo
 from kvrc.credentials import ChannelOptions, connect
+from kvrc.prompts import MAX_TOKEN_ID
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 from kvrc.vocabulary import Tier
@@ -108,11 +109,20 @@ class ScoreClient:
             candidate_child_engine_ids=list(candidates),
         )
         if token_ids is not None:
-            request.token_ids.ids.extend(token_ids)
-            for identifier, offset, length in mm_features:
-                request.token_ids.mm_features.add(
-                    identifier=identifier, offset=offset, length=length
-                )
+            try:
+                request.token_ids.ids.extend(token_ids)
+                for identifier, offset, length in mm_features:
+                    request.token_ids.mm_features.add(
+                        identifier=identifier, offset=offset, length=length
+                    )
+            except (ValueError, TypeError) as e:
+                # protobuf's own range check (uint32): the same refusal kvrc would give,
+                # so that a router falls back instead of raising.
+                raise InvalidArgumentError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "token ids and multimodal offsets and lengths are integers in "
+                    f"0..{MAX_TOKEN_ID}: {e}",
+                ) from None
         elif mm_features:
             raise InvalidArgumentError(
                 grpc.StatusCode.INVALID_ARGUMENT, "mm_features go with token_ids"

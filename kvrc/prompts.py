@@ -94,7 +94,12 @@ def parse_mm_feature(text: str, where: str) -> tuple[str, int, int]:
         start, length = int(offset), int(numbers)
     except ValueError:
         raise ValueError(f"{where}: expected IDENTIFIER:OFFSET:LENGTH, got {text!r}") from None
-    if not identifier or start < 0 or length < 1 or start + length - 1 > MAX_TOKEN_ID:
+    if (
+        not identifier
+        or start < 0
+        or not 1 <= length <= MAX_TOKEN_ID
+        or start + length - 1 > MAX_TOKEN_ID
+    ):
         raise ValueError(
             f"{where}: expected IDENTIFIER:OFFSET:LENGTH with a non-empty identifier, "
             f"OFFSET >= 0 and LENGTH >= 1, got {text!r}"

@@ -31,6 +31,7 @@ from clients.inventory import InventoryPublisher, PublishingHandler
 from clients.router import ScoreClient, ScoreResult, ScoreRouter
 from clients.session import EngineProfile, EngineSession, NullHandler, RankPartRegistration
 from coordinator.core.vllm_hashing import HashConfig, MmFeature, block_keys
+from kvrc.prompts import parse_mm_feature
 from kvrc.v1 import kvrc_pb2 as pb
 from kvrc.v1 import kvrc_pb2_grpc as pb_grpc
 from kvrc.vocabulary import PROFILE_EXTRA_HASH_ALGO, PROFILE_EXTRA_HASH_SEED, Tier
@@ -157,6 +158,25 @@ async def test_router_picks_the_engine_that_holds_the_prefix_and_not_after_it_is
         assert "not a registered child engine" in ghost.why
     assert metric_value(reuse_on, "kvrc_score_requests_total", outcome="hit") >= 2
     assert metric_value(reuse_on, "kvrc_score_duration_seconds_count") >= 3
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "mm_features"),
+    [([-1], ()), ([1 << 32], ()), ([1, 2], (("img", 0, 1 << 32),))],
+)
+async def test_a_router_given_values_out_of_range_falls_back_instead_of_raising(
+    reuse_on: CoordinatorProcess, token_ids: list[int], mm_features: Any
+) -> None:
+    """protobuf's range check raised ValueError past ScoreRouter, whose fallback (the
+    first candidate, and why) is what keeps routing going when Score fails."""
+    async with ScoreClient(reuse_on.grpc_target) as client:
+        route = await ScoreRouter(client, MODEL).route(
+            ["fb-a", "fb-b"], token_ids=token_ids, mm_features=mm_features
+        )
+    assert (route.child_engine_id, route.score) == ("fb-a", None)
+    assert route.why.startswith("Score failed (INVALID_ARGUMENT)") and "0..4294967295" in route.why
+    with pytest.raises(ValueError, match="--mm-feature"):
+        parse_mm_feature(f"img:0:{1 << 32}", "--mm-feature")  # kvrc score/route say it first
 
 
 async def test_token_ids_are_hashed_as_the_engines_declare(
