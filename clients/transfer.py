@@ -198,6 +198,8 @@ class NativeRead:
 
     def quiet_at(self) -> float | None:
         """Monotonic time from which the call is quiet; None while it runs."""
+        if self._future.cancelled():
+            return 0.0  # never started (its deadline passed in the executor's queue)
         if not self._future.done():
             return None
         native = self._future.result()
@@ -217,6 +219,12 @@ class NativeRead:
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout_s)
             except TimeoutError:
                 return False
+            except asyncio.CancelledError:
+                # The read was cancelled before it started (`pull`'s deadline): quiet. A
+                # cancellation of this task itself goes on.
+                task = asyncio.current_task()
+                if not self._future.cancelled() or (task is not None and task.cancelling()):
+                    raise
         quiet_at = self.quiet_at()
         assert quiet_at is not None
         wait = quiet_at - time.monotonic()
@@ -399,15 +407,19 @@ async def pull(
       recompute into other blocks sooner) and the destination blocks stay
       tainted until `result.wait_quiet()`: report FAILED only after that;
     * deadline passed -> UNKNOWN: the thread is still inside Mooncake, the
-      destination blocks stay tainted until it returns (plus `settle_s`).
+      destination blocks stay tainted until it returns (plus `settle_s`);
+    * deadline passed before a thread took the read (every one busy, e.g. inside
+      reads from a frozen peer) -> the read is cancelled: FAILED, nothing tainted,
+      quiet at once, instead of running a minute later behind the frozen reads.
 
     Never raises for a transfer failure; raises ValueError, before anything
     runs, for a plan writing into blocks `in_flight` still lists as tainted.
     Pass the rank part's `InFlightReads` so that a cancelled caller cannot lose
     track of a native read, and `on_submit` to file the read under its lease as soon
     as it runs: an abort's ack then waits for it even if this call is cancelled before
-    it returns (I6-quiescence). The executor must have a thread per concurrent
-    pull: a frozen peer holds a thread for up to a minute.
+    it returns (I6-quiescence). A frozen peer holds a thread for up to a minute: an
+    executor with fewer threads than concurrent pulls fails the pulls queued behind
+    such reads at their deadline.
     """
     if deadline_s <= 0:
         raise ValueError(f"deadline_s must be positive, got {deadline_s}")
@@ -433,6 +445,16 @@ async def pull(
         # shield: a timeout or a cancelled caller must not lose the native call's result.
         native = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline_s)
     except TimeoutError:
+        if future.cancel():
+            return TransferResult(
+                TransferOutcome.FAILED,
+                0,
+                time.monotonic() - started,
+                f"the read from {plan.session_name} did not start within {deadline_s:.3f} s "
+                "(every pull thread busy, e.g. with reads from a frozen peer); cancelled",
+                (),
+                native_read,
+            )
         return TransferResult(
             TransferOutcome.UNKNOWN,
             0,

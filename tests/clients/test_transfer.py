@@ -732,6 +732,56 @@ async def test_taint_lasts_until_the_call_returns_and_then_settles(
     assert first.is_quiet() and len(in_flight) == 0 and in_flight.tainted_block_ids() == set()
 
 
+async def test_a_read_no_thread_took_before_its_deadline_is_cancelled_failed_and_quiet(
+    local: PagedKvCache, peer: Peer
+) -> None:
+    """Every pull thread inside a read from a frozen peer (one thread here): a read queued
+    behind them timed out UNKNOWN and stayed "not quiet" until a thread took it and it ran,
+    up to a minute later, holding its request and its lease's abort ack that long."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="one")
+    try:
+        in_flight = InFlightReads()
+        frozen = ScriptedReader(0)
+        first = await pull(
+            frozen,
+            TransferPlan.build(local.describe(), peer.endpoint, [(0, 0)]),
+            deadline_s=0.05,
+            executor=pool,
+            in_flight=in_flight,
+        )
+        assert first.outcome is TransferOutcome.UNKNOWN
+        calls: list[object] = []
+
+        class Counting:
+            def read_batch(self, *args: object) -> int:
+                calls.append(args)
+                return 0
+
+        waiters: list[asyncio.Future[bool]] = []
+        second = await pull(
+            Counting(),
+            TransferPlan.build(local.describe(), peer.endpoint, [(1, 1)]),
+            deadline_s=0.1,
+            executor=pool,
+            in_flight=in_flight,
+            on_submit=lambda read: waiters.append(
+                asyncio.ensure_future(read.wait_quiet(NEVER_HANG_S))
+            ),
+        )
+        assert second.outcome is TransferOutcome.FAILED and "did not start" in second.error
+        assert second.tainted_block_ids == () and second.is_quiet()
+        assert await waiters[0] is True  # a waiter from before the cancel: quiet, not raised
+        assert in_flight.tainted_block_ids() == frozenset({0})  # the frozen read's only
+        report = second.to_report(lease_id="pl-1", reporter_child_engine_id="r", tp_rank=0)
+        assert report.outcome == kvrc_pb2.TRANSFER_OUTCOME_FAILED
+        frozen.release.set()
+        assert await first.wait_quiet(NEVER_HANG_S)
+        await asyncio.sleep(0.05)  # the thread is free: a cancelled read still never runs
+        assert calls == [] and in_flight.tainted_block_ids() == frozenset()
+    finally:
+        pool.shutdown(wait=True)
+
+
 async def test_a_pull_cancelled_mid_read_has_already_filed_its_read(
     executor: concurrent.futures.Executor, local: PagedKvCache, peer: Peer
 ) -> None:
