@@ -118,6 +118,21 @@ def outcome_unknown(error: BaseException) -> bool:
     return not isinstance(error, KvrcClientError) or error.code in _OUTCOME_UNKNOWN
 
 
+def refuses_the_engine(error: BaseException) -> bool:
+    """kvrc refused the call for a reason that stands for the engine, not for this one
+    call (its credentials, its registration or state, a full table): the next call like
+    it would be refused too, so a caller backs off as from an outage instead of asking
+    (and logging) once per request."""
+    return isinstance(
+        error,
+        FailedPreconditionError
+        | NotFoundError
+        | PermissionDeniedError
+        | UnauthenticatedError
+        | ResourceExhaustedError,
+    )
+
+
 def first_refusal(failures: Sequence[BaseException]) -> BaseException | None:
     """The first of `failures` kvrc refused outright (its call was not taken); None when
     every outcome is unknown. Of a handoff's first publish, a refused part proves the

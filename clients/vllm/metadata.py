@@ -63,6 +63,11 @@ class KvrcConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     idle_step: bool = False
 
 
+# A worker's counter: its first publish of a handoff part was refused for a reason of
+# the engine's (`refuses_the_engine`); the scheduler side then opens its handoff breaker.
+HANDOFF_REFUSED_FOR_THE_ENGINE = "handoff_publish_refused_for_the_engine"
+
+
 @dataclass
 class KvrcWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """Counters of one step, summed over the workers."""

@@ -32,6 +32,7 @@ from clients.errors import (
     UnavailableError,
     first_refusal,
     outcome_unknown,
+    refuses_the_engine,
 )
 from clients.inventory import LookupClient, LookupOutcome
 from clients.leases import (
@@ -45,7 +46,13 @@ from clients.leases import (
 )
 from clients.vllm.config import KvrcConnectorConfig, vllm_instance_id
 from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
-from clients.vllm.metadata import KvrcConnectorMetadata, KvrcWorkerMetadata, LoadSpec, PublishSpec
+from clients.vllm.metadata import (
+    HANDOFF_REFUSED_FOR_THE_ENGINE,
+    KvrcConnectorMetadata,
+    KvrcWorkerMetadata,
+    LoadSpec,
+    PublishSpec,
+)
 from clients.vllm.pool import PoolPins
 from kvrc.credentials import connect
 from kvrc.kv_params import encode_kv_transfer_params
@@ -77,8 +84,8 @@ HANDOFF_BREAKER_BASE_S = 0.5
 HANDOFF_BREAKER_MAX_S = 2.0
 # Counts no scheduler step follows reach the stats file within this (a step writes it).
 STATS_FLUSH_S = 0.1
-# At most one "unencodable kv_transfer_params" warning per this many seconds.
-PARAMS_WARN_INTERVAL_S = 1.0
+# At most one warning of each kind requests repeat per this many seconds (`_may_warn`).
+WARN_INTERVAL_S = 1.0
 
 
 def block_hash_key(block_hash: Any) -> bytes:
@@ -267,7 +274,7 @@ class KvrcScheduler:
         # Short pauses: a decode that skips a handoff a prefill published after kvrc came
         # back leaves the prefill's blocks pinned until kvrc fails the handoff.
         self.handoff_breaker = KvrcBreaker(HANDOFF_BREAKER_BASE_S, HANDOFF_BREAKER_MAX_S)
-        self._params_warned_at = 0.0
+        self._warned_at: dict[str, float] = {}  # `_may_warn`: kind -> when last logged
         int_block_hashes()  # read now, as vLLM's events will use it
         # Steps vLLM may have scheduled and not yet run: a block is pinnable only once
         # the step that cached it ran (PoolPins).
@@ -422,6 +429,10 @@ class KvrcScheduler:
             self._count("handoff_publish_failures")
             refusal = first_refusal(failures)
             if refusal is not None:
+                if refuses_the_engine(refusal):
+                    # Not ready, draining, unknown: the next handoffs would be refused
+                    # too, and each decode would wait its whole handoff wait for them.
+                    self._handoff_kvrc_failed(f"PublishHandoff refused: {refusal}", asked_at)
                 # kvrc refused a part's first publish: the handoff never goes READY, no
                 # decode reads, whatever the other parts' outcome. A repeat's refusal
                 # proves nothing (the first may have been recorded and read; a repeat is
@@ -652,15 +663,23 @@ class KvrcScheduler:
         grant serves any hit below its end (the holder pinned the chain from block 0)."""
         try:
             answer = lookup.answer.result()
-        except (UnavailableError, DeadlineExceededError) as e:  # kvrc down: recompute
-            log.debug("prefix lookup for %s failed: %s", request_id, e)
-            self._count("prefix_lookup_errors")
-            self._lookup_failed(str(e), lookup.asked_at)
-            answer = None
-        except Exception as e:  # kvrc answered with an error: recompute, say so
-            log.warning("prefix lookup for %s failed: %s", request_id, e)
+        except Exception as e:  # recompute
             self._count("prefix_lookup_errors")
             answer = None
+            if isinstance(e, UnavailableError | DeadlineExceededError):  # kvrc down
+                log.debug("prefix lookup for %s failed: %s", request_id, e)
+                self._lookup_failed(str(e), lookup.asked_at)
+            elif refuses_the_engine(e):
+                # Every request would be refused alike (credentials, registration): back
+                # off as from an outage, one line, not one lookup and line per request.
+                self._lookup_failed(str(e), lookup.asked_at)
+            elif self._may_warn("lookup_error"):
+                log.warning(
+                    "prefix lookup for %s failed: %s (%d lookup error(s) so far)",
+                    request_id,
+                    e,
+                    self.counters["prefix_lookup_errors"],
+                )
         else:
             if self.breaker.succeeded():
                 log.info("kvrc answers lookups again: prefix lookups resume")
@@ -880,7 +899,8 @@ class KvrcScheduler:
             backoff_s = self.handoff_breaker.backoff_s
         if opened:
             log.warning(
-                "kvrc unreachable for a handoff (%s): no handoffs offered or begun for "
+                "kvrc unreachable or refusing this engine's handoffs (%s): no handoffs "
+                "offered or begun for "
                 "%.1f s and longer while it keeps failing (prefills free, decodes recompute)",
                 why,
                 backoff_s,
@@ -994,6 +1014,10 @@ class KvrcScheduler:
             outcomes = worker_meta.outcomes
             for key, value in worker_meta.counters.items():
                 self._count(f"workers_{key}", value)
+            if worker_meta.counters.get(HANDOFF_REFUSED_FOR_THE_ENGINE):
+                self._handoff_kvrc_failed(
+                    "a worker's PublishHandoff was refused (its log says why)", time.monotonic()
+                )
         with self._lock:
             for request_id, outcome in outcomes.items():
                 pending = self._recv.get(request_id)
@@ -1088,12 +1112,19 @@ class KvrcScheduler:
         trace("handoff_offered", request_id)
         return True, out
 
+    def _may_warn(self, kind: str) -> bool:
+        """At most one line a second of each kind that requests repeat (they are counted):
+        enough to find the cause, not a line per request."""
+        now = time.monotonic()
+        if now - self._warned_at.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
+            return False
+        self._warned_at[kind] = now
+        return True
+
     def _params_unencodable(self, request_id: str, error: Exception) -> None:
         self._count("handoff_params_unencodable")
-        now = time.monotonic()
-        if now - self._params_warned_at < PARAMS_WARN_INTERVAL_S:
-            return  # counted; one line a second is enough to find the client
-        self._params_warned_at = now
+        if not self._may_warn("params_unencodable"):
+            return
         log.warning(
             "request %s: its kv_transfer_params cannot be sent to kvrc (%s); no remote "
             "decode, the decode recomputes (%d such request(s) so far)",

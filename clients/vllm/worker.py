@@ -36,6 +36,7 @@ from clients.errors import (
     KvrcClientError,
     UnavailableError,
     outcome_unknown,
+    refuses_the_engine,
 )
 from clients.holds import HoldDeadlines
 from clients.kv_cache import IncompatibleLayoutError, KvCacheLayout, PagedKvCache
@@ -69,7 +70,12 @@ from clients.transfer import (
 )
 from clients.vllm.config import KvrcConnectorConfig, hash_declaration, vllm_instance_id
 from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
-from clients.vllm.metadata import KvrcConnectorMetadata, LoadSpec, PublishSpec
+from clients.vllm.metadata import (
+    HANDOFF_REFUSED_FOR_THE_ENGINE,
+    KvrcConnectorMetadata,
+    LoadSpec,
+    PublishSpec,
+)
 from kvrc.credentials import connect
 from kvrc.v1 import kvrc_pb2 as pb
 
@@ -622,6 +628,8 @@ class KvrcWorker:
                     log.warning(
                         "handoff %s not published: %s; freeing its blocks", spec.handoff_id, e
                     )
+                    if refuses_the_engine(e):  # the scheduler side stops offering handoffs
+                        self.finished.count(HANDOFF_REFUSED_FOR_THE_ENGINE)
                     self.finished.add_sending(spec.request_id)
                     return
                 # A repeat's refusal proves nothing: the first may have been recorded and

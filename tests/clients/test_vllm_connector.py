@@ -44,8 +44,10 @@ from waiting import wait_until_sync
 
 from clients.errors import (
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     KvrcClientError,
+    PermissionDeniedError,
     UnavailableError,
 )
 from clients.kv_cache import PagedKvCache
@@ -467,6 +469,41 @@ def test_a_frozen_kvrc_holds_up_no_step_and_opens_the_breaker_once(
     lines = [r.getMessage() for r in caplog.records]
     assert len([m for m in lines if "recompute without asking kvrc" in m]) == 1, lines
     assert len([m for m in lines if "lookups resume" in m]) == 1, lines
+
+
+@pytest.mark.parametrize(
+    ("error", "backs_off"),
+    [
+        (PermissionDeniedError(grpc.StatusCode.PERMISSION_DENIED, "token not allowed"), True),
+        # Control: a refusal of one request's lookup is that request's, not the engine's.
+        (InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, "bad chain"), False),
+    ],
+    ids=["engine-refused", "request-refused"],
+)
+def test_lookups_refused_for_the_engine_back_off_and_log_one_line(
+    scheduler: Any, caplog: pytest.LogCaptureFixture, error: Exception, backs_off: bool
+) -> None:
+    """kvrc refusing this engine (a rotated token, a registration refused later) was asked
+    once and logged one WARNING per new request, for as long as it lasted."""
+    caplog.set_level(logging.INFO, logger="kvrc.vllm.scheduler")
+
+    async def refused(*_: Any) -> PrefixLoadGrant:
+        raise error
+
+    scheduler._lookup_and_grant = refused
+    started = time.monotonic()
+    for i in range(50):
+        assert _answered(scheduler, _request(f"x{i}", 8)) == (0, False)
+    elapsed_s = time.monotonic() - started
+    asked = scheduler.counters["prefix_lookup_errors"]
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if backs_off:
+        assert scheduler.breaker.is_open and asked == 1, asked
+        assert scheduler.counters["prefix_lookups_skipped"] == 49
+        assert len(lines) == 1 and "recompute without asking kvrc" in lines[0], lines
+    else:
+        assert not scheduler.breaker.is_open and asked == 50
+        assert 1 <= len(lines) <= 1 + elapsed_s, lines  # a line a second at most
 
 
 def _answered(scheduler: Any, request: Any, local_tokens: int = 0) -> tuple[int | None, bool]:
@@ -1265,6 +1302,59 @@ def test_kvrc_unreachable_for_a_publish_means_no_handoffs_offered_or_begun_for_a
         assert made.get_num_new_matched_tokens(incoming, 0) == (3 * BS, True)
         delay_free, params = made.request_finished(request, [1, 2])
         assert delay_free and params is not None and params["do_remote_prefill"] is True
+    finally:
+        made.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("error", "opens"),
+    [
+        (FailedPreconditionError(grpc.StatusCode.FAILED_PRECONDITION, "engine draining"), True),
+        # Control: a refusal of this one handoff says nothing of the next.
+        (InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, "bad descriptor"), False),
+    ],
+    ids=["engine-refused", "handoff-refused"],
+)
+def test_a_publish_refused_for_the_engine_offers_no_handoffs_for_a_while(
+    vllm_side: Any, kvrc_server: CoordinatorProcess, worker: Any, error: Exception, opens: bool
+) -> None:
+    """A draining or not-ready prefill had each finished request's first publish refused,
+    yet kept offering handoffs: every decode then waited its whole handoff wait (15 s by
+    default) before recomputing, request after request."""
+    made = _publish_with(vllm_side, kvrc_server, worker, _publish_fails(error), hold_s=1.0)
+    try:
+        assert made._free_now == ["req-p"]  # refused: nothing recorded, freed at once
+        assert made.handoff_breaker.is_open is opens
+        request = _request("next", 2, do_remote_decode=True)
+        request.status = vllm_side.RequestStatus.FINISHED_LENGTH_CAPPED
+        request.num_computed_tokens = 2 * BS
+        offered, params = made.request_finished(request, [1, 2])
+        assert (offered, params is not None) == (not opens, not opens)
+        assert made.counters["handoffs_not_offered"] == int(opens)
+    finally:
+        made.shutdown()
+
+
+def test_a_worker_whose_publish_is_refused_for_the_engine_tells_the_scheduler_side(
+    clean_worker: Any, vllm_side: Any, kvrc_server: CoordinatorProcess
+) -> None:
+    """tp > 1: the workers publish their own parts. A refusal for the engine is counted
+    in the step's worker metadata, and the scheduler side opens its handoff breaker."""
+    worker = clean_worker
+    draining = FailedPreconditionError(grpc.StatusCode.FAILED_PRECONDITION, "engine draining")
+    with _worker_publishing(worker, _publish_fails(draining), hold_s=1.0):
+        sending, _ = worker.finished.take()
+        assert "req-w" in sending  # refused: freed at once
+    counters, _ = worker.finished.take_meta()
+    assert counters[vllm_side.metadata.HANDOFF_REFUSED_FOR_THE_ENGINE] == 1
+    made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
+    try:
+        assert not made.handoff_breaker.is_open
+        meta = vllm_side.metadata.KvrcWorkerMetadata(counters=counters)
+        made.update_connector_output(
+            NS(kv_connector_worker_meta=meta, finished_recving=None, finished_sending=None)
+        )
+        assert made.handoff_breaker.is_open
     finally:
         made.shutdown()
 
