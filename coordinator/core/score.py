@@ -46,6 +46,9 @@ from kvrc.vocabulary import (
 MAX_SCORE_TOKENS = 65_536  # token ids in one request (256 KiB packed)
 MAX_SCORE_BLOCKS = MAX_CHAIN_BLOCKS  # block hashes in one request; token ids: scored blocks
 MAX_SCORE_CANDIDATES = MAX_CANDIDATES  # candidate child engines in one request
+# Hash configurations one token-id request is hashed under (tens of ms each for a long
+# prompt, on the event loop): engines past the 4th distinct one are unscored, saying so.
+MAX_SCORE_HASH_CONFIGS = 4
 # Engines listed in one answer that named no candidates (every engine of the model):
 # the best ones; the rest are counted (`engines_left_out`), so a small request over a
 # large cluster cannot ask for an answer of megabytes.
@@ -325,10 +328,22 @@ def score(
             spec = specs.get(e.profile)
             if spec is None:
                 try:
-                    spec = specs[e.profile] = hash_config(e.child_engine_id, e.profile)
+                    spec = hash_config(e.child_engine_id, e.profile)
                 except KvrcError as error:
                     # This engine alone is unscored (its detail names it); the rest are.
                     why = error.message
+                else:
+                    distinct = set(specs.values())
+                    if spec not in distinct and len(distinct) >= MAX_SCORE_HASH_CONFIGS:
+                        why = (
+                            f"its hash configuration ({spec.algo}, block size "
+                            f"{spec.block_size}, its seed) is past the "
+                            f"{MAX_SCORE_HASH_CONFIGS} distinct ones a Score hashes the token "
+                            "ids under: name fewer candidates, or send block hashes"
+                        )
+                        spec = None
+                    else:
+                        specs[e.profile] = spec
         if why:
             out[e.child_engine_id] = EngineScore(e.child_engine_id, False, why, reuse=e.reuse)
             continue
@@ -491,6 +506,7 @@ __all__ = [
     "HOLDERS_PRICED",
     "MAX_SCORE_BLOCKS",
     "MAX_SCORE_CANDIDATES",
+    "MAX_SCORE_HASH_CONFIGS",
     "MAX_SCORE_TOKENS",
     "EngineScore",
     "MayLend",

@@ -26,6 +26,7 @@ from coordinator.core.score import (
     MAX_SCORE_ANSWER_ENGINES,
     MAX_SCORE_BLOCKS,
     MAX_SCORE_CANDIDATES,
+    MAX_SCORE_HASH_CONFIGS,
     MAX_SCORE_TOKENS,
     ScoreAnswer,
     ScoreEngine,
@@ -672,6 +673,37 @@ def test_engines_of_other_block_sizes_are_scored_in_their_own_scope() -> None:
     assert got == {"a": (7, 7), "b": (3, 2), "a2": (7, 0)}
     # Hashed once per configuration, not once per engine.
     assert sorted(c.block_size for c, _ in counting.calls) == [4, 8]
+
+
+def test_a_score_hashes_the_token_ids_under_at_most_four_configurations() -> None:
+    """Each distinct configuration hashes the whole prompt (tens of ms for a long one, on
+    the event loop): 64 candidates of 64 configurations cost seconds per request."""
+    inv = Inventory()
+    seeded = [
+        engine(
+            f"e{i}",
+            extra=((PROFILE_EXTRA_HASH_ALGO, "sha256_cbor"), (PROFILE_EXTRA_HASH_SEED, str(i))),
+        )
+        for i in range(6)
+    ]
+    for cid in [e.child_engine_id for e in seeded] + ["same-as-e0"]:
+        add(inv, cid)
+    counting = CountingHasher()
+    answer = score(
+        inv,
+        token_query(),
+        [*seeded, engine("same-as-e0", extra=seeded[0].profile.extra)],  # type: ignore[union-attr]
+        now_ms=0,
+        reuse=ON,
+        predictor=RATE,
+        prediction_basis="",
+        hasher=counting,
+    )
+    assert len(counting.calls) == MAX_SCORE_HASH_CONFIGS == 4
+    scored = {e.child_engine_id: e for e in answer.engines}
+    assert sorted(cid for cid, e in scored.items() if not e.scored) == ["e4", "e5"]
+    assert "past the 4 distinct ones" in scored["e5"].detail
+    assert scored["same-as-e0"].scored  # a configuration already hashed costs nothing more
 
 
 @pytest.mark.parametrize(
