@@ -215,15 +215,19 @@ class NativeRead:
         """Wait until quiet; False if `timeout_s` passed first."""
         give_up = None if timeout_s is None else time.monotonic() + timeout_s
         if not self._future.done():
+            task = asyncio.current_task()
+            cancelling = task.cancelling() if task is not None else 0
             try:
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout_s)
             except TimeoutError:
                 return False
             except asyncio.CancelledError:
                 # The read was cancelled before it started (`pull`'s deadline): quiet. A
-                # cancellation of this task itself goes on.
-                task = asyncio.current_task()
-                if not self._future.cancelled() or (task is not None and task.cancelling()):
+                # cancellation of this task itself (one more request than before the
+                # wait: an earlier one may have been swallowed) goes on.
+                if not self._future.cancelled() or (
+                    task is not None and task.cancelling() > cancelling
+                ):
                     raise
         quiet_at = self.quiet_at()
         assert quiet_at is not None
@@ -446,10 +450,12 @@ async def pull(
         native = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline_s)
     except TimeoutError:
         if future.cancel():
+            # No duration: the read never ran, so its wait says nothing of the link (a
+            # deadline-long FAILED would teach the cost gate a healthy link is slow).
             return TransferResult(
                 TransferOutcome.FAILED,
                 0,
-                time.monotonic() - started,
+                0.0,
                 f"the read from {plan.session_name} did not start within {deadline_s:.3f} s "
                 "(every pull thread busy, e.g. with reads from a frozen peer); cancelled",
                 (),

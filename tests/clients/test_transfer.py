@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import json
 import os
@@ -774,11 +775,53 @@ async def test_a_read_no_thread_took_before_its_deadline_is_cancelled_failed_and
         assert in_flight.tainted_block_ids() == frozenset({0})  # the frozen read's only
         report = second.to_report(lease_id="pl-1", reporter_child_engine_id="r", tp_rank=0)
         assert report.outcome == kvrc_pb2.TRANSFER_OUTCOME_FAILED
+        assert report.duration_us == 0  # its wait in the queue says nothing of the link
         frozen.release.set()
         assert await first.wait_quiet(NEVER_HANG_S)
         await asyncio.sleep(0.05)  # the thread is free: a cancelled read still never runs
         assert calls == [] and in_flight.tainted_block_ids() == frozenset()
     finally:
+        pool.shutdown(wait=True)
+
+
+async def test_a_waiter_that_swallowed_an_earlier_cancel_still_sees_a_cancelled_read_quiet(
+    local: PagedKvCache, peer: Peer
+) -> None:
+    """Python 3.11 keeps `Task.cancelling()` above 0 after a cancellation the task caught
+    without `uncancel()`: only a cancellation during the wait may propagate."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="one")
+    frozen = ScriptedReader(0)
+    try:
+        await pull(
+            frozen,
+            TransferPlan.build(local.describe(), peer.endpoint, [(0, 0)]),
+            deadline_s=0.05,
+            executor=pool,
+        )
+        reads: list[NativeRead] = []
+        queued = asyncio.ensure_future(
+            pull(
+                ScriptedReader(0),
+                TransferPlan.build(local.describe(), peer.endpoint, [(1, 1)]),
+                deadline_s=0.3,
+                executor=pool,
+                on_submit=reads.append,
+            )
+        )
+        await asyncio.sleep(0.05)
+
+        async def waiter() -> bool:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(10)  # cancelled below, and swallowed
+            return await reads[0].wait_quiet(NEVER_HANG_S)
+
+        task = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        assert (await queued).outcome is TransferOutcome.FAILED
+        assert await task is True
+    finally:
+        frozen.release.set()
         pool.shutdown(wait=True)
 
 
