@@ -170,6 +170,28 @@ class _Lookup:
     deferred: bool = False  # left to a later step at least once
 
 
+# A refusal whose code usually stands for the engine (`refuses_the_engine`) opens a
+# breaker only when this many come in a row with no answer between: the same codes
+# also refuse one request alone (a request id that loaded before, one handoff's
+# descriptor, one request's payload).
+REFUSALS_IN_A_ROW = 3
+
+
+class RefusalRun:
+    """Refusals for the engine in a row; any answer ends the run."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def refused(self, n: int = 1) -> bool:
+        """`n` more; True once the run is long enough to take for the engine's."""
+        self.count += n
+        return self.count >= REFUSALS_IN_A_ROW
+
+    def answered(self) -> None:
+        self.count = 0
+
+
 class KvrcBreaker:
     """Skips kvrc calls of one kind (lookups; handoffs) for a while after one timed out
     or found kvrc unavailable.
@@ -274,6 +296,8 @@ class KvrcScheduler:
         # Short pauses: a decode that skips a handoff a prefill published after kvrc came
         # back leaves the prefill's blocks pinned until kvrc fails the handoff.
         self.handoff_breaker = KvrcBreaker(HANDOFF_BREAKER_BASE_S, HANDOFF_BREAKER_MAX_S)
+        self._lookup_refusals = RefusalRun()  # on the EngineCore thread
+        self._handoff_refusals = RefusalRun()  # under self._lock
         self._warned_at: dict[str, float] = {}  # `_may_warn`: kind -> when last logged
         int_block_hashes()  # read now, as vLLM's events will use it
         # Steps vLLM may have scheduled and not yet run: a block is pinnable only once
@@ -432,7 +456,7 @@ class KvrcScheduler:
                 if refuses_the_engine(refusal):
                     # Not ready, draining, unknown: the next handoffs would be refused
                     # too, and each decode would wait its whole handoff wait for them.
-                    self._handoff_kvrc_failed(f"PublishHandoff refused: {refusal}", asked_at)
+                    self._handoff_refused(f"PublishHandoff refused: {refusal}", asked_at)
                 # kvrc refused a part's first publish: the handoff never goes READY, no
                 # decode reads, whatever the other parts' outcome. A repeat's refusal
                 # proves nothing (the first may have been recorded and read; a repeat is
@@ -669,9 +693,9 @@ class KvrcScheduler:
             if isinstance(e, UnavailableError | DeadlineExceededError):  # kvrc down
                 log.debug("prefix lookup for %s failed: %s", request_id, e)
                 self._lookup_failed(str(e), lookup.asked_at)
-            elif refuses_the_engine(e):
-                # Every request would be refused alike (credentials, registration): back
-                # off as from an outage, one line, not one lookup and line per request.
+            elif refuses_the_engine(e) and self._lookup_refusals.refused():
+                # Refused for the engine (credentials, registration), request after
+                # request: back off as from an outage, one line, not one per request.
                 self._lookup_failed(str(e), lookup.asked_at)
             elif self._may_warn("lookup_error"):
                 log.warning(
@@ -681,6 +705,7 @@ class KvrcScheduler:
                     self.counters["prefix_lookup_errors"],
                 )
         else:
+            self._lookup_refusals.answered()
             if self.breaker.succeeded():
                 log.info("kvrc answers lookups again: prefix lookups resume")
         if not isinstance(answer, PrefixLoadGrant):
@@ -906,8 +931,16 @@ class KvrcScheduler:
                 backoff_s,
             )
 
+    def _handoff_refused(self, why: str, asked_at: float, n: int = 1) -> None:
+        """`n` first publishes refused for the engine: the breaker opens on a run of them."""
+        with self._lock:
+            run = self._handoff_refusals.refused(n)
+        if run:
+            self._handoff_kvrc_failed(why, asked_at)
+
     def _handoff_kvrc_answered(self) -> None:
         with self._lock:
+            self._handoff_refusals.answered()
             closed = self.handoff_breaker.succeeded()
         if closed:
             log.info("kvrc answers handoffs again: handoffs resume")
@@ -1014,9 +1047,15 @@ class KvrcScheduler:
             outcomes = worker_meta.outcomes
             for key, value in worker_meta.counters.items():
                 self._count(f"workers_{key}", value)
-            if worker_meta.counters.get(HANDOFF_REFUSED_FOR_THE_ENGINE):
-                self._handoff_kvrc_failed(
-                    "a worker's PublishHandoff was refused (its log says why)", time.monotonic()
+            if worker_meta.counters.get("handoffs_published"):
+                with self._lock:
+                    self._handoff_refusals.answered()
+            refused = worker_meta.counters.get(HANDOFF_REFUSED_FOR_THE_ENGINE, 0)
+            if refused:
+                self._handoff_refused(
+                    "workers' PublishHandoffs were refused (their log says why)",
+                    time.monotonic(),
+                    refused,
                 )
         with self._lock:
             for request_id, outcome in outcomes.items():

@@ -481,10 +481,15 @@ def test_a_frozen_kvrc_holds_up_no_step_and_opens_the_breaker_once(
     ids=["engine-refused", "request-refused"],
 )
 def test_lookups_refused_for_the_engine_back_off_and_log_one_line(
-    scheduler: Any, caplog: pytest.LogCaptureFixture, error: Exception, backs_off: bool
+    scheduler: Any,
+    vllm_side: Any,
+    caplog: pytest.LogCaptureFixture,
+    error: Exception,
+    backs_off: bool,
 ) -> None:
     """kvrc refusing this engine (a rotated token, a registration refused later) was asked
-    once and logged one WARNING per new request, for as long as it lasted."""
+    and logged one WARNING per new request, for as long as it lasted. A run of
+    REFUSALS_IN_A_ROW such refusals opens the breaker."""
     caplog.set_level(logging.INFO, logger="kvrc.vllm.scheduler")
 
     async def refused(*_: Any) -> PrefixLoadGrant:
@@ -498,12 +503,39 @@ def test_lookups_refused_for_the_engine_back_off_and_log_one_line(
     asked = scheduler.counters["prefix_lookup_errors"]
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     if backs_off:
-        assert scheduler.breaker.is_open and asked == 1, asked
-        assert scheduler.counters["prefix_lookups_skipped"] == 49
-        assert len(lines) == 1 and "recompute without asking kvrc" in lines[0], lines
+        in_a_row = vllm_side.scheduler.REFUSALS_IN_A_ROW
+        assert scheduler.breaker.is_open and asked == in_a_row == 3, asked
+        assert scheduler.counters["prefix_lookups_skipped"] == 50 - in_a_row
+        assert len([m for m in lines if "recompute without asking kvrc" in m]) == 1, lines
+        assert len(lines) <= 2 + elapsed_s, lines
     else:
         assert not scheduler.breaker.is_open and asked == 50
         assert 1 <= len(lines) <= 1 + elapsed_s, lines  # a line a second at most
+
+
+def test_a_refusal_of_one_request_with_an_engine_code_opens_no_breaker(scheduler: Any) -> None:
+    """FAILED_PRECONDITION also refuses one request alone (its id loaded before, within
+    kvrc's retention): refusals separated by answers are no run."""
+    once = FailedPreconditionError(
+        grpc.StatusCode.FAILED_PRECONDITION, "request 'x' already loaded through lease 'pl-1'"
+    )
+    answers: list[Exception | str] = [once, once, "no_candidate", once, once, "no_candidate"]
+
+    async def lookup_and_grant(*_: Any) -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    scheduler._lookup_and_grant = lookup_and_grant
+    for i in range(6):
+        assert _answered(scheduler, _request(f"once{i}", 8)) == (0, False)
+    assert not scheduler.breaker.is_open and scheduler.counters["prefix_lookup_errors"] == 4
+    # Control: the third in a row opens it.
+    answers[:] = [once, once, once]
+    for i in range(3):
+        _answered(scheduler, _request(f"row{i}", 8))
+    assert scheduler.breaker.is_open
 
 
 def _answered(scheduler: Any, request: Any, local_tokens: int = 0) -> tuple[int | None, bool]:
@@ -1324,6 +1356,12 @@ def test_a_publish_refused_for_the_engine_offers_no_handoffs_for_a_while(
     made = _publish_with(vllm_side, kvrc_server, worker, _publish_fails(error), hold_s=1.0)
     try:
         assert made._free_now == ["req-p"]  # refused: nothing recorded, freed at once
+        assert not made.handoff_breaker.is_open  # one refusal may be this handoff's own
+        for request_id in ("req-q", "req-r"):  # a run of them is the engine's
+            spec = vllm_side.metadata.PublishSpec(request_id, f"h-{request_id}", [5], "", b"")
+            made._sending[request_id] = 0.0
+            made.loop.run(made._publish_all(spec), timeout_s=10)
+        assert made._free_now == ["req-p", "req-q", "req-r"]
         assert made.handoff_breaker.is_open is opens
         request = _request("next", 2, do_remote_decode=True)
         request.status = vllm_side.RequestStatus.FINISHED_LENGTH_CAPPED
@@ -1348,12 +1386,21 @@ def test_a_worker_whose_publish_is_refused_for_the_engine_tells_the_scheduler_si
     counters, _ = worker.finished.take_meta()
     assert counters[vllm_side.metadata.HANDOFF_REFUSED_FOR_THE_ENGINE] == 1
     made = _new_scheduler(vllm_side, kvrc_server.grpc_target, role="kv_producer")
-    try:
-        assert not made.handoff_breaker.is_open
-        meta = vllm_side.metadata.KvrcWorkerMetadata(counters=counters)
+
+    def step(**step_counters: int) -> None:
+        meta = vllm_side.metadata.KvrcWorkerMetadata(counters=step_counters)
         made.update_connector_output(
             NS(kv_connector_worker_meta=meta, finished_recving=None, finished_sending=None)
         )
+
+    try:
+        for _ in range(2):
+            step(**counters)
+        step(handoffs_published=1)  # an answer between: no run (control)
+        step(**counters)
+        assert not made.handoff_breaker.is_open
+        step(**counters)
+        step(**counters)  # the third in a row
         assert made.handoff_breaker.is_open
     finally:
         made.shutdown()
