@@ -22,9 +22,9 @@ Keys share the hash tag `{kvrc}` so that a Redis Cluster slot could hold them al
   then forgets the other replicas' engines, reads the new log from its start and
   re-announces its own engines. A store that came back *older* keeps its epoch (a
   restart from an older RDB save or AOF, a failover to a lagging Redis replica):
-  each replica checks, with its epoch, that the last entry it appended is still
-  there, and the first to find it gone makes the rollback a store loss for all
-  (`_ROLLED_BACK`: a new epoch, the log and snapshot deleted).
+  every append first checks, in the same script, that the entry its replica
+  appended last is still there, and the first to find it gone makes the rollback a
+  store loss for all (`_APPEND`: a new epoch, the log and snapshot deleted).
 
 Fail closed: while Redis cannot be reached (an append, a read or the epoch check
 failed), or a store loss has not been re-announced yet, `unavailable_reason` says
@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from coordinator.runtime.clock import Clock
 from coordinator.runtime.config import STORE_HEARTBEAT_MS, StoreConfig
@@ -116,28 +116,37 @@ if now < floor then redis.call('SET', KEYS[1], floor) end
 return redis.call('INCR', KEYS[1])
 """
 
-# KEYS: epoch, stream, snapshot. ARGV: epoch, the id of the last entry this replica
-# appended, a new epoch. Returns 1 when the store no longer has that entry though it
-# has not trimmed past it (it came back older than this replica saw it), after making
-# that a store loss for every replica: a new epoch, the log and its snapshot deleted
-# (what the others wrote since the rollback point is gone for them too, and each
-# re-announces). 0: the entry is there, trimmed away, or the epoch is another (that
-# loss is the caller's next read).
-_ROLLED_BACK = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-local ms, seq = string.match(ARGV[2], '^(%d+)-(%d+)$')
-ms, seq = tonumber(ms), tonumber(seq)
-local first = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)
-if #first > 0 then
-  local fms, fseq = string.match(first[1][1], '^(%d+)-(%d+)$')
-  fms, fseq = tonumber(fms), tonumber(fseq)
-  if fms > ms or (fms == ms and fseq > seq) then return 0 end
-  if #redis.call('XRANGE', KEYS[2], ARGV[2], ARGV[2]) > 0 then return 0 end
+# KEYS: stream, epoch, snapshot. ARGV: the epoch as this replica knows it, the id of the
+# entry it appended last ("": none since its last store loss), a new epoch, MAXLEN, the
+# entry's origin and data. Appends the entry and returns its id. Under this replica's
+# epoch, though, a store that no longer has the entry it appended last (and has not
+# trimmed past it) came back older: a restart from an older save, a failover to a
+# lagging replica. Checked at every append, so that no later append (whose id the old
+# log may well have) can hide it. That is made a store loss for every replica (a new
+# epoch, the log and its snapshot deleted: what others wrote since the rollback point
+# is gone for them too) and nil is returned, nothing appended. The epoch itself is not
+# checked otherwise: a store that came back empty is found by the epoch check.
+_APPEND = """
+if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) == ARGV[1] then
+  local ms, seq = string.match(ARGV[2], '^(%d+)-(%d+)$')
+  ms, seq = tonumber(ms), tonumber(seq)
+  local kept = false
+  local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+  if #first > 0 then
+    local fms, fseq = string.match(first[1][1], '^(%d+)-(%d+)$')
+    fms, fseq = tonumber(fms), tonumber(fseq)
+    kept = fms > ms or (fms == ms and fseq > seq)
+      or #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) > 0
+  end
+  if not kept then
+    redis.call('SET', KEYS[2], ARGV[3])
+    redis.call('DEL', KEYS[1], KEYS[3])
+    return false
+  end
 end
-redis.call('SET', KEYS[1], ARGV[3])
-redis.call('DEL', KEYS[2], KEYS[3])
-return 1
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'o', ARGV[5], 'd', ARGV[6])
 """
+_APPEND_SHA = hashlib.sha1(_APPEND.encode()).hexdigest()  # sent by its digest once loaded
 
 _HEARTBEAT_ENTRY = pack_ops([[OP_HEARTBEAT]])  # an entry of one heartbeat op
 
@@ -226,9 +235,10 @@ class RedisStore:
         self._reset_reader = False  # a store loss: read the new log from its start
         # The last entry this replica appended to the log of its epoch (None: none since
         # the last store loss), and the store losses seen: an append answered across a
-        # loss must not name an entry of the old log (_ROLLED_BACK would find it gone).
+        # loss must not name an entry of the old log (_APPEND would find it gone).
         self._appended_id: str | None = None
         self._losses_seen = 0
+        self._rolled_back_id: str | None = None  # the entry an append found gone
         self._epoch_checks_after_failure = 0  # reset by every failure (see _fail)
         self._failures: dict[str, str] = {"start": "the shared store has not been reached yet"}
         self._claims_failing = 0  # claim tasks whose last try failed ("claim" failure)
@@ -416,21 +426,7 @@ class RedisStore:
 
     async def _check_epoch(self) -> None:
         generation = self._epoch_checks_after_failure = self._epoch_checks_after_failure + 1
-        rolled_back = None  # the entry of this replica's that the store lost
         try:
-            appended, known = self._appended_id, self._epoch
-            if appended is not None and isinstance(known, (bytes, str)):
-                found = await self._writer_conn.eval(  # type: ignore[misc]
-                    _ROLLED_BACK,
-                    3,
-                    EPOCH_KEY,
-                    STREAM_KEY,
-                    SNAPSHOT_KEY,
-                    known,
-                    appended,
-                    secrets.token_hex(16),
-                )
-                rolled_back = appended if int(found) == 1 else None
             epoch = await self._writer_conn.get(EPOCH_KEY)
             if epoch is None:
                 await self._writer_conn.set(EPOCH_KEY, secrets.token_hex(16), nx=True)
@@ -439,7 +435,7 @@ class RedisStore:
             self._fail("epoch check", _why(e))
             return
         if self._epoch is not None and epoch != self._epoch:
-            self._store_lost(rolled_back)
+            self._store_lost()
         if epoch != self._epoch and epoch is not None:
             raw = epoch if isinstance(epoch, bytes) else str(epoch).encode()
             self._on_epoch(raw)
@@ -449,7 +445,8 @@ class RedisStore:
             self._ok("epoch check")
             self._ok("start")
 
-    def _store_lost(self, rolled_back: str | None = None) -> None:
+    def _store_lost(self) -> None:
+        rolled_back, self._rolled_back_id = self._rolled_back_id, None
         if rolled_back is not None:
             log.warning(
                 "shared store %s came back older than this replica wrote it (its log entry "
@@ -605,12 +602,7 @@ class RedisStore:
             generation = inventory.generation
             losses = self._losses_seen
             try:
-                entry_id = await self._writer_conn.xadd(
-                    STREAM_KEY,
-                    {"o": inventory.origin, "d": inventory.entry(count)},
-                    maxlen=self._maxlen,
-                    approximate=True,
-                )
+                entry_id = await self._append(inventory.origin, inventory.entry(count))
             except (RedisError, OSError) as e:
                 self._fail("append", _why(e))
                 await asyncio.sleep(BACKOFF_MS[min(attempt, len(BACKOFF_MS) - 1)] / 1000)
@@ -618,14 +610,41 @@ class RedisStore:
                 continue
             attempt = 0
             self._ok("append")
+            if entry_id is None:
+                # The store came back older than this replica's last entry: now a store
+                # loss, which the epoch check finds (the outbox is reset and re-announced).
+                self._rolled_back_id = self._appended_id
+                await self._check_epoch()
+                continue
             if losses == self._losses_seen:
-                self._appended_id = _text(entry_id)
+                self._appended_id = entry_id
             if inventory.generation != generation:
                 continue  # the outbox was replaced meanwhile (a reset): these ops are not in it
             inventory.take_sent(count)
             self._m_out.inc(count)
             if "rebuild" in self._failures and not inventory.outbox:
                 self._ok("rebuild")  # the reset and re-announcement are in the new log
+
+    async def _append(self, origin: str, data: bytes) -> str | None:
+        """One log entry; its id, or None when the store came back older (`_APPEND`)."""
+        known = self._epoch if isinstance(self._epoch, (bytes, str)) else ""
+        keys_and_args = (
+            3,
+            STREAM_KEY,
+            EPOCH_KEY,
+            SNAPSHOT_KEY,
+            known,
+            self._appended_id or "",
+            secrets.token_hex(16),
+            self._maxlen,
+            origin,
+            data,
+        )
+        try:
+            reply = await self._writer_conn.evalsha(_APPEND_SHA, *keys_and_args)  # type: ignore[misc]
+        except NoScriptError:  # a restarted Redis: EVAL loads it for the next appends
+            reply = await self._writer_conn.eval(_APPEND, *keys_and_args)  # type: ignore[misc]
+        return None if reply is None else _text(reply)
 
     # --- reading the log ---------------------------------------------------------------
 
