@@ -157,14 +157,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="experimental prefix reuse (default off)",
     )
     serve.add_argument("--profiles", type=Path, help="declared deployment profiles (TOML or YAML)")
-    serve.add_argument("--heartbeat-interval-ms", type=int, default=defaults.heartbeat_interval_ms)
+    serve.add_argument(
+        "--heartbeat-interval-ms",
+        type=int,
+        default=defaults.heartbeat_interval_ms,
+        help=f"how often engines are asked to heartbeat ({defaults.heartbeat_interval_ms})",
+    )
     serve.add_argument(
         "--heartbeat-timeout-ms",
         type=int,
         default=defaults.heartbeat_timeout_ms,
         help="a rank part silent this long is removed (%(default)s)",
     )
-    serve.add_argument("--session-grace-ms", type=int, default=defaults.session_grace_ms)
+    serve.add_argument(
+        "--session-grace-ms",
+        type=int,
+        default=defaults.session_grace_ms,
+        help="after a session closes, how long before its part counts as gone for its "
+        f"leases ({defaults.session_grace_ms})",
+    )
     serve.add_argument(
         "--resync-retry-ms",
         type=int,
@@ -413,7 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(%(default)g)",
     )
     serve.add_argument("--port-file", type=Path, help="write the bound ports here as JSON")
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the lowest level logged (INFO)",
+    )
     serve.add_argument("--log-json", action="store_true", help="one JSON document per log line")
     serve.set_defaults(func=_cmd_serve)
 
