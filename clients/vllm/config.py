@@ -250,6 +250,18 @@ def hash_declaration(cache_config: Any, env: Mapping[str, str]) -> tuple[tuple[s
     )
 
 
+def check_parallel_layout(decode_context_parallel_size: int) -> None:
+    """ValueError for a vLLM layout the connector cannot serve: with decode context
+    parallelism vLLM hashes blocks of block_size x DCP tokens and shards each block's KV
+    over the DCP ranks, while kvrc's blocks, hashes and transfer plans are per
+    `cache_config.block_size` (vLLM's own NixlPushConnector refuses it too)."""
+    if decode_context_parallel_size > 1:
+        raise ValueError(
+            "KvrcConnector does not support decode_context_parallel_size > 1 (got "
+            f"{decode_context_parallel_size}): run the engine without DCP"
+        )
+
+
 def check_engine_settings(
     config: KvrcConnectorConfig, *, kv_role: str, kv_load_failure_policy: str, prefix_caching: bool
 ) -> bool:

@@ -39,6 +39,7 @@ from clients.vllm.config import (  # noqa: E402
     KvrcConfigError,
     KvrcConnectorConfig,
     check_engine_settings,
+    check_parallel_layout,
 )
 from clients.vllm.metadata import KvrcConnectorMetadata, KvrcWorkerMetadata  # noqa: E402
 
@@ -106,6 +107,9 @@ class KvrcConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 'request; set "recompute" to recompute instead',
                 kv.kv_load_failure_policy,
             )
+        check_parallel_layout(
+            int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        )
         self.identity = engine_identity(vllm_config)
         # vLLM's busy loop and the connector's kvrc thread share the GIL: a 5 ms switch
         # interval makes every hand-over of an RPC cost up to 5 ms.

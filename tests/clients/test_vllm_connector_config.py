@@ -163,6 +163,16 @@ def test_the_engine_declares_its_hashing_as_kvrc_score_reads_it(
     assert hash_declaration(object(), env) == ()  # no algorithm known: nothing declared
 
 
+def test_decode_context_parallelism_is_refused_at_start() -> None:
+    """With DCP vLLM hashes blocks of block_size x DCP tokens and shards each block over
+    the DCP ranks: kvrc's hashes and transfer plans would silently name other blocks."""
+    from clients.vllm.config import check_parallel_layout
+
+    check_parallel_layout(1)  # control: the default layout
+    with pytest.raises(ValueError, match="decode_context_parallel_size > 1 \\(got 2\\)"):
+        check_parallel_layout(2)
+
+
 def test_reuse_needs_prefix_caching_recompute_on_failure_and_a_consuming_role() -> None:
     """Prefix loads are an optimisation: a failed one must cost a recompute (vLLM's
     default policy fails the request), and only a consumer's frees wait for in-flight
