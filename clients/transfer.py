@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import json
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -391,6 +393,77 @@ def _read(engine: BatchReader, plan: TransferPlan) -> _NativeReturn:
     return _NativeReturn(return_code, time.monotonic(), error)
 
 
+class PeerSlots:
+    """At most `per_peer` native reads from one peer (Mooncake session) hold threads.
+
+    A frozen peer holds each read's thread for up to a minute. Uncapped, its reads can
+    take every pull thread, and loads from healthy peers queued behind them fail at
+    their deadline; capped, its further reads wait here (their deadline running) and
+    the other peers' reads keep threads. A slot is held until the native call returns,
+    not until `pull` gives up on it. Used on one event loop; the executor's threads hand
+    their slot back through it (`call_soon_threadsafe`).
+    """
+
+    def __init__(self, per_peer: int) -> None:
+        if per_peer < 1:
+            raise ValueError(f"per_peer must be >= 1, got {per_peer}")
+        self.per_peer = per_peer
+        self._held: dict[str, int] = {}
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+
+    def held(self, peer: str) -> int:
+        return self._held.get(peer, 0)
+
+    async def acquire(self, peer: str, timeout_s: float) -> bool:
+        """A slot for one read from `peer`; False when none came within `timeout_s`."""
+        if self.held(peer) < self.per_peer and not self._waiting.get(peer):
+            self._held[peer] = self.held(peer) + 1
+            return True
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._waiting.setdefault(peer, deque())
+        queue.append(granted)
+        try:
+            await asyncio.wait_for(granted, timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        except BaseException:
+            if granted.done() and not granted.cancelled():
+                self.release(peer)  # handed over just as this waiter was cancelled
+            raise
+        finally:
+            if granted in queue:
+                queue.remove(granted)
+            if not queue:
+                self._waiting.pop(peer, None)
+
+    def release(self, peer: str) -> None:
+        """One read from `peer` returned: its slot goes to the next waiter, if any."""
+        queue = self._waiting.get(peer)
+        while queue:
+            waiter = queue.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes on; the count stays
+                return
+        left = self.held(peer) - 1
+        if left > 0:
+            self._held[peer] = left
+        else:
+            self._held.pop(peer, None)
+
+    def release_when_done(
+        self, peer: str, future: concurrent.futures.Future[_NativeReturn]
+    ) -> None:
+        """Hands the slot back once the native call returns (or is cancelled)."""
+        loop = asyncio.get_running_loop()
+
+        def returned(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self.release, peer)
+
+        future.add_done_callback(returned)
+
+
 async def pull(
     engine: BatchReader,
     plan: TransferPlan,
@@ -401,6 +474,7 @@ async def pull(
     wait_settle: bool = True,
     in_flight: InFlightReads | None = None,
     on_submit: Callable[[NativeRead], None] | None = None,
+    peer_slots: PeerSlots | None = None,
 ) -> TransferResult:
     """Run `plan` as one batch read in `executor`, bounded by `deadline_s`.
 
@@ -423,7 +497,8 @@ async def pull(
     as it runs: an abort's ack then waits for it even if this call is cancelled before
     it returns (I6-quiescence). A frozen peer holds a thread for up to a minute: an
     executor with fewer threads than concurrent pulls fails the pulls queued behind
-    such reads at their deadline.
+    such reads at their deadline; `peer_slots` caps the threads one peer's reads hold
+    (a read that gets no slot by its deadline is FAILED, never started).
     """
     if deadline_s <= 0:
         raise ValueError(f"deadline_s must be positive, got {deadline_s}")
@@ -439,7 +514,25 @@ async def pull(
     if plan.num_entries == 0:
         return TransferResult(TransferOutcome.SUCCEEDED, 0, 0.0, "", ())
 
-    future = executor.submit(_read, engine, plan)
+    if peer_slots is not None:
+        if not await peer_slots.acquire(plan.session_name, deadline_s):
+            return TransferResult(
+                TransferOutcome.FAILED,
+                0,
+                0.0,  # never ran: its wait says nothing of the link
+                f"{peer_slots.per_peer} reads from {plan.session_name} already running (a "
+                f"frozen peer?); this one did not start within {deadline_s:.3f} s",
+                (),
+            )
+        deadline_s = max(deadline_s - (time.monotonic() - started), 0.001)
+        try:
+            future = executor.submit(_read, engine, plan)
+        except BaseException:
+            peer_slots.release(plan.session_name)
+            raise
+        peer_slots.release_when_done(plan.session_name, future)
+    else:
+        future = executor.submit(_read, engine, plan)
     native_read = NativeRead(future, plan.local_block_ids, settle_s)
     if in_flight is not None:
         in_flight.add(native_read)

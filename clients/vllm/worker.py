@@ -61,6 +61,7 @@ from clients.session import (
 from clients.transfer import (
     InFlightReads,
     NativeRead,
+    PeerSlots,
     TransferOutcome,
     TransferResult,
     endpoint_to_session,
@@ -82,6 +83,7 @@ from kvrc.v1 import kvrc_pb2 as pb
 log = logging.getLogger("kvrc.vllm.worker")
 
 RPC_TIMEOUT_S = 10.0
+PULL_THREADS = 8  # native reads of this worker at once
 
 # vLLM dtype -> kvrc's protocol dtype name
 _DTYPE_NAMES = {
@@ -252,7 +254,11 @@ class KvrcWorker:
         self.refused = ""
         self.ready = threading.Event()
         self.in_flight = InFlightReads()
-        self.executor = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kvrc-pull")
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            PULL_THREADS, thread_name_prefix="kvrc-pull"
+        )
+        # A frozen peer holds a thread per read for up to a minute: it may hold half.
+        self.peer_slots = PeerSlots(PULL_THREADS // 2)
         self._started_loads: dict[str, None] = {}
         self._reads_by_lease: dict[str, list[NativeRead]] = {}
         self._pulls_running: dict[str, list[asyncio.Future[None]]] = {}
@@ -526,6 +532,7 @@ class KvrcWorker:
             executor=self.executor,
             in_flight=self.in_flight,
             on_submit=submitted,
+            peer_slots=self.peer_slots,
         )
         if result.outcome is TransferOutcome.SUCCEEDED:
             if fault == "corrupt":

@@ -46,6 +46,7 @@ from clients.session import EngineProfile, RankPartRegistration
 from clients.transfer import (
     InFlightReads,
     NativeRead,
+    PeerSlots,
     TransferOutcome,
     TransferPlan,
     TransferResult,
@@ -823,6 +824,73 @@ async def test_a_waiter_that_swallowed_an_earlier_cancel_still_sees_a_cancelled_
     finally:
         frozen.release.set()
         pool.shutdown(wait=True)
+
+
+class FrozenPeerA:
+    """Reads from session "peer-a" block until released (a frozen peer); others return."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.sessions: list[str] = []
+
+    def read_batch(self, session_name: str, *args: object) -> int:
+        self.sessions.append(session_name)
+        if session_name == "peer-a":
+            self.release.wait(timeout=30)
+        return 0
+
+
+@pytest.mark.parametrize("capped", [True, False], ids=["peer-slots", "no-slots"])
+async def test_a_frozen_peer_holds_no_more_pull_threads_than_its_slots(
+    local: PagedKvCache, peer: Peer, capped: bool
+) -> None:
+    """Two pull threads, one slot per peer: peer A freezes. A's second read waits for
+    A's slot and fails at its deadline without a thread, and a read from healthy B runs
+    in the other thread. Without slots (the control) A's reads hold both threads and B's
+    read never starts: every load from any peer fails until A's reads return."""
+    base = TransferPlan.build(local.describe(), peer.endpoint, [(0, 0)])
+    from_a, from_b = replace(base, session_name="peer-a"), replace(base, session_name="peer-b")
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="two")
+    slots = PeerSlots(1) if capped else None
+    reader = FrozenPeerA()
+    try:
+        first = await pull(reader, from_a, deadline_s=0.05, executor=pool, peer_slots=slots)
+        second = await pull(reader, from_a, deadline_s=0.1, executor=pool, peer_slots=slots)
+        healthy = await pull(reader, from_b, deadline_s=1.0, executor=pool, peer_slots=slots)
+        assert first.outcome is TransferOutcome.UNKNOWN
+        if capped:
+            assert second.outcome is TransferOutcome.FAILED and "already running" in second.error
+            assert second.duration_s == 0.0 and second.is_quiet()
+            assert healthy.outcome is TransferOutcome.SUCCEEDED
+            assert reader.sessions == ["peer-a", "peer-b"] and slots is not None
+            assert slots.held("peer-a") == 1
+        else:
+            assert second.outcome is TransferOutcome.UNKNOWN
+            assert healthy.outcome is TransferOutcome.FAILED and "did not start" in healthy.error
+        reader.release.set()
+        assert await first.wait_quiet(NEVER_HANG_S)
+        if slots is not None:
+            await wait_until(lambda: slots.held("peer-a") == 0, NEVER_HANG_S, what="A's slot")
+    finally:
+        reader.release.set()
+        pool.shutdown(wait=True)
+
+
+async def test_a_peer_slot_passes_to_the_next_waiter_and_a_late_one_gives_up() -> None:
+    slots = PeerSlots(1)
+    assert await slots.acquire("a", 1.0) and slots.held("a") == 1
+    waiter = asyncio.ensure_future(slots.acquire("a", NEVER_HANG_S))
+    late = asyncio.ensure_future(slots.acquire("a", 0.05))
+    await asyncio.sleep(0.2)
+    assert late.done() and late.result() is False and not waiter.done()
+    slots.release("a")  # to the waiter, not freed
+    assert await waiter is True and slots.held("a") == 1
+    assert await slots.acquire("b", 0.01) is True  # another peer: its own slots
+    slots.release("a")
+    slots.release("b")
+    assert slots.held("a") == slots.held("b") == 0
+    with pytest.raises(ValueError, match="per_peer"):
+        PeerSlots(0)
 
 
 async def test_a_pull_cancelled_mid_read_has_already_filed_its_read(
