@@ -434,8 +434,8 @@ class PeerSlots:
         finally:
             if granted in queue:
                 queue.remove(granted)
-            if not queue:
-                self._waiting.pop(peer, None)
+            if not queue and self._waiting.get(peer) is queue:
+                del self._waiting[peer]
 
     def release(self, peer: str) -> None:
         """One read from `peer` returned: its slot goes to the next waiter, if any."""
