@@ -46,6 +46,9 @@ from kvrc.vocabulary import KvRegion, TransferEndpoint
 
 # Mooncake lands entries of a failed batch for up to ~1 s after the call returned.
 DEFAULT_SETTLE_S = 1.0
+# A read started with less than this left of its deadline would end UNKNOWN (tainting
+# its blocks) rather than succeed: it is not started.
+MIN_READ_S = 0.005
 LAYOUT_EXTRA_KEY = "kvrc.kv_layout"
 
 
@@ -393,6 +396,15 @@ def _read(engine: BatchReader, plan: TransferPlan) -> _NativeReturn:
     return _NativeReturn(return_code, time.monotonic(), error)
 
 
+class _SlotsClosed(Exception):
+    """`PeerSlots.close()` ended a wait for a slot."""
+
+
+def _handed(granted: asyncio.Future[None]) -> bool:
+    """A waiter's future that `release` handed a slot to (not cancelled, not closed)."""
+    return granted.done() and not granted.cancelled() and granted.exception() is None
+
+
 class PeerSlots:
     """At most `per_peer` native reads from one peer (Mooncake session) hold threads.
 
@@ -410,12 +422,25 @@ class PeerSlots:
         self.per_peer = per_peer
         self._held: dict[str, int] = {}
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        self._closed = False
+
+    def close(self) -> None:
+        """No read starts any more (a shutdown): every waiter, and every later
+        `acquire`, gets False; slots held are still handed back as their reads return."""
+        self._closed = True
+        for queue in self._waiting.values():
+            for waiter in queue:
+                if not waiter.done():
+                    waiter.set_exception(_SlotsClosed())
 
     def held(self, peer: str) -> int:
         return self._held.get(peer, 0)
 
     async def acquire(self, peer: str, timeout_s: float) -> bool:
-        """A slot for one read from `peer`; False when none came within `timeout_s`."""
+        """A slot for one read from `peer`; False when none came within `timeout_s`, or
+        the slots are closed."""
+        if self._closed:
+            return False
         if self.held(peer) < self.per_peer and not self._waiting.get(peer):
             self._held[peer] = self.held(peer) + 1
             return True
@@ -426,9 +451,15 @@ class PeerSlots:
             await asyncio.wait_for(granted, timeout_s)
             return True
         except TimeoutError:
+            # Handed a slot as the deadline passed (Python 3.12's wait_for cannot cancel
+            # a future already done): pass it on, or it is held for good.
+            if _handed(granted):
+                self.release(peer)
+            return False
+        except _SlotsClosed:
             return False
         except BaseException:
-            if granted.done() and not granted.cancelled():
+            if _handed(granted):
                 self.release(peer)  # handed over just as this waiter was cancelled
             raise
         finally:
@@ -524,7 +555,19 @@ async def pull(
                 f"frozen peer?); this one did not start within {deadline_s:.3f} s",
                 (),
             )
-        deadline_s = max(deadline_s - (time.monotonic() - started), 0.001)
+        left_s = deadline_s - (time.monotonic() - started)
+        if left_s < MIN_READ_S:
+            # A slot as the deadline passed: a read now would surely end UNKNOWN.
+            peer_slots.release(plan.session_name)
+            return TransferResult(
+                TransferOutcome.FAILED,
+                0,
+                0.0,
+                f"a slot for a read from {plan.session_name} came too late "
+                f"({deadline_s:.3f} s deadline)",
+                (),
+            )
+        deadline_s = left_s
         try:
             future = executor.submit(_read, engine, plan)
         except BaseException:

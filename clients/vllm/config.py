@@ -250,16 +250,23 @@ def hash_declaration(cache_config: Any, env: Mapping[str, str]) -> tuple[tuple[s
     )
 
 
-def check_parallel_layout(decode_context_parallel_size: int) -> None:
+def check_parallel_layout(
+    decode_context_parallel_size: int, prefill_context_parallel_size: int = 1
+) -> None:
     """ValueError for a vLLM layout the connector cannot serve: with decode context
     parallelism vLLM hashes blocks of block_size x DCP tokens and shards each block's KV
     over the DCP ranks, while kvrc's blocks, hashes and transfer plans are per
-    `cache_config.block_size` (vLLM's own NixlPushConnector refuses it too)."""
-    if decode_context_parallel_size > 1:
-        raise ValueError(
-            "KvrcConnector does not support decode_context_parallel_size > 1 (got "
-            f"{decode_context_parallel_size}): run the engine without DCP"
-        )
+    `cache_config.block_size` (vLLM's own NixlPushConnector refuses it too); prefill
+    context parallel ranks are not rank parts the connector registers or plans for."""
+    for name, size in (
+        ("decode_context_parallel_size", decode_context_parallel_size),
+        ("prefill_context_parallel_size", prefill_context_parallel_size),
+    ):
+        if size > 1:
+            raise ValueError(
+                f"KvrcConnector does not support {name} > 1 (got {size}): run the engine "
+                "without context parallelism"
+            )
 
 
 def check_engine_settings(

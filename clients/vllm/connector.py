@@ -107,8 +107,10 @@ class KvrcConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 'request; set "recompute" to recompute instead',
                 kv.kv_load_failure_policy,
             )
+        parallel = vllm_config.parallel_config
         check_parallel_layout(
-            int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+            int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+            int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
         )
         self.identity = engine_identity(vllm_config)
         # vLLM's busy loop and the connector's kvrc thread share the GIL: a 5 ms switch

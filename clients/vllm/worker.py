@@ -837,6 +837,9 @@ class KvrcWorker:
     def shutdown(self) -> None:
         async def close() -> None:
             quiet = False
+            # No read starts from here on: one waiting for its peer's slot would land
+            # after the wait below, into tensors vLLM is about to free.
+            self.peer_slots.close()
             with contextlib.suppress(Exception):
                 quiet = await self.in_flight.wait_all_quiet(timeout_s=5.0)
             if not quiet:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -891,6 +892,38 @@ async def test_a_peer_slot_passes_to_the_next_waiter_and_a_late_one_gives_up() -
     assert slots.held("a") == slots.held("b") == 0
     with pytest.raises(ValueError, match="per_peer"):
         PeerSlots(0)
+
+
+async def test_a_slot_handed_over_as_its_waiter_times_out_is_passed_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python 3.12's wait_for cannot cancel a future already done: a waiter handed the
+    slot in the same loop turn as its timeout raised TimeoutError holding it, and the
+    slot was never handed back. Python 3.12's wait_for, run here on 3.11."""
+
+    async def wait_for_312(fut: Any, seconds: float | None) -> Any:
+        async with asyncio.timeout(seconds):
+            return await fut
+
+    monkeypatch.setattr(asyncio, "wait_for", wait_for_312)
+    slots = PeerSlots(1)
+    assert await slots.acquire("a", 1.0)
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.01, time.sleep, 0.1)  # a busy loop: the release and the timeout
+    loop.call_later(0.04, slots.release, "a")  # fall due in one turn, the release first
+    got = await slots.acquire("a", 0.05)
+    assert slots.held("a") == (1 if got else 0), got
+
+
+async def test_closed_peer_slots_start_no_read_and_end_the_waits() -> None:
+    slots = PeerSlots(1)
+    assert await slots.acquire("a", 1.0)
+    waiter = asyncio.ensure_future(slots.acquire("a", NEVER_HANG_S))
+    await asyncio.sleep(0.01)
+    slots.close()  # a shutdown
+    assert await waiter is False and await slots.acquire("b", 1.0) is False
+    slots.release("a")  # the read that held it returned
+    assert slots.held("a") == 0
 
 
 async def test_a_pull_cancelled_mid_read_has_already_filed_its_read(

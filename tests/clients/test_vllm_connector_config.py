@@ -168,9 +168,11 @@ def test_decode_context_parallelism_is_refused_at_start() -> None:
     the DCP ranks: kvrc's hashes and transfer plans would silently name other blocks."""
     from clients.vllm.config import check_parallel_layout
 
-    check_parallel_layout(1)  # control: the default layout
+    check_parallel_layout(1, 1)  # control: the default layout
     with pytest.raises(ValueError, match="decode_context_parallel_size > 1 \\(got 2\\)"):
         check_parallel_layout(2)
+    with pytest.raises(ValueError, match="prefill_context_parallel_size > 1 \\(got 4\\)"):
+        check_parallel_layout(1, 4)
 
 
 def test_reuse_needs_prefix_caching_recompute_on_failure_and_a_consuming_role() -> None:
