@@ -114,7 +114,9 @@ class CertIdentity:
     """What the TLS layer verified about the client certificate (empty without mTLS)."""
 
     common_name: str = ""
-    subject_alt_names: tuple[str, ...] = ()
+    # URI SANs only: an identity's `uri` must not match a DNS or email SAN, which a CA
+    # may let requesters choose where it pins the URI (spiffe://...) to the workload.
+    uri_sans: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,10 +198,10 @@ class AuthPolicy:
             if found is None:
                 raise AuthDenied(DenyReason.UNAUTHENTICATED, "the bearer token is not recognised")
             return found
-        if cert.common_name or cert.subject_alt_names:
+        if cert.common_name or cert.uri_sans:
             for identity in self._identities:
                 if (identity.cn and identity.cn == cert.common_name) or (
-                    identity.uri and identity.uri in cert.subject_alt_names
+                    identity.uri and identity.uri in cert.uri_sans
                 ):
                     return identity.principal
             raise AuthDenied(

@@ -117,7 +117,7 @@ def caller_credentials(
     # gRPC fills these only for a certificate it verified against --tls-client-ca.
     names = list(auth.get("x509_common_name", []))
     common_name = names[0].decode("utf-8", "replace") if names else ""
-    sans = tuple(
-        san.decode("utf-8", "replace") for san in auth.get("x509_subject_alternative_name", [])
-    )
-    return token, CertIdentity(common_name, sans)
+    # `peer_uri`: the URI SANs alone (`x509_subject_alternative_name` mixes in DNS, email
+    # and IP SANs, which must not pass for a URI identity).
+    uris = tuple(uri.decode("utf-8", "replace") for uri in auth.get("peer_uri", []))
+    return token, CertIdentity(common_name, uris)

@@ -114,7 +114,7 @@ def test_tokens_authenticate_to_their_principal_only() -> None:
         policy.authenticate(None, CertIdentity())
     # A token wins over a certificate; an unknown certificate is refused.
     with pytest.raises(AuthDenied, match="certificate's identity is not in"):
-        policy.authenticate(None, CertIdentity("someone", ("spiffe://x",)))
+        policy.authenticate(None, CertIdentity("someone", uri_sans=("spiffe://x",)))
 
 
 _PRINTABLE = st.characters(min_codepoint=33, max_codepoint=126)

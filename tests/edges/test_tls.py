@@ -104,6 +104,7 @@ class Pki:
     server: Issued
     engine: Issued  # CN e1, SAN URI spiffe://test/engine/e1
     other_engine: Issued  # CN e2
+    dns_spoof: Issued  # CN e9, a DNS SAN spelled as e1's URI
     rogue_ca: Authority
     rogue_engine: Issued  # CN e1, but signed by another CA
 
@@ -123,6 +124,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         server=ca.issue("kvrc.test", dns=("kvrc.test", "localhost"), ips=("127.0.0.1",)),
         engine=ca.issue("e1", uri="spiffe://test/engine/e1"),
         other_engine=ca.issue("e2"),
+        dns_spoof=ca.issue("e9", dns=("spiffe://test/engine/e1",)),
         rogue_ca=rogue,
         rogue_engine=rogue.issue("e1", uri="spiffe://test/engine/e1"),
     )
@@ -234,6 +236,11 @@ async def test_certificate_identity_binds_engine_ids(pki: Pki, tmp_path: Path) -
         assert [c.state.child_engine_id for c in status.child_engines] == ["e1"]
         # e1's certificate has no read role.
         assert (await _refused(as_(pki.engine))).code() == grpc.StatusCode.PERMISSION_DENIED
+        # A DNS SAN spelled as e1's URI is no URI identity (it matched any SAN type: a CA
+        # that lets requesters choose DNS names made anyone e1).
+        with pytest.raises(KvrcClientError) as spoofed:
+            await EngineSession(as_(pki.dns_spoof), _registration("e1"), reconnect=False).start()
+        assert spoofed.value.code == grpc.StatusCode.UNAUTHENTICATED, spoofed.value
         await e1.close()
 
 
