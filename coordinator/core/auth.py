@@ -429,6 +429,14 @@ def _principal(
         ) from None
     if not engine_ids and not roles:
         raise AuthConfigError(f"{where} ({name}): grants nothing (no engine_ids, no roles)")
+    if Role.ROUTER in roles and engine_ids:
+        # A router's credential sits in a router's config; with engine ids it could open
+        # sessions and pin blocks for those engines.
+        raise AuthConfigError(
+            f"{where} ({name}): a router credential acts for no engine (it may score and "
+            f"look up, read only): drop its engine_ids {engine_ids}, or give the engines "
+            "their own credential"
+        )
     return Principal(name, frozenset(engine_ids), roles, via)
 
 

@@ -196,6 +196,10 @@ def test_authorization_header_parsing() -> None:
             "used twice",
         ),
         ("[[identity]]\nname='a'\nengine_ids=['a']", "exactly one of cn, uri"),
+        (
+            "[[token]]\nname='gw'\ntoken='0123456789abcdefX'\nroles=['router']\nengine_ids=['e']",
+            "a router credential acts for no engine",
+        ),
         ("tokens = 1", "unknown top-level"),
         ("[[token]\n", "invalid TOML"),
     ],
