@@ -308,3 +308,28 @@ async def test_the_store_knobs_reach_the_redis_store_and_its_inventory() -> None
         finally:
             await store.close(0)  # never started: nothing to flush
     assert DEFAULT_ORIGIN_TIMEOUT_MS == 5_000 and DEFAULT_OUTBOX_MAX_BYTES == 128 << 20
+
+
+def test_credentials_files_others_may_change_or_read_are_warned_of(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kvrc serve loaded an --auth-tokens file of mode 0666 (anyone could add an admin
+    credential) or a world-readable TLS key without a word."""
+    tokens = tmp_path / "auth.toml"
+    tokens.write_text("[[token]]\nname='a'\ntoken='0123456789abcdefX'\nengine_ids=['a']\n")
+    parser = cli.build_parser()
+    caplog.set_level(logging.WARNING, logger="kvrc.config")
+    for mode, warned in ((0o600, False), (0o644, False), (0o664, True), (0o666, True)):
+        tokens.chmod(mode)
+        caplog.clear()
+        cli.config_from_args(parser.parse_args(["serve", "--auth-tokens", str(tokens)]))
+        lines = [r.getMessage() for r in caplog.records if "--auth-tokens" in r.getMessage()]
+        assert bool(lines) is warned, (oct(mode), lines)
+        if warned:
+            assert f"mode {mode:03o}" in lines[0] and "chmod 0600" in lines[0]
+            assert "0123456789abcdefX" not in lines[0]
+    key = tmp_path / "key.pem"
+    key.write_text("not read here")
+    for mode, warned in ((0o600, False), (0o644, True)):
+        key.chmod(mode)
+        assert cli.warn_of_open_secret_file("--tls-key", key, secret_content=True) is warned
