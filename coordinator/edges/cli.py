@@ -561,34 +561,11 @@ def channel_options_from_args(args: argparse.Namespace) -> ChannelOptions:
     )
 
 
-def warn_of_open_secret_file(flag: str, path: Path | None, *, secret_content: bool) -> bool:
-    """One warning for a file of credentials others may change (a credential or key slipped
-    in) or, for `secret_content`, read. True when it warned. Not refused: a Kubernetes
-    secret volume's default mode is 0644."""
-    if path is None:
-        return False
-    try:
-        mode = path.stat().st_mode & 0o777
-    except OSError:
-        return False  # its loader says what is wrong with it
-    if mode & 0o022:
-        what = "writable by group or others: whoever can write it can add a credential"
-    elif secret_content and mode & 0o044:
-        what = "readable by group or others"
-    else:
-        return False
-    logging.getLogger("kvrc.config").warning(
-        "%s %s is %s (mode %03o): chmod 0600 or 0400 (a secret volume: defaultMode 0400)",
-        flag,
-        path,
-        what,
-        mode,
-    )
-    return True
-
-
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
-    from coordinator.edges.tls import tls_files_from_flags  # keeps the pure imports light
+    from coordinator.edges.tls import (  # keeps the pure imports light
+        tls_files_from_flags,
+        warn_of_open_secret_file,
+    )
 
     profiles, links = load_declarations(args.profiles) if args.profiles is not None else ((), ())
     tls = tls_files_from_flags(args.tls_cert, args.tls_key, args.tls_client_ca)
@@ -596,10 +573,6 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         auth = load_auth_policy(args.auth_tokens) if args.auth_tokens is not None else None
     except AuthConfigError as e:
         raise ConfigError(str(e)) from None
-    # The credentials file may hold only digests (sha256 =): changing it is the risk.
-    warn_of_open_secret_file("--auth-tokens", args.auth_tokens, secret_content=False)
-    warn_of_open_secret_file("--tls-key", args.tls_key, secret_content=True)
-    warn_of_open_secret_file("--store-password-file", args.store_password_file, secret_content=True)
     for flag, given in (
         ("--store-password-file", args.store_password_file),
         ("--store-origin-timeout-ms", args.store_origin_timeout_ms),
@@ -671,6 +644,11 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
         raise ConfigError(f"{_COST_FLAGS.get(name, '--cost-*')}: {e}") from None
+    # Once the configuration holds (a refused one says one line); the TLS key's at serve
+    # start, once its PEM files were read. The credentials file may hold only digests
+    # (sha256 =): changing it is the risk.
+    warn_of_open_secret_file("--auth-tokens", args.auth_tokens, secret_content=False)
+    warn_of_open_secret_file("--store-password-file", args.store_password_file, secret_content=True)
     return CoordinatorConfig(
         listen=args.listen,
         metrics_port=args.metrics_port,

@@ -35,7 +35,7 @@ from prometheus_client import start_http_server
 from coordinator.core.auth import describe as describe_auth
 from coordinator.edges.grpc_servicers import add_parsed_service, add_services
 from coordinator.edges.grpc_wire import part_codec
-from coordinator.edges.tls import server_credentials
+from coordinator.edges.tls import server_credentials, warn_of_open_secret_file
 from coordinator.edges.zmq_ingest import VllmEventStreams
 from coordinator.runtime.config import ConfigError, CoordinatorConfig
 from coordinator.runtime.coordinator import Coordinator
@@ -191,6 +191,8 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     check_bindable(host, port)
     # Read and check the PEM files before anything starts (ConfigError: one line).
     credentials = server_credentials(config.tls) if config.tls is not None else None
+    if config.tls is not None:
+        warn_of_open_secret_file("--tls-key", config.tls.key, secret_content=True)
     if credentials is None and not is_loopback_host(host):
         log.warning(
             "plaintext gRPC on %s: anyone on the network can act for any engine; "

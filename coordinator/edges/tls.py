@@ -9,6 +9,7 @@ verified on the client certificate. Nothing here logs a token or a key.
 
 from __future__ import annotations
 
+import logging
 import ssl
 from pathlib import Path
 from typing import Any
@@ -121,3 +122,29 @@ def caller_credentials(
     # and IP SANs, which must not pass for a URI identity).
     uris = tuple(uri.decode("utf-8", "replace") for uri in auth.get("peer_uri", []))
     return token, CertIdentity(common_name, uris)
+
+
+def warn_of_open_secret_file(flag: str, path: Path | None, *, secret_content: bool) -> bool:
+    """One warning for a file of credentials others may change (a credential or key slipped
+    in) or, for `secret_content`, read. True when it warned. Not refused: a Kubernetes
+    secret volume's default mode is 0644."""
+    if path is None:
+        return False
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return False  # its loader says what is wrong with it
+    if mode & 0o022:
+        what = "writable by group or others: whoever can write it can add a credential"
+    elif secret_content and mode & 0o044:
+        what = "readable by group or others"
+    else:
+        return False
+    logging.getLogger("kvrc.config").warning(
+        "%s %s is %s (mode %03o): chmod 0600 or 0400 (a secret volume: defaultMode 0400)",
+        flag,
+        path,
+        what,
+        mode,
+    )
+    return True

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from coordinator.edges import cli
+from coordinator.edges.tls import warn_of_open_secret_file
 from kvrc.v1 import kvrc_pb2 as pb
 
 COMMANDS = [
@@ -332,4 +333,4 @@ def test_credentials_files_others_may_change_or_read_are_warned_of(
     key.write_text("not read here")
     for mode, warned in ((0o600, False), (0o644, True)):
         key.chmod(mode)
-        assert cli.warn_of_open_secret_file("--tls-key", key, secret_content=True) is warned
+        assert warn_of_open_secret_file("--tls-key", key, secret_content=True) is warned
