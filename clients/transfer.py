@@ -506,7 +506,6 @@ async def pull(
     in_flight: InFlightReads | None = None,
     on_submit: Callable[[NativeRead], None] | None = None,
     peer_slots: PeerSlots | None = None,
-    still_wanted: Callable[[], bool] = lambda: True,
 ) -> TransferResult:
     """Run `plan` as one batch read in `executor`, bounded by `deadline_s`.
 
@@ -530,9 +529,7 @@ async def pull(
     it returns (I6-quiescence). A frozen peer holds a thread for up to a minute: an
     executor with fewer threads than concurrent pulls fails the pulls queued behind
     such reads at their deadline; `peer_slots` caps the threads one peer's reads hold
-    (a read that gets no slot by its deadline is FAILED, never started, and so is one
-    whose `still_wanted()` is False once it has its slot: its lease was aborted while
-    it waited).
+    (a read that gets no slot by its deadline is FAILED, never started).
     """
     if deadline_s <= 0:
         raise ValueError(f"deadline_s must be positive, got {deadline_s}")
@@ -559,21 +556,15 @@ async def pull(
                 (),
             )
         left_s = deadline_s - (time.monotonic() - started)
-        why_not = (
-            "its load was called off while it waited for a slot"
-            if not still_wanted()
+        if left_s < MIN_READ_S:
             # A slot as the deadline passed: a read now would surely end UNKNOWN.
-            else f"a slot came too late ({deadline_s:.3f} s deadline)"
-            if left_s < MIN_READ_S
-            else ""
-        )
-        if why_not:
             peer_slots.release(plan.session_name)
             return TransferResult(
                 TransferOutcome.FAILED,
                 0,
                 0.0,
-                f"the read from {plan.session_name} did not start: {why_not}",
+                f"a slot for a read from {plan.session_name} came too late "
+                f"({deadline_s:.3f} s deadline)",
                 (),
             )
         deadline_s = left_s

@@ -533,7 +533,6 @@ class KvrcWorker:
             in_flight=self.in_flight,
             on_submit=submitted,
             peer_slots=self.peer_slots,
-            still_wanted=lambda: spec.lease_id not in self._aborted,
         )
         if result.outcome is TransferOutcome.SUCCEEDED:
             if fault == "corrupt":

@@ -915,46 +915,6 @@ async def test_a_slot_handed_over_as_its_waiter_times_out_is_passed_on(
     assert slots.held("a") == (1 if got else 0), got
 
 
-async def test_a_read_called_off_while_it_waits_for_a_slot_never_starts(
-    local: PagedKvCache, peer: Peer
-) -> None:
-    """A lease aborted while its pull waits for its peer's slot: the read, once it has
-    the slot, is not started (it would delay the abort's ack until it returned)."""
-    plan = replace(TransferPlan.build(local.describe(), peer.endpoint, [(0, 0)]), session_name="p")
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="two")
-    slots = PeerSlots(1)
-    reader = FrozenPeerA()  # "p" is not "peer-a": its reads return at once
-    wanted = [True]
-    try:
-        assert await slots.acquire("p", 1.0)  # another read holds p's one slot
-        waiting = asyncio.ensure_future(
-            pull(
-                reader,
-                plan,
-                deadline_s=NEVER_HANG_S,
-                executor=pool,
-                peer_slots=slots,
-                still_wanted=lambda: wanted[0],
-            )
-        )
-        await asyncio.sleep(0.05)
-        wanted[0] = False  # aborted
-        slots.release("p")  # the other read returned: the slot passes to this one
-        result = await waiting
-        assert result.outcome is TransferOutcome.FAILED and "called off" in result.error
-        assert reader.sessions == [] and slots.held("p") == 0
-        # Control: wanted, the same wait ends in a read.
-        assert await slots.acquire("p", 1.0)
-        again = asyncio.ensure_future(
-            pull(reader, plan, deadline_s=NEVER_HANG_S, executor=pool, peer_slots=slots)
-        )
-        await asyncio.sleep(0.05)
-        slots.release("p")
-        assert (await again).outcome is TransferOutcome.SUCCEEDED and reader.sessions == ["p"]
-    finally:
-        pool.shutdown(wait=True)
-
-
 async def test_closed_peer_slots_start_no_read_and_end_the_waits() -> None:
     slots = PeerSlots(1)
     assert await slots.acquire("a", 1.0)
