@@ -316,6 +316,13 @@ class TransferResult:
     tainted_block_ids: tuple[int, ...]
     native_read: NativeRead | None = field(default=None, repr=False)
 
+    @classmethod
+    def not_started(cls, error: str, native_read: NativeRead | None = None) -> TransferResult:
+        """A read that never ran: FAILED, nothing tainted, quiet, and no duration (its
+        wait says nothing of the link: a deadline-long one would teach the cost gate
+        that a healthy link is slow)."""
+        return cls(TransferOutcome.FAILED, 0, 0.0, error, (), native_read)
+
     def is_quiet(self) -> bool:
         return self.native_read is None or self.native_read.is_quiet()
 
@@ -546,26 +553,14 @@ async def pull(
         return TransferResult(TransferOutcome.SUCCEEDED, 0, 0.0, "", ())
 
     if peer_slots is not None:
-        if not await peer_slots.acquire(plan.session_name, deadline_s):
-            return TransferResult(
-                TransferOutcome.FAILED,
-                0,
-                0.0,  # never ran: its wait says nothing of the link
-                f"{peer_slots.per_peer} reads from {plan.session_name} already running (a "
-                f"frozen peer?); this one did not start within {deadline_s:.3f} s",
-                (),
-            )
+        acquired = await peer_slots.acquire(plan.session_name, deadline_s)
         left_s = deadline_s - (time.monotonic() - started)
-        if left_s < MIN_READ_S:
-            # A slot as the deadline passed: a read now would surely end UNKNOWN.
-            peer_slots.release(plan.session_name)
-            return TransferResult(
-                TransferOutcome.FAILED,
-                0,
-                0.0,
-                f"a slot for a read from {plan.session_name} came too late "
-                f"({deadline_s:.3f} s deadline)",
-                (),
+        if not acquired or left_s < MIN_READ_S:
+            if acquired:  # a slot as the deadline passed: a read now would end UNKNOWN
+                peer_slots.release(plan.session_name)
+            return TransferResult.not_started(
+                f"{peer_slots.per_peer} reads from {plan.session_name} already running (a "
+                f"frozen peer?); this one did not start within {deadline_s:.3f} s"
             )
         deadline_s = left_s
         try:
@@ -586,15 +581,9 @@ async def pull(
         native = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline_s)
     except TimeoutError:
         if future.cancel():
-            # No duration: the read never ran, so its wait says nothing of the link (a
-            # deadline-long FAILED would teach the cost gate a healthy link is slow).
-            return TransferResult(
-                TransferOutcome.FAILED,
-                0,
-                0.0,
+            return TransferResult.not_started(
                 f"the read from {plan.session_name} did not start within {deadline_s:.3f} s "
                 "(every pull thread busy, e.g. with reads from a frozen peer); cancelled",
-                (),
                 native_read,
             )
         return TransferResult(

@@ -805,12 +805,10 @@ class KvrcScheduler:
         self.loop.submit(self._report_unused(grant.lease_id, why))
 
     async def _report_unused(self, lease_id: str, why: str) -> None:
-        from clients.transfer import TransferOutcome, TransferResult
+        from clients.transfer import TransferResult
 
         for tp_rank in range(self.tp_size):
-            report = TransferResult(
-                TransferOutcome.FAILED, 0, 0.0, f"not used: {why}", ()
-            ).to_report(
+            report = TransferResult.not_started(f"not used: {why}").to_report(
                 lease_id=lease_id, reporter_child_engine_id=self.child_engine_id, tp_rank=tp_rank
             )
             with contextlib.suppress(KvrcClientError):

@@ -513,9 +513,7 @@ class KvrcWorker:
         except (IncompatibleLayoutError, ValueError) as exc:
             log.warning("%s: load of %s refused: %s", spec.flow, spec.request_id, exc)
             self.finished.count(f"{spec.flow}_refused")
-            await self._report(
-                spec, TransferResult(TransferOutcome.FAILED, 0, 0.0, f"refused: {exc}", ())
-            )
+            await self._report(spec, TransferResult.not_started(f"refused: {exc}"))
             return False, f"FAILED: refused: {exc}"
         fault, _, value = spec.test_fault.partition("=")
         if fault == "delay-before-pull":
