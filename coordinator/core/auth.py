@@ -27,8 +27,10 @@ to the `engine_id`s it may act for and to roles:
     sha256 = "..."
     roles = ["router"]          # Score, and Lookup for any requester: read only
 
-Only SHA-256 digests of tokens are kept in memory; a presented token is hashed
-and compared with `hmac.compare_digest` against every entry (no early exit).
+Only SHA-256 digests of tokens are kept in memory; a presented token is hashed,
+found by its digest (one dict probe, whatever the number of entries) and compared
+with `hmac.compare_digest`. The probe's timing could only tell a caller about the
+digest of its guess, not the token: finding a token from that is a SHA-256 preimage.
 A child engine belongs to engine E when it is E itself or `E_dp<N>` (vLLM's
 naming), or when the registry says so; a file where one credential's engine id
 is `E_dp<N>` of another credential's E is refused at load. Refusals are `AuthDenied` (a
@@ -78,10 +80,14 @@ class DenyReason(enum.Enum):
     FOREIGN_LEASE = "foreign_lease"
     NOT_ADMIN = "not_admin"
     NOT_ROUTER = "not_router"
+    # A registration whose KV-event endpoint is outside --kv-events-hosts: an engine
+    # may not point kvrc's sockets at other services.
+    KV_EVENTS_HOST = "kv_events_host"
 
 
 class AuthDenied(KvrcError):
-    """A refusal for identity reasons; state is unchanged."""
+    """A refusal by the access policy (who calls, or where an engine may point kvrc);
+    state is unchanged."""
 
     def __init__(self, reason: DenyReason, message: str) -> None:
         code = (
@@ -175,8 +181,17 @@ class AuthPolicy:
     def __init__(
         self, tokens: Sequence[_TokenEntry] = (), identities: Sequence[_IdentityEntry] = ()
     ) -> None:
-        self._tokens = tuple(tokens)
+        self._tokens = {entry.digest: entry for entry in tokens}
         self._identities = tuple(identities)
+        # Where each cn and uri is first named: a certificate's match is one probe per
+        # name it carries, and the file's first matching entry wins.
+        self._by_cn: dict[str, int] = {}
+        self._by_uri: dict[str, int] = {}
+        for index, identity in enumerate(self._identities):
+            if identity.cn:
+                self._by_cn.setdefault(identity.cn, index)
+            if identity.uri:
+                self._by_uri.setdefault(identity.uri, index)
 
     def __repr__(self) -> str:
         return f"AuthPolicy({len(self._tokens)} token(s), {len(self._identities)} identity(ies))"
@@ -191,19 +206,16 @@ class AuthPolicy:
         """A bearer token wins when present (it must be valid); else the certificate."""
         if token is not None:
             presented = token_digest(token)
-            found: Principal | None = None
-            for entry in self._tokens:  # every entry, no early exit: constant time
-                if hmac.compare_digest(presented, entry.digest):
-                    found = entry.principal
-            if found is None:
+            entry = self._tokens.get(presented)
+            if entry is None or not hmac.compare_digest(presented, entry.digest):
                 raise AuthDenied(DenyReason.UNAUTHENTICATED, "the bearer token is not recognised")
-            return found
+            return entry.principal
         if cert.common_name or cert.uri_sans:
-            for identity in self._identities:
-                if (identity.cn and identity.cn == cert.common_name) or (
-                    identity.uri and identity.uri in cert.uri_sans
-                ):
-                    return identity.principal
+            found = [self._by_uri.get(uri) for uri in cert.uri_sans]
+            found.append(self._by_cn.get(cert.common_name) if cert.common_name else None)
+            matches = [index for index in found if index is not None]
+            if matches:
+                return self._identities[min(matches)].principal
             raise AuthDenied(
                 DenyReason.UNAUTHENTICATED,
                 "the client certificate's identity is not in the credentials file",

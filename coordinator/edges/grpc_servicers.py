@@ -15,6 +15,7 @@ the stream's last, then the status (`session_error`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -27,7 +28,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
 
 from coordinator.core.auth import AuthDenied, AuthPolicy, DenyReason, Principal, Role
-from coordinator.core.errors import ErrorCode, KvrcError, invalid
+from coordinator.core.errors import ErrorCode, KvrcError, invalid, resource_exhausted
 from coordinator.core.grants import TransferReport
 from coordinator.core.leases import Flow
 from coordinator.edges import grpc_wire as wire
@@ -52,6 +53,12 @@ R = TypeVar("R")
 SessionMessageHandler = Callable[[CoordinatorSession, pb.EngineMessage], None]
 # Prefix loads one session may have waiting for their grant (SessionCall, revision 3).
 MAX_CALLS_IN_FLIGHT = 256
+# Session streams opened and not yet registered or refused (an engine sends Register
+# first, so only a flood or a stuck client has many); beyond it a stream is refused
+# RESOURCE_EXHAUSTED at once, unread.
+MAX_SESSIONS_OPENING = 1024
+# How long a stream refused for its credentials is read before its status is sent.
+REFUSED_READ_S = 1.0
 
 
 def status_code(code: ErrorCode) -> grpc.StatusCode:
@@ -222,6 +229,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         }
         # Per session id: its prefix loads waiting for their grant (SessionCall).
         self._calls: dict[str, set[asyncio.Task[None]]] = {}
+        self._opening = 0  # streams waiting for their Register (MAX_SESSIONS_OPENING)
 
     # --- the session stream --------------------------------------------------------
 
@@ -233,18 +241,22 @@ class EngineService(pb_grpc.EngineServiceServicer):
         session: CoordinatorSession | None = None
         reader: asyncio.Task[None] | None = None
         failure = _Failure()
+        opening = False
         try:
             try:
-                # Read Register before any refusal: a stream aborted while the client is
-                # still writing surfaces on the client as INTERNAL ("Internal error from
-                # Core") instead of the status sent, e.g. UNAUTHENTICATED.
-                try:
-                    first = await self._first_message(request_iterator)
-                except KvrcError:
-                    self._authenticate(context)  # an unauthenticated stream hears that
-                    raise
-                principal = self._authenticate(context)
+                if self._opening >= MAX_SESSIONS_OPENING:
+                    self._refuse_registration(ErrorCode.RESOURCE_EXHAUSTED)
+                    raise resource_exhausted(
+                        f"{MAX_SESSIONS_OPENING} session streams are waiting for their "
+                        "Register message already; retry with backoff"
+                    )
+                self._opening_changed(+1)
+                opening = True
+                principal = await self._authenticate(request_iterator, context)
+                first = await self._first_message(request_iterator)
                 session = await self._register(first, principal)
+                self._opening_changed(-1)
+                opening = False
                 reader = asyncio.create_task(self._read(request_iterator, session, failure))
                 while True:
                     out = await session.next_outbound()
@@ -280,6 +292,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
             counted = True
             await _abort(context, code, "internal error (see the coordinator log)")
         finally:
+            if opening:
+                self._opening_changed(-1)
             if reader is not None:
                 reader.cancel()
             if session is not None:
@@ -289,13 +303,29 @@ class EngineService(pb_grpc.EngineServiceServicer):
             if not counted:
                 self._observed.count("Session", code)
 
-    def _authenticate(self, context: Context) -> Principal | None:
-        """The session's caller; a refusal is a refused registration too (counted)."""
+    async def _authenticate(
+        self, requests: AsyncIterator[pb.EngineMessage], context: Context
+    ) -> Principal | None:
+        """The session's caller, before anything of the stream is read; a refusal is a
+        refused registration too (counted). A refused stream is read for at most
+        REFUSED_READ_S first: aborted while the client still writes its Register, it
+        would reach the client as INTERNAL ("Internal error from Core"), not the status
+        sent. So an anonymous stream is held that long, not the heartbeat timeout."""
         try:
             return self._gate.authenticate(context)
         except KvrcError as e:
-            self._coordinator.metrics.registrations.labels(result=e.code.value).inc()
+            self._refuse_registration(e.code)
+            # What it sent, or whether it sent anything, changes nothing.
+            with contextlib.suppress(Exception, StopAsyncIteration):
+                await asyncio.wait_for(anext(requests), REFUSED_READ_S)
             raise
+
+    def _opening_changed(self, by: int) -> None:
+        self._opening += by
+        self._coordinator.metrics.sessions_opening.set(self._opening)
+
+    def _refuse_registration(self, code: ErrorCode) -> None:
+        self._coordinator.metrics.registrations.labels(result=code.value).inc()
 
     async def _first_message(self, requests: AsyncIterator[pb.EngineMessage]) -> pb.EngineMessage:
         # A stream that never registers would hold resources: bound the wait.
@@ -314,12 +344,16 @@ class EngineService(pb_grpc.EngineServiceServicer):
         if kind != "register":
             raise invalid(f"the first session message must be register, got {kind or 'nothing'}")
         try:
+            # A rank part joins only an engine its credential is bound to, checked before
+            # the rest of the Register is read.
+            engine_id, child_engine_id = wire.registration_ids_from_proto(
+                first.register, self._bounds
+            )
+            self._gate.engine(principal, engine_id)
+            self._gate.child_engine(principal, child_engine_id, "child_engine_id")
             registration = wire.registration_from_proto(first.register, self._bounds)
-            # A rank part joins only an engine its credential is bound to.
-            self._gate.engine(principal, registration.engine_id)
-            self._gate.child_engine(principal, registration.child_engine_id, "child_engine_id")
         except KvrcError as e:
-            self._coordinator.metrics.registrations.labels(result=e.code.value).inc()
+            self._refuse_registration(e.code)
             raise
         return self._coordinator.open_session(registration)
 

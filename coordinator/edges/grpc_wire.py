@@ -18,8 +18,9 @@ from google.protobuf.message import Message
 
 from coordinator.core import events as ev
 from coordinator.core import inventory as inv
+from coordinator.core.auth import AuthDenied, DenyReason
 from coordinator.core.cost_model import Prediction
-from coordinator.core.errors import KvrcError, failed_precondition, invalid, permission_denied
+from coordinator.core.errors import KvrcError, failed_precondition, invalid
 from coordinator.core.grants import (
     BeginHandoffRequest,
     DrainNotice,
@@ -313,13 +314,22 @@ def endpoint_from_proto(msg: pb.TransferEndpoint, bounds: FieldBounds) -> Transf
     return TransferEndpoint.from_proto(msg)
 
 
-def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRegistration:
+def registration_ids_from_proto(msg: pb.Register, bounds: FieldBounds) -> tuple[str, str]:
+    """(engine_id, child_engine_id): what authorization needs, checked before the rest of
+    the message is, so that a credential learns nothing of what it may not register
+    (the --kv-events-hosts list, say)."""
     # First: an older client's message means something else field by field.
     mismatch = protocol_mismatch(msg.protocol_version)
     if mismatch is not None:
         raise failed_precondition(mismatch)
-    engine_id = check_id("engine_id", msg.engine_id, bounds)
-    child_engine_id = check_id("child_engine_id", msg.child_engine_id, bounds)
+    return (
+        check_id("engine_id", msg.engine_id, bounds),
+        check_id("child_engine_id", msg.child_engine_id, bounds),
+    )
+
+
+def registration_from_proto(msg: pb.Register, bounds: FieldBounds) -> RankPartRegistration:
+    engine_id, child_engine_id = registration_ids_from_proto(msg, bounds)
     if not msg.HasField("profile"):
         raise invalid("profile is missing")
     profile = profile_from_proto(msg.profile, bounds)
@@ -411,9 +421,10 @@ def _check_kv_events_endpoint(
     except KvrcError as e:
         raise invalid(f"{field}: {e.message}") from None
     if not host_allowed(endpoint_host(subscribed), bounds.kv_events_hosts):
-        raise permission_denied(
+        raise AuthDenied(
+            DenyReason.KV_EVENTS_HOST,
             f"{field}: kvrc would {'bind' if binds else 'connect to'} {subscribed}, a host "
-            f"outside --kv-events-hosts ({', '.join(bounds.kv_events_hosts)})"
+            f"outside --kv-events-hosts ({', '.join(bounds.kv_events_hosts)})",
         )
 
 

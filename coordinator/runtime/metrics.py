@@ -103,6 +103,12 @@ class Metrics:
             ["state"],
             registry=r,
         )
+        self.sessions_opening = Gauge(
+            "kvrc_sessions_opening",
+            "Session streams opened and waiting for their Register message "
+            "(at most 1,024; past it streams are refused RESOURCE_EXHAUSTED).",
+            registry=r,
+        )
         self.registrations = Counter(
             "kvrc_registrations_total",
             "Rank-part registrations, by result (ok or the gRPC status code).",
@@ -354,8 +360,8 @@ class Metrics:
 
         self.auth_denied = Counter(
             "kvrc_auth_denied_total",
-            "Requests refused for identity reasons, by reason "
-            "(unauthenticated, foreign_engine, foreign_lease, not_admin, not_router).",
+            "Requests refused by the access policy, by reason (unauthenticated, "
+            "foreign_engine, foreign_lease, not_admin, not_router, kv_events_host).",
             ["reason"],
             registry=r,
         )

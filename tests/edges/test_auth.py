@@ -142,6 +142,61 @@ def test_no_other_string_authenticates(guess: str) -> None:
         assert guess in TOKENS.values() and principal.name.endswith("-cred")
 
 
+def test_a_token_is_found_in_one_probe_whatever_the_number_of_credentials(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Complexity, by count: authenticating compares the presented digest with one
+    entry at most, not with every entry of the file (10,000 here)."""
+    import hmac
+
+    tokens = [f"tok-many-{i:06d}-0123456789" for i in range(10_000)]
+    document = {
+        "token": [
+            {
+                "name": f"engine-{i}",
+                "sha256": hashlib.sha256(t.encode()).hexdigest(),
+                "engine_ids": [f"e{i}"],
+            }
+            for i, t in enumerate(tokens)
+        ]
+    }
+    policy = parse_auth_policy(document)
+    compared: list[int] = []
+    real = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        compared.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", counting)
+    for i in (0, 4_321, 9_999):
+        assert policy.authenticate(tokens[i], CertIdentity()).engine_ids == {f"e{i}"}
+    for guess in ("tok-many-000000-0123456788", tokens[5][:-1] + "x"):
+        with pytest.raises(AuthDenied, match="not recognised"):
+            policy.authenticate(guess, CertIdentity())
+    assert len(compared) <= 5  # one per call at most, against 10,000 per call scanning
+
+
+def test_a_certificate_naming_two_identities_gets_the_first_in_the_file() -> None:
+    policy = parse_auth_policy(
+        {
+            "identity": [
+                {"name": "by-uri", "uri": "spiffe://c/kvrc/a", "engine_ids": ["a"]},
+                {"name": "by-cn", "cn": "b", "engine_ids": ["b"]},
+                {"name": "by-uri-2", "uri": "spiffe://c/kvrc/c", "engine_ids": ["c"]},
+            ]
+        }
+    )
+    both = CertIdentity("b", uri_sans=("spiffe://c/kvrc/c", "spiffe://c/kvrc/a"))
+    assert policy.authenticate(None, both).name == "by-uri"
+    assert policy.authenticate(None, CertIdentity("b", ("spiffe://c/kvrc/c",))).name == "by-cn"
+    assert policy.authenticate(None, CertIdentity("zz", ("spiffe://c/kvrc/c",))).name == "by-uri-2"
+    # A URI identity is not matched by the common name, nor a cn identity by a URI SAN.
+    for stranger in (CertIdentity("spiffe://c/kvrc/a"), CertIdentity("", ("b",))):
+        with pytest.raises(AuthDenied, match="not in the credentials file"):
+            policy.authenticate(None, stranger)
+
+
 def test_child_engines_follow_vllm_naming() -> None:
     assert child_engine_belongs_to("e", "e")
     assert child_engine_belongs_to("e_dp0", "e")
@@ -721,3 +776,119 @@ def test_serve_refuses_overlapping_engine_ids_in_one_line(tmp_path: Path) -> Non
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "'p_dp0' of credential 'p0-cred' overlaps engine 'p'" in lines[0]
     assert "0123456789abcdef" not in done.stderr
+
+
+# --- session streams before Register; a Register authorized before it is validated ------
+
+
+@pytest.fixture(scope="module")
+def kvrc_slow_register(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
+    """Engines get a minute to send Register; KV events only from 10.0.0.0/8."""
+    path = tmp_path_factory.mktemp("auth-slow") / "auth.toml"
+    path.write_text(CREDENTIALS)
+    with start_coordinator(
+        "--auth-tokens",
+        str(path),
+        "--heartbeat-timeout-ms",
+        "60000",
+        "--kv-events-hosts",
+        "10.0.0.0/8",
+    ) as coordinator:
+        yield coordinator
+
+
+async def test_a_stream_refused_for_its_credentials_is_not_held_until_the_heartbeat_timeout(
+    kvrc_slow_register: CoordinatorProcess,
+) -> None:
+    """Credentials are checked when the stream opens: an anonymous stream that sends
+    nothing hears UNAUTHENTICATED after about a second (REFUSED_READ_S), not after the
+    minute an engine has to register (the client's 20 s deadline would end it first)."""
+    kvrc = kvrc_slow_register
+    for who in (None, "wrong"):
+        async with connect(_raw_options(kvrc, who)) as channel:
+            call: Any = channel.stream_stream(_SESSION_PATH, _as_is, _as_is)(timeout=20)  # type: ignore[call-arg]
+            assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert metric_value(kvrc, "kvrc_sessions_opening") == 0
+
+
+def _outside_registration(engine_id: str) -> RankPartRegistration:
+    return RankPartRegistration(
+        engine_id=engine_id,
+        profile=EngineProfile(model="m", block_size=16),
+        kv_events_endpoint="tcp://192.0.2.1:5557",  # kvrc would bind there: outside 10/8
+    )
+
+
+async def test_a_register_is_authorized_before_the_rest_of_it_is_checked(
+    kvrc_slow_register: CoordinatorProcess,
+) -> None:
+    """A credential that may not register engine p hears that, not what else is wrong
+    with the registration (here the --kv-events-hosts list); the rightful credential
+    hears the endpoint refusal, counted under its own reason, not `foreign_lease`."""
+    kvrc = kvrc_slow_register
+    before = _denied_counts(kvrc)
+    with pytest.raises(PermissionDeniedError) as foreign:
+        await EngineSession(
+            _options(kvrc, "intruder"), _outside_registration("p"), reconnect=False
+        ).start()
+    assert "intruder-cred" in foreign.value.message and "'p'" in foreign.value.message
+    assert "kv-events" not in foreign.value.message and "10.0.0.0" not in foreign.value.message
+    with pytest.raises(PermissionDeniedError) as outside:
+        await EngineSession(
+            _options(kvrc, "prefill"), _outside_registration("p"), reconnect=False
+        ).start()
+    assert "outside --kv-events-hosts (10.0.0.0/8)" in outside.value.message
+    after = _denied_counts(kvrc)
+    assert after["foreign_engine"] - before["foreign_engine"] == 1
+    assert after["kv_events_host"] - before["kv_events_host"] == 1
+    assert after["foreign_lease"] == before["foreign_lease"]
+    reader = Caller(kvrc, "reader")
+    status = await reader.admin.GetStatus(pb.StatusRequest(), timeout=5)
+    assert not status.child_engines  # nothing registered
+    await reader.close()
+
+
+async def test_streams_waiting_for_their_register_are_capped(
+    kvrc_slow_register: CoordinatorProcess,
+) -> None:
+    """MAX_SESSIONS_OPENING streams may wait for their Register (an authenticated
+    stream has the heartbeat timeout, a minute here); the next one is refused
+    RESOURCE_EXHAUSTED at once and counted; once they go, an engine registers."""
+    from coordinator.edges.grpc_servicers import MAX_SESSIONS_OPENING
+
+    kvrc = kvrc_slow_register
+    refused_before = metric_value(kvrc, "kvrc_registrations_total", result="RESOURCE_EXHAUSTED")
+    channels = [connect(_options(kvrc, "prefill")) for _ in range(4)]
+    waiting: list[Any] = [
+        channels[i % 4].stream_stream(_SESSION_PATH, _as_is, _as_is)(timeout=120)  # type: ignore[call-arg]
+        for i in range(MAX_SESSIONS_OPENING)
+    ]
+    try:
+        deadline = asyncio.get_running_loop().time() + 60
+        while metric_value(kvrc, "kvrc_sessions_opening") < MAX_SESSIONS_OPENING:
+            assert asyncio.get_running_loop().time() < deadline, "the streams never opened"
+            await asyncio.sleep(0.2)
+        assert all(not call.done() for call in waiting)
+        with pytest.raises(KvrcClientError) as full:
+            await EngineSession(
+                _options(kvrc, "prefill"), _registration("p"), reconnect=False
+            ).start()
+        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "waiting for their Register" in full.value.message
+        assert metric_value(kvrc, "kvrc_sessions_opening") == MAX_SESSIONS_OPENING
+        assert (
+            metric_value(kvrc, "kvrc_registrations_total", result="RESOURCE_EXHAUSTED")
+            == refused_before + 1
+        )
+    finally:
+        for call in waiting:
+            call.cancel()
+    deadline = asyncio.get_running_loop().time() + 30
+    while metric_value(kvrc, "kvrc_sessions_opening") > 0:
+        assert asyncio.get_running_loop().time() < deadline, "cancelled streams still counted"
+        await asyncio.sleep(0.2)
+    session = EngineSession(_options(kvrc, "prefill"), _registration("p"), reconnect=False)
+    await session.start()
+    await session.close()
+    for channel in channels:
+        await channel.close(None)

@@ -191,6 +191,10 @@ WIRE_DECODERS: dict[str, tuple[type[Message], Callable[[Any], object]]] = {
         pb.Register,
         lambda m: wire.registration_from_proto(_speaking_this_protocol(m), BOUNDS),
     ),
+    "registration_ids_from_proto": (
+        pb.Register,
+        lambda m: wire.registration_ids_from_proto(_speaking_this_protocol(m), BOUNDS),
+    ),
     "_held_leases_from_proto": (
         pb.Register,
         lambda m: wire._held_leases_from_proto(m, BOUNDS),
