@@ -413,47 +413,77 @@ def _handed(granted: asyncio.Future[None]) -> bool:
 
 
 class PeerSlots:
-    """At most `per_peer` native reads from one peer (Mooncake session) hold threads.
+    """Which native reads may hold a pull thread: at most `per_peer` from one peer
+    (Mooncake session), and at most `threads` running at once.
 
     A frozen peer holds each read's thread for up to a minute. Uncapped, its reads can
     take every pull thread, and loads from healthy peers queued behind them fail at
     their deadline; capped, its further reads wait here (their deadline running) and
-    the other peers' reads keep threads. A slot is held until the native call returns,
-    not until `pull` gives up on it. Used on one event loop; the executor's threads hand
-    their slot back through it (`call_soon_threadsafe`).
+    the other peers' reads keep threads. A read past its deadline (`overdue`: `pull`
+    answered UNKNOWN, the native call is still inside the peer) keeps its peer's slot
+    but gives its running place back, up to `spare` such reads: so several frozen peers
+    (a partitioned rack) do not take every thread either, and the executor needs
+    `threads + spare` workers. A slot is held until the native call returns, not until
+    `pull` gives up on it. Used on one event loop; the executor's threads hand their
+    slot back through it (`call_soon_threadsafe`).
     """
 
-    def __init__(self, per_peer: int) -> None:
+    def __init__(self, per_peer: int, threads: int | None = None, spare: int = 0) -> None:
         if per_peer < 1:
             raise ValueError(f"per_peer must be >= 1, got {per_peer}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if spare < 0:
+            raise ValueError(f"spare must not be negative, got {spare}")
         self.per_peer = per_peer
+        self.threads = threads  # None: no bound over all peers (the executor's own)
+        self.spare = spare
         self._held: dict[str, int] = {}
-        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        self._running = 0  # reads holding a running place (not overdue)
+        self._overdue: set[concurrent.futures.Future[_NativeReturn]] = set()
+        # FIFO; a waiter is granted once its peer and the running places allow it.
+        self._waiting: deque[tuple[str, asyncio.Future[None]]] = deque()
         self._closed = False
 
     def close(self) -> None:
         """No read starts any more (a shutdown): every waiter, and every later
         `acquire`, gets False; slots held are still handed back as their reads return."""
         self._closed = True
-        for queue in self._waiting.values():
-            for waiter in queue:
-                if not waiter.done():
-                    waiter.set_exception(_SlotsClosed())
+        for _, waiter in self._waiting:
+            if not waiter.done():
+                waiter.set_exception(_SlotsClosed())
 
     def held(self, peer: str) -> int:
         return self._held.get(peer, 0)
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def overdue(self) -> int:
+        return len(self._overdue)
+
+    def _may_start(self, peer: str) -> bool:
+        return self.held(peer) < self.per_peer and (
+            self.threads is None or self._running < self.threads
+        )
+
+    def _take(self, peer: str) -> None:
+        self._held[peer] = self.held(peer) + 1
+        self._running += 1
 
     async def acquire(self, peer: str, timeout_s: float) -> bool:
         """A slot for one read from `peer`; False when none came within `timeout_s`, or
         the slots are closed."""
         if self._closed:
             return False
-        if self.held(peer) < self.per_peer and not self._waiting.get(peer):
-            self._held[peer] = self.held(peer) + 1
+        if self._may_start(peer) and not any(p == peer for p, _ in self._waiting):
+            self._take(peer)
             return True
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        queue = self._waiting.setdefault(peer, deque())
-        queue.append(granted)
+        entry = (peer, granted)
+        self._waiting.append(entry)
         try:
             await asyncio.wait_for(granted, timeout_s)
             return True
@@ -470,24 +500,39 @@ class PeerSlots:
                 self.release(peer)  # handed over just as this waiter was cancelled
             raise
         finally:
-            if granted in queue:
-                queue.remove(granted)
-            if not queue and self._waiting.get(peer) is queue:
-                del self._waiting[peer]
+            if entry in self._waiting:
+                self._waiting.remove(entry)
 
-    def release(self, peer: str) -> None:
-        """One read from `peer` returned: its slot goes to the next waiter, if any."""
-        queue = self._waiting.get(peer)
-        while queue:
-            waiter = queue.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes on; the count stays
-                return
+    def release(self, peer: str, overdue: bool = False) -> None:
+        """One read from `peer` returned (or never ran): its slot, and its running place
+        unless it was overdue, go to the waiters that may start now."""
         left = self.held(peer) - 1
         if left > 0:
             self._held[peer] = left
         else:
             self._held.pop(peer, None)
+        if not overdue:
+            self._running -= 1
+        self._grant()
+
+    def _grant(self) -> None:
+        for entry in list(self._waiting):
+            peer, waiter = entry
+            if waiter.done():
+                continue
+            if self._may_start(peer):
+                self._take(peer)
+                waiter.set_result(None)
+                self._waiting.remove(entry)
+
+    def mark_overdue(self, future: concurrent.futures.Future[_NativeReturn]) -> None:
+        """`pull` gave up on this running read: it keeps its peer's slot until it returns,
+        and gives its running place to others while fewer than `spare` reads are overdue."""
+        if future.done() or len(self._overdue) >= self.spare:
+            return
+        self._overdue.add(future)
+        self._running -= 1
+        self._grant()
 
     def release_when_done(
         self, peer: str, future: concurrent.futures.Future[_NativeReturn]
@@ -495,9 +540,14 @@ class PeerSlots:
         """Hands the slot back once the native call returns (or is cancelled)."""
         loop = asyncio.get_running_loop()
 
+        def on_loop() -> None:
+            was_overdue = future in self._overdue
+            self._overdue.discard(future)
+            self.release(peer, overdue=was_overdue)
+
         def returned(_: object) -> None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self.release, peer)
+                loop.call_soon_threadsafe(on_loop)
 
         future.add_done_callback(returned)
 
@@ -559,8 +609,9 @@ async def pull(
             if acquired:  # a slot as the deadline passed: a read now would end UNKNOWN
                 peer_slots.release(plan.session_name)
             return TransferResult.not_started(
-                f"{peer_slots.per_peer} reads from {plan.session_name} already running (a "
-                f"frozen peer?); this one did not start within {deadline_s:.3f} s"
+                f"{peer_slots.held(plan.session_name)} read(s) from {plan.session_name} and "
+                f"{peer_slots.running} in all already running (frozen peers?); this one "
+                f"did not start within {deadline_s:.3f} s"
             )
         deadline_s = left_s
         try:
@@ -586,6 +637,8 @@ async def pull(
                 "(every pull thread busy, e.g. with reads from a frozen peer); cancelled",
                 native_read,
             )
+        if peer_slots is not None:
+            peer_slots.mark_overdue(future)
         return TransferResult(
             TransferOutcome.UNKNOWN,
             0,

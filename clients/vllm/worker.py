@@ -83,7 +83,10 @@ from kvrc.v1 import kvrc_pb2 as pb
 log = logging.getLogger("kvrc.vllm.worker")
 
 RPC_TIMEOUT_S = 10.0
-PULL_THREADS = 8  # native reads of this worker at once
+PULL_THREADS = 8  # native reads of this worker running at once
+# Threads for reads past their deadline (inside frozen peers, idle until Mooncake gives
+# up on them) that gave their running place back: 24 is six frozen peers' worth.
+SPARE_PULL_THREADS = 24
 
 # vLLM dtype -> kvrc's protocol dtype name
 _DTYPE_NAMES = {
@@ -255,10 +258,13 @@ class KvrcWorker:
         self.ready = threading.Event()
         self.in_flight = InFlightReads()
         self.executor = concurrent.futures.ThreadPoolExecutor(
-            PULL_THREADS, thread_name_prefix="kvrc-pull"
+            PULL_THREADS + SPARE_PULL_THREADS, thread_name_prefix="kvrc-pull"
         )
-        # A frozen peer holds a thread per read for up to a minute: it may hold half.
-        self.peer_slots = PeerSlots(PULL_THREADS // 2)
+        # A frozen peer holds a thread per read for up to a minute: it may hold half of
+        # the running places, and its overdue reads move to the spare threads.
+        self.peer_slots = PeerSlots(
+            PULL_THREADS // 2, threads=PULL_THREADS, spare=SPARE_PULL_THREADS
+        )
         self._started_loads: dict[str, None] = {}
         self._reads_by_lease: dict[str, list[NativeRead]] = {}
         self._pulls_running: dict[str, list[asyncio.Future[None]]] = {}
@@ -544,7 +550,7 @@ class KvrcWorker:
             task.add_done_callback(self._reports.discard)
         else:
             await self._report(spec, result)
-        if result.outcome is not TransferOutcome.SUCCEEDED:
+        if result.tainted_block_ids:
             # Hold the destination blocks until no entry of the read can still land.
             log.warning(
                 "%s of %s: %s %s; holding %d block(s) until the read is quiet",
@@ -552,10 +558,19 @@ class KvrcWorker:
                 spec.request_id,
                 result.outcome.value,
                 result.error,
-                len(spec.local_block_ids),
+                len(result.tainted_block_ids),
             )
             await result.wait_quiet()
             self.finished.count(f"{spec.flow}_held_until_quiet")
+        elif result.outcome is not TransferOutcome.SUCCEEDED:
+            # Quiet already (it never ran, or failed and settled): nothing to hold.
+            log.warning(
+                "%s of %s: %s %s; recomputing",
+                spec.flow,
+                spec.request_id,
+                result.outcome.value,
+                result.error,
+            )
         ok = result.outcome is TransferOutcome.SUCCEEDED
         return ok, result.outcome.value if ok else f"{result.outcome.value}: {result.error}"
 

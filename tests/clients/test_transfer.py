@@ -827,16 +827,17 @@ async def test_a_waiter_that_swallowed_an_earlier_cancel_still_sees_a_cancelled_
         pool.shutdown(wait=True)
 
 
-class FrozenPeerA:
-    """Reads from session "peer-a" block until released (a frozen peer); others return."""
+class FrozenPeers:
+    """Reads from the sessions in `frozen` block until released; others return."""
 
-    def __init__(self) -> None:
+    def __init__(self, *frozen: str) -> None:
+        self.frozen = set(frozen)
         self.release = threading.Event()
         self.sessions: list[str] = []
 
     def read_batch(self, session_name: str, *args: object) -> int:
         self.sessions.append(session_name)
-        if session_name == "peer-a":
+        if session_name in self.frozen:
             self.release.wait(timeout=30)
         return 0
 
@@ -853,7 +854,7 @@ async def test_a_frozen_peer_holds_no_more_pull_threads_than_its_slots(
     from_a, from_b = replace(base, session_name="peer-a"), replace(base, session_name="peer-b")
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="two")
     slots = PeerSlots(1) if capped else None
-    reader = FrozenPeerA()
+    reader = FrozenPeers("peer-a")
     try:
         first = await pull(reader, from_a, deadline_s=0.05, executor=pool, peer_slots=slots)
         second = await pull(reader, from_a, deadline_s=0.1, executor=pool, peer_slots=slots)
@@ -875,6 +876,73 @@ async def test_a_frozen_peer_holds_no_more_pull_threads_than_its_slots(
     finally:
         reader.release.set()
         pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("spare", [2, 0], ids=["spare-threads", "no-spare"])
+async def test_two_frozen_peers_leave_the_running_places_to_healthy_peers(
+    local: PagedKvCache, peer: Peer, spare: int
+) -> None:
+    """Two running places, one slot per peer, two frozen peers (a partitioned rack): each
+    frozen read passes its deadline (UNKNOWN) and moves to a spare thread, so a read from
+    healthy C runs. Without spare threads (the control) the two frozen reads keep both
+    running places and C's read never starts until they return."""
+    base = TransferPlan.build(local.describe(), peer.endpoint, [(0, 0)])
+    plans = {name: replace(base, session_name=name) for name in ("peer-a", "peer-b", "peer-c")}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 + spare)
+    slots = PeerSlots(1, threads=2, spare=spare)
+    reader = FrozenPeers("peer-a", "peer-b")
+    try:
+        frozen = [
+            await pull(reader, plans[name], deadline_s=0.05, executor=pool, peer_slots=slots)
+            for name in ("peer-a", "peer-b")
+        ]
+        assert [r.outcome for r in frozen] == [TransferOutcome.UNKNOWN] * 2
+        # A frozen peer's next read still waits for that peer's slot, spare threads or not.
+        again = await pull(
+            reader, plans["peer-a"], deadline_s=0.05, executor=pool, peer_slots=slots
+        )
+        assert again.outcome is TransferOutcome.FAILED and "already running" in again.error
+        healthy = await pull(
+            reader, plans["peer-c"], deadline_s=1.0, executor=pool, peer_slots=slots
+        )
+        if spare:
+            assert healthy.outcome is TransferOutcome.SUCCEEDED
+            assert slots.overdue == 2 and slots.running == 0
+        else:
+            assert healthy.outcome is TransferOutcome.FAILED and "2 in all" in healthy.error
+            assert slots.overdue == 0 and slots.running == 2
+        assert reader.sessions == ["peer-a", "peer-b"] + (["peer-c"] if spare else [])
+        reader.release.set()
+        for result in frozen:
+            assert await result.wait_quiet(NEVER_HANG_S)
+        await wait_until(
+            lambda: (slots.running, slots.overdue, slots.held("peer-a")) == (0, 0, 0),
+            NEVER_HANG_S,
+            what="every slot back",
+        )
+    finally:
+        reader.release.set()
+        pool.shutdown(wait=True)
+
+
+async def test_overdue_reads_past_the_spare_keep_their_running_place() -> None:
+    """At most `spare` reads give their running place back: more frozen peers than that
+    cannot make the slots start more reads than running places plus spare threads."""
+    slots = PeerSlots(1, threads=1, spare=1)
+    reads = [concurrent.futures.Future[Any]() for _ in range(3)]
+    for i in range(2):
+        assert await slots.acquire(f"p{i}", 1.0)
+        slots.release_when_done(f"p{i}", reads[i])
+        slots.mark_overdue(reads[i])
+    assert (slots.running, slots.overdue) == (1, 1)  # the second kept its place
+    assert await slots.acquire("p2", 0.05) is False  # no thread left for a third
+    reads[0].set_result(None)  # the first frozen read returns: the spare is free again
+    await wait_until(lambda: slots.overdue == 0, NEVER_HANG_S, what="the spare back")
+    assert slots.running == 1 and await slots.acquire("p2", 0.05) is False
+    slots.mark_overdue(reads[1])  # now the second may move to the spare thread
+    assert await slots.acquire("p2", 1.0) is True
+    with pytest.raises(ValueError, match="threads"):
+        PeerSlots(1, threads=0)
 
 
 async def test_a_peer_slot_passes_to_the_next_waiter_and_a_late_one_gives_up() -> None:

@@ -180,6 +180,10 @@ def test_holder_killed_mid_load_requester_recomputes(cluster: Cluster) -> None:
         "prefix_load_load_failures", before.get("prefix_load_load_failures", 0) + 1
     )
     assert stats["prefix_load_load_failures"] == before.get("prefix_load_load_failures", 0) + 1
+    # The read failed and settled: nothing could still land, so no block was held.
+    assert stats.get("workers_prefix_load_held_until_quiet", 0) == before.get(
+        "workers_prefix_load_held_until_quiet", 0
+    )
     wait_until(lambda: open_leases(cluster.kvrc) == 0, 60, "kvrc's lease ended")
     # R still serves, with nothing to load from.
     assert cluster.requester.generate(random_prompt(23, 64), max_tokens=4)["tokens"]
