@@ -478,7 +478,7 @@ class PeerSlots:
         the slots are closed."""
         if self._closed:
             return False
-        if self._may_start(peer) and not any(p == peer for p, _ in self._waiting):
+        if self._may_start(peer) and not any(p == peer and not w.done() for p, w in self._waiting):
             self._take(peer)
             return True
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -486,6 +486,9 @@ class PeerSlots:
         self._waiting.append(entry)
         try:
             await asyncio.wait_for(granted, timeout_s)
+            if self._closed:  # handed a slot just before the shutdown closed them
+                self.release(peer)
+                return False
             return True
         except TimeoutError:
             # Handed a slot as the deadline passed (Python 3.12's wait_for cannot cancel
@@ -502,6 +505,7 @@ class PeerSlots:
         finally:
             if entry in self._waiting:
                 self._waiting.remove(entry)
+                self._grant()  # a waiter behind this one may start now
 
     def release(self, peer: str, overdue: bool = False) -> None:
         """One read from `peer` returned (or never ran): its slot, and its running place
@@ -528,7 +532,7 @@ class PeerSlots:
     def mark_overdue(self, future: concurrent.futures.Future[_NativeReturn]) -> None:
         """`pull` gave up on this running read: it keeps its peer's slot until it returns,
         and gives its running place to others while fewer than `spare` reads are overdue."""
-        if future.done() or len(self._overdue) >= self.spare:
+        if future.done() or future in self._overdue or len(self._overdue) >= self.spare:
             return
         self._overdue.add(future)
         self._running -= 1
@@ -550,6 +554,23 @@ class PeerSlots:
                 loop.call_soon_threadsafe(on_loop)
 
         future.add_done_callback(returned)
+
+
+# A rank part's native reads running at once, and the spare threads that reads past
+# their deadline (inside frozen peers, idle until Mooncake gives up on them) move to:
+# 24 is six frozen peers' worth of overdue reads (PeerSlots).
+PULL_THREADS = 8
+SPARE_PULL_THREADS = 24
+
+
+def pull_threads(name: str) -> tuple[concurrent.futures.ThreadPoolExecutor, PeerSlots]:
+    """A rank part's pull threads and the slots that share them out: one peer's reads
+    hold at most half the running places, and overdue reads move to the spare threads.
+    Close the slots at shutdown, before waiting for the reads in flight."""
+    executor = concurrent.futures.ThreadPoolExecutor(
+        PULL_THREADS + SPARE_PULL_THREADS, thread_name_prefix=name
+    )
+    return executor, PeerSlots(PULL_THREADS // 2, threads=PULL_THREADS, spare=SPARE_PULL_THREADS)
 
 
 async def pull(

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -96,6 +95,7 @@ from clients.transfer import (
     endpoint_to_session,
     plan_rank_part_pull,
     pull,
+    pull_threads,
     rank_part_descriptor,
 )
 from kvrc.kv_params import encode_kv_transfer_params
@@ -150,8 +150,8 @@ class RankPart:
         )
         self.cache = PagedKvCache(self.layout, device=options.device)
         self.endpoint = self.cache.register(self.transfer_engine)
-        # A frozen peer holds a thread for up to a minute: room for several.
-        self.executor = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="pull")
+        # A frozen peer holds a thread per read for up to a minute (PeerSlots).
+        self.executor, self.peer_slots = pull_threads("pull")
         self.in_flight = InFlightReads()
         self._reads_by_lease: dict[str, list[NativeRead]] = {}
         self.read_ledger = ReadLedger()  # for checks from outside (the soak)
@@ -210,7 +210,10 @@ class RankPart:
         await self.handler.flush_release_acks()  # while the stream is up
         await self.session.close()
         await self.handler.aclose()
-        # Shutdown waits for native reads: never free memory a read may still write.
+        # No read starts from here on (one waiting for its peer's slot would land after
+        # the wait below); shutdown waits for native reads: never free memory a read
+        # may still write.
+        self.peer_slots.close()
         await self.in_flight.wait_all_quiet(timeout_s=5.0)
         await self._channels.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -330,6 +333,7 @@ class RankPart:
             executor=self.executor,
             in_flight=self.in_flight,
             on_submit=submitted,
+            peer_slots=self.peer_slots,
         )
         report = result.to_report(
             lease_id=lease_id,

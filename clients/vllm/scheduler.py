@@ -382,6 +382,11 @@ class KvrcScheduler:
             )
             self._count("pins" if block_ids else "pin_misses")
             return block_ids
+        if op == "unpin":  # a pin its worker stopped waiting for (kvrc heard a miss)
+            undone = self.pins.release(str(args["lease_id"]))
+            if undone:
+                self._count("late_pins_undone")
+            return undone
         if op == "release":
             lease_id = str(args["lease_id"])
             released = self.pins.release(lease_id)

@@ -20,7 +20,6 @@ once the read is proven quiet (a failed Mooncake batch keeps landing entries).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -61,12 +60,12 @@ from clients.session import (
 from clients.transfer import (
     InFlightReads,
     NativeRead,
-    PeerSlots,
     TransferOutcome,
     TransferResult,
     endpoint_to_session,
     plan_rank_part_pull,
     pull,
+    pull_threads,
     rank_part_descriptor,
 )
 from clients.vllm.config import KvrcConnectorConfig, hash_declaration, vllm_instance_id
@@ -83,10 +82,6 @@ from kvrc.v1 import kvrc_pb2 as pb
 log = logging.getLogger("kvrc.vllm.worker")
 
 RPC_TIMEOUT_S = 10.0
-PULL_THREADS = 8  # native reads of this worker running at once
-# Threads for reads past their deadline (inside frozen peers, idle until Mooncake gives
-# up on them) that gave their running place back: 24 is six frozen peers' worth.
-SPARE_PULL_THREADS = 24
 
 # vLLM dtype -> kvrc's protocol dtype name
 _DTYPE_NAMES = {
@@ -257,14 +252,8 @@ class KvrcWorker:
         self.refused = ""
         self.ready = threading.Event()
         self.in_flight = InFlightReads()
-        self.executor = concurrent.futures.ThreadPoolExecutor(
-            PULL_THREADS + SPARE_PULL_THREADS, thread_name_prefix="kvrc-pull"
-        )
-        # A frozen peer holds a thread per read for up to a minute: it may hold half of
-        # the running places, and its overdue reads move to the spare threads.
-        self.peer_slots = PeerSlots(
-            PULL_THREADS // 2, threads=PULL_THREADS, spare=SPARE_PULL_THREADS
-        )
+        # A frozen peer holds a thread per read for up to a minute (PeerSlots).
+        self.executor, self.peer_slots = pull_threads("kvrc-pull")
         self._started_loads: dict[str, None] = {}
         self._reads_by_lease: dict[str, list[NativeRead]] = {}
         self._pulls_running: dict[str, list[asyncio.Future[None]]] = {}
@@ -769,11 +758,34 @@ class KvrcWorker:
                 )
             self.finished.count("pins_unreachable")
             return PinAnswer(0, error_message=f"the engine's scheduler side is unreachable: {e}")
+        except TimeoutError:
+            # kvrc hears a miss, but the scheduler side may still take the pin (its loop
+            # was stuck): undo it then, or its blocks stay pinned until the safety net
+            # (the lease's deadline + 60 s). The unpin queues behind the pin.
+            self.finished.count("pins_timed_out")
+            self.loop.spawn_later(0.0, lambda: self._unpin_late(info.lease_id))
+            return PinAnswer(
+                0,
+                error_message=f"the engine's scheduler side did not answer the pin within "
+                f"{RPC_TIMEOUT_S:g} s",
+            )
         if not block_ids:
             return PinAnswer(0)
         descriptor = rank_part_descriptor(self.endpoint, block_ids, tp_rank=self.tp_rank)
         self.finished.count("pins")
         return PinAnswer(len(block_ids), descriptor)
+
+    async def _unpin_late(self, lease_id: str) -> None:
+        try:
+            if await self._scheduler_call("unpin", lease_id=lease_id):
+                log.info("lease %s: a pin taken after its answer timed out was undone", lease_id)
+        except Exception as e:
+            log.warning(
+                "lease %s: a pin the scheduler side may take late was not undone (%s); its "
+                "safety net frees it",
+                lease_id,
+                e,
+            )
 
     async def _abort(self, lease_id: str, reason: str) -> None:
         """Resolves only once no read of the lease can still land (then kvrc gets the ack).

@@ -229,6 +229,18 @@ class AuthPolicy:
     # --- authorization ----------------------------------------------------------
 
     @staticmethod
+    def check_session(principal: Principal) -> None:
+        """A session carries a rank part of an engine: a credential bound to no engine
+        (a router's, an operator's) has none to register."""
+        if not principal.engine_ids:
+            raise AuthDenied(
+                DenyReason.FOREIGN_ENGINE,
+                f"credential {principal.name!r} acts for no engine: it may not open a "
+                "session (engines register on sessions; routers and operators call the "
+                "unary RPCs)",
+            )
+
+    @staticmethod
     def check_engine(principal: Principal, engine_id: str) -> None:
         """The principal may register rank parts of `engine_id`."""
         if engine_id not in principal.engine_ids:

@@ -57,8 +57,9 @@ MAX_CALLS_IN_FLIGHT = 256
 # first, so only a flood or a stuck client has many); beyond it a stream is refused
 # RESOURCE_EXHAUSTED at once, unread.
 MAX_SESSIONS_OPENING = 1024
-# How long a stream refused for its credentials is read before its status is sent.
+# How long a refused stream is read before its status is sent, and how many at once.
 REFUSED_READ_S = 1.0
+MAX_SESSIONS_REFUSING = 256
 
 
 def status_code(code: ErrorCode) -> grpc.StatusCode:
@@ -122,6 +123,10 @@ class _Gate:
             return None
         token, cert = caller_credentials(context)
         return self._policy.authenticate(token, cert)
+
+    def session(self, principal: Principal | None) -> None:
+        if principal is not None:
+            AuthPolicy.check_session(principal)
 
     def engine(self, principal: Principal | None, engine_id: str) -> None:
         if principal is not None:
@@ -230,6 +235,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         # Per session id: its prefix loads waiting for their grant (SessionCall).
         self._calls: dict[str, set[asyncio.Task[None]]] = {}
         self._opening = 0  # streams waiting for their Register (MAX_SESSIONS_OPENING)
+        self._refusing = 0  # refused streams read before their status (MAX_SESSIONS_REFUSING)
 
     # --- the session stream --------------------------------------------------------
 
@@ -244,15 +250,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         opening = False
         try:
             try:
-                if self._opening >= MAX_SESSIONS_OPENING:
-                    self._refuse_registration(ErrorCode.RESOURCE_EXHAUSTED)
-                    raise resource_exhausted(
-                        f"{MAX_SESSIONS_OPENING} session streams are waiting for their "
-                        "Register message already; retry with backoff"
-                    )
-                self._opening_changed(+1)
+                principal = await self._admit(request_iterator, context)
                 opening = True
-                principal = await self._authenticate(request_iterator, context)
                 first = await self._first_message(request_iterator)
                 session = await self._register(first, principal)
                 self._opening_changed(-1)
@@ -303,22 +302,39 @@ class EngineService(pb_grpc.EngineServiceServicer):
             if not counted:
                 self._observed.count("Session", code)
 
-    async def _authenticate(
+    async def _admit(
         self, requests: AsyncIterator[pb.EngineMessage], context: Context
     ) -> Principal | None:
-        """The session's caller, before anything of the stream is read; a refusal is a
-        refused registration too (counted). A refused stream is read for at most
-        REFUSED_READ_S first: aborted while the client still writes its Register, it
-        would reach the client as INTERNAL ("Internal error from Core"), not the status
-        sent. So an anonymous stream is held that long, not the heartbeat timeout."""
+        """The session's caller, before anything of the stream is read, and its place
+        among the streams waiting for their Register (MAX_SESSIONS_OPENING; only callers
+        that may register take one, so anonymous ones cannot crowd engines out).
+
+        A refusal is a refused registration too (counted). A refused stream is read for
+        at most REFUSED_READ_S first: aborted while the client still writes its
+        Register, it would reach the client as INTERNAL ("Internal error from Core"),
+        not the status sent. At most MAX_SESSIONS_REFUSING are read so at once; past
+        them a refusal is sent at once."""
         try:
-            return self._gate.authenticate(context)
+            principal = self._gate.authenticate(context)
+            self._gate.session(principal)
+            if self._opening >= MAX_SESSIONS_OPENING:
+                raise resource_exhausted(
+                    f"{MAX_SESSIONS_OPENING} session streams are waiting for their "
+                    "Register message already; retry with backoff"
+                )
         except KvrcError as e:
             self._refuse_registration(e.code)
-            # What it sent, or whether it sent anything, changes nothing.
-            with contextlib.suppress(Exception, StopAsyncIteration):
-                await asyncio.wait_for(anext(requests), REFUSED_READ_S)
+            if self._refusing < MAX_SESSIONS_REFUSING:
+                self._refusing += 1
+                try:
+                    # What it sent, or whether it sent anything, changes nothing.
+                    with contextlib.suppress(Exception, StopAsyncIteration):
+                        await asyncio.wait_for(anext(requests), REFUSED_READ_S)
+                finally:
+                    self._refusing -= 1
             raise
+        self._opening_changed(+1)
+        return principal
 
     def _opening_changed(self, by: int) -> None:
         self._opening += by

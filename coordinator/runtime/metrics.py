@@ -105,7 +105,7 @@ class Metrics:
         )
         self.sessions_opening = Gauge(
             "kvrc_sessions_opening",
-            "Session streams opened and waiting for their Register message "
+            "Session streams admitted and waiting for their Register message "
             "(at most 1,024; past it streams are refused RESOURCE_EXHAUSTED).",
             registry=r,
         )

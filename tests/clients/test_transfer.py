@@ -983,6 +983,34 @@ async def test_a_slot_handed_over_as_its_waiter_times_out_is_passed_on(
     assert slots.held("a") == (1 if got else 0), got
 
 
+async def test_a_waiter_that_gave_up_does_not_hold_back_the_next_one() -> None:
+    """A waiter whose wait ended (timed out: wait_for cancelled its future) is still
+    queued until its task runs again. A read asking for the peer's slot in that turn
+    queued behind it, and nothing woke it when the entry went: it waited out its
+    deadline with the slot free."""
+    slots = PeerSlots(1)
+    assert await slots.acquire("a", 1.0)
+    gave_up = asyncio.ensure_future(slots.acquire("a", NEVER_HANG_S))
+    await asyncio.sleep(0)
+    [(_, granted)] = slots._waiting
+    granted.cancel()  # what wait_for's timeout does, before the waiter's task resumes
+    slots.release("a")  # the slot is free; the waiter that gave up gets nothing
+    assert await slots.acquire("a", 0.5) is True
+    with pytest.raises(asyncio.CancelledError):
+        await gave_up  # its future was cancelled under it, as a timeout cancels it
+    assert slots.held("a") == 1 and slots.running == 1
+
+
+async def test_a_slot_handed_over_as_the_slots_close_starts_no_read() -> None:
+    slots = PeerSlots(1)
+    assert await slots.acquire("a", 1.0)
+    waiter = asyncio.ensure_future(slots.acquire("a", NEVER_HANG_S))
+    await asyncio.sleep(0)
+    slots.release("a")  # handed to the waiter, whose task has not run yet
+    slots.close()  # a shutdown, in the same turn
+    assert await waiter is False and slots.held("a") == 0 and slots.running == 0
+
+
 async def test_closed_peer_slots_start_no_read_and_end_the_waits() -> None:
     slots = PeerSlots(1)
     assert await slots.acquire("a", 1.0)

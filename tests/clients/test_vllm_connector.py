@@ -1092,6 +1092,50 @@ def test_a_quarantine_the_scheduler_could_not_take_is_handed_over_again(
         worker.loop.run(channel.close(), timeout_s=10)
 
 
+def test_a_pin_the_scheduler_side_takes_after_the_worker_gave_up_is_undone(
+    clean_worker: Any, scheduler: Any, vllm_side: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pin the scheduler side answers late (its loop stuck) reached kvrc as a failed
+    pin, a miss, while the scheduler side kept the blocks pinned until its safety net:
+    the lease's deadline and 60 s more. The worker now answers the miss and asks the
+    scheduler side to undo the pin, which it does once it takes it."""
+    from clients.leases import PinRequestInfo
+
+    worker = clean_worker
+    pinned: dict[str, list[int]] = {}
+
+    def slow_pin(lease_id: str, hashes: list[bytes], deadline_ms: int) -> list[int]:
+        time.sleep(0.5)  # the scheduler side's loop is stuck past the worker's wait
+        pinned[lease_id] = [1, 2]
+        return [1, 2]
+
+    monkeypatch.setattr(scheduler.pins, "pin", slow_pin)
+    monkeypatch.setattr(
+        scheduler.pins, "release", lambda lease_id: pinned.pop(lease_id, None) is not None
+    )
+    monkeypatch.setattr(vllm_side.worker, "RPC_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(worker, "child_engine_id", scheduler.child_engine_id)
+    monkeypatch.setattr(worker, "_scheduler_channel", None)
+    info = PinRequestInfo(
+        lease_id="pl-late",
+        block_hashes=(b"h" * 8,),
+        requester_child_engine_id="elsewhere",
+        deadline_unix_ms=0,
+        group_idx=0,
+    )
+    try:
+        answer = worker.loop.run(worker._pin(info), timeout_s=10)
+        assert answer.pinned_blocks == 0 and "did not answer the pin" in answer.error_message
+        wait_until_sync(
+            lambda: "pl-late" not in pinned and scheduler.counters["late_pins_undone"], 10
+        )
+        assert worker.finished.counters["pins_timed_out"] >= 1
+    finally:
+        channel = worker._scheduler_channel
+        if channel is not None:
+            worker.loop.run(channel.close(), timeout_s=10)
+
+
 # --- 6. a pin converts no block hash: the key map follows vLLM's cache ---------------------
 
 

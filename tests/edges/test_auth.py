@@ -802,12 +802,31 @@ async def test_a_stream_refused_for_its_credentials_is_not_held_until_the_heartb
 ) -> None:
     """Credentials are checked when the stream opens: an anonymous stream that sends
     nothing hears UNAUTHENTICATED after about a second (REFUSED_READ_S), not after the
-    minute an engine has to register (the client's 20 s deadline would end it first)."""
+    minute an engine has to register (the client's 20 s deadline would end it first).
+    Meanwhile it takes no place among the streams waiting for their Register, so a flood
+    of them cannot crowd engines out; nor does a credential bound to no engine."""
     kvrc = kvrc_slow_register
-    for who in (None, "wrong"):
-        async with connect(_raw_options(kvrc, who)) as channel:
-            call: Any = channel.stream_stream(_SESSION_PATH, _as_is, _as_is)(timeout=20)  # type: ignore[call-arg]
-            assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
+    channels = [connect(_raw_options(kvrc, who)) for who in (None, "wrong", "reader")]
+    calls: list[Any] = [
+        channel.stream_stream(_SESSION_PATH, _as_is, _as_is)(timeout=20)  # type: ignore[call-arg]
+        for channel in channels
+        for _ in range(5)
+    ]
+    try:
+        await asyncio.sleep(0.3)
+        assert metric_value(kvrc, "kvrc_sessions_opening") == 0
+        session = EngineSession(_options(kvrc, "prefill"), _registration("p"), reconnect=False)
+        await session.start()  # an engine registers while they are being refused
+        await session.close()
+        codes = [await call.code() for call in calls]
+        assert (
+            codes
+            == [grpc.StatusCode.UNAUTHENTICATED] * 10 + [grpc.StatusCode.PERMISSION_DENIED] * 5
+        )
+        assert "acts for no engine" in (await calls[-1].details())
+    finally:
+        for channel in channels:
+            await channel.close(None)
     assert metric_value(kvrc, "kvrc_sessions_opening") == 0
 
 
