@@ -744,6 +744,17 @@ class KvrcWorker:
                 hashes=list(info.block_hashes),
                 deadline_ms=info.deadline_unix_ms,
             )
+        except TimeoutError:  # an OSError too: first
+            # kvrc hears a miss, but the scheduler side may still take the pin (its loop
+            # was stuck): undo it then, or its blocks stay pinned until the safety net
+            # (the lease's deadline + 60 s). The unpin queues behind the pin.
+            self.finished.count("pins_timed_out")
+            self.loop.spawn_later(0.0, lambda: self._unpin_late(info.lease_id))
+            return PinAnswer(
+                0,
+                error_message=f"the engine's scheduler side did not answer the pin within "
+                f"{RPC_TIMEOUT_S:g} s",
+            )
         except OSError as e:
             # No scheduler side on this host (a rank of multi-node TP: the control socket
             # is local), or it is gone: a miss, said once, not a traceback per pin.
@@ -758,17 +769,6 @@ class KvrcWorker:
                 )
             self.finished.count("pins_unreachable")
             return PinAnswer(0, error_message=f"the engine's scheduler side is unreachable: {e}")
-        except TimeoutError:
-            # kvrc hears a miss, but the scheduler side may still take the pin (its loop
-            # was stuck): undo it then, or its blocks stay pinned until the safety net
-            # (the lease's deadline + 60 s). The unpin queues behind the pin.
-            self.finished.count("pins_timed_out")
-            self.loop.spawn_later(0.0, lambda: self._unpin_late(info.lease_id))
-            return PinAnswer(
-                0,
-                error_message=f"the engine's scheduler side did not answer the pin within "
-                f"{RPC_TIMEOUT_S:g} s",
-            )
         if not block_ids:
             return PinAnswer(0)
         descriptor = rank_part_descriptor(self.endpoint, block_ids, tp_rank=self.tp_rank)
