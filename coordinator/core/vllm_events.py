@@ -32,6 +32,7 @@ from typing import Any
 
 import msgpack
 
+from coordinator.core.event_streams import MAX_SEQUENCE
 from coordinator.core.events import (
     AllBlocksCleared,
     BlockHash,
@@ -107,7 +108,12 @@ class DecodedBatch:
 def decode_sequence(seq_bytes: bytes) -> int:
     if len(seq_bytes) != 8:
         raise MalformedFrame(f"sequence frame must be 8 bytes, got {len(seq_bytes)}")
-    return int.from_bytes(seq_bytes, "big")
+    seq = int.from_bytes(seq_bytes, "big")
+    if seq > MAX_SEQUENCE:
+        # vLLM counts from 0 (and marks a replay's end with all ones, which is no batch):
+        # one near 2**64 would leave every later batch a duplicate.
+        raise MalformedFrame(f"sequence {seq} is past 2**63 - 1: a publisher counts from 0")
+    return seq
 
 
 def decode_frame(frames: Sequence[bytes]) -> DecodedBatch:

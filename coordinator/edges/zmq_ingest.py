@@ -581,15 +581,16 @@ class ZmqEventStream:
         # Lost as on the wire: the next frame taken shows the gap (module docstring).
         self._overflowed += 1
         self._m_overflow.inc()
-        if self._overflowed == 1 or self._overflowed % 1000 == 0:
-            log.warning(
-                "zmq stream %s: %d live frame(s) dropped behind a slow replay "
-                "(buffer of %d frames, %d bytes)",
-                self.child_engine_id,
-                self._overflowed,
-                config.max_pending_frames,
-                config.max_pending_bytes,
-            )
+        # One line per interval at most, however fast a publisher sends.
+        self._losses.warning(
+            "overflow",
+            "zmq stream %s: %d live frame(s) dropped behind a slow replay "
+            "(buffer of %d frames, %d bytes)",
+            self.child_engine_id,
+            self._overflowed,
+            config.max_pending_frames,
+            config.max_pending_bytes,
+        )
 
     def _park(self, frames: list[bytes], size: int, *, first: bool = False) -> None:
         if first:
@@ -666,9 +667,21 @@ class ZmqEventStream:
         self._live_high = seq
         applied = self._applied
         if applied is not None and seq <= applied:
-            self._duplicates += 1
-            self._m_duplicate.inc()
-            return None
+            if applied - seq <= self.config.max_replay_frames:
+                self._duplicates += 1
+                self._m_duplicate.inc()
+                return None
+            # No copy of an applied batch lags that far (a replay reads at most
+            # max_replay_frames): what was applied came from another numbering, e.g. a
+            # replay endpoint that is not this publisher's. Silently taken for
+            # duplicates, every later batch was dropped.
+            self._new_incarnation(
+                f"sequence {seq} is {applied - seq} batches behind the last one applied "
+                f"({applied}): those came from another numbering",
+                restart=True,
+            )
+            self._live_high = seq
+            applied = None
         expected = 0 if applied is None else applied + 1
         if seq != expected and self._state is not StreamState.STALE:
             self._m_gap.inc()
@@ -1114,14 +1127,14 @@ class ZmqEventStream:
     def _count_malformed(self, why: str) -> None:
         self._malformed += 1
         self._m_malformed.inc()
-        # Log the first and then every 1000th, so a bad publisher cannot flood the log.
-        if self._malformed == 1 or self._malformed % 1000 == 0:
-            log.warning(
-                "zmq stream %s: malformed frame skipped (%d so far): %s",
-                self.child_engine_id,
-                self._malformed,
-                why,
-            )
+        # One line per interval at most, so a bad publisher cannot flood the log.
+        self._losses.warning(
+            "malformed",
+            "zmq stream %s: malformed frame skipped (%d so far): %s",
+            self.child_engine_id,
+            self._malformed,
+            why,
+        )
 
     def _reset_dealer(self) -> None:
         if self._dealer is not None:

@@ -27,6 +27,7 @@ from coordinator.core.vllm_events import (
     MalformedFrame,
     decode_frame,
     decode_payload,
+    decode_sequence,
     tier_for_medium,
 )
 from kvrc.ids import child_engine_id
@@ -364,3 +365,12 @@ def test_the_event_count_is_checked_before_any_event_is_decoded() -> None:
     # Trailing bytes after a whole batch are refused, as msgpack.unpackb refused them.
     with pytest.raises(MalformedFrame, match="data after the batch"):
         decode_payload(b"", 0, msgpack.packb([1.0, [], 0]) + b"\x00")
+
+
+def test_a_sequence_past_2_63_is_malformed_not_a_batch() -> None:
+    """vLLM counts its batches from 0; all ones marks a replay's end. Taken as a batch,
+    a sequence near 2**64 left every later batch of the stream a duplicate."""
+    assert decode_sequence(((1 << 63) - 1).to_bytes(8, "big")) == (1 << 63) - 1
+    for raw in (b"\xff" * 8, (1 << 63).to_bytes(8, "big")):
+        with pytest.raises(MalformedFrame, match="past 2\\*\\*63 - 1"):
+            decode_sequence(raw)

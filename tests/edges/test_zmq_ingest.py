@@ -253,6 +253,31 @@ async def test_a_late_copy_of_an_applied_batch_is_a_duplicate_not_a_restart(
     await wait_until(lambda: rig.stream.status().incarnation >= 1, 5)
 
 
+async def test_batches_applied_from_another_numbering_do_not_swallow_the_live_stream(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """A replay endpoint that answered with a batch far ahead (another publisher's
+    numbering) left the stream's applied sequence there: every later live batch was
+    dropped as a duplicate, silently, until the engine re-registered. A live batch
+    further behind than any copy can lag is a new numbering now: a new incarnation."""
+    rigs.append(rig := await start_rig(ctx, max_replay_frames=1_000, degraded_grace_s=60))
+    await rig.pub.publish(stored(0))
+    await wait_until(lambda: rig.sink.seqs() == [0], 5)
+    stranger = msgpack.packb([0.0, [stored(77)], 0])
+    rig.pub.buffer = [(5_000, stranger)]  # what the replay endpoint will answer
+    rig.pub.next_seq = 2  # batch 1 is lost on the way: batch 2 shows the gap
+    await rig.pub.publish(stored(2))
+    await wait_until(lambda: 1 in rig.pub.replay_requests, 5)
+    await wait_until(lambda: rig.stream.status().last_sequence == 5_000, 5)
+    rig.pub.buffer = [b for b in rig.pub.buffer if b[0] != 5_000]  # the stranger is gone
+    await rig.pub.publish(stored(3))
+    await rig.pub.publish(stored(4))
+    await wait_until(lambda: 4 in rig.sink.held(), 10)
+    status = rig.stream.status()
+    assert status.incarnation >= 1 and status.last_sequence == 4
+    assert value(rig.metrics, "kvrc_zmq_publisher_restarts_total") >= 1
+
+
 def _stream_of(
     ctx: zmq.asyncio.Context, pub: WirePublisher, **config: Any
 ) -> tuple[ZmqEventStream, RecordingSink, Metrics]:
@@ -880,7 +905,7 @@ def test_frames_that_do_not_decode_are_counted_logged_once_and_change_nothing(
             assert after.malformed_frames == len(garbage)
             bad = value(rig.metrics, "kvrc_event_batches_total", source="zmq", result="malformed")
             assert bad == len(garbage)
-            assert warnings.lines == 1  # the first; then one per 1000
+            assert warnings.lines == 1  # the first; then one per 10 s at most
             assert (after.state, after.incarnation, after.last_sequence, after.replays) == (
                 before.state,
                 before.incarnation,
@@ -899,6 +924,32 @@ def test_frames_that_do_not_decode_are_counted_logged_once_and_change_nothing(
             ctx.destroy(linger=0)
 
     asyncio.run(run())
+
+
+async def test_a_flood_of_malformed_frames_logs_one_line_per_interval(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """A publisher set the log's rate: one line per 1,000 bad frames, so tens of
+    thousands of frames a second wrote tens of lines a second. Now one per 10 s."""
+    rigs.append(rig := await start_rig(ctx))
+    warnings = _Warnings()
+    logging.getLogger("coordinator.edges.zmq_ingest").addHandler(warnings)
+    try:
+        await rig.pub.publish(stored(1))
+        await wait_until(lambda: rig.sink.seqs() == [0], 5)
+        for burst in range(5):
+            for _ in range(500):
+                await rig.pub.send_raw([b"", b"\x01", b"x"])  # a 1-byte sequence
+            sent = 1 + 500 * (burst + 1)
+
+            def all_read(sent: int = sent) -> bool:
+                return rig.stream.status().received_frames == sent
+
+            await wait_until(all_read, 10)
+        assert rig.stream.status().malformed_frames == 2_500
+        assert warnings.lines == 1
+    finally:
+        logging.getLogger("coordinator.edges.zmq_ingest").removeHandler(warnings)
 
 
 async def test_stores_of_another_adapter_or_block_size_are_skipped_alone(
