@@ -39,6 +39,7 @@ __all__ = [
     "decode_state",
     "decode_state_file",
     "encode_state",
+    "is_state_file",
 ]
 
 STATE_FILE_VERSION = 1
@@ -101,6 +102,20 @@ def encode_state(
             break
         kept += 1
     return (json.dumps({**doc, "child_engines": entries[:kept]}, indent=1) + "\n").encode()
+
+
+def is_state_file(data: bytes) -> bool:
+    """Whether these bytes may be a state file kvrc wrote (any version, even one cut or
+    zeroed on disk: a start warms up for its whole deadline then), or nothing: a file a
+    start may replace. Anything else (TOML, YAML, another JSON document) is someone
+    else's file behind a mistyped path."""
+    if not data.strip(b" \t\r\n\x00"):
+        return True
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return data.lstrip().startswith(b"{")  # a JSON object cut short
+    return isinstance(doc, Mapping) and "version" in doc and "child_engines" in doc
 
 
 def decode_state(data: bytes) -> tuple[KnownEngine, ...]:

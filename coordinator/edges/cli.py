@@ -24,6 +24,7 @@ import grpc
 from coordinator.core.auth import AuthConfigError, load_auth_policy
 from coordinator.core.cost_model import MIB, CostConfig
 from coordinator.core.leases import LeaseConfig
+from coordinator.core.recovery import MAX_STATE_FILE_BYTES, is_state_file
 from coordinator.edges.host_patterns import check_host_patterns
 from coordinator.runtime.config import (
     DEFAULT_ORIGIN_TIMEOUT_MS,
@@ -703,11 +704,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level, args.log_json)
     config = config_from_args(args)
-    port_dir = args.port_file.parent if args.port_file is not None else None
-    if port_dir is not None and not (port_dir.is_dir() and os.access(port_dir, os.W_OK)):
-        # Written once serving: refused now, in one line, rather than with a traceback then.
-        raise ConfigError(f"--port-file {args.port_file}: {port_dir} is not a writable directory")
+    for flag, path in (("--port-file", args.port_file), ("--state-file", args.state_file)):
+        folder = path.parent if path is not None else None
+        if folder is not None and not (folder.is_dir() and os.access(folder, os.W_OK)):
+            # Written once serving: refused now, in one line, rather than failing then.
+            raise ConfigError(f"{flag} {path}: {folder} is not a writable directory")
+    if args.state_file is not None:
+        _check_state_file(args.state_file)
     return serve(config, args.port_file)
+
+
+def _check_state_file(path: Path) -> None:
+    """kvrc replaces its state file as it runs: what is there must be its own."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_STATE_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ConfigError(f"--state-file {path}: cannot read: {e.strerror or e}") from None
+    if not is_state_file(data):
+        raise ConfigError(
+            f"--state-file {path}: the file there is not a kvrc state file, and kvrc "
+            "would replace it: move it away or name another path"
+        )
 
 
 # --- status --------------------------------------------------------------------

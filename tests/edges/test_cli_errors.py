@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -269,6 +270,7 @@ def test_kvrc_route_refuses_the_same_flags_in_one_line(
         (["--shutdown-grace-s", "nan"], "shutdown grace must be 0..3600 s, got nan"),
         (["--shutdown-grace-s", "inf"], "shutdown grace must be 0..3600 s, got inf"),
         (["--port-file", "/nonexistent-dir/kvrc/ports.json"], "is not a writable directory"),
+        (["--state-file", "/nonexistent-dir/kvrc/state.json"], "is not a writable directory"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
@@ -334,3 +336,43 @@ def test_credentials_files_others_may_change_or_read_are_warned_of(
     for mode, warned in ((0o600, False), (0o644, True)):
         key.chmod(mode)
         assert warn_of_open_secret_file("--tls-key", key, secret_content=True) is warned
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['[[profile]]\nname = "p"\nmodel = "m"\n', "profile:\n  - name: p\n", '{"grpc_port": 1}'],
+    ids=["toml", "yaml", "another-json"],
+)
+def test_a_state_file_path_naming_someone_elses_file_is_refused_and_the_file_kept(
+    content: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kvrc replaces its state file as it runs: a mistyped --state-file (the profiles
+    file, say) was logged as unusable and then overwritten with kvrc's JSON."""
+    path = tmp_path / "profiles.toml"
+    path.write_text(content)
+    code, _, err = _run(
+        ["serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--state-file", str(path)],
+        capsys,
+    )
+    assert code == cli.EXIT_CONFIG, err
+    assert "is not a kvrc state file" in err and len(err.strip().splitlines()) == 1, err
+    assert path.read_text() == content
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"\x00" * 64,
+        b'{"version": 1, "child_engines": [',
+        b'{"version": 7, "child_engines": []}',
+    ],
+    ids=["empty", "zeroed", "cut-short", "another-version"],
+)
+def test_what_kvrc_may_have_written_there_is_a_state_file(content: bytes) -> None:
+    """Its own file, cut or zeroed on disk, or of another version: a start warms up for
+    the whole deadline and writes a new one (docs/operations.md)."""
+    from coordinator.core.recovery import encode_state, is_state_file
+
+    assert is_state_file(content)
+    assert is_state_file(encode_state((), 0))
