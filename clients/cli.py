@@ -24,6 +24,7 @@ from clients.refengine.options import add_engine_arguments  # torch-free
 from kvrc import __version__
 from kvrc.credentials import ChannelOptions, CredentialsError
 from kvrc.prompts import (
+    add_target_argument,
     parse_block_hashes,
     parse_engine_ids,
     parse_mm_feature,
@@ -49,9 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     route = commands.add_parser(
         "route", help="pick the prefill engine that holds most of a prompt (kvrc's Score)"
     )
-    route.add_argument(
-        "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
-    )
+    add_target_argument(route)
     route.add_argument(
         "--model", type=wire_text, required=True, help="the model the candidates serve"
     )
@@ -147,6 +146,8 @@ def _cmd_route(args: argparse.Namespace) -> int:
                 mm_features=mm_features,
                 timeout_s=args.timeout_s,
             )
+            if route.score_failed:  # stdout still names the fallback, for the caller
+                print(f"kvrc route: warning: {route.why}", file=sys.stderr)
             return route.child_engine_id, route.why, route.score is not None
 
     engine, why, scored = asyncio.run(run())

@@ -55,6 +55,7 @@ class Route:
     child_engine_id: str
     score: EngineScore | None  # None: Score gave nothing to go by (see why)
     why: str
+    score_failed: bool = False  # the call failed: a fallback, not kvrc's answer
 
 
 class ScoreClient:
@@ -212,7 +213,9 @@ class ScoreRouter:
                 timeout_s=timeout_s,
             )
         except KvrcClientError as e:
-            return Route(candidates[0], None, f"Score failed ({e.code.name}): {e.message}")
+            return Route(
+                candidates[0], None, f"Score failed ({e.code.name}): {e.message}", score_failed=True
+            )
         best = pick(result.engines, candidates)
         if best is None:
             # Nothing cached: the first candidate kvrc could score (registered, READY,

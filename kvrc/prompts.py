@@ -27,6 +27,31 @@ def wire_text(value: str) -> str:
     return value
 
 
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def target_address(value: str) -> str:
+    """A coordinator's HOST:PORT ([v6]:PORT), checked before any connection is tried."""
+    value = wire_text(value)
+    host, sep, port = value.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with a port in 1..65535, e.g. {DEFAULT_TARGET}; got {value!r}"
+        )
+    return value
+
+
+def add_target_argument(parser: argparse.ArgumentParser) -> None:
+    """`--target`: the one coordinator a command calls."""
+    parser.add_argument(
+        "--target",
+        type=target_address,
+        default=DEFAULT_TARGET,
+        metavar="HOST:PORT",
+        help=f"the coordinator to call (default {DEFAULT_TARGET})",
+    )
+
+
 def timeout_seconds(value: str) -> float:
     """A call's deadline in seconds: finite and in (0, MAX_TIMEOUT_S]."""
     try:

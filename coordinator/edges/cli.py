@@ -43,6 +43,7 @@ from coordinator.runtime.config import (
 from kvrc import __version__
 from kvrc.credentials import ChannelOptions, CredentialsError, connect_blocking
 from kvrc.prompts import (
+    add_target_argument,
     parse_block_hashes,
     parse_engine_ids,
     parse_mm_feature,
@@ -428,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-level",
         default="INFO",
+        type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="the lowest level logged (INFO)",
     )
@@ -435,9 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_cmd_serve)
 
     status = commands.add_parser("status", help="show engines, rank parts and readiness")
-    status.add_argument(
-        "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
-    )
+    add_target_argument(status)
     status.add_argument("--json", action="store_true", help="print one JSON document")
     status.add_argument(
         "--max-leases",
@@ -447,16 +447,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="list at most N open leases, quarantined first, then by deadline (default: "
         "the coordinator's, 1,000; it refuses more than 10,000); the total is always shown",
     )
-    status.add_argument("--timeout-s", type=timeout_seconds, default=5.0)
+    status.add_argument(
+        "--timeout-s", type=timeout_seconds, default=5.0, help="the call's deadline (%(default)g)"
+    )
     _add_client_security(status)
     status.set_defaults(func=_cmd_status)
 
     score = commands.add_parser(
         "score", help="how much of a prompt each child engine holds (the router's Score)"
     )
-    score.add_argument(
-        "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
-    )
+    add_target_argument(score)
     score.add_argument(
         "--model", type=wire_text, required=True, help="the model whose engines to score"
     )
@@ -494,7 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     score.add_argument("--group-idx", type=_uint32, default=0, help="KV-cache group (0)")
     score.add_argument("--json", action="store_true", help="print one JSON document")
-    score.add_argument("--timeout-s", type=timeout_seconds, default=5.0)
+    score.add_argument(
+        "--timeout-s", type=timeout_seconds, default=5.0, help="the call's deadline (%(default)g)"
+    )
     _add_client_security(score)
     score.set_defaults(func=_cmd_score)
 
@@ -504,9 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument(
         "engine", type=wire_text, metavar="ENGINE", help="a child engine id or an engine id"
     )
-    drain.add_argument(
-        "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
-    )
+    add_target_argument(drain)
     drain.add_argument(
         "--timeout-ms",
         type=_uint32,
@@ -527,9 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument(
         "--note", type=wire_text, default="", help="why it is safe (logged by the coordinator)"
     )
-    resolve.add_argument(
-        "--target", type=wire_text, default="127.0.0.1:50051", help="coordinator HOST:PORT"
-    )
+    add_target_argument(resolve)
     resolve.add_argument("--json", action="store_true", help="print one JSON document")
     _add_client_security(resolve)
     resolve.set_defaults(func=_cmd_quarantine_resolve)

@@ -44,6 +44,7 @@ from coordinator.runtime.log_limit import LEFT_OUT, RateLimitedLog
 from coordinator.runtime.peers import PeerLink
 from coordinator.runtime.redis_store import RedisStore
 from coordinator.runtime.replication import ReplicatedInventory
+from kvrc import __version__
 from kvrc.credentials import is_loopback_host
 from kvrc.v1 import kvrc_pb2 as pb
 
@@ -256,10 +257,10 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
     if port_file is not None:
         write_port_file(port_file, grpc_port, metrics_port)
     log.info(
-        "kvrc serving on %s (port %d), metrics %s, reuse %s, %d declared profile(s), "
+        "kvrc %s serving on %s, metrics %s, reuse %s, %d declared profile(s), "
         "tls %s, auth %s, store %s",
-        config.listen,
-        grpc_port,
+        __version__,
+        f"[{host}]:{grpc_port}" if ":" in host else f"{host}:{grpc_port}",
         f"on http://{host}:{metrics_port}/metrics" if metrics_port >= 0 else "off",
         "on" if config.reuse else "off",
         len(config.declared_profiles),

@@ -153,6 +153,11 @@ def test_enum_numbers_this_client_does_not_know_are_shown_not_raised(
         (["drain", "e\udcff"], "ENGINE: 'e\\udcff' is not valid UTF-8 text"),
         (["quarantine"], "the following arguments are required"),
         (["bogus"], "invalid choice: 'bogus'"),
+        # Checked before a connection is tried: grpc named another port, or wrote lines
+        # of its own resolver's errors before kvrc's.
+        (["status", "--target", "127.0.0.1:99999"], "a port in 1..65535"),
+        (["status", "--target", ""], "--target: expected HOST:PORT"),
+        (["drain", "e1", "--target", "kvrc-0"], "--target: expected HOST:PORT"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
@@ -168,8 +173,9 @@ def test_malformed_flags_are_one_line_exit_2(
 
 
 def test_an_unusable_target_is_one_line_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
-    # grpc's own message for an empty target spans several lines.
-    code, _, err = _run(["status", "--target", "", "--timeout-s", "2"], capsys)
+    code, _, err = _run(
+        ["status", "--target", "no-such-host.invalid:1", "--timeout-s", "2"], capsys
+    )
     assert code == cli.EXIT_UNREACHABLE
     assert len(err.splitlines()) == 1, err
     assert err.startswith("kvrc status: cannot get status from ")
@@ -376,3 +382,20 @@ def test_what_kvrc_may_have_written_there_is_a_state_file(content: bytes) -> Non
 
     assert is_state_file(content)
     assert is_state_file(encode_state((), 0))
+
+
+def test_log_levels_are_taken_in_any_case() -> None:
+    args = cli.build_parser().parse_args(["serve", "--log-level", "debug"])
+    assert args.log_level == "DEBUG"
+
+
+def test_kvrc_route_says_on_stderr_that_it_fell_back(capsys: pytest.CaptureFixture[str]) -> None:
+    """With no coordinator (or a wrong token) `kvrc route` names the first candidate on
+    stdout, exit 0, as a router falls back; it now also says why on stderr."""
+    from clients import cli as engine_cli
+
+    route = ["route", "--target", "127.0.0.1:1", "--model", "m", "--candidates", "a,b"]
+    code = engine_cli.main([*route, "--tokens", "1,2", "--timeout-s", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith("a: Score failed (UNAVAILABLE)")
+    assert err.startswith("kvrc route: warning: Score failed (UNAVAILABLE)")
