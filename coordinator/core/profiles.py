@@ -144,6 +144,12 @@ def declared_profile(name: str, pinned: Mapping[str, object]) -> DeclaredProfile
                 f"{expected_type.__name__}, got {type(value).__name__} {value!r}"
             )
         assert isinstance(value, str | int | bool)
+        lowest = 1 if field == "block_size" or field.endswith("_size") else 0
+        if type(value) is int and value < lowest:
+            # No engine registers it: the profile would match nothing, silently.
+            raise invalid(
+                f"declared profile {name!r}: field {field!r} must be >= {lowest}, got {value}"
+            )
         pins.append((field, value))
     return DeclaredProfile(
         name=name,

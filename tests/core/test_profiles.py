@@ -120,6 +120,10 @@ def test_declared_profile_matches_only_pinned_fields() -> None:
         ({"block_size": True}, "field 'block_size' must be int"),
         ({"reuse_opt_in": 1}, "field 'reuse_opt_in' must be bool"),
         ({}, "pins no field"),
+        # Values no engine registers: the profile matched nothing, silently.
+        ({"block_size": -16}, "field 'block_size' must be >= 1, got -16"),
+        ({"tp_size": 0}, "field 'tp_size' must be >= 1, got 0"),
+        ({"num_layers": -1}, "field 'num_layers' must be >= 0, got -1"),
     ],
 )
 def test_declared_profile_rejects_bad_fields(pins: dict[str, object], needle: str) -> None:
