@@ -1,7 +1,8 @@
-"""`python -m coordinator ...` is the same as the `kvrc` console script."""
+"""`python -m coordinator ...` is the same as the `kvrc` console script (both sides:
+`serve`, `status`, ... and `engine`, `demo`, `route`)."""
 
 import sys
 
-from coordinator.edges.cli import main
+from kvrc.cli import main
 
 sys.exit(main())

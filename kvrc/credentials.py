@@ -257,13 +257,15 @@ def parse_targets(value: str | Sequence[str]) -> tuple[str, ...]:
                 f"kvrc targets {value!r}: item {n} is empty (a stray comma or an unset "
                 "variable?); give HOST:PORT[,HOST:PORT...]"
             )
-        _check_target(target)
+        check_target(target)
         targets.append(target)
     _check_distinct(targets)
     return tuple(targets)
 
 
-def _check_target(target: str) -> None:
+def check_target(target: str) -> None:
+    """One coordinator target: HOST:PORT ([v6]:PORT), or a grpc URI (dns:, unix:, ...);
+    ValueError saying what is wrong."""
     if any(c.isspace() for c in target):
         raise ValueError(f"kvrc target {target!r} has a space in it; give HOST:PORT")
     if "://" in target or target.startswith(("dns:", "unix:", "ipv4:", "ipv6:")):

@@ -31,13 +31,15 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def target_address(value: str) -> str:
-    """A coordinator's HOST:PORT ([v6]:PORT), checked before any connection is tried."""
+    """A coordinator's HOST:PORT ([v6]:PORT) or grpc URI (unix:, dns:, ...), checked as
+    an engine's targets are, before any connection is tried."""
+    from kvrc.credentials import check_target
+
     value = wire_text(value)
-    host, sep, port = value.rpartition(":")
-    if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(
-            f"expected HOST:PORT with a port in 1..65535, e.g. {DEFAULT_TARGET}; got {value!r}"
-        )
+    try:
+        check_target(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 

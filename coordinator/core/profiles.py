@@ -69,6 +69,9 @@ PINNABLE_FIELDS: frozenset[str] = frozenset(
     if f.name not in ("transfer_backends", "native_compatibility_hash", "extra")
 )
 
+# Pinnable ints every engine registers as 1 or more (the rest: 0 is "not given").
+_AT_LEAST_ONE = frozenset({"block_size", "tp_size", "pp_size", "pcp_size", "dp_size", "dcp_size"})
+
 _COMPAT_HASH_VERSION = "kvrc-compat-v1"
 
 
@@ -144,7 +147,7 @@ def declared_profile(name: str, pinned: Mapping[str, object]) -> DeclaredProfile
                 f"{expected_type.__name__}, got {type(value).__name__} {value!r}"
             )
         assert isinstance(value, str | int | bool)
-        lowest = 1 if field == "block_size" or field.endswith("_size") else 0
+        lowest = 1 if field in _AT_LEAST_ONE else 0
         if type(value) is int and value < lowest:
             # No engine registers it: the profile would match nothing, silently.
             raise invalid(

@@ -109,12 +109,14 @@ def is_state_file(data: bytes) -> bool:
     zeroed on disk: a start warms up for its whole deadline then), or nothing: a file a
     start may replace. Anything else (TOML, YAML, another JSON document) is someone
     else's file behind a mistyped path."""
-    if not data.strip(b" \t\r\n\x00"):
+    blank = b" \t\r\n\x00"
+    if not data.strip(blank):
         return True
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        return data.lstrip().startswith(b"{")  # a JSON object cut short
+        # A JSON object cut short, or one whose first blocks were zeroed.
+        return data.lstrip(blank).startswith(b"{") or b'"child_engines"' in data
     return isinstance(doc, Mapping) and "version" in doc and "child_engines" in doc
 
 

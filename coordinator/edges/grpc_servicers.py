@@ -53,9 +53,9 @@ R = TypeVar("R")
 SessionMessageHandler = Callable[[CoordinatorSession, pb.EngineMessage], None]
 # Prefix loads one session may have waiting for their grant (SessionCall, revision 3).
 MAX_CALLS_IN_FLIGHT = 256
-# Session streams opened and not yet registered or refused (an engine sends Register
-# first, so only a flood or a stuck client has many); beyond it a stream is refused
-# RESOURCE_EXHAUSTED at once, unread.
+# Session streams admitted and not yet registered (an engine sends Register first, so
+# only a flood or a stuck client has many); beyond it a stream is refused
+# RESOURCE_EXHAUSTED (read first like any refused stream, see `_admit`).
 MAX_SESSIONS_OPENING = 1024
 # How long a refused stream is read before its status is sent, and how many at once.
 REFUSED_READ_S = 1.0

@@ -111,6 +111,10 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port_text)
 
 
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def check_bindable(host: str, port: int) -> None:
     """Fails early, with one line, where grpc would log a multi-line C-core error."""
     try:
@@ -260,8 +264,8 @@ async def run(config: CoordinatorConfig, port_file: Path | None = None) -> int:
         "kvrc %s serving on %s, metrics %s, reuse %s, %d declared profile(s), "
         "tls %s, auth %s, store %s",
         __version__,
-        f"[{host}]:{grpc_port}" if ":" in host else f"{host}:{grpc_port}",
-        f"on http://{host}:{metrics_port}/metrics" if metrics_port >= 0 else "off",
+        _host_port(host, grpc_port),
+        f"on http://{_host_port(host, metrics_port)}/metrics" if metrics_port >= 0 else "off",
         "on" if config.reuse else "off",
         len(config.declared_profiles),
         _tls_mode(config),

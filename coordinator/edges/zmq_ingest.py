@@ -667,17 +667,18 @@ class ZmqEventStream:
         self._live_high = seq
         applied = self._applied
         if applied is not None and seq <= applied:
-            if applied - seq <= self.config.max_replay_frames:
+            known = self._recent.get(seq)
+            if applied - seq <= self.config.max_replay_frames and known in (None, hash(frames[2])):
                 self._duplicates += 1
                 self._m_duplicate.inc()
                 return None
-            # No copy of an applied batch lags that far (a replay reads at most
-            # max_replay_frames): what was applied came from another numbering, e.g. a
-            # replay endpoint that is not this publisher's. Silently taken for
-            # duplicates, every later batch was dropped.
+            # Not a copy of an applied batch: applied with other bytes at that sequence
+            # (the last _RECENT_DIGESTS are known), or further behind than a replay reads.
+            # What was applied came from another numbering, e.g. a replay endpoint that
+            # is not this publisher's. Taken for duplicates, every later batch was dropped.
             self._new_incarnation(
-                f"sequence {seq} is {applied - seq} batches behind the last one applied "
-                f"({applied}): those came from another numbering",
+                f"sequence {seq}, {applied - seq} behind the last one applied ({applied}), "
+                "is not a copy of what was applied: those came from another numbering",
                 restart=True,
             )
             self._live_high = seq

@@ -124,6 +124,7 @@ def test_declared_profile_matches_only_pinned_fields() -> None:
         ({"block_size": -16}, "field 'block_size' must be >= 1, got -16"),
         ({"tp_size": 0}, "field 'tp_size' must be >= 1, got 0"),
         ({"num_layers": -1}, "field 'num_layers' must be >= 0, got -1"),
+        ({"head_size": -8}, "field 'head_size' must be >= 0, got -8"),
     ],
 )
 def test_declared_profile_rejects_bad_fields(pins: dict[str, object], needle: str) -> None:
@@ -213,3 +214,9 @@ def test_declared_links_load_beside_the_profiles(tmp_path: Path) -> None:
     ]
     assert links[0].bandwidth_bytes_per_s == 0.1e9 and links[0].latency_ms == 5.0
     assert links[0].matches("a-1", "b-2") and not links[0].matches("b-1", "a-2")
+
+
+def test_a_pin_of_zero_where_engines_may_register_zero_is_allowed() -> None:
+    """0 is "not given" for the model's shape fields: an engine may register it."""
+    pinned = declared_profile("p", {"head_size": 0, "num_kv_heads": 0, "num_layers": 0})
+    assert pinned.matches(dataclasses.replace(BASE, head_size=0, num_kv_heads=0, num_layers=0))

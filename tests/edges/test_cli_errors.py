@@ -155,9 +155,10 @@ def test_enum_numbers_this_client_does_not_know_are_shown_not_raised(
         (["bogus"], "invalid choice: 'bogus'"),
         # Checked before a connection is tried: grpc named another port, or wrote lines
         # of its own resolver's errors before kvrc's.
-        (["status", "--target", "127.0.0.1:99999"], "a port in 1..65535"),
-        (["status", "--target", ""], "--target: expected HOST:PORT"),
-        (["drain", "e1", "--target", "kvrc-0"], "--target: expected HOST:PORT"),
+        (["status", "--target", "127.0.0.1:99999"], "port '99999' is not a number in 1..65535"),
+        (["status", "--target", ""], "--target: kvrc target '' has no port"),
+        (["drain", "e1", "--target", "kvrc-0"], "kvrc target 'kvrc-0' has no port"),
+        (["score", "--model", "m", "--tokens", "1", "--target", "::1:50051"], "in brackets"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
@@ -372,8 +373,9 @@ def test_a_state_file_path_naming_someone_elses_file_is_refused_and_the_file_kep
         b"\x00" * 64,
         b'{"version": 1, "child_engines": [',
         b'{"version": 7, "child_engines": []}',
+        b"\x00" * 4096 + b'1, "parts_expected": 2}], "child_engines": []}\n',
     ],
-    ids=["empty", "zeroed", "cut-short", "another-version"],
+    ids=["empty", "zeroed", "cut-short", "another-version", "head-zeroed"],
 )
 def test_what_kvrc_may_have_written_there_is_a_state_file(content: bytes) -> None:
     """Its own file, cut or zeroed on disk, or of another version: a start warms up for
@@ -399,3 +401,28 @@ def test_kvrc_route_says_on_stderr_that_it_fell_back(capsys: pytest.CaptureFixtu
     out, err = capsys.readouterr()
     assert code == 0 and out.startswith("a: Score failed (UNAVAILABLE)")
     assert err.startswith("kvrc route: warning: Score failed (UNAVAILABLE)")
+
+
+def test_python_m_coordinator_is_the_kvrc_script_both_sides() -> None:
+    """`python -m coordinator` knew the coordinator's commands only: `route`, `engine`
+    and `demo` were an "invalid choice" there, against its own docstring."""
+    import subprocess
+    import sys
+
+    for command in (["route", "--help"], ["status", "--help"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "coordinator", *command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"usage: kvrc {command[0]}")
+
+
+@pytest.mark.parametrize(
+    "target", ["[::1]:50051", "localhost:50051", "unix:/tmp/kvrc.sock", "dns:///kvrc:50051"]
+)
+def test_targets_an_engine_may_name_the_commands_take_too(target: str) -> None:
+    args = cli.build_parser().parse_args(["status", "--target", target])
+    assert args.target == target

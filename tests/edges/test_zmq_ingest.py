@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,7 @@ async def start_rig(
     *,
     replay: bool = True,
     publisher: dict[str, Any] | None = None,
+    clock: Callable[[], float] = time.monotonic,
     **config: Any,
 ) -> Rig:
     pub = WirePublisher(ctx, **(publisher or {}))
@@ -77,7 +78,7 @@ async def start_rig(
         replay_endpoint=pub.replay_endpoint if replay else None,
         **config,
     )
-    stream = ZmqEventStream(cfg, sink, metrics, context=ctx)
+    stream = ZmqEventStream(cfg, sink, metrics, context=ctx, clock=clock)
     await stream.start()
     await pub.wait_subscribed()
     return Rig(pub, stream, sink, metrics)
@@ -276,6 +277,30 @@ async def test_batches_applied_from_another_numbering_do_not_swallow_the_live_st
     status = rig.stream.status()
     assert status.incarnation >= 1 and status.last_sequence == 4
     assert value(rig.metrics, "kvrc_zmq_publisher_restarts_total") >= 1
+
+
+async def test_a_live_batch_applied_with_other_bytes_is_another_numbering_at_any_distance(
+    ctx: zmq.asyncio.Context, rigs: list[Rig]
+) -> None:
+    """With the default bound (100,000), a replay endpoint a few batches ahead of the
+    live stream: the live batch at a sequence applied from it with other bytes is not a
+    copy of it, so a new incarnation, not a duplicate."""
+    rigs.append(rig := await start_rig(ctx, degraded_grace_s=60))
+    await rig.pub.publish(stored(0))
+    await wait_until(lambda: rig.sink.seqs() == [0], 5)
+    # The replay endpoint answers its own batches 1..5 (other bytes than ours).
+    rig.pub.buffer = [(n, msgpack.packb([0.0, [stored(70 + n)], 0])) for n in range(1, 6)]
+    rig.pub.next_seq = 2  # our batch 1 is lost: batch 2 shows the gap
+    await rig.pub.publish(stored(2), send=False)
+    await rig.pub.send_raw([b"", (2).to_bytes(8, "big"), msgpack.packb([0.0, [stored(2)], 0])])
+    await wait_until(lambda: rig.stream.status().last_sequence == 5, 5)
+    restarts = value(rig.metrics, "kvrc_zmq_publisher_restarts_total")
+    rig.pub.buffer = []  # the stranger is gone
+    rig.pub.next_seq = 3
+    await rig.pub.publish(stored(3))  # ours, at a sequence applied from the stranger
+    await wait_until(lambda: value(rig.metrics, "kvrc_zmq_publisher_restarts_total") > restarts, 5)
+    await rig.pub.publish(stored(4))
+    await wait_until(lambda: 4 in rig.sink.held(), 10)
 
 
 def _stream_of(
@@ -930,8 +955,9 @@ async def test_a_flood_of_malformed_frames_logs_one_line_per_interval(
     ctx: zmq.asyncio.Context, rigs: list[Rig]
 ) -> None:
     """A publisher set the log's rate: one line per 1,000 bad frames, so tens of
-    thousands of frames a second wrote tens of lines a second. Now one per 10 s."""
-    rigs.append(rig := await start_rig(ctx))
+    thousands of frames a second wrote tens of lines a second. Now one per 10 s (of
+    the stream's clock, stopped here: a slow host takes no second line)."""
+    rigs.append(rig := await start_rig(ctx, clock=lambda: 100.0))
     warnings = _Warnings()
     logging.getLogger("coordinator.edges.zmq_ingest").addHandler(warnings)
     try:
