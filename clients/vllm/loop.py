@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -198,3 +199,24 @@ def trace(event: str, request_id: str) -> None:
         print(
             f"KVRC_TRACE {time.monotonic():.6f} {event} {request_id}", file=sys.stderr, flush=True
         )
+
+
+# At most one warning of each kind that requests repeat per this many seconds.
+WARN_INTERVAL_S = 1.0
+
+
+class WarnLimit:
+    """At most one line a second of each kind that requests or pins repeat (they are
+    counted): enough to find the cause, not a line each. Two threads logging the same
+    kind at once may both get a line: no more."""
+
+    def __init__(self, interval_s: float = WARN_INTERVAL_S) -> None:
+        self._interval_s = interval_s
+        self._warned_at: dict[str, float] = {}
+
+    def may(self, kind: str) -> bool:
+        now = time.monotonic()
+        if now - self._warned_at.get(kind, -self._interval_s) < self._interval_s:
+            return False
+        self._warned_at[kind] = now
+        return True

@@ -45,7 +45,7 @@ from clients.leases import (
     publish_rounds,
 )
 from clients.vllm.config import KvrcConnectorConfig, vllm_instance_id
-from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
+from clients.vllm.loop import BackgroundLoop, WarnLimit, control_socket_path, trace
 from clients.vllm.metadata import (
     HANDOFF_REFUSED_FOR_THE_ENGINE,
     KvrcConnectorMetadata,
@@ -84,8 +84,6 @@ HANDOFF_BREAKER_BASE_S = 0.5
 HANDOFF_BREAKER_MAX_S = 2.0
 # Counts no scheduler step follows reach the stats file within this (a step writes it).
 STATS_FLUSH_S = 0.1
-# At most one warning of each kind requests repeat per this many seconds (`_may_warn`).
-WARN_INTERVAL_S = 1.0
 
 
 def block_hash_key(block_hash: Any) -> bytes:
@@ -298,7 +296,7 @@ class KvrcScheduler:
         self.handoff_breaker = KvrcBreaker(HANDOFF_BREAKER_BASE_S, HANDOFF_BREAKER_MAX_S)
         self._lookup_refusals = RefusalRun()  # on the EngineCore thread
         self._handoff_refusals = RefusalRun()  # under self._lock
-        self._warned_at: dict[str, float] = {}  # `_may_warn`: kind -> when last logged
+        self._warn_limit = WarnLimit()  # `_may_warn`
         int_block_hashes()  # read now, as vLLM's events will use it
         # Steps vLLM may have scheduled and not yet run: a block is pinnable only once
         # the step that cached it ran (PoolPins).
@@ -1155,13 +1153,7 @@ class KvrcScheduler:
         return True, out
 
     def _may_warn(self, kind: str) -> bool:
-        """At most one line a second of each kind that requests repeat (they are counted):
-        enough to find the cause, not a line per request."""
-        now = time.monotonic()
-        if now - self._warned_at.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
-            return False
-        self._warned_at[kind] = now
-        return True
+        return self._warn_limit.may(kind)
 
     def _params_unencodable(self, request_id: str, error: Exception) -> None:
         self._count("handoff_params_unencodable")

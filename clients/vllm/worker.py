@@ -69,7 +69,7 @@ from clients.transfer import (
     rank_part_descriptor,
 )
 from clients.vllm.config import KvrcConnectorConfig, hash_declaration, vllm_instance_id
-from clients.vllm.loop import BackgroundLoop, control_socket_path, trace
+from clients.vllm.loop import BackgroundLoop, WarnLimit, control_socket_path, trace
 from clients.vllm.metadata import (
     HANDOFF_REFUSED_FOR_THE_ENGINE,
     KvrcConnectorMetadata,
@@ -264,6 +264,7 @@ class KvrcWorker:
         self._handoff_of_request: dict[str, str] = {}
         self._scheduler_channel: Any = None
         self._pin_unreachable_said = False  # one warning, not one per pin
+        self._warn_limit = WarnLimit()  # on the loop's thread
         self._reports: set[asyncio.Task[None]] = set()
         self.session: EngineSession | None = None
         self.leases: LeaseClient | None = None
@@ -776,16 +777,20 @@ class KvrcWorker:
         return PinAnswer(len(block_ids), descriptor)
 
     async def _unpin_late(self, lease_id: str) -> None:
+        # A stuck scheduler side times out every pin: one line a second at most.
         try:
-            if await self._scheduler_call("unpin", lease_id=lease_id):
+            if await self._scheduler_call("unpin", lease_id=lease_id) and self._warn_limit.may(
+                "unpinned"
+            ):
                 log.info("lease %s: a pin taken after its answer timed out was undone", lease_id)
         except Exception as e:
-            log.warning(
-                "lease %s: a pin the scheduler side may take late was not undone (%s); its "
-                "safety net frees it",
-                lease_id,
-                e,
-            )
+            if self._warn_limit.may("unpin_failed"):
+                log.warning(
+                    "lease %s: a pin the scheduler side may take late was not undone (%s); "
+                    "its safety net frees it",
+                    lease_id,
+                    e,
+                )
 
     async def _abort(self, lease_id: str, reason: str) -> None:
         """Resolves only once no read of the lease can still land (then kvrc gets the ack).

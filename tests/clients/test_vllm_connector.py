@@ -1136,6 +1136,25 @@ def test_a_pin_the_scheduler_side_takes_after_the_worker_gave_up_is_undone(
             worker.loop.run(channel.close(), timeout_s=10)
 
 
+def test_unpins_that_fail_while_the_scheduler_side_is_stuck_log_one_line(
+    clean_worker: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stuck scheduler side times out every pin, and then its unpin: a line each was
+    a line per pin kvrc asks for."""
+    worker = clean_worker
+
+    async def stuck(op: str, **args: Any) -> Any:
+        raise TimeoutError
+
+    monkeypatch.setattr(worker, "_scheduler_call", stuck)
+    monkeypatch.setattr(worker, "_warn_limit", type(worker._warn_limit)())  # a fresh one
+    with caplog.at_level(logging.WARNING, logger="kvrc.vllm.worker"):
+        for n in range(20):
+            worker.loop.run(worker._unpin_late(f"pl-{n}"), timeout_s=10)
+    said = [r for r in caplog.records if "was not undone" in r.getMessage()]
+    assert len(said) == 1
+
+
 # --- 6. a pin converts no block hash: the key map follows vLLM's cache ---------------------
 
 
