@@ -194,7 +194,10 @@ class AuthPolicy:
                 self._by_uri.setdefault(identity.uri, index)
 
     def __repr__(self) -> str:
-        return f"AuthPolicy({len(self._tokens)} token(s), {len(self._identities)} identity(ies))"
+        return f"AuthPolicy({self.counts()})"
+
+    def counts(self) -> str:
+        return f"{len(self._tokens)} token(s), {len(self._identities)} identity(ies)"
 
     def has_identities(self) -> bool:
         """Entries matched by a client certificate's name (they need mutual TLS)."""
@@ -475,4 +478,4 @@ def _strings(value: object, where: str) -> list[str]:
 
 def describe(policy: AuthPolicy | None) -> str:
     """For the startup log line: counts only."""
-    return "off" if policy is None else repr(policy)
+    return "off" if policy is None else f"on ({policy.counts()})"

@@ -642,7 +642,12 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         )
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
-        raise ConfigError(f"{_COST_FLAGS.get(name, '--cost-*')}: {e}") from None
+        flag = _COST_FLAGS.get(name, "--cost-*")
+        if name == "default_bandwidth_bytes_per_s":  # in the flag's unit, not the field's
+            raise ConfigError(
+                f"{flag}: must be in (0, 10000] GB/s, got {args.cost_default_bandwidth_gbps!r}"
+            ) from None
+        raise ConfigError(f"{flag}: {e}") from None
     # Once the configuration holds (a refused one says one line); the TLS key's at serve
     # start, once its PEM files were read. The credentials file may hold only digests
     # (sha256 =): changing it is the risk.

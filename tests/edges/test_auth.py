@@ -298,7 +298,7 @@ def kvrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProces
     text = coordinator.stderr_text()
     for token in TOKENS.values():
         assert token not in text
-    assert "auth AuthPolicy(5 token(s), 0 identity(ies))" in text
+    assert "auth on (5 token(s), 0 identity(ies))" in text
 
 
 def _options(kvrc: CoordinatorProcess, who: str | None) -> ChannelOptions:

@@ -426,3 +426,18 @@ def test_python_m_coordinator_is_the_kvrc_script_both_sides() -> None:
 def test_targets_an_engine_may_name_the_commands_take_too(target: str) -> None:
     args = cli.build_parser().parse_args(["status", "--target", target])
     assert args.target == target
+
+
+def test_a_bandwidth_out_of_range_is_said_in_the_flags_unit() -> None:
+    """It was "default_bandwidth_bytes_per_s must be in (0, 1e+13], got 2e13" for a
+    flag given in GB/s."""
+    from coordinator.runtime.config import ConfigError
+
+    parser = cli.build_parser()
+    for bad in ("20000", "0", "nan"):
+        args = parser.parse_args(["serve", "--cost-default-bandwidth-gbps", bad])
+        with pytest.raises(ConfigError) as refused:
+            cli.config_from_args(args)
+        assert str(refused.value).startswith(
+            "--cost-default-bandwidth-gbps: must be in (0, 10000] GB/s, got "
+        ), refused.value
