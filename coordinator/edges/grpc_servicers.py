@@ -28,7 +28,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
 
 from coordinator.core.auth import AuthDenied, AuthPolicy, DenyReason, Principal, Role
-from coordinator.core.errors import ErrorCode, KvrcError, invalid, resource_exhausted
+from coordinator.core.errors import ErrorCode, KvrcError, invalid
 from coordinator.core.grants import TransferReport
 from coordinator.core.leases import Flow
 from coordinator.edges import grpc_wire as wire
@@ -54,8 +54,8 @@ SessionMessageHandler = Callable[[CoordinatorSession, pb.EngineMessage], None]
 # Prefix loads one session may have waiting for their grant (SessionCall, revision 3).
 MAX_CALLS_IN_FLIGHT = 256
 # Session streams admitted and not yet registered (an engine sends Register first, so
-# only a flood or a stuck client has many); beyond it a stream is refused
-# RESOURCE_EXHAUSTED (read first like any refused stream, see `_admit`).
+# only a flood or a stuck client has many); beyond it a stream is refused UNAVAILABLE
+# (read first like any refused stream, see `_admit`).
 MAX_SESSIONS_OPENING = 1024
 # How long a refused stream is read before its status is sent, and how many at once.
 REFUSED_READ_S = 1.0
@@ -318,9 +318,12 @@ class EngineService(pb_grpc.EngineServiceServicer):
             principal = self._gate.authenticate(context)
             self._gate.session(principal)
             if self._opening >= MAX_SESSIONS_OPENING:
-                raise resource_exhausted(
+                # UNAVAILABLE: a passing overload, which engines retry with backoff (a
+                # RESOURCE_EXHAUSTED registration is refused for good).
+                raise KvrcError(
+                    ErrorCode.UNAVAILABLE,
                     f"{MAX_SESSIONS_OPENING} session streams are waiting for their "
-                    "Register message already; retry with backoff"
+                    "Register message already; retry with backoff",
                 )
         except KvrcError as e:
             self._refuse_registration(e.code)

@@ -106,7 +106,7 @@ class Metrics:
         self.sessions_opening = Gauge(
             "kvrc_sessions_opening",
             "Session streams admitted and waiting for their Register message "
-            "(at most 1,024; past it streams are refused RESOURCE_EXHAUSTED).",
+            "(at most 1,024; past it streams are refused UNAVAILABLE).",
             registry=r,
         )
         self.registrations = Counter(
