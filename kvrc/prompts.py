@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 
+from kvrc.vocabulary import DEFAULT_COORDINATOR
+
 MAX_TOKEN_ID = (1 << 32) - 1
 MAX_TIMEOUT_S = 86_400.0  # a day: far past any call, within gRPC's deadline range
 
@@ -25,9 +27,6 @@ def wire_text(value: str) -> str:
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError(f"{value!r} is not valid UTF-8 text") from None
     return value
-
-
-DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def target_address(value: str) -> str:
@@ -48,9 +47,9 @@ def add_target_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
         type=target_address,
-        default=DEFAULT_TARGET,
+        default=DEFAULT_COORDINATOR,
         metavar="HOST:PORT",
-        help=f"the coordinator to call (default {DEFAULT_TARGET})",
+        help=f"the coordinator to call (default {DEFAULT_COORDINATOR})",
     )
 
 

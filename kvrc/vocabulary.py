@@ -20,6 +20,8 @@ PROTOCOL_VERSION = 4
 
 # How a stopping coordinator's UNAVAILABLE begins: a client that reads it retries at the
 # next coordinator with a fresh budget (clients/leases.py, `begin_handoff`).
+# Where a coordinator listens, and where its clients look for it, by default.
+DEFAULT_COORDINATOR = "127.0.0.1:50051"
 COORDINATOR_SHUTTING_DOWN = "the coordinator is shutting down"
 RETRY_AT_THE_NEXT_COORDINATOR = f"{COORDINATOR_SHUTTING_DOWN}: retry at the next one"
 

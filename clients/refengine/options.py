@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvrc.credentials import ChannelOptions, split_targets
+from kvrc.vocabulary import DEFAULT_COORDINATOR
 
 Role = Literal["prefill", "decode"]
 
@@ -103,7 +104,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument(
         "--target",
-        default="127.0.0.1:50051",
+        default=DEFAULT_COORDINATOR,
         help="kvrc HOST:PORT, or several kvrc replicas comma-separated (HOST:PORT,HOST:PORT): "
         "registers with the first that answers, moves on when it cannot be reached",
     )

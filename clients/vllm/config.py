@@ -46,6 +46,7 @@ from typing import Any
 
 from kvrc.credentials import ChannelOptions, parse_targets
 from kvrc.vocabulary import (
+    DEFAULT_COORDINATOR,
     PROFILE_EXTRA_HASH_ALGO,
     PROFILE_EXTRA_HASH_SEED,
     PROFILE_EXTRA_INT_HASHES,
@@ -63,7 +64,7 @@ class KvrcConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class KvrcConnectorConfig:
-    kvrc_target: str = "127.0.0.1:50051"  # a list is kept comma-joined: "a:1,b:2"
+    kvrc_target: str = DEFAULT_COORDINATOR  # a list is kept comma-joined: "a:1,b:2"
     kvrc_tls: bool = False
     kvrc_ca_cert: str = ""
     kvrc_client_cert: str = ""

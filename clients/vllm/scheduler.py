@@ -296,7 +296,7 @@ class KvrcScheduler:
         self.handoff_breaker = KvrcBreaker(HANDOFF_BREAKER_BASE_S, HANDOFF_BREAKER_MAX_S)
         self._lookup_refusals = RefusalRun()  # on the EngineCore thread
         self._handoff_refusals = RefusalRun()  # under self._lock
-        self._warn_limit = WarnLimit()  # `_may_warn`
+        self._warn_limit = WarnLimit()  # warnings that requests repeat
         int_block_hashes()  # read now, as vLLM's events will use it
         # Steps vLLM may have scheduled and not yet run: a block is pinnable only once
         # the step that cached it ran (PoolPins).
@@ -700,7 +700,7 @@ class KvrcScheduler:
                 # Refused for the engine (credentials, registration), request after
                 # request: back off as from an outage, one line, not one per request.
                 self._lookup_failed(str(e), lookup.asked_at)
-            elif self._may_warn("lookup_error"):
+            elif self._warn_limit.may("lookup_error"):
                 log.warning(
                     "prefix lookup for %s failed: %s (%d lookup error(s) so far)",
                     request_id,
@@ -1152,12 +1152,9 @@ class KvrcScheduler:
         trace("handoff_offered", request_id)
         return True, out
 
-    def _may_warn(self, kind: str) -> bool:
-        return self._warn_limit.may(kind)
-
     def _params_unencodable(self, request_id: str, error: Exception) -> None:
         self._count("handoff_params_unencodable")
-        if not self._may_warn("params_unencodable"):
+        if not self._warn_limit.may("params_unencodable"):
             return
         log.warning(
             "request %s: its kv_transfer_params cannot be sent to kvrc (%s); no remote "

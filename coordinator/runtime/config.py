@@ -32,6 +32,7 @@ from coordinator.core.leases import LeaseConfig
 from coordinator.core.profiles import DeclaredProfile, declared_profile
 from coordinator.core.registry import DEFAULT_MAX_ENDPOINT_BYTES, DEFAULT_MAX_RANK_PARTS
 from kvrc.credentials import is_loopback_host
+from kvrc.vocabulary import DEFAULT_COORDINATOR
 
 
 class ConfigError(Exception):
@@ -195,7 +196,7 @@ def read_store_password(path: Path | None, env: Mapping[str, str]) -> str | None
 
 @dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
-    listen: str = "127.0.0.1:50051"
+    listen: str = DEFAULT_COORDINATOR
     metrics_port: int = 9400  # 0 = any free port; -1 = no metrics HTTP server
     reuse: bool = False  # I1-reuse-off: reuse is off by default
     declared_profiles: tuple[DeclaredProfile, ...] = ()
